@@ -1,0 +1,36 @@
+"""mlx_ds4tp: one MLX model split 50/50 across two Macs joined by Thunderbolt.
+
+    import mlx_ds4tp as tp
+    g = tp.init(role="leader", listen=("10.99.0.1", 9911))       # rank 0
+    g = tp.init(role="worker", coordinator=("10.99.0.1", 9911))  # rank 1
+    y = tp.all_sum(x, group=g)
+"""
+
+from .errors import (
+    DesyncError,
+    FrameError,
+    HelloMismatchError,
+    PeerClosedError,
+    RdmaUnavailableError,
+    TransportError,
+    TransportTimeoutError,
+)
+from .gate_ops import Group, all_gather, all_sum, init
+from .transport import ModelIdentity
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init",
+    "all_sum",
+    "all_gather",
+    "Group",
+    "ModelIdentity",
+    "TransportError",
+    "PeerClosedError",
+    "TransportTimeoutError",
+    "FrameError",
+    "HelloMismatchError",
+    "DesyncError",
+    "RdmaUnavailableError",
+]

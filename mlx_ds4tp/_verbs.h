@@ -1,0 +1,177 @@
+/* mlx_ds4tp._verbs: one small C API for a Thunderbolt UC queue pair, with two
+ * providers behind it (the real ibverbs stack, dlopen'ed at run time, and
+ * "ucsim", an emulated Apple Thunderbolt UC device over loopback datagrams).
+ *
+ * Python (transport.py, warmup.py) drives setup; the hot loops (decode gates,
+ * bulk rounds, window drain) live here and run with the GIL released.
+ *
+ * Every function that can fail returns a negative TP_E* code (or NULL) and
+ * writes a one-line message into err[errlen] that names the values involved
+ * and, where there is one, the fix. */
+#ifndef MLX_DS4TP_VERBS_H
+#define MLX_DS4TP_VERBS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Addition: 1 when this build was compiled against <infiniband/verbs.h> (the
+ * ibverbs provider exists), 0 when only ucsim does (tp_probe/tp_open then
+ * say how to get the header). Define TP_FORCE_NO_IBVERBS to build without. */
+#if !defined(TP_FORCE_NO_IBVERBS) && defined(__has_include)
+#if __has_include(<infiniband/verbs.h>)
+#define TP_HAVE_IBVERBS_HEADER 1
+#endif
+#endif
+#ifndef TP_HAVE_IBVERBS_HEADER
+#define TP_HAVE_IBVERBS_HEADER 0
+#endif
+
+/* The Apple driver never delivers a message above 16 KiB. */
+#define TP_MAX_MSG 16384
+/* Decode gates posted ahead, by sequence number. */
+#define TP_RECV_WINDOW 16
+/* A gate vector rides as at most this many <= TP_MAX_MSG chunks. */
+#define TP_GATE_MAX_CHUNKS 2
+/* One bulk round: 64 x 16 KiB. */
+#define TP_BULK_SLOTS 64
+
+/* Return codes. */
+#define TP_OK 0
+#define TP_EINVAL -1       /* bad argument */
+#define TP_EUNAVAIL -2     /* provider or device not available */
+#define TP_ESYS -3         /* a system or verbs call failed (errno in message) */
+#define TP_ETIMEOUT -4     /* a wait ran out */
+#define TP_EPEER -5        /* the peer closed the control socket */
+#define TP_ECOMPLETION -6  /* a work completion carried an error status */
+#define TP_ENOTSUP -7      /* refused by the device (e.g. RC/UD queue pair on UC-only hardware) */
+#define TP_ENOMEM -8       /* queue full / too many outstanding work requests / too many MRs */
+
+/* Queue pair types (ucsim accepts only TP_QPT_UC, like the Apple driver). */
+#define TP_QPT_RC 2
+#define TP_QPT_UC 3
+#define TP_QPT_UD 4
+
+/* Work request opcodes. */
+#define TP_OP_SEND 0
+#define TP_OP_WRITE 1      /* RDMA WRITE: the Apple driver accepts it and never executes it */
+
+/* Work completion opcodes reported by tp_poll. */
+#define TP_WC_SEND 0
+#define TP_WC_RECV 1
+
+/* Work completion statuses (numbered as ibv_wc_status). */
+#define TP_WC_SUCCESS 0
+#define TP_WC_LOC_LEN_ERR 1
+
+/* What one side tells the other through the RDMA_INFO control frame. For
+ * ucsim, gid is ::ffff:<bound IPv4> and lid carries the datagram port.
+ * mtu is in bytes (1024: the only path MTU the Apple driver accepts). */
+typedef struct {
+    uint32_t qpn;
+    uint32_t psn;
+    uint32_t mtu;
+    uint16_t lid;
+    uint8_t link_layer;
+    uint8_t gid[16];
+} tp_info;
+
+typedef struct {
+    uint64_t wr_id;
+    int32_t status;
+    int32_t opcode;
+    uint32_t byte_len;
+} tp_wc;
+
+typedef struct tp_dev tp_dev;
+
+/* Is the provider usable here?  device NULL/"" = ibverbs (any device),
+ * "ucsim" = the emulated device, any other name = that ibverbs device.
+ * Returns 1 yes, 0 no (reason in err). Never fails loudly. */
+int tp_probe(const char *device, char *err, size_t errlen);
+
+/* Open a device, allocate the protection domain and register the slab (the
+ * one registration the transport needs; the Apple stack allows ~100 regions
+ * in all). role 0 = leader, 1 = worker. bind_ipv4 is the local address the
+ * control channel uses (ucsim binds its datagram socket there; ibverbs
+ * ignores it). gid_index < 0 = find the IPv4-mapped GID. faults: the
+ * DS4_TP_UCSIM_FAULTS string (ucsim only; NULL or "" = defaults). */
+tp_dev *tp_open(const char *device, int gid_index, const char *bind_ipv4, int role,
+                const char *faults, void *slab, uint64_t slab_bytes,
+                char *err, size_t errlen);
+
+/* (Re)build the completion queue and queue pair: destroys any previous ones,
+ * keeps the PD and memory registrations. setup_attempt 0 is the first build;
+ * the packet sequence number is offset by setup_attempt * 0x1000 and the
+ * queue pair gets a new number. Depths requested may be reduced by the device;
+ * the granted ones are readable with tp_depths. qp_type is TP_QPT_*. */
+int tp_build_qp(tp_dev *dev, int qp_type, int setup_attempt, int cq_depth,
+                int send_wr, int recv_wr, char *err, size_t errlen);
+void tp_depths(const tp_dev *dev, int *cq_depth, int *send_wr, int *recv_wr);
+int tp_local_info(const tp_dev *dev, tp_info *out);
+/* INIT -> RTR -> RTS with the recipe the Apple driver accepts (UC, MTU 1024,
+ * GRH with the IPv4-mapped GID, hop limit 1). */
+int tp_connect(tp_dev *dev, const tp_info *peer, char *err, size_t errlen);
+const char *tp_device_name(const tp_dev *dev);
+void tp_close(tp_dev *dev);
+
+/* Sockets the hot loops watch: control_fd for peer death (EOF/reset is
+ * TP_EPEER within ~1 ms of spinning), barrier_fd (the TCP data socket) for
+ * the receives-posted barrier inside tp_gate / tp_bulk. -1 = none. */
+void tp_set_fds(tp_dev *dev, int control_fd, int barrier_fd);
+
+/* Extra memory registrations (for sending straight out of a caller's buffer).
+ * Returns a handle >= 0 or a negative code. At most 96 in all. */
+int tp_reg(tp_dev *dev, void *addr, uint64_t len, char *err, size_t errlen);
+int tp_dereg(tp_dev *dev, int handle);
+
+/* Raw work requests (used by warm-up and tests). addr must lie inside a
+ * registered region. */
+int tp_post_recv(tp_dev *dev, void *addr, uint32_t len, uint64_t wr_id, char *err, size_t errlen);
+int tp_post_send(tp_dev *dev, const void *addr, uint32_t len, uint64_t wr_id, int opcode,
+                 int signaled, char *err, size_t errlen);
+/* Reap up to max completions, waiting at most timeout_s for the first one.
+ * Returns the count (0 on timeout), or TP_EPEER / negative on failure. Does
+ * NOT treat error statuses as failures: the caller reads wc[i].status. */
+int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t errlen);
+
+/* ---- hot paths (call with the GIL released) ---- */
+
+/* One decode gate, seq = 1, 2, 3, ... strictly increasing by one. Arms the
+ * receive window (TP_RECV_WINDOW gates) on first use after bring-up or a
+ * drain, with a receives-posted barrier over barrier_fd; sends bytes from src
+ * (straight from a registered region, else through the slab's send slot) in
+ * ceil(bytes / TP_MAX_MSG) <= TP_GATE_MAX_CHUNKS chunks; spins until the
+ * peer's gate seq has landed; copies it into dst; re-arms seq + window.
+ * A gate whose byte count differs from the armed window's drains and re-arms
+ * first (both ranks run the same gate sequence, so both do it together). */
+int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t seq,
+            double timeout_s, char *err, size_t errlen);
+
+/* Consume the decode window on both sides (dummy sends matching the peer's
+ * posted receives) so the queue pair is empty. No-op when not armed. */
+int tp_drain(tp_dev *dev, double timeout_s, char *err, size_t errlen);
+
+/* Bulk exchange for prefill: drains the decode window, then moves bytes in
+ * rounds of TP_BULK_SLOTS x TP_MAX_MSG through the slab's bulk staging, with
+ * the next round's receives posted before this round's sends and a
+ * receives-posted barrier before the first round. */
+int tp_bulk(tp_dev *dev, const void *src, void *dst, uint64_t bytes, double timeout_s,
+            char *err, size_t errlen);
+
+/* Slab bytes the hot paths own, at the start of the slab: the gate send slot
+ * (TP_GATE_MAX_CHUNKS x TP_MAX_MSG), the receive window ring (TP_RECV_WINDOW
+ * slots of that size) and bulk staging (1 round send + 2 rounds receive).
+ * Anything after this offset belongs to the caller (warm-up buffers). */
+uint64_t tp_slab_bytes(void);
+
+/* Counters for tests and the bench. */
+typedef struct {
+    uint64_t sends, recvs, send_bytes, recv_bytes;
+    uint64_t dropped_oversize, dropped_fault, dropped_unposted, dropped_stale;
+    int direction_dead;          /* ucsim: our receive direction was killed */
+    uint64_t recv_done;          /* highest gate seq whose receive completed */
+    int window_armed;
+} tp_stats;
+void tp_get_stats(const tp_dev *dev, tp_stats *out);
+
+#endif

@@ -1,0 +1,126 @@
+"""The ``ds4tp`` command line (``python -m mlx_ds4tp`` is the same)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional, Sequence
+
+from . import transport as tr
+
+
+def _add_pair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=("leader", "worker"),
+                   help="run one rank only (two machines); default: both ranks on 127.0.0.1")
+    p.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"), help="leader: address to listen on")
+    p.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"), help="worker: the leader's address")
+    p.add_argument("--rdma-device", default=None, help="verbs device (e.g. rdma_en1) or 'ucsim'")
+
+
+def _address(pair: Optional[Sequence[str]], flag: str):
+    if pair is None:
+        return None
+    host, port = pair
+    try:
+        return host, int(port)
+    except ValueError:
+        raise SystemExit(f"ds4tp: {flag} {host} {port}: PORT must be an integer, e.g. 9911") from None
+
+
+def _check_role_args(args) -> None:
+    if args.role == "leader" and (args.listen is None or args.coordinator is not None):
+        raise SystemExit("ds4tp: --role leader needs --listen HOST PORT (and no --coordinator)")
+    if args.role == "worker" and (args.coordinator is None or args.listen is not None):
+        raise SystemExit("ds4tp: --role worker needs --coordinator HOST PORT (and no --listen)")
+    if args.role is None and (args.listen or args.coordinator):
+        raise SystemExit("ds4tp: --listen/--coordinator need --role leader|worker")
+
+
+def _print_records(records: List[dict], as_json: bool) -> None:
+    for rec in records:
+        if as_json:
+            print(json.dumps(rec), flush=True)
+        elif "p50_us" in rec:
+            print(f"{rec['name']:>22}  {rec['bytes']:>7} B  p50 {rec['p50_us']:8.1f} us  "
+                  f"p99 {rec['p99_us']:8.1f} us  ({rec['iters']} iters)", flush=True)
+        else:
+            print(f"{rec['name']:>22}  {rec['tok_s']:8.1f} tok/s  tokens_match={rec['tokens_match']}",
+                  flush=True)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    if args.bytes <= 0 or args.bytes % 4:
+        raise SystemExit(f"ds4tp bench: --bytes {args.bytes} must be a positive multiple of 4")
+    if args.bytes > tr.GATE_MAX_BYTES:
+        raise SystemExit(f"ds4tp bench: --bytes {args.bytes} is over the {tr.GATE_MAX_BYTES}-byte gate limit")
+    if args.iters < 1:
+        raise SystemExit(f"ds4tp bench: --iters {args.iters} must be >= 1")
+    if args.ring_rank:
+        _print_records(bench.ring_rank(args.bytes, args.iters), True)
+        return 0
+    _check_role_args(args)
+    if args.role is not None:
+        transport = args.transport if args.transport != "all" else "auto"
+        host, port = _address(args.listen or args.coordinator, "--listen/--coordinator")
+        records = bench.run_rank(args.role, host, port, transport, args.rdma_device, args.bytes, args.iters)
+        if args.role == "leader":
+            _print_records(records, args.json)
+        return 0
+    records: List[dict] = []
+    if args.transport in ("tcp", "all"):
+        records += bench.spawn_transport("tcp", None, args.bytes, args.iters)
+    if args.transport in ("rdma", "all"):
+        device = args.rdma_device or "ucsim"
+        records += bench.spawn_transport("rdma", device, args.bytes, args.iters)
+    records += bench.spawn_ring(args.bytes, args.iters)
+    _print_records(records, args.json)
+    if not args.json:
+        _print_ratios(records)
+    return 0
+
+
+def _print_ratios(records: List[dict]) -> None:
+    by_name = {r["name"]: r for r in records if "p50_us" in r}
+    floor = by_name.get("raw-floor")
+    ring = by_name.get("mlx-ring")
+    for name, rec in by_name.items():
+        parts = []
+        if floor and name != "raw-floor":
+            parts.append(f"{rec['p50_us'] / floor['p50_us']:.2f}x raw-floor")
+        if ring and name != "mlx-ring":
+            parts.append(f"{rec['p50_us'] / ring['p50_us']:.2f}x mlx-ring")
+        if parts:
+            print(f"{name:>22}  p50 = " + ", ".join(parts))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4tp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="gate latency: tcp, rdma and the baselines")
+    bench.add_argument("--transport", choices=("tcp", "rdma", "all", "auto"), default="all")
+    bench.add_argument("--bytes", type=int, default=16384)
+    bench.add_argument("--iters", type=int, default=5000)
+    bench.add_argument("--json", action="store_true", help="one JSON record per line")
+    bench.add_argument("--ring-rank", action="store_true", help=argparse.SUPPRESS)
+    _add_pair_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (tr.TransportError, ValueError, RuntimeError) as exc:
+        print(f"ds4-tp: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Exception types shared by every layer.
+
+Each error message says what failed, with the values involved, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class TransportError(RuntimeError):
+    """The pair connection failed; the message names the values and the fix."""
+
+
+class PeerClosedError(TransportError):
+    """The peer closed its end or died (EOF or reset on a socket)."""
+
+
+class TransportTimeoutError(TransportError, TimeoutError):
+    """A wait ran past its deadline (DS4_TP_TIMEOUT_SEC or the call's timeout)."""
+
+
+class FrameError(TransportError):
+    """A control frame was malformed, truncated, oversized or of an unknown type."""
+
+
+class HelloMismatchError(TransportError):
+    """The two ranks disagree about the protocol, their roles or the model."""
+
+
+class DesyncError(TransportError):
+    """The two ranks are not at the same gate: their headers disagree."""
+
+
+class RdmaUnavailableError(TransportError):
+    """RDMA was required but this side (or the peer) has no usable device."""

@@ -1,0 +1,216 @@
+"""RDMA bring-up: READY barrier, receives-posted barrier, warm-up, re-creation.
+
+On Apple's Thunderbolt RDMA a freshly created UC queue pair can deliver in one
+direction only, and UC never reports the loss: the first bulk exchange would
+just time out. A UC send that reaches a queue pair with no receive posted
+kills that direction for good. So before any real traffic both directions are
+proven with one full-size message each way, behind a barrier that guarantees
+the peer's receive is posted, and a pair that fails is destroyed and rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import time
+
+from . import transport as tr
+from .errors import PeerClosedError, RdmaUnavailableError, TransportError
+
+# The warm message is full size: 64-byte messages pass on a fresh dead
+# direction while the first 16 KiB chunks are still dropped.
+WARM_BYTES = tr.RDMA_MAX_MSG
+UC_ROUNDS, UC_ROUND_SEC = 20, 0.1
+RC_ROUNDS = 1
+MAX_SETUP_ATTEMPT = 3  # re-creations: at most four builds in all
+
+WARM = struct.Struct("<IIII")  # setup attempt, round, received, reserved
+STATUS = struct.Struct("<II")  # ok, message length; then the message
+
+# Test-only switches (documented in tests/README.md): they exist to show what
+# the barrier protects against, never for production use.
+TEST_NO_POSTED_BARRIER = "DS4_TP_TEST_NO_POSTED_BARRIER"
+TEST_WARMUP_DELAY_MS = "DS4_TP_TEST_WARMUP_DELAY_MS"
+
+
+class WarmupFailed(TransportError):
+    """Both directions could not be proven on this build of the queue pair."""
+
+
+def warmup_disabled() -> bool:
+    return os.environ.get("DS4_TP_DISABLE_RDMA_WARMUP", "") not in ("", "0")
+
+
+# ============================================================================
+# Barriers
+# ============================================================================
+
+
+def ready_barrier(pair: tr.Pair) -> None:
+    """Both queue pairs are in RTS before either side goes on."""
+    pair.control.send(tr.FrameType.RDMA_READY)
+    pair.control.recv(tr.FrameType.RDMA_READY)
+
+
+def posted_barrier(pair: tr.Pair) -> None:
+    """Receives-posted barrier: a sender waits for the peer's word that its
+    receives are posted, because a UC send into an empty receive queue kills
+    that direction on Thunderbolt for good."""
+    if os.environ.get(TEST_NO_POSTED_BARRIER, "") not in ("", "0"):
+        return
+    pair.control.send(tr.FrameType.RDMA_POSTED, struct.pack("<I", 1))
+    pair.control.recv(tr.FrameType.RDMA_POSTED)
+
+
+def exchange_status(pair: tr.Pair, ok: bool, message: str) -> tuple:
+    """Both ranks learn both outcomes, so both take the same path."""
+    data = message.encode("utf-8", "replace")[:3000]
+    pair.control.send(tr.FrameType.RDMA_STATUS, STATUS.pack(int(ok), len(data)) + data)
+    _, payload = pair.control.recv(tr.FrameType.RDMA_STATUS)
+    if len(payload) < STATUS.size:
+        raise tr.FrameError(f"RDMA_STATUS payload is {len(payload)} bytes, need {STATUS.size}")
+    peer_ok, n = STATUS.unpack_from(payload)
+    return bool(peer_ok), payload[STATUS.size : STATUS.size + n].decode("utf-8", "replace")
+
+
+# ============================================================================
+# Warm-up
+# ============================================================================
+
+
+def warm_up(pair: tr.Pair, rdma: tr.RdmaGates, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
+    """Prove both directions; returns the rounds used. Raises WarmupFailed."""
+    delay_ms = os.environ.get(TEST_WARMUP_DELAY_MS)
+    if delay_ms:
+        time.sleep(random.uniform(0.0, float(delay_ms)) / 1000.0)
+    rdma.post_recv(rdma.warm_recv, WARM_BYTES, tr.WARM_WR_ID)
+    posted_barrier(pair)
+    tag = struct.pack("<IIII", 0x5741524D, pair.rank, rdma.setup_attempt, 0)
+    rdma.ffi.memmove(rdma.warm_send, tag, len(tag))
+    received = peer_received = False
+    for round_no in range(1, rounds + 1):
+        if not peer_received:
+            rdma.post_send(rdma.warm_send, WARM_BYTES, tr.WARM_WR_ID)
+        deadline = time.monotonic() + round_sec
+        while not received:
+            left = deadline - time.monotonic()
+            for wc in rdma.poll(8, max(0.0, left)):
+                if wc.opcode == rdma.lib.TP_WC_RECV and wc.wr_id == tr.WARM_WR_ID:
+                    if wc.status != rdma.lib.TP_WC_SUCCESS:
+                        raise WarmupFailed(
+                            f"tp rdma: warm-up receive completed with status {wc.status}"
+                        )
+                    received = True
+            if left <= 0:
+                break
+        pair.control.send(
+            tr.FrameType.RDMA_WARM, WARM.pack(rdma.setup_attempt, round_no, int(received), 0)
+        )
+        _, payload = pair.control.recv(tr.FrameType.RDMA_WARM)
+        if len(payload) != WARM.size:
+            raise tr.FrameError(f"RDMA_WARM payload is {len(payload)} bytes, expected {WARM.size}")
+        p_attempt, p_round, p_received, _ = WARM.unpack(payload)
+        if (p_attempt, p_round) != (rdma.setup_attempt, round_no):
+            raise tr.DesyncError(
+                f"warm-up desync: the peer is at setup attempt {p_attempt} round {p_round}, "
+                f"this side at {rdma.setup_attempt} round {round_no}"
+            )
+        peer_received = bool(p_received)
+        if received and peer_received:
+            _reap_sends(rdma)
+            return round_no
+    raise WarmupFailed(
+        f"tp rdma: warm-up failed after {rounds} attempts "
+        f"(recv {int(received)}, peer {int(peer_received)})"
+    )
+
+
+def _reap_sends(rdma: tr.RdmaGates) -> None:
+    """Collect the warm-up's send completions so the gate path starts clean."""
+    rdma.poll(64, 0.0)
+
+
+# ============================================================================
+# Bring-up
+# ============================================================================
+
+
+def connect_queue_pair(pair: tr.Pair, rdma: tr.RdmaGates) -> None:
+    """Exchange queue pair info over the control channel, move to RTS, READY."""
+    pair.control.send(tr.FrameType.RDMA_INFO, rdma.local_info())
+    _, payload = pair.control.recv(tr.FrameType.RDMA_INFO)
+    rdma.connect_peer(payload)
+    ready_barrier(pair)
+
+
+def bring_up_rdma(pair: tr.Pair) -> None:
+    """Open the device, build, connect and warm the queue pair, re-creating
+    it after a failed warm-up. With transport="auto" any failure makes both
+    ranks fall back to TCP together, loudly; with "rdma" both fail."""
+    strict = pair.config.transport == "rdma"
+    rdma = None
+    try:
+        try:
+            rdma = tr.RdmaGates(pair)
+            rdma.build(0)
+            ok, message = True, ""
+        except (TransportError, OSError) as exc:
+            if isinstance(exc, PeerClosedError):
+                raise
+            ok, message = False, str(exc)
+        peer_ok, peer_message = exchange_status(pair, ok, message)
+        if not (ok and peer_ok):
+            failures = []
+            if not ok:
+                failures.append(f"this side ({tr.ROLE_NAMES[pair.rank]}): {message}")
+            if not peer_ok:
+                failures.append(f"the {pair.peer_name}: {peer_message}")
+            _give_up(pair, rdma, strict, "rdma device setup failed on " + "; ".join(failures))
+            return
+        _warm_loop(pair, rdma, strict)
+    except BaseException:
+        if rdma is not None and pair.rdma is not rdma:
+            rdma.close()
+        raise
+
+
+def _warm_loop(pair: tr.Pair, rdma: tr.RdmaGates, strict: bool) -> None:
+    started = time.monotonic()
+    setup_attempt = 0
+    while True:
+        connect_queue_pair(pair, rdma)
+        if warmup_disabled():
+            tr.log("rdma warm-up skipped (DS4_TP_DISABLE_RDMA_WARMUP is set): a dead direction "
+                   "will surface as a timeout in the first gate")
+            pair.rdma = rdma
+            return
+        try:
+            used = warm_up(pair, rdma)
+        except WarmupFailed as exc:
+            if setup_attempt >= MAX_SETUP_ATTEMPT:
+                _give_up(pair, rdma, strict, f"{exc} on all {setup_attempt + 1} queue pair builds")
+                return
+            setup_attempt += 1
+            tr.log(f"{exc}; recreating the queue pair (setup attempt {setup_attempt})")
+            rdma.build(setup_attempt)
+            continue
+        _, send_wr, recv_wr = rdma.depths
+        plural = "" if used == 1 else "s"
+        tr.log(
+            f"rdma warm-up ok ({used} attempt{plural}), queue depth recv {recv_wr} send {send_wr}"
+            f" [build {setup_attempt + 1}, {1000 * (time.monotonic() - started):.1f} ms]"
+        )
+        pair.rdma = rdma
+        return
+
+
+def _give_up(pair: tr.Pair, rdma, strict: bool, reason: str) -> None:
+    if rdma is not None:
+        rdma.close()
+    if strict:
+        raise RdmaUnavailableError(f"{reason}; transport=rdma requested, stopping")
+    # Both ranks reach this point from the same exchanged outcome.
+    tr.log(f"WARNING: {reason}; falling back to TCP gates (transport=auto)")
+    pair.transport = "tcp"
+    pair.rdma = None

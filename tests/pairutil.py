@@ -1,0 +1,99 @@
+"""Helpers for tests that need both ranks: in-process (two threads) or as two
+real processes (killed on failure)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_both(leader_fn: Callable, worker_fn: Callable, timeout: float = 60.0) -> Tuple:
+    """Run the two ranks' functions concurrently; return (leader, worker)
+    results as (value, exception) pairs. Never hangs past timeout."""
+    results: List = [(None, None), (None, None)]
+
+    def wrap(i: int, fn: Callable) -> None:
+        try:
+            results[i] = (fn(), None)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results[i] = (None, exc)
+
+    threads = [threading.Thread(target=wrap, args=(i, fn), daemon=True)
+               for i, fn in enumerate((leader_fn, worker_fn))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            raise AssertionError(f"a rank did not finish within {timeout} s (hang)")
+    return tuple(results)
+
+
+def both_ok(leader_fn: Callable, worker_fn: Callable, timeout: float = 60.0) -> Tuple:
+    (lv, le), (wv, we) = run_both(leader_fn, worker_fn, timeout)
+    if le is not None:
+        raise le
+    if we is not None:
+        raise we
+    return lv, wv
+
+
+def make_groups(transport: str = "tcp", timeout: float = 20.0, **kw):
+    """(leader Group, worker Group) connected on 127.0.0.1 inside this process."""
+    import mlx_ds4tp as tp
+
+    port = free_port()
+    if transport == "rdma":
+        kw.setdefault("rdma_device", "ucsim")
+    return both_ok(
+        lambda: tp.init(role="leader", listen=("127.0.0.1", port), transport=transport,
+                        timeout=timeout, **kw),
+        lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), transport=transport,
+                        timeout=timeout, **kw),
+    )
+
+
+class Procs:
+    """Child processes that are always killed when the test ends."""
+
+    def __init__(self) -> None:
+        self.procs: List[subprocess.Popen] = []
+
+    def spawn(self, args: Sequence[str], env: Optional[dict] = None, **kw) -> subprocess.Popen:
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+        p = subprocess.Popen([sys.executable, *args], env=full_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGCONT)
+                except OSError:
+                    pass
+                p.kill()
+            try:
+                p.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass

@@ -1,0 +1,497 @@
+"""Control channel, hello, and gates (every gate test runs over tcp and over
+the emulated Thunderbolt UC device)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mlx_ds4tp import transport as tr
+from mlx_ds4tp.errors import (
+    DesyncError,
+    FrameError,
+    HelloMismatchError,
+    PeerClosedError,
+    RdmaUnavailableError,
+    TransportError,
+    TransportTimeoutError,
+)
+from pairutil import both_ok, free_port, make_groups, run_both
+
+TRANSPORTS = ["tcp", "rdma"]
+MiB = 1024 * 1024
+
+
+def channel_pair(timeout: float = 5.0):
+    a, b = socket.socketpair()
+    return tr.ControlChannel(a, timeout), tr.ControlChannel(b, timeout)
+
+
+# ============================================================================
+# Frames
+# ============================================================================
+
+
+@pytest.mark.parametrize("ftype", list(tr.FrameType))
+def test_every_frame_type_round_trips(ftype):
+    a, b = channel_pair()
+    for payload in (b"", bytes(range(min(37, tr.FRAME_MAX_BYTES[ftype])))):
+        a.send(ftype, payload)
+        got_type, got = b.recv(ftype)
+        assert (got_type, got) == (ftype, payload)
+    limit = tr.FRAME_MAX_BYTES[ftype]
+    if limit <= 4096:
+        a.send(ftype, b"x" * limit)
+        assert b.recv(ftype)[1] == b"x" * limit
+        with pytest.raises(FrameError, match=str(limit)):
+            a.send(ftype, b"x" * (limit + 1))
+
+
+def raw_header(magic, ftype, nbytes):
+    return tr.FRAME_HEADER.pack(magic, ftype, nbytes)
+
+
+def test_bad_magic_is_a_clear_error():
+    a, b = channel_pair()
+    a.sock.sendall(raw_header(0x12345678, tr.FrameType.SYNC, 0))
+    with pytest.raises(FrameError, match="bad frame magic 0x12345678"):
+        b.recv()
+
+
+def test_byte_swapped_magic_is_reported():
+    a, b = channel_pair()
+    swapped = struct.unpack("<I", struct.pack(">I", tr.MAGIC))[0]
+    a.sock.sendall(raw_header(swapped, tr.FrameType.HELLO, 0))
+    with pytest.raises(FrameError, match="byte order"):
+        b.recv()
+
+
+def test_unknown_frame_type():
+    a, b = channel_pair()
+    a.sock.sendall(raw_header(tr.MAGIC, 999, 4) + b"abcd")
+    with pytest.raises(FrameError, match="unknown frame type 999"):
+        b.recv()
+
+
+def test_oversized_header_is_refused_before_allocation(monkeypatch):
+    a, b = channel_pair()
+    a.sock.sendall(raw_header(tr.MAGIC, tr.FrameType.EVAL, 0xFFFFFFFF))
+    allocated = []
+    real = bytearray
+
+    def spy(*args):  # the payload buffer must never be created
+        allocated.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(tr, "bytearray", spy, raising=False)
+    with pytest.raises(FrameError, match="4294967295 bytes, over its 64-byte bound"):
+        b.recv()
+    assert not [x for x in allocated if x and x[0] == 0xFFFFFFFF]
+
+
+def test_truncated_frame_eof_mid_payload():
+    a, b = channel_pair()
+    a.sock.sendall(raw_header(tr.MAGIC, tr.FrameType.HASH, 32) + b"x" * 10)
+    a.sock.close()
+    with pytest.raises(PeerClosedError, match="truncated at 10/32"):
+        b.recv()
+
+
+def test_eof_mid_header():
+    a, b = channel_pair()
+    a.sock.sendall(b"\x54\x34")
+    a.sock.close()
+    with pytest.raises(PeerClosedError, match="truncated at 2/12"):
+        b.recv()
+
+
+def test_clean_eof_between_frames():
+    a, b = channel_pair()
+    a.sock.close()
+    with pytest.raises(PeerClosedError, match="EOF"):
+        b.recv()
+
+
+def test_wrong_frame_type_names_both():
+    a, b = channel_pair()
+    a.send(tr.FrameType.STOP)
+    with pytest.raises(FrameError, match="expected a RDMA_READY frame, got STOP"):
+        b.recv(tr.FrameType.RDMA_READY)
+
+
+def test_control_recv_times_out():
+    a, b = channel_pair(timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeoutError):
+        b.recv()
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_error_frame_is_raised_with_peer_text():
+    a, b = channel_pair()
+    a.send_error("model mismatch: hidden is 64 here and 128 on the worker")
+    with pytest.raises(TransportError, match="peer reported: model mismatch"):
+        b.recv(tr.FrameType.HELLO)
+
+
+# ============================================================================
+# Hello
+# ============================================================================
+
+
+def hello(role=0, **ident):
+    return tr.Hello(role=role, transport="auto", rdma_ok=False, rdma_reason="none",
+                    session_id=7, identity=tr.ModelIdentity(**ident))
+
+
+def test_hello_round_trip():
+    h = hello(1, layers=32, hidden=4096, vocab=32000, quant_bits=4, gates_per_token=64)
+    assert tr.Hello.unpack(h.pack()) == h
+
+
+def test_hello_bad_magic_and_version():
+    h = hello()
+    h.magic = 0x54345344
+    with pytest.raises(HelloMismatchError, match="byte order"):
+        tr.Hello.unpack(h.pack())
+    h = hello()
+    h.version = 99
+    with pytest.raises(HelloMismatchError, match="peer speaks 99, this side 1"):
+        tr.Hello.unpack(h.pack())
+
+
+def test_hello_truncated():
+    with pytest.raises(FrameError, match="hello payload is 5 bytes"):
+        tr.Hello.unpack(b"12345")
+
+
+@pytest.mark.parametrize("field", tr.ModelIdentity.FIELDS)
+def test_hello_identity_mismatch_names_both(field):
+    mine = hello(0, **{field: 8})
+    theirs = hello(1, **{field: 16})
+    with pytest.raises(HelloMismatchError, match=f"{field} is 8 here and 16 on the worker"):
+        tr.check_hello(mine, theirs)
+
+
+def test_transport_choice():
+    def h(role, transport, ok):
+        x = hello(role)
+        x.transport, x.rdma_ok, x.rdma_reason = transport, ok, "" if ok else "no verbs devices"
+        return x
+
+    assert tr.choose_transport(h(0, "auto", True), h(1, "auto", True)) == "rdma"
+    assert tr.choose_transport(h(0, "auto", True), h(1, "auto", False)) == "tcp"
+    assert tr.choose_transport(h(0, "tcp", False), h(1, "auto", True)) == "tcp"
+    with pytest.raises(RdmaUnavailableError, match="the worker \\(no verbs devices\\)"):
+        tr.choose_transport(h(0, "rdma", True), h(1, "auto", False))
+    with pytest.raises(RdmaUnavailableError, match="same --transport"):
+        tr.choose_transport(h(0, "rdma", True), h(1, "tcp", False))
+
+
+def _connect_both(leader_kw, worker_kw, timeout=5.0):
+    port = free_port()
+    lc = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=timeout, **leader_kw)
+    wc = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=timeout, **worker_kw)
+    return run_both(lambda: tr.connect(lc), lambda: tr.connect(wc), timeout=30)
+
+
+def test_connect_identity_mismatch_fails_on_both_sides():
+    (lp, le), (wp, we) = _connect_both(
+        {"identity": tr.ModelIdentity(layers=2, hidden=64)},
+        {"identity": tr.ModelIdentity(layers=2, hidden=128)},
+    )
+    assert isinstance(le, HelloMismatchError) and "hidden is 64 here and 128 on the worker" in str(le)
+    assert isinstance(we, TransportError) and "hidden is 128 here and 64 on the leader" in str(we)
+
+
+def test_both_claim_leader():
+    port = free_port()
+
+    def fake_worker():
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        ch = tr.ControlChannel(sock, 5.0)
+        ch.send(tr.FrameType.HELLO, hello(0).pack())
+        ch.recv(tr.FrameType.HELLO)
+        try:
+            return ch.recv()
+        finally:
+            sock.close()
+
+    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=5.0)
+    (lp, le), (wv, we) = run_both(lambda: tr.connect(cfg), lambda: (time.sleep(0.2), fake_worker())[1])
+    assert isinstance(le, HelloMismatchError) and "both sides claim role leader" in str(le)
+    assert isinstance(we, TransportError) and "both sides claim role leader" in str(we)
+
+
+def test_leader_drops_garbage_connections_and_keeps_waiting():
+    port = free_port()
+    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
+    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+
+    def scanners_then_worker():
+        time.sleep(0.2)
+        for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"", b"\x00" * 64):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(junk)
+            s.close()
+        return tr.connect(wcfg)
+
+    lp, wp = both_ok(lambda: tr.connect(cfg), scanners_then_worker)
+    assert lp.transport == wp.transport == "tcp"
+    lp.close()
+    wp.close()
+
+
+def test_worker_retries_until_leader_appears():
+    port = free_port()
+    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
+    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+    lp, wp = both_ok(lambda: (time.sleep(1.0), tr.connect(cfg))[1], lambda: tr.connect(wcfg))
+    lp.close()
+    wp.close()
+
+
+def test_worker_gives_up_after_timeout():
+    port = free_port()
+    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeoutError, match=f"127.0.0.1:{port}"):
+        tr.connect(wcfg)
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_leader_gives_up_after_timeout():
+    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", free_port()), timeout=0.5)
+    with pytest.raises(TransportTimeoutError, match="no worker connected"):
+        tr.connect(cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"role": "boss", "listen": ("h", 1)}, "role='boss'"),
+        ({"role": "leader"}, "the leader needs listen"),
+        ({"role": "worker", "coordinator": ("h", 70000)}, "coordinator=\\('h', 70000\\)"),
+        ({"role": "leader", "listen": ("h", 1), "transport": "udp"}, "transport='udp'"),
+        ({"role": "leader", "listen": ("h", 1), "timeout": -1}, "timeout=-1"),
+    ],
+)
+def test_bad_config_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tr.PairConfig(**kwargs)
+
+
+def test_bad_timeout_env(monkeypatch):
+    monkeypatch.setenv("DS4_TP_TIMEOUT_SEC", "soon")
+    with pytest.raises(ValueError, match="DS4_TP_TIMEOUT_SEC='soon'"):
+        tr.default_timeout()
+
+
+# ============================================================================
+# Gates (tcp and ucsim rdma)
+# ============================================================================
+
+
+@pytest.fixture(params=TRANSPORTS)
+def groups(request):
+    lg, wg = make_groups(request.param, timeout=5.0)
+    assert lg.transport == wg.transport == request.param
+    yield lg, wg
+    lg.close()
+    wg.close()
+
+
+def exchange_both(lg, wg, lsend, wsend, seq, timeout=30):
+    lrecv, wrecv = np.empty_like(lsend), np.empty_like(wsend)
+    both_ok(lambda: lg.pair.gate(lsend, lrecv, seq), lambda: wg.pair.gate(wsend, wrecv, seq), timeout)
+    return lrecv, wrecv
+
+
+@pytest.mark.parametrize("nbytes", [4, 4096, 16384, 16388, 24576, 32768])
+def test_gate_exact_bytes(groups, nbytes):
+    lg, wg = groups
+    rng = np.random.default_rng(nbytes)
+    for seq in range(1, 40):
+        a = rng.integers(0, 255, nbytes, dtype=np.uint8)
+        b = rng.integers(0, 255, nbytes, dtype=np.uint8)
+        ra, rb = exchange_both(lg, wg, a, b, seq)
+        assert np.array_equal(ra, b) and np.array_equal(rb, a)
+
+
+def test_gate_many_in_a_row_with_size_changes(groups):
+    lg, wg = groups
+    sizes = [16384, 16384, 64, 32768, 16384, 4]
+
+    def run(group, base):
+        got, seq = [], 0
+        for rep in range(30):
+            for n in sizes:
+                seq += 1
+                send = np.full(n, (base + rep + n) % 251, dtype=np.uint8)
+                recv = np.empty_like(send)
+                group.pair.gate(send, recv, seq)
+                got.append(int(recv[0]))
+        return got
+
+    lo, wo = both_ok(lambda: run(lg, 0), lambda: run(wg, 100))
+    assert lo == [(100 + rep + n) % 251 for rep in range(30) for n in sizes]
+    assert wo == [(0 + rep + n) % 251 for rep in range(30) for n in sizes]
+
+
+# RDMA gates carry no header (the message is the payload); their desync shows
+# as a timeout naming the seq (test_gate_timeout_names_seq).
+@pytest.mark.parametrize("groups", ["tcp"], indirect=True)
+def test_gate_desync_is_loud_on_both_sides(groups):
+    lg, wg = groups
+    a = np.zeros(16384, np.uint8)
+    (lv, le), (wv, we) = run_both(lambda: lg.pair.gate(a, np.empty_like(a), 5),
+                                  lambda: wg.pair.gate(a, np.empty_like(a), 6))
+    assert isinstance(le, DesyncError) and "seq 6" in str(le) and "seq 5" in str(le)
+    assert isinstance(we, DesyncError)
+
+
+def test_gate_size_mismatch_fails_fast_not_hangs(groups):
+    lg, wg = groups
+    t0 = time.monotonic()
+    (lv, le), (wv, we) = run_both(
+        lambda: lg.pair.gate(np.zeros(16384, np.uint8), np.empty(16384, np.uint8), 1, gate=1),
+        lambda: wg.pair.gate(np.zeros(32768, np.uint8), np.empty(32768, np.uint8), 1, gate=2),
+        timeout=30,
+    )
+    assert le is not None and we is not None
+    assert time.monotonic() - t0 < 8.0
+
+
+def test_delayed_peer_is_fine(groups):
+    lg, wg = groups
+    a = np.arange(4096, dtype=np.float32)
+    b = -a
+    ra, rb = np.empty_like(a), np.empty_like(b)
+    both_ok(lambda: lg.pair.gate(a, ra, 1), lambda: (time.sleep(0.7), wg.pair.gate(b, rb, 1)))
+    assert np.array_equal(ra, b) and np.array_equal(rb, a)
+
+
+def test_gate_timeout_names_seq(groups):
+    lg, wg = groups
+    lg.pair.timeout = 0.5
+    if lg.pair.rdma is not None:
+        lg.pair.rdma.timeout = 0.5
+    else:
+        tr.set_kernel_timeout(lg.pair.data, 0.5)
+    a = np.zeros(16384, np.uint8)
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeoutError, match="seq 3"):
+        lg.pair.gate(a, np.empty_like(a), 3)
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_peer_close_is_detected_fast(groups):
+    lg, wg = groups
+    a = np.zeros(16384, np.uint8)
+    t0 = time.monotonic()
+    (lv, le), _ = run_both(lambda: lg.pair.gate(a, np.empty_like(a), 1),
+                           lambda: (time.sleep(0.3), wg.close()))
+    assert isinstance(le, PeerClosedError), le
+    assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.parametrize("nbytes", [2 * MiB - 4, 2 * MiB, 2 * MiB + 4, 7 * MiB, 4, 16388])
+def test_big_gates_at_round_boundaries(groups, nbytes):
+    lg, wg = groups
+    rng = np.random.default_rng(nbytes)
+    a = rng.integers(0, 255, nbytes, dtype=np.uint8)
+    b = rng.integers(0, 255, nbytes, dtype=np.uint8)
+    ra, rb = np.empty_like(a), np.empty_like(b)
+    both_ok(lambda: lg.pair.bulk(a, ra, 1), lambda: wg.pair.bulk(b, rb, 1), timeout=60)
+    assert np.array_equal(ra, b) and np.array_equal(rb, a)
+
+
+def test_gates_then_bulk_then_gates(groups):
+    lg, wg = groups
+
+    def run(group, base):
+        got = []
+        seq = 0
+        for phase in range(3):
+            for _ in range(20):
+                seq += 1
+                send = np.full(4096, base + seq, np.float32)
+                recv = np.empty_like(send)
+                group.pair.gate(send, recv, seq)
+                got.append(float(recv[0]))
+            seq += 1
+            big = np.full(300_000, base + seq, np.float32)
+            rbig = np.empty_like(big)
+            group.pair.bulk(big, rbig, seq)
+            got.append(float(rbig[-1]))
+        return got
+
+    lo, wo = both_ok(lambda: run(lg, 0), lambda: run(wg, 1000))
+    assert lo == [1000 + s for s in range(1, len(lo) + 1)]
+    assert wo == [s for s in range(1, len(wo) + 1)]
+
+
+def test_big_gate_desync_names_both(groups):
+    lg, wg = groups
+    a = np.zeros(3 * MiB, np.uint8)
+    b = np.zeros(3 * MiB + 4, np.uint8)
+    (lv, le), (wv, we) = run_both(lambda: lg.pair.bulk(a, np.empty_like(a), 1),
+                                  lambda: wg.pair.bulk(b, np.empty_like(b), 1))
+    assert isinstance(le, DesyncError) and str(3 * MiB + 4) in str(le) and str(3 * MiB) in str(le)
+    assert isinstance(we, DesyncError)
+
+
+# ============================================================================
+# A peer killed mid-exchange (two real processes)
+# ============================================================================
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, numpy as np, mlx_ds4tp as tp
+    role, port, transport = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    kw = dict(transport=transport, timeout=10.0)
+    if transport == "rdma":
+        kw["rdma_device"] = "ucsim"
+    if role == "leader":
+        g = tp.init(role="leader", listen=("127.0.0.1", port), **kw)
+    else:
+        g = tp.init(role="worker", coordinator=("127.0.0.1", port), **kw)
+    send = np.ones(4096, np.float32); recv = np.empty_like(send)
+    print("READY", flush=True)
+    seq = 0
+    try:
+        while True:
+            seq += 1
+            g.pair.gate(send, recv, seq)
+    except Exception as exc:
+        print(f"FAILED {type(exc).__name__}: {exc}", flush=True)
+        sys.exit(3)
+    """
+)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("victim", ["worker", "leader"])
+def test_peer_killed_mid_exchange(procs, transport, victim):
+    port = free_port()
+    lead = procs.spawn(["-c", RANK_SCRIPT, "leader", str(port), transport])
+    work = procs.spawn(["-c", RANK_SCRIPT, "worker", str(port), transport])
+    for p in (lead, work):
+        assert p.stdout.readline().strip() == "READY"
+    time.sleep(0.3)
+    dead, survivor = (work, lead) if victim == "worker" else (lead, work)
+    dead.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = survivor.communicate(timeout=10)
+    elapsed = time.monotonic() - t0
+    assert survivor.returncode == 3, (out, err)
+    assert "FAILED PeerClosedError" in out, (out, err)
+    assert elapsed < 2.0, elapsed
