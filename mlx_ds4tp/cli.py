@@ -96,6 +96,58 @@ def _print_ratios(records: List[dict]) -> None:
             print(f"{name:>22}  p50 = " + ", ".join(parts))
 
 
+# ============================================================================
+# run: one rank of a two-machine generation
+# ============================================================================
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `ds4tp run` (examples/pair_generate.py takes the same)."""
+    p.add_argument("--model", required=True, help="an mlx-lm model directory (same on both machines)")
+    p.add_argument("--prompt", default=None, help="leader: the prompt text")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
+    p.add_argument("--rdma-gid-index", type=int, default=None)
+    p.add_argument("--debug-hash", type=int, default=0, metavar="N",
+                   help="compare a hash of the logits every N tokens; stop on divergence")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--tokens-out", default=None, help=argparse.SUPPRESS)
+    _add_pair_args(p)
+
+
+def cmd_run(args) -> int:
+    from . import pair_run
+
+    if args.role is None:
+        raise SystemExit("ds4tp run: give --role leader --listen HOST PORT or "
+                         "--role worker --coordinator HOST PORT (`ds4tp demo` runs both here)")
+    _check_role_args(args)
+    if args.role == "leader" and not args.prompt:
+        raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
+    if args.max_tokens < 1:
+        raise SystemExit(f"ds4tp run: --max-tokens {args.max_tokens} must be >= 1")
+    if args.debug_hash < 0:
+        raise SystemExit(f"ds4tp run: --debug-hash {args.debug_hash} must be >= 0")
+    address = _address(args.listen or args.coordinator, "--listen/--coordinator")
+    return pair_run.run(args, address)
+
+
+def cmd_demo(args) -> int:
+    from . import pair_run
+
+    if args.max_tokens < 1:
+        raise SystemExit(f"ds4tp demo: --max-tokens {args.max_tokens} must be >= 1")
+    return pair_run.demo(args)
+
+
+def cmd_doctor(args) -> int:
+    from . import doctor
+
+    return doctor.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4tp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ring-rank", action="store_true", help=argparse.SUPPRESS)
     _add_pair_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    run = sub.add_parser("run", help="one rank of a two-machine generation")
+    add_run_args(run)
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="both ranks on 127.0.0.1 with a small synthetic model")
+    demo.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
+    demo.add_argument("--rdma-device", default=None, help="'ucsim' for the emulated Thunderbolt device")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--prompt", default="The two machines agree that")
+    demo.set_defaults(func=cmd_demo)
+
+    doc = sub.add_parser("doctor", help="check what a pair needs and say what to fix")
+    doc.add_argument("--peer", nargs=2, metavar=("HOST", "PORT"),
+                     help="run a short gate round trip against `ds4tp doctor --listen` on the peer")
+    doc.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"),
+                     help="wait for the peer's `ds4tp doctor --peer` and answer its gates")
+    doc.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
+    doc.add_argument("--rdma-device", default=None)
+    doc.set_defaults(func=cmd_doctor)
     return parser
 
 

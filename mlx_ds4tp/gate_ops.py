@@ -7,9 +7,8 @@ own backends is a one-line change.
 
 from __future__ import annotations
 
-import os
 import struct
-import zlib
+import time
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -31,6 +30,7 @@ NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.
 DESCRIPTOR = struct.Struct("<IIII8Q")
 DESCRIPTOR_MAGIC = 0x44533453  # "DS4S"
 MAX_DIMS = 8
+LATENCY_WINDOW = 8192
 
 
 def _describe(dtype_code: int, shape: Sequence[int]) -> str:
@@ -46,6 +46,10 @@ class Group:
         self._seq = 0
         self._signature: Optional[Tuple[int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
+        # Round trips of the last LATENCY_WINDOW decode gates, for the
+        # closing line of a run (p50/p99); recording costs one store.
+        self._latency_ns = np.zeros(LATENCY_WINDOW, dtype=np.int64)
+        self._latency_count = 0
         if pair is not None:
             self.transport = pair.transport
             self._rank = pair.rank
@@ -80,6 +84,18 @@ class Group:
         if self._pair is None:
             raise TransportError("this group is closed; create a new one with mlx_ds4tp.init(...)")
         return self._pair
+
+    def gate_latency_us(self) -> Tuple[float, float]:
+        """(p50, p99) of the recent decode gates' round trips, in microseconds."""
+        n = min(self._latency_count, LATENCY_WINDOW)
+        if n == 0:
+            return 0.0, 0.0
+        p50, p99 = np.percentile(self._latency_ns[:n], [50, 99]) / 1000.0
+        return float(p50), float(p99)
+
+    def record_latency(self, ns: int) -> None:
+        self._latency_ns[self._latency_count % LATENCY_WINDOW] = ns
+        self._latency_count += 1
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -217,7 +233,9 @@ def _exchange(x: mx.array, group: Group, kind: int) -> Tuple[mx.array, np.ndarra
     peer = group.scratch(local_bytes.nbytes, np_dtype)
     seq = group.next_seq()
     if local_bytes.nbytes <= tr.GATE_MAX_BYTES:
+        t0 = time.perf_counter_ns()
         group.pair.gate(local_bytes, peer, seq, layer=kind, gate=code)
+        group.record_latency(time.perf_counter_ns() - t0)
     else:
         group.pair.bulk(local_bytes, peer, seq, layer=kind)
     return x, np.frombuffer(local_bytes, dtype=np_dtype), peer

@@ -1,0 +1,264 @@
+"""Pair runs: the leader owns tokenization, the chat template and sampling and
+drives the worker in lockstep over the control channel.
+
+Commands (control frames): SESSION_CREATE (acked), SYNC (the prompt's tokens:
+both ranks prefill), EVAL (one token: both ranks decode it), HASH (both ranks
+compare a hash of the logits; acked), SESSION_DESTROY, STOP. Both ranks run
+the same forward passes in the same order, so their gates pair up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import select
+import struct
+import sys
+import time
+from typing import Any, Callable, Iterator, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import gate_ops
+from . import transport as tr
+from .errors import PeerClosedError, TransportError
+
+SESSION = struct.Struct("<QII")  # session id, max tokens, reserved
+SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved
+EVAL = struct.Struct("<QQiI")  # session id, seq, token, reserved
+HASH = struct.Struct("<QQQ")  # session id, seq, hash
+ACK = struct.Struct("<Qi")  # session id, status (0 ok); then a message
+
+F = tr.FrameType
+
+
+class LockstepDivergence(TransportError):
+    """The two ranks computed different logits: their states diverged."""
+
+
+def logits_hash(logits: mx.array) -> int:
+    """64-bit hash of the logits' bytes (identical on both ranks when in step)."""
+    mx.eval(logits)
+    return int.from_bytes(hashlib.blake2b(memoryview(logits).cast("B"), digest_size=8).digest(), "little")
+
+
+def make_cache(model) -> list:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def forward(model, tokens: List[int], cache) -> mx.array:
+    """Last position's logits (float32) for tokens appended to the cache."""
+    logits = model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)
+    last = logits[0, -1].astype(mx.float32)
+    mx.eval(last)
+    return last
+
+
+# ============================================================================
+# Leader
+# ============================================================================
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_sec: float = 0.0
+    decode_tokens: int = 0
+    decode_sec: float = 0.0
+    tokens: List[int] = dataclasses.field(default_factory=list)
+
+    def line(self, group: gate_ops.Group) -> str:
+        p50, p99 = group.gate_latency_us()
+        prompt_tps = self.prompt_tokens / self.prompt_sec if self.prompt_sec else 0.0
+        decode_tps = self.decode_tokens / self.decode_sec if self.decode_sec else 0.0
+        return (
+            f"prompt {self.prompt_tokens} tokens {prompt_tps:.1f} tok/s | decode {self.decode_tokens} "
+            f"tokens {decode_tps:.1f} tok/s | transport {group.transport} | gate p50 {p50:.1f} us "
+            f"p99 {p99:.1f} us"
+        )
+
+
+def make_sampler(temp: float) -> Callable[[mx.array], int]:
+    if temp <= 0:
+        return lambda logits: int(mx.argmax(logits).item())
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    sample = mlx_lm_sampler(temp=temp)
+    return lambda logits: int(sample(logits[None])[0].item())
+
+
+class Leader:
+    """Rank 0: tokenizes, samples, and tells the worker what to compute."""
+
+    def __init__(self, group: gate_ops.Group, model, tokenizer, debug_hash: int = 0):
+        self.group = group
+        self.control = group.pair.control
+        self.model = model
+        self.tokenizer = tokenizer
+        self.debug_hash = debug_hash
+        self._session = 0
+
+    def _ack(self, what: str) -> None:
+        _, payload = self.control.recv(F.COMMAND_ACK)
+        session, status = ACK.unpack_from(payload)
+        if status != 0:
+            message = payload[ACK.size :].decode("utf-8", "replace")
+            raise TransportError(f"the worker failed {what}: {message}")
+
+    def encode(self, prompt: str, chat: bool = True) -> List[int]:
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True))
+        return list(tok.encode(prompt))
+
+    def generate(self, prompt_tokens: List[int], max_tokens: int, sampler: Callable[[mx.array], int],
+                 on_token: Optional[Callable[[int], None]] = None) -> GenerationStats:
+        if not prompt_tokens:
+            raise ValueError("the prompt encodes to zero tokens; give a non-empty prompt")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+        self._session += 1
+        session = self._session
+        stats = GenerationStats(prompt_tokens=len(prompt_tokens))
+        self.control.send(F.SESSION_CREATE, SESSION.pack(session, max_tokens, 0))
+        self._ack("to create a session")
+        cache = make_cache(self.model)
+        t0 = time.perf_counter()
+        self.control.send(F.SYNC, SYNC_HEADER.pack(session, len(prompt_tokens), 0)
+                          + np.asarray(prompt_tokens, dtype="<i4").tobytes())
+        logits = self._step(lambda: forward(self.model, prompt_tokens, cache))
+        stats.prompt_sec = time.perf_counter() - t0
+        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        t1 = time.perf_counter()
+        for seq in range(1, max_tokens + 1):
+            token = sampler(logits)
+            stats.tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in eos or seq == max_tokens:
+                break
+            self.control.send(F.EVAL, EVAL.pack(session, seq, token, 0))
+            logits = self._step(lambda: forward(self.model, [token], cache))
+            stats.decode_tokens += 1
+            if self.debug_hash and seq % self.debug_hash == 0:
+                self._check_hash(session, seq, logits)
+        stats.decode_sec = time.perf_counter() - t1
+        self.control.send(F.SESSION_DESTROY, SESSION.pack(session, 0, 0))
+        return stats
+
+    def _step(self, fn):
+        """Run one forward; if the gates fail, prefer the worker's own
+        explanation (an ERROR frame) over our 'peer closed'."""
+        try:
+            return fn()
+        except TransportError as exc:
+            reason = _peer_error(self.control)
+            if reason:
+                raise TransportError(f"{exc}; the worker reported: {reason}") from None
+            raise
+
+    def _check_hash(self, session: int, seq: int, logits: mx.array) -> None:
+        mine = logits_hash(logits)
+        self.control.send(F.HASH, HASH.pack(session, seq, mine))
+        _, payload = self.control.recv(F.HASH)
+        _, pseq, theirs = HASH.unpack(payload)
+        if theirs != mine:
+            raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {seq}: local {mine:016x} peer {theirs:016x}")
+
+    def stop(self) -> None:
+        try:
+            self.control.send(F.STOP)
+        except TransportError:
+            pass
+
+
+def _peer_error(control: tr.ControlChannel) -> Optional[str]:
+    try:
+        r, _, _ = select.select([control.sock], [], [], 0.5)
+        if not r:
+            return None
+        ftype, payload = control.recv(F.ERROR, timeout=0.5)
+        return payload.decode("utf-8", "replace")
+    except (TransportError, OSError):
+        return None
+
+
+# ============================================================================
+# Worker
+# ============================================================================
+
+
+class Worker:
+    """Rank 1: computes what the leader says, in the same order, until STOP."""
+
+    def __init__(self, group: gate_ops.Group, model):
+        self.group = group
+        self.control = group.pair.control
+        self.model = model
+        self.sessions: dict = {}
+        self.last_logits: Optional[mx.array] = None
+
+    def _wait_command(self) -> tuple:
+        """Idle between prompts without a deadline, but notice a dead leader
+        at once (EOF makes the socket readable)."""
+        sock = self.control.sock
+        while True:
+            r, _, _ = select.select([sock], [], [], 1.0)
+            if r:
+                return self.control.recv()
+
+    def serve(self) -> int:
+        """Returns the number of prompts served; raises on any failure."""
+        served = 0
+        while True:
+            ftype, payload = self._wait_command()
+            if ftype == F.STOP:
+                return served
+            if ftype == F.SESSION_CREATE:
+                session, _, _ = _unpack(SESSION, payload, ftype)
+                self.sessions[session] = make_cache(self.model)
+                self.control.send(F.COMMAND_ACK, ACK.pack(session, 0))
+            elif ftype == F.SYNC:
+                session, count, _ = _unpack_prefix(SYNC_HEADER, payload, ftype)
+                tokens = np.frombuffer(payload, dtype="<i4", offset=SYNC_HEADER.size)
+                if len(tokens) != count:
+                    raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)}")
+                self.last_logits = forward(self.model, tokens.tolist(), self._cache(session))
+            elif ftype == F.EVAL:
+                session, seq, token, _ = _unpack(EVAL, payload, ftype)
+                self.last_logits = forward(self.model, [token], self._cache(session))
+            elif ftype == F.HASH:
+                session, seq, theirs = _unpack(HASH, payload, ftype)
+                mine = logits_hash(self.last_logits) if self.last_logits is not None else 0
+                self.control.send(F.HASH, HASH.pack(session, seq, mine))
+                if mine != theirs:
+                    raise LockstepDivergence(
+                        f"LOCKSTEP DIVERGENCE at seq {seq}: local {mine:016x} peer {theirs:016x}")
+            elif ftype == F.SESSION_DESTROY:
+                session, _, _ = _unpack(SESSION, payload, ftype)
+                self.sessions.pop(session, None)
+                served += 1
+            else:
+                raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
+
+    def _cache(self, session: int):
+        cache = self.sessions.get(session)
+        if cache is None:
+            raise tr.FrameError(f"session {session} does not exist (no SESSION_CREATE for it)")
+        return cache
+
+
+def _unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
+    if len(payload) != fmt.size:
+        raise tr.FrameError(f"{ftype.name} payload is {len(payload)} bytes, expected {fmt.size}")
+    return fmt.unpack(payload)
+
+
+def _unpack_prefix(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
+    if len(payload) < fmt.size or (len(payload) - fmt.size) % 4:
+        raise tr.FrameError(f"{ftype.name} payload of {len(payload)} bytes is malformed")
+    return fmt.unpack_from(payload)

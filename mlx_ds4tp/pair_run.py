@@ -1,0 +1,186 @@
+"""`ds4tp run` (one rank of a two-machine generation) and `ds4tp demo` (both
+ranks on 127.0.0.1 with a small synthetic model, checked against the same
+model run unsplit in one process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from . import gate_ops
+from . import transport as tr
+from .lockstep import Leader, Worker, make_sampler
+
+
+def model_identity(path: str) -> tr.ModelIdentity:
+    """What the hello compares: read from config.json before anything loads,
+    so a pair with different models stops before either spends time loading."""
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} is not an mlx-lm model directory (no config.json); give the same model "
+            "directory on both machines"
+        ) from None
+    layers = int(config.get("num_hidden_layers", 0))
+    quant = config.get("quantization") or {}
+    return tr.ModelIdentity(
+        layers=layers,
+        hidden=int(config.get("hidden_size", 0)),
+        vocab=int(config.get("vocab_size", 0)),
+        quant_bits=int(quant.get("bits", 0)),
+        # Embedding gate, attention and MLP gates per block, logits gather.
+        gates_per_token=2 * layers + 2,
+    )
+
+
+def run(args, address: Tuple[str, int]) -> int:
+    import mlx.core as mx
+
+    from .model_split import load_split
+
+    identity = model_identity(args.model)
+    leader = args.role == "leader"
+    group = gate_ops.init(
+        role=args.role,
+        listen=address if leader else None,
+        coordinator=None if leader else address,
+        transport=args.transport,
+        rdma_device=args.rdma_device,
+        gid_index=args.rdma_gid_index,
+        identity=identity,
+    )
+    with group:
+        t0 = time.perf_counter()
+        model, tokenizer = load_split(args.model, group)
+        tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
+        if not leader:
+            served = Worker(group, model).serve()
+            tr.log(f"worker done: served {served} prompt(s), leader said stop")
+            return 0
+        mx.random.seed(args.seed)
+        driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
+        try:
+            prompt_tokens = driver.encode(args.prompt, chat=not args.no_chat_template)
+            detok = tokenizer.detokenizer
+            detok.reset()
+
+            def stream(token: int) -> None:
+                detok.add_token(token)
+                sys.stdout.write(detok.last_segment)
+                sys.stdout.flush()
+
+            stats = driver.generate(prompt_tokens, args.max_tokens, make_sampler(args.temp), stream)
+            detok.finalize()
+            sys.stdout.write(detok.last_segment + "\n")
+        finally:
+            driver.stop()
+        print(stats.line(group), flush=True)
+        if args.tokens_out:
+            p50, p99 = group.gate_latency_us()
+            Path(args.tokens_out).write_text(json.dumps({
+                "prompt_tokens": prompt_tokens, "tokens": stats.tokens, "transport": group.transport,
+                "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
+                "gate_p50_us": p50, "gate_p99_us": p99,
+            }))
+    return 0
+
+
+# ============================================================================
+# Demo
+# ============================================================================
+
+DEMO_PRESET = "tiny"
+DEMO_SEED = 0
+
+
+def demo_model_dir() -> Path:
+    """Built once with fixed random weights, then reused from the cache."""
+    from .tiny_model import save_llama
+
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp"
+    path = root / f"demo-llama-{DEMO_PRESET}-seed{DEMO_SEED}"
+    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
+        tr.log(f"building the demo model (synthetic random weights) in {path}")
+        tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=root if root.exists() else None))
+        save_llama(tmp, DEMO_PRESET, seed=DEMO_SEED)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    return path
+
+
+def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int) -> List[int]:
+    """The same greedy generation, unsplit, in this process: the reference."""
+    from mlx_lm.utils import load
+
+    from .lockstep import forward, make_cache
+
+    model, tokenizer = load(str(path))
+    cache = make_cache(model)
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    logits = forward(model, prompt_tokens, cache)
+    out: List[int] = []
+    sample = make_sampler(0.0)
+    for i in range(max_tokens):
+        token = sample(logits)
+        out.append(token)
+        if token in eos or i + 1 == max_tokens:
+            break
+        logits = forward(model, [token], cache)
+    return out
+
+
+def demo(args) -> int:
+    from .bench import free_port
+
+    path = demo_model_dir()
+    port = free_port()
+    out_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
+    out_file.close()
+    common = [sys.executable, "-m", "mlx_ds4tp", "run", "--model", str(path), "--transport",
+              args.transport, "--max-tokens", str(args.max_tokens), "--no-chat-template"]
+    if args.rdma_device:
+        common += ["--rdma-device", args.rdma_device]
+    leader_cmd = common + ["--prompt", args.prompt, "--tokens-out", out_file.name,
+                           "--role", "leader", "--listen", "127.0.0.1", str(port)]
+    worker_cmd = common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]
+    print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
+          "noise), split 50/50 across two local processes.", flush=True)
+    print(f"prompt: {args.prompt!r}\n--- leader output ---", flush=True)
+    procs = [subprocess.Popen(leader_cmd), subprocess.Popen(worker_cmd)]
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        print(f"ds4tp demo: FAILED (leader exit {codes[0]}, worker exit {codes[1]})", flush=True)
+        return 1
+    result = json.loads(Path(out_file.name).read_text())
+    os.unlink(out_file.name)
+    reference = single_process_tokens(path, result["prompt_tokens"], args.max_tokens)
+    match = reference == result["tokens"]
+    print("--- summary ---")
+    print(f"tokens (pair):   {result['tokens']}")
+    print(f"tokens (single): {reference}")
+    print(f"transport {result['transport']} | decode {result['decode_tok_s']:.1f} tok/s | gate p50 "
+          f"{result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us")
+    print(f"match with the unsplit model in one process: {match}")
+    print("\nOn two Macs joined by Thunderbolt (see README 'Two Macs'):\n"
+          "  mac1$ ds4tp run --model PATH --prompt 'Hello' --role leader --listen 10.99.0.1 9911\n"
+          "  mac2$ ds4tp run --model PATH --role worker --coordinator 10.99.0.1 9911")
+    return 0 if match else 2
