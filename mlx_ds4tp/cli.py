@@ -124,13 +124,13 @@ def cmd_run(args) -> int:
         raise SystemExit("ds4tp run: give --role leader --listen HOST PORT or "
                          "--role worker --coordinator HOST PORT (`ds4tp demo` runs both here)")
     _check_role_args(args)
+    address = _address(args.listen or args.coordinator, "--listen/--coordinator")
     if args.role == "leader" and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
     if args.max_tokens < 1:
         raise SystemExit(f"ds4tp run: --max-tokens {args.max_tokens} must be >= 1")
     if args.debug_hash < 0:
         raise SystemExit(f"ds4tp run: --debug-hash {args.debug_hash} must be >= 0")
-    address = _address(args.listen or args.coordinator, "--listen/--coordinator")
     return pair_run.run(args, address)
 
 

@@ -1,0 +1,132 @@
+"""Two-process pair runs (`ds4tp run`), the demo, and dead-peer behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from pairutil import free_port
+
+TRANSPORTS = [("tcp", []), ("rdma", ["--rdma-device", "ucsim"])]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from mlx_ds4tp.tiny_model import save_llama
+
+    return save_llama(tmp_path_factory.mktemp("pair-model"), "tiny", seed=3)
+
+
+def spawn_pair(procs, model_dir, transport_args, prompt, max_tokens, extra=(), env=None):
+    port = free_port()
+    common = ["-m", "mlx_ds4tp", "run", "--model", str(model_dir), "--max-tokens", str(max_tokens),
+              "--no-chat-template", *transport_args, *extra]
+    leader = procs.spawn(common + ["--prompt", prompt, "--role", "leader", "--listen", "127.0.0.1",
+                                   str(port)], env=env)
+    worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)], env=env)
+    return leader, worker
+
+
+def reference_text(model_dir, prompt, max_tokens):
+    from mlx_lm.utils import load
+
+    from mlx_ds4tp.pair_run import single_process_tokens
+
+    _, tokenizer = load(str(model_dir))
+    tokens = single_process_tokens(model_dir, list(tokenizer.encode(prompt)), max_tokens)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text, tokens
+
+
+@pytest.mark.parametrize("transport, targs", TRANSPORTS, ids=[t for t, _ in TRANSPORTS])
+def test_pair_text_equals_single_process(procs, model_dir, transport, targs):
+    prompt = "Two machines, one model"
+    leader, worker = spawn_pair(procs, model_dir, ["--transport", transport, *targs], prompt, 24,
+                                extra=["--debug-hash", "4"])
+    lout, lerr = leader.communicate(timeout=120)
+    wout, werr = worker.communicate(timeout=30)
+    assert leader.returncode == 0, lerr
+    assert worker.returncode == 0, werr
+    text, tokens = reference_text(model_dir, prompt, 24)
+    streamed, closing = lout.rsplit("\n", 2)[0], lout.strip().splitlines()[-1]
+    assert streamed == text
+    assert f"transport {transport}" in closing and "tok/s" in closing and "gate p50" in closing
+    assert "leader said stop" in werr
+
+
+@pytest.mark.parametrize("transport, targs", TRANSPORTS, ids=[t for t, _ in TRANSPORTS])
+@pytest.mark.parametrize("victim", ["worker", "leader"])
+def test_peer_killed_mid_generation(procs, model_dir, transport, targs, victim):
+    leader, worker = spawn_pair(procs, model_dir, ["--transport", transport, *targs],
+                                "a long story", 100000)
+    # Wait until the leader streams text: generation is under way.
+    os.set_blocking(leader.stdout.fileno(), False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        chunk = leader.stdout.read(1)
+        if chunk:
+            break
+        assert leader.poll() is None, leader.stderr.read()
+        time.sleep(0.05)
+    else:
+        pytest.fail("the leader never started streaming")
+    time.sleep(0.5)
+    dead, survivor = (worker, leader) if victim == "worker" else (leader, worker)
+    dead.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    survivor.wait(timeout=10)
+    elapsed = time.monotonic() - t0
+    err = survivor.stderr.read()
+    assert survivor.returncode not in (0, None), err
+    assert "ds4-tp: error:" in err and ("peer closed" in err or "EOF" in err), err
+    assert elapsed < 2.0, elapsed
+
+
+def test_divergence_is_detected():
+    """Ranks whose logits differ (as a corrupted gate would make them) stop at
+    the hash check, both with the LOCKSTEP DIVERGENCE message."""
+    import mlx.core as mx
+
+    from mlx_ds4tp.lockstep import Leader, LockstepDivergence, Worker
+    from pairutil import make_groups, run_both
+
+    lg, wg = make_groups("tcp")
+    leader = Leader(lg, model=None, tokenizer=None, debug_hash=2)
+    worker = Worker(wg, model=None)
+    worker.last_logits = mx.array([1.0, 2.0])
+    try:
+        (_, le), (_, we) = run_both(lambda: leader._check_hash(1, 2, mx.array([1.0, 2.5])), worker.serve)
+    finally:
+        lg.close()
+        wg.close()
+    assert isinstance(le, LockstepDivergence) and "LOCKSTEP DIVERGENCE at seq 2: local" in str(le)
+    assert isinstance(we, LockstepDivergence) and "LOCKSTEP DIVERGENCE at seq 2: local" in str(we)
+
+
+def test_demo_prints_a_match(procs, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    p = procs.spawn(["-m", "mlx_ds4tp", "demo", "--transport", "tcp", "--max-tokens", "12"], env=env)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    assert "match with the unsplit model in one process: True" in out
+    assert "SYNTHETIC" in out and "--role worker --coordinator" in out
+    assert (tmp_path / "mlx_ds4tp").is_dir()
+
+
+def test_run_flags_are_checked(procs, model_dir):
+    p = procs.spawn(["-m", "mlx_ds4tp", "run", "--model", str(model_dir), "--role", "leader",
+                     "--listen", "127.0.0.1", "x"])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "PORT must be an integer" in err
+    p = procs.spawn(["-m", "mlx_ds4tp", "run", "--model", str(model_dir), "--role", "leader",
+                     "--listen", "127.0.0.1", "9"])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "the leader needs --prompt" in err
