@@ -32,8 +32,45 @@ def percentiles(samples_ns: Sequence[int]) -> Dict[str, float]:
     return {"p50_us": round(float(np.percentile(arr, 50)), 2), "p99_us": round(float(np.percentile(arr, 99)), 2)}
 
 
+# Set by `ds4tp bench --plot` in the ranks it spawns: the raw samples ride in
+# the records (as "samples_us") and the parent drops them before printing.
+EMIT_SAMPLES_ENV = "DS4_TP_BENCH_SAMPLES"
+
+
 def record(name: str, nbytes: int, samples_ns: Sequence[int]) -> Dict:
-    return {"name": name, "bytes": nbytes, "iters": len(samples_ns), **percentiles(samples_ns)}
+    rec = {"name": name, "bytes": nbytes, "iters": len(samples_ns), **percentiles(samples_ns)}
+    if os.environ.get(EMIT_SAMPLES_ENV):
+        rec["samples_us"] = [round(x / 1000.0, 2) for x in samples_ns]
+    return rec
+
+
+def plot_histograms(records: List[Dict], path: str) -> None:
+    """One latency histogram per transport, on shared log-spaced bins."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'mlx-ds4tp[plot]'") from None
+    with_samples = [r for r in records if r.get("samples_us")]
+    if not with_samples:
+        raise RuntimeError("no latency samples to plot")
+    hi = max(np.percentile(r["samples_us"], 99.9) for r in with_samples)
+    lo = min(min(r["samples_us"]) for r in with_samples)
+    bins = np.geomspace(max(lo, 0.1), max(hi, lo * 2), 80)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in with_samples:
+        ax.hist(r["samples_us"], bins=bins, histtype="step", linewidth=1.5,
+                label=f"{r['name']} (p50 {r['p50_us']} us, p99 {r['p99_us']} us)")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"round trip of one {with_samples[0]['bytes']}-byte exchange (us)")
+    ax.set_ylabel("count")
+    ax.set_title("ds4tp gate latency per transport")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _time_loop(fn, iters: int) -> List[int]:
@@ -174,3 +211,126 @@ def spawn_ring(nbytes: int, iters: int, timeout: float = 600.0) -> List[Dict]:
         return _run_pair([cmd, cmd], envs, timeout)
     finally:
         os.unlink(hostfile)
+
+
+# ============================================================================
+# Model decode throughput: single process, our pair, mlx-lm over MLX's ring
+# ============================================================================
+
+BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+def greedy_decode(model, prompt_tokens: List[int], max_tokens: int):
+    """(tokens, decode seconds): prefill, then max_tokens - 1 timed decode steps.
+    No early stop at EOS, so every contender decodes the same count."""
+    from .lockstep import forward, make_cache, make_sampler
+
+    sample = make_sampler(0.0)
+    cache = make_cache(model)
+    logits = forward(model, prompt_tokens, cache)
+    tokens = [sample(logits)]
+    t0 = time.perf_counter()
+    for _ in range(max_tokens - 1):
+        logits = forward(model, [tokens[-1]], cache)
+        tokens.append(sample(logits))
+    return tokens, time.perf_counter() - t0
+
+
+def _tok_record(name: str, tokens: List[int], seconds: float, reference: Optional[List[int]]) -> Dict:
+    return {"name": name, "tok_s": round((len(tokens) - 1) / seconds, 2) if seconds else 0.0,
+            "tokens_match": reference is None or tokens == reference, "tokens": len(tokens)}
+
+
+def single_record(path: str, max_tokens: int) -> Dict:
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(path)
+    prompt = list(tokenizer.encode(BENCH_PROMPT))
+    greedy_decode(model, prompt, 4)  # warm the kernels
+    tokens, seconds = greedy_decode(model, prompt, max_tokens)
+    rec = _tok_record("single", tokens, seconds, None)
+    rec["token_ids"] = tokens
+    return rec
+
+
+def ring_model_rank(path: str, max_tokens: int) -> List[Dict]:
+    """One rank of mlx-lm's own model.shard() over MLX's ring backend."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    group = mx.distributed.init(backend="ring", strict=True)
+    model, tokenizer = load(path, lazy=True)
+    model.shard(group)
+    mx.eval(model.parameters())
+    prompt = list(tokenizer.encode(BENCH_PROMPT))
+    greedy_decode(model, prompt, 4)
+    tokens, seconds = greedy_decode(model, prompt, max_tokens)
+    rec = _tok_record("mlx-lm-ring", tokens, seconds, None)
+    rec["token_ids"] = tokens
+    return [rec] if group.rank() == 0 else []
+
+
+def spawn_ring_model(path: str, max_tokens: int, timeout: float = 1200.0) -> Dict:
+    ports = [free_port(), free_port()]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[f"127.0.0.1:{ports[0]}"], [f"127.0.0.1:{ports[1]}"]], f)
+        hostfile = f.name
+    try:
+        cmd = [sys.executable, "-m", "mlx_ds4tp", "bench", "--ring-rank", "--model", path,
+               "--max-tokens", str(max_tokens), "--json"]
+        envs = []
+        for rank in (0, 1):
+            env = _child_env()
+            env.update(MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
+            envs.append(env)
+        return _run_pair([cmd, cmd], envs, timeout)[0]
+    finally:
+        os.unlink(hostfile)
+
+
+def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
+              timeout: float = 1200.0) -> Dict:
+    """Our pair through `ds4tp run`, both ranks on 127.0.0.1."""
+    port = free_port()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    base = [sys.executable, "-m", "mlx_ds4tp", "run", "--model", path, "--transport", transport,
+            "--max-tokens", str(max_tokens), "--no-chat-template", "--bench-no-eos"]
+    if rdma_device:
+        base += ["--rdma-device", rdma_device]
+    cmds = [base + ["--prompt", BENCH_PROMPT, "--tokens-out", out_path, "--role", "leader",
+                    "--listen", "127.0.0.1", str(port)],
+            base + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]]
+    try:
+        procs = [subprocess.Popen(c, env=_child_env(), stdout=subprocess.DEVNULL) for c in cmds]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise RuntimeError(f"tp2-{transport} pair failed (exit codes {codes})")
+        with open(out_path) as f:
+            result = json.load(f)
+    finally:
+        os.unlink(out_path)
+    name = "tp2-tcp" if transport == "tcp" else f"tp2-rdma-{rdma_device or 'ibverbs'}"
+    rec = {"name": name, "tok_s": round(result["decode_tok_s"], 2), "tokens": len(result["tokens"]),
+           "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1)}
+    return rec
+
+
+def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int) -> List[Dict]:
+    single = single_record(path, max_tokens)
+    records = [single]
+    if transport in ("tcp", "all"):
+        records.append(spawn_tp2(path, "tcp", None, max_tokens))
+    if transport in ("rdma", "all"):
+        records.append(spawn_tp2(path, "rdma", rdma_device or "ucsim", max_tokens))
+    records.append(spawn_ring_model(path, max_tokens))
+    reference = single["token_ids"]
+    for rec in records:
+        rec["tokens_match"] = rec.pop("token_ids") == reference
+    return records

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -37,8 +38,11 @@ def _check_role_args(args) -> None:
         raise SystemExit("ds4tp: --listen/--coordinator need --role leader|worker")
 
 
-def _print_records(records: List[dict], as_json: bool) -> None:
+def _print_records(records: List[dict], as_json: bool, keep_samples: bool = False) -> None:
+    """keep_samples: a spawned rank passes its raw samples up to the parent."""
     for rec in records:
+        if not keep_samples:
+            rec = {k: v for k, v in rec.items() if k != "samples_us"}
         if as_json:
             print(json.dumps(rec), flush=True)
         elif "p50_us" in rec:
@@ -59,7 +63,19 @@ def cmd_bench(args) -> int:
     if args.iters < 1:
         raise SystemExit(f"ds4tp bench: --iters {args.iters} must be >= 1")
     if args.ring_rank:
-        _print_records(bench.ring_rank(args.bytes, args.iters), True)
+        if args.model:
+            _print_records(bench.ring_model_rank(args.model, args.max_tokens), True)
+        else:
+            _print_records(bench.ring_rank(args.bytes, args.iters), True, keep_samples=True)
+        return 0
+    if args.model:
+        if args.max_tokens < 2:
+            raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
+        model_identity_check(args.model)
+        records = bench.model_bench(args.model, args.transport, args.rdma_device, args.max_tokens)
+        _print_records(records, args.json)
+        if not args.json:
+            _print_model_ratios(records)
         return 0
     _check_role_args(args)
     if args.role is not None:
@@ -67,8 +83,11 @@ def cmd_bench(args) -> int:
         host, port = _address(args.listen or args.coordinator, "--listen/--coordinator")
         records = bench.run_rank(args.role, host, port, transport, args.rdma_device, args.bytes, args.iters)
         if args.role == "leader":
-            _print_records(records, args.json)
+            _print_records(records, args.json, keep_samples=True)
         return 0
+    if args.plot:
+        # The ranks this process spawns send their raw samples back.
+        os.environ[bench.EMIT_SAMPLES_ENV] = "1"
     records: List[dict] = []
     if args.transport in ("tcp", "all"):
         records += bench.spawn_transport("tcp", None, args.bytes, args.iters)
@@ -79,7 +98,26 @@ def cmd_bench(args) -> int:
     _print_records(records, args.json)
     if not args.json:
         _print_ratios(records)
+    if args.plot:
+        bench.plot_histograms(records, args.plot)
+        print(f"latency histogram written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def model_identity_check(path: str) -> None:
+    from .pair_run import model_identity
+
+    model_identity(path)  # raises a clear error when PATH is not a model directory
+
+
+def _print_model_ratios(records: List[dict]) -> None:
+    by_name = {r["name"]: r for r in records}
+    for base in ("single", "mlx-lm-ring"):
+        if base not in by_name or not by_name[base]["tok_s"]:
+            continue
+        for name, rec in by_name.items():
+            if name != base and name.startswith("tp2"):
+                print(f"{name:>22}  = {rec['tok_s'] / by_name[base]['tok_s']:.2f}x {base}")
 
 
 def _print_ratios(records: List[dict]) -> None:
@@ -114,6 +152,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="compare a hash of the logits every N tokens; stop on divergence")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--tokens-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--bench-no-eos", action="store_true", help=argparse.SUPPRESS)
     _add_pair_args(p)
 
 
@@ -157,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--bytes", type=int, default=16384)
     bench.add_argument("--iters", type=int, default=5000)
     bench.add_argument("--json", action="store_true", help="one JSON record per line")
+    bench.add_argument("--model", default=None, help="also time decode tok/s of this mlx-lm model: "
+                       "single process, our pair (tcp, rdma) and mlx-lm's shard() on MLX's ring")
+    bench.add_argument("--max-tokens", type=int, default=64, help="decode length for --model")
+    bench.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="latency histogram per transport (needs matplotlib)")
     bench.add_argument("--ring-rank", action="store_true", help=argparse.SUPPRESS)
     _add_pair_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -116,7 +116,8 @@ class Leader:
         return list(tok.encode(prompt))
 
     def generate(self, prompt_tokens: List[int], max_tokens: int, sampler: Callable[[mx.array], int],
-                 on_token: Optional[Callable[[int], None]] = None) -> GenerationStats:
+                 on_token: Optional[Callable[[int], None]] = None,
+                 stop_at_eos: bool = True) -> GenerationStats:
         if not prompt_tokens:
             raise ValueError("the prompt encodes to zero tokens; give a non-empty prompt")
         if max_tokens < 1:
@@ -132,7 +133,7 @@ class Leader:
                           + np.asarray(prompt_tokens, dtype="<i4").tobytes())
         logits = self._step(lambda: forward(self.model, prompt_tokens, cache))
         stats.prompt_sec = time.perf_counter() - t0
-        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
         t1 = time.perf_counter()
         for seq in range(1, max_tokens + 1):
             token = sampler(logits)

@@ -78,7 +78,8 @@ def run(args, address: Tuple[str, int]) -> int:
                 sys.stdout.write(detok.last_segment)
                 sys.stdout.flush()
 
-            stats = driver.generate(prompt_tokens, args.max_tokens, make_sampler(args.temp), stream)
+            stats = driver.generate(prompt_tokens, args.max_tokens, make_sampler(args.temp), stream,
+                                    stop_at_eos=not args.bench_no_eos)
             detok.finalize()
             sys.stdout.write(detok.last_segment + "\n")
         finally:
