@@ -93,11 +93,9 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
     pair = group.pair
     send = np.full(nbytes // 4, 1.0 + group.rank(), dtype=np.float32)
     recv = np.empty_like(send)
-    seq = [10_000_000]
 
     def gate() -> None:
-        seq[0] += 1
-        pair.gate(send, recv, seq[0])
+        pair.gate(send, recv)
 
     records = [record(name, nbytes, _time_loop(gate, iters))]
     if not np.all(recv == 2.0 - group.rank()):

@@ -43,7 +43,6 @@ class Group:
     def __init__(self, pair: Optional[tr.Pair] = None, mlx_group=None):
         self._pair = pair
         self._mlx = mlx_group
-        self._seq = 0
         self._signature: Optional[Tuple[int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
         # Round trips of the last LATENCY_WINDOW decode gates, for the
@@ -96,10 +95,6 @@ class Group:
     def record_latency(self, ns: int) -> None:
         self._latency_ns[self._latency_count % LATENCY_WINDOW] = ns
         self._latency_count += 1
-
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     def scratch(self, nbytes: int, np_dtype) -> np.ndarray:
         """Reusable receive buffers: the gate path allocates nothing per call."""
@@ -231,13 +226,12 @@ def _exchange(x: mx.array, group: Group, kind: int) -> Tuple[mx.array, np.ndarra
     group.agree_signature(code, tuple(x.shape))
     np_dtype = NUMPY_DTYPES[x.dtype]
     peer = group.scratch(local_bytes.nbytes, np_dtype)
-    seq = group.next_seq()
     if local_bytes.nbytes <= tr.GATE_MAX_BYTES:
         t0 = time.perf_counter_ns()
-        group.pair.gate(local_bytes, peer, seq, layer=kind, gate=code)
+        group.pair.gate(local_bytes, peer, layer=kind, gate=code)
         group.record_latency(time.perf_counter_ns() - t0)
     else:
-        group.pair.bulk(local_bytes, peer, seq, layer=kind)
+        group.pair.bulk(local_bytes, peer, layer=kind)
     return x, np.frombuffer(local_bytes, dtype=np_dtype), peer
 
 

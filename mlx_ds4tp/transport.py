@@ -579,18 +579,23 @@ class Pair:
         self.timeout = float(config.timeout)
         self.tcp = TcpGates(data, self.timeout)
         self.rdma = None  # RdmaGates when transport == "rdma"
+        self.seq = 0  # the last gate or bulk exchange's sequence number
         self.closed = False
 
     @property
     def peer_name(self) -> str:
         return ROLE_NAMES[1 - self.rank]
 
-    def gate(self, send, recv, seq: int, layer: int = 0, gate: int = 0) -> None:
-        """Exchange one gate: send our bytes, receive the peer's (same size)."""
+    def gate(self, send, recv, layer: int = 0, gate: int = 0) -> int:
+        """Exchange one gate: send our bytes, receive the peer's (same size).
+        Gates and bulk exchanges share one sequence, numbered here: the RDMA
+        receive window is posted by it, and the TCP header carries it."""
+        self.seq += 1
         if self.rdma is not None:
-            self.rdma.gate(send, recv, seq)
+            self.rdma.gate(send, recv, self.seq)
         else:
-            self.tcp.gate(send, recv, seq, layer, gate)
+            self.tcp.gate(send, recv, self.seq, layer, gate)
+        return self.seq
 
     def exchange_small(self, mine: bytes, what: str) -> bytes:
         """Write-then-read a small fixed-size record on the data connection
@@ -613,13 +618,15 @@ class Pair:
             raise PeerClosedError(f"peer closed the gate connection during the {what} exchange: {exc}") from None
         return bytes(theirs)
 
-    def bulk(self, send, recv, seq: int, layer: int = 0) -> None:
+    def bulk(self, send, recv, layer: int = 0) -> int:
         """Exchange a big buffer (prefill rows, gathered logits)."""
+        self.seq += 1
         if self.rdma is not None:
-            self.tcp.big_header(len(memoryview(send).cast("B")), seq, layer)
+            self.tcp.big_header(len(memoryview(send).cast("B")), self.seq, layer)
             self.rdma.bulk(send, recv)
         else:
-            self.tcp.big(send, recv, seq, layer)
+            self.tcp.big(send, recv, self.seq, layer)
+        return self.seq
 
     def close(self) -> None:
         if self.closed:

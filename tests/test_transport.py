@@ -309,9 +309,9 @@ def groups(request):
     wg.close()
 
 
-def exchange_both(lg, wg, lsend, wsend, seq, timeout=30):
+def exchange_both(lg, wg, lsend, wsend, timeout=30):
     lrecv, wrecv = np.empty_like(lsend), np.empty_like(wsend)
-    both_ok(lambda: lg.pair.gate(lsend, lrecv, seq), lambda: wg.pair.gate(wsend, wrecv, seq), timeout)
+    both_ok(lambda: lg.pair.gate(lsend, lrecv), lambda: wg.pair.gate(wsend, wrecv), timeout)
     return lrecv, wrecv
 
 
@@ -319,10 +319,10 @@ def exchange_both(lg, wg, lsend, wsend, seq, timeout=30):
 def test_gate_exact_bytes(groups, nbytes):
     lg, wg = groups
     rng = np.random.default_rng(nbytes)
-    for seq in range(1, 40):
+    for _ in range(40):
         a = rng.integers(0, 255, nbytes, dtype=np.uint8)
         b = rng.integers(0, 255, nbytes, dtype=np.uint8)
-        ra, rb = exchange_both(lg, wg, a, b, seq)
+        ra, rb = exchange_both(lg, wg, a, b)
         assert np.array_equal(ra, b) and np.array_equal(rb, a)
 
 
@@ -331,13 +331,12 @@ def test_gate_many_in_a_row_with_size_changes(groups):
     sizes = [16384, 16384, 64, 32768, 16384, 4]
 
     def run(group, base):
-        got, seq = [], 0
+        got = []
         for rep in range(30):
             for n in sizes:
-                seq += 1
                 send = np.full(n, (base + rep + n) % 251, dtype=np.uint8)
                 recv = np.empty_like(send)
-                group.pair.gate(send, recv, seq)
+                group.pair.gate(send, recv)
                 got.append(int(recv[0]))
         return got
 
@@ -352,8 +351,9 @@ def test_gate_many_in_a_row_with_size_changes(groups):
 def test_gate_desync_is_loud_on_both_sides(groups):
     lg, wg = groups
     a = np.zeros(16384, np.uint8)
-    (lv, le), (wv, we) = run_both(lambda: lg.pair.gate(a, np.empty_like(a), 5),
-                                  lambda: wg.pair.gate(a, np.empty_like(a), 6))
+    lg.pair.seq, wg.pair.seq = 4, 5  # the leader is one gate behind
+    (lv, le), (wv, we) = run_both(lambda: lg.pair.gate(a, np.empty_like(a)),
+                                  lambda: wg.pair.gate(a, np.empty_like(a)))
     assert isinstance(le, DesyncError) and "seq 6" in str(le) and "seq 5" in str(le)
     assert isinstance(we, DesyncError)
 
@@ -362,8 +362,8 @@ def test_gate_size_mismatch_fails_fast_not_hangs(groups):
     lg, wg = groups
     t0 = time.monotonic()
     (lv, le), (wv, we) = run_both(
-        lambda: lg.pair.gate(np.zeros(16384, np.uint8), np.empty(16384, np.uint8), 1, gate=1),
-        lambda: wg.pair.gate(np.zeros(32768, np.uint8), np.empty(32768, np.uint8), 1, gate=2),
+        lambda: lg.pair.gate(np.zeros(16384, np.uint8), np.empty(16384, np.uint8), gate=1),
+        lambda: wg.pair.gate(np.zeros(32768, np.uint8), np.empty(32768, np.uint8), gate=2),
         timeout=30,
     )
     assert le is not None and we is not None
@@ -375,7 +375,7 @@ def test_delayed_peer_is_fine(groups):
     a = np.arange(4096, dtype=np.float32)
     b = -a
     ra, rb = np.empty_like(a), np.empty_like(b)
-    both_ok(lambda: lg.pair.gate(a, ra, 1), lambda: (time.sleep(0.7), wg.pair.gate(b, rb, 1)))
+    both_ok(lambda: lg.pair.gate(a, ra), lambda: (time.sleep(0.7), wg.pair.gate(b, rb)))
     assert np.array_equal(ra, b) and np.array_equal(rb, a)
 
 
@@ -388,8 +388,9 @@ def test_gate_timeout_names_seq(groups):
         tr.set_kernel_timeout(lg.pair.data, 0.5)
     a = np.zeros(16384, np.uint8)
     t0 = time.monotonic()
+    lg.pair.seq = 2
     with pytest.raises(TransportTimeoutError, match="seq 3"):
-        lg.pair.gate(a, np.empty_like(a), 3)
+        lg.pair.gate(a, np.empty_like(a))
     assert time.monotonic() - t0 < 3.0
 
 
@@ -397,7 +398,7 @@ def test_peer_close_is_detected_fast(groups):
     lg, wg = groups
     a = np.zeros(16384, np.uint8)
     t0 = time.monotonic()
-    (lv, le), _ = run_both(lambda: lg.pair.gate(a, np.empty_like(a), 1),
+    (lv, le), _ = run_both(lambda: lg.pair.gate(a, np.empty_like(a)),
                            lambda: (time.sleep(0.3), wg.close()))
     assert isinstance(le, PeerClosedError), le
     assert time.monotonic() - t0 < 2.0
@@ -410,7 +411,7 @@ def test_big_gates_at_round_boundaries(groups, nbytes):
     a = rng.integers(0, 255, nbytes, dtype=np.uint8)
     b = rng.integers(0, 255, nbytes, dtype=np.uint8)
     ra, rb = np.empty_like(a), np.empty_like(b)
-    both_ok(lambda: lg.pair.bulk(a, ra, 1), lambda: wg.pair.bulk(b, rb, 1), timeout=60)
+    both_ok(lambda: lg.pair.bulk(a, ra), lambda: wg.pair.bulk(b, rb), timeout=60)
     assert np.array_equal(ra, b) and np.array_equal(rb, a)
 
 
@@ -425,12 +426,12 @@ def test_gates_then_bulk_then_gates(groups):
                 seq += 1
                 send = np.full(4096, base + seq, np.float32)
                 recv = np.empty_like(send)
-                group.pair.gate(send, recv, seq)
+                group.pair.gate(send, recv)
                 got.append(float(recv[0]))
             seq += 1
             big = np.full(300_000, base + seq, np.float32)
             rbig = np.empty_like(big)
-            group.pair.bulk(big, rbig, seq)
+            group.pair.bulk(big, rbig)
             got.append(float(rbig[-1]))
         return got
 
@@ -443,8 +444,8 @@ def test_big_gate_desync_names_both(groups):
     lg, wg = groups
     a = np.zeros(3 * MiB, np.uint8)
     b = np.zeros(3 * MiB + 4, np.uint8)
-    (lv, le), (wv, we) = run_both(lambda: lg.pair.bulk(a, np.empty_like(a), 1),
-                                  lambda: wg.pair.bulk(b, np.empty_like(b), 1))
+    (lv, le), (wv, we) = run_both(lambda: lg.pair.bulk(a, np.empty_like(a)),
+                                  lambda: wg.pair.bulk(b, np.empty_like(b)))
     assert isinstance(le, DesyncError) and str(3 * MiB + 4) in str(le) and str(3 * MiB) in str(le)
     assert isinstance(we, DesyncError)
 
@@ -466,11 +467,9 @@ RANK_SCRIPT = textwrap.dedent(
         g = tp.init(role="worker", coordinator=("127.0.0.1", port), **kw)
     send = np.ones(4096, np.float32); recv = np.empty_like(send)
     print("READY", flush=True)
-    seq = 0
     try:
         while True:
-            seq += 1
-            g.pair.gate(send, recv, seq)
+            g.pair.gate(send, recv)
     except Exception as exc:
         print(f"FAILED {type(exc).__name__}: {exc}", flush=True)
         sys.exit(3)
