@@ -45,6 +45,7 @@
 #define TP_ECOMPLETION -6  /* a work completion carried an error status */
 #define TP_ENOTSUP -7      /* refused by the device (e.g. RC/UD queue pair on UC-only hardware) */
 #define TP_ENOMEM -8       /* queue full / too many outstanding work requests / too many MRs */
+#define TP_EDESYNC -9      /* the TCP gate header from the peer differs from ours */
 
 /* Queue pair types (ucsim accepts only TP_QPT_UC, like the Apple driver). */
 #define TP_QPT_RC 2
@@ -143,12 +144,22 @@ int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t
  * ceil(bytes / TP_MAX_MSG) <= TP_GATE_MAX_CHUNKS chunks; spins until the
  * peer's gate seq has landed; copies it into dst; re-arms seq + window.
  * A gate whose byte count differs from the armed window's drains and re-arms
- * first (both ranks run the same gate sequence, so both do it together). */
+ * first (both ranks run the same gate sequence, so both do it together).
+ * Details (all hot paths): timeout_s must be > 0; the receive queue must be
+ * empty when a window or bulk exchange is armed (raw receives left posted
+ * are TP_EINVAL); the barrier word carries what each side armed, so ranks
+ * that disagree get a "desync" error; after any failure the queue pair is
+ * marked unusable and every hot path fails fast until tp_build_qp. seq is
+ * the caller's label (errors and stats.recv_done name it): the window is
+ * keyed by the count of gates since the build, which both ranks share, so
+ * labels may skip (a bulk exchange taking a seq) or jump. */
 int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t seq,
             double timeout_s, char *err, size_t errlen);
 
 /* Consume the decode window on both sides (dummy sends matching the peer's
- * posted receives) so the queue pair is empty. No-op when not armed. */
+ * posted receives) so the queue pair is empty. No-op when not armed. Starts
+ * with a barrier over barrier_fd: the peer may still be inside its last gate
+ * with the receive for that seq + window not yet re-posted. */
 int tp_drain(tp_dev *dev, double timeout_s, char *err, size_t errlen);
 
 /* Bulk exchange for prefill: drains the decode window, then moves bytes in
@@ -173,5 +184,18 @@ typedef struct {
     int window_armed;
 } tp_stats;
 void tp_get_stats(const tp_dev *dev, tp_stats *out);
+
+/* ---- TCP gate hot loop (the fallback transport, _tcp_gate.c) ---- */
+
+/* One TCP decode gate on a blocking socket whose SO_RCVTIMEO/SO_SNDTIMEO set
+ * the deadline: send hdr_out + src in one sendmsg, receive the peer's header
+ * into hdr_in and its payload into dst. Both ranks send identical headers
+ * when in step, so a differing header is TP_EDESYNC, detected before any more
+ * payload is awaited (hdr_in then holds the peer's header). */
+int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
+                const void *src, void *dst, uint64_t bytes, uint64_t seq,
+                char *err, size_t errlen);
+/* The floor the TCP gate is measured against: write bytes, read bytes. */
+int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, char *err, size_t errlen);
 
 #endif

@@ -109,7 +109,7 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
     if pair.transport == "tcp":
 
         def raw() -> None:
-            tr.raw_exchange(pair.data, send, recv)
+            tr.raw_exchange(pair.tcp, send, recv)
 
         records.append(record("raw-floor", nbytes, _time_loop(raw, iters)))
     return records

@@ -776,74 +776,45 @@ class TcpGates:
     def __init__(self, sock: socket.socket, timeout: float):
         self.sock = sock
         self.timeout = timeout
+        self.ffi, self.lib = _load_verbs()
+        self._fd = sock.fileno()
         self._out_header = bytearray(GATE_HEADER.size)
         self._in_header = bytearray(GATE_HEADER.size)
-        self._in_header_view = memoryview(self._in_header)
+        self._out_header_c = self.ffi.from_buffer(self._out_header)
+        self._in_header_c = self.ffi.from_buffer(self._in_header)
+        self._err = self.ffi.new("char[512]")
         self._big_in = bytearray(BIG_HEADER.size)
 
     # -- decode gates --------------------------------------------------------
     def gate(self, send, recv, seq: int, layer: int = 0, gate: int = 0) -> None:
-        out = memoryview(send).cast("B")
-        inp = memoryview(recv).cast("B")
-        if len(out) != len(inp):
-            raise ValueError(f"gate send is {len(out)} bytes but recv is {len(inp)}: they must match")
+        """The round trip runs in C with the GIL released (_tcp_gate.c)."""
+        ffi = self.ffi
+        src = ffi.from_buffer(send)
+        dst = ffi.from_buffer(recv, require_writable=True)
+        if len(src) != len(dst):
+            raise ValueError(f"gate send is {len(src)} bytes but recv is {len(dst)}: they must match")
         GATE_HEADER.pack_into(self._out_header, 0, MAGIC, layer & 0xFFFF, gate & 0xFFFF, seq)
-        sock = self.sock
-        try:
-            sent = sock.sendmsg((self._out_header, out))
-            total = GATE_HEADER.size + len(out)
-            if sent != total:
-                self._finish_send(out, sent, seq)
-            # One scatter read puts the header and payload where they belong.
-            got = sock.recvmsg_into((self._in_header_view, inp))[0]
-            if got < GATE_HEADER.size:
-                got = self._finish_header(got, seq)
-            # The header is checked before any more payload is awaited, so a
-            # peer at another gate (or with another size) fails fast, no hang.
-            self._check_header(seq, layer, gate)
-            if got != total:
-                self._finish_recv(inp, got, seq)
-        except BlockingIOError:
-            raise TransportTimeoutError(
-                f"tcp gate seq {seq} (layer {layer} gate {gate}): no data from the peer within "
-                f"{self.timeout:g} s (DS4_TP_TIMEOUT_SEC); is the peer stopped or stuck?"
-            ) from None
-        except (ConnectionResetError, BrokenPipeError) as exc:
-            raise PeerClosedError(f"peer closed the gate connection during tcp gate seq {seq}: {exc}") from None
+        rc = self.lib.tp_tcp_gate(self._fd, self._out_header_c, self._in_header_c, GATE_HEADER.size,
+                                  src, dst, len(src), seq, self._err, 512)
+        if rc != 0:
+            self._raise(rc, seq, layer, gate)
 
-    def _check_header(self, seq: int, layer: int, gate: int) -> None:
-        magic, player, pgate, pseq = GATE_HEADER.unpack(self._in_header)
-        if magic != MAGIC or pseq != seq or player != (layer & 0xFFFF) or pgate != (gate & 0xFFFF):
+    def _raise(self, rc: int, seq: int, layer: int, gate: int) -> None:
+        text = self.ffi.string(self._err).decode("utf-8", "replace")
+        lib = self.lib
+        if rc == lib.TP_EDESYNC:
+            magic, player, pgate, pseq = GATE_HEADER.unpack(self._in_header)
             raise DesyncError(
                 f"gate desync: the peer sent layer {player} gate {pgate} seq {pseq} "
                 f"(magic 0x{magic:08x}), this side is at layer {layer} gate {gate} seq {seq}"
             )
-
-    def _finish_header(self, got: int, seq: int) -> int:
-        while got < GATE_HEADER.size:
-            n = self.sock.recv_into(self._in_header_view[got:])
-            if n == 0:
-                if got == 0:
-                    raise PeerClosedError(f"peer closed the gate connection (EOF) at tcp gate seq {seq}")
-                raise PeerClosedError(f"peer closed the gate connection mid-header at tcp gate seq {seq}")
-            got += n
-        return got
-
-    def _finish_send(self, out: memoryview, sent: int, seq: int) -> None:
-        if sent < GATE_HEADER.size:
-            self.sock.sendall(memoryview(self._out_header)[sent:])
-            sent = GATE_HEADER.size
-        self.sock.sendall(out[sent - GATE_HEADER.size :])
-
-    def _finish_recv(self, inp: memoryview, got: int, seq: int) -> None:
-        total = GATE_HEADER.size + len(inp)
-        while got < total:
-            n = self.sock.recv_into(inp[got - GATE_HEADER.size :])
-            if n == 0:
-                raise PeerClosedError(
-                    f"peer closed the gate connection mid-gate at seq {seq} ({got}/{total} bytes)"
-                )
-            got += n
+        if rc == lib.TP_ETIMEOUT:
+            raise TransportTimeoutError(
+                f"{text} (layer {layer} gate {gate}, timeout {self.timeout:g} s, DS4_TP_TIMEOUT_SEC)"
+            )
+        if rc == lib.TP_EPEER:
+            raise PeerClosedError(text)
+        raise TransportError(text)
 
     # -- big gates -----------------------------------------------------------
     def big_header(self, nbytes: int, seq: int, layer: int = 0) -> None:
@@ -934,16 +905,15 @@ class TcpGates:
             poller.unregister(fd)
 
 
-def raw_exchange(sock: socket.socket, send, recv) -> None:
-    """The floor: a bare write-then-read of the same bytes, no header, no checks."""
-    sock.sendall(send)
-    view = memoryview(recv).cast("B")
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise PeerClosedError("peer closed during raw exchange")
-        got += n
+def raw_exchange(gates: "TcpGates", send, recv) -> None:
+    """The floor: a bare write-then-read of the same bytes (no header, no
+    checks), in C like the gate, so the comparison is like for like."""
+    ffi = gates.ffi
+    src = ffi.from_buffer(send)
+    dst = ffi.from_buffer(recv, require_writable=True)
+    rc = gates.lib.tp_tcp_raw(gates._fd, src, dst, len(src), gates._err, 512)
+    if rc != 0:
+        gates._raise(rc, 0, 0, 0)
 
 
 # ============================================================================

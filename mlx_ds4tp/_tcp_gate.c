@@ -1,0 +1,165 @@
+/* TCP gate hot loop: the fallback transport's decode gate, in C so the round
+ * trip pays no interpreter time and runs with the GIL released.
+ *
+ * The data socket is blocking with SO_RCVTIMEO/SO_SNDTIMEO set by Python, so
+ * the kernel enforces the deadline: a read that waits past it returns EAGAIN
+ * and no poll() is spent on the fast path. */
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "_verbs.h"
+
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0 /* macOS: SO_NOSIGPIPE is set on the socket instead */
+#endif
+
+static void tcp_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || !errlen) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static int tcp_errno_code(int e) {
+    if (e == EAGAIN || e == EWOULDBLOCK) return TP_ETIMEOUT;
+    if (e == ECONNRESET || e == EPIPE || e == ENOTCONN) return TP_EPEER;
+    return TP_ESYS;
+}
+
+/* Write every byte of iov[0..n) (header then payload), resuming partial writes. */
+static int tcp_write_all(int fd, struct iovec *iov, int n, const char *what, uint64_t seq,
+                         char *err, size_t errlen) {
+    while (n > 0) {
+        struct msghdr msg;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)n;
+        ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            int e = errno;
+            tcp_err(err, errlen, "tcp %s seq %llu: send failed: %s", what,
+                    (unsigned long long)seq, strerror(e));
+            return tcp_errno_code(e);
+        }
+        size_t left = (size_t)w;
+        while (n > 0 && left >= iov->iov_len) {
+            left -= iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (char *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+    return TP_OK;
+}
+
+/* Read exactly len bytes into buf. */
+static int tcp_read_all(int fd, void *buf, size_t len, const char *what, uint64_t seq,
+                        size_t *got_out, char *err, size_t errlen) {
+    char *p = buf;
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = recv(fd, p + got, len - got, 0);
+        if (r > 0) {
+            got += (size_t)r;
+            continue;
+        }
+        if (r < 0 && errno == EINTR) continue;
+        *got_out = got;
+        if (r == 0) {
+            tcp_err(err, errlen, "peer closed the gate connection (EOF) during tcp %s seq %llu "
+                    "(%zu/%zu bytes)", what, (unsigned long long)seq, got, len);
+            return TP_EPEER;
+        }
+        int e = errno;
+        if (e == EAGAIN || e == EWOULDBLOCK)
+            tcp_err(err, errlen, "tcp %s seq %llu: no data from the peer within the gate timeout "
+                    "(%zu/%zu bytes); is the peer stopped or stuck?", what,
+                    (unsigned long long)seq, got, len);
+        else
+            tcp_err(err, errlen, "tcp %s seq %llu: receive failed: %s", what,
+                    (unsigned long long)seq, strerror(e));
+        return tcp_errno_code(e);
+    }
+    *got_out = got;
+    return TP_OK;
+}
+
+int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
+                const void *src, void *dst, uint64_t bytes, uint64_t seq,
+                char *err, size_t errlen) {
+    /* Header and payload leave in one sendmsg so TCP_NODELAY never splits
+     * them into two segments. 16 KiB fits any socket buffer, so both sides
+     * writing first cannot deadlock. */
+    struct iovec out[2] = {{(void *)hdr_out, hdr_len}, {(void *)src, (size_t)bytes}};
+    int rc = tcp_write_all(fd, out, 2, "gate", seq, err, errlen);
+    if (rc != TP_OK) return rc;
+
+    /* One scatter read usually brings header and payload together. */
+    struct iovec in[2] = {{hdr_in, hdr_len}, {dst, (size_t)bytes}};
+    struct msghdr msg;
+    memset(&msg, 0, sizeof(msg));
+    msg.msg_iov = in;
+    msg.msg_iovlen = 2;
+    ssize_t r;
+    do {
+        r = recvmsg(fd, &msg, 0);
+    } while (r < 0 && errno == EINTR);
+    size_t got = 0;
+    if (r < 0) {
+        int e = errno;
+        if (e == EAGAIN || e == EWOULDBLOCK)
+            tcp_err(err, errlen, "tcp gate seq %llu: no data from the peer within the gate "
+                    "timeout; is the peer stopped or stuck?", (unsigned long long)seq);
+        else
+            tcp_err(err, errlen, "tcp gate seq %llu: receive failed: %s",
+                    (unsigned long long)seq, strerror(e));
+        return tcp_errno_code(e);
+    }
+    if (r == 0) {
+        tcp_err(err, errlen, "peer closed the gate connection (EOF) at tcp gate seq %llu",
+                (unsigned long long)seq);
+        return TP_EPEER;
+    }
+    got = (size_t)r;
+    if (got < hdr_len) {
+        size_t more = 0;
+        rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, "gate header", seq, &more,
+                          err, errlen);
+        if (rc != TP_OK) return rc;
+        got = hdr_len;
+    }
+    /* The header is checked before any more payload is awaited: a peer at
+     * another gate or with another size fails fast instead of hanging. The
+     * two ranks send identical headers when they are in step. */
+    if (memcmp(hdr_in, hdr_out, hdr_len) != 0) {
+        tcp_err(err, errlen, "gate desync at seq %llu", (unsigned long long)seq);
+        return TP_EDESYNC;
+    }
+    size_t payload_got = got - hdr_len;
+    if (payload_got < bytes) {
+        size_t more = 0;
+        rc = tcp_read_all(fd, (char *)dst + payload_got, (size_t)bytes - payload_got, "gate",
+                          seq, &more, err, errlen);
+        if (rc != TP_OK) return rc;
+    }
+    return TP_OK;
+}
+
+int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, char *err, size_t errlen) {
+    struct iovec out[1] = {{(void *)src, (size_t)bytes}};
+    int rc = tcp_write_all(fd, out, 1, "raw exchange", 0, err, errlen);
+    if (rc != TP_OK) return rc;
+    size_t got = 0;
+    return tcp_read_all(fd, dst, (size_t)bytes, "raw exchange", 0, &got, err, errlen);
+}

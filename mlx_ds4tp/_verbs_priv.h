@@ -1,0 +1,140 @@
+/* mlx_ds4tp._verbs, private: the device object shared by the core
+ * (_verbs_core.c: API, registrations, hot loops) and the two providers
+ * (_verbs_ibv.c: real verbs, _verbs_ucsim.c: emulated Thunderbolt UC).
+ * Include this first in every .c file of the module. */
+#ifndef MLX_DS4TP_VERBS_PRIV_H
+#define MLX_DS4TP_VERBS_PRIV_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1 /* ppoll, SO_RCVBUFFORCE, MSG_NOSIGNAL */
+#endif
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "_verbs.h"
+
+#define TP_LOG "ds4-tp: "
+
+/* The Apple stack allows ~100 memory regions in all; keep headroom. */
+#define TP_MAX_MRS 96
+
+/* Hot-path work request ids. A gate's final chunk receive carries the bare
+ * gate number (gates since the build; top byte 0) so its completion is the
+ * arrival watermark; every other hot-loop work request is tagged in the top
+ * byte. */
+#define TP_TAG_MASK (UINT64_C(0xff) << 56)
+#define TP_TAG_GATE_CHUNK (UINT64_C(0xd1) << 56) /* | seq: non-final chunk recv */
+#define TP_TAG_GATE_SEND (UINT64_C(0xd2) << 56)  /* | seq */
+#define TP_TAG_DRAIN (UINT64_C(0xd3) << 56)      /* | index */
+#define TP_TAG_BULK_RECV (UINT64_C(0xd4) << 56)  /* | round << 8 | slot */
+#define TP_TAG_BULK_SEND (UINT64_C(0xd5) << 56)  /* | round << 8 | slot */
+
+/* Slab layout owned by the hot paths (tp_slab_bytes()). 4 KiB aligned. */
+#define TP_GATE_SLOT_BYTES ((uint64_t)TP_GATE_MAX_CHUNKS * TP_MAX_MSG)
+#define TP_BULK_ROUND_BYTES ((uint64_t)TP_BULK_SLOTS * TP_MAX_MSG)
+#define TP_OFF_SEND 0u
+#define TP_OFF_CTRL (TP_OFF_SEND + TP_GATE_SLOT_BYTES) /* 4 KiB: drain markers */
+#define TP_OFF_RING (TP_OFF_CTRL + 4096u)
+#define TP_OFF_BULK_SEND (TP_OFF_RING + (uint64_t)TP_RECV_WINDOW * TP_GATE_SLOT_BYTES)
+#define TP_OFF_BULK_RECV (TP_OFF_BULK_SEND + TP_BULK_ROUND_BYTES)
+#define TP_OFF_END (TP_OFF_BULK_RECV + 2u * TP_BULK_ROUND_BYTES)
+
+/* Drain markers: small, so they fit any posted receive, and recognisable,
+ * so a real gate arriving during a drain is reported as a desync. */
+#define TP_DRAIN_MSG_BYTES 8u
+
+/* Default depths (DESIGN.md: 512 CQ entries, 1024 send / 1024 recv). */
+#define TP_DEFAULT_CQ 512
+#define TP_DEFAULT_WR 1024
+
+typedef struct {
+    uintptr_t lo, hi;  /* [lo, hi) */
+    uint32_t lkey;
+    int used;
+    void *handle;      /* provider's registration (struct ibv_mr *) */
+} tp_mr;
+
+/* What a provider implements. Every function gets the device; errors are
+ * negative TP_E* codes with a message in err. */
+typedef struct {
+    const char *kind; /* "ibverbs" | "ucsim" */
+    int (*build_qp)(tp_dev *dev, int qp_type, int attempt, int *cq_depth, int *send_wr,
+                    int *recv_wr, char *err, size_t errlen);
+    int (*connect)(tp_dev *dev, const tp_info *peer, char *err, size_t errlen);
+    int (*reg)(tp_dev *dev, tp_mr *mr, char *err, size_t errlen);
+    void (*dereg)(tp_dev *dev, tp_mr *mr);
+    int (*post_recv)(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey, uint64_t wr_id,
+                     char *err, size_t errlen);
+    int (*post_send)(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey, uint64_t wr_id,
+                     int opcode, int signaled, char *err, size_t errlen);
+    /* Non-blocking: reap up to max completions (>= 0) or fail. */
+    int (*poll)(tp_dev *dev, tp_wc *wc, int max, char *err, size_t errlen);
+    /* Nothing was ready: wait a little (spin, or block in the kernel), at
+     * most until deadline_ns (CLOCK_MONOTONIC). waited_ns: how long this
+     * wait has lasted so far. 0, or TP_EPEER when the control socket closed. */
+    int (*idle)(tp_dev *dev, uint64_t deadline_ns, uint64_t waited_ns);
+    void (*close)(tp_dev *dev);
+} tp_provider;
+
+enum { TP_MODE_IDLE = 0, TP_MODE_GATE, TP_MODE_DRAIN, TP_MODE_BULK };
+
+struct tp_dev {
+    const tp_provider *prov;
+    void *impl; /* provider state */
+    char name[64];
+    int role;
+
+    uint8_t *slab;
+    uint64_t slab_bytes;
+    tp_mr mrs[TP_MAX_MRS]; /* mrs[0] is the slab */
+
+    int qp_built, connected, qp_type, setup_attempt;
+    int cq_depth, send_wr, recv_wr; /* granted */
+    tp_info local;
+    int control_fd, barrier_fd;
+    uint64_t next_peer_check_ns;
+
+    /* Work requests the core has seen posted and not yet completed. */
+    uint64_t rq_outstanding;
+
+    /* Hot-path state. */
+    int mode;
+    int armed;
+    uint32_t armed_bytes, armed_chunks;
+    uint64_t gate_count;         /* gates completed since the build (window key) */
+    uint64_t recv_done;          /* highest gate number whose receive completed */
+    uint64_t last_seq, cur_seq;  /* caller's labels: last completed, in progress */
+    uint32_t send_outstanding;   /* hot-path signaled sends not yet reaped */
+    uint32_t drain_recvs;        /* drain markers received */
+    uint32_t bulk_recvs[2];      /* receives completed, by round parity */
+    uint64_t bulk_bytes;         /* current bulk exchange (for length checks) */
+    int wedged_code;             /* != 0: a hot path failed; rebuild first */
+    char wedged[200];
+
+    tp_stats stats;
+};
+
+/* ---- shared helpers (_verbs_core.c) ---- */
+void tp_errf(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+uint64_t tp_mono_ns(void);
+uint64_t tp_real_ns(void);
+uint64_t tp_random64(void);
+/* 1 when the peer closed (EOF or reset) the socket, 0 otherwise. */
+int tp_fd_closed(int fd);
+/* Block in poll() on fds for at most ns nanoseconds. */
+int tp_poll_fds(void *pfds, int nfds, uint64_t ns);
+const char *tp_wc_status_name(int status);
+
+/* ---- providers ---- */
+extern const tp_provider tp_ucsim_provider;
+int tp_ucsim_open(tp_dev *dev, const char *bind_ipv4, const char *faults, char *err,
+                  size_t errlen);
+
+extern const tp_provider tp_ibv_provider;
+int tp_ibv_probe(const char *device, char *err, size_t errlen);
+int tp_ibv_open(tp_dev *dev, const char *device, int gid_index, char *err, size_t errlen);
+
+#endif
