@@ -45,8 +45,12 @@ static int tcp_write_all(int fd, struct iovec *iov, int n, const char *what, uin
         if (w < 0) {
             if (errno == EINTR) continue;
             int e = errno;
-            tcp_err(err, errlen, "tcp %s seq %llu: send failed: %s", what,
-                    (unsigned long long)seq, strerror(e));
+            if (tcp_errno_code(e) == TP_EPEER)
+                tcp_err(err, errlen, "peer closed the gate connection (%s) during tcp %s seq %llu",
+                        strerror(e), what, (unsigned long long)seq);
+            else
+                tcp_err(err, errlen, "tcp %s seq %llu: send failed: %s", what,
+                        (unsigned long long)seq, strerror(e));
             return tcp_errno_code(e);
         }
         size_t left = (size_t)w;
@@ -86,6 +90,9 @@ static int tcp_read_all(int fd, void *buf, size_t len, const char *what, uint64_
             tcp_err(err, errlen, "tcp %s seq %llu: no data from the peer within the gate timeout "
                     "(%zu/%zu bytes); is the peer stopped or stuck?", what,
                     (unsigned long long)seq, got, len);
+        else if (tcp_errno_code(e) == TP_EPEER)
+            tcp_err(err, errlen, "peer closed the gate connection (%s) during tcp %s seq %llu",
+                    strerror(e), what, (unsigned long long)seq);
         else
             tcp_err(err, errlen, "tcp %s seq %llu: receive failed: %s", what,
                     (unsigned long long)seq, strerror(e));
@@ -121,6 +128,9 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
         if (e == EAGAIN || e == EWOULDBLOCK)
             tcp_err(err, errlen, "tcp gate seq %llu: no data from the peer within the gate "
                     "timeout; is the peer stopped or stuck?", (unsigned long long)seq);
+        else if (tcp_errno_code(e) == TP_EPEER)
+            tcp_err(err, errlen, "peer closed the gate connection (%s) during tcp gate seq %llu",
+                    strerror(e), (unsigned long long)seq);
         else
             tcp_err(err, errlen, "tcp gate seq %llu: receive failed: %s",
                     (unsigned long long)seq, strerror(e));

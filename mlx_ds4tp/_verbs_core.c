@@ -385,18 +385,20 @@ static int reap(tp_dev *dev, tp_wc *wc, int max, uint64_t deadline_ns, char *err
         const uint64_t now = tp_mono_ns();
         if (!start) start = now;
         if (now >= deadline_ns) return 0;
+        int rc = TP_OK;
         if (dev->control_fd >= 0 && now >= dev->next_peer_check_ns) {
-            if (tp_fd_closed(dev->control_fd)) {
-                /* A peer that finishes its last gate and exits closes the
-                 * control socket right after its final send: that message
-                 * has landed already, so reap it before calling the peer
-                 * dead, or a clean end of run looks like a failure. */
-                n = poll_once(dev, wc, max, err, errlen);
-                return n != 0 ? n : TP_EPEER;
-            }
+            if (tp_fd_closed(dev->control_fd)) rc = TP_EPEER;
             dev->next_peer_check_ns = now + 1000000u;
         }
-        int rc = dev->prov->idle(dev, deadline_ns, now - start);
+        if (rc == TP_OK) rc = dev->prov->idle(dev, deadline_ns, now - start);
+        if (rc == TP_EPEER) {
+            /* A peer that finishes its last gate and exits closes the
+             * control socket right after its final send: that message has
+             * landed already, so reap it before calling the peer dead, or
+             * a clean end of run looks like a failure. */
+            n = poll_once(dev, wc, max, err, errlen);
+            return n != 0 ? n : TP_EPEER;
+        }
         if (rc < 0) return rc;
     }
 }

@@ -1,0 +1,146 @@
+"""RDMA bring-up against the emulated Thunderbolt UC device's faults: the
+one-direction drop of a fresh queue pair, and the kill of a direction that
+receives a message with no receive posted."""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_ds4tp as tp
+from mlx_ds4tp.errors import RdmaUnavailableError, TransportTimeoutError
+from pairutil import free_port
+
+
+def bring_up(n_pairs: int, transport: str = "rdma", timeout: float = 10.0, start_delay_ms: int = 0,
+             gates: int = 20):
+    """n pairs brought up concurrently in this process; each then runs `gates`
+    all_sums and checks the sums. Returns [(leader_outcome, worker_outcome)]
+    where an outcome is (transport, None) or (None, exception)."""
+    outcomes = [[None, None] for _ in range(n_pairs)]
+
+    def rank(i: int, role: int, port: int) -> None:
+        try:
+            if start_delay_ms:
+                time.sleep(random.uniform(0, start_delay_ms) / 1000.0)
+            if role == 0:
+                g = tp.init(role="leader", listen=("127.0.0.1", port), transport=transport,
+                            rdma_device="ucsim", timeout=timeout)
+            else:
+                g = tp.init(role="worker", coordinator=("127.0.0.1", port), transport=transport,
+                            rdma_device="ucsim", timeout=timeout)
+            with g:
+                base = mx.arange(4096, dtype=mx.float32)
+                for k in range(gates):
+                    y = tp.all_sum(base * (role + 1) + k, group=g)
+                    expect = np.arange(4096, dtype=np.float32) * 3 + 2 * k
+                    if not np.array_equal(np.array(y), expect):
+                        raise AssertionError(f"pair {i} rank {role}: wrong sum at gate {k}")
+                outcomes[i][role] = (g.transport, None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcomes[i][role] = (None, exc)
+
+    threads = []
+    for i in range(n_pairs):
+        port = free_port()
+        for role in (0, 1):
+            threads.append(threading.Thread(target=rank, args=(i, role, port), daemon=True))
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a bring-up hung"
+    return outcomes
+
+
+@pytest.mark.parametrize("direction", ["l2w", "w2l"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_one_direction_drop_recovers_on_build_k_plus_1(monkeypatch, capfd, direction, k):
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", f"drop={direction}:{k}")
+    trials = 20
+    outcomes = bring_up(trials)
+    err = capfd.readouterr().err
+    for leader, worker in outcomes:
+        assert leader == ("rdma", None), leader
+        assert worker == ("rdma", None), worker
+    # Every rank of every trial logged K re-creations, then success on build K+1.
+    for attempt in range(1, k + 1):
+        lines = re.findall(rf"warm-up failed after 20 attempts \(recv \d, peer \d\); "
+                           rf"recreating the queue pair \(setup attempt {attempt}\)", err)
+        assert len(lines) == 2 * trials, (attempt, len(lines))
+    assert len(re.findall(r"recreating the queue pair \(setup attempt 4\)", err)) == 0
+    ok = re.findall(rf"rdma warm-up ok \(1 attempt\), queue depth recv 1024 send 1024 \[build {k + 1},", err)
+    assert len(ok) == 2 * trials
+    # The side whose sends were dropped reports it received, its peer did not.
+    receiver_blind = "recv 0, peer 1" if direction == "l2w" else "recv 1, peer 0"
+    assert receiver_blind in err
+
+
+def test_four_drops_fail_both_ranks_with_rdma(monkeypatch, capfd):
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop=l2w:4")
+    t0 = time.monotonic()
+    (leader, worker), = bring_up(1)
+    elapsed = time.monotonic() - t0
+    for _, exc in (leader, worker):
+        assert isinstance(exc, RdmaUnavailableError), exc
+        assert "warm-up failed after 20 attempts" in str(exc) and "all 4 queue pair builds" in str(exc)
+    assert elapsed < 15.0, elapsed
+    assert "recreating the queue pair (setup attempt 3)" in capfd.readouterr().err
+
+
+def test_four_drops_fall_back_to_tcp_together_with_auto(monkeypatch, capfd):
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop=l2w:4")
+    t0 = time.monotonic()
+    (leader, worker), = bring_up(1, transport="auto")
+    elapsed = time.monotonic() - t0
+    assert leader == ("tcp", None) and worker == ("tcp", None), (leader, worker)
+    assert elapsed < 15.0, elapsed
+    err = capfd.readouterr().err
+    assert err.count("WARNING: tp rdma: warm-up failed after 20 attempts") == 2
+    assert err.count("falling back to TCP gates (transport=auto)") == 2
+
+
+def test_without_warmup_a_dead_direction_is_a_gate_timeout(monkeypatch):
+    """Why the warm-up exists: skip it on a pair with a dead direction and the
+    first gates time out (naming the seq) instead of passing."""
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop=l2w:1")
+    monkeypatch.setenv("DS4_TP_DISABLE_RDMA_WARMUP", "1")
+    t0 = time.monotonic()
+    (leader, worker), = bring_up(1, timeout=1.0)
+    assert time.monotonic() - t0 < 10.0
+    for _, exc in (leader, worker):
+        assert exc is not None, "a gate on a dead direction must not succeed"
+        assert isinstance(exc, (TransportTimeoutError, tp.PeerClosedError)), exc
+    timeouts = [exc for _, exc in (leader, worker) if isinstance(exc, TransportTimeoutError)]
+    assert timeouts and all(re.search(r"seq \d+", str(e)) for e in timeouts), timeouts
+
+
+def test_posted_barrier_prevents_kill_unposted(monkeypatch, capfd):
+    """With random start delays (0-200 ms per side, and 0-200 ms before each
+    side posts its warm-up receive) the barrier keeps every bring-up clean."""
+    monkeypatch.setenv("DS4_TP_TEST_WARMUP_DELAY_MS", "200")
+    outcomes = bring_up(50, start_delay_ms=200)
+    err = capfd.readouterr().err
+    failures = [o for pair in outcomes for o in pair if o != ("rdma", None)]
+    assert failures == []
+    assert "recreating the queue pair" not in err
+    assert err.count("rdma warm-up ok (1 attempt)") == 100
+
+
+def test_without_the_barrier_kill_unposted_breaks_bring_ups(monkeypatch, capfd):
+    monkeypatch.setenv("DS4_TP_TEST_NO_POSTED_BARRIER", "1")
+    monkeypatch.setenv("DS4_TP_TEST_WARMUP_DELAY_MS", "200")
+    outcomes = bring_up(8, start_delay_ms=200)
+    err = capfd.readouterr().err
+    broken = err.count("recreating the queue pair (setup attempt 1)") + sum(
+        1 for pair in outcomes for o in pair if o != ("rdma", None))
+    assert broken > 0, "without the barrier some warm-up must have hit an unposted receive"
+    # The emulated device saw messages arrive with no receive posted.
+    assert "warm-up failed after 20 attempts" in err
