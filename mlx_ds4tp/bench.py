@@ -116,9 +116,9 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
 
 
 def run_rank(role: str, host: str, port: int, transport: str, rdma_device: Optional[str],
-             nbytes: int, iters: int) -> List[Dict]:
+             nbytes: int, iters: int, secret=None) -> List[Dict]:
     """One rank of the transport bench (the leader returns the records)."""
-    kwargs = dict(transport=transport, rdma_device=rdma_device)
+    kwargs = dict(transport=transport, rdma_device=rdma_device, secret=secret)
     if role == "leader":
         group = gate_ops.init(role="leader", listen=(host, port), **kwargs)
     else:

@@ -17,6 +17,9 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"), help="leader: address to listen on")
     p.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"), help="worker: the leader's address")
     p.add_argument("--rdma-device", default=None, help="verbs device (e.g. rdma_en1) or 'ucsim'")
+    p.add_argument("--secret", default=None,
+                   help="shared secret both ranks must hold (default DS4_TP_SECRET; the variable "
+                        "keeps it out of `ps`)")
 
 
 def _address(pair: Optional[Sequence[str]], flag: str):
@@ -81,7 +84,8 @@ def cmd_bench(args) -> int:
     if args.role is not None:
         transport = args.transport if args.transport != "all" else "auto"
         host, port = _address(args.listen or args.coordinator, "--listen/--coordinator")
-        records = bench.run_rank(args.role, host, port, transport, args.rdma_device, args.bytes, args.iters)
+        records = bench.run_rank(args.role, host, port, transport, args.rdma_device, args.bytes,
+                                 args.iters, secret=args.secret)
         if args.role == "leader":
             _print_records(records, args.json, keep_samples=True)
         return 0
@@ -223,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wait for the peer's `ds4tp doctor --peer` and answer its gates")
     doc.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
     doc.add_argument("--rdma-device", default=None)
+    doc.add_argument("--secret", default=None, help="shared secret (default DS4_TP_SECRET)")
     doc.set_defaults(func=cmd_doctor)
     return parser
 

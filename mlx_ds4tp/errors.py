@@ -32,3 +32,7 @@ class DesyncError(TransportError):
 
 class RdmaUnavailableError(TransportError):
     """RDMA was required but this side (or the peer) has no usable device."""
+
+
+class AuthenticationError(TransportError):
+    """The peer could not prove it holds the shared secret (or one side has none)."""

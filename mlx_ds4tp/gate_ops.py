@@ -140,6 +140,7 @@ def init(
     rdma_device: Optional[str] = None,
     gid_index: Optional[int] = None,
     timeout: Optional[float] = None,
+    secret=None,
     identity: Optional[tr.ModelIdentity] = None,
 ) -> Group:
     """Join the pair. The leader (rank 0) listens, the worker (rank 1) dials.
@@ -147,6 +148,8 @@ def init(
     transport: "auto" (RDMA when both sides have it, else TCP), "rdma" (error
     if either side lacks it), "tcp", or "mlx" (mx.distributed: ring or jaccl
     as MLX chooses, configured by MLX's own launcher environment).
+    secret (str or bytes, default DS4_TP_SECRET): both ranks prove they hold it
+    (HMAC challenge-response in the hello) before any session state exists.
     """
     if transport == "mlx":
         return _init_mlx(role)
@@ -159,6 +162,7 @@ def init(
         gid_index=gid_index,
         timeout=timeout,
         identity=identity or tr.ModelIdentity(),
+        secret=secret,
     )
     pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device))
     try:

@@ -56,6 +56,7 @@ def run(args, address: Tuple[str, int]) -> int:
         transport=args.transport,
         rdma_device=args.rdma_device,
         gid_index=args.rdma_gid_index,
+        secret=args.secret,
         identity=identity,
     )
     with group:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import errno
+import hashlib
+import hmac
 import os
 import secrets
 import select
@@ -23,6 +24,7 @@ import time
 from typing import Callable, Optional, Tuple
 
 from .errors import (
+    AuthenticationError,
     DesyncError,
     FrameError,
     HelloMismatchError,
@@ -105,7 +107,7 @@ FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count
 GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
 BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
 BIG_TAG = 0xB16
-DATA_HELLO = struct.Struct("<IIQ")  # DATA_MAGIC, version, session id
+DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
 
 
 def log(message: str) -> None:
@@ -155,9 +157,11 @@ class ModelIdentity:
                 )
 
 
-HELLO_FIXED = struct.Struct("<IIIIIIQ" + "I" * len(ModelIdentity.FIELDS))
+HELLO_FIXED = struct.Struct("<IIIIIIQI16s" + "I" * len(ModelIdentity.FIELDS))
 # magic, version, role, transport wanted, rdma_ok, reason length, session id,
-# identity fields; then the UTF-8 reason this side has no RDMA (may be empty).
+# "I have a secret", a fresh 16-byte nonce, identity fields; then the UTF-8
+# reason this side has no RDMA (may be empty).
+NONCE_BYTES = 16
 TRANSPORT_CODES = {"auto": 0, "tcp": 1, "rdma": 2}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORT_CODES.items()}
 MAX_REASON_BYTES = 512
@@ -171,6 +175,8 @@ class Hello:
     rdma_reason: str
     session_id: int
     identity: ModelIdentity
+    auth: bool = False
+    nonce: bytes = bytes(NONCE_BYTES)
     version: int = PROTOCOL_VERSION
     magic: int = MAGIC
 
@@ -186,6 +192,8 @@ class Hello:
                 int(self.rdma_ok),
                 len(reason),
                 self.session_id,
+                int(self.auth),
+                self.nonce,
                 *ident,
             )
             + reason
@@ -198,7 +206,7 @@ class Hello:
                 f"hello payload is {len(payload)} bytes, need at least {HELLO_FIXED.size}: "
                 "the peer is not a ds4tp rank of this version"
             )
-        magic, version, role, tcode, rdma_ok, rlen, session_id, *ident = (
+        magic, version, role, tcode, rdma_ok, rlen, session_id, auth, nonce, *ident = (
             HELLO_FIXED.unpack_from(payload)
         )
         if magic != MAGIC:
@@ -226,6 +234,8 @@ class Hello:
             rdma_reason=reason,
             session_id=session_id,
             identity=ModelIdentity(*ident),
+            auth=bool(auth),
+            nonce=nonce,
             version=version,
             magic=magic,
         )
@@ -272,6 +282,62 @@ def choose_transport(mine: Hello, theirs: Hello) -> str:
             + "; fix the device or use --transport auto/tcp"
         )
     return "tcp"
+
+
+AUTH_TAG = b"ds4tp-auth-v1"
+DATA_AUTH_TAG = b"ds4tp-data-v1"
+
+
+def secret_bytes(secret) -> Optional[bytes]:
+    """secret= (str or bytes) or DS4_TP_SECRET; None when neither is set."""
+    if secret is None:
+        secret = os.environ.get("DS4_TP_SECRET") or None
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
+        raise ValueError("secret must be a non-empty str or bytes (or unset DS4_TP_SECRET)")
+    return bytes(secret)
+
+
+def auth_proof(secret: bytes, prover_role: int, verifier_nonce: bytes, prover_nonce: bytes) -> bytes:
+    """HMAC-SHA256 over the verifier's fresh nonce: proves the secret without
+    sending it, and cannot be replayed into another connection."""
+    msg = AUTH_TAG + struct.pack("<I", prover_role) + verifier_nonce + prover_nonce
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def authenticate(control: "ControlChannel", mine: Hello, theirs: Hello, secret: Optional[bytes]) -> None:
+    """Challenge-response in both directions, before any session state exists."""
+    peer = ROLE_NAMES[theirs.role]
+    if not mine.auth and not theirs.auth:
+        return
+    if mine.auth and not theirs.auth:
+        raise AuthenticationError(
+            f"authentication failed: this side has a secret but the {peer} sent none; give both "
+            "machines the same --secret / DS4_TP_SECRET"
+        )
+    if theirs.auth and not mine.auth:
+        raise AuthenticationError(
+            f"authentication failed: the {peer} requires a secret and this side has none; give "
+            "both machines the same --secret / DS4_TP_SECRET"
+        )
+    control.send(FrameType.AUTH, auth_proof(secret, mine.role, theirs.nonce, mine.nonce))
+    _, proof = control.recv(FrameType.AUTH)
+    expected = auth_proof(secret, theirs.role, mine.nonce, theirs.nonce)
+    if not hmac.compare_digest(proof, expected):
+        raise AuthenticationError(
+            f"authentication failed: the {peer}'s proof does not match this side's secret; "
+            "the two machines have different --secret / DS4_TP_SECRET values"
+        )
+
+
+def data_proof(secret: Optional[bytes], leader: Hello, worker: Hello) -> bytes:
+    """Binds the gate data connection to the authenticated control session."""
+    if secret is None:
+        return bytes(32)
+    return hmac.new(secret, DATA_AUTH_TAG + leader.nonce + worker.nonce, hashlib.sha256).digest()
 
 
 # ============================================================================
@@ -513,8 +579,10 @@ class PairConfig:
     gid_index: Optional[int] = None
     timeout: Optional[float] = None
     identity: ModelIdentity = dataclasses.field(default_factory=ModelIdentity)
+    secret: Optional[bytes] = None
 
     def __post_init__(self) -> None:
+        self.secret = secret_bytes(self.secret)
         if self.role not in ("leader", "worker"):
             raise ValueError(f"role={self.role!r}: use 'leader' (rank 0) or 'worker' (rank 1)")
         if self.transport not in TRANSPORT_CODES:
@@ -660,6 +728,8 @@ def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, st
         rdma_reason=reason if not rdma_ok else "",
         session_id=session_id,
         identity=config.identity,
+        auth=config.secret is not None,
+        nonce=secrets.token_bytes(NONCE_BYTES),
     )
     if config.rank == LEADER:
         return _connect_leader(config, mine, deadline)
@@ -694,6 +764,14 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
             control = ControlChannel(sock, config.timeout)
             try:
                 theirs = _exchange_hello(control, mine, min(HELLO_TIMEOUT_SEC, config.timeout))
+                authenticate(control, mine, theirs, config.secret)
+            except AuthenticationError as exc:
+                # A client without our secret: refused before any session
+                # state exists; keep waiting for the real worker.
+                control.send_error(str(exc))
+                log(f"refused a connection from {_peer_address(sock)}: {exc}")
+                sock.close()
+                continue
             except HelloMismatchError as exc:
                 control.send_error(str(exc))
                 sock.close()
@@ -711,8 +789,9 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
             tune_socket(data)
             hello = bytearray(DATA_HELLO.size)
             recv_exact_into(data, memoryview(hello), "data connection hello", deadline)
-            magic, version, session = DATA_HELLO.unpack(hello)
-            if magic != DATA_MAGIC or version != PROTOCOL_VERSION or session != mine.session_id:
+            magic, version, session, proof = DATA_HELLO.unpack(hello)
+            if (magic != DATA_MAGIC or version != PROTOCOL_VERSION or session != mine.session_id
+                    or not hmac.compare_digest(proof, data_proof(config.secret, mine, theirs))):
                 raise TransportError(
                     f"the gate data connection from {_peer_address(data)} did not present this "
                     f"session (magic 0x{magic:08x}, session {session:#x}); another client raced "
@@ -736,12 +815,14 @@ def _connect_worker(config: PairConfig, mine: Hello, deadline: float) -> Pair:
     control = ControlChannel(sock, config.timeout)
     try:
         theirs = _exchange_hello(control, mine, config.timeout)
+        authenticate(control, mine, theirs, config.secret)
         transport = _agree(control, mine, theirs)
         data = _dial(host, port, deadline, "gate data")
         tune_socket(data)
         send_all(
             data,
-            DATA_HELLO.pack(DATA_MAGIC, PROTOCOL_VERSION, theirs.session_id),
+            DATA_HELLO.pack(DATA_MAGIC, PROTOCOL_VERSION, theirs.session_id,
+                            data_proof(config.secret, theirs, mine)),
             "data connection hello",
             deadline,
         )
