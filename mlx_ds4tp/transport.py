@@ -803,7 +803,8 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
             raise
     finally:
         listener.close()
-    log(f"worker connected from {_peer_address(sock)}, transport={transport}")
+    log(f"worker connected from {_peer_address(sock)}, transport={transport}"
+        f"{_choice_note(config, mine, theirs, transport)}")
     set_kernel_timeout(data, config.timeout)
     return Pair(config, control, data, mine, theirs, transport)
 
@@ -831,9 +832,21 @@ def _connect_worker(config: PairConfig, mine: Hello, deadline: float) -> Pair:
             control.send_error(str(exc))
         sock.close()
         raise
-    log(f"connected to leader {host}:{port}, transport={transport}")
+    log(f"connected to leader {host}:{port}, transport={transport}"
+        f"{_choice_note(config, mine, theirs, transport)}")
     set_kernel_timeout(data, config.timeout)
     return Pair(config, control, data, mine, theirs, transport)
+
+
+def _choice_note(config: PairConfig, mine: Hello, theirs: Hello, transport: str) -> str:
+    """Why auto chose TCP, in the same log line (both ranks say it)."""
+    if config.transport != "auto" or transport != "tcp":
+        return ""
+    why = [f"{'this side' if h is mine else 'the ' + ROLE_NAMES[h.role]}: {h.rdma_reason or 'no device'}"
+           for h in (mine, theirs) if not h.rdma_ok]
+    if not why:
+        why = ["the peer asked for tcp"]
+    return " (auto: RDMA unavailable on " + "; ".join(why) + ")"
 
 
 def _peer_address(sock: socket.socket) -> str:

@@ -494,3 +494,42 @@ def test_peer_killed_mid_exchange(procs, transport, victim):
     assert survivor.returncode == 3, (out, err)
     assert "FAILED PeerClosedError" in out, (out, err)
     assert elapsed < 2.0, elapsed
+
+
+# ============================================================================
+# Transport choice without an RDMA device (the real ibverbs provider here)
+# ============================================================================
+
+
+def test_rdma_without_a_device_fails_clearly_on_both_ranks():
+    """No verbs device on this machine: transport="rdma" must fail on both
+    ranks naming the reason, never hang or fall back silently."""
+    import mlx_ds4tp as tp
+
+    ok, reason = tr.rdma_probe(None)
+    assert not ok and ("no verbs devices" in reason or "built without infiniband/verbs.h" in reason)
+    port = free_port()
+    (lv, le), (wv, we) = run_both(
+        lambda: tp.init(role="leader", listen=("127.0.0.1", port), transport="rdma", timeout=5.0),
+        lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), transport="rdma", timeout=5.0),
+    )
+    for exc in (le, we):
+        assert isinstance(exc, TransportError), exc
+        assert "transport=rdma but RDMA is unavailable" in str(exc)
+        assert "no verbs devices" in str(exc) or "built without" in str(exc)
+
+
+def test_auto_without_a_device_falls_back_to_tcp_with_one_log_line(capfd):
+    import mlx_ds4tp as tp
+
+    port = free_port()
+    lg, wg = both_ok(
+        lambda: tp.init(role="leader", listen=("127.0.0.1", port), transport="auto", timeout=5.0),
+        lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), transport="auto", timeout=5.0),
+    )
+    with lg, wg:
+        assert lg.transport == wg.transport == "tcp"
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if "auto: RDMA unavailable" in ln]
+    assert len(lines) == 2, err  # one line per rank
+    assert all("transport=tcp" in ln and "no verbs devices" in ln for ln in lines), lines
