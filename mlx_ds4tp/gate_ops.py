@@ -249,8 +249,18 @@ def all_sum(x: mx.array, *, group: Group, stream=None) -> mx.array:
     # then the same expression everywhere, so both ranks hold identical bits.
     first, second = (local, peer) if group.rank() == 0 else (peer, local)
     if x.dtype == mx.bfloat16:
-        return mx.array(_bf16_add(first, second)).view(mx.bfloat16).reshape(x.shape)
-    return mx.array(np.add(first, second)).reshape(x.shape)
+        return _to_mlx(_bf16_add(first, second).reshape(x.shape), x.dtype)
+    return _to_mlx(np.add(first, second).reshape(x.shape), x.dtype)
+
+
+def _to_mlx(values: np.ndarray, dtype) -> mx.array:
+    """A materialised array (numpy has no bfloat16: its bits travel as uint16).
+    Evaluated here so the result does not depend on this thread's stream."""
+    out = mx.array(values)
+    if dtype == mx.bfloat16:
+        out = out.view(mx.bfloat16)
+        mx.eval(out)
+    return out
 
 
 def _bf16_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -272,8 +282,5 @@ def all_gather(x: mx.array, *, group: Group, stream=None) -> mx.array:
         return mx.distributed.all_gather(x, group=group._mlx)
     x, local, peer = _exchange(x, group, kind=2)
     parts = (local, peer) if group.rank() == 0 else (peer, local)
-    out = mx.array(np.concatenate(parts))
-    if x.dtype == mx.bfloat16:
-        out = out.view(mx.bfloat16)
     shape = (2 * x.shape[0],) + tuple(x.shape[1:]) if x.ndim else (2,)
-    return out.reshape(shape)
+    return _to_mlx(np.concatenate(parts).reshape(shape), x.dtype)

@@ -1,0 +1,176 @@
+"""init / Group / all_sum / all_gather, over tcp, ucsim rdma and mx.distributed."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_ds4tp as tp
+from mlx_ds4tp.errors import HelloMismatchError
+from pairutil import both_ok, free_port, make_groups, run_both
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+@pytest.fixture(scope="module", params=["tcp", "rdma"])
+def groups(request):
+    lg, wg = make_groups(request.param, timeout=10.0)
+    yield lg, wg
+    lg.close()
+    wg.close()
+
+
+def partials(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    a = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    b = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    # MLX streams are per thread: evaluate here, the ranks run in other threads.
+    mx.eval(a, b)
+    return a, b
+
+
+def bits(x: mx.array) -> np.ndarray:
+    return np.frombuffer(memoryview(x).cast("B"), dtype=np.uint8).copy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4096,), (1, 1, 4096), (3, 7), (8192,), (64, 4096), ()])
+def test_all_sum_is_exact_and_identical_on_both_ranks(groups, dtype, shape):
+    lg, wg = groups
+    a, b = partials(shape, dtype, seed=len(shape) * 31 + 7)
+    ya, yb = both_ok(lambda: tp.all_sum(a, group=lg), lambda: tp.all_sum(b, group=wg))
+    expected = a + b  # MLX's own sum of the two partials, rank 0's first
+    for y in (ya, yb):
+        assert y.dtype == dtype and y.shape == a.shape
+        assert np.array_equal(bits(y), bits(expected)), "not bit-identical to MLX's a + b"
+    assert np.array_equal(bits(ya), bits(yb))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2048), (5,), (2, 3, 4), (40, 4096)])
+def test_all_gather_concatenates_in_rank_order(groups, dtype, shape):
+    lg, wg = groups
+    a, b = partials(shape, dtype, seed=3)
+    za, zb = both_ok(lambda: tp.all_gather(a, group=lg), lambda: tp.all_gather(b, group=wg))
+    expected = mx.concatenate([a, b], axis=0)
+    for z in (za, zb):
+        assert z.dtype == dtype and z.shape == expected.shape
+        assert np.array_equal(bits(z), bits(expected))
+
+
+def test_non_contiguous_partials(groups):
+    lg, wg = groups
+    a = mx.arange(12, dtype=mx.float32).reshape(3, 4).T
+    b = (mx.arange(12, dtype=mx.float32) * 10).reshape(3, 4).T
+    mx.eval(a, b)
+    ya, yb = both_ok(lambda: tp.all_sum(a, group=lg), lambda: tp.all_sum(b, group=wg))
+    assert mx.array_equal(ya, a + b) and mx.array_equal(yb, a + b)
+
+
+def test_lazy_graph_input_is_evaluated(groups):
+    lg, wg = groups
+
+    def lazy(scale):  # built and reduced in the rank's own thread, unevaluated
+        base = mx.ones((4096,))
+        return tp.all_sum(mx.exp(base * 0) * scale, group=lg if scale == 1 else wg)
+
+    ya, yb = both_ok(lambda: lazy(1), lambda: lazy(2))
+    assert mx.array_equal(ya, mx.full((4096,), 3.0)) and mx.array_equal(yb, ya)
+
+
+def test_shape_mismatch_names_both_shapes():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        x4, x2 = mx.zeros((1, 4096)), mx.zeros((1, 2048))
+        mx.eval(x4, x2)
+        (_, le), (_, we) = run_both(lambda: tp.all_sum(x4, group=lg), lambda: tp.all_sum(x2, group=wg))
+    for exc, mine, theirs in ((le, "(1, 4096)", "(1, 2048)"), (we, "(1, 2048)", "(1, 4096)")):
+        assert isinstance(exc, HelloMismatchError), exc
+        assert f"this rank has float32 {mine}, the peer has float32 {theirs}" in str(exc)
+
+
+def test_dtype_mismatch_names_both_dtypes():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        h, f = mx.zeros((8,), mx.float16), mx.zeros((8,), mx.float32)
+        mx.eval(h, f)
+        (_, le), (_, we) = run_both(lambda: tp.all_sum(h, group=lg), lambda: tp.all_sum(f, group=wg))
+    assert "this rank has float16 (8,), the peer has float32 (8,)" in str(le)
+    assert "this rank has float32 (8,), the peer has float16 (8,)" in str(we)
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(TypeError, match="pass the Group returned by mlx_ds4tp.init"):
+        tp.all_sum(mx.zeros((2,)), group=None)
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        with pytest.raises(TypeError, match="int32 is not supported; use float32, float16 or bfloat16"):
+            tp.all_sum(mx.zeros((2,), dtype=mx.int32), group=lg)
+    with pytest.raises(ValueError, match="role='captain'"):
+        tp.init(role="captain", listen=("127.0.0.1", 1))
+
+
+def test_group_surface_and_close():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg as g0, wg as g1:
+        assert (g0.rank(), g0.size(), g0.transport) == (0, 2, "tcp")
+        assert (g1.rank(), g1.size()) == (1, 2)
+        assert "rank=0" in repr(g0)
+    with pytest.raises(tp.TransportError, match="this group is closed"):
+        tp.all_sum(mx.zeros((4,)), group=lg)
+
+
+def test_gate_latency_is_recorded():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        ones = mx.ones((4096,))
+        mx.eval(ones)
+        for _ in range(20):
+            both_ok(lambda: tp.all_sum(ones, group=lg), lambda: tp.all_sum(ones, group=wg))
+        p50, p99 = lg.gate_latency_us()
+        assert 0 < p50 <= p99
+
+
+def test_drop_in_gate_layer(groups):
+    """The gate as an nn.Module in user model code."""
+    from mlx_ds4tp.model_split import AllSumGate
+
+    lg, wg = groups
+    gates = AllSumGate(lg), AllSumGate(wg)
+    a, b = partials((2, 16), mx.float32, seed=11)
+    ya, yb = both_ok(lambda: gates[0](a), lambda: gates[1](b))
+    assert mx.array_equal(ya, a + b) and mx.array_equal(yb, a + b)
+
+
+MLX_RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, mlx.core as mx, mlx_ds4tp as tp
+    g = tp.init(transport="mlx")
+    x = mx.arange(6, dtype=mx.float32) * (g.rank() + 1)
+    y = tp.all_sum(x, group=g)
+    z = tp.all_gather(x[None], group=g)
+    print(json.dumps({"rank": g.rank(), "size": g.size(), "transport": g.transport,
+                      "sum": y.tolist(), "gather": z.tolist()}))
+    """
+)
+
+
+def test_mlx_transport_uses_mx_distributed(procs, tmp_path):
+    """transport="mlx": the same Group API over MLX's own ring backend."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    ranks = [procs.spawn(["-c", MLX_RANK_SCRIPT], env={"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)})
+             for r in (0, 1)]
+    outs = []
+    for p in ranks:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for r, o in enumerate(outs):
+        assert (o["rank"], o["size"], o["transport"]) == (r, 2, "mlx")
+        assert o["sum"] == [3.0 * i for i in range(6)]
+        assert o["gather"] == [[float(i) for i in range(6)], [2.0 * i for i in range(6)]]
