@@ -106,6 +106,12 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
         gate_ops.all_sum(x, group=group)
 
     records.append(record(f"{name}-all_sum", nbytes, _time_loop(all_sum, iters)))
+    if pair.rdma is not None:
+        # The alternative to copying the partial into the registered slab:
+        # send straight from a registered buffer (an MLX array's own memory
+        # would need a registration per new buffer).
+        pair.rdma.register(send)
+        records.append(record(f"{name}-registered", nbytes, _time_loop(gate, iters)))
     if pair.transport == "tcp":
 
         def raw() -> None:

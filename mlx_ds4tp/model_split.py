@@ -362,19 +362,29 @@ def _plan(model: nn.Module, size: int) -> list[tuple[nn.Module, str, type, str]]
     return plan
 
 
-def split_model(model: nn.Module, group: Any, *, read_part: Optional[ReadPart] = None) -> nn.Module:
+def split_model(
+    model: nn.Module,
+    group: Any,
+    *,
+    read_part: Optional[ReadPart] = None,
+    progress: Optional[Callable[[int, int, str], None]] = None,
+) -> nn.Module:
     """Split a loaded mlx-lm model in place across the group's ranks; returns the model.
 
     `group` is ours (mlx_ds4tp.init) or an mx.distributed.Group; every rank calls this with the
     same model. All cuts are checked before any is made, so an error leaves the model whole.
     Each part is evaluated as it is cut and the whole array dropped, so a lazily loaded model
     never holds more than its part plus one whole tensor. `read_part` (load_split passes one)
-    reads the parts straight from the model's files instead.
+    reads the parts straight from the model's files instead. `progress(done, total, where)` is
+    called after each cut (the CLI draws its loading bar with it).
     """
     _, size = _rank_and_size(group)
-    for parent, name, cls, where in _plan(model, size):
+    plan = _plan(model, size)
+    for done, (parent, name, cls, where) in enumerate(plan, 1):
         layer = cut_layer(getattr(parent, name), cls.cut_axis, group, where, read_part)
         setattr(parent, name, cls(layer, group))
+        if progress is not None:
+            progress(done, len(plan), where)
     for block in model.model.layers:
         block.self_attn.n_heads //= size
         block.self_attn.n_kv_heads //= size
@@ -483,7 +493,11 @@ def _read_exactly(f, buf: np.ndarray, key: str) -> None:
 
 
 def load_split(
-    path: Union[str, Path], group: Any, *, lazy: bool = True
+    path: Union[str, Path],
+    group: Any,
+    *,
+    lazy: bool = True,
+    progress: Optional[Callable[[int, int, str], None]] = None,
 ) -> tuple[nn.Module, Any]:
     """Load an mlx-lm model directory holding only this rank's part of the split weights.
 
@@ -505,7 +519,8 @@ def load_split(
         )
     rank, size = _rank_and_size(group)
     model, config = load_model(model_path, lazy=lazy)
-    split_model(model, group, read_part=SafetensorsParts(model_path, rank, size) if lazy else None)
+    split_model(model, group, read_part=SafetensorsParts(model_path, rank, size) if lazy else None,
+                progress=progress)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
 

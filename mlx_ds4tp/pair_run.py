@@ -9,10 +9,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from . import gate_ops
 from . import transport as tr
@@ -42,6 +41,30 @@ def model_identity(path: str) -> tr.ModelIdentity:
     )
 
 
+class LoadingBar:
+    """Weights-loading progress on stderr: redrawn in place on a terminal,
+    a line per quarter otherwise (logs stay readable)."""
+
+    WIDTH = 30
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last_quarter = -1
+
+    def __call__(self, done: int, total: int, where: str) -> None:
+        frac = done / total if total else 1.0
+        if self.tty:
+            filled = int(frac * self.WIDTH)
+            sys.stderr.write(f"\rds4-tp: loading weights [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
+                             f"{done}/{total} {where[:40]:<40}")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif int(frac * 4) > self.last_quarter:
+            self.last_quarter = int(frac * 4)
+            tr.log(f"loading weights: {done}/{total} tensors cut ({frac:.0%})")
+
+
 def run(args, address: Tuple[str, int]) -> int:
     import mlx.core as mx
 
@@ -61,7 +84,7 @@ def run(args, address: Tuple[str, int]) -> int:
     )
     with group:
         t0 = time.perf_counter()
-        model, tokenizer = load_split(args.model, group)
+        model, tokenizer = load_split(args.model, group, progress=LoadingBar())
         tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if not leader:
             served = Worker(group, model).serve()
