@@ -13,16 +13,15 @@ import dataclasses
 import hashlib
 import select
 import struct
-import sys
 import time
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from . import gate_ops
 from . import transport as tr
-from .errors import PeerClosedError, TransportError
+from .errors import TransportError
 
 SESSION = struct.Struct("<QII")  # session id, max tokens, reserved
 SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved
@@ -103,6 +102,8 @@ class Leader:
 
     def _ack(self, what: str) -> None:
         _, payload = self.control.recv(F.COMMAND_ACK)
+        if len(payload) < ACK.size:
+            raise tr.FrameError(f"COMMAND_ACK payload is {len(payload)} bytes, need at least {ACK.size}")
         session, status = ACK.unpack_from(payload)
         if status != 0:
             message = payload[ACK.size :].decode("utf-8", "replace")
@@ -131,7 +132,7 @@ class Leader:
         t0 = time.perf_counter()
         self.control.send(F.SYNC, SYNC_HEADER.pack(session, len(prompt_tokens), 0)
                           + np.asarray(prompt_tokens, dtype="<i4").tobytes())
-        logits = self._step(lambda: forward(self.model, prompt_tokens, cache))
+        logits = self._step(prompt_tokens, cache)
         stats.prompt_sec = time.perf_counter() - t0
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
         t1 = time.perf_counter()
@@ -143,7 +144,7 @@ class Leader:
             if token in eos or seq == max_tokens:
                 break
             self.control.send(F.EVAL, EVAL.pack(session, seq, token, 0))
-            logits = self._step(lambda: forward(self.model, [token], cache))
+            logits = self._step([token], cache)
             stats.decode_tokens += 1
             if self.debug_hash and seq % self.debug_hash == 0:
                 self._check_hash(session, seq, logits)
@@ -151,11 +152,11 @@ class Leader:
         self.control.send(F.SESSION_DESTROY, SESSION.pack(session, 0, 0))
         return stats
 
-    def _step(self, fn):
-        """Run one forward; if the gates fail, prefer the worker's own
-        explanation (an ERROR frame) over our 'peer closed'."""
+    def _step(self, tokens: List[int], cache) -> mx.array:
+        """One forward in lockstep with the worker; if the gates fail, prefer
+        the worker's own explanation (an ERROR frame) over our 'peer closed'."""
         try:
-            return fn()
+            return forward(self.model, tokens, cache)
         except TransportError as exc:
             reason = _peer_error(self.control)
             if reason:
@@ -166,7 +167,7 @@ class Leader:
         mine = logits_hash(logits)
         self.control.send(F.HASH, HASH.pack(session, seq, mine))
         _, payload = self.control.recv(F.HASH)
-        _, pseq, theirs = HASH.unpack(payload)
+        _, pseq, theirs = _unpack(HASH, payload, F.HASH)
         if theirs != mine:
             raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {seq}: local {mine:016x} peer {theirs:016x}")
 
@@ -202,10 +203,25 @@ class Worker:
         self.model = model
         self.sessions: dict = {}
         self.last_logits: Optional[mx.array] = None
+        # Token ids come off the wire and index the embedding, which MLX does
+        # not bounds-check (an id past the table reads other memory or
+        # crashes), so the worker checks them against the vocabulary.
+        self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
 
     def _wait_command(self) -> tuple:
         """Idle between prompts without a deadline, but notice a dead leader
-        at once (EOF makes the socket readable)."""
+        at once (EOF makes the socket readable). Inside a session the leader's
+        next command is one sampling step away: wait at most the timeout
+        (DS4_TP_TIMEOUT_SEC), so a stopped leader or a pulled cable mid-
+        generation is an error, never a hang."""
+        if self.sessions:
+            try:
+                return self.control.recv()
+            except tr.TransportTimeoutError as exc:
+                raise tr.TransportTimeoutError(
+                    f"the leader sent no command for {self.control.timeout:g} s in the middle of a "
+                    f"generation (DS4_TP_TIMEOUT_SEC): it is stopped or unreachable ({exc})"
+                ) from None
         sock = self.control.sock
         while True:
             r, _, _ = select.select([sock], [], [], 1.0)
@@ -226,11 +242,14 @@ class Worker:
             elif ftype == F.SYNC:
                 session, count, _ = _unpack_prefix(SYNC_HEADER, payload, ftype)
                 tokens = np.frombuffer(payload, dtype="<i4", offset=SYNC_HEADER.size)
-                if len(tokens) != count:
-                    raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)}")
+                if len(tokens) != count or count == 0:
+                    raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)} "
+                                        "(a prompt needs at least one)")
+                self._check_tokens(tokens, ftype)
                 self.last_logits = forward(self.model, tokens.tolist(), self._cache(session))
             elif ftype == F.EVAL:
                 session, seq, token, _ = _unpack(EVAL, payload, ftype)
+                self._check_tokens(np.array([token]), ftype)
                 self.last_logits = forward(self.model, [token], self._cache(session))
             elif ftype == F.HASH:
                 session, seq, theirs = _unpack(HASH, payload, ftype)
@@ -245,6 +264,14 @@ class Worker:
                 served += 1
             else:
                 raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
+
+    def _check_tokens(self, tokens: np.ndarray, ftype) -> None:
+        if self.vocab and (tokens.min() < 0 or tokens.max() >= self.vocab):
+            bad = int(tokens[(tokens < 0) | (tokens >= self.vocab)][0])
+            raise tr.FrameError(
+                f"{ftype.name} carries token id {bad}, outside the model's vocabulary [0, {self.vocab}): "
+                "the leader runs another model or the frame is corrupt"
+            )
 
     def _cache(self, session: int):
         cache = self.sessions.get(session)

@@ -87,7 +87,13 @@ def run(args, address: Tuple[str, int]) -> int:
         model, tokenizer = load_split(args.model, group, progress=LoadingBar())
         tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if not leader:
-            served = Worker(group, model).serve()
+            try:
+                served = Worker(group, model).serve()
+            except Exception as exc:
+                # Tell the leader why before the sockets close, so its error
+                # names the cause, not just "peer closed".
+                group.pair.control.send_error(f"{type(exc).__name__}: {exc}")
+                raise
             tr.log(f"worker done: served {served} prompt(s), leader said stop")
             return 0
         mx.random.seed(args.seed)

@@ -3,12 +3,10 @@ the emulated Thunderbolt UC device)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import struct
 import textwrap
-import threading
 import time
 
 import numpy as np
