@@ -132,14 +132,17 @@ def peer_round_trip(args) -> List[Tuple[str, str]]:
     from . import gate_ops
     from .bench import percentiles
 
+    # A doctor should answer soon: at most 30 s (dial) / 120 s (listen), less
+    # when DS4_TP_TIMEOUT_SEC says so.
+    limit = tr.default_timeout()
     if args.peer:
         host, port = args.peer[0], int(args.peer[1])
         g = gate_ops.init(role="worker", coordinator=(host, port), transport=args.transport,
-                          rdma_device=args.rdma_device, timeout=30.0, secret=args.secret)
+                          rdma_device=args.rdma_device, timeout=min(30.0, limit), secret=args.secret)
     else:
         host, port = args.listen[0], int(args.listen[1])
         g = gate_ops.init(role="leader", listen=(host, port), transport=args.transport,
-                          rdma_device=args.rdma_device, timeout=120.0, secret=args.secret)
+                          rdma_device=args.rdma_device, timeout=min(120.0, limit), secret=args.secret)
     with g:
         send = np.full(4096, g.rank() + 1.0, np.float32)
         recv = np.empty_like(send)
