@@ -98,6 +98,8 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
         pair.gate(send, recv)
 
     records = [record(name, nbytes, _time_loop(gate, iters))]
+    if pair.rdma is not None and pair.rdma.warmup_ms is not None:
+        records[0]["warmup_ms"] = round(pair.rdma.warmup_ms, 2)
     if not np.all(recv == 2.0 - group.rank()):
         raise RuntimeError(f"{name}: the peer's partial arrived wrong: {recv[:4]}")
     x = mx.array(send)

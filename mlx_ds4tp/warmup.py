@@ -185,6 +185,7 @@ def _warm_loop(pair: tr.Pair, rdma: tr.RdmaGates, strict: bool) -> None:
                    "will surface as a timeout in the first gate")
             pair.rdma = rdma
             return
+        warm_started = time.monotonic()
         try:
             used = warm_up(pair, rdma)
         except WarmupFailed as exc:
@@ -197,9 +198,12 @@ def _warm_loop(pair: tr.Pair, rdma: tr.RdmaGates, strict: bool) -> None:
             continue
         _, send_wr, recv_wr = rdma.depths
         plural = "" if used == 1 else "s"
+        now = time.monotonic()
+        rdma.warmup_ms = 1000 * (now - warm_started)
         tr.log(
             f"rdma warm-up ok ({used} attempt{plural}), queue depth recv {recv_wr} send {send_wr}"
-            f" [build {setup_attempt + 1}, {1000 * (time.monotonic() - started):.1f} ms]"
+            f" [build {setup_attempt + 1}, warm-up {rdma.warmup_ms:.1f} ms, queue pair bring-up "
+            f"{1000 * (now - started):.1f} ms]"
         )
         pair.rdma = rdma
         return
