@@ -46,6 +46,7 @@
 #define TP_ENOTSUP -7      /* refused by the device (e.g. RC/UD queue pair on UC-only hardware) */
 #define TP_ENOMEM -8       /* queue full / too many outstanding work requests / too many MRs */
 #define TP_EDESYNC -9      /* the TCP gate header from the peer differs from ours */
+#define TP_ELOST -10       /* UC lost a message: a hot-path receive got the peer's NEXT message */
 
 /* Queue pair types (ucsim accepts only TP_QPT_UC, like the Apple driver). */
 #define TP_QPT_RC 2
@@ -81,6 +82,8 @@ typedef struct {
     int32_t status;
     int32_t opcode;
     uint32_t byte_len;
+    uint32_t imm;      /* receives: the sender's immediate data (host order), if has_imm */
+    int32_t has_imm;   /* 1: sent as SEND_WITH_IMM (a hot-path sequence tag), 0: plain SEND */
 } tp_wc;
 
 typedef struct tp_dev tp_dev;
@@ -136,6 +139,29 @@ int tp_post_send(tp_dev *dev, const void *addr, uint32_t len, uint64_t wr_id, in
 int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t errlen);
 
 /* ---- hot paths (call with the GIL released) ---- */
+
+/* Sequence tags: why every hot-path message carries one.
+ * UC never reports a lost message: the sender's completion says SUCCESS, the
+ * receive meant for it simply stays posted, and since receives are consumed
+ * in order the peer's NEXT message lands in it. Without a check, the gate
+ * would return the peer's partial for seq s + 1 as if it were seq s, and
+ * every later gate would be shifted by one: a silently wrong model output.
+ * So every hot-path message goes out as SEND_WITH_IMM whose 32-bit immediate
+ * names what it is (gate number and chunk, bulk round and slot, drain marker
+ * index); every receive completion's tag is checked against what that posted
+ * receive expects, and a mismatch is TP_ELOST with a message naming the gate
+ * seq (or bulk round): "tp rdma: lost message detected at gate seq S ...".
+ * The queue pair is then unusable until rebuilt, like after any hot-path
+ * failure. A lost message that nothing follows (the last gate before a
+ * drain, a bulk exchange or the end) cannot be told from a slow peer: that is
+ * a timeout naming the same seq, never a hang.
+ * Raw work requests (tp_post_send: warm-up, tests) stay plain SEND.
+ * Real hardware: whether AppleThunderboltRDMA supports SEND_WITH_IMM on UC is
+ * unverified. If the driver refuses the first tagged post (EINVAL/ENOTSUP),
+ * the ibverbs provider logs once ("ds4-tp: ...") and sends untagged from then
+ * on (DS4_TP_RDMA_NO_IMM=1 forces that); a receiver that gets untagged
+ * hot-path messages logs once and skips the check, and loss detection then
+ * rests on the hidden-state hash check (ds4tp run --debug-hash N). */
 
 /* One decode gate, seq = 1, 2, 3, ... strictly increasing by one. Arms the
  * receive window (TP_RECV_WINDOW gates) on first use after bring-up or a

@@ -7,8 +7,13 @@
  *   1. a message that reaches a queue pair with no receive posted does not
  *      just vanish, that direction stops delivering for good, so every send
  *      must be preceded by a receive the peer provably posted;
- *   2. UC never reports loss, so a missing message is a timeout, never an
- *      error completion; every wait is bounded and names what it waited for.
+ *   2. UC never reports loss: no error completion anywhere, the receive
+ *      meant for the lost message stays posted and the peer's next message
+ *      lands in it. Every hot-path message therefore carries a sequence tag
+ *      (immediate data, "Sequence tags" in _verbs.h) that the receiver checks
+ *      against what the receive was posted for (TP_ELOST on a mismatch); a
+ *      loss with nothing behind it is a timeout: every wait is bounded and
+ *      names what it waited for.
  * Both ranks run the same gate sequence, so all matching is by order: the
  * k-th message the peer sends lands in the k-th receive we posted. */
 
@@ -308,9 +313,10 @@ static int post_recv_mr(tp_dev *dev, const tp_mr *mr, const void *addr, uint32_t
 }
 
 static int post_send_mr(tp_dev *dev, const tp_mr *mr, const void *addr, uint32_t len,
-                        uint64_t wr_id, int opcode, int signaled, char *err, size_t errlen) {
-    int rc = dev->prov->post_send(dev, (uintptr_t)addr, len, mr->lkey, wr_id, opcode, signaled,
-                                  err, errlen);
+                        uint64_t wr_id, int opcode, uint32_t imm, int signaled, char *err,
+                        size_t errlen) {
+    int rc = dev->prov->post_send(dev, (uintptr_t)addr, len, mr->lkey, wr_id, opcode, imm,
+                                  signaled, err, errlen);
     if (rc == 0) {
         dev->stats.sends++;
         dev->stats.send_bytes += len;
@@ -353,7 +359,8 @@ int tp_post_send(tp_dev *dev, const void *addr, uint32_t len, uint64_t wr_id, in
     }
     const tp_mr *mr = find_mr(dev, addr, len);
     if (!mr) return unregistered(dev, "send", addr, len, err, errlen);
-    return post_send_mr(dev, mr, addr, len, wr_id, opcode, signaled, err, errlen);
+    /* Raw sends (warm-up, tests) stay plain SEND: tags are a hot-path matter. */
+    return post_send_mr(dev, mr, addr, len, wr_id, opcode, 0, signaled, err, errlen);
 }
 
 /* One non-blocking pass over the completion queue, with the bookkeeping
@@ -492,6 +499,97 @@ static uint32_t drain_marker_len(const tp_dev *dev, int final_chunk) {
     return len < TP_DRAIN_MSG_BYTES ? len : TP_DRAIN_MSG_BYTES;
 }
 
+/* ---- sequence tags (why: see "Sequence tags" in _verbs.h) ---- */
+
+static uint32_t gate_imm(uint64_t gate, uint32_t chunk) {
+    return TP_IMM_GATE | chunk << 24 | (uint32_t)(gate & 0xffffff);
+}
+
+static uint32_t bulk_imm(uint64_t round, uint32_t slot) {
+    return TP_IMM_BULK | (uint32_t)(round & 0x3fffff) << 6 | (slot & 0x3f);
+}
+
+/* The full number a tag's low `bits` bits stand for, taken nearest to near. */
+static uint64_t unwrap(uint64_t near, uint32_t low, int bits) {
+    const uint64_t span = UINT64_C(1) << bits;
+    uint64_t d = (low - near) & (span - 1);
+    return d & (span >> 1) ? near - (span - d) : near + d;
+}
+
+/* The tag the message landing in this hot-path receive must carry, or 0
+ * when wr_id is no hot-path receive of the current mode. */
+static uint32_t expected_imm(const tp_dev *dev, uint64_t wr_id) {
+    const uint64_t tag = wr_id & TP_TAG_MASK, low = wr_id & ~TP_TAG_MASK;
+    if ((dev->mode == TP_MODE_GATE || dev->mode == TP_MODE_DRAIN) &&
+        (tag == 0 || tag == TP_TAG_GATE_CHUNK)) {
+        const uint32_t chunk = tag == 0 ? dev->armed_chunks - 1 : 0;
+        if (dev->mode == TP_MODE_GATE) return gate_imm(low, chunk);
+        /* The peer's i-th marker lands in our i-th outstanding receive: the
+         * window holds gates gate_count + 1 .. gate_count + TP_RECV_WINDOW. */
+        return TP_IMM_DRAIN | (uint32_t)((low - dev->gate_count - 1) * dev->armed_chunks + chunk);
+    }
+    if (dev->mode == TP_MODE_BULK && tag == TP_TAG_BULK_RECV)
+        return bulk_imm(low >> 8, (uint32_t)(low & 0xff));
+    return 0;
+}
+
+/* Which receive, in the caller's terms: the gate seq label, or the round. */
+static void describe_recv(char *buf, size_t n, const tp_dev *dev, uint64_t wr_id) {
+    const uint64_t tag = wr_id & TP_TAG_MASK, low = wr_id & ~TP_TAG_MASK;
+    char chunk[40] = "";
+    if (dev->mode == TP_MODE_BULK) {
+        snprintf(buf, n, "bulk round %llu slot %llu of a %llu-byte exchange",
+                 (unsigned long long)(low >> 8), (unsigned long long)(low & 0xff),
+                 (unsigned long long)dev->bulk_bytes);
+        return;
+    }
+    if (dev->armed_chunks > 1)
+        snprintf(chunk, sizeof(chunk), ", chunk %u of %u",
+                 tag == 0 ? dev->armed_chunks : 1u, dev->armed_chunks);
+    if (dev->mode == TP_MODE_DRAIN)
+        snprintf(buf, n, "the window drain after gate seq %llu (receive for gate #%llu%s)",
+                 (unsigned long long)dev->last_seq, (unsigned long long)low, chunk);
+    else if (low == dev->gate_count + 1)
+        snprintf(buf, n, "gate seq %llu (gate #%llu%s)", (unsigned long long)dev->cur_seq,
+                 (unsigned long long)low, chunk);
+    else /* the peer runs at most one gate ahead: its next gate's receive */
+        snprintf(buf, n, "the gate after seq %llu (gate #%llu%s)",
+                 (unsigned long long)dev->cur_seq, (unsigned long long)low, chunk);
+}
+
+/* What a tag says arrived, relative to what was expected. */
+static void describe_imm(char *buf, size_t n, const tp_dev *dev, uint32_t imm, uint32_t want) {
+    const uint32_t kind = imm & TP_IMM_KIND_MASK;
+    if (kind == TP_IMM_GATE && (want & TP_IMM_KIND_MASK) == TP_IMM_GATE) {
+        const uint64_t exp = unwrap(dev->gate_count + 1, want & 0xffffff, 24);
+        const uint64_t got = unwrap(exp, imm & 0xffffff, 24);
+        const unsigned c = (imm >> 24) & 0xf;
+        char chunk[40] = "";
+        if (dev->armed_chunks > 1)
+            snprintf(chunk, sizeof(chunk), " chunk %u of %u", c + 1, dev->armed_chunks);
+        if (got > exp)
+            snprintf(buf, n, "the peer's gate #%llu%s (%llu gate%s later)",
+                     (unsigned long long)got, chunk, (unsigned long long)(got - exp),
+                     got - exp == 1 ? "" : "s");
+        else if (got == exp)
+            snprintf(buf, n, "the peer's gate #%llu%s (a later chunk of the same gate)",
+                     (unsigned long long)got, chunk);
+        else
+            snprintf(buf, n, "the peer's gate #%llu%s (an earlier gate)",
+                     (unsigned long long)got, chunk);
+    } else if (kind == TP_IMM_GATE) {
+        snprintf(buf, n, "a gate message (gate #%u mod 2^24, chunk %u)", imm & 0xffffff,
+                 ((imm >> 24) & 0xf) + 1);
+    } else if (kind == TP_IMM_DRAIN) {
+        snprintf(buf, n, "the peer's drain marker %u", imm & 0xfffffff);
+    } else if (kind == TP_IMM_BULK) {
+        const uint64_t r = unwrap((want >> 6) & 0x3fffff, (imm >> 6) & 0x3fffff, 22);
+        snprintf(buf, n, "the peer's bulk round %llu slot %u", (unsigned long long)r, imm & 0x3f);
+    } else {
+        snprintf(buf, n, "a message tagged 0x%08x (no hot-path tag)", imm);
+    }
+}
+
 static void describe_wr(char *buf, size_t n, uint64_t wr_id) {
     const uint64_t low = wr_id & ~TP_TAG_MASK;
     switch (wr_id & TP_TAG_MASK) {
@@ -526,8 +624,21 @@ static const char *hp_context(const tp_dev *dev, char *buf, size_t n) {
 static int hp_on_wc(tp_dev *dev, const tp_wc *wc, char *err, size_t errlen) {
     const uint64_t tag = wc->wr_id & TP_TAG_MASK;
     const uint64_t low = wc->wr_id & ~TP_TAG_MASK;
-    char what[80], ctx[80];
+    char what[96], ctx[96];
     if (wc->status != TP_WC_SUCCESS) {
+        if (wc->opcode == TP_WC_RECV && wc->status == TP_WC_LOC_LEN_ERR &&
+            dev->mode != TP_MODE_DRAIN && expected_imm(dev, wc->wr_id)) {
+            /* The ranks armed the same sizes (the barrier checked), so a
+             * message too long for its receive is the peer's next one, the
+             * receive's own having been lost (the 16 KiB first chunk of the
+             * next gate landing in a smaller final-chunk receive). Error
+             * completions carry no immediate data to say more. */
+            describe_recv(what, sizeof(what), dev, wc->wr_id);
+            return hp_fail(dev, TP_ELOST, err, errlen,
+                           "tp rdma: lost message detected at %s: a longer message landed in "
+                           "its receive (LOC_LEN_ERR), i.e. the peer's next one (UC dropped a "
+                           "message without an error; the queue pair must be rebuilt)", what);
+        }
         describe_wr(what, sizeof(what), wc->wr_id);
         return hp_fail(dev, TP_ECOMPLETION, err, errlen,
                        "tp rdma: completion error %s (status %d) on %s wr_id 0x%llx (%s) during "
@@ -540,6 +651,26 @@ static int hp_on_wc(tp_dev *dev, const tp_wc *wc, char *err, size_t errlen) {
             dev->send_outstanding)
             dev->send_outstanding--;
         return TP_OK;
+    }
+    /* The tag check: the message must be the one this receive was posted
+     * for. UC would otherwise hand us the peer's next message silently. */
+    const uint32_t want_imm = expected_imm(dev, wc->wr_id);
+    if (want_imm && wc->has_imm && wc->imm != want_imm &&
+        !(dev->mode == TP_MODE_DRAIN && (wc->imm & TP_IMM_KIND_MASK) != TP_IMM_DRAIN)) {
+        char got[96];
+        describe_recv(what, sizeof(what), dev, wc->wr_id);
+        describe_imm(got, sizeof(got), dev, wc->imm, want_imm);
+        return hp_fail(dev, TP_ELOST, err, errlen,
+                       "tp rdma: lost message detected at %s: received %s instead (UC dropped "
+                       "a message without an error; the queue pair must be rebuilt)", what, got);
+    }
+    if (want_imm && !wc->has_imm && !dev->untagged_logged) {
+        /* The peer's driver refused SEND_WITH_IMM (see _verbs.h): go on
+         * without the check rather than fail, and say so once. */
+        dev->untagged_logged = 1;
+        fprintf(stderr, TP_LOG "rdma: the peer's hot-path messages carry no sequence tag (its "
+                "device refused SEND_WITH_IMM?): a message lost on the UC link cannot be detected "
+                "at the gate; run with --debug-hash N to catch a divergence\n");
     }
     uint32_t want = 0;
     if (dev->mode == TP_MODE_DRAIN && (tag == 0 || tag == TP_TAG_GATE_CHUNK)) {
@@ -785,7 +916,8 @@ static int hp_drain(tp_dev *dev, uint64_t deadline_ns, double timeout_s, char *e
     for (uint32_t i = 0; i < n; i++) {
         const int final_chunk = (i + 1) % dev->armed_chunks == 0;
         int rc = post_send_mr(dev, &dev->mrs[0], marker, drain_marker_len(dev, final_chunk),
-                              TP_TAG_DRAIN | i, TP_OP_SEND, 1, err, errlen);
+                              TP_TAG_DRAIN | i, TP_OP_SEND_IMM, TP_IMM_DRAIN | i, 1, err,
+                              errlen);
         if (rc < 0) return hp_wedge(dev, rc, err, errlen);
         dev->send_outstanding++;
     }
@@ -845,7 +977,7 @@ int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t se
     for (uint32_t c = 0; c < dev->armed_chunks; c++) {
         const uint32_t len = c + 1 == dev->armed_chunks ? bytes - c * TP_MAX_MSG : TP_MAX_MSG;
         rc = post_send_mr(dev, mr, from + (uint64_t)c * TP_MAX_MSG, len, TP_TAG_GATE_SEND | gate,
-                          TP_OP_SEND, 1, err, errlen);
+                          TP_OP_SEND_IMM, gate_imm(gate, c), 1, err, errlen);
         if (rc < 0) return hp_wedge(dev, rc, err, errlen);
         dev->send_outstanding++;
     }
@@ -974,7 +1106,7 @@ int tp_bulk(tp_dev *dev, const void *src, void *dst, uint64_t bytes, double time
         for (uint32_t i = 0; i < n; i++) {
             rc = post_send_mr(dev, smr, from + (uint64_t)i * TP_MAX_MSG,
                               bulk_chunk_len(bytes, r, i), TP_TAG_BULK_SEND | (r << 8) | i,
-                              TP_OP_SEND, 1, err, errlen);
+                              TP_OP_SEND_IMM, bulk_imm(r, i), 1, err, errlen);
             if (rc < 0) return hp_wedge(dev, rc, err, errlen);
             dev->send_outstanding++;
         }

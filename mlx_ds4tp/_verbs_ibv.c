@@ -24,6 +24,7 @@
 
 #if TP_HAVE_IBVERBS_HEADER
 
+#include <arpa/inet.h> /* htonl/ntohl: immediate data is big-endian on the wire */
 #include <dlfcn.h>
 #include <infiniband/verbs.h>
 #include <pthread.h>
@@ -255,6 +256,10 @@ typedef struct {
     struct ibv_cq *cq;
     struct ibv_qp *qp;
     uint32_t psn_base;
+    /* Hot-path sequence tags (SEND_WITH_IMM; "Sequence tags" in _verbs.h):
+     * imm_ok once the device accepted one, no_imm once it refused the first
+     * (or DS4_TP_RDMA_NO_IMM=1): from then on hot-path sends go untagged. */
+    int imm_ok, no_imm;
 } verbs_dev;
 
 #define VD(dev) ((verbs_dev *)(dev)->impl)
@@ -282,6 +287,11 @@ int tp_ibv_open(tp_dev *dev, const char *device, int gid_index, char *err, size_
         return TP_ESYS;
     }
     v->psn_base = (uint32_t)tp_random64() & 0xffffff;
+    const char *no_imm = getenv("DS4_TP_RDMA_NO_IMM");
+    v->no_imm = no_imm && no_imm[0] && strcmp(no_imm, "0") != 0;
+    if (v->no_imm)
+        fprintf(stderr, TP_LOG "DS4_TP_RDMA_NO_IMM is set: hot-path messages go untagged, a "
+                "message lost on the UC link cannot be detected at the gate\n");
     dev->prov = &tp_ibv_provider;
     dev->impl = v;
     snprintf(dev->name, sizeof(dev->name), "%s", v->sel.name);
@@ -470,7 +480,8 @@ static int ibv_post_recv_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
 }
 
 static int ibv_post_send_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey,
-                             uint64_t wr_id, int opcode, int signaled, char *err, size_t errlen) {
+                             uint64_t wr_id, int opcode, uint32_t imm, int signaled, char *err,
+                             size_t errlen) {
     verbs_dev *v = VD(dev);
     struct ibv_sge sge = {.addr = addr, .length = len, .lkey = lkey};
     struct ibv_send_wr wr, *bad = NULL;
@@ -482,8 +493,34 @@ static int ibv_post_send_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
      * accepts it and never executes it (no remote address is known here). */
     wr.opcode = opcode == TP_OP_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_SEND;
     wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
+    const int tagged = opcode == TP_OP_SEND_IMM && !v->no_imm;
+    if (tagged) {
+        wr.opcode = IBV_WR_SEND_WITH_IMM;
+        wr.imm_data = htonl(imm);
+    }
     int e = ibv_post_send(v->qp, &wr, &bad);
-    if (e == 0) return TP_OK;
+    if (e < 0) e = errno ? errno : EINVAL; /* some providers return -1 and set errno */
+    if (e != 0 && tagged && !v->imm_ok && (e == EINVAL || e == ENOTSUP || e == EOPNOTSUPP)) {
+        /* Why: whether AppleThunderboltRDMA takes SEND_WITH_IMM on a UC queue
+         * pair is unverified. A refused post queued nothing, so resend it as
+         * a plain SEND and stay untagged: losing loss detection beats losing
+         * RDMA. Only the first tagged post may do this; a refusal after
+         * tagged posts succeeded is a real failure. */
+        v->no_imm = 1;
+        fprintf(stderr, TP_LOG "rdma device %s refused SEND_WITH_IMM on a UC queue pair (%s): "
+                "hot-path messages go untagged, so a message lost on the link cannot be "
+                "detected at the gate; run with --debug-hash N to catch a divergence\n",
+                v->sel.name, strerror(e));
+        wr.opcode = IBV_WR_SEND;
+        wr.imm_data = 0;
+        bad = NULL;
+        e = ibv_post_send(v->qp, &wr, &bad);
+        if (e < 0) e = errno ? errno : EINVAL;
+    }
+    if (e == 0) {
+        if (tagged && !v->no_imm) v->imm_ok = 1;
+        return TP_OK;
+    }
     tp_errf(err, errlen, "tp rdma: post_send(%u bytes, wr_id 0x%llx) failed: %s", len,
             (unsigned long long)wr_id, strerror(e));
     return e == ENOMEM ? TP_ENOMEM : TP_ESYS;
@@ -503,6 +540,9 @@ static int ibv_poll(tp_dev *dev, tp_wc *out, int max, char *err, size_t errlen) 
         out[i].status = (int32_t)wc[i].status;
         out[i].opcode = (wc[i].opcode & IBV_WC_RECV) ? TP_WC_RECV : TP_WC_SEND;
         out[i].byte_len = wc[i].byte_len;
+        /* imm_data is valid only on a successful completion flagged WITH_IMM. */
+        out[i].has_imm = wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_IMM);
+        out[i].imm = out[i].has_imm ? ntohl(wc[i].imm_data) : 0;
     }
     return n;
 }

@@ -31,6 +31,19 @@
 #define TP_TAG_BULK_RECV (UINT64_C(0xd4) << 56)  /* | round << 8 | slot */
 #define TP_TAG_BULK_SEND (UINT64_C(0xd5) << 56)  /* | round << 8 | slot */
 
+/* Hot-path sequence tags, the immediate data of every hot-path message (see
+ * "Sequence tags" in _verbs.h): the kind in the top nibble (never 0, so a tag
+ * cannot be confused with an untagged message), then what the message is.
+ * Gate numbers wrap at 2^24 and bulk rounds at 2^22: a lost message shifts
+ * the stream by one message, far less than either. */
+#define TP_IMM_KIND_MASK UINT32_C(0xf0000000)
+#define TP_IMM_GATE UINT32_C(0x10000000)  /* | chunk << 24 | (gate & 0xffffff) */
+#define TP_IMM_DRAIN UINT32_C(0x20000000) /* | marker index (the receive it must land in) */
+#define TP_IMM_BULK UINT32_C(0x30000000)  /* | (round & 0x3fffff) << 6 | slot */
+
+/* Provider opcode beyond the public TP_OP_*: SEND_WITH_IMM, hot paths only. */
+#define TP_OP_SEND_IMM 2
+
 /* Slab layout owned by the hot paths (tp_slab_bytes()). 4 KiB aligned. */
 #define TP_GATE_SLOT_BYTES ((uint64_t)TP_GATE_MAX_CHUNKS * TP_MAX_MSG)
 #define TP_BULK_ROUND_BYTES ((uint64_t)TP_BULK_SLOTS * TP_MAX_MSG)
@@ -67,8 +80,9 @@ typedef struct {
     void (*dereg)(tp_dev *dev, tp_mr *mr);
     int (*post_recv)(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey, uint64_t wr_id,
                      char *err, size_t errlen);
+    /* opcode TP_OP_SEND_IMM sends imm as immediate data (ignored otherwise). */
     int (*post_send)(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey, uint64_t wr_id,
-                     int opcode, int signaled, char *err, size_t errlen);
+                     int opcode, uint32_t imm, int signaled, char *err, size_t errlen);
     /* Non-blocking: reap up to max completions (>= 0) or fail. */
     int (*poll)(tp_dev *dev, tp_wc *wc, int max, char *err, size_t errlen);
     /* Nothing was ready: wait a little (spin, or block in the kernel), at
@@ -111,7 +125,8 @@ struct tp_dev {
     uint32_t bulk_recvs[2];      /* receives completed, by round parity */
     uint64_t bulk_bytes;         /* current bulk exchange (for length checks) */
     int wedged_code;             /* != 0: a hot path failed; rebuild first */
-    char wedged[200];
+    char wedged[320];
+    int untagged_logged;         /* logged once: the peer's hot-path messages carry no tag */
 
     tp_stats stats;
 };

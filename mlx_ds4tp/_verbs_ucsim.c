@@ -6,8 +6,11 @@
  *   - messages above max_msg (16 KiB) are never delivered, yet the send
  *     completes with SUCCESS;
  *   - RDMA WRITE is accepted, completes with SUCCESS, and never executes;
- *   - in-order delivery; a lost message is a PSN gap the receiver skips;
+ *   - in-order delivery; a lost message is a PSN gap the receiver skips
+ *     (no error anywhere: the next message takes the lost one's receive);
  *     datagrams for an old or other queue pair are dropped;
+ *   - SEND_WITH_IMM: the 32-bit immediate rides in the datagram header and
+ *     comes out in the receive completion (has_imm), as on verbs hardware;
  *   - a message that arrives while no receive is posted kills that
  *     direction for good (kill_unposted);
  *   - the one-direction drop of a fresh pair, random loss, a receive queue
@@ -37,7 +40,7 @@
  * Wire format and state.
  * --------------------------------------------------------------------- */
 
-#define UC_MAGIC UINT32_C(0x55435331) /* "UCS1" */
+#define UC_MAGIC UINT32_C(0x55435332) /* "UCS2": the header carries imm */
 #define UC_MTU 1024u                  /* path MTU of the Apple recipe: PSNs count packets */
 #define UC_SMALL 64u                  /* messages up to this size dodge the drop faults */
 #define UC_LOSS_GRACE 64u             /* loss=P spares each build's first messages */
@@ -45,8 +48,12 @@
 #define UC_SPIN_NS 50000u             /* spin this long before blocking in ppoll */
 #define UC_RCVBUF (16 << 20)          /* holds a 2 MiB bulk burst many times over */
 
+/* Wire opcodes (uc_hdr.opcode). */
+#define UC_WIRE_SEND 0u
+#define UC_WIRE_SEND_IMM 2u
+
 typedef struct {
-    uint32_t magic, dst_qpn, src_qpn, psn, opcode, len; /* network byte order */
+    uint32_t magic, dst_qpn, src_qpn, psn, opcode, len, imm; /* network byte order */
 } uc_hdr;
 
 typedef struct {
@@ -375,7 +382,7 @@ static void uc_close(tp_dev *dev) {
  * --------------------------------------------------------------------- */
 
 static void uc_push(ucsim *u, uint64_t wr_id, int status, int opcode, uint32_t byte_len,
-                    uint64_t send_index) {
+                    uint64_t send_index, int has_imm, uint32_t imm) {
     if (u->cq_count == u->cq_cap) {
         /* Real hardware raises a CQ overrun and the queue pair stops. */
         u->cq_overrun = 1;
@@ -386,6 +393,8 @@ static void uc_push(ucsim *u, uint64_t wr_id, int status, int opcode, uint32_t b
     e->wc.status = status;
     e->wc.opcode = opcode;
     e->wc.byte_len = byte_len;
+    e->wc.imm = imm;
+    e->wc.has_imm = has_imm;
     e->send_index = send_index;
 }
 
@@ -399,9 +408,9 @@ static void uc_deliver(tp_dev *dev, ucsim *u, uint64_t t) {
     uc_hdr h;
     memcpy(&h, u->scratch, sizeof(h));
     const uint32_t dst = ntohl(h.dst_qpn), src = ntohl(h.src_qpn), psn = ntohl(h.psn);
-    const uint32_t len = ntohl(h.len);
+    const uint32_t len = ntohl(h.len), wire_op = ntohl(h.opcode);
     if (ntohl(h.magic) != UC_MAGIC || len != u->pending_len - sizeof(h) ||
-        ntohl(h.opcode) != TP_OP_SEND) {
+        (wire_op != UC_WIRE_SEND && wire_op != UC_WIRE_SEND_IMM)) {
         dev->stats.dropped_stale++; /* not ours */
         return;
     }
@@ -442,11 +451,13 @@ static void uc_deliver(tp_dev *dev, ucsim *u, uint64_t t) {
     u->rq_head = (u->rq_head + 1) % u->rq_cap;
     u->rq_count--;
     if (len > r->len) {
-        uc_push(u, r->wr_id, TP_WC_LOC_LEN_ERR, TP_WC_RECV, len, 0);
+        /* As on hardware, an error completion carries no immediate data. */
+        uc_push(u, r->wr_id, TP_WC_LOC_LEN_ERR, TP_WC_RECV, len, 0, 0, 0);
         return;
     }
     memcpy((void *)r->addr, u->scratch + sizeof(h), len);
-    uc_push(u, r->wr_id, TP_WC_SUCCESS, TP_WC_RECV, len, 0);
+    uc_push(u, r->wr_id, TP_WC_SUCCESS, TP_WC_RECV, len, 0, wire_op == UC_WIRE_SEND_IMM,
+            ntohl(h.imm));
 }
 
 /* Read one datagram into scratch. 1: pending set, 0: nothing there. */
@@ -551,10 +562,11 @@ static int uc_post_recv(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey
  * Send side: faults are applied here, where the role and build are known.
  * --------------------------------------------------------------------- */
 
-static int uc_transmit(ucsim *u, uint32_t psn, const void *payload, uint32_t len, char *err,
-                       size_t errlen) {
+static int uc_transmit(ucsim *u, uint32_t psn, const void *payload, uint32_t len, int with_imm,
+                       uint32_t imm, char *err, size_t errlen) {
     uc_hdr h = {htonl(UC_MAGIC), htonl(u->peer_qpn), htonl(u->qpn), htonl(psn),
-                htonl(TP_OP_SEND), htonl(len)};
+                htonl(with_imm ? UC_WIRE_SEND_IMM : UC_WIRE_SEND), htonl(len),
+                htonl(with_imm ? imm : 0)};
     struct iovec iov[2] = {{&h, sizeof(h)}, {(void *)payload, len}};
     struct msghdr mh;
     memset(&mh, 0, sizeof(mh));
@@ -579,7 +591,8 @@ static int uc_transmit(ucsim *u, uint32_t psn, const void *payload, uint32_t len
 }
 
 static int uc_post_send(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey,
-                        uint64_t wr_id, int opcode, int signaled, char *err, size_t errlen) {
+                        uint64_t wr_id, int opcode, uint32_t imm, int signaled, char *err,
+                        size_t errlen) {
     (void)lkey;
     ucsim *u = UC(dev);
     if (!u->connected) {
@@ -620,11 +633,12 @@ static int uc_post_send(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey
         }
     }
     if (transmit) {
-        int rc = uc_transmit(u, psn, (const void *)addr, len, err, errlen);
+        int rc = uc_transmit(u, psn, (const void *)addr, len, opcode == TP_OP_SEND_IMM, imm,
+                             err, errlen);
         if (rc < 0) return rc;
     }
     const uint64_t index = u->sq_posted++;
-    if (signaled) uc_push(u, wr_id, TP_WC_SUCCESS, TP_WC_SEND, len, index);
+    if (signaled) uc_push(u, wr_id, TP_WC_SUCCESS, TP_WC_SEND, len, index, 0, 0);
     return TP_OK;
 }
 

@@ -551,7 +551,27 @@ def _dial(host: str, port: int, deadline: float, what: str) -> socket.socket:
         time.sleep(min(0.1, max(0.0, deadline - now)))
 
 
-def _accept(listener: socket.socket, deadline: float, what: str) -> socket.socket:
+def _accept(listener: socket.socket, deadline: float, what: str,
+            watch: Optional["ControlChannel"] = None) -> socket.socket:
+    """watch: the worker's control channel, once it exists. A worker that dies
+    (or gives up and sends ERROR) between its hello and its data connection is
+    then an error at once, not a wait until the deadline."""
+    while watch is not None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        ready, _, _ = select.select([listener, watch.sock], [], [], remaining)
+        if listener in ready:
+            break
+        if ready:
+            try:
+                ftype, _ = watch.recv()  # EOF, reset and ERROR raise here
+            except PeerClosedError as exc:
+                raise PeerClosedError(
+                    f"the worker closed its control connection after the hello, before opening "
+                    f"the {what} connection ({exc})"
+                ) from None
+            raise FrameError(f"the worker sent {ftype.name} before opening the {what} connection")
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TransportTimeoutError(f"timed out waiting for the worker's {what} connection")
@@ -785,7 +805,7 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
             break
         try:
             transport = _agree(control, mine, theirs)
-            data = _accept(listener, deadline, "gate data")
+            data = _accept(listener, deadline, "gate data", watch=control)
             tune_socket(data)
             hello = bytearray(DATA_HELLO.size)
             recv_exact_into(data, memoryview(hello), "data connection hello", deadline)
@@ -1101,6 +1121,7 @@ class RdmaGates:
         self.warm_recv = self.slab + self.hot_bytes + RDMA_MAX_MSG
         self.setup_attempt = 0
         self._registered: list = []  # (handle, buffer) kept alive while registered
+        self.warmup_ms: Optional[float] = None  # set by warmup.py once both directions are proven
 
     # -- setup -----------------------------------------------------------------
     def _error_text(self) -> str:
@@ -1113,6 +1134,10 @@ class RdmaGates:
                 raise TransportTimeoutError(text)
             if rc == self.lib.TP_EPEER:
                 raise PeerClosedError(text)
+            if rc == self.lib.TP_ELOST:
+                # UC dropped a message and the in-order window shifted: the
+                # ranks' gate streams are out of step; the text names the seq.
+                raise DesyncError(text)
             raise RdmaError(text, rc)
         return rc
 
