@@ -410,6 +410,25 @@ def send_all(sock: socket.socket, data, what: str, deadline: float) -> None:
         raise PeerClosedError(f"peer closed the connection while we sent {what}: {exc}") from None
 
 
+def swap_small(sock: socket.socket, mine: bytes, into: bytearray, what: str, timeout: float) -> None:
+    """Write a small record, then read the peer's record of the same kind into
+    `into` (both sides do the same), on a blocking socket whose kernel
+    timeouts (SO_RCVTIMEO/SO_SNDTIMEO) bound the wait."""
+    try:
+        sock.sendall(mine)
+        view = memoryview(into)
+        got = 0
+        while got < len(view):
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise PeerClosedError(f"peer closed the gate connection during {what}")
+            got += n
+    except BlockingIOError:
+        raise TransportTimeoutError(f"the peer did not reach {what} within {timeout:g} s") from None
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        raise PeerClosedError(f"peer closed the gate connection during {what}: {exc}") from None
+
+
 # ============================================================================
 # Control channel
 # ============================================================================
@@ -688,22 +707,8 @@ class Pair:
     def exchange_small(self, mine: bytes, what: str) -> bytes:
         """Write-then-read a small fixed-size record on the data connection
         (both sides send the same size): signatures, barriers."""
-        try:
-            self.data.sendall(mine)
-            theirs = bytearray(len(mine))
-            view = memoryview(theirs)
-            got = 0
-            while got < len(mine):
-                n = self.data.recv_into(view[got:])
-                if n == 0:
-                    raise PeerClosedError(f"peer closed the gate connection during the {what} exchange")
-                got += n
-        except BlockingIOError:
-            raise TransportTimeoutError(
-                f"the peer did not answer the {what} exchange within {self.timeout:g} s"
-            ) from None
-        except (ConnectionResetError, BrokenPipeError) as exc:
-            raise PeerClosedError(f"peer closed the gate connection during the {what} exchange: {exc}") from None
+        theirs = bytearray(len(mine))
+        swap_small(self.data, mine, theirs, f"the {what} exchange", self.timeout)
         return bytes(theirs)
 
     def bulk(self, send, recv, layer: int = 0) -> int:
@@ -934,21 +939,7 @@ class TcpGates:
     def big_header(self, nbytes: int, seq: int, layer: int = 0) -> None:
         """Both sides agree on (layer, seq, bytes) before a big exchange."""
         header = BIG_HEADER.pack(BATCH_MAGIC, layer & 0xFFFF, BIG_TAG, seq, nbytes)
-        try:
-            self.sock.sendall(header)
-            view = memoryview(self._big_in)
-            got = 0
-            while got < len(view):
-                n = self.sock.recv_into(view[got:])
-                if n == 0:
-                    raise PeerClosedError(f"peer closed the gate connection before big gate seq {seq}")
-                got += n
-        except BlockingIOError:
-            raise TransportTimeoutError(
-                f"big gate seq {seq}: the peer did not reach it within {self.timeout:g} s"
-            ) from None
-        except (ConnectionResetError, BrokenPipeError) as exc:
-            raise PeerClosedError(f"peer closed the gate connection at big gate seq {seq}: {exc}") from None
+        swap_small(self.sock, header, self._big_in, f"big gate seq {seq}", self.timeout)
         magic, player, tag, pseq, pbytes = BIG_HEADER.unpack(self._big_in)
         if (magic, player, tag, pseq, pbytes) != (BATCH_MAGIC, layer & 0xFFFF, BIG_TAG, seq, nbytes):
             raise DesyncError(
