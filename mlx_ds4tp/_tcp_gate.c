@@ -33,6 +33,30 @@ static int tcp_errno_code(int e) {
     return TP_ESYS;
 }
 
+/* One wording for every failed send or receive: a timeout says the peer is
+ * stuck, a reset says it closed, anything else names the system error. */
+static int tcp_fail(int e, const char *op, const char *what, uint64_t seq, char *err,
+                    size_t errlen) {
+    const int code = tcp_errno_code(e);
+    if (code == TP_ETIMEOUT)
+        tcp_err(err, errlen, "tcp %s seq %llu: no data from the peer within the gate timeout; "
+                "is the peer stopped or stuck?", what, (unsigned long long)seq);
+    else if (code == TP_EPEER)
+        tcp_err(err, errlen, "peer closed the gate connection (%s) during tcp %s seq %llu",
+                strerror(e), what, (unsigned long long)seq);
+    else
+        tcp_err(err, errlen, "tcp %s seq %llu: %s failed: %s", what, (unsigned long long)seq, op,
+                strerror(e));
+    return code;
+}
+
+static int tcp_eof(const char *what, uint64_t seq, size_t got, size_t len, char *err,
+                   size_t errlen) {
+    tcp_err(err, errlen, "peer closed the gate connection (EOF) during tcp %s seq %llu "
+            "(%zu/%zu bytes)", what, (unsigned long long)seq, got, len);
+    return TP_EPEER;
+}
+
 /* Write every byte of iov[0..n) (header then payload), resuming partial writes. */
 static int tcp_write_all(int fd, struct iovec *iov, int n, const char *what, uint64_t seq,
                          char *err, size_t errlen) {
@@ -44,14 +68,7 @@ static int tcp_write_all(int fd, struct iovec *iov, int n, const char *what, uin
         ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
         if (w < 0) {
             if (errno == EINTR) continue;
-            int e = errno;
-            if (tcp_errno_code(e) == TP_EPEER)
-                tcp_err(err, errlen, "peer closed the gate connection (%s) during tcp %s seq %llu",
-                        strerror(e), what, (unsigned long long)seq);
-            else
-                tcp_err(err, errlen, "tcp %s seq %llu: send failed: %s", what,
-                        (unsigned long long)seq, strerror(e));
-            return tcp_errno_code(e);
+            return tcp_fail(errno, "send", what, seq, err, errlen);
         }
         size_t left = (size_t)w;
         while (n > 0 && left >= iov->iov_len) {
@@ -69,7 +86,7 @@ static int tcp_write_all(int fd, struct iovec *iov, int n, const char *what, uin
 
 /* Read exactly len bytes into buf. */
 static int tcp_read_all(int fd, void *buf, size_t len, const char *what, uint64_t seq,
-                        size_t *got_out, char *err, size_t errlen) {
+                        char *err, size_t errlen) {
     char *p = buf;
     size_t got = 0;
     while (got < len) {
@@ -79,26 +96,9 @@ static int tcp_read_all(int fd, void *buf, size_t len, const char *what, uint64_
             continue;
         }
         if (r < 0 && errno == EINTR) continue;
-        *got_out = got;
-        if (r == 0) {
-            tcp_err(err, errlen, "peer closed the gate connection (EOF) during tcp %s seq %llu "
-                    "(%zu/%zu bytes)", what, (unsigned long long)seq, got, len);
-            return TP_EPEER;
-        }
-        int e = errno;
-        if (e == EAGAIN || e == EWOULDBLOCK)
-            tcp_err(err, errlen, "tcp %s seq %llu: no data from the peer within the gate timeout "
-                    "(%zu/%zu bytes); is the peer stopped or stuck?", what,
-                    (unsigned long long)seq, got, len);
-        else if (tcp_errno_code(e) == TP_EPEER)
-            tcp_err(err, errlen, "peer closed the gate connection (%s) during tcp %s seq %llu",
-                    strerror(e), what, (unsigned long long)seq);
-        else
-            tcp_err(err, errlen, "tcp %s seq %llu: receive failed: %s", what,
-                    (unsigned long long)seq, strerror(e));
-        return tcp_errno_code(e);
+        if (r == 0) return tcp_eof(what, seq, got, len, err, errlen);
+        return tcp_fail(errno, "receive", what, seq, err, errlen);
     }
-    *got_out = got;
     return TP_OK;
 }
 
@@ -122,30 +122,11 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
     do {
         r = recvmsg(fd, &msg, 0);
     } while (r < 0 && errno == EINTR);
-    size_t got = 0;
-    if (r < 0) {
-        int e = errno;
-        if (e == EAGAIN || e == EWOULDBLOCK)
-            tcp_err(err, errlen, "tcp gate seq %llu: no data from the peer within the gate "
-                    "timeout; is the peer stopped or stuck?", (unsigned long long)seq);
-        else if (tcp_errno_code(e) == TP_EPEER)
-            tcp_err(err, errlen, "peer closed the gate connection (%s) during tcp gate seq %llu",
-                    strerror(e), (unsigned long long)seq);
-        else
-            tcp_err(err, errlen, "tcp gate seq %llu: receive failed: %s",
-                    (unsigned long long)seq, strerror(e));
-        return tcp_errno_code(e);
-    }
-    if (r == 0) {
-        tcp_err(err, errlen, "peer closed the gate connection (EOF) at tcp gate seq %llu",
-                (unsigned long long)seq);
-        return TP_EPEER;
-    }
-    got = (size_t)r;
+    if (r < 0) return tcp_fail(errno, "receive", "gate", seq, err, errlen);
+    if (r == 0) return tcp_eof("gate", seq, 0, hdr_len + (size_t)bytes, err, errlen);
+    size_t got = (size_t)r;
     if (got < hdr_len) {
-        size_t more = 0;
-        rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, "gate header", seq, &more,
-                          err, errlen);
+        rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, "gate header", seq, err, errlen);
         if (rc != TP_OK) return rc;
         got = hdr_len;
     }
@@ -157,12 +138,9 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
         return TP_EDESYNC;
     }
     size_t payload_got = got - hdr_len;
-    if (payload_got < bytes) {
-        size_t more = 0;
-        rc = tcp_read_all(fd, (char *)dst + payload_got, (size_t)bytes - payload_got, "gate",
-                          seq, &more, err, errlen);
-        if (rc != TP_OK) return rc;
-    }
+    if (payload_got < bytes)
+        return tcp_read_all(fd, (char *)dst + payload_got, (size_t)bytes - payload_got, "gate",
+                            seq, err, errlen);
     return TP_OK;
 }
 
@@ -170,6 +148,5 @@ int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, char *err, si
     struct iovec out[1] = {{(void *)src, (size_t)bytes}};
     int rc = tcp_write_all(fd, out, 1, "raw exchange", 0, err, errlen);
     if (rc != TP_OK) return rc;
-    size_t got = 0;
-    return tcp_read_all(fd, dst, (size_t)bytes, "raw exchange", 0, &got, err, errlen);
+    return tcp_read_all(fd, dst, (size_t)bytes, "raw exchange", 0, err, errlen);
 }
