@@ -98,7 +98,11 @@ int tp_probe(const char *device, char *err, size_t errlen);
  * in all). role 0 = leader, 1 = worker. bind_ipv4 is the local address the
  * control channel uses (ucsim binds its datagram socket there; ibverbs
  * ignores it). gid_index < 0 = find the IPv4-mapped GID. faults: the
- * DS4_TP_UCSIM_FAULTS string (ucsim only; NULL or "" = defaults). */
+ * DS4_TP_UCSIM_FAULTS string (ucsim only; NULL or "" = defaults), items
+ * drop=l2w|w2l:K, drop_nth=l2w|w2l:N (on every build, the sender's N-th
+ * hot-path message over 64 bytes is lost, counted from 1: gate and bulk
+ * chunks, never the warm-up's plain sends), kill_unposted=0|1, loss=P,
+ * seed=S, max_msg=N, max_recv=N, delay_us=N (DESIGN.md's table). */
 tp_dev *tp_open(const char *device, int gid_index, const char *bind_ipv4, int role,
                 const char *faults, void *slab, uint64_t slab_bytes,
                 char *err, size_t errlen);
@@ -152,9 +156,16 @@ int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t
  * receive expects, and a mismatch is TP_ELOST with a message naming the gate
  * seq (or bulk round): "tp rdma: lost message detected at gate seq S ...".
  * The queue pair is then unusable until rebuilt, like after any hot-path
- * failure. A lost message that nothing follows (the last gate before a
- * drain, a bulk exchange or the end) cannot be told from a slow peer: that is
- * a timeout naming the same seq, never a hang.
+ * failure. A lost message that nothing follows on the queue pair (the last
+ * gate before a drain, a bulk exchange or a gate-signature exchange; a
+ * bulk's last chunk) is revealed by the TCP data socket instead: the peer
+ * writes its next word there only after it has left the exchange, i.e.
+ * after sending every message of it, so unread bytes there while a receive
+ * is still missing 100 ms later (TP_LOST_GRACE_NS, a message still on the
+ * wire) are TP_ELOST too: "tp rdma: lost message detected at gate seq S:
+ * the peer has moved past it ...". At the end of a run (the peer closed
+ * the control socket instead) it is TP_EPEER saying the peer's message
+ * never arrived. The argument is in _verbs_core.c, above hp_pump.
  * Raw work requests (tp_post_send: warm-up, tests) stay plain SEND.
  * Real hardware: whether AppleThunderboltRDMA supports SEND_WITH_IMM on UC is
  * unverified. If the driver refuses the first tagged post (EINVAL/ENOTSUP),

@@ -12,8 +12,10 @@
  *      lands in it. Every hot-path message therefore carries a sequence tag
  *      (immediate data, "Sequence tags" in _verbs.h) that the receiver checks
  *      against what the receive was posted for (TP_ELOST on a mismatch); a
- *      loss with nothing behind it is a timeout: every wait is bounded and
- *      names what it waited for.
+ *      loss with nothing behind it on the queue pair is revealed by the
+ *      peer's next word on the TCP data socket ("Loss with nothing behind
+ *      it", above hp_pump); every wait is bounded and names what it waited
+ *      for.
  * Both ranks run the same gate sequence, so all matching is by order: the
  * k-th message the peer sends lands in the k-th receive we posted. */
 
@@ -136,6 +138,7 @@ tp_dev *tp_open(const char *device, int gid_index, const char *bind_ipv4, int ro
     }
     dev->role = role;
     dev->control_fd = dev->barrier_fd = -1;
+    dev->lost_grace_ns = TP_LOST_GRACE_NS; /* a provider may lengthen it at open */
     dev->slab = slab;
     dev->slab_bytes = slab_bytes;
     int rc = is_ucsim(device)
@@ -243,6 +246,7 @@ void tp_set_fds(tp_dev *dev, int control_fd, int barrier_fd) {
     dev->control_fd = control_fd;
     dev->barrier_fd = barrier_fd;
     dev->next_peer_check_ns = 0;
+    dev->moved_seen_ns = 0;
 }
 
 /* ------------------------------------------------------------------------
@@ -378,13 +382,26 @@ static int poll_once(tp_dev *dev, tp_wc *wc, int max, char *err, size_t errlen) 
     return n;
 }
 
+/* 1 when the data socket holds unread bytes (peeked, never consumed). EOF
+ * or an error is 0: a closed socket is the control socket's to report. */
+static int data_pending(int fd) {
+    char byte;
+    return recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+}
+
 /* Reap at least one completion or give up at deadline_ns. Returns the
  * count, 0 at the deadline, TP_EPEER when the control socket closed (no
- * message: the caller knows what it was waiting for), or another negative
- * code with err set. UC queue pairs never report a dead peer, the control
- * socket does: it is sampled every millisecond while nothing arrives. */
-static int reap(tp_dev *dev, tp_wc *wc, int max, uint64_t deadline_ns, char *err,
-                size_t errlen) {
+ * message: the caller knows what it was waiting for), TP_EMOVED (see
+ * watch_data), or another negative code with err set. UC queue pairs never
+ * report a dead peer, the control socket does: it is sampled every
+ * millisecond while nothing arrives.
+ * watch_data: a hot path is waiting for a receive of the peer's; sample the
+ * data socket on the same millisecond tick, and when it has held unread
+ * bytes for lost_grace_ns with that receive still missing, return
+ * TP_EMOVED: the peer has moved past the message (why that proves a loss:
+ * "Loss with nothing behind it" above hp_pump). */
+static int reap(tp_dev *dev, tp_wc *wc, int max, uint64_t deadline_ns, int watch_data,
+                char *err, size_t errlen) {
     uint64_t start = 0;
     for (;;) {
         int n = poll_once(dev, wc, max, err, errlen);
@@ -393,8 +410,13 @@ static int reap(tp_dev *dev, tp_wc *wc, int max, uint64_t deadline_ns, char *err
         if (!start) start = now;
         if (now >= deadline_ns) return 0;
         int rc = TP_OK;
-        if (dev->control_fd >= 0 && now >= dev->next_peer_check_ns) {
-            if (tp_fd_closed(dev->control_fd)) rc = TP_EPEER;
+        if (now >= dev->next_peer_check_ns) {
+            if (dev->control_fd >= 0 && tp_fd_closed(dev->control_fd)) rc = TP_EPEER;
+            if (rc == TP_OK && watch_data && dev->barrier_fd >= 0) {
+                if (!data_pending(dev->barrier_fd)) dev->moved_seen_ns = 0;
+                else if (!dev->moved_seen_ns) dev->moved_seen_ns = now;
+                else if (now - dev->moved_seen_ns >= dev->lost_grace_ns) return TP_EMOVED;
+            }
             dev->next_peer_check_ns = now + 1000000u;
         }
         if (rc == TP_OK) rc = dev->prov->idle(dev, deadline_ns, now - start);
@@ -422,7 +444,7 @@ int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t
         tp_errf(err, errlen, "tp_poll: no queue pair (call tp_build_qp first)");
         return TP_EINVAL;
     }
-    int n = reap(dev, wc, max, deadline_after(timeout_s), err, errlen);
+    int n = reap(dev, wc, max, deadline_after(timeout_s), 0, err, errlen);
     if (n == TP_EPEER)
         tp_errf(err, errlen, "tp rdma: peer closed the control channel while polling");
     return n;
@@ -473,6 +495,7 @@ static int hp_enter(tp_dev *dev, double timeout_s, const char *what, char *err, 
         tp_errf(err, errlen, "%s: timeout_s must be > 0 (got %g)", what, timeout_s);
         return TP_EINVAL;
     }
+    dev->moved_seen_ns = 0;
     return TP_OK;
 }
 
@@ -716,13 +739,49 @@ static int hp_on_wc(tp_dev *dev, const tp_wc *wc, char *err, size_t errlen) {
                    hp_context(dev, ctx, sizeof(ctx)));
 }
 
+/* Loss with nothing behind it. A lost message is caught by its tag when a
+ * later message lands in its receive; the last message before the peer
+ * leaves the queue pair (the last gate before a drain, a bulk exchange or a
+ * gate-signature exchange; a bulk's last chunk) has no later message. What
+ * follows it instead is the peer's next word on the TCP data socket, and
+ * that word proves the loss:
+ *   - The peer writes the data socket only between hot paths (Python: the
+ *     gate-signature descriptor, the bulk header) or at a receives-posted
+ *     barrier at the start of one (hp_barrier: gate window arm, drain, bulk
+ *     round 0), never while one of its hot-path waits is in progress.
+ *   - The peer leaves the gate, drain or bulk exchange we are waiting in
+ *     only once all of our messages of it reached it, and it posts all of
+ *     its own before it waits (gate chunks, every drain marker; bulk round
+ *     r + 1 only after our round r arrived, so when it has finished, every
+ *     round of its own is sent). So when it writes that word, every message
+ *     of its we are waiting for was already sent, and UC has no retries.
+ *   - Nothing is pending for us on the data socket while we wait for
+ *     completions: every data-socket exchange is write-then-read of a fixed
+ *     size on both sides, so the words of our own barriers (and the
+ *     Python exchanges before this call) were read in full before we
+ *     posted our sends; the peer's next word comes only after it left the
+ *     exchange we are in (above), and the word of our own next barrier is
+ *     read by that barrier, outside these waits. Unread bytes therefore
+ *     mean "the peer is past this".
+ * So hp_pump watches the data socket (peeked, every ms, reap) while a
+ * receive of ours is still missing, and once bytes have sat there for
+ * lost_grace_ns (TP_LOST_GRACE_NS: a message still on the wire) with the
+ * receive still missing, the message is lost: TP_ELOST naming what, well
+ * before the timeout. Not during the barrier's own read (hp_barrier does
+ * not reap) nor while only our send completions are outstanding. If the
+ * ranks ran different gate sequences the same picture can arise; the pair
+ * stops either way. A data socket at EOF is not a move past: a peer that
+ * exits closes the control socket too (TP_EPEER). */
+
 /* Reap whatever is ready (waiting up to the deadline for the first) and
- * account it. >0 progress, 0 deadline passed, TP_EPEER, or an error with
- * the queue pair marked unusable. */
-static int hp_pump(tp_dev *dev, uint64_t deadline_ns, char *err, size_t errlen) {
+ * account it. >0 progress, 0 deadline passed, TP_EPEER, TP_EMOVED (only
+ * with watch_data: a receive of ours is missing, see above), or an error
+ * with the queue pair marked unusable. */
+static int hp_pump(tp_dev *dev, uint64_t deadline_ns, int watch_data, char *err,
+                   size_t errlen) {
     tp_wc wc[32];
-    int n = reap(dev, wc, 32, deadline_ns, err, errlen);
-    if (n < 0 && n != TP_EPEER) return hp_wedge(dev, n, err, errlen);
+    int n = reap(dev, wc, 32, deadline_ns, watch_data, err, errlen);
+    if (n < 0 && n != TP_EPEER && n != TP_EMOVED) return hp_wedge(dev, n, err, errlen);
     for (int i = 0; i < n; i++) {
         int rc = hp_on_wc(dev, &wc[i], err, errlen);
         if (rc < 0) return rc;
@@ -730,12 +789,26 @@ static int hp_pump(tp_dev *dev, uint64_t deadline_ns, char *err, size_t errlen) 
     return n;
 }
 
-/* The wait ended without progress: name what was being waited for. */
-static int hp_stalled(tp_dev *dev, int rc, double timeout_s, const char *what, char *err,
-                      size_t errlen) {
-    if (rc == TP_EPEER)
+/* The wait ended without progress: name what was being waited for.
+ * missing: what of the peer's has not arrived ("gate message", ...), or
+ * NULL when only our own send completions were outstanding. */
+static int hp_stalled(tp_dev *dev, int rc, double timeout_s, const char *what,
+                      const char *missing, char *err, size_t errlen) {
+    if (rc == TP_EMOVED)
+        return hp_fail(dev, TP_ELOST, err, errlen,
+                       "tp rdma: lost message detected at %s: the peer has moved past it (its "
+                       "next data-socket word arrived %.0f ms ago) but its %s never landed (UC "
+                       "dropped a message without an error; the queue pair must be rebuilt)",
+                       what, (double)(tp_mono_ns() - dev->moved_seen_ns) / 1e6,
+                       missing ? missing : "message");
+    if (rc == TP_EPEER) {
+        if (!missing)
+            return hp_fail(dev, TP_EPEER, err, errlen,
+                           "tp rdma: peer closed the control channel during %s", what);
         return hp_fail(dev, TP_EPEER, err, errlen,
-                       "tp rdma: peer closed the control channel during %s", what);
+                       "tp rdma: peer closed the control channel during %s, and the peer's %s "
+                       "for it never arrived (lost on the link, or the peer died)", what, missing);
+    }
     return hp_fail(dev, TP_ETIMEOUT, err, errlen, "tp rdma: timeout after %.1f s waiting for %s",
                    timeout_s, what);
 }
@@ -818,6 +891,8 @@ static int hp_barrier(tp_dev *dev, uint32_t magic, uint32_t value, uint64_t dead
         if (tp_poll_fds(p, watch_ctl ? 2 : 1, slice) > 0 && watch_ctl && p[1].revents)
             watch_ctl = 0;
     }
+    /* Bytes seen during an earlier wait of this call were this word. */
+    dev->moved_seen_ns = 0;
     uint32_t pm = 0, pv = 0;
     for (int i = 0; i < 4; i++) {
         pm |= (uint32_t)in[i] << (8 * i);
@@ -922,12 +997,14 @@ static int hp_drain(tp_dev *dev, uint64_t deadline_ns, double timeout_s, char *e
         dev->send_outstanding++;
     }
     while (dev->drain_recvs < n || dev->send_outstanding) {
-        int rc = hp_pump(dev, deadline_ns, err, errlen);
+        const int missing = dev->drain_recvs < n;
+        int rc = hp_pump(dev, deadline_ns, missing, err, errlen);
         if (rc > 0) continue;
-        if (rc < 0 && rc != TP_EPEER) return rc;
+        if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
         snprintf(what, sizeof(what), "the window drain after gate seq %llu (%u/%u markers in)",
                  (unsigned long long)dev->last_seq, dev->drain_recvs, n);
-        return hp_stalled(dev, rc, timeout_s, what, err, errlen);
+        return hp_stalled(dev, rc, timeout_s, what, missing ? "drain marker" : NULL, err,
+                          errlen);
     }
     dev->armed = 0;
     dev->stats.window_armed = 0;
@@ -985,13 +1062,15 @@ int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t se
     /* Spin until the peer's seq landed and our own sends are done (so the
      * caller may reuse src as soon as we return). */
     while (dev->recv_done < gate || dev->send_outstanding) {
-        rc = hp_pump(dev, deadline, err, errlen);
+        const int missing = dev->recv_done < gate;
+        rc = hp_pump(dev, deadline, missing, err, errlen);
         if (rc > 0) continue;
-        if (rc < 0 && rc != TP_EPEER) return rc;
+        if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
         char what[80];
         snprintf(what, sizeof(what), "gate seq %llu (recv_done %llu)", (unsigned long long)seq,
-                 (unsigned long long)(dev->recv_done >= gate ? seq : dev->last_seq));
-        return hp_stalled(dev, rc, timeout_s, what, err, errlen);
+                 (unsigned long long)(missing ? dev->last_seq : seq));
+        return hp_stalled(dev, rc, timeout_s, what, missing ? "gate message" : NULL, err,
+                          errlen);
     }
     memcpy(dst, ring_slot(dev, gate), bytes);
     /* Re-arm gate + window now, before the caller can send gate + 1: the
@@ -1111,13 +1190,15 @@ int tp_bulk(tp_dev *dev, const void *src, void *dst, uint64_t bytes, double time
             dev->send_outstanding++;
         }
         while (dev->bulk_recvs[r & 1] < n || dev->send_outstanding) {
-            rc = hp_pump(dev, deadline, err, errlen);
+            const int missing = dev->bulk_recvs[r & 1] < n;
+            rc = hp_pump(dev, deadline, missing, err, errlen);
             if (rc > 0) continue;
-            if (rc < 0 && rc != TP_EPEER) return rc;
+            if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
             snprintf(what, sizeof(what), "bulk round %llu of %llu (%u/%u receives in, %u sends "
                      "pending)", (unsigned long long)r, (unsigned long long)rounds,
                      dev->bulk_recvs[r & 1], n, dev->send_outstanding);
-            return hp_stalled(dev, rc, timeout_s, what, err, errlen);
+            return hp_stalled(dev, rc, timeout_s, what, missing ? "bulk message" : NULL, err,
+                              errlen);
         }
         if (!j.recv_mr)
             memcpy(j.dst + off, dev->slab + TP_OFF_BULK_RECV + (r & 1) * TP_BULK_ROUND_BYTES, rb);

@@ -58,6 +58,23 @@
  * so a real gate arriving during a drain is reported as a desync. */
 #define TP_DRAIN_MSG_BYTES 8u
 
+/* Loss with nothing behind it ("Sequence tags" in _verbs.h): how long an
+ * awaited receive may stay missing after the peer's next data-socket word
+ * is seen. Why a grace at all: the peer writes that word only after its own
+ * message to us was posted, but on hardware the message may still be on the
+ * wire (or in our CQ, unreaped) when the TCP bytes arrive. Why 100 ms: a
+ * Thunderbolt message is in flight for microseconds and even a loaded
+ * scheduler's hiccups are a few milliseconds, so 100 ms is far past any
+ * late arrival, yet short enough that a lost last message stops the pair
+ * in well under a second instead of after DS4_TP_TIMEOUT_SEC. A provider
+ * whose delivery is slower adds its delay (ucsim: delay_us). */
+#define TP_LOST_GRACE_NS UINT64_C(100000000)
+
+/* reap()/hp_pump() only, never returned by the API: the peer moved past the
+ * receive being waited for (its next data-socket word arrived and the grace
+ * ran out); the hot path turns it into TP_ELOST naming what was missing. */
+#define TP_EMOVED -100
+
 /* Default depths (DESIGN.md: 512 CQ entries, 1024 send / 1024 recv). */
 #define TP_DEFAULT_CQ 512
 #define TP_DEFAULT_WR 1024
@@ -109,6 +126,9 @@ struct tp_dev {
     tp_info local;
     int control_fd, barrier_fd;
     uint64_t next_peer_check_ns;
+    uint64_t moved_seen_ns;  /* != 0: when the peer's next data-socket bytes were first
+                                seen during a hot-path receive wait */
+    uint64_t lost_grace_ns;  /* TP_LOST_GRACE_NS plus the provider's delivery delay */
 
     /* Work requests the core has seen posted and not yet completed. */
     uint64_t rq_outstanding;

@@ -13,8 +13,9 @@
  *     comes out in the receive completion (has_imm), as on verbs hardware;
  *   - a message that arrives while no receive is posted kills that
  *     direction for good (kill_unposted);
- *   - the one-direction drop of a fresh pair, random loss, a receive queue
- *     cap and a one-way delay, on request.
+ *   - the one-direction drop of a fresh pair, random loss, the loss of one
+ *     chosen hot-path message (drop_nth), a receive queue cap and a one-way
+ *     delay, on request.
  *
  * There is no background thread (two processes on two cores must not
  * starve each other): datagrams are processed lazily inside poll, but each
@@ -71,6 +72,7 @@ typedef struct {
 typedef struct {
     /* faults */
     int drop_l2w, drop_w2l; /* builds (setup_attempt < K) that drop > 64 B */
+    uint64_t nth_l2w, nth_w2l; /* drop_nth: 1-based hot-path message index, 0 = off */
     int kill_unposted;
     double loss;
     uint64_t seed;
@@ -87,6 +89,7 @@ typedef struct {
     struct sockaddr_in peer;
     uint64_t rtr_ns;
     uint64_t msgs_sent;
+    uint64_t hot_sent; /* tagged (hot-path) messages over 64 bytes sent on this build */
     uint64_t rng;
 
     uc_rwr *rq;
@@ -129,9 +132,13 @@ static uint64_t uc_rand(ucsim *u) { /* xorshift64*: deterministic from seed */
  * Fault string: DS4_TP_UCSIM_FAULTS.
  * --------------------------------------------------------------------- */
 
+/* drop_nth=l2w:N / w2l:N loses exactly one message, for tests of a loss
+ * that nothing follows: on every build, the sender's N-th hot-path message
+ * over 64 bytes (counted from 1; tagged gate chunks and bulk chunks, not
+ * the warm-up's plain sends, so warm-up resends never shift it). */
 #define UC_FAULT_FORMS \
-    "drop=l2w:K, drop=w2l:K, kill_unposted=0|1, loss=P (0..1), seed=S, max_msg=N (1..65000), " \
-    "max_recv=N (>= 1), delay_us=N"
+    "drop=l2w:K, drop=w2l:K, drop_nth=l2w:N, drop_nth=w2l:N (N >= 1), kill_unposted=0|1, " \
+    "loss=P (0..1), seed=S, max_msg=N (1..65000), max_recv=N (>= 1), delay_us=N"
 
 static int parse_u64(const char *s, uint64_t *out) {
     if (!*s) return 0;
@@ -169,6 +176,12 @@ static int uc_parse_faults(ucsim *u, const char *faults, char *err, size_t errle
                 if ((!strncmp(val, "l2w:", 4) || !strncmp(val, "w2l:", 4)) &&
                     parse_u64(val + 4, &v) && v <= 4096) {
                     *(val[0] == 'l' ? &u->drop_l2w : &u->drop_w2l) = (int)v;
+                    ok = 1;
+                }
+            } else if (!strcmp(key, "drop_nth")) {
+                if ((!strncmp(val, "l2w:", 4) || !strncmp(val, "w2l:", 4)) &&
+                    parse_u64(val + 4, &v) && v >= 1) {
+                    *(val[0] == 'l' ? &u->nth_l2w : &u->nth_w2l) = v;
                     ok = 1;
                 }
             } else if (!strcmp(key, "kill_unposted")) {
@@ -275,6 +288,9 @@ int tp_ucsim_open(tp_dev *dev, const char *bind_ipv4, const char *faults, char *
     setsockopt(u->fd, SOL_SOCKET, SO_SNDBUF, &sb, sizeof(sb));
 
     u->psn_base = (uint32_t)tp_random64() & 0xffffff;
+    /* A message is visible delay_us after it arrived, later than the TCP
+     * word the peer wrote after sending it: not a loss (TP_LOST_GRACE_NS). */
+    dev->lost_grace_ns += u->delay_ns;
     dev->prov = &tp_ucsim_provider;
     dev->impl = u;
     snprintf(dev->name, sizeof(dev->name), "ucsim");
@@ -314,6 +330,7 @@ static int uc_build(tp_dev *dev, int qp_type, int attempt, int *cq_depth, int *s
     u->sq_cap = swr;
     u->sq_posted = u->sq_freed = 0;
     u->msgs_sent = 0;
+    u->hot_sent = 0;
     u->attempt = attempt;
     /* Loss is deterministic per (seed, role, build): reruns reproduce. */
     u->rng = (u->seed + 1) * UINT64_C(0x9e3779b97f4a7c15) ^
@@ -616,6 +633,8 @@ static int uc_post_send(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey
     } else {
         const uint64_t index = u->msgs_sent++;
         const int drop_builds = dev->role == 0 ? u->drop_l2w : u->drop_w2l;
+        const uint64_t nth = dev->role == 0 ? u->nth_l2w : u->nth_w2l;
+        const uint64_t hot = opcode == TP_OP_SEND_IMM && len > UC_SMALL ? ++u->hot_sent : 0;
         if (len > u->max_msg) {
             /* Why: messages above 16 KiB are never delivered, and the
              * sender is not told: its completion still says SUCCESS. */
@@ -624,6 +643,9 @@ static int uc_post_send(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey
         } else if (len > UC_SMALL && u->attempt < drop_builds) {
             /* The one-direction drop of a fresh pair: full-size messages
              * vanish while 64-byte ones pass (hence full-size warm-up). */
+            transmit = 0;
+            dev->stats.dropped_fault++;
+        } else if (nth && hot == nth) {
             transmit = 0;
             dev->stats.dropped_fault++;
         } else if (len > UC_SMALL && u->loss > 0 && index >= UC_LOSS_GRACE &&

@@ -4,15 +4,19 @@ error naming the gate, never hand a rank the wrong partial.
 UC never reports a lost message; the receive posted for it stays posted and
 the peer's next message lands in it. The emulated device's `loss=P,seed=S`
 fault drops messages over 64 bytes at random after each build's first 64; the
-sequence tags on every hot-path message (see _verbs.h) must catch it.
+sequence tags on every hot-path message (see _verbs.h) must catch it. A lost
+message that nothing follows on the queue pair is revealed by the peer's next
+word on the data socket (`drop_nth=w2l:N` loses exactly the worker's N-th).
 """
 
 from __future__ import annotations
 
 import re
+import time
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.errors import DesyncError, PeerClosedError
@@ -75,3 +79,109 @@ def test_no_loss_every_sum_exact(monkeypatch):
     assert lexc is None and wexc is None, (lexc, wexc)
     assert lres == (400, [], None), lres
     assert wres == (400, [], None), wres
+
+
+# A lost message that nothing follows on the queue pair: the peer moves on to
+# the data socket (gate-signature descriptor, bulk header), and that word,
+# unread while a receive is still missing, reveals the loss (see _verbs.h).
+
+MOVED_RE = re.compile(r"lost message detected at (.*?): the peer has moved past it")
+
+
+def _scripted_sums(g, sizes):
+    """all_sum one array of each size in turn, checking every sum exactly.
+    Returns (sums done, wrong sums, exception or None, seconds the failing
+    call took); on an error the group is closed so the peer stops at once."""
+    rank = g.rank()
+    wrong = []
+    for k, n in enumerate(sizes):
+        x = mx.arange(n, dtype=mx.float32) * (rank + 1) + k
+        t0 = time.monotonic()
+        try:
+            y = tp.all_sum(x, group=g)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            took = time.monotonic() - t0
+            g.close()
+            return k, wrong, exc, took
+        if not np.array_equal(np.array(y), np.arange(n, dtype=np.float32) * 3 + 2 * k):
+            wrong.append(k)
+    g.close()
+    return len(sizes), wrong, None, 0.0
+
+
+@pytest.mark.parametrize("then", [HIDDEN // 2, 4 * HIDDEN], ids=["new-shape", "bulk"])
+def test_lost_last_gate_before_the_data_socket_is_desync_within_a_second(monkeypatch, then):
+    # drop_nth=w2l:5: the worker's 5th gate message (gate seq 5) is lost and
+    # nothing follows it on the queue pair: the worker's next all_sum has
+    # another shape (a gate-signature exchange on the data socket; for the
+    # 64 KiB one, then a bulk). The leader must fail naming seq 5 well inside
+    # the 10 s timeout, and no rank may ever return a wrong sum.
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop_nth=w2l:5")
+    leader, worker = make_groups("rdma", timeout=10.0)
+    assert leader.transport == "rdma" and worker.transport == "rdma"
+    sizes = [HIDDEN] * 5 + [then, HIDDEN]
+    (lres, lexc), (wres, wexc) = run_both(lambda: _scripted_sums(leader, sizes),
+                                          lambda: _scripted_sums(worker, sizes), timeout=30)
+    assert lexc is None and wexc is None, (lexc, wexc)
+    (ldone, lwrong, lerr, ltook), (wdone, wwrong, werr, _) = lres, wres
+    assert lwrong == [] and wwrong == [], (lwrong, wwrong)
+    assert isinstance(lerr, DesyncError), repr(lerr)
+    assert ldone == 4, (ldone, str(lerr))
+    m = MOVED_RE.search(str(lerr))
+    assert m and m.group(1) == "gate seq 5 (recv_done 4)", str(lerr)
+    assert LOST_RE.search(str(lerr)).group(1) == "5"
+    assert "the queue pair must be rebuilt" in str(lerr)
+    assert ltook < 1.0, ltook
+    # the worker finished gate 5 and was waiting on the data socket
+    assert wdone == 5 and werr is not None, (wdone, werr)
+
+
+def test_lost_last_gate_before_a_bulk_header_is_desync_within_a_second(monkeypatch):
+    # The same through the pair directly: gates, then a bulk exchange whose
+    # header (transport.Pair.bulk) is the worker's next data-socket word.
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop_nth=w2l:3")
+    leader, worker = make_groups("rdma", timeout=10.0)
+
+    def side(g):
+        r = g.rank()
+        recv = bytearray(4 * HIDDEN)
+        try:
+            for seq in range(1, 4):
+                t0 = time.monotonic()
+                g.pair.gate(bytes([r + seq]) * (4 * HIDDEN), recv)
+                assert recv == bytes([1 - r + seq]) * (4 * HIDDEN), (r, seq)
+            big = bytearray(16 * HIDDEN)
+            t0 = time.monotonic()
+            g.pair.bulk(bytes([r]) * (16 * HIDDEN), big)
+            return None, 0.0
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            return exc, time.monotonic() - t0
+        finally:
+            g.close()
+
+    (lres, lexc), (wres, wexc) = run_both(lambda: side(leader), lambda: side(worker), timeout=30)
+    assert lexc is None and wexc is None, (lexc, wexc)
+    lerr, ltook = lres
+    assert isinstance(lerr, DesyncError), repr(lerr)
+    assert MOVED_RE.search(str(lerr)).group(1) == "gate seq 3 (recv_done 2)", str(lerr)
+    assert ltook < 1.0, ltook
+    assert wres[0] is not None  # the worker, at the bulk header, saw the leader give up
+
+
+def test_lost_last_bulk_chunk_is_desync_within_a_second(monkeypatch):
+    # A 64 KiB all_sum is a bulk exchange of 4 messages; the worker's 4th is
+    # lost, and its next all_sum (another shape) goes to the data socket.
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop_nth=w2l:4")
+    leader, worker = make_groups("rdma", timeout=10.0)
+    sizes = [4 * HIDDEN, HIDDEN]
+    (lres, lexc), (wres, wexc) = run_both(lambda: _scripted_sums(leader, sizes),
+                                          lambda: _scripted_sums(worker, sizes), timeout=30)
+    assert lexc is None and wexc is None, (lexc, wexc)
+    (ldone, lwrong, lerr, ltook), (wdone, wwrong, werr, _) = lres, wres
+    assert lwrong == [] and wwrong == []
+    assert ldone == 0 and isinstance(lerr, DesyncError), (ldone, repr(lerr))
+    m = MOVED_RE.search(str(lerr))
+    assert m and m.group(1).startswith("bulk round 0 of 1 (3/4 receives in"), str(lerr)
+    assert "its bulk message never landed" in str(lerr)
+    assert ltook < 1.0, ltook
+    assert wdone == 1 and werr is not None, (wdone, werr)

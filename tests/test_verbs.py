@@ -238,7 +238,8 @@ def test_rc_and_ud_queue_pairs_refused(qpt, name):
 
 
 @pytest.mark.parametrize("bad", ["drop=x2y:1", "drop=l2w", "loss=2", "kill_unposted=yes",
-                                 "max_msg=0", "bogus", "delay_us=-3"])
+                                 "max_msg=0", "bogus", "delay_us=-3", "drop_nth=l2w:0",
+                                 "drop_nth=5", "drop_nth=x2y:3"])
 def test_bad_faults_string_names_item_and_forms(bad):
     err = ffi.new("char[]", ERRLEN)
     slab = ffi.new("uint8_t[]", 4096)
@@ -247,11 +248,12 @@ def test_bad_faults_string_names_item_and_forms(bad):
     assert dev == ffi.NULL
     msg = ffi.string(err).decode()
     assert f"'{bad}'" in msg and "drop=l2w:K" in msg and "delay_us=N" in msg
+    assert "drop_nth=l2w:N" in msg
 
 
 def test_good_faults_string_accepted():
     s = Side(1, "drop=l2w:2, drop=w2l:1,kill_unposted=0,loss=0.25,seed=9,max_msg=8192,"
-                "max_recv=7,delay_us=10,")
+                "max_recv=7,delay_us=10,drop_nth=w2l:3,drop_nth=l2w:1")
     s.close()
 
 
@@ -602,6 +604,7 @@ def test_peer_closed_control_socket_is_tp_epeer_quickly(make_pair):
     elapsed = time.monotonic() - t0
     assert rc == lib.TP_EPEER
     assert "peer closed the control channel during gate seq 4" in p.a.msg
+    assert "the peer's gate message for it never arrived" in p.a.msg
     assert elapsed < 1.0
 
 
@@ -755,9 +758,10 @@ def _lossy_bulks(p, s, r, n, times, timeout=5.0):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_lost_bulk_message_is_an_error_naming_the_round(make_pair, seed):
     p = make_pair(f"loss=0.02,seed={seed}", extra=4 << 20)
-    # Four rounds, the last chunk short. A loss of an exchange's very last
-    # message has no later message to reveal it: that one is a timeout (see
-    # _verbs.h); these seeds lose a message mid-exchange first.
+    # Four rounds, the last chunk short. These seeds lose a message
+    # mid-exchange first, caught by the tag of the next one (the loss of an
+    # exchange's very last message is revealed by the data socket instead:
+    # test_lost_last_bulk_chunk_is_elost_within_a_second).
     n = 4 * ROUND - 100
     res = both(lambda: _lossy_bulks(p, p.a, 0, n, 10), lambda: _lossy_bulks(p, p.b, 1, n, 10),
                timeout=40)
@@ -793,6 +797,145 @@ def test_lost_message_after_bulk_in_regated_window(make_pair):
     res = both(lambda: side(p.a, 0), lambda: side(p.b, 1), timeout=40)
     assert all(bad == [] for _, bad, _, _ in res)
     assert any(rc == lib.TP_ELOST and ("lost message detected at" in msg) for _, _, rc, msg in res), res
+
+
+# ----------------------------------------------------------------------------
+# A lost message that nothing follows: the data socket reveals it
+# ----------------------------------------------------------------------------
+
+MOVED_RE = re.compile(r"lost message detected at (.*?): the peer has moved past it \(its next "
+                      r"data-socket word arrived (\d+) ms ago\) but its (.*?) never landed "
+                      r"\(UC dropped a message without an error; the queue pair must be rebuilt\)")
+
+
+def _gates_then(p, s, r, n_gates, then, timeout=10.0):
+    """n_gates 16 KiB gates (checked), then `then(s)`. Returns (gates done,
+    rc, msg, seconds the failing call took); on failure closes this side's
+    control socket so the peer stops at once."""
+    mine, theirs = random.Random(300 + r), random.Random(301 - r)
+    dst = ffi.new("uint8_t[]", MAX)
+    for seq in range(1, n_gates + 1):
+        data = mine.randbytes(MAX)
+        t0 = time.monotonic()
+        rc = s.gate(ffi.from_buffer(data), dst, MAX, seq, timeout=timeout)
+        if rc != 0:
+            took, msg = time.monotonic() - t0, s.msg
+            p.ctl[r].close()
+            return seq - 1, rc, msg, took
+        assert bytes(ffi.buffer(dst, MAX)) == theirs.randbytes(MAX), f"rank {r} seq {seq}"
+    t0 = time.monotonic()
+    rc = then(s)
+    took, msg = time.monotonic() - t0, s.msg
+    if rc != 0:
+        p.ctl[r].close()
+    return n_gates, rc, msg, took
+
+
+def _drain(s):
+    return lib.tp_drain(s.dev, 10.0, s.err, ERRLEN)
+
+
+def _bulk(s):
+    n = ROUND + 100
+    return s.bulk(ffi.from_buffer(bytes(n)), ffi.new("uint8_t[]", n), n, timeout=10.0)
+
+
+def _half_gate(s):
+    dst = ffi.new("uint8_t[]", MAX // 2)
+    return s.gate(ffi.from_buffer(bytes(MAX // 2)), dst, MAX // 2, 99, timeout=10.0)
+
+
+@pytest.mark.parametrize("then", [_drain, _bulk, _half_gate], ids=["drain", "bulk", "resize"])
+def test_lost_last_gate_before_a_barrier_is_elost_within_a_second(make_pair, then):
+    # drop_nth=w2l:5 loses exactly the worker's gate 5 message. Nothing
+    # follows it on the queue pair: the worker goes on to a drain, a bulk
+    # exchange or a gate of another size, all of which start with a
+    # receives-posted barrier word on the data socket. That word, unread
+    # while the leader still waits for gate 5, says the worker moved past it.
+    p = make_pair("drop_nth=w2l:5")
+    res = both(lambda: _gates_then(p, p.a, 0, 5, then), lambda: _gates_then(p, p.b, 1, 5, then),
+               timeout=30)
+    (adone, arc, amsg, atook), (bdone, brc, bmsg, _) = res
+    assert p.b.stats().dropped_fault == 1 and p.a.stats().dropped_fault == 0
+    assert (adone, arc) == (4, lib.TP_ELOST), amsg
+    m = MOVED_RE.search(amsg)
+    assert m, amsg
+    assert m.group(1) == "gate seq 5 (recv_done 4)" and m.group(3) == "gate message", amsg
+    assert int(m.group(2)) >= 100, amsg  # the grace ran out first
+    assert atook < 1.0, atook  # not the 10 s timeout
+    # the worker, waiting at its barrier, sees the leader give up
+    assert (bdone, brc) == (5, lib.TP_EPEER), bmsg
+    # the leader's queue pair stays unusable, naming the failure
+    dst = ffi.new("uint8_t[]", MAX)
+    assert p.a.gate(dst, dst, MAX, 6, timeout=1.0) == lib.TP_ELOST
+    assert "unusable" in p.a.msg and "moved past" in p.a.msg
+
+
+def test_lost_last_bulk_chunk_is_elost_within_a_second(make_pair):
+    # A bulk of 2 rounds + 100 bytes is 129 messages; the worker's 129th hot
+    # message (no gates before) is the exchange's last: the leader waits in
+    # round 2 while the worker, done, arms a gate window (barrier word).
+    n = 2 * ROUND + 100
+    p = make_pair("drop_nth=w2l:129", extra=2 * n)
+
+    def side(s, r):
+        t0 = time.monotonic()
+        rc = s.bulk(ffi.from_buffer(bytes([r + 1]) * n), s.user + n, n, timeout=10.0)
+        if rc != 0:
+            took, msg = time.monotonic() - t0, s.msg
+            p.ctl[r].close()
+            return rc, msg, took
+        assert s.get(n, n) == bytes([2 - r]) * n
+        dst = ffi.new("uint8_t[]", MAX)
+        return s.gate(ffi.from_buffer(bytes(MAX)), dst, MAX, 1, timeout=10.0), s.msg, 0.0
+
+    (arc, amsg, atook), (brc, bmsg, _) = both(lambda: side(p.a, 0), lambda: side(p.b, 1))
+    assert arc == lib.TP_ELOST, amsg
+    m = MOVED_RE.search(amsg)
+    assert m and m.group(3) == "bulk message", amsg
+    assert m.group(1) == "bulk round 2 of 3 (0/1 receives in, 0 sends pending)", amsg
+    assert atook < 1.0, atook
+    assert brc == lib.TP_EPEER, bmsg
+
+
+def test_slow_delivery_within_the_grace_is_not_a_loss(make_pair):
+    # The leader sees the worker's messages 150 ms late (longer than the
+    # 100 ms grace), the worker sees the leader's at once: the worker leaves
+    # each exchange and writes its next data-socket word (drain and bulk
+    # barriers) well before its last message is visible to the leader. The
+    # grace grows by the delay, so this is no loss.
+    p = make_pair("delay_us=150000", faults_b="", extra=2 * ROUND)
+
+    def side(s, r):
+        assert run_gates(s, [MAX, MAX, 4096, MAX], 1, r, 1 - r) == []
+        blob = bytes([r]) * ROUND
+        assert s.bulk(ffi.from_buffer(blob), s.user + ROUND, ROUND, timeout=10.0) == 0, s.msg
+        assert s.get(ROUND, ROUND) == bytes([1 - r]) * ROUND
+        assert run_gates(s, [MAX], 6, r + 7, 8 - r) == []
+        return True
+
+    assert both(lambda: side(p.a, 0), lambda: side(p.b, 1), timeout=60) == [True, True]
+
+
+def test_peer_exit_after_its_last_gate_was_lost_is_epeer_saying_so(make_pair):
+    # End of a run: the worker's last gate message is lost, the worker
+    # finishes (the leader's reached it) and closes both sockets. The data
+    # socket at EOF is no "moved past": the control socket reports it.
+    p = make_pair("drop_nth=w2l:3")
+
+    def worker():
+        done = _gates_then(p, p.b, 1, 3, lambda s: 0)
+        p.ctl[1].close()
+        p.data[1].close()
+        return done
+
+    (adone, arc, amsg, atook), (bdone, brc, _, _) = both(
+        lambda: _gates_then(p, p.a, 0, 3, lambda s: 0), worker)
+    assert (bdone, brc) == (3, 0)
+    assert (adone, arc) == (2, lib.TP_EPEER), amsg
+    assert ("peer closed the control channel during gate seq 3 (recv_done 2), and the peer's "
+            "gate message for it never arrived (lost on the link, or the peer died)") in amsg
+    assert atook < 1.0
 
 
 # ----------------------------------------------------------------------------
