@@ -73,53 +73,61 @@ def plot_histograms(records: List[Dict], path: str) -> None:
     plt.close(fig)
 
 
-def _time_loop(fn, iters: int) -> List[int]:
-    for _ in range(WARMUP_ITERS):
-        fn()
-    out = [0] * iters
+ROUNDS = 10
+
+
+def _time_interleaved(contenders: Dict[str, object], iters: int) -> Dict[str, List[int]]:
+    """Time each contender in ROUNDS alternating blocks, so a drift of the
+    machine (frequency, the other rank's scheduling) hits all of them alike:
+    the ratios between them are what the bench reports."""
     clock = time.perf_counter_ns
-    for i in range(iters):
-        t0 = clock()
-        fn()
-        out[i] = clock() - t0
-    return out
+    samples: Dict[str, List[int]] = {name: [] for name in contenders}
+    for fn in contenders.values():
+        for _ in range(WARMUP_ITERS):
+            fn()
+    per_round = max(1, iters // ROUNDS)
+    for r in range(ROUNDS):
+        n = per_round if r < ROUNDS - 1 else iters - per_round * (ROUNDS - 1)
+        for name, fn in contenders.items():
+            out = samples[name]
+            for _ in range(n):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+    return samples
 
 
 def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> List[Dict]:
-    """Time the bare gate, our all_sum on an mx.array and, on TCP, the floor.
-    Both ranks run this same sequence, so every exchange has its partner."""
+    """Time the bare gate, our all_sum on an mx.array and the baseline of the
+    transport (TCP: the raw floor; RDMA: sending from a registered buffer
+    instead of copying into the slab). Both ranks run this same sequence, so
+    every exchange has its partner."""
     import mlx.core as mx
 
     pair = group.pair
     send = np.full(nbytes // 4, 1.0 + group.rank(), dtype=np.float32)
     recv = np.empty_like(send)
-
-    def gate() -> None:
-        pair.gate(send, recv)
-
-    records = [record(name, nbytes, _time_loop(gate, iters))]
-    if pair.rdma is not None and pair.rdma.warmup_ms is not None:
-        records[0]["warmup_ms"] = round(pair.rdma.warmup_ms, 2)
-    if not np.all(recv == 2.0 - group.rank()):
-        raise RuntimeError(f"{name}: the peer's partial arrived wrong: {recv[:4]}")
     x = mx.array(send)
-
-    def all_sum() -> None:
-        gate_ops.all_sum(x, group=group)
-
-    records.append(record(f"{name}-all_sum", nbytes, _time_loop(all_sum, iters)))
+    contenders = {
+        name: lambda: pair.gate(send, recv),
+        f"{name}-all_sum": lambda: gate_ops.all_sum(x, group=group),
+    }
     if pair.rdma is not None:
         # The alternative to copying the partial into the registered slab:
         # send straight from a registered buffer (an MLX array's own memory
         # would need a registration per new buffer).
-        pair.rdma.register(send)
-        records.append(record(f"{name}-registered", nbytes, _time_loop(gate, iters)))
-    if pair.transport == "tcp":
-
-        def raw() -> None:
-            tr.raw_exchange(pair.tcp, send, recv)
-
-        records.append(record("raw-floor", nbytes, _time_loop(raw, iters)))
+        send_registered = send.copy()
+        pair.rdma.register(send_registered)
+        contenders[f"{name}-registered"] = lambda: pair.gate(send_registered, recv)
+    else:
+        contenders["raw-floor"] = lambda: tr.raw_exchange(pair.tcp, send, recv)
+    samples = _time_interleaved(contenders, iters)
+    pair.gate(send, recv)
+    if not np.all(recv == 2.0 - group.rank()):
+        raise RuntimeError(f"{name}: the peer's partial arrived wrong: {recv[:4]}")
+    records = [record(label, nbytes, got) for label, got in samples.items()]
+    if pair.rdma is not None and pair.rdma.warmup_ms is not None:
+        records[0]["warmup_ms"] = round(pair.rdma.warmup_ms, 2)
     return records
 
 
@@ -148,7 +156,7 @@ def ring_rank(nbytes: int, iters: int) -> List[Dict]:
     def all_sum() -> None:
         mx.eval(mx.distributed.all_sum(x, group=group))
 
-    return [record("mlx-ring", nbytes, _time_loop(all_sum, iters))]
+    return [record("mlx-ring", nbytes, _time_interleaved({"mlx-ring": all_sum}, iters)["mlx-ring"])]
 
 
 # ============================================================================

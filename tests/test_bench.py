@@ -1,0 +1,41 @@
+"""`ds4tp bench`: the records a user (and the closing notes) rely on."""
+
+from __future__ import annotations
+
+import json
+
+
+def records(out: str):
+    return {r["name"]: r for r in map(json.loads, (ln for ln in out.splitlines() if ln.startswith("{")))}
+
+
+def test_gate_bench_prints_every_record(procs):
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--iters", "300"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    got = records(out)
+    for name in ("tcp", "raw-floor", "mlx-ring", "rdma-ucsim", "tcp-all_sum", "rdma-ucsim-all_sum",
+                 "rdma-ucsim-registered"):
+        rec = got[name]
+        assert rec["bytes"] == 16384 and rec["iters"] == 300
+        assert 0 < rec["p50_us"] <= rec["p99_us"]
+        assert "samples_us" not in rec
+    assert 0 < got["rdma-ucsim"]["warmup_ms"] < 1000
+
+
+def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
+    from mlx_ds4tp.tiny_model import save_llama
+
+    path = save_llama(tmp_path / "m", "tiny", seed=5)
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--model", str(path), "--max-tokens", "6"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    got = records(out)
+    for name in ("single", "tp2-tcp", "tp2-rdma-ucsim", "mlx-lm-ring"):
+        assert got[name]["tok_s"] > 0 and got[name]["tokens_match"] is True, got[name]
+
+
+def test_bench_rejects_bad_sizes(procs):
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--bytes", "70000"])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "--bytes 70000 is over the 32768-byte gate limit" in err
