@@ -1,0 +1,149 @@
+"""Drive one rank up to a phase of a pair's life, print ``AT <phase>`` on
+stdout, then block there, so a test can SIGKILL or SIGSTOP it at exactly that
+point (tests/test_faults.py, tests/test_cable_pull.py). Built only from the
+library's own pieces; nothing in the shipped package knows about it.
+
+    python tests/fault_driver.py PHASE ROLE HOST PORT TRANSPORT MODEL
+
+PHASE (and the role that can take it):
+  before-listen   leader: started, never listens (a leader that died early)
+  backlog         leader: listens, a worker's connection is pending, never accepts
+  accepted        leader: accepted the control connection, never says hello
+  dialed          worker: connected, never says hello
+  hello-sent      worker: sent a valid hello, never opens the data connection
+  rdma-info       either: pair up and RDMA device status exchanged, never sends RDMA_INFO
+  rdma-info-sent  either: sent RDMA_INFO, never reads the peer's or says READY
+  warmup          either: queue pair connected, warm-up receive posted and the
+                  receives-posted barrier passed, never sends the warm message
+  bulk            either: all_sum of 1 MiB partials (bulk exchanges) in a loop,
+                  every sum checked; AT after the first
+  gates           either: all_sum of one 16 KiB hidden vector (decode gates) in a loop
+  between-prompts leader: one generation done with the `ds4tp run` worker, then
+                  waits for a line on stdin before the second; prints DONE at the end
+
+Errors go to stderr as `ds4-tp: error: ...` with exit 1, like the CLI; a wrong
+sum exits 2.
+"""
+
+from __future__ import annotations
+
+import select
+import sys
+import time
+
+
+def block() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def at(phase: str) -> None:
+    print(f"AT {phase}", flush=True)
+
+
+def main(argv) -> int:
+    phase, role, host, port, transport, model = argv[:6]
+    port = int(port)
+    from mlx_ds4tp import transport as tr
+    from mlx_ds4tp.pair_run import model_identity
+
+    identity = model_identity(model)
+    device = "ucsim" if transport == "rdma" else None
+    deadline = time.monotonic() + tr.default_timeout()
+
+    if phase == "before-listen":
+        at(phase)
+        block()
+    if phase in ("backlog", "accepted"):
+        listener = tr._listen(host, port)
+        if phase == "backlog":
+            select.select([listener], [], [])  # a connection is pending
+        else:
+            conn, _ = listener.accept()
+        at(phase)
+        block()
+    if phase in ("dialed", "hello-sent"):
+        sock = tr._dial(host, port, deadline, "control")
+        if phase == "hello-sent":
+            hello = tr.Hello(role=tr.WORKER, transport=transport, rdma_ok=transport == "rdma",
+                             rdma_reason="", session_id=0, identity=identity)
+            tr.ControlChannel(sock, 10.0).send(tr.FrameType.HELLO, hello.pack())
+            time.sleep(0.3)  # the leader reads it and moves on to the data connection
+        at(phase)
+        block()
+
+    leader = role == "leader"
+    address = (host, port)
+    if phase in ("rdma-info", "rdma-info-sent", "warmup"):
+        from mlx_ds4tp import warmup
+
+        config = tr.PairConfig(role=role, listen=address if leader else None,
+                               coordinator=None if leader else address, transport=transport,
+                               rdma_device=device, identity=identity)
+        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device))
+        if pair.transport != "rdma":
+            raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
+        rdma = tr.RdmaGates(pair)
+        rdma.build(0)
+        warmup.exchange_status(pair, True, "")
+        if phase == "rdma-info":
+            at(phase)
+            block()
+        pair.control.send(tr.FrameType.RDMA_INFO, rdma.local_info())
+        if phase == "rdma-info-sent":
+            at(phase)
+            block()
+        _, payload = pair.control.recv(tr.FrameType.RDMA_INFO)
+        rdma.connect_peer(payload)
+        warmup.ready_barrier(pair)
+        rdma.post_recv(rdma.warm_recv, warmup.WARM_BYTES, tr.WARM_WR_ID)
+        warmup.posted_barrier(pair)
+        at(phase)
+        block()
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_ds4tp import gate_ops
+
+    group = gate_ops.init(role=role, listen=address if leader else None,
+                          coordinator=None if leader else address, transport=transport,
+                          rdma_device=device, identity=identity)
+    if phase in ("bulk", "gates"):
+        shape = (64, 4096) if phase == "bulk" else (4096,)
+        rank = group.rank()
+        for k in range(1 << 62):
+            y = gate_ops.all_sum(mx.full(shape, float(rank + 1)) + k, group=group)
+            if not np.array_equal(np.array(y), np.full(shape, 3.0 + 2 * k, np.float32)):
+                print(f"fault_driver: wrong sum at exchange {k}", file=sys.stderr, flush=True)
+                return 2
+            if k == 0:
+                at(phase)
+    if phase == "between-prompts" and leader:
+        from mlx_ds4tp.lockstep import Leader, make_sampler
+        from mlx_ds4tp.model_split import load_split
+
+        split, tokenizer = load_split(model, group)
+        driver = Leader(group, split, tokenizer)
+        prompt = driver.encode("two machines", chat=False)
+        try:
+            driver.generate(prompt, 4, make_sampler(0.0), stop_at_eos=False)
+            at(phase)
+            sys.stdin.readline()
+            driver.generate(prompt, 4, make_sampler(0.0), stop_at_eos=False)
+        finally:
+            driver.stop()
+        group.close()
+        print("DONE", flush=True)
+        return 0
+    raise SystemExit(f"fault_driver: unknown phase {phase!r} for role {role}")
+
+
+if __name__ == "__main__":
+    from mlx_ds4tp.errors import TransportError
+
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (TransportError, ValueError) as exc:
+        print(f"ds4-tp: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
