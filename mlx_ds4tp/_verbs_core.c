@@ -412,6 +412,10 @@ static int reap(tp_dev *dev, tp_wc *wc, int max, uint64_t deadline_ns, int watch
         int rc = TP_OK;
         if (now >= dev->next_peer_check_ns) {
             if (dev->control_fd >= 0 && tp_fd_closed(dev->control_fd)) rc = TP_EPEER;
+            /* A peer that said goodbye (an unread STOP or ERROR frame keeps
+             * the control socket readable, hiding its EOF) has closed the
+             * data socket too: its EOF is the same news. */
+            if (rc == TP_OK && dev->barrier_fd >= 0 && tp_fd_closed(dev->barrier_fd)) rc = TP_EPEER;
             if (rc == TP_OK && watch_data && dev->barrier_fd >= 0) {
                 if (!data_pending(dev->barrier_fd)) dev->moved_seen_ns = 0;
                 else if (!dev->moved_seen_ns) dev->moved_seen_ns = now;

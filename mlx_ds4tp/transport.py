@@ -345,10 +345,25 @@ def data_proof(secret: Optional[bytes], leader: Hello, worker: Hello) -> bytes:
 # ============================================================================
 
 
+# TCP keepalive: a worker idle between prompts has nothing else that would
+# notice a pulled cable; probes find a silent peer within about 25 s.
+KEEPALIVE_IDLE_SEC, KEEPALIVE_INTERVAL_SEC, KEEPALIVE_PROBES = 10, 5, 3
+
+
 def tune_socket(sock: socket.socket) -> None:
     """NODELAY and large buffers: gates are latency-critical small messages, and
     big prefill gates pipeline better with room in both directions."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle_opt = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
+    for opt, value in ((idle_opt, KEEPALIVE_IDLE_SEC),
+                       (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_SEC),
+                       (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES)):
+        if opt is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+            except OSError:
+                pass
     for opt, force in (
         (socket.SO_SNDBUF, getattr(socket, "SO_SNDBUFFORCE", None)),
         (socket.SO_RCVBUF, getattr(socket, "SO_RCVBUFFORCE", None)),
@@ -571,7 +586,7 @@ def _dial(host: str, port: int, deadline: float, what: str) -> socket.socket:
 
 
 def _accept(listener: socket.socket, deadline: float, what: str,
-            watch: Optional["ControlChannel"] = None) -> socket.socket:
+            watch: Optional["ControlChannel"] = None) -> Tuple[socket.socket, str]:
     """watch: the worker's control channel, once it exists. A worker that dies
     (or gives up and sends ERROR) between its hello and its data connection is
     then an error at once, not a wait until the deadline."""
@@ -596,14 +611,15 @@ def _accept(listener: socket.socket, deadline: float, what: str,
         raise TransportTimeoutError(f"timed out waiting for the worker's {what} connection")
     listener.settimeout(remaining)
     try:
-        sock, _ = listener.accept()
+        sock, addr = listener.accept()
     except socket.timeout:
         host, port = listener.getsockname()[:2]
         raise TransportTimeoutError(
             f"no worker connected to {host}:{port} for {what} within the timeout; start the "
             "worker with --coordinator pointing here"
         ) from None
-    return sock
+    # The address is taken now: a client that already left has none later.
+    return sock, f"{addr[0]}:{addr[1]}"
 
 
 @dataclasses.dataclass
@@ -784,7 +800,7 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
     try:
         log(f"waiting for worker on {host}:{listener.getsockname()[1]} ...")
         while True:
-            sock = _accept(listener, deadline, "control")
+            sock, peer = _accept(listener, deadline, "control")
             tune_socket(sock)
             control = ControlChannel(sock, config.timeout)
             try:
@@ -794,7 +810,7 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
                 # A client without our secret: refused before any session
                 # state exists; keep waiting for the real worker.
                 control.send_error(str(exc))
-                log(f"refused a connection from {_peer_address(sock)}: {exc}")
+                log(f"refused a connection from {peer}: {exc}")
                 sock.close()
                 continue
             except HelloMismatchError as exc:
@@ -803,35 +819,48 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
                 raise
             except TransportError as exc:
                 # Not a ds4tp worker (scanner, curl, garbage): drop it, keep waiting.
-                peer = _peer_address(sock)
                 log(f"dropped a connection from {peer} that sent no valid hello: {exc}")
                 sock.close()
                 continue
             break
         try:
             transport = _agree(control, mine, theirs)
-            data = _accept(listener, deadline, "gate data", watch=control)
-            tune_socket(data)
-            hello = bytearray(DATA_HELLO.size)
-            recv_exact_into(data, memoryview(hello), "data connection hello", deadline)
-            magic, version, session, proof = DATA_HELLO.unpack(hello)
-            if (magic != DATA_MAGIC or version != PROTOCOL_VERSION or session != mine.session_id
-                    or not hmac.compare_digest(proof, data_proof(config.secret, mine, theirs))):
-                raise TransportError(
-                    f"the gate data connection from {_peer_address(data)} did not present this "
-                    f"session (magic 0x{magic:08x}, session {session:#x}); another client raced "
-                    "the worker: restart both ranks"
-                )
+            data = _accept_data(listener, deadline, control, data_proof(config.secret, mine, theirs),
+                                mine.session_id)
         except TransportError as exc:
             control.send_error(str(exc))
             sock.close()
             raise
     finally:
         listener.close()
-    log(f"worker connected from {_peer_address(sock)}, transport={transport}"
+    log(f"worker connected from {peer}, transport={transport}"
         f"{_choice_note(config, mine, theirs, transport)}")
     set_kernel_timeout(data, config.timeout)
     return Pair(config, control, data, mine, theirs, transport)
+
+
+def _accept_data(listener: socket.socket, deadline: float, control: "ControlChannel",
+                 proof: bytes, session_id: int) -> socket.socket:
+    """The worker's gate data connection: the first that presents this session
+    (and, with a secret, the proof). A stranger that races in between the
+    hello and the worker's second dial is logged and dropped, like at the
+    control door."""
+    while True:
+        data, peer = _accept(listener, deadline, "gate data", watch=control)
+        tune_socket(data)
+        hello = bytearray(DATA_HELLO.size)
+        try:
+            recv_exact_into(data, memoryview(hello), "data connection hello",
+                            min(deadline, time.monotonic() + HELLO_TIMEOUT_SEC))
+            magic, version, session, their_proof = DATA_HELLO.unpack(hello)
+            if (magic != DATA_MAGIC or version != PROTOCOL_VERSION or session != session_id
+                    or not hmac.compare_digest(their_proof, proof)):
+                raise FrameError(f"magic 0x{magic:08x}, session {session:#x}: not this session")
+        except TransportError as exc:
+            log(f"dropped a gate data connection from {peer}: {exc}")
+            data.close()
+            continue
+        return data
 
 
 def _connect_worker(config: PairConfig, mine: Hello, deadline: float) -> Pair:
@@ -872,14 +901,6 @@ def _choice_note(config: PairConfig, mine: Hello, theirs: Hello, transport: str)
     if not why:
         why = ["the peer asked for tcp"]
     return " (auto: RDMA unavailable on " + "; ".join(why) + ")"
-
-
-def _peer_address(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "an unknown address"
 
 
 # ============================================================================

@@ -531,3 +531,47 @@ def test_auto_without_a_device_falls_back_to_tcp_with_one_log_line(capfd):
     lines = [ln for ln in err.splitlines() if "auto: RDMA unavailable" in ln]
     assert len(lines) == 2, err  # one line per rank
     assert all("transport=tcp" in ln and "no verbs devices" in ln for ln in lines), lines
+
+
+def test_stranger_between_hello_and_data_connection_is_dropped(monkeypatch, capfd):
+    """A client that connects in the moment between the worker's hello and its
+    gate data connection is dropped; the worker's own data connection wins."""
+    port = free_port()
+    real_dial = tr._dial
+
+    def dial_with_a_stranger_first(host, p, deadline, what):
+        if what == "gate data":
+            for junk in (b"\x00" * tr.DATA_HELLO.size, b"GET / HTTP/1.0\r\n\r\n"):
+                stranger = socket.create_connection((host, p))
+                stranger.sendall(junk)
+                stranger.close()
+        return real_dial(host, p, deadline, what)
+
+    monkeypatch.setattr(tr, "_dial", dial_with_a_stranger_first)
+    lc = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
+    wc = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+    lp, wp = both_ok(lambda: tr.connect(lc), lambda: tr.connect(wc))
+    a, b = np.ones(16, np.float32), np.full(16, 2.0, np.float32)
+    ra, rb = np.empty_like(a), np.empty_like(b)
+    both_ok(lambda: lp.gate(a, ra), lambda: wp.gate(b, rb))
+    lp.close()
+    wp.close()
+    assert np.array_equal(ra, b) and np.array_equal(rb, a)
+    assert capfd.readouterr().err.count("dropped a gate data connection from 127.0.0.1") == 2
+
+
+@pytest.mark.parametrize("groups", TRANSPORTS, indirect=True)
+def test_peer_that_says_goodbye_then_closes_is_detected_fast(groups):
+    """An unread goodbye frame (ERROR) in front of the control socket's EOF
+    must not hide the close: the gate fails at once, not at the timeout."""
+    lg, wg = groups
+    lg.pair.timeout = 20.0
+    if lg.pair.rdma is not None:
+        lg.pair.rdma.timeout = 20.0
+    wg.pair.control.send_error("worker: stopping")
+    wg.close()
+    a = np.zeros(16384, np.uint8)
+    t0 = time.monotonic()
+    with pytest.raises(PeerClosedError):
+        lg.pair.gate(a, np.empty_like(a))
+    assert time.monotonic() - t0 < 2.0
