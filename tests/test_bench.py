@@ -39,3 +39,13 @@ def test_bench_rejects_bad_sizes(procs):
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--bytes", "70000"])
     out, err = p.communicate(timeout=60)
     assert p.returncode != 0 and "--bytes 70000 is over the 32768-byte gate limit" in err
+
+
+def test_plot_writes_a_histogram_png(procs, tmp_path):
+    png = tmp_path / "lat.png"
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--transport", "tcp", "--iters", "200",
+                     "--plot", str(png)])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "tcp" in out and "raw-floor" in out and "mlx-ring" in out

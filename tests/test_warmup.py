@@ -144,3 +144,14 @@ def test_without_the_barrier_kill_unposted_breaks_bring_ups(monkeypatch, capfd):
     assert broken > 0, "without the barrier some warm-up must have hit an unposted receive"
     # The emulated device saw messages arrive with no receive posted.
     assert "warm-up failed after 20 attempts" in err
+
+
+def test_queue_depths_the_device_cuts_are_logged(monkeypatch, capfd):
+    """A device that grants fewer receive work requests than asked (ucsim's
+    max_recv) still brings the pair up, and the log says what was granted."""
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "max_recv=256")
+    (leader, worker), = bring_up(1)
+    assert leader == ("rdma", None) and worker == ("rdma", None), (leader, worker)
+    err = capfd.readouterr().err
+    assert err.count("queue pair granted cq 512 send 1024 recv 256 (asked 512/1024/1024)") == 2
+    assert err.count("rdma warm-up ok (1 attempt), queue depth recv 256 send 1024") == 2
