@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -164,7 +165,37 @@ def ring_rank(nbytes: int, iters: int) -> List[Dict]:
 # ============================================================================
 
 
+_PORTS_HANDED_OUT: set = set()
+_PORT_RNG = random.Random()
+
+
+def _ephemeral_range() -> Tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535  # the IANA range macOS uses
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port to listen on a moment later. Chosen below the kernel's ephemeral
+    range: a port from inside it can be taken, between now and the listen, as
+    the local port of an outgoing connection (ranks starting side by side
+    dial constantly), and the leader would then fail with EADDRINUSE."""
+    low, _ = _ephemeral_range()
+    lo, hi = max(1024, low - 12000), low
+    for _ in range(500):
+        port = _PORT_RNG.randrange(lo, hi)
+        if port in _PORTS_HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _PORTS_HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

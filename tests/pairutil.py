@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,9 +15,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A listen port outside the ephemeral range (see mlx_ds4tp.bench.free_port)."""
+    from mlx_ds4tp.bench import free_port as pick
+
+    return pick("127.0.0.1")
 
 
 def run_both(leader_fn: Callable, worker_fn: Callable, timeout: float = 60.0) -> Tuple:
