@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -265,34 +266,21 @@ def spawn_ring(nbytes: int, iters: int, timeout: float = 600.0) -> List[Dict]:
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
-def greedy_decode(model, prompt_tokens: List[int], max_tokens: int):
-    """(tokens, decode seconds): prefill, then max_tokens - 1 timed decode steps.
-    No early stop at EOS, so every contender decodes the same count."""
-    from .lockstep import forward, make_cache, make_sampler
-
-    sample = make_sampler(0.0)
-    cache = make_cache(model)
-    logits = forward(model, prompt_tokens, cache)
-    tokens = [sample(logits)]
-    t0 = time.perf_counter()
-    for _ in range(max_tokens - 1):
-        logits = forward(model, [tokens[-1]], cache)
-        tokens.append(sample(logits))
-    return tokens, time.perf_counter() - t0
-
-
 def _tok_record(name: str, tokens: List[int], seconds: float, reference: Optional[List[int]]) -> Dict:
     return {"name": name, "tok_s": round((len(tokens) - 1) / seconds, 2) if seconds else 0.0,
             "tokens_match": reference is None or tokens == reference, "tokens": len(tokens)}
 
 
 def single_record(path: str, max_tokens: int) -> Dict:
+    """No early stop at EOS: every contender decodes the same count."""
     from mlx_lm.utils import load
+
+    from .lockstep import greedy_generate
 
     model, tokenizer = load(path)
     prompt = list(tokenizer.encode(BENCH_PROMPT))
-    greedy_decode(model, prompt, 4)  # warm the kernels
-    tokens, seconds = greedy_decode(model, prompt, max_tokens)
+    greedy_generate(model, prompt, 4)  # warm the kernels
+    tokens, seconds = greedy_generate(model, prompt, max_tokens)
     rec = _tok_record("single", tokens, seconds, None)
     rec["token_ids"] = tokens
     return rec
@@ -303,13 +291,15 @@ def ring_model_rank(path: str, max_tokens: int) -> List[Dict]:
     import mlx.core as mx
     from mlx_lm.utils import load
 
+    from .lockstep import greedy_generate
+
     group = mx.distributed.init(backend="ring", strict=True)
     model, tokenizer = load(path, lazy=True)
     model.shard(group)
     mx.eval(model.parameters())
     prompt = list(tokenizer.encode(BENCH_PROMPT))
-    greedy_decode(model, prompt, 4)
-    tokens, seconds = greedy_decode(model, prompt, max_tokens)
+    greedy_generate(model, prompt, 4)
+    tokens, seconds = greedy_generate(model, prompt, max_tokens)
     rec = _tok_record("mlx-lm-ring", tokens, seconds, None)
     rec["token_ids"] = tokens
     return [rec] if group.rank() == 0 else []
@@ -336,35 +326,15 @@ def spawn_ring_model(path: str, max_tokens: int, timeout: float = 1200.0) -> Dic
 def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
               timeout: float = 1200.0) -> Dict:
     """Our pair through `ds4tp run`, both ranks on 127.0.0.1."""
-    port = free_port()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out_path = f.name
-    base = [sys.executable, "-m", "mlx_ds4tp", "run", "--model", path, "--transport", transport,
-            "--max-tokens", str(max_tokens), "--no-chat-template", "--bench-no-eos"]
-    if rdma_device:
-        base += ["--rdma-device", rdma_device]
-    cmds = [base + ["--prompt", BENCH_PROMPT, "--tokens-out", out_path, "--role", "leader",
-                    "--listen", "127.0.0.1", str(port)],
-            base + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]]
-    try:
-        procs = [subprocess.Popen(c, env=_child_env(), stdout=subprocess.DEVNULL) for c in cmds]
-        try:
-            codes = [p.wait(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(codes):
-            raise RuntimeError(f"tp2-{transport} pair failed (exit codes {codes})")
-        with open(out_path) as f:
-            result = json.load(f)
-    finally:
-        os.unlink(out_path)
+    from .pair_run import run_local_pair
+
+    result = run_local_pair(Path(path), BENCH_PROMPT, max_tokens, transport, rdma_device,
+                            extra=["--bench-no-eos"], quiet=True, timeout=timeout)
+    if result is None:
+        raise RuntimeError(f"the tp2-{transport} pair failed (its errors are above)")
     name = "tp2-tcp" if transport == "tcp" else f"tp2-rdma-{rdma_device or 'ibverbs'}"
-    rec = {"name": name, "tok_s": round(result["decode_tok_s"], 2), "tokens": len(result["tokens"]),
-           "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1)}
-    return rec
+    return {"name": name, "tok_s": round(result["decode_tok_s"], 2), "tokens": len(result["tokens"]),
+            "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1)}
 
 
 def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int) -> List[Dict]:

@@ -104,7 +104,7 @@ def cmd_bench(args) -> int:
         _print_ratios(records)
     if args.plot:
         bench.plot_histograms(records, args.plot)
-        print(f"latency histogram written to {args.plot}", file=sys.stderr)
+        tr.log(f"latency histogram written to {args.plot}")
     return 0
 
 

@@ -56,6 +56,18 @@ def forward(model, tokens: List[int], cache) -> mx.array:
     return last
 
 
+def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozenset()):
+    """(tokens, decode seconds) of a plain single-model greedy generation:
+    the reference the pair must match, and the single-process benchmark."""
+    sample = make_sampler(0.0)
+    cache = make_cache(model)
+    tokens = [sample(forward(model, prompt_tokens, cache))]
+    t0 = time.perf_counter()
+    while len(tokens) < max_tokens and tokens[-1] not in eos:
+        tokens.append(sample(forward(model, [tokens[-1]], cache)))
+    return tokens, time.perf_counter() - t0
+
+
 # ============================================================================
 # Leader
 # ============================================================================

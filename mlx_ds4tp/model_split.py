@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -38,7 +37,9 @@ SUPPORTED_MODULES = {
 
 
 def _log(msg: str) -> None:
-    print(f"ds4-tp: {msg}", file=sys.stderr, flush=True)
+    from .transport import log  # one writer for every ds4-tp line
+
+    log(msg)
 
 
 # ---------------------------------------------------------------------------------------------

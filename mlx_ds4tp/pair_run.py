@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from . import gate_ops
 from . import transport as tr
@@ -156,53 +156,59 @@ def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int)
     """The same greedy generation, unsplit, in this process: the reference."""
     from mlx_lm.utils import load
 
-    from .lockstep import forward, make_cache
+    from .lockstep import greedy_generate
 
     model, tokenizer = load(str(path))
-    cache = make_cache(model)
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    logits = forward(model, prompt_tokens, cache)
-    out: List[int] = []
-    sample = make_sampler(0.0)
-    for i in range(max_tokens):
-        token = sample(logits)
-        out.append(token)
-        if token in eos or i + 1 == max_tokens:
-            break
-        logits = forward(model, [token], cache)
-    return out
+    eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])
+    return greedy_generate(model, prompt_tokens, max_tokens, eos)[0]
+
+
+def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
+                   rdma_device: Optional[str], extra: Sequence[str] = (), quiet: bool = False,
+                   timeout: float = 1200.0) -> Optional[dict]:
+    """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
+    leader's --tokens-out record, or None when either rank failed (both are
+    killed on any failure)."""
+    from .bench import _child_env, free_port
+
+    port = free_port()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    common = [sys.executable, "-m", "mlx_ds4tp", "run", "--model", str(model), "--transport",
+              transport, "--max-tokens", str(max_tokens), "--no-chat-template", *extra]
+    if rdma_device:
+        common += ["--rdma-device", rdma_device]
+    cmds = [common + ["--prompt", prompt, "--tokens-out", out_path, "--role", "leader",
+                      "--listen", "127.0.0.1", str(port)],
+            common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]]
+    stdout = subprocess.DEVNULL if quiet else None
+    try:
+        procs = [subprocess.Popen(c, env=_child_env(), stdout=stdout) for c in cmds]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            tr.log(f"the local pair failed (leader exit {codes[0]}, worker exit {codes[1]})")
+            return None
+        return json.loads(Path(out_path).read_text())
+    finally:
+        os.unlink(out_path)
 
 
 def demo(args) -> int:
-    from .bench import free_port
-
     path = demo_model_dir()
-    port = free_port()
-    out_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
-    out_file.close()
-    common = [sys.executable, "-m", "mlx_ds4tp", "run", "--model", str(path), "--transport",
-              args.transport, "--max-tokens", str(args.max_tokens), "--no-chat-template"]
-    if args.rdma_device:
-        common += ["--rdma-device", args.rdma_device]
-    leader_cmd = common + ["--prompt", args.prompt, "--tokens-out", out_file.name,
-                           "--role", "leader", "--listen", "127.0.0.1", str(port)]
-    worker_cmd = common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]
     print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
           "noise), split 50/50 across two local processes.", flush=True)
     print(f"prompt: {args.prompt!r}\n--- leader output ---", flush=True)
-    procs = [subprocess.Popen(leader_cmd), subprocess.Popen(worker_cmd)]
-    try:
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(codes):
-        print(f"ds4tp demo: FAILED (leader exit {codes[0]}, worker exit {codes[1]})", flush=True)
+    result = run_local_pair(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
+                            timeout=600.0)
+    if result is None:
+        print("ds4tp demo: FAILED (see the ranks' errors above)", flush=True)
         return 1
-    result = json.loads(Path(out_file.name).read_text())
-    os.unlink(out_file.name)
     reference = single_process_tokens(path, result["prompt_tokens"], args.max_tokens)
     match = reference == result["tokens"]
     print("--- summary ---")

@@ -111,8 +111,11 @@ DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
 
 
 def log(message: str) -> None:
-    """Diagnostics go to stderr with the project prefix; results go to stdout."""
-    print(f"ds4-tp: {message}", file=sys.stderr, flush=True)
+    """Diagnostics go to stderr with the project prefix; results go to stdout.
+    One write per line: print() writes the text and the newline separately,
+    so two threads' lines (two ranks in one process) could run together."""
+    sys.stderr.write(f"ds4-tp: {message}\n")
+    sys.stderr.flush()
 
 
 def default_timeout() -> float:
