@@ -861,8 +861,8 @@ static int hp_barrier(tp_dev *dev, uint32_t magic, uint32_t value, uint64_t dead
             }
             if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 return hp_fail(dev, TP_EPEER, err, errlen,
-                               "tp rdma: receives-posted barrier before %s: send on the data "
-                               "socket failed: %s", what, strerror(errno));
+                               "tp rdma: peer closed the data socket (send: %s) during the "
+                               "receives-posted barrier before %s", strerror(errno), what);
         } else {
             ssize_t r = recv(fd, in + got, 8 - got, MSG_DONTWAIT);
             if (r > 0) {
@@ -875,8 +875,8 @@ static int hp_barrier(tp_dev *dev, uint32_t magic, uint32_t value, uint64_t dead
                                "receives-posted barrier before %s", what);
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 return hp_fail(dev, TP_EPEER, err, errlen,
-                               "tp rdma: receives-posted barrier before %s: recv on the data "
-                               "socket failed: %s", what, strerror(errno));
+                               "tp rdma: peer closed the data socket (recv: %s) during the "
+                               "receives-posted barrier before %s", strerror(errno), what);
         }
         const uint64_t now = tp_mono_ns();
         if (now >= deadline_ns)
