@@ -507,16 +507,6 @@ class ControlChannel:
         except OSError:
             pass
 
-    def peer_closed(self) -> bool:
-        """Non-blocking check: has the peer closed or reset the control stream?"""
-        try:
-            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-        return data == b""
-
 
 def decode_frame_header(magic: int, ftype_raw: int, nbytes: int) -> FrameType:
     """Validate a frame header before any allocation; raise FrameError."""
