@@ -21,6 +21,22 @@ def free_port() -> int:
     return pick("127.0.0.1")
 
 
+def dial_when_listening(port: int, within: float = 20.0, host: str = "127.0.0.1"):
+    """A hand-made client for a leader started in another thread, which may not
+    be listening yet: a refused connection means "not yet", so dial again until
+    `within` runs out (a fixed sleep loses that race on a loaded machine)."""
+    import socket
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=30)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def run_both(leader_fn: Callable, worker_fn: Callable, timeout: float = 60.0) -> Tuple:
     """Run the two ranks' functions concurrently; return (leader, worker)
     results as (value, exception) pairs. Never hangs past timeout."""

@@ -13,7 +13,7 @@ import pytest
 import mlx_ds4tp as tp
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import AuthenticationError, TransportError, TransportTimeoutError
-from pairutil import both_ok, free_port, run_both
+from pairutil import both_ok, dial_when_listening, free_port, run_both
 
 
 def configs(port, leader_secret, worker_secret, timeout=5.0):
@@ -114,8 +114,7 @@ def test_replayed_proof_is_refused():
     lc2, _ = configs(port, "s3cret", None, timeout=3.0)
 
     def replayer():
-        time.sleep(0.2)
-        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock = dial_when_listening(port)
         ch = tr.ControlChannel(sock, 5.0)
         hello = tr.Hello(role=1, transport="auto", rdma_ok=False, rdma_reason="", session_id=0,
                          identity=tr.ModelIdentity(), auth=True, nonce=b"r" * 16)

@@ -41,7 +41,7 @@ from mlx_ds4tp.errors import (
     PeerClosedError,
     TransportError,
 )
-from pairutil import free_port
+from pairutil import dial_when_listening, free_port
 
 F = tr.FrameType
 HEADER = tr.FRAME_HEADER
@@ -738,11 +738,18 @@ def test_real_model_rejects_out_of_vocabulary_ids(tiny_model):
 # ============================================================================
 
 
-def _stranger(port: int, junk: bytes, *, read_hello_first: bool, keep_open: bool) -> Optional[float]:
+def _stranger(
+    port: int,
+    junk: bytes,
+    *,
+    read_hello_first: bool,
+    keep_open: bool,
+    accepted_event: Optional[threading.Event] = None,
+) -> Optional[float]:
     """Connect, optionally wait for the leader's hello (proof it accepted us),
     send junk, then close or keep silent until the leader hangs up. Returns how
     long the leader held a silent connection (accept to its close)."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s = dial_when_listening(port)
     try:
         accepted = None
         if read_hello_first:
@@ -750,6 +757,8 @@ def _stranger(port: int, junk: bytes, *, read_hello_first: bool, keep_open: bool
             head = s.recv(HEADER.size, socket.MSG_WAITALL)
             assert HEADER.unpack(head)[:2] == (tr.MAGIC, int(F.HELLO)), head
             accepted = time.monotonic()
+            if accepted_event is not None:
+                accepted_event.set()
         if junk:
             s.sendall(junk)
         if not keep_open:
@@ -833,16 +842,21 @@ def test_half_hello_then_silence_holds_the_leader_only_for_the_hello_timeout(mon
     wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=60.0)
     hello = frame(F.HELLO, valid_hello().pack())
     result = {}
+    squatter_in = threading.Event()
 
     def squatter():
-        result["held"] = _stranger(port, hello[:40], read_hello_first=True, keep_open=True)
+        result["held"] = _stranger(
+            port, hello[:40], read_hello_first=True, keep_open=True, accepted_event=squatter_in
+        )
 
     holder = threading.Thread(target=squatter, daemon=True)
     result_box = {}
     leader = threading.Thread(target=lambda: result_box.setdefault("lp", tr.connect(cfg)), daemon=True)
     leader.start()
     holder.start()
-    time.sleep(0.3)  # the squatter is accepted and holding the leader
+    # Dial only once the leader has accepted the squatter and is held by it.
+    assert squatter_in.wait(20), "the leader never accepted the squatter"
+    time.sleep(0.05)
     t0 = time.monotonic()
     wp = tr.connect(wcfg)
     worker_wait = time.monotonic() - t0

@@ -22,7 +22,7 @@ from mlx_ds4tp.errors import (
     TransportError,
     TransportTimeoutError,
 )
-from pairutil import both_ok, free_port, make_groups, run_both
+from pairutil import both_ok, dial_when_listening, free_port, make_groups, run_both
 
 TRANSPORTS = ["tcp", "rdma"]
 MiB = 1024 * 1024
@@ -214,7 +214,7 @@ def test_both_claim_leader():
     port = free_port()
 
     def fake_worker():
-        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock = dial_when_listening(port)
         ch = tr.ControlChannel(sock, 5.0)
         ch.send(tr.FrameType.HELLO, hello(0).pack())
         ch.recv(tr.FrameType.HELLO)
@@ -224,7 +224,7 @@ def test_both_claim_leader():
             sock.close()
 
     cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=5.0)
-    (lp, le), (wv, we) = run_both(lambda: tr.connect(cfg), lambda: (time.sleep(0.2), fake_worker())[1])
+    (lp, le), (wv, we) = run_both(lambda: tr.connect(cfg), fake_worker)
     assert isinstance(le, HelloMismatchError) and "both sides claim role leader" in str(le)
     assert isinstance(we, TransportError) and "both sides claim role leader" in str(we)
 
@@ -235,9 +235,8 @@ def test_leader_drops_garbage_connections_and_keeps_waiting():
     wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
 
     def scanners_then_worker():
-        time.sleep(0.2)
         for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"", b"\x00" * 64):
-            s = socket.create_connection(("127.0.0.1", port))
+            s = dial_when_listening(port)
             s.sendall(junk)
             s.close()
         return tr.connect(wcfg)
