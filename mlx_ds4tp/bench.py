@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -323,6 +324,67 @@ def spawn_ring_model(path: str, max_tokens: int, timeout: float = 1200.0) -> Dic
         os.unlink(hostfile)
 
 
+CEILING = "tp2-compute-ceiling"
+
+
+class GatelessGroup:
+    """A two-rank group whose gates do nothing: all_sum hands the local partial back.
+
+    For the compute ceiling only. Each rank still runs exactly its half of every matmul, so
+    the decode time of two of these side by side is what the pair costs with a transport that
+    takes zero time. Its tokens are meaningless (the halves are never summed).
+    """
+
+    def __init__(self, rank: int):
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return 2
+
+    def all_sum(self, x):
+        return x
+
+    def all_gather(self, x):
+        import mlx.core as mx
+
+        return mx.concatenate([x, x], axis=0)
+
+
+def ceiling_rank(role: str, port: int, path: str, max_tokens: int) -> List[Dict]:
+    """One rank of the compute ceiling: its half of the model decoding with gateless gates,
+    started together with the other rank so the two compete for the cores as a real pair does.
+    A TCP pair is used only as the start line and to agree on the slower rank's time."""
+    from .lockstep import greedy_generate
+    from .model_split import load_split
+
+    where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
+    with gate_ops.init(role=role, transport="tcp", **where) as group:
+        model, tokenizer = load_split(path, GatelessGroup(group.rank()))
+        prompt = list(tokenizer.encode(BENCH_PROMPT))
+        greedy_generate(model, prompt, 4)
+        start_line = np.zeros(1, np.float64)
+        group.pair.gate(start_line, np.empty_like(start_line))
+        tokens, seconds = greedy_generate(model, prompt, max_tokens)
+        mine, theirs = np.array([seconds]), np.empty(1)
+        group.pair.gate(mine, theirs)
+    rec = _tok_record(CEILING, tokens, max(seconds, float(theirs[0])), None)
+    rec["tokens_match"] = None  # the halves are never summed: no tokens to compare
+    rec["gates"] = "skipped: the pair's compute alone, what a zero-cost transport would reach"
+    return [rec] if role == "leader" else []
+
+
+def spawn_ceiling(path: str, max_tokens: int, timeout: float = 1200.0) -> Dict:
+    port = free_port()
+    base = [sys.executable, "-m", "mlx_ds4tp", "bench", "--ceiling-rank", "--model", path,
+            "--max-tokens", str(max_tokens), "--json"]
+    cmds = [base + ["--role", "leader", "--listen", "127.0.0.1", str(port)],
+            base + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]]
+    return _run_pair(cmds, [_child_env(), _child_env()], timeout)[0]
+
+
 def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
               timeout: float = 1200.0) -> Dict:
     """Our pair through `ds4tp run`, both ranks on 127.0.0.1."""
@@ -337,15 +399,41 @@ def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens:
             "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1)}
 
 
-def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int) -> List[Dict]:
-    single = single_record(path, max_tokens)
-    records = [single]
+def _model_contenders(path: str, transport: str, rdma_device: Optional[str],
+                      max_tokens: int) -> Dict[str, Callable[[], Dict]]:
+    contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens)}
     if transport in ("tcp", "all"):
-        records.append(spawn_tp2(path, "tcp", None, max_tokens))
+        contenders["tp2-tcp"] = lambda: spawn_tp2(path, "tcp", None, max_tokens)
     if transport in ("rdma", "all"):
-        records.append(spawn_tp2(path, "rdma", rdma_device or "ucsim", max_tokens))
-    records.append(spawn_ring_model(path, max_tokens))
-    reference = single["token_ids"]
-    for rec in records:
-        rec["tokens_match"] = rec.pop("token_ids") == reference
+        device = rdma_device or "ucsim"
+        contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens)
+    contenders["mlx-lm-ring"] = lambda: spawn_ring_model(path, max_tokens)
+    # Not a contender (its tokens are meaningless): the bound every tp2 figure sits under.
+    contenders[CEILING] = lambda: spawn_ceiling(path, max_tokens)
+    return contenders
+
+
+def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
+                rounds: int = 3) -> List[Dict]:
+    """Decode tok/s of every contender, run `rounds` times in rotating order so a slow spell
+    of the machine falls on all of them alike; each record gives the median and every round."""
+    contenders = _model_contenders(path, transport, rdma_device, max_tokens)
+    names = list(contenders)
+    runs: Dict[str, List[Dict]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            runs[name].append(contenders[name]())
+    reference = runs["single"][0]["token_ids"]
+    records = []
+    for name in names:
+        got = runs[name]
+        rec = dict(got[0])
+        rec["tok_s_rounds"] = [g["tok_s"] for g in got]
+        rec["tok_s"] = round(statistics.median(rec["tok_s_rounds"]), 2)
+        if "gate_p50_us" in rec:
+            rec["gate_p50_us"] = round(statistics.median(g["gate_p50_us"] for g in got), 1)
+        if name != CEILING:
+            rec["tokens_match"] = all(g["token_ids"] == reference for g in got)
+        rec.pop("token_ids", None)
+        records.append(rec)
     return records

@@ -52,8 +52,12 @@ def _print_records(records: List[dict], as_json: bool, keep_samples: bool = Fals
             print(f"{rec['name']:>22}  {rec['bytes']:>7} B  p50 {rec['p50_us']:8.1f} us  "
                   f"p99 {rec['p99_us']:8.1f} us  ({rec['iters']} iters)", flush=True)
         else:
-            print(f"{rec['name']:>22}  {rec['tok_s']:8.1f} tok/s  tokens_match={rec['tokens_match']}",
-                  flush=True)
+            match = ("(gates skipped: the bound for any transport)" if rec["tokens_match"] is None
+                     else f"tokens_match={rec['tokens_match']}")
+            spread = ""
+            if len(rec.get("tok_s_rounds", ())) > 1:
+                spread = "  (rounds: " + " ".join(f"{t:.1f}" for t in rec["tok_s_rounds"]) + ")"
+            print(f"{rec['name']:>22}  {rec['tok_s']:8.1f} tok/s  {match}{spread}", flush=True)
 
 
 def cmd_bench(args) -> int:
@@ -65,6 +69,13 @@ def cmd_bench(args) -> int:
         raise SystemExit(f"ds4tp bench: --bytes {args.bytes} is over the {tr.GATE_MAX_BYTES}-byte gate limit")
     if args.iters < 1:
         raise SystemExit(f"ds4tp bench: --iters {args.iters} must be >= 1")
+    if args.ceiling_rank:
+        if not args.model or args.role is None:
+            raise SystemExit("ds4tp bench: --ceiling-rank needs --model and --role (bench --model spawns it)")
+        _check_role_args(args)
+        _, port = _address(args.listen or args.coordinator, "--listen/--coordinator")
+        _print_records(bench.ceiling_rank(args.role, port, args.model, args.max_tokens), True)
+        return 0
     if args.ring_rank:
         if args.model:
             _print_records(bench.ring_model_rank(args.model, args.max_tokens), True)
@@ -75,7 +86,10 @@ def cmd_bench(args) -> int:
         if args.max_tokens < 2:
             raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
         model_identity_check(args.model)
-        records = bench.model_bench(args.model, args.transport, args.rdma_device, args.max_tokens)
+        if args.rounds < 1:
+            raise SystemExit(f"ds4tp bench: --rounds {args.rounds} must be >= 1")
+        records = bench.model_bench(args.model, args.transport, args.rdma_device, args.max_tokens,
+                                    rounds=args.rounds)
         _print_records(records, args.json)
         if not args.json:
             _print_model_ratios(records)
@@ -122,6 +136,11 @@ def _print_model_ratios(records: List[dict]) -> None:
         for name, rec in by_name.items():
             if name != base and name.startswith("tp2"):
                 print(f"{name:>22}  = {rec['tok_s'] / by_name[base]['tok_s']:.2f}x {base}")
+    ceiling = by_name.get("tp2-compute-ceiling")
+    if ceiling and ceiling["tok_s"]:
+        for name, rec in by_name.items():
+            if name.startswith("tp2") and name != ceiling["name"]:
+                print(f"{name:>22}  = {rec['tok_s'] / ceiling['tok_s']:.2f}x the compute ceiling")
 
 
 def _print_ratios(records: List[dict]) -> None:
@@ -203,9 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help="also time decode tok/s of this mlx-lm model: "
                        "single process, our pair (tcp, rdma) and mlx-lm's shard() on MLX's ring")
     bench.add_argument("--max-tokens", type=int, default=64, help="decode length for --model")
+    bench.add_argument("--rounds", type=int, default=3,
+                       help="--model: run every contender this many times, in rotating order, "
+                            "and report the median (default 3)")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="latency histogram per transport (needs matplotlib)")
     bench.add_argument("--ring-rank", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("--ceiling-rank", action="store_true", help=argparse.SUPPRESS)
     _add_pair_args(bench)
     bench.set_defaults(func=cmd_bench)
 

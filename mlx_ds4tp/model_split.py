@@ -48,17 +48,35 @@ def _log(msg: str) -> None:
 
 
 def all_sum(x: mx.array, group: Any) -> mx.array:
-    """x summed over the group's ranks, same shape and dtype, identical on every rank."""
+    """x summed over the group's ranks, same shape and dtype, identical on every rank.
+
+    `group` is ours (mlx_ds4tp.init), an mx.distributed.Group, or any object with rank(),
+    size(), all_sum(x) and all_gather(x) methods (a collective of the user's own)."""
     if isinstance(group, mx.distributed.Group):
         return mx.distributed.all_sum(x, group=group)
-    return gate_ops.all_sum(x, group=group)
+    if isinstance(group, gate_ops.Group):
+        return gate_ops.all_sum(x, group=group)
+    return _own_collective(group, "all_sum")(x)
 
 
 def all_gather(x: mx.array, group: Any) -> mx.array:
     """The ranks' x concatenated along axis 0, in rank order."""
     if isinstance(group, mx.distributed.Group):
         return mx.distributed.all_gather(x, group=group)
-    return gate_ops.all_gather(x, group=group)
+    if isinstance(group, gate_ops.Group):
+        return gate_ops.all_gather(x, group=group)
+    return _own_collective(group, "all_gather")(x)
+
+
+def _own_collective(group: Any, name: str) -> Callable[[mx.array], mx.array]:
+    method = getattr(group, name, None)
+    if not callable(method):
+        raise TypeError(
+            f"group={group!r} is neither an mlx_ds4tp Group nor an mx.distributed.Group and has "
+            f"no {name}(x) method; pass the group from mlx_ds4tp.init(...) or "
+            f"mx.distributed.init(...)"
+        )
+    return method
 
 
 def _gather_last_axis(x: mx.array, group: Any) -> mx.array:

@@ -27,12 +27,42 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
     from mlx_ds4tp.tiny_model import save_llama
 
     path = save_llama(tmp_path / "m", "tiny", seed=5)
-    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--model", str(path), "--max-tokens", "6"])
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--model", str(path), "--max-tokens", "6",
+                     "--rounds", "2"])
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     got = records(out)
     for name in ("single", "tp2-tcp", "tp2-rdma-ucsim", "mlx-lm-ring"):
-        assert got[name]["tok_s"] > 0 and got[name]["tokens_match"] is True, got[name]
+        rec = got[name]
+        assert rec["tok_s"] > 0 and rec["tokens_match"] is True, rec
+        # The median of the rounds, each of which is reported.
+        assert len(rec["tok_s_rounds"]) == 2 and rec["tok_s"] == round(sum(rec["tok_s_rounds"]) / 2, 2), rec
+    ceiling = got["tp2-compute-ceiling"]
+    assert ceiling["tok_s"] > 0 and ceiling["tokens"] == 6 and ceiling["tokens_match"] is None, ceiling
+    assert "skipped" in ceiling["gates"]
+
+
+def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceiling(procs, tmp_path):
+    from mlx_ds4tp.tiny_model import save_llama
+
+    path = save_llama(tmp_path / "m", "tiny", seed=6)
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--transport", "tcp", "--model", str(path),
+                     "--max-tokens", "4", "--rounds", "1"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert "tokens_match=True" in out
+    assert "tp2-compute-ceiling" in out and "(gates skipped: the bound for any transport)" in out
+    for ratio in ("x single", "x mlx-lm-ring", "x the compute ceiling"):
+        assert "tp2-tcp  = " in out and ratio in out, (ratio, out)
+
+
+def test_bench_rejects_zero_rounds(procs, tmp_path):
+    from mlx_ds4tp.tiny_model import save_llama
+
+    path = save_llama(tmp_path / "m", "tiny", seed=7)
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--model", str(path), "--rounds", "0"])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "--rounds 0 must be >= 1" in err
 
 
 def test_bench_rejects_bad_sizes(procs):

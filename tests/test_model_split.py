@@ -336,3 +336,41 @@ def test_load_split_of_a_missing_directory_names_it(tmp_path):
     # mlx-lm would take the missing path for a Hugging Face repo id and try to download it.
     with pytest.raises(FileNotFoundError, match=r"no config.json"):
         load_split(tmp_path / "nowhere", RankOnly(0))
+
+
+class CountingCollective(RankOnly):
+    """A collective of the user's own: records every call; its 'peer' holds zeros."""
+
+    def __init__(self, rank: int):
+        super().__init__(rank)
+        self.sums, self.gathers = [], []
+
+    def all_sum(self, x):
+        self.sums.append(tuple(x.shape))
+        return x
+
+    def all_gather(self, x):
+        self.gathers.append(tuple(x.shape))
+        pieces = [x, mx.zeros_like(x)] if self.rank() == 0 else [mx.zeros_like(x), x]
+        return mx.concatenate(pieces, axis=0)
+
+
+def test_a_collective_of_the_users_own_carries_every_gate():
+    config = tiny_models.FAMILIES["llama"][0]
+    group = CountingCollective(0)
+    model = split_model(_llama(tie_word_embeddings=False), group)
+    logits = model(mx.array([[1, 2, 3]]))
+    mx.eval(logits)
+    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    # The embedding's gate, then attention and MLP of every block; one gather for the logits.
+    assert group.sums == [(1, 3, hidden)] * (1 + 2 * layers)
+    assert group.gathers == [(1, 3, vocab // 2)]
+    assert logits.shape == (1, 3, vocab)
+    # Rank 0's half of the vocabulary comes first; the 'peer' half is its zeros.
+    assert mx.all(logits[..., vocab // 2 :] == 0).item()
+
+
+def test_a_group_without_collectives_is_refused_at_the_first_gate():
+    model = split_model(_llama(), RankOnly(0))  # cutting needs only rank() and size()
+    with pytest.raises(TypeError, match=r"has no all_sum\(x\) method; pass the group from mlx_ds4tp.init"):
+        model(mx.array([[1, 2]]))
