@@ -3,7 +3,14 @@
  *
  * The data socket is blocking with SO_RCVTIMEO/SO_SNDTIMEO set by Python, so
  * the kernel enforces the deadline: a read that waits past it returns EAGAIN
- * and no poll() is spent on the fast path. */
+ * and no poll() is spent on the fast path.
+ *
+ * Before blocking, a read polls the socket for up to spin_ns. A rank that
+ * reaches a gate first usually waits well under a millisecond for the other
+ * (the two halves of a layer finish at slightly different times); asleep in
+ * the kernel it pays a wake-up on top of that, and its core may drop into an
+ * idle state the wake-up must climb out of. The RDMA path spins on its
+ * completion queue for the same reason. */
 
 #include <errno.h>
 #include <stdarg.h>
@@ -14,6 +21,7 @@
 #include <unistd.h>
 
 #include "_verbs.h"
+#include "_verbs_priv.h"
 
 #ifndef MSG_NOSIGNAL
 #define MSG_NOSIGNAL 0 /* macOS: SO_NOSIGPIPE is set on the socket instead */
@@ -84,26 +92,51 @@ static int tcp_write_all(int fd, struct iovec *iov, int n, const char *what, uin
     return TP_OK;
 }
 
+/* recvmsg that polls until the monotonic clock passes spin_until (0: never
+ * polls), then blocks in the kernel until SO_RCVTIMEO. */
+static ssize_t recv_spin_then_block(int fd, struct msghdr *msg, uint64_t spin_until) {
+    if (spin_until) {
+        do {
+            ssize_t r = recvmsg(fd, msg, MSG_DONTWAIT);
+            if (r >= 0) return r;
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return r;
+        } while (tp_mono_ns() < spin_until);
+    }
+    ssize_t r;
+    do {
+        r = recvmsg(fd, msg, 0);
+    } while (r < 0 && errno == EINTR);
+    return r;
+}
+
 /* Read exactly len bytes into buf. */
-static int tcp_read_all(int fd, void *buf, size_t len, const char *what, uint64_t seq,
-                        char *err, size_t errlen) {
+static int tcp_read_all(int fd, void *buf, size_t len, uint64_t spin_until, const char *what,
+                        uint64_t seq, char *err, size_t errlen) {
     char *p = buf;
     size_t got = 0;
     while (got < len) {
-        ssize_t r = recv(fd, p + got, len - got, 0);
+        struct iovec iov = {p + got, len - got};
+        struct msghdr msg;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        ssize_t r = recv_spin_then_block(fd, &msg, spin_until);
         if (r > 0) {
             got += (size_t)r;
             continue;
         }
-        if (r < 0 && errno == EINTR) continue;
         if (r == 0) return tcp_eof(what, seq, got, len, err, errlen);
         return tcp_fail(errno, "receive", what, seq, err, errlen);
     }
     return TP_OK;
 }
 
+static uint64_t spin_deadline(uint64_t spin_ns) {
+    return spin_ns ? tp_mono_ns() + spin_ns : 0;
+}
+
 int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
-                const void *src, void *dst, uint64_t bytes, uint64_t seq,
+                const void *src, void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
                 char *err, size_t errlen) {
     /* Header and payload leave in one sendmsg so TCP_NODELAY never splits
      * them into two segments. 16 KiB fits any socket buffer, so both sides
@@ -118,15 +151,14 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
     memset(&msg, 0, sizeof(msg));
     msg.msg_iov = in;
     msg.msg_iovlen = 2;
-    ssize_t r;
-    do {
-        r = recvmsg(fd, &msg, 0);
-    } while (r < 0 && errno == EINTR);
+    const uint64_t spin_until = spin_deadline(spin_ns);
+    ssize_t r = recv_spin_then_block(fd, &msg, spin_until);
     if (r < 0) return tcp_fail(errno, "receive", "gate", seq, err, errlen);
     if (r == 0) return tcp_eof("gate", seq, 0, hdr_len + (size_t)bytes, err, errlen);
     size_t got = (size_t)r;
     if (got < hdr_len) {
-        rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, "gate header", seq, err, errlen);
+        rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, spin_until, "gate header", seq,
+                          err, errlen);
         if (rc != TP_OK) return rc;
         got = hdr_len;
     }
@@ -139,14 +171,16 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
     }
     size_t payload_got = got - hdr_len;
     if (payload_got < bytes)
-        return tcp_read_all(fd, (char *)dst + payload_got, (size_t)bytes - payload_got, "gate",
-                            seq, err, errlen);
+        return tcp_read_all(fd, (char *)dst + payload_got, (size_t)bytes - payload_got,
+                            spin_until, "gate", seq, err, errlen);
     return TP_OK;
 }
 
-int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, char *err, size_t errlen) {
+int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
+               size_t errlen) {
     struct iovec out[1] = {{(void *)src, (size_t)bytes}};
     int rc = tcp_write_all(fd, out, 1, "raw exchange", 0, err, errlen);
     if (rc != TP_OK) return rc;
-    return tcp_read_all(fd, dst, (size_t)bytes, "raw exchange", 0, err, errlen);
+    return tcp_read_all(fd, dst, (size_t)bytes, spin_deadline(spin_ns), "raw exchange", 0, err,
+                        errlen);
 }

@@ -228,11 +228,13 @@ void tp_get_stats(const tp_dev *dev, tp_stats *out);
  * the deadline: send hdr_out + src in one sendmsg, receive the peer's header
  * into hdr_in and its payload into dst. Both ranks send identical headers
  * when in step, so a differing header is TP_EDESYNC, detected before any more
- * payload is awaited (hdr_in then holds the peer's header). */
+ * payload is awaited (hdr_in then holds the peer's header). Each read polls
+ * the socket for up to spin_ns in all before it blocks (0: block at once). */
 int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
-                const void *src, void *dst, uint64_t bytes, uint64_t seq,
+                const void *src, void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
                 char *err, size_t errlen);
 /* The floor the TCP gate is measured against: write bytes, read bytes. */
-int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, char *err, size_t errlen);
+int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
+               size_t errlen);
 
 #endif

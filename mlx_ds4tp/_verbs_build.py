@@ -99,9 +99,10 @@ ffibuilder.cdef(
     uint64_t tp_slab_bytes(void);
     void tp_get_stats(const tp_dev *dev, tp_stats *out);
     int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
-                    const void *src, void *dst, uint64_t bytes, uint64_t seq,
+                    const void *src, void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
                     char *err, size_t errlen);
-    int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, char *err, size_t errlen);
+    int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
+               size_t errlen);
     """
 )
 

@@ -142,6 +142,7 @@ def init(
     timeout: Optional[float] = None,
     secret=None,
     identity: Optional[tr.ModelIdentity] = None,
+    tcp_spin_us: Optional[int] = None,
 ) -> Group:
     """Join the pair. The leader (rank 0) listens, the worker (rank 1) dials.
 
@@ -150,6 +151,8 @@ def init(
     as MLX chooses, configured by MLX's own launcher environment).
     secret (str or bytes, default DS4_TP_SECRET): both ranks prove they hold it
     (HMAC challenge-response in the hello) before any session state exists.
+    tcp_spin_us (default DS4_TP_TCP_SPIN_US, else 5000; 0 on a one-core machine):
+    how long a TCP gate polls for the peer's message before it sleeps.
     """
     if transport == "mlx":
         return _init_mlx(role)
@@ -163,6 +166,7 @@ def init(
         timeout=timeout,
         identity=identity or tr.ModelIdentity(),
         secret=secret,
+        tcp_spin_us=tcp_spin_us,
     )
     pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device))
     try:

@@ -134,6 +134,38 @@ def default_timeout() -> float:
     return value
 
 
+# How long a TCP gate polls for the peer's message before it sleeps in the kernel. Waits at a
+# gate are mostly the other rank finishing its half of the layer, well under a millisecond; a
+# rank that polls through them skips the wake-up. A machine with one core would starve the
+# other rank by polling, so there it sleeps at once.
+MAX_TCP_SPIN_US = 1_000_000
+
+
+def default_tcp_spin_us() -> int:
+    return 5000 if (os.cpu_count() or 1) >= 2 else 0
+
+
+def tcp_spin_us() -> int:
+    """DS4_TP_TCP_SPIN_US, default 5000 (0 on a one-core machine): microseconds a TCP gate
+    polls before it blocks."""
+    raw = os.environ.get("DS4_TP_TCP_SPIN_US")
+    if raw is None or raw == "":
+        return default_tcp_spin_us()
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"DS4_TP_TCP_SPIN_US={raw!r} is not a whole number of microseconds; set it to e.g. "
+            f"5000, or 0 to never poll"
+        ) from None
+    if not 0 <= value <= MAX_TCP_SPIN_US:
+        raise ValueError(
+            f"DS4_TP_TCP_SPIN_US={raw!r} is out of range; set 0 (never poll) to "
+            f"{MAX_TCP_SPIN_US} microseconds"
+        )
+    return value
+
+
 # ============================================================================
 # Model identity and hello
 # ============================================================================
@@ -455,7 +487,7 @@ def swap_small(sock: socket.socket, mine: bytes, into: bytearray, what: str, tim
 class ControlChannel:
     """Framed messages on a TCP stream: 12-byte header (magic, type, bytes)."""
 
-    def __init__(self, sock: socket.socket, timeout: float):
+    def __init__(self, sock: socket.socket, timeout: float, spin_us: int = 0):
         self.sock = sock
         self.timeout = timeout
         self._header = bytearray(FRAME_HEADER.size)
@@ -628,6 +660,7 @@ class PairConfig:
     timeout: Optional[float] = None
     identity: ModelIdentity = dataclasses.field(default_factory=ModelIdentity)
     secret: Optional[bytes] = None
+    tcp_spin_us: Optional[int] = None  # None: DS4_TP_TCP_SPIN_US or the default
 
     def __post_init__(self) -> None:
         self.secret = secret_bytes(self.secret)
@@ -649,6 +682,14 @@ class PairConfig:
             raise ValueError(f"timeout={self.timeout!r} must be > 0 seconds")
         if self.gid_index is not None and (not isinstance(self.gid_index, int) or self.gid_index < 0):
             raise ValueError(f"gid_index={self.gid_index!r} must be a non-negative integer or None")
+        if self.tcp_spin_us is None:
+            self.tcp_spin_us = tcp_spin_us()
+        elif (not isinstance(self.tcp_spin_us, int) or isinstance(self.tcp_spin_us, bool)
+              or not 0 <= self.tcp_spin_us <= MAX_TCP_SPIN_US):
+            raise ValueError(
+                f"tcp_spin_us={self.tcp_spin_us!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
+                f"microseconds, or None for DS4_TP_TCP_SPIN_US / the default"
+            )
 
     @property
     def rank(self) -> int:
@@ -693,7 +734,7 @@ class Pair:
         self.peer_hello = theirs
         self.transport = transport
         self.timeout = float(config.timeout)
-        self.tcp = TcpGates(data, self.timeout)
+        self.tcp = TcpGates(data, self.timeout, spin_us=config.tcp_spin_us)
         self.rdma = None  # RdmaGates when transport == "rdma"
         self.seq = 0  # the last gate or bulk exchange's sequence number
         self.closed = False
@@ -906,7 +947,7 @@ class TcpGates:
     header (magic, layer, gate, seq) travels with the payload in one sendmsg so
     TCP_NODELAY never splits them, and a mismatch is a loud desync error."""
 
-    def __init__(self, sock: socket.socket, timeout: float):
+    def __init__(self, sock: socket.socket, timeout: float, spin_us: int = 0):
         self.sock = sock
         self.timeout = timeout
         self.ffi, self.lib = _load_verbs()
@@ -917,6 +958,9 @@ class TcpGates:
         self._in_header_c = self.ffi.from_buffer(self._in_header)
         self._err = self.ffi.new("char[512]")
         self._big_in = bytearray(BIG_HEADER.size)
+        # Polling comes before the kernel's SO_RCVTIMEO wait, so it is capped at a quarter of
+        # the timeout: a silent peer is still reported within 1.25x the timeout.
+        self.spin_ns = min(spin_us * 1000, int(timeout * 1e9) // 4)
 
     # -- decode gates --------------------------------------------------------
     def gate(self, send, recv, seq: int, layer: int = 0, gate: int = 0) -> None:
@@ -928,7 +972,7 @@ class TcpGates:
             raise ValueError(f"gate send is {len(src)} bytes but recv is {len(dst)}: they must match")
         GATE_HEADER.pack_into(self._out_header, 0, MAGIC, layer & 0xFFFF, gate & 0xFFFF, seq)
         rc = self.lib.tp_tcp_gate(self._fd, self._out_header_c, self._in_header_c, GATE_HEADER.size,
-                                  src, dst, len(src), seq, self._err, 512)
+                                  src, dst, len(src), seq, self.spin_ns, self._err, 512)
         if rc != 0:
             self._raise(rc, seq, layer, gate)
 
@@ -1026,11 +1070,12 @@ class TcpGates:
 
 def raw_exchange(gates: "TcpGates", send, recv) -> None:
     """The floor: a bare write-then-read of the same bytes (no header, no
-    checks), in C like the gate, so the comparison is like for like."""
+    checks), in C like the gate and waiting the same way (poll, then block), so
+    the comparison is like for like."""
     ffi = gates.ffi
     src = ffi.from_buffer(send)
     dst = ffi.from_buffer(recv, require_writable=True)
-    rc = gates.lib.tp_tcp_raw(gates._fd, src, dst, len(src), gates._err, 512)
+    rc = gates.lib.tp_tcp_raw(gates._fd, src, dst, len(src), gates.spin_ns, gates._err, 512)
     if rc != 0:
         gates._raise(rc, 0, 0, 0)
 

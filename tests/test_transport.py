@@ -574,3 +574,92 @@ def test_peer_that_says_goodbye_then_closes_is_detected_fast(groups):
     with pytest.raises(PeerClosedError):
         lg.pair.gate(a, np.empty_like(a))
     assert time.monotonic() - t0 < 2.0
+
+
+# ----------------------------------------------------------------------------
+# TCP gate: poll, then sleep
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spin_us", [0, 1, 5000, 200_000])
+def test_tcp_gates_are_exact_whatever_the_polling(spin_us):
+    lg, wg = make_groups("tcp", timeout=5.0, tcp_spin_us=spin_us)
+    try:
+        assert lg.pair.tcp.spin_ns == wg.pair.tcp.spin_ns == spin_us * 1000
+        rng = np.random.default_rng(spin_us)
+        for n in (1, 1000, 4096, 8192):
+            a = rng.standard_normal(n).astype(np.float32)
+            b = rng.standard_normal(n).astype(np.float32)
+            ra, rb = exchange_both(lg, wg, a, b)
+            assert np.array_equal(ra, b) and np.array_equal(rb, a)
+        # The raw floor waits the same way.
+        a, b = np.ones(4096, np.float32), np.full(4096, 3.0, np.float32)
+        ra, rb = np.empty_like(a), np.empty_like(b)
+        both_ok(lambda: tr.raw_exchange(lg.pair.tcp, a, ra), lambda: tr.raw_exchange(wg.pair.tcp, b, rb))
+        assert np.array_equal(ra, b) and np.array_equal(rb, a)
+    finally:
+        lg.close()
+        wg.close()
+
+
+@pytest.mark.parametrize("spin_us, polls", [(0, False), (1_000_000, True)])
+def test_a_gate_waiting_for_a_late_peer_polls_only_when_asked(spin_us, polls):
+    """spin 0 sleeps in the kernel (no CPU while waiting); a spin budget keeps the waiting
+    thread on its core, polling, until the late peer's message lands."""
+    lg, wg = make_groups("tcp", timeout=20.0, tcp_spin_us=spin_us)
+    try:
+        a, b = np.ones(4096, np.float32), np.full(4096, 2.0, np.float32)
+        ra, rb = np.empty_like(a), np.empty_like(b)
+
+        def early():
+            t0 = time.thread_time()
+            lg.pair.gate(a, ra)
+            return time.thread_time() - t0
+
+        cpu, _ = both_ok(early, lambda: (time.sleep(0.5), wg.pair.gate(b, rb)))
+        assert np.array_equal(ra, b) and np.array_equal(rb, a)
+        if polls:
+            assert cpu > 0.1, cpu
+        else:
+            assert cpu < 0.05, cpu
+    finally:
+        lg.close()
+        wg.close()
+
+
+def test_polling_is_capped_so_a_silent_peer_is_still_reported_in_time():
+    lg, wg = make_groups("tcp", timeout=0.8, tcp_spin_us=1_000_000)
+    try:
+        assert lg.pair.tcp.spin_ns == 200_000_000  # a quarter of the timeout
+        a, ra = np.ones(16, np.float32), np.empty(16, np.float32)
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeoutError, match="seq"):
+            lg.pair.gate(a, ra)  # the worker never comes to this gate
+        assert time.monotonic() - t0 < 0.8 * 1.25 + 0.5
+    finally:
+        lg.close()
+        wg.close()
+
+
+@pytest.mark.parametrize("raw, why", [("fast", "not a whole number of microseconds"),
+                                      ("-1", "out of range"), ("2000000", "out of range")])
+def test_bad_tcp_spin_env_is_refused_before_connecting(monkeypatch, raw, why):
+    monkeypatch.setenv("DS4_TP_TCP_SPIN_US", raw)
+    with pytest.raises(ValueError, match=rf"DS4_TP_TCP_SPIN_US='{raw}' is {why}"):
+        tr.PairConfig(role="leader", listen=("127.0.0.1", 1))
+
+
+@pytest.mark.parametrize("bad", [-1, 1_000_001, 2.5, True, "100"])
+def test_bad_tcp_spin_argument_is_refused(bad):
+    with pytest.raises(ValueError, match=r"tcp_spin_us=.*give 0 \(never poll\) to 1000000"):
+        tr.PairConfig(role="leader", listen=("127.0.0.1", 1), tcp_spin_us=bad)
+
+
+def test_tcp_spin_env_and_default(monkeypatch):
+    monkeypatch.setenv("DS4_TP_TCP_SPIN_US", "250")
+    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == 250
+    monkeypatch.delenv("DS4_TP_TCP_SPIN_US")
+    monkeypatch.setattr(tr.os, "cpu_count", lambda: 1)
+    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == 0
+    monkeypatch.setattr(tr.os, "cpu_count", lambda: 8)
+    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == 5000
