@@ -331,8 +331,10 @@ class GatelessGroup:
     """A two-rank group whose gates do nothing: all_sum hands the local partial back.
 
     For the compute ceiling only. Each rank still runs exactly its half of every matmul, so
-    the decode time of two of these side by side is what the pair costs with a transport that
-    takes zero time. Its tokens are meaningless (the halves are never summed).
+    two of these side by side decode as fast as the pair could with a transport that takes zero
+    time and ranks that never wait for each other. A real pair meets at every gate, so it also
+    waits there whenever the other rank's half of a layer ran a little slower. Its tokens are
+    meaningless (the halves are never summed).
     """
 
     def __init__(self, rank: int):
@@ -372,7 +374,7 @@ def ceiling_rank(role: str, port: int, path: str, max_tokens: int) -> List[Dict]
         group.pair.gate(mine, theirs)
     rec = _tok_record(CEILING, tokens, max(seconds, float(theirs[0])), None)
     rec["tokens_match"] = None  # the halves are never summed: no tokens to compare
-    rec["gates"] = "skipped: the pair's compute alone, what a zero-cost transport would reach"
+    rec["gates"] = "skipped: the pair's compute alone, ranks never waiting for each other"
     return [rec] if role == "leader" else []
 
 
