@@ -7,6 +7,7 @@ ibverbs provider (as on a machine lacking infiniband/verbs.h).
 """
 
 import os
+import re
 import sys
 
 from cffi import FFI
@@ -21,6 +22,16 @@ def _path(name):
     # standalone build compiles from a temporary directory, so absolute.
     full = os.path.join(HERE, name)
     return full if STANDALONE else os.path.relpath(full)
+
+
+def _prototypes():
+    """The function declarations of _verbs.h, read from it (the one place they are written)."""
+    with open(os.path.join(HERE, "_verbs.h")) as f:
+        text = re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+    found = re.findall(r"^(?:const )?\w+ \*?tp_\w+\([^;]*\);", text, flags=re.M)
+    if not found:
+        raise RuntimeError("no tp_* declarations found in _verbs.h")
+    return "\n".join(found)
 
 
 ffibuilder = FFI()
@@ -71,39 +82,8 @@ ffibuilder.cdef(
         ...;
     } tp_stats;
     typedef struct tp_dev tp_dev;
-
-    int tp_probe(const char *device, char *err, size_t errlen);
-    tp_dev *tp_open(const char *device, int gid_index, const char *bind_ipv4, int role,
-                    const char *faults, void *slab, uint64_t slab_bytes,
-                    char *err, size_t errlen);
-    int tp_build_qp(tp_dev *dev, int qp_type, int setup_attempt, int cq_depth,
-                    int send_wr, int recv_wr, char *err, size_t errlen);
-    void tp_depths(const tp_dev *dev, int *cq_depth, int *send_wr, int *recv_wr);
-    int tp_local_info(const tp_dev *dev, tp_info *out);
-    int tp_connect(tp_dev *dev, const tp_info *peer, char *err, size_t errlen);
-    const char *tp_device_name(const tp_dev *dev);
-    void tp_close(tp_dev *dev);
-    void tp_set_fds(tp_dev *dev, int control_fd, int barrier_fd);
-    int tp_reg(tp_dev *dev, void *addr, uint64_t len, char *err, size_t errlen);
-    int tp_dereg(tp_dev *dev, int handle);
-    int tp_post_recv(tp_dev *dev, void *addr, uint32_t len, uint64_t wr_id,
-                     char *err, size_t errlen);
-    int tp_post_send(tp_dev *dev, const void *addr, uint32_t len, uint64_t wr_id,
-                     int opcode, int signaled, char *err, size_t errlen);
-    int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t errlen);
-    int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t seq,
-                double timeout_s, char *err, size_t errlen);
-    int tp_drain(tp_dev *dev, double timeout_s, char *err, size_t errlen);
-    int tp_bulk(tp_dev *dev, const void *src, void *dst, uint64_t bytes, double timeout_s,
-                char *err, size_t errlen);
-    uint64_t tp_slab_bytes(void);
-    void tp_get_stats(const tp_dev *dev, tp_stats *out);
-    int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
-                    const void *src, void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
-                    char *err, size_t errlen);
-    int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
-               size_t errlen);
     """
+    + _prototypes()
 )
 
 ffibuilder.set_source(

@@ -3,9 +3,7 @@ peer without the secret is refused before any session state exists."""
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 
 import numpy as np
 import pytest
