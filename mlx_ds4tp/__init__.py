@@ -7,13 +7,17 @@
 """
 
 from .errors import (
+    AuthenticationError,
     DesyncError,
     FrameError,
     HelloMismatchError,
+    LockstepDivergence,
     PeerClosedError,
+    RdmaError,
     RdmaUnavailableError,
     TransportError,
     TransportTimeoutError,
+    WarmupFailed,
 )
 from .gate_ops import Group, all_gather, all_sum, init
 from .transport import ModelIdentity
@@ -33,4 +37,8 @@ __all__ = [
     "HelloMismatchError",
     "DesyncError",
     "RdmaUnavailableError",
+    "RdmaError",
+    "AuthenticationError",
+    "WarmupFailed",
+    "LockstepDivergence",
 ]
