@@ -20,7 +20,7 @@ from .errors import (
     WarmupFailed,
 )
 from .gate_ops import Group, all_gather, all_sum, init
-from .transport import ModelIdentity
+from .transport import ModelIdentity, model_fingerprint
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "all_gather",
     "Group",
     "ModelIdentity",
+    "model_fingerprint",
     "TransportError",
     "PeerClosedError",
     "TransportTimeoutError",

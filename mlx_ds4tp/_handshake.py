@@ -23,11 +23,21 @@ from ._control import (
     swap_small,
     tune_socket,
 )
+from ._fingerprint import Fingerprint, first_difference, summary_label
 from ._hello import Hello, authenticate, check_hello, choose_transport, data_proof
 from ._log import log
 from ._rdma_gates import RdmaGates
 from ._tcp_gates import TcpGates
-from ._wire import DATA_HELLO, DATA_MAGIC, LEADER, NONCE_BYTES, PROTOCOL_VERSION, ROLE_NAMES, FrameType
+from ._wire import (
+    DATA_HELLO,
+    DATA_MAGIC,
+    FINGERPRINT_SUMMARY,
+    LEADER,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    ROLE_NAMES,
+    FrameType,
+)
 from .errors import (
     AuthenticationError,
     FrameError,
@@ -96,6 +106,23 @@ class Pair:
             return
         self.rdma = gates
 
+    def fingerprint_labels(self) -> Tuple[str, str]:
+        """(this side's, the peer's) model fingerprint as the hello carried
+        them: 12 hex digits each, or "none"."""
+        return summary_label(self.mine.fingerprint), summary_label(self.peer_hello.fingerprint)
+
+    def agree_fingerprint(self, fingerprint: Fingerprint) -> None:
+        """Both ranks swap fingerprints on the control channel (for a pair
+        whose hello carried none, e.g. before load_split); a difference raises
+        HelloMismatchError on both, naming both and the first difference."""
+        mine = fingerprint.summary()
+        self.control.send(FrameType.FINGERPRINT, mine)
+        _, theirs = self.control.recv(FrameType.FINGERPRINT)
+        if len(theirs) != FINGERPRINT_SUMMARY.size:
+            raise FrameError(f"FINGERPRINT payload is {len(theirs)} bytes, expected {FINGERPRINT_SUMMARY.size}")
+        if theirs != mine:
+            raise fingerprint_mismatch(self.control, fingerprint, theirs, self.peer_name)
+
     def gate(self, send, recv, layer: int = 0, gate: int = 0) -> int:
         """Exchange one gate: send our bytes, receive the peer's (same size).
         Gates and bulk exchanges share one sequence, numbered here: the RDMA
@@ -162,6 +189,7 @@ def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, st
         identity=config.identity,
         auth=config.secret is not None,
         nonce=secrets.token_bytes(NONCE_BYTES),
+        fingerprint=b"" if config.identity.fingerprint is None else config.identity.fingerprint.summary(),
     )
     if config.rank == LEADER:
         return _connect_leader(config, mine, deadline)
@@ -174,11 +202,39 @@ def _exchange_hello(control: ControlChannel, mine: Hello, timeout: float) -> Hel
     return Hello.unpack(payload)
 
 
-def _agree(control: ControlChannel, mine: Hello, theirs: Hello) -> str:
+def fingerprint_mismatch(control: ControlChannel, mine: Optional[Fingerprint], their_summary: bytes,
+                         peer: str) -> HelloMismatchError:
+    """The error both ranks raise when their fingerprints differ. When both
+    have one, they first swap the details so each can name the first
+    difference (both run this on the same two fingerprints)."""
+    here, there = summary_label(b"" if mine is None else mine.summary()), summary_label(their_summary)
+    if mine is None:
+        why = (f"this side joined without a model fingerprint and the {peer} with one; start both "
+               "ranks the same way, each with its model directory")
+    elif not their_summary:
+        why = (f"the {peer} joined without a model fingerprint and this side with one; start both "
+               "ranks the same way, each with its model directory")
+    else:
+        control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
+        _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
+        theirs = Fingerprint.from_details(payload)
+        if theirs.summary() != their_summary:
+            raise FrameError(f"the {peer}'s fingerprint details do not add up to its fingerprint {there}")
+        why = first_difference(mine, theirs, peer) or "the fingerprints differ"
+    return HelloMismatchError(
+        f"model mismatch: fingerprint {here} here and {there} on the {peer}: {why}; "
+        "load the same model on both machines"
+    )
+
+
+def _agree(control: ControlChannel, config: PairConfig, mine: Hello, theirs: Hello) -> str:
     """Check identities and choose the transport; on failure tell the peer
     first so both ranks print the same cause."""
     try:
         check_hello(mine, theirs)
+        if mine.fingerprint != theirs.fingerprint:
+            raise fingerprint_mismatch(control, config.identity.fingerprint, theirs.fingerprint,
+                                       ROLE_NAMES[theirs.role])
         return choose_transport(mine, theirs)
     except TransportError as exc:
         control.send_error(str(exc))
@@ -216,7 +272,7 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
                 continue
             break
         try:
-            transport = _agree(control, mine, theirs)
+            transport = _agree(control, config, mine, theirs)
             data = _accept_data(listener, deadline, control, data_proof(config.secret, mine, theirs),
                                 mine.session_id, hello_timeout)
         except TransportError as exc:
@@ -263,7 +319,7 @@ def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial
     try:
         theirs = _exchange_hello(control, mine, config.timeout)
         authenticate(control, mine, theirs, config.secret)
-        transport = _agree(control, mine, theirs)
+        transport = _agree(control, config, mine, theirs)
         data = dial(host, port, deadline, "gate data")
         tune_socket(data)
         send_all(

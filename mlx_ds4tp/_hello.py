@@ -10,10 +10,12 @@ import hmac
 from typing import Optional
 
 from ._control import ControlChannel
+from ._fingerprint import Fingerprint
 from ._wire import (
     AUTH_ROLE,
     AUTH_TAG,
     DATA_AUTH_TAG,
+    FINGERPRINT_SUMMARY,
     HELLO_FIXED,
     MAGIC,
     MAX_REASON_BYTES,
@@ -30,13 +32,16 @@ from .errors import AuthenticationError, FrameError, HelloMismatchError, RdmaUna
 
 @dataclasses.dataclass(frozen=True)
 class ModelIdentity:
-    """What both ranks must agree on before any gate: the model's shape."""
+    """What both ranks must agree on before any gate: the model's shape and,
+    when given (model_fingerprint(path)), its fingerprint; the hello carries
+    the fingerprint's summary and a difference stops both ranks."""
 
     layers: int = 0
     hidden: int = 0
     vocab: int = 0
     quant_bits: int = 0
     gates_per_token: int = 0
+    fingerprint: Optional[Fingerprint] = None
 
     FIELDS = MODEL_IDENTITY_FIELDS
 
@@ -47,6 +52,10 @@ class ModelIdentity:
                 raise ValueError(
                     f"model identity {name}={value!r} must be an integer in [0, 2^32)"
                 )
+        if self.fingerprint is not None and not isinstance(self.fingerprint, Fingerprint):
+            raise ValueError(
+                f"model identity fingerprint={self.fingerprint!r}: give model_fingerprint(path) or None"
+            )
 
 
 @dataclasses.dataclass
@@ -61,6 +70,7 @@ class Hello:
     identity: ModelIdentity
     auth: bool = False
     nonce: bytes = bytes(NONCE_BYTES)
+    fingerprint: bytes = b""  # FINGERPRINT_SUMMARY, or empty for a rank without one
     version: int = PROTOCOL_VERSION
     magic: int = MAGIC
 
@@ -76,12 +86,14 @@ class Hello:
                 TRANSPORT_CODES[self.transport],
                 int(self.rdma_ok),
                 len(reason),
+                len(self.fingerprint),
                 self.session_id,
                 int(self.auth),
                 self.nonce,
                 *ident,
             )
             + reason
+            + self.fingerprint
         )
 
     @classmethod
@@ -92,7 +104,7 @@ class Hello:
                 f"hello payload is {len(payload)} bytes, need at least {HELLO_FIXED.size}: "
                 "the peer is not a ds4tp rank of this version"
             )
-        magic, version, role, tcode, rdma_ok, rlen, session_id, auth, nonce, *ident = (
+        magic, version, role, tcode, rdma_ok, rlen, flen, session_id, auth, nonce, *ident = (
             HELLO_FIXED.unpack_from(payload)
         )
         if magic != MAGIC:
@@ -108,11 +120,18 @@ class Hello:
             raise HelloMismatchError(f"hello role {role} is neither 0 (leader) nor 1 (worker)")
         if tcode not in TRANSPORT_NAMES:
             raise HelloMismatchError(f"hello transport code {tcode} unknown (0 auto, 1 tcp, 2 rdma)")
-        if len(payload) != HELLO_FIXED.size + rlen:
+        if flen not in (0, FINGERPRINT_SUMMARY.size):
             raise FrameError(
-                f"hello carries {len(payload) - HELLO_FIXED.size} reason bytes, header says {rlen}"
+                f"hello carries a fingerprint of {flen} bytes; a fingerprint is "
+                f"{FINGERPRINT_SUMMARY.size} bytes or none"
             )
-        reason = payload[HELLO_FIXED.size :].decode("utf-8", "replace")
+        if len(payload) != HELLO_FIXED.size + rlen + flen:
+            raise FrameError(
+                f"hello carries {len(payload) - HELLO_FIXED.size} bytes after its fixed part, header "
+                f"says {rlen} reason + {flen} fingerprint"
+            )
+        reason_end = HELLO_FIXED.size + rlen
+        reason = payload[HELLO_FIXED.size : reason_end].decode("utf-8", "replace")
         return cls(
             role=role,
             transport=TRANSPORT_NAMES[tcode],
@@ -122,6 +141,7 @@ class Hello:
             identity=ModelIdentity(*ident),
             auth=bool(auth),
             nonce=nonce,
+            fingerprint=bytes(payload[reason_end:]),
             version=version,
             magic=magic,
         )

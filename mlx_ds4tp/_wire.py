@@ -25,10 +25,12 @@ The bound is checked before anything is allocated.
 | COMMAND_ACK      | ACK_PAYLOAD (session, status) + UTF-8 message                  | 4096        |
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
-| HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES)                | 1024        |
+| HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
 | ERROR            | UTF-8 message                                                  | 4096        |
 | RDMA_STATUS      | STATUS (ok, message length) + UTF-8 message                    | 4096        |
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
+| FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
+| FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
@@ -45,7 +47,8 @@ from __future__ import annotations
 import enum
 import struct
 
-PROTOCOL_VERSION = 1
+# 2: the hello carries a model fingerprint.
+PROTOCOL_VERSION = 2
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
@@ -81,6 +84,8 @@ class FrameType(enum.IntEnum):
     ERROR = 22
     RDMA_STATUS = 23
     AUTH = 24
+    FINGERPRINT = 25
+    FINGERPRINT_DETAIL = 26
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -119,16 +124,25 @@ FRAME_MAX_BYTES = {
     FrameType.ERROR: 4096,
     FrameType.RDMA_STATUS: 4096,
     FrameType.AUTH: 256,
+    FrameType.FINGERPRINT: 64,
+    FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
 }
 
 # ---- layouts ------------------------------------------------------------------
 FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count
 
 # Hello: magic, version, role, transport wanted, rdma_ok, reason length,
-# session id, "I have a secret", a fresh nonce, then the model identity's
-# fields (layers, hidden, vocab, quant bits, gates per token); then the reason.
+# fingerprint length, session id, "I have a secret", a fresh nonce, then the
+# model identity's fields (layers, hidden, vocab, quant bits, gates per
+# token); then the reason, then the fingerprint summary (or nothing).
 MODEL_IDENTITY_FIELDS = ("layers", "hidden", "vocab", "quant_bits", "gates_per_token")
-HELLO_FIXED = struct.Struct(f"<IIIIIIQI{NONCE_BYTES}s" + "I" * len(MODEL_IDENTITY_FIELDS))
+HELLO_FIXED = struct.Struct(f"<IIIIIIIQI{NONCE_BYTES}s" + "I" * len(MODEL_IDENTITY_FIELDS))
+# Model fingerprint (_fingerprint.py): digest of the three parts, then the
+# digests of the config, of the tensor table (names, dtypes, shapes, sizes)
+# and of the sampled bytes, the tensor count and the weights' total bytes.
+FINGERPRINT_SUMMARY = struct.Struct("<16s8s8s8sIQ")
+FINGERPRINT_DETAIL_VERSION = 1
+MAX_FINGERPRINT_DETAIL_EXPANDED = 128 * 1024 * 1024
 TRANSPORT_CODES = {"auto": 0, "tcp": 1, "rdma": 2}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORT_CODES.items()}
 # The prover's role inside the HMAC message of the AUTH proof.

@@ -4,6 +4,7 @@ private module beside it, in layer order (each imports only those above it):
 
 - ``_wire``: every frame type, struct layout, magic and size bound;
 - ``_log``: ``log()``, the one writer of ``ds4-tp:`` lines;
+- ``_fingerprint``: a model directory's fingerprint, compared at the hello;
 - ``_control``: socket helpers, listen / dial / accept, ``ControlChannel``;
 - ``_hello``: ``ModelIdentity``, ``Hello``, the checks on it, the transport
   choice, the shared-secret proofs;
@@ -41,6 +42,7 @@ from ._control import (
     swap_small,
     tune_socket,
 )
+from ._fingerprint import Fingerprint, first_difference, model_fingerprint, summary_label
 from ._handshake import Pair, connect
 from ._hello import (
     Hello,
@@ -61,6 +63,7 @@ from ._wire import (
     BIG_ROUND_BYTES,
     DATA_HELLO,
     DATA_MAGIC,
+    FINGERPRINT_SUMMARY,
     FRAME_HEADER,
     FRAME_MAX_BYTES,
     GATE_HEADER,
@@ -104,13 +107,13 @@ __all__ = [
     "tune_socket", "set_kernel_timeout", "recv_exact_into", "send_all", "swap_small",
     # hello
     "Hello", "ModelIdentity", "check_hello", "choose_transport", "auth_proof", "authenticate",
-    "data_proof",
+    "data_proof", "Fingerprint", "model_fingerprint", "first_difference", "summary_label",
     # gates
     "TcpGates", "raw_exchange", "RdmaGates", "rdma_probe", "load_verbs", "UCSIM", "CQ_DEPTH",
     "SEND_WR", "RECV_WR",
     # wire
     "FrameType", "FRAME_HEADER", "FRAME_MAX_BYTES", "GATE_HEADER", "BIG_HEADER", "DATA_HELLO",
-    "HELLO_FIXED", "RDMA_INFO", "MAGIC", "BATCH_MAGIC", "DATA_MAGIC", "WARM_WR_ID",
+    "HELLO_FIXED", "FINGERPRINT_SUMMARY", "RDMA_INFO", "MAGIC", "BATCH_MAGIC", "DATA_MAGIC", "WARM_WR_ID",
     "PROTOCOL_VERSION", "GATE_MAX_BYTES", "RDMA_MAX_MSG", "BIG_ROUND_BYTES", "MAX_REASON_BYTES",
     "NONCE_BYTES", "TRANSPORT_CODES", "TRANSPORT_NAMES", "LEADER", "WORKER", "ROLE_NAMES",
     # errors and logging

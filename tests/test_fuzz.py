@@ -406,6 +406,8 @@ def random_hello_payload(r) -> bytes:
         return r.randbytes(r.randint(0, 200))
     h = valid_hello(r.randint(0, 1))
     h.rdma_reason = r.choice(["", "x" * r.randint(0, 600), "no verbs devices \u00e9\u4e2d"])
+    if r.random() < 0.5:  # a rank with a model fingerprint
+        h.fingerprint = r.randbytes(tr.FINGERPRINT_SUMMARY.size)
     d = h.pack()
     for _ in range(r.randint(0, 3)):
         if not d:

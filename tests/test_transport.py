@@ -163,7 +163,7 @@ def test_hello_bad_magic_and_version():
         tr.Hello.unpack(h.pack())
     h = hello()
     h.version = 99
-    with pytest.raises(HelloMismatchError, match="peer speaks 99, this side 1"):
+    with pytest.raises(HelloMismatchError, match=f"peer speaks 99, this side {tr.PROTOCOL_VERSION}"):
         tr.Hello.unpack(h.pack())
 
 
