@@ -7,13 +7,17 @@
  * ibv_post_recv and ibv_poll_cq are header inlines over the context's ops
  * table, which is why this provider is compiled C and not cffi ABI mode.
  *
- * Quirks of AppleThunderboltRDMA this follows (see the seeds):
+ * Quirks of AppleThunderboltRDMA this follows (ucsim, _verbs_ucsim.c, and the
+ * tests' fake library, tests/fake_ibverbs/, model the same):
  *   - only UC queue pairs exist (RC/UD: ENOTSUP);
  *   - RDMA WRITE is accepted and never executed: data moves by SEND/RECV;
  *   - messages above 16 KiB are not delivered;
  *   - RTR needs GRH addressing with the IPv4-mapped GID (::ffff:a.b.c.d),
  *     which exists only once the Thunderbolt member interface has an IPv4
- *     address of its own, MTU 1024 and hop limit 1. */
+ *     address of its own, MTU 1024 and hop limit 1;
+ *   - ibv_post_send/ibv_post_recv fail with -ENOMEM (a negative errno, not
+ *     the positive one rdma-core's providers return) at the 64th outstanding
+ *     work request, whatever depths the queue pair was created with. */
 
 #include "_verbs_priv.h"
 
@@ -58,10 +62,6 @@ typedef struct {
     int (*modify_qp)(struct ibv_qp *, struct ibv_qp_attr *, int);
 } verbs_api;
 
-static verbs_api g_api;
-static char g_load_err[320];
-static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-
 #if defined(__APPLE__)
 #define TP_VERBS_LIB "/usr/lib/librdma.dylib"
 #define TP_VERBS_HINT "this macOS has no Thunderbolt RDMA library"
@@ -70,19 +70,52 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 #define TP_VERBS_HINT "install rdma-core (Debian: apt install libibverbs1 ibverbs-providers)"
 #endif
 
-static void load_api(void) {
-    void *h = dlopen(TP_VERBS_LIB, RTLD_NOW | RTLD_LOCAL);
+/* One loaded library per path asked for (tp_set_verbs_library): a device
+ * keeps pointers into the library it was opened with, so a library is never
+ * unloaded, and switching the path affects only later opens. */
+#define TP_MAX_LIBS 8
+typedef struct {
+    char path[512]; /* "" = the system library */
+    verbs_api api;
+    char load_err[640];
+} verbs_lib;
+
+static verbs_lib g_libs[TP_MAX_LIBS];
+static int g_nlibs;
+static char g_want_path[512];
+static pthread_mutex_t g_lib_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int tp_set_verbs_library(const char *path, char *err, size_t errlen) {
+    if (path && strlen(path) >= sizeof(g_want_path)) {
+        tp_errf(err, errlen, "tp_set_verbs_library: path of %zu characters is too long (at most "
+                "%zu)", strlen(path), sizeof(g_want_path) - 1);
+        return TP_EINVAL;
+    }
+    pthread_mutex_lock(&g_lib_lock);
+    snprintf(g_want_path, sizeof(g_want_path), "%s", path ? path : "");
+    pthread_mutex_unlock(&g_lib_lock);
+    return TP_OK;
+}
+
+static void load_api(verbs_lib *lib) {
+    const char *file = lib->path[0] ? lib->path : TP_VERBS_LIB;
+    void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         const char *why = dlerror();
-        snprintf(g_load_err, sizeof(g_load_err), "tp rdma: cannot load %s (%s); %s",
-                 TP_VERBS_LIB, why ? why : "?", TP_VERBS_HINT);
+        if (lib->path[0])
+            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: cannot load the verbs "
+                     "library %s (DS4_TP_VERBS_LIBRARY): %s", file, why ? why : "?");
+        else
+            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: cannot load %s (%s); %s",
+                     file, why ? why : "?", TP_VERBS_HINT);
         return;
     }
+    verbs_api *api = &lib->api;
 #define SYM(field, name)                                                                     \
     do {                                                                                     \
-        g_api.field = (__typeof__(g_api.field))dlsym(h, name);                               \
-        if (!g_api.field) {                                                                  \
-            snprintf(g_load_err, sizeof(g_load_err), "tp rdma: %s lacks %s", TP_VERBS_LIB,   \
+        api->field = (__typeof__(api->field))dlsym(h, name);                                 \
+        if (!api->field) {                                                                   \
+            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: %s lacks %s", file,     \
                      name);                                                                  \
             dlclose(h);                                                                      \
             return;                                                                          \
@@ -106,13 +139,28 @@ static void load_api(void) {
     SYM(destroy_qp, "ibv_destroy_qp");
     SYM(modify_qp, "ibv_modify_qp");
 #undef SYM
-    g_api.handle = h;
+    api->handle = h;
 }
 
+/* The library for the path currently asked for, loaded on first use. */
 static const verbs_api *api_get(char *err, size_t errlen) {
-    pthread_once(&g_once, load_api);
-    if (g_api.handle) return &g_api;
-    tp_errf(err, errlen, "%s", g_load_err);
+    pthread_mutex_lock(&g_lib_lock);
+    verbs_lib *lib = NULL;
+    for (int i = 0; i < g_nlibs && !lib; i++)
+        if (strcmp(g_libs[i].path, g_want_path) == 0) lib = &g_libs[i];
+    if (!lib && g_nlibs < TP_MAX_LIBS) {
+        lib = &g_libs[g_nlibs++];
+        snprintf(lib->path, sizeof(lib->path), "%s", g_want_path);
+        load_api(lib);
+    }
+    pthread_mutex_unlock(&g_lib_lock);
+    if (!lib) {
+        tp_errf(err, errlen, "tp rdma: %d verbs libraries loaded already; cannot load %s",
+                TP_MAX_LIBS, g_want_path);
+        return NULL;
+    }
+    if (lib->api.handle) return &lib->api;
+    tp_errf(err, errlen, "%s", lib->load_err);
     return NULL;
 }
 
@@ -256,10 +304,10 @@ typedef struct {
     struct ibv_cq *cq;
     struct ibv_qp *qp;
     uint32_t psn_base;
-    /* Hot-path sequence tags (SEND_WITH_IMM; "Sequence tags" in _verbs.h):
-     * imm_ok once the device accepted one, no_imm once it refused the first
-     * (or DS4_TP_RDMA_NO_IMM=1): from then on hot-path sends go untagged. */
-    int imm_ok, no_imm;
+    /* Hot-path sequence tags (SEND_WITH_IMM; "Sequence tags" in
+     * _verbs_api.h): imm_ok once the device accepted one. When it refuses
+     * the first, dev->no_imm is set and hot-path sends go untagged. */
+    int imm_ok;
 } verbs_dev;
 
 #define VD(dev) ((verbs_dev *)(dev)->impl)
@@ -287,11 +335,6 @@ int tp_ibv_open(tp_dev *dev, const char *device, int gid_index, char *err, size_
         return TP_ESYS;
     }
     v->psn_base = (uint32_t)tp_random64() & 0xffffff;
-    const char *no_imm = getenv("DS4_TP_RDMA_NO_IMM");
-    v->no_imm = no_imm && no_imm[0] && strcmp(no_imm, "0") != 0;
-    if (v->no_imm)
-        fprintf(stderr, TP_LOG "DS4_TP_RDMA_NO_IMM is set: hot-path messages go untagged, a "
-                "message lost on the UC link cannot be detected at the gate\n");
     dev->prov = &tp_ibv_provider;
     dev->impl = v;
     snprintf(dev->name, sizeof(dev->name), "%s", v->sel.name);
@@ -463,6 +506,15 @@ static void ibv_close_dev(tp_dev *dev) {
  * Data path: the header inlines.
  * --------------------------------------------------------------------- */
 
+/* The errno a post returned, whatever its convention: rdma-core's providers
+ * return it positive; Apple's returns it negated (ibv_post_recv ret=-12 at
+ * its 64th outstanding receive, i.e. -ENOMEM); some return -1 and set errno. */
+static int post_errno(int ret) {
+    if (ret >= 0) return ret;
+    if (ret == -1) return errno ? errno : EINVAL;
+    return -ret;
+}
+
 static int ibv_post_recv_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey,
                              uint64_t wr_id, char *err, size_t errlen) {
     verbs_dev *v = VD(dev);
@@ -472,7 +524,7 @@ static int ibv_post_recv_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
     wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    int e = ibv_post_recv(v->qp, &wr, &bad);
+    int e = post_errno(ibv_post_recv(v->qp, &wr, &bad));
     if (e == 0) return TP_OK;
     tp_errf(err, errlen, "tp rdma: post_recv(%u bytes, wr_id 0x%llx) failed: %s", len,
             (unsigned long long)wr_id, strerror(e));
@@ -493,20 +545,19 @@ static int ibv_post_send_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
      * accepts it and never executes it (no remote address is known here). */
     wr.opcode = opcode == TP_OP_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_SEND;
     wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
-    const int tagged = opcode == TP_OP_SEND_IMM && !v->no_imm;
+    const int tagged = opcode == TP_OP_SEND_IMM && !dev->no_imm;
     if (tagged) {
         wr.opcode = IBV_WR_SEND_WITH_IMM;
         wr.imm_data = htonl(imm);
     }
-    int e = ibv_post_send(v->qp, &wr, &bad);
-    if (e < 0) e = errno ? errno : EINVAL; /* some providers return -1 and set errno */
+    int e = post_errno(ibv_post_send(v->qp, &wr, &bad));
     if (e != 0 && tagged && !v->imm_ok && (e == EINVAL || e == ENOTSUP || e == EOPNOTSUPP)) {
         /* Why: whether AppleThunderboltRDMA takes SEND_WITH_IMM on a UC queue
          * pair is unverified. A refused post queued nothing, so resend it as
          * a plain SEND and stay untagged: losing loss detection beats losing
          * RDMA. Only the first tagged post may do this; a refusal after
          * tagged posts succeeded is a real failure. */
-        v->no_imm = 1;
+        dev->no_imm = 1;
         fprintf(stderr, TP_LOG "rdma device %s refused SEND_WITH_IMM on a UC queue pair (%s): "
                 "hot-path messages go untagged, so a message lost on the link cannot be "
                 "detected at the gate; run with --debug-hash N to catch a divergence\n",
@@ -514,11 +565,10 @@ static int ibv_post_send_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
         wr.opcode = IBV_WR_SEND;
         wr.imm_data = 0;
         bad = NULL;
-        e = ibv_post_send(v->qp, &wr, &bad);
-        if (e < 0) e = errno ? errno : EINVAL;
+        e = post_errno(ibv_post_send(v->qp, &wr, &bad));
     }
     if (e == 0) {
-        if (tagged && !v->no_imm) v->imm_ok = 1;
+        if (tagged && !dev->no_imm) v->imm_ok = 1;
         return TP_OK;
     }
     tp_errf(err, errlen, "tp rdma: post_send(%u bytes, wr_id 0x%llx) failed: %s", len,
@@ -569,6 +619,12 @@ const tp_provider tp_ibv_provider = {
 #define TP_NO_HEADER_MSG                                                                     \
     "tp rdma: built without infiniband/verbs.h; install libibverbs-dev (Linux) or the macOS " \
     "SDK and reinstall"
+
+/* Without the header there is no provider to load a library for. */
+int tp_set_verbs_library(const char *path, char *err, size_t errlen) {
+    (void)path, (void)err, (void)errlen;
+    return TP_OK;
+}
 
 int tp_ibv_probe(const char *device, char *err, size_t errlen) {
     (void)device;
