@@ -192,6 +192,40 @@ static void append(char *buf, size_t n, const char *fmt, const char *a, const ch
     if (off + 1 < n) snprintf(buf + off, n - off, fmt, off ? ", " : "", a, b);
 }
 
+/* The GID to connect from: the index asked for, or else the IPv4-mapped
+ * one. Why that one: the Apple driver connects only through it, and it
+ * appears once the Thunderbolt member interface (not the bridge) has an
+ * IPv4 address. 0, or -1 with why in err. */
+static int find_gid(const verbs_api *api, verbs_sel *s, int gid_index, char *err, size_t errlen) {
+    if (gid_index >= 0) {
+        if (api->query_gid(s->ctx, 1, gid_index, &s->gid) != 0) {
+            tp_errf(err, errlen, "tp rdma: %s: query_gid(port 1, index %d) failed: %s; omit the "
+                    "GID index to scan for the IPv4-mapped GID", s->name, gid_index,
+                    strerror(errno));
+            return -1;
+        }
+        s->gid_index = gid_index;
+        return 0;
+    }
+    for (int i = 0; i < s->port.gid_tbl_len; i++) {
+        union ibv_gid g;
+        if (api->query_gid(s->ctx, 1, i, &g) == 0 && gid_is_v4mapped(&g)) {
+            s->gid = g;
+            s->gid_index = i;
+            return 0;
+        }
+    }
+    tp_errf(err, errlen, "tp rdma: %s port 1 (%s) has no IPv4-mapped GID (::ffff:a.b.c.d) among "
+            "its %d GIDs; give the Thunderbolt interface its own IPv4, e.g. sudo ifconfig en1 "
+            "inet 10.99.0.2/30 alias (the bridge's address does not count), on both machines",
+            s->name, port_state_name(s->port.state), s->port.gid_tbl_len);
+    return -1;
+}
+
+/* One verbs device per Thunderbolt port (rdma_enN). A named device is
+ * taken even with its port down (warned: the user asked for it); without a
+ * name, the first whose port is ACTIVE and that has the GID to connect
+ * from (a port whose interface lacks its own IPv4 cannot connect). */
 static int select_device(const verbs_api *api, const char *want, int gid_index, verbs_sel *out,
                          char *err, size_t errlen) {
     memset(out, 0, sizeof(*out));
@@ -205,9 +239,7 @@ static int select_device(const verbs_api *api, const char *want, int gid_index, 
                 "and that the Thunderbolt member interface has its own IPv4 address");
         return TP_EUNAVAIL;
     }
-    /* One verbs device per Thunderbolt port (rdma_enN): take the named one,
-     * else the first whose port is ACTIVE. */
-    char seen[512] = "";
+    char seen[768] = "", why[512] = "";
     for (int i = 0; i < num && !out->ctx; i++) {
         const char *name = api->get_device_name(devs[i]);
         if (!name) name = "?";
@@ -227,56 +259,42 @@ static int select_device(const verbs_api *api, const char *want, int gid_index, 
             api->close_device(ctx);
             continue;
         }
-        if (pa.state == IBV_PORT_ACTIVE || want) {
-            if (pa.state != IBV_PORT_ACTIVE)
-                fprintf(stderr, TP_LOG "rdma device %s: port 1 is %s, not ACTIVE; using it "
-                        "because it was named\n", name, port_state_name(pa.state));
-            out->ctx = ctx;
-            out->port = pa;
-            snprintf(out->name, sizeof(out->name), "%s", name);
-            break;
+        if (pa.state != IBV_PORT_ACTIVE && !want) {
+            append(seen, sizeof(seen), "%s%s: port 1 %s", name, port_state_name(pa.state));
+            api->close_device(ctx);
+            continue;
         }
-        append(seen, sizeof(seen), "%s%s: port 1 %s", name, port_state_name(pa.state));
-        api->close_device(ctx);
+        verbs_sel cand;
+        memset(&cand, 0, sizeof(cand));
+        cand.ctx = ctx;
+        cand.port = pa;
+        snprintf(cand.name, sizeof(cand.name), "%s", name);
+        if (find_gid(api, &cand, gid_index, why, sizeof(why)) < 0) {
+            append(seen, sizeof(seen), "%s%s: port 1 %s, no IPv4-mapped GID", name,
+                   port_state_name(pa.state));
+            api->close_device(ctx);
+            if (want) {
+                api->free_device_list(devs);
+                tp_errf(err, errlen, "%s", why);
+                return TP_EUNAVAIL;
+            }
+            continue;
+        }
+        if (pa.state != IBV_PORT_ACTIVE)
+            fprintf(stderr, TP_LOG "rdma device %s: port 1 is %s, not ACTIVE; using it because "
+                    "it was named\n", name, port_state_name(pa.state));
+        *out = cand;
     }
     api->free_device_list(devs);
-    if (!out->ctx) {
-        if (want)
-            tp_errf(err, errlen, "tp rdma: no usable verbs device named %s (devices: %s); "
-                    "list them with `ibv_devices`", want, seen);
-        else
-            tp_errf(err, errlen, "tp rdma: no verbs device has an ACTIVE port (%s); check the "
-                    "Thunderbolt cable, that the peer is up, and `rdma_ctl status` on both "
-                    "machines", seen);
-        return TP_EUNAVAIL;
-    }
-    if (gid_index >= 0) {
-        if (api->query_gid(out->ctx, 1, gid_index, &out->gid) != 0) {
-            tp_errf(err, errlen, "tp rdma: %s: query_gid(port 1, index %d) failed: %s; omit the "
-                    "GID index to scan for the IPv4-mapped GID", out->name, gid_index,
-                    strerror(errno));
-            api->close_device(out->ctx);
-            return TP_EUNAVAIL;
-        }
-        out->gid_index = gid_index;
-        return TP_OK;
-    }
-    /* Why: the Apple driver connects only through the IPv4-mapped GID, which
-     * appears once the Thunderbolt member interface (not the bridge) has an
-     * IPv4 address. */
-    for (int i = 0; i < out->port.gid_tbl_len; i++) {
-        union ibv_gid g;
-        if (api->query_gid(out->ctx, 1, i, &g) == 0 && gid_is_v4mapped(&g)) {
-            out->gid = g;
-            out->gid_index = i;
-            return TP_OK;
-        }
-    }
-    tp_errf(err, errlen, "tp rdma: %s port 1 (%s) has no IPv4-mapped GID (::ffff:a.b.c.d) among "
-            "its %d GIDs; give the Thunderbolt interface its own IPv4, e.g. sudo ifconfig en1 "
-            "inet 10.99.0.2/30 alias (the bridge's address does not count), on both machines",
-            out->name, port_state_name(out->port.state), out->port.gid_tbl_len);
-    api->close_device(out->ctx);
+    if (out->ctx) return TP_OK;
+    if (want)
+        tp_errf(err, errlen, "tp rdma: no usable verbs device named %s (devices: %s); list them "
+                "with `ibv_devices`", want, seen);
+    else
+        tp_errf(err, errlen, "tp rdma: no verbs device has an ACTIVE port and an IPv4-mapped GID "
+                "(%s); check the Thunderbolt cable, that the peer is up, `rdma_ctl status` on "
+                "both machines, and that each Thunderbolt interface has its own IPv4 address",
+                seen);
     return TP_EUNAVAIL;
 }
 
@@ -368,9 +386,10 @@ static int ibv_build(tp_dev *dev, int qp_type, int attempt, int *cq_depth, int *
     }
     v->cq = v->api->create_cq(v->sel.ctx, *cq_depth, NULL, NULL, 0);
     if (!v->cq) {
+        const int e = errno;
         tp_errf(err, errlen, "tp rdma: %s: create_cq(%d) failed: %s", v->sel.name, *cq_depth,
-                strerror(errno));
-        return TP_ESYS;
+                strerror(e));
+        return e == ENOMEM || e == EINVAL ? TP_ENOMEM : TP_ESYS;
     }
     struct ibv_qp_init_attr qia;
     memset(&qia, 0, sizeof(qia));
@@ -395,7 +414,9 @@ static int ibv_build(tp_dev *dev, int qp_type, int attempt, int *cq_depth, int *
         tp_errf(err, errlen, "tp rdma: %s: create_qp(%s, send %d, recv %d) failed: %s",
                 v->sel.name, qp_type == TP_QPT_RC ? "RC" : "UC", *send_wr, *recv_wr,
                 strerror(e));
-        return TP_ESYS;
+        /* A device may say (ibv_query_device) it takes more work requests
+         * than it does: TP_ENOMEM lets the caller ask for fewer. */
+        return e == ENOMEM || e == EINVAL ? TP_ENOMEM : TP_ESYS;
     }
     *send_wr = (int)qia.cap.max_send_wr;
     *recv_wr = (int)qia.cap.max_recv_wr;
