@@ -9,6 +9,7 @@ run does the same. Cutting, reading and refusing run in-process with stand-in gr
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -313,3 +314,32 @@ def test_unsupported_family_lists_the_supported_ones():
     with pytest.raises(ValueError, match=r"supported families: .*qwen3_moe, glm4_moe, deepseek_v3, "
                                          r"kimi_k2, gpt_oss, mixtral"):
         split_model(gemma.Model(args), RankOnly(0))
+
+
+def test_load_split_of_a_moe_reads_only_its_half(tmp_path):
+    """Peak RSS of a rank loading its half of a qwen3_moe vs a process loading it whole (~87M params)."""
+    import os
+    import subprocess
+    import sys
+
+    from splitutil import CHILD
+
+    from mlx_ds4tp.tiny_model import MoeSizes, save_qwen3_moe
+
+    sizes = MoeSizes(layers=4, hidden=512, heads=8, kv_heads=4, head_dim=64, experts=16,
+                     experts_per_token=2, expert_intermediate=768, vocab=8192)
+    path = save_qwen3_moe(tmp_path / "rss-moe", sizes)
+
+    def peak(mode: str) -> dict:
+        run = subprocess.run(
+            [sys.executable, str(CHILD), "rss", "--mode", mode, str(path)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    whole, part = peak("whole"), peak("split")
+    ratio = part["peak_kb"] / whole["peak_kb"]
+    print(f"\npeak RSS: whole {whole['peak_kb'] / 1024:.0f} MiB, one rank's half "
+          f"{part['peak_kb'] / 1024:.0f} MiB: ratio {ratio:.3f}", file=sys.stderr)
+    assert ratio <= 0.65, f"a rank's peak RSS is {ratio:.3f} of the whole model's (target <= 0.65)"
