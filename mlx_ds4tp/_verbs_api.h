@@ -22,6 +22,14 @@
 /* One bulk round: at most 64 x 16 KiB (fewer where the device takes fewer
  * work requests: tp_stats.bulk_slots). */
 #define TP_BULK_SLOTS 64
+/* Depths tp_build_qp asks for when given 0 (the device may grant less, and
+ * take less still at post time). */
+#define TP_DEFAULT_CQ 512
+#define TP_DEFAULT_SEND_WR 1024
+#define TP_DEFAULT_RECV_WR 1024
+/* Memory registrations per device, the slab's included: the Apple stack
+ * allows about 100 in all and fails the next with a bare error. */
+#define TP_MAX_MRS 96
 
 /* Return codes. */
 #define TP_OK 0
