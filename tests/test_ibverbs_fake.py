@@ -203,6 +203,17 @@ def test_send_with_imm_refused_falls_back_untagged_logged_once(fake, monkeypatch
     assert err.count("the peer's hot-path messages carry no sequence tag") == 2, err
 
 
+def test_rdma_no_imm_reaches_the_provider(fake, monkeypatch, capfd):
+    monkeypatch.setenv("DS4_TP_RDMA_NO_IMM", "1")
+    leader, worker = rdma_groups()
+    with leader, worker:
+        assert both_ok(lambda: exact_sums(leader, ((4096, 10),)),
+                       lambda: exact_sums(worker, ((4096, 10),))) == ([], [])
+    err = capfd.readouterr().err
+    assert err.count("rdma device rdma_en1: hot-path messages go untagged (no_imm set)") == 2, err
+    assert err.count("the peer's hot-path messages carry no sequence tag") == 2, err
+
+
 def test_queue_depths_refused_at_creation_are_halved_until_taken(fake, monkeypatch, capfd):
     monkeypatch.setenv("DS4_TP_FAKE_IBV_REFUSE", "qp_wr=256")
     leader, worker = rdma_groups()
