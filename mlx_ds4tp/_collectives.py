@@ -71,11 +71,16 @@ def describe(op: int, dtype_code: int, shape: Sequence[int]) -> str:
     return f"{OP_NAMES.get(op, f'op#{op}')} {dtype} {tuple(shape)}"
 
 
+def _unsupported(dtype) -> TypeError:
+    return TypeError(f"dtype {dtype} is not supported by the collectives; use one of "
+                     f"{', '.join(DTYPE_NAMES.values())}")
+
+
 def dtype_code(dtype) -> int:
+    """The wire code of an MLX dtype; TypeError naming the supported ones otherwise."""
     code = DTYPE_CODES.get(dtype)
     if code is None:
-        raise TypeError(f"dtype {dtype} is not supported by the collectives; use one of "
-                        f"{', '.join(DTYPE_NAMES.values())}")
+        raise _unsupported(dtype)
     return code
 
 
@@ -89,7 +94,7 @@ def host_view(x: mx.array) -> Tuple[mx.array, memoryview]:
     out with no staging copy). x must be evaluated or scheduled (mx.async_eval):
     taking the buffer waits for it."""
     if x.dtype not in DTYPE_CODES:
-        dtype_code(x.dtype)
+        raise _unsupported(x.dtype)
     view = memoryview(x)
     if not view.c_contiguous:
         x = mx.contiguous(x)
@@ -127,8 +132,7 @@ def to_mlx(values: np.ndarray, dtype) -> mx.array:
     if dtype == mx.bfloat16:
         out = out.view(mx.bfloat16)
     else:
-        # mx.array() turns float64 (and numpy's own bool/int widths on some
-        # platforms) into its defaults: say the dtype.
+        # mx.array() makes float64 data float32 (MLX's default float): say the dtype.
         out = mx.array(values, dtype=dtype)
     mx.eval(out)  # so the result does not depend on this thread's stream
     return out

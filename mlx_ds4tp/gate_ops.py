@@ -25,7 +25,7 @@ from .errors import HelloMismatchError, TransportError
 # Groups
 # ============================================================================
 
-# dtype code, ndim, collective, up to 8 dims: what both ranks compare when a partial's
+# magic, dtype code, ndim, collective, up to 8 dims: what both ranks compare when a partial's
 # signature changes, so a mismatch names both sides instead of corrupting data.
 DESCRIPTOR = struct.Struct("<IIII8Q")
 DESCRIPTOR_MAGIC = 0x44533453  # "DS4S"
