@@ -4,7 +4,7 @@ Names, signatures and results follow ``mx.distributed`` (``init``,
 ``Group.rank()``, ``Group.size()``, ``all_sum``, ``all_gather``, ``all_max``,
 ``all_min``, ``sum_scatter``, ``send``, ``recv``, ``recv_like``; ``group=None``
 is the group ``init`` returned last), so moving between this and MLX's own
-backends is a one-line change. The machinery behind them is _collectives.
+backends is a one-line change. The machinery behind them is _pair_collectives.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import _collectives as _c
+from . import _pair_collectives as _c
 from . import transport as tr
 from . import warmup
-from ._collectives import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
+from ._pair_collectives import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
 from .errors import HelloMismatchError, TransportError
 
 # ============================================================================
@@ -236,7 +236,7 @@ def all_sum(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     if group._mlx is not None:
         return mx.distributed.all_sum(x, group=group._mlx, stream=stream)
     try:
-        mx.async_eval(x)  # refused while a transformation traces x: see _collectives
+        mx.async_eval(x)  # refused while a transformation traces x: see _pair_collectives
     except ValueError:
         return _c.traced(_c.sum_eager, _c.pass_cotangent, x, group, "all_sum")
     return _c.sum_eager(x, group)
