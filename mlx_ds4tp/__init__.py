@@ -7,13 +7,17 @@
 """
 
 from .errors import (
+    AuthenticationError,
     DesyncError,
     FrameError,
     HelloMismatchError,
+    LockstepDivergence,
     PeerClosedError,
+    RdmaError,
     RdmaUnavailableError,
     TransportError,
     TransportTimeoutError,
+    WarmupFailed,
 )
 from .gate_ops import (
     Group,
@@ -27,7 +31,7 @@ from .gate_ops import (
     send,
     sum_scatter,
 )
-from .transport import ModelIdentity
+from .transport import ModelIdentity, model_fingerprint
 
 __version__ = "0.1.0"
 
@@ -43,6 +47,7 @@ __all__ = [
     "recv_like",
     "Group",
     "ModelIdentity",
+    "model_fingerprint",
     "TransportError",
     "PeerClosedError",
     "TransportTimeoutError",
@@ -50,4 +55,8 @@ __all__ = [
     "HelloMismatchError",
     "DesyncError",
     "RdmaUnavailableError",
+    "RdmaError",
+    "AuthenticationError",
+    "WarmupFailed",
+    "LockstepDivergence",
 ]

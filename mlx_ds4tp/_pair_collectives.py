@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import transport as tr
+from ._wire import OP_GATHER, OP_MAX, OP_MIN, OP_P2P_FROM, OP_SCATTER, OP_SUM
 
 # ============================================================================
 # Dtypes: the code on the wire and the numpy dtype the bytes are read as
@@ -52,15 +53,9 @@ DTYPE_NAMES = {code: name for _, code, _, name in _DTYPES}
 NUMPY_DTYPES = {dtype: np_dtype for dtype, _, np_dtype, _ in _DTYPES}
 MLX_DTYPES = {code: dtype for dtype, code, _, _ in _DTYPES}
 
-# ============================================================================
-# Operations: the code is in the gate signature (and the TCP gate header's
-# layer field), so the two ranks calling different collectives is an error
-# ============================================================================
-
-SUM, GATHER, MAX, MIN, SCATTER = 1, 2, 3, 4, 5
-# send/recv from rank r: the sender and the receiver both name the source,
-# so two senders (or two receivers) disagree and say so.
-P2P_FROM = 6
+# The collectives' codes (in the gate signature, see _wire): two ranks calling
+# different collectives at the same point is an error naming both.
+SUM, GATHER, MAX, MIN, SCATTER, P2P_FROM = OP_SUM, OP_GATHER, OP_MAX, OP_MIN, OP_SCATTER, OP_P2P_FROM
 OP_NAMES = {SUM: "all_sum", GATHER: "all_gather", MAX: "all_max", MIN: "all_min",
             SCATTER: "sum_scatter", P2P_FROM: "send/recv from rank 0", P2P_FROM + 1: "send/recv from rank 1"}
 

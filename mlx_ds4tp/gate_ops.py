@@ -9,7 +9,6 @@ backends is a one-line change. The machinery behind them is _pair_collectives.
 
 from __future__ import annotations
 
-import struct
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -18,18 +17,15 @@ import numpy as np
 from . import _pair_collectives as _c
 from . import transport as tr
 from . import warmup
+from ._collective import MlxCollective
 from ._pair_collectives import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
+from ._wire import DESCRIPTOR, DESCRIPTOR_MAGIC, MAX_DIMS
 from .errors import HelloMismatchError, TransportError
 
 # ============================================================================
 # Groups
 # ============================================================================
 
-# magic, dtype code, ndim, collective, up to 8 dims: what both ranks compare when a partial's
-# signature changes, so a mismatch names both sides instead of corrupting data.
-DESCRIPTOR = struct.Struct("<IIII8Q")
-DESCRIPTOR_MAGIC = 0x44533453  # "DS4S"
-MAX_DIMS = 8
 LATENCY_WINDOW = 8192
 
 
@@ -38,7 +34,8 @@ class Group:
 
     def __init__(self, pair: Optional[tr.Pair] = None, mlx_group=None):
         self._pair = pair
-        self._mlx = mlx_group
+        # MLX's own group goes through the collective seam, the one caller of mx.distributed.
+        self._mlx = MlxCollective(mlx_group) if mlx_group is not None else None
         self._signature: Optional[Tuple[int, int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
         # Round trips of the last LATENCY_WINDOW decode gates, for the
@@ -58,6 +55,14 @@ class Group:
 
     def size(self) -> int:
         return 2
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        """all_sum(x, group=self): the Collective method split models call."""
+        return all_sum(x, group=self)
+
+    def all_gather(self, x: mx.array) -> mx.array:
+        """all_gather(x, group=self): the Collective method split models call."""
+        return all_gather(x, group=self)
 
     def close(self) -> None:
         if self._pair is not None:
@@ -173,7 +178,7 @@ def init(
     pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device))
     try:
         if pair.transport == "rdma":
-            warmup.bring_up_rdma(pair)
+            pair.attach_rdma(warmup.bring_up_rdma(pair))
     except BaseException:
         pair.close()
         raise
@@ -234,7 +239,7 @@ def all_sum(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     """
     group = _resolve(group)
     if group._mlx is not None:
-        return mx.distributed.all_sum(x, group=group._mlx, stream=stream)
+        return group._mlx.all_sum(x, stream=stream)
     try:
         mx.async_eval(x)  # refused while a transformation traces x: see _pair_collectives
     except ValueError:
@@ -249,7 +254,7 @@ def all_gather(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx
     """
     group = _resolve(group)
     if group._mlx is not None:
-        return mx.distributed.all_gather(x, group=group._mlx, stream=stream)
+        return group._mlx.all_gather(x, stream=stream)
     try:
         mx.async_eval(x)
     except ValueError:
@@ -263,7 +268,7 @@ def all_max(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     cotangent unchanged)."""
     group = _resolve(group)
     if group._mlx is not None:
-        return mx.distributed.all_max(x, group=group._mlx, stream=stream)
+        return group._mlx.all_max(x, stream=stream)
     return _c.collective(_c.max_eager, _c.pass_cotangent, x, group, "all_max")
 
 
@@ -271,7 +276,7 @@ def all_min(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     """Elementwise minimum of the two ranks' x; as all_max."""
     group = _resolve(group)
     if group._mlx is not None:
-        return mx.distributed.all_min(x, group=group._mlx, stream=stream)
+        return group._mlx.all_min(x, stream=stream)
     return _c.collective(_c.min_eager, _c.pass_cotangent, x, group, "all_min")
 
 
@@ -282,12 +287,7 @@ def sum_scatter(x: mx.array, *, group: Optional[Group] = None, stream=None) -> m
     (MLX's own sum_scatter runs only on NCCL)."""
     group = _resolve(group)
     if group._mlx is not None:
-        if x.ndim == 0 or x.shape[0] % 2:
-            raise ValueError(f"sum_scatter: x.shape[0] must be divisible by the group size 2, "
-                             f"got shape {tuple(x.shape)}")
-        rows = x.shape[0] // 2
-        total = mx.distributed.all_sum(x, group=group._mlx, stream=stream)
-        return total[group.rank() * rows: (group.rank() + 1) * rows]
+        return group._mlx.sum_scatter(x, stream=stream)
     return _c.collective(_c.scatter_eager, _c.gather_cotangent, x, group, "sum_scatter")
 
 
@@ -297,7 +297,7 @@ def send(x: mx.array, dst: int, *, group: Optional[Group] = None, stream=None) -
     Sent when called, not when the result is evaluated. No gradient flows to the peer."""
     group = _resolve(group)
     if group._mlx is not None:
-        return mx.distributed.send(x, dst, group=group._mlx, stream=stream)
+        return group._mlx.send(x, dst, stream=stream)
     try:
         mx.async_eval(x)
     except ValueError:
@@ -310,7 +310,7 @@ def recv(shape: Sequence[int], dtype: mx.Dtype, src: int, *, group: Optional[Gro
     """The array of `shape` and `dtype` that rank src sends with send()."""
     group = _resolve(group)
     if group._mlx is not None:
-        return mx.distributed.recv(shape, dtype, src, group=group._mlx, stream=stream)
+        return group._mlx.recv(shape, dtype, src, stream=stream)
     return _c.recv(shape, dtype, src, group)
 
 
