@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from . import gate_ops
 from . import transport as tr
-from .lockstep import Leader, Worker, make_sampler
+from .lockstep import Leader, Worker
 
 
 def model_identity(path: str) -> tr.ModelIdentity:
@@ -66,9 +66,8 @@ class LoadingBar:
 
 
 def run(args, address: Tuple[str, int]) -> int:
-    import mlx.core as mx
-
     from .model_split import load_split
+    from .sampling import options_from_args, run_sampler
 
     identity = model_identity(args.model)
     leader = args.role == "leader"
@@ -96,7 +95,6 @@ def run(args, address: Tuple[str, int]) -> int:
                 raise
             tr.log(f"worker done: served {served} prompt(s), leader said stop")
             return 0
-        mx.random.seed(args.seed)
         driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
         try:
             prompt_tokens = driver.encode(args.prompt, chat=not args.no_chat_template)
@@ -108,7 +106,8 @@ def run(args, address: Tuple[str, int]) -> int:
                 sys.stdout.write(detok.last_segment)
                 sys.stdout.flush()
 
-            stats = driver.generate(prompt_tokens, args.max_tokens, make_sampler(args.temp), stream,
+            sampler = run_sampler(options_from_args(args), prompt_tokens)
+            stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream,
                                     stop_at_eos=not args.bench_no_eos)
             detok.finalize()
             sys.stdout.write(detok.last_segment + "\n")

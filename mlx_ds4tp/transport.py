@@ -77,6 +77,8 @@ class FrameType(enum.IntEnum):
     ERROR = 22
     RDMA_STATUS = 23
     AUTH = 24
+    # Serving (mlx_ds4tp.sessions): one decode step over the rows of every active session.
+    EVAL_BATCH = 32
 
 
 # Largest payload each frame type may claim: checked before anything is
@@ -101,6 +103,7 @@ FRAME_MAX_BYTES = {
     FrameType.ERROR: 4096,
     FrameType.RDMA_STATUS: 4096,
     FrameType.AUTH: 256,
+    FrameType.EVAL_BATCH: 64 * 1024,
 }
 
 FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count

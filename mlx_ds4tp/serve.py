@@ -1,0 +1,302 @@
+"""`ds4tp serve`: an OpenAI-compatible HTTP server on the leader of the pair.
+
+Endpoints: GET /health (200 only while the pair is up), GET /v1/models, POST
+/v1/chat/completions and POST /v1/completions (streamed as server-sent events on request).
+The worker runs no HTTP: it executes the leader's commands (mlx_ds4tp.sessions) until STOP.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import queue
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Optional
+
+from . import gate_ops
+from . import transport as tr
+from .sampling import SamplingOptions
+from .serve_api import ApiError, ParsedRequest, ResponseShape, parse_request, usage
+from .serve_engine import Engine, PairUnavailable, Request, active_sessions
+
+MAX_BODY_BYTES = 16 << 20
+# The engine answers within the gate timeout or fails the pair; a request waits a little
+# longer than that for its next event before it gives up with 503.
+EVENT_GRACE_SEC = 30.0
+
+
+class ServeState:
+    """What the handler threads share: the engine and the server's fixed answers."""
+
+    def __init__(self, engine: Engine, tokenizer, model_id: str, *, api_key: Optional[str],
+                 context_length: int, default_max_tokens: int, defaults: SamplingOptions,
+                 event_timeout: float):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.api_key = api_key
+        self.context_length = context_length
+        self.default_max_tokens = default_max_tokens
+        self.defaults = defaults
+        self.event_timeout = event_timeout
+        self.created = int(time.time())
+
+
+def unavailable(reason: str) -> ApiError:
+    return ApiError(503, f"the two-machine pair is down ({reason}); restart `ds4tp serve` on both "
+                    "machines (the worker first)", None, "pair_unavailable", "server_error")
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP connection; `state` is set on a subclass by make_server."""
+
+    state: ServeState
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # noqa: D102 - quiet access log
+        return
+
+    # -- plumbing ---------------------------------------------------------------
+    def _send_json(self, status: int, body: Dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self._cors()
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _cors(self) -> None:
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+
+    def _error(self, err: ApiError) -> None:
+        self._send_json(err.status, err.body())
+
+    def _authorized(self) -> bool:
+        key = self.state.api_key
+        if not key:
+            return True
+        given = self.headers.get("Authorization", "")
+        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode()):
+            return True
+        self._error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with "
+                             "the key given to `ds4tp serve --api-key`", None, "invalid_api_key",
+                             "authentication_error"))
+        return False
+
+    def do_OPTIONS(self) -> None:  # noqa: N802 - http.server's naming
+        self.send_response(204)
+        self._cors()
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    # -- GET ----------------------------------------------------------------------
+    def do_GET(self) -> None:  # noqa: N802
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            error = self.state.engine.error
+            body = {"status": "ok" if error is None else "unavailable",
+                    **self.state.engine.stats, **active_sessions(self.state.engine)}
+            if error is not None:
+                body["error"] = error
+            self._send_json(200 if error is None else 503, body)
+        elif path in ("/v1/models", "/models"):
+            if self._authorized():
+                self._send_json(200, {"object": "list", "data": [
+                    {"id": self.state.model_id, "object": "model", "created": self.state.created,
+                     "owned_by": "mlx_ds4tp"}]})
+        elif path.startswith(("/v1/models/", "/models/")):
+            if self._authorized():
+                name = path.split("/models/", 1)[1]
+                if name == self.state.model_id:
+                    self._send_json(200, {"id": name, "object": "model",
+                                          "created": self.state.created, "owned_by": "mlx_ds4tp"})
+                else:
+                    self._error(ApiError(404, f"model '{name}' is not served here", "model",
+                                         "model_not_found"))
+        else:
+            self._error(ApiError(404, f"no endpoint {path}; see GET /v1/models, POST "
+                                 "/v1/chat/completions, POST /v1/completions", None, "not_found"))
+
+    # -- POST ---------------------------------------------------------------------
+    def do_POST(self) -> None:  # noqa: N802
+        path = self.path.split("?", 1)[0]
+        kinds = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
+                 "/v1/completions": "text", "/completions": "text"}
+        if path not in kinds:
+            self._error(ApiError(404, f"no endpoint POST {path}", None, "not_found"))
+            return
+        if not self._authorized():
+            return
+        try:
+            parsed = self._parse(kinds[path])
+            if self.state.engine.error is not None:
+                raise unavailable(self.state.engine.error)
+        except ApiError as err:
+            self._error(err)
+            return
+        request = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens,
+                          options=parsed.options, stop=parsed.stop)
+        try:
+            self.state.engine.submit(request)
+        except PairUnavailable as exc:
+            self._error(unavailable(str(exc)))
+            return
+        shape = ResponseShape(parsed.kind, parsed.model)
+        if parsed.stream:
+            self._stream(parsed, request, shape)
+        else:
+            self._whole(parsed, request, shape)
+
+    def _parse(self, kind: str) -> ParsedRequest:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise ApiError(411, "a Content-Length header with the body's size is required") from None
+        if not 0 <= length <= MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are accepted")
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+        s = self.state
+        return parse_request(body, kind, s.tokenizer, model_ids=[s.model_id],
+                             default_max_tokens=s.default_max_tokens,
+                             context_length=s.context_length, defaults=s.defaults)
+
+    def _events(self, request: Request):
+        """The request's events until done; ApiError(503) when the pair fails."""
+        while True:
+            try:
+                event = request.events.get(timeout=self.state.event_timeout)
+            except queue.Empty:
+                request.cancelled = True
+                raise unavailable(f"no answer from the engine in {self.state.event_timeout:g} s")
+            if event[0] == "error":
+                raise unavailable(event[1])
+            yield event
+            if event[0] == "done":
+                return
+
+    def _usage(self, parsed: ParsedRequest, request: Request) -> Dict[str, Any]:
+        return usage(len(parsed.prompt), request.completion_tokens, request.cached_tokens)
+
+    def _whole(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+        parts, finish = [], "stop"
+        try:
+            for event in self._events(request):
+                if event[0] == "text":
+                    parts.append(event[1])
+                else:
+                    finish = event[1]
+        except ApiError as err:
+            self._error(err)
+            return
+        self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request)))
+
+    def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        # No Content-Length: the stream ends when the connection closes.
+        self.send_header("Connection", "close")
+        self._cors()
+        self.end_headers()
+        self.close_connection = True
+        try:
+            if parsed.kind == "chat":
+                self._sse(shape.chunk("", None, first=True))
+            for event in self._events(request):
+                if event[0] == "text":
+                    self._sse(shape.chunk(event[1], None))
+                else:
+                    self._sse(shape.chunk(None if parsed.kind == "chat" else "", event[1]))
+            if parsed.include_usage:
+                self._sse(shape.usage_chunk(self._usage(parsed, request)))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except ApiError as err:
+            # The status line is already out: the error travels as an event.
+            self._try_write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            # The client went away: the engine frees its session on both ranks.
+            request.cancelled = True
+
+    def _sse(self, chunk: Dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _try_write(self, data: bytes) -> None:
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError:
+            pass
+
+
+def make_server(state: ServeState, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server (not yet serving) whose handlers share `state`."""
+    handler = type("BoundHandler", (Handler,), {"state": state})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def context_length(model, config: Dict[str, Any]) -> int:
+    """The model's context window as its config states it (mlx-lm configs' names)."""
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        value = config.get(key) or getattr(getattr(model, "args", None), key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 20
+
+
+def run(args, address, model_path) -> int:
+    """Both ranks of `ds4tp serve` (cli.cmd_serve checked the flags)."""
+    from .model_split import load_split
+    from .pair_run import LoadingBar, model_identity
+    from .sampling import options_from_args
+    from .sessions import LeaderSessions, serve_worker
+
+    identity = model_identity(str(model_path))
+    leader = args.role == "leader"
+    group = gate_ops.init(role=args.role, listen=address if leader else None,
+                          coordinator=None if leader else address, transport=args.transport,
+                          rdma_device=args.rdma_device, gid_index=args.rdma_gid_index,
+                          secret=args.secret, identity=identity)
+    with group:
+        t0 = time.perf_counter()
+        model, tokenizer = load_split(str(model_path), group, progress=LoadingBar())
+        tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
+        if not leader:
+            try:
+                steps = serve_worker(group, model)
+            except Exception as exc:
+                group.pair.control.send_error(f"{type(exc).__name__}: {exc}")
+                raise
+            tr.log(f"worker done after {steps} decode steps: the leader said stop")
+            return 0
+        config = json.loads((model_path / "config.json").read_text())
+        engine = Engine(LeaderSessions(group, model), tokenizer,
+                        prompt_cache_size=args.prompt_cache_size,
+                        prefill_step=args.prefill_step_size, max_batch=args.max_batch)
+        state = ServeState(engine, tokenizer, args.model, api_key=args.api_key,
+                           context_length=context_length(model, config),
+                           default_max_tokens=args.max_tokens, defaults=options_from_args(args),
+                           event_timeout=group.pair.control.timeout + EVENT_GRACE_SEC)
+        server = make_server(state, args.host, args.port)
+        engine.start()
+        tr.log(f"serving {args.model} on http://{args.host}:{server.server_address[1]}/v1 "
+               f"(transport {group.transport})")
+        try:
+            server.serve_forever(poll_interval=0.5)
+        except KeyboardInterrupt:
+            tr.log("serve: interrupted, stopping the worker")
+        finally:
+            server.server_close()
+            engine.stop()
+    return 0
