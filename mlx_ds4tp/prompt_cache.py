@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 # How a session starts from a stored cache (the values travel in SESSION_CREATE).
 FRESH, MOVE, COPY = 0, 1, 2

@@ -105,7 +105,7 @@ class Engine:
         self.prefill_step = prefill_step
         self.max_batch = max_batch
         self.index = PromptCacheIndex(prompt_cache_size,
-                                      can_trim_prompt_cache(sessions.table._make_cache()))
+                                      can_trim_prompt_cache(sessions.table.make_cache()))
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._ids = itertools.count(1)

@@ -67,7 +67,7 @@ class SessionTable:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.model = model
-        self._make_cache = lambda: make_prompt_cache(model)
+        self.make_cache = lambda: make_prompt_cache(model)
         self.sessions: Dict[int, list] = {}  # prefilling, not yet in the batch
         self.stored: Dict[int, list] = {}
         self.rows: List[int] = []
@@ -124,7 +124,7 @@ class SessionTable:
         if session in self.sessions or session in self.rows:
             raise tr.FrameError(f"SESSION_CREATE for session {session}, which already exists")
         if mode == FRESH:
-            self.sessions[session] = self._make_cache()
+            self.sessions[session] = self.make_cache()
             return
         if cache_id not in self.stored:
             raise tr.FrameError(f"SESSION_CREATE reuses stored cache {cache_id}, which does not exist")
