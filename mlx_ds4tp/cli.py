@@ -63,6 +63,8 @@ def _print_records(records: List[dict], as_json: bool, keep_samples: bool = Fals
 def cmd_bench(args) -> int:
     from . import bench
 
+    if args.serve:
+        return _bench_serve(args)
     if args.bytes <= 0 or args.bytes % 4:
         raise SystemExit(f"ds4tp bench: --bytes {args.bytes} must be a positive multiple of 4")
     if args.bytes > tr.GATE_MAX_BYTES:
@@ -119,6 +121,24 @@ def cmd_bench(args) -> int:
     if args.plot:
         bench.plot_histograms(records, args.plot)
         tr.log(f"latency histogram written to {args.plot}")
+    return 0
+
+
+def _bench_serve(args) -> int:
+    from . import serve_bench
+
+    if args.max_tokens < 2:
+        raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
+    transport = "tcp" if args.transport in ("all", "auto") else args.transport
+    device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
+    if args.url:
+        records = serve_bench.measure_all(args.url.rstrip("/"), args.max_tokens, rounds=args.rounds,
+                                          api_key=args.api_key)
+    else:
+        model = _resolve_model(args.model) if args.model else serve_bench.default_model()
+        records = serve_bench.serve_bench(model, transport, device, args.max_tokens,
+                                          rounds=args.rounds)
+    serve_bench.print_records(records, args.json)
     return 0
 
 
@@ -283,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "and report the median (default 3)")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="latency histogram per transport (needs matplotlib)")
+    bench.add_argument("--serve", action="store_true",
+                       help="`ds4tp serve` on 127.0.0.1: aggregate tok/s and time to first token "
+                            "for 1, 2, 4 and 8 concurrent clients (--model, default the demo model)")
+    bench.add_argument("--url", default=None, metavar="http://HOST:PORT",
+                       help="--serve: measure this running `ds4tp serve` instead of starting one")
+    bench.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
     bench.add_argument("--ring-rank", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--ceiling-rank", action="store_true", help=argparse.SUPPRESS)
     _add_pair_args(bench)

@@ -169,15 +169,29 @@ class Handler(BaseHTTPRequestHandler):
                              context_length=s.context_length, defaults=s.defaults)
 
     def _events(self, request: Request):
-        """The request's events until done; ApiError(503) when the pair fails."""
+        """The request's events until done; ApiError(503) when the pair fails. Text that
+        piled up while this thread waited for the interpreter goes out as one event: fewer
+        writes, and less time holding the lock the engine thread needs for the next step."""
+        text: list = []
         while True:
             try:
-                event = request.events.get(timeout=self.state.event_timeout)
+                event = request.events.get(timeout=None if text else self.state.event_timeout) \
+                    if not text else request.events.get_nowait()
             except queue.Empty:
+                if text:
+                    yield ("text", "".join(text))
+                    text = []
+                    continue
                 request.cancelled = True
                 raise unavailable(f"no answer from the engine in {self.state.event_timeout:g} s")
             if event[0] == "error":
                 raise unavailable(event[1])
+            if event[0] == "text":
+                text.append(event[1])
+                continue
+            if text:
+                yield ("text", "".join(text))
+                text = []
             yield event
             if event[0] == "done":
                 return

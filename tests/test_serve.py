@@ -192,3 +192,14 @@ def test_worker_killed_fails_requests_within_the_gate_timeout(model_dir, tmp_pat
         assert served.procs["leader"].poll() is None
     finally:
         served.close()
+
+
+def test_bench_serve_prints_each_client_count(pair, capsys):
+    from mlx_ds4tp.cli import main
+
+    assert main(["bench", "--serve", "--url", pair.base, "--api-key", API_KEY, "--max-tokens", "4",
+                 "--rounds", "1", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["clients"] for r in records] == [1, 2, 4, 8]
+    for r in records:
+        assert 0 < r["tokens"] <= 4 * r["clients"] and r["tok_s"] > 0 and r["ttft_p50_ms"] > 0
