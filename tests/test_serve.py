@@ -203,3 +203,36 @@ def test_bench_serve_prints_each_client_count(pair, capsys):
     assert [r["clients"] for r in records] == [1, 2, 4, 8]
     for r in records:
         assert 0 < r["tokens"] <= 4 * r["clients"] and r["tok_s"] > 0 and r["ttft_p50_ms"] > 0
+
+
+def test_run_takes_the_same_sampling_options(model_dir, tmp_path, procs):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from pairutil import free_port
+    from serveutil import _load
+
+    port, out = free_port(), tmp_path / "tokens.json"
+    common = ["-m", "mlx_ds4tp", "run", "--model", str(model_dir), "--transport", "tcp",
+              "--max-tokens", "12", "--temp", "0.9", "--top-k", "40", "--seed", "11"]
+    leader = procs.spawn(common + ["--prompt", "hello", "--tokens-out", str(out), "--role", "leader",
+                                   "--listen", "127.0.0.1", str(port)])
+    worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)])
+    assert leader.wait(120) == 0 and worker.wait(60) == 0, leader.stderr.read()
+    record = json.loads(out.read_text())
+    assert record["prompt_tokens"] == chat_ids(model_dir, [{"role": "user", "content": "hello"}])
+    model, tokenizer = _load(model_dir)
+    mx.random.seed(11)
+    want = []
+    for token, _ in generate_step(mx.array(record["prompt_tokens"]), model, max_tokens=12,
+                                  sampler=make_sampler(0.9, top_k=40)):
+        want.append(token)
+        if token in tokenizer.eos_token_ids:
+            break
+    assert record["tokens"] == want
+    bad = procs.spawn(["-m", "mlx_ds4tp", "run", "--model", "nobody/no-such-model", "--prompt", "x",
+                       "--role", "leader", "--listen", "127.0.0.1", str(free_port())],
+                      env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode != 0 and "nobody/no-such-model" in err and "download" in err
