@@ -241,6 +241,7 @@ def cmd_serve(args) -> int:
     for flag, value, low in (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
                              ("--prefill-step-size", args.prefill_step_size, 1),
                              ("--prompt-cache-size", args.prompt_cache_size, 0),
+                             ("--debug-hash", args.debug_hash, 0),
                              ("--port", args.port, 0)):
         if value < low:
             raise SystemExit(f"ds4tp serve: {flag} {value} must be >= {low}")
@@ -266,6 +267,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill chunk between decode steps (mlx-lm's default)")
     p.add_argument("--prompt-cache-size", type=int, default=10,
                    help="most stored prompt caches kept for reuse (LRU; 0 = no reuse)")
+    p.add_argument("--debug-hash", type=int, default=0, metavar="N",
+                   help="compare a hash of the logits with the worker every N decode steps")
     p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
     p.add_argument("--rdma-gid-index", type=int, default=None)
     add_sampling_args(p)

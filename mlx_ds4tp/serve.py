@@ -297,7 +297,8 @@ def run(args, address, model_path) -> int:
         config = json.loads((model_path / "config.json").read_text())
         engine = Engine(LeaderSessions(group, model), tokenizer,
                         prompt_cache_size=args.prompt_cache_size,
-                        prefill_step=args.prefill_step_size, max_batch=args.max_batch)
+                        prefill_step=args.prefill_step_size, max_batch=args.max_batch,
+                        debug_hash=args.debug_hash)
         state = ServeState(engine, tokenizer, args.model, api_key=args.api_key,
                            context_length=context_length(model, config),
                            default_max_tokens=args.max_tokens, defaults=options_from_args(args),

@@ -97,13 +97,14 @@ class Engine:
     """See the module docstring. `start()` runs the loop in a daemon thread."""
 
     def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
-                 prefill_step: int = 2048, max_batch: int = 32):
+                 prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0):
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.prefill_step = prefill_step
         self.max_batch = max_batch
+        self.debug_hash = debug_hash
         self.index = PromptCacheIndex(prompt_cache_size,
                                       can_trim_prompt_cache(sessions.table.make_cache()))
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -206,6 +207,8 @@ class Engine:
             # Prompt tokens are computed once each: the last one is the first decode input.
             self.stats["prefilled_tokens"] += len(joining)
         self.stats["decode_steps"] += 1
+        if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
+            self.sessions.check_hash()
         tokens = sample_rows(logits, [s.sampler for s in rows])
         now = time.perf_counter()
         self._running = []

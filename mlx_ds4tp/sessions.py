@@ -13,6 +13,7 @@ peer's. Commands (control frames):
   EVAL_BATCH      step, then (session id, token) per row              one decode forward, all rows
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
   INVALIDATE      cache id                                            drop a stored cache
+  HASH            step, hash of the last step's logits                 the worker answers its own
   STOP                                                                the worker returns
 
 Rows of EVAL_BATCH: the sessions already in the batch, in row order, then the sessions that
@@ -32,7 +33,7 @@ import numpy as np
 from . import gate_ops
 from . import transport as tr
 from .errors import TransportError
-from .lockstep import SYNC_HEADER, _peer_error
+from .lockstep import HASH, SYNC_HEADER, LockstepDivergence, _peer_error, logits_hash
 from .prompt_cache import COPY, FRESH, MOVE
 
 F = tr.FrameType
@@ -73,6 +74,7 @@ class SessionTable:
         self.rows: List[int] = []
         self.batch_cache: Optional[list] = None
         self.step_count = 0
+        self.last_logits: Optional[mx.array] = None
         # Token ids index the embedding, which MLX does not bounds-check.
         self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
 
@@ -177,7 +179,12 @@ class SessionTable:
         logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=self.batch_cache)
         logits = logits[:, -1, :]
         mx.eval(logits)
+        self.last_logits = logits
         return logits
+
+    def logits_hash(self) -> int:
+        """Hash of the last decode step's logits: equal on both ranks while they are in step."""
+        return logits_hash(self.last_logits) if self.last_logits is not None else 0
 
     def destroy(self, session: int, store_as: int) -> None:
         if session in self.rows:
@@ -256,6 +263,17 @@ class LeaderSessions:
     def invalidate(self, cache_id: int) -> None:
         self._command(F.INVALIDATE, INVALIDATE.pack(cache_id))
 
+    def check_hash(self) -> None:
+        """Compare the last step's logits with the worker's (--debug-hash); LockstepDivergence
+        when they differ."""
+        step, mine = self.table.step_count, self.table.logits_hash()
+        self.control.send(F.HASH, HASH.pack(0, step, mine))
+        _, payload = self.control.recv(F.HASH)
+        _, peer_step, theirs = _unpack(HASH, payload, F.HASH)
+        if (peer_step, theirs) != (step, mine):
+            raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at decode step {step}: local {mine:016x}, "
+                                     f"worker {theirs:016x} at its step {peer_step}")
+
     def peer_gone(self) -> Optional[str]:
         """Between commands: why the worker is gone (it sent ERROR or closed), or None."""
         sock = self.control.sock
@@ -283,6 +301,14 @@ def serve_worker(group: gate_ops.Group, model) -> int:
         ftype, payload = _next_command(control, table.busy)
         if ftype == F.STOP:
             return table.step_count
+        if ftype == F.HASH:
+            _, step, theirs = _unpack(HASH, payload, ftype)
+            mine = table.logits_hash()
+            control.send(F.HASH, HASH.pack(0, table.step_count, mine))
+            if (step, theirs) != (table.step_count, mine):
+                raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at decode step {step}: local "
+                                         f"{mine:016x} at step {table.step_count}, leader {theirs:016x}")
+            continue
         table.apply(ftype, payload)
 
 

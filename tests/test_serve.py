@@ -23,7 +23,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
-    served = ServedPair(model_dir, tmp_path_factory.mktemp("serve-logs"))
+    # Every 3rd decode step the ranks compare their logits: a drift fails the test loudly.
+    served = ServedPair(model_dir, tmp_path_factory.mktemp("serve-logs"), extra=["--debug-hash", "3"])
     try:
         served.wait_healthy()
         yield served
