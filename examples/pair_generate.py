@@ -1,19 +1,73 @@
-"""Two-Mac generation: run this on both machines (same flags as `ds4tp run`).
+"""Two-Mac generation with the library: run this on both machines (same flags as `ds4tp run`).
 
     mac1$ python examples/pair_generate.py --model PATH --prompt "Hello" \
               --role leader --listen 10.99.0.1 9911
     mac2$ python examples/pair_generate.py --model PATH --role worker --coordinator 10.99.0.1 9911
 
-What happens, in the package's own terms:
-
-    g = mlx_ds4tp.init(role=..., listen=/coordinator=..., transport="auto")   # the pair
-    model, tokenizer = mlx_ds4tp.model_split.load_split(PATH, g)            # each rank: its half
-    Leader(g, model, tokenizer).generate(...)  /  Worker(g, model).serve()  # lockstep decode
+Both ranks join the pair, each loads its half of the model, then the leader
+tokenizes, samples and streams the text while the worker runs the same
+forward passes in lockstep (its gates pair up with the leader's).
 """
 
+import argparse
 import sys
 
-from mlx_ds4tp.cli import main
+import mlx_ds4tp as tp
+from mlx_ds4tp.cli import add_run_args, check_run_args
+from mlx_ds4tp.lockstep import Leader, Worker
+from mlx_ds4tp.model_split import load_split
+from mlx_ds4tp.pair_run import model_identity
+from mlx_ds4tp.sampling import options_from_args, run_sampler
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser)
+    args = parser.parse_args()
+    address = check_run_args(args)  # the same checks as `ds4tp run`
+    leader = args.role == "leader"
+
+    # The pair: the leader listens, the worker dials. The model's identity rides in the
+    # hello, so two different models stop here instead of after loading.
+    group = tp.init(
+        role=args.role,
+        listen=address if leader else None,
+        coordinator=None if leader else address,
+        transport=args.transport,
+        rdma_device=args.rdma_device,
+        gid_index=args.rdma_gid_index,
+        secret=args.secret,
+        identity=model_identity(args.model),
+    )
+    with group:
+        # Each rank reads only its half of the weights from the safetensors files.
+        model, tokenizer = load_split(args.model, group)
+
+        if not leader:
+            served = Worker(group, model).serve()  # until the leader says stop
+            print(f"worker: served {served} prompt(s)", file=sys.stderr)
+            return 0
+
+        driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
+        try:
+            prompt_tokens = driver.encode(args.prompt, chat=not args.no_chat_template)
+            detokenizer = tokenizer.detokenizer
+            detokenizer.reset()
+
+            def stream(token: int) -> None:
+                detokenizer.add_token(token)
+                print(detokenizer.last_segment, end="", flush=True)
+
+            # The same sampling flags as `ds4tp run`, sampled by mlx-lm's own samplers.
+            sampler = run_sampler(options_from_args(args), prompt_tokens)
+            stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream)
+            detokenizer.finalize()
+            print(detokenizer.last_segment, flush=True)
+        finally:
+            driver.stop()  # releases the worker
+        print(stats.line(group), flush=True)
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(main(["run", *sys.argv[1:]]))
+    sys.exit(main())

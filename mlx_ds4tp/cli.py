@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 from . import transport as tr
 
@@ -22,7 +20,9 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
                         "keeps it out of `ps`)")
 
 
-def _address(pair: Optional[Sequence[str]], flag: str):
+def parse_address(pair: Optional[Sequence[str]], flag: str) -> Optional[Tuple[str, int]]:
+    """(HOST, PORT) of a `--listen HOST PORT` style flag; exits naming the flag when PORT
+    is not an integer."""
     if pair is None:
         return None
     host, port = pair
@@ -41,140 +41,33 @@ def _check_role_args(args) -> None:
         raise SystemExit("ds4tp: --listen/--coordinator need --role leader|worker")
 
 
-def _print_records(records: List[dict], as_json: bool, keep_samples: bool = False) -> None:
-    """keep_samples: a spawned rank passes its raw samples up to the parent."""
-    for rec in records:
-        if not keep_samples:
-            rec = {k: v for k, v in rec.items() if k != "samples_us"}
-        if as_json:
-            print(json.dumps(rec), flush=True)
-        elif "p50_us" in rec:
-            print(f"{rec['name']:>22}  {rec['bytes']:>7} B  p50 {rec['p50_us']:8.1f} us  "
-                  f"p99 {rec['p99_us']:8.1f} us  ({rec['iters']} iters)", flush=True)
-        else:
-            match = ("(gates skipped: the bound for any transport)" if rec["tokens_match"] is None
-                     else f"tokens_match={rec['tokens_match']}")
-            spread = ""
-            if len(rec.get("tok_s_rounds", ())) > 1:
-                spread = "  (rounds: " + " ".join(f"{t:.1f}" for t in rec["tok_s_rounds"]) + ")"
-            print(f"{rec['name']:>22}  {rec['tok_s']:8.1f} tok/s  {match}{spread}", flush=True)
-
-
 def cmd_bench(args) -> int:
     from . import bench
 
-    if args.serve:
-        return _bench_serve(args)
     if args.bytes <= 0 or args.bytes % 4:
         raise SystemExit(f"ds4tp bench: --bytes {args.bytes} must be a positive multiple of 4")
     if args.bytes > tr.GATE_MAX_BYTES:
         raise SystemExit(f"ds4tp bench: --bytes {args.bytes} is over the {tr.GATE_MAX_BYTES}-byte gate limit")
     if args.iters < 1:
         raise SystemExit(f"ds4tp bench: --iters {args.iters} must be >= 1")
-    if args.ceiling_rank:
-        if not args.model or args.role is None:
-            raise SystemExit("ds4tp bench: --ceiling-rank needs --model and --role (bench --model spawns it)")
-        _check_role_args(args)
-        _, port = _address(args.listen or args.coordinator, "--listen/--coordinator")
-        _print_records(bench.ceiling_rank(args.role, port, args.model, args.max_tokens), True)
-        return 0
-    if args.ring_rank:
-        if args.model:
-            _print_records(bench.ring_model_rank(args.model, args.max_tokens), True)
-        else:
-            _print_records(bench.ring_rank(args.bytes, args.iters), True, keep_samples=True)
-        return 0
+    if args.serve:
+        from . import serve_bench
+
+        return serve_bench.main(args)
     if args.model:
+        from .pair_run import model_identity
+
         if args.max_tokens < 2:
             raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
-        model_identity_check(args.model)
+        model_identity(args.model)  # raises a clear error when PATH is not a model directory
         if args.rounds < 1:
             raise SystemExit(f"ds4tp bench: --rounds {args.rounds} must be >= 1")
-        records = bench.model_bench(args.model, args.transport, args.rdma_device, args.max_tokens,
-                                    rounds=args.rounds)
-        _print_records(records, args.json)
-        if not args.json:
-            _print_model_ratios(records)
-        return 0
+        return bench.main(args)
     _check_role_args(args)
+    address = None
     if args.role is not None:
-        transport = args.transport if args.transport != "all" else "auto"
-        host, port = _address(args.listen or args.coordinator, "--listen/--coordinator")
-        records = bench.run_rank(args.role, host, port, transport, args.rdma_device, args.bytes,
-                                 args.iters, secret=args.secret)
-        if args.role == "leader":
-            _print_records(records, args.json, keep_samples=True)
-        return 0
-    if args.plot:
-        # The ranks this process spawns send their raw samples back.
-        os.environ[bench.EMIT_SAMPLES_ENV] = "1"
-    records: List[dict] = []
-    if args.transport in ("tcp", "all"):
-        records += bench.spawn_transport("tcp", None, args.bytes, args.iters)
-    if args.transport in ("rdma", "all"):
-        device = args.rdma_device or "ucsim"
-        records += bench.spawn_transport("rdma", device, args.bytes, args.iters)
-    records += bench.spawn_ring(args.bytes, args.iters)
-    _print_records(records, args.json)
-    if not args.json:
-        _print_ratios(records)
-    if args.plot:
-        bench.plot_histograms(records, args.plot)
-        tr.log(f"latency histogram written to {args.plot}")
-    return 0
-
-
-def _bench_serve(args) -> int:
-    from . import serve_bench
-
-    if args.max_tokens < 2:
-        raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
-    transport = "tcp" if args.transport in ("all", "auto") else args.transport
-    device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
-    if args.url:
-        records = serve_bench.measure_all(args.url.rstrip("/"), args.max_tokens, rounds=args.rounds,
-                                          api_key=args.api_key)
-    else:
-        model = _resolve_model(args.model) if args.model else serve_bench.default_model()
-        records = serve_bench.serve_bench(model, transport, device, args.max_tokens,
-                                          rounds=args.rounds)
-    serve_bench.print_records(records, args.json)
-    return 0
-
-
-def model_identity_check(path: str) -> None:
-    from .pair_run import model_identity
-
-    model_identity(path)  # raises a clear error when PATH is not a model directory
-
-
-def _print_model_ratios(records: List[dict]) -> None:
-    by_name = {r["name"]: r for r in records}
-    for base in ("single", "mlx-lm-ring"):
-        if base not in by_name or not by_name[base]["tok_s"]:
-            continue
-        for name, rec in by_name.items():
-            if name != base and name.startswith("tp2"):
-                print(f"{name:>22}  = {rec['tok_s'] / by_name[base]['tok_s']:.2f}x {base}")
-    ceiling = by_name.get("tp2-compute-ceiling")
-    if ceiling and ceiling["tok_s"]:
-        for name, rec in by_name.items():
-            if name.startswith("tp2") and name != ceiling["name"]:
-                print(f"{name:>22}  = {rec['tok_s'] / ceiling['tok_s']:.2f}x the compute ceiling")
-
-
-def _print_ratios(records: List[dict]) -> None:
-    by_name = {r["name"]: r for r in records if "p50_us" in r}
-    floor = by_name.get("raw-floor")
-    ring = by_name.get("mlx-ring")
-    for name, rec in by_name.items():
-        parts = []
-        if floor and name != "raw-floor":
-            parts.append(f"{rec['p50_us'] / floor['p50_us']:.2f}x raw-floor")
-        if ring and name != "mlx-ring":
-            parts.append(f"{rec['p50_us'] / ring['p50_us']:.2f}x mlx-ring")
-        if parts:
-            print(f"{name:>22}  p50 = " + ", ".join(parts))
+        address = parse_address(args.listen or args.coordinator, "--listen/--coordinator")
+    return bench.main(args, address)
 
 
 # ============================================================================
@@ -197,56 +90,39 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits every N tokens; stop on divergence")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    p.add_argument("--tokens-out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--bench-no-eos", action="store_true", help=argparse.SUPPRESS)
     _add_pair_args(p)
 
 
-def cmd_run(args) -> int:
-    from . import pair_run
-
+def check_run_args(args) -> Tuple[str, int]:
+    """The flags of one `ds4tp run` rank checked; returns its listen/coordinator address."""
     if args.role is None:
         raise SystemExit("ds4tp run: give --role leader --listen HOST PORT or "
                          "--role worker --coordinator HOST PORT (`ds4tp demo` runs both here)")
     _check_role_args(args)
-    address = _address(args.listen or args.coordinator, "--listen/--coordinator")
+    address = parse_address(args.listen or args.coordinator, "--listen/--coordinator")
     if args.role == "leader" and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
     if args.max_tokens < 1:
         raise SystemExit(f"ds4tp run: --max-tokens {args.max_tokens} must be >= 1")
     if args.debug_hash < 0:
         raise SystemExit(f"ds4tp run: --debug-hash {args.debug_hash} must be >= 0")
-    args.model = str(_resolve_model(args.model))
-    return pair_run.run(args, address)
-
-
-def _resolve_model(model: str):
-    from .model_source import resolve_model
-
-    try:
-        return resolve_model(model)
-    except FileNotFoundError as exc:
-        raise SystemExit(f"ds4tp: {exc}") from None
-
-
-def cmd_serve(args) -> int:
-    from . import serve
+    from .model_source import resolve_model_arg
     from .sampling import options_from_args
 
-    if args.role is None:
-        raise SystemExit("ds4tp serve: give --role leader --listen HOST PORT (it serves HTTP on "
-                         "--host/--port) or --role worker --coordinator HOST PORT")
-    _check_role_args(args)
-    address = _address(args.listen or args.coordinator, "--listen/--coordinator")
-    for flag, value, low in (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
-                             ("--prefill-step-size", args.prefill_step_size, 1),
-                             ("--prompt-cache-size", args.prompt_cache_size, 0),
-                             ("--debug-hash", args.debug_hash, 0),
-                             ("--port", args.port, 0)):
-        if value < low:
-            raise SystemExit(f"ds4tp serve: {flag} {value} must be >= {low}")
     options_from_args(args)
-    return serve.run(args, address, _resolve_model(args.model))
+    args.model = str(resolve_model_arg(args.model))
+    return address
+
+
+def cmd_run(args) -> int:
+    from . import pair_run
+
+    return pair_run.run(args, check_run_args(args))
+
+
+# ============================================================================
+# serve: an OpenAI-compatible HTTP server on the pair
+# ============================================================================
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -273,6 +149,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdma-gid-index", type=int, default=None)
     add_sampling_args(p)
     _add_pair_args(p)
+
+
+def cmd_serve(args) -> int:
+    from . import serve
+    from .model_source import resolve_model_arg
+    from .sampling import options_from_args
+
+    if args.role is None:
+        raise SystemExit("ds4tp serve: give --role leader --listen HOST PORT (it serves HTTP on "
+                         "--host/--port) or --role worker --coordinator HOST PORT")
+    _check_role_args(args)
+    address = parse_address(args.listen or args.coordinator, "--listen/--coordinator")
+    for flag, value, low in (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
+                             ("--prefill-step-size", args.prefill_step_size, 1),
+                             ("--prompt-cache-size", args.prompt_cache_size, 0),
+                             ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0)):
+        if value < low:
+            raise SystemExit(f"ds4tp serve: {flag} {value} must be >= {low}")
+    options_from_args(args)
+    return serve.run(args, address, resolve_model_arg(args.model))
 
 
 def cmd_demo(args) -> int:
@@ -312,8 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--url", default=None, metavar="http://HOST:PORT",
                        help="--serve: measure this running `ds4tp serve` instead of starting one")
     bench.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
-    bench.add_argument("--ring-rank", action="store_true", help=argparse.SUPPRESS)
-    bench.add_argument("--ceiling-rank", action="store_true", help=argparse.SUPPRESS)
     _add_pair_args(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -344,15 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def report_errors(fn: Callable[[], int]) -> int:
+    """fn's exit code; a transport, value or runtime error becomes one
+    `ds4-tp: error:` line on stderr and exit code 1, Ctrl-C exit code 130."""
     try:
-        return args.func(args)
+        return fn()
     except KeyboardInterrupt:
         return 130
     except (tr.TransportError, ValueError, RuntimeError) as exc:
         print(f"ds4-tp: error: {exc}", file=sys.stderr)
         return 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The `ds4tp` command: parse argv (default sys.argv) and run the subcommand."""
+    args = build_parser().parse_args(argv)
+    return report_errors(lambda: args.func(args))
 
 
 if __name__ == "__main__":

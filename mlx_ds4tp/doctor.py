@@ -87,7 +87,7 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
     import numpy as np
 
     from . import gate_ops
-    from .bench import free_port
+    from ._localpair import free_port
 
     port = free_port()
     groups: list = [None, None]
@@ -130,7 +130,7 @@ def peer_round_trip(args) -> List[Tuple[str, str]]:
     import numpy as np
 
     from . import gate_ops
-    from .bench import percentiles
+    from .bench_gates import percentiles
 
     # A doctor should answer soon: at most 30 s (dial) / 120 s (listen), less
     # when DS4_TP_TIMEOUT_SEC says so.

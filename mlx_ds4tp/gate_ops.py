@@ -16,6 +16,7 @@ import numpy as np
 
 from . import transport as tr
 from . import warmup
+from ._collective import MlxCollective
 from .errors import HelloMismatchError, TransportError
 
 # ============================================================================
@@ -42,7 +43,8 @@ class Group:
 
     def __init__(self, pair: Optional[tr.Pair] = None, mlx_group=None):
         self._pair = pair
-        self._mlx = mlx_group
+        # MLX's own group goes through the collective seam, the one caller of mx.distributed.
+        self._mlx = MlxCollective(mlx_group) if mlx_group is not None else None
         self._signature: Optional[Tuple[int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
         # Round trips of the last LATENCY_WINDOW decode gates, for the
@@ -62,6 +64,14 @@ class Group:
 
     def size(self) -> int:
         return 2
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        """all_sum(x, group=self): the Collective method split models call."""
+        return all_sum(x, group=self)
+
+    def all_gather(self, x: mx.array) -> mx.array:
+        """all_gather(x, group=self): the Collective method split models call."""
+        return all_gather(x, group=self)
 
     def close(self) -> None:
         if self._pair is not None:
@@ -247,7 +257,7 @@ def all_sum(x: mx.array, *, group: Group, stream=None) -> mx.array:
     """local + peer partial, same shape and dtype, bit-identical on both ranks."""
     group = _require_group(group)
     if group._mlx is not None:
-        return mx.distributed.all_sum(x, group=group._mlx)
+        return group._mlx.all_sum(x)
     x, local, peer = _exchange(x, group, kind=1)
     # The same order on both ranks (rank 0's partial first): the float sum is
     # then the same expression everywhere, so both ranks hold identical bits.
@@ -283,7 +293,7 @@ def all_gather(x: mx.array, *, group: Group, stream=None) -> mx.array:
     """Both partials concatenated on axis 0, in rank order."""
     group = _require_group(group)
     if group._mlx is not None:
-        return mx.distributed.all_gather(x, group=group._mlx)
+        return group._mlx.all_gather(x)
     x, local, peer = _exchange(x, group, kind=2)
     parts = (local, peer) if group.rank() == 0 else (peer, local)
     shape = (2 * x.shape[0],) + tuple(x.shape[1:]) if x.ndim else (2,)

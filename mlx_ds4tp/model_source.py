@@ -35,3 +35,11 @@ def resolve_model(model: str) -> Path:
         raise FileNotFoundError(f"--model {model} resolved to {resolved}, which has no config.json; "
                                 "download the whole repo on both machines")
     return resolved
+
+
+def resolve_model_arg(model: str) -> Path:
+    """resolve_model for a command line: the error becomes the command's one-line exit."""
+    try:
+        return resolve_model(model)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"ds4tp: {exc}") from None

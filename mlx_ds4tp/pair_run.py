@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from . import gate_ops
 from . import transport as tr
@@ -65,7 +64,14 @@ class LoadingBar:
             tr.log(f"loading weights: {done}/{total} tensors cut ({frac:.0%})")
 
 
-def run(args, address: Tuple[str, int]) -> int:
+def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
+        stop_at_eos: bool = True) -> int:
+    """One rank of `ds4tp run` (args as cli.add_run_args parses them).
+
+    tokens_out: the leader writes the prompt's and the generated tokens, the
+    decode rate and the gate latency there as JSON (the local pair reads it).
+    stop_at_eos=False decodes max_tokens whatever the model says (the bench).
+    """
     from .model_split import load_split
     from .sampling import options_from_args, run_sampler
 
@@ -108,15 +114,15 @@ def run(args, address: Tuple[str, int]) -> int:
 
             sampler = run_sampler(options_from_args(args), prompt_tokens)
             stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream,
-                                    stop_at_eos=not args.bench_no_eos)
+                                    stop_at_eos=stop_at_eos)
             detok.finalize()
             sys.stdout.write(detok.last_segment + "\n")
         finally:
             driver.stop()
         print(stats.line(group), flush=True)
-        if args.tokens_out:
+        if tokens_out:
             p50, p99 = group.gate_latency_us()
-            Path(args.tokens_out).write_text(json.dumps({
+            Path(tokens_out).write_text(json.dumps({
                 "prompt_tokens": prompt_tokens, "tokens": stats.tokens, "transport": group.transport,
                 "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
                 "gate_p50_us": p50, "gate_p99_us": p99,
@@ -163,37 +169,31 @@ def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int)
 
 
 def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
-                   rdma_device: Optional[str], extra: Sequence[str] = (), quiet: bool = False,
+                   rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
                    timeout: float = 1200.0) -> Optional[dict]:
     """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
-    leader's --tokens-out record, or None when either rank failed (both are
-    killed on any failure)."""
-    from .bench import _child_env, free_port
+    leader's tokens record (see run's tokens_out), or None when either rank
+    failed (both are killed on any failure, the reason is logged)."""
+    from . import _localpair
 
-    port = free_port()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = f.name
-    common = [sys.executable, "-m", "mlx_ds4tp", "run", "--model", str(model), "--transport",
-              transport, "--max-tokens", str(max_tokens), "--no-chat-template", *extra]
+    base = _localpair.rank_command(
+        "run", "--model", str(model), "--transport", transport, "--max-tokens", str(max_tokens),
+        "--no-chat-template", "--prompt", prompt)
     if rdma_device:
-        common += ["--rdma-device", rdma_device]
-    cmds = [common + ["--prompt", prompt, "--tokens-out", out_path, "--role", "leader",
-                      "--listen", "127.0.0.1", str(port)],
-            common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]]
-    stdout = subprocess.DEVNULL if quiet else None
+        base += ["--rdma-device", rdma_device]
+    if not stop_at_eos:
+        base += ["--no-eos"]
+    leader, worker = _localpair.pair_commands(base, _localpair.free_port())
+    leader += ["--tokens-out", out_path]
     try:
-        procs = [subprocess.Popen(c, env=_child_env(), stdout=stdout) for c in cmds]
-        try:
-            codes = [p.wait(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(codes):
-            tr.log(f"the local pair failed (leader exit {codes[0]}, worker exit {codes[1]})")
-            return None
+        _localpair.run_ranks([leader, worker], timeout=timeout,
+                             stdout="discard" if quiet else "inherit")
         return json.loads(Path(out_path).read_text())
+    except RuntimeError as exc:
+        tr.log(f"the local pair failed: {exc}")
+        return None
     finally:
         os.unlink(out_path)
 

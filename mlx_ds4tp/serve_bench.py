@@ -108,7 +108,7 @@ def serve_bench(model: Path, transport: str, rdma_device: Optional[str], max_tok
                 clients: Sequence[int] = (1, 2, 4, 8), rounds: int = 1) -> List[Dict[str, float]]:
     """Start both ranks of `ds4tp serve` here, measure each client count (the median round by
     decode tok/s), stop the pair; one record per client count."""
-    from .bench import _child_env, free_port
+    from ._localpair import child_env, free_port
 
     pair_port, http_port = free_port(), free_port()
     common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), "--transport",
@@ -119,7 +119,7 @@ def serve_bench(model: Path, transport: str, rdma_device: Optional[str], max_tok
                       str(http_port)],
             common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)]]
     with tempfile.TemporaryFile() as log:
-        procs = [subprocess.Popen(c, env=_child_env(), stdout=log, stderr=log) for c in cmds]
+        procs = [subprocess.Popen(c, env=child_env(), stdout=log, stderr=log) for c in cmds]
         try:
             base = f"http://127.0.0.1:{http_port}"
             try:
@@ -165,9 +165,23 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
               flush=True)
 
 
-def default_model() -> Path:
-    """The demo's synthetic model (built once), when --serve is given no --model."""
+def main(args) -> int:
+    """`ds4tp bench --serve` with the bench's flags (cli.cmd_bench checked the common ones)."""
+    from .model_source import resolve_model_arg
     from .pair_run import demo_model_dir
 
-    return demo_model_dir()
+    if args.max_tokens < 2:
+        raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
+    if args.rounds < 1:
+        raise SystemExit(f"ds4tp bench: --rounds {args.rounds} must be >= 1")
+    if args.url:
+        records = measure_all(args.url.rstrip("/"), args.max_tokens, rounds=args.rounds,
+                              api_key=args.api_key)
+    else:
+        transport = "tcp" if args.transport in ("all", "auto") else args.transport
+        device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
+        model = resolve_model_arg(args.model) if args.model else demo_model_dir()
+        records = serve_bench(model, transport, device, args.max_tokens, rounds=args.rounds)
+    print_records(records, args.json)
+    return 0
 

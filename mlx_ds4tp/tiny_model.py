@@ -1,4 +1,4 @@
-"""Random-weight mlx-lm models on disk, for the demo, the benchmark and the tests.
+"""Random-weight mlx-lm models on disk (dense llama, qwen3_moe), for the demo, the benchmark and the tests.
 
 A machine without a model hub still needs a real mlx-lm model directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) to exercise the split end to end.
@@ -164,13 +164,14 @@ def save_random_model(
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
-    # Norm weights start at exactly 1; jitter them so a wrongly split norm would show.
-    norms = [
-        (k, v + 0.1 * mx.random.normal(v.shape, dtype=dtype))
+    # Norm weights start at exactly 1, attention sinks, expert biases and routers' correction
+    # biases at exactly 0: jitter them so one split the wrong way would show.
+    jittered = [
+        (k, v + 0.1 * mx.random.normal(v.shape, dtype=v.dtype))
         for k, v in tree_flatten(model.parameters())
-        if "norm" in k
+        if any(word in k.rsplit(".", 1)[-1] for word in ("norm", "sinks", "bias")) or "norm" in k
     ]
-    model.load_weights(norms, strict=False)
+    model.load_weights(jittered, strict=False)
     mx.eval(model.parameters())
 
     if quantization is not None:
@@ -231,4 +232,86 @@ def save_llama(
     return save_random_model(path, llama_config(sizes), seed=seed, dtype=dtype, quantization=quantization)
 
 
-__all__ = ["LlamaSizes", "PRESETS", "llama_config", "save_llama", "save_random_model", "save_tokenizer"]
+@dataclass(frozen=True)
+class MoeSizes:
+    """The shape of a qwen3_moe model (every layer a mixture of experts)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    experts_per_token: int
+    expert_intermediate: int
+    vocab: int
+
+    def param_count(self) -> int:
+        """Parameters of the model these sizes make."""
+        attn = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        experts = 3 * self.hidden * self.expert_intermediate * self.experts
+        router, norms = self.hidden * self.experts, 2 * self.hidden + 2 * self.head_dim
+        return self.layers * (attn + experts + router + norms) + 2 * self.vocab * self.hidden + self.hidden
+
+
+MOE_PRESETS = {
+    "moe-tiny": MoeSizes(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=8,
+                         experts_per_token=2, expert_intermediate=64, vocab=512),
+    # About 250M float32 parameters (1 GB), 4 layers of 32 experts, top-2: the benchmark's
+    # mixture of experts, where the experts are most of the bytes as in the released ones.
+    "moe-1g": MoeSizes(layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64, experts=32,
+                       experts_per_token=2, expert_intermediate=512, vocab=16384),
+}
+
+
+def qwen3_moe_config(sizes: MoeSizes) -> dict[str, Any]:
+    """mlx-lm's config.json for a qwen3_moe with these sizes."""
+    if sizes.kv_heads <= 0 or sizes.heads % sizes.kv_heads:
+        raise ValueError(f"heads={sizes.heads} is not a multiple of kv_heads={sizes.kv_heads}")
+    if not 0 < sizes.experts_per_token <= sizes.experts:
+        raise ValueError(f"experts_per_token={sizes.experts_per_token} must be in 1..experts={sizes.experts}")
+    return {
+        "model_type": "qwen3_moe",
+        "hidden_size": sizes.hidden,
+        "num_hidden_layers": sizes.layers,
+        "intermediate_size": 4 * sizes.expert_intermediate,
+        "num_attention_heads": sizes.heads,
+        "num_key_value_heads": sizes.kv_heads,
+        "head_dim": sizes.head_dim,
+        "num_experts": sizes.experts,
+        "num_experts_per_tok": sizes.experts_per_token,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": sizes.expert_intermediate,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": sizes.vocab,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+
+
+def save_qwen3_moe(
+    path: Union[str, Path],
+    sizes: Union[MoeSizes, str] = "moe-tiny",
+    *,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    quantization: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a qwen3_moe model with fixed random weights and a byte-level tokenizer to `path`.
+
+    `sizes` is a MoeSizes or a preset name ("moe-tiny", "moe-1g").
+    """
+    if isinstance(sizes, str):
+        if sizes not in MOE_PRESETS:
+            raise ValueError(f"unknown mixture-of-experts preset {sizes!r}; choose one of {sorted(MOE_PRESETS)}")
+        sizes = MOE_PRESETS[sizes]
+    return save_random_model(path, qwen3_moe_config(sizes), seed=seed, dtype=dtype, quantization=quantization)
+
+
+__all__ = [
+    "LlamaSizes", "MOE_PRESETS", "MoeSizes", "PRESETS", "llama_config", "qwen3_moe_config",
+    "save_llama", "save_qwen3_moe", "save_random_model", "save_tokenizer",
+]

@@ -15,8 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    """A listen port outside the ephemeral range (see mlx_ds4tp.bench.free_port)."""
-    from mlx_ds4tp.bench import free_port as pick
+    """A listen port outside the ephemeral range (see mlx_ds4tp._localpair.free_port)."""
+    from mlx_ds4tp._localpair import free_port as pick
 
     return pick("127.0.0.1")
 
@@ -113,3 +113,20 @@ class Procs:
                 p.communicate(timeout=10)
             except (subprocess.TimeoutExpired, ValueError):
                 pass
+
+
+def reference_text(model_dir, prompt: str, max_tokens: int) -> Tuple[str, List[int]]:
+    """(text, tokens) of the unsplit model's greedy generation in this process:
+    what a pair run of the same model must print."""
+    from mlx_lm.utils import load
+
+    from mlx_ds4tp.pair_run import single_process_tokens
+
+    _, tokenizer = load(str(model_dir))
+    tokens = single_process_tokens(model_dir, list(tokenizer.encode(prompt)), max_tokens)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text, tokens

@@ -1,7 +1,7 @@
 """One rank of a split-model test, or one side of the memory measurement (run as a script).
 
-    split_child.py pair --rank R --transport ring|tcp|rdma --port P --out DIR MODEL_DIR...
-        join the pair, load_split every model, decode greedily, write DIR/rank{R}-{name}.npz,
+    split_child.py pair --rank R [--size N] --transport ring|tcp|rdma --port P --out DIR MODEL_DIR...
+        join the pair (N ranks over the ring), load_split every model, decode greedily, write DIR/rank{R}-{name}.npz,
         then pass a partial through AllSumGate and write DIR/rank{R}-gate.npz
     split_child.py rss --mode whole|split MODEL_DIR
         load the model (whole with mlx_lm.load, or this rank's part with load_split) and print
@@ -41,8 +41,8 @@ def make_group(transport: str, rank: int, port: int):
 
 def run_pair(args) -> None:
     group = make_group(args.transport, args.rank, args.port)
-    if group.rank() != args.rank or group.size() != 2:
-        raise SystemExit(f"group says rank {group.rank()} of {group.size()}, expected {args.rank} of 2")
+    if group.rank() != args.rank or group.size() != args.size:
+        raise SystemExit(f"group says rank {group.rank()} of {group.size()}, expected {args.rank} of {args.size}")
     out = Path(args.out)
     for model_dir in map(Path, args.models):
         model, tokenizer = load_split(model_dir, group)
@@ -97,6 +97,7 @@ def main() -> None:
     pair = sub.add_parser("pair")
     pair.add_argument("--rank", type=int, required=True)
     pair.add_argument("--transport", required=True)
+    pair.add_argument("--size", type=int, default=2)
     pair.add_argument("--port", type=int, default=0)
     pair.add_argument("--out", required=True)
     pair.add_argument("models", nargs="+")

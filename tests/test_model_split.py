@@ -9,7 +9,6 @@ weights never talks to the peer.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -21,11 +20,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from pairutil import Procs, free_port
+from splitutil import CHILD, run_ranks, transports, unsplit_references
 
 import tiny_models
 from tiny_models import RankOnly
-from mlx_ds4tp import model_split
+from mlx_ds4tp import _safetensors_parts
 from mlx_ds4tp.model_split import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -36,28 +35,9 @@ from mlx_ds4tp.model_split import (
     split_model,
 )
 
-CHILD = Path(__file__).with_name("split_child.py")
-PAIR_TIMEOUT_S = 240
 # Summation order differs between one matmul and two half matmuls plus a gate; float32 logits
 # of these models agree to a few 1e-6.
 LOGITS_ATOL = 1e-4
-
-
-def _transports() -> list[str]:
-    """MLX's ring always; ours when gate_ops can make groups (rdma on the emulated device)."""
-    found = ["ring"]
-    try:
-        from mlx_ds4tp import gate_ops
-    except ImportError:
-        return found
-    found.append("tcp")
-    if "rdma_device" in inspect.signature(gate_ops.init).parameters:
-        try:
-            from mlx_ds4tp import _verbs  # noqa: F401  the emulated UC device lives in the C module
-        except ImportError:
-            return found
-        found.append("rdma")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,55 +53,12 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references(model_dirs) -> dict[str, dict]:
-    """The unsplit models' greedy tokens and logits, decoded with mlx-lm's plain loader."""
-    import mlx_lm
-
-    out = {}
-    for name, path in model_dirs.items():
-        model, tokenizer = mlx_lm.load(str(path))
-        tokens, logits = tiny_models.greedy_decode(model, tokenizer.encode(tiny_models.PROMPT))
-        out[name] = {
-            "tokens": tokens,
-            "logits": logits,
-            "streamed": tiny_models.stream_tokens(model, tokenizer),
-        }
-    return out
+    return unsplit_references(model_dirs)
 
 
-def run_pair(transport: str, model_dirs: dict[str, Path], out: Path) -> dict[str, list]:
-    """Both ranks in their own processes; {family: [rank0 npz, rank1 npz]}. Never hangs."""
-    port = free_port()
-    env = {"HF_HUB_OFFLINE": "1", "DS4_TP_TIMEOUT_SEC": "60"}
-    if transport == "ring":
-        hostfile = out / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-        env["MLX_HOSTFILE"] = str(hostfile)
-    procs = Procs()
-    try:
-        children = [
-            procs.spawn(
-                [str(CHILD), "pair", "--rank", str(rank), "--transport", transport,
-                 "--port", str(port), "--out", str(out), *map(str, model_dirs.values())],
-                env={**env, "MLX_RANK": str(rank)},
-            )
-            for rank in (0, 1)
-        ]
-        for rank, child in enumerate(children):
-            try:
-                _, err = child.communicate(timeout=PAIR_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} over {transport} did not finish within {PAIR_TIMEOUT_S} s")
-            assert child.returncode == 0, f"rank {rank} over {transport} failed:\n{err[-4000:]}"
-    finally:
-        procs.kill_all()
-    return {
-        name: [np.load(out / f"rank{rank}-{name}.npz") for rank in (0, 1)] for name in model_dirs
-    } | {"gate": [np.load(out / f"rank{rank}-gate.npz") for rank in (0, 1)]}
-
-
-@pytest.fixture(scope="module", params=_transports())
+@pytest.fixture(scope="module", params=transports())
 def pair(request, model_dirs, tmp_path_factory) -> dict[str, list]:
-    return run_pair(request.param, model_dirs, tmp_path_factory.mktemp(f"pair-{request.param}"))
+    return run_ranks(request.param, model_dirs, tmp_path_factory.mktemp(f"pair-{request.param}"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +154,7 @@ def test_reading_parts_from_disk_equals_cutting_in_memory(model_dirs, family, ra
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint32])
 def test_safetensors_parts_along_both_axes(tmp_path, monkeypatch, dtype):
     # Small read chunks so the column cut takes several steps and a ragged last one.
-    monkeypatch.setattr(model_split, "_READ_CHUNK_BYTES", 150)
+    monkeypatch.setattr(_safetensors_parts, "READ_CHUNK_BYTES", 150)
     mx.random.seed(1)
     tensors = {
         "matrix": (mx.random.normal((20, 12)) * 100).astype(dtype),  # 3 or 6 rows a chunk, then 2

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pairutil import free_port
+from pairutil import free_port, reference_text
 
 TRANSPORTS = [("tcp", []), ("rdma", ["--rdma-device", "ucsim"])]
 
@@ -28,21 +28,6 @@ def spawn_pair(procs, model_dir, transport_args, prompt, max_tokens, extra=(), e
                                    str(port)], env=env)
     worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)], env=env)
     return leader, worker
-
-
-def reference_text(model_dir, prompt, max_tokens):
-    from mlx_lm.utils import load
-
-    from mlx_ds4tp.pair_run import single_process_tokens
-
-    _, tokenizer = load(str(model_dir))
-    tokens = single_process_tokens(model_dir, list(tokenizer.encode(prompt)), max_tokens)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    for t in tokens:
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text, tokens
 
 
 @pytest.mark.parametrize("transport, targs", TRANSPORTS, ids=[t for t, _ in TRANSPORTS])

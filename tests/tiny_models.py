@@ -55,6 +55,83 @@ FAMILIES: dict[str, tuple[dict, dict | None]] = {
     ),
 }
 
+_MOE = {"vocab_size": 512, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+        "tie_word_embeddings": False}
+
+# The mixture-of-experts and MLA families, float and quantized. Between them: dense layers beside
+# MoE layers (qwen3_moe's mlp_only_layers, glm4_moe's and deepseek_v3's first_k_dense_replace),
+# shared experts, grouped noaux_tc routers with a correction bias, MLA with and without the
+# low-rank q_a/q_b queries, gpt-oss's sinks, biases, sliding-window layers and mxfp4 experts.
+MOE_FAMILIES: dict[str, tuple[dict, dict | None]] = {
+    "qwen3_moe": (
+        {**_MOE, "model_type": "qwen3_moe", "num_hidden_layers": 3, "intermediate_size": 256,
+         "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+         "mlp_only_layers": [1], "moe_intermediate_size": 64, "norm_topk_prob": True},
+        None,
+    ),
+    "mixtral": (
+        {**_MOE, "model_type": "mixtral", "num_hidden_layers": 2, "intermediate_size": 64,
+         "num_local_experts": 4, "num_experts_per_tok": 2},
+        None,
+    ),
+    "glm4_moe": (
+        {**_MOE, "model_type": "glm4_moe", "num_hidden_layers": 3, "intermediate_size": 256,
+         "moe_intermediate_size": 64, "norm_topk_prob": True, "head_dim": 32, "n_group": 2,
+         "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 8,
+         "routed_scaling_factor": 1.5, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+         "rope_scaling": None, "use_qk_norm": True, "attention_bias": True,
+         "partial_rotary_factor": 0.5},
+        None,
+    ),
+    "deepseek_v3": (
+        {**_MOE, "model_type": "deepseek_v3", "num_hidden_layers": 3, "intermediate_size": 256,
+         "moe_intermediate_size": 64, "num_key_value_heads": 4, "n_shared_experts": 1,
+         "n_routed_experts": 8, "routed_scaling_factor": 2.5, "kv_lora_rank": 64,
+         "q_lora_rank": 64, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32,
+         "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1},
+        None,
+    ),
+    "gpt_oss": (
+        {**_MOE, "model_type": "gpt_oss", "num_hidden_layers": 2, "num_local_experts": 4,
+         "num_experts_per_tok": 2, "intermediate_size": 64, "head_dim": 32, "sliding_window": 8},
+        None,
+    ),
+    "qwen3_moe-q4": (
+        {**_MOE, "model_type": "qwen3_moe", "num_hidden_layers": 2, "intermediate_size": 256,
+         "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+         "mlp_only_layers": [], "moe_intermediate_size": 64, "norm_topk_prob": True},
+        {"group_size": 32, "bits": 4},
+    ),
+    "mixtral-q8": (
+        {**_MOE, "model_type": "mixtral", "num_hidden_layers": 2, "intermediate_size": 64,
+         "num_local_experts": 4, "num_experts_per_tok": 2},
+        {"group_size": 32, "bits": 8},
+    ),
+    "glm4_moe-q4": (
+        {**_MOE, "model_type": "glm4_moe", "num_hidden_layers": 2, "intermediate_size": 256,
+         "moe_intermediate_size": 64, "norm_topk_prob": True, "head_dim": 32, "n_group": 1,
+         "topk_group": 1, "n_shared_experts": 2, "n_routed_experts": 8,
+         "routed_scaling_factor": 1.0, "num_experts_per_tok": 2, "first_k_dense_replace": 0,
+         "rope_scaling": None, "use_qk_norm": False, "attention_bias": False,
+         "partial_rotary_factor": 0.5},
+        {"group_size": 32, "bits": 4},
+    ),
+    "deepseek_v3-q4": (
+        {**_MOE, "model_type": "deepseek_v3", "num_hidden_layers": 2, "intermediate_size": 256,
+         "moe_intermediate_size": 64, "num_key_value_heads": 4, "n_shared_experts": 1,
+         "n_routed_experts": 8, "routed_scaling_factor": 2.5, "kv_lora_rank": 64,
+         "q_lora_rank": None, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32,
+         "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1},
+        {"group_size": 32, "bits": 4},
+    ),
+    "gpt_oss-mxfp4": (
+        {**_MOE, "model_type": "gpt_oss", "num_hidden_layers": 2, "num_local_experts": 4,
+         "num_experts_per_tok": 2, "intermediate_size": 64, "head_dim": 32, "sliding_window": 8},
+        {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+    ),
+}
+
 PROMPT = "the quick brown fox jumps over the lazy dog"
 MAX_TOKENS = 32
 
@@ -74,7 +151,7 @@ class RankOnly:
 
 def build(name: str, directory: Path, seed: int = 0) -> Path:
     """Save family `name` with fixed random weights under directory/name."""
-    config, quantization = FAMILIES[name]
+    config, quantization = FAMILIES[name] if name in FAMILIES else MOE_FAMILIES[name]
     return save_random_model(directory / name, config, seed=seed, quantization=quantization)
 
 

@@ -1,0 +1,154 @@
+"""Reading one rank's part of a tensor straight from a model's .safetensors files.
+
+A tensor of shape [A..., n, B...] cut along the n axis is, for each index of A..., one contiguous
+byte range of the file: a vocabulary or output-feature cut (axis 0) is one range, an expert stack
+[experts, out, in] cut on its middle axis one range per expert. When those ranges are short (a
+cut along the last axis: a few elements per row), whole rows are read a couple of MiB at a time
+and their slices kept instead of seeking per row.
+
+Original Hugging Face checkpoints save experts one by one (`experts.N.gate_proj.weight`);
+mlx-lm's sanitize() stacks them while loading. For such a stack this reader reads this rank's
+part of each expert and stacks the parts, never a whole expert.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+# safetensors dtype -> (how the bytes are read, the MLX dtype they are viewed as). bfloat16 has
+# no numpy type: its bytes travel as uint16 and are viewed as bfloat16 once inside MLX.
+_SAFETENSORS_DTYPES = {
+    "F32": (np.float32, mx.float32),
+    "F16": (np.float16, mx.float16),
+    "BF16": (np.uint16, mx.bfloat16),
+    "U32": (np.uint32, mx.uint32),
+    "I32": (np.int32, mx.int32),
+    "U16": (np.uint16, mx.uint16),
+    "I16": (np.int16, mx.int16),
+    "U8": (np.uint8, mx.uint8),
+    "I8": (np.int8, mx.int8),
+    "U64": (np.uint64, mx.uint64),
+    "I64": (np.int64, mx.int64),
+}
+READ_CHUNK_BYTES = 2 << 20  # whole rows read per step when the ranges are short
+SEEK_MIN_BYTES = 16 << 10  # ranges at least this long are read one by one
+
+
+class SafetensorsParts:
+    """read_part for split_model: this rank's part of a saved tensor, or None when it cannot.
+
+    The bytes land in scratch buffers reused for every tensor (the largest part, one chunk of
+    rows, one stack of expert parts) before MLX copies them: fresh numpy arrays per tensor would
+    leave their freed pages in the C heap, costing as much resident memory as the whole-tensor
+    reads this class exists to avoid.
+    """
+
+    def __init__(self, model_path: Path, rank: int, size: int, expert_keys: Sequence[tuple[str, str]] = ()):
+        self.rank, self.size = rank, size
+        self.expert_keys = tuple(expert_keys)
+        self.tensors: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}
+        for file in sorted(Path(model_path).glob("model*.safetensors")):
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            for key, info in header.items():
+                if key != "__metadata__":
+                    start = 8 + header_len + info["data_offsets"][0]
+                    self.tensors[key] = (file, info["dtype"], tuple(info["shape"]), start)
+        self._scratch: dict[str, np.ndarray] = {}
+
+    def _buffer(self, name: str, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        buf = self._scratch.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._scratch[name] = np.empty(nbytes, np.uint8)
+        return buf[:nbytes].view(dtype).reshape(shape)
+
+    def _readable(self, key: str, shape: tuple[int, ...], dtype: mx.Dtype) -> bool:
+        found = self.tensors.get(key)
+        # Anything unexpected (a renamed key, a weight mlx-lm transformed while loading, a dtype
+        # numpy cannot hold) is left to the in-memory cut of the loaded array, which is always right.
+        return (
+            found is not None
+            and found[1] in _SAFETENSORS_DTYPES
+            and found[2] == tuple(shape)
+            and _SAFETENSORS_DTYPES[found[1]][1] == dtype
+        )
+
+    def __call__(self, key: str, whole: mx.array, axis: int) -> Optional[mx.array]:
+        if self._readable(key, whole.shape, whole.dtype):
+            part = self._read(key, axis)
+        else:
+            part = self._read_stacked(key, whole, axis)
+            if part is None:
+                return None
+        out = mx.array(part)
+        mx_dtype = whole.dtype
+        out = mx.view(out, mx_dtype) if out.dtype != mx_dtype else out
+        # Evaluated now: MLX copies the scratch buffer, which the next tensor overwrites.
+        mx.eval(out)
+        return out
+
+    def _read_stacked(self, key: str, whole: mx.array, axis: int) -> Optional[np.ndarray]:
+        """This rank's part of a [experts, ...] stack whose experts the files hold one by one."""
+        axis = axis % whole.ndim
+        if axis == 0:
+            return None  # the expert axis itself is never cut
+        for stacked, one in self.expert_keys:
+            if stacked not in key:
+                continue
+            keys = [key.replace(stacked, one.format(e=e)) for e in range(whole.shape[0])]
+            if not all(self._readable(k, whole.shape[1:], whole.dtype) for k in keys):
+                continue
+            first = self._read(keys[0], axis - 1)
+            out = self._buffer("stack", first.nbytes * len(keys), first.dtype, (len(keys),) + first.shape)
+            out[0] = first
+            for e, k in enumerate(keys[1:], 1):
+                out[e] = self._read(k, axis - 1)
+            return out
+        return None
+
+    def _read(self, key: str, axis: int) -> np.ndarray:
+        """This rank's part of tensor `key` cut along `axis`, in the 'part' scratch buffer."""
+        file, dtype, shape, start = self.tensors[key]
+        np_dtype = _SAFETENSORS_DTYPES[dtype][0]
+        itemsize = np.dtype(np_dtype).itemsize
+        axis = axis % len(shape)
+        outer = int(np.prod(shape[:axis]))
+        mid, inner = shape[axis], int(np.prod(shape[axis + 1 :]))
+        width = mid // self.size * inner  # items of one range
+        lo = self.rank * width
+        part = self._buffer("part", outer * width * itemsize, np_dtype, (outer, width))
+        with open(file, "rb", buffering=0) as f:
+            if outer == 1 or width * itemsize >= SEEK_MIN_BYTES:
+                for o in range(outer):
+                    f.seek(start + (o * mid * inner + lo) * itemsize)
+                    _read_exactly(f, part[o], key)
+            else:
+                row = mid * inner
+                step = max(1, READ_CHUNK_BYTES // (row * itemsize))
+                chunk = self._buffer("chunk", step * row * itemsize, np_dtype, (step, row))
+                f.seek(start)
+                for r in range(0, outer, step):
+                    n = min(step, outer - r)
+                    _read_exactly(f, chunk[:n], key)
+                    part[r : r + n] = chunk[:n, lo : lo + width]
+        return part.reshape(shape[:axis] + (mid // self.size,) + shape[axis + 1 :])
+
+
+def _read_exactly(f, buf: np.ndarray, key: str) -> None:
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError(f"{f.name} ends inside tensor {key}; the file is truncated, re-save the model")
+        got += n
+
+
+__all__ = ["SafetensorsParts"]

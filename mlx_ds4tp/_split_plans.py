@@ -1,0 +1,122 @@
+"""Which layer of each mlx-lm model family is cut which way: one short plan per family.
+
+A plan names, for each kind of transformer block, every layer that holds weights (dotted paths
+inside the block) and what happens to it:
+
+    COLUMN  output features cut, wrapped (ColumnParallelLinear): q/k/v, a dense MLP's gate/up
+    ROW     input features cut, then a gate (RowParallelLinear): o_proj, a dense MLP's down_proj
+    OUT     output features cut in place, no gate: an expert stack's gate/up, a shared expert's
+    IN      input features cut in place, bias added by rank 0 only: an expert stack's down_proj
+    HEADS   head axis cut in place: MLA's per-head embed_q / unembed_out, gpt-oss's sinks
+    GATED   the whole block wrapped with one gate after it (GatedBlock): a mixture of experts,
+            whose routed and shared experts are summed locally before it
+    WHOLE   replicated on every rank: routers, MLA's latent projections
+
+Blocks are told apart by the class of their feed-forward module (dense layers and MoE layers
+of one model differ there). Paths a model lacks are skipped (MLA has q_proj or q_a_proj/q_b_proj
+by configuration); a weight-holding layer the plan does not name is refused, so a change in
+mlx-lm's module shows up as an error, not as a silently unsplit layer. Adding a family is one
+entry in FAMILIES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+COLUMN, ROW, OUT, IN, HEADS, GATED, WHOLE = "column", "row", "out", "in", "heads", "gated", "whole"
+
+GLU = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    """The split of one mlx-lm model module."""
+
+    names: str  # model_type values it serves, for messages and the README
+    head_counts: tuple[str, ...]  # self_attn attributes counting heads: divided by the ranks
+    blocks: Mapping[str, Mapping[str, str]]  # class of block.<ffn> -> {dotted path: cut}
+    ffn: str = "mlp"  # the block's feed-forward attribute
+    # (stacked key fragment, one expert's key fragment with {e}) as original Hugging Face
+    # checkpoints save experts one by one; mlx-lm's sanitize() stacks them while loading.
+    expert_keys: tuple[tuple[str, str], ...] = field(default=())
+
+
+def attention(*, column=("q_proj", "k_proj", "v_proj"), row=("o_proj",), heads=(), whole=()) -> dict:
+    """The attention part of a block plan (self_attn.*)."""
+    plan = {f"self_attn.{p}": COLUMN for p in column}
+    plan.update({f"self_attn.{p}": ROW for p in row})
+    plan.update({f"self_attn.{p}": HEADS for p in heads})
+    plan.update({f"self_attn.{p}": WHOLE for p in whole})
+    return plan
+
+
+def dense(at: str = "mlp", names: tuple[str, str, str] = GLU) -> dict:
+    """A dense gated MLP: gate/up column parallel, down row parallel with its gate."""
+    gate, up, down = names
+    return {f"{at}.{gate}": COLUMN, f"{at}.{up}": COLUMN, f"{at}.{down}": ROW}
+
+
+def moe(at: str, *, experts: str = "switch_mlp", router: str = "gate", shared: Optional[str] = None) -> dict:
+    """A mixture of experts: every expert (and shared expert) cut by its intermediate features
+    in place, the router whole, one gate after the block."""
+    gate, up, down = GLU
+    plan = {at: GATED, f"{at}.{router}": WHOLE}
+    for part in (experts,) + ((shared,) if shared else ()):
+        plan.update({f"{at}.{part}.{gate}": OUT, f"{at}.{part}.{up}": OUT, f"{at}.{part}.{down}": IN})
+    return plan
+
+
+def stacked_experts(names: tuple[str, str, str] = GLU, at: str = "switch_mlp") -> tuple[tuple[str, str], ...]:
+    """Key fragments of a SwitchGLU stack and of one expert's own projections (names as saved)."""
+    return tuple((f"{at}.{stacked}.", f"experts.{{e}}.{saved}.") for stacked, saved in zip(GLU, names))
+
+
+LLAMA_ATTENTION = attention()
+# MLA (DeepSeek V3, Kimi K2): queries are cut by head (q_proj, or q_b_proj after the low-rank
+# q_a_proj); the latent projections are shared by all heads and stay whole; the per-head
+# absorbed key/value projections (mlx-lm's embed_q / unembed_out) are cut by head.
+MLA_ATTENTION = attention(
+    column=("q_proj", "q_b_proj"), heads=("embed_q", "unembed_out"),
+    whole=("q_a_proj", "kv_a_proj_with_mqa"),
+)
+
+FAMILIES: dict[str, Family] = {
+    "mlx_lm.models.llama": Family("llama, mistral", ("n_heads", "n_kv_heads"), {"MLP": LLAMA_ATTENTION | dense()}),
+    "mlx_lm.models.qwen2": Family("qwen2", ("n_heads", "n_kv_heads"), {"MLP": LLAMA_ATTENTION | dense()}),
+    "mlx_lm.models.qwen3": Family("qwen3", ("n_heads", "n_kv_heads"), {"MLP": LLAMA_ATTENTION | dense()}),
+    "mlx_lm.models.qwen3_moe": Family(
+        "qwen3_moe", ("n_heads", "n_kv_heads"),
+        {"MLP": LLAMA_ATTENTION | dense(), "Qwen3MoeSparseMoeBlock": LLAMA_ATTENTION | moe("mlp")},
+        expert_keys=stacked_experts(),
+    ),
+    "mlx_lm.models.glm4_moe": Family(
+        "glm4_moe", ("n_heads", "n_kv_heads"),
+        {"MLP": LLAMA_ATTENTION | dense(), "MoE": LLAMA_ATTENTION | moe("mlp", shared="shared_experts")},
+        expert_keys=stacked_experts(),
+    ),
+    "mlx_lm.models.deepseek_v3": Family(
+        "deepseek_v3, kimi_k2", ("num_heads",),
+        {"DeepseekV3MLP": MLA_ATTENTION | dense(), "DeepseekV3MoE": MLA_ATTENTION | moe("mlp", shared="shared_experts")},
+        expert_keys=stacked_experts(),
+    ),
+    # Every block is a mixture of experts; sliding-window and full layers split alike. The
+    # original checkpoints' fused gate_up_proj is unfused by mlx-lm's sanitize() and cut in memory.
+    "mlx_lm.models.gpt_oss": Family(
+        "gpt_oss", ("num_attention_heads", "num_key_value_heads"),
+        {"MLPBlock": attention(heads=("sinks",)) | moe("mlp", experts="experts", router="router")},
+    ),
+    "mlx_lm.models.mixtral": Family(
+        "mixtral", ("num_heads", "num_key_value_heads"),
+        {"MixtralSparseMoeBlock": LLAMA_ATTENTION | moe("block_sparse_moe")},
+        ffn="block_sparse_moe", expert_keys=stacked_experts(("w1", "w3", "w2")),
+    ),
+}
+
+
+def supported() -> str:
+    """The supported model_type values, for error messages."""
+    return ", ".join(f.names for f in FAMILIES.values())
+
+
+__all__ = ["COLUMN", "FAMILIES", "Family", "GATED", "HEADS", "IN", "OUT", "ROW", "WHOLE", "supported"]

@@ -1,0 +1,315 @@
+"""Mixture-of-experts and MLA families: split, they generate exactly what the unsplit model does.
+
+Tiny random models of qwen3_moe, mixtral, glm4_moe, deepseek_v3 and gpt_oss, float and quantized
+(tests/tiny_models.py MOE_FAMILIES), built with mlx-lm's own classes and saved in its format.
+Two processes each load_split one rank's part over tcp, the emulated RDMA device and MLX's
+ring, decode 32 greedy tokens and compare with the unsplit model decoded here; a 4-rank ring
+run does the same. Cutting, reading and refusing run in-process with stand-in groups.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from splitutil import run_ranks, transports, unsplit_references
+
+import tiny_models
+from tiny_models import RankOnly
+from mlx_ds4tp import _split_layers, _split_plans
+from mlx_ds4tp._safetensors_parts import SafetensorsParts
+from mlx_ds4tp.model_split import (
+    ColumnParallelLinear,
+    GatedBlock,
+    RowParallelLinear,
+    family_of,
+    load_split,
+    split_model,
+)
+
+FAMILIES = list(tiny_models.MOE_FAMILIES)
+# The issue's bound: logits of the split model within 2e-3 of the unsplit model's, relative to
+# the largest logit (float32 sums in another order, quantized weights cut on group boundaries).
+LOGITS_RTOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe-models")
+    return {name: tiny_models.build(name, root) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs) -> dict[str, dict]:
+    return unsplit_references(model_dirs)
+
+
+@pytest.fixture(scope="module", params=transports())
+def pair(request, model_dirs, tmp_path_factory) -> dict[str, list]:
+    return run_ranks(request.param, model_dirs, tmp_path_factory.mktemp(f"moe-{request.param}"))
+
+
+def _load_whole(path: Path):
+    from mlx_lm.utils import load_model
+
+    return load_model(path)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks generate what one model generates
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_generates_the_unsplit_tokens(pair, references, family):
+    ref = references[family]
+    assert len(ref["tokens"]) == tiny_models.MAX_TOKENS
+    for rank, result in enumerate(pair[family]):
+        assert result["tokens"].tolist() == ref["tokens"], f"rank {rank} greedy tokens differ"
+        assert result["streamed"].tolist() == ref["streamed"], f"rank {rank} stream_generate differs"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_logits_match_the_unsplit_logits(pair, references, family):
+    want = references[family]["logits"]
+    for rank, result in enumerate(pair[family]):
+        err = np.abs(result["logits"] - want).max() / np.abs(want).max()
+        assert err <= LOGITS_RTOL, f"rank {rank}: logits differ by {err:.2e} relative"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_ranks_hold_identical_logits(pair, family):
+    rank0, rank1 = pair[family]
+    assert np.array_equal(rank0["logits"], rank1["logits"])
+
+
+def test_four_ranks_on_the_ring_generate_the_unsplit_tokens(tmp_path):
+    """More than two ranks over mx.distributed, where every count divides by 4."""
+    config, _ = tiny_models.MOE_FAMILIES["qwen3_moe"]
+    config = {**config, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
+    path = tiny_models.save_random_model(tmp_path / "qwen3_moe-4way", config)
+    ref = unsplit_references({path.name: path})[path.name]
+    results = run_ranks("ring", {path.name: path}, tmp_path, ranks=4)[path.name]
+    for rank, result in enumerate(results):
+        assert result["tokens"].tolist() == ref["tokens"], f"rank {rank} of 4: greedy tokens differ"
+        assert np.array_equal(result["logits"], results[0]["logits"]), f"rank {rank} of 4: logits differ from rank 0"
+    err = np.abs(results[0]["logits"] - ref["logits"]).max() / np.abs(ref["logits"]).max()
+    assert err <= LOGITS_RTOL
+
+
+# ---------------------------------------------------------------------------------------------
+# One gate per attention, one per MoE block, one gather per token
+# ---------------------------------------------------------------------------------------------
+
+
+class CountingCollective(RankOnly):
+    """A collective of the user's own: records every call; its 'peers' hold zeros."""
+
+    def __init__(self, rank: int):
+        super().__init__(rank)
+        self.sums, self.gathers = 0, 0
+
+    def all_sum(self, x):
+        self.sums += 1
+        return x
+
+    def all_gather(self, x):
+        self.gathers += 1
+        return mx.concatenate([x, mx.zeros_like(x)], axis=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gates_per_token(model_dirs, family):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    group = CountingCollective(0)
+    model = split_model(_load_whole(model_dirs[family]), group)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5, 6, 7]]), cache=cache))
+    layers = len(model.model.layers)
+    for step in range(3):
+        group.sums = group.gathers = 0
+        mx.eval(model(mx.array([[8 + step]]), cache=cache))
+        assert group.sums <= 2 * layers + 1, f"{group.sums} all_sum calls for one token of {layers} layers"
+        assert group.gathers == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# What each rank holds, and reading it from disk
+# ---------------------------------------------------------------------------------------------
+
+
+def test_qwen3_moe_experts_are_cut_by_their_intermediate_features(model_dirs):
+    path = model_dirs["qwen3_moe"]
+    whole = dict(tree_flatten(_load_whole(path).parameters()))
+    model = split_model(_load_whole(path), RankOnly(1))
+    moe, dense = model.model.layers[0].mlp, model.model.layers[1].mlp
+    assert isinstance(moe, GatedBlock) and isinstance(dense.down_proj, RowParallelLinear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, ColumnParallelLinear)
+    gate = whole["model.layers.0.mlp.switch_mlp.gate_proj.weight"]  # [experts, out, in]
+    down = whole["model.layers.0.mlp.switch_mlp.down_proj.weight"]
+    assert mx.array_equal(moe.block.switch_mlp.gate_proj.weight, gate[:, gate.shape[1] // 2 :])
+    assert mx.array_equal(moe.block.switch_mlp.down_proj.weight, down[..., down.shape[2] // 2 :])
+    assert mx.array_equal(moe.block.gate.weight, whole["model.layers.0.mlp.gate.weight"])  # router whole
+
+
+def test_gpt_oss_sinks_and_expert_biases(model_dirs):
+    path = model_dirs["gpt_oss"]
+    whole = dict(tree_flatten(_load_whole(path).parameters()))
+    sinks, down_bias = whole["model.layers.0.self_attn.sinks"], whole["model.layers.0.mlp.experts.down_proj.bias"]
+    for rank in (0, 1):
+        layer = split_model(_load_whole(path), RankOnly(rank)).model.layers[0]
+        assert layer.self_attn.num_attention_heads == 2 and layer.self_attn.num_key_value_heads == 1
+        assert mx.array_equal(layer.self_attn.sinks, sinks[2 * rank : 2 * rank + 2])
+        # Summed over the ranks by one gate: the expert biases are added by rank 0 alone.
+        bias = layer.mlp.block.experts.down_proj.bias
+        assert mx.array_equal(bias, down_bias if rank == 0 else mx.zeros_like(down_bias))
+
+
+def test_mla_cuts_heads_and_keeps_the_latent_projections_whole(model_dirs):
+    path = model_dirs["deepseek_v3"]
+    whole = dict(tree_flatten(_load_whole(path).parameters()))
+    attn = split_model(_load_whole(path), RankOnly(1)).model.layers[0].self_attn
+    assert attn.num_heads == 2
+    embed_q = whole["model.layers.0.self_attn.embed_q.weight"]  # [heads, out, in]
+    assert mx.array_equal(attn.embed_q.weight, embed_q[2:])
+    assert mx.array_equal(attn.kv_a_proj_with_mqa.weight, whole["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
+    assert mx.array_equal(attn.q_a_proj.weight, whole["model.layers.0.self_attn.q_a_proj.weight"])
+
+
+def _no_in_memory_cuts(monkeypatch):
+    def refuse(a, axis, rank, size):
+        raise AssertionError(f"an array of shape {a.shape} was cut in memory instead of read from disk")
+
+    monkeypatch.setattr(_split_layers, "_keep_rank_part", refuse)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_reading_parts_from_disk_equals_cutting_in_memory(model_dirs, family, rank, monkeypatch):
+    path = model_dirs[family]
+    in_memory = dict(tree_flatten(load_split(path, RankOnly(rank), lazy=False)[0].parameters()))
+    _no_in_memory_cuts(monkeypatch)  # every part of an mlx-lm checkpoint is read from the file
+    from_disk = dict(tree_flatten(load_split(path, RankOnly(rank))[0].parameters()))
+    assert from_disk.keys() == in_memory.keys()
+    for key in from_disk:
+        assert from_disk[key].dtype == in_memory[key].dtype and mx.array_equal(from_disk[key], in_memory[key]), key
+
+
+def _save_per_expert(src: Path, dst: Path, expert_keys) -> None:
+    """src's checkpoint in the original Hugging Face layout: each expert under its own keys."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    weights = {}
+    for file in src.glob("model*.safetensors"):
+        weights.update(mx.load(str(file)))
+    out = {}
+    for key, value in weights.items():
+        stacked = next(((s, one) for s, one in expert_keys if s in key), None)
+        if stacked is None:
+            out[key] = value
+            continue
+        for e in range(value.shape[0]):
+            out[key.replace(stacked[0], stacked[1].format(e=e))] = value[e]
+    mx.save_safetensors(str(dst / "model.safetensors"), out)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral-q8", "deepseek_v3-q4"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_experts_saved_one_by_one_are_stacked_from_this_ranks_parts(model_dirs, tmp_path, family, rank, monkeypatch):
+    src = model_dirs[family]
+    dst = tmp_path / f"{family}-hf"
+    expert_keys = family_of(_load_whole(src)).expert_keys
+    _save_per_expert(src, dst, expert_keys)
+    want = dict(tree_flatten(load_split(src, RankOnly(rank))[0].parameters()))
+
+    reads = []
+    original = SafetensorsParts._read
+
+    def spy(self, key, axis):
+        part = original(self, key, axis)
+        reads.append((key, part.size, self.tensors[key][2]))
+        return part
+
+    monkeypatch.setattr(SafetensorsParts, "_read", spy)
+    _no_in_memory_cuts(monkeypatch)
+    got = dict(tree_flatten(load_split(dst, RankOnly(rank))[0].parameters()))
+    assert got.keys() == want.keys()
+    for key in got:
+        assert mx.array_equal(got[key], want[key]), key
+    one_by_one = [(k, n, shape) for k, n, shape in reads if ".experts." in k]
+    assert one_by_one, "no expert was read from its own keys"
+    for key, items, shape in one_by_one:  # half of each expert, never the whole expert
+        assert 2 * items == int(np.prod(shape)), key
+
+
+# ---------------------------------------------------------------------------------------------
+# Models that cannot be split say why, and stay whole
+# ---------------------------------------------------------------------------------------------
+
+
+def _qwen3_moe(**overrides):
+    from mlx_lm.models import qwen3_moe
+
+    config = {**tiny_models.MOE_FAMILIES["qwen3_moe"][0], **overrides}
+    return qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+
+
+def _assert_whole(model):
+    assert not any(isinstance(m, _split_layers.SHARDED) for m in model.modules())
+
+
+def test_expert_width_that_does_not_divide_is_refused():
+    model = _qwen3_moe(moe_intermediate_size=65)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.switch_mlp.gate_proj: 65 output features "
+                                         r"cannot be split evenly across 2 ranks"):
+        split_model(model, RankOnly(0))
+    _assert_whole(model)
+
+
+def test_expert_quantization_group_that_straddles_the_cut_is_refused():
+    import mlx.nn as nn
+
+    model = _qwen3_moe()
+    nn.quantize(model, group_size=64, bits=4)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.switch_mlp.down_proj: 64 input features split "
+                                         r"across 2 ranks give 32 per rank, not a multiple of the "
+                                         r"quantization group_size=64"):
+        split_model(model, RankOnly(0))
+    _assert_whole(model)
+
+
+def test_three_ranks_are_refused_naming_the_count():
+    model = _qwen3_moe()
+    with pytest.raises(ValueError, match=r"n_heads=4 cannot be split across 3 ranks; use a model with a "
+                                         r"multiple of 3 attention heads"):
+        split_model(model, RankOnly(0, size=3))
+    _assert_whole(model)
+
+
+def test_a_layer_missing_from_the_plan_is_refused(monkeypatch):
+    family = _split_plans.FAMILIES["mlx_lm.models.qwen3_moe"]
+    blocks = {name: {k: v for k, v in plan.items() if k != "mlp.gate"} for name, plan in family.blocks.items()}
+    monkeypatch.setitem(_split_plans.FAMILIES, "mlx_lm.models.qwen3_moe",
+                        _split_plans.Family(family.names, family.head_counts, blocks))
+    model = _qwen3_moe()
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate \(Linear\) is not in the qwen3_moe split plan"):
+        split_model(model, RankOnly(0))
+    _assert_whole(model)
+
+
+def test_unsupported_family_lists_the_supported_ones():
+    from mlx_lm.models import gemma
+
+    args = gemma.ModelArgs(model_type="gemma", hidden_size=64, num_hidden_layers=1,
+                           intermediate_size=128, num_attention_heads=2, head_dim=32,
+                           rms_norm_eps=1e-5, vocab_size=256, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"supported families: .*qwen3_moe, glm4_moe, deepseek_v3, "
+                                         r"kimi_k2, gpt_oss, mixtral"):
+        split_model(gemma.Model(args), RankOnly(0))
