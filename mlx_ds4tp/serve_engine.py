@@ -265,6 +265,7 @@ class Engine:
         with self._lock:
             self._error = message
         tr.log(f"serve: the pair is down: {message}")
+        self.sessions.abort(message)
         sessions = self._prefilling + self._ready + self._running
         self._prefilling, self._ready, self._running = [], [], []
         for session in sessions:

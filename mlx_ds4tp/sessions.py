@@ -157,6 +157,8 @@ class SessionTable:
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over the batch's rows; sessions that are not in the batch yet
         join it (after the existing rows, in the order given)."""
+        if len(set(sessions)) != len(sessions):
+            raise tr.FrameError(f"EVAL_BATCH names a session twice: {sessions}")
         if sessions[: len(self.rows)] != self.rows:
             raise tr.FrameError(f"EVAL_BATCH rows {sessions} do not begin with this rank's batch "
                                 f"{self.rows}: the ranks are out of step")
@@ -290,6 +292,12 @@ class LeaderSessions:
             self.control.send(F.STOP)
         except TransportError:
             pass
+
+    def abort(self, reason: str) -> None:
+        """The leader gives up on the pair: tell the worker why (best effort) and close the
+        connection, so the worker stops with that reason instead of waiting for commands."""
+        self.control.send_error(f"the leader stopped serving: {reason}")
+        self.group.close()
 
 
 def serve_worker(group: gate_ops.Group, model) -> int:

@@ -217,3 +217,85 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path):
         leader_group.close()
         worker_group.close()
         thread.join(10)
+
+
+def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
+    """A serving rank fed a leader's script with a frame dropped, repeated, swapped or with a
+    payload byte changed either runs it or stops with a TransportError: never another
+    exception, never an out-of-vocabulary token handed to the model."""
+    import os
+    import random
+
+    import numpy as np
+
+    import mlx_ds4tp.transport as tr
+    from mlx_ds4tp.errors import TransportError
+    from mlx_ds4tp.sessions import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch)
+    from mlx_ds4tp.lockstep import SYNC_HEADER
+    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_lm import load
+
+    F = tr.FrameType
+    model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=1)))
+    vocab = model.args.vocab_size
+
+    def sync(session, tokens):
+        return F.SYNC, SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, "<i4").tobytes()
+
+    script = [
+        (F.SESSION_CREATE, CREATE.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),
+        (F.SESSION_CREATE, CREATE.pack(2, 0, FRESH, 0)),
+        (F.EVAL_BATCH, pack_batch(1, [(1, 8), (2, 9)])), (F.EVAL_BATCH, pack_batch(2, [(1, 10), (2, 11)])),
+        (F.SESSION_DESTROY, DESTROY.pack(1, 4)), (F.SESSION_CREATE, CREATE.pack(3, 4, COPY, 0)),
+        (F.REWIND, REWIND.pack(3, 2, 0)), sync(3, [12]),
+        (F.EVAL_BATCH, pack_batch(3, [(2, 13), (3, 14)])), (F.SESSION_DESTROY, DESTROY.pack(2, 0)),
+        (F.SESSION_DESTROY, DESTROY.pack(3, 0)), (F.INVALIDATE, INVALIDATE.pack(4)),
+    ]
+
+    class Guard:
+        """The model, checking every input it is handed."""
+
+        def __init__(self, inner):
+            self.inner, self.args, self.layers = inner, inner.args, inner.layers
+
+        def __call__(self, x, cache=None):
+            ids = np.array(x)
+            assert ids.size and ids.min() >= 0 and ids.max() < vocab, ids
+            return self.inner(x, cache=cache)
+
+    def damage(rng, frames):
+        frames = list(frames)
+        kind = rng.randrange(5)
+        i = rng.randrange(len(frames))
+        if kind == 0:
+            del frames[i]
+        elif kind == 1:
+            frames.insert(i, frames[rng.randrange(len(frames))])
+        elif kind == 2:
+            j = rng.randrange(len(frames))
+            frames[i], frames[j] = frames[j], frames[i]
+        elif kind == 3:
+            ftype, payload = frames[i]
+            if payload:
+                b = bytearray(payload)
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+                frames[i] = (ftype, bytes(b))
+        else:
+            ftype, payload = frames[i]
+            frames[i] = (ftype, payload[: rng.randrange(len(payload) + 1)] + b"\0" * rng.randrange(3))
+        return frames
+
+    clean = SessionTable(Guard(model))
+    for ftype, payload in script:
+        clean.apply(ftype, payload)
+    assert not clean.busy and not clean.stored
+    rng = random.Random(int(os.environ.get("DS4_TP_FUZZ_SEED", "12")))
+    failures = 0
+    for _ in range(150):
+        table = SessionTable(Guard(model))
+        try:
+            for ftype, payload in damage(rng, script):
+                table.apply(ftype, payload)
+        except TransportError:
+            failures += 1
+    assert failures > 50  # most damages are caught, the rest are scripts that still make sense
