@@ -8,6 +8,7 @@ The worker runs no HTTP: it executes the leader's commands (mlx_ds4tp.sessions) 
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import queue
 import time
@@ -18,20 +19,20 @@ from . import gate_ops
 from . import transport as tr
 from .sampling import SamplingOptions
 from .serve_api import ApiError, ParsedRequest, ResponseShape, parse_request, usage
-from .serve_engine import Engine, PairUnavailable, Request, active_sessions
+from .serve_engine import Engine, PairUnavailable, Request
 
 MAX_BODY_BYTES = 16 << 20
-# The engine answers within the gate timeout or fails the pair; a request waits a little
-# longer than that for its next event before it gives up with 503.
-EVENT_GRACE_SEC = 30.0
+# How often a request waiting for its next token checks that the engine is still alive. The
+# engine itself never waits on the worker past the gate timeout: it fails the pair instead,
+# and every waiting request gets the reason.
+EVENT_POLL_SEC = 1.0
 
 
 class ServeState:
     """What the handler threads share: the engine and the server's fixed answers."""
 
     def __init__(self, engine: Engine, tokenizer, model_id: str, *, api_key: Optional[str],
-                 context_length: int, default_max_tokens: int, defaults: SamplingOptions,
-                 event_timeout: float):
+                 context_length: int, default_max_tokens: int, defaults: SamplingOptions):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -39,7 +40,6 @@ class ServeState:
         self.context_length = context_length
         self.default_max_tokens = default_max_tokens
         self.defaults = defaults
-        self.event_timeout = event_timeout
         self.created = int(time.time())
 
 
@@ -73,6 +73,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
 
     def _error(self, err: ApiError) -> None:
+        # The body may be unread (a refused key, an unknown path): it must not be taken for
+        # the next request on this connection.
+        self.close_connection = True
         self._send_json(err.status, err.body())
 
     def _authorized(self) -> bool:
@@ -99,7 +102,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health":
             error = self.state.engine.error
             body = {"status": "ok" if error is None else "unavailable",
-                    **self.state.engine.stats, **active_sessions(self.state.engine)}
+                    **self.state.engine.stats, **self.state.engine.counts()}
             if error is not None:
                 body["error"] = error
             self._send_json(200 if error is None else 503, body)
@@ -175,15 +178,16 @@ class Handler(BaseHTTPRequestHandler):
         text: list = []
         while True:
             try:
-                event = request.events.get(timeout=None if text else self.state.event_timeout) \
-                    if not text else request.events.get_nowait()
+                event = request.events.get_nowait() if text else \
+                    request.events.get(timeout=EVENT_POLL_SEC)
             except queue.Empty:
                 if text:
                     yield ("text", "".join(text))
                     text = []
-                    continue
-                request.cancelled = True
-                raise unavailable(f"no answer from the engine in {self.state.event_timeout:g} s")
+                elif not self.state.engine.alive():
+                    request.cancelled = True
+                    raise unavailable(self.state.engine.error or "the engine thread stopped")
+                continue
             if event[0] == "error":
                 raise unavailable(event[1])
             if event[0] == "text":
@@ -213,6 +217,14 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request)))
 
     def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+        events = self._events(request)
+        try:
+            # The status line waits for the first event: a pair that is already down is
+            # then a plain 503, like a request that does not stream.
+            first = next(events)
+        except ApiError as err:
+            self._error(err)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -224,7 +236,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if parsed.kind == "chat":
                 self._sse(shape.chunk("", None, first=True))
-            for event in self._events(request):
+            for event in itertools.chain([first], events):
                 if event[0] == "text":
                     self._sse(shape.chunk(event[1], None))
                 else:
@@ -236,8 +248,9 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as err:
             # The status line is already out: the error travels as an event.
             self._try_write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            # The client went away: the engine frees its session on both ranks.
+        except OSError:
+            # The client went away (broken pipe, reset): the engine frees its session on
+            # both ranks at its next step.
             request.cancelled = True
 
     def _sse(self, chunk: Dict[str, Any]) -> None:
@@ -301,8 +314,7 @@ def run(args, address, model_path) -> int:
                         debug_hash=args.debug_hash)
         state = ServeState(engine, tokenizer, args.model, api_key=args.api_key,
                            context_length=context_length(model, config),
-                           default_max_tokens=args.max_tokens, defaults=options_from_args(args),
-                           event_timeout=group.pair.control.timeout + EVENT_GRACE_SEC)
+                           default_max_tokens=args.max_tokens, defaults=options_from_args(args))
         server = make_server(state, args.host, args.port)
         engine.start()
         tr.log(f"serving {args.model} on http://{args.host}:{server.server_address[1]}/v1 "

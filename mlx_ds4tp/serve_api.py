@@ -88,11 +88,12 @@ def chat_prompt(tokenizer, messages: Any) -> List[int]:
                       "content": _message_text(m.get("content", ""), f"messages[{i}].content")})
     if getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None):
         try:
-            return list(tokenizer.apply_chat_template(plain, add_generation_prompt=True,
-                                                       tokenize=True))
+            ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - a template rejects messages with its own errors
             raise ApiError(400, f"the model's chat template rejected the messages: {exc}",
                            "messages", "invalid_value") from None
+        # Some tokenizer versions answer a BatchEncoding instead of the ids.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     # No template: mlx-lm's plain role-prefixed rendering.
     from mlx_lm.server import convert_chat
 
@@ -124,7 +125,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
     if model not in model_ids and model != "default_model":
         raise ApiError(404, f"model '{model}' is not served here; this server serves "
                        f"'{model_ids[0]}' (GET /v1/models)", "model", "model_not_found")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise ApiError(400, "'n' must be 1: one choice per request", "n", "invalid_value")
     max_tokens = _field(body, "max_completion_tokens", int, None, low=1)
     if max_tokens is None:

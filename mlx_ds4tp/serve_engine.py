@@ -126,6 +126,15 @@ class Engine:
         """Why the pair is down, or None while it is up."""
         return self._error
 
+    def alive(self) -> bool:
+        """True while the loop runs and the pair is up."""
+        return self._error is None and self._thread is not None and self._thread.is_alive()
+
+    def counts(self) -> Dict[str, int]:
+        """Sessions prefilling, waiting to join the batch, decoding (for /health)."""
+        return {"prefilling": len(self._prefilling), "waiting": len(self._ready),
+                "decoding": len(self._running)}
+
     def submit(self, request: Request) -> None:
         """Queue a request; PairUnavailable when the pair is down."""
         with self._lock:
@@ -275,9 +284,3 @@ class Engine:
                 self._inbox.get_nowait().events.put(("error", message))
             except queue.Empty:
                 return
-
-
-def active_sessions(engine: Engine) -> Dict[str, int]:
-    """Counts for /health: sessions prefilling, waiting to join, decoding."""
-    return {"prefilling": len(engine._prefilling), "waiting": len(engine._ready),
-            "decoding": len(engine._running)}
