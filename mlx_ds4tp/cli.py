@@ -152,7 +152,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    from . import serve
+    from . import serve_main
     from .model_source import resolve_model_arg
     from .sampling import options_from_args
 
@@ -168,7 +168,7 @@ def cmd_serve(args) -> int:
         if value < low:
             raise SystemExit(f"ds4tp serve: {flag} {value} must be >= {low}")
     options_from_args(args)
-    return serve.run(args, address, resolve_model_arg(args.model))
+    return serve_main.run(args, address, resolve_model_arg(args.model))
 
 
 def cmd_demo(args) -> int:
