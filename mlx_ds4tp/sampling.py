@@ -46,6 +46,7 @@ class SamplingOptions:
 
     @property
     def greedy(self) -> bool:
+        """Argmax of the raw distribution: no temperature, no processor."""
         return self.temperature == 0 and not self.repetition_penalty
 
 

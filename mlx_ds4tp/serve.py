@@ -42,6 +42,7 @@ class ServeState:
 
 
 def unavailable(reason: str) -> ApiError:
+    """The 503 every request gets once the pair is down."""
     return ApiError(503, f"the two-machine pair is down ({reason}); restart `ds4tp serve` on both "
                     "machines (the worker first)", None, "pair_unavailable", "server_error")
 

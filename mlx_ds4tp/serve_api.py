@@ -21,6 +21,7 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> Dict[str, Any]:
+        """OpenAI's error object."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
 
@@ -101,6 +102,7 @@ def chat_prompt(tokenizer, messages: Any) -> List[int]:
 
 
 def text_prompt(tokenizer, prompt: Any) -> List[int]:
+    """The tokens of a completion prompt: a string, a one-string list or token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -188,6 +190,7 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(self, text: str, finish: str, usage: Dict[str, Any]) -> Dict[str, Any]:
+        """The response of a request that does not stream."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": finish, "logprobs": None}
@@ -200,6 +203,7 @@ class ResponseShape:
         return out
 
     def chunk(self, text: Optional[str], finish: Optional[str], first: bool = False) -> Dict[str, Any]:
+        """One streamed event (`first`: the chat chunk that names the role)."""
         if self.kind == "chat":
             delta: Dict[str, Any] = {}
             if first:
@@ -215,6 +219,7 @@ class ResponseShape:
         return out
 
     def usage_chunk(self, usage: Dict[str, Any]) -> Dict[str, Any]:
+        """The last streamed event under stream_options.include_usage: no choices, the usage."""
         out = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         out["choices"] = []
         out["usage"] = usage
@@ -222,6 +227,7 @@ class ResponseShape:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:
+    """OpenAI's usage object, with the reused prompt tokens as cached_tokens."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -68,6 +68,7 @@ class TextStream:
         return self._release(self.detok.last_segment, final=False)
 
     def finish(self) -> str:
+        """The text still held back, at the end of a generation that no stop string ended."""
         self.detok.finalize()
         return self._release(self.detok.last_segment, final=True)[0]
 
@@ -143,6 +144,7 @@ class Engine:
             self._inbox.put(request)
 
     def start(self) -> None:
+        """Run the loop in a daemon thread."""
         self._thread = threading.Thread(target=self._run, name="ds4tp-engine", daemon=True)
         self._thread.start()
 

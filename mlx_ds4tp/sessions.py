@@ -123,6 +123,7 @@ class SessionTable:
         return None
 
     def create(self, session: int, cache_id: int, mode: int) -> None:
+        """A new session: a fresh cache, or stored cache `cache_id` moved or copied."""
         if session in self.sessions or session in self.rows:
             raise tr.FrameError(f"SESSION_CREATE for session {session}, which already exists")
         if mode == FRESH:
@@ -140,6 +141,7 @@ class SessionTable:
             raise tr.FrameError(f"SESSION_CREATE mode {mode} is not FRESH, MOVE or COPY")
 
     def rewind(self, session: int, keep: int) -> None:
+        """Trim a (reused) session cache to its first `keep` tokens."""
         from mlx_lm.models.cache import trim_prompt_cache
 
         cache = self._session(session)
@@ -149,6 +151,7 @@ class SessionTable:
         trim_prompt_cache(cache, size - keep)
 
     def prefill(self, session: int, tokens: np.ndarray) -> None:
+        """Append tokens to a session that is not decoding yet (one forward, batch of one)."""
         self._check_tokens(tokens)
         cache = self._session(session)
         self.model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)
@@ -189,6 +192,7 @@ class SessionTable:
         return logits_hash(self.last_logits) if self.last_logits is not None else 0
 
     def destroy(self, session: int, store_as: int) -> None:
+        """End a session (leaving the batch if it is in it); keep its cache as `store_as`."""
         if session in self.rows:
             idx = self.rows.index(session)
             cache = [c.extract(idx) for c in self.batch_cache] if store_as else None
@@ -246,12 +250,15 @@ class LeaderSessions:
             raise
 
     def create(self, session: int, cache_id: int = 0, mode: int = FRESH) -> None:
+        """SESSION_CREATE on both ranks."""
         self._command(F.SESSION_CREATE, CREATE.pack(session, cache_id, mode, 0))
 
     def rewind(self, session: int, keep: int) -> None:
+        """REWIND on both ranks."""
         self._command(F.REWIND, REWIND.pack(session, keep, 0))
 
     def prefill(self, session: int, tokens: Sequence[int]) -> None:
+        """SYNC (one prefill chunk) on both ranks."""
         self._command(F.SYNC, SYNC_HEADER.pack(session, len(tokens), 0)
                       + np.asarray(tokens, dtype="<i4").tobytes())
 
@@ -260,9 +267,11 @@ class LeaderSessions:
         return self._command(F.EVAL_BATCH, pack_batch(self.table.step_count + 1, rows))
 
     def destroy(self, session: int, store_as: int = 0) -> None:
+        """SESSION_DESTROY on both ranks."""
         self._command(F.SESSION_DESTROY, DESTROY.pack(session, store_as))
 
     def invalidate(self, cache_id: int) -> None:
+        """INVALIDATE (drop a stored cache) on both ranks."""
         self._command(F.INVALIDATE, INVALIDATE.pack(cache_id))
 
     def check_hash(self) -> None:
@@ -288,6 +297,7 @@ class LeaderSessions:
         return _peer_error(self.control) or "the worker closed the connection"
 
     def stop(self) -> None:
+        """Tell the worker to return (best effort: it may be gone)."""
         try:
             self.control.send(F.STOP)
         except TransportError:
