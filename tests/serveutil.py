@@ -48,8 +48,9 @@ class ServedPair:
         full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.setdefault("DS4_TP_TIMEOUT_SEC", "20")
         full_env.update(env or {})
-        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model),
-                  "--transport", "tcp", *extra]
+        transport = ["--transport", "tcp"] if "--transport" not in extra else []
+        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), *transport,
+                  *extra]
         key = ["--api-key", api_key] if api_key else []
         cmds = {
             "leader": common + key + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),

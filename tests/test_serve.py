@@ -99,6 +99,26 @@ def test_four_concurrent_clients_get_their_own_text(pair, model_dir):
     assert pair.health()[1]["decode_steps"] < pair.health()[1]["generated_tokens"]
 
 
+def test_concurrent_seeded_requests_each_draw_their_own_numbers(pair, model_dir):
+    asks = [("red fish", dict(temperature=0.8, seed=1)), ("blue fish", dict(temperature=1.1, seed=2)),
+            ("one fish", dict(temperature=0.7, seed=3, top_p=0.9))]
+    want = [reference(model_dir, text_ids(model_dir, p), 10, temp=kw["temperature"], seed=kw["seed"],
+                      top_p=kw.get("top_p", 0.0)) for p, kw in asks]
+    got = [None] * len(asks)
+
+    def ask(i):
+        prompt, kw = asks[i]
+        got[i] = client(pair).completions.create(model=str(model_dir), prompt=prompt, max_tokens=10,
+                                                 **kw).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+
+
 def test_second_turn_reuses_the_cache(pair, model_dir):
     c = client(pair)
     first = [{"role": "user", "content": "remember the number forty two please"}]
@@ -169,6 +189,31 @@ def test_client_disconnect_mid_stream_frees_the_session(pair, model_dir):
     assert health["generated_tokens"] < 2000
     r = client(pair).completions.create(model=str(model_dir), prompt="after", max_tokens=4)
     assert r.choices[0].text == reference(model_dir, text_ids(model_dir, "after"), 4)
+
+
+def test_concurrent_clients_over_the_emulated_rdma_device(model_dir, tmp_path):
+    """The same batching over the emulated Thunderbolt device: a long prompt's prefill goes
+    out as bulk rounds, the decode rows as gates."""
+    served = ServedPair(model_dir, tmp_path, extra=["--transport", "rdma", "--rdma-device", "ucsim"])
+    try:
+        served.wait_healthy()
+        prompts = ["short one", " ".join(["the long prompt goes on"] * 12)]
+        want = [reference(model_dir, text_ids(model_dir, p), 8) for p in prompts]
+        got = [None, None]
+
+        def ask(i):
+            got[i] = client(served).completions.create(model=str(model_dir), prompt=prompts[i],
+                                                       max_tokens=8).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want
+        assert "transport rdma" in served.log("leader")
+    finally:
+        served.close()
 
 
 def test_worker_killed_fails_requests_within_the_gate_timeout(model_dir, tmp_path):
