@@ -7,16 +7,20 @@
 """
 
 from .errors import (
+    AuthenticationError,
     DesyncError,
     FrameError,
     HelloMismatchError,
+    LockstepDivergence,
     PeerClosedError,
+    RdmaError,
     RdmaUnavailableError,
     TransportError,
     TransportTimeoutError,
+    WarmupFailed,
 )
 from .gate_ops import Group, all_gather, all_sum, init
-from .transport import ModelIdentity
+from .transport import ModelIdentity, model_fingerprint
 
 __version__ = "0.1.0"
 
@@ -26,6 +30,7 @@ __all__ = [
     "all_gather",
     "Group",
     "ModelIdentity",
+    "model_fingerprint",
     "TransportError",
     "PeerClosedError",
     "TransportTimeoutError",
@@ -33,4 +38,8 @@ __all__ = [
     "HelloMismatchError",
     "DesyncError",
     "RdmaUnavailableError",
+    "RdmaError",
+    "AuthenticationError",
+    "WarmupFailed",
+    "LockstepDivergence",
 ]

@@ -36,3 +36,19 @@ class RdmaUnavailableError(TransportError):
 
 class AuthenticationError(TransportError):
     """The peer could not prove it holds the shared secret (or one side has none)."""
+
+
+class RdmaError(TransportError):
+    """An RDMA call failed; carries the C module's return code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class WarmupFailed(TransportError):
+    """Both directions could not be proven on this build of the queue pair."""
+
+
+class LockstepDivergence(TransportError):
+    """The two ranks computed different logits: their states diverged."""

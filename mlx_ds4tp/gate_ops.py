@@ -7,7 +7,6 @@ own backends is a one-line change.
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -17,6 +16,7 @@ import numpy as np
 from . import transport as tr
 from . import warmup
 from ._collective import MlxCollective
+from ._wire import DESCRIPTOR, DESCRIPTOR_MAGIC, MAX_DIMS
 from .errors import HelloMismatchError, TransportError
 
 # ============================================================================
@@ -26,11 +26,6 @@ from .errors import HelloMismatchError, TransportError
 DTYPE_CODES = {mx.float32: 1, mx.float16: 2, mx.bfloat16: 3}
 DTYPE_NAMES = {1: "float32", 2: "float16", 3: "bfloat16"}
 NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
-# dtype code, ndim, up to 8 dims: what both ranks compare when a partial's
-# signature changes, so a mismatch names both shapes instead of corrupting data.
-DESCRIPTOR = struct.Struct("<IIII8Q")
-DESCRIPTOR_MAGIC = 0x44533453  # "DS4S"
-MAX_DIMS = 8
 LATENCY_WINDOW = 8192
 
 
@@ -181,7 +176,7 @@ def init(
     pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device))
     try:
         if pair.transport == "rdma":
-            warmup.bring_up_rdma(pair)
+            pair.attach_rdma(warmup.bring_up_rdma(pair))
     except BaseException:
         pair.close()
         raise

@@ -21,19 +21,14 @@ import numpy as np
 
 from . import gate_ops
 from . import transport as tr
-from .errors import TransportError
-
-SESSION = struct.Struct("<QII")  # session id, max tokens, reserved
-SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved
-EVAL = struct.Struct("<QQiI")  # session id, seq, token, reserved
-HASH = struct.Struct("<QQQ")  # session id, seq, hash
-ACK = struct.Struct("<Qi")  # session id, status (0 ok); then a message
+from ._wire import ACK_PAYLOAD as ACK
+from ._wire import EVAL_PAYLOAD as EVAL
+from ._wire import HASH_PAYLOAD as HASH
+from ._wire import SESSION_PAYLOAD as SESSION
+from ._wire import SYNC_HEADER
+from .errors import LockstepDivergence, TransportError
 
 F = tr.FrameType
-
-
-class LockstepDivergence(TransportError):
-    """The two ranks computed different logits: their states diverged."""
 
 
 def logits_hash(logits: mx.array) -> int:

@@ -32,19 +32,22 @@ import numpy as np
 
 from . import gate_ops
 from . import transport as tr
-from .errors import TransportError
-from .lockstep import HASH, SYNC_HEADER, LockstepDivergence, _peer_error, logits_hash
+from ._wire import HASH_PAYLOAD as HASH
+from ._wire import SERVE_BATCH_HEADER as BATCH_HEADER
+from ._wire import SERVE_CREATE as CREATE
+from ._wire import SERVE_DESTROY as DESTROY
+from ._wire import SERVE_INVALIDATE as INVALIDATE
+from ._wire import SERVE_MAX_BATCH_ROWS as MAX_BATCH_ROWS
+from ._wire import SERVE_REWIND as REWIND
+from ._wire import SYNC_HEADER
+from .errors import LockstepDivergence, TransportError
+from .lockstep import _peer_error, logits_hash
 from .prompt_cache import COPY, FRESH, MOVE
 
 F = tr.FrameType
 
-CREATE = struct.Struct("<QQII")  # session id, stored cache id, mode, reserved
-REWIND = struct.Struct("<QII")  # session id, tokens to keep, reserved
-DESTROY = struct.Struct("<QQ")  # session id, cache id to store under (0: drop)
-INVALIDATE = struct.Struct("<Q")  # stored cache id
-BATCH_HEADER = struct.Struct("<QII")  # step, rows, reserved
+# The rows of an EVAL_BATCH as one numpy record array (the layout of _wire.SERVE_BATCH_ROW).
 BATCH_ROW = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
-MAX_BATCH_ROWS = 1024
 
 
 def _unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:

@@ -10,36 +10,29 @@ the peer's receive is posted, and a pair that fails is destroyed and rebuilt.
 
 from __future__ import annotations
 
-import os
 import random
-import struct
 import time
+from typing import Optional
 
 from . import transport as tr
-from .errors import PeerClosedError, RdmaUnavailableError, TransportError
+from ._wire import (
+    MAX_STATUS_MESSAGE_BYTES,
+    POSTED,
+    RDMA_MAX_MSG,
+    STATUS,
+    WARM_MAGIC,
+    WARM_ROUND,
+    WARM_TAG,
+    WARM_WR_ID,
+)
+from .errors import PeerClosedError, RdmaUnavailableError, TransportError, WarmupFailed
 
 # The warm message is full size: 64-byte messages pass on a fresh dead
 # direction while the first 16 KiB chunks are still dropped.
-WARM_BYTES = tr.RDMA_MAX_MSG
+WARM_BYTES = RDMA_MAX_MSG
 UC_ROUNDS, UC_ROUND_SEC = 20, 0.1
 RC_ROUNDS = 1
 MAX_SETUP_ATTEMPT = 3  # re-creations: at most four builds in all
-
-WARM = struct.Struct("<IIII")  # setup attempt, round, received, reserved
-STATUS = struct.Struct("<II")  # ok, message length; then the message
-
-# Test-only switches (documented in tests/README.md): they exist to show what
-# the barrier protects against, never for production use.
-TEST_NO_POSTED_BARRIER = "DS4_TP_TEST_NO_POSTED_BARRIER"
-TEST_WARMUP_DELAY_MS = "DS4_TP_TEST_WARMUP_DELAY_MS"
-
-
-class WarmupFailed(TransportError):
-    """Both directions could not be proven on this build of the queue pair."""
-
-
-def warmup_disabled() -> bool:
-    return os.environ.get("DS4_TP_DISABLE_RDMA_WARMUP", "") not in ("", "0")
 
 
 # ============================================================================
@@ -57,15 +50,15 @@ def posted_barrier(pair: tr.Pair) -> None:
     """Receives-posted barrier: a sender waits for the peer's word that its
     receives are posted, because a UC send into an empty receive queue kills
     that direction on Thunderbolt for good."""
-    if os.environ.get(TEST_NO_POSTED_BARRIER, "") not in ("", "0"):
+    if pair.config.test_no_posted_barrier:
         return
-    pair.control.send(tr.FrameType.RDMA_POSTED, struct.pack("<I", 1))
+    pair.control.send(tr.FrameType.RDMA_POSTED, POSTED.pack(1))
     pair.control.recv(tr.FrameType.RDMA_POSTED)
 
 
 def exchange_status(pair: tr.Pair, ok: bool, message: str) -> tuple:
     """Both ranks learn both outcomes, so both take the same path."""
-    data = message.encode("utf-8", "replace")[:3000]
+    data = message.encode("utf-8", "replace")[:MAX_STATUS_MESSAGE_BYTES]
     pair.control.send(tr.FrameType.RDMA_STATUS, STATUS.pack(int(ok), len(data)) + data)
     _, payload = pair.control.recv(tr.FrameType.RDMA_STATUS)
     if len(payload) < STATUS.size:
@@ -81,22 +74,22 @@ def exchange_status(pair: tr.Pair, ok: bool, message: str) -> tuple:
 
 def warm_up(pair: tr.Pair, rdma: tr.RdmaGates, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
     """Prove both directions; returns the rounds used. Raises WarmupFailed."""
-    delay_ms = os.environ.get(TEST_WARMUP_DELAY_MS)
+    delay_ms = pair.config.test_warmup_delay_ms
     if delay_ms:
-        time.sleep(random.uniform(0.0, float(delay_ms)) / 1000.0)
-    rdma.post_recv(rdma.warm_recv, WARM_BYTES, tr.WARM_WR_ID)
+        time.sleep(random.uniform(0.0, delay_ms) / 1000.0)
+    rdma.post_recv(rdma.warm_recv, WARM_BYTES, WARM_WR_ID)
     posted_barrier(pair)
-    tag = struct.pack("<IIII", 0x5741524D, pair.rank, rdma.setup_attempt, 0)
+    tag = WARM_TAG.pack(WARM_MAGIC, pair.rank, rdma.setup_attempt, 0)
     rdma.ffi.memmove(rdma.warm_send, tag, len(tag))
     received = peer_received = False
     for round_no in range(1, rounds + 1):
         if not peer_received:
-            rdma.post_send(rdma.warm_send, WARM_BYTES, tr.WARM_WR_ID)
+            rdma.post_send(rdma.warm_send, WARM_BYTES, WARM_WR_ID)
         deadline = time.monotonic() + round_sec
         while not received:
             left = deadline - time.monotonic()
             for wc in rdma.poll(8, max(0.0, left)):
-                if wc.opcode == rdma.lib.TP_WC_RECV and wc.wr_id == tr.WARM_WR_ID:
+                if wc.opcode == rdma.lib.TP_WC_RECV and wc.wr_id == WARM_WR_ID:
                     if wc.status != rdma.lib.TP_WC_SUCCESS:
                         raise WarmupFailed(
                             f"tp rdma: warm-up receive completed with status {wc.status}"
@@ -105,12 +98,12 @@ def warm_up(pair: tr.Pair, rdma: tr.RdmaGates, rounds: int = UC_ROUNDS, round_se
             if left <= 0:
                 break
         pair.control.send(
-            tr.FrameType.RDMA_WARM, WARM.pack(rdma.setup_attempt, round_no, int(received), 0)
+            tr.FrameType.RDMA_WARM, WARM_ROUND.pack(rdma.setup_attempt, round_no, int(received), 0)
         )
         _, payload = pair.control.recv(tr.FrameType.RDMA_WARM)
-        if len(payload) != WARM.size:
-            raise tr.FrameError(f"RDMA_WARM payload is {len(payload)} bytes, expected {WARM.size}")
-        p_attempt, p_round, p_received, _ = WARM.unpack(payload)
+        if len(payload) != WARM_ROUND.size:
+            raise tr.FrameError(f"RDMA_WARM payload is {len(payload)} bytes, expected {WARM_ROUND.size}")
+        p_attempt, p_round, p_received, _ = WARM_ROUND.unpack(payload)
         if (p_attempt, p_round) != (rdma.setup_attempt, round_no):
             raise tr.DesyncError(
                 f"warm-up desync: the peer is at setup attempt {p_attempt} round {p_round}, "
@@ -144,15 +137,17 @@ def connect_queue_pair(pair: tr.Pair, rdma: tr.RdmaGates) -> None:
     ready_barrier(pair)
 
 
-def bring_up_rdma(pair: tr.Pair) -> None:
+def bring_up_rdma(pair: tr.Pair) -> Optional[tr.RdmaGates]:
     """Open the device, build, connect and warm the queue pair, re-creating
-    it after a failed warm-up. With transport="auto" any failure makes both
-    ranks fall back to TCP together, loudly; with "rdma" both fail."""
+    it after a failed warm-up; returns the proven gates for the pair to attach
+    (pair.attach_rdma). With transport="auto" any failure makes both ranks
+    return None together, loudly, and fall back to TCP; with "rdma" both
+    raise RdmaUnavailableError."""
     strict = pair.config.transport == "rdma"
     rdma = None
     try:
         try:
-            rdma = tr.RdmaGates(pair)
+            rdma = pair.open_rdma()
             rdma.build(0)
             ok, message = True, ""
         except (TransportError, OSError) as exc:
@@ -166,32 +161,29 @@ def bring_up_rdma(pair: tr.Pair) -> None:
                 failures.append(f"this side ({tr.ROLE_NAMES[pair.rank]}): {message}")
             if not peer_ok:
                 failures.append(f"the {pair.peer_name}: {peer_message}")
-            _give_up(pair, rdma, strict, "rdma device setup failed on " + "; ".join(failures))
-            return
-        _warm_loop(pair, rdma, strict)
+            return _give_up(rdma, strict, "rdma device setup failed on " + "; ".join(failures))
+        return _warm_loop(pair, rdma, strict)
     except BaseException:
-        if rdma is not None and pair.rdma is not rdma:
+        if rdma is not None:
             rdma.close()
         raise
 
 
-def _warm_loop(pair: tr.Pair, rdma: tr.RdmaGates, strict: bool) -> None:
+def _warm_loop(pair: tr.Pair, rdma: tr.RdmaGates, strict: bool) -> Optional[tr.RdmaGates]:
     started = time.monotonic()
     setup_attempt = 0
     while True:
         connect_queue_pair(pair, rdma)
-        if warmup_disabled():
+        if pair.config.disable_warmup:
             tr.log("rdma warm-up skipped (DS4_TP_DISABLE_RDMA_WARMUP is set): a dead direction "
                    "will surface as a timeout in the first gate")
-            pair.rdma = rdma
-            return
+            return rdma
         warm_started = time.monotonic()
         try:
             used = warm_up(pair, rdma)
         except WarmupFailed as exc:
             if setup_attempt >= MAX_SETUP_ATTEMPT:
-                _give_up(pair, rdma, strict, f"{exc} on all {setup_attempt + 1} queue pair builds")
-                return
+                return _give_up(rdma, strict, f"{exc} on all {setup_attempt + 1} queue pair builds")
             setup_attempt += 1
             tr.log(f"{exc}; recreating the queue pair (setup attempt {setup_attempt})")
             rdma.build(setup_attempt)
@@ -205,16 +197,15 @@ def _warm_loop(pair: tr.Pair, rdma: tr.RdmaGates, strict: bool) -> None:
             f" [build {setup_attempt + 1}, warm-up {rdma.warmup_ms:.1f} ms, queue pair bring-up "
             f"{1000 * (now - started):.1f} ms]"
         )
-        pair.rdma = rdma
-        return
+        return rdma
 
 
-def _give_up(pair: tr.Pair, rdma, strict: bool, reason: str) -> None:
+def _give_up(rdma: Optional[tr.RdmaGates], strict: bool, reason: str) -> None:
+    """Both ranks reach this point from the same exchanged outcome, so both
+    stop (transport=rdma) or both fall back to TCP (transport=auto)."""
     if rdma is not None:
         rdma.close()
     if strict:
         raise RdmaUnavailableError(f"{reason}; transport=rdma requested, stopping")
-    # Both ranks reach this point from the same exchanged outcome.
     tr.log(f"WARNING: {reason}; falling back to TCP gates (transport=auto)")
-    pair.transport = "tcp"
-    pair.rdma = None
+    return None

@@ -55,7 +55,7 @@ def main(argv) -> int:
         at(phase)
         block()
     if phase in ("backlog", "accepted"):
-        listener = tr._listen(host, port)
+        listener = tr.listen_socket(host, port)
         if phase == "backlog":
             select.select([listener], [], [])  # a connection is pending
         else:
@@ -63,7 +63,7 @@ def main(argv) -> int:
         at(phase)
         block()
     if phase in ("dialed", "hello-sent"):
-        sock = tr._dial(host, port, deadline, "control")
+        sock = tr.dial(host, port, deadline, "control")
         if phase == "hello-sent":
             hello = tr.Hello(role=tr.WORKER, transport=transport, rdma_ok=transport == "rdma",
                              rdma_reason="", session_id=0, identity=identity)
@@ -83,7 +83,7 @@ def main(argv) -> int:
         pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device))
         if pair.transport != "rdma":
             raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
-        rdma = tr.RdmaGates(pair)
+        rdma = pair.open_rdma()
         rdma.build(0)
         warmup.exchange_status(pair, True, "")
         if phase == "rdma-info":

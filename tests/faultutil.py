@@ -14,12 +14,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(TESTS, "fault_driver.py")
 TAG_ENV = "DS4_TP_FAULT_TAG"
 
-# The `ds4tp` CLI with the leader's hello timeout lowered (the module constant
-# tests may set); everything else is the shipped command.
-CLI_WITH_HELLO_TIMEOUT = (
-    "import sys; import mlx_ds4tp.transport as tr; tr.HELLO_TIMEOUT_SEC = float(sys.argv[1]); "
-    "from mlx_ds4tp.cli import main; sys.exit(main(sys.argv[2:]))"
-)
+# Lowers the leader's hello timeout of the shipped `ds4tp` command in the cases that need it.
+HELLO_TIMEOUT_ENV = "DS4_TP_HELLO_TIMEOUT_SEC"
 
 
 class Stream:

@@ -31,7 +31,7 @@ import uuid
 
 import pytest
 
-from faultutil import CLI_WITH_HELLO_TIMEOUT, DRIVER, TAG_ENV, Watched, reap, tagged_processes
+from faultutil import DRIVER, HELLO_TIMEOUT_ENV, TAG_ENV, Watched, reap, tagged_processes
 from pairutil import free_port
 
 STOP_TIMEOUT = 3.0  # DS4_TP_TIMEOUT_SEC for SIGSTOP cases: detection is the timeout
@@ -84,8 +84,8 @@ class Case:
         self.env = {"DS4_TP_TIMEOUT_SEC": str(self.timeout), TAG_ENV: self.tag}
         self.watched = []
 
-    def _spawn(self, args, name, **kw) -> Watched:
-        w = Watched(self.procs.spawn(args, env=self.env, **kw), name)
+    def _spawn(self, args, name, env=None, **kw) -> Watched:
+        w = Watched(self.procs.spawn(args, env={**self.env, **(env or {})}, **kw), name)
         self.watched.append(w)
         return w
 
@@ -94,14 +94,14 @@ class Case:
         return args + ["--rdma-device", "ucsim"] if self.transport == "rdma" else args
 
     def cli(self, role: str, max_tokens: int = 8, hello_timeout: float = None) -> Watched:
-        args = ["-m", "mlx_ds4tp"] if hello_timeout is None else ["-c", CLI_WITH_HELLO_TIMEOUT, str(hello_timeout)]
-        args += ["run", "--model", self.model, "--max-tokens", str(max_tokens), "--no-chat-template",
-                 *self.transport_args()]
+        env = {} if hello_timeout is None else {HELLO_TIMEOUT_ENV: str(hello_timeout)}
+        args = ["-m", "mlx_ds4tp", "run", "--model", self.model, "--max-tokens", str(max_tokens),
+                "--no-chat-template", *self.transport_args()]
         if role == "leader":
             args += ["--prompt", "a long story", "--role", "leader", "--listen", "127.0.0.1", str(self.port)]
         else:
             args += ["--role", "worker", "--coordinator", "127.0.0.1", str(self.port)]
-        return self._spawn(args, f"ds4tp run {role}")
+        return self._spawn(args, f"ds4tp run {role}", env=env)
 
     def driver(self, phase: str, role: str, **kw) -> Watched:
         return self._spawn([DRIVER, phase, role, "127.0.0.1", str(self.port), self.transport, self.model],

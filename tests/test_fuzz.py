@@ -33,7 +33,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_ds4tp import lockstep, warmup
+from mlx_ds4tp import _wire as wire
+from mlx_ds4tp import lockstep
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import (
     FrameError,
@@ -67,23 +68,23 @@ def valid_hello(role: int = 1) -> tr.Hello:
 def valid_payloads() -> dict:
     """A well-formed payload for each frame type, as the code that sends it builds it."""
     known = {
-        F.SYNC: lockstep.SYNC_HEADER.pack(1, 3, 0) + np.array([5, 6, 7], "<i4").tobytes(),
-        F.EVAL: lockstep.EVAL.pack(1, 1, 42, 0),
+        F.SYNC: wire.SYNC_HEADER.pack(1, 3, 0) + np.array([5, 6, 7], "<i4").tobytes(),
+        F.EVAL: wire.EVAL_PAYLOAD.pack(1, 1, 42, 0),
         F.REWIND: struct.pack("<QQ", 1, 4),
         F.INVALIDATE: struct.pack("<Q", 1),
         F.STOP: b"",
-        F.HASH: lockstep.HASH.pack(1, 2, 0x1234),
-        F.RDMA_INFO: tr.RDMA_INFO.pack(0x11, 0x22, 1024, 0, 1, bytes(10) + b"\xff\xff\x7f\x00\x00\x01"),
+        F.HASH: wire.HASH_PAYLOAD.pack(1, 2, 0x1234),
+        F.RDMA_INFO: wire.RDMA_INFO.pack(0x11, 0x22, 1024, 0, 1, bytes(10) + b"\xff\xff\x7f\x00\x00\x01"),
         F.RDMA_READY: b"",
         F.LOGITS: np.arange(64, dtype="<f4").tobytes(),
-        F.SESSION_CREATE: lockstep.SESSION.pack(1, 16, 0),
-        F.SESSION_DESTROY: lockstep.SESSION.pack(1, 0, 0),
-        F.COMMAND_ACK: lockstep.ACK.pack(1, 0),
-        F.RDMA_WARM: warmup.WARM.pack(0, 1, 1, 0),
+        F.SESSION_CREATE: wire.SESSION_PAYLOAD.pack(1, 16, 0),
+        F.SESSION_DESTROY: wire.SESSION_PAYLOAD.pack(1, 0, 0),
+        F.COMMAND_ACK: wire.ACK_PAYLOAD.pack(1, 0),
+        F.RDMA_WARM: wire.WARM_ROUND.pack(0, 1, 1, 0),
         F.RDMA_POSTED: struct.pack("<I", 1),
         F.HELLO: valid_hello().pack(),
         F.ERROR: b"model mismatch: hidden is 64 here and 128 on the worker",
-        F.RDMA_STATUS: warmup.STATUS.pack(1, 2) + b"ok",
+        F.RDMA_STATUS: wire.STATUS.pack(1, 2) + b"ok",
         F.AUTH: bytes(32),
     }
     # A frame type added later still gets fuzzed, with a plain payload.
@@ -303,10 +304,8 @@ class AllocationSpy:
 
 
 @pytest.fixture
-def alloc_spy(monkeypatch):
-    spy = AllocationSpy()
-    monkeypatch.setattr(tr, "bytearray", spy, raising=False)
-    return spy
+def alloc_spy():
+    return AllocationSpy()
 
 
 class Hang(BaseException):
@@ -349,7 +348,7 @@ def run_channel(data: bytes, expect: Optional[F], spy: AllocationSpy):
     try:
         a.sendall(data)
         a.shutdown(socket.SHUT_WR)
-        ch = tr.ControlChannel(b, 2.0)
+        ch = tr.ControlChannel(b, 2.0, alloc=spy)
         spy.sizes.clear()
         frames = []
         while True:
@@ -407,6 +406,8 @@ def random_hello_payload(r) -> bytes:
         return r.randbytes(r.randint(0, 200))
     h = valid_hello(r.randint(0, 1))
     h.rdma_reason = r.choice(["", "x" * r.randint(0, 600), "no verbs devices \u00e9\u4e2d"])
+    if r.random() < 0.5:  # a rank with a model fingerprint
+        h.fingerprint = r.randbytes(tr.FINGERPRINT_SUMMARY.size)
     d = h.pack()
     for _ in range(r.randint(0, 3)):
         if not d:
@@ -558,11 +559,11 @@ def worker_script(r) -> Tuple[bytes, str, int]:
     s = r.randrange(1, 1 << 16)
     toks = [r.randrange(VOCAB) for _ in range(r.randint(1, 8))]
     frames = [
-        frame(F.SESSION_CREATE, lockstep.SESSION.pack(s, 16, 0)),
-        frame(F.SYNC, lockstep.SYNC_HEADER.pack(s, len(toks), 0) + np.array(toks, "<i4").tobytes()),
-        frame(F.EVAL, lockstep.EVAL.pack(s, 1, r.randrange(VOCAB), 0)),
-        frame(F.EVAL, lockstep.EVAL.pack(s, 2, r.randrange(VOCAB), 0)),
-        frame(F.SESSION_DESTROY, lockstep.SESSION.pack(s, 0, 0)),
+        frame(F.SESSION_CREATE, wire.SESSION_PAYLOAD.pack(s, 16, 0)),
+        frame(F.SYNC, wire.SYNC_HEADER.pack(s, len(toks), 0) + np.array(toks, "<i4").tobytes()),
+        frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s, 1, r.randrange(VOCAB), 0)),
+        frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s, 2, r.randrange(VOCAB), 0)),
+        frame(F.SESSION_DESTROY, wire.SESSION_PAYLOAD.pack(s, 0, 0)),
         frame(F.STOP),
     ]
     bad_token = r.choice([VOCAB, VOCAB + 1, -1, -(2**31), 2**31 - 1, r.randrange(VOCAB, 2**31)])
@@ -574,14 +575,14 @@ def worker_script(r) -> Tuple[bytes, str, int]:
         "insert-random": lambda: frames.insert(r.randrange(len(frames) + 1), mutated_stream(r)),
         "delete": lambda: frames.pop(r.randrange(len(frames))),
         "swap": lambda: _swap(r, frames),
-        "eval-bad-token": lambda: frames.__setitem__(2, frame(F.EVAL, lockstep.EVAL.pack(s, 1, bad_token, 0))),
-        "sync-bad-token": lambda: frames.__setitem__(1, frame(F.SYNC, lockstep.SYNC_HEADER.pack(s, 2, 0)
+        "eval-bad-token": lambda: frames.__setitem__(2, frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s, 1, bad_token, 0))),
+        "sync-bad-token": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(s, 2, 0)
                                                              + np.array([3, bad_token], "<i4").tobytes())),
-        "sync-empty": lambda: frames.__setitem__(1, frame(F.SYNC, lockstep.SYNC_HEADER.pack(s, 0, 0))),
-        "sync-count": lambda: frames.__setitem__(1, frame(F.SYNC, lockstep.SYNC_HEADER.pack(
+        "sync-empty": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(s, 0, 0))),
+        "sync-count": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(
             s, r.choice([0, len(toks) + 1, 2**32 - 1]), 0) + np.array(toks, "<i4").tobytes())),
-        "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL, lockstep.EVAL.pack(s + 1, 1, 7, 0))),
-        "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, lockstep.HASH.pack(s, 1, _u32(r)))),
+        "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s + 1, 1, 7, 0))),
+        "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, wire.HASH_PAYLOAD.pack(s, 1, _u32(r)))),
         "cut": lambda: None,
     }
     name = r.choice(list(ops) + ["mutate"] * 4)
@@ -638,7 +639,7 @@ def run_worker_case(model, data: bytes, name: str) -> str:
                 assert "EOF" in str(exc), f"the worker wrote a truncated reply: {exc}"
                 break
             assert ftype in (F.COMMAND_ACK, F.HASH), ftype
-            assert len(payload) == (lockstep.ACK.size if ftype == F.COMMAND_ACK else lockstep.HASH.size)
+            assert len(payload) == (wire.ACK_PAYLOAD.size if ftype == F.COMMAND_ACK else wire.HASH_PAYLOAD.size)
         if name == "none":
             assert outcome == "served 1", outcome
         return outcome
@@ -773,15 +774,14 @@ def _stranger(
         s.close()
 
 
-def test_leader_drops_strangers_and_keeps_waiting(monkeypatch, capfd):
+def test_leader_drops_strangers_and_keeps_waiting(capfd):
     """Scanner, curl, TLS, SSH, garbage, oversized and wrong-type frames, an
     ERROR frame, a truncated hello, and three that go silent (after connecting,
     mid-header, mid-hello): each is logged and dropped, silent ones after the
     short hello timeout, and the real worker then joins."""
     hello_timeout = 0.5
-    monkeypatch.setattr(tr, "HELLO_TIMEOUT_SEC", hello_timeout)
     port = free_port()
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=60.0)
+    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=60.0, hello_timeout=hello_timeout)
     wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=60.0)
     hello = frame(F.HELLO, valid_hello().pack())
     strangers = [
@@ -831,14 +831,13 @@ def test_leader_drops_strangers_and_keeps_waiting(monkeypatch, capfd):
     assert elapsed < 3 * hello_timeout + 10, elapsed
 
 
-def test_half_hello_then_silence_holds_the_leader_only_for_the_hello_timeout(monkeypatch, capfd):
+def test_half_hello_then_silence_holds_the_leader_only_for_the_hello_timeout(capfd):
     """A client that sends half a hello and goes silent while the real worker
     is already dialing: the worker is in within the hello timeout, not the
     (much longer) connect timeout."""
     hello_timeout = 1.0
-    monkeypatch.setattr(tr, "HELLO_TIMEOUT_SEC", hello_timeout)
     port = free_port()
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=60.0)
+    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=60.0, hello_timeout=hello_timeout)
     wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=60.0)
     hello = frame(F.HELLO, valid_hello().pack())
     result = {}
@@ -868,8 +867,14 @@ def test_half_hello_then_silence_holds_the_leader_only_for_the_hello_timeout(mon
     assert worker_wait < hello_timeout + 1.0, worker_wait
     assert hello_timeout - 0.1 <= result["held"] < hello_timeout + 1.0, result
     assert "that sent no valid hello" in capfd.readouterr().err
-    assert tr.HELLO_TIMEOUT_SEC == hello_timeout  # the constant tests (and users) can lower
+    assert lp.config.hello_timeout == hello_timeout
 
 
-def test_default_hello_timeout_is_short():
-    assert 0 < tr.HELLO_TIMEOUT_SEC <= 10.0
+def test_default_hello_timeout_is_short(monkeypatch):
+    monkeypatch.delenv("DS4_TP_HELLO_TIMEOUT_SEC", raising=False)
+    assert 0 < tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).hello_timeout <= 10.0
+    monkeypatch.setenv("DS4_TP_HELLO_TIMEOUT_SEC", "0.25")
+    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).hello_timeout == 0.25
+    monkeypatch.setenv("DS4_TP_HELLO_TIMEOUT_SEC", "never")
+    with pytest.raises(ValueError, match="DS4_TP_HELLO_TIMEOUT_SEC='never' is not a number"):
+        tr.PairConfig(role="leader", listen=("127.0.0.1", 1))

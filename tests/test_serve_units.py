@@ -231,7 +231,7 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
     from mlx_ds4tp.sessions import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch)
-    from mlx_ds4tp.lockstep import SYNC_HEADER
+    from mlx_ds4tp._wire import SYNC_HEADER
     from mlx_ds4tp.tiny_model import save_llama
     from mlx_lm import load
 

@@ -79,20 +79,21 @@ def test_unknown_frame_type():
         b.recv()
 
 
-def test_oversized_header_is_refused_before_allocation(monkeypatch):
-    a, b = channel_pair()
-    a.sock.sendall(raw_header(tr.MAGIC, tr.FrameType.EVAL, 0xFFFFFFFF))
+def test_oversized_header_is_refused_before_allocation():
+    a, b = socket.socketpair()
     allocated = []
-    real = bytearray
 
-    def spy(*args):  # the payload buffer must never be created
-        allocated.append(args)
-        return real(*args)
+    def spy(n):  # the payload buffer must never be created
+        allocated.append(n)
+        return bytearray(n)
 
-    monkeypatch.setattr(tr, "bytearray", spy, raising=False)
+    ch = tr.ControlChannel(b, 5.0, alloc=spy)
+    a.sendall(raw_header(tr.MAGIC, tr.FrameType.EVAL, 0xFFFFFFFF))
     with pytest.raises(FrameError, match="4294967295 bytes, over its 64-byte bound"):
-        b.recv()
-    assert not [x for x in allocated if x and x[0] == 0xFFFFFFFF]
+        ch.recv()
+    assert allocated == []
+    a.sendall(raw_header(tr.MAGIC, tr.FrameType.EVAL, 3) + b"abc")
+    assert ch.recv() == (tr.FrameType.EVAL, b"abc") and allocated == [3]
 
 
 def test_truncated_frame_eof_mid_payload():
@@ -162,7 +163,7 @@ def test_hello_bad_magic_and_version():
         tr.Hello.unpack(h.pack())
     h = hello()
     h.version = 99
-    with pytest.raises(HelloMismatchError, match="peer speaks 99, this side 1"):
+    with pytest.raises(HelloMismatchError, match=f"peer speaks 99, this side {tr.PROTOCOL_VERSION}"):
         tr.Hello.unpack(h.pack())
 
 
@@ -532,11 +533,11 @@ def test_auto_without_a_device_falls_back_to_tcp_with_one_log_line(capfd):
     assert all("transport=tcp" in ln and "no verbs devices" in ln for ln in lines), lines
 
 
-def test_stranger_between_hello_and_data_connection_is_dropped(monkeypatch, capfd):
+def test_stranger_between_hello_and_data_connection_is_dropped(capfd):
     """A client that connects in the moment between the worker's hello and its
     gate data connection is dropped; the worker's own data connection wins."""
     port = free_port()
-    real_dial = tr._dial
+    real_dial = tr.dial
 
     def dial_with_a_stranger_first(host, p, deadline, what):
         if what == "gate data":
@@ -546,10 +547,9 @@ def test_stranger_between_hello_and_data_connection_is_dropped(monkeypatch, capf
                 stranger.close()
         return real_dial(host, p, deadline, what)
 
-    monkeypatch.setattr(tr, "_dial", dial_with_a_stranger_first)
     lc = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
     wc = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
-    lp, wp = both_ok(lambda: tr.connect(lc), lambda: tr.connect(wc))
+    lp, wp = both_ok(lambda: tr.connect(lc), lambda: tr.connect(wc, dial=dial_with_a_stranger_first))
     a, b = np.ones(16, np.float32), np.full(16, 2.0, np.float32)
     ra, rb = np.empty_like(a), np.empty_like(b)
     both_ok(lambda: lp.gate(a, ra), lambda: wp.gate(b, rb))
@@ -595,7 +595,7 @@ def test_tcp_gates_are_exact_whatever_the_polling(spin_us):
         # The raw floor waits the same way.
         a, b = np.ones(4096, np.float32), np.full(4096, 3.0, np.float32)
         ra, rb = np.empty_like(a), np.empty_like(b)
-        both_ok(lambda: tr.raw_exchange(lg.pair.tcp, a, ra), lambda: tr.raw_exchange(wg.pair.tcp, b, rb))
+        both_ok(lambda: lg.pair.tcp.raw_exchange(a, ra), lambda: wg.pair.tcp.raw_exchange(b, rb))
         assert np.array_equal(ra, b) and np.array_equal(rb, a)
     finally:
         lg.close()
@@ -659,7 +659,6 @@ def test_tcp_spin_env_and_default(monkeypatch):
     monkeypatch.setenv("DS4_TP_TCP_SPIN_US", "250")
     assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == 250
     monkeypatch.delenv("DS4_TP_TCP_SPIN_US")
-    monkeypatch.setattr(tr.os, "cpu_count", lambda: 1)
-    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == 0
-    monkeypatch.setattr(tr.os, "cpu_count", lambda: 8)
-    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == 5000
+    assert tr.tcp_spin_us({}, cpu_count=1) == tr.default_tcp_spin_us(1) == 0
+    assert tr.tcp_spin_us({}, cpu_count=8) == tr.default_tcp_spin_us(8) == 5000
+    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == tr.tcp_spin_us({})

@@ -1,0 +1,194 @@
+"""The wire format's one home (_wire.py, its table true to the code), every
+DS4_TP_* knob resolved once by PairConfig, and the pair attaching its RDMA
+gates (or falling back) itself."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+import mlx_ds4tp
+from mlx_ds4tp import _wire as wire
+from mlx_ds4tp import transport as tr
+from pairutil import both_ok, free_port
+
+PKG = os.path.dirname(mlx_ds4tp.__file__)
+KNOBS = ("DS4_TP_UCSIM_FAULTS", "DS4_TP_RDMA_NO_IMM", "DS4_TP_DISABLE_RDMA_WARMUP",
+         "DS4_TP_TEST_NO_POSTED_BARRIER", "DS4_TP_TEST_WARMUP_DELAY_MS", "DS4_TP_HELLO_TIMEOUT_SEC",
+         "DS4_TP_TIMEOUT_SEC", "DS4_TP_TCP_SPIN_US", "DS4_TP_SECRET")
+
+
+def leader_config(**kw) -> tr.PairConfig:
+    return tr.PairConfig(role="leader", listen=("127.0.0.1", 1), **kw)
+
+
+# ============================================================================
+# _wire.py
+# ============================================================================
+
+
+def test_the_table_lists_every_frame_type_with_its_bound():
+    rows = {}
+    for line in wire.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in tr.FrameType.__members__:
+            rows[cells[0]] = int(cells[2])
+    assert rows == {f.name: tr.FRAME_MAX_BYTES[f] for f in tr.FrameType}
+
+
+def test_layouts_and_magics_are_defined_only_in_the_wire_module():
+    """A struct layout or a DS4x / WARM magic written anywhere else in the
+    package is a second copy of the protocol; it belongs in _wire.py."""
+    magic = re.compile(r"0x(4453|5741524D)", re.IGNORECASE)
+    offenders = []
+    for name in sorted(os.listdir(PKG)):
+        if not name.endswith(".py") or name == "_wire.py":
+            continue
+        text = open(os.path.join(PKG, name)).read()
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "Struct"):
+                offenders.append(f"{name}:{node.lineno} struct.Struct")
+        for i, line in enumerate(text.splitlines(), 1):
+            if magic.search(line.split("#")[0]):
+                offenders.append(f"{name}:{i} magic {magic.search(line).group(0)}")
+    assert not offenders, "move these into mlx_ds4tp/_wire.py: " + ", ".join(offenders)
+
+
+def test_every_exception_is_defined_in_errors_and_exported():
+    from mlx_ds4tp import errors
+
+    defined_elsewhere = []
+    for name in sorted(os.listdir(PKG)):
+        if name.endswith(".py") and name != "errors.py":
+            tree = ast.parse(open(os.path.join(PKG, name)).read())
+            defined_elsewhere += [f"{name}: {n.name}" for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+                                  and any(getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception"))
+                                          for b in n.bases)]
+    assert not defined_elsewhere, defined_elsewhere
+    classes = [n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)]
+    assert set(classes) <= set(mlx_ds4tp.__all__), set(classes) - set(mlx_ds4tp.__all__)
+
+
+# ============================================================================
+# PairConfig: every knob once
+# ============================================================================
+
+
+def test_defaults_without_any_knob(monkeypatch):
+    for name in KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    c = leader_config()
+    assert (c.timeout, c.hello_timeout, c.secret) == (300.0, 10.0, None)
+    assert (c.ucsim_faults, c.rdma_no_imm, c.disable_warmup) == ("", False, False)
+    assert (c.test_no_posted_barrier, c.test_warmup_delay_ms) == (False, 0.0)
+
+
+def test_every_knob_is_read_from_the_environment(monkeypatch):
+    env = {"DS4_TP_UCSIM_FAULTS": "drop=l2w:1", "DS4_TP_RDMA_NO_IMM": "1",
+           "DS4_TP_DISABLE_RDMA_WARMUP": "yes", "DS4_TP_TEST_NO_POSTED_BARRIER": "1",
+           "DS4_TP_TEST_WARMUP_DELAY_MS": "200", "DS4_TP_HELLO_TIMEOUT_SEC": "0.5",
+           "DS4_TP_TIMEOUT_SEC": "7", "DS4_TP_TCP_SPIN_US": "10", "DS4_TP_SECRET": "s"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    c = leader_config()
+    assert (c.ucsim_faults, c.rdma_no_imm, c.disable_warmup) == ("drop=l2w:1", True, True)
+    assert (c.test_no_posted_barrier, c.test_warmup_delay_ms) == (True, 200.0)
+    assert (c.hello_timeout, c.timeout, c.tcp_spin_us, c.secret) == (0.5, 7.0, 10, b"s")
+    # "0" switches a switch off.
+    monkeypatch.setenv("DS4_TP_RDMA_NO_IMM", "0")
+    monkeypatch.setenv("DS4_TP_DISABLE_RDMA_WARMUP", "0")
+    c = leader_config()
+    assert (c.rdma_no_imm, c.disable_warmup) == (False, False)
+
+
+def test_fields_given_override_the_environment(monkeypatch):
+    monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop=l2w:1")
+    monkeypatch.setenv("DS4_TP_DISABLE_RDMA_WARMUP", "1")
+    monkeypatch.setenv("DS4_TP_HELLO_TIMEOUT_SEC", "3")
+    c = leader_config(ucsim_faults="", disable_warmup=False, hello_timeout=0.25)
+    assert (c.ucsim_faults, c.disable_warmup, c.hello_timeout) == ("", False, 0.25)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"hello_timeout": 0}, "hello_timeout=0 must be > 0 seconds"),
+    ({"hello_timeout": "5"}, "hello_timeout='5' must be > 0 seconds"),
+    ({"timeout": True}, "timeout=True must be > 0 seconds"),
+])
+def test_bad_fields_are_refused(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        leader_config(**kw)
+
+
+@pytest.mark.parametrize("name, raw, message", [
+    ("DS4_TP_HELLO_TIMEOUT_SEC", "-1", "DS4_TP_HELLO_TIMEOUT_SEC='-1' must be > 0 seconds"),
+    ("DS4_TP_TEST_WARMUP_DELAY_MS", "soon", "DS4_TP_TEST_WARMUP_DELAY_MS='soon' is not a number"),
+    ("DS4_TP_TEST_WARMUP_DELAY_MS", "-5", "DS4_TP_TEST_WARMUP_DELAY_MS='-5' must be >= 0"),
+])
+def test_bad_environment_values_are_refused_before_connecting(monkeypatch, name, raw, message):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        leader_config()
+
+
+# ============================================================================
+# The pair attaches its gates itself
+# ============================================================================
+
+
+def connected_pairs(transport: str):
+    port = free_port()
+    kw = {"transport": transport, "timeout": 10.0}
+    probe = (lambda: tr.rdma_probe("ucsim")) if transport == "rdma" else None
+    return both_ok(
+        lambda: tr.connect(tr.PairConfig(role="leader", listen=("127.0.0.1", port),
+                                         rdma_device="ucsim", **kw), rdma_probe=probe),
+        lambda: tr.connect(tr.PairConfig(role="worker", coordinator=("127.0.0.1", port),
+                                         rdma_device="ucsim", **kw), rdma_probe=probe),
+    )
+
+
+def test_a_pair_without_proven_rdma_falls_back_to_tcp_gates():
+    lp, wp = connected_pairs("rdma")
+    try:
+        assert lp.transport == wp.transport == "rdma" and lp.rdma is None
+        for p in (lp, wp):
+            p.attach_rdma(None)
+        assert lp.transport == wp.transport == "tcp" and lp.rdma is None
+        out = both_ok(lambda: _gate(lp, 1.0), lambda: _gate(wp, 2.0))
+        assert out == (2.0, 1.0)
+        with pytest.raises(ValueError, match="transport is 'tcp', not 'rdma'"):
+            lp.attach_rdma(None)
+    finally:
+        lp.close()
+        wp.close()
+
+
+def test_bring_up_returns_the_gates_and_the_pair_attaches_them():
+    from mlx_ds4tp import warmup
+
+    lp, wp = connected_pairs("rdma")
+    try:
+        gates = both_ok(lambda: warmup.bring_up_rdma(lp), lambda: warmup.bring_up_rdma(wp))
+        assert all(isinstance(g, tr.RdmaGates) for g in gates)
+        assert lp.rdma is None and wp.rdma is None  # bring-up leaves the pair alone
+        lp.attach_rdma(gates[0])
+        wp.attach_rdma(gates[1])
+        assert (lp.rdma, wp.rdma) == gates and lp.transport == "rdma"
+        assert both_ok(lambda: _gate(lp, 3.0), lambda: _gate(wp, 4.0)) == (4.0, 3.0)
+    finally:
+        lp.close()
+        wp.close()
+
+
+def _gate(pair, value: float) -> float:
+    import numpy as np
+
+    send = np.full(4096, value, np.float32)
+    recv = np.empty_like(send)
+    pair.gate(send, recv)
+    assert np.all(recv == recv[0])
+    return float(recv[0])
