@@ -63,16 +63,25 @@ class SessionSampler:
     alone after mx.random.seed(seed), however many other sessions sample in between."""
 
     def __init__(self, options: SamplingOptions, prompt_tokens: List[int]):
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+        from mlx_lm.sample_utils import make_logits_processors
 
         self.options = options
         self.history = list(prompt_tokens)
-        self.sampler = make_sampler(options.temperature, top_p=options.top_p, min_p=options.min_p,
-                                    top_k=options.top_k)
+        self.sampler: Optional[Callable[[mx.array], mx.array]] = None
         self.processors = make_logits_processors(
             repetition_penalty=options.repetition_penalty or None,
             repetition_context_size=options.repetition_context_size)
         self._rng_seed = options.seed
+
+    def _make_sampler(self, vocab: int) -> Callable[[mx.array], mx.array]:
+        from mlx_lm.sample_utils import make_sampler
+
+        # mlx-lm refuses top_k >= vocabulary (and an exception inside its compiled sampler
+        # leaves MLX unable to run it again in this process); keeping every token is what
+        # such a top_k means, so it is off.
+        o = self.options
+        top_k = o.top_k if o.top_k < vocab else 0
+        return make_sampler(o.temperature, top_p=o.top_p, min_p=o.min_p, top_k=top_k)
 
     def sample(self, logits: mx.array) -> int:
         """The next token from one row of logits ([1, vocab]); records it in the history."""
@@ -81,6 +90,8 @@ class SessionSampler:
             for processor in self.processors:
                 logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.sampler is None:
+            self.sampler = self._make_sampler(logits.shape[-1])
         if self._rng_seed is not None and self.options.temperature > 0:
             # MLX has one global generator: put this session's state in, draw, take it out.
             mx.random.seed(self._rng_seed)

@@ -30,12 +30,14 @@ class ServeState:
     """What the handler threads share: the engine and the server's fixed answers."""
 
     def __init__(self, engine: Engine, tokenizer, model_id: str, *, api_key: Optional[str],
-                 context_length: int, default_max_tokens: int, defaults: SamplingOptions):
+                 context_length: int, vocab_size: int, default_max_tokens: int,
+                 defaults: SamplingOptions):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.api_key = api_key
         self.context_length = context_length
+        self.vocab_size = vocab_size
         self.default_max_tokens = default_max_tokens
         self.defaults = defaults
         self.created = int(time.time())
@@ -168,7 +170,8 @@ class Handler(BaseHTTPRequestHandler):
         s = self.state
         return parse_request(body, kind, s.tokenizer, model_ids=[s.model_id],
                              default_max_tokens=s.default_max_tokens,
-                             context_length=s.context_length, defaults=s.defaults)
+                             context_length=s.context_length, vocab_size=s.vocab_size,
+                             defaults=s.defaults)
 
     def _events(self, request: Request):
         """The request's events until done; ApiError(503) when the pair fails. Text that

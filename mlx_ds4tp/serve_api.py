@@ -101,25 +101,25 @@ def chat_prompt(tokenizer, messages: Any) -> List[int]:
     return list(tokenizer.encode(convert_chat(plain)))
 
 
-def text_prompt(tokenizer, prompt: Any) -> List[int]:
-    """The tokens of a completion prompt: a string, a one-string list or token ids."""
+def text_prompt(tokenizer, prompt: Any, vocab_size: int) -> List[int]:
+    """The tokens of a completion prompt: a string, a one-string list or token ids (each
+    checked against the model's vocabulary: an id past it would stop the pair)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
-        vocab = getattr(tokenizer, "vocab_size", None)
-        bad = [t for t in prompt if t < 0 or (vocab and t >= vocab)]
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
-            raise ApiError(400, f"'prompt' holds token id {bad[0]}, outside the vocabulary",
-                           "prompt", "invalid_value")
+            raise ApiError(400, f"'prompt' holds token id {bad[0]}, outside the model's vocabulary "
+                           f"[0, {vocab_size})", "prompt", "invalid_value")
         return list(prompt)
     raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
 
 
 def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], default_max_tokens: int,
-                  context_length: int, defaults: SamplingOptions) -> ParsedRequest:
+                  context_length: int, vocab_size: int, defaults: SamplingOptions) -> ParsedRequest:
     """Check every field of a completion request and tokenize its prompt."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
@@ -160,7 +160,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
     else:
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", "prompt", "missing_field")
-        prompt = text_prompt(tokenizer, body["prompt"])
+        prompt = text_prompt(tokenizer, body["prompt"], vocab_size)
         where = "prompt"
     if not prompt:
         raise ApiError(400, f"'{where}' encodes to zero tokens", where, "invalid_value")

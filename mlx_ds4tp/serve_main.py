@@ -55,6 +55,7 @@ def run(args, address: Tuple[str, int], model_path: Path) -> int:
                         debug_hash=args.debug_hash)
         state = ServeState(engine, tokenizer, args.model, api_key=args.api_key,
                            context_length=context_length(model, config),
+                           vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]),
                            default_max_tokens=args.max_tokens, defaults=options_from_args(args))
         server = make_server(state, args.host, args.port)
         engine.start()

@@ -158,11 +158,15 @@ def test_bad_chat_input_is_a_4xx_then_service_continues(pair, model_dir, body, s
     assert r.choices[0].text == reference(model_dir, text_ids(model_dir, prompt), 5)
 
 
-def test_prompt_longer_than_context_and_wrong_key(pair, model_dir):
+def test_prompt_longer_than_context_token_past_the_vocabulary_and_wrong_key(pair, model_dir):
     code, answer = post_raw(pair, "/v1/completions", json.dumps(
         {"prompt": [5] * 5000, "max_tokens": 2}).encode())
     assert code == 400 and answer["error"]["code"] == "context_length_exceeded"
     assert answer["error"]["param"] == "prompt"
+    code, answer = post_raw(pair, "/v1/completions", json.dumps(
+        {"prompt": [5, 1 << 20], "max_tokens": 2}).encode())
+    assert code == 400 and answer["error"]["param"] == "prompt" and "vocabulary" in answer["error"]["message"]
+    assert pair.health()[0] == 200
     with pytest.raises(openai.AuthenticationError):
         client(pair, api_key="wrong").models.list()
 

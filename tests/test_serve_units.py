@@ -89,6 +89,13 @@ def test_seeded_session_draws_what_it_would_draw_alone():
     assert interleaved == alone
 
 
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    logits = mx.random.normal((1, 64), key=mx.random.key(1))
+    options = SamplingOptions(temperature=1.0, top_k=1000, seed=3)
+    assert SessionSampler(options, [1]).sample(logits) == \
+        SessionSampler(SamplingOptions(temperature=1.0, seed=3), [1]).sample(logits)
+
+
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("top_k", -2),
                                           ("min_p", 1.5), ("repetition_penalty", -0.1)])
 def test_sampling_options_name_the_bad_field(field, value):
@@ -103,13 +110,15 @@ def test_request_checks_name_the_field():
         def encode(self, text):
             return [ord(c) % 50 for c in text]
 
-    kw = dict(model_ids=["m"], default_max_tokens=8, context_length=16, defaults=SamplingOptions())
+    kw = dict(model_ids=["m"], default_max_tokens=8, context_length=16, vocab_size=50,
+              defaults=SamplingOptions())
     ok = parse_request({"prompt": "abc", "max_tokens": 100}, "text", Tok(), **kw)
     assert ok.max_tokens == 13 and ok.prompt == [47, 48, 49]
     for body, param in [({"prompt": "x" * 20}, "prompt"), ({"prompt": "a", "top_k": 1.5}, "top_k"),
                         ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "n": 2}, "n"),
                         ({"prompt": "a", "max_tokens": True}, "max_tokens"), ({}, "prompt"),
-                        ({"prompt": "a", "seed": -1}, "seed")]:
+                        ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": [3, 50]}, "prompt"),
+                        ({"prompt": [-1]}, "prompt"), ({"prompt": []}, "prompt")]:
         with pytest.raises(ApiError) as info:
             parse_request(body, "text", Tok(), **kw)
         assert info.value.param == param and 400 <= info.value.status < 500
