@@ -60,6 +60,8 @@ def _field(body: dict, name: str, types, default=None, *, low=None, high=None, l
 
 
 def _message_text(content: Any, where: str) -> str:
+    if content is None:  # an assistant turn that only called tools
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):

@@ -195,9 +195,9 @@ def test_client_disconnect_mid_stream_frees_the_session(pair, model_dir):
     assert r.choices[0].text == reference(model_dir, text_ids(model_dir, "after"), 4)
 
 
-def test_concurrent_clients_over_the_emulated_rdma_device(model_dir, tmp_path):
+def test_concurrent_clients_over_the_emulated_rdma_device_then_idle_worker_death(model_dir, tmp_path):
     """The same batching over the emulated Thunderbolt device: a long prompt's prefill goes
-    out as bulk rounds, the decode rows as gates."""
+    out as bulk rounds, the decode rows as gates. Then the worker dies while nothing runs."""
     served = ServedPair(model_dir, tmp_path, extra=["--transport", "rdma", "--rdma-device", "ucsim"])
     try:
         served.wait_healthy()
@@ -216,6 +216,15 @@ def test_concurrent_clients_over_the_emulated_rdma_device(model_dir, tmp_path):
             t.join(120)
         assert got == want
         assert "transport rdma" in served.log("leader")
+        # A worker that dies while the server is idle: /health stops answering 200 at once.
+        served.kill("worker")
+        deadline = time.monotonic() + 5
+        while served.health()[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        code, body = served.health()
+        assert code == 503 and "worker" in body["error"]
+        code, answer = post_raw(served, "/v1/completions", json.dumps({"prompt": "x"}).encode())
+        assert code == 503 and answer["error"]["code"] == "pair_unavailable"
     finally:
         served.close()
 
@@ -287,3 +296,4 @@ def test_run_takes_the_same_sampling_options(model_dir, tmp_path, procs):
                       env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
     _, err = bad.communicate(timeout=60)
     assert bad.returncode != 0 and "nobody/no-such-model" in err and "download" in err
+
