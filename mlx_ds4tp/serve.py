@@ -267,9 +267,15 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
 
-def make_server(state: ServeState, host: str, port: int) -> ThreadingHTTPServer:
-    """An HTTP server (not yet serving) whose handlers share `state`."""
-    handler = type("BoundHandler", (Handler,), {"state": state})
-    server = ThreadingHTTPServer((host, port), handler)
+def make_server(host: str, port: int) -> ThreadingHTTPServer:
+    """The HTTP server, bound but not serving yet: its handlers read `state`, which the
+    caller sets (server.RequestHandlerClass.state) before serve_forever. Binding first lets
+    a taken port fail before the pair is joined and the weights are loaded."""
+    handler = type("BoundHandler", (Handler,), {})
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as exc:
+        raise RuntimeError(f"cannot serve HTTP on {host}:{port} ({exc}); pick another --port or "
+                           "--host") from None
     server.daemon_threads = True
     return server

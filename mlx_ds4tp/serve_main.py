@@ -4,9 +4,11 @@ worker's command loop (worker) or the engine and the HTTP server (leader)."""
 from __future__ import annotations
 
 import json
+import signal
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from . import gate_ops
 from . import transport as tr
@@ -24,14 +26,27 @@ def context_length(model: Any, config: Dict[str, Any]) -> int:
 
 def run(args, address: Tuple[str, int], model_path: Path) -> int:
     """One rank of `ds4tp serve` (cli.cmd_serve checked the flags); returns the exit code."""
-    from .model_split import load_split
-    from .sampling import options_from_args
-    from .serve import ServeState, make_server
-    from .serve_engine import Engine
-    from .sessions import LeaderSessions, serve_worker
+    from .serve import make_server
 
     identity = model_identity(str(model_path))
     leader = args.role == "leader"
+    server = make_server(args.host, args.port) if leader else None
+    try:
+        return _run_rank(args, address, model_path, identity, server)
+    finally:
+        if server is not None:
+            server.server_close()
+
+
+def _run_rank(args, address: Tuple[str, int], model_path: Path, identity: tr.ModelIdentity,
+              server: Optional[ThreadingHTTPServer]) -> int:
+    from .model_split import load_split
+    from .sampling import options_from_args
+    from .serve import ServeState
+    from .serve_engine import Engine
+    from .sessions import LeaderSessions, serve_worker
+
+    leader = server is not None
     group = gate_ops.init(role=args.role, listen=address if leader else None,
                           coordinator=None if leader else address, transport=args.transport,
                           rdma_device=args.rdma_device, gid_index=args.rdma_gid_index,
@@ -57,15 +72,20 @@ def run(args, address: Tuple[str, int], model_path: Path) -> int:
                            context_length=context_length(model, config),
                            vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]),
                            default_max_tokens=args.max_tokens, defaults=options_from_args(args))
-        server = make_server(state, args.host, args.port)
+        server.RequestHandlerClass.state = state
         engine.start()
         tr.log(f"serving {args.model} on http://{args.host}:{server.server_address[1]}/v1 "
                f"(transport {group.transport})")
+        # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             server.serve_forever(poll_interval=0.5)
         except KeyboardInterrupt:
-            tr.log("serve: interrupted, stopping the worker")
+            tr.log("serve: stopping; the worker is told to stop too")
         finally:
-            server.server_close()
             engine.stop()
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
