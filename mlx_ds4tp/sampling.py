@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
@@ -105,10 +105,12 @@ class SessionSampler:
         return value
 
 
-def sample_rows(logits: mx.array, samplers: List[SessionSampler]) -> List[int]:
+def sample_rows(logits: mx.array, samplers: List[SessionSampler],
+                errors: Optional[Dict[int, str]] = None) -> List[Optional[int]]:
     """One token per row of a decode batch ([rows, vocab]). Rows that decode greedily with no
     processor share one argmax over the normalised log-probabilities (what mlx-lm's greedy
-    sampler takes); the others sample one by one."""
+    sampler takes); the others sample one by one. With `errors`, a row whose own sampler
+    fails gets None and its error there, and the other rows go on; without, it raises."""
     tokens: List[Optional[int]] = [None] * len(samplers)
     greedy = [i for i, s in enumerate(samplers) if s.options.greedy]
     if greedy:
@@ -118,9 +120,15 @@ def sample_rows(logits: mx.array, samplers: List[SessionSampler]) -> List[int]:
             tokens[i] = int(token)
             samplers[i].history.append(int(token))
     for i, s in enumerate(samplers):
-        if tokens[i] is None:
+        if tokens[i] is not None:
+            continue
+        try:
             tokens[i] = s.sample(logits[i : i + 1])
-    return tokens  # type: ignore[return-value]
+        except Exception as exc:  # noqa: BLE001 - one request's sampler, reported to it alone
+            if errors is None:
+                raise
+            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    return tokens
 
 
 def run_sampler(options: SamplingOptions, prompt_tokens: List[int]) -> Callable[[mx.array], int]:

@@ -192,6 +192,9 @@ class Handler(BaseHTTPRequestHandler):
                 continue
             if event[0] == "error":
                 raise unavailable(event[1])
+            if event[0] == "failed":
+                raise ApiError(500, f"generating this answer failed ({event[1]}); the server goes on "
+                               "serving", None, "generation_failed", "server_error")
             if event[0] == "text":
                 text.append(event[1])
                 continue

@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import queue
 import threading
-import time
 from typing import Dict, List, Optional
 
 from . import transport as tr
@@ -36,8 +35,9 @@ class PairUnavailable(RuntimeError):
 
 @dataclasses.dataclass
 class Request:
-    """One generation as the HTTP layer hands it over; `events` receives
-    ("text", str), then ("done", finish_reason) or ("error", message)."""
+    """One generation as the HTTP layer hands it over; `events` receives ("text", str),
+    then ("done", finish_reason), ("failed", message) when this request alone failed, or
+    ("error", message) when the pair is down."""
 
     prompt: List[int]
     max_tokens: int
@@ -47,8 +47,6 @@ class Request:
     cached_tokens: int = 0
     completion_tokens: int = 0
     cancelled: bool = False
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_at: Optional[float] = None
 
 
 class TextStream:
@@ -220,35 +218,44 @@ class Engine:
         self.stats["decode_steps"] += 1
         if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
             self.sessions.check_hash()
-        tokens = sample_rows(logits, [s.sampler for s in rows])
-        now = time.perf_counter()
+        errors: Dict[int, str] = {}
+        tokens = sample_rows(logits, [s.sampler for s in rows], errors)
         self._running = []
-        for session, token in zip(rows, tokens):
-            request = session.request
-            if request.first_token_at is None:
-                request.first_token_at = now
-            session.generated.append(token)
-            request.completion_tokens += 1
-            self.stats["generated_tokens"] += 1
-            finish, flush = None, True
-            if token in self.eos:
-                finish = "stop"
-            else:
-                text, stopped = session.text.add(token)
-                if text:
-                    request.events.put(("text", text))
-                if stopped:
-                    # Whatever follows a stop string is never sent.
-                    finish, flush = "stop", False
-            if finish is None and len(session.generated) >= request.max_tokens:
-                finish = "length"
-            if finish is None and request.cancelled:
-                finish, flush = "cancelled", False
+        for i, (session, token) in enumerate(zip(rows, tokens)):
+            try:
+                finish, flush = ("failed", False) if token is None else self._advance(session, token)
+            except Exception as exc:  # noqa: BLE001 - this request's text, reported to it alone
+                errors[i] = f"{type(exc).__name__}: {exc}"
+                finish, flush = "failed", False
             if finish is None:
-                session.next_input = token
                 self._running.append(session)
+            elif finish == "failed":
+                # Leader-only work failed for this request: the pair is fine, and the
+                # session ends on both ranks like an abandoned one.
+                session.request.events.put(("failed", errors[i]))
+                self._end(session, "cancelled", False)
             else:
                 self._end(session, finish, flush)
+
+    def _advance(self, session: _Session, token: int) -> tuple:
+        """Take a session's new token: (finish reason or None, whether held text is sent)."""
+        request = session.request
+        session.generated.append(token)
+        request.completion_tokens += 1
+        self.stats["generated_tokens"] += 1
+        if token in self.eos:
+            return "stop", True
+        text, stopped = session.text.add(token)
+        if text:
+            request.events.put(("text", text))
+        if stopped:
+            return "stop", False  # whatever follows a stop string is never sent
+        if len(session.generated) >= request.max_tokens:
+            return "length", True
+        if request.cancelled:
+            return "cancelled", False
+        session.next_input = token
+        return None, True
 
     def _end(self, session: _Session, finish: str, flush: bool) -> None:
         """Free the session on both ranks; a completed one's cache is stored for reuse."""

@@ -308,3 +308,76 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
         except TransportError:
             failures += 1
     assert failures > 50  # most damages are caught, the rest are scripts that still make sense
+
+
+def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, monkeypatch):
+    """The engine in one process over an in-process pair: a request whose (leader-only)
+    sampling raises gets a "failed" event; the request decoding beside it, and the next one,
+    get mlx-lm's tokens; the pair stays up."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_ds4tp import serve_engine
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.serve_engine import Engine, Request
+    from mlx_ds4tp.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.tiny_model import save_llama
+    from pairutil import make_groups
+
+    class Flaky(SessionSampler):
+        def sample(self, logits):
+            if self.options.seed == 666 and len(self.history) > 6:
+                raise RuntimeError("injected")
+            return super().sample(logits)
+
+    monkeypatch.setattr(serve_engine, "SessionSampler", Flaky)
+    path = save_llama(tmp_path / "m", "tiny", seed=2)
+    model, tokenizer = load(str(path))
+    leader_group, worker_group = make_groups("tcp")
+    thread = threading.Thread(
+        target=lambda: serve_worker(worker_group, load_split(str(path), worker_group)[0]), daemon=True)
+    thread.start()
+    engine = None
+    try:
+        engine = Engine(LeaderSessions(leader_group, load_split(str(path), leader_group)[0]), tokenizer)
+        engine.start()
+
+        def collect(request):
+            events = []
+            while not events or events[-1][0] not in ("done", "failed", "error"):
+                events.append(request.events.get(timeout=60))
+            return events
+
+        def alone(ids, n):
+            out = []
+            for t, _ in generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(0.0)):
+                out.append(t)
+                if t in tokenizer.eos_token_ids:
+                    break
+            return out
+
+        ids = [tokenizer.encode("one two three"), tokenizer.encode("four five")]
+        bad = Request(ids[0], 8, SamplingOptions(temperature=0.5, seed=666))
+        good = Request(ids[1], 8)
+        engine.submit(bad)
+        engine.submit(good)
+        assert collect(bad)[-1][0] == "failed"
+        assert collect(good)[-1] == ("done", "length" if good.completion_tokens == 8 else "stop")
+        assert engine.error is None
+        again = Request(ids[1], 8)
+        engine.submit(again)
+        text = "".join(e[1] for e in collect(again) if e[0] == "text")
+        detok = tokenizer.detokenizer
+        detok.reset()
+        for t in alone(ids[1], 8):
+            if t not in tokenizer.eos_token_ids:
+                detok.add_token(t)
+        detok.finalize()
+        assert text == detok.text and again.cached_tokens > 0
+    finally:
+        if engine is not None:
+            engine.stop()
+        thread.join(30)
+        leader_group.close()
+        worker_group.close()
