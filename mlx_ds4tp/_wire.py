@@ -13,15 +13,15 @@ The bound is checked before anything is allocated.
 |------------------|----------------------------------------------------------------|-------------|
 | SYNC             | SYNC_HEADER (session, count) + count little-endian int32 tokens | 4194320     |
 | EVAL             | EVAL_PAYLOAD (session, seq, token)                             | 64          |
-| REWIND           | (reserved)                                                     | 64          |
-| INVALIDATE       | (reserved)                                                     | 64          |
+| REWIND           | SERVE_REWIND (session, tokens to keep)                         | 64          |
+| INVALIDATE       | SERVE_INVALIDATE (stored cache id)                             | 64          |
 | STOP             | empty                                                          | 64          |
 | HASH             | HASH_PAYLOAD (session, seq, logits hash)                       | 64          |
 | RDMA_INFO        | RDMA_INFO (qpn, psn, mtu, lid, link layer, gid)                | 64          |
 | RDMA_READY       | empty                                                          | 16          |
 | LOGITS           | (reserved)                                                     | 67108864    |
-| SESSION_CREATE   | SESSION_PAYLOAD (session, max tokens)                          | 4096        |
-| SESSION_DESTROY  | SESSION_PAYLOAD (session, 0)                                   | 64          |
+| SESSION_CREATE   | SESSION_PAYLOAD (session, max tokens); serving: SERVE_CREATE   | 4096        |
+| SESSION_DESTROY  | SESSION_PAYLOAD (session, 0); serving: SERVE_DESTROY           | 64          |
 | COMMAND_ACK      | ACK_PAYLOAD (session, status) + UTF-8 message                  | 4096        |
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
@@ -31,6 +31,10 @@ The bound is checked before anything is allocated.
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
+| EVAL_BATCH       | SERVE_BATCH_HEADER (step, rows) + rows x SERVE_BATCH_ROW (session, token) | 65536 |
+
+`ds4tp run` uses the SESSION_PAYLOAD forms; `ds4tp serve` (mlx_ds4tp.sessions) the SERVE_ ones,
+with SYNC, HASH and STOP as above (HASH's session field 0, its seq the decode step).
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
@@ -87,6 +91,8 @@ class FrameType(enum.IntEnum):
     AUTH = 24
     FINGERPRINT = 25
     FINGERPRINT_DETAIL = 26
+    # Serving (mlx_ds4tp.sessions): one decode step over the rows of every active session.
+    EVAL_BATCH = 32
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -127,6 +133,7 @@ FRAME_MAX_BYTES = {
     FrameType.AUTH: 256,
     FrameType.FINGERPRINT: 64,
     FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
+    FrameType.EVAL_BATCH: 64 * 1024,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -174,3 +181,12 @@ SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved
 EVAL_PAYLOAD = struct.Struct("<QQiI")  # session id, seq, token, reserved
 HASH_PAYLOAD = struct.Struct("<QQQ")  # session id, seq, hash
 ACK_PAYLOAD = struct.Struct("<Qi")  # session id, status (0 ok); then a message
+
+# Serving (mlx_ds4tp.sessions).
+SERVE_CREATE = struct.Struct("<QQII")  # session id, stored cache id, mode, reserved
+SERVE_REWIND = struct.Struct("<QII")  # session id, tokens to keep, reserved
+SERVE_DESTROY = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
+SERVE_INVALIDATE = struct.Struct("<Q")  # stored cache id
+SERVE_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved
+SERVE_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
+SERVE_MAX_BATCH_ROWS = 1024
