@@ -14,7 +14,7 @@ import hashlib
 import select
 import struct
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -51,16 +51,56 @@ def forward(model, tokens: List[int], cache) -> mx.array:
     return last
 
 
-def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozenset()):
-    """(tokens, decode seconds) of a plain single-model greedy generation:
-    the reference the pair must match, and the single-process benchmark."""
+# mlx-lm's generate_step default (prefill_step_size): the prompt's prefix enters the cache in
+# chunks of this many tokens, so a long prompt's attention scores never take more memory than
+# one chunk's.
+PREFILL_STEP = 2048
+
+
+def fill_cache(model, tokens: Sequence[int], cache, step: int = PREFILL_STEP) -> None:
+    """Append tokens to the cache, computing nothing past the last block.
+
+    mlx-lm's generate_step calls the whole model on the prefix and evaluates only the cache,
+    so MLX never runs the lazy vocabulary projection. A split model's logits gather is eager
+    (its bytes leave when it is called), so here the prefix goes through the inner model
+    (`model.model`: embedding and blocks, which every supported family has) and the projection
+    and the gather of every position's logits are never built. Both ranks call this with the
+    same tokens, so their gates pair up chunk by chunk."""
+    if step < 1:
+        raise ValueError(f"prefill step {step} must be >= 1")
+    inner = model.model
+    for start in range(0, len(tokens), step):
+        inner(mx.array(tokens[start:start + step], dtype=mx.int32)[None], cache)
+        mx.eval([c.state for c in cache])
+
+
+def prefill(model, tokens: Sequence[int], cache, step: int = PREFILL_STEP) -> mx.array:
+    """The prompt into the cache; returns the last position's logits (float32).
+
+    As mlx-lm's generate_step: every token but the last only fills the cache (fill_cache),
+    the last one is the one full forward, whose logits pick the first generated token."""
+    if len(tokens) == 0:
+        raise ValueError("the prompt has zero tokens; prefill needs at least one")
+    fill_cache(model, tokens[:-1], cache, step)
+    return forward(model, tokens[-1:], cache)
+
+
+def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozenset()) -> "GenerationStats":
+    """A plain single-model greedy generation (tokens, prompt and decode seconds): the
+    reference the pair must match, and the single-process benchmark. The prompt is
+    processed as the pair processes it (prefill)."""
     sample = make_sampler(0.0)
     cache = make_cache(model)
-    tokens = [sample(forward(model, prompt_tokens, cache))]
+    stats = GenerationStats(prompt_tokens=len(prompt_tokens))
     t0 = time.perf_counter()
-    while len(tokens) < max_tokens and tokens[-1] not in eos:
-        tokens.append(sample(forward(model, [tokens[-1]], cache)))
-    return tokens, time.perf_counter() - t0
+    stats.tokens.append(sample(prefill(model, prompt_tokens, cache)))
+    stats.prompt_sec = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    while len(stats.tokens) < max_tokens and stats.tokens[-1] not in eos:
+        stats.tokens.append(sample(forward(model, [stats.tokens[-1]], cache)))
+        stats.decode_tokens += 1
+    stats.decode_sec = time.perf_counter() - t1
+    return stats
 
 
 # ============================================================================
@@ -139,7 +179,7 @@ class Leader:
         t0 = time.perf_counter()
         self.control.send(F.SYNC, SYNC_HEADER.pack(session, len(prompt_tokens), 0)
                           + np.asarray(prompt_tokens, dtype="<i4").tobytes())
-        logits = self._step(prompt_tokens, cache)
+        logits = self._step(prompt_tokens, cache, prefill)
         stats.prompt_sec = time.perf_counter() - t0
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
         t1 = time.perf_counter()
@@ -151,7 +191,7 @@ class Leader:
             if token in eos or seq == max_tokens:
                 break
             self.control.send(F.EVAL, EVAL.pack(session, seq, token, 0))
-            logits = self._step([token], cache)
+            logits = self._step([token], cache, forward)
             stats.decode_tokens += 1
             if self.debug_hash and seq % self.debug_hash == 0:
                 self._check_hash(session, seq, logits)
@@ -159,11 +199,11 @@ class Leader:
         self.control.send(F.SESSION_DESTROY, SESSION.pack(session, 0, 0))
         return stats
 
-    def _step(self, tokens: List[int], cache) -> mx.array:
-        """One forward in lockstep with the worker; if the gates fail, prefer
+    def _step(self, tokens: List[int], cache, compute: Callable = forward) -> mx.array:
+        """One forward (or prefill) in lockstep with the worker; if the gates fail, prefer
         the worker's own explanation (an ERROR frame) over our 'peer closed'."""
         try:
-            return forward(self.model, tokens, cache)
+            return compute(self.model, tokens, cache)
         except TransportError as exc:
             reason = _peer_error(self.control)
             if reason:
@@ -253,7 +293,7 @@ class Worker:
                     raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)} "
                                         "(a prompt needs at least one)")
                 self._check_tokens(tokens, ftype)
-                self.last_logits = forward(self.model, tokens.tolist(), self._cache(session))
+                self.last_logits = prefill(self.model, tokens.tolist(), self._cache(session))
             elif ftype == F.EVAL:
                 session, seq, token, _ = _unpack(EVAL, payload, ftype)
                 self._check_tokens(np.array([token]), ftype)

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 from . import gate_ops
 from . import transport as tr
-from .lockstep import Leader, Worker
+from .lockstep import Leader, Worker, make_sampler
 
 
 def model_identity(path: str) -> tr.ModelIdentity:
@@ -64,13 +64,24 @@ class LoadingBar:
             tr.log(f"loading weights: {done}/{total} tensors cut ({frac:.0%})")
 
 
+def bench_prompt(tokenizer, text: str, count: int) -> List[int]:
+    """`text`'s tokens repeated (and cut) to exactly `count` tokens: a prompt of a chosen
+    length that every contender of the model bench feeds alike."""
+    if count < 1:
+        raise ValueError(f"a prompt of {count} tokens: give at least 1")
+    base = list(tokenizer.encode(text)) or [0]
+    return (base * (count // len(base) + 1))[:count]
+
+
 def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
-        stop_at_eos: bool = True) -> int:
+        stop_at_eos: bool = True, prompt_tokens: int = 0) -> int:
     """One rank of `ds4tp run` (args as cli.add_run_args parses them).
 
     tokens_out: the leader writes the prompt's and the generated tokens, the
-    decode rate and the gate latency there as JSON (the local pair reads it).
-    stop_at_eos=False decodes max_tokens whatever the model says (the bench).
+    prompt and decode rates and the gate latency there as JSON (the local pair
+    reads it). stop_at_eos=False decodes max_tokens whatever the model says
+    (the bench). prompt_tokens > 0: the leader's prompt is the text's tokens
+    repeated to that many (bench_prompt), without the chat template.
     """
     from .model_split import load_split
     from .sampling import options_from_args, run_sampler
@@ -103,7 +114,10 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
             return 0
         driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
         try:
-            prompt_tokens = driver.encode(args.prompt, chat=not args.no_chat_template)
+            if prompt_tokens > 0:
+                prompt_ids = bench_prompt(tokenizer, args.prompt, prompt_tokens)
+            else:
+                prompt_ids = driver.encode(args.prompt, chat=not args.no_chat_template)
             detok = tokenizer.detokenizer
             detok.reset()
 
@@ -112,8 +126,12 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
                 sys.stdout.write(detok.last_segment)
                 sys.stdout.flush()
 
-            sampler = run_sampler(options_from_args(args), prompt_tokens)
-            stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream,
+            sampler = run_sampler(options_from_args(args), prompt_ids)
+            if prompt_tokens > 0:
+                # The bench's contenders all warm the kernels on the same prompt before the
+                # timed generation (bench_model._generate); the pair does it in lockstep.
+                driver.generate(prompt_ids, 4, make_sampler(0.0), stop_at_eos=False)
+            stats = driver.generate(prompt_ids, args.max_tokens, sampler, stream,
                                     stop_at_eos=stop_at_eos)
             detok.finalize()
             sys.stdout.write(detok.last_segment + "\n")
@@ -123,8 +141,9 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
         if tokens_out:
             p50, p99 = group.gate_latency_us()
             Path(tokens_out).write_text(json.dumps({
-                "prompt_tokens": prompt_tokens, "tokens": stats.tokens, "transport": group.transport,
+                "prompt_tokens": prompt_ids, "tokens": stats.tokens, "transport": group.transport,
                 "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
+                "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,
                 "gate_p50_us": p50, "gate_p99_us": p99,
             }))
     return 0
@@ -165,15 +184,16 @@ def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int)
 
     model, tokenizer = load(str(path))
     eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])
-    return greedy_generate(model, prompt_tokens, max_tokens, eos)[0]
+    return greedy_generate(model, prompt_tokens, max_tokens, eos).tokens
 
 
 def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
                    rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
-                   timeout: float = 1200.0) -> Optional[dict]:
+                   timeout: float = 1200.0, prompt_tokens: int = 0) -> Optional[dict]:
     """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
     leader's tokens record (see run's tokens_out), or None when either rank
-    failed (both are killed on any failure, the reason is logged)."""
+    failed (both are killed on any failure, the reason is logged).
+    prompt_tokens > 0: the prompt's tokens repeated to that many (see run)."""
     from . import _localpair
 
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -185,6 +205,8 @@ def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
         base += ["--rdma-device", rdma_device]
     if not stop_at_eos:
         base += ["--no-eos"]
+    if prompt_tokens > 0:
+        base += ["--prompt-tokens", str(prompt_tokens)]
     leader, worker = _localpair.pair_commands(base, _localpair.free_port())
     leader += ["--tokens-out", out_path]
     try:

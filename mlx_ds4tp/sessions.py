@@ -41,7 +41,7 @@ from ._wire import SERVE_MAX_BATCH_ROWS as MAX_BATCH_ROWS
 from ._wire import SERVE_REWIND as REWIND
 from ._wire import SYNC_HEADER
 from .errors import LockstepDivergence, TransportError
-from .lockstep import _peer_error, logits_hash
+from .lockstep import _peer_error, fill_cache, logits_hash
 from .prompt_cache import COPY, FRESH, MOVE
 
 F = tr.FrameType
@@ -154,11 +154,10 @@ class SessionTable:
         trim_prompt_cache(cache, size - keep)
 
     def prefill(self, session: int, tokens: np.ndarray) -> None:
-        """Append tokens to a session that is not decoding yet (one forward, batch of one)."""
+        """Append tokens to a session that is not decoding yet (batch of one): the cache only,
+        no vocabulary projection and no logits gather (fill_cache)."""
         self._check_tokens(tokens)
-        cache = self._session(session)
-        self.model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        fill_cache(self.model, tokens.tolist(), self._session(session))
 
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over the batch's rows; sessions that are not in the batch yet
