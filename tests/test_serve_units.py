@@ -266,6 +266,8 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
 
         def __init__(self, inner):
             self.inner, self.args, self.layers = inner, inner.args, inner.layers
+            # The prefill calls the inner model (embedding and blocks): checked alike.
+            self.model = Guard(inner.model) if hasattr(inner, "model") else None
 
         def __call__(self, x, cache=None):
             ids = np.array(x)
