@@ -46,7 +46,7 @@ def _ring_gate(args) -> int:
 def _ring_model(args) -> int:
     from . import bench_model
 
-    _print_json(bench_model.ring_model_rank(args.model, args.max_tokens))
+    _print_json(bench_model.ring_model_rank(args.model, args.max_tokens, args.prompt_tokens))
     return 0
 
 
@@ -54,7 +54,8 @@ def _ceiling(args) -> int:
     from . import bench_model
 
     _, port = cli.parse_address(args.listen or args.coordinator, "--listen/--coordinator")
-    _print_json(bench_model.ceiling_rank(args.role, port, args.model, args.max_tokens))
+    _print_json(bench_model.ceiling_rank(args.role, port, args.model, args.max_tokens,
+                                         args.prompt_tokens))
     return 0
 
 
@@ -62,7 +63,7 @@ def _run(args) -> int:
     from . import pair_run
 
     return pair_run.run(args, cli.check_run_args(args), tokens_out=args.tokens_out,
-                        stop_at_eos=not args.no_eos)
+                        stop_at_eos=not args.no_eos, prompt_tokens=args.prompt_tokens)
 
 
 def _add_role(p: argparse.ArgumentParser) -> None:
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(kind)
         p.add_argument("--model", required=True)
         p.add_argument("--max-tokens", type=int, required=True)
+        p.add_argument("--prompt-tokens", type=int, required=True)
         if kind == "ceiling":
             _add_role(p)
         p.set_defaults(func=func)
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tokens-out", default=None, metavar="FILE",
                      help="leader: write the tokens record here (JSON)")
     run.add_argument("--no-eos", action="store_true", help="decode --max-tokens whatever the model says")
+    run.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                     help="leader: the prompt's tokens repeated to N tokens (the model bench)")
     run.set_defaults(func=_run)
     return parser
 

@@ -24,7 +24,7 @@ def _model(args) -> int:
     from . import bench_model
 
     records = bench_model.model_bench(args.model, args.transport, args.rdma_device, args.max_tokens,
-                                      rounds=args.rounds)
+                                      rounds=args.rounds, prompt_tokens=args.prompt_tokens)
     print_records(records, args.json)
     if not args.json:
         _print_model_ratios(records)
@@ -75,25 +75,29 @@ def print_records(records: List[dict], as_json: bool, keep_samples: bool = False
         else:
             match = ("(gates skipped: the bound for any transport)" if rec["tokens_match"] is None
                      else f"tokens_match={rec['tokens_match']}")
-            spread = ""
-            if len(rec.get("tok_s_rounds", ())) > 1:
-                spread = "  (rounds: " + " ".join(f"{t:.1f}" for t in rec["tok_s_rounds"]) + ")"
-            print(f"{rec['name']:>22}  {rec['tok_s']:8.1f} tok/s  {match}{spread}", flush=True)
+            print(f"{rec['name']:>22}  prefill {rec['prefill_tok_s']:8.1f} tok/s{_rounds(rec, 'prefill_tok_s')}"
+                  f"  decode {rec['tok_s']:8.1f} tok/s{_rounds(rec, 'tok_s')}  {match}", flush=True)
+
+
+def _rounds(rec: dict, key: str) -> str:
+    got = rec.get(f"{key}_rounds", ())
+    return " (rounds " + " ".join(f"{t:.1f}" for t in got) + ")" if len(got) > 1 else ""
 
 
 def _print_model_ratios(records: List[dict]) -> None:
     by_name = {r["name"]: r for r in records}
-    for base in ("single", "mlx-lm-ring"):
-        if base not in by_name or not by_name[base]["tok_s"]:
-            continue
-        for name, rec in by_name.items():
-            if name != base and name.startswith("tp2"):
-                print(f"{name:>22}  = {rec['tok_s'] / by_name[base]['tok_s']:.2f}x {base}")
     ceiling = by_name.get("tp2-compute-ceiling")
-    if ceiling and ceiling["tok_s"]:
-        for name, rec in by_name.items():
-            if name.startswith("tp2") and name != ceiling["name"]:
-                print(f"{name:>22}  = {rec['tok_s'] / ceiling['tok_s']:.2f}x the compute ceiling")
+    for key, label in (("prefill_tok_s", "prefill"), ("tok_s", "decode")):
+        for base in ("single", "mlx-lm-ring"):
+            if base not in by_name or not by_name[base][key]:
+                continue
+            for name, rec in by_name.items():
+                if name != base and name.startswith("tp2"):
+                    print(f"{name:>22}  {label} = {rec[key] / by_name[base][key]:.2f}x {base}")
+        if ceiling and ceiling[key]:
+            for name, rec in by_name.items():
+                if name.startswith("tp2") and name != ceiling["name"]:
+                    print(f"{name:>22}  {label} = {rec[key] / ceiling[key]:.2f}x the compute ceiling")
 
 
 def _print_ratios(records: List[dict]) -> None:

@@ -1,11 +1,13 @@
-"""Model decode throughput: one process, our pair, mlx-lm over MLX's ring.
+"""Model throughput, prompt processing and decode: one process, our pair, mlx-lm over MLX's ring.
 
 Any model load_split splits (dense or mixture of experts); `--model` also takes a tiny_model
 preset name ("moe-1g": a 1 GB float32 qwen3_moe), built once into the cache.
 
-Every contender decodes the same prompt greedily for the same count of
-tokens (no early stop at EOS), so the tok/s figures compare like for like
-and the tokens must equal the single process's.
+Every contender processes the same prompt of `prompt_tokens` tokens (bench_prompt) and decodes
+greedily for the same count of tokens (no early stop at EOS), so the tok/s figures compare like
+for like and the tokens must equal the single process's. A record's `prefill_tok_s` is the
+prompt's tokens over the time to the first generated token's logits (mlx-lm's prompt_tps),
+`tok_s` the decode rate after it.
 """
 
 from __future__ import annotations
@@ -21,51 +23,61 @@ from . import gate_ops
 from ._log import log
 
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
+DEFAULT_PROMPT_TOKENS = 512
 CEILING = "tp2-compute-ceiling"
 
 
-def _tok_record(name: str, tokens: List[int], seconds: float, reference: Optional[List[int]]) -> Dict:
-    return {"name": name, "tok_s": round((len(tokens) - 1) / seconds, 2) if seconds else 0.0,
-            "tokens_match": reference is None or tokens == reference, "tokens": len(tokens)}
+def _rate(count: int, seconds: float) -> float:
+    return round(count / seconds, 2) if seconds else 0.0
 
 
-def single_record(path: str, max_tokens: int) -> Dict:
-    """The unsplit model in this process: the reference tokens and the baseline tok/s."""
+def _tok_record(name: str, stats, prompt_sec: Optional[float] = None,
+                decode_sec: Optional[float] = None) -> Dict:
+    """A contender's record from its GenerationStats (times overridable: the slower rank's)."""
+    prompt_sec = stats.prompt_sec if prompt_sec is None else prompt_sec
+    decode_sec = stats.decode_sec if decode_sec is None else decode_sec
+    return {"name": name, "tok_s": _rate(len(stats.tokens) - 1, decode_sec), "tokens_match": True,
+            "tokens": len(stats.tokens), "prefill_tok_s": _rate(stats.prompt_tokens, prompt_sec),
+            "prompt_tokens": stats.prompt_tokens, "token_ids": stats.tokens}
+
+
+def _generate(model, tokenizer, prompt_tokens: int, max_tokens: int):
+    """Warm the kernels (a short prompt, then the full one once), then the timed generation."""
+    from .lockstep import greedy_generate
+    from .pair_run import bench_prompt
+
+    prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
+    greedy_generate(model, prompt, 4)
+    return prompt, greedy_generate(model, prompt, max_tokens)
+
+
+def single_record(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> Dict:
+    """The unsplit model in this process: the reference tokens and the baseline rates."""
     from mlx_lm.utils import load
 
-    from .lockstep import greedy_generate
-
     model, tokenizer = load(path)
-    prompt = list(tokenizer.encode(BENCH_PROMPT))
-    greedy_generate(model, prompt, 4)  # warm the kernels
-    tokens, seconds = greedy_generate(model, prompt, max_tokens)
-    rec = _tok_record("single", tokens, seconds, None)
-    rec["token_ids"] = tokens
-    return rec
+    _, stats = _generate(model, tokenizer, prompt_tokens, max_tokens)
+    return _tok_record("single", stats)
 
 
-def ring_model_rank(path: str, max_tokens: int) -> List[Dict]:
+def ring_model_rank(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
     """One rank of mlx-lm's own model.shard() over MLX's ring backend (rank 0 returns the record)."""
     import mlx.core as mx
     from mlx_lm.utils import load
-
-    from .lockstep import greedy_generate
 
     group = mx.distributed.init(backend="ring", strict=True)
     model, tokenizer = load(path, lazy=True)
     model.shard(group)
     mx.eval(model.parameters())
-    prompt = list(tokenizer.encode(BENCH_PROMPT))
-    greedy_generate(model, prompt, 4)
-    tokens, seconds = greedy_generate(model, prompt, max_tokens)
-    rec = _tok_record("mlx-lm-ring", tokens, seconds, None)
-    rec["token_ids"] = tokens
-    return [rec] if group.rank() == 0 else []
+    _, stats = _generate(model, tokenizer, prompt_tokens, max_tokens)
+    return [_tok_record("mlx-lm-ring", stats)] if group.rank() == 0 else []
 
 
-def spawn_ring_model(path: str, max_tokens: int, timeout: float = 1200.0) -> Dict:
+def spawn_ring_model(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                     timeout: float = 1200.0) -> Dict:
     """Both ranks of the mlx-lm ring contender on 127.0.0.1."""
-    cmd = _localpair.rank_command("ring-model", "--model", path, "--max-tokens", str(max_tokens))
+    cmd = _localpair.rank_command("ring-model", "--model", path, "--max-tokens", str(max_tokens),
+                                  "--prompt-tokens", str(prompt_tokens))
     with _localpair.ring_hostfile() as hostfile:
         outs = _localpair.run_ranks([cmd, cmd], _localpair.ring_envs(hostfile), timeout=timeout)
     return _localpair.json_records(outs[0])[0]
@@ -99,48 +111,54 @@ class GatelessGroup:
         return mx.concatenate([x, x], axis=0)
 
 
-def ceiling_rank(role: str, port: int, path: str, max_tokens: int) -> List[Dict]:
-    """One rank of the compute ceiling: its half of the model decoding with gateless gates,
-    started together with the other rank so the two compete for the cores as a real pair does.
-    A TCP pair is used only as the start line and to agree on the slower rank's time."""
+def ceiling_rank(role: str, port: int, path: str, max_tokens: int,
+                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
+    """One rank of the compute ceiling: its half of the model prefilling and decoding with
+    gateless gates, started together with the other rank so the two compete for the cores as a
+    real pair does. A TCP pair is used only as the start line and to agree on the slower rank's
+    times (prefill and decode each)."""
     from .lockstep import greedy_generate
     from .model_split import load_split
+    from .pair_run import bench_prompt
 
     where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
     with gate_ops.init(role=role, transport="tcp", **where) as group:
         model, tokenizer = load_split(path, GatelessGroup(group.rank()))
-        prompt = list(tokenizer.encode(BENCH_PROMPT))
+        prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
         greedy_generate(model, prompt, 4)
         start_line = np.zeros(1, np.float64)
         group.pair.gate(start_line, np.empty_like(start_line))
-        tokens, seconds = greedy_generate(model, prompt, max_tokens)
-        mine, theirs = np.array([seconds]), np.empty(1)
+        stats = greedy_generate(model, prompt, max_tokens)
+        mine, theirs = np.array([stats.prompt_sec, stats.decode_sec]), np.empty(2)
         group.pair.gate(mine, theirs)
-    rec = _tok_record(CEILING, tokens, max(seconds, float(theirs[0])), None)
+    rec = _tok_record(CEILING, stats, float(max(mine[0], theirs[0])), float(max(mine[1], theirs[1])))
     rec["tokens_match"] = None  # the halves are never summed: no tokens to compare
     rec["gates"] = "skipped: the pair's compute alone, ranks never waiting for each other"
     return [rec] if role == "leader" else []
 
 
-def spawn_ceiling(path: str, max_tokens: int, timeout: float = 1200.0) -> Dict:
+def spawn_ceiling(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                  timeout: float = 1200.0) -> Dict:
     """Both ranks of the compute ceiling on 127.0.0.1."""
-    base = _localpair.rank_command("ceiling", "--model", path, "--max-tokens", str(max_tokens))
+    base = _localpair.rank_command("ceiling", "--model", path, "--max-tokens", str(max_tokens),
+                                   "--prompt-tokens", str(prompt_tokens))
     outs = _localpair.run_ranks(_localpair.pair_commands(base, _localpair.free_port()), timeout=timeout)
     return _localpair.json_records(outs[0])[0]
 
 
 def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-              timeout: float = 1200.0) -> Dict:
+              prompt_tokens: int = DEFAULT_PROMPT_TOKENS, timeout: float = 1200.0) -> Dict:
     """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1."""
     from .pair_run import run_local_pair
 
     result = run_local_pair(Path(path), BENCH_PROMPT, max_tokens, transport, rdma_device,
-                            stop_at_eos=False, quiet=True, timeout=timeout)
+                            stop_at_eos=False, quiet=True, timeout=timeout, prompt_tokens=prompt_tokens)
     if result is None:
         raise RuntimeError(f"the tp2-{transport} pair failed (its errors are above)")
     name = "tp2-tcp" if transport == "tcp" else f"tp2-rdma-{rdma_device or 'ibverbs'}"
     return {"name": name, "tok_s": round(result["decode_tok_s"], 2), "tokens": len(result["tokens"]),
-            "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1)}
+            "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1),
+            "prefill_tok_s": round(result["prompt_tok_s"], 2), "prompt_tokens": len(result["prompt_tokens"])}
 
 
 def bench_model_dir(model: str) -> str:
@@ -169,29 +187,33 @@ def mlx_lm_can_shard(path: str) -> bool:
     return callable(getattr(model_class, "shard", None))
 
 
-def _model_contenders(path: str, transport: str, rdma_device: Optional[str],
-                      max_tokens: int) -> Dict[str, Callable[[], Dict]]:
-    contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens)}
+def _model_contenders(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
+                      prompt_tokens: int) -> Dict[str, Callable[[], Dict]]:
+    n = prompt_tokens
+    contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens, n)}
     if transport in ("tcp", "all"):
-        contenders["tp2-tcp"] = lambda: spawn_tp2(path, "tcp", None, max_tokens)
+        contenders["tp2-tcp"] = lambda: spawn_tp2(path, "tcp", None, max_tokens, n)
     if transport in ("rdma", "all"):
         device = rdma_device or "ucsim"
-        contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens)
+        contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens, n)
     if mlx_lm_can_shard(path):
-        contenders["mlx-lm-ring"] = lambda: spawn_ring_model(path, max_tokens)
+        contenders["mlx-lm-ring"] = lambda: spawn_ring_model(path, max_tokens, n)
     else:
         log(f"mlx-lm-ring left out: mlx-lm's module for {path} has no shard()")
     # Not a contender (its tokens are meaningless): the bound every tp2 figure sits under.
-    contenders[CEILING] = lambda: spawn_ceiling(path, max_tokens)
+    contenders[CEILING] = lambda: spawn_ceiling(path, max_tokens, n)
     return contenders
 
 
 def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-                rounds: int = 3) -> List[Dict]:
-    """Decode tok/s of every contender, run `rounds` times in rotating order so a slow spell
-    of the machine falls on all of them alike; each record gives the median and every round."""
+                rounds: int = 3, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
+    """Prompt and decode tok/s of every contender, run `rounds` times in rotating order so a
+    slow spell of the machine falls on all of them alike; each record gives the medians and
+    every round."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1")
     path = bench_model_dir(path)
-    contenders = _model_contenders(path, transport, rdma_device, max_tokens)
+    contenders = _model_contenders(path, transport, rdma_device, max_tokens, prompt_tokens)
     names = list(contenders)
     runs: Dict[str, List[Dict]] = {name: [] for name in names}
     for r in range(rounds):
@@ -202,8 +224,9 @@ def model_bench(path: str, transport: str, rdma_device: Optional[str], max_token
     for name in names:
         got = runs[name]
         rec = dict(got[0])
-        rec["tok_s_rounds"] = [g["tok_s"] for g in got]
-        rec["tok_s"] = round(statistics.median(rec["tok_s_rounds"]), 2)
+        for key in ("tok_s", "prefill_tok_s"):
+            rec[f"{key}_rounds"] = [g[key] for g in got]
+            rec[key] = round(statistics.median(rec[f"{key}_rounds"]), 2)
         if "gate_p50_us" in rec:
             rec["gate_p50_us"] = round(statistics.median(g["gate_p50_us"] for g in got), 1)
         if name != CEILING:

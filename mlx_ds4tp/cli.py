@@ -65,6 +65,8 @@ def cmd_bench(args) -> int:
         model_identity(args.model)  # raises a clear error when PATH is not a model directory
         if args.rounds < 1:
             raise SystemExit(f"ds4tp bench: --rounds {args.rounds} must be >= 1")
+        if args.prompt_tokens < 1:
+            raise SystemExit(f"ds4tp bench: --prompt-tokens {args.prompt_tokens} must be >= 1")
         return bench.main(args)
     _check_role_args(args)
     address = None
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(a directory, or a preset built once: 150m, moe-1g): single process, our "
                        "pair (tcp, rdma) and mlx-lm's shard() on MLX's ring")
     bench.add_argument("--max-tokens", type=int, default=64, help="decode length for --model")
+    bench.add_argument("--prompt-tokens", type=int, default=512,
+                       help="prompt length for --model: prompt processing (prefill) is timed too")
     bench.add_argument("--rounds", type=int, default=3,
                        help="--model: run every contender this many times, in rotating order, "
                             "and report the median (default 3)")

@@ -28,7 +28,7 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
 
     path = save_llama(tmp_path / "m", "tiny", seed=5)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--model", str(path), "--max-tokens", "6",
-                     "--rounds", "2"])
+                     "--rounds", "2", "--prompt-tokens", "40"])
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     got = records(out)
@@ -37,8 +37,12 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
         assert rec["tok_s"] > 0 and rec["tokens_match"] is True, rec
         # The median of the rounds, each of which is reported.
         assert len(rec["tok_s_rounds"]) == 2 and rec["tok_s"] == round(sum(rec["tok_s_rounds"]) / 2, 2), rec
+        # Prompt processing of the same 40-token prompt, timed the same way.
+        assert rec["prompt_tokens"] == 40 and rec["prefill_tok_s"] > 0, rec
+        assert rec["prefill_tok_s"] == round(sum(rec["prefill_tok_s_rounds"]) / 2, 2), rec
     ceiling = got["tp2-compute-ceiling"]
     assert ceiling["tok_s"] > 0 and ceiling["tokens"] == 6 and ceiling["tokens_match"] is None, ceiling
+    assert ceiling["prefill_tok_s"] > 0 and ceiling["prompt_tokens"] == 40, ceiling
     assert "skipped" in ceiling["gates"]
 
 
@@ -47,13 +51,14 @@ def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceil
 
     path = save_llama(tmp_path / "m", "tiny", seed=6)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--transport", "tcp", "--model", str(path),
-                     "--max-tokens", "4", "--rounds", "1"])
+                     "--max-tokens", "4", "--rounds", "1", "--prompt-tokens", "24"])
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert "tokens_match=True" in out
     assert "tp2-compute-ceiling" in out and "(gates skipped: the bound for any transport)" in out
-    for ratio in ("x single", "x mlx-lm-ring", "x the compute ceiling"):
-        assert "tp2-tcp  = " in out and ratio in out, (ratio, out)
+    for phase in ("prefill", "decode"):
+        for ratio in ("x single", "x mlx-lm-ring", "x the compute ceiling"):
+            assert f"tp2-tcp  {phase} = " in out and ratio in out, (phase, ratio, out)
 
 
 def test_bench_rejects_zero_rounds(procs, tmp_path):
