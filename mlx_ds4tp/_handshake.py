@@ -26,6 +26,7 @@ from ._control import (
 from ._fingerprint import Fingerprint, first_difference, summary_label
 from ._hello import Hello, authenticate, check_hello, choose_transport, data_proof
 from ._log import log
+from ._native import sum_partials
 from ._rdma_gates import RdmaGates
 from ._tcp_gates import TcpGates
 from ._wire import (
@@ -133,6 +134,23 @@ class Pair:
         else:
             self.tcp.gate(send, recv, self.seq, layer, gate)
         return self.seq
+
+    def gate_sum(self, send, peer, out, dtype: int, layer: int = 0, gate: int = 0) -> int:
+        """A gate that also sums: the peer's partial lands in `peer`, rank 0's partial plus
+        rank 1's in `out` (dtype lib.TP_SUM_*), both in C in one call. Up to GATE_MAX_BYTES;
+        a bigger exchange is bulk_sum."""
+        self.seq += 1
+        if self.rdma is not None:
+            self.rdma.gate_sum(send, peer, out, self.seq, dtype, self.rank)
+        else:
+            self.tcp.gate_sum(send, peer, out, self.seq, dtype, self.rank, layer, gate)
+        return self.seq
+
+    def bulk_sum(self, send, peer, out, dtype: int, layer: int = 0) -> int:
+        """bulk, then out = rank 0's partial + rank 1's in C (prefill rows)."""
+        seq = self.bulk(send, peer, layer)
+        sum_partials(dtype, self.rank, send, peer, out)
+        return seq
 
     def exchange_small(self, mine: bytes, what: str) -> bytes:
         """Write-then-read a small fixed-size record on the data connection

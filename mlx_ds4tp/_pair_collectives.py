@@ -155,14 +155,44 @@ def bf16_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+# The float dtypes whose sum runs in C, inside the gate (tp_tcp_gate_sum / tp_gate_sum) or
+# after a bulk exchange (tp_sum2): their wire codes are the C module's TP_SUM_* codes.
+C_SUM_CODES = {mx.float32: 1, mx.float16: 2, mx.bfloat16: 3}
+
+
 def sum_eager(x: mx.array, group) -> mx.array:
     """all_sum on an evaluated (or scheduled) x: integers wrap as MLX's do,
     bool sums are a logical or (MLX's bool + bool)."""
+    code = C_SUM_CODES.get(x.dtype)
+    if code is not None:
+        return _sum_in_c(x, group, code)
     x, local, peer = exchange(x, group, SUM)
     first, second = in_rank_order(group, local, peer)
     if x.dtype == mx.bfloat16:
         return to_mlx(bf16_add(first, second).reshape(x.shape), x.dtype)
     return to_mlx(np.add(first, second).reshape(x.shape), x.dtype)
+
+
+def _sum_in_c(x: mx.array, group, code: int) -> mx.array:
+    """The float gate: exchange and sum in one C call into a reused buffer (no numpy
+    temporaries), then the one copy into the returned array."""
+    x, local = host_view(x)
+    shape = x.shape
+    group.agree_signature(SUM, code, shape)
+    np_dtype = NUMPY_DTYPES[x.dtype]
+    nbytes = local.nbytes
+    peer = group.scratch(nbytes, np_dtype)
+    out = group.scratch(nbytes, np_dtype, slot=1)
+    pair = group.pair
+    if nbytes <= tr.GATE_MAX_BYTES:
+        t0 = time.perf_counter_ns()
+        pair.gate_sum(local, peer, out, code, layer=SUM, gate=code)
+        group.record_latency(time.perf_counter_ns() - t0)
+    else:
+        pair.bulk_sum(local, peer, out, code, layer=SUM)
+    if code == 3:  # bfloat16: numpy has none, the bits travel as uint16
+        return to_mlx(out.reshape(shape), x.dtype)
+    return mx.array(out.reshape(shape))
 
 
 def gather_eager(x: mx.array, group) -> mx.array:

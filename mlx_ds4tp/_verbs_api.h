@@ -262,3 +262,24 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
 int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
                size_t errlen);
 
+
+/* ---- The gate's sum (_verbs_sum.c) ---- */
+
+/* Element types the sum takes (the collectives' wire codes for them). */
+#define TP_SUM_F32 1
+#define TP_SUM_F16 2
+#define TP_SUM_BF16 3
+
+/* out[i] = first[i] + second[i] for count items of dtype (TP_SUM_*): float16
+ * and bfloat16 added in float32 and rounded to nearest-even, as MLX adds
+ * them. out must not overlap the inputs. TP_EINVAL for another dtype. */
+int tp_sum2(int dtype, const void *first, const void *second, void *out, uint64_t count);
+/* tp_tcp_gate (peer's payload into `peer`), then out = rank 0's partial +
+ * rank 1's (rank: this side's), so both ranks compute the same expression
+ * and hold identical bits. */
+int tp_tcp_gate_sum(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, const void *src,
+                    void *peer, void *out, uint64_t bytes, uint64_t seq, uint64_t spin_ns, int dtype,
+                    int rank, char *err, size_t errlen);
+/* tp_gate (peer's partial into `peer`), then the sum as tp_tcp_gate_sum. */
+int tp_gate_sum(tp_dev *dev, const void *src, void *peer, void *out, uint32_t bytes, uint64_t seq,
+                double timeout_s, int dtype, int rank, char *err, size_t errlen);

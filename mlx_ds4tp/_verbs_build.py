@@ -26,6 +26,7 @@ SOURCES = [
     "_verbs_ibv.c",  # provider: the real verbs library, dlopen'ed
     "_verbs_ucsim.c",  # provider: the emulated Thunderbolt UC device
     "_tcp_gate.c",  # the TCP fallback's gate loop
+    "_verbs_sum.c",  # the gate's sum of the two partials (float32, float16, bfloat16)
 ]
 HEADERS = ["_verbs.h", "_verbs_api.h", "_verbs_priv.h", "_verbs_hot.h"]
 STANDALONE = __name__ == "__main__"

@@ -97,9 +97,10 @@ class Group:
         self._latency_ns[self._latency_count % LATENCY_WINDOW] = ns
         self._latency_count += 1
 
-    def scratch(self, nbytes: int, np_dtype) -> np.ndarray:
-        """Reusable receive buffers: the gate path allocates nothing per call."""
-        key = (nbytes, np.dtype(np_dtype).num)
+    def scratch(self, nbytes: int, np_dtype, slot: int = 0) -> np.ndarray:
+        """Reusable buffers (slot 0: the peer's partial, 1: the sum): the gate path
+        allocates nothing per call."""
+        key = (nbytes, np.dtype(np_dtype).num, slot)
         buf = self._scratch.get(key)
         if buf is None:
             buf = np.empty(nbytes // np.dtype(np_dtype).itemsize, dtype=np_dtype)

@@ -1,0 +1,167 @@
+/* The gate's sum: the two ranks' partials added where the bytes already are.
+ *
+ * A gate ends with both ranks holding the same total. Adding the partials in
+ * Python cost numpy temporaries and, for float16, a software conversion of
+ * every element (numpy has no half-precision arithmetic on most CPUs); here
+ * the exchange and the sum are one C call with the GIL released, writing
+ * into a buffer the caller reuses from gate to gate.
+ *
+ * Both ranks hold identical bits only if both compute the same expression:
+ * `first` is always rank 0's partial, `second` rank 1's, whichever rank this
+ * is. float16 and bfloat16 are added in float32 and rounded to nearest-even,
+ * as MLX computes a + b for them: a float32 sum of two 16-bit floats rounded
+ * once more to 16 bits equals the correctly rounded 16-bit sum (float32 has
+ * at least 2p + 2 bits of precision for both, so the double rounding is
+ * innocuous), which is what MLX's native half arithmetic gives too. A NaN sum
+ * is a NaN whose payload bits are this conversion's (float16: the quiet NaN
+ * of its sign; bfloat16: 0x7FC0), which may differ from the payload MLX's
+ * own conversion keeps; both ranks still hold the same bits. */
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "_verbs.h"
+#include "_verbs_priv.h"
+
+/* ---- 16-bit floats <-> float32, branch-free so the loops vectorise ---- */
+
+static inline float bits_to_f32(uint32_t w) {
+    float f;
+    memcpy(&f, &w, sizeof(f));
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t w;
+    memcpy(&w, &f, sizeof(w));
+    return w;
+}
+
+/* cond ? a : b without a branch (a branch in the loop stops GCC's vectoriser). */
+static inline uint32_t select_u32(int cond, uint32_t a, uint32_t b) {
+    const uint32_t mask = (uint32_t)0 - (uint32_t)(cond != 0);
+    return (a & mask) | (b & ~mask);
+}
+
+/* Exact float16 -> float32 (normals, subnormals, infinities, NaN payloads):
+ * the exponent is rebased by a multiply, subnormals by a magic subtraction. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const uint32_t exp_offset = 0xE0u << 23;
+    const float exp_scale = 0x1.0p-112f;
+    const float normalized = bits_to_f32((two_w >> 4) + exp_offset) * exp_scale;
+    const uint32_t magic_mask = 126u << 23;
+    const float magic_bias = 0.5f;
+    const float denormalized = bits_to_f32((two_w >> 17) | magic_mask) - magic_bias;
+    const uint32_t denormalized_cutoff = 1u << 27;
+    const uint32_t result = sign | select_u32(two_w < denormalized_cutoff, f32_to_bits(denormalized),
+                                              f32_to_bits(normalized));
+    return bits_to_f32(result);
+}
+
+/* float32 -> float16, round to nearest-even; overflow to infinity; a NaN
+ * becomes the quiet NaN 0x7E00 with its sign (MLX's conversion on CPUs
+ * without half-precision hardware, and what hardware gives for a NaN made by
+ * an addition). */
+static inline uint16_t f32_to_f16(float f) {
+    const float scale_to_inf = 0x1.0p+112f;
+    const float scale_to_zero = 0x1.0p-110f;
+    const uint32_t w = f32_to_bits(f);
+    float base = (bits_to_f32(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = select_u32(bias < 0x71000000u, 0x71000000u, bias);
+    base = bits_to_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_to_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    const uint32_t mantissa_bits = bits & 0x00000FFFu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return (uint16_t)((sign >> 16) | select_u32(shl1_w > 0xFF000000u, 0x7E00u, nonsign));
+}
+
+/* float32 -> bfloat16, round to nearest-even; a NaN becomes 0x7FC0 (MLX's
+ * bfloat16 conversion). */
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t w = f32_to_bits(f);
+    const uint32_t rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+    /* NaN: exponent all ones and a non-zero fraction. */
+    return (uint16_t)select_u32((w & 0x7FFFFFFFu) > 0x7F800000u, 0x7FC0u, rounded);
+}
+
+/* ---- the sums ---- */
+
+/* GCC vectorises at -O2 only loops that need no run-time checks; these need
+ * the trip count's remainder handled, so they ask for -O3's vectoriser
+ * (clang vectorises them at -O2 already). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TP_VECTORISE __attribute__((optimize("O3")))
+#else
+#define TP_VECTORISE
+#endif
+
+TP_VECTORISE static void sum_f32(const float *restrict a, const float *restrict b,
+                                 float *restrict o, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) o[i] = a[i] + b[i];
+}
+
+TP_VECTORISE static void sum_f16(const uint16_t *restrict a, const uint16_t *restrict b,
+                                 uint16_t *restrict o, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) o[i] = f32_to_f16(f16_to_f32(a[i]) + f16_to_f32(b[i]));
+}
+
+TP_VECTORISE static void sum_bf16(const uint16_t *restrict a, const uint16_t *restrict b,
+                                  uint16_t *restrict o, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++)
+        o[i] = f32_to_bf16(bits_to_f32((uint32_t)a[i] << 16) + bits_to_f32((uint32_t)b[i] << 16));
+}
+
+int tp_sum2(int dtype, const void *first, const void *second, void *out, uint64_t count) {
+    if (dtype == TP_SUM_F32) sum_f32(first, second, out, count);
+    else if (dtype == TP_SUM_F16) sum_f16(first, second, out, count);
+    else if (dtype == TP_SUM_BF16) sum_bf16(first, second, out, count);
+    else return TP_EINVAL;
+    return TP_OK;
+}
+
+static uint64_t sum_item_bytes(int dtype) {
+    return dtype == TP_SUM_F32 ? 4 : (dtype == TP_SUM_F16 || dtype == TP_SUM_BF16) ? 2 : 0;
+}
+
+/* The sum once the peer's partial is in `peer`: rank 0's partial first. */
+static int sum_in_rank_order(int dtype, int rank, const void *mine, const void *peer, void *out,
+                             uint64_t bytes) {
+    const uint64_t item = sum_item_bytes(dtype);
+    if (!item || bytes % item) return TP_EINVAL;
+    return rank == 0 ? tp_sum2(dtype, mine, peer, out, bytes / item)
+                     : tp_sum2(dtype, peer, mine, out, bytes / item);
+}
+
+static int sum_refused(int dtype, uint64_t bytes, char *err, size_t errlen) {
+    if (err && errlen)
+        snprintf(err, errlen, "gate sum: dtype code %d with %llu bytes is not a whole number of "
+                 "float32, float16 or bfloat16 items", dtype, (unsigned long long)bytes);
+    return TP_EINVAL;
+}
+
+int tp_tcp_gate_sum(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, const void *src,
+                    void *peer, void *out, uint64_t bytes, uint64_t seq, uint64_t spin_ns, int dtype,
+                    int rank, char *err, size_t errlen) {
+    const uint64_t item = sum_item_bytes(dtype);
+    if (!item || bytes % item) return sum_refused(dtype, bytes, err, errlen);
+    int rc = tp_tcp_gate(fd, hdr_out, hdr_in, hdr_len, src, peer, bytes, seq, spin_ns, err, errlen);
+    if (rc != TP_OK) return rc;
+    return sum_in_rank_order(dtype, rank, src, peer, out, bytes);
+}
+
+int tp_gate_sum(tp_dev *dev, const void *src, void *peer, void *out, uint32_t bytes, uint64_t seq,
+                double timeout_s, int dtype, int rank, char *err, size_t errlen) {
+    const uint64_t item = sum_item_bytes(dtype);
+    if (!item || bytes % item) return sum_refused(dtype, bytes, err, errlen);
+    int rc = tp_gate(dev, src, peer, bytes, seq, timeout_s, err, errlen);
+    if (rc < 0) return rc;
+    return sum_in_rank_order(dtype, rank, src, peer, out, bytes);
+}
