@@ -38,6 +38,8 @@ class Group:
         self._mlx = MlxCollective(mlx_group) if mlx_group is not None else None
         self._signature: Optional[Tuple[int, int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
+        # The float gate's reused buffers per (dtype, shape) (_pair_collectives.SumSlot).
+        self.sum_slots: Dict[tuple, object] = {}
         # Round trips of the last LATENCY_WINDOW decode gates, for the
         # closing line of a run (p50/p99); recording costs one store.
         self._latency_ns = np.zeros(LATENCY_WINDOW, dtype=np.int64)
@@ -97,10 +99,9 @@ class Group:
         self._latency_ns[self._latency_count % LATENCY_WINDOW] = ns
         self._latency_count += 1
 
-    def scratch(self, nbytes: int, np_dtype, slot: int = 0) -> np.ndarray:
-        """Reusable buffers (slot 0: the peer's partial, 1: the sum): the gate path
-        allocates nothing per call."""
-        key = (nbytes, np.dtype(np_dtype).num, slot)
+    def scratch(self, nbytes: int, np_dtype) -> np.ndarray:
+        """Reusable receive buffers: the gate path allocates nothing per call."""
+        key = (nbytes, np.dtype(np_dtype).num)
         buf = self._scratch.get(key)
         if buf is None:
             buf = np.empty(nbytes // np.dtype(np_dtype).itemsize, dtype=np_dtype)
