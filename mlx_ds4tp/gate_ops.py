@@ -40,10 +40,11 @@ class Group:
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
         # The float gate's reused buffers per (dtype, shape) (_pair_collectives.SumSlot).
         self.sum_slots: Dict[tuple, object] = {}
-        # Round trips of the last LATENCY_WINDOW decode gates, for the
-        # closing line of a run (p50/p99); recording costs one store.
+        # Round trips of the last LATENCY_WINDOW timed decode gates (of the float
+        # gates, one in four), for the closing line of a run (p50/p99).
         self._latency_ns = np.zeros(LATENCY_WINDOW, dtype=np.int64)
         self._latency_count = 0
+        self.gate_count = 0  # float gates run (one in _pair_collectives.LATENCY_SAMPLE is timed)
         if pair is not None:
             self.transport = pair.transport
             self._rank = pair.rank
