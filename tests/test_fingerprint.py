@@ -4,6 +4,7 @@ loaded, and both name both fingerprints and the first difference."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import textwrap
@@ -18,6 +19,7 @@ from mlx_ds4tp._fingerprint import (
     SAMPLE_BYTES,
     SAMPLE_WINDOWS,
     Fingerprint,
+    TensorPrint,
     first_difference,
     model_fingerprint,
     summary_label,
@@ -169,6 +171,24 @@ def test_pair_agrees_on_a_fingerprint_after_the_hello(models):
     finally:
         lp.close()
         wp.close()
+
+
+def test_a_big_models_details_name_the_one_differing_tensor():
+    """60,000 tensors (an MoE checkpoint): details of most of a megabyte swapped
+    each way, and the one tensor whose sampled bytes differ is named."""
+    tensors = tuple(TensorPrint(f"model.layers.{i // 2000}.experts.{i % 2000}.weight", "U32",
+                                (2048, 112), 917504, f"{i * 2654435761 % 2**64:016x}")
+                    for i in range(60_000))
+    a = Fingerprint(config=(("model_type", '"deepseek_v3"'),), tensors=tensors)
+    changed = list(tensors)
+    changed[23_456] = dataclasses.replace(changed[23_456], sample="0" * 16)
+    b = Fingerprint(config=a.config, tensors=tuple(changed))
+    assert len(a.details()) > 500_000
+    (_, le), (_, we) = connect_both(a, b, timeout=30.0)
+    for exc in (le, we):
+        assert isinstance(exc, HelloMismatchError), exc
+        assert "same shapes, different weights (first differing tensor: model.layers.11.experts.1456.weight)" \
+            in str(exc)
 
 
 RANK = textwrap.dedent(
