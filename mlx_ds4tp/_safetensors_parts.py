@@ -8,7 +8,9 @@ and their slices kept instead of seeking per row.
 
 Original Hugging Face checkpoints save experts one by one (`experts.N.gate_proj.weight`);
 mlx-lm's sanitize() stacks them while loading. For such a stack this reader reads this rank's
-part of each expert and stacks the parts, never a whole expert.
+part of each expert and stacks the parts, never a whole expert. gpt-oss's original checkpoints
+fuse gate and up (`gate_up_proj_blocks`: their rows interleaved, mxfp4 bytes as [..., groups,
+16]); this rank's rows of both are one contiguous run of the fused rows, read and de-interleaved.
 """
 
 from __future__ import annotations
@@ -49,9 +51,20 @@ class SafetensorsParts:
     reads this class exists to avoid.
     """
 
-    def __init__(self, model_path: Path, rank: int, size: int, expert_keys: Sequence[tuple[str, str]] = ()):
+    def __init__(
+        self,
+        model_path: Path,
+        rank: int,
+        size: int,
+        expert_keys: Sequence[tuple[str, str]] = (),
+        fused_keys: Sequence[tuple[str, str, int, int]] = (),
+    ):
+        """expert_keys: (stacked key fragment, one expert's fragment with {e}) pairs.
+        fused_keys: (key ending as loaded, key ending as saved, row offset, row step): the
+        loaded array is rows offset::step of the saved one (step 1: the same rows)."""
         self.rank, self.size = rank, size
         self.expert_keys = tuple(expert_keys)
+        self.fused_keys = tuple(fused_keys)
         self.tensors: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}
         for file in sorted(Path(model_path).glob("model*.safetensors")):
             with open(file, "rb") as f:
@@ -86,6 +99,8 @@ class SafetensorsParts:
         else:
             part = self._read_stacked(key, whole, axis)
             if part is None:
+                part = self._read_fused(key, whole, axis)
+            if part is None:
                 return None
         out = mx.array(part)
         mx_dtype = whole.dtype
@@ -113,9 +128,42 @@ class SafetensorsParts:
             return out
         return None
 
-    def _read(self, key: str, axis: int) -> np.ndarray:
-        """This rank's part of tensor `key` cut along `axis`, in the 'part' scratch buffer."""
-        file, dtype, shape, start = self.tensors[key]
+    def _read_fused(self, key: str, whole: mx.array, axis: int) -> Optional[np.ndarray]:
+        """This rank's part of an array mlx-lm's sanitize() takes as every step-th row of a
+        saved one (gpt-oss's fused gate_up), or from mxfp4 blocks saved as [..., groups, 16]."""
+        axis = axis % whole.ndim
+        for loaded, saved, offset, step in self.fused_keys:
+            found = self.tensors.get(key[: -len(loaded)] + saved) if key.endswith(loaded) else None
+            if found is None or found[1] not in _SAFETENSORS_DTYPES:
+                continue
+            shape = found[2]
+            bytes_as_words = found[1] == "U8" and whole.dtype == mx.uint32 and len(shape) == whole.ndim + 1
+            if not bytes_as_words and _SAFETENSORS_DTYPES[found[1]][1] != whole.dtype:
+                continue
+            if bytes_as_words:  # mxfp4 blocks: the last two axes are the packed words' bytes
+                shape = shape[:-2] + (shape[-2] * shape[-1],)
+            want = list(whole.shape)
+            want[-1] *= 4 if bytes_as_words else 1
+            want[axis] *= step
+            if list(shape) != want:
+                continue
+            # This rank's rows of every fused row set are one contiguous run of the saved rows.
+            part = self._read(key[: -len(loaded)] + saved, axis, shape)
+            if bytes_as_words:
+                part = part.view(np.uint32)
+            rows = [slice(None)] * part.ndim
+            rows[axis] = slice(offset, None, step)
+            picked = part[tuple(rows)]
+            out = self._buffer("fused", picked.nbytes, picked.dtype, picked.shape)
+            out[...] = picked
+            return out
+        return None
+
+    def _read(self, key: str, axis: int, shape: Optional[tuple[int, ...]] = None) -> np.ndarray:
+        """This rank's part of tensor `key` cut along `axis`, in the 'part' scratch buffer.
+        `shape` reads the tensor's bytes as that shape instead of the saved one."""
+        file, dtype, saved_shape, start = self.tensors[key]
+        shape = saved_shape if shape is None else shape
         np_dtype = _SAFETENSORS_DTYPES[dtype][0]
         itemsize = np.dtype(np_dtype).itemsize
         axis = axis % len(shape)

@@ -40,6 +40,9 @@ class Family:
     # (stacked key fragment, one expert's key fragment with {e}) as original Hugging Face
     # checkpoints save experts one by one; mlx-lm's sanitize() stacks them while loading.
     expert_keys: tuple[tuple[str, str], ...] = field(default=())
+    # (key ending as mlx-lm loads it, key ending as saved, row offset, row step): the loaded
+    # array is rows offset::step of a saved one (gpt-oss's fused gate_up_proj, mxfp4 blocks).
+    fused_keys: tuple[tuple[str, str, int, int], ...] = field(default=())
 
 
 def attention(*, column=("q_proj", "k_proj", "v_proj"), row=("o_proj",), heads=(), whole=()) -> dict:
@@ -101,10 +104,17 @@ FAMILIES: dict[str, Family] = {
         expert_keys=stacked_experts(),
     ),
     # Every block is a mixture of experts; sliding-window and full layers split alike. The
-    # original checkpoints' fused gate_up_proj is unfused by mlx-lm's sanitize() and cut in memory.
+    # original checkpoints fuse gate and up (rows interleaved) and save mxfp4 experts as bytes.
     "mlx_lm.models.gpt_oss": Family(
         "gpt_oss", ("num_attention_heads", "num_key_value_heads"),
         {"MLPBlock": attention(heads=("sinks",)) | moe("mlp", experts="experts", router="router")},
+        fused_keys=tuple(
+            (f"experts.{proj}.{array}", f"experts.{saved}_{suffix}", offset, step)
+            for proj, saved, offset, step in (("gate_proj", "gate_up_proj", 0, 2),
+                                              ("up_proj", "gate_up_proj", 1, 2),
+                                              ("down_proj", "down_proj", 0, 1))
+            for array, suffix in (("weight", "blocks"), ("scales", "scales"), ("bias", "bias"))
+        ),
     ),
     "mlx_lm.models.mixtral": Family(
         "mixtral", ("num_heads", "num_key_value_heads"),

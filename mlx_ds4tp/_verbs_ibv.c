@@ -7,13 +7,17 @@
  * ibv_post_recv and ibv_poll_cq are header inlines over the context's ops
  * table, which is why this provider is compiled C and not cffi ABI mode.
  *
- * Quirks of AppleThunderboltRDMA this follows (see the seeds):
+ * Quirks of AppleThunderboltRDMA this follows (ucsim, _verbs_ucsim.c, and the
+ * tests' fake library, tests/fake_ibverbs/, model the same):
  *   - only UC queue pairs exist (RC/UD: ENOTSUP);
  *   - RDMA WRITE is accepted and never executed: data moves by SEND/RECV;
  *   - messages above 16 KiB are not delivered;
  *   - RTR needs GRH addressing with the IPv4-mapped GID (::ffff:a.b.c.d),
  *     which exists only once the Thunderbolt member interface has an IPv4
- *     address of its own, MTU 1024 and hop limit 1. */
+ *     address of its own, MTU 1024 and hop limit 1;
+ *   - ibv_post_send/ibv_post_recv fail with -ENOMEM (a negative errno, not
+ *     the positive one rdma-core's providers return) at the 64th outstanding
+ *     work request, whatever depths the queue pair was created with. */
 
 #include "_verbs_priv.h"
 
@@ -58,10 +62,6 @@ typedef struct {
     int (*modify_qp)(struct ibv_qp *, struct ibv_qp_attr *, int);
 } verbs_api;
 
-static verbs_api g_api;
-static char g_load_err[320];
-static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-
 #if defined(__APPLE__)
 #define TP_VERBS_LIB "/usr/lib/librdma.dylib"
 #define TP_VERBS_HINT "this macOS has no Thunderbolt RDMA library"
@@ -70,19 +70,52 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 #define TP_VERBS_HINT "install rdma-core (Debian: apt install libibverbs1 ibverbs-providers)"
 #endif
 
-static void load_api(void) {
-    void *h = dlopen(TP_VERBS_LIB, RTLD_NOW | RTLD_LOCAL);
+/* One loaded library per path asked for (tp_set_verbs_library): a device
+ * keeps pointers into the library it was opened with, so a library is never
+ * unloaded, and switching the path affects only later opens. */
+#define TP_MAX_LIBS 8
+typedef struct {
+    char path[512]; /* "" = the system library */
+    verbs_api api;
+    char load_err[640];
+} verbs_lib;
+
+static verbs_lib g_libs[TP_MAX_LIBS];
+static int g_nlibs;
+static char g_want_path[512];
+static pthread_mutex_t g_lib_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int tp_set_verbs_library(const char *path, char *err, size_t errlen) {
+    if (path && strlen(path) >= sizeof(g_want_path)) {
+        tp_errf(err, errlen, "tp_set_verbs_library: path of %zu characters is too long (at most "
+                "%zu)", strlen(path), sizeof(g_want_path) - 1);
+        return TP_EINVAL;
+    }
+    pthread_mutex_lock(&g_lib_lock);
+    snprintf(g_want_path, sizeof(g_want_path), "%s", path ? path : "");
+    pthread_mutex_unlock(&g_lib_lock);
+    return TP_OK;
+}
+
+static void load_api(verbs_lib *lib) {
+    const char *file = lib->path[0] ? lib->path : TP_VERBS_LIB;
+    void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         const char *why = dlerror();
-        snprintf(g_load_err, sizeof(g_load_err), "tp rdma: cannot load %s (%s); %s",
-                 TP_VERBS_LIB, why ? why : "?", TP_VERBS_HINT);
+        if (lib->path[0])
+            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: cannot load the verbs "
+                     "library %s (DS4_TP_VERBS_LIBRARY): %s", file, why ? why : "?");
+        else
+            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: cannot load %s (%s); %s",
+                     file, why ? why : "?", TP_VERBS_HINT);
         return;
     }
+    verbs_api *api = &lib->api;
 #define SYM(field, name)                                                                     \
     do {                                                                                     \
-        g_api.field = (__typeof__(g_api.field))dlsym(h, name);                               \
-        if (!g_api.field) {                                                                  \
-            snprintf(g_load_err, sizeof(g_load_err), "tp rdma: %s lacks %s", TP_VERBS_LIB,   \
+        api->field = (__typeof__(api->field))dlsym(h, name);                                 \
+        if (!api->field) {                                                                   \
+            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: %s lacks %s", file,     \
                      name);                                                                  \
             dlclose(h);                                                                      \
             return;                                                                          \
@@ -106,13 +139,28 @@ static void load_api(void) {
     SYM(destroy_qp, "ibv_destroy_qp");
     SYM(modify_qp, "ibv_modify_qp");
 #undef SYM
-    g_api.handle = h;
+    api->handle = h;
 }
 
+/* The library for the path currently asked for, loaded on first use. */
 static const verbs_api *api_get(char *err, size_t errlen) {
-    pthread_once(&g_once, load_api);
-    if (g_api.handle) return &g_api;
-    tp_errf(err, errlen, "%s", g_load_err);
+    pthread_mutex_lock(&g_lib_lock);
+    verbs_lib *lib = NULL;
+    for (int i = 0; i < g_nlibs && !lib; i++)
+        if (strcmp(g_libs[i].path, g_want_path) == 0) lib = &g_libs[i];
+    if (!lib && g_nlibs < TP_MAX_LIBS) {
+        lib = &g_libs[g_nlibs++];
+        snprintf(lib->path, sizeof(lib->path), "%s", g_want_path);
+        load_api(lib);
+    }
+    pthread_mutex_unlock(&g_lib_lock);
+    if (!lib) {
+        tp_errf(err, errlen, "tp rdma: %d verbs libraries loaded already; cannot load %s",
+                TP_MAX_LIBS, g_want_path);
+        return NULL;
+    }
+    if (lib->api.handle) return &lib->api;
+    tp_errf(err, errlen, "%s", lib->load_err);
     return NULL;
 }
 
@@ -144,6 +192,40 @@ static void append(char *buf, size_t n, const char *fmt, const char *a, const ch
     if (off + 1 < n) snprintf(buf + off, n - off, fmt, off ? ", " : "", a, b);
 }
 
+/* The GID to connect from: the index asked for, or else the IPv4-mapped
+ * one. Why that one: the Apple driver connects only through it, and it
+ * appears once the Thunderbolt member interface (not the bridge) has an
+ * IPv4 address. 0, or -1 with why in err. */
+static int find_gid(const verbs_api *api, verbs_sel *s, int gid_index, char *err, size_t errlen) {
+    if (gid_index >= 0) {
+        if (api->query_gid(s->ctx, 1, gid_index, &s->gid) != 0) {
+            tp_errf(err, errlen, "tp rdma: %s: query_gid(port 1, index %d) failed: %s; omit the "
+                    "GID index to scan for the IPv4-mapped GID", s->name, gid_index,
+                    strerror(errno));
+            return -1;
+        }
+        s->gid_index = gid_index;
+        return 0;
+    }
+    for (int i = 0; i < s->port.gid_tbl_len; i++) {
+        union ibv_gid g;
+        if (api->query_gid(s->ctx, 1, i, &g) == 0 && gid_is_v4mapped(&g)) {
+            s->gid = g;
+            s->gid_index = i;
+            return 0;
+        }
+    }
+    tp_errf(err, errlen, "tp rdma: %s port 1 (%s) has no IPv4-mapped GID (::ffff:a.b.c.d) among "
+            "its %d GIDs; give the Thunderbolt interface its own IPv4, e.g. sudo ifconfig en1 "
+            "inet 10.99.0.2/30 alias (the bridge's address does not count), on both machines",
+            s->name, port_state_name(s->port.state), s->port.gid_tbl_len);
+    return -1;
+}
+
+/* One verbs device per Thunderbolt port (rdma_enN). A named device is
+ * taken even with its port down (warned: the user asked for it); without a
+ * name, the first whose port is ACTIVE and that has the GID to connect
+ * from (a port whose interface lacks its own IPv4 cannot connect). */
 static int select_device(const verbs_api *api, const char *want, int gid_index, verbs_sel *out,
                          char *err, size_t errlen) {
     memset(out, 0, sizeof(*out));
@@ -157,9 +239,7 @@ static int select_device(const verbs_api *api, const char *want, int gid_index, 
                 "and that the Thunderbolt member interface has its own IPv4 address");
         return TP_EUNAVAIL;
     }
-    /* One verbs device per Thunderbolt port (rdma_enN): take the named one,
-     * else the first whose port is ACTIVE. */
-    char seen[512] = "";
+    char seen[768] = "", why[512] = "";
     for (int i = 0; i < num && !out->ctx; i++) {
         const char *name = api->get_device_name(devs[i]);
         if (!name) name = "?";
@@ -179,56 +259,42 @@ static int select_device(const verbs_api *api, const char *want, int gid_index, 
             api->close_device(ctx);
             continue;
         }
-        if (pa.state == IBV_PORT_ACTIVE || want) {
-            if (pa.state != IBV_PORT_ACTIVE)
-                fprintf(stderr, TP_LOG "rdma device %s: port 1 is %s, not ACTIVE; using it "
-                        "because it was named\n", name, port_state_name(pa.state));
-            out->ctx = ctx;
-            out->port = pa;
-            snprintf(out->name, sizeof(out->name), "%s", name);
-            break;
+        if (pa.state != IBV_PORT_ACTIVE && !want) {
+            append(seen, sizeof(seen), "%s%s: port 1 %s", name, port_state_name(pa.state));
+            api->close_device(ctx);
+            continue;
         }
-        append(seen, sizeof(seen), "%s%s: port 1 %s", name, port_state_name(pa.state));
-        api->close_device(ctx);
+        verbs_sel cand;
+        memset(&cand, 0, sizeof(cand));
+        cand.ctx = ctx;
+        cand.port = pa;
+        snprintf(cand.name, sizeof(cand.name), "%s", name);
+        if (find_gid(api, &cand, gid_index, why, sizeof(why)) < 0) {
+            append(seen, sizeof(seen), "%s%s: port 1 %s, no IPv4-mapped GID", name,
+                   port_state_name(pa.state));
+            api->close_device(ctx);
+            if (want) {
+                api->free_device_list(devs);
+                tp_errf(err, errlen, "%s", why);
+                return TP_EUNAVAIL;
+            }
+            continue;
+        }
+        if (pa.state != IBV_PORT_ACTIVE)
+            fprintf(stderr, TP_LOG "rdma device %s: port 1 is %s, not ACTIVE; using it because "
+                    "it was named\n", name, port_state_name(pa.state));
+        *out = cand;
     }
     api->free_device_list(devs);
-    if (!out->ctx) {
-        if (want)
-            tp_errf(err, errlen, "tp rdma: no usable verbs device named %s (devices: %s); "
-                    "list them with `ibv_devices`", want, seen);
-        else
-            tp_errf(err, errlen, "tp rdma: no verbs device has an ACTIVE port (%s); check the "
-                    "Thunderbolt cable, that the peer is up, and `rdma_ctl status` on both "
-                    "machines", seen);
-        return TP_EUNAVAIL;
-    }
-    if (gid_index >= 0) {
-        if (api->query_gid(out->ctx, 1, gid_index, &out->gid) != 0) {
-            tp_errf(err, errlen, "tp rdma: %s: query_gid(port 1, index %d) failed: %s; omit the "
-                    "GID index to scan for the IPv4-mapped GID", out->name, gid_index,
-                    strerror(errno));
-            api->close_device(out->ctx);
-            return TP_EUNAVAIL;
-        }
-        out->gid_index = gid_index;
-        return TP_OK;
-    }
-    /* Why: the Apple driver connects only through the IPv4-mapped GID, which
-     * appears once the Thunderbolt member interface (not the bridge) has an
-     * IPv4 address. */
-    for (int i = 0; i < out->port.gid_tbl_len; i++) {
-        union ibv_gid g;
-        if (api->query_gid(out->ctx, 1, i, &g) == 0 && gid_is_v4mapped(&g)) {
-            out->gid = g;
-            out->gid_index = i;
-            return TP_OK;
-        }
-    }
-    tp_errf(err, errlen, "tp rdma: %s port 1 (%s) has no IPv4-mapped GID (::ffff:a.b.c.d) among "
-            "its %d GIDs; give the Thunderbolt interface its own IPv4, e.g. sudo ifconfig en1 "
-            "inet 10.99.0.2/30 alias (the bridge's address does not count), on both machines",
-            out->name, port_state_name(out->port.state), out->port.gid_tbl_len);
-    api->close_device(out->ctx);
+    if (out->ctx) return TP_OK;
+    if (want)
+        tp_errf(err, errlen, "tp rdma: no usable verbs device named %s (devices: %s); list them "
+                "with `ibv_devices`", want, seen);
+    else
+        tp_errf(err, errlen, "tp rdma: no verbs device has an ACTIVE port and an IPv4-mapped GID "
+                "(%s); check the Thunderbolt cable, that the peer is up, `rdma_ctl status` on "
+                "both machines, and that each Thunderbolt interface has its own IPv4 address",
+                seen);
     return TP_EUNAVAIL;
 }
 
@@ -256,10 +322,10 @@ typedef struct {
     struct ibv_cq *cq;
     struct ibv_qp *qp;
     uint32_t psn_base;
-    /* Hot-path sequence tags (SEND_WITH_IMM; "Sequence tags" in _verbs.h):
-     * imm_ok once the device accepted one, no_imm once it refused the first
-     * (or DS4_TP_RDMA_NO_IMM=1): from then on hot-path sends go untagged. */
-    int imm_ok, no_imm;
+    /* Hot-path sequence tags (SEND_WITH_IMM; "Sequence tags" in
+     * _verbs_api.h): imm_ok once the device accepted one. When it refuses
+     * the first, dev->no_imm is set and hot-path sends go untagged. */
+    int imm_ok;
 } verbs_dev;
 
 #define VD(dev) ((verbs_dev *)(dev)->impl)
@@ -287,11 +353,6 @@ int tp_ibv_open(tp_dev *dev, const char *device, int gid_index, char *err, size_
         return TP_ESYS;
     }
     v->psn_base = (uint32_t)tp_random64() & 0xffffff;
-    const char *no_imm = getenv("DS4_TP_RDMA_NO_IMM");
-    v->no_imm = no_imm && no_imm[0] && strcmp(no_imm, "0") != 0;
-    if (v->no_imm)
-        fprintf(stderr, TP_LOG "DS4_TP_RDMA_NO_IMM is set: hot-path messages go untagged, a "
-                "message lost on the UC link cannot be detected at the gate\n");
     dev->prov = &tp_ibv_provider;
     dev->impl = v;
     snprintf(dev->name, sizeof(dev->name), "%s", v->sel.name);
@@ -325,9 +386,10 @@ static int ibv_build(tp_dev *dev, int qp_type, int attempt, int *cq_depth, int *
     }
     v->cq = v->api->create_cq(v->sel.ctx, *cq_depth, NULL, NULL, 0);
     if (!v->cq) {
+        const int e = errno;
         tp_errf(err, errlen, "tp rdma: %s: create_cq(%d) failed: %s", v->sel.name, *cq_depth,
-                strerror(errno));
-        return TP_ESYS;
+                strerror(e));
+        return e == ENOMEM || e == EINVAL ? TP_ENOMEM : TP_ESYS;
     }
     struct ibv_qp_init_attr qia;
     memset(&qia, 0, sizeof(qia));
@@ -352,7 +414,9 @@ static int ibv_build(tp_dev *dev, int qp_type, int attempt, int *cq_depth, int *
         tp_errf(err, errlen, "tp rdma: %s: create_qp(%s, send %d, recv %d) failed: %s",
                 v->sel.name, qp_type == TP_QPT_RC ? "RC" : "UC", *send_wr, *recv_wr,
                 strerror(e));
-        return TP_ESYS;
+        /* A device may say (ibv_query_device) it takes more work requests
+         * than it does: TP_ENOMEM lets the caller ask for fewer. */
+        return e == ENOMEM || e == EINVAL ? TP_ENOMEM : TP_ESYS;
     }
     *send_wr = (int)qia.cap.max_send_wr;
     *recv_wr = (int)qia.cap.max_recv_wr;
@@ -463,6 +527,15 @@ static void ibv_close_dev(tp_dev *dev) {
  * Data path: the header inlines.
  * --------------------------------------------------------------------- */
 
+/* The errno a post returned, whatever its convention: rdma-core's providers
+ * return it positive; Apple's returns it negated (ibv_post_recv ret=-12 at
+ * its 64th outstanding receive, i.e. -ENOMEM); some return -1 and set errno. */
+static int post_errno(int ret) {
+    if (ret >= 0) return ret;
+    if (ret == -1) return errno ? errno : EINVAL;
+    return -ret;
+}
+
 static int ibv_post_recv_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey,
                              uint64_t wr_id, char *err, size_t errlen) {
     verbs_dev *v = VD(dev);
@@ -472,7 +545,7 @@ static int ibv_post_recv_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
     wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    int e = ibv_post_recv(v->qp, &wr, &bad);
+    int e = post_errno(ibv_post_recv(v->qp, &wr, &bad));
     if (e == 0) return TP_OK;
     tp_errf(err, errlen, "tp rdma: post_recv(%u bytes, wr_id 0x%llx) failed: %s", len,
             (unsigned long long)wr_id, strerror(e));
@@ -493,20 +566,19 @@ static int ibv_post_send_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
      * accepts it and never executes it (no remote address is known here). */
     wr.opcode = opcode == TP_OP_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_SEND;
     wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
-    const int tagged = opcode == TP_OP_SEND_IMM && !v->no_imm;
+    const int tagged = opcode == TP_OP_SEND_IMM && !dev->no_imm;
     if (tagged) {
         wr.opcode = IBV_WR_SEND_WITH_IMM;
         wr.imm_data = htonl(imm);
     }
-    int e = ibv_post_send(v->qp, &wr, &bad);
-    if (e < 0) e = errno ? errno : EINVAL; /* some providers return -1 and set errno */
+    int e = post_errno(ibv_post_send(v->qp, &wr, &bad));
     if (e != 0 && tagged && !v->imm_ok && (e == EINVAL || e == ENOTSUP || e == EOPNOTSUPP)) {
         /* Why: whether AppleThunderboltRDMA takes SEND_WITH_IMM on a UC queue
          * pair is unverified. A refused post queued nothing, so resend it as
          * a plain SEND and stay untagged: losing loss detection beats losing
          * RDMA. Only the first tagged post may do this; a refusal after
          * tagged posts succeeded is a real failure. */
-        v->no_imm = 1;
+        dev->no_imm = 1;
         fprintf(stderr, TP_LOG "rdma device %s refused SEND_WITH_IMM on a UC queue pair (%s): "
                 "hot-path messages go untagged, so a message lost on the link cannot be "
                 "detected at the gate; run with --debug-hash N to catch a divergence\n",
@@ -514,11 +586,10 @@ static int ibv_post_send_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
         wr.opcode = IBV_WR_SEND;
         wr.imm_data = 0;
         bad = NULL;
-        e = ibv_post_send(v->qp, &wr, &bad);
-        if (e < 0) e = errno ? errno : EINVAL;
+        e = post_errno(ibv_post_send(v->qp, &wr, &bad));
     }
     if (e == 0) {
-        if (tagged && !v->no_imm) v->imm_ok = 1;
+        if (tagged && !dev->no_imm) v->imm_ok = 1;
         return TP_OK;
     }
     tp_errf(err, errlen, "tp rdma: post_send(%u bytes, wr_id 0x%llx) failed: %s", len,
@@ -569,6 +640,12 @@ const tp_provider tp_ibv_provider = {
 #define TP_NO_HEADER_MSG                                                                     \
     "tp rdma: built without infiniband/verbs.h; install libibverbs-dev (Linux) or the macOS " \
     "SDK and reinstall"
+
+/* Without the header there is no provider to load a library for. */
+int tp_set_verbs_library(const char *path, char *err, size_t errlen) {
+    (void)path, (void)err, (void)errlen;
+    return TP_OK;
+}
 
 int tp_ibv_probe(const char *device, char *err, size_t errlen) {
     (void)device;

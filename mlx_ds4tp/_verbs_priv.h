@@ -1,5 +1,5 @@
-/* mlx_ds4tp._verbs, private: the device object shared by the core
- * (_verbs_core.c: API, registrations, hot loops) and the two providers
+/* mlx_ds4tp._verbs, private: the device object shared by the device layer
+ * (_verbs_dev.c), the hot paths (_verbs_hot.h) and the two providers
  * (_verbs_ibv.c: real verbs, _verbs_ucsim.c: emulated Thunderbolt UC).
  * Include this first in every .c file of the module. */
 #ifndef MLX_DS4TP_VERBS_PRIV_H
@@ -17,8 +17,6 @@
 
 #define TP_LOG "ds4-tp: "
 
-/* The Apple stack allows ~100 memory regions in all; keep headroom. */
-#define TP_MAX_MRS 96
 
 /* Hot-path work request ids. A gate's final chunk receive carries the bare
  * gate number (gates since the build; top byte 0) so its completion is the
@@ -28,18 +26,18 @@
 #define TP_TAG_GATE_CHUNK (UINT64_C(0xd1) << 56) /* | seq: non-final chunk recv */
 #define TP_TAG_GATE_SEND (UINT64_C(0xd2) << 56)  /* | seq */
 #define TP_TAG_DRAIN (UINT64_C(0xd3) << 56)      /* | index */
-#define TP_TAG_BULK_RECV (UINT64_C(0xd4) << 56)  /* | round << 8 | slot */
-#define TP_TAG_BULK_SEND (UINT64_C(0xd5) << 56)  /* | round << 8 | slot */
+#define TP_TAG_BULK_RECV (UINT64_C(0xd4) << 56)  /* | chunk index in the exchange */
+#define TP_TAG_BULK_SEND (UINT64_C(0xd5) << 56)  /* | chunk index in the exchange */
 
 /* Hot-path sequence tags, the immediate data of every hot-path message (see
  * "Sequence tags" in _verbs.h): the kind in the top nibble (never 0, so a tag
  * cannot be confused with an untagged message), then what the message is.
- * Gate numbers wrap at 2^24 and bulk rounds at 2^22: a lost message shifts
+ * Gate numbers wrap at 2^24 and bulk chunks at 2^28: a lost message shifts
  * the stream by one message, far less than either. */
 #define TP_IMM_KIND_MASK UINT32_C(0xf0000000)
 #define TP_IMM_GATE UINT32_C(0x10000000)  /* | chunk << 24 | (gate & 0xffffff) */
 #define TP_IMM_DRAIN UINT32_C(0x20000000) /* | marker index (the receive it must land in) */
-#define TP_IMM_BULK UINT32_C(0x30000000)  /* | (round & 0x3fffff) << 6 | slot */
+#define TP_IMM_BULK UINT32_C(0x30000000)  /* | (chunk index & 0xfffffff) */
 
 /* Provider opcode beyond the public TP_OP_*: SEND_WITH_IMM, hot paths only. */
 #define TP_OP_SEND_IMM 2
@@ -52,7 +50,10 @@
 #define TP_OFF_RING (TP_OFF_CTRL + 4096u)
 #define TP_OFF_BULK_SEND (TP_OFF_RING + (uint64_t)TP_RECV_WINDOW * TP_GATE_SLOT_BYTES)
 #define TP_OFF_BULK_RECV (TP_OFF_BULK_SEND + TP_BULK_ROUND_BYTES)
-#define TP_OFF_END (TP_OFF_BULK_RECV + 2u * TP_BULK_ROUND_BYTES)
+/* Bulk receive staging: a ring of two rounds' messages; chunk i lands in
+ * slot i % TP_BULK_STAGE_SLOTS (rounds may be smaller than TP_BULK_SLOTS). */
+#define TP_BULK_STAGE_SLOTS (2u * TP_BULK_SLOTS)
+#define TP_OFF_END (TP_OFF_BULK_RECV + (uint64_t)TP_BULK_STAGE_SLOTS * TP_MAX_MSG)
 
 /* Drain markers: small, so they fit any posted receive, and recognisable,
  * so a real gate arriving during a drain is reported as a desync. */
@@ -75,9 +76,6 @@
  * ran out); the hot path turns it into TP_ELOST naming what was missing. */
 #define TP_EMOVED -100
 
-/* Default depths (DESIGN.md: 512 CQ entries, 1024 send / 1024 recv). */
-#define TP_DEFAULT_CQ 512
-#define TP_DEFAULT_WR 1024
 
 typedef struct {
     uintptr_t lo, hi;  /* [lo, hi) */
@@ -133,25 +131,38 @@ struct tp_dev {
     /* Work requests the core has seen posted and not yet completed. */
     uint64_t rq_outstanding;
 
+    /* The device's real depths, learned when it refused a post (0: none
+     * refused yet). Apple's driver grants large depths at creation, then
+     * refuses the post past 63 outstanding (_verbs_flow.c). Kept across
+     * rebuilds: it is the device's, not the queue pair's. */
+    int recv_cap, send_cap;
+
     /* Hot-path state. */
     int mode;
     int armed;
     uint32_t armed_bytes, armed_chunks;
+    uint32_t window;             /* gates the window keeps posted ahead (2..TP_RECV_WINDOW) */
+    uint64_t post_gate;          /* the window's next receive to post: gate number, */
+    uint32_t post_chunk;         /* and chunk of it */
     uint64_t gate_count;         /* gates completed since the build (window key) */
     uint64_t recv_done;          /* highest gate number whose receive completed */
     uint64_t last_seq, cur_seq;  /* caller's labels: last completed, in progress */
     uint32_t send_outstanding;   /* hot-path signaled sends not yet reaped */
     uint32_t drain_recvs;        /* drain markers received */
-    uint32_t bulk_recvs[2];      /* receives completed, by round parity */
     uint64_t bulk_bytes;         /* current bulk exchange (for length checks) */
+    uint32_t bulk_slots;         /* messages per round of the current bulk exchange */
+    uint64_t bulk_posted;        /* bulk chunks whose receive is posted, */
+    uint64_t bulk_recvd;         /* and whose message arrived (in order) */
     int wedged_code;             /* != 0: a hot path failed; rebuild first */
     char wedged[320];
     int untagged_logged;         /* logged once: the peer's hot-path messages carry no tag */
+    int no_imm;                  /* hot-path sends go untagged (tp_set_no_imm, or the
+                                    ibverbs provider after the device refused a tag) */
 
     tp_stats stats;
 };
 
-/* ---- shared helpers (_verbs_core.c) ---- */
+/* ---- shared helpers (_verbs_util.c) ---- */
 void tp_errf(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 uint64_t tp_mono_ns(void);
@@ -167,6 +178,9 @@ const char *tp_wc_status_name(int status);
 extern const tp_provider tp_ucsim_provider;
 int tp_ucsim_open(tp_dev *dev, const char *bind_ipv4, const char *faults, char *err,
                   size_t errlen);
+/* The tests' fake libibverbs drives ucsim through these two as well. */
+void tp_ucsim_set_send_psn(tp_dev *dev, uint32_t psn);
+uint16_t tp_ucsim_port(const tp_dev *dev);
 
 extern const tp_provider tp_ibv_provider;
 int tp_ibv_probe(const char *device, char *err, size_t errlen);

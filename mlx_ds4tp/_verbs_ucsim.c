@@ -1,7 +1,7 @@
 /* mlx_ds4tp._verbs provider "ucsim": an emulated Apple Thunderbolt RDMA UC
  * device, for machines without one. One UDP socket per device carries one
  * datagram per message; the device reproduces the Apple driver's behaviour
- * (DESIGN.md, table of DS4_TP_UCSIM_FAULTS):
+ * (the README's table of DS4_TP_UCSIM_FAULTS):
  *   - UC queue pairs only (RC and UD refused);
  *   - messages above max_msg (16 KiB) are never delivered, yet the send
  *     completes with SUCCESS;
@@ -13,9 +13,11 @@
  *     comes out in the receive completion (has_imm), as on verbs hardware;
  *   - a message that arrives while no receive is posted kills that
  *     direction for good (kill_unposted);
+ *   - a post past post_cap (63) outstanding receives or sends in flight
+ *     fails with ENOMEM, whatever depths the queue pair was created with;
  *   - the one-direction drop of a fresh pair, random loss, the loss of one
- *     chosen hot-path message (drop_nth), a receive queue cap and a one-way
- *     delay, on request.
+ *     chosen hot-path message (drop_nth), a receive queue cap at creation
+ *     and a one-way delay, on request.
  *
  * There is no background thread (two processes on two cores must not
  * starve each other): datagrams are processed lazily inside poll, but each
@@ -48,6 +50,11 @@
 #define UC_MAX_DGRAM 65000u           /* what one UDP datagram can carry */
 #define UC_SPIN_NS 50000u             /* spin this long before blocking in ppoll */
 #define UC_RCVBUF (16 << 20)          /* holds a 2 MiB bulk burst many times over */
+/* Why 63: Apple's driver takes ibv_create_qp with large work-request caps,
+ * then fails ibv_post_recv with ENOMEM at the 64th outstanding receive
+ * (measured: "ibv_post_recv[63/256] ret=-12") and ibv_post_send at the 64th
+ * send in flight. MLX's JACCL caps its queues at 32 for this reason. */
+#define UC_POST_CAP 63
 
 /* Wire opcodes (uc_hdr.opcode). */
 #define UC_WIRE_SEND 0u
@@ -78,6 +85,7 @@ typedef struct {
     uint64_t seed;
     uint32_t max_msg;
     int max_recv;
+    int post_cap; /* outstanding receives / sends in flight a post may reach */
     uint64_t delay_ns;
 
     int fd;
@@ -138,7 +146,8 @@ static uint64_t uc_rand(ucsim *u) { /* xorshift64*: deterministic from seed */
  * the warm-up's plain sends, so warm-up resends never shift it). */
 #define UC_FAULT_FORMS \
     "drop=l2w:K, drop=w2l:K, drop_nth=l2w:N, drop_nth=w2l:N (N >= 1), kill_unposted=0|1, " \
-    "loss=P (0..1), seed=S, max_msg=N (1..65000), max_recv=N (>= 1), delay_us=N"
+    "loss=P (0..1), seed=S, max_msg=N (1..65000), max_recv=N (>= 1), post_cap=N (>= 1), " \
+    "delay_us=N"
 
 static int parse_u64(const char *s, uint64_t *out) {
     if (!*s) return 0;
@@ -153,6 +162,7 @@ static int parse_u64(const char *s, uint64_t *out) {
 static int uc_parse_faults(ucsim *u, const char *faults, char *err, size_t errlen) {
     u->kill_unposted = 1;
     u->max_msg = TP_MAX_MSG;
+    u->post_cap = UC_POST_CAP;
     if (!faults) return TP_OK;
     char buf[512];
     if (strlen(faults) >= sizeof(buf)) {
@@ -197,6 +207,8 @@ static int uc_parse_faults(ucsim *u, const char *faults, char *err, size_t errle
                 if (parse_u64(val, &v) && v >= 1 && v <= UC_MAX_DGRAM) u->max_msg = (uint32_t)v, ok = 1;
             } else if (!strcmp(key, "max_recv")) {
                 if (parse_u64(val, &v) && v >= 1 && v <= 1u << 20) u->max_recv = (int)v, ok = 1;
+            } else if (!strcmp(key, "post_cap")) {
+                if (parse_u64(val, &v) && v >= 1 && v <= 1u << 20) u->post_cap = (int)v, ok = 1;
             } else if (!strcmp(key, "delay_us")) {
                 if (parse_u64(val, &v) && v <= 10000000u) u->delay_ns = v * 1000u, ok = 1;
             }
@@ -566,6 +578,15 @@ static int uc_post_recv(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey
                 "depth %d%s)", u->rq_count, u->rq_cap, u->max_recv ? ", max_recv fault" : "");
         return TP_ENOMEM;
     }
+    if (u->rq_count >= u->post_cap) {
+        if (uc_ingest(dev, u, err, errlen) < 0) return TP_ESYS;
+        if (u->rq_count >= u->post_cap) {
+            tp_errf(err, errlen, "tp rdma: ucsim refused a receive: %d outstanding already "
+                    "(post_cap %d; Apple's driver fails the post past 63 with ENOMEM whatever the "
+                    "granted depth, here %d)", u->rq_count, u->post_cap, u->rq_cap);
+            return TP_ENOMEM;
+        }
+    }
     uc_rwr *r = &u->rq[(u->rq_head + u->rq_count) % u->rq_cap];
     r->addr = addr;
     r->len = len;
@@ -620,6 +641,13 @@ static int uc_post_send(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey
         tp_errf(err, errlen, "tp rdma: send queue full: %d work requests outstanding; reap send "
                 "completions with tp_poll (unsignaled sends free only with a later signaled one)",
                 u->sq_cap);
+        return TP_ENOMEM;
+    }
+    if (u->sq_posted - u->sq_freed >= (uint64_t)u->post_cap) {
+        tp_errf(err, errlen, "tp rdma: ucsim refused a send: %llu in flight already (post_cap %d; "
+                "Apple's driver fails the post past 63 with ENOMEM whatever the granted depth, "
+                "here %d); reap send completions with tp_poll",
+                (unsigned long long)(u->sq_posted - u->sq_freed), u->post_cap, u->sq_cap);
         return TP_ENOMEM;
     }
     const uint32_t psn = u->sq_psn;
@@ -718,6 +746,16 @@ static int uc_idle(tp_dev *dev, uint64_t deadline_ns, uint64_t waited_ns) {
     }
     return TP_OK;
 }
+
+/* ------------------------------------------------------------------------
+ * For the tests' fake libibverbs (tests/fake_ibverbs/), which runs this
+ * engine behind rdma-core's ABI: there the verbs caller picks the PSNs
+ * (ibv_modify_qp to RTS) and the port's LID names the datagram port.
+ * --------------------------------------------------------------------- */
+
+void tp_ucsim_set_send_psn(tp_dev *dev, uint32_t psn) { UC(dev)->sq_psn = psn & 0xffffff; }
+
+uint16_t tp_ucsim_port(const tp_dev *dev) { return ntohs(UC(dev)->self.sin_port); }
 
 const tp_provider tp_ucsim_provider = {
     "ucsim", uc_build, uc_connect, uc_reg, uc_dereg, uc_post_recv, uc_post_send,

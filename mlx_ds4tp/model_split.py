@@ -42,7 +42,7 @@ from ._split_layers import (
     rank_and_size,
 )
 from ._split_plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, supported
-from .transport import log
+from ._log import log
 
 _WRAPPERS = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear}
 _CUT_KIND = {COLUMN: "out", ROW: "in", OUT: "out", IN: "in", HEADS: "heads"}
@@ -244,8 +244,10 @@ def load_split(
     model, config = load_model(model_path, lazy=lazy)
     # The reader's scratch buffers go with it as soon as the split is done (not kept through
     # the tokenizer's load, which would add them to this rank's peak).
+    family = family_of(model)
     split_model(model, group, progress=progress,
-                read_part=SafetensorsParts(model_path, rank, size, family_of(model).expert_keys) if lazy else None)
+                read_part=SafetensorsParts(model_path, rank, size, family.expert_keys, family.fused_keys)
+                if lazy else None)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
 

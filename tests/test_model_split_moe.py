@@ -9,6 +9,7 @@ run does the same. Cutting, reading and refusing run in-process with stand-in gr
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -249,6 +250,62 @@ def test_experts_saved_one_by_one_are_stacked_from_this_ranks_parts(model_dirs, 
         assert 2 * items == int(np.prod(shape)), key
 
 
+def _save_gpt_oss_original(src: Path, dst: Path) -> None:
+    """src's mxfp4 gpt-oss in the released checkpoints' layout: gate and up fused with their rows
+    interleaved, expert weights as mxfp4 bytes [..., groups, 16], the quantization in
+    quantization_config (as mlx-lm's sanitize() and loader expect them)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json", "config.json"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization")
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(config))
+    weights = {}
+    for file in src.glob("model*.safetensors"):
+        weights.update(mx.load(str(file)))
+
+    def as_blocks(w):  # uint32 [..., in / 8] -> uint8 [..., in / 32, 16]
+        b = w.view(mx.uint8)
+        return b.reshape(*b.shape[:-1], b.shape[-1] // 16, 16)
+
+    def interleave(gate, up, axis):
+        return mx.stack([gate, up], axis=axis + 1).reshape(
+            *gate.shape[:axis], 2 * gate.shape[axis], *gate.shape[axis + 1 :])
+
+    out = {}
+    for key, value in weights.items():
+        if ".experts.up_proj." in key:
+            continue
+        if ".experts.gate_proj." in key:
+            array = key.rsplit(".", 1)[1]
+            up = weights[key.replace("gate_proj", "up_proj")]
+            fused = interleave(value, up, 1)  # rows: axis 1 of [experts, out, ...]
+            base = key.replace("gate_proj." + array, "gate_up_proj")
+            out[f"{base}_{'blocks' if array == 'weight' else array}"] = as_blocks(fused) if array == "weight" else fused
+        elif ".experts.down_proj." in key:
+            array = key.rsplit(".", 1)[1]
+            base = key.replace("down_proj." + array, "down_proj")
+            out[f"{base}_{'blocks' if array == 'weight' else array}"] = as_blocks(value) if array == "weight" else value
+        else:
+            out[key] = value
+    mx.save_safetensors(str(dst / "model.safetensors"), out)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gpt_oss_original_layout_reads_this_ranks_rows_of_the_fused_experts(model_dirs, tmp_path, rank, monkeypatch):
+    src = model_dirs["gpt_oss-mxfp4"]
+    dst = tmp_path / "gpt_oss-original"
+    _save_gpt_oss_original(src, dst)
+    want = dict(tree_flatten(load_split(src, RankOnly(rank))[0].parameters()))
+    _no_in_memory_cuts(monkeypatch)
+    got = dict(tree_flatten(load_split(dst, RankOnly(rank))[0].parameters()))
+    assert got.keys() == want.keys()
+    for key in got:
+        assert got[key].dtype == want[key].dtype and mx.array_equal(got[key], want[key]), key
+
+
 # ---------------------------------------------------------------------------------------------
 # Models that cannot be split say why, and stay whole
 # ---------------------------------------------------------------------------------------------
@@ -313,3 +370,48 @@ def test_unsupported_family_lists_the_supported_ones():
     with pytest.raises(ValueError, match=r"supported families: .*qwen3_moe, glm4_moe, deepseek_v3, "
                                          r"kimi_k2, gpt_oss, mixtral"):
         split_model(gemma.Model(args), RankOnly(0))
+
+
+def test_load_split_of_a_moe_reads_only_its_half(tmp_path):
+    """Peak RSS of a rank loading its half of a qwen3_moe vs a process loading it whole (~87M params)."""
+    import os
+    import subprocess
+    import sys
+
+    from splitutil import CHILD
+
+    from mlx_ds4tp.tiny_model import MoeSizes, save_qwen3_moe
+
+    sizes = MoeSizes(layers=4, hidden=512, heads=8, kv_heads=4, head_dim=64, experts=16,
+                     experts_per_token=2, expert_intermediate=768, vocab=8192)
+    path = save_qwen3_moe(tmp_path / "rss-moe", sizes)
+
+    def peak(mode: str) -> dict:
+        run = subprocess.run(
+            [sys.executable, str(CHILD), "rss", "--mode", mode, str(path)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    whole, part = peak("whole"), peak("split")
+    ratio = part["peak_kb"] / whole["peak_kb"]
+    print(f"\npeak RSS: whole {whole['peak_kb'] / 1024:.0f} MiB, one rank's half "
+          f"{part['peak_kb'] / 1024:.0f} MiB: ratio {ratio:.3f}", file=sys.stderr)
+    assert ratio <= 0.65, f"a rank's peak RSS is {ratio:.3f} of the whole model's (target <= 0.65)"
+
+
+@pytest.mark.parametrize("family,ring", [("qwen3_moe-q4", True), ("mixtral", False)])
+def test_model_bench_runs_moe_models(procs, model_dirs, family, ring):
+    """`ds4tp bench --model` on a mixture of experts: our pair's tokens equal the single
+    process's; mlx-lm's ring contender runs where mlx-lm has shard() (not mixtral)."""
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--transport", "tcp", "--model",
+                     str(model_dirs[family]), "--max-tokens", "6", "--rounds", "1"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-4000:]
+    got = {r["name"]: r for r in map(json.loads, (ln for ln in out.splitlines() if ln.startswith("{")))}
+    names = ("single", "tp2-tcp") + (("mlx-lm-ring",) if ring else ())
+    for name in names:
+        assert got[name]["tok_s"] > 0 and got[name]["tokens_match"] is True, got[name]
+    assert ("mlx-lm-ring" in got) == ring
+    assert got["tp2-compute-ceiling"]["tok_s"] > 0

@@ -194,7 +194,7 @@ def _have_verbs_devices():
 def test_ibverbs_provider_on_this_machine():
     err = ffi.new("char[]", ERRLEN)
     slab = ffi.new("uint8_t[]", 4096)
-    if lib.TP_HAVE_IBVERBS_HEADER:
+    if lib.tp_built_with_ibverbs():
         if _have_verbs_devices():
             pytest.skip("this machine has verbs devices")
         want = "tp rdma: no verbs devices (ibv_get_device_list found 0); check `rdma_ctl status`"
@@ -380,7 +380,7 @@ def test_one_direction_drop_on_first_build_then_rebuild_works(make_pair):
 
 
 def _lossy_run(seed):
-    p = Pair(f"loss=0.5,seed={seed}")
+    p = Pair(f"loss=0.5,seed={seed},post_cap=1000")  # 264 receives posted at once
     try:
         n = 64 + 200
         for i in range(n):
@@ -662,7 +662,8 @@ def test_hot_paths_validate_arguments(make_pair):
 
 def test_bulk_stall_times_out_naming_the_round(make_pair):
     # loss=1 spares each build's first 64 messages: round 0 passes, round 1 is lost.
-    p = make_pair("loss=1,seed=1")
+    # post_cap=1000 lifts the device's post-time cap so rounds are the full 64.
+    p = make_pair("loss=1,seed=1,post_cap=1000")
     n = 3 * ROUND
     src = [os.urandom(n), os.urandom(n)]
     dst = [ffi.new("uint8_t[]", n), ffi.new("uint8_t[]", n)]
@@ -671,6 +672,104 @@ def test_bulk_stall_times_out_naming_the_round(make_pair):
     assert rcs == [lib.TP_ETIMEOUT, lib.TP_ETIMEOUT]
     assert "timeout after 0.5 s waiting for bulk round 1 of 3 (0/64 receives in" in p.a.msg
     assert bytes(ffi.buffer(dst[0], ROUND)) == src[1][:ROUND]
+
+
+# ----------------------------------------------------------------------------
+# The post-time cap: Apple's driver grants large depths, then refuses the 64th
+# ----------------------------------------------------------------------------
+
+
+def test_post_cap_refuses_the_64th_receive_and_send_whatever_the_depth(make_pair):
+    p = make_pair()
+    depths = ffi.new("int[3]")
+    lib.tp_depths(p.b.dev, depths, depths + 1, depths + 2)
+    assert list(depths) == [512, 1024, 1024]  # granted at creation ...
+    for i in range(63):
+        assert p.b.post_recv(0, 64, i) == 0, p.b.msg
+    assert p.b.post_recv(0, 64, 63) == lib.TP_ENOMEM  # ... refused at the post
+    assert "63 outstanding already (post_cap 63" in p.b.msg and "granted depth, here 1024" in p.b.msg
+    assert p.a.post_send(0, 8, 0) == 0
+    assert p.b.recvs(1.0) == [(0, lib.TP_WC_SUCCESS, lib.TP_WC_RECV, 8)]
+    assert p.b.post_recv(0, 64, 64) == 0  # the arrival made room
+    assert p.a.poll(1.0) == [(0, lib.TP_WC_SUCCESS, lib.TP_WC_SEND, 8)]
+    for i in range(62):  # then 63 sends in flight
+        assert p.a.post_send(0, 8, 100 + i, signaled=0) == 0, p.a.msg
+    assert p.a.post_send(0, 8, 200) == 0
+    assert p.a.post_send(0, 8, 201) == lib.TP_ENOMEM and "63 in flight already" in p.a.msg
+    assert 200 in [c[0] for c in p.a.poll(1.0)]  # reaping frees them
+    assert p.a.post_send(0, 8, 202) == 0
+
+
+def _gates_and_bulks(s, r, rng_seed):
+    """16 KiB, 24000-byte and 32 KiB gates with size changes (drains), bulks of
+    1 MiB and 1 MiB + 3 through staging and straight from registered memory.
+    Returns what came back wrong."""
+    mine, theirs = random.Random(rng_seed + r), random.Random(rng_seed + 1 - r)
+    sizes = [MAX] * 30 + [24000] * 30 + [2 * MAX] * 20 + [MAX] * 5
+    bad = run_gates(s, sizes, 1, rng_seed + r, rng_seed + 1 - r)
+    for k, n in enumerate([1 << 20, (1 << 20) + 3, 5 * MAX]):
+        data, want = mine.randbytes(n), theirs.randbytes(n)
+        if k == 1:
+            s.put(0, data)
+            src, dst = s.user, s.user + (2 << 20)  # registered: no staging
+        else:
+            src, dst = ffi.from_buffer(data), ffi.new("uint8_t[]", n)
+        assert s.bulk(src, dst, n) == 0, s.msg
+        if bytes(ffi.buffer(dst, n)) != want:
+            bad.append(("bulk", n))
+        bad += run_gates(s, [24000] * 20, 100 + 20 * k, rng_seed + 7 + r, rng_seed + 8 - r)
+    return bad
+
+
+@pytest.mark.parametrize("cap", [63, 20])
+def test_hot_paths_exact_within_the_post_cap(make_pair, capfd, cap):
+    # Every hot path keeps within what the device accepts: the gate window
+    # (two-chunk gates post 2 receives each), drains, bulk rounds. The first
+    # refused post teaches the depth, logged once per device and direction.
+    p = make_pair(f"post_cap={cap}", extra=4 << 20)
+    res = both(lambda: _gates_and_bulks(p.a, 0, 40), lambda: _gates_and_bulks(p.b, 1, 40),
+               timeout=60)
+    assert res == [[], []]
+    for s in (p.a, p.b):
+        st = s.stats()
+        assert st.recv_cap == cap and st.bulk_slots == min(64, cap // 2), (st.recv_cap, st.bulk_slots)
+        assert st.window == min(16, cap // 2)  # two-chunk gates at the end
+        assert st.dropped_unposted == 0 and st.direction_dead == 0
+    err = capfd.readouterr().err
+    assert err.count(f"rdma device ucsim refused a receive with {cap} outstanding (ENOMEM) though "
+                     f"it granted a depth of 1024: hot paths now keep at most {cap} receives "
+                     "posted") == 2, err
+
+
+def test_ranks_with_different_post_caps_agree_on_rounds_and_drain_counts(make_pair):
+    # The leader's device takes 63, the worker's 12: windows differ (each side
+    # posts what its device takes; the drain word says how many), bulk rounds
+    # use the smaller offer (6 messages).
+    p = make_pair("post_cap=63", faults_b="post_cap=12", extra=4 << 20)
+    res = both(lambda: _gates_and_bulks(p.a, 0, 50), lambda: _gates_and_bulks(p.b, 1, 50),
+               timeout=60)
+    assert res == [[], []]
+    assert (p.a.stats().window, p.b.stats().window) == (16, 6)
+    assert p.a.stats().bulk_slots == p.b.stats().bulk_slots == 6
+
+
+def test_a_device_taking_fewer_than_two_gates_fails_clearly(make_pair):
+    p = make_pair("post_cap=3")
+    dst = [ffi.new("uint8_t[]", 2 * MAX) for _ in range(2)]
+    rcs = both(lambda: p.a.gate(dst[0], dst[0], 2 * MAX, 1, 2.0),
+               lambda: p.b.gate(dst[1], dst[1], 2 * MAX, 1, 2.0))
+    assert rcs == [lib.TP_ENOMEM, lib.TP_ENOMEM]
+    assert "the device took only 3 receives; a gate window of 32768-byte vectors needs 2 gates" in p.a.msg
+
+
+def test_no_imm_sends_untagged_and_the_receiver_says_so_once(make_pair, capfd):
+    p = make_pair()
+    lib.tp_set_no_imm(p.a.dev, 1)
+    lib.tp_set_no_imm(p.b.dev, 1)
+    assert both(lambda: run_gates(p.a, [MAX] * 10, 1, 1, 2), lambda: run_gates(p.b, [MAX] * 10, 1, 2, 1)) == [[], []]
+    err = capfd.readouterr().err
+    assert err.count("hot-path messages go untagged (no_imm set)") == 2
+    assert err.count("the peer's hot-path messages carry no sequence tag") == 2
 
 
 # ----------------------------------------------------------------------------
@@ -872,9 +971,11 @@ def test_lost_last_gate_before_a_barrier_is_elost_within_a_second(make_pair, the
 
 
 def test_lost_last_bulk_chunk_is_elost_within_a_second(make_pair):
-    # A bulk of 2 rounds + 100 bytes is 129 messages; the worker's 129th hot
-    # message (no gates before) is the exchange's last: the leader waits in
-    # round 2 while the worker, done, arms a gate window (barrier word).
+    # A bulk of 2 x 64 chunks + 100 bytes is 129 messages; the worker's 129th
+    # hot message (no gates before) is the exchange's last: the leader waits
+    # in the last round while the worker, done, arms a gate window (barrier
+    # word). The device refuses the 64th outstanding receive (post_cap 63),
+    # so rounds are of 31 messages: 4 x 31 + 5, the last round 4 of 5.
     n = 2 * ROUND + 100
     p = make_pair("drop_nth=w2l:129", extra=2 * n)
 
@@ -893,7 +994,8 @@ def test_lost_last_bulk_chunk_is_elost_within_a_second(make_pair):
     assert arc == lib.TP_ELOST, amsg
     m = MOVED_RE.search(amsg)
     assert m and m.group(3) == "bulk message", amsg
-    assert m.group(1) == "bulk round 2 of 3 (0/1 receives in, 0 sends pending)", amsg
+    assert m.group(1) == "bulk round 4 of 5 (4/5 receives in, 0 sends pending)", amsg
+    assert p.a.stats().bulk_slots == 31 and p.a.stats().recv_cap == 63
     assert atook < 1.0, atook
     assert brc == lib.TP_EPEER, bmsg
 
