@@ -7,11 +7,13 @@
 """
 
 from .errors import (
+    ApiError,
     AuthenticationError,
     DesyncError,
     FrameError,
     HelloMismatchError,
     LockstepDivergence,
+    PairUnavailable,
     PeerClosedError,
     RdmaError,
     RdmaUnavailableError,
@@ -58,5 +60,7 @@ __all__ = [
     "RdmaError",
     "AuthenticationError",
     "WarmupFailed",
+    "PairUnavailable",
+    "ApiError",
     "LockstepDivergence",
 ]
