@@ -22,7 +22,6 @@ import pytest
 import mlx.core as mx
 import mlx_ds4tp as tp
 from mlx_ds4tp._verbs import ffi, lib
-from mlx_ds4tp.errors import TransportError
 from pairutil import REPO, both_ok, free_port
 
 BUILD = os.path.join(REPO, "tests", "fake_ibverbs", "build.py")
