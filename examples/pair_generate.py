@@ -12,13 +12,12 @@ forward passes in lockstep (its gates pair up with the leader's).
 import argparse
 import sys
 
-import mlx.core as mx
-
 import mlx_ds4tp as tp
 from mlx_ds4tp.cli import add_run_args, check_run_args
-from mlx_ds4tp.lockstep import Leader, Worker, make_sampler
+from mlx_ds4tp.lockstep import Leader, Worker
 from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.pair_run import model_identity
+from mlx_ds4tp.sampling import options_from_args, run_sampler
 
 
 def main() -> int:
@@ -49,7 +48,6 @@ def main() -> int:
             print(f"worker: served {served} prompt(s)", file=sys.stderr)
             return 0
 
-        mx.random.seed(args.seed)
         driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
         try:
             prompt_tokens = driver.encode(args.prompt, chat=not args.no_chat_template)
@@ -60,7 +58,9 @@ def main() -> int:
                 detokenizer.add_token(token)
                 print(detokenizer.last_segment, end="", flush=True)
 
-            stats = driver.generate(prompt_tokens, args.max_tokens, make_sampler(args.temp), stream)
+            # The same sampling flags as `ds4tp run`, sampled by mlx-lm's own samplers.
+            sampler = run_sampler(options_from_args(args), prompt_tokens)
+            stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream)
             detokenizer.finalize()
             print(detokenizer.last_segment, flush=True)
         finally:

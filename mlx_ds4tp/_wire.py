@@ -13,15 +13,15 @@ The bound is checked before anything is allocated.
 |------------------|----------------------------------------------------------------|-------------|
 | SYNC             | SYNC_HEADER (session, count) + count little-endian int32 tokens | 4194320     |
 | EVAL             | EVAL_PAYLOAD (session, seq, token)                             | 64          |
-| REWIND           | (reserved)                                                     | 64          |
-| INVALIDATE       | (reserved)                                                     | 64          |
+| REWIND           | SERVE_REWIND (session, tokens to keep)                         | 64          |
+| INVALIDATE       | SERVE_INVALIDATE (stored cache id)                             | 64          |
 | STOP             | empty                                                          | 64          |
 | HASH             | HASH_PAYLOAD (session, seq, logits hash)                       | 64          |
 | RDMA_INFO        | RDMA_INFO (qpn, psn, mtu, lid, link layer, gid)                | 64          |
 | RDMA_READY       | empty                                                          | 16          |
 | LOGITS           | (reserved)                                                     | 67108864    |
-| SESSION_CREATE   | SESSION_PAYLOAD (session, max tokens)                          | 4096        |
-| SESSION_DESTROY  | SESSION_PAYLOAD (session, 0)                                   | 64          |
+| SESSION_CREATE   | SESSION_PAYLOAD (session, max tokens); serving: SERVE_CREATE   | 4096        |
+| SESSION_DESTROY  | SESSION_PAYLOAD (session, 0); serving: SERVE_DESTROY           | 64          |
 | COMMAND_ACK      | ACK_PAYLOAD (session, status) + UTF-8 message                  | 4096        |
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
@@ -31,12 +31,17 @@ The bound is checked before anything is allocated.
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
+| EVAL_BATCH       | SERVE_BATCH_HEADER (step, rows) + rows x SERVE_BATCH_ROW (session, token) | 65536 |
+
+`ds4tp run` uses the SESSION_PAYLOAD forms; `ds4tp serve` (mlx_ds4tp.sessions) the SERVE_ ones,
+with SYNC, HASH and STOP as above (HASH's session field 0, its seq the decode step).
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
 payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
 BIG_TAG, seq, bytes) then the payload in BIG_ROUND_BYTES rounds; and the gate
-signature swap DESCRIPTOR (DESCRIPTOR_MAGIC, dtype code, ndim, up to MAX_DIMS dims).
+signature swap DESCRIPTOR (DESCRIPTOR_MAGIC, dtype code, ndim, collective OP_*,
+up to MAX_DIMS dims).
 
 Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG
 (WARM_MAGIC, rank, setup attempt); its work request id is WARM_MAGIC too.
@@ -86,6 +91,8 @@ class FrameType(enum.IntEnum):
     AUTH = 24
     FINGERPRINT = 25
     FINGERPRINT_DETAIL = 26
+    # Serving (mlx_ds4tp.sessions): one decode step over the rows of every active session.
+    EVAL_BATCH = 32
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -126,6 +133,7 @@ FRAME_MAX_BYTES = {
     FrameType.AUTH: 256,
     FrameType.FINGERPRINT: 64,
     FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
+    FrameType.EVAL_BATCH: 64 * 1024,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -154,9 +162,13 @@ DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
 GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
 BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
 BIG_TAG = 0xB16
-# dtype code, ndim, reserved, up to MAX_DIMS dims: what both ranks compare
-# when a partial's signature changes.
+# dtype code, ndim, collective (an OP_* below), up to MAX_DIMS dims: what both
+# ranks compare when a partial's signature changes.
 DESCRIPTOR = struct.Struct(f"<IIII{MAX_DIMS}Q")
+# The collective in a gate signature, and in a TCP gate header's layer field and a
+# bulk header's layer field. send/recv name the source rank (OP_P2P_FROM + src) on
+# both sides, so two senders or two receivers disagree.
+OP_SUM, OP_GATHER, OP_MAX, OP_MIN, OP_SCATTER, OP_P2P_FROM = 1, 2, 3, 4, 5, 6
 
 RDMA_INFO = struct.Struct("<IIIHB16s")  # qpn, psn, mtu, lid, link_layer, gid
 STATUS = struct.Struct("<II")  # ok, message length; then the message
@@ -169,3 +181,12 @@ SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved
 EVAL_PAYLOAD = struct.Struct("<QQiI")  # session id, seq, token, reserved
 HASH_PAYLOAD = struct.Struct("<QQQ")  # session id, seq, hash
 ACK_PAYLOAD = struct.Struct("<Qi")  # session id, status (0 ok); then a message
+
+# Serving (mlx_ds4tp.sessions).
+SERVE_CREATE = struct.Struct("<QQII")  # session id, stored cache id, mode, reserved
+SERVE_REWIND = struct.Struct("<QII")  # session id, tokens to keep, reserved
+SERVE_DESTROY = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
+SERVE_INVALIDATE = struct.Struct("<Q")  # stored cache id
+SERVE_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved
+SERVE_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
+SERVE_MAX_BATCH_ROWS = 1024

@@ -50,6 +50,10 @@ def cmd_bench(args) -> int:
         raise SystemExit(f"ds4tp bench: --bytes {args.bytes} is over the {tr.GATE_MAX_BYTES}-byte gate limit")
     if args.iters < 1:
         raise SystemExit(f"ds4tp bench: --iters {args.iters} must be >= 1")
+    if args.serve:
+        from . import serve_bench
+
+        return serve_bench.main(args)
     if args.model:
         from .pair_run import model_identity
 
@@ -76,11 +80,14 @@ def cmd_bench(args) -> int:
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp run` (examples/pair_generate.py takes the same)."""
-    p.add_argument("--model", required=True, help="an mlx-lm model directory (same on both machines)")
+    from .sampling import add_sampling_args
+
+    p.add_argument("--model", required=True,
+                   help="an mlx-lm model directory or a Hugging Face repo id already downloaded "
+                        "(the same model on both machines)")
     p.add_argument("--prompt", default=None, help="leader: the prompt text")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_args(p, seed_default=0)
     p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
     p.add_argument("--rdma-gid-index", type=int, default=None)
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
@@ -102,6 +109,11 @@ def check_run_args(args) -> Tuple[str, int]:
         raise SystemExit(f"ds4tp run: --max-tokens {args.max_tokens} must be >= 1")
     if args.debug_hash < 0:
         raise SystemExit(f"ds4tp run: --debug-hash {args.debug_hash} must be >= 0")
+    from .model_source import resolve_model_arg
+    from .sampling import options_from_args
+
+    options_from_args(args)
+    args.model = str(resolve_model_arg(args.model))
     return address
 
 
@@ -109,6 +121,57 @@ def cmd_run(args) -> int:
     from . import pair_run
 
     return pair_run.run(args, check_run_args(args))
+
+
+# ============================================================================
+# serve: an OpenAI-compatible HTTP server on the pair
+# ============================================================================
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `ds4tp serve` (HTTP flags named as mlx_lm.server names them)."""
+    from .sampling import add_sampling_args
+
+    p.add_argument("--model", required=True, help="an mlx-lm model directory or a Hugging Face "
+                   "repo id already downloaded (the same model on both machines)")
+    p.add_argument("--host", default="127.0.0.1", help="leader: HTTP address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="leader: HTTP port (default 8080)")
+    p.add_argument("--api-key", default=None,
+                   help="leader: require 'Authorization: Bearer KEY' on the API endpoints")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="answer length when a request gives no max_tokens")
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="most sessions decoded together in one step (the rest wait)")
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens per prefill chunk between decode steps (mlx-lm's default)")
+    p.add_argument("--prompt-cache-size", type=int, default=10,
+                   help="most stored prompt caches kept for reuse (LRU; 0 = no reuse)")
+    p.add_argument("--debug-hash", type=int, default=0, metavar="N",
+                   help="compare a hash of the logits with the worker every N decode steps")
+    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
+    p.add_argument("--rdma-gid-index", type=int, default=None)
+    add_sampling_args(p)
+    _add_pair_args(p)
+
+
+def cmd_serve(args) -> int:
+    from . import serve_main
+    from .model_source import resolve_model_arg
+    from .sampling import options_from_args
+
+    if args.role is None:
+        raise SystemExit("ds4tp serve: give --role leader --listen HOST PORT (it serves HTTP on "
+                         "--host/--port) or --role worker --coordinator HOST PORT")
+    _check_role_args(args)
+    address = parse_address(args.listen or args.coordinator, "--listen/--coordinator")
+    for flag, value, low in (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
+                             ("--prefill-step-size", args.prefill_step_size, 1),
+                             ("--prompt-cache-size", args.prompt_cache_size, 0),
+                             ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0)):
+        if value < low:
+            raise SystemExit(f"ds4tp serve: {flag} {value} must be >= {low}")
+    options_from_args(args)
+    return serve_main.run(args, address, resolve_model_arg(args.model))
 
 
 def cmd_demo(args) -> int:
@@ -143,12 +206,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "and report the median (default 3)")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="latency histogram per transport (needs matplotlib)")
+    bench.add_argument("--serve", action="store_true",
+                       help="`ds4tp serve` on 127.0.0.1: aggregate tok/s and time to first token "
+                            "for 1, 2, 4 and 8 concurrent clients (--model, default the demo model)")
+    bench.add_argument("--url", default=None, metavar="http://HOST:PORT",
+                       help="--serve: measure this running `ds4tp serve` instead of starting one")
+    bench.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
     _add_pair_args(bench)
     bench.set_defaults(func=cmd_bench)
 
     run = sub.add_parser("run", help="one rank of a two-machine generation")
     add_run_args(run)
     run.set_defaults(func=cmd_run)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the pair")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="both ranks on 127.0.0.1 with a small synthetic model")
     demo.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")

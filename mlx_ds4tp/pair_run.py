@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 from . import gate_ops
 from . import transport as tr
-from .lockstep import Leader, Worker, make_sampler
+from .lockstep import Leader, Worker
 
 
 def model_identity(path: str) -> tr.ModelIdentity:
@@ -72,9 +72,8 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
     decode rate and the gate latency there as JSON (the local pair reads it).
     stop_at_eos=False decodes max_tokens whatever the model says (the bench).
     """
-    import mlx.core as mx
-
     from .model_split import load_split
+    from .sampling import options_from_args, run_sampler
 
     identity = model_identity(args.model)
     leader = args.role == "leader"
@@ -102,7 +101,6 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
                 raise
             tr.log(f"worker done: served {served} prompt(s), leader said stop")
             return 0
-        mx.random.seed(args.seed)
         driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
         try:
             prompt_tokens = driver.encode(args.prompt, chat=not args.no_chat_template)
@@ -114,7 +112,8 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
                 sys.stdout.write(detok.last_segment)
                 sys.stdout.flush()
 
-            stats = driver.generate(prompt_tokens, args.max_tokens, make_sampler(args.temp), stream,
+            sampler = run_sampler(options_from_args(args), prompt_tokens)
+            stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream,
                                     stop_at_eos=stop_at_eos)
             detok.finalize()
             sys.stdout.write(detok.last_segment + "\n")

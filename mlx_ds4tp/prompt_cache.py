@@ -1,0 +1,113 @@
+"""The leader's index of stored prompt caches: which cache a new request reuses, and where.
+
+Both ranks hold the KV caches themselves (each its half of the heads); only the leader holds
+this index, and every decision it takes (reuse this cache, moved or copied, trimmed to this
+many tokens; evict that one) travels to the worker as a command, so the worker never decides
+anything on its own and the ranks cannot drift apart. The search is mlx-lm's own PromptTrie
+(what its LRUPromptCache uses); the values are cache ids instead of caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import List, Sequence, Tuple
+
+# How a session starts from a stored cache (the values travel in SESSION_CREATE).
+FRESH, MOVE, COPY = 0, 1, 2
+
+# PromptTrie keys its entries by model too; one server serves one model.
+_MODEL = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reuse:
+    """What a new session starts from: `cache_id` (0: a fresh cache), taken as is (MOVE) or
+    as a copy (COPY), then trimmed to its first `keep` tokens."""
+
+    cache_id: int = 0
+    mode: int = FRESH
+    keep: int = 0
+    stored_len: int = 0
+
+    @property
+    def needs_rewind(self) -> bool:
+        return self.mode != FRESH and self.keep < self.stored_len
+
+
+class PromptCacheIndex:
+    """A bounded LRU of stored prompt caches keyed by their tokens."""
+
+    def __init__(self, max_size: int = 10, trimmable: bool = True):
+        from mlx_lm.models.cache import PromptTrie
+
+        if max_size < 0:
+            raise ValueError(f"prompt cache size {max_size} must be >= 0 (0 disables reuse)")
+        self.max_size = max_size
+        self.trimmable = trimmable
+        self._trie = PromptTrie()
+        self._lru: "OrderedDict[int, Tuple[int, ...]]" = OrderedDict()
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def lookup(self, prompt: Sequence[int]) -> Reuse:
+        """The longest stored prefix of `prompt` to start from. At least the prompt's last
+        token is always left to compute: the session needs its logits."""
+        if not self._lru or len(prompt) < 2:
+            return Reuse()
+        tokens = list(prompt)
+        found = self._trie.search(_MODEL, tokens)
+        shorter = len(found.shorter) if found.shorter is not None else 0
+        if found.exact is not None:
+            return self._take(tuple(tokens), len(tokens) - 1, COPY)
+        if found.longer is not None and found.common_prefix > shorter and self.trimmable:
+            keep = min(len(tokens) - 1, found.common_prefix)
+            return self._take(tuple(found.longer), keep, COPY)
+        if shorter > 0:
+            # A stored prefix of the prompt: the new session extends it and stores the longer
+            # sequence when it ends, which covers this one, so the cache moves instead of
+            # being copied.
+            return self._take(tuple(found.shorter), shorter, MOVE)
+        return Reuse()
+
+    def _take(self, key: Tuple[int, ...], keep: int, mode: int) -> Reuse:
+        if mode == COPY and keep < len(key) and not self.trimmable:
+            return Reuse()
+        cache_id = self._trie.get(_MODEL, list(key))
+        if mode == MOVE:
+            self._trie.pop(_MODEL, list(key))
+            del self._lru[cache_id]
+        else:
+            self._lru.move_to_end(cache_id)
+        return Reuse(cache_id=cache_id, mode=mode, keep=keep, stored_len=len(key))
+
+    def insert(self, tokens: Sequence[int]) -> Tuple[int, List[int]]:
+        """Store a finished session's cache covering `tokens`: (its new id, or 0 when the
+        index is disabled, and the ids evicted to make room, which both ranks must drop)."""
+        if self.max_size == 0 or not tokens:
+            return 0, []
+        self._next_id += 1
+        cache_id = self._next_id
+        key = list(tokens)
+        evicted: List[int] = []
+        previous = self._trie.add(_MODEL, key, cache_id)
+        if previous is not None:
+            del self._lru[previous]
+            evicted.append(previous)
+        self._lru[cache_id] = tuple(key)
+        if self.trimmable:
+            # A stored strict prefix of this sequence is covered by it (reused by trimming).
+            for _, prefix_id in self._trie.pop_prefixes(_MODEL, key):
+                del self._lru[prefix_id]
+                evicted.append(prefix_id)
+        while len(self._lru) > self.max_size:
+            old_id, old_key = self._lru.popitem(last=False)
+            self._trie.pop(_MODEL, list(old_key))
+            evicted.append(old_id)
+        return cache_id, evicted
+
+    def ids(self) -> List[int]:
+        """The stored ids, least recently used first."""
+        return list(self._lru)

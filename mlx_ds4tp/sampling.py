@@ -1,0 +1,161 @@
+"""Sampling options shared by `ds4tp run` and `ds4tp serve`, and the per-session sampler.
+
+The samplers and logits processors are mlx-lm's own (`mlx_lm.sample_utils`), fed exactly what
+`mlx_lm.generate` feeds them: the processors see the token history and the raw logits, the
+sampler sees the normalised log-probabilities (logits - logsumexp). Greedy and seeded output
+is then token for token what mlx-lm produces for the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """What one generation samples with; the defaults are greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    seed: Optional[int] = None
+
+    def check(self) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 keeps every token)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if self.repetition_penalty < 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be >= 0 (0 is off)")
+        if self.repetition_context_size < 1:
+            raise ValueError(f"repetition_context_size={self.repetition_context_size} must be >= 1")
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax of the raw distribution: no temperature, no processor."""
+        return self.temperature == 0 and not self.repetition_penalty
+
+
+def _seed_of_key(key: mx.array) -> int:
+    """The seed whose key is `key`: mx.random.key(s) is [s >> 32, s & 0xffffffff], so any
+    key of MLX's generator can be put back as the global state with mx.random.seed."""
+    hi, lo = (int(v) for v in key.tolist())
+    return (hi << 32) | lo
+
+
+class SessionSampler:
+    """One session's sampling: mlx-lm's processors and sampler, its token history, and (when
+    seeded) its own random stream, so a seeded session draws exactly the numbers it would draw
+    alone after mx.random.seed(seed), however many other sessions sample in between."""
+
+    def __init__(self, options: SamplingOptions, prompt_tokens: List[int]):
+        from mlx_lm.sample_utils import make_logits_processors
+
+        self.options = options
+        self.history = list(prompt_tokens)
+        self.sampler: Optional[Callable[[mx.array], mx.array]] = None
+        self.processors = make_logits_processors(
+            repetition_penalty=options.repetition_penalty or None,
+            repetition_context_size=options.repetition_context_size)
+        self._rng_seed = options.seed
+
+    def _make_sampler(self, vocab: int) -> Callable[[mx.array], mx.array]:
+        from mlx_lm.sample_utils import make_sampler
+
+        # mlx-lm refuses top_k >= vocabulary (and an exception inside its compiled sampler
+        # leaves MLX unable to run it again in this process); keeping every token is what
+        # such a top_k means, so it is off.
+        o = self.options
+        top_k = o.top_k if o.top_k < vocab else 0
+        return make_sampler(o.temperature, top_p=o.top_p, min_p=o.min_p, top_k=top_k)
+
+    def sample(self, logits: mx.array) -> int:
+        """The next token from one row of logits ([1, vocab]); records it in the history."""
+        if self.processors:
+            context = mx.array(self.history, dtype=mx.int32)
+            for processor in self.processors:
+                logits = processor(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.sampler is None:
+            self.sampler = self._make_sampler(logits.shape[-1])
+        if self._rng_seed is not None and self.options.temperature > 0:
+            # MLX has one global generator: put this session's state in, draw, take it out.
+            mx.random.seed(self._rng_seed)
+            token = self.sampler(logprobs)
+            mx.eval(token)
+            self._rng_seed = _seed_of_key(mx.random.state[0])
+        else:
+            token = self.sampler(logprobs)
+        value = int(token.reshape(-1)[0].item())
+        self.history.append(value)
+        return value
+
+
+def sample_rows(logits: mx.array, samplers: List[SessionSampler],
+                errors: Optional[Dict[int, str]] = None) -> List[Optional[int]]:
+    """One token per row of a decode batch ([rows, vocab]). Rows that decode greedily with no
+    processor share one argmax over the normalised log-probabilities (what mlx-lm's greedy
+    sampler takes); the others sample one by one. With `errors`, a row whose own sampler
+    fails gets None and its error there, and the other rows go on; without, it raises."""
+    tokens: List[Optional[int]] = [None] * len(samplers)
+    greedy = [i for i, s in enumerate(samplers) if s.options.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(samplers) else logits[mx.array(greedy)]
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        for i, token in zip(greedy, mx.argmax(logprobs, axis=-1).tolist()):
+            tokens[i] = int(token)
+            samplers[i].history.append(int(token))
+    for i, s in enumerate(samplers):
+        if tokens[i] is not None:
+            continue
+        try:
+            tokens[i] = s.sample(logits[i : i + 1])
+        except Exception as exc:  # noqa: BLE001 - one request's sampler, reported to it alone
+            if errors is None:
+                raise
+            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    return tokens
+
+
+def run_sampler(options: SamplingOptions, prompt_tokens: List[int]) -> Callable[[mx.array], int]:
+    """A sampler for lockstep.Leader.generate (1-D logits in, token out)."""
+    session = SessionSampler(options, prompt_tokens)
+    return lambda logits: session.sample(logits.reshape(1, -1))
+
+
+def add_sampling_args(p: argparse.ArgumentParser, seed_default: Optional[int] = None) -> None:
+    """The sampling flags of `ds4tp run` and the defaults of `ds4tp serve`."""
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=0.0,
+                   help="mlx-lm's repetition penalty over the last 20 tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=seed_default, help="random seed for sampling")
+
+
+def options_from_args(args: argparse.Namespace) -> SamplingOptions:
+    """SamplingOptions from the flags of add_sampling_args; SystemExit naming a bad flag."""
+    options = SamplingOptions(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                              min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              seed=args.seed)
+    try:
+        options.check()
+    except ValueError as exc:
+        raise SystemExit(f"ds4tp: {exc} (the flag is --{str(exc).split('=')[0].replace('_', '-')}"
+                         ", --temp for temperature)") from None
+    return options

@@ -1,0 +1,154 @@
+"""Helpers for the `ds4tp serve` tests: a tiny model with a chat template, a served pair as two
+real processes (always killed), and mlx-lm's own generation as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import List, Optional
+
+from pairutil import REPO, free_port
+
+# A plain template: role line, content, end of turn; the assistant's turn left open.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+API_KEY = "test-key"
+
+
+def build_chat_model(directory: Path, seed: int = 3) -> Path:
+    """The tiny llama with a chat template in its tokenizer config."""
+    from mlx_ds4tp.tiny_model import save_llama
+
+    path = save_llama(directory / "chat-llama", "tiny", seed=seed)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+class ServedPair:
+    """`ds4tp serve` leader and worker on 127.0.0.1, logs in files under `logs`."""
+
+    def __init__(self, model: Path, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
+                 api_key: Optional[str] = API_KEY):
+        self.port = free_port()
+        pair_port = free_port()
+        self.logs = logs
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.setdefault("DS4_TP_TIMEOUT_SEC", "20")
+        full_env.update(env or {})
+        transport = ["--transport", "tcp"] if "--transport" not in extra else []
+        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), *transport,
+                  *extra]
+        key = ["--api-key", api_key] if api_key else []
+        cmds = {
+            "leader": common + key + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
+                                      "--port", str(self.port)],
+            "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)],
+        }
+        self.procs = {}
+        for name, cmd in cmds.items():
+            out = open(logs / f"{name}.log", "w")
+            self.procs[name] = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()
+
+    def health(self) -> tuple:
+        """(status code, body) of GET /health; (0, None) while nothing listens."""
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 0, None
+
+    def wait_healthy(self, within: float = 90.0) -> dict:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise AssertionError(f"the {name} exited with {p.returncode}:\n{self.log(name)}")
+            code, body = self.health()
+            if code == 200:
+                return body
+            time.sleep(0.2)
+        raise AssertionError(f"the server was not healthy within {within} s:\n{self.log('leader')}")
+
+    def kill(self, name: str) -> None:
+        p = self.procs[name]
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def client(pair: ServedPair, api_key: str = API_KEY, timeout: float = 60.0):
+    import openai
+
+    return openai.OpenAI(base_url=pair.base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def post_raw(pair: ServedPair, path: str, body: bytes, api_key: str = API_KEY) -> tuple:
+    """(status, parsed JSON body) of a POST with an exact body."""
+    req = urllib.request.Request(pair.base + path, data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {api_key}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def reference(model_dir: Path, prompt_ids: List[int], max_tokens: int, temp: float = 0.0,
+              seed: Optional[int] = None, **sampling) -> str:
+    """mlx_lm.generate's text for these prompt tokens on the unsplit model."""
+    import mlx.core as mx
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = _load(model_dir)
+    if seed is not None:
+        mx.random.seed(seed)
+    return generate(model, tokenizer, prompt=prompt_ids, max_tokens=max_tokens,
+                    sampler=make_sampler(temp, **sampling))
+
+
+_LOADED: dict = {}
+
+
+def _load(model_dir: Path):
+    from mlx_lm import load
+
+    if model_dir not in _LOADED:
+        _LOADED[model_dir] = load(str(model_dir))
+    return _LOADED[model_dir]
+
+
+def chat_ids(model_dir: Path, messages: list) -> List[int]:
+    _, tokenizer = _load(model_dir)
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def text_ids(model_dir: Path, text: str) -> List[int]:
+    _, tokenizer = _load(model_dir)
+    return list(tokenizer.encode(text))

@@ -1,0 +1,299 @@
+"""`ds4tp serve` end to end: two real processes, driven with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
+
+from serveutil import (  # noqa: E402
+    API_KEY, ServedPair, build_chat_model, chat_ids, client, post_raw, reference, text_ids,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_chat_model(tmp_path_factory.mktemp("serve-model"))
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, tmp_path_factory):
+    # Every 3rd decode step the ranks compare their logits: a drift fails the test loudly.
+    served = ServedPair(model_dir, tmp_path_factory.mktemp("serve-logs"), extra=["--debug-hash", "3"])
+    try:
+        served.wait_healthy()
+        yield served
+    finally:
+        served.close()
+
+
+def test_models_and_health(pair, model_dir):
+    models = client(pair).models.list()
+    assert [m.id for m in models.data] == [str(model_dir)]
+    code, body = pair.health()
+    assert code == 200 and body["status"] == "ok"
+
+
+def test_chat_greedy_equals_mlx_lm(pair, model_dir):
+    messages = [{"role": "user", "content": "tell me about two machines"}]
+    want = reference(model_dir, chat_ids(model_dir, messages), 16)
+    c = client(pair)
+    r = c.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=16,
+                                  temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 16
+    assert r.usage.prompt_tokens == len(chat_ids(model_dir, messages))
+    chunks = list(c.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=16,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_completions_greedy_and_seeded_equal_mlx_lm(pair, model_dir):
+    prompt = "the quick brown fox"
+    ids = text_ids(model_dir, prompt)
+    c = client(pair)
+    r = c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == reference(model_dir, ids, 12)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=str(model_dir), prompt=prompt, max_tokens=12, temperature=0, stream=True) if ch.choices)
+    assert streamed == r.choices[0].text
+    seeded = c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=12, temperature=0.9,
+                                  top_p=0.95, seed=1234, extra_body={"top_k": 50})
+    assert seeded.choices[0].text == reference(model_dir, ids, 12, temp=0.9, seed=1234, top_p=0.95,
+                                               top_k=50)
+
+
+def test_four_concurrent_clients_get_their_own_text(pair, model_dir):
+    prompts = ["alpha beta gamma", "one two", "a much longer prompt about the sea and the sky",
+               "zebra"]
+    lengths = [20, 9, 14, 17]
+    want = [reference(model_dir, text_ids(model_dir, p), n) for p, n in zip(prompts, lengths)]
+    got = [None] * 4
+    errors = []
+
+    def ask(i):
+        try:
+            got[i] = client(pair).completions.create(model=str(model_dir), prompt=prompts[i],
+                                                     max_tokens=lengths[i]).choices[0].text
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert got == want
+    # Several sessions shared decode steps: fewer steps than tokens.
+    assert pair.health()[1]["decode_steps"] < pair.health()[1]["generated_tokens"]
+
+
+def test_concurrent_seeded_requests_each_draw_their_own_numbers(pair, model_dir):
+    asks = [("red fish", dict(temperature=0.8, seed=1)), ("blue fish", dict(temperature=1.1, seed=2)),
+            ("one fish", dict(temperature=0.7, seed=3, top_p=0.9))]
+    want = [reference(model_dir, text_ids(model_dir, p), 10, temp=kw["temperature"], seed=kw["seed"],
+                      top_p=kw.get("top_p", 0.0)) for p, kw in asks]
+    got = [None] * len(asks)
+
+    def ask(i):
+        prompt, kw = asks[i]
+        got[i] = client(pair).completions.create(model=str(model_dir), prompt=prompt, max_tokens=10,
+                                                 **kw).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+
+
+def test_second_turn_reuses_the_cache(pair, model_dir):
+    c = client(pair)
+    first = [{"role": "user", "content": "remember the number forty two please"}]
+    r1 = c.chat.completions.create(model=str(model_dir), messages=first, max_tokens=6)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "what was it"}]
+    before = pair.health()[1]["prefilled_tokens"]
+    r2 = c.chat.completions.create(model=str(model_dir), messages=second, max_tokens=6)
+    after = pair.health()[1]["prefilled_tokens"]
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    # Only the tokens past the reused prefix were computed.
+    assert after - before == r2.usage.prompt_tokens - cached
+    assert r2.choices[0].message.content == reference(model_dir, chat_ids(model_dir, second), 6)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"max_tokens": 4}).encode(), 400, "messages"),
+    (json.dumps({"messages": "hi"}).encode(), 400, "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(), 400,
+     "max_tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 400,
+     "temperature"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}).encode(), 400,
+     "stream"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}).encode(), 404,
+     "model"),
+])
+def test_bad_chat_input_is_a_4xx_then_service_continues(pair, model_dir, body, status, param):
+    code, answer = post_raw(pair, "/v1/chat/completions", body)
+    assert code == status
+    assert answer["error"]["param"] == param and answer["error"]["message"]
+    prompt = "still here"
+    r = client(pair).completions.create(model=str(model_dir), prompt=prompt, max_tokens=5)
+    assert r.choices[0].text == reference(model_dir, text_ids(model_dir, prompt), 5)
+
+
+def test_prompt_longer_than_context_token_past_the_vocabulary_and_wrong_key(pair, model_dir):
+    code, answer = post_raw(pair, "/v1/completions", json.dumps(
+        {"prompt": [5] * 5000, "max_tokens": 2}).encode())
+    assert code == 400 and answer["error"]["code"] == "context_length_exceeded"
+    assert answer["error"]["param"] == "prompt"
+    code, answer = post_raw(pair, "/v1/completions", json.dumps(
+        {"prompt": [5, 1 << 20], "max_tokens": 2}).encode())
+    assert code == 400 and answer["error"]["param"] == "prompt" and "vocabulary" in answer["error"]["message"]
+    assert pair.health()[0] == 200
+    with pytest.raises(openai.AuthenticationError):
+        client(pair, api_key="wrong").models.list()
+
+
+def test_client_disconnect_mid_stream_frees_the_session(pair, model_dir):
+    body = json.dumps({"prompt": "go on forever", "max_tokens": 2000, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", pair.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    while b"data:" not in received:
+        chunk = sock.recv(4096)
+        assert chunk, f"the server closed the stream before any event: {received!r}"
+        received += chunk
+    sock.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = pair.health()[1]
+        if health["decoding"] == 0 and health["prefilling"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["decoding"] == 0, health
+    assert health["generated_tokens"] < 2000
+    r = client(pair).completions.create(model=str(model_dir), prompt="after", max_tokens=4)
+    assert r.choices[0].text == reference(model_dir, text_ids(model_dir, "after"), 4)
+
+
+def test_concurrent_clients_over_the_emulated_rdma_device_then_idle_worker_death(model_dir, tmp_path):
+    """The same batching over the emulated Thunderbolt device: a long prompt's prefill goes
+    out as bulk rounds, the decode rows as gates. Then the worker dies while nothing runs."""
+    served = ServedPair(model_dir, tmp_path, extra=["--transport", "rdma", "--rdma-device", "ucsim"])
+    try:
+        served.wait_healthy()
+        prompts = ["short one", " ".join(["the long prompt goes on"] * 12)]
+        want = [reference(model_dir, text_ids(model_dir, p), 8) for p in prompts]
+        got = [None, None]
+
+        def ask(i):
+            got[i] = client(served).completions.create(model=str(model_dir), prompt=prompts[i],
+                                                       max_tokens=8).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want
+        assert "transport rdma" in served.log("leader")
+        # A worker that dies while the server is idle: /health stops answering 200 at once.
+        served.kill("worker")
+        deadline = time.monotonic() + 5
+        while served.health()[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        code, body = served.health()
+        assert code == 503 and "worker" in body["error"]
+        code, answer = post_raw(served, "/v1/completions", json.dumps({"prompt": "x"}).encode())
+        assert code == 503 and answer["error"]["code"] == "pair_unavailable"
+    finally:
+        served.close()
+
+
+def test_worker_killed_fails_requests_within_the_gate_timeout(model_dir, tmp_path):
+    timeout = 8
+    served = ServedPair(model_dir, tmp_path, env={"DS4_TP_TIMEOUT_SEC": str(timeout)})
+    try:
+        served.wait_healthy()
+        c = client(served, timeout=120)
+        stream = c.completions.create(model=str(model_dir), prompt="long", max_tokens=100000,
+                                      stream=True)
+        next(iter(stream))
+        served.kill("worker")
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError, match="pair is down"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < timeout
+        with pytest.raises(openai.InternalServerError) as info:
+            c.completions.create(model=str(model_dir), prompt="again", max_tokens=3)
+        assert info.value.status_code == 503
+        assert served.health()[0] == 503
+        assert served.procs["leader"].poll() is None
+    finally:
+        served.close()
+
+
+def test_bench_serve_prints_each_client_count(pair, capsys):
+    from mlx_ds4tp.cli import main
+
+    assert main(["bench", "--serve", "--url", pair.base, "--api-key", API_KEY, "--max-tokens", "4",
+                 "--rounds", "1", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["clients"] for r in records] == [1, 2, 4, 8]
+    for r in records:
+        assert 0 < r["tokens"] <= 4 * r["clients"] and r["tok_s"] > 0 and r["ttft_p50_ms"] > 0
+
+
+def test_run_takes_the_same_sampling_options(model_dir, tmp_path, procs):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from pairutil import free_port
+    from serveutil import _load
+
+    port, out = free_port(), tmp_path / "tokens.json"
+    # `ds4tp run`'s rank as the local pair spawns it (it can write the tokens record).
+    common = ["-m", "mlx_ds4tp._rank", "run", "--model", str(model_dir), "--transport", "tcp",
+              "--max-tokens", "12", "--temp", "0.9", "--top-k", "40", "--seed", "11"]
+    leader = procs.spawn(common + ["--prompt", "hello", "--tokens-out", str(out), "--role", "leader",
+                                   "--listen", "127.0.0.1", str(port)])
+    worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)])
+    assert leader.wait(120) == 0 and worker.wait(60) == 0, leader.stderr.read()
+    record = json.loads(out.read_text())
+    assert record["prompt_tokens"] == chat_ids(model_dir, [{"role": "user", "content": "hello"}])
+    model, tokenizer = _load(model_dir)
+    mx.random.seed(11)
+    want = []
+    for token, _ in generate_step(mx.array(record["prompt_tokens"]), model, max_tokens=12,
+                                  sampler=make_sampler(0.9, top_k=40)):
+        want.append(token)
+        if token in tokenizer.eos_token_ids:
+            break
+    assert record["tokens"] == want
+    bad = procs.spawn(["-m", "mlx_ds4tp", "run", "--model", "nobody/no-such-model", "--prompt", "x",
+                       "--role", "leader", "--listen", "127.0.0.1", str(free_port())],
+                      env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode != 0 and "nobody/no-such-model" in err and "download" in err
+

@@ -1,0 +1,383 @@
+"""The pieces of `ds4tp serve` one by one: the prompt-cache decisions, stop strings, seeded
+sampling, the request checks, --model resolution, and the two ranks' session tables driven
+in lockstep inside one process (batched rows equal each session alone)."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from mlx_ds4tp.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
+from mlx_ds4tp.sampling import SamplingOptions, SessionSampler
+
+
+def test_prompt_cache_decisions():
+    index = PromptCacheIndex(max_size=2)
+    assert index.lookup([1, 2, 3]).mode == FRESH
+    a, evicted = index.insert([1, 2, 3, 4])
+    assert evicted == []
+    # A longer prompt starting with the stored tokens moves that cache (no copy).
+    reuse = index.lookup([1, 2, 3, 4, 5, 6])
+    assert (reuse.cache_id, reuse.mode, reuse.keep, reuse.needs_rewind) == (a, MOVE, 4, False)
+    assert len(index) == 0
+    b, _ = index.insert([1, 2, 3, 4, 5, 6, 7])
+    # A prompt that diverges inside the stored tokens copies it and trims at the divergence.
+    reuse = index.lookup([1, 2, 3, 9])
+    assert (reuse.cache_id, reuse.mode, reuse.keep, reuse.needs_rewind) == (b, COPY, 3, True)
+    # The same prompt again: everything but the last token is reused.
+    reuse = index.lookup([1, 2, 3, 4, 5, 6, 7])
+    assert (reuse.mode, reuse.keep) == (COPY, 6)
+    # A stored prefix of a new entry is covered by it and dropped; the LRU bound holds.
+    c, evicted = index.insert([1, 2, 3, 4, 5, 6, 7, 8])
+    assert evicted == [b]
+    d, _ = index.insert([9, 9, 9])
+    e, evicted = index.insert([8, 8, 8])
+    assert evicted == [c] and index.ids() == [d, e]
+    assert PromptCacheIndex(max_size=0).insert([1, 2]) == (0, [])
+
+
+def test_untrimmable_caches_are_only_moved():
+    index = PromptCacheIndex(max_size=4, trimmable=False)
+    index.insert([1, 2, 3, 4])
+    assert index.lookup([1, 2, 9]).mode == FRESH
+    assert index.lookup([1, 2, 3, 4, 5]).mode == MOVE
+
+
+def test_stop_strings_are_cut_and_never_half_sent():
+    from mlx_ds4tp.serve_engine import TextStream
+
+    class Pieces:
+        """A detokenizer whose token i is the string pieces[i]."""
+
+        def __init__(self, pieces):
+            self.pieces, self.last_segment = pieces, ""
+
+        def reset(self):
+            self.last_segment = ""
+
+        def add_token(self, token):
+            self.last_segment = self.pieces[token]
+
+        def finalize(self):
+            self.last_segment = ""
+
+    stream = TextStream(Pieces(["hel", "lo EN", "D more"]), ["END"])
+    sent = [stream.add(0), stream.add(1), stream.add(2)]
+    assert "".join(t for t, _ in sent) == "hello "
+    assert [s for _, s in sent] == [False, False, True]
+    plain = TextStream(Pieces(["a", "b"]), [])
+    assert plain.add(0) == ("a", False) and plain.add(1) == ("b", False) and plain.finish() == ""
+
+
+def test_seeded_session_draws_what_it_would_draw_alone():
+    from mlx_lm.sample_utils import make_sampler
+
+    logits = mx.random.normal((6, 64), key=mx.random.key(0))
+    options = SamplingOptions(temperature=1.0, seed=77)
+    mx.random.seed(77)
+    alone_sampler = make_sampler(1.0)
+    alone = [int(alone_sampler(logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], axis=-1,
+                                                                keepdims=True)).item())
+             for i in range(6)]
+    a, b = SessionSampler(options, [1]), SessionSampler(SamplingOptions(temperature=1.0, seed=5), [1])
+    interleaved = []
+    for i in range(6):
+        interleaved.append(a.sample(logits[i : i + 1]))
+        b.sample(logits[i : i + 1])
+    assert interleaved == alone
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    logits = mx.random.normal((1, 64), key=mx.random.key(1))
+    options = SamplingOptions(temperature=1.0, top_k=1000, seed=3)
+    assert SessionSampler(options, [1]).sample(logits) == \
+        SessionSampler(SamplingOptions(temperature=1.0, seed=3), [1]).sample(logits)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("top_k", -2),
+                                          ("min_p", 1.5), ("repetition_penalty", -0.1)])
+def test_sampling_options_name_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingOptions(**{field: value}).check()
+
+
+def test_request_checks_name_the_field():
+    from mlx_ds4tp.serve_api import ApiError, parse_request
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) % 50 for c in text]
+
+    kw = dict(model_ids=["m"], default_max_tokens=8, context_length=16, vocab_size=50,
+              defaults=SamplingOptions())
+    ok = parse_request({"prompt": "abc", "max_tokens": 100}, "text", Tok(), **kw)
+    assert ok.max_tokens == 13 and ok.prompt == [47, 48, 49]
+    for body, param in [({"prompt": "x" * 20}, "prompt"), ({"prompt": "a", "top_k": 1.5}, "top_k"),
+                        ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "n": 2}, "n"),
+                        ({"prompt": "a", "max_tokens": True}, "max_tokens"), ({}, "prompt"),
+                        ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": [3, 50]}, "prompt"),
+                        ({"prompt": [-1]}, "prompt"), ({"prompt": []}, "prompt")]:
+        with pytest.raises(ApiError) as info:
+            parse_request(body, "text", Tok(), **kw)
+        assert info.value.param == param and 400 <= info.value.status < 500
+
+
+def test_model_resolution_names_the_missing_repo(tmp_path, monkeypatch):
+    from mlx_ds4tp.model_source import resolve_model
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model(str(tmp_path)) == tmp_path
+    with pytest.raises(FileNotFoundError, match="someone/not-here"):
+        resolve_model("someone/not-here")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        resolve_model(str(tmp_path / "a" / "b" / "c"))
+
+
+def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path):
+    """Both ranks' tables in one process: staggered joins and leaves, a moved cache and a
+    copied, rewound cache; every session's greedy tokens equal mlx-lm's for it alone."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.sampling import sample_rows
+    from mlx_ds4tp.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.tiny_model import save_llama
+    from pairutil import make_groups
+
+    path = save_llama(tmp_path / "m", "tiny", seed=3)
+    model, tokenizer = load(str(path))
+    base = tokenizer.encode("once upon a time")
+    prompts = [base + tokenizer.encode(" there"), tokenizer.encode("hi"), base,
+               tokenizer.encode("a fox and a dog")]
+    n = 8
+
+    def alone(ids):
+        return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n,
+                                            sampler=make_sampler(0.0))]
+
+    leader_group, worker_group = make_groups("tcp")
+    worker_result = {}
+
+    def worker():
+        try:
+            split, _ = load_split(str(path), worker_group)
+            worker_result["steps"] = serve_worker(worker_group, split)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            worker_result["error"] = exc
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        split, _ = load_split(str(path), leader_group)
+        sessions = LeaderSessions(leader_group, split)
+        # Session 1: the base prompt alone, stored as cache 7 when it ends.
+        sessions.create(1)
+        sessions.prefill(1, base[:-1])
+        out = []
+        nxt, sampler = base[-1], SessionSampler(SamplingOptions(), base)
+        for _ in range(n):
+            (tok,) = sample_rows(sessions.step([(1, nxt)]), [sampler])
+            out.append(tok)
+            nxt = tok
+        assert out == alone(base)
+        sessions.destroy(1, store_as=7)
+        sessions.create(100, 7, COPY)  # a copy of cache 7 for session 2 ...
+        sessions.rewind(100, len(base) - 1)
+        sessions.destroy(100, store_as=8)  # ... stored as 8; 7 stays for session 4
+        # Sessions 2..5 at once, joining one per step, leaving as they finish. Session 2
+        # takes cache 7 (base + its answer) and trims it to the base; session 4 takes cache 8.
+        plans = {2: (prompts[0], 7, MOVE, len(base)), 3: (prompts[1], 0, FRESH, 0),
+                 4: (prompts[2], 8, MOVE, len(base) - 1), 5: (prompts[3], 0, FRESH, 0)}
+        state = {}
+        for sid, (ids, cache_id, mode, keep) in plans.items():
+            sessions.create(sid, cache_id, mode)
+            if mode != FRESH and keep < sessions.table.sessions[sid][0].size():
+                sessions.rewind(sid, keep)
+            if ids[keep:-1]:
+                sessions.prefill(sid, ids[keep:-1])
+            state[sid] = [ids[-1], SessionSampler(SamplingOptions(), ids), []]
+        rows, waiting = [], list(plans)
+        while rows or waiting:
+            if waiting:
+                rows.append(waiting.pop(0))
+            tokens = sample_rows(sessions.step([(s, state[s][0]) for s in rows]),
+                                 [state[s][1] for s in rows])
+            for s, tok in zip(list(rows), tokens):
+                state[s][0] = tok
+                state[s][2].append(tok)
+                if len(state[s][2]) == n:
+                    sessions.destroy(s, store_as=9 if s == 3 else 0)
+                    rows.remove(s)
+        assert sessions.table.stored.keys() == {9}
+        sessions.invalidate(9)
+        for sid, (ids, *_rest) in plans.items():
+            assert state[sid][2] == alone(ids), sid
+        assert sessions.table.stored.keys() == set()
+        sessions.stop()
+        thread.join(30)
+        assert "error" not in worker_result, worker_result.get("error")
+        assert worker_result["steps"] == sessions.table.step_count
+    finally:
+        leader_group.close()
+        worker_group.close()
+        thread.join(10)
+
+
+def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
+    """A serving rank fed a leader's script with a frame dropped, repeated, swapped or with a
+    payload byte changed either runs it or stops with a TransportError: never another
+    exception, never an out-of-vocabulary token handed to the model."""
+    import os
+    import random
+
+    import numpy as np
+
+    import mlx_ds4tp.transport as tr
+    from mlx_ds4tp.errors import TransportError
+    from mlx_ds4tp.sessions import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch)
+    from mlx_ds4tp._wire import SYNC_HEADER
+    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_lm import load
+
+    F = tr.FrameType
+    model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=1)))
+    vocab = model.args.vocab_size
+
+    def sync(session, tokens):
+        return F.SYNC, SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, "<i4").tobytes()
+
+    script = [
+        (F.SESSION_CREATE, CREATE.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),
+        (F.SESSION_CREATE, CREATE.pack(2, 0, FRESH, 0)),
+        (F.EVAL_BATCH, pack_batch(1, [(1, 8), (2, 9)])), (F.EVAL_BATCH, pack_batch(2, [(1, 10), (2, 11)])),
+        (F.SESSION_DESTROY, DESTROY.pack(1, 4)), (F.SESSION_CREATE, CREATE.pack(3, 4, COPY, 0)),
+        (F.REWIND, REWIND.pack(3, 2, 0)), sync(3, [12]),
+        (F.EVAL_BATCH, pack_batch(3, [(2, 13), (3, 14)])), (F.SESSION_DESTROY, DESTROY.pack(2, 0)),
+        (F.SESSION_DESTROY, DESTROY.pack(3, 0)), (F.INVALIDATE, INVALIDATE.pack(4)),
+    ]
+
+    class Guard:
+        """The model, checking every input it is handed."""
+
+        def __init__(self, inner):
+            self.inner, self.args, self.layers = inner, inner.args, inner.layers
+
+        def __call__(self, x, cache=None):
+            ids = np.array(x)
+            assert ids.size and ids.min() >= 0 and ids.max() < vocab, ids
+            return self.inner(x, cache=cache)
+
+    def damage(rng, frames):
+        frames = list(frames)
+        kind = rng.randrange(5)
+        i = rng.randrange(len(frames))
+        if kind == 0:
+            del frames[i]
+        elif kind == 1:
+            frames.insert(i, frames[rng.randrange(len(frames))])
+        elif kind == 2:
+            j = rng.randrange(len(frames))
+            frames[i], frames[j] = frames[j], frames[i]
+        elif kind == 3:
+            ftype, payload = frames[i]
+            if payload:
+                b = bytearray(payload)
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+                frames[i] = (ftype, bytes(b))
+        else:
+            ftype, payload = frames[i]
+            frames[i] = (ftype, payload[: rng.randrange(len(payload) + 1)] + b"\0" * rng.randrange(3))
+        return frames
+
+    clean = SessionTable(Guard(model))
+    for ftype, payload in script:
+        clean.apply(ftype, payload)
+    assert not clean.busy and not clean.stored
+    rng = random.Random(int(os.environ.get("DS4_TP_FUZZ_SEED", "12")))
+    failures = 0
+    for _ in range(150):
+        table = SessionTable(Guard(model))
+        try:
+            for ftype, payload in damage(rng, script):
+                table.apply(ftype, payload)
+        except TransportError:
+            failures += 1
+    assert failures > 50  # most damages are caught, the rest are scripts that still make sense
+
+
+def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, monkeypatch):
+    """The engine in one process over an in-process pair: a request whose (leader-only)
+    sampling raises gets a "failed" event; the request decoding beside it, and the next one,
+    get mlx-lm's tokens; the pair stays up."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_ds4tp import serve_engine
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.serve_engine import Engine, Request
+    from mlx_ds4tp.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.tiny_model import save_llama
+    from pairutil import make_groups
+
+    class Flaky(SessionSampler):
+        def sample(self, logits):
+            if self.options.seed == 666 and len(self.history) > 6:
+                raise RuntimeError("injected")
+            return super().sample(logits)
+
+    monkeypatch.setattr(serve_engine, "SessionSampler", Flaky)
+    path = save_llama(tmp_path / "m", "tiny", seed=2)
+    model, tokenizer = load(str(path))
+    leader_group, worker_group = make_groups("tcp")
+    thread = threading.Thread(
+        target=lambda: serve_worker(worker_group, load_split(str(path), worker_group)[0]), daemon=True)
+    thread.start()
+    engine = None
+    try:
+        engine = Engine(LeaderSessions(leader_group, load_split(str(path), leader_group)[0]), tokenizer)
+        engine.start()
+
+        def collect(request):
+            events = []
+            while not events or events[-1][0] not in ("done", "failed", "error"):
+                events.append(request.events.get(timeout=60))
+            return events
+
+        def alone(ids, n):
+            out = []
+            for t, _ in generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(0.0)):
+                out.append(t)
+                if t in tokenizer.eos_token_ids:
+                    break
+            return out
+
+        ids = [tokenizer.encode("one two three"), tokenizer.encode("four five")]
+        bad = Request(ids[0], 8, SamplingOptions(temperature=0.5, seed=666))
+        good = Request(ids[1], 8)
+        engine.submit(bad)
+        engine.submit(good)
+        assert collect(bad)[-1][0] == "failed"
+        assert collect(good)[-1] == ("done", "length" if good.completion_tokens == 8 else "stop")
+        assert engine.error is None
+        again = Request(ids[1], 8)
+        engine.submit(again)
+        text = "".join(e[1] for e in collect(again) if e[0] == "text")
+        detok = tokenizer.detokenizer
+        detok.reset()
+        for t in alone(ids[1], 8):
+            if t not in tokenizer.eos_token_ids:
+                detok.add_token(t)
+        detok.finalize()
+        assert text == detok.text and again.cached_tokens > 0
+    finally:
+        if engine is not None:
+            engine.stop()
+        thread.join(30)
+        leader_group.close()
+        worker_group.close()
