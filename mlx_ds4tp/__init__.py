@@ -3,7 +3,7 @@
     import mlx_ds4tp as tp
     g = tp.init(role="leader", listen=("10.99.0.1", 9911))       # rank 0
     g = tp.init(role="worker", coordinator=("10.99.0.1", 9911))  # rank 1
-    y = tp.all_sum(x, group=g)
+    y = tp.all_sum(x, group=g)       # or tp.all_sum(x): the group init returned last
 """
 
 from .errors import (
@@ -19,7 +19,18 @@ from .errors import (
     TransportTimeoutError,
     WarmupFailed,
 )
-from .gate_ops import Group, all_gather, all_sum, init
+from .gate_ops import (
+    Group,
+    all_gather,
+    all_max,
+    all_min,
+    all_sum,
+    init,
+    recv,
+    recv_like,
+    send,
+    sum_scatter,
+)
 from .transport import ModelIdentity, model_fingerprint
 
 __version__ = "0.1.0"
@@ -28,6 +39,12 @@ __all__ = [
     "init",
     "all_sum",
     "all_gather",
+    "all_max",
+    "all_min",
+    "sum_scatter",
+    "send",
+    "recv",
+    "recv_like",
     "Group",
     "ModelIdentity",
     "model_fingerprint",

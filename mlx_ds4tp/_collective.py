@@ -48,11 +48,34 @@ class MlxCollective:
     def size(self) -> int:
         return self.group.size()
 
-    def all_sum(self, x: mx.array) -> mx.array:
-        return mx.distributed.all_sum(x, group=self.group)
+    def all_sum(self, x: mx.array, stream=None) -> mx.array:
+        return mx.distributed.all_sum(x, group=self.group, stream=stream)
 
-    def all_gather(self, x: mx.array) -> mx.array:
-        return mx.distributed.all_gather(x, group=self.group)
+    def all_gather(self, x: mx.array, stream=None) -> mx.array:
+        return mx.distributed.all_gather(x, group=self.group, stream=stream)
+
+    # The rest of mx.distributed's surface, for gate_ops' transport="mlx" groups.
+    def all_max(self, x: mx.array, stream=None) -> mx.array:
+        return mx.distributed.all_max(x, group=self.group, stream=stream)
+
+    def all_min(self, x: mx.array, stream=None) -> mx.array:
+        return mx.distributed.all_min(x, group=self.group, stream=stream)
+
+    def sum_scatter(self, x: mx.array, stream=None) -> mx.array:
+        """all_sum and this rank's rows: MLX's own sum_scatter runs only on NCCL."""
+        size = self.group.size()
+        if x.ndim == 0 or x.shape[0] % size:
+            raise ValueError(f"sum_scatter: x.shape[0] must be divisible by the group size {size}, "
+                             f"got shape {tuple(x.shape)}")
+        rows = x.shape[0] // size
+        total = mx.distributed.all_sum(x, group=self.group, stream=stream)
+        return total[self.group.rank() * rows: (self.group.rank() + 1) * rows]
+
+    def send(self, x: mx.array, dst: int, stream=None) -> mx.array:
+        return mx.distributed.send(x, dst, group=self.group, stream=stream)
+
+    def recv(self, shape, dtype, src: int, stream=None) -> mx.array:
+        return mx.distributed.recv(shape, dtype, src, group=self.group, stream=stream)
 
     def __repr__(self) -> str:
         return f"<MlxCollective rank={self.rank()} size={self.size()}>"

@@ -46,8 +46,7 @@ class RdmaGates:
     data_fd: the pair's sockets, watched by the hot loops so a dead peer is an
     error, never a hang. timeout: every wait, in seconds. faults: the emulated
     device's faults (DS4_TP_UCSIM_FAULTS syntax). no_imm: send without the
-    immediate-data sequence tag; the ibverbs provider reads DS4_TP_RDMA_NO_IMM
-    itself when the device opens, which PairConfig.rdma_no_imm mirrors."""
+    immediate-data sequence tag (PairConfig.rdma_no_imm, DS4_TP_RDMA_NO_IMM)."""
 
     def __init__(self, *, device: Optional[str], gid_index: Optional[int], rank: int,
                  bind_ip: str, control_fd: int, data_fd: int, timeout: float,
@@ -85,6 +84,7 @@ class RdmaGates:
         if self.dev == self.ffi.NULL:
             raise RdmaUnavailableError(self._error_text())
         self.lib.tp_set_fds(self.dev, control_fd, data_fd)
+        self.lib.tp_set_no_imm(self.dev, int(no_imm))
         self.warm_send = self.slab + self.hot_bytes
         self.warm_recv = self.slab + self.hot_bytes + RDMA_MAX_MSG
         self.setup_attempt = 0

@@ -14,12 +14,22 @@
 
 /* The Apple driver never delivers a message above 16 KiB. */
 #define TP_MAX_MSG 16384
-/* Decode gates posted ahead, by sequence number. */
+/* Decode gates posted ahead, by sequence number, at most (fewer where the
+ * device takes fewer receives: tp_stats.window). */
 #define TP_RECV_WINDOW 16
 /* A gate vector rides as at most this many <= TP_MAX_MSG chunks. */
 #define TP_GATE_MAX_CHUNKS 2
-/* One bulk round: 64 x 16 KiB. */
+/* One bulk round: at most 64 x 16 KiB (fewer where the device takes fewer
+ * work requests: tp_stats.bulk_slots). */
 #define TP_BULK_SLOTS 64
+/* Depths tp_build_qp asks for when given 0 (the device may grant less, and
+ * take less still at post time). */
+#define TP_DEFAULT_CQ 512
+#define TP_DEFAULT_SEND_WR 1024
+#define TP_DEFAULT_RECV_WR 1024
+/* Memory registrations per device, the slab's included: the Apple stack
+ * allows about 100 in all and fails the next with a bare error. */
+#define TP_MAX_MRS 96
 
 /* Return codes. */
 #define TP_OK 0
@@ -179,7 +189,8 @@ int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t
  * rests on the hidden-state hash check (ds4tp run --debug-hash N). */
 
 /* One decode gate, seq = 1, 2, 3, ... strictly increasing by one. Arms the
- * receive window (TP_RECV_WINDOW gates) on first use after bring-up or a
+ * receive window (up to TP_RECV_WINDOW gates, as many as the device's depth
+ * takes, at least 2) on first use after bring-up or a
  * drain, with a receives-posted barrier over barrier_fd; sends bytes from src
  * (straight from a registered region, else through the slab's send slot) in
  * ceil(bytes / TP_MAX_MSG) <= TP_GATE_MAX_CHUNKS chunks; spins until the
@@ -204,9 +215,14 @@ int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t se
 int tp_drain(tp_dev *dev, double timeout_s, char *err, size_t errlen);
 
 /* Bulk exchange for prefill: drains the decode window, then moves bytes in
- * rounds of TP_BULK_SLOTS x TP_MAX_MSG through the slab's bulk staging, with
- * the next round's receives posted before this round's sends and a
- * receives-posted barrier before the first round. */
+ * rounds of up to TP_BULK_SLOTS x TP_MAX_MSG (both ranks use the smaller of
+ * what their devices take) through the slab's bulk staging, with the next
+ * round's receives posted before this round's sends and a receives-posted
+ * barrier before the first round.
+ * Queue depth (all hot paths): Apple's driver grants large depths and then
+ * refuses the post past 63 outstanding with ENOMEM; the first refusal is
+ * learned (logged once, tp_stats.recv_cap / send_cap) and every later
+ * window and round stays within it, nothing lost or sent twice. */
 int tp_bulk(tp_dev *dev, const void *src, void *dst, uint64_t bytes, double timeout_s,
             char *err, size_t errlen);
 

@@ -108,8 +108,8 @@ int tp_build_qp(tp_dev *dev, int qp_type, int setup_attempt, int cq_depth, int s
         return TP_EINVAL;
     }
     int cq = cq_depth > 0 ? cq_depth : TP_DEFAULT_CQ;
-    int swr = send_wr > 0 ? send_wr : TP_DEFAULT_WR;
-    int rwr = recv_wr > 0 ? recv_wr : TP_DEFAULT_WR;
+    int swr = send_wr > 0 ? send_wr : TP_DEFAULT_SEND_WR;
+    int rwr = recv_wr > 0 ? recv_wr : TP_DEFAULT_RECV_WR;
     reset_qp_state(dev);
     int rc = dev->prov->build_qp(dev, qp_type, setup_attempt, &cq, &swr, &rwr, err, errlen);
     if (rc < 0) return rc;

@@ -14,6 +14,10 @@
 #include <time.h>
 #include <unistd.h>
 
+/* ------------------------------------------------------------------------
+ * The receives-posted barrier.
+ * --------------------------------------------------------------------- */
+
 /* Receives-posted barrier: an 8-byte word each way over the TCP data
  * socket, written only after this side's receives are posted, and sends
  * start only after the peer's word arrived. Why: a UC send that reaches a

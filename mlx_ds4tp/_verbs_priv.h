@@ -17,8 +17,6 @@
 
 #define TP_LOG "ds4-tp: "
 
-/* The Apple stack allows ~100 memory regions in all; keep headroom. */
-#define TP_MAX_MRS 96
 
 /* Hot-path work request ids. A gate's final chunk receive carries the bare
  * gate number (gates since the build; top byte 0) so its completion is the
@@ -78,10 +76,6 @@
  * ran out); the hot path turns it into TP_ELOST naming what was missing. */
 #define TP_EMOVED -100
 
-/* Depths a build asks for when the caller passes 0 (transport.py asks the
- * same: 512 CQ entries, 1024 send / 1024 recv work requests). */
-#define TP_DEFAULT_CQ 512
-#define TP_DEFAULT_WR 1024
 
 typedef struct {
     uintptr_t lo, hi;  /* [lo, hi) */

@@ -40,7 +40,8 @@ Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
 payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
 BIG_TAG, seq, bytes) then the payload in BIG_ROUND_BYTES rounds; and the gate
-signature swap DESCRIPTOR (DESCRIPTOR_MAGIC, dtype code, ndim, up to MAX_DIMS dims).
+signature swap DESCRIPTOR (DESCRIPTOR_MAGIC, dtype code, ndim, collective OP_*,
+up to MAX_DIMS dims).
 
 Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG
 (WARM_MAGIC, rank, setup attempt); its work request id is WARM_MAGIC too.
@@ -161,9 +162,13 @@ DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
 GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
 BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
 BIG_TAG = 0xB16
-# dtype code, ndim, reserved, up to MAX_DIMS dims: what both ranks compare
-# when a partial's signature changes.
+# dtype code, ndim, collective (an OP_* below), up to MAX_DIMS dims: what both
+# ranks compare when a partial's signature changes.
 DESCRIPTOR = struct.Struct(f"<IIII{MAX_DIMS}Q")
+# The collective in a gate signature, and in a TCP gate header's layer field and a
+# bulk header's layer field. send/recv name the source rank (OP_P2P_FROM + src) on
+# both sides, so two senders or two receivers disagree.
+OP_SUM, OP_GATHER, OP_MAX, OP_MIN, OP_SCATTER, OP_P2P_FROM = 1, 2, 3, 4, 5, 6
 
 RDMA_INFO = struct.Struct("<IIIHB16s")  # qpn, psn, mtu, lid, link_layer, gid
 STATUS = struct.Struct("<II")  # ok, message length; then the message

@@ -1,5 +1,8 @@
 """Model decode throughput: one process, our pair, mlx-lm over MLX's ring.
 
+Any model load_split splits (dense or mixture of experts); `--model` also takes a tiny_model
+preset name ("moe-1g": a 1 GB float32 qwen3_moe), built once into the cache.
+
 Every contender decodes the same prompt greedily for the same count of
 tokens (no early stop at EOS), so the tok/s figures compare like for like
 and the tokens must equal the single process's.
@@ -15,6 +18,7 @@ import numpy as np
 
 from . import _localpair
 from . import gate_ops
+from ._log import log
 
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
 CEILING = "tp2-compute-ceiling"
@@ -139,6 +143,32 @@ def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens:
             "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1)}
 
 
+def bench_model_dir(model: str) -> str:
+    """`model` itself when it is a directory; a tiny_model preset name ("150m", "moe-1g", ...)
+    is written once with fixed random weights into the cache and that directory returned."""
+    import os
+
+    from . import tiny_model
+
+    if Path(model).is_dir() or model not in {**tiny_model.PRESETS, **tiny_model.MOE_PRESETS}:
+        return model
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp"
+    path = root / f"bench-{model}-seed0"
+    if not (path / "tokenizer_config.json").is_file():  # written last: a finished model
+        log(f"building the {model} bench model (synthetic random weights) in {path}")
+        save = tiny_model.save_qwen3_moe if model in tiny_model.MOE_PRESETS else tiny_model.save_llama
+        save(path, model, seed=0)
+    return str(path)
+
+
+def mlx_lm_can_shard(path: str) -> bool:
+    """Whether mlx-lm's own module for this model has shard() (mixtral's has none)."""
+    from mlx_lm.utils import _get_classes, load_config
+
+    model_class, _ = _get_classes(load_config(Path(path)))
+    return callable(getattr(model_class, "shard", None))
+
+
 def _model_contenders(path: str, transport: str, rdma_device: Optional[str],
                       max_tokens: int) -> Dict[str, Callable[[], Dict]]:
     contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens)}
@@ -147,7 +177,10 @@ def _model_contenders(path: str, transport: str, rdma_device: Optional[str],
     if transport in ("rdma", "all"):
         device = rdma_device or "ucsim"
         contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens)
-    contenders["mlx-lm-ring"] = lambda: spawn_ring_model(path, max_tokens)
+    if mlx_lm_can_shard(path):
+        contenders["mlx-lm-ring"] = lambda: spawn_ring_model(path, max_tokens)
+    else:
+        log(f"mlx-lm-ring left out: mlx-lm's module for {path} has no shard()")
     # Not a contender (its tokens are meaningless): the bound every tp2 figure sits under.
     contenders[CEILING] = lambda: spawn_ceiling(path, max_tokens)
     return contenders
@@ -157,6 +190,7 @@ def model_bench(path: str, transport: str, rdma_device: Optional[str], max_token
                 rounds: int = 3) -> List[Dict]:
     """Decode tok/s of every contender, run `rounds` times in rotating order so a slow spell
     of the machine falls on all of them alike; each record gives the median and every round."""
+    path = bench_model_dir(path)
     contenders = _model_contenders(path, transport, rdma_device, max_tokens)
     names = list(contenders)
     runs: Dict[str, List[Dict]] = {name: [] for name in names}

@@ -59,6 +59,9 @@ def cmd_bench(args) -> int:
 
         if args.max_tokens < 2:
             raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
+        from .bench_model import bench_model_dir
+
+        args.model = bench_model_dir(args.model)  # a preset name ("moe-1g") is built first
         model_identity(args.model)  # raises a clear error when PATH is not a model directory
         if args.rounds < 1:
             raise SystemExit(f"ds4tp bench: --rounds {args.rounds} must be >= 1")
@@ -194,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--bytes", type=int, default=16384)
     bench.add_argument("--iters", type=int, default=5000)
     bench.add_argument("--json", action="store_true", help="one JSON record per line")
-    bench.add_argument("--model", default=None, help="also time decode tok/s of this mlx-lm model: "
-                       "single process, our pair (tcp, rdma) and mlx-lm's shard() on MLX's ring")
+    bench.add_argument("--model", default=None, help="also time decode tok/s of this mlx-lm model "
+                       "(a directory, or a preset built once: 150m, moe-1g): single process, our "
+                       "pair (tcp, rdma) and mlx-lm's shard() on MLX's ring")
     bench.add_argument("--max-tokens", type=int, default=64, help="decode length for --model")
     bench.add_argument("--rounds", type=int, default=3,
                        help="--model: run every contender this many times, in rotating order, "

@@ -1,21 +1,24 @@
-"""The face model code sees: a two-rank Group and the gate collectives.
+"""The face model code sees: a two-rank Group and the collectives.
 
-Names and shapes follow ``mx.distributed`` (``init``, ``Group.rank()``,
-``Group.size()``, ``all_sum``, ``all_gather``) so moving between this and MLX's
-own backends is a one-line change.
+Names, signatures and results follow ``mx.distributed`` (``init``,
+``Group.rank()``, ``Group.size()``, ``all_sum``, ``all_gather``, ``all_max``,
+``all_min``, ``sum_scatter``, ``send``, ``recv``, ``recv_like``; ``group=None``
+is the group ``init`` returned last), so moving between this and MLX's own
+backends is a one-line change. The machinery behind them is _pair_collectives.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from . import _pair_collectives as _c
 from . import transport as tr
 from . import warmup
 from ._collective import MlxCollective
+from ._pair_collectives import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
 from ._wire import DESCRIPTOR, DESCRIPTOR_MAGIC, MAX_DIMS
 from .errors import HelloMismatchError, TransportError
 
@@ -23,14 +26,7 @@ from .errors import HelloMismatchError, TransportError
 # Groups
 # ============================================================================
 
-DTYPE_CODES = {mx.float32: 1, mx.float16: 2, mx.bfloat16: 3}
-DTYPE_NAMES = {1: "float32", 2: "float16", 3: "bfloat16"}
-NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 LATENCY_WINDOW = 8192
-
-
-def _describe(dtype_code: int, shape: Sequence[int]) -> str:
-    return f"{DTYPE_NAMES.get(dtype_code, f'dtype#{dtype_code}')} {tuple(shape)}"
 
 
 class Group:
@@ -40,7 +36,7 @@ class Group:
         self._pair = pair
         # MLX's own group goes through the collective seam, the one caller of mx.distributed.
         self._mlx = MlxCollective(mlx_group) if mlx_group is not None else None
-        self._signature: Optional[Tuple[int, Tuple[int, ...]]] = None
+        self._signature: Optional[Tuple[int, int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
         # Round trips of the last LATENCY_WINDOW decode gates, for the
         # closing line of a run (p50/p99); recording costs one store.
@@ -110,28 +106,29 @@ class Group:
             self._scratch[key] = buf
         return buf
 
-    def agree_signature(self, dtype_code: int, shape: Tuple[int, ...]) -> None:
-        """When the partial's dtype/shape changes, both ranks compare theirs."""
-        sig = (dtype_code, shape)
+    def agree_signature(self, op: int, dtype_code: int, shape: Tuple[int, ...]) -> None:
+        """When the collective, dtype or shape changes, both ranks compare theirs."""
+        sig = (op, dtype_code, shape)
         if sig == self._signature:
             return
         if len(shape) > MAX_DIMS:
             raise ValueError(f"gate arrays have at most {MAX_DIMS} dimensions, got shape {shape}")
         dims = list(shape) + [0] * (MAX_DIMS - len(shape))
-        mine = DESCRIPTOR.pack(DESCRIPTOR_MAGIC, dtype_code, len(shape), 0, *dims)
+        mine = DESCRIPTOR.pack(DESCRIPTOR_MAGIC, dtype_code, len(shape), op, *dims)
         theirs = self.pair.exchange_small(mine, "gate signature")
-        magic, pcode, pndim, _, *pdims = DESCRIPTOR.unpack(theirs)
+        magic, pcode, pndim, pop, *pdims = DESCRIPTOR.unpack(theirs)
         if magic != DESCRIPTOR_MAGIC:
             raise HelloMismatchError(
-                f"gate signature: this rank changed its partial to {_describe(dtype_code, shape)} "
+                f"gate signature: this rank changed its partial to {_c.describe(op, dtype_code, shape)} "
                 f"while the peer did not (it sent magic 0x{magic:08x}); both ranks must run "
                 "the same sequence of gates"
             )
         pshape = tuple(pdims[:pndim])
-        if (pcode, pshape) != sig:
+        if (pop, pcode, pshape) != sig:
             raise HelloMismatchError(
-                f"gate partial mismatch: this rank has {_describe(dtype_code, shape)}, the peer "
-                f"has {_describe(pcode, pshape)}; both ranks must pass the same shape and dtype"
+                f"gate partial mismatch: this rank has {_c.describe(op, dtype_code, shape)}, the peer "
+                f"has {_c.describe(pop, pcode, pshape)}; both ranks must call the same collective "
+                "with the same shape and dtype"
             )
         self._signature = sig
 
@@ -158,9 +155,14 @@ def init(
     (HMAC challenge-response in the hello) before any session state exists.
     tcp_spin_us (default DS4_TP_TCP_SPIN_US, else 5000; 0 on a one-core machine):
     how long a TCP gate polls for the peer's message before it sleeps.
+
+    The group returned becomes the default of every collective's group=None,
+    as mx.distributed.init sets the global group.
     """
+    global _LAST_GROUP
     if transport == "mlx":
-        return _init_mlx(role)
+        _LAST_GROUP = _init_mlx(role)
+        return _LAST_GROUP
     config = tr.PairConfig(
         role=role,
         listen=tuple(listen) if listen is not None else None,
@@ -180,7 +182,8 @@ def init(
     except BaseException:
         pair.close()
         raise
-    return Group(pair=pair)
+    _LAST_GROUP = Group(pair=pair)
+    return _LAST_GROUP
 
 
 def _init_mlx(role: Optional[str]) -> Group:
@@ -206,90 +209,111 @@ def _init_mlx(role: Optional[str]) -> Group:
 # Collectives
 # ============================================================================
 
+# The group init returned last: what group=None means (mx.distributed's global group).
+_LAST_GROUP: Optional[Group] = None
 
-def _require_group(group: Optional[Group]) -> Group:
+
+def _resolve(group: Optional[Group]) -> Group:
+    if group is None:
+        if _LAST_GROUP is None:
+            raise RuntimeError(
+                "group=None means the group mlx_ds4tp.init(...) returned last, and no group has "
+                "been made in this process: call mlx_ds4tp.init(...) first (or pass group=...)"
+            )
+        return _LAST_GROUP
     if not isinstance(group, Group):
-        raise TypeError(
-            f"group={group!r}: pass the Group returned by mlx_ds4tp.init(...)"
-        )
+        raise TypeError(f"group={group!r}: pass the Group returned by mlx_ds4tp.init(...), or None")
     return group
 
 
-def _host_view(x: mx.array) -> Tuple[mx.array, memoryview]:
-    """Evaluate x and return its own buffer (unified memory on Apple Silicon:
-    the partial goes out with no staging copy)."""
-    if x.dtype not in DTYPE_CODES:
-        raise TypeError(
-            f"gate dtype {x.dtype} is not supported; use float32, float16 or bfloat16"
-        )
-    mx.eval(x)
-    view = memoryview(x)
-    if not view.c_contiguous:
-        x = mx.contiguous(x)
-        mx.eval(x)
-        view = memoryview(x)
-    return x, view.cast("B")
+def all_sum(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
+    """Sum of the two ranks' x: same shape and dtype, identical bits on both ranks.
 
-
-def _exchange(x: mx.array, group: Group, kind: int) -> Tuple[mx.array, np.ndarray, np.ndarray]:
-    """Send x's bytes, receive the peer's: a decode gate when it fits one
-    message pair, a bulk exchange (prefill rows, logits) otherwise."""
-    x, local_bytes = _host_view(x)
-    code = DTYPE_CODES[x.dtype]
-    group.agree_signature(code, tuple(x.shape))
-    np_dtype = NUMPY_DTYPES[x.dtype]
-    peer = group.scratch(local_bytes.nbytes, np_dtype)
-    if local_bytes.nbytes <= tr.GATE_MAX_BYTES:
-        t0 = time.perf_counter_ns()
-        group.pair.gate(local_bytes, peer, layer=kind, gate=code)
-        group.record_latency(time.perf_counter_ns() - t0)
-    else:
-        group.pair.bulk(local_bytes, peer, layer=kind)
-    return x, np.frombuffer(local_bytes, dtype=np_dtype), peer
-
-
-def all_sum(x: mx.array, *, group: Group, stream=None) -> mx.array:
-    """local + peer partial, same shape and dtype, bit-identical on both ranks."""
-    group = _require_group(group)
+    x: any dtype of DTYPE_CODES (integers wrap as MLX's do; a bool sum is a logical
+    or). group: a Group from init, default the one init returned last. stream: accepted
+    for mx.distributed's signature; the bytes move on the host and the result is
+    evaluated. Gradient: the cotangent passes through unchanged, as MLX's own.
+    Raises HelloMismatchError when the peer's x differs in shape or dtype (or the peer
+    called another collective), TransportError when the link fails, ValueError inside
+    mx.compile / mx.vmap (nothing is sent).
+    """
+    group = _resolve(group)
     if group._mlx is not None:
-        return group._mlx.all_sum(x)
-    x, local, peer = _exchange(x, group, kind=1)
-    # The same order on both ranks (rank 0's partial first): the float sum is
-    # then the same expression everywhere, so both ranks hold identical bits.
-    first, second = (local, peer) if group.rank() == 0 else (peer, local)
-    if x.dtype == mx.bfloat16:
-        return _to_mlx(_bf16_add(first, second).reshape(x.shape), x.dtype)
-    return _to_mlx(np.add(first, second).reshape(x.shape), x.dtype)
+        return group._mlx.all_sum(x, stream=stream)
+    try:
+        mx.async_eval(x)  # refused while a transformation traces x: see _pair_collectives
+    except ValueError:
+        return _c.traced(_c.sum_eager, _c.pass_cotangent, x, group, "all_sum")
+    return _c.sum_eager(x, group)
 
 
-def _to_mlx(values: np.ndarray, dtype) -> mx.array:
-    """A materialised array (numpy has no bfloat16: its bits travel as uint16).
-    Evaluated here so the result does not depend on this thread's stream."""
-    out = mx.array(values)
-    if dtype == mx.bfloat16:
-        out = out.view(mx.bfloat16)
-        mx.eval(out)
-    return out
+def all_gather(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
+    """Both ranks' x concatenated on axis 0 in rank order (scalars: shape (2,)).
 
-
-def _bf16_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """bfloat16 a + b computed in float32 and rounded to nearest-even, as MLX does."""
-    fa = (a.astype(np.uint32) << 16).view(np.float32)
-    fb = (b.astype(np.uint32) << 16).view(np.float32)
-    bits = (fa + fb).view(np.uint32)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    nan = np.isnan(fa + fb)
-    out = rounded.astype(np.uint16)
-    out[nan] = 0x7FC0
-    return out
-
-
-def all_gather(x: mx.array, *, group: Group, stream=None) -> mx.array:
-    """Both partials concatenated on axis 0, in rank order."""
-    group = _require_group(group)
+    Arguments and errors as all_sum. Gradient: this rank's rows of the cotangent.
+    """
+    group = _resolve(group)
     if group._mlx is not None:
-        return group._mlx.all_gather(x)
-    x, local, peer = _exchange(x, group, kind=2)
-    parts = (local, peer) if group.rank() == 0 else (peer, local)
-    shape = (2 * x.shape[0],) + tuple(x.shape[1:]) if x.ndim else (2,)
-    return _to_mlx(np.concatenate(parts).reshape(shape), x.dtype)
+        return group._mlx.all_gather(x, stream=stream)
+    try:
+        mx.async_eval(x)
+    except ValueError:
+        return _c.traced(_c.gather_eager, _c.slice_cotangent, x, group, "all_gather")
+    return _c.gather_eager(x, group)
+
+
+def all_max(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
+    """Elementwise maximum of the two ranks' x (NaN propagates; complex compares the
+    real part first). Arguments and errors as all_sum; gradient as MLX's (the
+    cotangent unchanged)."""
+    group = _resolve(group)
+    if group._mlx is not None:
+        return group._mlx.all_max(x, stream=stream)
+    return _c.collective(_c.max_eager, _c.pass_cotangent, x, group, "all_max")
+
+
+def all_min(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
+    """Elementwise minimum of the two ranks' x; as all_max."""
+    group = _resolve(group)
+    if group._mlx is not None:
+        return group._mlx.all_min(x, stream=stream)
+    return _c.collective(_c.min_eager, _c.pass_cotangent, x, group, "all_min")
+
+
+def sum_scatter(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
+    """all_sum(x)[rank * n : (rank + 1) * n] with n = x.shape[0] // 2, moving half the
+    bytes of an all_sum. x.shape[0] must be even (ValueError otherwise). Gradient: both
+    ranks' cotangents gathered. Over transport="mlx" it is MLX's all_sum then the slice
+    (MLX's own sum_scatter runs only on NCCL)."""
+    group = _resolve(group)
+    if group._mlx is not None:
+        return group._mlx.sum_scatter(x, stream=stream)
+    return _c.collective(_c.scatter_eager, _c.gather_cotangent, x, group, "sum_scatter")
+
+
+def send(x: mx.array, dst: int, *, group: Optional[Group] = None, stream=None) -> mx.array:
+    """Send x to rank dst (the other rank); returns x. The peer calls recv / recv_like
+    with src = this rank and the same shape and dtype (HelloMismatchError otherwise).
+    Sent when called, not when the result is evaluated. No gradient flows to the peer."""
+    group = _resolve(group)
+    if group._mlx is not None:
+        return group._mlx.send(x, dst, stream=stream)
+    try:
+        mx.async_eval(x)
+    except ValueError:
+        _c.evaluate_traced(x, "send")
+    return _c.send_eager(x, dst, group)
+
+
+def recv(shape: Sequence[int], dtype: mx.Dtype, src: int, *, group: Optional[Group] = None,
+         stream=None) -> mx.array:
+    """The array of `shape` and `dtype` that rank src sends with send()."""
+    group = _resolve(group)
+    if group._mlx is not None:
+        return group._mlx.recv(shape, dtype, src, stream=stream)
+    return _c.recv(shape, dtype, src, group)
+
+
+def recv_like(x: mx.array, src: int, *, group: Optional[Group] = None, stream=None) -> mx.array:
+    """recv(x.shape, x.dtype, src): the array rank src sends, shaped like x."""
+    return recv(x.shape, x.dtype, src, group=group, stream=stream)

@@ -42,7 +42,7 @@ from ._split_layers import (
     rank_and_size,
 )
 from ._split_plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, supported
-from .transport import log
+from ._log import log
 
 _WRAPPERS = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear}
 _CUT_KIND = {COLUMN: "out", ROW: "in", OUT: "out", IN: "in", HEADS: "heads"}

@@ -130,3 +130,12 @@ def reference_text(model_dir, prompt: str, max_tokens: int) -> Tuple[str, List[i
         detok.add_token(t)
     detok.finalize()
     return detok.text, tokens
+
+
+def no_rdma_reason() -> str:
+    """What the ibverbs provider reports on a machine without RDMA, for the build
+    these tests run on: no device (built against infiniband/verbs.h), or no
+    provider at all (built without it: no libibverbs-dev, or MLX_DS4TP_NO_IBVERBS=1)."""
+    from mlx_ds4tp._verbs import lib
+
+    return "no verbs devices" if lib.tp_built_with_ibverbs() else "built without infiniband/verbs.h"

@@ -90,7 +90,7 @@ def test_shape_mismatch_names_both_shapes():
         (_, le), (_, we) = run_both(lambda: tp.all_sum(x4, group=lg), lambda: tp.all_sum(x2, group=wg))
     for exc, mine, theirs in ((le, "(1, 4096)", "(1, 2048)"), (we, "(1, 2048)", "(1, 4096)")):
         assert isinstance(exc, HelloMismatchError), exc
-        assert f"this rank has float32 {mine}, the peer has float32 {theirs}" in str(exc)
+        assert f"this rank has all_sum float32 {mine}, the peer has all_sum float32 {theirs}" in str(exc)
 
 
 def test_dtype_mismatch_names_both_dtypes():
@@ -99,17 +99,19 @@ def test_dtype_mismatch_names_both_dtypes():
         h, f = mx.zeros((8,), mx.float16), mx.zeros((8,), mx.float32)
         mx.eval(h, f)
         (_, le), (_, we) = run_both(lambda: tp.all_sum(h, group=lg), lambda: tp.all_sum(f, group=wg))
-    assert "this rank has float16 (8,), the peer has float32 (8,)" in str(le)
-    assert "this rank has float32 (8,), the peer has float16 (8,)" in str(we)
+    assert "this rank has all_sum float16 (8,), the peer has all_sum float32 (8,)" in str(le)
+    assert "this rank has all_sum float32 (8,), the peer has all_sum float16 (8,)" in str(we)
 
 
 def test_bad_arguments_are_clear():
     with pytest.raises(TypeError, match="pass the Group returned by mlx_ds4tp.init"):
-        tp.all_sum(mx.zeros((2,)), group=None)
+        tp.all_sum(mx.zeros((2,)), group="g")
     lg, wg = make_groups("tcp", timeout=5.0)
     with lg, wg:
-        with pytest.raises(TypeError, match="int32 is not supported; use float32, float16 or bfloat16"):
-            tp.all_sum(mx.zeros((2,), dtype=mx.int32), group=lg)
+        with pytest.raises(ValueError, match="sum_scatter: x.shape.0. must be divisible by the group size 2"):
+            tp.sum_scatter(mx.zeros((3,)), group=lg)
+        with pytest.raises(ValueError, match="dst=0: in a group of 2 this rank .0. can only talk to rank 1"):
+            tp.send(mx.zeros((3,)), 0, group=lg)
     with pytest.raises(ValueError, match="role='captain'"):
         tp.init(role="captain", listen=("127.0.0.1", 1))
 

@@ -178,11 +178,13 @@ def test_lost_messages_are_caught_through_the_real_provider(fake, procs):
 def test_one_direction_drop_recovers_on_the_third_build(fake, procs):
     # drop=w2l:2: the worker's full-size messages vanish on the first two
     # builds; the warm-up finds it, rebuilds twice, and the third build works.
-    for res, err in spawn_pair(procs, fake, "sums", "drop=w2l:2"):
+    # post_cap=20: a failing warm-up's 20 rounds keep 20 sends in flight, no more.
+    for res, err in spawn_pair(procs, fake, "sums", "drop=w2l:2,post_cap=20"):
         assert res["transport"] == "rdma" and res["device"] == "rdma_en1" and res["wrong"] == []
         assert "recreating the queue pair (setup attempt 1)" in err
         assert "recreating the queue pair (setup attempt 2)" in err
         assert "rdma warm-up ok (1 attempt), queue depth recv 1024 send 1024 [build 3" in err
+        assert (res["recv_cap"], res["bulk_slots"]) == (20, 10)
 
 
 # ----------------------------------------------------------------------------
@@ -198,6 +200,17 @@ def test_send_with_imm_refused_falls_back_untagged_logged_once(fake, monkeypatch
     err = capfd.readouterr().err
     assert err.count("rdma device rdma_en1 refused SEND_WITH_IMM on a UC queue pair (Invalid "
                      "argument): hot-path messages go untagged") == 2, err
+    assert err.count("the peer's hot-path messages carry no sequence tag") == 2, err
+
+
+def test_rdma_no_imm_reaches_the_provider(fake, monkeypatch, capfd):
+    monkeypatch.setenv("DS4_TP_RDMA_NO_IMM", "1")
+    leader, worker = rdma_groups()
+    with leader, worker:
+        assert both_ok(lambda: exact_sums(leader, ((4096, 10),)),
+                       lambda: exact_sums(worker, ((4096, 10),))) == ([], [])
+    err = capfd.readouterr().err
+    assert err.count("rdma device rdma_en1: hot-path messages go untagged (no_imm set)") == 2, err
     assert err.count("the peer's hot-path messages carry no sequence tag") == 2, err
 
 
@@ -248,6 +261,8 @@ def test_rc_queue_pair_refused_and_raw_work_requests(fake):
         (a, abuf), (b, bbuf) = sides
         assert lib.tp_build_qp(a, lib.TP_QPT_RC, 0, 0, 0, 0, err, ERRLEN) == lib.TP_ENOTSUP
         assert "refused an RC queue pair" in ffi.string(err).decode()
+        assert lib.tp_build_qp(a, lib.TP_QPT_UD, 0, 0, 0, 0, err, ERRLEN) == lib.TP_ENOTSUP
+        assert "UD queue pairs carry no connection" in ffi.string(err).decode()
         for dev in (a, b):
             assert lib.tp_build_qp(dev, lib.TP_QPT_UC, 0, 0, 0, 0, err, ERRLEN) == 0
         ia, ib = ffi.new("tp_info *"), ffi.new("tp_info *")
@@ -255,8 +270,15 @@ def test_rc_queue_pair_refused_and_raw_work_requests(fake):
         lib.tp_local_info(b, ib)
         assert bytes(ia.gid) == b"\0" * 10 + b"\xff\xff" + socket.inet_aton("127.0.0.1")
         assert ia.mtu == 1024 and ia.link_layer == 2  # Ethernet: addressed by GID
-        assert lib.tp_connect(a, ib, err, ERRLEN) == 0, ffi.string(err)
+        bad = ffi.new("tp_info *", {"qpn": ib.qpn, "psn": ib.psn, "mtu": 1024, "lid": ib.lid,
+                                    "link_layer": 2})
+        bad.gid[0], bad.gid[1] = 0xfe, 0x80  # link-local: Apple connects only from ::ffff:a.b.c.d
+        assert lib.tp_connect(a, bad, err, ERRLEN) == lib.TP_ESYS
+        assert "modify_qp to RTR failed: Invalid argument" in ffi.string(err).decode()
+        assert lib.tp_build_qp(a, lib.TP_QPT_UC, 1, 0, 0, 0, err, ERRLEN) == 0
+        lib.tp_local_info(a, ia)
         assert lib.tp_connect(b, ia, err, ERRLEN) == 0, ffi.string(err)
+        assert lib.tp_connect(a, ib, err, ERRLEN) == 0, ffi.string(err)
         for i in range(63):
             assert lib.tp_post_recv(b, bbuf, 4096, i, err, ERRLEN) == 0
         # Apple's -ENOMEM at the 64th outstanding receive, read as ENOMEM
@@ -271,9 +293,34 @@ def test_rc_queue_pair_refused_and_raw_work_requests(fake):
         assert (wc[0].wr_id, wc[0].status, wc[0].opcode, wc[0].byte_len, wc[0].has_imm) == \
             (0, lib.TP_WC_SUCCESS, lib.TP_WC_RECV, 100, 0)
         assert bytes(ffi.buffer(bbuf, 100)) == b"x" * 100
+        # and the 64th send in flight (not yet reaped), with Apple's -ENOMEM too
+        assert lib.tp_poll(a, wc, 8, 1.0, err, ERRLEN) == 2
+        for i in range(63):
+            assert lib.tp_post_send(a, abuf, 8, 100 + i, lib.TP_OP_WRITE, 1, err, ERRLEN) == 0
+        assert lib.tp_post_send(a, abuf, 8, 200, lib.TP_OP_WRITE, 1, err, ERRLEN) == lib.TP_ENOMEM
+        assert "post_send(8 bytes, wr_id 0xc8) failed: Cannot allocate memory" in \
+            ffi.string(err).decode()
     finally:
         for dev, _ in sides:
             lib.tp_close(dev)
+
+
+def test_library_and_device_errors_name_the_fix(fake):
+    err = ffi.new("char[]", ERRLEN)
+    assert lib.tp_set_verbs_library(b"/x" * 400, err, ERRLEN) == lib.TP_EINVAL
+    assert "path of 800 characters is too long" in ffi.string(err).decode()
+    lib.tp_set_verbs_library(b"libm.so.6", err, ERRLEN)  # loads, but is no verbs library
+    assert probe() == (0, "tp rdma: libm.so.6 lacks ibv_get_device_list")
+    lib.tp_set_verbs_library(fake.encode(), err, ERRLEN)
+    slab = ffi.new("uint8_t[]", 4096)
+    assert lib.tp_open(b"rdma_en9", -1, b"", 0, ffi.NULL, slab, 4096, err, ERRLEN) == ffi.NULL
+    assert "no usable verbs device named rdma_en9" in ffi.string(err).decode()
+    dev = lib.tp_open(b"rdma_en1", 1, b"", 0, ffi.NULL, slab, 4096, err, ERRLEN)  # GID index given
+    assert dev != ffi.NULL
+    lib.tp_close(dev)
+    assert lib.tp_open(b"rdma_en1", 7, b"", 0, ffi.NULL, slab, 4096, err, ERRLEN) == ffi.NULL
+    assert "query_gid(port 1, index 7) failed" in ffi.string(err).decode()
+    assert "omit the GID index to scan for the IPv4-mapped GID" in ffi.string(err).decode()
 
 
 def test_doctor_finds_the_fake_device(fake, capsys):

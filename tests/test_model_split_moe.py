@@ -399,3 +399,19 @@ def test_load_split_of_a_moe_reads_only_its_half(tmp_path):
     print(f"\npeak RSS: whole {whole['peak_kb'] / 1024:.0f} MiB, one rank's half "
           f"{part['peak_kb'] / 1024:.0f} MiB: ratio {ratio:.3f}", file=sys.stderr)
     assert ratio <= 0.65, f"a rank's peak RSS is {ratio:.3f} of the whole model's (target <= 0.65)"
+
+
+@pytest.mark.parametrize("family,ring", [("qwen3_moe-q4", True), ("mixtral", False)])
+def test_model_bench_runs_moe_models(procs, model_dirs, family, ring):
+    """`ds4tp bench --model` on a mixture of experts: our pair's tokens equal the single
+    process's; mlx-lm's ring contender runs where mlx-lm has shard() (not mixtral)."""
+    p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--transport", "tcp", "--model",
+                     str(model_dirs[family]), "--max-tokens", "6", "--rounds", "1"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-4000:]
+    got = {r["name"]: r for r in map(json.loads, (ln for ln in out.splitlines() if ln.startswith("{")))}
+    names = ("single", "tp2-tcp") + (("mlx-lm-ring",) if ring else ())
+    for name in names:
+        assert got[name]["tok_s"] > 0 and got[name]["tokens_match"] is True, got[name]
+    assert ("mlx-lm-ring" in got) == ring
+    assert got["tp2-compute-ceiling"]["tok_s"] > 0

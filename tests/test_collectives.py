@@ -1,0 +1,167 @@
+"""Our Group as an mx.distributed stand-in: MLX's collective test matrix (dtypes int8, uint8,
+int32, uint32, float32, float16, bfloat16; shapes (), (7,), (10,), (1024,), (1024, 1024);
+all_sum, all_max, all_min, all_gather) plus sum_scatter, send/recv and group=None, over tcp
+and the emulated RDMA device; gradients against the unsplit computation; mx.compile and
+mx.vmap refused before any byte moves.
+
+One pair of rank processes per transport runs the whole matrix (tests/collective_child.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_ds4tp as tp
+from mlx_ds4tp.errors import HelloMismatchError
+from pairutil import Procs, free_port, make_groups, run_both
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_child.py")
+# 7 dtypes x 5 shapes x (all_sum, all_max, all_min, all_gather, sum_scatter, send/recv)
+# + 7 dtypes x 6 collectives with group=None + group=None before init.
+MATRIX_CASES = 7 * 5 * 6 + 7 * 6 + 1
+
+
+@pytest.fixture(scope="module", params=["tcp", "rdma"])
+def reports(request):
+    procs = Procs()
+    port = str(free_port())
+    try:
+        ranks = [procs.spawn([CHILD, role, port, request.param]) for role in ("leader", "worker")]
+        out = []
+        for p in ranks:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        procs.kill_all()
+    return out
+
+
+def test_mlx_collective_matrix_passes_on_both_ranks(reports):
+    for rank, report in enumerate(reports):
+        assert report["rank"] == rank
+        assert report["failed"] == [], report["failed"]
+        assert report["cases"] == MATRIX_CASES == 253
+
+
+def test_gradients_match_the_unsplit_computation(reports):
+    for report in reports:
+        assert report["gradients"] == {"all_sum": True, "all_gather": True, "sum_scatter": True}
+
+
+def test_compile_and_vmap_are_refused_before_any_byte_moves(reports):
+    for report in reports:
+        refused = report["transforms"]
+        assert refused["compile"].startswith("mlx_ds4tp.all_sum runs eagerly"), refused
+        assert "cannot be traced by mx.compile or mx.vmap (nothing was sent" in refused["compile"]
+        assert "Compile the pieces between the collectives" in refused["compile"]
+        assert refused["vmap"].startswith("mlx_ds4tp.all_max runs eagerly"), refused
+        # Nothing moved: the next all_sum still pairs up.
+        assert refused["pair_intact"] is True
+
+
+@pytest.fixture(scope="module")
+def groups():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    yield lg, wg
+    lg.close()
+    wg.close()
+
+
+def test_different_collectives_on_the_two_ranks_are_named():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        x = mx.zeros((8,), dtype=mx.int32)
+        mx.eval(x)
+        (_, le), (_, we) = run_both(lambda: tp.all_sum(x, group=lg), lambda: tp.all_max(x, group=wg))
+    assert isinstance(le, HelloMismatchError)
+    assert "this rank has all_sum int32 (8,), the peer has all_max int32 (8,)" in str(le)
+    assert "this rank has all_max int32 (8,), the peer has all_sum int32 (8,)" in str(we)
+
+
+def test_two_senders_are_named():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        x = mx.zeros((3,), dtype=mx.uint8)
+        mx.eval(x)
+        (_, le), (_, we) = run_both(lambda: tp.send(x, 1, group=lg), lambda: tp.send(x, 0, group=wg))
+    assert isinstance(le, HelloMismatchError)
+    assert "this rank has send/recv from rank 0 uint8 (3,), the peer has send/recv from rank 1" in str(le)
+
+
+def test_recv_of_a_wrong_shape_is_named(groups):
+    lg, wg = groups
+    x = mx.arange(6, dtype=mx.int16)
+    mx.eval(x)
+    (_, le), (_, we) = run_both(lambda: tp.send(x, 1, group=lg), lambda: tp.recv((5,), mx.int16, 0, group=wg))
+    assert "this rank has send/recv from rank 0 int16 (6,), the peer has send/recv from rank 0 int16 (5,)" in str(le)
+
+
+def test_every_mlx_dtype_round_trips_exactly(groups):
+    """Beyond the matrix: bool, the other integer widths, float64 and complex64."""
+    lg, wg = groups
+    cases = {mx.bool_: ([True, False, False], [True, True, False]),
+             mx.int16: ([32767, -5, 3], [1, -32768, 4]),
+             mx.int64: ([2**62, -1, 7], [2**62, 1, -7]),
+             mx.uint16: ([65535, 0, 1], [1, 2, 3]),
+             mx.uint64: ([2**63, 1, 0], [2**63, 2, 5]),
+             mx.float64: ([1e300, 0.1, -2.5], [1e300, 0.2, 2.5]),
+             mx.complex64: ([1 + 2j, -3j, 4], [1 - 2j, 3j, 4j])}
+    for dtype, (a, b) in cases.items():
+        np_dtype = {mx.bool_: "bool"}.get(dtype, str(dtype).split(".")[-1])
+        xa, xb = (mx.array(np.array(v, dtype=np_dtype), dtype=dtype) for v in (a, b))
+        mx.eval(xa, xb)
+        for ours, theirs in ((tp.all_sum, mx.add), (tp.all_max, mx.maximum), (tp.all_min, mx.minimum)):
+            ya, yb = run_both(lambda: ours(xa, group=lg), lambda: ours(xb, group=wg))
+            want = theirs(xa, xb)
+            for y, exc in (ya, yb):
+                assert exc is None, exc
+                assert y.dtype == dtype and bytes(memoryview(y)) == bytes(memoryview(want)), (dtype, ours, y, want)
+
+
+def test_unsupported_dtype_is_refused_with_the_list(groups):
+    lg, _ = groups
+    with pytest.raises(TypeError, match="dtype .* is not supported by the collectives; use one of float32"):
+        tp.recv((2,), "int32", 1, group=lg)
+
+
+MLX_RANK_SCRIPT = """
+import json, mlx.core as mx, mlx_ds4tp as tp
+g = tp.init(transport="mlx")
+r = g.rank()
+x = mx.arange(6, dtype=mx.int32) * (r + 1) - 3 * r
+out = {"max": tp.all_max(x).tolist(), "min": tp.all_min(x, group=g).tolist(),
+       "scatter": tp.sum_scatter(x).tolist()}
+if r == 0:
+    mx.eval(tp.send(x, 1))
+    out["recv"] = tp.recv((6,), mx.int32, 1).tolist()
+else:
+    out["recv"] = tp.recv_like(x, 0).tolist()
+    mx.eval(tp.send(x, 0))
+print(json.dumps(out))
+"""
+
+
+def test_mlx_transport_delegates_every_collective(procs, tmp_path):
+    """transport="mlx": all_max, all_min, sum_scatter, send and recv go to mx.distributed
+    (sum_scatter as its all_sum and the slice: MLX's own runs only on NCCL)."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    ranks = [procs.spawn(["-c", MLX_RANK_SCRIPT], env={"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)})
+             for r in (0, 1)]
+    outs = []
+    for p in ranks:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    x0, x1 = list(range(6)), [2 * i - 3 for i in range(6)]
+    for rank, o in enumerate(outs):
+        assert o["max"] == [max(a, b) for a, b in zip(x0, x1)]
+        assert o["min"] == [min(a, b) for a, b in zip(x0, x1)]
+        assert o["scatter"] == [a + b for a, b in zip(x0, x1)][3 * rank:3 * rank + 3]
+        assert o["recv"] == (x1 if rank == 0 else x0)
