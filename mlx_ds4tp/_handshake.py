@@ -92,6 +92,7 @@ class Pair:
             control_fd=self.control.fileno(),
             data_fd=self.data.fileno(),
             timeout=self.timeout,
+            verbs_library=cfg.verbs_library,
             faults=cfg.ucsim_faults,
             no_imm=cfg.rdma_no_imm,
         )

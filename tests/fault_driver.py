@@ -80,7 +80,7 @@ def main(argv) -> int:
         config = tr.PairConfig(role=role, listen=address if leader else None,
                                coordinator=None if leader else address, transport=transport,
                                rdma_device=device, identity=identity)
-        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device))
+        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library))
         if pair.transport != "rdma":
             raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
         rdma = pair.open_rdma()

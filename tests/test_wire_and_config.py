@@ -142,7 +142,7 @@ def test_bad_environment_values_are_refused_before_connecting(monkeypatch, name,
 def connected_pairs(transport: str):
     port = free_port()
     kw = {"transport": transport, "timeout": 10.0}
-    probe = (lambda: tr.rdma_probe("ucsim")) if transport == "rdma" else None
+    probe = (lambda: tr.rdma_probe("ucsim", "")) if transport == "rdma" else None
     return both_ok(
         lambda: tr.connect(tr.PairConfig(role="leader", listen=("127.0.0.1", port),
                                          rdma_device="ucsim", **kw), rdma_probe=probe),
