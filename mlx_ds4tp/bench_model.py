@@ -105,9 +105,10 @@ def ceiling_rank(role: str, port: int, path: str, max_tokens: int) -> List[Dict]
     A TCP pair is used only as the start line and to agree on the slower rank's time."""
     from .lockstep import greedy_generate
     from .model_split import load_split
+    from .pair_run import model_identity
 
     where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
-    with gate_ops.init(role=role, transport="tcp", **where) as group:
+    with gate_ops.init(role=role, transport="tcp", identity=model_identity(path), **where) as group:
         model, tokenizer = load_split(path, GatelessGroup(group.rank()))
         prompt = list(tokenizer.encode(BENCH_PROMPT))
         greedy_generate(model, prompt, 4)
