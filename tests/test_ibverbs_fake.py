@@ -23,23 +23,16 @@ import pytest
 import mlx.core as mx
 import mlx_ds4tp as tp
 from mlx_ds4tp._verbs import ffi, lib
-from pairutil import REPO, both_ok, free_port, run_both
+from pairutil import REPO, both_ok, fake_verbs_library, free_port, run_both
 
-BUILD = os.path.join(REPO, "tests", "fake_ibverbs", "build.py")
 RANK = os.path.join(REPO, "tests", "fake_ibverbs", "pair_rank.py")
 ERRLEN = 512
 
 
 @pytest.fixture(scope="session")
-def fake_library(tmp_path_factory):
+def fake_library():
     """The fake, built by the same script a user runs; its path."""
-    if not lib.tp_built_with_ibverbs():
-        pytest.skip("mlx_ds4tp._verbs was built without infiniband/verbs.h (package "
-                    "libibverbs-dev): no ibverbs provider to test")
-    res = subprocess.run([sys.executable, BUILD, str(tmp_path_factory.mktemp("fake_ibverbs"))],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout.strip().splitlines()[-1]
+    return fake_verbs_library()
 
 
 @pytest.fixture
