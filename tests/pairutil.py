@@ -170,3 +170,12 @@ def fake_verbs_library() -> str:
             raise RuntimeError(f"building the fake libibverbs failed:\n{res.stdout}{res.stderr}")
         _FAKE_LIBRARY.append(res.stdout.strip().splitlines()[-1])
     return _FAKE_LIBRARY[0]
+
+
+def reset_verbs_library() -> None:
+    """Point this process's ibverbs provider back at the system library (a pair
+    made with DS4_TP_VERBS_LIBRARY set leaves the fake in place for the bare C
+    API calls of later tests)."""
+    from mlx_ds4tp._verbs import ffi, lib
+
+    lib.tp_set_verbs_library(ffi.NULL, ffi.new("char[]", 512), 512)
