@@ -132,8 +132,8 @@ class PairConfig:
     device (DS4_TP_UCSIM_FAULTS). rdma_no_imm: RDMA gates without the
     immediate-data tag (DS4_TP_RDMA_NO_IMM). disable_warmup: skip the RDMA
     warm-up (DS4_TP_DISABLE_RDMA_WARMUP). verbs_library: the library the
-    ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY). test_no_posted_barrier and
-    test_warmup_delay_ms: test-only (DS4_TP_TEST_NO_POSTED_BARRIER,
+    ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY).
+    test_no_posted_barrier and test_warmup_delay_ms: test-only (DS4_TP_TEST_NO_POSTED_BARRIER,
     DS4_TP_TEST_WARMUP_DELAY_MS).
     """
 

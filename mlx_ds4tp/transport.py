@@ -100,7 +100,8 @@ from .errors import (
 __all__ = [
     # configuration
     "PairConfig", "default_timeout", "default_hello_timeout", "tcp_spin_us", "default_tcp_spin_us",
-    "secret_bytes", "verbs_library", "VERBS_LIBRARY_ENV", "DEFAULT_TIMEOUT_SEC", "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",
+    "secret_bytes", "verbs_library", "VERBS_LIBRARY_ENV", "DEFAULT_TIMEOUT_SEC",
+    "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",
     # connection
     "Pair", "connect", "ControlChannel", "decode_frame_header", "listen_socket", "dial", "accept",
     "tune_socket", "set_kernel_timeout", "recv_exact_into", "send_all", "swap_small",

@@ -1,6 +1,7 @@
 """Soak: 100k all_sum gates over each transport (tcp, ucsim rdma, and the real
-ibverbs provider over the tests' fake libibverbs) between two ranks in this process, every sum checked bit for bit against numpy, with a
-1 MiB bulk all_sum every 1000 gates (so the decode window is drained and
+ibverbs provider over the tests' fake libibverbs) between two ranks in this
+process, every sum checked bit for bit against numpy, with a 1 MiB bulk all_sum
+every 1000 gates (so the decode window is drained and
 re-armed 100 times), and the process's resident memory sampled every 10k
 gates: from the first sample (after warm-up) to the last it may grow by less
 than 5 %. Marked slow (about 15 s for tcp and 25 s for rdma on 2 cores).

@@ -4,8 +4,8 @@ libibverbs (or over ucsim), for the tests and for gate_latency.py.
     python tests/fake_ibverbs/pair_rank.py ROLE PORT LIBRARY DEVICE MODE
 
 ROLE leader|worker; LIBRARY the verbs library for the provider ("" = the
-system one), given to the library as DS4_TP_VERBS_LIBRARY; DEVICE an ibverbs device name, "ucsim", or "" (auto); MODE
-"sums" (16 KiB and 24000-byte gates, 1 MiB bulk all_sums, each checked
+system one), given to the library as DS4_TP_VERBS_LIBRARY; DEVICE an ibverbs
+device name, "ucsim", or "" (auto); MODE "sums" (16 KiB and 24000-byte gates, 1 MiB bulk all_sums, each checked
 exactly), "lossy:ITERS" (16 KiB all_sums until the first error, each checked)
 or "bench:ITERS" (ITERS 16 KiB gates timed one by one after 500
 untimed, p50/p99 in microseconds). Prints one JSON object on its last stdout
