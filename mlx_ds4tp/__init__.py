@@ -8,6 +8,7 @@
 
 from .errors import (
     ApiError,
+    ClientGone,
     AuthenticationError,
     DesyncError,
     FrameError,
@@ -62,5 +63,6 @@ __all__ = [
     "WarmupFailed",
     "PairUnavailable",
     "ApiError",
+    "ClientGone",
     "LockstepDivergence",
 ]

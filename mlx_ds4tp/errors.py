@@ -60,6 +60,10 @@ class PairUnavailable(RuntimeError):
     """`ds4tp serve`: the pair is down (worker dead, link dropped): the server answers 503."""
 
 
+class ClientGone(Exception):
+    """`ds4tp serve`: the client closed its connection before its answer was complete."""
+
+
 class ApiError(Exception):
     """`ds4tp serve`: an HTTP error answered with OpenAI's error object."""
 

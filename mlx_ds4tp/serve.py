@@ -17,6 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional
 
+from .errors import ClientGone
 from .sampling import SamplingOptions
 from .serve_api import ApiError, ParsedRequest, ResponseShape, parse_request, usage
 from .serve_engine import Engine, PairUnavailable, Request
@@ -28,10 +29,6 @@ MAX_BODY_BYTES = 16 << 20
 EVENT_POLL_SEC = 1.0
 # How often a request being answered looks whether its client is still connected.
 CLIENT_CHECK_SEC = 0.5
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its answer was complete."""
 
 
 class ServeState:
