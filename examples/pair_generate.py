@@ -27,8 +27,9 @@ def main() -> int:
     address = check_run_args(args)  # the same checks as `ds4tp run`
     leader = args.role == "leader"
 
-    # The pair: the leader listens, the worker dials. The model's identity rides in the
-    # hello, so two different models stop here instead of after loading.
+    # The pair: the leader listens, the worker dials. The model's identity (its shape and
+    # its weights' fingerprint) rides in the hello, so two different models stop here
+    # instead of after loading.
     group = tp.init(
         role=args.role,
         listen=address if leader else None,

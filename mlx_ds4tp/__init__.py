@@ -7,11 +7,14 @@
 """
 
 from .errors import (
+    ApiError,
+    ClientGone,
     AuthenticationError,
     DesyncError,
     FrameError,
     HelloMismatchError,
     LockstepDivergence,
+    PairUnavailable,
     PeerClosedError,
     RdmaError,
     RdmaUnavailableError,
@@ -58,5 +61,8 @@ __all__ = [
     "RdmaError",
     "AuthenticationError",
     "WarmupFailed",
+    "PairUnavailable",
+    "ApiError",
+    "ClientGone",
     "LockstepDivergence",
 ]

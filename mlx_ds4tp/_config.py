@@ -33,6 +33,7 @@ SECRET_ENV = "DS4_TP_SECRET"
 UCSIM_FAULTS_ENV = "DS4_TP_UCSIM_FAULTS"
 RDMA_NO_IMM_ENV = "DS4_TP_RDMA_NO_IMM"
 DISABLE_WARMUP_ENV = "DS4_TP_DISABLE_RDMA_WARMUP"
+VERBS_LIBRARY_ENV = "DS4_TP_VERBS_LIBRARY"
 # Test-only switches (documented in tests/README.md): they exist to show what
 # the receives-posted barrier protects against, never for production use.
 TEST_NO_POSTED_BARRIER_ENV = "DS4_TP_TEST_NO_POSTED_BARRIER"
@@ -98,6 +99,12 @@ def tcp_spin_us(env: Optional[Mapping[str, str]] = None, cpu_count: Optional[int
     return value
 
 
+def verbs_library(env: Optional[Mapping[str, str]] = None) -> str:
+    """DS4_TP_VERBS_LIBRARY: the verbs library the ibverbs provider loads instead of
+    the system one (rdma-core installed elsewhere, or the tests' fake); "" when unset."""
+    return _raw(os.environ if env is None else env, VERBS_LIBRARY_ENV) or ""
+
+
 def secret_bytes(secret, env: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
     """secret= (str or bytes) or DS4_TP_SECRET; None when neither is set."""
     if secret is None:
@@ -124,8 +131,9 @@ class PairConfig:
     TCP gate polling (DS4_TP_TCP_SPIN_US). ucsim_faults: faults of the emulated
     device (DS4_TP_UCSIM_FAULTS). rdma_no_imm: RDMA gates without the
     immediate-data tag (DS4_TP_RDMA_NO_IMM). disable_warmup: skip the RDMA
-    warm-up (DS4_TP_DISABLE_RDMA_WARMUP). test_no_posted_barrier and
-    test_warmup_delay_ms: test-only (DS4_TP_TEST_NO_POSTED_BARRIER,
+    warm-up (DS4_TP_DISABLE_RDMA_WARMUP). verbs_library: the library the
+    ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY).
+    test_no_posted_barrier and test_warmup_delay_ms: test-only (DS4_TP_TEST_NO_POSTED_BARRIER,
     DS4_TP_TEST_WARMUP_DELAY_MS).
     """
 
@@ -143,6 +151,7 @@ class PairConfig:
     ucsim_faults: Optional[str] = None
     rdma_no_imm: Optional[bool] = None
     disable_warmup: Optional[bool] = None
+    verbs_library: Optional[str] = None
     test_no_posted_barrier: Optional[bool] = None
     test_warmup_delay_ms: Optional[float] = None
 
@@ -180,6 +189,13 @@ class PairConfig:
             self.rdma_no_imm = _switch(env, RDMA_NO_IMM_ENV)
         if self.disable_warmup is None:
             self.disable_warmup = _switch(env, DISABLE_WARMUP_ENV)
+        if self.verbs_library is None:
+            self.verbs_library = verbs_library(env)
+        elif not isinstance(self.verbs_library, str):
+            raise ValueError(
+                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
+                f"library, or None for {VERBS_LIBRARY_ENV}"
+            )
         if self.test_no_posted_barrier is None:
             self.test_no_posted_barrier = _switch(env, TEST_NO_POSTED_BARRIER_ENV)
         if self.test_warmup_delay_ms is None:

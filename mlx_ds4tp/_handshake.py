@@ -93,6 +93,7 @@ class Pair:
             control_fd=self.control.fileno(),
             data_fd=self.data.fileno(),
             timeout=self.timeout,
+            verbs_library=cfg.verbs_library,
             faults=cfg.ucsim_faults,
             no_imm=cfg.rdma_no_imm,
         )
@@ -122,7 +123,7 @@ class Pair:
         if len(theirs) != FINGERPRINT_SUMMARY.size:
             raise FrameError(f"FINGERPRINT payload is {len(theirs)} bytes, expected {FINGERPRINT_SUMMARY.size}")
         if theirs != mine:
-            raise fingerprint_mismatch(self.control, fingerprint, theirs, self.peer_name)
+            raise fingerprint_mismatch(self.control, self.rank, fingerprint, theirs)
 
     def gate(self, send, recv, layer: int = 0, gate: int = 0) -> int:
         """Exchange one gate: send our bytes, receive the peer's (same size).
@@ -220,11 +221,12 @@ def _exchange_hello(control: ControlChannel, mine: Hello, timeout: float) -> Hel
     return Hello.unpack(payload)
 
 
-def fingerprint_mismatch(control: ControlChannel, mine: Optional[Fingerprint], their_summary: bytes,
-                         peer: str) -> HelloMismatchError:
+def fingerprint_mismatch(control: ControlChannel, rank: int, mine: Optional[Fingerprint],
+                         their_summary: bytes) -> HelloMismatchError:
     """The error both ranks raise when their fingerprints differ. When both
     have one, they first swap the details so each can name the first
     difference (both run this on the same two fingerprints)."""
+    peer = ROLE_NAMES[1 - rank]
     here, there = summary_label(b"" if mine is None else mine.summary()), summary_label(their_summary)
     if mine is None:
         why = (f"this side joined without a model fingerprint and the {peer} with one; start both "
@@ -233,8 +235,14 @@ def fingerprint_mismatch(control: ControlChannel, mine: Optional[Fingerprint], t
         why = (f"the {peer} joined without a model fingerprint and this side with one; start both "
                "ranks the same way, each with its model directory")
     else:
-        control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
-        _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
+        # One side at a time: a big model's details (megabytes) written by both
+        # ranks at once could fill both sockets' buffers and wait forever.
+        if rank == LEADER:
+            control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
+            _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
+        else:
+            _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
+            control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
         theirs = Fingerprint.from_details(payload)
         if theirs.summary() != their_summary:
             raise FrameError(f"the {peer}'s fingerprint details do not add up to its fingerprint {there}")
@@ -251,8 +259,8 @@ def _agree(control: ControlChannel, config: PairConfig, mine: Hello, theirs: Hel
     try:
         check_hello(mine, theirs)
         if mine.fingerprint != theirs.fingerprint:
-            raise fingerprint_mismatch(control, config.identity.fingerprint, theirs.fingerprint,
-                                       ROLE_NAMES[theirs.role])
+            raise fingerprint_mismatch(control, config.rank, config.identity.fingerprint,
+                                       theirs.fingerprint)
         return choose_transport(mine, theirs)
     except TransportError as exc:
         control.send_error(str(exc))

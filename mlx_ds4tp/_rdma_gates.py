@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 from typing import Optional, Tuple
 
+from ._config import VERBS_LIBRARY_ENV
 from ._log import log
 from ._native import load_verbs
 from ._wire import RDMA_INFO, RDMA_MAX_MSG
@@ -20,15 +21,28 @@ from .errors import (
 )
 
 UCSIM = "ucsim"
-# QP/CQ depths a build asks for; the Apple driver may grant less.
-CQ_DEPTH, SEND_WR, RECV_WR = 512, 1024, 1024
 _ERR_BYTES = 512
 
 
-def rdma_probe(device: Optional[str]) -> Tuple[bool, str]:
-    """(usable, reason): does this side have the RDMA device it would use?"""
+def use_verbs_library(ffi, lib, path: str) -> None:
+    """Point the ibverbs provider at the verbs library `path` ("" = the system
+    one) for the probes and opens that follow. The C side only records the path:
+    a library that cannot be loaded is reported by the next probe or open,
+    naming the path and DS4_TP_VERBS_LIBRARY."""
+    err = ffi.new("char[]", _ERR_BYTES)
+    if lib.tp_set_verbs_library(path.encode() if path else ffi.NULL, err, _ERR_BYTES) < 0:
+        raise RdmaUnavailableError(
+            f"{VERBS_LIBRARY_ENV}={path!r}: {ffi.string(err).decode('utf-8', 'replace')}"
+        )
+
+
+def rdma_probe(device: Optional[str], verbs_library: str) -> Tuple[bool, str]:
+    """(usable, reason): does this side have the RDMA device it would use?
+    verbs_library: the library the ibverbs provider loads ("" = the system
+    one; PairConfig.verbs_library)."""
     try:
         ffi, lib = load_verbs()
+        use_verbs_library(ffi, lib, verbs_library)
     except RdmaUnavailableError as exc:
         return False, str(exc)
     err = ffi.new("char[]", _ERR_BYTES)
@@ -46,12 +60,15 @@ class RdmaGates:
     data_fd: the pair's sockets, watched by the hot loops so a dead peer is an
     error, never a hang. timeout: every wait, in seconds. faults: the emulated
     device's faults (DS4_TP_UCSIM_FAULTS syntax). no_imm: send without the
-    immediate-data sequence tag (PairConfig.rdma_no_imm, DS4_TP_RDMA_NO_IMM)."""
+    immediate-data sequence tag (PairConfig.rdma_no_imm, DS4_TP_RDMA_NO_IMM).
+    verbs_library: the library the ibverbs provider loads ("" = the system one;
+    PairConfig.verbs_library, DS4_TP_VERBS_LIBRARY)."""
 
     def __init__(self, *, device: Optional[str], gid_index: Optional[int], rank: int,
                  bind_ip: str, control_fd: int, data_fd: int, timeout: float,
-                 faults: str = "", no_imm: bool = False):
+                 verbs_library: str, faults: str = "", no_imm: bool = False):
         self.ffi, self.lib = load_verbs()
+        use_verbs_library(self.ffi, self.lib, verbs_library)
         self.timeout = timeout
         self.no_imm = no_imm
         self._errlen = _ERR_BYTES
@@ -115,7 +132,10 @@ class RdmaGates:
         """(Re)build CQ and QP; returns the granted (cq, send, recv) depths.
         If the device refuses the full depths, halve them until it accepts."""
         self.setup_attempt = setup_attempt
-        cq, send, recv = CQ_DEPTH, SEND_WR, RECV_WR
+        # The depths asked for are the C module's (TP_DEFAULT_*): it sizes its
+        # hot-path rounds from the same numbers. The Apple driver may grant less.
+        asked = (self.lib.TP_DEFAULT_CQ, self.lib.TP_DEFAULT_SEND_WR, self.lib.TP_DEFAULT_RECV_WR)
+        cq, send, recv = asked
         while True:
             rc = self.lib.tp_build_qp(
                 self.dev, self.lib.TP_QPT_UC, setup_attempt, cq, send, recv, self._err, self._errlen
@@ -129,9 +149,9 @@ class RdmaGates:
         out = self.ffi.new("int[3]")
         self.lib.tp_depths(self.dev, out, out + 1, out + 2)
         granted = (out[0], out[1], out[2])
-        if granted != (CQ_DEPTH, SEND_WR, RECV_WR):
+        if granted != asked:
             log(f"queue pair granted cq {granted[0]} send {granted[1]} recv {granted[2]} "
-                f"(asked {CQ_DEPTH}/{SEND_WR}/{RECV_WR})")
+                f"(asked {asked[0]}/{asked[1]}/{asked[2]})")
         self.depths = granted
         return granted
 

@@ -115,8 +115,8 @@ static void load_api(verbs_lib *lib) {
     do {                                                                                     \
         api->field = (__typeof__(api->field))dlsym(h, name);                                 \
         if (!api->field) {                                                                   \
-            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: %s lacks %s", file,     \
-                     name);                                                                  \
+            snprintf(lib->load_err, sizeof(lib->load_err), "tp rdma: %s%s lacks %s", file,   \
+                     lib->path[0] ? " (DS4_TP_VERBS_LIBRARY)" : "", name);                   \
             dlclose(h);                                                                      \
             return;                                                                          \
         }                                                                                    \

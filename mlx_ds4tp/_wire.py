@@ -96,6 +96,12 @@ class FrameType(enum.IntEnum):
 
 
 # ---- size bounds --------------------------------------------------------------
+# RDMA_MAX_MSG and GATE_MAX_BYTES are also the C module's TP_MAX_MSG and
+# TP_GATE_MAX_CHUNKS * TP_MAX_MSG (_verbs_api.h); tests/test_wire_and_config.py
+# checks they agree. They are written here rather than read from the compiled
+# module because this module must import without it: `import mlx_ds4tp`,
+# transport="mlx" and `ds4tp doctor` (which reports the module missing) work on
+# an install whose C build failed.
 # The Apple Thunderbolt driver never delivers a message above 16 KiB.
 RDMA_MAX_MSG = 16384
 # Largest exchange that rides as a decode gate: two RDMA messages of the

@@ -124,10 +124,10 @@ def ceiling_rank(role: str, port: int, path: str, max_tokens: int,
     times (prefill and decode each)."""
     from .lockstep import greedy_generate
     from .model_split import load_split
-    from .pair_run import bench_prompt
+    from .pair_run import bench_prompt, model_identity
 
     where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
-    with gate_ops.init(role=role, transport="tcp", **where) as group:
+    with gate_ops.init(role=role, transport="tcp", identity=model_identity(path), **where) as group:
         model, tokenizer = load_split(path, GatelessGroup(group.rank()))
         prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
         greedy_generate(model, prompt[:WARMUP_PROMPT_TOKENS], 4)

@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto")
     doc.add_argument("--rdma-device", default=None)
     doc.add_argument("--secret", default=None, help="shared secret (default DS4_TP_SECRET)")
+    doc.add_argument("--model", default=None, metavar="PATH",
+                     help="with --peer/--listen: compare this model directory's fingerprint with "
+                          "the peer's at the hello and print both")
     doc.set_defaults(func=cmd_doctor)
     return parser
 

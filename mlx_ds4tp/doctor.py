@@ -44,16 +44,20 @@ def check_python() -> List[Tuple[str, str]]:
 def check_verbs() -> List[Tuple[str, str]]:
     out = []
     try:
-        tr._load_verbs()
+        tr.load_verbs()
     except tr.RdmaUnavailableError as exc:
         return [_line(FAIL, "C module", str(exc))]
     out.append(_line(OK, "C module", "mlx_ds4tp._verbs is built"))
-    ok, reason = tr.rdma_probe(None)
+    # Resolved once here and passed to every probe, as PairConfig does for a pair.
+    library = tr.verbs_library()
+    if library:
+        out.append(_line(OK, "verbs library", f"{library} (from {tr.VERBS_LIBRARY_ENV})"))
+    ok, reason = tr.rdma_probe(None, library)
     if ok:
         out.append(_line(OK, "verbs device", reason or "a device with an active port and an IPv4-mapped GID"))
     else:
         out.append(_line(WARN, "verbs device", f"{reason} -- gates will use TCP"))
-    ok, reason = tr.rdma_probe(tr.UCSIM)
+    ok, reason = tr.rdma_probe(tr.UCSIM, library)
     out.append(_line(OK if ok else FAIL, "ucsim (emulated Thunderbolt UC)", reason or "available"))
     return out
 
@@ -126,24 +130,34 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
 
 
 def peer_round_trip(args) -> List[Tuple[str, str]]:
-    """A short gate run against the other machine's `ds4tp doctor --listen`."""
+    """A short gate run against the other machine's `ds4tp doctor --listen`;
+    with --model, both sides' model fingerprints are compared at the hello."""
     import numpy as np
 
     from . import gate_ops
     from .bench_gates import percentiles
+    from .pair_run import model_identity
 
     # A doctor should answer soon: at most 30 s (dial) / 120 s (listen), less
     # when DS4_TP_TIMEOUT_SEC says so.
     limit = tr.default_timeout()
+    identity = model_identity(args.model) if getattr(args, "model", None) else None
     if args.peer:
         host, port = args.peer[0], int(args.peer[1])
         g = gate_ops.init(role="worker", coordinator=(host, port), transport=args.transport,
-                          rdma_device=args.rdma_device, timeout=min(30.0, limit), secret=args.secret)
+                          rdma_device=args.rdma_device, timeout=min(30.0, limit), secret=args.secret,
+                          identity=identity)
     else:
         host, port = args.listen[0], int(args.listen[1])
         g = gate_ops.init(role="leader", listen=(host, port), transport=args.transport,
-                          rdma_device=args.rdma_device, timeout=min(120.0, limit), secret=args.secret)
+                          rdma_device=args.rdma_device, timeout=min(120.0, limit), secret=args.secret,
+                          identity=identity)
     with g:
+        out = []
+        if identity is not None:
+            here, there = g.pair.fingerprint_labels()
+            out.append(_line(OK, "model fingerprint", f"{here} here, {there} on the {g.pair.peer_name} "
+                             f"({args.model})"))
         send = np.full(4096, g.rank() + 1.0, np.float32)
         recv = np.empty_like(send)
         samples = []
@@ -153,9 +167,9 @@ def peer_round_trip(args) -> List[Tuple[str, str]]:
             samples.append(time.perf_counter_ns() - t0)
         good = bool(np.all(recv == 2.0 - g.rank()))
         p = percentiles(samples[200:])
-        return [_line(OK if good else FAIL, f"gate round trip with {host}:{port}",
-                      f"transport {g.transport}, 16 KiB p50 {p['p50_us']} us p99 {p['p99_us']} us"
-                      + ("" if good else ", WRONG DATA"))]
+        return out + [_line(OK if good else FAIL, f"gate round trip with {host}:{port}",
+                            f"transport {g.transport}, 16 KiB p50 {p['p50_us']} us p99 {p['p99_us']} us"
+                            + ("" if good else ", WRONG DATA"))]
 
 
 def run(args) -> int:
@@ -165,7 +179,7 @@ def run(args) -> int:
     if args.peer or args.listen:
         try:
             results += peer_round_trip(args)
-        except (tr.TransportError, ValueError) as exc:
+        except (tr.TransportError, ValueError, FileNotFoundError) as exc:
             results.append(_line(FAIL, "gate round trip", str(exc)))
     failed = [w for s, w in results if s == FAIL]
     print(f"doctor: {len(results)} checks, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))

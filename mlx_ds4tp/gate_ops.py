@@ -178,7 +178,7 @@ def init(
         secret=secret,
         tcp_spin_us=tcp_spin_us,
     )
-    pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device))
+    pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library))
     try:
         if pair.transport == "rdma":
             pair.attach_rdma(warmup.bring_up_rdma(pair))

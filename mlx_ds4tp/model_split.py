@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ._collective import Collective, MlxCollective, as_collective
+from ._fingerprint import model_fingerprint
 from ._safetensors_parts import SafetensorsParts
 from ._split_layers import (
     CUTTABLE,
@@ -43,6 +44,7 @@ from ._split_layers import (
 )
 from ._split_plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, supported
 from ._log import log
+from .gate_ops import Group
 
 _WRAPPERS = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear}
 _CUT_KIND = {COLUMN: "out", ROW: "in", OUT: "out", IN: "in", HEADS: "heads"}
@@ -203,6 +205,24 @@ def split_model(
     return model
 
 
+def agree_model(model_path: Path, group: Any) -> None:
+    """For a pair of our own (transport tcp or rdma) whose hello carried no
+    model fingerprint (init without identity, or an identity of the user's own
+    without one): both ranks compare model_path's fingerprint before either
+    reads a weight, and a difference is HelloMismatchError on both, naming both
+    fingerprints. Both ranks reach this at the same point of load_split. A
+    hello that carried fingerprints already agreed on them (a difference stops
+    the hello), so nothing is read twice; MLX's groups have no channel for it."""
+    if not isinstance(group, Group) or group.transport == "mlx":
+        return
+    pair = group.pair
+    # Both hellos carry one or neither (one without is refused at the hello), so
+    # both ranks take the same branch here.
+    if pair.mine.fingerprint and pair.peer_hello.fingerprint:
+        return
+    pair.agree_fingerprint(model_fingerprint(model_path))
+
+
 def load_split(
     path: Union[str, Path],
     group: Any,
@@ -226,9 +246,14 @@ def load_split(
 
     Returns (model, tokenizer), like mlx_lm.load.
 
+    With a group of our own (transport tcp or rdma) whose hello carried no model fingerprint,
+    both ranks compare the model's fingerprint first (agree_model).
+
     Raises:
       FileNotFoundError: `path` holds no config.json (mlx-lm would take it for a hub id).
       ValueError, TypeError: as split_model, before any weight is read.
+      HelloMismatchError: the two ranks' models differ (both fingerprints named), before
+        any weight is read.
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -241,6 +266,7 @@ def load_split(
             f"directory mlx_lm.convert or mlx_ds4tp.tiny_model wrote"
         )
     rank, size = rank_and_size(group)
+    agree_model(model_path, group)
     model, config = load_model(model_path, lazy=lazy)
     # The reader's scratch buffers go with it as soon as the split is done (not kept through
     # the tokenizer's load, which would add them to this rank's peak).

@@ -18,8 +18,11 @@ from .lockstep import Leader, Worker, make_sampler
 
 
 def model_identity(path: str) -> tr.ModelIdentity:
-    """What the hello compares: read from config.json before anything loads,
-    so a pair with different models stops before either spends time loading."""
+    """What the hello compares: the shape from config.json and the model's
+    fingerprint (safetensors headers and small samples), read before anything
+    loads, so a pair with different models stops before either spends time
+    loading. FileNotFoundError without config.json, ValueError when the
+    directory holds no model*.safetensors."""
     config_path = Path(path) / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -37,6 +40,7 @@ def model_identity(path: str) -> tr.ModelIdentity:
         quant_bits=int(quant.get("bits", 0)),
         # Embedding gate, attention and MLP gates per block, logits gather.
         gates_per_token=2 * layers + 2,
+        fingerprint=tr.model_fingerprint(path),
     )
 
 

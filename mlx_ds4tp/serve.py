@@ -11,10 +11,13 @@ import hmac
 import itertools
 import json
 import queue
+import select
+import socket
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Optional
 
+from .errors import ClientGone
 from .sampling import SamplingOptions
 from .serve_api import ApiError, ParsedRequest, ResponseShape, parse_request, usage
 from .serve_engine import Engine, PairUnavailable, Request
@@ -24,6 +27,8 @@ MAX_BODY_BYTES = 16 << 20
 # engine itself never waits on the worker past the gate timeout: it fails the pair instead,
 # and every waiting request gets the reason.
 EVENT_POLL_SEC = 1.0
+# How often a request being answered looks whether its client is still connected.
+CLIENT_CHECK_SEC = 0.5
 
 
 class ServeState:
@@ -46,11 +51,12 @@ class ServeState:
 def unavailable(reason: str) -> ApiError:
     """The 503 every request gets once the pair is down."""
     return ApiError(503, f"the two-machine pair is down ({reason}); restart `ds4tp serve` on both "
-                    "machines (the worker first)", None, "pair_unavailable", "server_error")
+                    "machines", None, "pair_unavailable", "server_error")
 
 
 class Handler(BaseHTTPRequestHandler):
-    """One HTTP connection; `state` is set on a subclass by make_server."""
+    """One HTTP connection. `state` is a class attribute of the subclass make_server makes,
+    set once the pair is up (serve_main)."""
 
     state: ServeState
     protocol_version = "HTTP/1.1"
@@ -178,7 +184,14 @@ class Handler(BaseHTTPRequestHandler):
         piled up while this thread waited for the interpreter goes out as one event: fewer
         writes, and less time holding the lock the engine thread needs for the next step."""
         text: list = []
+        checked = time.monotonic()
         while True:
+            if time.monotonic() - checked > CLIENT_CHECK_SEC:
+                checked = time.monotonic()
+                if self._client_gone():
+                    # Nobody will read the answer: free the session on both ranks.
+                    request.cancelled = True
+                    raise ClientGone()
             try:
                 event = request.events.get_nowait() if text else \
                     request.events.get(timeout=EVENT_POLL_SEC)
@@ -205,6 +218,14 @@ class Handler(BaseHTTPRequestHandler):
             if event[0] == "done":
                 return
 
+    def _client_gone(self) -> bool:
+        """True when the client closed its side (readable with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _usage(self, parsed: ParsedRequest, request: Request) -> Dict[str, Any]:
         return usage(len(parsed.prompt), request.completion_tokens, request.cached_tokens)
 
@@ -219,6 +240,9 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as err:
             self._error(err)
             return
+        except ClientGone:
+            self.close_connection = True
+            return
         self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request)))
 
     def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
@@ -229,6 +253,9 @@ class Handler(BaseHTTPRequestHandler):
             first = next(events)
         except ApiError as err:
             self._error(err)
+            return
+        except ClientGone:
+            self.close_connection = True
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -253,9 +280,9 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as err:
             # The status line is already out: the error travels as an event.
             self._try_write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        except OSError:
-            # The client went away (broken pipe, reset): the engine frees its session on
-            # both ranks at its next step.
+        except (OSError, ClientGone):
+            # The client went away (broken pipe, reset, closed): the engine frees its
+            # session on both ranks at its next step.
             request.cancelled = True
 
     def _sse(self, chunk: Dict[str, Any]) -> None:

@@ -9,21 +9,8 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
+from .errors import ApiError
 from .sampling import SamplingOptions
-
-
-class ApiError(Exception):
-    """An HTTP error answered with OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> Dict[str, Any]:
-        """OpenAI's error object."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclasses.dataclass

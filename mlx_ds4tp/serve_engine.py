@@ -22,15 +22,12 @@ import threading
 from typing import Dict, List, Optional
 
 from . import transport as tr
+from .errors import PairUnavailable
 from .prompt_cache import PromptCacheIndex, Reuse
 from .sampling import SamplingOptions, SessionSampler, sample_rows
 from .sessions import LeaderSessions
 
 IDLE_POLL_SEC = 0.25
-
-
-class PairUnavailable(RuntimeError):
-    """The pair is down (worker dead, link dropped): the server answers 503."""
 
 
 @dataclasses.dataclass

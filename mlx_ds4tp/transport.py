@@ -28,7 +28,9 @@ from ._config import (
     default_tcp_spin_us,
     default_timeout,
     secret_bytes,
+    VERBS_LIBRARY_ENV,
     tcp_spin_us,
+    verbs_library,
 )
 from ._control import (
     ControlChannel,
@@ -55,7 +57,7 @@ from ._hello import (
 )
 from ._log import log
 from ._native import load_verbs
-from ._rdma_gates import CQ_DEPTH, RECV_WR, SEND_WR, UCSIM, RdmaGates, rdma_probe
+from ._rdma_gates import UCSIM, RdmaGates, rdma_probe
 from ._tcp_gates import TcpGates, raw_exchange
 from ._wire import (
     BATCH_MAGIC,
@@ -95,13 +97,11 @@ from .errors import (
     TransportTimeoutError,
 )
 
-# doctor.py imports the loader under its former private name.
-_load_verbs = load_verbs
-
 __all__ = [
     # configuration
     "PairConfig", "default_timeout", "default_hello_timeout", "tcp_spin_us", "default_tcp_spin_us",
-    "secret_bytes", "DEFAULT_TIMEOUT_SEC", "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",
+    "secret_bytes", "verbs_library", "VERBS_LIBRARY_ENV", "DEFAULT_TIMEOUT_SEC",
+    "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",
     # connection
     "Pair", "connect", "ControlChannel", "decode_frame_header", "listen_socket", "dial", "accept",
     "tune_socket", "set_kernel_timeout", "recv_exact_into", "send_all", "swap_small",
@@ -109,8 +109,7 @@ __all__ = [
     "Hello", "ModelIdentity", "check_hello", "choose_transport", "auth_proof", "authenticate",
     "data_proof", "Fingerprint", "model_fingerprint", "first_difference", "summary_label",
     # gates
-    "TcpGates", "raw_exchange", "RdmaGates", "rdma_probe", "load_verbs", "UCSIM", "CQ_DEPTH",
-    "SEND_WR", "RECV_WR",
+    "TcpGates", "raw_exchange", "RdmaGates", "rdma_probe", "load_verbs", "UCSIM",
     # wire
     "FrameType", "FRAME_HEADER", "FRAME_MAX_BYTES", "GATE_HEADER", "BIG_HEADER", "DATA_HELLO",
     "HELLO_FIXED", "FINGERPRINT_SUMMARY", "RDMA_INFO", "MAGIC", "BATCH_MAGIC", "DATA_MAGIC", "WARM_WR_ID",

@@ -5,6 +5,9 @@ library's own pieces; nothing in the shipped package knows about it.
 
     python tests/fault_driver.py PHASE ROLE HOST PORT TRANSPORT MODEL
 
+TRANSPORT: tcp, rdma (over ucsim) or rdma-fake (the ibverbs provider, no device
+named, over the library DS4_TP_VERBS_LIBRARY names: the tests' fake).
+
 PHASE (and the role that can take it):
   before-listen   leader: started, never listens (a leader that died early)
   backlog         leader: listens, a worker's connection is pending, never accepts
@@ -49,6 +52,8 @@ def main(argv) -> int:
 
     identity = model_identity(model)
     device = "ucsim" if transport == "rdma" else None
+    if transport == "rdma-fake":
+        transport = "rdma"
     deadline = time.monotonic() + tr.default_timeout()
 
     if phase == "before-listen":
@@ -66,7 +71,8 @@ def main(argv) -> int:
         sock = tr.dial(host, port, deadline, "control")
         if phase == "hello-sent":
             hello = tr.Hello(role=tr.WORKER, transport=transport, rdma_ok=transport == "rdma",
-                             rdma_reason="", session_id=0, identity=identity)
+                             rdma_reason="", session_id=0, identity=identity,
+                             fingerprint=identity.fingerprint.summary())
             tr.ControlChannel(sock, 10.0).send(tr.FrameType.HELLO, hello.pack())
             time.sleep(0.3)  # the leader reads it and moves on to the data connection
         at(phase)
@@ -80,7 +86,7 @@ def main(argv) -> int:
         config = tr.PairConfig(role=role, listen=address if leader else None,
                                coordinator=None if leader else address, transport=transport,
                                rdma_device=device, identity=identity)
-        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device))
+        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library))
         if pair.transport != "rdma":
             raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
         rdma = pair.open_rdma()

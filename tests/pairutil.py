@@ -139,3 +139,43 @@ def no_rdma_reason() -> str:
     from mlx_ds4tp._verbs import lib
 
     return "no verbs devices" if lib.tp_built_with_ibverbs() else "built without infiniband/verbs.h"
+
+
+_FAKE_LIBRARY: List[str] = []
+
+
+def fake_verbs_library() -> str:
+    """The tests' fake libibverbs (tests/fake_ibverbs/), built once per test
+    process by the script a user runs, into a temporary directory removed at
+    exit; its path, for DS4_TP_VERBS_LIBRARY. Skips the test when the C module
+    was built without infiniband/verbs.h (package libibverbs-dev): then there is
+    no ibverbs provider to point at it."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import pytest
+
+    from mlx_ds4tp._verbs import lib
+
+    if not lib.tp_built_with_ibverbs():
+        pytest.skip("mlx_ds4tp._verbs was built without infiniband/verbs.h (package "
+                    "libibverbs-dev): no ibverbs provider to test")
+    if not _FAKE_LIBRARY:
+        out = tempfile.mkdtemp(prefix="fake_ibverbs-")
+        atexit.register(shutil.rmtree, out, True)
+        res = subprocess.run([sys.executable, os.path.join(REPO, "tests", "fake_ibverbs", "build.py"), out],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the fake libibverbs failed:\n{res.stdout}{res.stderr}")
+        _FAKE_LIBRARY.append(res.stdout.strip().splitlines()[-1])
+    return _FAKE_LIBRARY[0]
+
+
+def reset_verbs_library() -> None:
+    """Point this process's ibverbs provider back at the system library (a pair
+    made with DS4_TP_VERBS_LIBRARY set leaves the fake in place for the bare C
+    API calls of later tests)."""
+    from mlx_ds4tp._verbs import ffi, lib
+
+    lib.tp_set_verbs_library(ffi.NULL, ffi.new("char[]", 512), 512)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pairutil import free_port, no_rdma_reason
 
 
@@ -37,3 +39,34 @@ def test_doctor_peer_unreachable_fails_with_the_reason(procs):
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1
     assert "[FAIL] gate round trip" in out and f"127.0.0.1:{port}" in out
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    from mlx_ds4tp.tiny_model import save_llama
+
+    root = tmp_path_factory.mktemp("doctor-models")
+    return save_llama(root / "a", "tiny", seed=0), save_llama(root / "b", "tiny", seed=1)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-model", "other-weights"])
+def test_doctor_peer_compares_model_fingerprints(procs, two_models, same):
+    from mlx_ds4tp import model_fingerprint
+
+    a, b = two_models
+    mine, theirs = (a, a) if same else (a, b)
+    la, lb = model_fingerprint(mine).label, model_fingerprint(theirs).label
+    port = free_port()
+    listener = procs.spawn(["-m", "mlx_ds4tp", "doctor", "--listen", "127.0.0.1", str(port),
+                            "--transport", "tcp", "--model", str(mine)])
+    peer = procs.spawn(["-m", "mlx_ds4tp", "doctor", "--peer", "127.0.0.1", str(port),
+                        "--transport", "tcp", "--model", str(theirs)])
+    for p, here, there, other in ((listener, la, lb, "worker"), (peer, lb, la, "leader")):
+        out, err = p.communicate(timeout=180)
+        if same:
+            assert p.returncode == 0, out + err
+            assert f"[  ok] model fingerprint: {here} here, {there} on the {other}" in out, out
+        else:
+            assert p.returncode == 1, out + err
+            assert "[FAIL] gate round trip: model mismatch" in out, out
+            assert here in out and there in out, out

@@ -1,6 +1,9 @@
 """The fault matrix: a peer SIGKILLed or SIGSTOPped in each phase of a pair's
 life, for both roles and both transports (tcp, ucsim rdma) where the phase
-exists, with two real processes.
+exists, with two real processes. The phases where the RDMA provider runs
+(bring-up, decode, bulk, between prompts) also run over the real ibverbs
+provider and the tests' fake libibverbs ("rdma-fake": DS4_TP_VERBS_LIBRARY,
+no device named).
 
 The survivor is the shipped `ds4tp run` (or, for bulk exchanges and the pause
 between prompts, a rank built from the library's Group / Leader; see
@@ -32,7 +35,7 @@ import uuid
 import pytest
 
 from faultutil import DRIVER, HELLO_TIMEOUT_ENV, TAG_ENV, Watched, reap, tagged_processes
-from pairutil import free_port
+from pairutil import fake_verbs_library, free_port
 
 STOP_TIMEOUT = 3.0  # DS4_TP_TIMEOUT_SEC for SIGSTOP cases: detection is the timeout
 KILL_TIMEOUT = 30.0  # for SIGKILL cases: a detection must come from the death, not a timeout
@@ -44,6 +47,9 @@ DEAD = r"peer (closed|reset)|EOF|closed its control connection|Broken pipe|Conne
 STUCK = r"timed out|timeout|no progress|did not reach|sent no command"
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 BOTH = ["tcp", "rdma"]
+# Phases where the RDMA provider runs: also over the real provider and the fake.
+RDMA_ROWS = ["rdma", "rdma-fake"]
+ALL = BOTH + ["rdma-fake"]
 
 RESULTS: list = []
 
@@ -82,14 +88,20 @@ class Case:
         self.port = free_port()
         self.tag = uuid.uuid4().hex
         self.env = {"DS4_TP_TIMEOUT_SEC": str(self.timeout), TAG_ENV: self.tag}
+        if transport == "rdma-fake":
+            self.env["DS4_TP_VERBS_LIBRARY"] = fake_verbs_library()
         self.watched = []
 
-    def _spawn(self, args, name, env=None, **kw) -> Watched:
-        w = Watched(self.procs.spawn(args, env={**self.env, **(env or {})}, **kw), name)
+    def _spawn(self, args, name, role, env=None, **kw) -> Watched:
+        # The fake's role only orients directional faults (l2w/w2l); set it as a real pair would.
+        env = {**self.env, "DS4_TP_FAKE_IBV_ROLE": role, **(env or {})}
+        w = Watched(self.procs.spawn(args, env=env, **kw), name)
         self.watched.append(w)
         return w
 
     def transport_args(self):
+        if self.transport == "rdma-fake":
+            return ["--transport", "rdma"]  # no device named: the provider picks the fake's
         args = ["--transport", self.transport]
         return args + ["--rdma-device", "ucsim"] if self.transport == "rdma" else args
 
@@ -101,11 +113,11 @@ class Case:
             args += ["--prompt", "a long story", "--role", "leader", "--listen", "127.0.0.1", str(self.port)]
         else:
             args += ["--role", "worker", "--coordinator", "127.0.0.1", str(self.port)]
-        return self._spawn(args, f"ds4tp run {role}", env=env)
+        return self._spawn(args, f"ds4tp run {role}", role, env=env)
 
     def driver(self, phase: str, role: str, **kw) -> Watched:
         return self._spawn([DRIVER, phase, role, "127.0.0.1", str(self.port), self.transport, self.model],
-                           f"driver {phase} {role}", **kw)
+                           f"driver {phase} {role}", role, **kw)
 
     def fail(self, message: str) -> None:
         pytest.fail(f"{self.id}: {message}\n" + "\n".join(w.describe() for w in self.watched))
@@ -247,12 +259,12 @@ def test_hello(procs, model_dir, transport, victim, sig):
 
 
 # ============================================================================
-# RDMA bring-up (ucsim)
+# RDMA bring-up (ucsim, and the real provider over the fake)
 # ============================================================================
 
 
 @pytest.mark.parametrize("phase", ["rdma-info", "rdma-info-sent", "warmup"])
-@pytest.mark.parametrize("transport, victim, sig", cases(["rdma"]))
+@pytest.mark.parametrize("transport, victim, sig", cases(RDMA_ROWS))
 def test_rdma_bring_up(procs, model_dir, phase, transport, victim, sig):
     """rdma-info: the victim never sends its queue pair info. rdma-info-sent:
     it sent it, never connects or says READY. warmup: queue pairs connected,
@@ -277,7 +289,7 @@ def test_rdma_bring_up(procs, model_dir, phase, transport, victim, sig):
 # ============================================================================
 
 
-@pytest.mark.parametrize("transport, victim, sig", cases(BOTH))
+@pytest.mark.parametrize("transport, victim, sig", cases(ALL))
 def test_decode(procs, model_dir, transport, victim, sig):
     """Both ranks are `ds4tp run`, caught while the leader streams tokens."""
     c = Case(procs, model_dir, "decode", victim, transport, sig)
@@ -298,7 +310,7 @@ def test_decode(procs, model_dir, transport, victim, sig):
     c.finish()
 
 
-@pytest.mark.parametrize("transport, victim, sig", cases(BOTH))
+@pytest.mark.parametrize("transport, victim, sig", cases(ALL))
 def test_bulk(procs, model_dir, transport, victim, sig):
     """Both ranks all_sum 1 MiB partials (bulk exchanges, every sum checked)."""
     c = Case(procs, model_dir, "bulk", victim, transport, sig)
@@ -314,7 +326,7 @@ def test_bulk(procs, model_dir, transport, victim, sig):
     c.finish()
 
 
-@pytest.mark.parametrize("transport, victim, sig", cases(BOTH))
+@pytest.mark.parametrize("transport, victim, sig", cases(ALL))
 def test_between_prompts(procs, model_dir, transport, victim, sig):
     """One generation done; the leader (a driver built on lockstep.Leader)
     waits before the next, the `ds4tp run` worker idles for its command.

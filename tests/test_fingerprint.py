@@ -4,6 +4,7 @@ loaded, and both name both fingerprints and the first difference."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import textwrap
@@ -18,6 +19,7 @@ from mlx_ds4tp._fingerprint import (
     SAMPLE_BYTES,
     SAMPLE_WINDOWS,
     Fingerprint,
+    TensorPrint,
     first_difference,
     model_fingerprint,
     summary_label,
@@ -171,6 +173,24 @@ def test_pair_agrees_on_a_fingerprint_after_the_hello(models):
         wp.close()
 
 
+def test_a_big_models_details_name_the_one_differing_tensor():
+    """60,000 tensors (an MoE checkpoint): details of most of a megabyte swapped
+    each way, and the one tensor whose sampled bytes differ is named."""
+    tensors = tuple(TensorPrint(f"model.layers.{i // 2000}.experts.{i % 2000}.weight", "U32",
+                                (2048, 112), 917504, f"{i * 2654435761 % 2**64:016x}")
+                    for i in range(60_000))
+    a = Fingerprint(config=(("model_type", '"deepseek_v3"'),), tensors=tensors)
+    changed = list(tensors)
+    changed[23_456] = dataclasses.replace(changed[23_456], sample="0" * 16)
+    b = Fingerprint(config=a.config, tensors=tuple(changed))
+    assert len(a.details()) > 500_000
+    (_, le), (_, we) = connect_both(a, b, timeout=30.0)
+    for exc in (le, we):
+        assert isinstance(exc, HelloMismatchError), exc
+        assert "same shapes, different weights (first differing tensor: model.layers.11.experts.1456.weight)" \
+            in str(exc)
+
+
 RANK = textwrap.dedent(
     """
     import sys, mlx_ds4tp as tp
@@ -212,3 +232,57 @@ def test_two_processes_refuse_at_the_hello_before_loading(procs, models, leader_
     # Each rank names the difference from its own side.
     assert says in lerr, lerr
     assert first_difference(wfp, lfp, "leader") in werr, werr
+
+
+def plain_pair(identity=None):
+    port = free_port()
+    kw = dict(transport="tcp", timeout=20.0, identity=identity)
+    return both_ok(lambda: tp.init(role="leader", listen=("127.0.0.1", port), **kw),
+                   lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), **kw))
+
+
+def test_load_split_compares_models_when_the_hello_did_not(models, monkeypatch):
+    """init without a fingerprint: load_split swaps them first (both ranks) and
+    stops both before loading; a hello that agreed on one is not asked again."""
+    from mlx_ds4tp import model_split
+
+    import mlx_lm.utils
+
+    calls, loads = [], []
+    agree, load_model = tr.Pair.agree_fingerprint, mlx_lm.utils.load_model
+
+    def counted_agree(self, fp):
+        calls.append(fp.label)
+        return agree(self, fp)
+
+    def counted_load(*args, **kw):  # load_split imports mlx-lm's loader when called
+        loads.append(args[0])
+        return load_model(*args, **kw)
+
+    monkeypatch.setattr(tr.Pair, "agree_fingerprint", counted_agree)
+    monkeypatch.setattr(mlx_lm.utils, "load_model", counted_load)
+
+    base, other = model_fingerprint(models["base"]), model_fingerprint(models["other-weights"])
+    leader, worker = plain_pair()
+    with leader, worker:
+        (_, le), (_, we) = run_both(lambda: model_split.load_split(models["base"], leader),
+                                    lambda: model_split.load_split(models["other-weights"], worker))
+    for exc in (le, we):
+        assert isinstance(exc, HelloMismatchError), exc
+        assert base.label in str(exc) and other.label in str(exc) and "different weights" in str(exc)
+    assert loads == [] and sorted(calls) == sorted([base.label, other.label])
+
+    calls.clear()
+    leader, worker = plain_pair()
+    with leader, worker:
+        both_ok(lambda: model_split.load_split(models["base"], leader),
+                lambda: model_split.load_split(models["copy"], worker))
+    assert calls == [base.label, base.label] and len(loads) == 2
+
+    calls.clear()
+    identity = tp.ModelIdentity(layers=2, fingerprint=base)
+    leader, worker = plain_pair(identity)
+    with leader, worker:
+        both_ok(lambda: model_split.load_split(models["base"], leader),
+                lambda: model_split.load_split(models["copy"], worker))
+    assert calls == [] and len(loads) == 4

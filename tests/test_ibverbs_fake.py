@@ -4,9 +4,10 @@ engine, behaving as Apple's Thunderbolt RDMA device (UC only, 16 KiB
 messages, rdma_enN names, the IPv4-mapped GID at index 1, a post past 63
 outstanding refused with -ENOMEM, DS4_TP_UCSIM_FAULTS).
 
-The provider is pointed at the fake with lib.tp_set_verbs_library (what
-DS4_TP_VERBS_LIBRARY sets); the fake reads its own configuration from
-DS4_TP_FAKE_IBV_* (see fake_ibverbs.c).
+The provider is pointed at the fake with DS4_TP_VERBS_LIBRARY (PairConfig
+passes it to lib.tp_set_verbs_library before every probe and open; the tests
+of the bare C API call that directly); the fake reads its own configuration
+from DS4_TP_FAKE_IBV_* (see fake_ibverbs.c).
 """
 
 from __future__ import annotations
@@ -22,32 +23,27 @@ import pytest
 import mlx.core as mx
 import mlx_ds4tp as tp
 from mlx_ds4tp._verbs import ffi, lib
-from mlx_ds4tp.errors import TransportError
-from pairutil import REPO, both_ok, free_port
+from pairutil import REPO, both_ok, fake_verbs_library, free_port, run_both
 
-BUILD = os.path.join(REPO, "tests", "fake_ibverbs", "build.py")
 RANK = os.path.join(REPO, "tests", "fake_ibverbs", "pair_rank.py")
 ERRLEN = 512
 
 
 @pytest.fixture(scope="session")
-def fake_library(tmp_path_factory):
+def fake_library():
     """The fake, built by the same script a user runs; its path."""
-    if not lib.tp_built_with_ibverbs():
-        pytest.skip("mlx_ds4tp._verbs was built without infiniband/verbs.h (package "
-                    "libibverbs-dev): no ibverbs provider to test")
-    res = subprocess.run([sys.executable, BUILD, str(tmp_path_factory.mktemp("fake_ibverbs"))],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout.strip().splitlines()[-1]
+    return fake_verbs_library()
 
 
 @pytest.fixture
 def fake(fake_library, monkeypatch):
-    """The provider loads the fake for this test, the system library after."""
+    """The provider loads the fake for this test (DS4_TP_VERBS_LIBRARY for the
+    library's pairs, tp_set_verbs_library for the bare C API), the system
+    library after."""
     for var in ("DS4_TP_FAKE_IBV_DEVICES", "DS4_TP_FAKE_IBV_REFUSE", "DS4_TP_FAKE_IBV_ROLE",
                 "DS4_TP_UCSIM_FAULTS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DS4_TP_VERBS_LIBRARY", fake_library)
     err = ffi.new("char[]", ERRLEN)
     assert lib.tp_set_verbs_library(fake_library.encode(), err, ERRLEN) == 0
     yield fake_library
@@ -133,6 +129,9 @@ def test_named_device_is_used_by_both_ranks(fake, monkeypatch):
 def test_rdma_pair_picks_the_fake_device_and_every_sum_is_exact(fake, monkeypatch, capfd, cap):
     if cap:
         monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", f"post_cap={cap}")
+    # Only DS4_TP_VERBS_LIBRARY points at the fake: the provider starts on the system library.
+    lib.tp_set_verbs_library(ffi.NULL, ffi.new("char[]", ERRLEN), ERRLEN)
+    assert probe()[0] == 0
     leader, worker = rdma_groups()  # no device named: auto
     with leader, worker:
         assert leader.transport == worker.transport == "rdma"
@@ -147,6 +146,19 @@ def test_rdma_pair_picks_the_fake_device_and_every_sum_is_exact(fake, monkeypatc
     err = capfd.readouterr().err
     assert err.count(f"rdma device rdma_en1 refused a receive with {want} outstanding (ENOMEM) "
                      "though it granted a depth of 1024") == 2, err
+
+
+def test_a_library_that_cannot_load_stops_both_ranks_naming_it(fake, monkeypatch):
+    monkeypatch.setenv("DS4_TP_VERBS_LIBRARY", "/nonexistent/libverbs.so")
+    port = free_port()
+    (_, le), (_, we) = run_both(
+        lambda: tp.init(role="leader", listen=("127.0.0.1", port), transport="rdma", timeout=10.0),
+        lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), transport="rdma",
+                        timeout=10.0))
+    for exc in (le, we):
+        assert isinstance(exc, tp.TransportError), exc
+        assert "cannot load the verbs library /nonexistent/libverbs.so (DS4_TP_VERBS_LIBRARY)" \
+            in str(exc), exc
 
 
 def spawn_pair(procs, fake, mode, faults, device=""):
@@ -310,7 +322,7 @@ def test_library_and_device_errors_name_the_fix(fake):
     assert lib.tp_set_verbs_library(b"/x" * 400, err, ERRLEN) == lib.TP_EINVAL
     assert "path of 800 characters is too long" in ffi.string(err).decode()
     lib.tp_set_verbs_library(b"libm.so.6", err, ERRLEN)  # loads, but is no verbs library
-    assert probe() == (0, "tp rdma: libm.so.6 lacks ibv_get_device_list")
+    assert probe() == (0, "tp rdma: libm.so.6 (DS4_TP_VERBS_LIBRARY) lacks ibv_get_device_list")
     lib.tp_set_verbs_library(fake.encode(), err, ERRLEN)
     slab = ffi.new("uint8_t[]", 4096)
     assert lib.tp_open(b"rdma_en9", -1, b"", 0, ffi.NULL, slab, 4096, err, ERRLEN) == ffi.NULL
@@ -330,3 +342,14 @@ def test_doctor_finds_the_fake_device(fake, capsys):
     out = capsys.readouterr().out
     assert ("ok", "verbs device") in lines, out
     assert "[  ok] verbs device: ibverbs device rdma_en1, port 1 ACTIVE, IPv4-mapped GID index 1" in out
+
+
+def test_ds4tp_doctor_lists_the_fake_device_from_the_variable(fake_library):
+    env = dict(os.environ, DS4_TP_VERBS_LIBRARY=fake_library, PYTHONPATH=REPO,
+               DS4_TP_FAKE_IBV_DEVICES="rdma_en3:down,rdma_en2")
+    env.pop("DS4_TP_UCSIM_FAULTS", None)
+    res = subprocess.run([sys.executable, "-m", "mlx_ds4tp", "doctor"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert f"[  ok] verbs library: {fake_library} (from DS4_TP_VERBS_LIBRARY)" in res.stdout, res.stdout
+    assert "[  ok] verbs device: ibverbs device rdma_en2, port 1 ACTIVE, IPv4-mapped GID index 1" \
+        in res.stdout, res.stdout + res.stderr

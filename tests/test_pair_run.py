@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -20,13 +21,15 @@ def model_dir(tmp_path_factory):
     return save_llama(tmp_path_factory.mktemp("pair-model"), "tiny", seed=3)
 
 
-def spawn_pair(procs, model_dir, transport_args, prompt, max_tokens, extra=(), env=None):
+def spawn_pair(procs, model_dir, transport_args, prompt, max_tokens, extra=(), env=None,
+               worker_model=None):
     port = free_port()
-    common = ["-m", "mlx_ds4tp", "run", "--model", str(model_dir), "--max-tokens", str(max_tokens),
-              "--no-chat-template", *transport_args, *extra]
-    leader = procs.spawn(common + ["--prompt", prompt, "--role", "leader", "--listen", "127.0.0.1",
-                                   str(port)], env=env)
-    worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)], env=env)
+    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(max_tokens), "--no-chat-template",
+              *transport_args, *extra]
+    leader = procs.spawn(common + ["--model", str(model_dir), "--prompt", prompt, "--role", "leader",
+                                   "--listen", "127.0.0.1", str(port)], env=env)
+    worker = procs.spawn(common + ["--model", str(worker_model or model_dir), "--role", "worker",
+                                   "--coordinator", "127.0.0.1", str(port)], env=env)
     return leader, worker
 
 
@@ -103,6 +106,31 @@ def test_demo_prints_a_match(procs, tmp_path):
     assert "match with the unsplit model in one process: True" in out
     assert "SYNTHETIC" in out and "--role worker --coordinator" in out
     assert (tmp_path / "mlx_ds4tp").is_dir()
+
+
+def test_a_worker_with_other_weights_is_refused_at_the_hello(procs, model_dir, tmp_path):
+    from mlx_ds4tp import model_fingerprint
+    from mlx_ds4tp.tiny_model import save_llama
+
+    other = save_llama(tmp_path / "other", "tiny", seed=4)  # same config, other weights
+    labels = [model_fingerprint(model_dir).label, model_fingerprint(other).label]
+    assert labels[0] != labels[1]
+    leader, worker = spawn_pair(procs, model_dir, ["--transport", "tcp"], "hi", 4, worker_model=other)
+    for p in (leader, worker):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 1, err
+        assert "ds4-tp: error: model mismatch" in err and "same shapes, different weights" in err, err
+        assert all(label in err for label in labels), (labels, err)
+        assert "loading weights" not in err and "weights loaded" not in err, err
+
+
+def test_the_same_model_copied_elsewhere_is_accepted(procs, model_dir, tmp_path):
+    copy = shutil.copytree(model_dir, tmp_path / "copy")
+    leader, worker = spawn_pair(procs, model_dir, ["--transport", "tcp"], "hi", 4, worker_model=copy)
+    lout, lerr = leader.communicate(timeout=120)
+    wout, werr = worker.communicate(timeout=30)
+    assert leader.returncode == 0 and worker.returncode == 0, (lerr, werr)
+    assert "leader said stop" in werr
 
 
 def test_run_flags_are_checked(procs, model_dir):

@@ -229,6 +229,26 @@ def test_concurrent_clients_over_the_emulated_rdma_device_then_idle_worker_death
         served.close()
 
 
+def test_client_gone_without_streaming_frees_the_session(pair, model_dir):
+    body = json.dumps({"prompt": "talk a lot", "max_tokens": 3000}).encode()
+    before = pair.health()[1]["generated_tokens"]
+    sock = socket.create_connection(("127.0.0.1", pair.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 30
+    while pair.health()[1]["decoding"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock.close()
+    while time.monotonic() < deadline:
+        health = pair.health()[1]
+        if health["decoding"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["decoding"] == 0, health
+    assert health["generated_tokens"] - before < 3000
+
+
 def test_worker_killed_fails_requests_within_the_gate_timeout(model_dir, tmp_path):
     timeout = 8
     served = ServedPair(model_dir, tmp_path, env={"DS4_TP_TIMEOUT_SEC": str(timeout)})

@@ -1,6 +1,7 @@
-"""Soak: 100k all_sum gates over each transport (tcp, ucsim rdma) between two
-ranks in this process, every sum checked bit for bit against numpy, with a
-1 MiB bulk all_sum every 1000 gates (so the decode window is drained and
+"""Soak: 100k all_sum gates over each transport (tcp, ucsim rdma, and the real
+ibverbs provider over the tests' fake libibverbs) between two ranks in this
+process, every sum checked bit for bit against numpy, with a 1 MiB bulk all_sum
+every 1000 gates (so the decode window is drained and
 re-armed 100 times), and the process's resident memory sampled every 10k
 gates: from the first sample (after warm-up) to the last it may grow by less
 than 5 %. Marked slow (about 15 s for tcp and 25 s for rdma on 2 cores).
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import mlx_ds4tp as tp
-from pairutil import both_ok, make_groups
+from pairutil import both_ok, fake_verbs_library, make_groups, reset_verbs_library
 
 GATES = 100_000
 SAMPLE_EVERY = 10_000
@@ -40,10 +41,17 @@ def partials(rank: int, shape) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["tcp", "rdma"])
-def test_soak_100k_gates_exact_sums_flat_memory(transport):
-    lg, wg = make_groups(transport, timeout=30.0)
-    assert lg.transport == wg.transport == transport
+@pytest.mark.parametrize("transport", ["tcp", "rdma", "rdma-fake"])
+def test_soak_100k_gates_exact_sums_flat_memory(transport, monkeypatch):
+    if transport == "rdma-fake":
+        # The real provider, no device named: it picks the fake's rdma_en1.
+        monkeypatch.setenv("DS4_TP_VERBS_LIBRARY", fake_verbs_library())
+        for var in ("DS4_TP_FAKE_IBV_DEVICES", "DS4_TP_FAKE_IBV_REFUSE", "DS4_TP_UCSIM_FAULTS"):
+            monkeypatch.delenv(var, raising=False)
+        lg, wg = make_groups("rdma", timeout=30.0, rdma_device=None)
+    else:
+        lg, wg = make_groups(transport, timeout=30.0)
+    assert lg.transport == wg.transport == transport.split("-")[0]
     host = [partials(0, (HIDDEN,)), partials(1, (HIDDEN,))]
     bulk_host = [partials(0, BULK_SHAPE)[:2], partials(1, BULK_SHAPE)[:2]]
     # The expected sums, rank 0's partial first as both ranks compute them.
@@ -78,6 +86,7 @@ def test_soak_100k_gates_exact_sums_flat_memory(transport):
     finally:
         lg.close()
         wg.close()
+        reset_verbs_library()
     elapsed = time.monotonic() - t0
     base, last = samples[0][1], samples[-1][1]
     growth = (last - base) / base

@@ -504,7 +504,7 @@ def test_rdma_without_a_device_fails_clearly_on_both_ranks():
     ranks naming the reason, never hang or fall back silently."""
     import mlx_ds4tp as tp
 
-    ok, reason = tr.rdma_probe(None)
+    ok, reason = tr.rdma_probe(None, "")
     assert not ok and no_rdma_reason() in reason
     port = free_port()
     (lv, le), (wv, we) = run_both(

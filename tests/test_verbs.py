@@ -1120,3 +1120,51 @@ def test_gates_between_two_processes_and_peer_exit_is_epeer():
             child.wait()
         s.close()
         lsock.close()
+
+
+# ----------------------------------------------------------------------------
+# The build without infiniband/verbs.h
+# ----------------------------------------------------------------------------
+
+NO_IBVERBS_CHECK = textwrap.dedent(
+    """
+    import os
+    import mlx_ds4tp
+    from mlx_ds4tp._verbs import ffi, lib
+    assert os.path.dirname(mlx_ds4tp.__file__) == os.path.abspath("mlx_ds4tp")
+    err = ffi.new("char[]", 512)
+    assert lib.tp_built_with_ibverbs() == 0
+    assert lib.tp_probe(ffi.NULL, err, 512) == 0
+    print(ffi.string(err).decode())
+    slab = ffi.new("uint8_t[]", 4096)
+    assert lib.tp_open(b"rdma_en1", -1, b"", 0, ffi.NULL, slab, 4096, err, 512) == ffi.NULL
+    print(ffi.string(err).decode())
+    assert lib.tp_set_verbs_library(b"/x/libverbs.so", err, 512) == 0  # nothing to load it into
+    assert lib.tp_probe(b"ucsim", err, 512) == 1  # ucsim needs no header
+    """
+)
+
+
+def test_build_switch_without_ibverbs_reports_the_missing_header(tmp_path):
+    # MLX_DS4TP_NO_IBVERBS=1 builds as a machine without libibverbs-dev would:
+    # the same API, ucsim only, and a provider that says how to get the header.
+    pkg = tmp_path / "mlx_ds4tp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")  # this copy, not the installed package, is imported
+    src = os.path.join(REPO, "mlx_ds4tp")
+    for name in os.listdir(src):
+        if name.endswith((".c", ".h")) or name == "_verbs_build.py":
+            with open(os.path.join(src, name), "rb") as f:
+                (pkg / name).write_bytes(f.read())
+    env = dict(os.environ, MLX_DS4TP_NO_IBVERBS="1", PYTHONPATH=str(tmp_path))
+    build = ("import sys; sys.path.insert(0, 'mlx_ds4tp'); import _verbs_build; "
+             "_verbs_build.ffibuilder.compile(tmpdir='.')")
+    res = subprocess.run([sys.executable, "-c", build], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-c", NO_IBVERBS_CHECK], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    want = ("tp rdma: built without infiniband/verbs.h; install libibverbs-dev (Linux) or the "
+            "macOS SDK and reinstall")
+    assert res.stdout.splitlines() == [want, want]

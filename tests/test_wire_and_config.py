@@ -18,7 +18,7 @@ from pairutil import both_ok, free_port
 PKG = os.path.dirname(mlx_ds4tp.__file__)
 KNOBS = ("DS4_TP_UCSIM_FAULTS", "DS4_TP_RDMA_NO_IMM", "DS4_TP_DISABLE_RDMA_WARMUP",
          "DS4_TP_TEST_NO_POSTED_BARRIER", "DS4_TP_TEST_WARMUP_DELAY_MS", "DS4_TP_HELLO_TIMEOUT_SEC",
-         "DS4_TP_TIMEOUT_SEC", "DS4_TP_TCP_SPIN_US", "DS4_TP_SECRET")
+         "DS4_TP_TIMEOUT_SEC", "DS4_TP_TCP_SPIN_US", "DS4_TP_SECRET", "DS4_TP_VERBS_LIBRARY")
 
 
 def leader_config(**kw) -> tr.PairConfig:
@@ -28,6 +28,15 @@ def leader_config(**kw) -> tr.PairConfig:
 # ============================================================================
 # _wire.py
 # ============================================================================
+
+
+def test_size_bounds_match_the_c_module():
+    # _wire.py keeps these as Python constants so it imports without the
+    # compiled module; the C hot paths size their buffers from TP_*.
+    from mlx_ds4tp._verbs import lib
+
+    assert wire.RDMA_MAX_MSG == lib.TP_MAX_MSG
+    assert wire.GATE_MAX_BYTES == lib.TP_GATE_MAX_CHUNKS * lib.TP_MAX_MSG
 
 
 def test_the_table_lists_every_frame_type_with_its_bound():
@@ -85,19 +94,22 @@ def test_defaults_without_any_knob(monkeypatch):
     assert (c.timeout, c.hello_timeout, c.secret) == (300.0, 10.0, None)
     assert (c.ucsim_faults, c.rdma_no_imm, c.disable_warmup) == ("", False, False)
     assert (c.test_no_posted_barrier, c.test_warmup_delay_ms) == (False, 0.0)
+    assert c.verbs_library == ""
 
 
 def test_every_knob_is_read_from_the_environment(monkeypatch):
     env = {"DS4_TP_UCSIM_FAULTS": "drop=l2w:1", "DS4_TP_RDMA_NO_IMM": "1",
            "DS4_TP_DISABLE_RDMA_WARMUP": "yes", "DS4_TP_TEST_NO_POSTED_BARRIER": "1",
            "DS4_TP_TEST_WARMUP_DELAY_MS": "200", "DS4_TP_HELLO_TIMEOUT_SEC": "0.5",
-           "DS4_TP_TIMEOUT_SEC": "7", "DS4_TP_TCP_SPIN_US": "10", "DS4_TP_SECRET": "s"}
+           "DS4_TP_TIMEOUT_SEC": "7", "DS4_TP_TCP_SPIN_US": "10", "DS4_TP_SECRET": "s",
+           "DS4_TP_VERBS_LIBRARY": "/opt/rdma/libibverbs.so.1"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     c = leader_config()
     assert (c.ucsim_faults, c.rdma_no_imm, c.disable_warmup) == ("drop=l2w:1", True, True)
     assert (c.test_no_posted_barrier, c.test_warmup_delay_ms) == (True, 200.0)
     assert (c.hello_timeout, c.timeout, c.tcp_spin_us, c.secret) == (0.5, 7.0, 10, b"s")
+    assert c.verbs_library == "/opt/rdma/libibverbs.so.1"
     # "0" switches a switch off.
     monkeypatch.setenv("DS4_TP_RDMA_NO_IMM", "0")
     monkeypatch.setenv("DS4_TP_DISABLE_RDMA_WARMUP", "0")
@@ -117,6 +129,7 @@ def test_fields_given_override_the_environment(monkeypatch):
     ({"hello_timeout": 0}, "hello_timeout=0 must be > 0 seconds"),
     ({"hello_timeout": "5"}, "hello_timeout='5' must be > 0 seconds"),
     ({"timeout": True}, "timeout=True must be > 0 seconds"),
+    ({"verbs_library": b"/x.so"}, "verbs_library=b'/x.so': give a path (str)"),
 ])
 def test_bad_fields_are_refused(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -142,7 +155,7 @@ def test_bad_environment_values_are_refused_before_connecting(monkeypatch, name,
 def connected_pairs(transport: str):
     port = free_port()
     kw = {"transport": transport, "timeout": 10.0}
-    probe = (lambda: tr.rdma_probe("ucsim")) if transport == "rdma" else None
+    probe = (lambda: tr.rdma_probe("ucsim", "")) if transport == "rdma" else None
     return both_ok(
         lambda: tr.connect(tr.PairConfig(role="leader", listen=("127.0.0.1", port),
                                          rdma_device="ucsim", **kw), rdma_probe=probe),

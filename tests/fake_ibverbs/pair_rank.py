@@ -4,8 +4,8 @@ libibverbs (or over ucsim), for the tests and for gate_latency.py.
     python tests/fake_ibverbs/pair_rank.py ROLE PORT LIBRARY DEVICE MODE
 
 ROLE leader|worker; LIBRARY the verbs library for the provider ("" = the
-system one); DEVICE an ibverbs device name, "ucsim", or "" (auto); MODE
-"sums" (16 KiB and 24000-byte gates, 1 MiB bulk all_sums, each checked
+system one), given to the library as DS4_TP_VERBS_LIBRARY; DEVICE an ibverbs
+device name, "ucsim", or "" (auto); MODE "sums" (16 KiB and 24000-byte gates, 1 MiB bulk all_sums, each checked
 exactly), "lossy:ITERS" (16 KiB all_sums until the first error, each checked)
 or "bench:ITERS" (ITERS 16 KiB gates timed one by one after 500
 untimed, p50/p99 in microseconds). Prints one JSON object on its last stdout
@@ -94,9 +94,7 @@ def gate_times(role: str, port: int, device: str, iters: int) -> dict:
 
 def main() -> None:
     role, port, library, device, mode = sys.argv[1:6]
-    err = ffi.new("char[512]")
-    if lib.tp_set_verbs_library(library.encode() if library else ffi.NULL, err, 512) < 0:
-        raise SystemExit(ffi.string(err).decode())
+    os.environ["DS4_TP_VERBS_LIBRARY"] = library  # read by tp.init's PairConfig
     if mode == "sums":
         out = sums(role, int(port), device)
     elif mode.startswith("lossy:"):
