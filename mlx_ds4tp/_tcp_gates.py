@@ -58,7 +58,12 @@ class TcpGates:
         tp_tcp_gate_sum) lands in `out`: one C call, GIL released. peer and out are reused
         from gate to gate, so their C pointers are kept (buffers cached by identity)."""
         src = self.ffi.from_buffer(send)
-        peer_c, out_c = self._sum_targets(peer, out, len(src))
+        if peer is not self._sum_peer or out is not self._sum_out:
+            self._sum_targets(peer, out)
+        peer_c, out_c = self._sum_c
+        if not len(peer_c) == len(out_c) == len(src):
+            raise ValueError(f"gate sum: send is {len(src)} bytes, peer {len(peer_c)}, out {len(out_c)}: "
+                             "they must match")
         GATE_HEADER.pack_into(self._out_header, 0, MAGIC, layer & 0xFFFF, gate & 0xFFFF, seq)
         rc = self.lib.tp_tcp_gate_sum(self._fd, self._out_header_c, self._in_header_c, GATE_HEADER.size,
                                       src, peer_c, out_c, len(src), seq, self.spin_ns, dtype, rank,
@@ -66,16 +71,10 @@ class TcpGates:
         if rc != 0:
             self._raise(rc, seq, layer, gate)
 
-    def _sum_targets(self, peer, out, nbytes: int):
-        if peer is not self._sum_peer or out is not self._sum_out:
-            peer_c = self.ffi.from_buffer(peer, require_writable=True)
-            out_c = self.ffi.from_buffer(out, require_writable=True)
-            self._sum_peer, self._sum_out, self._sum_c = peer, out, (peer_c, out_c)
-        peer_c, out_c = self._sum_c
-        if not len(peer_c) == len(out_c) == nbytes:
-            raise ValueError(f"gate sum: send is {nbytes} bytes, peer {len(peer_c)}, out {len(out_c)}: "
-                             "they must match")
-        return peer_c, out_c
+    def _sum_targets(self, peer, out) -> None:
+        self._sum_c = (self.ffi.from_buffer(peer, require_writable=True),
+                       self.ffi.from_buffer(out, require_writable=True))
+        self._sum_peer, self._sum_out = peer, out
 
     def raw_exchange(self, send, recv) -> None:
         """The floor: a bare write-then-read of the same bytes (no header, no

@@ -36,7 +36,8 @@ class Group:
         self._pair = pair
         # MLX's own group goes through the collective seam, the one caller of mx.distributed.
         self._mlx = MlxCollective(mlx_group) if mlx_group is not None else None
-        self._signature: Optional[Tuple[int, int, Tuple[int, ...]]] = None
+        # The last (op, dtype code, shape) both ranks agreed on (agree_signature).
+        self.signature: Optional[Tuple[int, int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
         # The float gate's reused buffers per (dtype, shape) (_pair_collectives.SumSlot).
         self.sum_slots: Dict[tuple, object] = {}
@@ -112,7 +113,7 @@ class Group:
     def agree_signature(self, op: int, dtype_code: int, shape: Tuple[int, ...]) -> None:
         """When the collective, dtype or shape changes, both ranks compare theirs."""
         sig = (op, dtype_code, shape)
-        if sig == self._signature:
+        if sig == self.signature:
             return
         if len(shape) > MAX_DIMS:
             raise ValueError(f"gate arrays have at most {MAX_DIMS} dimensions, got shape {shape}")
@@ -133,7 +134,7 @@ class Group:
                 f"has {_c.describe(pop, pcode, pshape)}; both ranks must call the same collective "
                 "with the same shape and dtype"
             )
-        self._signature = sig
+        self.signature = sig
 
 
 def init(
