@@ -532,6 +532,8 @@ class StubModel:
     def __init__(self, vocab: int = VOCAB):
         self.args = SimpleNamespace(vocab_size=vocab)
         self.calls = 0
+        # The prompt's prefix goes through the inner model (lockstep.fill_cache): checked alike.
+        self.model = self
 
     def make_cache(self):
         return []
