@@ -26,8 +26,9 @@ from ._control import (
 from ._fingerprint import Fingerprint, first_difference, summary_label
 from ._hello import Hello, authenticate, check_hello, choose_transport, data_proof
 from ._log import log
-from ._native import sum_partials
+from ._native import load_verbs, sum_partials
 from ._rdma_gates import RdmaGates
+from ._sum_gates import SumGate, make_sum_gate
 from ._tcp_gates import TcpGates
 from ._wire import (
     DATA_HELLO,
@@ -73,8 +74,20 @@ class Pair:
         self.timeout = float(config.timeout)
         self.tcp = TcpGates(data, self.timeout, spin_us=config.tcp_spin_us)
         self.rdma: Optional[RdmaGates] = None  # attached by attach_rdma once proven
-        self.seq = 0  # the last gate or bulk exchange's sequence number
+        # The sequence number of the last gate or bulk exchange, and whether the pair is
+        # closed, in C memory: the float gates (SumGate) bump and check them without Python.
+        ffi, _ = load_verbs()
+        self.state = ffi.new("tp_pair_state *")
         self.closed = False
+
+    @property
+    def seq(self) -> int:
+        """The last gate or bulk exchange's sequence number."""
+        return int(self.state.seq)
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self.state.seq = value
 
     @property
     def peer_name(self) -> str:
@@ -147,6 +160,16 @@ class Pair:
             self.tcp.gate_sum(send, peer, out, self.seq, dtype, self.rank, layer, gate)
         return self.seq
 
+    def sum_gate(self, peer, out, dtype: int, layer: int = 0, gate: int = 0, latency_ns=None,
+                 latency_count=None) -> SumGate:
+        """gate_sum with every argument but the partial fixed once (peer, out: reused
+        buffers of the partial's size), for a hot path that runs the same gate many times:
+        see _sum_gates. latency_ns / latency_count: a ring of round trips to record into."""
+        if self.closed:
+            raise TransportError("this pair is closed; create a new group with mlx_ds4tp.init(...)")
+        return make_sum_gate(self.state, self.tcp, self.rdma, self.rank, peer, out, dtype, layer, gate,
+                             latency_ns, latency_count)
+
     def bulk_sum(self, send, peer, out, dtype: int, layer: int = 0) -> int:
         """bulk, then out = rank 0's partial + rank 1's in C (prefill rows)."""
         seq = self.bulk(send, peer, layer)
@@ -175,6 +198,7 @@ class Pair:
         if self.closed:
             return
         self.closed = True
+        self.state.closed = 1  # before the device is freed: a SumGate refuses from now on
         if self.rdma is not None:
             self.rdma.close()
             self.rdma = None

@@ -17,12 +17,14 @@ the decode gate cannot afford); mx.compile and mx.vmap are refused.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Callable, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from . import transport as tr
+from ._dlpack import Bf16Export
 from ._wire import OP_GATHER, OP_MAX, OP_MIN, OP_P2P_FROM, OP_SCATTER, OP_SUM
 
 # ============================================================================
@@ -155,12 +157,10 @@ def bf16_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-# The float dtypes whose sum runs in C, inside the gate (tp_tcp_gate_sum / tp_gate_sum) or
-# after a bulk exchange (tp_sum2): their wire codes are the C module's TP_SUM_* codes.
+# The float dtypes whose sum runs in C, inside the gate (tp_sum_gate_run) or after a bulk
+# exchange (tp_sum2): their wire codes are the C module's TP_SUM_* codes.
 C_SUM_CODES = {mx.float32: 1, mx.float16: 2, mx.bfloat16: 3}
 _BF16_CODE = 3
-# The float gate times one gate in this many (Group.gate_latency_us).
-LATENCY_SAMPLE = 4
 # Bulk-sized (prefill) sum buffers kept for this many shapes at most: a chunk's gates share
 # one shape, and prompts of every length must not pile up buffers.
 _BULK_SLOTS_KEPT = 4
@@ -170,34 +170,57 @@ class SumSlot:
     """What the float gate reuses for one (dtype, shape): the peer's partial lands in `peer`,
     the sum in `out`, so a gate allocates nothing. `result` is out in the result's shape as a
     memoryview: MLX copies a memoryview into a new array in about half the time it takes for
-    the numpy array itself (no ndarray conversion)."""
+    the numpy array itself (no ndarray conversion). `finish()` makes that array: a copy of
+    `result` (bfloat16, which numpy lacks: a copy through DLPack, _dlpack).
 
-    __slots__ = ("code", "signature", "gate", "peer", "out", "result")
+    A gate-sized slot (up to GATE_MAX_BYTES) holds the pair's SumGate for it: `run(ctx,
+    src, nbytes)` is the whole exchange and sum in one C call (gate_ops.all_sum calls it
+    directly), `fail(rc)` raises its error."""
+
+    __slots__ = ("code", "signature", "gate", "peer", "out", "result", "finish", "ctx", "run",
+                 "nbytes", "fail", "to_c", "sum_gate")
 
     def __init__(self, code: int, dtype, shape: Tuple[int, ...]):
         np_dtype = NUMPY_DTYPES[dtype]
         count = int(np.prod(shape, dtype=np.int64))
         self.code = code
         self.signature = (SUM, code, shape)
-        self.gate = count * np.dtype(np_dtype).itemsize <= tr.GATE_MAX_BYTES
+        self.nbytes = count * np.dtype(np_dtype).itemsize
+        self.gate = self.nbytes <= tr.GATE_MAX_BYTES
         self.peer = np.empty(count, dtype=np_dtype)
         self.out = np.empty(count, dtype=np_dtype)
         self.result = memoryview(self.out.reshape(shape))
+        self.finish = Bf16Export(self.out, shape) if code == _BF16_CODE else partial(mx.array, self.result)
+        self.sum_gate = self.ctx = self.run = self.fail = self.to_c = None
+
+    def attach(self, group) -> None:
+        """Fix the gate's C arguments on the group's pair (a gate-sized slot only)."""
+        latency_ns, latency_count = group.latency_ring()
+        gate = group.pair.sum_gate(self.peer, self.out, self.code, SUM, self.code, latency_ns, latency_count)
+        self.sum_gate = gate  # owns the buffers ctx points into
+        self.ctx, self.run, self.fail, self.to_c = gate.ctx, gate.run, gate.fail, gate.to_c
 
 
 def _sum_slot(group, dtype, shape: Tuple[int, ...]):
     """The group's SumSlot for (dtype, shape), made on first use; None for a dtype the C sum
-    does not take."""
-    slots = group.sum_slots
+    does not take. Gate-sized slots live in group.sum_slots (where all_sum's fast path looks),
+    bulk-sized ones in group.bulk_slots, at most _BULK_SLOTS_KEPT of them."""
     code = C_SUM_CODES.get(dtype)
     if code is None:
         return None
+    key = (dtype, shape)
+    slot = group.sum_slots.get(key) or group.bulk_slots.get(key)
+    if slot is not None:
+        return slot
     slot = SumSlot(code, dtype, shape)
-    if not slot.gate:
-        bulk = [key for key, s in slots.items() if not s.gate]
-        for key in bulk[: max(0, len(bulk) - _BULK_SLOTS_KEPT + 1)]:
-            del slots[key]
-    slots[(dtype, shape)] = slot
+    if slot.gate:
+        slot.attach(group)
+        group.sum_slots[key] = slot
+    else:
+        bulk = group.bulk_slots
+        for old in list(bulk)[: max(0, len(bulk) - _BULK_SLOTS_KEPT + 1)]:
+            del bulk[old]
+        bulk[key] = slot
     return slot
 
 
@@ -206,36 +229,25 @@ def sum_eager(x: mx.array, group) -> mx.array:
     bool sums are a logical or (MLX's bool + bool).
 
     float32, float16, bfloat16 (every gate of a model): the exchange and the sum are one C
-    call into the group's reused buffers, then one copy into the returned array. This is the
-    decode hot path, so it looks x's dtype and shape up once and keeps to the fewest calls."""
+    call into the group's reused buffers, then one copy into the returned array. gate_ops.all_sum
+    runs a gate whose slot exists and whose signature is agreed without coming here; this is
+    the first gate of a shape, a non-contiguous partial, or a bulk (prefill) exchange."""
     dtype = x.dtype
     shape = x.shape
-    slot = group.sum_slots.get((dtype, shape))
+    slot = _sum_slot(group, dtype, shape)
     if slot is None:
-        slot = _sum_slot(group, dtype, shape)
-        if slot is None:
-            return _sum_numpy(x, group)
-    local = memoryview(x)
-    if not local.c_contiguous:
-        x, local = host_view(x)
-    code = slot.code
-    if group.signature != slot.signature:
-        group.agree_signature(SUM, code, shape)
+        return _sum_numpy(x, group)
+    x, local = host_view(x)
+    if group.signature is not slot.signature:
+        group.agree_signature(SUM, slot.code, shape)
+        group.signature = slot.signature  # all_sum's fast path compares identity
     if slot.gate:
-        # One gate in LATENCY_SAMPLE is timed for the run's closing p50/p99: the clock
-        # reads and the store cost a tenth of a fast gate.
-        group.gate_count += 1
-        if group.gate_count % LATENCY_SAMPLE:
-            group.pair.gate_sum(local, slot.peer, slot.out, code, SUM, code)
-        else:
-            t0 = time.perf_counter_ns()
-            group.pair.gate_sum(local, slot.peer, slot.out, code, SUM, code)
-            group.record_latency(time.perf_counter_ns() - t0)
+        rc = slot.run(slot.ctx, slot.to_c(local), slot.nbytes)
+        if rc:
+            slot.fail(rc)
     else:
-        group.pair.bulk_sum(local, slot.peer, slot.out, code, SUM)
-    if code == _BF16_CODE:  # numpy has no bfloat16: the bits travel as uint16
-        return to_mlx(slot.result, dtype)
-    return mx.array(slot.result)
+        group.pair.bulk_sum(local, slot.peer, slot.out, slot.code, SUM)
+    return slot.finish()
 
 
 def _sum_numpy(x: mx.array, group) -> mx.array:

@@ -116,17 +116,20 @@ class RdmaGates:
 
     def _check(self, rc: int) -> int:
         if rc < 0:
-            text = self._error_text()
-            if rc == self.lib.TP_ETIMEOUT:
-                raise TransportTimeoutError(text)
-            if rc == self.lib.TP_EPEER:
-                raise PeerClosedError(text)
-            if rc == self.lib.TP_ELOST:
-                # UC dropped a message and the in-order window shifted: the
-                # ranks' gate streams are out of step; the text names the seq.
-                raise DesyncError(text)
-            raise RdmaError(text, rc)
+            self.raise_error(rc, self._error_text())
         return rc
+
+    def raise_error(self, rc: int, text: str) -> None:
+        """The error for a failed hot path's rc, text the C side's message."""
+        if rc == self.lib.TP_ETIMEOUT:
+            raise TransportTimeoutError(text)
+        if rc == self.lib.TP_EPEER:
+            raise PeerClosedError(text)
+        if rc == self.lib.TP_ELOST:
+            # UC dropped a message and the in-order window shifted: the
+            # ranks' gate streams are out of step; the text names the seq.
+            raise DesyncError(text)
+        raise RdmaError(text, rc)
 
     def build(self, setup_attempt: int) -> Tuple[int, int, int]:
         """(Re)build CQ and QP; returns the granted (cq, send, recv) depths.

@@ -86,11 +86,19 @@ class TcpGates:
         if rc != 0:
             self._raise(rc, 0, 0, 0)
 
+    def fileno(self) -> int:
+        return self._fd
+
     def _raise(self, rc: int, seq: int, layer: int, gate: int) -> None:
-        text = self.ffi.string(self._err).decode("utf-8", "replace")
+        self.raise_error(rc, self.ffi.string(self._err).decode("utf-8", "replace"), bytes(self._in_header),
+                         seq, layer, gate)
+
+    def raise_error(self, rc: int, text: str, in_header: bytes, seq: int, layer: int, gate: int) -> None:
+        """The error for a failed gate's rc: text is the C side's message, in_header the
+        header the peer sent (read on a desync)."""
         lib = self.lib
         if rc == lib.TP_EDESYNC:
-            magic, player, pgate, pseq = GATE_HEADER.unpack(self._in_header)
+            magic, player, pgate, pseq = GATE_HEADER.unpack(in_header)
             raise DesyncError(
                 f"gate desync: the peer sent layer {player} gate {pgate} seq {pseq} "
                 f"(magic 0x{magic:08x}), this side is at layer {layer} gate {gate} seq {seq}"

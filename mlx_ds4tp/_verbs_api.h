@@ -43,6 +43,7 @@
 #define TP_ENOMEM -8       /* queue full / too many outstanding work requests / too many MRs */
 #define TP_EDESYNC -9      /* the TCP gate header from the peer differs from ours */
 #define TP_ELOST -10       /* UC lost a message: a hot-path receive got the peer's NEXT message */
+#define TP_ECLOSED -11     /* the pair was closed: a sum gate refuses to touch its freed socket or device */
 
 /* Queue pair types (ucsim accepts only TP_QPT_UC, like the Apple driver). */
 #define TP_QPT_RC 2
@@ -283,3 +284,47 @@ int tp_tcp_gate_sum(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
 /* tp_gate (peer's partial into `peer`), then the sum as tp_tcp_gate_sum. */
 int tp_gate_sum(tp_dev *dev, const void *src, void *peer, void *out, uint32_t bytes, uint64_t seq,
                 double timeout_s, int dtype, int rank, char *err, size_t errlen);
+
+
+/* ---- The float gate in one call (_verbs_sum.c) ---- */
+
+/* What every gate of a pair shares: the sequence number of the last gate or
+ * bulk exchange (the TCP header carries it, the RDMA window is posted by it)
+ * and whether the pair is closed. The pair owns it; Python reads and bumps
+ * seq for the other gates. */
+typedef struct tp_pair_state {
+    uint64_t seq;
+    int closed;
+} tp_pair_state;
+
+/* One float gate's fixed arguments, filled once per (dtype, shape) by the
+ * pair: a gate is then one call with three arguments, so the interpreter
+ * converts and checks almost nothing per gate (each converted argument and
+ * each Python frame cost about as much as the sum itself). */
+typedef struct tp_sum_gate {
+    tp_pair_state *pair;
+    tp_dev *dev;              /* RDMA gates; NULL: the TCP gate on fd */
+    int fd;
+    uint64_t spin_ns;         /* TCP: poll this long before blocking */
+    double timeout_s;         /* RDMA: the hot path's deadline */
+    int dtype;                /* TP_SUM_* */
+    int rank;                 /* this side's: rank 0's partial comes first in the sum */
+    uint16_t layer;           /* the TCP header's layer and gate fields */
+    uint16_t gate;
+    void *peer;               /* the peer's partial lands here (bytes) */
+    void *out;                /* the sum (bytes) */
+    uint64_t bytes;
+    unsigned char hdr_out[16];   /* the TCP gate header, GATE_HEADER in _wire.py */
+    unsigned char hdr_in[16];    /* the peer's (read on TP_EDESYNC) */
+    int64_t *latency_ns;      /* ring of round trips, latency_len entries (NULL: not kept) */
+    uint64_t latency_len;
+    uint64_t *latency_count;  /* round trips recorded so far */
+    char err[512];            /* why the last failed call failed */
+} tp_sum_gate;
+
+/* Exchange src (g->bytes) with the peer and sum into g->out, as
+ * tp_tcp_gate_sum / tp_gate_sum, bumping g->pair->seq first and timing the
+ * round trip into the latency ring. TP_EINVAL when bytes differs from
+ * g->bytes; TP_ECLOSED when the pair is closed (nothing sent). */
+int tp_sum_gate_run(tp_sum_gate *g, const void *src, uint64_t bytes);
+

@@ -165,3 +165,43 @@ int tp_gate_sum(tp_dev *dev, const void *src, void *peer, void *out, uint32_t by
     if (rc < 0) return rc;
     return sum_in_rank_order(dtype, rank, src, peer, out, bytes);
 }
+
+/* The TCP gate header (GATE_HEADER in _wire.py, "<IHHQ": magic, layer, gate,
+ * seq), little-endian whatever the host. */
+static void put_le(unsigned char *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+#define TP_GATE_MAGIC 0x44533454u /* "DS4T", MAGIC in _wire.py */
+
+int tp_sum_gate_run(tp_sum_gate *g, const void *src, uint64_t bytes) {
+    if (g->pair->closed) {
+        snprintf(g->err, sizeof(g->err), "this pair is closed; create a new group with mlx_ds4tp.init(...)");
+        return TP_ECLOSED;
+    }
+    if (bytes != g->bytes) {
+        snprintf(g->err, sizeof(g->err), "gate sum: the partial is %llu bytes, this gate takes %llu",
+                 (unsigned long long)bytes, (unsigned long long)g->bytes);
+        return TP_EINVAL;
+    }
+    const uint64_t seq = ++g->pair->seq;
+    const uint64_t t0 = tp_mono_ns();
+    int rc;
+    if (g->dev) {
+        rc = tp_gate_sum(g->dev, src, g->peer, g->out, (uint32_t)bytes, seq, g->timeout_s, g->dtype,
+                         g->rank, g->err, sizeof(g->err));
+    } else {
+        put_le(g->hdr_out, TP_GATE_MAGIC, 4);
+        put_le(g->hdr_out + 4, g->layer, 2);
+        put_le(g->hdr_out + 6, g->gate, 2);
+        put_le(g->hdr_out + 8, seq, 8);
+        rc = tp_tcp_gate_sum(g->fd, g->hdr_out, g->hdr_in, sizeof(g->hdr_out), src, g->peer, g->out,
+                             bytes, seq, g->spin_ns, g->dtype, g->rank, g->err, sizeof(g->err));
+    }
+    if (rc == TP_OK && g->latency_ns && g->latency_len) {
+        g->latency_ns[*g->latency_count % g->latency_len] = (int64_t)(tp_mono_ns() - t0);
+        ++*g->latency_count;
+    }
+    return rc;
+}
+

@@ -39,13 +39,16 @@ class Group:
         # The last (op, dtype code, shape) both ranks agreed on (agree_signature).
         self.signature: Optional[Tuple[int, int, Tuple[int, ...]]] = None
         self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
-        # The float gate's reused buffers per (dtype, shape) (_pair_collectives.SumSlot).
+        # The float gate's reused buffers and C arguments per (dtype, shape)
+        # (_pair_collectives.SumSlot): decode-sized ones, where all_sum looks first, and
+        # bulk-sized (prefill) ones.
         self.sum_slots: Dict[tuple, object] = {}
-        # Round trips of the last LATENCY_WINDOW timed decode gates (of the float
-        # gates, one in four), for the closing line of a run (p50/p99).
+        self.bulk_slots: Dict[tuple, object] = {}
+        # Round trips of the last LATENCY_WINDOW decode gates, for the closing line of a
+        # run (p50/p99). The float gates record theirs in C (tp_sum_gate_run), hence the
+        # count in an array C writes too.
         self._latency_ns = np.zeros(LATENCY_WINDOW, dtype=np.int64)
-        self._latency_count = 0
-        self.gate_count = 0  # float gates run (one in _pair_collectives.LATENCY_SAMPLE is timed)
+        self._latency_count = np.zeros(1, dtype=np.uint64)
         if pair is not None:
             self.transport = pair.transport
             self._rank = pair.rank
@@ -72,6 +75,9 @@ class Group:
         if self._pair is not None:
             self._pair.close()
             self._pair = None
+        # all_sum's fast path finds no slot now, so it takes the path that says "closed".
+        self.sum_slots.clear()
+        self.bulk_slots.clear()
 
     def __enter__(self) -> "Group":
         return self
@@ -91,15 +97,19 @@ class Group:
 
     def gate_latency_us(self) -> Tuple[float, float]:
         """(p50, p99) of the recent decode gates' round trips, in microseconds."""
-        n = min(self._latency_count, LATENCY_WINDOW)
+        n = min(int(self._latency_count[0]), LATENCY_WINDOW)
         if n == 0:
             return 0.0, 0.0
         p50, p99 = np.percentile(self._latency_ns[:n], [50, 99]) / 1000.0
         return float(p50), float(p99)
 
     def record_latency(self, ns: int) -> None:
-        self._latency_ns[self._latency_count % LATENCY_WINDOW] = ns
-        self._latency_count += 1
+        self._latency_ns[int(self._latency_count[0]) % LATENCY_WINDOW] = ns
+        self._latency_count[0] += 1
+
+    def latency_ring(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(round trips in ns, how many were recorded): the float gates' C side writes both."""
+        return self._latency_ns, self._latency_count
 
     def scratch(self, nbytes: int, np_dtype) -> np.ndarray:
         """Reusable receive buffers: the gate path allocates nothing per call."""
@@ -241,11 +251,35 @@ def all_sum(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     called another collective), TransportError when the link fails, ValueError inside
     mx.compile / mx.vmap (nothing is sent).
     """
+    # The decode gate: a float partial of a (dtype, shape) this group has gated before, its
+    # signature agreed. This runs dozens of times per token on a round trip of ~10 us, so
+    # each line counts (after the gate's system calls the interpreter runs with cold
+    # caches: a lookup or call here costs 2-3x what it does in a tight loop). See _sum_gates.
+    pair_group = group or _LAST_GROUP
+    try:
+        slot = pair_group.sum_slots[(x.dtype, x.shape)]
+    except (AttributeError, KeyError):
+        return _all_sum(x, group, stream)
+    try:
+        mx.async_eval(x)  # refused while a transformation traces x: see _pair_collectives
+    except ValueError:
+        return _c.traced(_c.sum_eager, _c.pass_cotangent, x, pair_group, "all_sum")
+    local = memoryview(x)  # waits for x; on Apple Silicon its memory is the host's
+    if pair_group.signature is not slot.signature or not local.c_contiguous:
+        return _c.sum_eager(x, pair_group)
+    rc = slot.run(slot.ctx, slot.to_c(local), slot.nbytes)
+    if rc:
+        slot.fail(rc)
+    return slot.finish()
+
+
+def _all_sum(x: mx.array, group: Optional[Group], stream) -> mx.array:
+    """all_sum's general path: MLX's own group, a first gate, another dtype, bad input."""
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.all_sum(x, stream=stream)
     try:
-        mx.async_eval(x)  # refused while a transformation traces x: see _pair_collectives
+        mx.async_eval(x)
     except ValueError:
         return _c.traced(_c.sum_eager, _c.pass_cotangent, x, group, "all_sum")
     return _c.sum_eager(x, group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -60,6 +61,37 @@ def test_all_gather_concatenates_in_rank_order(groups, dtype, shape):
     for z in (za, zb):
         assert z.dtype == dtype and z.shape == expected.shape
         assert np.array_equal(bits(z), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_result_is_a_new_array_the_next_gate_leaves_alone(groups, dtype):
+    """The gate reuses its buffers from call to call; what it returns is a copy."""
+    lg, wg = groups
+    a, b = partials((4096,), dtype, seed=11)
+    first = both_ok(lambda: tp.all_sum(a, group=lg), lambda: tp.all_sum(b, group=wg))
+    kept = [bits(y) for y in first]
+    a2, b2 = partials((4096,), dtype, seed=12)
+    second = both_ok(lambda: tp.all_sum(a2, group=lg), lambda: tp.all_sum(b2, group=wg))
+    assert [bits(y).tolist() for y in first] == [k.tolist() for k in kept]
+    assert np.array_equal(bits(second[0]), bits(a2 + b2))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_a_pair_closed_under_its_group_refuses_the_gate(transport):
+    """The float gate keeps its C arguments (socket, device) from gate to gate: once the pair
+    is closed they must not be used, and the peer hears of it as an error, not a hang."""
+    lg, wg = make_groups(transport, timeout=5.0)
+    with lg, wg:
+        ones = mx.ones((4096,))
+        mx.eval(ones)
+        both_ok(lambda: tp.all_sum(ones, group=lg), lambda: tp.all_sum(ones, group=wg))
+        lg.pair.close()
+        started = time.monotonic()
+        with pytest.raises(tp.TransportError, match="this pair is closed"):
+            tp.all_sum(ones, group=lg)
+        with pytest.raises(tp.TransportError):
+            tp.all_sum(ones, group=wg)
+        assert time.monotonic() - started < 2.5
 
 
 def test_non_contiguous_partials(groups):

@@ -70,3 +70,41 @@ def test_bad_sizes_and_dtypes_are_refused():
     with pytest.raises(ValueError, match="must match"):
         sum_partials(1, 0, np.zeros(4, np.uint8), np.zeros(8, np.uint8), np.zeros(4, np.uint8))
     assert lib.tp_sum2(9, ffi.NULL, ffi.NULL, ffi.NULL, 0) == lib.TP_EINVAL
+
+
+def test_sum_gate_refuses_a_wrong_size_and_a_closed_pair_before_sending():
+    """tp_sum_gate_run checks before it touches the socket or device: a partial of another
+    size is TP_EINVAL naming both sizes, a closed pair TP_ECLOSED, and neither spends a
+    sequence number."""
+    ffi, lib = load_verbs()
+    state = ffi.new("tp_pair_state *")
+    gate = ffi.new("tp_sum_gate *")
+    gate.pair = state
+    gate.fd = -1
+    gate.bytes = 16
+    src = ffi.new("char[]", 16)
+    assert lib.tp_sum_gate_run(gate, src, 8) == lib.TP_EINVAL
+    assert "the partial is 8 bytes, this gate takes 16" in ffi.string(gate.err).decode()
+    state.closed = 1
+    assert lib.tp_sum_gate_run(gate, src, 16) == lib.TP_ECLOSED
+    assert "this pair is closed" in ffi.string(gate.err).decode()
+    assert state.seq == 0
+
+
+@pytest.mark.parametrize("shape", [(8192,), (2, 3, 4), (), (0,), (2, 0, 3)], ids=str)
+def test_bfloat16_export_copies_the_bits_into_a_new_evaluated_array(shape):
+    from mlx_ds4tp._dlpack import Bf16Export
+
+    count = int(np.prod(shape, dtype=np.int64))
+    bits_in = np.random.default_rng(5).integers(0, 1 << 16, size=count, dtype=np.uint64).astype(np.uint16)
+    export = Bf16Export(bits_in, shape)
+    original = bits_in.copy()
+    first = export()
+    assert first.dtype == mx.bfloat16 and first.shape == tuple(shape)
+    assert np.array_equal(np.array(first.view(mx.uint16)).ravel(), original)
+    bits_in[:] = 0x3F80  # the next gate reuses the buffer: the array made before must not change
+    second = export()
+    assert np.array_equal(np.array(first.view(mx.uint16)).ravel(), original)
+    assert np.all(np.array(second.view(mx.uint16)) == 0x3F80)
+    with pytest.raises(ValueError, match="cannot hold shape"):
+        Bf16Export(np.zeros(3, np.uint16), (4,))
