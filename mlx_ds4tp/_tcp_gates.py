@@ -3,13 +3,11 @@ socket, both sides write-then-read; plus the raw floor the bench compares with."
 
 from __future__ import annotations
 
-import select
 import socket
-import time
 
 from ._control import swap_small
 from ._native import load_verbs
-from ._wire import BATCH_MAGIC, BIG_HEADER, BIG_ROUND_BYTES, BIG_TAG, GATE_HEADER, MAGIC
+from ._wire import BATCH_MAGIC, BIG_HEADER, BIG_TAG, GATE_HEADER, MAGIC
 from .errors import DesyncError, PeerClosedError, TransportError, TransportTimeoutError
 
 _ERR_BYTES = 512
@@ -33,6 +31,9 @@ class TcpGates:
         self._in_header_c = self.ffi.from_buffer(self._in_header)
         self._err = self.ffi.new("char[]", _ERR_BYTES)
         self._big_in = bytearray(BIG_HEADER.size)
+        self._big_out = bytearray(BIG_HEADER.size)
+        self._big_in_c = self.ffi.from_buffer(self._big_in)
+        self._big_out_c = self.ffi.from_buffer(self._big_out)
         self._sum_peer = self._sum_out = self._sum_c = None  # gate_sum's reused buffers
         # Polling comes before the kernel's SO_RCVTIMEO wait, so it is capped at a quarter of
         # the timeout: a silent peer is still reported within 1.25x the timeout.
@@ -113,77 +114,37 @@ class TcpGates:
 
     # -- big gates -----------------------------------------------------------
     def big_header(self, nbytes: int, seq: int, layer: int = 0) -> None:
-        """Both sides agree on (layer, seq, bytes) before a big exchange."""
+        """Both sides agree on (layer, seq, bytes) before an RDMA bulk exchange."""
         header = BIG_HEADER.pack(BATCH_MAGIC, layer & 0xFFFF, BIG_TAG, seq, nbytes)
         swap_small(self.sock, header, self._big_in, f"big gate seq {seq}", self.timeout)
-        magic, player, tag, pseq, pbytes = BIG_HEADER.unpack(self._big_in)
-        if (magic, player, tag, pseq, pbytes) != (BATCH_MAGIC, layer & 0xFFFF, BIG_TAG, seq, nbytes):
-            raise DesyncError(
-                f"big gate desync: the peer is at layer {player} seq {pseq} with {pbytes} bytes "
-                f"(magic 0x{magic:08x}, tag 0x{tag:x}), this side at layer {layer} seq {seq} with "
-                f"{nbytes} bytes"
-            )
+        if bytes(self._big_in) != header:
+            self._big_desync(layer, seq, nbytes)
 
     def big(self, send, recv, seq: int, layer: int = 0) -> None:
-        """Prefill-sized exchange in 2 MiB rounds, each round full duplex, so
-        neither side can fill its send buffer while the peer also only writes,
-        whatever the socket buffer sizes are."""
-        out = memoryview(send).cast("B")
-        inp = memoryview(recv).cast("B")
-        if len(out) != len(inp):
-            raise ValueError(f"big gate send is {len(out)} bytes but recv is {len(inp)}: they must match")
-        self.big_header(len(out), seq, layer)
-        for start in range(0, len(out), BIG_ROUND_BYTES):
-            end = min(start + BIG_ROUND_BYTES, len(out))
-            self._duplex(out[start:end], inp[start:end], seq)
+        """A bulk exchange of any size (prefill rows, gathered logits): the header and the
+        payload in one byte stream each way, written and read at once in C (tp_tcp_duplex),
+        polling before it sleeps as the gate does: the logits gather ends the longest stretch
+        of a token's work, where one rank usually waits for the other."""
+        ffi = self.ffi
+        src = ffi.from_buffer(send)
+        dst = ffi.from_buffer(recv, require_writable=True)
+        if len(src) != len(dst):
+            raise ValueError(f"big gate send is {len(src)} bytes but recv is {len(dst)}: they must match")
+        BIG_HEADER.pack_into(self._big_out, 0, BATCH_MAGIC, layer & 0xFFFF, BIG_TAG, seq, len(src))
+        rc = self.lib.tp_tcp_duplex(self._fd, self._big_out_c, self._big_in_c, BIG_HEADER.size, src, dst,
+                                    len(src), seq, self.spin_ns, self.timeout, self._err, _ERR_BYTES)
+        if rc == self.lib.TP_EDESYNC:
+            self._big_desync(layer, seq, len(src))
+        if rc != 0:
+            self._raise(rc, seq, layer, 0)
 
-    def _duplex(self, out: memoryview, inp: memoryview, seq: int) -> None:
-        sock = self.sock
-        fd = sock.fileno()
-        poller = select.poll()
-        sent = got = 0
-        deadline = time.monotonic() + self.timeout
-        flags = socket.MSG_DONTWAIT
-        while sent < len(out) or got < len(inp):
-            progressed = False
-            try:
-                if sent < len(out):
-                    n = sock.send(out[sent:], flags)
-                    sent += n
-                    progressed = progressed or n > 0
-            except BlockingIOError:
-                pass
-            except (ConnectionResetError, BrokenPipeError) as exc:
-                raise PeerClosedError(f"peer closed the gate connection during big gate seq {seq}: {exc}") from None
-            try:
-                if got < len(inp):
-                    n = sock.recv_into(inp[got:], 0, flags)
-                    if n == 0:
-                        raise PeerClosedError(
-                            f"peer closed the gate connection during big gate seq {seq} "
-                            f"({got}/{len(inp)} bytes of this round received)"
-                        )
-                    got += n
-                    progressed = True
-            except BlockingIOError:
-                pass
-            except ConnectionResetError as exc:
-                raise PeerClosedError(f"peer reset the gate connection during big gate seq {seq}: {exc}") from None
-            if progressed:
-                deadline = time.monotonic() + self.timeout
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransportTimeoutError(
-                    f"big gate seq {seq}: no progress for {self.timeout:g} s "
-                    f"(sent {sent}/{len(out)}, received {got}/{len(inp)} bytes of this round)"
-                )
-            events = select.POLLIN if got < len(inp) else 0
-            if sent < len(out):
-                events |= select.POLLOUT
-            poller.register(fd, events)
-            poller.poll(min(remaining, 1.0) * 1000)
-            poller.unregister(fd)
+    def _big_desync(self, layer: int, seq: int, nbytes: int) -> None:
+        magic, player, tag, pseq, pbytes = BIG_HEADER.unpack(self._big_in)
+        raise DesyncError(
+            f"big gate desync: the peer is at layer {player} seq {pseq} with {pbytes} bytes "
+            f"(magic 0x{magic:08x}, tag 0x{tag:x}), this side at layer {layer} seq {seq} with "
+            f"{nbytes} bytes"
+        )
 
 
 def raw_exchange(gates: TcpGates, send, recv) -> None:

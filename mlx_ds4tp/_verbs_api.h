@@ -259,6 +259,15 @@ void tp_get_stats(const tp_dev *dev, tp_stats *out);
 int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
                 const void *src, void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
                 char *err, size_t errlen);
+/* A bulk exchange (prefill rows, gathered logits) of any size: hdr_out then
+ * src out, the peer's header into hdr_in and its payload into dst, writing
+ * and reading at once without blocking in either, so both ranks writing
+ * first cannot deadlock whatever the socket buffers. Polls for up to spin_ns
+ * before sleeping in poll(). TP_EDESYNC when the peer's header differs (in
+ * hdr_in); TP_ETIMEOUT after timeout_s without a byte moving either way. */
+int tp_tcp_duplex(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, const void *src,
+                  void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns, double timeout_s,
+                  char *err, size_t errlen);
 /* The floor the TCP gate is measured against: write bytes, read bytes. */
 int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
                size_t errlen);

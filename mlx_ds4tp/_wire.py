@@ -39,7 +39,9 @@ with SYNC, HASH and STOP as above (HASH's session field 0, its seq the decode st
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
 payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
-BIG_TAG, seq, bytes) then the payload in BIG_ROUND_BYTES rounds; and the gate
+BIG_TAG, seq, bytes) then the payload in the same byte stream, both directions
+at once (tp_tcp_duplex; over RDMA the header alone, then the payload as RDMA
+bulk rounds); and the gate
 signature swap DESCRIPTOR (DESCRIPTOR_MAGIC, dtype code, ndim, collective OP_*,
 up to MAX_DIMS dims).
 
@@ -107,9 +109,8 @@ RDMA_MAX_MSG = 16384
 # Largest exchange that rides as a decode gate: two RDMA messages of the
 # driver's maximum. Anything larger goes through the bulk path.
 GATE_MAX_BYTES = 2 * RDMA_MAX_MSG
-# A 16 KiB gate fits any socket buffer, so write-then-read cannot deadlock;
-# big prefill gates move in 2 MiB rounds, each round full duplex.
-BIG_ROUND_BYTES = 2 * 1024 * 1024
+# A 16 KiB gate fits any socket buffer, so write-then-read cannot deadlock; a
+# bulk exchange writes and reads at once instead (tp_tcp_duplex).
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000

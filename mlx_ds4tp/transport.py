@@ -62,7 +62,6 @@ from ._tcp_gates import TcpGates, raw_exchange
 from ._wire import (
     BATCH_MAGIC,
     BIG_HEADER,
-    BIG_ROUND_BYTES,
     DATA_HELLO,
     DATA_MAGIC,
     FINGERPRINT_SUMMARY,
@@ -113,7 +112,7 @@ __all__ = [
     # wire
     "FrameType", "FRAME_HEADER", "FRAME_MAX_BYTES", "GATE_HEADER", "BIG_HEADER", "DATA_HELLO",
     "HELLO_FIXED", "FINGERPRINT_SUMMARY", "RDMA_INFO", "MAGIC", "BATCH_MAGIC", "DATA_MAGIC", "WARM_WR_ID",
-    "PROTOCOL_VERSION", "GATE_MAX_BYTES", "RDMA_MAX_MSG", "BIG_ROUND_BYTES", "MAX_REASON_BYTES",
+    "PROTOCOL_VERSION", "GATE_MAX_BYTES", "RDMA_MAX_MSG", "MAX_REASON_BYTES",
     "NONCE_BYTES", "TRANSPORT_CODES", "TRANSPORT_NAMES", "LEADER", "WORKER", "ROLE_NAMES",
     # errors and logging
     "TransportError", "PeerClosedError", "TransportTimeoutError", "FrameError",
