@@ -4,6 +4,7 @@ one blocking TCP stream, every header checked before a payload byte is read)."""
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
@@ -139,6 +140,10 @@ def decode_frame_header(magic: int, ftype_raw: int, nbytes: int) -> FrameType:
     return ftype
 
 
+# Where the platform lacks sched_yield, the look goes on without it.
+_yield_core = getattr(os, "sched_yield", lambda: None)
+
+
 class ControlChannel:
     """Framed messages on a TCP stream: 12-byte header (magic, type, bytes).
 
@@ -156,6 +161,24 @@ class ControlChannel:
     def fileno(self) -> int:
         """The control socket's descriptor (the C hot paths watch it for EOF)."""
         return self.sock.fileno()
+
+    def poll_readable(self, seconds: float) -> bool:
+        """Watch the socket for up to `seconds` without sleeping in the kernel (each look
+        yields the core); whether it became readable. A rank that expects the peer's next
+        command within a sampling step calls this before recv: woken from a blocking read it
+        would pay a scheduler wake-up per token (tens of microseconds, more on a busy host),
+        and the other rank waits that long at the token's first gate."""
+        if seconds <= 0:
+            return False
+        sock = [self.sock]
+        until = time.monotonic() + seconds
+        while True:
+            readable, _, _ = select.select(sock, (), (), 0)
+            if readable:
+                return True
+            if time.monotonic() >= until:
+                return False
+            _yield_core()
 
     def send(self, ftype: FrameType, payload: bytes = b"") -> None:
         """Send one frame; a payload over the type's bound is a FrameError."""

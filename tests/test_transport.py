@@ -134,6 +134,17 @@ def test_control_recv_times_out():
     assert time.monotonic() - t0 < 2.0
 
 
+def test_poll_readable_watches_for_the_next_frame_within_its_limit():
+    a, b = channel_pair(timeout=5.0)
+    t0 = time.monotonic()
+    assert b.poll_readable(0.05) is False  # nothing sent: gives up after its limit
+    assert 0.05 <= time.monotonic() - t0 < 1.0
+    assert b.poll_readable(0) is False
+    a.send(tr.FrameType.STOP)
+    assert b.poll_readable(1.0) is True
+    assert b.recv(tr.FrameType.STOP)[0] == tr.FrameType.STOP
+
+
 def test_error_frame_is_raised_with_peer_text():
     a, b = channel_pair()
     a.send_error("model mismatch: hidden is 64 here and 128 on the worker")
