@@ -152,9 +152,10 @@ class ControlChannel:
     count has passed its bound."""
 
     def __init__(self, sock: socket.socket, timeout: float,
-                 alloc: Callable[[int], bytearray] = bytearray):
+                 alloc: Callable[[int], bytearray] = bytearray, spin_s: float = 0.0):
         self.sock = sock
         self.timeout = timeout
+        self.spin_s = spin_s  # poll_readable's default watch (the pair's DS4_TP_TCP_SPIN_US)
         self._alloc = alloc
         self._header = bytearray(FRAME_HEADER.size)
 
@@ -162,12 +163,14 @@ class ControlChannel:
         """The control socket's descriptor (the C hot paths watch it for EOF)."""
         return self.sock.fileno()
 
-    def poll_readable(self, seconds: float) -> bool:
-        """Watch the socket for up to `seconds` without sleeping in the kernel (each look
-        yields the core); whether it became readable. A rank that expects the peer's next
-        command within a sampling step calls this before recv: woken from a blocking read it
-        would pay a scheduler wake-up per token (tens of microseconds, more on a busy host),
-        and the other rank waits that long at the token's first gate."""
+    def poll_readable(self, seconds: Optional[float] = None) -> bool:
+        """Watch the socket for up to `seconds` (default spin_s) without sleeping in the
+        kernel (each look yields the core); whether it became readable. A rank that expects
+        the peer's next command within a sampling step calls this before recv: woken from a
+        blocking read it would pay a scheduler wake-up per token (tens of microseconds, more
+        on a busy host), and the other rank waits that long at the token's first gate."""
+        if seconds is None:
+            seconds = self.spin_s
         if seconds <= 0:
             return False
         sock = [self.sock]

@@ -149,22 +149,12 @@ class Pair:
             self.tcp.gate(send, recv, self.seq, layer, gate)
         return self.seq
 
-    def gate_sum(self, send, peer, out, dtype: int, layer: int = 0, gate: int = 0) -> int:
-        """A gate that also sums: the peer's partial lands in `peer`, rank 0's partial plus
-        rank 1's in `out` (dtype lib.TP_SUM_*), both in C in one call. Up to GATE_MAX_BYTES;
-        a bigger exchange is bulk_sum."""
-        self.seq += 1
-        if self.rdma is not None:
-            self.rdma.gate_sum(send, peer, out, self.seq, dtype, self.rank)
-        else:
-            self.tcp.gate_sum(send, peer, out, self.seq, dtype, self.rank, layer, gate)
-        return self.seq
-
     def sum_gate(self, peer, out, dtype: int, layer: int = 0, gate: int = 0, latency_ns=None,
                  latency_count=None) -> SumGate:
-        """gate_sum with every argument but the partial fixed once (peer, out: reused
-        buffers of the partial's size), for a hot path that runs the same gate many times:
-        see _sum_gates. latency_ns / latency_count: a ring of round trips to record into."""
+        """A gate that also sums, with every argument but the partial fixed once: the peer's
+        partial lands in `peer`, rank 0's partial plus rank 1's in `out` (reused buffers of
+        the partial's size, dtype lib.TP_SUM_*), both in C in one call; see _sum_gates.
+        latency_ns / latency_count: a ring of round trips to record into."""
         if self.closed:
             raise TransportError("this pair is closed; create a new group with mlx_ds4tp.init(...)")
         return make_sum_gate(self.state, self.tcp, self.rdma, self.rank, peer, out, dtype, layer, gate,
@@ -300,7 +290,7 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
         while True:
             sock, peer = accept(listener, deadline, "control")
             tune_socket(sock)
-            control = ControlChannel(sock, config.timeout)
+            control = ControlChannel(sock, config.timeout, spin_s=config.tcp_spin_us / 1e6)
             try:
                 theirs = _exchange_hello(control, mine, hello_timeout)
                 authenticate(control, mine, theirs, config.secret)
@@ -365,7 +355,7 @@ def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial
     host, port = config.coordinator
     sock = dial(host, port, deadline, "control")
     tune_socket(sock)
-    control = ControlChannel(sock, config.timeout)
+    control = ControlChannel(sock, config.timeout, spin_s=config.tcp_spin_us / 1e6)
     try:
         theirs = _exchange_hello(control, mine, config.timeout)
         authenticate(control, mine, theirs, config.secret)

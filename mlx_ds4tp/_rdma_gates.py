@@ -108,7 +108,6 @@ class RdmaGates:
         self.depths: Tuple[int, int, int] = (0, 0, 0)
         self._registered: list = []  # (handle, buffer) kept alive while registered
         self.warmup_ms: Optional[float] = None  # set by warmup.py once both directions are proven
-        self._sum_peer = self._sum_out = self._sum_c = None  # gate_sum's reused buffers
 
     # -- setup -----------------------------------------------------------------
     def _error_text(self) -> str:
@@ -217,23 +216,6 @@ class RdmaGates:
         src = self.ffi.from_buffer(send)
         dst = self.ffi.from_buffer(recv, require_writable=True)
         rc = self.lib.tp_gate(self.dev, src, dst, len(src), seq, self.timeout, self._err, self._errlen)
-        if rc < 0:
-            self._check(rc)
-
-    def gate_sum(self, send, peer, out, seq: int, dtype: int, rank: int) -> None:
-        """A gate whose peer partial lands in `peer` and whose sum (rank 0's partial first,
-        tp_gate_sum) lands in `out`: one C call, GIL released."""
-        src = self.ffi.from_buffer(send)
-        if peer is not self._sum_peer or out is not self._sum_out:
-            self._sum_c = (self.ffi.from_buffer(peer, require_writable=True),
-                           self.ffi.from_buffer(out, require_writable=True))
-            self._sum_peer, self._sum_out = peer, out
-        peer_c, out_c = self._sum_c
-        if not len(peer_c) == len(out_c) == len(src):
-            raise ValueError(f"gate sum: send is {len(src)} bytes, peer {len(peer_c)}, out {len(out_c)}: "
-                             "they must match")
-        rc = self.lib.tp_gate_sum(self.dev, src, peer_c, out_c, len(src), seq, self.timeout, dtype, rank,
-                                  self._err, self._errlen)
         if rc < 0:
             self._check(rc)
 

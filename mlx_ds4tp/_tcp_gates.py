@@ -34,7 +34,6 @@ class TcpGates:
         self._big_out = bytearray(BIG_HEADER.size)
         self._big_in_c = self.ffi.from_buffer(self._big_in)
         self._big_out_c = self.ffi.from_buffer(self._big_out)
-        self._sum_peer = self._sum_out = self._sum_c = None  # gate_sum's reused buffers
         # Polling comes before the kernel's SO_RCVTIMEO wait, so it is capped at a quarter of
         # the timeout: a silent peer is still reported within 1.25x the timeout.
         self.spin_ns = min(spin_us * 1000, int(timeout * 1e9) // 4)
@@ -52,30 +51,6 @@ class TcpGates:
                                   src, dst, len(src), seq, self.spin_ns, self._err, _ERR_BYTES)
         if rc != 0:
             self._raise(rc, seq, layer, gate)
-
-    def gate_sum(self, send, peer, out, seq: int, dtype: int, rank: int, layer: int = 0,
-                 gate: int = 0) -> None:
-        """A gate whose peer partial lands in `peer` and whose sum (rank 0's partial first,
-        tp_tcp_gate_sum) lands in `out`: one C call, GIL released. peer and out are reused
-        from gate to gate, so their C pointers are kept (buffers cached by identity)."""
-        src = self.ffi.from_buffer(send)
-        if peer is not self._sum_peer or out is not self._sum_out:
-            self._sum_targets(peer, out)
-        peer_c, out_c = self._sum_c
-        if not len(peer_c) == len(out_c) == len(src):
-            raise ValueError(f"gate sum: send is {len(src)} bytes, peer {len(peer_c)}, out {len(out_c)}: "
-                             "they must match")
-        GATE_HEADER.pack_into(self._out_header, 0, MAGIC, layer & 0xFFFF, gate & 0xFFFF, seq)
-        rc = self.lib.tp_tcp_gate_sum(self._fd, self._out_header_c, self._in_header_c, GATE_HEADER.size,
-                                      src, peer_c, out_c, len(src), seq, self.spin_ns, dtype, rank,
-                                      self._err, _ERR_BYTES)
-        if rc != 0:
-            self._raise(rc, seq, layer, gate)
-
-    def _sum_targets(self, peer, out) -> None:
-        self._sum_c = (self.ffi.from_buffer(peer, require_writable=True),
-                       self.ffi.from_buffer(out, require_writable=True))
-        self._sum_peer, self._sum_out = peer, out
 
     def raw_exchange(self, send, recv) -> None:
         """The floor: a bare write-then-read of the same bytes (no header, no

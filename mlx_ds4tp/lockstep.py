@@ -262,7 +262,7 @@ class Worker:
         (DS4_TP_TIMEOUT_SEC), so a stopped leader or a pulled cable mid-
         generation is an error, never a hang."""
         if self.sessions:
-            self.control.poll_readable(self.group.pair.config.tcp_spin_us / 1e6)
+            self.control.poll_readable()
             try:
                 return self.control.recv()
             except tr.TransportTimeoutError as exc:

@@ -316,10 +316,9 @@ def serve_worker(group: gate_ops.Group, model) -> int:
     """The worker's loop under `ds4tp serve`: execute the leader's commands until STOP.
     Returns the number of decode steps run; raises on any failure."""
     control = group.pair.control
-    spin_s = group.pair.config.tcp_spin_us / 1e6
     table = SessionTable(model)
     while True:
-        ftype, payload = _next_command(control, table.busy, spin_s)
+        ftype, payload = _next_command(control, table.busy)
         if ftype == F.STOP:
             return table.step_count
         if ftype == F.HASH:
@@ -333,13 +332,13 @@ def serve_worker(group: gate_ops.Group, model) -> int:
         table.apply(ftype, payload)
 
 
-def _next_command(control: tr.ControlChannel, busy: bool, spin_s: float = 0.0) -> tuple:
+def _next_command(control: tr.ControlChannel, busy: bool) -> tuple:
     """Idle between requests without a deadline, noticing a dead leader at once (EOF makes
     the socket readable); during a generation the leader's next command is one sampling step
-    away, so wait at most the timeout (DS4_TP_TIMEOUT_SEC): never a hang. spin_s: how long
-    to watch for it before sleeping (ControlChannel.poll_readable)."""
+    away, so wait at most the timeout (DS4_TP_TIMEOUT_SEC): never a hang. It is watched for
+    a moment before the wait sleeps (ControlChannel.poll_readable)."""
     if busy:
-        control.poll_readable(spin_s)
+        control.poll_readable()
         try:
             return control.recv()
         except tr.TransportTimeoutError as exc:

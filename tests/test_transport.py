@@ -140,6 +140,7 @@ def test_poll_readable_watches_for_the_next_frame_within_its_limit():
     assert b.poll_readable(0.05) is False  # nothing sent: gives up after its limit
     assert 0.05 <= time.monotonic() - t0 < 1.0
     assert b.poll_readable(0) is False
+    assert b.poll_readable() is False  # its default (spin_s) is 0 here: no watch at all
     a.send(tr.FrameType.STOP)
     assert b.poll_readable(1.0) is True
     assert b.recv(tr.FrameType.STOP)[0] == tr.FrameType.STOP
