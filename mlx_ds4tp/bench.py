@@ -110,6 +110,11 @@ def _print_ratios(records: List[dict]) -> None:
             parts.append(f"{rec['p50_us'] / floor['p50_us']:.2f}x raw-floor")
         if ring and name != "mlx-ring":
             parts.append(f"{rec['p50_us'] / ring['p50_us']:.2f}x mlx-ring")
+        # all_sum on an mx.array against the bare gate of its own transport: what the gate
+        # op (checks, the sum, the result array) adds to the exchange.
+        bare = by_name.get(name[: -len("-all_sum")]) if name.endswith("-all_sum") else None
+        if bare:
+            parts.append(f"{rec['p50_us'] / bare['p50_us']:.2f}x {bare['name']}")
         if parts:
             print(f"{name:>22}  p50 = " + ", ".join(parts))
 

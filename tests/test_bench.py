@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 
 def records(out: str):
@@ -84,3 +85,5 @@ def test_plot_writes_a_histogram_png(procs, tmp_path):
     assert p.returncode == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "tcp" in out and "raw-floor" in out and "mlx-ring" in out
+    # The gate op is also put against its own transport's bare gate.
+    assert re.search(r"tcp-all_sum  p50 = .*[0-9.]+x tcp$", out, re.M), out
