@@ -52,14 +52,14 @@ def make_sum_gate(state: Any, tcp, rdma, rank: int, peer, out, dtype: int, layer
     gate. dtype: lib.TP_SUM_*. latency_ns (int64 buffer) and latency_count (a uint64[1]
     buffer): the ring each round trip is recorded in, or None."""
     ffi, lib = load_verbs()
-    if GATE_HEADER.size != len(ffi.new("tp_sum_gate *").hdr_out):
-        raise AssertionError("_wire.GATE_HEADER and tp_sum_gate.hdr_out disagree on the header size")
     peer_c = ffi.from_buffer(peer, require_writable=True)
     out_c = ffi.from_buffer(out, require_writable=True)
     if len(peer_c) != len(out_c) or len(out_c) > GATE_MAX_BYTES:
         raise ValueError(f"sum gate: peer is {len(peer_c)} bytes and out {len(out_c)}; they must match "
                          f"and be at most {GATE_MAX_BYTES} bytes (a bigger exchange is bulk_sum)")
     ctx = ffi.new("tp_sum_gate *")
+    if len(ctx.hdr_out) != GATE_HEADER.size:  # C builds the header _wire describes
+        raise AssertionError("_wire.GATE_HEADER and tp_sum_gate.hdr_out disagree on the header size")
     ctx.pair = state
     ctx.rank = rank
     ctx.dtype = dtype

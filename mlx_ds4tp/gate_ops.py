@@ -278,11 +278,7 @@ def _all_sum(x: mx.array, group: Optional[Group], stream) -> mx.array:
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.all_sum(x, stream=stream)
-    try:
-        mx.async_eval(x)
-    except ValueError:
-        return _c.traced(_c.sum_eager, _c.pass_cotangent, x, group, "all_sum")
-    return _c.sum_eager(x, group)
+    return _c.collective(_c.sum_eager, _c.pass_cotangent, x, group, "all_sum")
 
 
 def all_gather(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
@@ -293,11 +289,7 @@ def all_gather(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.all_gather(x, stream=stream)
-    try:
-        mx.async_eval(x)
-    except ValueError:
-        return _c.traced(_c.gather_eager, _c.slice_cotangent, x, group, "all_gather")
-    return _c.gather_eager(x, group)
+    return _c.collective(_c.gather_eager, _c.slice_cotangent, x, group, "all_gather")
 
 
 def all_max(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:

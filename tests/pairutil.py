@@ -3,6 +3,8 @@ real processes (killed on failure)."""
 
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import subprocess
@@ -113,6 +115,21 @@ class Procs:
                 p.communicate(timeout=10)
             except (subprocess.TimeoutExpired, ValueError):
                 pass
+
+
+def run_mlx_ranks(procs: "Procs", tmp_path, script: str, timeout: float = 60.0) -> List[dict]:
+    """Both ranks of `python -c script` under MLX's ring backend on 127.0.0.1 (a hostfile in
+    tmp_path); each rank's last stdout line parsed as JSON, in rank order."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    ranks = [procs.spawn(["-c", script], env={"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)})
+             for r in (0, 1)]
+    outs = []
+    for p in ranks:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
 
 
 def reference_text(model_dir, prompt: str, max_tokens: int) -> Tuple[str, List[int]]:

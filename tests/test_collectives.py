@@ -18,7 +18,7 @@ import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.errors import HelloMismatchError
-from pairutil import Procs, free_port, make_groups, run_both
+from pairutil import Procs, free_port, make_groups, run_both, run_mlx_ranks
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_child.py")
 # 7 dtypes x 5 shapes x (all_sum, all_max, all_min, all_gather, sum_scatter, send/recv)
@@ -150,15 +150,7 @@ print(json.dumps(out))
 def test_mlx_transport_delegates_every_collective(procs, tmp_path):
     """transport="mlx": all_max, all_min, sum_scatter, send and recv go to mx.distributed
     (sum_scatter as its all_sum and the slice: MLX's own runs only on NCCL)."""
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-    ranks = [procs.spawn(["-c", MLX_RANK_SCRIPT], env={"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)})
-             for r in (0, 1)]
-    outs = []
-    for p in ranks:
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = run_mlx_ranks(procs, tmp_path, MLX_RANK_SCRIPT)
     x0, x1 = list(range(6)), [2 * i - 3 for i in range(6)]
     for rank, o in enumerate(outs):
         assert o["max"] == [max(a, b) for a, b in zip(x0, x1)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 import time
 
@@ -12,7 +11,7 @@ import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.errors import HelloMismatchError
-from pairutil import both_ok, free_port, make_groups, run_both
+from pairutil import both_ok, make_groups, run_both, run_mlx_ranks
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
@@ -195,15 +194,7 @@ MLX_RANK_SCRIPT = textwrap.dedent(
 
 def test_mlx_transport_uses_mx_distributed(procs, tmp_path):
     """transport="mlx": the same Group API over MLX's own ring backend."""
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-    ranks = [procs.spawn(["-c", MLX_RANK_SCRIPT], env={"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)})
-             for r in (0, 1)]
-    outs = []
-    for p in ranks:
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = run_mlx_ranks(procs, tmp_path, MLX_RANK_SCRIPT)
     for r, o in enumerate(outs):
         assert (o["rank"], o["size"], o["transport"]) == (r, 2, "mlx")
         assert o["sum"] == [3.0 * i for i in range(6)]
