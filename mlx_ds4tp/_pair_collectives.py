@@ -118,7 +118,9 @@ def _move(group, send, recv, op: int, code: int) -> None:
         group.pair.gate(send, recv, layer=op, gate=code)
         group.record_latency(time.perf_counter_ns() - t0)
     else:
+        t0 = time.perf_counter_ns()
         group.pair.bulk(send, recv, layer=op)
+        group.record_exchange(time.perf_counter_ns() - t0)
 
 
 def to_mlx(values: np.ndarray, dtype) -> mx.array:
@@ -246,7 +248,9 @@ def sum_eager(x: mx.array, group) -> mx.array:
         if rc:
             slot.fail(rc)
     else:
+        t0 = time.perf_counter_ns()
         group.pair.bulk_sum(local, slot.peer, slot.out, slot.code, SUM)
+        group.record_exchange(time.perf_counter_ns() - t0)
     return slot.finish()
 
 

@@ -49,8 +49,9 @@ def make_sum_gate(state: Any, tcp, rdma, rank: int, peer, out, dtype: int, layer
                   latency_ns=None, latency_count=None) -> SumGate:
     """A SumGate over rdma (RdmaGates) when given, else tcp (TcpGates). state: the pair's
     tp_pair_state. peer and out: writable buffers of the partial's size, reused by every
-    gate. dtype: lib.TP_SUM_*. latency_ns (int64 buffer) and latency_count (a uint64[1]
-    buffer): the ring each round trip is recorded in, or None."""
+    gate. dtype: lib.TP_SUM_*. latency_ns (int64 buffer) and latency_count (a uint64[2]
+    buffer: the round trips recorded, their total ns): the ring each round trip is recorded
+    in, or None."""
     ffi, lib = load_verbs()
     peer_c = ffi.from_buffer(peer, require_writable=True)
     out_c = ffi.from_buffer(out, require_writable=True)
@@ -86,6 +87,9 @@ def make_sum_gate(state: Any, tcp, rdma, rank: int, peer, out, dtype: int, layer
     if latency_ns is not None:
         ring = ffi.from_buffer("int64_t[]", latency_ns, require_writable=True)
         count = ffi.from_buffer("uint64_t[]", latency_count, require_writable=True)
+        if len(count) < 2:
+            raise ValueError(f"sum gate: latency_count holds {len(count)} uint64; it needs 2 "
+                             "(the round trips recorded and their total ns)")
         ctx.latency_ns = ring
         ctx.latency_len = len(ring)
         ctx.latency_count = count

@@ -327,7 +327,7 @@ typedef struct tp_sum_gate {
     unsigned char hdr_in[16];    /* the peer's (read on TP_EDESYNC) */
     int64_t *latency_ns;      /* ring of round trips, latency_len entries (NULL: not kept) */
     uint64_t latency_len;
-    uint64_t *latency_count;  /* round trips recorded so far */
+    uint64_t *latency_count;  /* [0]: round trips recorded so far, [1]: their total ns */
     char err[512];            /* why the last failed call failed */
 } tp_sum_gate;
 

@@ -282,8 +282,10 @@ int tp_sum_gate_run(tp_sum_gate *g, const void *src, uint64_t bytes) {
                              bytes, seq, g->spin_ns, g->dtype, g->rank, g->err, sizeof(g->err));
     }
     if (rc == TP_OK && g->latency_ns && g->latency_len) {
-        g->latency_ns[*g->latency_count % g->latency_len] = (int64_t)(tp_mono_ns() - t0);
-        ++*g->latency_count;
+        const uint64_t ns = tp_mono_ns() - t0;
+        g->latency_ns[g->latency_count[0] % g->latency_len] = (int64_t)ns;
+        g->latency_count[0]++;
+        g->latency_count[1] += ns;
     }
     return rc;
 }

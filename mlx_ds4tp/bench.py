@@ -75,8 +75,10 @@ def print_records(records: List[dict], as_json: bool, keep_samples: bool = False
         else:
             match = ("(gates skipped: the bound for any transport)" if rec["tokens_match"] is None
                      else f"tokens_match={rec['tokens_match']}")
+            exchanges = (f"  exchanges {rec['exchange_ms_per_token']:.2f} ms/token"
+                         if "exchange_ms_per_token" in rec else "")
             print(f"{rec['name']:>22}  prefill {rec['prefill_tok_s']:8.1f} tok/s{_rounds(rec, 'prefill_tok_s')}"
-                  f"  decode {rec['tok_s']:8.1f} tok/s{_rounds(rec, 'tok_s')}  {match}", flush=True)
+                  f"  decode {rec['tok_s']:8.1f} tok/s{_rounds(rec, 'tok_s')}{exchanges}  {match}", flush=True)
 
 
 def _rounds(rec: dict, key: str) -> str:
@@ -97,7 +99,19 @@ def _print_model_ratios(records: List[dict]) -> None:
         if ceiling and ceiling[key]:
             for name, rec in by_name.items():
                 if name.startswith("tp2") and name != ceiling["name"]:
-                    print(f"{name:>22}  {label} = {rec[key] / ceiling[key]:.2f}x the compute ceiling")
+                    print(f"{name:>22}  {label} = {rec[key] / ceiling[key]:.2f}x the compute ceiling"
+                          f"{_decode_gap(rec, ceiling) if key == 'tok_s' else ''}")
+
+
+def _decode_gap(rec: dict, ceiling: dict) -> str:
+    """What a pair's decode loses to the ceiling a token, beside what the leader spent in
+    exchanges: the gate round trips plus waiting for the other rank's half, the lockstep's
+    whole cost (the ceiling's ranks never wait for each other)."""
+    if not rec.get("tok_s") or "exchange_ms_per_token" not in rec:
+        return ""
+    gap = 1e3 / rec["tok_s"] - 1e3 / ceiling["tok_s"]
+    return (f" ({gap:+.2f} ms/token; the leader spent {rec['exchange_ms_per_token']:.2f} ms/token "
+            "in exchanges, waits for the other rank included)")
 
 
 def _print_ratios(records: List[dict]) -> None:

@@ -163,6 +163,7 @@ def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens:
     name = "tp2-tcp" if transport == "tcp" else f"tp2-rdma-{rdma_device or 'ibverbs'}"
     return {"name": name, "tok_s": round(result["decode_tok_s"], 2), "tokens": len(result["tokens"]),
             "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1),
+            "exchange_ms_per_token": round(result["exchange_ms_per_token"], 2),
             "prefill_tok_s": round(result["prompt_tok_s"], 2), "prompt_tokens": len(result["prompt_tokens"])}
 
 
@@ -234,6 +235,7 @@ def model_bench(path: str, transport: str, rdma_device: Optional[str], max_token
             rec[key] = round(statistics.median(rec[f"{key}_rounds"]), 2)
         if "gate_p50_us" in rec:
             rec["gate_p50_us"] = round(statistics.median(g["gate_p50_us"] for g in got), 1)
+            rec["exchange_ms_per_token"] = round(statistics.median(g["exchange_ms_per_token"] for g in got), 2)
         if name != CEILING:
             rec["tokens_match"] = all(g["token_ids"] == reference for g in got)
         rec.pop("token_ids", None)

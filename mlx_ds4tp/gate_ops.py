@@ -9,6 +9,7 @@ backends is a one-line change. The machinery behind them is _pair_collectives.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -46,9 +47,12 @@ class Group:
         self.bulk_slots: Dict[tuple, object] = {}
         # Round trips of the last LATENCY_WINDOW decode gates, for the closing line of a
         # run (p50/p99). The float gates record theirs in C (tp_sum_gate_run), hence the
-        # count in an array C writes too.
+        # count, and the total time of every gate so far, in an array C writes too.
         self._latency_ns = np.zeros(LATENCY_WINDOW, dtype=np.int64)
-        self._latency_count = np.zeros(1, dtype=np.uint64)
+        self._latency_count = np.zeros(2, dtype=np.uint64)
+        # The total time of the other exchanges: bulk (prefill rows, logits) and the
+        # signature checks (agree_signature).
+        self._other_exchange_ns = 0
         if pair is not None:
             self.transport = pair.transport
             self._rank = pair.rank
@@ -106,6 +110,18 @@ class Group:
     def record_latency(self, ns: int) -> None:
         self._latency_ns[int(self._latency_count[0]) % LATENCY_WINDOW] = ns
         self._latency_count[0] += 1
+        self._latency_count[1] += ns
+
+    def record_exchange(self, ns: int) -> None:
+        """Time spent in an exchange the gates' ring does not record (bulk, signature)."""
+        self._other_exchange_ns += ns
+
+    def exchange_seconds(self) -> float:
+        """Seconds this rank has spent inside gates and bulk exchanges since init, waiting
+        for the peer included. In lockstep decode that is mostly waiting: a rank that
+        finishes its half of a layer first waits at the gate for the other's. Take the
+        difference across a span of work to see how much of it was exchange."""
+        return (int(self._latency_count[1]) + self._other_exchange_ns) / 1e9
 
     def latency_ring(self) -> Tuple[np.ndarray, np.ndarray]:
         """(round trips in ns, how many were recorded): the float gates' C side writes both."""
@@ -129,7 +145,9 @@ class Group:
             raise ValueError(f"gate arrays have at most {MAX_DIMS} dimensions, got shape {shape}")
         dims = list(shape) + [0] * (MAX_DIMS - len(shape))
         mine = DESCRIPTOR.pack(DESCRIPTOR_MAGIC, dtype_code, len(shape), op, *dims)
+        t0 = time.perf_counter_ns()
         theirs = self.pair.exchange_small(mine, "gate signature")
+        self.record_exchange(time.perf_counter_ns() - t0)
         magic, pcode, pndim, pop, *pdims = DESCRIPTOR.unpack(theirs)
         if magic != DESCRIPTOR_MAGIC:
             raise HelloMismatchError(

@@ -121,16 +121,24 @@ class GenerationStats:
     prompt_sec: float = 0.0
     decode_tokens: int = 0
     decode_sec: float = 0.0
+    # Of decode_sec, the time this rank spent inside gates and bulk exchanges, waiting for
+    # the peer included (gate_ops.Group.exchange_seconds).
+    decode_exchange_sec: float = 0.0
     tokens: List[int] = dataclasses.field(default_factory=list)
+
+    def exchange_ms_per_token(self) -> float:
+        return self.decode_exchange_sec / self.decode_tokens * 1e3 if self.decode_tokens else 0.0
 
     def line(self, group: gate_ops.Group) -> str:
         p50, p99 = group.gate_latency_us()
         prompt_tps = self.prompt_tokens / self.prompt_sec if self.prompt_sec else 0.0
         decode_tps = self.decode_tokens / self.decode_sec if self.decode_sec else 0.0
+        share = self.decode_exchange_sec / self.decode_sec * 100 if self.decode_sec else 0.0
         return (
             f"prompt {self.prompt_tokens} tokens {prompt_tps:.1f} tok/s | decode {self.decode_tokens} "
             f"tokens {decode_tps:.1f} tok/s | transport {group.transport} | gate p50 {p50:.1f} us "
-            f"p99 {p99:.1f} us"
+            f"p99 {p99:.1f} us | exchanges {self.exchange_ms_per_token():.2f} ms/token "
+            f"({share:.0f}% of decode, waits for the peer included)"
         )
 
 
@@ -190,6 +198,7 @@ class Leader:
         stats.prompt_sec = time.perf_counter() - t0
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
         t1 = time.perf_counter()
+        exchanged = self.group.exchange_seconds()
         for seq in range(1, max_tokens + 1):
             token = sampler(logits)
             stats.tokens.append(token)
@@ -203,6 +212,7 @@ class Leader:
             if self.debug_hash and seq % self.debug_hash == 0:
                 self._check_hash(session, seq, logits)
         stats.decode_sec = time.perf_counter() - t1
+        stats.decode_exchange_sec = self.group.exchange_seconds() - exchanged
         self.control.send(F.SESSION_DESTROY, SESSION.pack(session, 0, 0))
         return stats
 

@@ -149,6 +149,7 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
                 "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
                 "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,
                 "gate_p50_us": p50, "gate_p99_us": p99,
+                "exchange_ms_per_token": stats.exchange_ms_per_token(),
             }))
     return 0
 

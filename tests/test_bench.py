@@ -41,6 +41,10 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
         # Prompt processing of the same 40-token prompt, timed the same way.
         assert rec["prompt_tokens"] == 40 and rec["prefill_tok_s"] > 0, rec
         assert rec["prefill_tok_s"] == round(sum(rec["prefill_tok_s_rounds"]) / 2, 2), rec
+    for name in ("tp2-tcp", "tp2-rdma-ucsim"):
+        # The leader's time in exchanges (waits included) is part of each decode token's time.
+        rec = got[name]
+        assert 0 < rec["exchange_ms_per_token"] < 1e3 / rec["tok_s"], rec
     ceiling = got["tp2-compute-ceiling"]
     assert ceiling["tok_s"] > 0 and ceiling["tokens"] == 6 and ceiling["tokens_match"] is None, ceiling
     assert ceiling["prefill_tok_s"] > 0 and ceiling["prompt_tokens"] == 40, ceiling
@@ -60,6 +64,10 @@ def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceil
     for phase in ("prefill", "decode"):
         for ratio in ("x single", "x mlx-lm-ring", "x the compute ceiling"):
             assert f"tp2-tcp  {phase} = " in out and ratio in out, (phase, ratio, out)
+    # What decode loses to the ceiling, beside the leader's time in exchanges.
+    assert re.search(r"tp2-tcp  decode = [0-9.]+x the compute ceiling \([+-][0-9.]+ ms/token; the leader "
+                     r"spent [0-9.]+ ms/token in exchanges", out), out
+    assert re.search(r"tp2-tcp  prefill .* decode .* exchanges [0-9.]+ ms/token", out), out
 
 
 def test_bench_rejects_zero_rounds(procs, tmp_path):

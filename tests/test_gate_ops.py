@@ -168,6 +168,36 @@ def test_gate_latency_is_recorded():
         assert 0 < p50 <= p99
 
 
+def test_exchange_seconds_count_gates_bulk_exchanges_and_the_wait_for_the_peer():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        assert lg.exchange_seconds() == 0.0
+        ones = mx.ones((4096,))
+        mx.eval(ones)
+        for _ in range(20):
+            both_ok(lambda: tp.all_sum(ones, group=lg), lambda: tp.all_sum(ones, group=wg))
+        ring, count = lg.latency_ring()
+        assert int(count[0]) >= 20
+        gates = lg.exchange_seconds()
+        # The float gates time themselves in C: the total is the sum of their round trips, and
+        # of the one signature check before the first.
+        in_gates = ring[: int(count[0])].sum() / 1e9
+        assert in_gates > 0 and in_gates <= gates < in_gates + 0.5
+        # A gate the worker reaches 0.3 s late: the leader's time in it is mostly the wait.
+        both_ok(lambda: tp.all_sum(ones, group=lg),
+                lambda: (time.sleep(0.3), tp.all_sum(ones, group=wg))[1])
+        waited = lg.exchange_seconds() - gates
+        assert 0.25 < waited < 5.0, waited
+        # A bulk exchange (over the gate's 16 KiB) counts too, with its signature check, where
+        # the wait for a late peer lands.
+        logits = mx.ones((1, 40000))
+        mx.eval(logits)
+        before = lg.exchange_seconds()
+        both_ok(lambda: tp.all_gather(logits, group=lg),
+                lambda: (time.sleep(0.2), tp.all_gather(logits, group=wg))[1])
+        assert 0.15 < lg.exchange_seconds() - before < 5.0
+
+
 def test_drop_in_gate_layer(groups):
     """The gate as an nn.Module in user model code."""
     from mlx_ds4tp.model_split import AllSumGate

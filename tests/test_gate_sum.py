@@ -91,6 +91,23 @@ def test_sum_gate_refuses_a_wrong_size_and_a_closed_pair_before_sending():
     assert state.seq == 0
 
 
+def test_sum_gate_refuses_a_latency_count_without_room_for_the_total():
+    from mlx_ds4tp._sum_gates import make_sum_gate
+
+    ffi, lib = load_verbs()
+
+    class Tcp:
+        spin_ns = 0
+
+        def fileno(self):
+            return -1
+
+    buf = np.zeros(16, np.uint8)
+    with pytest.raises(ValueError, match="latency_count holds 1 uint64; it needs 2"):
+        make_sum_gate(ffi.new("tp_pair_state *"), Tcp(), None, 0, buf, buf.copy(), lib.TP_SUM_F32, 0, 0,
+                      np.zeros(8, np.int64), np.zeros(1, np.uint64))
+
+
 @pytest.mark.parametrize("shape", [(8192,), (2, 3, 4), (), (0,), (2, 0, 3)], ids=str)
 def test_bfloat16_export_copies_the_bits_into_a_new_evaluated_array(shape):
     from mlx_ds4tp._dlpack import Bf16Export

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -46,6 +47,9 @@ def test_pair_text_equals_single_process(procs, model_dir, transport, targs):
     streamed, closing = lout.rsplit("\n", 2)[0], lout.strip().splitlines()[-1]
     assert streamed == text
     assert f"transport {transport}" in closing and "tok/s" in closing and "gate p50" in closing
+    # The leader's time in exchanges, a part of decode's time.
+    exchanges = re.search(r"exchanges ([0-9.]+) ms/token \(([0-9]+)% of decode", closing)
+    assert exchanges and float(exchanges[1]) > 0 and 0 <= int(exchanges[2]) <= 100, closing
     assert "leader said stop" in werr
 
 
