@@ -117,14 +117,16 @@ class Group:
         self._other_exchange_ns += ns
 
     def exchange_seconds(self) -> float:
-        """Seconds this rank has spent inside gates and bulk exchanges since init, waiting
-        for the peer included. In lockstep decode that is mostly waiting: a rank that
-        finishes its half of a layer first waits at the gate for the other's. Take the
-        difference across a span of work to see how much of it was exchange."""
+        """Seconds this rank has spent in gates, bulk exchanges and signature checks since
+        init, waiting for the peer included (0 over transport="mlx", whose collectives MLX
+        runs). In lockstep decode that is mostly waiting: a rank that finishes its half of a
+        layer first waits at the gate for the other's. Take the difference across a span of
+        work to see how much of it was exchange."""
         return (int(self._latency_count[1]) + self._other_exchange_ns) / 1e9
 
     def latency_ring(self) -> Tuple[np.ndarray, np.ndarray]:
-        """(round trips in ns, how many were recorded): the float gates' C side writes both."""
+        """(round trips in ns, [how many were recorded, their total ns]): the float gates'
+        C side writes both."""
         return self._latency_ns, self._latency_count
 
     def scratch(self, nbytes: int, np_dtype) -> np.ndarray:
