@@ -121,8 +121,8 @@ class GenerationStats:
     prompt_sec: float = 0.0
     decode_tokens: int = 0
     decode_sec: float = 0.0
-    # Of decode_sec, the time this rank spent inside gates and bulk exchanges, waiting for
-    # the peer included (gate_ops.Group.exchange_seconds).
+    # Of decode_sec, the time this rank spent in gates, bulk exchanges and signature checks,
+    # waiting for the peer included (gate_ops.Group.exchange_seconds).
     decode_exchange_sec: float = 0.0
     tokens: List[int] = dataclasses.field(default_factory=list)
 
