@@ -14,10 +14,10 @@ import sys
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.cli import add_run_args, check_run_args
-from mlx_ds4tp.lockstep import Leader, Worker
+from mlx_ds4tp.lockstep.steps import Leader, Worker
 from mlx_ds4tp.model_split import load_split
-from mlx_ds4tp.pair_run import model_identity
-from mlx_ds4tp.sampling import options_from_args, run_sampler
+from mlx_ds4tp.lockstep.run import model_identity
+from mlx_ds4tp.lockstep.sampling import options_from_args, run_sampler
 
 
 def main() -> int:

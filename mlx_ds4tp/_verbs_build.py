@@ -1,6 +1,7 @@
 """cffi API-mode build of ``mlx_ds4tp._verbs``.
 
-The C lives in the .c files beside this script. The cdef is ``_verbs_api.h``
+The C lives in csrc/ beside this script (shared headers at its top, the
+transports by concern in csrc/tcp/ and csrc/rdma/). The cdef is ``_verbs_api.h``
 read whole: that header is also what the C files include, so each declaration
 is written once, and cffi checks at import that every constant and struct
 layout in it equals what the compiler made of it. ``setup.py`` names
@@ -17,18 +18,18 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [
-    "_verbs_util.c",  # helpers shared by everything below
-    "_verbs_dev.c",  # provider choice, queue pair life cycle, registrations, reaping
-    "_verbs_loss.c",  # hot paths: entering, failing, sequence tags, loss detection
-    "_verbs_flow.c",  # hot paths: receives-posted barrier, usable queue depth
-    "_verbs_window.c",  # hot paths: decode gate window and its drain
-    "_verbs_bulk.c",  # hot paths: bulk rounds
-    "_verbs_ibv.c",  # provider: the real verbs library, dlopen'ed
-    "_verbs_ucsim.c",  # provider: the emulated Thunderbolt UC device
-    "_tcp_gate.c",  # the TCP fallback's gate loop
-    "_verbs_sum.c",  # the gate's sum of the two partials (float32, float16, bfloat16)
+    "csrc/util.c",  # helpers shared by everything below
+    "csrc/rdma/dev.c",  # provider choice, queue pair life cycle, registrations, reaping
+    "csrc/rdma/loss.c",  # hot paths: entering, failing, sequence tags, loss detection
+    "csrc/rdma/flow.c",  # hot paths: receives-posted barrier, usable queue depth
+    "csrc/rdma/window.c",  # hot paths: decode gate window and its drain
+    "csrc/rdma/bulk.c",  # hot paths: bulk rounds
+    "csrc/rdma/ibv.c",  # provider: the real verbs library, dlopen'ed
+    "csrc/rdma/ucsim.c",  # provider: the emulated Thunderbolt UC device
+    "csrc/tcp/gate.c",  # the TCP fallback's gate loop
+    "csrc/sum.c",  # the gate's sum of the two partials (float32, float16, bfloat16)
 ]
-HEADERS = ["_verbs.h", "_verbs_api.h", "_verbs_priv.h", "_verbs_hot.h"]
+HEADERS = ["csrc/_verbs.h", "csrc/_verbs_api.h", "csrc/_verbs_priv.h", "csrc/_verbs_hot.h"]
 STANDALONE = __name__ == "__main__"
 
 
@@ -41,7 +42,7 @@ def _path(name: str) -> str:
 
 def _api_cdef() -> str:
     """_verbs_api.h, whole: the one place the API is declared."""
-    with open(os.path.join(HERE, "_verbs_api.h")) as f:
+    with open(os.path.join(HERE, "csrc", "_verbs_api.h")) as f:
         return f.read()
 
 
@@ -51,7 +52,7 @@ ffibuilder.set_source(
     "mlx_ds4tp._verbs",
     '#include "_verbs.h"',
     sources=[_path(name) for name in SOURCES],
-    include_dirs=[_path(".")],
+    include_dirs=[_path("csrc")],
     define_macros=[("TP_FORCE_NO_IBVERBS", "1")] if os.environ.get("MLX_DS4TP_NO_IBVERBS") else [],
     libraries=["dl"] if sys.platform.startswith("linux") else [],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall"],

@@ -15,12 +15,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import _pair_collectives as _c
+from .collectives import ops as _c
 from . import transport as tr
 from . import warmup
-from ._collective import MlxCollective
-from ._pair_collectives import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
-from ._wire import DESCRIPTOR, DESCRIPTOR_MAGIC, MAX_DIMS
+from .collectives.seam import MlxCollective
+from .collectives.ops import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
+from .link.wire import DESCRIPTOR, DESCRIPTOR_MAGIC, MAX_DIMS
 from .errors import HelloMismatchError, TransportError
 
 # ============================================================================

@@ -24,10 +24,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ._collective import Collective, MlxCollective, as_collective
-from ._fingerprint import model_fingerprint
-from ._safetensors_parts import SafetensorsParts
-from ._split_layers import (
+from .collectives.seam import Collective, MlxCollective, as_collective
+from .link.fingerprint import model_fingerprint
+from .checkpoint.parts import SafetensorsParts
+from .split.layers import (
     CUTTABLE,
     SHARDED,
     AllSumGate,
@@ -42,8 +42,8 @@ from ._split_layers import (
     cut_layer,
     rank_and_size,
 )
-from ._split_plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, supported
-from ._log import log
+from .split.plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, supported
+from .base.log import log
 from .gate_ops import Group
 
 _WRAPPERS = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear}
@@ -234,7 +234,7 @@ def load_split(
 
     Arguments:
       path: a local mlx-lm model directory (config.json, *.safetensors, tokenizer files), as
-        mlx_lm.convert or mlx_ds4tp.tiny_model write it, or an original Hugging Face checkpoint
+        mlx_lm.convert or mlx_ds4tp.testing.tiny_model write it, or an original Hugging Face checkpoint
         of a supported family (experts saved one by one are stacked while reading).
       group: as for split_model.
       lazy: True (default): mlx-lm builds the model without reading the weights and each cut
@@ -263,7 +263,7 @@ def load_split(
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(
             f"{model_path} is not an mlx-lm model directory (no config.json in it); give the "
-            f"directory mlx_lm.convert or mlx_ds4tp.tiny_model wrote"
+            f"directory mlx_lm.convert or mlx_ds4tp.testing.tiny_model wrote"
         )
     rank, size = rank_and_size(group)
     agree_model(model_path, group)

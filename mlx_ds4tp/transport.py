@@ -19,7 +19,7 @@ The transport never sees MLX: gates move bytes between buffers the caller owns.
 
 from __future__ import annotations
 
-from ._config import (
+from .link.config import (
     DEFAULT_HELLO_TIMEOUT_SEC,
     DEFAULT_TIMEOUT_SEC,
     MAX_TCP_SPIN_US,
@@ -32,7 +32,7 @@ from ._config import (
     tcp_spin_us,
     verbs_library,
 )
-from ._control import (
+from .link.control import (
     ControlChannel,
     accept,
     decode_frame_header,
@@ -44,9 +44,9 @@ from ._control import (
     swap_small,
     tune_socket,
 )
-from ._fingerprint import Fingerprint, first_difference, model_fingerprint, summary_label
-from ._handshake import Pair, connect
-from ._hello import (
+from .link.fingerprint import Fingerprint, first_difference, model_fingerprint, summary_label
+from .link.handshake import Pair, connect
+from .link.hello import (
     Hello,
     ModelIdentity,
     auth_proof,
@@ -55,11 +55,11 @@ from ._hello import (
     choose_transport,
     data_proof,
 )
-from ._log import log
-from ._native import load_verbs
-from ._rdma_gates import UCSIM, RdmaGates, rdma_probe
-from ._tcp_gates import TcpGates, raw_exchange
-from ._wire import (
+from .base.log import log
+from .link.native import load_verbs
+from .link.rdma import UCSIM, RdmaGates, rdma_probe
+from .link.tcp import TcpGates, raw_exchange
+from .link.wire import (
     BATCH_MAGIC,
     BIG_HEADER,
     DATA_HELLO,

@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from . import transport as tr
-from ._wire import (
+from .link.wire import (
     MAX_STATUS_MESSAGE_BYTES,
     POSTED,
     RDMA_MAX_MSG,

@@ -48,7 +48,7 @@ def main(argv) -> int:
     phase, role, host, port, transport, model = argv[:6]
     port = int(port)
     from mlx_ds4tp import transport as tr
-    from mlx_ds4tp.pair_run import model_identity
+    from mlx_ds4tp.lockstep.run import model_identity
 
     identity = model_identity(model)
     device = "ucsim" if transport == "rdma" else None
@@ -126,7 +126,7 @@ def main(argv) -> int:
             if k == 0:
                 at(phase)
     if phase == "between-prompts" and leader:
-        from mlx_ds4tp.lockstep import Leader, make_sampler
+        from mlx_ds4tp.lockstep.steps import Leader, make_sampler
         from mlx_ds4tp.model_split import load_split
 
         split, tokenizer = load_split(model, group)

@@ -17,8 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    """A listen port outside the ephemeral range (see mlx_ds4tp._localpair.free_port)."""
-    from mlx_ds4tp._localpair import free_port as pick
+    """A listen port outside the ephemeral range (see mlx_ds4tp.testing.localpair.free_port)."""
+    from mlx_ds4tp.testing.localpair import free_port as pick
 
     return pick("127.0.0.1")
 
@@ -137,7 +137,7 @@ def reference_text(model_dir, prompt: str, max_tokens: int) -> Tuple[str, List[i
     what a pair run of the same model must print."""
     from mlx_lm.utils import load
 
-    from mlx_ds4tp.pair_run import single_process_tokens
+    from mlx_ds4tp.lockstep.run import single_process_tokens
 
     _, tokenizer = load(str(model_dir))
     tokens = single_process_tokens(model_dir, list(tokenizer.encode(prompt)), max_tokens)

@@ -26,7 +26,7 @@ API_KEY = "test-key"
 
 def build_chat_model(directory: Path, seed: int = 3) -> Path:
     """The tiny llama with a chat template in its tokenizer config."""
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.testing.tiny_model import save_llama
 
     path = save_llama(directory / "chat-llama", "tiny", seed=seed)
     config_path = path / "tokenizer_config.json"

@@ -25,7 +25,7 @@ def test_gate_bench_prints_every_record(procs):
 
 
 def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.testing.tiny_model import save_llama
 
     path = save_llama(tmp_path / "m", "tiny", seed=5)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--model", str(path), "--max-tokens", "6",
@@ -52,7 +52,7 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
 
 
 def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceiling(procs, tmp_path):
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.testing.tiny_model import save_llama
 
     path = save_llama(tmp_path / "m", "tiny", seed=6)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--transport", "tcp", "--model", str(path),
@@ -71,7 +71,7 @@ def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceil
 
 
 def test_bench_rejects_zero_rounds(procs, tmp_path):
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.testing.tiny_model import save_llama
 
     path = save_llama(tmp_path / "m", "tiny", seed=7)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--model", str(path), "--rounds", "0"])

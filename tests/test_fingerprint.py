@@ -15,7 +15,7 @@ import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp import transport as tr
-from mlx_ds4tp._fingerprint import (
+from mlx_ds4tp.link.fingerprint import (
     SAMPLE_BYTES,
     SAMPLE_WINDOWS,
     Fingerprint,
@@ -25,7 +25,7 @@ from mlx_ds4tp._fingerprint import (
     summary_label,
 )
 from mlx_ds4tp.errors import FrameError, HelloMismatchError
-from mlx_ds4tp.tiny_model import save_random_model
+from mlx_ds4tp.testing.tiny_model import save_random_model
 from pairutil import both_ok, free_port, run_both
 from tiny_models import FAMILIES
 
@@ -194,7 +194,7 @@ def test_a_big_models_details_name_the_one_differing_tensor():
 RANK = textwrap.dedent(
     """
     import sys, mlx_ds4tp as tp
-    from mlx_ds4tp._fingerprint import model_fingerprint
+    from mlx_ds4tp.link.fingerprint import model_fingerprint
     role, port, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     identity = tp.ModelIdentity(layers=2, fingerprint=model_fingerprint(model))
     where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}

@@ -33,8 +33,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_ds4tp import _wire as wire
-from mlx_ds4tp import lockstep
+from mlx_ds4tp.link import wire
+from mlx_ds4tp.lockstep import steps as lockstep
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import (
     FrameError,
@@ -677,7 +677,7 @@ def tiny_model(tmp_path_factory):
     """The tiny llama, unsplit: the worker loop does not care, and a forward needs no peer."""
     from mlx_lm.utils import load
 
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.testing.tiny_model import save_llama
 
     model, _ = load(str(save_llama(tmp_path_factory.mktemp("fuzz-model"), "tiny", seed=5)))
     return model

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_ds4tp._native import load_verbs, sum_partials
+from mlx_ds4tp.link.native import load_verbs, sum_partials
 
 # (MLX dtype, C code, the numpy type its bits are read as)
 DTYPES = [(mx.float32, 1, np.uint32), (mx.float16, 2, np.uint16), (mx.bfloat16, 3, np.uint16)]
@@ -92,7 +92,7 @@ def test_sum_gate_refuses_a_wrong_size_and_a_closed_pair_before_sending():
 
 
 def test_sum_gate_refuses_a_latency_count_without_room_for_the_total():
-    from mlx_ds4tp._sum_gates import make_sum_gate
+    from mlx_ds4tp.link.sum_gates import make_sum_gate
 
     ffi, lib = load_verbs()
 
@@ -110,7 +110,7 @@ def test_sum_gate_refuses_a_latency_count_without_room_for_the_total():
 
 @pytest.mark.parametrize("shape", [(8192,), (2, 3, 4), (), (0,), (2, 0, 3)], ids=str)
 def test_bfloat16_export_copies_the_bits_into_a_new_evaluated_array(shape):
-    from mlx_ds4tp._dlpack import Bf16Export
+    from mlx_ds4tp.collectives.dlpack import Bf16Export
 
     count = int(np.prod(shape, dtype=np.int64))
     bits_in = np.random.default_rng(5).integers(0, 1 << 16, size=count, dtype=np.uint64).astype(np.uint16)

@@ -1,4 +1,4 @@
-"""The real ibverbs provider (mlx_ds4tp/_verbs_ibv.c) end to end, over the
+"""The real ibverbs provider (mlx_ds4tp/csrc/rdma/ibv.c) end to end, over the
 fake libibverbs of tests/fake_ibverbs/: rdma-core's ABI in front of ucsim's
 engine, behaving as Apple's Thunderbolt RDMA device (UC only, 16 KiB
 messages, rdma_enN names, the IPv4-mapped GID at index 1, a post past 63
@@ -336,7 +336,7 @@ def test_library_and_device_errors_name_the_fix(fake):
 
 
 def test_doctor_finds_the_fake_device(fake, capsys):
-    from mlx_ds4tp import doctor
+    from mlx_ds4tp.cli import doctor
 
     lines = doctor.check_verbs()
     out = capsys.readouterr().out

@@ -24,7 +24,7 @@ from splitutil import CHILD, run_ranks, transports, unsplit_references
 
 import tiny_models
 from tiny_models import RankOnly
-from mlx_ds4tp import _safetensors_parts
+from mlx_ds4tp.checkpoint import parts as _safetensors_parts
 from mlx_ds4tp.model_split import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -178,7 +178,7 @@ def test_safetensors_parts_along_both_axes(tmp_path, monkeypatch, dtype):
 
 def test_load_split_reads_only_its_half(tmp_path):
     """Peak RSS of a rank loading its half vs a process loading the whole model (~88M params)."""
-    from mlx_ds4tp.tiny_model import LlamaSizes, save_llama
+    from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama
 
     sizes = LlamaSizes(layers=6, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=8192)
     path = save_llama(tmp_path / "rss-model", sizes)
@@ -340,7 +340,7 @@ def test_prefill_skips_only_the_last_blocks_gates_and_fills_the_same_cache(tmp_p
     exactly what the unsplit model puts there."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_ds4tp.lockstep import fill_cache
+    from mlx_ds4tp.lockstep.steps import fill_cache
 
     path = tiny_models.build(family, tmp_path)
     whole = _load_whole(path)

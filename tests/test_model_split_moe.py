@@ -21,8 +21,9 @@ from splitutil import run_ranks, transports, unsplit_references
 
 import tiny_models
 from tiny_models import RankOnly
-from mlx_ds4tp import _split_layers, _split_plans
-from mlx_ds4tp._safetensors_parts import SafetensorsParts
+from mlx_ds4tp.split import layers as _split_layers
+from mlx_ds4tp.split import plans as _split_plans
+from mlx_ds4tp.checkpoint.parts import SafetensorsParts
 from mlx_ds4tp.model_split import (
     ColumnParallelLinear,
     GatedBlock,
@@ -380,7 +381,7 @@ def test_load_split_of_a_moe_reads_only_its_half(tmp_path):
 
     from splitutil import CHILD
 
-    from mlx_ds4tp.tiny_model import MoeSizes, save_qwen3_moe
+    from mlx_ds4tp.testing.tiny_model import MoeSizes, save_qwen3_moe
 
     sizes = MoeSizes(layers=4, hidden=512, heads=8, kv_heads=4, head_dim=64, experts=16,
                      experts_per_token=2, expert_intermediate=768, vocab=8192)

@@ -294,7 +294,7 @@ def test_run_takes_the_same_sampling_options(model_dir, tmp_path, procs):
 
     port, out = free_port(), tmp_path / "tokens.json"
     # `ds4tp run`'s rank as the local pair spawns it (it can write the tokens record).
-    common = ["-m", "mlx_ds4tp._rank", "run", "--model", str(model_dir), "--transport", "tcp",
+    common = ["-m", "mlx_ds4tp.cli.rank", "run", "--model", str(model_dir), "--transport", "tcp",
               "--max-tokens", "12", "--temp", "0.9", "--top-k", "40", "--seed", "11"]
     leader = procs.spawn(common + ["--prompt", "hello", "--tokens-out", str(out), "--role", "leader",
                                    "--listen", "127.0.0.1", str(port)])

@@ -9,8 +9,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from mlx_ds4tp.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
-from mlx_ds4tp.sampling import SamplingOptions, SessionSampler
+from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
+from mlx_ds4tp.lockstep.sampling import SamplingOptions, SessionSampler
 
 
 def test_prompt_cache_decisions():
@@ -46,7 +46,7 @@ def test_untrimmable_caches_are_only_moved():
 
 
 def test_stop_strings_are_cut_and_never_half_sent():
-    from mlx_ds4tp.serve_engine import TextStream
+    from mlx_ds4tp.serve.engine import TextStream
 
     class Pieces:
         """A detokenizer whose token i is the string pieces[i]."""
@@ -104,7 +104,7 @@ def test_sampling_options_name_the_bad_field(field, value):
 
 
 def test_request_checks_name_the_field():
-    from mlx_ds4tp.serve_api import ApiError, parse_request
+    from mlx_ds4tp.serve.api import ApiError, parse_request
 
     class Tok:
         def encode(self, text):
@@ -125,7 +125,7 @@ def test_request_checks_name_the_field():
 
 
 def test_model_resolution_names_the_missing_repo(tmp_path, monkeypatch):
-    from mlx_ds4tp.model_source import resolve_model
+    from mlx_ds4tp.checkpoint.source import resolve_model
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -144,9 +144,9 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path):
     from mlx_lm.sample_utils import make_sampler
 
     from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.sampling import sample_rows
-    from mlx_ds4tp.sessions import LeaderSessions, serve_worker
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.lockstep.sampling import sample_rows
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import make_groups
 
     path = save_llama(tmp_path / "m", "tiny", seed=3)
@@ -239,9 +239,9 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
 
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
-    from mlx_ds4tp.sessions import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch)
-    from mlx_ds4tp._wire import SYNC_HEADER
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.lockstep.sessions import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch)
+    from mlx_ds4tp.link.wire import SYNC_HEADER
+    from mlx_ds4tp.testing.tiny_model import save_llama
     from mlx_lm import load
 
     F = tr.FrameType
@@ -320,11 +320,11 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_ds4tp import serve_engine
+    from mlx_ds4tp.serve import engine as serve_engine
     from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.serve_engine import Engine, Request
-    from mlx_ds4tp.sessions import LeaderSessions, serve_worker
-    from mlx_ds4tp.tiny_model import save_llama
+    from mlx_ds4tp.serve.engine import Engine, Request
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import make_groups
 
     class Flaky(SessionSampler):

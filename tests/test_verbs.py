@@ -10,6 +10,7 @@ import random
 import re
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -1152,10 +1153,8 @@ def test_build_switch_without_ibverbs_reports_the_missing_header(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")  # this copy, not the installed package, is imported
     src = os.path.join(REPO, "mlx_ds4tp")
-    for name in os.listdir(src):
-        if name.endswith((".c", ".h")) or name == "_verbs_build.py":
-            with open(os.path.join(src, name), "rb") as f:
-                (pkg / name).write_bytes(f.read())
+    shutil.copytree(os.path.join(src, "csrc"), pkg / "csrc")
+    shutil.copy(os.path.join(src, "_verbs_build.py"), pkg / "_verbs_build.py")
     env = dict(os.environ, MLX_DS4TP_NO_IBVERBS="1", PYTHONPATH=str(tmp_path))
     build = ("import sys; sys.path.insert(0, 'mlx_ds4tp'); import _verbs_build; "
              "_verbs_build.ffibuilder.compile(tmpdir='.')")

@@ -11,7 +11,7 @@ import re
 import pytest
 
 import mlx_ds4tp
-from mlx_ds4tp import _wire as wire
+from mlx_ds4tp.link import wire
 from mlx_ds4tp import transport as tr
 from pairutil import both_ok, free_port
 

@@ -19,8 +19,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.join(os.path.dirname(os.path.dirname(HERE)), "mlx_ds4tp")
 SOURCES = [os.path.join(HERE, "fake_ibverbs.c"),
-           os.path.join(PKG, "_verbs_util.c"),
-           os.path.join(PKG, "_verbs_ucsim.c")]
+           os.path.join(PKG, "csrc", "util.c"),
+           os.path.join(PKG, "csrc", "rdma", "ucsim.c")]
 LIBRARY = "libfake_ibverbs.dylib" if sys.platform == "darwin" else "libfake_ibverbs.so"
 
 
@@ -35,7 +35,7 @@ def build(out_dir: str) -> str:
     # engine's tp_* symbols never mix with those of mlx_ds4tp._verbs when
     # both live in one process.
     cmd = [cc, "-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-fvisibility=hidden",
-           "-I", PKG, *SOURCES, "-o", out, "-lpthread"]
+           "-I", os.path.join(PKG, "csrc"), *SOURCES, "-o", out, "-lpthread"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"build.py: {' '.join(cmd)} failed:\n{res.stderr}")

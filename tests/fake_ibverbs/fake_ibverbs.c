@@ -1,6 +1,6 @@
 /* A fake libibverbs for the tests: rdma-core's ABI in front of ucsim's
- * engine (mlx_ds4tp/_verbs_ucsim.c, linked in), so the real ibverbs provider
- * (mlx_ds4tp/_verbs_ibv.c) runs end to end on a machine without RDMA. It
+ * engine (mlx_ds4tp/csrc/rdma/ucsim.c, linked in), so the real ibverbs provider
+ * (mlx_ds4tp/csrc/rdma/ibv.c) runs end to end on a machine without RDMA. It
  * exports the entry points that provider dlsym's, and fills the context's
  * ops table, through which the header inlines ibv_post_send, ibv_post_recv
  * and ibv_poll_cq reach it. It behaves as Apple's Thunderbolt RDMA device:

@@ -1,0 +1,1 @@
+"""Used by every layer: the one writer of diagnostics."""

@@ -1,0 +1,1 @@
+"""ds4tp bench: gate, model and serving benchmarks."""

@@ -1,0 +1,145 @@
+"""Gate latency benchmark: our transports against the baselines, in one run.
+
+Each record is one JSON object: name, bytes, iters, p50_us, p99_us. The
+baselines are measured in the same run: ``raw-floor`` (a bare write-then-read
+of the same bytes on the same kind of socket, no header, no checks) and
+``mlx-ring`` (``mx.distributed.all_sum`` on MLX's ring backend, two local
+ranks). ``*-all_sum`` records time our ``all_sum`` on an ``mx.array``, the
+like-for-like comparison with ``mlx-ring``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..testing import localpair as _localpair
+from .. import gate_ops
+from .. import transport as tr
+
+WARMUP_ITERS = 500
+ROUNDS = 10
+
+# Set by `ds4tp bench --plot` in the ranks it spawns: the raw samples ride in
+# the records (as "samples_us") and the parent drops them before printing.
+EMIT_SAMPLES_ENV = "DS4_TP_BENCH_SAMPLES"
+
+
+def percentiles(samples_ns: Sequence[int]) -> Dict[str, float]:
+    """p50 and p99 of nanosecond samples, in microseconds."""
+    arr = np.asarray(samples_ns, dtype=np.float64) / 1000.0
+    return {"p50_us": round(float(np.percentile(arr, 50)), 2), "p99_us": round(float(np.percentile(arr, 99)), 2)}
+
+
+def record(name: str, nbytes: int, samples_ns: Sequence[int]) -> Dict:
+    """One bench record; with EMIT_SAMPLES_ENV set it carries the raw samples too."""
+    rec = {"name": name, "bytes": nbytes, "iters": len(samples_ns), **percentiles(samples_ns)}
+    if os.environ.get(EMIT_SAMPLES_ENV):
+        rec["samples_us"] = [round(x / 1000.0, 2) for x in samples_ns]
+    return rec
+
+
+def _time_interleaved(contenders: Dict[str, object], iters: int) -> Dict[str, List[int]]:
+    """Time each contender in ROUNDS alternating blocks, so a drift of the
+    machine (frequency, the other rank's scheduling) hits all of them alike:
+    the ratios between them are what the bench reports."""
+    clock = time.perf_counter_ns
+    samples: Dict[str, List[int]] = {name: [] for name in contenders}
+    for fn in contenders.values():
+        for _ in range(WARMUP_ITERS):
+            fn()
+    per_round = max(1, iters // ROUNDS)
+    for r in range(ROUNDS):
+        n = per_round if r < ROUNDS - 1 else iters - per_round * (ROUNDS - 1)
+        for name, fn in contenders.items():
+            out = samples[name]
+            for _ in range(n):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+    return samples
+
+
+def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> List[Dict]:
+    """Time the bare gate, our all_sum on an mx.array and the baseline of the
+    transport (TCP: the raw floor; RDMA: sending from a registered buffer
+    instead of copying into the slab). Both ranks run this same sequence, so
+    every exchange has its partner."""
+    import mlx.core as mx
+
+    pair = group.pair
+    send = np.full(nbytes // 4, 1.0 + group.rank(), dtype=np.float32)
+    recv = np.empty_like(send)
+    x = mx.array(send)
+    contenders = {
+        name: lambda: pair.gate(send, recv),
+        f"{name}-all_sum": lambda: gate_ops.all_sum(x, group=group),
+    }
+    if pair.rdma is not None:
+        # The alternative to copying the partial into the registered slab:
+        # send straight from a registered buffer (an MLX array's own memory
+        # would need a registration per new buffer).
+        send_registered = send.copy()
+        pair.rdma.register(send_registered)
+        contenders[f"{name}-registered"] = lambda: pair.gate(send_registered, recv)
+    else:
+        contenders["raw-floor"] = lambda: tr.raw_exchange(pair.tcp, send, recv)
+    samples = _time_interleaved(contenders, iters)
+    pair.gate(send, recv)
+    if not np.all(recv == 2.0 - group.rank()):
+        raise RuntimeError(f"{name}: the peer's partial arrived wrong: {recv[:4]}")
+    records = [record(label, nbytes, got) for label, got in samples.items()]
+    if pair.rdma is not None and pair.rdma.warmup_ms is not None:
+        records[0]["warmup_ms"] = round(pair.rdma.warmup_ms, 2)
+    return records
+
+
+def run_rank(role: str, host: str, port: int, transport: str, rdma_device: Optional[str],
+             nbytes: int, iters: int, secret=None) -> List[Dict]:
+    """One rank of the transport bench (the leader returns the records, the worker none)."""
+    kwargs = dict(transport=transport, rdma_device=rdma_device, secret=secret)
+    if role == "leader":
+        group = gate_ops.init(role="leader", listen=(host, port), **kwargs)
+    else:
+        group = gate_ops.init(role="worker", coordinator=(host, port), **kwargs)
+    with group:
+        if transport == "rdma" and group.transport != "rdma":
+            raise RuntimeError("rdma bench asked for but the group fell back to tcp")
+        name = "tcp" if group.transport == "tcp" else f"rdma-{rdma_device or 'ibverbs'}"
+        records = bench_group(group, name, nbytes, iters)
+    return records if role == "leader" else []
+
+
+def ring_rank(nbytes: int, iters: int) -> List[Dict]:
+    """One rank of the mx.distributed ring baseline (environment set by spawn_ring)."""
+    import mlx.core as mx
+
+    group = mx.distributed.init(backend="ring", strict=True)
+    x = mx.full((nbytes // 4,), 1.0 + group.rank(), dtype=mx.float32)
+
+    def all_sum() -> None:
+        mx.eval(mx.distributed.all_sum(x, group=group))
+
+    return [record("mlx-ring", nbytes, _time_interleaved({"mlx-ring": all_sum}, iters)["mlx-ring"])]
+
+
+def spawn_transport(transport: str, rdma_device: Optional[str], nbytes: int, iters: int,
+                    timeout: float = 600.0) -> List[Dict]:
+    """Both ranks of the transport bench on 127.0.0.1; the leader's records."""
+    base = _localpair.rank_command("gate", "--transport", transport, "--bytes", str(nbytes),
+                                   "--iters", str(iters))
+    if rdma_device:
+        base += ["--rdma-device", rdma_device]
+    outs = _localpair.run_ranks(_localpair.pair_commands(base, _localpair.free_port()), timeout=timeout)
+    return _localpair.json_records(outs[0])
+
+
+def spawn_ring(nbytes: int, iters: int, timeout: float = 600.0) -> List[Dict]:
+    """Both ranks of the mx.distributed ring baseline on 127.0.0.1; rank 0's records."""
+    cmd = _localpair.rank_command("ring-gate", "--bytes", str(nbytes), "--iters", str(iters))
+    with _localpair.ring_hostfile() as hostfile:
+        outs = _localpair.run_ranks([cmd, cmd], _localpair.ring_envs(hostfile), timeout=timeout)
+    return _localpair.json_records(outs[0])

@@ -1,0 +1,243 @@
+"""Model throughput, prompt processing and decode: one process, our pair, mlx-lm over MLX's ring.
+
+Any model load_split splits (dense or mixture of experts); `--model` also takes a tiny_model
+preset name ("moe-1g": a 1 GB float32 qwen3_moe), built once into the cache.
+
+Every contender processes the same prompt of `prompt_tokens` tokens (bench_prompt) and decodes
+greedily for the same count of tokens (no early stop at EOS), so the tok/s figures compare like
+for like and the tokens must equal the single process's. A record's `prefill_tok_s` is the
+prompt's tokens over the time to the first generated token's logits (mlx-lm's prompt_tps),
+`tok_s` the decode rate after it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from ..testing import localpair as _localpair
+from .. import gate_ops
+from ..base.log import log
+
+BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
+DEFAULT_PROMPT_TOKENS = 512
+CEILING = "tp2-compute-ceiling"
+
+
+def _rate(count: int, seconds: float) -> float:
+    return round(count / seconds, 2) if seconds else 0.0
+
+
+def _tok_record(name: str, stats, prompt_sec: Optional[float] = None,
+                decode_sec: Optional[float] = None) -> Dict:
+    """A contender's record from its GenerationStats (times overridable: the slower rank's)."""
+    prompt_sec = stats.prompt_sec if prompt_sec is None else prompt_sec
+    decode_sec = stats.decode_sec if decode_sec is None else decode_sec
+    return {"name": name, "tok_s": _rate(len(stats.tokens) - 1, decode_sec), "tokens_match": True,
+            "tokens": len(stats.tokens), "prefill_tok_s": _rate(stats.prompt_tokens, prompt_sec),
+            "prompt_tokens": stats.prompt_tokens, "token_ids": stats.tokens}
+
+
+# Every contender warms up on the prompt's first tokens (kernels, the allocator's buffers)
+# before its timed generation; the whole prompt twice would double a slow machine's bench.
+WARMUP_PROMPT_TOKENS = 16
+
+
+def _generate(model, tokenizer, prompt_tokens: int, max_tokens: int):
+    """Warm up, then the timed generation of the bench prompt."""
+    from ..lockstep.steps import greedy_generate
+    from ..lockstep.run import bench_prompt
+
+    prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
+    greedy_generate(model, prompt[:WARMUP_PROMPT_TOKENS], 4)
+    return prompt, greedy_generate(model, prompt, max_tokens)
+
+
+def single_record(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> Dict:
+    """The unsplit model in this process: the reference tokens and the baseline rates."""
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(path)
+    _, stats = _generate(model, tokenizer, prompt_tokens, max_tokens)
+    return _tok_record("single", stats)
+
+
+def ring_model_rank(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
+    """One rank of mlx-lm's own model.shard() over MLX's ring backend (rank 0 returns the record)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    group = mx.distributed.init(backend="ring", strict=True)
+    model, tokenizer = load(path, lazy=True)
+    model.shard(group)
+    mx.eval(model.parameters())
+    _, stats = _generate(model, tokenizer, prompt_tokens, max_tokens)
+    return [_tok_record("mlx-lm-ring", stats)] if group.rank() == 0 else []
+
+
+def spawn_ring_model(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                     timeout: float = 1200.0) -> Dict:
+    """Both ranks of the mlx-lm ring contender on 127.0.0.1."""
+    cmd = _localpair.rank_command("ring-model", "--model", path, "--max-tokens", str(max_tokens),
+                                  "--prompt-tokens", str(prompt_tokens))
+    with _localpair.ring_hostfile() as hostfile:
+        outs = _localpair.run_ranks([cmd, cmd], _localpair.ring_envs(hostfile), timeout=timeout)
+    return _localpair.json_records(outs[0])[0]
+
+
+class GatelessGroup:
+    """A two-rank group whose gates do nothing: all_sum hands the local partial back.
+
+    For the compute ceiling only. Each rank still runs exactly its half of every matmul, so
+    two of these side by side decode as fast as the pair could with a transport that takes zero
+    time and ranks that never wait for each other. A real pair meets at every gate, so it also
+    waits there whenever the other rank's half of a layer ran a little slower. Its tokens are
+    meaningless (the halves are never summed).
+    """
+
+    def __init__(self, rank: int):
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return 2
+
+    def all_sum(self, x):
+        return x
+
+    def all_gather(self, x):
+        import mlx.core as mx
+
+        return mx.concatenate([x, x], axis=0)
+
+
+def ceiling_rank(role: str, port: int, path: str, max_tokens: int,
+                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
+    """One rank of the compute ceiling: its half of the model prefilling and decoding with
+    gateless gates, started together with the other rank so the two compete for the cores as a
+    real pair does. A TCP pair is used only as the start line and to agree on the slower rank's
+    times (prefill and decode each)."""
+    from ..lockstep.steps import greedy_generate
+    from ..model_split import load_split
+    from ..lockstep.run import bench_prompt, model_identity
+
+    where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
+    with gate_ops.init(role=role, transport="tcp", identity=model_identity(path), **where) as group:
+        model, tokenizer = load_split(path, GatelessGroup(group.rank()))
+        prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
+        greedy_generate(model, prompt[:WARMUP_PROMPT_TOKENS], 4)
+        start_line = np.zeros(1, np.float64)
+        group.pair.gate(start_line, np.empty_like(start_line))
+        stats = greedy_generate(model, prompt, max_tokens)
+        mine, theirs = np.array([stats.prompt_sec, stats.decode_sec]), np.empty(2)
+        group.pair.gate(mine, theirs)
+    rec = _tok_record(CEILING, stats, float(max(mine[0], theirs[0])), float(max(mine[1], theirs[1])))
+    rec["tokens_match"] = None  # the halves are never summed: no tokens to compare
+    rec["gates"] = "skipped: the pair's compute alone, ranks never waiting for each other"
+    return [rec] if role == "leader" else []
+
+
+def spawn_ceiling(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                  timeout: float = 1200.0) -> Dict:
+    """Both ranks of the compute ceiling on 127.0.0.1."""
+    base = _localpair.rank_command("ceiling", "--model", path, "--max-tokens", str(max_tokens),
+                                   "--prompt-tokens", str(prompt_tokens))
+    outs = _localpair.run_ranks(_localpair.pair_commands(base, _localpair.free_port()), timeout=timeout)
+    return _localpair.json_records(outs[0])[0]
+
+
+def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
+              prompt_tokens: int = DEFAULT_PROMPT_TOKENS, timeout: float = 1200.0) -> Dict:
+    """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1."""
+    from ..lockstep.run import run_local_pair
+
+    result = run_local_pair(Path(path), BENCH_PROMPT, max_tokens, transport, rdma_device,
+                            stop_at_eos=False, quiet=True, timeout=timeout, prompt_tokens=prompt_tokens)
+    if result is None:
+        raise RuntimeError(f"the tp2-{transport} pair failed (its errors are above)")
+    name = "tp2-tcp" if transport == "tcp" else f"tp2-rdma-{rdma_device or 'ibverbs'}"
+    return {"name": name, "tok_s": round(result["decode_tok_s"], 2), "tokens": len(result["tokens"]),
+            "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1),
+            "exchange_ms_per_token": round(result["exchange_ms_per_token"], 2),
+            "prefill_tok_s": round(result["prompt_tok_s"], 2), "prompt_tokens": len(result["prompt_tokens"])}
+
+
+def bench_model_dir(model: str) -> str:
+    """`model` itself when it is a directory; a tiny_model preset name ("150m", "moe-1g", ...)
+    is written once with fixed random weights into the cache and that directory returned."""
+    import os
+
+    from ..testing import tiny_model
+
+    if Path(model).is_dir() or model not in {**tiny_model.PRESETS, **tiny_model.MOE_PRESETS}:
+        return model
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp"
+    path = root / f"bench-{model}-seed0"
+    if not (path / "tokenizer_config.json").is_file():  # written last: a finished model
+        log(f"building the {model} bench model (synthetic random weights) in {path}")
+        save = tiny_model.save_qwen3_moe if model in tiny_model.MOE_PRESETS else tiny_model.save_llama
+        save(path, model, seed=0)
+    return str(path)
+
+
+def mlx_lm_can_shard(path: str) -> bool:
+    """Whether mlx-lm's own module for this model has shard() (mixtral's has none)."""
+    from mlx_lm.utils import _get_classes, load_config
+
+    model_class, _ = _get_classes(load_config(Path(path)))
+    return callable(getattr(model_class, "shard", None))
+
+
+def _model_contenders(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
+                      prompt_tokens: int) -> Dict[str, Callable[[], Dict]]:
+    n = prompt_tokens
+    contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens, n)}
+    if transport in ("tcp", "all"):
+        contenders["tp2-tcp"] = lambda: spawn_tp2(path, "tcp", None, max_tokens, n)
+    if transport in ("rdma", "all"):
+        device = rdma_device or "ucsim"
+        contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens, n)
+    if mlx_lm_can_shard(path):
+        contenders["mlx-lm-ring"] = lambda: spawn_ring_model(path, max_tokens, n)
+    else:
+        log(f"mlx-lm-ring left out: mlx-lm's module for {path} has no shard()")
+    # Not a contender (its tokens are meaningless): the bound every tp2 figure sits under.
+    contenders[CEILING] = lambda: spawn_ceiling(path, max_tokens, n)
+    return contenders
+
+
+def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
+                rounds: int = 3, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
+    """Prompt and decode tok/s of every contender, run `rounds` times in rotating order so a
+    slow spell of the machine falls on all of them alike; each record gives the medians and
+    every round."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1")
+    path = bench_model_dir(path)
+    contenders = _model_contenders(path, transport, rdma_device, max_tokens, prompt_tokens)
+    names = list(contenders)
+    runs: Dict[str, List[Dict]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            runs[name].append(contenders[name]())
+    reference = runs["single"][0]["token_ids"]
+    records = []
+    for name in names:
+        got = runs[name]
+        rec = dict(got[0])
+        for key in ("tok_s", "prefill_tok_s"):
+            rec[f"{key}_rounds"] = [g[key] for g in got]
+            rec[key] = round(statistics.median(rec[f"{key}_rounds"]), 2)
+        if "gate_p50_us" in rec:
+            rec["gate_p50_us"] = round(statistics.median(g["gate_p50_us"] for g in got), 1)
+            rec["exchange_ms_per_token"] = round(statistics.median(g["exchange_ms_per_token"] for g in got), 2)
+        if name != CEILING:
+            rec["tokens_match"] = all(g["token_ids"] == reference for g in got)
+        rec.pop("token_ids", None)
+        records.append(rec)
+    return records

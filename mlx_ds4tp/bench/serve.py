@@ -1,0 +1,187 @@
+"""`ds4tp bench --serve`: aggregate tok/s and time to first token of `ds4tp serve` for 1, 2, 4
+and 8 concurrent clients, both ranks on 127.0.0.1.
+
+Each client streams one completion of `max_tokens` tokens (greedy, a prompt of its own) and the
+figures come from the client's side of the HTTP connection:
+  tok_s         all clients' completion tokens / wall time from the first request to the last end
+  decode_tok_s  the sum of the clients' decode rates ((tokens - 1) / (last token - first token)),
+                the pair's decode throughput while they all run
+  ttft_ms       time to first token, median and worst over the clients
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from .. import transport as tr
+
+PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime numbers:",
+           "The weather today", "In the beginning", "Dear diary,", "Rules of the road:",
+           "The recipe calls for"]
+
+
+def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str]) -> Dict[str, float]:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(base + "/v1/completions", data=body, method="POST", headers=headers)
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the server failed the request: {event['error']['message']}")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif event["choices"] and event["choices"][0]["text"]:
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+    end = time.perf_counter()
+    first = first if first is not None else end
+    last = last if last is not None else end
+    return {"start": t0, "first": first, "last": last, "end": end, "tokens": tokens}
+
+
+def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = None) -> Dict[str, float]:
+    """One round: `clients` concurrent streamed completions; the figures of the module doc."""
+    results: List[Optional[Dict[str, float]]] = [None] * clients
+    errors: List[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            results[i] = _stream_one(base, PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens, api_key)
+        except BaseException as exc:  # noqa: BLE001 - reported after the join
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    if errors or any(r is None for r in results):
+        raise RuntimeError(f"a benchmark client failed: {errors[0] if errors else 'timed out'}")
+    start = min(r["start"] for r in results)
+    end = max(r["end"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    decode = sum((r["tokens"] - 1) / (r["last"] - r["first"]) for r in results
+                 if r["tokens"] > 1 and r["last"] > r["first"])
+    ttfts = [1000.0 * (r["first"] - r["start"]) for r in results]
+    return {"name": f"serve-{clients}", "clients": clients, "tokens": tokens,
+            "tok_s": tokens / (end - start), "decode_tok_s": decode,
+            "ttft_p50_ms": statistics.median(ttfts), "ttft_max_ms": max(ttfts)}
+
+
+def _wait_healthy(base: str, procs: Sequence[subprocess.Popen], within: float) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a rank of the local `ds4tp serve` pair exited during start-up "
+                               "(its error is above)")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the local `ds4tp serve` pair was not healthy within {within:g} s")
+
+
+def serve_bench(model: Path, transport: str, rdma_device: Optional[str], max_tokens: int,
+                clients: Sequence[int] = (1, 2, 4, 8), rounds: int = 1) -> List[Dict[str, float]]:
+    """Start both ranks of `ds4tp serve` here, measure each client count (the median round by
+    decode tok/s), stop the pair; one record per client count."""
+    from ..testing.localpair import child_env, free_port
+
+    pair_port, http_port = free_port(), free_port()
+    common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), "--transport",
+              transport, "--max-batch", str(max(clients))]
+    if rdma_device:
+        common += ["--rdma-device", rdma_device]
+    cmds = [common + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port), "--port",
+                      str(http_port)],
+            common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)]]
+    with tempfile.TemporaryFile() as log:
+        procs = [subprocess.Popen(c, env=child_env(), stdout=log, stderr=log) for c in cmds]
+        try:
+            base = f"http://127.0.0.1:{http_port}"
+            try:
+                _wait_healthy(base, procs, 300.0)
+            except RuntimeError:
+                log.seek(0)
+                sys.stderr.write(log.read().decode(errors="replace"))
+                raise
+            return measure_all(base, max_tokens, clients, rounds)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(10)
+
+
+def measure_all(base: str, max_tokens: int, clients: Sequence[int] = (1, 2, 4, 8), rounds: int = 1,
+                api_key: Optional[str] = None) -> List[Dict[str, float]]:
+    """Against a running server (http://HOST:PORT): one record per client count, the median
+    round by decode tok/s, after one warm-up request."""
+    measure(base, 1, min(8, max_tokens), api_key)  # warm-up: first-call compilation, caches
+    records = []
+    for n in clients:
+        runs = sorted((measure(base, n, max_tokens, api_key) for _ in range(rounds)),
+                      key=lambda r: r["decode_tok_s"])
+        records.append(runs[len(runs) // 2])
+        tr.log(f"serve bench: {n} client(s) done")
+    return records
+
+
+def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
+    """One line per client count, and each count's decode throughput over one client's."""
+    one = next((r for r in records if r["clients"] == 1), None)
+    for rec in records:
+        if as_json:
+            print(json.dumps(rec), flush=True)
+            continue
+        ratio = ""
+        if one and one["decode_tok_s"]:
+            ratio = f"  = {rec['decode_tok_s'] / one['decode_tok_s']:.2f}x one client"
+        print(f"{rec['name']:>10}  {rec['tok_s']:8.1f} tok/s  decode {rec['decode_tok_s']:8.1f} tok/s"
+              f"  ttft p50 {rec['ttft_p50_ms']:7.1f} ms max {rec['ttft_max_ms']:7.1f} ms{ratio}",
+              flush=True)
+
+
+def main(args) -> int:
+    """`ds4tp bench --serve` with the bench's flags (cli.cmd_bench checked the common ones)."""
+    from ..checkpoint.source import resolve_model_arg
+    from ..lockstep.run import demo_model_dir
+
+    if args.max_tokens < 2:
+        raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
+    if args.rounds < 1:
+        raise SystemExit(f"ds4tp bench: --rounds {args.rounds} must be >= 1")
+    if args.url:
+        records = measure_all(args.url.rstrip("/"), args.max_tokens, rounds=args.rounds,
+                              api_key=args.api_key)
+    else:
+        transport = "tcp" if args.transport in ("all", "auto") else args.transport
+        device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
+        model = resolve_model_arg(args.model) if args.model else demo_model_dir()
+        records = serve_bench(model, transport, device, args.max_tokens, rounds=args.rounds)
+    print_records(records, args.json)
+    return 0
+

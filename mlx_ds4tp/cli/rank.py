@@ -1,0 +1,122 @@
+"""The entry point of a rank that this package spawns on this machine
+(`python -m mlx_ds4tp.cli.rank KIND ...`, built by _localpair.rank_command).
+
+Not a user command: the public CLI (`ds4tp`) starts these for the bench and
+the demo. Each kind runs one rank and prints its records as JSON lines on
+stdout (rank 0's are the ones the parent reads).
+
+    gate        one rank of the transport gate bench (--role, --listen/--coordinator)
+    ring-gate   one rank of mx.distributed's ring all_sum (MLX_HOSTFILE, MLX_RANK)
+    ring-model  one rank of mlx-lm's model.shard() on the ring (MLX_HOSTFILE, MLX_RANK)
+    ceiling     one rank of the compute ceiling (half the model, gates skipped)
+    run         one rank of `ds4tp run`, plus --tokens-out FILE and --no-eos
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from .. import cli
+
+
+def _print_json(records: List[Dict]) -> None:
+    for rec in records:
+        print(json.dumps(rec), flush=True)
+
+
+def _gate(args) -> int:
+    from ..bench import gates as bench_gates
+
+    host, port = cli.parse_address(args.listen or args.coordinator, "--listen/--coordinator")
+    _print_json(bench_gates.run_rank(args.role, host, port, args.transport, args.rdma_device,
+                                     args.bytes, args.iters))
+    return 0
+
+
+def _ring_gate(args) -> int:
+    from ..bench import gates as bench_gates
+
+    _print_json(bench_gates.ring_rank(args.bytes, args.iters))
+    return 0
+
+
+def _ring_model(args) -> int:
+    from ..bench import model as bench_model
+
+    _print_json(bench_model.ring_model_rank(args.model, args.max_tokens, args.prompt_tokens))
+    return 0
+
+
+def _ceiling(args) -> int:
+    from ..bench import model as bench_model
+
+    _, port = cli.parse_address(args.listen or args.coordinator, "--listen/--coordinator")
+    _print_json(bench_model.ceiling_rank(args.role, port, args.model, args.max_tokens,
+                                         args.prompt_tokens))
+    return 0
+
+
+def _run(args) -> int:
+    from ..lockstep import run as pair_run
+
+    return pair_run.run(args, cli.check_run_args(args), tokens_out=args.tokens_out,
+                        stop_at_eos=not args.no_eos, prompt_tokens=args.prompt_tokens)
+
+
+def _add_role(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=("leader", "worker"), required=True)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"))
+    where.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the spawned ranks' command lines."""
+    parser = argparse.ArgumentParser(prog="python -m mlx_ds4tp.cli.rank", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kind", required=True)
+
+    gate = sub.add_parser("gate")
+    gate.add_argument("--transport", choices=("auto", "tcp", "rdma"), required=True)
+    gate.add_argument("--rdma-device", default=None)
+    gate.add_argument("--bytes", type=int, required=True)
+    gate.add_argument("--iters", type=int, required=True)
+    _add_role(gate)
+    gate.set_defaults(func=_gate)
+
+    ring_gate = sub.add_parser("ring-gate")
+    ring_gate.add_argument("--bytes", type=int, required=True)
+    ring_gate.add_argument("--iters", type=int, required=True)
+    ring_gate.set_defaults(func=_ring_gate)
+
+    for kind, func in (("ring-model", _ring_model), ("ceiling", _ceiling)):
+        p = sub.add_parser(kind)
+        p.add_argument("--model", required=True)
+        p.add_argument("--max-tokens", type=int, required=True)
+        p.add_argument("--prompt-tokens", type=int, required=True)
+        if kind == "ceiling":
+            _add_role(p)
+        p.set_defaults(func=func)
+
+    run = sub.add_parser("run")
+    cli.add_run_args(run)
+    run.add_argument("--tokens-out", default=None, metavar="FILE",
+                     help="leader: write the tokens record here (JSON)")
+    run.add_argument("--no-eos", action="store_true", help="decode --max-tokens whatever the model says")
+    run.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                     help="leader: the prompt's tokens repeated to N tokens (the model bench)")
+    run.set_defaults(func=_run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one spawned rank; errors are reported as the public CLI reports them."""
+    args = build_parser().parse_args(argv)
+    return cli.report_errors(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

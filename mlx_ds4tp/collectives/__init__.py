@@ -1,0 +1,1 @@
+"""The collectives over a pair (behind gate_ops.py)."""

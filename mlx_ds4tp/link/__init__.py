@@ -1,0 +1,1 @@
+"""The transport between the two ranks (behind transport.py): wire format, configuration, control channel, hello, gates, pair."""

@@ -1,0 +1,238 @@
+"""PairConfig: how this rank joins the pair, with every ``DS4_TP_*`` knob
+resolved once, at construction, and passed down explicitly from here.
+
+A field left as None takes its environment variable, else its default; a
+field given a value ignores the environment. A bad value (argument or
+environment) is a ValueError naming it, raised before any socket exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional, Tuple
+
+from .hello import ModelIdentity
+from .wire import LEADER, TRANSPORT_CODES, WORKER
+
+DEFAULT_TIMEOUT_SEC = 300.0
+# Hello on a fresh connection has its own short deadline: a port scanner or a
+# stray client must not hold the leader for the full DS4_TP_TIMEOUT_SEC.
+DEFAULT_HELLO_TIMEOUT_SEC = 10.0
+# How long a TCP gate polls for the peer's message before it sleeps in the kernel. Waits at a
+# gate are mostly the other rank finishing its half of the layer, well under a millisecond; a
+# rank that polls through them skips the wake-up. A machine with one core would starve the
+# other rank by polling, so there it sleeps at once.
+DEFAULT_TCP_SPIN_US = 5000
+MAX_TCP_SPIN_US = 1_000_000
+
+TIMEOUT_ENV = "DS4_TP_TIMEOUT_SEC"
+HELLO_TIMEOUT_ENV = "DS4_TP_HELLO_TIMEOUT_SEC"
+TCP_SPIN_ENV = "DS4_TP_TCP_SPIN_US"
+SECRET_ENV = "DS4_TP_SECRET"
+UCSIM_FAULTS_ENV = "DS4_TP_UCSIM_FAULTS"
+RDMA_NO_IMM_ENV = "DS4_TP_RDMA_NO_IMM"
+DISABLE_WARMUP_ENV = "DS4_TP_DISABLE_RDMA_WARMUP"
+VERBS_LIBRARY_ENV = "DS4_TP_VERBS_LIBRARY"
+# Test-only switches (documented in tests/README.md): they exist to show what
+# the receives-posted barrier protects against, never for production use.
+TEST_NO_POSTED_BARRIER_ENV = "DS4_TP_TEST_NO_POSTED_BARRIER"
+TEST_WARMUP_DELAY_ENV = "DS4_TP_TEST_WARMUP_DELAY_MS"
+
+
+def _raw(env: Mapping[str, str], name: str) -> Optional[str]:
+    value = env.get(name)
+    return None if value is None or value == "" else value
+
+
+def _seconds(raw: str, name: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 300") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
+    return value
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    """Set and not "0" means on."""
+    return _raw(env, name) not in (None, "0")
+
+
+def default_timeout(env: Optional[Mapping[str, str]] = None) -> float:
+    """DS4_TP_TIMEOUT_SEC, default 300 s: connect and command waits."""
+    raw = _raw(os.environ if env is None else env, TIMEOUT_ENV)
+    return DEFAULT_TIMEOUT_SEC if raw is None else _seconds(raw, TIMEOUT_ENV)
+
+
+def default_hello_timeout(env: Optional[Mapping[str, str]] = None) -> float:
+    """DS4_TP_HELLO_TIMEOUT_SEC, default 10 s: how long the leader waits for a
+    fresh connection's hello before it drops it and keeps listening."""
+    raw = _raw(os.environ if env is None else env, HELLO_TIMEOUT_ENV)
+    return DEFAULT_HELLO_TIMEOUT_SEC if raw is None else _seconds(raw, HELLO_TIMEOUT_ENV)
+
+
+def default_tcp_spin_us(cpu_count: Optional[int]) -> int:
+    """5000 us on a machine with two cores or more, 0 (never poll) on one."""
+    return DEFAULT_TCP_SPIN_US if (cpu_count or 1) >= 2 else 0
+
+
+def tcp_spin_us(env: Optional[Mapping[str, str]] = None, cpu_count: Optional[int] = None) -> int:
+    """DS4_TP_TCP_SPIN_US, default 5000 (0 on a one-core machine): microseconds a TCP gate
+    polls before it blocks."""
+    raw = _raw(os.environ if env is None else env, TCP_SPIN_ENV)
+    if raw is None:
+        return default_tcp_spin_us(os.cpu_count() if cpu_count is None else cpu_count)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"{TCP_SPIN_ENV}={raw!r} is not a whole number of microseconds; set it to e.g. "
+            f"5000, or 0 to never poll"
+        ) from None
+    if not 0 <= value <= MAX_TCP_SPIN_US:
+        raise ValueError(
+            f"{TCP_SPIN_ENV}={raw!r} is out of range; set 0 (never poll) to "
+            f"{MAX_TCP_SPIN_US} microseconds"
+        )
+    return value
+
+
+def verbs_library(env: Optional[Mapping[str, str]] = None) -> str:
+    """DS4_TP_VERBS_LIBRARY: the verbs library the ibverbs provider loads instead of
+    the system one (rdma-core installed elsewhere, or the tests' fake); "" when unset."""
+    return _raw(os.environ if env is None else env, VERBS_LIBRARY_ENV) or ""
+
+
+def secret_bytes(secret, env: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """secret= (str or bytes) or DS4_TP_SECRET; None when neither is set."""
+    if secret is None:
+        secret = _raw(os.environ if env is None else env, SECRET_ENV)
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) == 0:
+        raise ValueError("secret must be a non-empty str or bytes (or unset DS4_TP_SECRET)")
+    return bytes(secret)
+
+
+@dataclasses.dataclass
+class PairConfig:
+    """How this rank joins the pair; every None field is resolved from its
+    ``DS4_TP_*`` variable (or the default) when the config is made.
+
+    role: "leader" (rank 0, needs listen=(host, port)) or "worker" (rank 1,
+    needs coordinator=(host, port)). transport: "auto", "tcp" or "rdma".
+    timeout: connect and gate waits (DS4_TP_TIMEOUT_SEC, 300 s). hello_timeout:
+    the leader's wait for a fresh connection's hello (DS4_TP_HELLO_TIMEOUT_SEC,
+    10 s). secret: both ranks prove they hold it (DS4_TP_SECRET). tcp_spin_us:
+    TCP gate polling (DS4_TP_TCP_SPIN_US). ucsim_faults: faults of the emulated
+    device (DS4_TP_UCSIM_FAULTS). rdma_no_imm: RDMA gates without the
+    immediate-data tag (DS4_TP_RDMA_NO_IMM). disable_warmup: skip the RDMA
+    warm-up (DS4_TP_DISABLE_RDMA_WARMUP). verbs_library: the library the
+    ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY).
+    test_no_posted_barrier and test_warmup_delay_ms: test-only (DS4_TP_TEST_NO_POSTED_BARRIER,
+    DS4_TP_TEST_WARMUP_DELAY_MS).
+    """
+
+    role: str
+    listen: Optional[Tuple[str, int]] = None
+    coordinator: Optional[Tuple[str, int]] = None
+    transport: str = "auto"
+    rdma_device: Optional[str] = None
+    gid_index: Optional[int] = None
+    timeout: Optional[float] = None
+    identity: ModelIdentity = dataclasses.field(default_factory=ModelIdentity)
+    secret: Optional[bytes] = None
+    tcp_spin_us: Optional[int] = None
+    hello_timeout: Optional[float] = None
+    ucsim_faults: Optional[str] = None
+    rdma_no_imm: Optional[bool] = None
+    disable_warmup: Optional[bool] = None
+    verbs_library: Optional[str] = None
+    test_no_posted_barrier: Optional[bool] = None
+    test_warmup_delay_ms: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        env = os.environ
+        self.secret = secret_bytes(self.secret, env)
+        if self.role not in ("leader", "worker"):
+            raise ValueError(f"role={self.role!r}: use 'leader' (rank 0) or 'worker' (rank 1)")
+        if self.transport not in TRANSPORT_CODES:
+            raise ValueError(f"transport={self.transport!r}: use 'auto', 'tcp' or 'rdma'")
+        if self.role == "leader":
+            if self.listen is None or self.coordinator is not None:
+                raise ValueError("the leader needs listen=(host, port) and no coordinator")
+            _check_address(self.listen, "listen")
+        else:
+            if self.coordinator is None or self.listen is not None:
+                raise ValueError("the worker needs coordinator=(host, port) and no listen")
+            _check_address(self.coordinator, "coordinator")
+        self.timeout = _positive(self.timeout, "timeout", lambda: default_timeout(env))
+        self.hello_timeout = _positive(self.hello_timeout, "hello_timeout",
+                                       lambda: default_hello_timeout(env))
+        if self.gid_index is not None and (not isinstance(self.gid_index, int) or self.gid_index < 0):
+            raise ValueError(f"gid_index={self.gid_index!r} must be a non-negative integer or None")
+        if self.tcp_spin_us is None:
+            self.tcp_spin_us = tcp_spin_us(env)
+        elif (not isinstance(self.tcp_spin_us, int) or isinstance(self.tcp_spin_us, bool)
+              or not 0 <= self.tcp_spin_us <= MAX_TCP_SPIN_US):
+            raise ValueError(
+                f"tcp_spin_us={self.tcp_spin_us!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
+                f"microseconds, or None for DS4_TP_TCP_SPIN_US / the default"
+            )
+        if self.ucsim_faults is None:
+            self.ucsim_faults = env.get(UCSIM_FAULTS_ENV, "")
+        if self.rdma_no_imm is None:
+            self.rdma_no_imm = _switch(env, RDMA_NO_IMM_ENV)
+        if self.disable_warmup is None:
+            self.disable_warmup = _switch(env, DISABLE_WARMUP_ENV)
+        if self.verbs_library is None:
+            self.verbs_library = verbs_library(env)
+        elif not isinstance(self.verbs_library, str):
+            raise ValueError(
+                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
+                f"library, or None for {VERBS_LIBRARY_ENV}"
+            )
+        if self.test_no_posted_barrier is None:
+            self.test_no_posted_barrier = _switch(env, TEST_NO_POSTED_BARRIER_ENV)
+        if self.test_warmup_delay_ms is None:
+            raw = _raw(env, TEST_WARMUP_DELAY_ENV)
+            self.test_warmup_delay_ms = 0.0 if raw is None else _milliseconds(raw)
+
+    @property
+    def rank(self) -> int:
+        """0 for the leader, 1 for the worker."""
+        return LEADER if self.role == "leader" else WORKER
+
+
+def _positive(value: Optional[float], name: str, default) -> float:
+    if value is None:
+        return default()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be > 0 seconds")
+    return float(value)
+
+
+def _milliseconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TEST_WARMUP_DELAY_ENV}={raw!r} is not a number of milliseconds") from None
+    if value < 0:
+        raise ValueError(f"{TEST_WARMUP_DELAY_ENV}={raw!r} must be >= 0 milliseconds")
+    return value
+
+
+def _check_address(addr, name: str) -> None:
+    ok = (
+        isinstance(addr, (tuple, list))
+        and len(addr) == 2
+        and isinstance(addr[0], str)
+        and isinstance(addr[1], int)
+        and 0 <= addr[1] < 65536
+    )
+    if not ok:
+        raise ValueError(f"{name}={addr!r}: give (host, port), e.g. ('10.99.0.1', 9911)")

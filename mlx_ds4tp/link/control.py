@@ -1,0 +1,321 @@
+"""Sockets between the two ranks: tuning, reads and writes bounded by a
+deadline, listen / dial / accept, and the control channel (framed messages on
+one blocking TCP stream, every header checked before a payload byte is read)."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import time
+from typing import Callable, Optional, Tuple
+
+from ..base.log import log
+from .wire import FRAME_HEADER, FRAME_MAX_BYTES, MAGIC, FrameType
+from ..errors import FrameError, PeerClosedError, TransportError, TransportTimeoutError
+
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+# TCP keepalive: a worker idle between prompts has nothing else that would
+# notice a pulled cable; probes find a silent peer within about 25 s.
+KEEPALIVE_IDLE_SEC, KEEPALIVE_INTERVAL_SEC, KEEPALIVE_PROBES = 10, 5, 3
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """NODELAY and large buffers: gates are latency-critical small messages, and
+    big prefill gates pipeline better with room in both directions."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle_opt = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
+    for opt, value in ((idle_opt, KEEPALIVE_IDLE_SEC),
+                       (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_SEC),
+                       (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES)):
+        if opt is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+            except OSError:
+                pass
+    for opt, force in (
+        (socket.SO_SNDBUF, getattr(socket, "SO_SNDBUFFORCE", None)),
+        (socket.SO_RCVBUF, getattr(socket, "SO_RCVBUFFORCE", None)),
+    ):
+        try:
+            # The FORCE variants pass wmem_max/rmem_max when we are root.
+            sock.setsockopt(socket.SOL_SOCKET, force or opt, SOCKET_BUFFER_BYTES)
+        except (OSError, TypeError):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass
+
+
+def set_kernel_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO: the kernel enforces the
+    deadline, so the gate path pays no extra poll() per call."""
+    sec = int(seconds)
+    usec = int((seconds - sec) * 1e6)
+    tv = struct.pack("@ll", sec, usec)  # the OS's struct timeval, not a wire layout
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, what: str, deadline: float) -> None:
+    """Fill view completely from sock before deadline (socket has a timeout)."""
+    got, total = 0, len(view)
+    while got < total:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransportTimeoutError(f"timed out reading {what} ({got}/{total} bytes)")
+        sock.settimeout(remaining)
+        try:
+            n = sock.recv_into(view[got:], total - got)
+        except socket.timeout:
+            raise TransportTimeoutError(
+                f"timed out reading {what} ({got}/{total} bytes)"
+            ) from None
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise PeerClosedError(f"peer reset the connection while sending {what}: {exc}") from None
+        if n == 0:
+            if got:
+                raise PeerClosedError(f"peer closed mid-frame: {what} truncated at {got}/{total} bytes")
+            raise PeerClosedError(f"peer closed the connection (EOF) while waiting for {what}")
+        got += n
+
+
+def send_all(sock: socket.socket, data, what: str, deadline: float) -> None:
+    """Write all of data before deadline; PeerClosedError or TransportTimeoutError."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransportTimeoutError(f"timed out sending {what}")
+    sock.settimeout(remaining)
+    try:
+        sock.sendall(data)
+    except socket.timeout:
+        raise TransportTimeoutError(f"timed out sending {what}") from None
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise PeerClosedError(f"peer closed the connection while we sent {what}: {exc}") from None
+
+
+def swap_small(sock: socket.socket, mine: bytes, into: bytearray, what: str, timeout: float) -> None:
+    """Write a small record, then read the peer's record of the same kind into
+    `into` (both sides do the same), on a blocking socket whose kernel
+    timeouts (SO_RCVTIMEO/SO_SNDTIMEO) bound the wait."""
+    try:
+        sock.sendall(mine)
+        view = memoryview(into)
+        got = 0
+        while got < len(view):
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise PeerClosedError(f"peer closed the gate connection during {what}")
+            got += n
+    except BlockingIOError:
+        raise TransportTimeoutError(f"the peer did not reach {what} within {timeout:g} s") from None
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        raise PeerClosedError(f"peer closed the gate connection during {what}: {exc}") from None
+
+
+# ============================================================================
+# Control channel
+# ============================================================================
+
+
+def decode_frame_header(magic: int, ftype_raw: int, nbytes: int) -> FrameType:
+    """Validate a frame header before any allocation; raise FrameError."""
+    if magic != MAGIC:
+        raise FrameError(
+            f"bad frame magic 0x{magic:08x} (expected 0x{MAGIC:08x} 'DS4T'): the peer is not "
+            "a ds4tp rank, uses another byte order, or the stream is out of sync"
+        )
+    try:
+        ftype = FrameType(ftype_raw)
+    except ValueError:
+        raise FrameError(f"unknown frame type {ftype_raw} ({nbytes} bytes)") from None
+    limit = FRAME_MAX_BYTES[ftype]
+    if nbytes > limit:
+        raise FrameError(
+            f"{ftype.name} frame claims {nbytes} bytes, over its {limit}-byte bound"
+        )
+    return ftype
+
+
+# Where the platform lacks sched_yield, the look goes on without it.
+_yield_core = getattr(os, "sched_yield", lambda: None)
+
+
+class ControlChannel:
+    """Framed messages on a TCP stream: 12-byte header (magic, type, bytes).
+
+    alloc(n) makes each received payload's buffer (bytearray by default); a
+    test passes its own to see that no buffer is made before the header's byte
+    count has passed its bound."""
+
+    def __init__(self, sock: socket.socket, timeout: float,
+                 alloc: Callable[[int], bytearray] = bytearray, spin_s: float = 0.0):
+        self.sock = sock
+        self.timeout = timeout
+        self.spin_s = spin_s  # poll_readable's default watch (the pair's DS4_TP_TCP_SPIN_US)
+        self._alloc = alloc
+        self._header = bytearray(FRAME_HEADER.size)
+
+    def fileno(self) -> int:
+        """The control socket's descriptor (the C hot paths watch it for EOF)."""
+        return self.sock.fileno()
+
+    def poll_readable(self, seconds: Optional[float] = None) -> bool:
+        """Watch the socket for up to `seconds` (default spin_s) without sleeping in the
+        kernel (each look yields the core); whether it became readable. A rank that expects
+        the peer's next command within a sampling step calls this before recv: woken from a
+        blocking read it would pay a scheduler wake-up per token (tens of microseconds, more
+        on a busy host), and the other rank waits that long at the token's first gate."""
+        if seconds is None:
+            seconds = self.spin_s
+        if seconds <= 0:
+            return False
+        sock = [self.sock]
+        until = time.monotonic() + seconds
+        while True:
+            readable, _, _ = select.select(sock, (), (), 0)
+            if readable:
+                return True
+            if time.monotonic() >= until:
+                return False
+            _yield_core()
+
+    def send(self, ftype: FrameType, payload: bytes = b"") -> None:
+        """Send one frame; a payload over the type's bound is a FrameError."""
+        ftype = FrameType(ftype)
+        limit = FRAME_MAX_BYTES[ftype]
+        if len(payload) > limit:
+            raise FrameError(
+                f"refusing to send {ftype.name} of {len(payload)} bytes: the limit is {limit}"
+            )
+        deadline = time.monotonic() + self.timeout
+        send_all(
+            self.sock,
+            FRAME_HEADER.pack(MAGIC, int(ftype), len(payload)) + payload,
+            f"{ftype.name} frame",
+            deadline,
+        )
+
+    def recv(
+        self, expect: Optional[FrameType] = None, timeout: Optional[float] = None
+    ) -> Tuple[FrameType, bytes]:
+        """Read one frame; with expect, any other type is an error naming both.
+        An ERROR frame from the peer is raised as TransportError with its text."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        want = expect.name if expect is not None else "a control frame"
+        view = memoryview(self._header)
+        recv_exact_into(self.sock, view, f"{want} header", deadline)
+        magic, ftype_raw, nbytes = FRAME_HEADER.unpack(self._header)
+        ftype = decode_frame_header(magic, ftype_raw, nbytes)
+        payload = self._alloc(nbytes)
+        if nbytes:
+            recv_exact_into(self.sock, memoryview(payload), f"{ftype.name} payload", deadline)
+        if ftype == FrameType.ERROR and expect != FrameType.ERROR:
+            raise TransportError("peer reported: " + payload.decode("utf-8", "replace"))
+        if expect is not None and ftype != expect:
+            raise FrameError(f"expected a {expect.name} frame, got {ftype.name} ({nbytes} bytes)")
+        return ftype, bytes(payload)
+
+    def send_error(self, message: str) -> None:
+        """Best effort: tell the peer why we stop, so both sides print the cause."""
+        try:
+            data = message.encode("utf-8", "replace")[: FRAME_MAX_BYTES[FrameType.ERROR]]
+            self.sock.settimeout(1.0)
+            self.sock.sendall(FRAME_HEADER.pack(MAGIC, int(FrameType.ERROR), len(data)) + data)
+        except OSError:
+            pass
+
+
+# ============================================================================
+# Listen, dial, accept
+# ============================================================================
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port)."""
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"listen port {port!r} must be an integer in 0..65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise TransportError(f"cannot resolve listen address {host!r}: {exc}") from None
+    last = None
+    for family, stype, proto, _, addr in infos:
+        sock = socket.socket(family, stype, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(4)
+            return sock
+        except OSError as exc:
+            last = exc
+            sock.close()
+    raise TransportError(
+        f"cannot listen on {host}:{port}: {last}; pick a free port or the address of a local interface"
+    )
+
+
+def dial(host: str, port: int, deadline: float, what: str) -> socket.socket:
+    """Connect to host:port, retrying until deadline: normal while the leader
+    is still loading its model. Still say why every ~10 s so a wrong address
+    is visible."""
+    last_error = "no address worked"
+    next_log = time.monotonic()
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+            return sock
+        except OSError as exc:
+            last_error = exc.strerror or str(exc)
+        now = time.monotonic()
+        if now >= deadline:
+            raise TransportTimeoutError(
+                f"cannot connect {what} to {host}:{port}: {last_error}; is the leader running "
+                "and reachable? (DS4_TP_TIMEOUT_SEC sets how long to keep trying)"
+            )
+        if now >= next_log:
+            log(f"connecting to {host}:{port} ... ({last_error})")
+            next_log = now + 10.0
+        time.sleep(min(0.1, max(0.0, deadline - now)))
+
+
+def accept(listener: socket.socket, deadline: float, what: str,
+           watch: Optional[ControlChannel] = None) -> Tuple[socket.socket, str]:
+    """The next connection on listener, and its peer's "host:port".
+
+    watch: the worker's control channel, once it exists. A worker that dies
+    (or gives up and sends ERROR) between its hello and its data connection is
+    then an error at once, not a wait until the deadline."""
+    while watch is not None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        ready, _, _ = select.select([listener, watch.sock], [], [], remaining)
+        if listener in ready:
+            break
+        if ready:
+            try:
+                ftype, _ = watch.recv()  # EOF, reset and ERROR raise here
+            except PeerClosedError as exc:
+                raise PeerClosedError(
+                    f"the worker closed its control connection after the hello, before opening "
+                    f"the {what} connection ({exc})"
+                ) from None
+            raise FrameError(f"the worker sent {ftype.name} before opening the {what} connection")
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransportTimeoutError(f"timed out waiting for the worker's {what} connection")
+    listener.settimeout(remaining)
+    try:
+        sock, addr = listener.accept()
+    except socket.timeout:
+        host, port = listener.getsockname()[:2]
+        raise TransportTimeoutError(
+            f"no worker connected to {host}:{port} for {what} within the timeout; start the "
+            "worker with --coordinator pointing here"
+        ) from None
+    # The address is taken now: a client that already left has none later.
+    return sock, f"{addr[0]}:{addr[1]}"

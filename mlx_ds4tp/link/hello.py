@@ -1,0 +1,229 @@
+"""The hello both ranks exchange first, the checks on it, the transport
+choice, and the shared-secret proofs (challenge-response on the control
+connection, then a proof that binds the gate data connection to it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+from typing import Optional
+
+from .control import ControlChannel
+from .fingerprint import Fingerprint
+from .wire import (
+    AUTH_ROLE,
+    AUTH_TAG,
+    DATA_AUTH_TAG,
+    FINGERPRINT_SUMMARY,
+    HELLO_FIXED,
+    MAGIC,
+    MAX_REASON_BYTES,
+    MODEL_IDENTITY_FIELDS,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    ROLE_NAMES,
+    TRANSPORT_CODES,
+    TRANSPORT_NAMES,
+    FrameType,
+)
+from ..errors import AuthenticationError, FrameError, HelloMismatchError, RdmaUnavailableError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelIdentity:
+    """What both ranks must agree on before any gate: the model's shape and,
+    when given (model_fingerprint(path)), its fingerprint; the hello carries
+    the fingerprint's summary and a difference stops both ranks."""
+
+    layers: int = 0
+    hidden: int = 0
+    vocab: int = 0
+    quant_bits: int = 0
+    gates_per_token: int = 0
+    fingerprint: Optional[Fingerprint] = None
+
+    FIELDS = MODEL_IDENTITY_FIELDS
+
+    def __post_init__(self) -> None:
+        for name in self.FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < 2**32:
+                raise ValueError(
+                    f"model identity {name}={value!r} must be an integer in [0, 2^32)"
+                )
+        if self.fingerprint is not None and not isinstance(self.fingerprint, Fingerprint):
+            raise ValueError(
+                f"model identity fingerprint={self.fingerprint!r}: give model_fingerprint(path) or None"
+            )
+
+
+@dataclasses.dataclass
+class Hello:
+    """One rank's hello: who it is, what it wants, what it has."""
+
+    role: int
+    transport: str
+    rdma_ok: bool
+    rdma_reason: str
+    session_id: int
+    identity: ModelIdentity
+    auth: bool = False
+    nonce: bytes = bytes(NONCE_BYTES)
+    fingerprint: bytes = b""  # FINGERPRINT_SUMMARY, or empty for a rank without one
+    version: int = PROTOCOL_VERSION
+    magic: int = MAGIC
+
+    def pack(self) -> bytes:
+        """The HELLO frame's payload."""
+        reason = self.rdma_reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+        ident = [getattr(self.identity, f) for f in ModelIdentity.FIELDS]
+        return (
+            HELLO_FIXED.pack(
+                self.magic,
+                self.version,
+                self.role,
+                TRANSPORT_CODES[self.transport],
+                int(self.rdma_ok),
+                len(reason),
+                len(self.fingerprint),
+                self.session_id,
+                int(self.auth),
+                self.nonce,
+                *ident,
+            )
+            + reason
+            + self.fingerprint
+        )
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> "Hello":
+        """Parse and check a HELLO payload; FrameError or HelloMismatchError."""
+        if len(payload) < HELLO_FIXED.size:
+            raise FrameError(
+                f"hello payload is {len(payload)} bytes, need at least {HELLO_FIXED.size}: "
+                "the peer is not a ds4tp rank of this version"
+            )
+        magic, version, role, tcode, rdma_ok, rlen, flen, session_id, auth, nonce, *ident = (
+            HELLO_FIXED.unpack_from(payload)
+        )
+        if magic != MAGIC:
+            raise HelloMismatchError(
+                f"hello magic 0x{magic:08x} != 0x{MAGIC:08x}: mixed byte order or not a ds4tp peer"
+            )
+        if version != PROTOCOL_VERSION:
+            raise HelloMismatchError(
+                f"protocol version: peer speaks {version}, this side {PROTOCOL_VERSION}; "
+                "install the same mlx-ds4tp version on both machines"
+            )
+        if role not in ROLE_NAMES:
+            raise HelloMismatchError(f"hello role {role} is neither 0 (leader) nor 1 (worker)")
+        if tcode not in TRANSPORT_NAMES:
+            raise HelloMismatchError(f"hello transport code {tcode} unknown (0 auto, 1 tcp, 2 rdma)")
+        if flen not in (0, FINGERPRINT_SUMMARY.size):
+            raise FrameError(
+                f"hello carries a fingerprint of {flen} bytes; a fingerprint is "
+                f"{FINGERPRINT_SUMMARY.size} bytes or none"
+            )
+        if len(payload) != HELLO_FIXED.size + rlen + flen:
+            raise FrameError(
+                f"hello carries {len(payload) - HELLO_FIXED.size} bytes after its fixed part, header "
+                f"says {rlen} reason + {flen} fingerprint"
+            )
+        reason_end = HELLO_FIXED.size + rlen
+        reason = payload[HELLO_FIXED.size : reason_end].decode("utf-8", "replace")
+        return cls(
+            role=role,
+            transport=TRANSPORT_NAMES[tcode],
+            rdma_ok=bool(rdma_ok),
+            rdma_reason=reason,
+            session_id=session_id,
+            identity=ModelIdentity(*ident),
+            auth=bool(auth),
+            nonce=nonce,
+            fingerprint=bytes(payload[reason_end:]),
+            version=version,
+            magic=magic,
+        )
+
+
+def check_hello(mine: Hello, theirs: Hello) -> None:
+    """Raise HelloMismatchError naming both values for any disagreement."""
+    if theirs.role == mine.role:
+        name = ROLE_NAMES[mine.role]
+        raise HelloMismatchError(
+            f"both sides claim role {name}; start one with --role leader and the other "
+            "with --role worker"
+        )
+    peer = ROLE_NAMES[theirs.role]
+    for name in ModelIdentity.FIELDS:
+        here, there = getattr(mine.identity, name), getattr(theirs.identity, name)
+        if here != there:
+            raise HelloMismatchError(
+                f"model mismatch: {name} is {here} here and {there} on the {peer}; "
+                "load the same model on both machines"
+            )
+
+
+def choose_transport(mine: Hello, theirs: Hello) -> str:
+    """Both ranks run this on the same two hellos, so both reach the same verdict."""
+    wants = {mine.transport, theirs.transport}
+    if "tcp" in wants:
+        if "rdma" in wants:
+            raise RdmaUnavailableError(
+                "one side asked for transport=rdma and the other for transport=tcp; "
+                "use the same --transport on both machines"
+            )
+        return "tcp"
+    both_ok = mine.rdma_ok and theirs.rdma_ok
+    if both_ok:
+        return "rdma"
+    if "rdma" in wants:
+        missing = []
+        for hello in (mine, theirs):
+            if not hello.rdma_ok:
+                missing.append(f"the {ROLE_NAMES[hello.role]} ({hello.rdma_reason or 'no device'})")
+        raise RdmaUnavailableError(
+            "transport=rdma but RDMA is unavailable on " + " and on ".join(missing)
+            + "; fix the device or use --transport auto/tcp"
+        )
+    return "tcp"
+
+
+def auth_proof(secret: bytes, prover_role: int, verifier_nonce: bytes, prover_nonce: bytes) -> bytes:
+    """HMAC-SHA256 over the verifier's fresh nonce: proves the secret without
+    sending it, and cannot be replayed into another connection."""
+    msg = AUTH_TAG + AUTH_ROLE.pack(prover_role) + verifier_nonce + prover_nonce
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def authenticate(control: ControlChannel, mine: Hello, theirs: Hello, secret: Optional[bytes]) -> None:
+    """Challenge-response in both directions, before any session state exists."""
+    peer = ROLE_NAMES[theirs.role]
+    if not mine.auth and not theirs.auth:
+        return
+    if mine.auth and not theirs.auth:
+        raise AuthenticationError(
+            f"authentication failed: this side has a secret but the {peer} sent none; give both "
+            "machines the same --secret / DS4_TP_SECRET"
+        )
+    if theirs.auth and not mine.auth:
+        raise AuthenticationError(
+            f"authentication failed: the {peer} requires a secret and this side has none; give "
+            "both machines the same --secret / DS4_TP_SECRET"
+        )
+    control.send(FrameType.AUTH, auth_proof(secret, mine.role, theirs.nonce, mine.nonce))
+    _, proof = control.recv(FrameType.AUTH)
+    expected = auth_proof(secret, theirs.role, mine.nonce, theirs.nonce)
+    if not hmac.compare_digest(proof, expected):
+        raise AuthenticationError(
+            f"authentication failed: the {peer}'s proof does not match this side's secret; "
+            "the two machines have different --secret / DS4_TP_SECRET values"
+        )
+
+
+def data_proof(secret: Optional[bytes], leader: Hello, worker: Hello) -> bytes:
+    """Binds the gate data connection to the authenticated control session."""
+    if secret is None:
+        return bytes(32)
+    return hmac.new(secret, DATA_AUTH_TAG + leader.nonce + worker.nonce, hashlib.sha256).digest()

@@ -1,0 +1,239 @@
+"""RDMA gates over the _verbs C module (ibverbs, or the emulated UC device
+"ucsim"): one registered slab, one UC queue pair, the decode window and bulk
+rounds. The hot loops run in C with the GIL released."""
+
+from __future__ import annotations
+
+import mmap
+from typing import Optional, Tuple
+
+from .config import VERBS_LIBRARY_ENV
+from ..base.log import log
+from .native import load_verbs
+from .wire import RDMA_INFO, RDMA_MAX_MSG
+from ..errors import (
+    DesyncError,
+    FrameError,
+    PeerClosedError,
+    RdmaError,
+    RdmaUnavailableError,
+    TransportTimeoutError,
+)
+
+UCSIM = "ucsim"
+_ERR_BYTES = 512
+
+
+def use_verbs_library(ffi, lib, path: str) -> None:
+    """Point the ibverbs provider at the verbs library `path` ("" = the system
+    one) for the probes and opens that follow. The C side only records the path:
+    a library that cannot be loaded is reported by the next probe or open,
+    naming the path and DS4_TP_VERBS_LIBRARY."""
+    err = ffi.new("char[]", _ERR_BYTES)
+    if lib.tp_set_verbs_library(path.encode() if path else ffi.NULL, err, _ERR_BYTES) < 0:
+        raise RdmaUnavailableError(
+            f"{VERBS_LIBRARY_ENV}={path!r}: {ffi.string(err).decode('utf-8', 'replace')}"
+        )
+
+
+def rdma_probe(device: Optional[str], verbs_library: str) -> Tuple[bool, str]:
+    """(usable, reason): does this side have the RDMA device it would use?
+    verbs_library: the library the ibverbs provider loads ("" = the system
+    one; PairConfig.verbs_library)."""
+    try:
+        ffi, lib = load_verbs()
+        use_verbs_library(ffi, lib, verbs_library)
+    except RdmaUnavailableError as exc:
+        return False, str(exc)
+    err = ffi.new("char[]", _ERR_BYTES)
+    ok = lib.tp_probe(device.encode() if device else ffi.NULL, err, _ERR_BYTES)
+    return bool(ok), ffi.string(err).decode("utf-8", "replace")
+
+
+class RdmaGates:
+    """One registered slab, one UC queue pair, the decode window and bulk
+    rounds on an open device.
+
+    device: "ucsim" or an ibverbs device name (None: the first). gid_index:
+    None lets the provider pick. rank: 0 leader, 1 worker. bind_ip: this
+    side's control address (ucsim sends its datagrams from it). control_fd,
+    data_fd: the pair's sockets, watched by the hot loops so a dead peer is an
+    error, never a hang. timeout: every wait, in seconds. faults: the emulated
+    device's faults (DS4_TP_UCSIM_FAULTS syntax). no_imm: send without the
+    immediate-data sequence tag (PairConfig.rdma_no_imm, DS4_TP_RDMA_NO_IMM).
+    verbs_library: the library the ibverbs provider loads ("" = the system one;
+    PairConfig.verbs_library, DS4_TP_VERBS_LIBRARY)."""
+
+    def __init__(self, *, device: Optional[str], gid_index: Optional[int], rank: int,
+                 bind_ip: str, control_fd: int, data_fd: int, timeout: float,
+                 verbs_library: str, faults: str = "", no_imm: bool = False):
+        self.ffi, self.lib = load_verbs()
+        use_verbs_library(self.ffi, self.lib, verbs_library)
+        self.timeout = timeout
+        self.no_imm = no_imm
+        self._errlen = _ERR_BYTES
+        self._err = self.ffi.new("char[]", self._errlen)
+        self.device = device or ""
+        if self.device == UCSIM and ":" in bind_ip:
+            raise RdmaUnavailableError(
+                f"ucsim needs an IPv4 control address, this side uses {bind_ip}; "
+                "connect the pair over IPv4 (e.g. 127.0.0.1)"
+            )
+        # The slab is registered once: the Apple stack allows about 100
+        # memory regions in all. The hot paths own its head; the tail holds
+        # the warm-up's one send and one receive buffer.
+        self.hot_bytes = int(self.lib.tp_slab_bytes())
+        self.slab_bytes = self.hot_bytes + 2 * RDMA_MAX_MSG
+        # Anonymous mmap: page aligned, zeroed, never moved by Python.
+        self._slab_map = mmap.mmap(-1, self.slab_bytes)
+        self.slab = self.ffi.from_buffer(self._slab_map)
+        self.dev = self.lib.tp_open(
+            self.device.encode() if self.device else self.ffi.NULL,
+            -1 if gid_index is None else int(gid_index),
+            bind_ip.encode(),
+            rank,
+            faults.encode(),
+            self.slab,
+            self.slab_bytes,
+            self._err,
+            self._errlen,
+        )
+        if self.dev == self.ffi.NULL:
+            raise RdmaUnavailableError(self._error_text())
+        self.lib.tp_set_fds(self.dev, control_fd, data_fd)
+        self.lib.tp_set_no_imm(self.dev, int(no_imm))
+        self.warm_send = self.slab + self.hot_bytes
+        self.warm_recv = self.slab + self.hot_bytes + RDMA_MAX_MSG
+        self.setup_attempt = 0
+        self.depths: Tuple[int, int, int] = (0, 0, 0)
+        self._registered: list = []  # (handle, buffer) kept alive while registered
+        self.warmup_ms: Optional[float] = None  # set by warmup.py once both directions are proven
+
+    # -- setup -----------------------------------------------------------------
+    def _error_text(self) -> str:
+        return self.ffi.string(self._err).decode("utf-8", "replace")
+
+    def _check(self, rc: int) -> int:
+        if rc < 0:
+            self.raise_error(rc, self._error_text())
+        return rc
+
+    def raise_error(self, rc: int, text: str) -> None:
+        """The error for a failed hot path's rc, text the C side's message."""
+        if rc == self.lib.TP_ETIMEOUT:
+            raise TransportTimeoutError(text)
+        if rc == self.lib.TP_EPEER:
+            raise PeerClosedError(text)
+        if rc == self.lib.TP_ELOST:
+            # UC dropped a message and the in-order window shifted: the
+            # ranks' gate streams are out of step; the text names the seq.
+            raise DesyncError(text)
+        raise RdmaError(text, rc)
+
+    def build(self, setup_attempt: int) -> Tuple[int, int, int]:
+        """(Re)build CQ and QP; returns the granted (cq, send, recv) depths.
+        If the device refuses the full depths, halve them until it accepts."""
+        self.setup_attempt = setup_attempt
+        # The depths asked for are the C module's (TP_DEFAULT_*): it sizes its
+        # hot-path rounds from the same numbers. The Apple driver may grant less.
+        asked = (self.lib.TP_DEFAULT_CQ, self.lib.TP_DEFAULT_SEND_WR, self.lib.TP_DEFAULT_RECV_WR)
+        cq, send, recv = asked
+        while True:
+            rc = self.lib.tp_build_qp(
+                self.dev, self.lib.TP_QPT_UC, setup_attempt, cq, send, recv, self._err, self._errlen
+            )
+            if rc == self.lib.TP_ENOMEM and recv > 64:
+                log(f"queue pair depths cq {cq} send {send} recv {recv} refused; trying half")
+                cq, send, recv = max(64, cq // 2), send // 2, recv // 2
+                continue
+            self._check(rc)
+            break
+        out = self.ffi.new("int[3]")
+        self.lib.tp_depths(self.dev, out, out + 1, out + 2)
+        granted = (out[0], out[1], out[2])
+        if granted != asked:
+            log(f"queue pair granted cq {granted[0]} send {granted[1]} recv {granted[2]} "
+                f"(asked {asked[0]}/{asked[1]}/{asked[2]})")
+        self.depths = granted
+        return granted
+
+    def local_info(self) -> bytes:
+        """This side's queue pair address (RDMA_INFO layout) for the peer."""
+        info = self.ffi.new("tp_info *")
+        self._check(self.lib.tp_local_info(self.dev, info))
+        return RDMA_INFO.pack(
+            info.qpn, info.psn, info.mtu, info.lid, info.link_layer, bytes(self.ffi.buffer(info.gid, 16))
+        )
+
+    def connect_peer(self, payload: bytes) -> None:
+        """Move the queue pair to RTS towards the peer's RDMA_INFO payload."""
+        if len(payload) != RDMA_INFO.size:
+            raise FrameError(f"RDMA_INFO payload is {len(payload)} bytes, expected {RDMA_INFO.size}")
+        qpn, psn, mtu, lid, link_layer, gid = RDMA_INFO.unpack(payload)
+        info = self.ffi.new("tp_info *")
+        info.qpn, info.psn, info.mtu, info.lid, info.link_layer = qpn, psn, mtu, lid, link_layer
+        self.ffi.memmove(info.gid, gid, 16)
+        self._check(self.lib.tp_connect(self.dev, info, self._err, self._errlen))
+
+    def stats(self):
+        """The C module's counters (tp_stats)."""
+        out = self.ffi.new("tp_stats *")
+        self.lib.tp_get_stats(self.dev, out)
+        return out
+
+    # -- raw work requests (warm-up) -------------------------------------------
+    def post_recv(self, addr, nbytes: int, wr_id: int) -> None:
+        """Post one receive of nbytes at addr (inside the slab)."""
+        self._check(self.lib.tp_post_recv(self.dev, addr, nbytes, wr_id, self._err, self._errlen))
+
+    def post_send(self, addr, nbytes: int, wr_id: int) -> None:
+        """Post one signalled SEND of nbytes from addr (inside the slab)."""
+        self._check(
+            self.lib.tp_post_send(
+                self.dev, addr, nbytes, wr_id, self.lib.TP_OP_SEND, 1, self._err, self._errlen
+            )
+        )
+
+    def poll(self, max_wc: int, timeout: float):
+        """Up to max_wc completions, waiting at most timeout seconds."""
+        wc = self.ffi.new("tp_wc[]", max_wc)
+        n = self._check(self.lib.tp_poll(self.dev, wc, max_wc, timeout, self._err, self._errlen))
+        return [wc[i] for i in range(n)]
+
+    def register(self, buffer) -> int:
+        """Register a caller's buffer so gates sent from it skip the slab copy.
+        Measured by `ds4tp bench` (rdma-*-registered) against the copy; the
+        copy of 16 KiB into the slab is as fast and needs no registration per
+        new MLX buffer, so the gate path keeps the copy (see README)."""
+        ptr = self.ffi.from_buffer(buffer)
+        handle = self._check(self.lib.tp_reg(self.dev, ptr, len(ptr), self._err, self._errlen))
+        self._registered.append((handle, ptr))
+        return handle
+
+    # -- hot paths -------------------------------------------------------------
+    def gate(self, send, recv, seq: int) -> None:
+        """One decode gate (up to two messages each way), labelled seq."""
+        src = self.ffi.from_buffer(send)
+        dst = self.ffi.from_buffer(recv, require_writable=True)
+        rc = self.lib.tp_gate(self.dev, src, dst, len(src), seq, self.timeout, self._err, self._errlen)
+        if rc < 0:
+            self._check(rc)
+
+    def bulk(self, send, recv) -> None:
+        """One bulk exchange (prefill rows, logits) in rounds of messages."""
+        src = self.ffi.from_buffer(send)
+        dst = self.ffi.from_buffer(recv, require_writable=True)
+        if len(src) != len(dst):
+            raise ValueError(f"bulk send is {len(src)} bytes but recv is {len(dst)}: they must match")
+        self._check(self.lib.tp_bulk(self.dev, src, dst, len(src), self.timeout, self._err, self._errlen))
+
+    def close(self) -> None:
+        """Destroy the queue pair and device; release the slab."""
+        if self.dev is not None and self.dev != self.ffi.NULL:
+            self.lib.tp_close(self.dev)
+        self.dev = None
+        self.slab = None
+        try:
+            self._slab_map.close()
+        except (BufferError, ValueError):
+            pass

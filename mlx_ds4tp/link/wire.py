@@ -1,0 +1,199 @@
+"""The wire format between the two ranks: every frame type, struct layout,
+magic and size bound, in this one module (a protocol change is reviewed here).
+
+Both ranks are identical machines by definition, so every layout is
+little-endian and the magic in each header doubles as the byte-order check.
+Three streams carry bytes: the control connection (framed messages), the gate
+data connection (TCP gates and small swaps), and, with RDMA, the queue pair.
+
+Control frames: FRAME_HEADER (magic MAGIC, type, byte count), then the payload.
+The bound is checked before anything is allocated.
+
+| frame            | payload                                                        | bound       |
+|------------------|----------------------------------------------------------------|-------------|
+| SYNC             | SYNC_HEADER (session, count) + count little-endian int32 tokens | 4194320     |
+| EVAL             | EVAL_PAYLOAD (session, seq, token)                             | 64          |
+| REWIND           | SERVE_REWIND (session, tokens to keep)                         | 64          |
+| INVALIDATE       | SERVE_INVALIDATE (stored cache id)                             | 64          |
+| STOP             | empty                                                          | 64          |
+| HASH             | HASH_PAYLOAD (session, seq, logits hash)                       | 64          |
+| RDMA_INFO        | RDMA_INFO (qpn, psn, mtu, lid, link layer, gid)                | 64          |
+| RDMA_READY       | empty                                                          | 16          |
+| LOGITS           | (reserved)                                                     | 67108864    |
+| SESSION_CREATE   | SESSION_PAYLOAD (session, max tokens); serving: SERVE_CREATE   | 4096        |
+| SESSION_DESTROY  | SESSION_PAYLOAD (session, 0); serving: SERVE_DESTROY           | 64          |
+| COMMAND_ACK      | ACK_PAYLOAD (session, status) + UTF-8 message                  | 4096        |
+| RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
+| RDMA_POSTED      | POSTED (1)                                                     | 64          |
+| HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
+| ERROR            | UTF-8 message                                                  | 4096        |
+| RDMA_STATUS      | STATUS (ok, message length) + UTF-8 message                    | 4096        |
+| AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
+| FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
+| FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
+| EVAL_BATCH       | SERVE_BATCH_HEADER (step, rows) + rows x SERVE_BATCH_ROW (session, token) | 65536 |
+
+`ds4tp run` uses the SESSION_PAYLOAD forms; `ds4tp serve` (mlx_ds4tp.lockstep.sessions) the SERVE_ ones,
+with SYNC, HASH and STOP as above (HASH's session field 0, its seq the decode step).
+
+Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
+from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
+payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
+BIG_TAG, seq, bytes) then the payload in the same byte stream, both directions
+at once (tp_tcp_duplex; over RDMA the header alone, then the payload as RDMA
+bulk rounds); and the gate
+signature swap DESCRIPTOR (DESCRIPTOR_MAGIC, dtype code, ndim, collective OP_*,
+up to MAX_DIMS dims).
+
+Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG
+(WARM_MAGIC, rank, setup attempt); its work request id is WARM_MAGIC too.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+# 2: the hello carries a model fingerprint.
+PROTOCOL_VERSION = 2
+
+# ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
+MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
+BATCH_MAGIC = 0x44533442  # "DS4B": bulk exchange headers
+DATA_MAGIC = 0x44533444  # "DS4D": first word on the gate data connection
+DESCRIPTOR_MAGIC = 0x44533453  # "DS4S": gate signature swap
+WARM_MAGIC = 0x5741524D  # "WARM": the warm-up message's tag and work request id
+WARM_WR_ID = WARM_MAGIC
+
+LEADER, WORKER = 0, 1
+ROLE_NAMES = {LEADER: "leader", WORKER: "worker"}
+
+
+class FrameType(enum.IntEnum):
+    """Control frame types. The numbers travel on the wire: a new type takes a
+    free number, an existing one is never renumbered."""
+
+    SYNC = 1
+    EVAL = 2
+    REWIND = 3
+    INVALIDATE = 4
+    STOP = 5
+    HASH = 6
+    RDMA_INFO = 7
+    RDMA_READY = 9
+    LOGITS = 10
+    SESSION_CREATE = 13
+    SESSION_DESTROY = 14
+    COMMAND_ACK = 17
+    RDMA_WARM = 19
+    RDMA_POSTED = 20
+    HELLO = 21
+    ERROR = 22
+    RDMA_STATUS = 23
+    AUTH = 24
+    FINGERPRINT = 25
+    FINGERPRINT_DETAIL = 26
+    # Serving (mlx_ds4tp.lockstep.sessions): one decode step over the rows of every active session.
+    EVAL_BATCH = 32
+
+
+# ---- size bounds --------------------------------------------------------------
+# RDMA_MAX_MSG and GATE_MAX_BYTES are also the C module's TP_MAX_MSG and
+# TP_GATE_MAX_CHUNKS * TP_MAX_MSG (_verbs_api.h); tests/test_wire_and_config.py
+# checks they agree. They are written here rather than read from the compiled
+# module because this module must import without it: `import mlx_ds4tp`,
+# transport="mlx" and `ds4tp doctor` (which reports the module missing) work on
+# an install whose C build failed.
+# The Apple Thunderbolt driver never delivers a message above 16 KiB.
+RDMA_MAX_MSG = 16384
+# Largest exchange that rides as a decode gate: two RDMA messages of the
+# driver's maximum. Anything larger goes through the bulk path.
+GATE_MAX_BYTES = 2 * RDMA_MAX_MSG
+# A 16 KiB gate fits any socket buffer, so write-then-read cannot deadlock; a
+# bulk exchange writes and reads at once instead (tp_tcp_duplex).
+MAX_TOKENS_PER_FRAME = 1 << 20
+MAX_REASON_BYTES = 512
+MAX_STATUS_MESSAGE_BYTES = 3000
+NONCE_BYTES = 16
+MAX_DIMS = 8
+
+# Largest payload each frame type may claim: checked before anything is
+# allocated, so a header claiming 4 GiB is an error, never a malloc.
+FRAME_MAX_BYTES = {
+    FrameType.SYNC: 16 + 4 * MAX_TOKENS_PER_FRAME,
+    FrameType.EVAL: 64,
+    FrameType.REWIND: 64,
+    FrameType.INVALIDATE: 64,
+    FrameType.STOP: 64,
+    FrameType.HASH: 64,
+    FrameType.RDMA_INFO: 64,
+    FrameType.RDMA_READY: 16,
+    FrameType.LOGITS: 64 * 1024 * 1024,
+    FrameType.SESSION_CREATE: 4096,
+    FrameType.SESSION_DESTROY: 64,
+    FrameType.COMMAND_ACK: 4096,
+    FrameType.RDMA_WARM: 64,
+    FrameType.RDMA_POSTED: 64,
+    FrameType.HELLO: 1024,
+    FrameType.ERROR: 4096,
+    FrameType.RDMA_STATUS: 4096,
+    FrameType.AUTH: 256,
+    FrameType.FINGERPRINT: 64,
+    FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
+    FrameType.EVAL_BATCH: 64 * 1024,
+}
+
+# ---- layouts ------------------------------------------------------------------
+FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count
+
+# Hello: magic, version, role, transport wanted, rdma_ok, reason length,
+# fingerprint length, session id, "I have a secret", a fresh nonce, then the
+# model identity's fields (layers, hidden, vocab, quant bits, gates per
+# token); then the reason, then the fingerprint summary (or nothing).
+MODEL_IDENTITY_FIELDS = ("layers", "hidden", "vocab", "quant_bits", "gates_per_token")
+HELLO_FIXED = struct.Struct(f"<IIIIIIIQI{NONCE_BYTES}s" + "I" * len(MODEL_IDENTITY_FIELDS))
+# Model fingerprint (_fingerprint.py): digest of the three parts, then the
+# digests of the config, of the tensor table (names, dtypes, shapes, sizes)
+# and of the sampled bytes, the tensor count and the weights' total bytes.
+FINGERPRINT_SUMMARY = struct.Struct("<16s8s8s8sIQ")
+FINGERPRINT_DETAIL_VERSION = 1
+MAX_FINGERPRINT_DETAIL_EXPANDED = 128 * 1024 * 1024
+TRANSPORT_CODES = {"auto": 0, "tcp": 1, "rdma": 2}
+TRANSPORT_NAMES = {v: k for k, v in TRANSPORT_CODES.items()}
+# The prover's role inside the HMAC message of the AUTH proof.
+AUTH_ROLE = struct.Struct("<I")
+AUTH_TAG = b"ds4tp-auth-v1"
+DATA_AUTH_TAG = b"ds4tp-data-v1"
+
+DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
+GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
+BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
+BIG_TAG = 0xB16
+# dtype code, ndim, collective (an OP_* below), up to MAX_DIMS dims: what both
+# ranks compare when a partial's signature changes.
+DESCRIPTOR = struct.Struct(f"<IIII{MAX_DIMS}Q")
+# The collective in a gate signature, and in a TCP gate header's layer field and a
+# bulk header's layer field. send/recv name the source rank (OP_P2P_FROM + src) on
+# both sides, so two senders or two receivers disagree.
+OP_SUM, OP_GATHER, OP_MAX, OP_MIN, OP_SCATTER, OP_P2P_FROM = 1, 2, 3, 4, 5, 6
+
+RDMA_INFO = struct.Struct("<IIIHB16s")  # qpn, psn, mtu, lid, link_layer, gid
+STATUS = struct.Struct("<II")  # ok, message length; then the message
+POSTED = struct.Struct("<I")  # always 1: "my receives are posted"
+WARM_ROUND = struct.Struct("<IIII")  # setup attempt, round, received, reserved
+WARM_TAG = struct.Struct("<IIII")  # WARM_MAGIC, rank, setup attempt, reserved
+
+SESSION_PAYLOAD = struct.Struct("<QII")  # session id, max tokens, reserved
+SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved
+EVAL_PAYLOAD = struct.Struct("<QQiI")  # session id, seq, token, reserved
+HASH_PAYLOAD = struct.Struct("<QQQ")  # session id, seq, hash
+ACK_PAYLOAD = struct.Struct("<Qi")  # session id, status (0 ok); then a message
+
+# Serving (mlx_ds4tp.lockstep.sessions).
+SERVE_CREATE = struct.Struct("<QQII")  # session id, stored cache id, mode, reserved
+SERVE_REWIND = struct.Struct("<QII")  # session id, tokens to keep, reserved
+SERVE_DESTROY = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
+SERVE_INVALIDATE = struct.Struct("<Q")  # stored cache id
+SERVE_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved
+SERVE_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
+SERVE_MAX_BATCH_ROWS = 1024

@@ -1,0 +1,1 @@
+"""The leader drives the worker in lockstep: sessions, prompt sync, decode steps."""

@@ -1,0 +1,292 @@
+"""The leader's scheduler for `ds4tp serve`: continuous batching over the pair.
+
+One thread owns the model and the control channel. HTTP threads hand it requests and read
+events back from a queue per request. Each turn of its loop:
+  1. admits waiting requests: looks up the longest stored prefix (prompt_cache), creates the
+     session on both ranks from that cache, trimmed where the leader says;
+  2. prefills one chunk (`prefill_step` tokens) of the oldest session still prefilling, so a
+     long prompt delays the running sessions by one chunk per step, not by its whole length;
+  3. runs one decode step over the rows of every running session plus the sessions whose
+     prefill is done (they join the batch), samples each row, streams the text out;
+  4. ends finished and abandoned sessions on both ranks, storing their caches for reuse.
+As in mlx_lm.generate, a prompt's last token is the first decode input: the prefill covers
+the others, so each session's tokens are what mlx-lm generates for it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+from typing import Dict, List, Optional
+
+from .. import transport as tr
+from ..errors import PairUnavailable
+from ..lockstep.prompt_cache import PromptCacheIndex, Reuse
+from ..lockstep.sampling import SamplingOptions, SessionSampler, sample_rows
+from ..lockstep.sessions import LeaderSessions
+
+IDLE_POLL_SEC = 0.25
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation as the HTTP layer hands it over; `events` receives ("text", str),
+    then ("done", finish_reason), ("failed", message) when this request alone failed, or
+    ("error", message) when the pair is down."""
+
+    prompt: List[int]
+    max_tokens: int
+    options: SamplingOptions = SamplingOptions()
+    stop: List[str] = dataclasses.field(default_factory=list)
+    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cancelled: bool = False
+
+
+class TextStream:
+    """Detokenized text with stop strings cut off: text is released only once no stop
+    string can begin in it, so a client never sees part of a stop string."""
+
+    def __init__(self, detokenizer, stop: List[str]):
+        self.detok = detokenizer
+        self.detok.reset()
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+
+    def add(self, token: int) -> tuple:
+        """(text to send now, True when a stop string ended the text)."""
+        self.detok.add_token(token)
+        return self._release(self.detok.last_segment, final=False)
+
+    def finish(self) -> str:
+        """The text still held back, at the end of a generation that no stop string ended."""
+        self.detok.finalize()
+        return self._release(self.detok.last_segment, final=True)[0]
+
+    def _release(self, segment: str, final: bool) -> tuple:
+        self.pending += segment
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            text, self.pending = self.pending[: min(hits)], ""
+            return text, True
+        cut = len(self.pending) if final else max(0, len(self.pending) - self.hold)
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+
+class _Session:
+    def __init__(self, sid: int, request: Request, reuse: Reuse, tokenizer):
+        self.sid = sid
+        self.request = request
+        self.todo = request.prompt[reuse.keep : -1]
+        self.next_input = request.prompt[-1]
+        self.generated: List[int] = []
+        self.sampler = SessionSampler(request.options, request.prompt)
+        self.text = TextStream(tokenizer.detokenizer, request.stop)
+
+
+class Engine:
+    """See the module docstring. `start()` runs the loop in a daemon thread."""
+
+    def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
+                 prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0):
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        self.sessions = sessions
+        self.tokenizer = tokenizer
+        self.prefill_step = prefill_step
+        self.max_batch = max_batch
+        self.debug_hash = debug_hash
+        self.index = PromptCacheIndex(prompt_cache_size,
+                                      can_trim_prompt_cache(sessions.table.make_cache()))
+        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self._inbox: "queue.Queue[Request]" = queue.Queue()
+        self._ids = itertools.count(1)
+        self._prefilling: List[_Session] = []
+        self._ready: List[_Session] = []
+        self._running: List[_Session] = []
+        self._lock = threading.Lock()
+        self._error: Optional[str] = None
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        self.stats = {"requests": 0, "prefilled_tokens": 0, "cached_tokens": 0, "decode_steps": 0,
+                      "generated_tokens": 0}
+
+    # -- the HTTP threads' side ---------------------------------------------
+    @property
+    def error(self) -> Optional[str]:
+        """Why the pair is down, or None while it is up."""
+        return self._error
+
+    def alive(self) -> bool:
+        """True while the loop runs and the pair is up."""
+        return self._error is None and self._thread is not None and self._thread.is_alive()
+
+    def counts(self) -> Dict[str, int]:
+        """Sessions prefilling, waiting to join the batch, decoding (for /health)."""
+        return {"prefilling": len(self._prefilling), "waiting": len(self._ready),
+                "decoding": len(self._running)}
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; PairUnavailable when the pair is down."""
+        with self._lock:
+            if self._error is not None:
+                raise PairUnavailable(self._error)
+            self._inbox.put(request)
+
+    def start(self) -> None:
+        """Run the loop in a daemon thread."""
+        self._thread = threading.Thread(target=self._run, name="ds4tp-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop and tell the worker to return."""
+        self._stopping = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._error is None:
+            self.sessions.stop()
+
+    # -- the loop -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._admit()
+                self._end_cancelled()
+                if self._prefilling:
+                    self._prefill_chunk()
+                if self._running or self._ready:
+                    self._decode_step()
+        except Exception as exc:  # noqa: BLE001 - every failure ends the pair, reported to all
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _admit(self) -> None:
+        busy = bool(self._prefilling or self._ready or self._running)
+        try:
+            request = self._inbox.get_nowait() if busy else self._inbox.get(timeout=IDLE_POLL_SEC)
+        except queue.Empty:
+            if not busy:
+                # Idle: nothing would notice a dead worker until the next request, and
+                # /health must stop answering 200 as soon as the pair is down.
+                gone = self.sessions.peer_gone()
+                if gone:
+                    raise tr.TransportError(gone)
+            return
+        while True:
+            if not request.cancelled:
+                self._start(request)
+            try:
+                request = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _start(self, request: Request) -> None:
+        sid = next(self._ids)
+        reuse = self.index.lookup(request.prompt)
+        self.sessions.create(sid, reuse.cache_id, reuse.mode)
+        if reuse.needs_rewind:
+            self.sessions.rewind(sid, reuse.keep)
+        request.cached_tokens = reuse.keep
+        self.stats["requests"] += 1
+        self.stats["cached_tokens"] += reuse.keep
+        session = _Session(sid, request, reuse, self.tokenizer)
+        (self._prefilling if session.todo else self._ready).append(session)
+
+    def _prefill_chunk(self) -> None:
+        session = self._prefilling[0]
+        chunk, session.todo = session.todo[: self.prefill_step], session.todo[self.prefill_step:]
+        self.sessions.prefill(session.sid, chunk)
+        self.stats["prefilled_tokens"] += len(chunk)
+        if not session.todo:
+            self._ready.append(self._prefilling.pop(0))
+
+    def _decode_step(self) -> None:
+        room = self.max_batch - len(self._running)
+        joining, self._ready = self._ready[:room], self._ready[room:]
+        rows = self._running + joining
+        logits = self.sessions.step([(s.sid, s.next_input) for s in rows])
+        if joining:
+            # Prompt tokens are computed once each: the last one is the first decode input.
+            self.stats["prefilled_tokens"] += len(joining)
+        self.stats["decode_steps"] += 1
+        if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
+            self.sessions.check_hash()
+        errors: Dict[int, str] = {}
+        tokens = sample_rows(logits, [s.sampler for s in rows], errors)
+        self._running = []
+        for i, (session, token) in enumerate(zip(rows, tokens)):
+            try:
+                finish, flush = ("failed", False) if token is None else self._advance(session, token)
+            except Exception as exc:  # noqa: BLE001 - this request's text, reported to it alone
+                errors[i] = f"{type(exc).__name__}: {exc}"
+                finish, flush = "failed", False
+            if finish is None:
+                self._running.append(session)
+            elif finish == "failed":
+                # Leader-only work failed for this request: the pair is fine, and the
+                # session ends on both ranks like an abandoned one.
+                session.request.events.put(("failed", errors[i]))
+                self._end(session, "cancelled", False)
+            else:
+                self._end(session, finish, flush)
+
+    def _advance(self, session: _Session, token: int) -> tuple:
+        """Take a session's new token: (finish reason or None, whether held text is sent)."""
+        request = session.request
+        session.generated.append(token)
+        request.completion_tokens += 1
+        self.stats["generated_tokens"] += 1
+        if token in self.eos:
+            return "stop", True
+        text, stopped = session.text.add(token)
+        if text:
+            request.events.put(("text", text))
+        if stopped:
+            return "stop", False  # whatever follows a stop string is never sent
+        if len(session.generated) >= request.max_tokens:
+            return "length", True
+        if request.cancelled:
+            return "cancelled", False
+        session.next_input = token
+        return None, True
+
+    def _end(self, session: _Session, finish: str, flush: bool) -> None:
+        """Free the session on both ranks; a completed one's cache is stored for reuse."""
+        request = session.request
+        if finish == "cancelled":
+            self.sessions.destroy(session.sid, 0)
+            return
+        # The cache holds every token fed in: the prompt and all but the last sampled one.
+        cache_id, evicted = self.index.insert(request.prompt + session.generated[:-1])
+        self.sessions.destroy(session.sid, cache_id)
+        for old in evicted:
+            self.sessions.invalidate(old)
+        tail = session.text.finish() if flush else ""
+        if tail:
+            request.events.put(("text", tail))
+        request.events.put(("done", finish))
+
+    def _end_cancelled(self) -> None:
+        for waiting in (self._prefilling, self._ready):
+            for session in [s for s in waiting if s.request.cancelled]:
+                waiting.remove(session)
+                self.sessions.destroy(session.sid, 0)
+
+    def _fail(self, message: str) -> None:
+        with self._lock:
+            self._error = message
+        tr.log(f"serve: the pair is down: {message}")
+        self.sessions.abort(message)
+        sessions = self._prefilling + self._ready + self._running
+        self._prefilling, self._ready, self._running = [], [], []
+        for session in sessions:
+            session.request.events.put(("error", message))
+        while True:
+            try:
+                self._inbox.get_nowait().events.put(("error", message))
+            except queue.Empty:
+                return

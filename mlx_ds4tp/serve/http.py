@@ -1,0 +1,311 @@
+"""The HTTP face of `ds4tp serve` on the leader: an OpenAI-compatible API over the Engine.
+
+Endpoints: GET /health (200 only while the pair is up), GET /v1/models, POST
+/v1/chat/completions and POST /v1/completions (streamed as server-sent events on request).
+The worker runs no HTTP: it executes the leader's commands (mlx_ds4tp.lockstep.sessions) until STOP.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import queue
+import select
+import socket
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Optional
+
+from ..errors import ClientGone
+from ..lockstep.sampling import SamplingOptions
+from .api import ApiError, ParsedRequest, ResponseShape, parse_request, usage
+from .engine import Engine, PairUnavailable, Request
+
+MAX_BODY_BYTES = 16 << 20
+# How often a request waiting for its next token checks that the engine is still alive. The
+# engine itself never waits on the worker past the gate timeout: it fails the pair instead,
+# and every waiting request gets the reason.
+EVENT_POLL_SEC = 1.0
+# How often a request being answered looks whether its client is still connected.
+CLIENT_CHECK_SEC = 0.5
+
+
+class ServeState:
+    """What the handler threads share: the engine and the server's fixed answers."""
+
+    def __init__(self, engine: Engine, tokenizer, model_id: str, *, api_key: Optional[str],
+                 context_length: int, vocab_size: int, default_max_tokens: int,
+                 defaults: SamplingOptions):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.api_key = api_key
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.default_max_tokens = default_max_tokens
+        self.defaults = defaults
+        self.created = int(time.time())
+
+
+def unavailable(reason: str) -> ApiError:
+    """The 503 every request gets once the pair is down."""
+    return ApiError(503, f"the two-machine pair is down ({reason}); restart `ds4tp serve` on both "
+                    "machines", None, "pair_unavailable", "server_error")
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP connection. `state` is a class attribute of the subclass make_server makes,
+    set once the pair is up (serve_main)."""
+
+    state: ServeState
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # noqa: D102 - quiet access log
+        return
+
+    # -- plumbing ---------------------------------------------------------------
+    def _send_json(self, status: int, body: Dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self._cors()
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _cors(self) -> None:
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+
+    def _error(self, err: ApiError) -> None:
+        # The body may be unread (a refused key, an unknown path): it must not be taken for
+        # the next request on this connection.
+        self.close_connection = True
+        self._send_json(err.status, err.body())
+
+    def _authorized(self) -> bool:
+        key = self.state.api_key
+        if not key:
+            return True
+        given = self.headers.get("Authorization", "")
+        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode()):
+            return True
+        self._error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with "
+                             "the key given to `ds4tp serve --api-key`", None, "invalid_api_key",
+                             "authentication_error"))
+        return False
+
+    def do_OPTIONS(self) -> None:  # noqa: N802 - http.server's naming
+        self.send_response(204)
+        self._cors()
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    # -- GET ----------------------------------------------------------------------
+    def do_GET(self) -> None:  # noqa: N802
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            error = self.state.engine.error
+            body = {"status": "ok" if error is None else "unavailable",
+                    **self.state.engine.stats, **self.state.engine.counts()}
+            if error is not None:
+                body["error"] = error
+            self._send_json(200 if error is None else 503, body)
+        elif path in ("/v1/models", "/models"):
+            if self._authorized():
+                self._send_json(200, {"object": "list", "data": [
+                    {"id": self.state.model_id, "object": "model", "created": self.state.created,
+                     "owned_by": "mlx_ds4tp"}]})
+        elif path.startswith(("/v1/models/", "/models/")):
+            if self._authorized():
+                name = path.split("/models/", 1)[1]
+                if name == self.state.model_id:
+                    self._send_json(200, {"id": name, "object": "model",
+                                          "created": self.state.created, "owned_by": "mlx_ds4tp"})
+                else:
+                    self._error(ApiError(404, f"model '{name}' is not served here", "model",
+                                         "model_not_found"))
+        else:
+            self._error(ApiError(404, f"no endpoint {path}; see GET /v1/models, POST "
+                                 "/v1/chat/completions, POST /v1/completions", None, "not_found"))
+
+    # -- POST ---------------------------------------------------------------------
+    def do_POST(self) -> None:  # noqa: N802
+        path = self.path.split("?", 1)[0]
+        kinds = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
+                 "/v1/completions": "text", "/completions": "text"}
+        if path not in kinds:
+            self._error(ApiError(404, f"no endpoint POST {path}", None, "not_found"))
+            return
+        if not self._authorized():
+            return
+        try:
+            parsed = self._parse(kinds[path])
+            if self.state.engine.error is not None:
+                raise unavailable(self.state.engine.error)
+        except ApiError as err:
+            self._error(err)
+            return
+        request = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens,
+                          options=parsed.options, stop=parsed.stop)
+        try:
+            self.state.engine.submit(request)
+        except PairUnavailable as exc:
+            self._error(unavailable(str(exc)))
+            return
+        shape = ResponseShape(parsed.kind, parsed.model)
+        if parsed.stream:
+            self._stream(parsed, request, shape)
+        else:
+            self._whole(parsed, request, shape)
+
+    def _parse(self, kind: str) -> ParsedRequest:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise ApiError(411, "a Content-Length header with the body's size is required") from None
+        if not 0 <= length <= MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are accepted")
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+        s = self.state
+        return parse_request(body, kind, s.tokenizer, model_ids=[s.model_id],
+                             default_max_tokens=s.default_max_tokens,
+                             context_length=s.context_length, vocab_size=s.vocab_size,
+                             defaults=s.defaults)
+
+    def _events(self, request: Request):
+        """The request's events until done; ApiError(503) when the pair fails. Text that
+        piled up while this thread waited for the interpreter goes out as one event: fewer
+        writes, and less time holding the lock the engine thread needs for the next step."""
+        text: list = []
+        checked = time.monotonic()
+        while True:
+            if time.monotonic() - checked > CLIENT_CHECK_SEC:
+                checked = time.monotonic()
+                if self._client_gone():
+                    # Nobody will read the answer: free the session on both ranks.
+                    request.cancelled = True
+                    raise ClientGone()
+            try:
+                event = request.events.get_nowait() if text else \
+                    request.events.get(timeout=EVENT_POLL_SEC)
+            except queue.Empty:
+                if text:
+                    yield ("text", "".join(text))
+                    text = []
+                elif not self.state.engine.alive():
+                    request.cancelled = True
+                    raise unavailable(self.state.engine.error or "the engine thread stopped")
+                continue
+            if event[0] == "error":
+                raise unavailable(event[1])
+            if event[0] == "failed":
+                raise ApiError(500, f"generating this answer failed ({event[1]}); the server goes on "
+                               "serving", None, "generation_failed", "server_error")
+            if event[0] == "text":
+                text.append(event[1])
+                continue
+            if text:
+                yield ("text", "".join(text))
+                text = []
+            yield event
+            if event[0] == "done":
+                return
+
+    def _client_gone(self) -> bool:
+        """True when the client closed its side (readable with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _usage(self, parsed: ParsedRequest, request: Request) -> Dict[str, Any]:
+        return usage(len(parsed.prompt), request.completion_tokens, request.cached_tokens)
+
+    def _whole(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+        parts, finish = [], "stop"
+        try:
+            for event in self._events(request):
+                if event[0] == "text":
+                    parts.append(event[1])
+                else:
+                    finish = event[1]
+        except ApiError as err:
+            self._error(err)
+            return
+        except ClientGone:
+            self.close_connection = True
+            return
+        self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request)))
+
+    def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+        events = self._events(request)
+        try:
+            # The status line waits for the first event: a pair that is already down is
+            # then a plain 503, like a request that does not stream.
+            first = next(events)
+        except ApiError as err:
+            self._error(err)
+            return
+        except ClientGone:
+            self.close_connection = True
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        # No Content-Length: the stream ends when the connection closes.
+        self.send_header("Connection", "close")
+        self._cors()
+        self.end_headers()
+        self.close_connection = True
+        try:
+            if parsed.kind == "chat":
+                self._sse(shape.chunk("", None, first=True))
+            for event in itertools.chain([first], events):
+                if event[0] == "text":
+                    self._sse(shape.chunk(event[1], None))
+                else:
+                    self._sse(shape.chunk(None if parsed.kind == "chat" else "", event[1]))
+            if parsed.include_usage:
+                self._sse(shape.usage_chunk(self._usage(parsed, request)))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except ApiError as err:
+            # The status line is already out: the error travels as an event.
+            self._try_write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+        except (OSError, ClientGone):
+            # The client went away (broken pipe, reset, closed): the engine frees its
+            # session on both ranks at its next step.
+            request.cancelled = True
+
+    def _sse(self, chunk: Dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _try_write(self, data: bytes) -> None:
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError:
+            pass
+
+
+def make_server(host: str, port: int) -> ThreadingHTTPServer:
+    """The HTTP server, bound but not serving yet: its handlers read `state`, which the
+    caller sets (server.RequestHandlerClass.state) before serve_forever. Binding first lets
+    a taken port fail before the pair is joined and the weights are loaded."""
+    handler = type("BoundHandler", (Handler,), {})
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as exc:
+        raise RuntimeError(f"cannot serve HTTP on {host}:{port} ({exc}); pick another --port or "
+                           "--host") from None
+    server.daemon_threads = True
+    return server

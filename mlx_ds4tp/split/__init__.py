@@ -1,0 +1,1 @@
+"""Tensor-parallel plans and layers (behind model_split.py)."""

@@ -1,0 +1,180 @@
+"""Both ranks on this machine: a free port, the child environment, two rank
+processes started and waited for together, and the hostfile MLX's ring
+backend reads. The bench, the demo, doctor and the tests share these.
+
+Only the standard library: this sits beside the tools, below nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+# The module a spawned rank runs (`python -m mlx_ds4tp.cli.rank ...`).
+RANK_MODULE = "mlx_ds4tp.cli.rank"
+# Where this package is imported from: a child must import the same copy, even
+# when it is a checkout nobody installed.
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+# How long a killed rank gets to be reaped before we stop waiting for it.
+_REAP_SEC = 10.0
+
+_PORTS_HANDED_OUT: set = set()
+_PORT_RNG = random.Random()
+
+
+def _ephemeral_range() -> Tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535  # the IANA range macOS uses
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port to listen on a moment later.
+
+    Chosen below the kernel's ephemeral range: a port from inside it can be
+    taken, between now and the listen, as the local port of an outgoing
+    connection (ranks starting side by side dial constantly), and the leader
+    would then fail with EADDRINUSE. A port is handed out once per process.
+    """
+    low, _ = _ephemeral_range()
+    lo, hi = max(1024, low - 12000), low
+    for _ in range(500):
+        port = _PORT_RNG.randrange(lo, hi)
+        if port in _PORTS_HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _PORTS_HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """This process's environment for a rank: unbuffered output (a rank's lines
+    arrive as they are written), this package first on PYTHONPATH, then `extra`."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    path = env.get("PYTHONPATH", "")
+    if _PACKAGE_PARENT not in path.split(os.pathsep):
+        env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def rank_command(*args: str) -> List[str]:
+    """The command line of a spawned rank: the internal entry point, not the public CLI."""
+    return [sys.executable, "-m", RANK_MODULE, *args]
+
+
+def pair_commands(base: Sequence[str], port: int, host: str = "127.0.0.1") -> List[List[str]]:
+    """`base` for the leader (listening on host:port) and for the worker (dialing it)."""
+    return [list(base) + ["--role", "leader", "--listen", host, str(port)],
+            list(base) + ["--role", "worker", "--coordinator", host, str(port)]]
+
+
+def run_ranks(cmds: Sequence[Sequence[str]], envs: Optional[Sequence[Dict[str, str]]] = None,
+              timeout: float = 600.0, stdout: str = "capture") -> List[str]:
+    """Start every rank, wait for all of them, and return their stdout texts.
+
+    stdout: "capture" (returned), "inherit" (this process's stdout; returned as
+    "") or "discard". Stderr always goes to this process's stderr, so a rank's
+    error is seen as it happens. The first rank to fail gets the others killed
+    at once (a lone survivor would only wait for its peer); so does the timeout.
+    Raises RuntimeError naming the rank, its exit status and its command.
+    """
+    if stdout not in ("capture", "inherit", "discard"):
+        raise ValueError(f"stdout={stdout!r}: use 'capture', 'inherit' or 'discard'")
+    envs = list(envs) if envs is not None else [child_env() for _ in cmds]
+    if len(envs) != len(cmds):
+        raise ValueError(f"{len(cmds)} commands but {len(envs)} environments")
+    target = {"capture": subprocess.PIPE, "inherit": None, "discard": subprocess.DEVNULL}[stdout]
+    procs: List[subprocess.Popen] = []
+    texts: List[List[str]] = [[] for _ in cmds]
+    readers: List[threading.Thread] = []
+    try:
+        for i, (cmd, env) in enumerate(zip(cmds, envs)):
+            p = subprocess.Popen(list(cmd), env=env, stdout=target, stderr=None, text=True)
+            procs.append(p)
+            if target is subprocess.PIPE:
+                # One reader per rank: a rank blocked on a full pipe would
+                # never exit, and its peer would wait on it.
+                t = threading.Thread(target=lambda p=p, out=texts[i]: out.append(p.stdout.read()),
+                                     daemon=True)
+                t.start()
+                readers.append(t)
+        _wait_all(procs, timeout)
+    finally:
+        for p in procs:
+            _reap(p)
+        for t in readers:
+            t.join(_REAP_SEC)
+    return ["".join(t) for t in texts]
+
+
+def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if code not in (None, 0):
+                raise RuntimeError(f"rank {i} exited with {code}: {' '.join(procs[i].args)}")
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            alive = [i for i, code in enumerate(codes) if code is None]
+            raise RuntimeError(f"rank(s) {alive} still running after {timeout:.0f} s: killed "
+                               f"({' '.join(procs[alive[0]].args)})")
+        time.sleep(0.02)
+
+
+def _reap(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+    try:
+        p.wait(timeout=_REAP_SEC)
+    except subprocess.TimeoutExpired:
+        print(f"ds4-tp: rank process {p.pid} did not exit {_REAP_SEC:.0f} s after SIGKILL",
+              file=sys.stderr, flush=True)
+
+
+def json_records(text: str) -> List[Dict]:
+    """The JSON records (one object per line) a rank printed among its other output."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@contextlib.contextmanager
+def ring_hostfile(size: int = 2, host: str = "127.0.0.1") -> Iterator[str]:
+    """A hostfile for mx.distributed's ring backend, one free port per rank on
+    `host`; removed when the block ends."""
+    ports = [free_port(host) for _ in range(size)]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[f"{host}:{port}"] for port in ports], f)
+        path = f.name
+    try:
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def ring_envs(hostfile: str, size: int = 2) -> List[Dict[str, str]]:
+    """The child environment of each ring rank: MLX_HOSTFILE and MLX_RANK set."""
+    return [child_env({"MLX_HOSTFILE": hostfile, "MLX_RANK": str(rank)}) for rank in range(size)]
