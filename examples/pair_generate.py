@@ -16,7 +16,7 @@ import mlx_ds4tp as tp
 from mlx_ds4tp.cli import add_run_args, check_run_args
 from mlx_ds4tp.lockstep.steps import Leader, Worker
 from mlx_ds4tp.model_split import load_split
-from mlx_ds4tp.lockstep.run import model_identity
+from mlx_ds4tp.link.identity import model_identity
 from mlx_ds4tp.lockstep.sampling import options_from_args, run_sampler
 
 

@@ -48,7 +48,7 @@ def main(argv) -> int:
     phase, role, host, port, transport, model = argv[:6]
     port = int(port)
     from mlx_ds4tp import transport as tr
-    from mlx_ds4tp.lockstep.run import model_identity
+    from mlx_ds4tp.link.identity import model_identity
 
     identity = model_identity(model)
     device = "ucsim" if transport == "rdma" else None

@@ -137,7 +137,7 @@ def reference_text(model_dir, prompt: str, max_tokens: int) -> Tuple[str, List[i
     what a pair run of the same model must print."""
     from mlx_lm.utils import load
 
-    from mlx_ds4tp.lockstep.run import single_process_tokens
+    from mlx_ds4tp.cli.demo import single_process_tokens
 
     _, tokenizer = load(str(model_dir))
     tokens = single_process_tokens(model_dir, list(tokenizer.encode(prompt)), max_tokens)

@@ -124,7 +124,8 @@ def ceiling_rank(role: str, port: int, path: str, max_tokens: int,
     times (prefill and decode each)."""
     from ..lockstep.steps import greedy_generate
     from ..model_split import load_split
-    from ..lockstep.run import bench_prompt, model_identity
+    from ..link.identity import model_identity
+    from ..lockstep.run import bench_prompt
 
     where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
     with gate_ops.init(role=role, transport="tcp", identity=model_identity(path), **where) as group:
@@ -154,7 +155,7 @@ def spawn_ceiling(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMP
 def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
               prompt_tokens: int = DEFAULT_PROMPT_TOKENS, timeout: float = 1200.0) -> Dict:
     """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1."""
-    from ..lockstep.run import run_local_pair
+    from ..testing.local_run import run_local_pair
 
     result = run_local_pair(Path(path), BENCH_PROMPT, max_tokens, transport, rdma_device,
                             stop_at_eos=False, quiet=True, timeout=timeout, prompt_tokens=prompt_tokens)

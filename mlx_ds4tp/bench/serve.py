@@ -168,7 +168,7 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
 def main(args) -> int:
     """`ds4tp bench --serve` with the bench's flags (cli.cmd_bench checked the common ones)."""
     from ..checkpoint.source import resolve_model_arg
-    from ..lockstep.run import demo_model_dir
+    from ..testing.demo_model import demo_model_dir
 
     if args.max_tokens < 2:
         raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")

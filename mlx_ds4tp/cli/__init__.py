@@ -55,7 +55,7 @@ def cmd_bench(args) -> int:
 
         return serve_bench.main(args)
     if args.model:
-        from ..lockstep.run import model_identity
+        from ..link.identity import model_identity
 
         if args.max_tokens < 2:
             raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
@@ -177,11 +177,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from ..lockstep import run as pair_run
+    from . import demo
 
     if args.max_tokens < 1:
         raise SystemExit(f"ds4tp demo: --max-tokens {args.max_tokens} must be >= 1")
-    return pair_run.demo(args)
+    return demo.demo(args)
 
 
 def cmd_doctor(args) -> int:

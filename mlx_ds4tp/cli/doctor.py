@@ -136,7 +136,7 @@ def peer_round_trip(args) -> List[Tuple[str, str]]:
 
     from .. import gate_ops
     from ..bench.gates import percentiles
-    from ..lockstep.run import model_identity
+    from ..link.identity import model_identity
 
     # A doctor should answer soon: at most 30 s (dial) / 120 s (listen), less
     # when DS4_TP_TIMEOUT_SEC says so.

@@ -1,71 +1,18 @@
-"""`ds4tp run` (one rank of a two-machine generation) and `ds4tp demo` (both
-ranks on 127.0.0.1 with a small synthetic model, checked against the same
-model run unsplit in one process)."""
+"""`ds4tp run`: one rank of a two-machine generation."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .. import gate_ops
 from .. import transport as tr
+from ..link.identity import model_identity
+from ..split.progress import LoadingBar
 from .steps import Leader, Worker, make_sampler
-
-
-def model_identity(path: str) -> tr.ModelIdentity:
-    """What the hello compares: the shape from config.json and the model's
-    fingerprint (safetensors headers and small samples), read before anything
-    loads, so a pair with different models stops before either spends time
-    loading. FileNotFoundError without config.json, ValueError when the
-    directory holds no model*.safetensors."""
-    config_path = Path(path) / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path} is not an mlx-lm model directory (no config.json); give the same model "
-            "directory on both machines"
-        ) from None
-    layers = int(config.get("num_hidden_layers", 0))
-    quant = config.get("quantization") or {}
-    return tr.ModelIdentity(
-        layers=layers,
-        hidden=int(config.get("hidden_size", 0)),
-        vocab=int(config.get("vocab_size", 0)),
-        quant_bits=int(quant.get("bits", 0)),
-        # Embedding gate, attention and MLP gates per block, logits gather.
-        gates_per_token=2 * layers + 2,
-        fingerprint=tr.model_fingerprint(path),
-    )
-
-
-class LoadingBar:
-    """Weights-loading progress on stderr: redrawn in place on a terminal,
-    a line per quarter otherwise (logs stay readable)."""
-
-    WIDTH = 30
-
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self.last_quarter = -1
-
-    def __call__(self, done: int, total: int, where: str) -> None:
-        frac = done / total if total else 1.0
-        if self.tty:
-            filled = int(frac * self.WIDTH)
-            sys.stderr.write(f"\rds4-tp: loading weights [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
-                             f"{done}/{total} {where[:40]:<40}")
-            if done == total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        elif int(frac * 4) > self.last_quarter:
-            self.last_quarter = int(frac * 4)
-            tr.log(f"loading weights: {done}/{total} tensors cut ({frac:.0%})")
 
 
 def bench_prompt(tokenizer, text: str, count: int) -> List[int]:
@@ -154,96 +101,3 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
     return 0
 
 
-# ============================================================================
-# Demo
-# ============================================================================
-
-DEMO_PRESET = "tiny"
-DEMO_SEED = 0
-
-
-def demo_model_dir() -> Path:
-    """Built once with fixed random weights, then reused from the cache."""
-    from ..testing.tiny_model import save_llama
-
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp"
-    path = root / f"demo-llama-{DEMO_PRESET}-seed{DEMO_SEED}"
-    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
-        tr.log(f"building the demo model (synthetic random weights) in {path}")
-        tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=root if root.exists() else None))
-        save_llama(tmp, DEMO_PRESET, seed=DEMO_SEED)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            import shutil
-
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    return path
-
-
-def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int) -> List[int]:
-    """The same greedy generation, unsplit, in this process: the reference."""
-    from mlx_lm.utils import load
-
-    from .steps import greedy_generate
-
-    model, tokenizer = load(str(path))
-    eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])
-    return greedy_generate(model, prompt_tokens, max_tokens, eos).tokens
-
-
-def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
-                   rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
-                   timeout: float = 1200.0, prompt_tokens: int = 0) -> Optional[dict]:
-    """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
-    leader's tokens record (see run's tokens_out), or None when either rank
-    failed (both are killed on any failure, the reason is logged).
-    prompt_tokens > 0: the prompt's tokens repeated to that many (see run)."""
-    from ..testing import localpair as _localpair
-
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out_path = f.name
-    base = _localpair.rank_command(
-        "run", "--model", str(model), "--transport", transport, "--max-tokens", str(max_tokens),
-        "--no-chat-template", "--prompt", prompt)
-    if rdma_device:
-        base += ["--rdma-device", rdma_device]
-    if not stop_at_eos:
-        base += ["--no-eos"]
-    if prompt_tokens > 0:
-        base += ["--prompt-tokens", str(prompt_tokens)]
-    leader, worker = _localpair.pair_commands(base, _localpair.free_port())
-    leader += ["--tokens-out", out_path]
-    try:
-        _localpair.run_ranks([leader, worker], timeout=timeout,
-                             stdout="discard" if quiet else "inherit")
-        return json.loads(Path(out_path).read_text())
-    except RuntimeError as exc:
-        tr.log(f"the local pair failed: {exc}")
-        return None
-    finally:
-        os.unlink(out_path)
-
-
-def demo(args) -> int:
-    path = demo_model_dir()
-    print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
-          "noise), split 50/50 across two local processes.", flush=True)
-    print(f"prompt: {args.prompt!r}\n--- leader output ---", flush=True)
-    result = run_local_pair(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
-                            timeout=600.0)
-    if result is None:
-        print("ds4tp demo: FAILED (see the ranks' errors above)", flush=True)
-        return 1
-    reference = single_process_tokens(path, result["prompt_tokens"], args.max_tokens)
-    match = reference == result["tokens"]
-    print("--- summary ---")
-    print(f"tokens (pair):   {result['tokens']}")
-    print(f"tokens (single): {reference}")
-    print(f"transport {result['transport']} | decode {result['decode_tok_s']:.1f} tok/s | gate p50 "
-          f"{result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us")
-    print(f"match with the unsplit model in one process: {match}")
-    print("\nOn two Macs joined by Thunderbolt (see README 'Two Macs'):\n"
-          "  mac1$ ds4tp run --model PATH --prompt 'Hello' --role leader --listen 10.99.0.1 9911\n"
-          "  mac2$ ds4tp run --model PATH --role worker --coordinator 10.99.0.1 9911")
-    return 0 if match else 2

@@ -12,7 +12,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from .. import gate_ops
 from .. import transport as tr
-from ..lockstep.run import LoadingBar, model_identity
+from ..link.identity import model_identity
+from ..split.progress import LoadingBar
 
 
 def context_length(model: Any, config: Dict[str, Any]) -> int:

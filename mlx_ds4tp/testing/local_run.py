@@ -1,0 +1,43 @@
+"""Both ranks of `ds4tp run` on 127.0.0.1, as two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..base.log import log
+from . import localpair as _localpair
+
+
+def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
+                   rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
+                   timeout: float = 1200.0, prompt_tokens: int = 0) -> Optional[dict]:
+    """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
+    leader's tokens record (see run's tokens_out), or None when either rank
+    failed (both are killed on any failure, the reason is logged).
+    prompt_tokens > 0: the prompt's tokens repeated to that many (see run)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    base = _localpair.rank_command(
+        "run", "--model", str(model), "--transport", transport, "--max-tokens", str(max_tokens),
+        "--no-chat-template", "--prompt", prompt)
+    if rdma_device:
+        base += ["--rdma-device", rdma_device]
+    if not stop_at_eos:
+        base += ["--no-eos"]
+    if prompt_tokens > 0:
+        base += ["--prompt-tokens", str(prompt_tokens)]
+    leader, worker = _localpair.pair_commands(base, _localpair.free_port())
+    leader += ["--tokens-out", out_path]
+    try:
+        _localpair.run_ranks([leader, worker], timeout=timeout,
+                             stdout="discard" if quiet else "inherit")
+        return json.loads(Path(out_path).read_text())
+    except RuntimeError as exc:
+        log(f"the local pair failed: {exc}")
+        return None
+    finally:
+        os.unlink(out_path)
