@@ -23,10 +23,12 @@ from .link.config import (
     DEFAULT_HELLO_TIMEOUT_SEC,
     DEFAULT_TIMEOUT_SEC,
     MAX_TCP_SPIN_US,
+    PairAddress,
     PairConfig,
     default_hello_timeout,
     default_tcp_spin_us,
     default_timeout,
+    pair_address,
     secret_bytes,
     VERBS_LIBRARY_ENV,
     tcp_spin_us,
@@ -98,7 +100,7 @@ from .errors import (
 
 __all__ = [
     # configuration
-    "PairConfig", "default_timeout", "default_hello_timeout", "tcp_spin_us", "default_tcp_spin_us",
+    "PairConfig", "PairAddress", "pair_address", "default_timeout", "default_hello_timeout", "tcp_spin_us", "default_tcp_spin_us",
     "secret_bytes", "verbs_library", "VERBS_LIBRARY_ENV", "DEFAULT_TIMEOUT_SEC",
     "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",
     # connection

@@ -299,6 +299,21 @@ def test_bad_config_is_a_clear_error(kwargs, message):
         tr.PairConfig(**kwargs)
 
 
+def test_pair_address_checks_the_triple_once():
+    lead = tr.pair_address("leader", ("h", 1), None)
+    assert (lead.role, lead.address, lead.rank, lead.coordinator) == ("leader", ("h", 1), 0, None)
+    work = tr.pair_address("worker", None, ["h", 2])
+    assert (work.address, work.rank, work.listen) == (("h", 2), 1, None)
+    with pytest.raises(ValueError, match="--role leader --listen HOST PORT"):
+        tr.pair_address("leader", None, ("h", 2))
+    with pytest.raises(ValueError, match="--role worker --coordinator HOST PORT"):
+        tr.pair_address("worker", ("h", 1), None)
+    with pytest.raises(ValueError, match="need a role"):
+        tr.pair_address(None, ("h", 1), None)
+    with pytest.raises(ValueError, match="--listen HOST PORT"):
+        tr.pair_address("leader", ("h", "port"), None)
+
+
 def test_bad_timeout_env(monkeypatch):
     monkeypatch.setenv("DS4_TP_TIMEOUT_SEC", "soon")
     with pytest.raises(ValueError, match="DS4_TP_TIMEOUT_SEC='soon'"):

@@ -118,6 +118,66 @@ def secret_bytes(secret, env: Optional[Mapping[str, str]] = None) -> Optional[by
     return bytes(secret)
 
 
+@dataclasses.dataclass(frozen=True)
+class PairAddress:
+    """Where this rank meets its peer: the leader listens, the worker dials.
+    Made by pair_address(), which checks the triple once for every caller."""
+
+    role: str
+    listen: Optional[Tuple[str, int]]
+    coordinator: Optional[Tuple[str, int]]
+
+    @property
+    def address(self) -> Tuple[str, int]:
+        """The one (host, port) this rank uses: listen for the leader, coordinator for the worker."""
+        return self.listen if self.role == "leader" else self.coordinator  # type: ignore[return-value]
+
+    @property
+    def rank(self) -> int:
+        """0 for the leader, 1 for the worker."""
+        return LEADER if self.role == "leader" else WORKER
+
+
+def pair_address(role: Optional[str], listen=None, coordinator=None) -> PairAddress:
+    """The role/listen/coordinator triple checked (the one place it is): the leader
+    needs listen=(host, port) and no coordinator, the worker the reverse. A bad
+    triple is a ValueError that names the value and the fix, with the command
+    line's spelling in brackets."""
+    if role not in ("leader", "worker"):
+        if role is None and (listen is not None or coordinator is not None):
+            raise ValueError(
+                "listen/coordinator need a role: role='leader' with listen=(host, port) or "
+                "role='worker' with coordinator=(host, port) (--role leader|worker)"
+            )
+        raise ValueError(
+            f"role={role!r}: use 'leader' (rank 0) or 'worker' (rank 1) (--role leader|worker)"
+        )
+    if role == "leader":
+        if listen is None or coordinator is not None:
+            raise ValueError("the leader needs listen=(host, port) and no coordinator "
+                             "(--role leader --listen HOST PORT, without --coordinator)")
+        return PairAddress(role, _checked_address(listen, "listen"), None)
+    if coordinator is None or listen is not None:
+        raise ValueError("the worker needs coordinator=(host, port) and no listen "
+                         "(--role worker --coordinator HOST PORT, without --listen)")
+    return PairAddress(role, None, _checked_address(coordinator, "coordinator"))
+
+
+def _checked_address(addr, name: str) -> Tuple[str, int]:
+    ok = (
+        isinstance(addr, (tuple, list))
+        and len(addr) == 2
+        and isinstance(addr[0], str)
+        and isinstance(addr[1], int)
+        and not isinstance(addr[1], bool)
+        and 0 <= addr[1] < 65536
+    )
+    if not ok:
+        raise ValueError(f"{name}={addr!r}: give (host, port), e.g. ('10.99.0.1', 9911) "
+                         f"(--{name} HOST PORT, PORT 0-65535)")
+    return (addr[0], addr[1])
+
+
 @dataclasses.dataclass
 class PairConfig:
     """How this rank joins the pair; every None field is resolved from its
@@ -158,18 +218,10 @@ class PairConfig:
     def __post_init__(self) -> None:
         env = os.environ
         self.secret = secret_bytes(self.secret, env)
-        if self.role not in ("leader", "worker"):
-            raise ValueError(f"role={self.role!r}: use 'leader' (rank 0) or 'worker' (rank 1)")
+        address = pair_address(self.role, self.listen, self.coordinator)
+        self.listen, self.coordinator = address.listen, address.coordinator
         if self.transport not in TRANSPORT_CODES:
             raise ValueError(f"transport={self.transport!r}: use 'auto', 'tcp' or 'rdma'")
-        if self.role == "leader":
-            if self.listen is None or self.coordinator is not None:
-                raise ValueError("the leader needs listen=(host, port) and no coordinator")
-            _check_address(self.listen, "listen")
-        else:
-            if self.coordinator is None or self.listen is not None:
-                raise ValueError("the worker needs coordinator=(host, port) and no listen")
-            _check_address(self.coordinator, "coordinator")
         self.timeout = _positive(self.timeout, "timeout", lambda: default_timeout(env))
         self.hello_timeout = _positive(self.hello_timeout, "hello_timeout",
                                        lambda: default_hello_timeout(env))
@@ -224,15 +276,3 @@ def _milliseconds(raw: str) -> float:
     if value < 0:
         raise ValueError(f"{TEST_WARMUP_DELAY_ENV}={raw!r} must be >= 0 milliseconds")
     return value
-
-
-def _check_address(addr, name: str) -> None:
-    ok = (
-        isinstance(addr, (tuple, list))
-        and len(addr) == 2
-        and isinstance(addr[0], str)
-        and isinstance(addr[1], int)
-        and 0 <= addr[1] < 65536
-    )
-    if not ok:
-        raise ValueError(f"{name}={addr!r}: give (host, port), e.g. ('10.99.0.1', 9911)")
