@@ -17,7 +17,6 @@ import numpy as np
 
 from .collectives import ops as _c
 from . import transport as tr
-from . import warmup
 from .collectives.seam import MlxCollective
 from .collectives.ops import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
 from .link.wire import DESCRIPTOR, DESCRIPTOR_MAGIC, MAX_DIMS
@@ -209,13 +208,8 @@ def init(
         secret=secret,
         tcp_spin_us=tcp_spin_us,
     )
+    # connect() hands out a complete pair: its RDMA queue pair proven, or TCP chosen.
     pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library))
-    try:
-        if pair.transport == "rdma":
-            pair.attach_rdma(warmup.bring_up_rdma(pair))
-    except BaseException:
-        pair.close()
-        raise
     _LAST_GROUP = Group(pair=pair)
     return _LAST_GROUP
 

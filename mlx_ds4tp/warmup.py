@@ -1,211 +1,29 @@
 """RDMA bring-up: READY barrier, receives-posted barrier, warm-up, re-creation.
 
-On Apple's Thunderbolt RDMA a freshly created UC queue pair can deliver in one
-direction only, and UC never reports the loss: the first bulk exchange would
-just time out. A UC send that reaches a queue pair with no receive posted
-kills that direction for good. So before any real traffic both directions are
-proven with one full-size message each way, behind a barrier that guarantees
-the peer's receive is posted, and a pair that fails is destroyed and rebuilt.
+The public face of ``link/bringup.py``, where the bring-up lives. connect()
+(``transport.connect``) runs it itself when both ranks agree on RDMA and hands
+out the pair only once its queue pair is proven (or TCP is chosen), so no
+caller drives it; these names are here for tests, tools and the curious.
 """
 
 from __future__ import annotations
 
-import random
-import time
-from typing import Optional
-
-from . import transport as tr
-from .link.wire import (
-    MAX_STATUS_MESSAGE_BYTES,
-    POSTED,
-    RDMA_MAX_MSG,
-    STATUS,
-    WARM_MAGIC,
-    WARM_ROUND,
-    WARM_TAG,
-    WARM_WR_ID,
+from .link.bringup import (
+    MAX_SETUP_ATTEMPT,
+    RC_ROUNDS,
+    UC_ROUND_SEC,
+    UC_ROUNDS,
+    WARM_BYTES,
+    bring_up_rdma,
+    connect_queue_pair,
+    exchange_status,
+    posted_barrier,
+    ready_barrier,
+    warm_up,
 )
-from .errors import PeerClosedError, RdmaUnavailableError, TransportError, WarmupFailed
+from .link.joined import Joined
 
-# The warm message is full size: 64-byte messages pass on a fresh dead
-# direction while the first 16 KiB chunks are still dropped.
-WARM_BYTES = RDMA_MAX_MSG
-UC_ROUNDS, UC_ROUND_SEC = 20, 0.1
-RC_ROUNDS = 1
-MAX_SETUP_ATTEMPT = 3  # re-creations: at most four builds in all
-
-
-# ============================================================================
-# Barriers
-# ============================================================================
-
-
-def ready_barrier(pair: tr.Pair) -> None:
-    """Both queue pairs are in RTS before either side goes on."""
-    pair.control.send(tr.FrameType.RDMA_READY)
-    pair.control.recv(tr.FrameType.RDMA_READY)
-
-
-def posted_barrier(pair: tr.Pair) -> None:
-    """Receives-posted barrier: a sender waits for the peer's word that its
-    receives are posted, because a UC send into an empty receive queue kills
-    that direction on Thunderbolt for good."""
-    if pair.config.test_no_posted_barrier:
-        return
-    pair.control.send(tr.FrameType.RDMA_POSTED, POSTED.pack(1))
-    pair.control.recv(tr.FrameType.RDMA_POSTED)
-
-
-def exchange_status(pair: tr.Pair, ok: bool, message: str) -> tuple:
-    """Both ranks learn both outcomes, so both take the same path."""
-    data = message.encode("utf-8", "replace")[:MAX_STATUS_MESSAGE_BYTES]
-    pair.control.send(tr.FrameType.RDMA_STATUS, STATUS.pack(int(ok), len(data)) + data)
-    _, payload = pair.control.recv(tr.FrameType.RDMA_STATUS)
-    if len(payload) < STATUS.size:
-        raise tr.FrameError(f"RDMA_STATUS payload is {len(payload)} bytes, need {STATUS.size}")
-    peer_ok, n = STATUS.unpack_from(payload)
-    return bool(peer_ok), payload[STATUS.size : STATUS.size + n].decode("utf-8", "replace")
-
-
-# ============================================================================
-# Warm-up
-# ============================================================================
-
-
-def warm_up(pair: tr.Pair, rdma: tr.RdmaGates, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
-    """Prove both directions; returns the rounds used. Raises WarmupFailed."""
-    delay_ms = pair.config.test_warmup_delay_ms
-    if delay_ms:
-        time.sleep(random.uniform(0.0, delay_ms) / 1000.0)
-    rdma.post_recv(rdma.warm_recv, WARM_BYTES, WARM_WR_ID)
-    posted_barrier(pair)
-    tag = WARM_TAG.pack(WARM_MAGIC, pair.rank, rdma.setup_attempt, 0)
-    rdma.ffi.memmove(rdma.warm_send, tag, len(tag))
-    received = peer_received = False
-    for round_no in range(1, rounds + 1):
-        if not peer_received:
-            rdma.post_send(rdma.warm_send, WARM_BYTES, WARM_WR_ID)
-        deadline = time.monotonic() + round_sec
-        while not received:
-            left = deadline - time.monotonic()
-            for wc in rdma.poll(8, max(0.0, left)):
-                if wc.opcode == rdma.lib.TP_WC_RECV and wc.wr_id == WARM_WR_ID:
-                    if wc.status != rdma.lib.TP_WC_SUCCESS:
-                        raise WarmupFailed(
-                            f"tp rdma: warm-up receive completed with status {wc.status}"
-                        )
-                    received = True
-            if left <= 0:
-                break
-        pair.control.send(
-            tr.FrameType.RDMA_WARM, WARM_ROUND.pack(rdma.setup_attempt, round_no, int(received), 0)
-        )
-        _, payload = pair.control.recv(tr.FrameType.RDMA_WARM)
-        if len(payload) != WARM_ROUND.size:
-            raise tr.FrameError(f"RDMA_WARM payload is {len(payload)} bytes, expected {WARM_ROUND.size}")
-        p_attempt, p_round, p_received, _ = WARM_ROUND.unpack(payload)
-        if (p_attempt, p_round) != (rdma.setup_attempt, round_no):
-            raise tr.DesyncError(
-                f"warm-up desync: the peer is at setup attempt {p_attempt} round {p_round}, "
-                f"this side at {rdma.setup_attempt} round {round_no}"
-            )
-        peer_received = bool(p_received)
-        if received and peer_received:
-            _reap_sends(rdma)
-            return round_no
-    raise WarmupFailed(
-        f"tp rdma: warm-up failed after {rounds} attempts "
-        f"(recv {int(received)}, peer {int(peer_received)})"
-    )
-
-
-def _reap_sends(rdma: tr.RdmaGates) -> None:
-    """Collect the warm-up's send completions so the gate path starts clean."""
-    rdma.poll(64, 0.0)
-
-
-# ============================================================================
-# Bring-up
-# ============================================================================
-
-
-def connect_queue_pair(pair: tr.Pair, rdma: tr.RdmaGates) -> None:
-    """Exchange queue pair info over the control channel, move to RTS, READY."""
-    pair.control.send(tr.FrameType.RDMA_INFO, rdma.local_info())
-    _, payload = pair.control.recv(tr.FrameType.RDMA_INFO)
-    rdma.connect_peer(payload)
-    ready_barrier(pair)
-
-
-def bring_up_rdma(pair: tr.Pair) -> Optional[tr.RdmaGates]:
-    """Open the device, build, connect and warm the queue pair, re-creating
-    it after a failed warm-up; returns the proven gates for the pair to attach
-    (pair.attach_rdma). With transport="auto" any failure makes both ranks
-    return None together, loudly, and fall back to TCP; with "rdma" both
-    raise RdmaUnavailableError."""
-    strict = pair.config.transport == "rdma"
-    rdma = None
-    try:
-        try:
-            rdma = pair.open_rdma()
-            rdma.build(0)
-            ok, message = True, ""
-        except (TransportError, OSError) as exc:
-            if isinstance(exc, PeerClosedError):
-                raise
-            ok, message = False, str(exc)
-        peer_ok, peer_message = exchange_status(pair, ok, message)
-        if not (ok and peer_ok):
-            failures = []
-            if not ok:
-                failures.append(f"this side ({tr.ROLE_NAMES[pair.rank]}): {message}")
-            if not peer_ok:
-                failures.append(f"the {pair.peer_name}: {peer_message}")
-            return _give_up(rdma, strict, "rdma device setup failed on " + "; ".join(failures))
-        return _warm_loop(pair, rdma, strict)
-    except BaseException:
-        if rdma is not None:
-            rdma.close()
-        raise
-
-
-def _warm_loop(pair: tr.Pair, rdma: tr.RdmaGates, strict: bool) -> Optional[tr.RdmaGates]:
-    started = time.monotonic()
-    setup_attempt = 0
-    while True:
-        connect_queue_pair(pair, rdma)
-        if pair.config.disable_warmup:
-            tr.log("rdma warm-up skipped (DS4_TP_DISABLE_RDMA_WARMUP is set): a dead direction "
-                   "will surface as a timeout in the first gate")
-            return rdma
-        warm_started = time.monotonic()
-        try:
-            used = warm_up(pair, rdma)
-        except WarmupFailed as exc:
-            if setup_attempt >= MAX_SETUP_ATTEMPT:
-                return _give_up(rdma, strict, f"{exc} on all {setup_attempt + 1} queue pair builds")
-            setup_attempt += 1
-            tr.log(f"{exc}; recreating the queue pair (setup attempt {setup_attempt})")
-            rdma.build(setup_attempt)
-            continue
-        _, send_wr, recv_wr = rdma.depths
-        plural = "" if used == 1 else "s"
-        now = time.monotonic()
-        rdma.warmup_ms = 1000 * (now - warm_started)
-        tr.log(
-            f"rdma warm-up ok ({used} attempt{plural}), queue depth recv {recv_wr} send {send_wr}"
-            f" [build {setup_attempt + 1}, warm-up {rdma.warmup_ms:.1f} ms, queue pair bring-up "
-            f"{1000 * (now - started):.1f} ms]"
-        )
-        return rdma
-
-
-def _give_up(rdma: Optional[tr.RdmaGates], strict: bool, reason: str) -> None:
-    """Both ranks reach this point from the same exchanged outcome, so both
-    stop (transport=rdma) or both fall back to TCP (transport=auto)."""
-    if rdma is not None:
-        rdma.close()
-    if strict:
-        raise RdmaUnavailableError(f"{reason}; transport=rdma requested, stopping")
-    tr.log(f"WARNING: {reason}; falling back to TCP gates (transport=auto)")
-    return None
+__all__ = [
+    "bring_up_rdma", "connect_queue_pair", "exchange_status", "posted_barrier", "ready_barrier",
+    "warm_up", "Joined", "WARM_BYTES", "UC_ROUNDS", "UC_ROUND_SEC", "RC_ROUNDS", "MAX_SETUP_ATTEMPT",
+]

@@ -83,29 +83,32 @@ def main(argv) -> int:
     if phase in ("rdma-info", "rdma-info-sent", "warmup"):
         from mlx_ds4tp import warmup
 
+        def bring_up_to_phase(joined):
+            """connect()'s bring-up seam: the shipped steps up to the phase, then block."""
+            rdma = joined.open_rdma()
+            rdma.build(0)
+            warmup.exchange_status(joined, True, "")
+            if phase == "rdma-info":
+                at(phase)
+                block()
+            joined.control.send(tr.FrameType.RDMA_INFO, rdma.local_info())
+            if phase == "rdma-info-sent":
+                at(phase)
+                block()
+            _, payload = joined.control.recv(tr.FrameType.RDMA_INFO)
+            rdma.connect_peer(payload)
+            warmup.ready_barrier(joined)
+            rdma.post_recv(rdma.warm_recv, warmup.WARM_BYTES, tr.WARM_WR_ID)
+            warmup.posted_barrier(joined)
+            at(phase)
+            block()
+
         config = tr.PairConfig(role=role, listen=address if leader else None,
                                coordinator=None if leader else address, transport=transport,
                                rdma_device=device, identity=identity)
-        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library))
-        if pair.transport != "rdma":
-            raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
-        rdma = pair.open_rdma()
-        rdma.build(0)
-        warmup.exchange_status(pair, True, "")
-        if phase == "rdma-info":
-            at(phase)
-            block()
-        pair.control.send(tr.FrameType.RDMA_INFO, rdma.local_info())
-        if phase == "rdma-info-sent":
-            at(phase)
-            block()
-        _, payload = pair.control.recv(tr.FrameType.RDMA_INFO)
-        rdma.connect_peer(payload)
-        warmup.ready_barrier(pair)
-        rdma.post_recv(rdma.warm_recv, warmup.WARM_BYTES, tr.WARM_WR_ID)
-        warmup.posted_barrier(pair)
-        at(phase)
-        block()
+        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library),
+                          bring_up=bring_up_to_phase)
+        raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
 
     import mlx.core as mx
     import numpy as np

@@ -15,6 +15,7 @@ import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.errors import RdmaUnavailableError, TransportTimeoutError
+from mlx_ds4tp.link import bringup  # its test seams: SKIP_POSTED_BARRIER, WARMUP_DELAY_MS
 from pairutil import free_port
 
 
@@ -125,7 +126,7 @@ def test_without_warmup_a_dead_direction_is_a_gate_timeout(monkeypatch):
 def test_posted_barrier_prevents_kill_unposted(monkeypatch, capfd):
     """With random start delays (0-200 ms per side, and 0-200 ms before each
     side posts its warm-up receive) the barrier keeps every bring-up clean."""
-    monkeypatch.setenv("DS4_TP_TEST_WARMUP_DELAY_MS", "200")
+    monkeypatch.setattr(bringup, "WARMUP_DELAY_MS", 200.0)
     outcomes = bring_up(50, start_delay_ms=200)
     err = capfd.readouterr().err
     failures = [o for pair in outcomes for o in pair if o != ("rdma", None)]
@@ -135,8 +136,8 @@ def test_posted_barrier_prevents_kill_unposted(monkeypatch, capfd):
 
 
 def test_without_the_barrier_kill_unposted_breaks_bring_ups(monkeypatch, capfd):
-    monkeypatch.setenv("DS4_TP_TEST_NO_POSTED_BARRIER", "1")
-    monkeypatch.setenv("DS4_TP_TEST_WARMUP_DELAY_MS", "200")
+    monkeypatch.setattr(bringup, "SKIP_POSTED_BARRIER", True)
+    monkeypatch.setattr(bringup, "WARMUP_DELAY_MS", 200.0)
     outcomes = bring_up(8, start_delay_ms=200)
     err = capfd.readouterr().err
     broken = err.count("recreating the queue pair (setup attempt 1)") + sum(

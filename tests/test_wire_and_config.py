@@ -1,10 +1,11 @@
 """The wire format's one home (_wire.py, its table true to the code), every
-DS4_TP_* knob resolved once by PairConfig, and the pair attaching its RDMA
-gates (or falling back) itself."""
+DS4_TP_* knob resolved once by PairConfig, and connect() handing out a
+complete pair (its RDMA gates brought up, or TCP chosen)."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 
@@ -13,11 +14,10 @@ import pytest
 import mlx_ds4tp
 from mlx_ds4tp.link import wire
 from mlx_ds4tp import transport as tr
-from pairutil import both_ok, free_port
+from pairutil import both_ok, free_port, run_both
 
 PKG = os.path.dirname(mlx_ds4tp.__file__)
-KNOBS = ("DS4_TP_UCSIM_FAULTS", "DS4_TP_RDMA_NO_IMM", "DS4_TP_DISABLE_RDMA_WARMUP",
-         "DS4_TP_TEST_NO_POSTED_BARRIER", "DS4_TP_TEST_WARMUP_DELAY_MS", "DS4_TP_HELLO_TIMEOUT_SEC",
+KNOBS = ("DS4_TP_UCSIM_FAULTS", "DS4_TP_RDMA_NO_IMM", "DS4_TP_DISABLE_RDMA_WARMUP", "DS4_TP_HELLO_TIMEOUT_SEC",
          "DS4_TP_TIMEOUT_SEC", "DS4_TP_TCP_SPIN_US", "DS4_TP_SECRET", "DS4_TP_VERBS_LIBRARY")
 
 
@@ -93,21 +93,20 @@ def test_defaults_without_any_knob(monkeypatch):
     c = leader_config()
     assert (c.timeout, c.hello_timeout, c.secret) == (300.0, 10.0, None)
     assert (c.ucsim_faults, c.rdma_no_imm, c.disable_warmup) == ("", False, False)
-    assert (c.test_no_posted_barrier, c.test_warmup_delay_ms) == (False, 0.0)
     assert c.verbs_library == ""
+    # The bring-up's test-only switches are seams in link/bringup.py, never config fields.
+    assert not [f.name for f in dataclasses.fields(c) if f.name.startswith("test_")]
 
 
 def test_every_knob_is_read_from_the_environment(monkeypatch):
     env = {"DS4_TP_UCSIM_FAULTS": "drop=l2w:1", "DS4_TP_RDMA_NO_IMM": "1",
-           "DS4_TP_DISABLE_RDMA_WARMUP": "yes", "DS4_TP_TEST_NO_POSTED_BARRIER": "1",
-           "DS4_TP_TEST_WARMUP_DELAY_MS": "200", "DS4_TP_HELLO_TIMEOUT_SEC": "0.5",
+           "DS4_TP_DISABLE_RDMA_WARMUP": "yes", "DS4_TP_HELLO_TIMEOUT_SEC": "0.5",
            "DS4_TP_TIMEOUT_SEC": "7", "DS4_TP_TCP_SPIN_US": "10", "DS4_TP_SECRET": "s",
            "DS4_TP_VERBS_LIBRARY": "/opt/rdma/libibverbs.so.1"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     c = leader_config()
     assert (c.ucsim_faults, c.rdma_no_imm, c.disable_warmup) == ("drop=l2w:1", True, True)
-    assert (c.test_no_posted_barrier, c.test_warmup_delay_ms) == (True, 200.0)
     assert (c.hello_timeout, c.timeout, c.tcp_spin_us, c.secret) == (0.5, 7.0, 10, b"s")
     assert c.verbs_library == "/opt/rdma/libibverbs.so.1"
     # "0" switches a switch off.
@@ -138,8 +137,7 @@ def test_bad_fields_are_refused(kw, message):
 
 @pytest.mark.parametrize("name, raw, message", [
     ("DS4_TP_HELLO_TIMEOUT_SEC", "-1", "DS4_TP_HELLO_TIMEOUT_SEC='-1' must be > 0 seconds"),
-    ("DS4_TP_TEST_WARMUP_DELAY_MS", "soon", "DS4_TP_TEST_WARMUP_DELAY_MS='soon' is not a number"),
-    ("DS4_TP_TEST_WARMUP_DELAY_MS", "-5", "DS4_TP_TEST_WARMUP_DELAY_MS='-5' must be >= 0"),
+    ("DS4_TP_TIMEOUT_SEC", "soon", "DS4_TP_TIMEOUT_SEC='soon' is not a number"),
 ])
 def test_bad_environment_values_are_refused_before_connecting(monkeypatch, name, raw, message):
     monkeypatch.setenv(name, raw)
@@ -148,53 +146,74 @@ def test_bad_environment_values_are_refused_before_connecting(monkeypatch, name,
 
 
 # ============================================================================
-# The pair attaches its gates itself
+# connect() hands out a complete pair: RDMA brought up, or TCP chosen
 # ============================================================================
 
 
-def connected_pairs(transport: str):
+def connected_pairs(transport: str, bring_up=None):
     port = free_port()
     kw = {"transport": transport, "timeout": 10.0}
-    probe = (lambda: tr.rdma_probe("ucsim", "")) if transport == "rdma" else None
+    probe = (lambda: tr.rdma_probe("ucsim", "")) if transport in ("rdma", "auto") else None
+    seam = {} if bring_up is None else {"bring_up": bring_up}
     return both_ok(
         lambda: tr.connect(tr.PairConfig(role="leader", listen=("127.0.0.1", port),
-                                         rdma_device="ucsim", **kw), rdma_probe=probe),
+                                         rdma_device="ucsim", **kw), rdma_probe=probe, **seam),
         lambda: tr.connect(tr.PairConfig(role="worker", coordinator=("127.0.0.1", port),
-                                         rdma_device="ucsim", **kw), rdma_probe=probe),
+                                         rdma_device="ucsim", **kw), rdma_probe=probe, **seam),
     )
 
 
 def test_a_pair_without_proven_rdma_falls_back_to_tcp_gates():
-    lp, wp = connected_pairs("rdma")
+    seen = []
+
+    def bring_up_fails(joined):  # both ranks' bring-up gave up together (transport=auto)
+        seen.append(joined.transport)
+        return None
+
+    lp, wp = connected_pairs("auto", bring_up=bring_up_fails)
     try:
-        assert lp.transport == wp.transport == "rdma" and lp.rdma is None
-        for p in (lp, wp):
-            p.attach_rdma(None)
-        assert lp.transport == wp.transport == "tcp" and lp.rdma is None
+        assert seen == ["rdma", "rdma"]  # agreed on RDMA, then the bring-up said no
+        assert lp.transport == wp.transport == "tcp" and lp.rdma is None and wp.rdma is None
         out = both_ok(lambda: _gate(lp, 1.0), lambda: _gate(wp, 2.0))
         assert out == (2.0, 1.0)
-        with pytest.raises(ValueError, match="transport is 'tcp', not 'rdma'"):
-            lp.attach_rdma(None)
+        # Nothing above the transport package attaches gates: there is no half-built pair.
+        assert not hasattr(lp, "attach_rdma") and not hasattr(lp, "open_rdma")
     finally:
         lp.close()
         wp.close()
 
 
-def test_bring_up_returns_the_gates_and_the_pair_attaches_them():
-    from mlx_ds4tp import warmup
-
+def test_connect_brings_rdma_up_and_the_pair_it_returns_is_complete():
     lp, wp = connected_pairs("rdma")
     try:
-        gates = both_ok(lambda: warmup.bring_up_rdma(lp), lambda: warmup.bring_up_rdma(wp))
-        assert all(isinstance(g, tr.RdmaGates) for g in gates)
-        assert lp.rdma is None and wp.rdma is None  # bring-up leaves the pair alone
-        lp.attach_rdma(gates[0])
-        wp.attach_rdma(gates[1])
-        assert (lp.rdma, wp.rdma) == gates and lp.transport == "rdma"
+        for p in (lp, wp):
+            assert p.transport == "rdma" and isinstance(p.rdma, tr.RdmaGates)
+            assert p.rdma.warmup_ms is not None  # both directions proven before the pair was handed out
         assert both_ok(lambda: _gate(lp, 3.0), lambda: _gate(wp, 4.0)) == (4.0, 3.0)
     finally:
         lp.close()
         wp.close()
+
+
+def test_a_bring_up_that_fails_hard_closes_both_connections():
+    joined = []
+
+    def bring_up_raises(j):
+        joined.append(j)
+        raise tr.TransportError("the device went away")
+
+    port = free_port()
+    kw = {"transport": "rdma", "timeout": 10.0, "rdma_device": "ucsim"}
+    probe = lambda: tr.rdma_probe("ucsim", "")  # noqa: E731
+    (lv, le), (wv, we) = run_both(
+        lambda: tr.connect(tr.PairConfig(role="leader", listen=("127.0.0.1", port), **kw),
+                           rdma_probe=probe, bring_up=bring_up_raises),
+        lambda: tr.connect(tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), **kw),
+                           rdma_probe=probe, bring_up=bring_up_raises),
+    )
+    assert lv is None and wv is None
+    assert all(isinstance(e, tr.TransportError) and "went away" in str(e) for e in (le, we)), (le, we)
+    assert len(joined) == 2 and all(j.control.sock.fileno() == -1 and j.data.fileno() == -1 for j in joined)
 
 
 def _gate(pair, value: float) -> float:

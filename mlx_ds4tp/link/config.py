@@ -34,10 +34,6 @@ UCSIM_FAULTS_ENV = "DS4_TP_UCSIM_FAULTS"
 RDMA_NO_IMM_ENV = "DS4_TP_RDMA_NO_IMM"
 DISABLE_WARMUP_ENV = "DS4_TP_DISABLE_RDMA_WARMUP"
 VERBS_LIBRARY_ENV = "DS4_TP_VERBS_LIBRARY"
-# Test-only switches (documented in tests/README.md): they exist to show what
-# the receives-posted barrier protects against, never for production use.
-TEST_NO_POSTED_BARRIER_ENV = "DS4_TP_TEST_NO_POSTED_BARRIER"
-TEST_WARMUP_DELAY_ENV = "DS4_TP_TEST_WARMUP_DELAY_MS"
 
 
 def _raw(env: Mapping[str, str], name: str) -> Optional[str]:
@@ -193,8 +189,7 @@ class PairConfig:
     immediate-data tag (DS4_TP_RDMA_NO_IMM). disable_warmup: skip the RDMA
     warm-up (DS4_TP_DISABLE_RDMA_WARMUP). verbs_library: the library the
     ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY).
-    test_no_posted_barrier and test_warmup_delay_ms: test-only (DS4_TP_TEST_NO_POSTED_BARRIER,
-    DS4_TP_TEST_WARMUP_DELAY_MS).
+    (The bring-up's test-only switches are seams in link/bringup.py, not fields.)
     """
 
     role: str
@@ -212,8 +207,6 @@ class PairConfig:
     rdma_no_imm: Optional[bool] = None
     disable_warmup: Optional[bool] = None
     verbs_library: Optional[str] = None
-    test_no_posted_barrier: Optional[bool] = None
-    test_warmup_delay_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -248,11 +241,6 @@ class PairConfig:
                 f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
                 f"library, or None for {VERBS_LIBRARY_ENV}"
             )
-        if self.test_no_posted_barrier is None:
-            self.test_no_posted_barrier = _switch(env, TEST_NO_POSTED_BARRIER_ENV)
-        if self.test_warmup_delay_ms is None:
-            raw = _raw(env, TEST_WARMUP_DELAY_ENV)
-            self.test_warmup_delay_ms = 0.0 if raw is None else _milliseconds(raw)
 
     @property
     def rank(self) -> int:
@@ -266,13 +254,3 @@ def _positive(value: Optional[float], name: str, default) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r} must be > 0 seconds")
     return float(value)
-
-
-def _milliseconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TEST_WARMUP_DELAY_ENV}={raw!r} is not a number of milliseconds") from None
-    if value < 0:
-        raise ValueError(f"{TEST_WARMUP_DELAY_ENV}={raw!r} must be >= 0 milliseconds")
-    return value

@@ -1,7 +1,8 @@
 """Bringing the pair up: the leader listens, the worker dials; hello,
 authentication and the transport choice on the control connection; then the
-gate data connection. The result is a Pair, which owns both connections and
-the gates that run over them."""
+gate data connection; then, when both agreed on RDMA, the queue pair's
+bring-up (bringup.py). The result is a complete Pair, which owns both
+connections and the gates that run over them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import socket
 import time
 from typing import Callable, Optional, Tuple
 
+from ..base.log import log
+from ..errors import AuthenticationError, FrameError, HelloMismatchError, PeerClosedError, TransportError
+from .bringup import bring_up_rdma
 from .config import PairConfig
 from .control import (
     ControlChannel,
@@ -20,191 +24,30 @@ from .control import (
     recv_exact_into,
     send_all,
     set_kernel_timeout,
-    swap_small,
     tune_socket,
 )
-from .fingerprint import Fingerprint, first_difference, summary_label
 from .hello import Hello, authenticate, check_hello, choose_transport, data_proof
-from ..base.log import log
-from .native import load_verbs, sum_partials
+from .joined import Joined
+from .pair import Pair, fingerprint_mismatch
 from .rdma import RdmaGates
-from .sum_gates import SumGate, make_sum_gate
-from .tcp import TcpGates
-from .wire import (
-    DATA_HELLO,
-    DATA_MAGIC,
-    FINGERPRINT_SUMMARY,
-    LEADER,
-    NONCE_BYTES,
-    PROTOCOL_VERSION,
-    ROLE_NAMES,
-    FrameType,
-)
-from ..errors import (
-    AuthenticationError,
-    FrameError,
-    HelloMismatchError,
-    PeerClosedError,
-    TransportError,
-)
+from .wire import DATA_HELLO, DATA_MAGIC, LEADER, NONCE_BYTES, PROTOCOL_VERSION, ROLE_NAMES, FrameType
 
 Dial = Callable[[str, int, float, str], socket.socket]
-
-
-class Pair:
-    """An established connection between the two ranks: control channel, gate
-    data connection and the chosen gate transport."""
-
-    def __init__(
-        self,
-        config: PairConfig,
-        control: ControlChannel,
-        data: socket.socket,
-        mine: Hello,
-        theirs: Hello,
-        transport: str,
-    ):
-        self.config = config
-        self.rank = config.rank
-        self.control = control
-        self.data = data
-        self.mine = mine
-        self.peer_hello = theirs
-        self.transport = transport
-        self.timeout = float(config.timeout)
-        self.tcp = TcpGates(data, self.timeout, spin_us=config.tcp_spin_us)
-        self.rdma: Optional[RdmaGates] = None  # attached by attach_rdma once proven
-        # The sequence number of the last gate or bulk exchange, and whether the pair is
-        # closed, in C memory: the float gates (SumGate) bump and check them without Python.
-        ffi, _ = load_verbs()
-        self.state = ffi.new("tp_pair_state *")
-        self.closed = False
-
-    @property
-    def seq(self) -> int:
-        """The last gate or bulk exchange's sequence number."""
-        return int(self.state.seq)
-
-    @seq.setter
-    def seq(self, value: int) -> None:
-        self.state.seq = value
-
-    @property
-    def peer_name(self) -> str:
-        """"leader" or "worker": the other rank's role."""
-        return ROLE_NAMES[1 - self.rank]
-
-    def open_rdma(self) -> RdmaGates:
-        """Open this side's RDMA device for the pair (not yet attached: the
-        queue pair must be built, connected and warmed up first)."""
-        cfg = self.config
-        return RdmaGates(
-            device=cfg.rdma_device,
-            gid_index=cfg.gid_index,
-            rank=self.rank,
-            bind_ip=self.control.sock.getsockname()[0],
-            control_fd=self.control.fileno(),
-            data_fd=self.data.fileno(),
-            timeout=self.timeout,
-            verbs_library=cfg.verbs_library,
-            faults=cfg.ucsim_faults,
-            no_imm=cfg.rdma_no_imm,
-        )
-
-    def attach_rdma(self, gates: Optional[RdmaGates]) -> None:
-        """Gates from then on run over gates; None means the RDMA bring-up
-        failed on either side and both fall back to TCP gates together."""
-        if self.transport != "rdma":
-            raise ValueError(f"attach_rdma on a pair whose transport is {self.transport!r}, not 'rdma'")
-        if gates is None:
-            self.transport = "tcp"
-            return
-        self.rdma = gates
-
-    def fingerprint_labels(self) -> Tuple[str, str]:
-        """(this side's, the peer's) model fingerprint as the hello carried
-        them: 12 hex digits each, or "none"."""
-        return summary_label(self.mine.fingerprint), summary_label(self.peer_hello.fingerprint)
-
-    def agree_fingerprint(self, fingerprint: Fingerprint) -> None:
-        """Both ranks swap fingerprints on the control channel (for a pair
-        whose hello carried none, e.g. before load_split); a difference raises
-        HelloMismatchError on both, naming both and the first difference."""
-        mine = fingerprint.summary()
-        self.control.send(FrameType.FINGERPRINT, mine)
-        _, theirs = self.control.recv(FrameType.FINGERPRINT)
-        if len(theirs) != FINGERPRINT_SUMMARY.size:
-            raise FrameError(f"FINGERPRINT payload is {len(theirs)} bytes, expected {FINGERPRINT_SUMMARY.size}")
-        if theirs != mine:
-            raise fingerprint_mismatch(self.control, self.rank, fingerprint, theirs)
-
-    def gate(self, send, recv, layer: int = 0, gate: int = 0) -> int:
-        """Exchange one gate: send our bytes, receive the peer's (same size).
-        Gates and bulk exchanges share one sequence, numbered here: the RDMA
-        receive window is posted by it, and the TCP header carries it."""
-        self.seq += 1
-        if self.rdma is not None:
-            self.rdma.gate(send, recv, self.seq)
-        else:
-            self.tcp.gate(send, recv, self.seq, layer, gate)
-        return self.seq
-
-    def sum_gate(self, peer, out, dtype: int, layer: int = 0, gate: int = 0, latency_ns=None,
-                 latency_count=None) -> SumGate:
-        """A gate that also sums, with every argument but the partial fixed once: the peer's
-        partial lands in `peer`, rank 0's partial plus rank 1's in `out` (reused buffers of
-        the partial's size, dtype lib.TP_SUM_*), both in C in one call; see _sum_gates.
-        latency_ns / latency_count: a ring of round trips to record into."""
-        if self.closed:
-            raise TransportError("this pair is closed; create a new group with mlx_ds4tp.init(...)")
-        return make_sum_gate(self.state, self.tcp, self.rdma, self.rank, peer, out, dtype, layer, gate,
-                             latency_ns, latency_count)
-
-    def bulk_sum(self, send, peer, out, dtype: int, layer: int = 0) -> int:
-        """bulk, then out = rank 0's partial + rank 1's in C (prefill rows)."""
-        seq = self.bulk(send, peer, layer)
-        sum_partials(dtype, self.rank, send, peer, out)
-        return seq
-
-    def exchange_small(self, mine: bytes, what: str) -> bytes:
-        """Write-then-read a small fixed-size record on the data connection
-        (both sides send the same size): signatures, barriers."""
-        theirs = bytearray(len(mine))
-        swap_small(self.data, mine, theirs, f"the {what} exchange", self.timeout)
-        return bytes(theirs)
-
-    def bulk(self, send, recv, layer: int = 0) -> int:
-        """Exchange a big buffer (prefill rows, gathered logits)."""
-        self.seq += 1
-        if self.rdma is not None:
-            self.tcp.big_header(len(memoryview(send).cast("B")), self.seq, layer)
-            self.rdma.bulk(send, recv)
-        else:
-            self.tcp.big(send, recv, self.seq, layer)
-        return self.seq
-
-    def close(self) -> None:
-        """Close the gates and both connections (idempotent)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.state.closed = 1  # before the device is freed: a SumGate refuses from now on
-        if self.rdma is not None:
-            self.rdma.close()
-            self.rdma = None
-        for sock in (self.data, self.control.sock):
-            try:
-                sock.close()
-            except OSError:
-                pass
+BringUp = Callable[[Joined], Optional[RdmaGates]]
 
 
 def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, str]]] = None,
-            *, dial: Dial = dial) -> Pair:
-    """Bring the pair up to an agreed transport. rdma_probe() -> (ok, reason)
-    says whether this side has RDMA; with transport "rdma" agreed, the caller
-    brings the queue pair up (warmup.bring_up_rdma) and attaches it.
-    dial(host, port, deadline, what) opens the worker's connections."""
+            *, dial: Dial = dial, bring_up: BringUp = bring_up_rdma) -> Pair:
+    """Bring the pair up, complete: hello, authentication, the transport choice,
+    the gate data connection and, when both sides agreed on RDMA, the queue
+    pair's bring-up (barriers, warm-up, re-creation). The Pair returned runs
+    RDMA gates that are proven (transport "rdma"), or TCP gates ("tcp": asked
+    for, or the fallback of transport=auto, chosen by both ranks together).
+
+    rdma_probe() -> (ok, reason) says whether this side has RDMA.
+    dial(host, port, deadline, what) opens the worker's connections and
+    bring_up(joined) -> RdmaGates or None proves the queue pair: seams for the
+    tests, which stop or fault a rank at a chosen point."""
     if config.transport == "tcp":
         rdma_ok, reason = False, "transport=tcp requested"
     elif rdma_probe is None:
@@ -225,46 +68,25 @@ def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, st
         fingerprint=b"" if config.identity.fingerprint is None else config.identity.fingerprint.summary(),
     )
     if config.rank == LEADER:
-        return _connect_leader(config, mine, deadline)
-    return _connect_worker(config, mine, deadline, dial)
+        joined = _connect_leader(config, mine, deadline)
+    else:
+        joined = _connect_worker(config, mine, deadline, dial)
+    rdma = None
+    try:
+        if joined.transport == "rdma":
+            rdma = bring_up(joined)
+        return Pair(joined, rdma)
+    except BaseException:
+        if rdma is not None:
+            rdma.close()
+        joined.close()
+        raise
 
 
 def _exchange_hello(control: ControlChannel, mine: Hello, timeout: float) -> Hello:
     control.send(FrameType.HELLO, mine.pack())
     _, payload = control.recv(FrameType.HELLO, timeout=timeout)
     return Hello.unpack(payload)
-
-
-def fingerprint_mismatch(control: ControlChannel, rank: int, mine: Optional[Fingerprint],
-                         their_summary: bytes) -> HelloMismatchError:
-    """The error both ranks raise when their fingerprints differ. When both
-    have one, they first swap the details so each can name the first
-    difference (both run this on the same two fingerprints)."""
-    peer = ROLE_NAMES[1 - rank]
-    here, there = summary_label(b"" if mine is None else mine.summary()), summary_label(their_summary)
-    if mine is None:
-        why = (f"this side joined without a model fingerprint and the {peer} with one; start both "
-               "ranks the same way, each with its model directory")
-    elif not their_summary:
-        why = (f"the {peer} joined without a model fingerprint and this side with one; start both "
-               "ranks the same way, each with its model directory")
-    else:
-        # One side at a time: a big model's details (megabytes) written by both
-        # ranks at once could fill both sockets' buffers and wait forever.
-        if rank == LEADER:
-            control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
-            _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
-        else:
-            _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
-            control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
-        theirs = Fingerprint.from_details(payload)
-        if theirs.summary() != their_summary:
-            raise FrameError(f"the {peer}'s fingerprint details do not add up to its fingerprint {there}")
-        why = first_difference(mine, theirs, peer) or "the fingerprints differ"
-    return HelloMismatchError(
-        f"model mismatch: fingerprint {here} here and {there} on the {peer}: {why}; "
-        "load the same model on both machines"
-    )
 
 
 def _agree(control: ControlChannel, config: PairConfig, mine: Hello, theirs: Hello) -> str:
@@ -281,7 +103,7 @@ def _agree(control: ControlChannel, config: PairConfig, mine: Hello, theirs: Hel
         raise
 
 
-def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
+def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Joined:
     host, port = config.listen
     listener = listen_socket(host, port)
     hello_timeout = min(config.hello_timeout, config.timeout)
@@ -324,7 +146,7 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Pair:
     log(f"worker connected from {peer}, transport={transport}"
         f"{_choice_note(config, mine, theirs, transport)}")
     set_kernel_timeout(data, config.timeout)
-    return Pair(config, control, data, mine, theirs, transport)
+    return Joined(config, control, data, mine, theirs, transport)
 
 
 def _accept_data(listener: socket.socket, deadline: float, control: ControlChannel,
@@ -351,7 +173,7 @@ def _accept_data(listener: socket.socket, deadline: float, control: ControlChann
         return data
 
 
-def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial) -> Pair:
+def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial) -> Joined:
     host, port = config.coordinator
     sock = dial(host, port, deadline, "control")
     tune_socket(sock)
@@ -377,7 +199,7 @@ def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial
     log(f"connected to leader {host}:{port}, transport={transport}"
         f"{_choice_note(config, mine, theirs, transport)}")
     set_kernel_timeout(data, config.timeout)
-    return Pair(config, control, data, mine, theirs, transport)
+    return Joined(config, control, data, mine, theirs, transport)
 
 
 def _choice_note(config: PairConfig, mine: Hello, theirs: Hello, transport: str) -> str:

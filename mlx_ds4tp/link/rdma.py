@@ -107,7 +107,7 @@ class RdmaGates:
         self.setup_attempt = 0
         self.depths: Tuple[int, int, int] = (0, 0, 0)
         self._registered: list = []  # (handle, buffer) kept alive while registered
-        self.warmup_ms: Optional[float] = None  # set by warmup.py once both directions are proven
+        self.warmup_ms: Optional[float] = None  # set by the bring-up (bringup.py) once both directions are proven
 
     # -- setup -----------------------------------------------------------------
     def _error_text(self) -> str:

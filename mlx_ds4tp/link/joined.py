@@ -1,0 +1,67 @@
+"""What the handshake leaves behind: both connections open, the hellos
+swapped, the transport agreed, and no gates yet.
+
+Only connect() (handshake.py) and the RDMA bring-up (bringup.py) ever see
+one: connect() turns it into a complete Pair, with its RDMA gates proven or
+TCP chosen, so no caller can run a gate on a pair that is still half built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+from .config import PairConfig
+from .control import ControlChannel
+from .hello import Hello
+from .rdma import RdmaGates
+from .wire import ROLE_NAMES
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """The two ranks after hello, authentication and the transport choice.
+    transport: the agreed one, "tcp" or "rdma" (the bring-up may still fall
+    back from "rdma" to TCP under transport=auto)."""
+
+    config: PairConfig
+    control: ControlChannel
+    data: socket.socket
+    mine: Hello
+    theirs: Hello
+    transport: str
+
+    @property
+    def rank(self) -> int:
+        """0 for the leader, 1 for the worker."""
+        return self.config.rank
+
+    @property
+    def peer_name(self) -> str:
+        """"leader" or "worker": the other rank's role."""
+        return ROLE_NAMES[1 - self.rank]
+
+    def open_rdma(self) -> RdmaGates:
+        """Open this side's RDMA device for the pair (its queue pair not yet
+        built, connected or warmed up: that is bringup.bring_up_rdma's work)."""
+        cfg = self.config
+        return RdmaGates(
+            device=cfg.rdma_device,
+            gid_index=cfg.gid_index,
+            rank=self.rank,
+            bind_ip=self.control.sock.getsockname()[0],
+            control_fd=self.control.fileno(),
+            data_fd=self.data.fileno(),
+            timeout=float(cfg.timeout),
+            verbs_library=cfg.verbs_library,
+            faults=cfg.ucsim_faults,
+            no_imm=cfg.rdma_no_imm,
+        )
+
+    def close(self) -> None:
+        """Close both connections (a bring-up that failed hard)."""
+        for sock in (self.data, self.control.sock):
+            try:
+                sock.close()
+            except OSError:
+                pass

@@ -1,0 +1,166 @@
+"""The pair of ranks as connect() hands it out: both connections, the
+hellos, and the gates (RDMA, proven by the bring-up, or TCP) with one
+sequence number shared by every gate and bulk exchange."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from ..errors import FrameError, HelloMismatchError, TransportError
+from .control import ControlChannel, swap_small
+from .fingerprint import Fingerprint, first_difference, summary_label
+from .joined import Joined
+from .native import load_verbs, sum_partials
+from .rdma import RdmaGates
+from .sum_gates import SumGate, make_sum_gate
+from .tcp import TcpGates
+from .wire import FINGERPRINT_SUMMARY, LEADER, ROLE_NAMES, FrameType
+
+
+class Pair:
+    """An established connection between the two ranks: control channel, gate
+    data connection and the gates of the transport they run (connect() makes
+    one, complete: RDMA proven, or TCP)."""
+
+    def __init__(self, joined: Joined, rdma: Optional[RdmaGates]):
+        config = joined.config
+        self.config = config
+        self.rank = config.rank
+        self.control = joined.control
+        self.data = joined.data
+        self.mine = joined.mine
+        self.peer_hello = joined.theirs
+        # The transport follows from the gates: a pair says "rdma" only with its queue pair
+        # proven, so no gate can quietly run over TCP while the pair says otherwise.
+        self.transport = "rdma" if rdma is not None else "tcp"
+        self.timeout = float(config.timeout)
+        self.tcp = TcpGates(self.data, self.timeout, spin_us=config.tcp_spin_us)
+        self.rdma: Optional[RdmaGates] = rdma
+        # The sequence number of the last gate or bulk exchange, and whether the pair is
+        # closed, in C memory: the float gates (SumGate) bump and check them without Python.
+        ffi, _ = load_verbs()
+        self.state = ffi.new("tp_pair_state *")
+        self.closed = False
+
+    @property
+    def seq(self) -> int:
+        """The last gate or bulk exchange's sequence number."""
+        return int(self.state.seq)
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self.state.seq = value
+
+    @property
+    def peer_name(self) -> str:
+        """"leader" or "worker": the other rank's role."""
+        return ROLE_NAMES[1 - self.rank]
+
+    def fingerprint_labels(self) -> Tuple[str, str]:
+        """(this side's, the peer's) model fingerprint as the hello carried
+        them: 12 hex digits each, or "none"."""
+        return summary_label(self.mine.fingerprint), summary_label(self.peer_hello.fingerprint)
+
+    def agree_fingerprint(self, fingerprint: Fingerprint) -> None:
+        """Both ranks swap fingerprints on the control channel (for a pair
+        whose hello carried none, e.g. before load_split); a difference raises
+        HelloMismatchError on both, naming both and the first difference."""
+        mine = fingerprint.summary()
+        self.control.send(FrameType.FINGERPRINT, mine)
+        _, theirs = self.control.recv(FrameType.FINGERPRINT)
+        if len(theirs) != FINGERPRINT_SUMMARY.size:
+            raise FrameError(f"FINGERPRINT payload is {len(theirs)} bytes, expected {FINGERPRINT_SUMMARY.size}")
+        if theirs != mine:
+            raise fingerprint_mismatch(self.control, self.rank, fingerprint, theirs)
+
+    def gate(self, send, recv, layer: int = 0, gate: int = 0) -> int:
+        """Exchange one gate: send our bytes, receive the peer's (same size).
+        Gates and bulk exchanges share one sequence, numbered here: the RDMA
+        receive window is posted by it, and the TCP header carries it."""
+        self.seq += 1
+        if self.rdma is not None:
+            self.rdma.gate(send, recv, self.seq)
+        else:
+            self.tcp.gate(send, recv, self.seq, layer, gate)
+        return self.seq
+
+    def sum_gate(self, peer, out, dtype: int, layer: int = 0, gate: int = 0, latency_ns=None,
+                 latency_count=None) -> SumGate:
+        """A gate that also sums, with every argument but the partial fixed once: the peer's
+        partial lands in `peer`, rank 0's partial plus rank 1's in `out` (reused buffers of
+        the partial's size, dtype lib.TP_SUM_*), both in C in one call; see _sum_gates.
+        latency_ns / latency_count: a ring of round trips to record into."""
+        if self.closed:
+            raise TransportError("this pair is closed; create a new group with mlx_ds4tp.init(...)")
+        return make_sum_gate(self.state, self.tcp, self.rdma, self.rank, peer, out, dtype, layer, gate,
+                             latency_ns, latency_count)
+
+    def bulk_sum(self, send, peer, out, dtype: int, layer: int = 0) -> int:
+        """bulk, then out = rank 0's partial + rank 1's in C (prefill rows)."""
+        seq = self.bulk(send, peer, layer)
+        sum_partials(dtype, self.rank, send, peer, out)
+        return seq
+
+    def exchange_small(self, mine: bytes, what: str) -> bytes:
+        """Write-then-read a small fixed-size record on the data connection
+        (both sides send the same size): signatures, barriers."""
+        theirs = bytearray(len(mine))
+        swap_small(self.data, mine, theirs, f"the {what} exchange", self.timeout)
+        return bytes(theirs)
+
+    def bulk(self, send, recv, layer: int = 0) -> int:
+        """Exchange a big buffer (prefill rows, gathered logits)."""
+        self.seq += 1
+        if self.rdma is not None:
+            self.tcp.big_header(len(memoryview(send).cast("B")), self.seq, layer)
+            self.rdma.bulk(send, recv)
+        else:
+            self.tcp.big(send, recv, self.seq, layer)
+        return self.seq
+
+    def close(self) -> None:
+        """Close the gates and both connections (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.state.closed = 1  # before the device is freed: a SumGate refuses from now on
+        if self.rdma is not None:
+            self.rdma.close()
+            self.rdma = None
+        for sock in (self.data, self.control.sock):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+def fingerprint_mismatch(control: ControlChannel, rank: int, mine: Optional[Fingerprint],
+                         their_summary: bytes) -> HelloMismatchError:
+    """The error both ranks raise when their fingerprints differ. When both
+    have one, they first swap the details so each can name the first
+    difference (both run this on the same two fingerprints)."""
+    peer = ROLE_NAMES[1 - rank]
+    here, there = summary_label(b"" if mine is None else mine.summary()), summary_label(their_summary)
+    if mine is None:
+        why = (f"this side joined without a model fingerprint and the {peer} with one; start both "
+               "ranks the same way, each with its model directory")
+    elif not their_summary:
+        why = (f"the {peer} joined without a model fingerprint and this side with one; start both "
+               "ranks the same way, each with its model directory")
+    else:
+        # One side at a time: a big model's details (megabytes) written by both
+        # ranks at once could fill both sockets' buffers and wait forever.
+        if rank == LEADER:
+            control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
+            _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
+        else:
+            _, payload = control.recv(FrameType.FINGERPRINT_DETAIL)
+            control.send(FrameType.FINGERPRINT_DETAIL, mine.details())
+        theirs = Fingerprint.from_details(payload)
+        if theirs.summary() != their_summary:
+            raise FrameError(f"the {peer}'s fingerprint details do not add up to its fingerprint {there}")
+        why = first_difference(mine, theirs, peer) or "the fingerprints differ"
+    return HelloMismatchError(
+        f"model mismatch: fingerprint {here} here and {there} on the {peer}: {why}; "
+        "load the same model on both machines"
+    )
