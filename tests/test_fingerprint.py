@@ -118,6 +118,27 @@ def test_damaged_model_files_are_clear_errors(tmp_path, models):
         model_fingerprint(cut)
 
 
+def test_one_header_reader_bounds_both_the_fingerprint_and_the_part_reader(tmp_path, models):
+    """checkpoint/header.py is the one safetensors header reader: the fingerprint and
+    the part reader refuse the same damaged headers with the same words."""
+    from mlx_ds4tp.checkpoint.header import MAX_SAFETENSORS_HEADER_BYTES
+    from mlx_ds4tp.checkpoint.parts import SafetensorsParts
+
+    bad = shutil.copytree(models["base"], tmp_path / "bad")
+    path = bad / "model.safetensors"
+    for raw, message in [
+        ((MAX_SAFETENSORS_HEADER_BYTES + 1).to_bytes(8, "little") + b"{}", "header claims"),
+        ((2).to_bytes(8, "little") + b"[]", "not an object"),
+        ((2).to_bytes(8, "little") + b"{]", "not JSON"),
+        ((500).to_bytes(8, "little") + b"{}", "the file is cut short"),
+        (b"\x01\x02", "shorter than a safetensors header"),
+    ]:
+        path.write_bytes(raw)
+        for read in (model_fingerprint, lambda p: SafetensorsParts(p, 0, 2)):
+            with pytest.raises(ValueError, match=message):
+                read(bad)
+
+
 # ============================================================================
 # In the hello
 # ============================================================================

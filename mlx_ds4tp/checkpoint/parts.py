@@ -15,13 +15,13 @@ fuse gate and up (`gate_up_proj_blocks`: their rows interleaved, mxfp4 bytes as 
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from .header import read_header_file
 
 # safetensors dtype -> (how the bytes are read, the MLX dtype they are viewed as). bfloat16 has
 # no numpy type: its bytes travel as uint16 and are viewed as bfloat16 once inside MLX.
@@ -67,12 +67,10 @@ class SafetensorsParts:
         self.fused_keys = tuple(fused_keys)
         self.tensors: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}
         for file in sorted(Path(model_path).glob("model*.safetensors")):
-            with open(file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
+            header, data_start = read_header_file(file)
             for key, info in header.items():
                 if key != "__metadata__":
-                    start = 8 + header_len + info["data_offsets"][0]
+                    start = data_start + info["data_offsets"][0]
                     self.tensors[key] = (file, info["dtype"], tuple(info["shape"]), start)
         self._scratch: dict[str, np.ndarray] = {}
 

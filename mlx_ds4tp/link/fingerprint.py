@@ -29,12 +29,11 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from .wire import FINGERPRINT_DETAIL_VERSION, FINGERPRINT_SUMMARY, MAX_FINGERPRINT_DETAIL_EXPANDED
 from ..errors import FrameError
+# The one safetensors header reader, with its size bound (MAX_SAFETENSORS_HEADER_BYTES).
+from ..checkpoint.header import MAX_SAFETENSORS_HEADER_BYTES, read_header  # noqa: F401
 
 SAMPLE_BYTES = 256
 SAMPLE_WINDOWS = 4
-# A safetensors file starts with its JSON header's length (8 bytes, little-endian); a
-# damaged file must not make us read gigabytes of "header".
-MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 _DIGEST = 16
 _PART_DIGEST = 8
 
@@ -159,23 +158,6 @@ def _windows(nbytes: int) -> List[Tuple[int, int]]:
     return [(last * i // (SAMPLE_WINDOWS - 1), SAMPLE_BYTES) for i in range(SAMPLE_WINDOWS)]
 
 
-def _read_header(fd: int, path: Path) -> Tuple[dict, int, int]:
-    """(header, data start, bytes read) of one safetensors file."""
-    head = os.pread(fd, 8, 0)
-    if len(head) != 8:
-        raise ValueError(f"{path}: shorter than a safetensors header; the file is cut or not safetensors")
-    length = int.from_bytes(head, "little")
-    if length > MAX_SAFETENSORS_HEADER_BYTES:
-        raise ValueError(f"{path}: safetensors header claims {length} bytes, over "
-                         f"{MAX_SAFETENSORS_HEADER_BYTES}; the file is damaged or not safetensors")
-    text = os.pread(fd, length, len(head))
-    try:
-        header = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{path}: the safetensors header is not JSON ({exc})") from None
-    return header, len(head) + length, len(head) + len(text)
-
-
 def model_fingerprint(path: Union[str, Path]) -> Fingerprint:
     """The fingerprint of an mlx-lm model directory (config.json and
     model*.safetensors). ValueError naming the file when one is missing,
@@ -201,7 +183,7 @@ def model_fingerprint(path: Union[str, Path]) -> Fingerprint:
         fd = os.open(file, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            header, start, nread = _read_header(fd, file)
+            header, start, nread = read_header(fd, file)
             bytes_read += nread
             for name in header:
                 if name == "__metadata__":
