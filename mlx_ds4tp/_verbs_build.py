@@ -28,6 +28,7 @@ SOURCES = [
     "csrc/rdma/ucsim.c",  # provider: the emulated Thunderbolt UC device
     "csrc/tcp/gate.c",  # the TCP fallback's gate loop
     "csrc/sum.c",  # the gate's sum of the two partials (float32, float16, bfloat16)
+    "csrc/exchange.c",  # one exchange of any collective, for the MLX backend (csrc/mlx/)
 ]
 HEADERS = ["csrc/_verbs.h", "csrc/_verbs_api.h", "csrc/_verbs_priv.h", "csrc/_verbs_hot.h"]
 STANDALONE = __name__ == "__main__"

@@ -337,3 +337,56 @@ typedef struct tp_sum_gate {
  * g->bytes; TP_ECLOSED when the pair is closed (nothing sent). */
 int tp_sum_gate_run(tp_sum_gate *g, const void *src, uint64_t bytes);
 
+
+
+/* ---- One exchange for the MLX backend (csrc/exchange.c) ---- */
+
+/* The collectives' codes, as the exchange header carries them (OP_* in
+ * link/wire.py); send/recv name the sending rank: TP_XOP_P2P_FROM + src. */
+#define TP_XOP_SUM 1
+#define TP_XOP_GATHER 2
+#define TP_XOP_MAX 3
+#define TP_XOP_MIN 4
+#define TP_XOP_SCATTER 5
+#define TP_XOP_P2P_FROM 6
+/* An exchange up to this size is a decode gate (RDMA: the receive window);
+ * larger ones are bulk exchanges. GATE_MAX_BYTES in link/wire.py. */
+#define TP_GATE_BYTES 32768
+
+/* What the MLX backend's GroupImpl holds of the pair: filled by Python once
+ * the pair is complete, read and written only by tp_link_exchange after. */
+typedef struct tp_link {
+    tp_pair_state *pair;      /* seq (shared with every gate of the pair), closed */
+    tp_dev *dev;              /* RDMA gates; NULL: TCP on fd */
+    int fd;                   /* the gate data socket (RDMA: headers and barriers) */
+    int rank;
+    uint64_t spin_ns;         /* TCP: poll this long before blocking */
+    double timeout_s;         /* every wait's deadline */
+    int64_t *latency_ns;      /* ring of decode gates' round trips (NULL: not kept) */
+    uint64_t latency_len;
+    uint64_t *latency_count;  /* [0]: gates recorded, [1]: their total ns */
+    uint64_t other_ns;        /* total ns of bulk exchanges and signature swaps */
+    int sig_valid;            /* RDMA: the signature last agreed with the peer */
+    int sig_op;
+    int sig_dtype;
+    uint64_t sig_bytes;
+    int failed;               /* an exchange failed: the link is dead (failure says why) */
+    unsigned char hdr_out[24];
+    unsigned char hdr_in[24];
+    char failure[512];
+} tp_link;
+
+/* Send bytes from src, receive the peer's bytes into dst (src and dst must
+ * not overlap), both ranks naming the same collective op (TP_XOP_*) and
+ * dtype code: a peer at another op, dtype, size or sequence is TP_EDESYNC,
+ * with both sides named in err. After any failure the link is dead: every
+ * later call is TP_ECLOSED naming the first failure, and the data socket is
+ * shut down so the peer fails at once too. */
+int tp_link_exchange(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
+                     char *err, size_t errlen);
+/* Mark the pair closed and wake an exchange blocked on the data socket. */
+void tp_link_close(tp_link *l);
+/* The addresses the C++ backend calls (it is another shared object). */
+void *tp_link_exchange_address(void);
+void *tp_sum2_address(void);
+void *tp_link_close_address(void);

@@ -1,0 +1,179 @@
+/* One exchange of the pair, for the MLX backend (csrc/mlx/): this rank's bytes
+ * to the peer, the peer's bytes back, whatever the collective, over the TCP
+ * data socket or the RDMA queue pair.
+ *
+ * The backend's GroupImpl runs inside MLX's evaluation, on the group's CPU
+ * stream thread, with no interpreter anywhere: it hands this file the input
+ * array's buffer and a destination, and combines the two partials itself.
+ *
+ * ==== What travels with every exchange ====
+ * Both ranks must run the same collectives in the same order. A pair that
+ * does not (a peer at another collective, dtype or size, a skipped gate) must
+ * fail loudly, never sum the wrong partials, so each exchange carries its
+ * signature: collective, dtype, byte count and sequence number.
+ *   - TCP: the 24-byte EXCHANGE_HEADER (link/wire.py) rides ahead of the
+ *     payload in the same write; the peer compares it with its own before
+ *     it waits for any payload (tp_tcp_gate / tp_tcp_duplex).
+ *   - RDMA: the payload rides the queue pair, whose immediates carry only the
+ *     sequence; the header goes over the data socket when the signature
+ *     changes (a decode step's gates share one) and before every bulk
+ *     exchange, which needs the byte count agreed anyway.
+ *
+ * ==== After a failure ====
+ * A failed exchange leaves the pair's streams in an unknown place (half a
+ * payload read, a receive window out of step), so the link is dead from then
+ * on: every later exchange fails at once naming the first failure, and the
+ * data socket is shut down so the peer, possibly waiting inside its own
+ * exchange, fails at once too instead of at its timeout. */
+
+#include "_verbs_priv.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#define TP_EXCHANGE_MAGIC 0x58345344u /* "DS4X", EXCHANGE_MAGIC in link/wire.py */
+#define TP_EXCHANGE_HEADER_BYTES 24u  /* magic u32, op u16, dtype u16, seq u64, bytes u64 */
+
+static const char *op_name(int op) {
+    switch (op) {
+    case TP_XOP_SUM: return "all_sum";
+    case TP_XOP_GATHER: return "all_gather";
+    case TP_XOP_MAX: return "all_max";
+    case TP_XOP_MIN: return "all_min";
+    case TP_XOP_SCATTER: return "sum_scatter";
+    case TP_XOP_P2P_FROM: return "send/recv from rank 0";
+    case TP_XOP_P2P_FROM + 1: return "send/recv from rank 1";
+    default: return "collective";
+    }
+}
+
+static const char *dtype_name(int code) {
+    static const char *names[] = {"?", "float32", "float16", "bfloat16", "bool", "int8",
+                                  "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                  "uint64", "float64", "complex64"};
+    return code > 0 && code < (int)(sizeof(names) / sizeof(names[0])) ? names[code] : "dtype?";
+}
+
+static void put_le(unsigned char *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint64_t get_le(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static void pack_header(unsigned char *h, int op, int dtype, uint64_t seq, uint64_t bytes) {
+    put_le(h, TP_EXCHANGE_MAGIC, 4);
+    put_le(h + 4, (uint64_t)op, 2);
+    put_le(h + 6, (uint64_t)dtype, 2);
+    put_le(h + 8, seq, 8);
+    put_le(h + 16, bytes, 8);
+}
+
+/* "the peer is at all_gather float32 (65536 bytes, seq 9), this rank at ...". */
+static void name_desync(const unsigned char *theirs, int op, int dtype, uint64_t seq,
+                        uint64_t bytes, char *err, size_t errlen) {
+    const uint32_t magic = (uint32_t)get_le(theirs, 4);
+    if (magic != TP_EXCHANGE_MAGIC) {
+        tp_errf(err, errlen, "collective desync at seq %llu: the peer sent no exchange header "
+                "(magic 0x%08x) while this rank is at %s %s (%llu bytes); both ranks must run "
+                "the same collectives in the same order", (unsigned long long)seq, magic,
+                op_name(op), dtype_name(dtype), (unsigned long long)bytes);
+        return;
+    }
+    tp_errf(err, errlen, "collective desync: the peer is at %s %s (%llu bytes, seq %llu), this "
+            "rank at %s %s (%llu bytes, seq %llu); both ranks must call the same collective "
+            "with the same shape and dtype in the same order",
+            op_name((int)get_le(theirs + 4, 2)), dtype_name((int)get_le(theirs + 6, 2)),
+            (unsigned long long)get_le(theirs + 16, 8), (unsigned long long)get_le(theirs + 8, 8),
+            op_name(op), dtype_name(dtype), (unsigned long long)bytes, (unsigned long long)seq);
+}
+
+static void record(tp_link *l, uint64_t bytes, uint64_t ns) {
+    if (bytes <= TP_GATE_BYTES && l->latency_ns && l->latency_len) {
+        l->latency_ns[l->latency_count[0] % l->latency_len] = (int64_t)ns;
+        l->latency_count[0]++;
+        l->latency_count[1] += ns;
+    } else {
+        l->other_ns += ns;
+    }
+}
+
+/* The header alone, both ways, over the data socket (RDMA's signature check). */
+static int swap_header(tp_link *l, int op, int dtype, uint64_t seq, uint64_t bytes, char *err,
+                       size_t errlen) {
+    pack_header(l->hdr_out, op, dtype, seq, bytes);
+    int rc = tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, NULL, NULL, 0,
+                         seq, l->spin_ns, err, errlen);
+    if (rc == TP_EDESYNC) name_desync(l->hdr_in, op, dtype, seq, bytes, err, errlen);
+    return rc;
+}
+
+static int run_tcp(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
+                   uint64_t seq, char *err, size_t errlen) {
+    pack_header(l->hdr_out, op, dtype, seq, bytes);
+    int rc = bytes <= TP_GATE_BYTES
+                 ? tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, src, dst,
+                               bytes, seq, l->spin_ns, err, errlen)
+                 : tp_tcp_duplex(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, src,
+                                 dst, bytes, seq, l->spin_ns, l->timeout_s, err, errlen);
+    if (rc == TP_EDESYNC) name_desync(l->hdr_in, op, dtype, seq, bytes, err, errlen);
+    return rc;
+}
+
+static int run_rdma(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
+                    uint64_t seq, char *err, size_t errlen) {
+    const int gate = bytes <= TP_GATE_BYTES;
+    if (!gate || !l->sig_valid || l->sig_op != op || l->sig_dtype != dtype || l->sig_bytes != bytes) {
+        int rc = swap_header(l, op, dtype, seq, bytes, err, errlen);
+        if (rc != TP_OK) return rc;
+        l->sig_valid = 1;
+        l->sig_op = op;
+        l->sig_dtype = dtype;
+        l->sig_bytes = bytes;
+    }
+    if (gate) {
+        int rc = tp_gate(l->dev, src, dst, (uint32_t)bytes, seq, l->timeout_s, err, errlen);
+        return rc < 0 ? rc : TP_OK;
+    }
+    return tp_bulk(l->dev, src, dst, bytes, l->timeout_s, err, errlen);
+}
+
+int tp_link_exchange(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
+                     char *err, size_t errlen) {
+    if (l->failed || l->pair->closed) {
+        tp_errf(err, errlen, "%s %s: this group is closed%s%s; create a new one with "
+                "mlx_ds4tp.init(...)", op_name(op), dtype_name(dtype),
+                l->failed ? " since an earlier collective failed: " : "",
+                l->failed ? l->failure : "");
+        return TP_ECLOSED;
+    }
+    const uint64_t seq = ++l->pair->seq;
+    const uint64_t t0 = tp_mono_ns();
+    int rc = l->dev ? run_rdma(l, op, dtype, src, dst, bytes, seq, err, errlen)
+                    : run_tcp(l, op, dtype, src, dst, bytes, seq, err, errlen);
+    if (rc == TP_OK) {
+        record(l, bytes, tp_mono_ns() - t0);
+        return TP_OK;
+    }
+    l->failed = 1;
+    snprintf(l->failure, sizeof(l->failure), "%s", err && errlen ? err : "unknown error");
+    /* The peer may be waiting inside its own exchange: a shut-down socket is
+     * an EOF it sees at once (the RDMA hot loop watches this socket too). */
+    shutdown(l->fd, SHUT_RDWR);
+    return rc;
+}
+
+void tp_link_close(tp_link *l) {
+    /* Wakes an exchange blocked on the socket; its caller then sees the pair
+     * closed. The socket itself is the Pair's to close. */
+    if (!l->failed && !l->pair->closed) shutdown(l->fd, SHUT_RDWR);
+    l->pair->closed = 1;
+}
+
+void *tp_link_exchange_address(void) { return (void *)&tp_link_exchange; }
+void *tp_sum2_address(void) { return (void *)&tp_sum2; }
+void *tp_link_close_address(void) { return (void *)&tp_link_close; }

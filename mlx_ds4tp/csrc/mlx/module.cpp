@@ -1,0 +1,58 @@
+// mlx_ds4tp._pairgroup: the Python face of the backend. Built with nanobind in
+// MLX's domain (NB_DOMAIN=mlx) and nanobind's internals ABI of MLX's own
+// bindings, so a PairGroup is an mlx.core.distributed.Group to MLX: MLX's
+// collectives, mlx.nn's sharded layers and mlx-lm's shard() take it as is.
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/version.h"
+#include "pair_group.h"
+
+namespace nb = nanobind;
+using namespace mlx_ds4tp;
+
+#define DS4TP_STR2(x) #x
+#define DS4TP_STR(x) DS4TP_STR2(x)
+#define DS4TP_BUILT_MLX \
+  DS4TP_STR(MLX_VERSION_MAJOR) "." DS4TP_STR(MLX_VERSION_MINOR) "." DS4TP_STR(MLX_VERSION_PATCH)
+
+// Read from the file by Python before it loads this module (collectives/backend.py):
+// an extension built against another MLX may not even load, so the version it
+// was built against must be readable without loading it.
+extern "C" __attribute__((used, visibility("default"))) const char ds4tp_built_against_mlx[] =
+    "ds4tp-built-against-mlx=" DS4TP_BUILT_MLX ";";
+
+NB_MODULE(_pairgroup, m) {
+  m.doc() = "mlx_ds4tp's MLX distributed backend (see mlx_ds4tp/collectives/backend.py)";
+  // Group's type must be registered before ours names it as a base.
+  nb::module_::import_("mlx.core");
+
+  nb::class_<PairGroup, mx::distributed::Group>(
+      m, "PairGroup",
+      "A two-rank mlx.core.distributed.Group over an mlx_ds4tp pair (rank 0 the leader).")
+      .def(
+          "__init__",
+          [](PairGroup* self, int rank, uintptr_t link, uintptr_t exchange, uintptr_t sum2,
+             uintptr_t close) {
+            if (rank != 0 && rank != 1) {
+              throw std::invalid_argument("PairGroup: rank must be 0 or 1, got " +
+                                          std::to_string(rank));
+            }
+            if (!link || !exchange || !sum2 || !close) {
+              throw std::invalid_argument("PairGroup: a null link or entry point");
+            }
+            new (self) PairGroup(std::make_shared<PairGroupImpl>(
+                rank, reinterpret_cast<tp_link*>(link), reinterpret_cast<ExchangeFn>(exchange),
+                reinterpret_cast<Sum2Fn>(sum2), reinterpret_cast<CloseFn>(close)));
+          },
+          nb::arg("rank"), nb::arg("link"), nb::arg("exchange"), nb::arg("sum2"), nb::arg("close"))
+      .def(
+          "_close_backend",
+          [](PairGroup& self) {
+            nb::gil_scoped_release released;  // may wait for an exchange in flight
+            self.impl_->close();
+          },
+          "Stop the collectives: wake an exchange in flight, wait for it, refuse the rest.");
+
+  m.attr("BUILT_AGAINST_MLX") = DS4TP_BUILT_MLX;
+}

@@ -1,0 +1,79 @@
+// mlx_ds4tp's MLX distributed backend: a two-rank GroupImpl over the pair's
+// exchange (csrc/exchange.c), so mx.distributed.all_sum(x, group=g) and every
+// other collective are primitives in MLX's graph, run at evaluation on the
+// group's CPU stream with no interpreter on the path.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mlx/distributed/distributed.h"
+#include "mlx/distributed/distributed_impl.h"
+#include "mlx/stream.h"
+
+extern "C" {
+#include "_verbs_api.h"
+}
+
+namespace mlx_ds4tp {
+
+namespace mx = mlx::core;
+
+// The C module's entry points, handed over as addresses: _verbs is another
+// shared object, loaded by Python with its symbols local to it.
+using ExchangeFn = int (*)(tp_link*, int, int, const void*, void*, uint64_t, char*, size_t);
+using Sum2Fn = int (*)(int, const void*, const void*, void*, uint64_t);
+using CloseFn = void (*)(tp_link*);
+
+class PairGroupImpl : public mx::distributed::detail::GroupImpl,
+                      public std::enable_shared_from_this<PairGroupImpl> {
+ public:
+  PairGroupImpl(int rank, tp_link* link, ExchangeFn exchange, Sum2Fn sum2, CloseFn close);
+
+  mx::Stream communication_stream(mx::StreamOrDevice s = {}) override;
+  int rank() override { return rank_; }
+  int size() override { return 2; }
+  std::shared_ptr<GroupImpl> split(int color, int key = -1) override;
+
+  void all_sum(const mx::array& input, mx::array& output, mx::Stream stream) override;
+  void all_gather(const mx::array& input, mx::array& output, mx::Stream stream) override;
+  void send(const mx::array& input, int dst, mx::Stream stream) override;
+  void recv(mx::array& out, int src, mx::Stream stream) override;
+  void all_max(const mx::array& input, mx::array& output, mx::Stream stream) override;
+  void all_min(const mx::array& input, mx::array& output, mx::Stream stream) override;
+  void sum_scatter(const mx::array& input, mx::array& output, mx::Stream stream) override;
+
+  // After close() every collective fails at evaluation, saying the group is closed.
+  void close();
+
+ private:
+  void reduce(int op, const mx::array& input, mx::array& output, mx::Stream stream);
+  // One exchange: this rank's bytes out, the peer's in; throws naming what failed.
+  void exchange(int op, int dtype, const void* src, void* dst, uint64_t bytes);
+  // The peer's partial lands here: one buffer reused by every collective (they
+  // run one at a time, under mu_).
+  char* scratch(size_t bytes);
+
+  const int rank_;
+  tp_link* link_;
+  const ExchangeFn exchange_;
+  const Sum2Fn sum2_;
+  const CloseFn close_;
+  std::mutex mu_;
+  std::vector<char> scratch_;
+};
+
+// What Python holds: an mlx.core.distributed.Group whose implementation is ours.
+struct PairGroup : public mx::distributed::Group {
+  explicit PairGroup(std::shared_ptr<PairGroupImpl> impl)
+      : mx::distributed::Group(impl), impl_(std::move(impl)) {}
+  std::shared_ptr<PairGroupImpl> impl_;
+};
+
+// The wire code of an MLX dtype (the collectives' codes, link/wire.py); 0 if none.
+int dtype_code(mx::Dtype dtype);
+
+}  // namespace mlx_ds4tp
