@@ -1,9 +1,15 @@
 """A model of your own, split across the pair with the drop-in gate.
 
-Run both ranks (here on one machine; on two Macs give the Thunderbolt address):
+One run of this script is one rank: start it twice, the leader and the worker. On one machine,
+both on 127.0.0.1 (each prints its own result line):
 
     $ python examples/gate_layer.py --role leader --listen 127.0.0.1 9911 &
-    $ python examples/gate_layer.py --role worker --coordinator 127.0.0.1 9911
+      python examples/gate_layer.py --role worker --coordinator 127.0.0.1 9911; wait
+
+On two Macs, the leader's Thunderbolt address instead (add `--transport rdma` to require RDMA):
+
+    mac1$ python examples/gate_layer.py --role leader --listen 10.99.0.1 9911
+    mac2$ python examples/gate_layer.py --role worker --coordinator 10.99.0.1 9911
 
 The model is a small stack of residual MLP blocks. Split Megatron style, each rank keeps half
 of every block's hidden features: its half of `up` (column parallel: no communication) and the
@@ -67,6 +73,8 @@ def main() -> int:
     parser.add_argument("--rdma-device", default=None, help="verbs device, or 'ucsim' (emulated)")
     args = parser.parse_args()
     host, port = args.listen or args.coordinator
+    if not port.isdigit():
+        parser.error(f"PORT {port!r} must be a number, e.g. 9911")
     address = {"listen" if args.listen else "coordinator": (host, int(port))}
 
     with tp.init(role=args.role, transport=args.transport, rdma_device=args.rdma_device, **address) as group:

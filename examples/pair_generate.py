@@ -1,8 +1,18 @@
-"""Two-Mac generation with the library: run this on both machines (same flags as `ds4tp run`).
+"""Two-Mac generation with the library. It takes the same flags as `ds4tp run`, and it is one
+rank: run it twice, the leader and the worker, each with the same --model.
+
+On two Macs (the leader's Thunderbolt address is 10.99.0.1):
 
     mac1$ python examples/pair_generate.py --model PATH --prompt "Hello" \
               --role leader --listen 10.99.0.1 9911
     mac2$ python examples/pair_generate.py --model PATH --role worker --coordinator 10.99.0.1 9911
+
+On one machine, both ranks on 127.0.0.1, with the demo's small synthetic model (its text is
+noise; `--model demo` builds it once into ~/.cache/mlx_ds4tp):
+
+    $ python examples/pair_generate.py --model demo --role worker --coordinator 127.0.0.1 9911 &
+      python examples/pair_generate.py --model demo --prompt "Hello" --max-tokens 16 \
+              --role leader --listen 127.0.0.1 9911
 
 Both ranks join the pair, each loads its half of the model, then the leader
 tokenizes, samples and streams the text while the worker runs the same
@@ -13,27 +23,29 @@ import argparse
 import sys
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.cli import add_run_args, check_run_args
+from mlx_ds4tp.cli.run import add_args as add_run_args, check_args as check_run_args
 from mlx_ds4tp.lockstep.steps import Leader, Worker
 from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.link.identity import model_identity
-from mlx_ds4tp.lockstep.sampling import options_from_args, run_sampler
+from mlx_ds4tp.lockstep.sampling import run_sampler
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(parser)
     args = parser.parse_args()
-    address = check_run_args(args)  # the same checks as `ds4tp run`
-    leader = args.role == "leader"
+    # The same checks as `ds4tp run`: the rank's address, and the sampling flags as mlx-lm's
+    # sampling options.
+    address, sampling = check_run_args(args)
+    leader = address.role == "leader"
 
     # The pair: the leader listens, the worker dials. The model's identity (its shape and
     # its weights' fingerprint) rides in the hello, so two different models stop here
     # instead of after loading.
     group = tp.init(
-        role=args.role,
-        listen=address if leader else None,
-        coordinator=None if leader else address,
+        role=address.role,
+        listen=address.listen,
+        coordinator=address.coordinator,
         transport=args.transport,
         rdma_device=args.rdma_device,
         gid_index=args.rdma_gid_index,
@@ -60,7 +72,7 @@ def main() -> int:
                 print(detokenizer.last_segment, end="", flush=True)
 
             # The same sampling flags as `ds4tp run`, sampled by mlx-lm's own samplers.
-            sampler = run_sampler(options_from_args(args), prompt_tokens)
+            sampler = run_sampler(sampling, prompt_tokens)
             stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream)
             detokenizer.finalize()
             print(detokenizer.last_segment, flush=True)

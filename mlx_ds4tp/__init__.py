@@ -7,14 +7,11 @@
 """
 
 from .errors import (
-    ApiError,
-    ClientGone,
     AuthenticationError,
     DesyncError,
     FrameError,
     HelloMismatchError,
     LockstepDivergence,
-    PairUnavailable,
     PeerClosedError,
     RdmaError,
     RdmaUnavailableError,
@@ -35,6 +32,8 @@ from .gate_ops import (
     sum_scatter,
 )
 from .transport import ModelIdentity, model_fingerprint
+# `ds4tp serve`'s errors live with the server; the package still names them.
+from .serve.errors import ApiError, ClientGone, PairUnavailable
 
 __version__ = "0.1.0"
 

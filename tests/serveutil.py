@@ -37,9 +37,10 @@ def build_chat_model(directory: Path, seed: int = 3) -> Path:
 
 
 class ServedPair:
-    """`ds4tp serve` leader and worker on 127.0.0.1, logs in files under `logs`."""
+    """`ds4tp serve` leader and worker on 127.0.0.1, logs in files under `logs`; `model` is
+    what both ranks get as --model (a directory, or "demo")."""
 
-    def __init__(self, model: Path, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
+    def __init__(self, model, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
                  api_key: Optional[str] = API_KEY):
         self.port = free_port()
         pair_port = free_port()
@@ -112,6 +113,16 @@ def post_raw(pair: ServedPair, path: str, body: bytes, api_key: str = API_KEY) -
     req = urllib.request.Request(pair.base + path, data=body, method="POST",
                                  headers={"Authorization": f"Bearer {api_key}",
                                           "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get_raw(pair: ServedPair, path: str, api_key: str = API_KEY) -> tuple:
+    """(status, parsed JSON body) of a GET."""
+    req = urllib.request.Request(pair.base + path, headers={"Authorization": f"Bearer {api_key}"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())

@@ -70,3 +70,27 @@ def test_doctor_peer_compares_model_fingerprints(procs, two_models, same):
             assert p.returncode == 1, out + err
             assert "[FAIL] gate round trip: model mismatch" in out, out
             assert here in out and there in out, out
+
+
+def test_a_build_without_the_provider_names_the_switch_when_the_header_is_installed(tmp_path, monkeypatch):
+    # MLX_DS4TP_NO_IBVERBS=1 builds without the ibverbs provider on purpose: doctor must not say
+    # to install the header that is installed, but name the switch and the rebuild.
+    from mlx_ds4tp.cli import doctor
+
+    reason = ("tp rdma: built without infiniband/verbs.h; install libibverbs-dev (Linux) or the "
+              "macOS SDK and reinstall")
+    (tmp_path / "infiniband").mkdir()
+    (tmp_path / "infiniband" / "verbs.h").write_text("")
+    monkeypatch.setattr(doctor, "VERBS_HEADER_DIRS", (str(tmp_path),))
+    monkeypatch.setenv("MLX_DS4TP_NO_IBVERBS", "1")
+    said = doctor.no_provider_cause(reason)
+    assert said.startswith("tp rdma: built without infiniband/verbs.h, yet ")
+    assert "install libibverbs-dev" not in said
+    assert "MLX_DS4TP_NO_IBVERBS=1 is set here: the module was built with that switch" in said
+    assert "rebuild without it: `env -u MLX_DS4TP_NO_IBVERBS pip install -e .`" in said
+    monkeypatch.delenv("MLX_DS4TP_NO_IBVERBS")
+    assert "built with MLX_DS4TP_NO_IBVERBS=1 or before the header was installed" in \
+        doctor.no_provider_cause(reason)
+    # No header here: installing it is the fix, as the C module says.
+    monkeypatch.setattr(doctor, "VERBS_HEADER_DIRS", (str(tmp_path / "none"),))
+    assert doctor.no_provider_cause(reason) == reason

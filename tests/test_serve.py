@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
 
 from serveutil import (  # noqa: E402
-    API_KEY, ServedPair, build_chat_model, chat_ids, client, post_raw, reference, text_ids,
+    API_KEY, ServedPair, build_chat_model, chat_ids, client, get_raw, post_raw, reference, text_ids,
 )
 
 
@@ -34,9 +34,56 @@ def pair(model_dir, tmp_path_factory):
 
 def test_models_and_health(pair, model_dir):
     models = client(pair).models.list()
-    assert [m.id for m in models.data] == [str(model_dir)]
+    # The served id is short (the directory's own name); the path --model gave is accepted too.
+    assert [m.id for m in models.data] == [model_dir.name]
+    assert get_raw(pair, "/v1/models/" + model_dir.name)[0] == 200
+    assert get_raw(pair, "/v1/models/" + str(model_dir))[0] == 200
+    assert get_raw(pair, "/v1/models/nope")[0] == 404
     code, body = pair.health()
     assert code == 200 and body["status"] == "ok"
+
+
+def test_model_demo_is_served_as_demo_on_both_ranks(tmp_path, monkeypatch):
+    # The README's loopback recipe: `ds4tp serve --model demo` on both ranks, a client asking
+    # for model "demo" (or none, or the built directory), any other name a 404.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    served = ServedPair("demo", tmp_path, env={"XDG_CACHE_HOME": str(tmp_path / "cache")},
+                        api_key=None)
+    try:
+        served.wait_healthy()
+        from mlx_ds4tp.testing.demo_model import demo_model_dir
+
+        built = demo_model_dir()  # the ranks built it under the lock; found, not rebuilt
+        c = client(served, api_key="unused")
+        assert [m.id for m in c.models.list().data] == ["demo"]
+        want = reference(built, text_ids(built, "Hello"), 6)
+        for name in ("demo", str(built)):
+            r = c.completions.create(model=name, prompt="Hello", max_tokens=6)
+            assert r.choices[0].text == want and r.model == name
+        code, answer = post_raw(served, "/v1/completions",
+                                json.dumps({"prompt": "Hello", "max_tokens": 6}).encode())
+        assert code == 200 and answer["choices"][0]["text"] == want and answer["model"] == "demo"
+        with pytest.raises(openai.NotFoundError, match="this server serves 'demo'"):
+            c.completions.create(model="demo-llama", prompt="Hello", max_tokens=2)
+        assert "serving demo (" in served.log("leader")
+    finally:
+        served.close()
+
+
+def test_served_model_name_is_the_id_listed_and_asked_for(model_dir, tmp_path):
+    served = ServedPair(model_dir, tmp_path, extra=["--served-model-name", "tiny-chat"])
+    try:
+        served.wait_healthy()
+        c = client(served)
+        assert [m.id for m in c.models.list().data] == ["tiny-chat"]
+        want = reference(model_dir, text_ids(model_dir, "name"), 4)
+        for name in ("tiny-chat", str(model_dir)):
+            assert c.completions.create(model=name, prompt="name", max_tokens=4).choices[0].text == want
+        with pytest.raises(openai.NotFoundError):  # the default id is not served under a given name
+            c.completions.create(model=model_dir.name, prompt="name", max_tokens=2)
+        assert get_raw(served, "/v1/models/tiny-chat")[0] == 200
+    finally:
+        served.close()
 
 
 def test_chat_greedy_equals_mlx_lm(pair, model_dir):

@@ -19,6 +19,7 @@ import numpy as np
 from ..testing import localpair as _localpair
 from .. import gate_ops
 from .. import transport as tr
+from ..link.config import PairAddress
 
 WARMUP_ITERS = 500
 ROUNDS = 10
@@ -97,20 +98,17 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
     return records
 
 
-def run_rank(role: str, host: str, port: int, transport: str, rdma_device: Optional[str],
+def run_rank(address: PairAddress, transport: str, rdma_device: Optional[str],
              nbytes: int, iters: int, secret=None) -> List[Dict]:
     """One rank of the transport bench (the leader returns the records, the worker none)."""
-    kwargs = dict(transport=transport, rdma_device=rdma_device, secret=secret)
-    if role == "leader":
-        group = gate_ops.init(role="leader", listen=(host, port), **kwargs)
-    else:
-        group = gate_ops.init(role="worker", coordinator=(host, port), **kwargs)
+    group = gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
+                          transport=transport, rdma_device=rdma_device, secret=secret)
     with group:
         if transport == "rdma" and group.transport != "rdma":
             raise RuntimeError("rdma bench asked for but the group fell back to tcp")
         name = "tcp" if group.transport == "tcp" else f"rdma-{rdma_device or 'ibverbs'}"
         records = bench_group(group, name, nbytes, iters)
-    return records if role == "leader" else []
+    return records if address.role == "leader" else []
 
 
 def ring_rank(nbytes: int, iters: int) -> List[Dict]:

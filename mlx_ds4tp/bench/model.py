@@ -21,6 +21,7 @@ import numpy as np
 from ..testing import localpair as _localpair
 from .. import gate_ops
 from ..base.log import log
+from ..link.config import PairAddress
 
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
 DEFAULT_PROMPT_TOKENS = 512
@@ -116,7 +117,7 @@ class GatelessGroup:
         return mx.concatenate([x, x], axis=0)
 
 
-def ceiling_rank(role: str, port: int, path: str, max_tokens: int,
+def ceiling_rank(address: PairAddress, path: str, max_tokens: int,
                  prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
     """One rank of the compute ceiling: its half of the model prefilling and decoding with
     gateless gates, started together with the other rank so the two compete for the cores as a
@@ -127,8 +128,8 @@ def ceiling_rank(role: str, port: int, path: str, max_tokens: int,
     from ..link.identity import model_identity
     from ..lockstep.run import bench_prompt
 
-    where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
-    with gate_ops.init(role=role, transport="tcp", identity=model_identity(path), **where) as group:
+    with gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
+                       transport="tcp", identity=model_identity(path)) as group:
         model, tokenizer = load_split(path, GatelessGroup(group.rank()))
         prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
         greedy_generate(model, prompt[:WARMUP_PROMPT_TOKENS], 4)
@@ -140,7 +141,7 @@ def ceiling_rank(role: str, port: int, path: str, max_tokens: int,
     rec = _tok_record(CEILING, stats, float(max(mine[0], theirs[0])), float(max(mine[1], theirs[1])))
     rec["tokens_match"] = None  # the halves are never summed: no tokens to compare
     rec["gates"] = "skipped: the pair's compute alone, ranks never waiting for each other"
-    return [rec] if role == "leader" else []
+    return [rec] if address.role == "leader" else []
 
 
 def spawn_ceiling(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,

@@ -1,63 +1,62 @@
-"""`ds4tp bench`: runs the gate bench (bench_gates) or the
-model bench (bench_model), and prints the records, the ratios and the plot."""
+"""`ds4tp bench`'s reports: runs the gate bench (bench.gates) or the model bench (bench.model)
+with values mlx_ds4tp.cli.bench checked, and prints the records, the ratios and the plot."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .. import transport as tr
+from ..link.config import PairAddress
 
 
-def main(args, address: Optional[Tuple[str, int]] = None) -> int:
-    """Run `ds4tp bench` with arguments cli.cmd_bench has checked; `address` is
-    the listen/coordinator address when this process is one rank (--role)."""
-    if args.model:
-        return _model(args)
-    return _gates(args, address)
-
-
-def _model(args) -> int:
+def model_report(model: str, transport: str, rdma_device: Optional[str], max_tokens: int,
+                 rounds: int, prompt_tokens: int, as_json: bool) -> int:
+    """`ds4tp bench --model`: decode and prefill tok/s of every contender, then the ratios."""
     from . import model as bench_model
 
-    records = bench_model.model_bench(args.model, args.transport, args.rdma_device, args.max_tokens,
-                                      rounds=args.rounds, prompt_tokens=args.prompt_tokens)
-    print_records(records, args.json)
-    if not args.json:
+    records = bench_model.model_bench(model, transport, rdma_device, max_tokens,
+                                      rounds=rounds, prompt_tokens=prompt_tokens)
+    print_records(records, as_json)
+    if not as_json:
         _print_model_ratios(records)
     return 0
 
 
-def _gates(args, address: Optional[Tuple[str, int]]) -> int:
+def gate_rank_report(address: PairAddress, transport: str, rdma_device: Optional[str],
+                     nbytes: int, iters: int, secret, as_json: bool) -> int:
+    """One rank of a two-machine gate bench: the other machine runs the same line."""
     from . import gates as bench_gates
 
-    if args.role is not None:
-        # One rank of a two-machine gate bench: the other machine runs the same line.
-        transport = args.transport if args.transport != "all" else "auto"
-        host, port = address
-        records = bench_gates.run_rank(args.role, host, port, transport, args.rdma_device, args.bytes,
-                                       args.iters, secret=args.secret)
-        print_records(records, args.json, keep_samples=True)
-        return 0
-    if args.plot:
+    records = bench_gates.run_rank(address, transport, rdma_device, nbytes, iters, secret=secret)
+    print_records(records, as_json, keep_samples=True)
+    return 0
+
+
+def gates_report(transports: Sequence[str], rdma_device: Optional[str], nbytes: int, iters: int,
+                 as_json: bool, plot: Optional[str] = None) -> int:
+    """Both ranks here: each of `transports` ("tcp", "rdma") and MLX's ring, then the ratios
+    and (plot: a PNG path) the latency histogram."""
+    from . import gates as bench_gates
+
+    if plot:
         # The ranks this process spawns send their raw samples back.
         os.environ[bench_gates.EMIT_SAMPLES_ENV] = "1"
     records: List[dict] = []
-    if args.transport in ("tcp", "all"):
-        records += bench_gates.spawn_transport("tcp", None, args.bytes, args.iters)
-    if args.transport in ("rdma", "all"):
-        device = args.rdma_device or "ucsim"
-        records += bench_gates.spawn_transport("rdma", device, args.bytes, args.iters)
-    records += bench_gates.spawn_ring(args.bytes, args.iters)
-    print_records(records, args.json)
-    if not args.json:
+    if "tcp" in transports:
+        records += bench_gates.spawn_transport("tcp", None, nbytes, iters)
+    if "rdma" in transports:
+        records += bench_gates.spawn_transport("rdma", rdma_device or "ucsim", nbytes, iters)
+    records += bench_gates.spawn_ring(nbytes, iters)
+    print_records(records, as_json)
+    if not as_json:
         _print_ratios(records)
-    if args.plot:
-        plot_histograms(records, args.plot)
-        tr.log(f"latency histogram written to {args.plot}")
+    if plot:
+        plot_histograms(records, plot)
+        tr.log(f"latency histogram written to {plot}")
     return 0
 
 

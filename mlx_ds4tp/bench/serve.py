@@ -165,23 +165,17 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
               flush=True)
 
 
-def main(args) -> int:
-    """`ds4tp bench --serve` with the bench's flags (cli.cmd_bench checked the common ones)."""
-    from ..checkpoint.source import resolve_model_arg
-    from ..testing.demo_model import demo_model_dir
-
-    if args.max_tokens < 2:
-        raise SystemExit(f"ds4tp bench: --max-tokens {args.max_tokens} must be >= 2")
-    if args.rounds < 1:
-        raise SystemExit(f"ds4tp bench: --rounds {args.rounds} must be >= 1")
-    if args.url:
-        records = measure_all(args.url.rstrip("/"), args.max_tokens, rounds=args.rounds,
-                              api_key=args.api_key)
+def serve_report(url: Optional[str], model: Optional[Path], transport: str,
+                 rdma_device: Optional[str], max_tokens: int, rounds: int, api_key: Optional[str],
+                 as_json: bool) -> int:
+    """`ds4tp bench --serve` with values mlx_ds4tp.cli.bench checked: against the server at
+    `url`, else a pair started here on `model` (default the demo model)."""
+    if url:
+        records = measure_all(url.rstrip("/"), max_tokens, rounds=rounds, api_key=api_key)
     else:
-        transport = "tcp" if args.transport in ("all", "auto") else args.transport
-        device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
-        model = resolve_model_arg(args.model) if args.model else demo_model_dir()
-        records = serve_bench(model, transport, device, args.max_tokens, rounds=args.rounds)
-    print_records(records, args.json)
-    return 0
+        from ..testing.demo_model import demo_model_dir
 
+        records = serve_bench(model or demo_model_dir(), transport, rdma_device, max_tokens,
+                              rounds=rounds)
+    print_records(records, as_json)
+    return 0

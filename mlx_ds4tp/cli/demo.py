@@ -3,11 +3,15 @@ against the same model run unsplit in one process."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from ..testing.demo_model import demo_model_dir
 from ..testing.local_run import run_local_pair
+from .pair_args import TRANSPORT_HELP, check_at_least
+
+HELP = "both ranks on 127.0.0.1 with a small synthetic model, checked against the unsplit model"
 
 
 def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int) -> List[int]:
@@ -21,17 +25,35 @@ def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int)
     return greedy_generate(model, prompt_tokens, max_tokens, eos).tokens
 
 
-def demo(args) -> int:
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `ds4tp demo`."""
+    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto", help=TRANSPORT_HELP)
+    p.add_argument("--rdma-device", default=None,
+                   help="'ucsim' for the emulated Thunderbolt device, or a verbs device")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--prompt", default="The two machines agree that",
+                   help="the prompt, fed as raw text (default %(default)r)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Check the flags, then run the demo."""
+    check_at_least("demo", (("--max-tokens", args.max_tokens, 1),))
+    return demo(args.prompt, args.max_tokens, args.transport, args.rdma_device)
+
+
+def demo(prompt: str, max_tokens: int, transport: str, rdma_device: Optional[str]) -> int:
+    """Both ranks here on the demo model, then the same generation unsplit; 0 when they match."""
     path = demo_model_dir()
     print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
           "noise), split 50/50 across two local processes.", flush=True)
-    print(f"prompt: {args.prompt!r}\n--- leader output ---", flush=True)
-    result = run_local_pair(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
-                            timeout=600.0)
+    # Both ranks write here: the leader's text on stdout, both ranks' `ds4-tp:` logs on stderr.
+    print(f"prompt: {prompt!r}\n--- the two ranks (stdout: the leader's text; stderr: both "
+          f"ranks' logs) ---", flush=True)
+    result = run_local_pair(path, prompt, max_tokens, transport, rdma_device, timeout=600.0)
     if result is None:
         print("ds4tp demo: FAILED (see the ranks' errors above)", flush=True)
         return 1
-    reference = single_process_tokens(path, result["prompt_tokens"], args.max_tokens)
+    reference = single_process_tokens(path, result["prompt_tokens"], max_tokens)
     match = reference == result["tokens"]
     print("--- summary ---")
     print(f"tokens (pair):   {result['tokens']}")
@@ -39,7 +61,11 @@ def demo(args) -> int:
     print(f"transport {result['transport']} | decode {result['decode_tok_s']:.1f} tok/s | gate p50 "
           f"{result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us")
     print(f"match with the unsplit model in one process: {match}")
-    print("\nOn two Macs joined by Thunderbolt (see README 'Two Macs'):\n"
+    print("\nServe this model here (an OpenAI-compatible API on http://127.0.0.1:8080/v1, "
+          "model id 'demo'), both ranks on 127.0.0.1:\n"
+          "  $ ds4tp serve --model demo --role worker --coordinator 127.0.0.1 9911 &\n"
+          "  $ ds4tp serve --model demo --role leader --listen 127.0.0.1 9911\n"
+          "On two Macs joined by Thunderbolt (see README 'Two Macs'):\n"
           "  mac1$ ds4tp run --model PATH --prompt 'Hello' --role leader --listen 10.99.0.1 9911\n"
           "  mac2$ ds4tp run --model PATH --role worker --coordinator 10.99.0.1 9911")
     return 0 if match else 2

@@ -6,17 +6,25 @@ Each check prints one line: ok, warn (works, but slower or degraded) or FAIL
 
 from __future__ import annotations
 
+import argparse
+import os
 import platform
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from .. import transport as tr
+from ..link.config import PairAddress, pair_address
 
+from .pair_args import TRANSPORT_HELP, parse_address
+
+HELP = "check what a pair needs and say what to fix"
 OK, WARN, FAIL = "ok", "warn", "FAIL"
+# The build switch of _verbs_build.py: the C module without the ibverbs provider.
+NO_IBVERBS_ENV = "MLX_DS4TP_NO_IBVERBS"
 
 
 def _line(status: str, what: str, detail: str) -> Tuple[str, str]:
@@ -41,13 +49,44 @@ def check_python() -> List[Tuple[str, str]]:
     return out
 
 
+# Where a compiler finds infiniband/verbs.h on Linux (rdma-core's libibverbs-dev).
+VERBS_HEADER_DIRS = ("/usr/include", "/usr/local/include")
+
+
+def verbs_header() -> Optional[str]:
+    """The infiniband/verbs.h a build would compile against here, or None."""
+    for d in VERBS_HEADER_DIRS:
+        path = os.path.join(d, "infiniband", "verbs.h")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def no_provider_cause(reason: str) -> str:
+    """Why a C module without the ibverbs provider has none, and the fix. The C module only
+    knows it was built without infiniband/verbs.h (and says to install the header); when the
+    header is installed, the real cause is the build switch (or a build from before the
+    header), and the fix is a rebuild."""
+    header = verbs_header()
+    if header is None:
+        return reason
+    cause = reason.split(";")[0]
+    switch = (f"{NO_IBVERBS_ENV}={os.environ[NO_IBVERBS_ENV]} is set here: the module was built "
+              f"with that switch on purpose" if os.environ.get(NO_IBVERBS_ENV)
+              else f"the module was built with {NO_IBVERBS_ENV}=1 or before the header was installed")
+    return (f"{cause}, yet {header} is installed: {switch}; to get the ibverbs provider, rebuild "
+            f"without it: `env -u {NO_IBVERBS_ENV} pip install -e .`")
+
+
 def check_verbs() -> List[Tuple[str, str]]:
     out = []
     try:
-        tr.load_verbs()
+        _, lib = tr.load_verbs()
     except tr.RdmaUnavailableError as exc:
         return [_line(FAIL, "C module", str(exc))]
-    out.append(_line(OK, "C module", "mlx_ds4tp._verbs is built"))
+    built_with = bool(lib.tp_built_with_ibverbs())
+    out.append(_line(OK, "C module", "mlx_ds4tp._verbs is built" + (
+        "" if built_with else " (ucsim only: without the ibverbs provider)")))
     # Resolved once here and passed to every probe, as PairConfig does for a pair.
     library = tr.verbs_library()
     if library:
@@ -56,6 +95,8 @@ def check_verbs() -> List[Tuple[str, str]]:
     if ok:
         out.append(_line(OK, "verbs device", reason or "a device with an active port and an IPv4-mapped GID"))
     else:
+        if not built_with:
+            reason = no_provider_cause(reason)
         out.append(_line(WARN, "verbs device", f"{reason} -- gates will use TCP"))
     ok, reason = tr.rdma_probe(tr.UCSIM, library)
     out.append(_line(OK if ok else FAIL, "ucsim (emulated Thunderbolt UC)", reason or "available"))
@@ -129,7 +170,7 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
     return [_line(OK, "ucsim pair", f"bring-up, warm-up and 200 gates in {time.perf_counter() - t0:.2f} s")]
 
 
-def peer_round_trip(args) -> List[Tuple[str, str]]:
+def peer_round_trip(args: argparse.Namespace, address: PairAddress) -> List[Tuple[str, str]]:
     """A short gate run against the other machine's `ds4tp doctor --listen`;
     with --model, both sides' model fingerprints are compared at the hello."""
     import numpy as np
@@ -141,17 +182,12 @@ def peer_round_trip(args) -> List[Tuple[str, str]]:
     # A doctor should answer soon: at most 30 s (dial) / 120 s (listen), less
     # when DS4_TP_TIMEOUT_SEC says so.
     limit = tr.default_timeout()
-    identity = model_identity(args.model) if getattr(args, "model", None) else None
-    if args.peer:
-        host, port = args.peer[0], int(args.peer[1])
-        g = gate_ops.init(role="worker", coordinator=(host, port), transport=args.transport,
-                          rdma_device=args.rdma_device, timeout=min(30.0, limit), secret=args.secret,
-                          identity=identity)
-    else:
-        host, port = args.listen[0], int(args.listen[1])
-        g = gate_ops.init(role="leader", listen=(host, port), transport=args.transport,
-                          rdma_device=args.rdma_device, timeout=min(120.0, limit), secret=args.secret,
-                          identity=identity)
+    identity = model_identity(args.model) if args.model else None
+    host, port = address.address
+    g = gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
+                      transport=args.transport, rdma_device=args.rdma_device,
+                      timeout=min(30.0 if address.role == "worker" else 120.0, limit),
+                      secret=args.secret, identity=identity)
     with g:
         out = []
         if identity is not None:
@@ -172,13 +208,50 @@ def peer_round_trip(args) -> List[Tuple[str, str]]:
                             + ("" if good else ", WRONG DATA"))]
 
 
-def run(args) -> int:
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `ds4tp doctor`."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--peer", nargs=2, metavar=("HOST", "PORT"),
+                       help="run a short gate round trip against `ds4tp doctor --listen` on the peer")
+    where.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"),
+                       help="wait for the peer's `ds4tp doctor --peer` and answer its gates")
+    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto",
+                   help="with --peer/--listen: " + TRANSPORT_HELP)
+    p.add_argument("--rdma-device", default=None,
+                   help="with --peer/--listen: verbs device (e.g. rdma_en1) or 'ucsim'")
+    p.add_argument("--secret", default=None, help="shared secret (default DS4_TP_SECRET)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="with --peer/--listen: compare this model directory's fingerprint with "
+                        "the peer's at the hello and print both")
+
+
+def check_args(args: argparse.Namespace) -> Optional[PairAddress]:
+    """The round trip's address (the --peer side dials as the worker, the --listen side
+    answers as the leader), or None without either; bad flags exit naming the flag."""
+    if args.model is not None and not (args.peer or args.listen):
+        raise SystemExit("ds4tp doctor: --model is compared with the peer's: give --peer or --listen")
+    if not (args.peer or args.listen):
+        return None
+    if args.peer:
+        role, listen, coordinator = "worker", None, parse_address(args.peer, "--peer")
+    else:
+        role, listen, coordinator = "leader", parse_address(args.listen, "--listen"), None
+    try:
+        return pair_address(role, listen, coordinator)
+    except ValueError as exc:
+        flag = "--peer" if args.peer else "--listen"
+        raise SystemExit(f"ds4tp doctor: {flag}: {exc}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    """Every check, one line each; 1 when any FAILs."""
+    address = check_args(args)
     results = check_python() + check_verbs() + check_macos()
     if not any(s == FAIL and w == "C module" for s, w in results):
         results += check_ucsim_pair()
-    if args.peer or args.listen:
+    if address is not None:
         try:
-            results += peer_round_trip(args)
+            results += peer_round_trip(args, address)
         except (tr.TransportError, ValueError, FileNotFoundError) as exc:
             results.append(_line(FAIL, "gate round trip", str(exc)))
     failed = [w for s, w in results if s == FAIL]

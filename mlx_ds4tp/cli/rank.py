@@ -1,5 +1,5 @@
 """The entry point of a rank that this package spawns on this machine
-(`python -m mlx_ds4tp.cli.rank KIND ...`, built by _localpair.rank_command).
+(`python -m mlx_ds4tp.cli.rank KIND ...`, built by testing.localpair.rank_command).
 
 Not a user command: the public CLI (`ds4tp`) starts these for the bench and
 the demo. Each kind runs one rank and prints its records as JSON lines on
@@ -19,7 +19,9 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from .. import cli
+from . import report_errors
+from . import run as run_command
+from .pair_args import address_from_args
 
 
 def _print_json(records: List[Dict]) -> None:
@@ -30,9 +32,8 @@ def _print_json(records: List[Dict]) -> None:
 def _gate(args) -> int:
     from ..bench import gates as bench_gates
 
-    host, port = cli.parse_address(args.listen or args.coordinator, "--listen/--coordinator")
-    _print_json(bench_gates.run_rank(args.role, host, port, args.transport, args.rdma_device,
-                                     args.bytes, args.iters))
+    _print_json(bench_gates.run_rank(address_from_args(args, "gate"), args.transport,
+                                     args.rdma_device, args.bytes, args.iters))
     return 0
 
 
@@ -53,16 +54,16 @@ def _ring_model(args) -> int:
 def _ceiling(args) -> int:
     from ..bench import model as bench_model
 
-    _, port = cli.parse_address(args.listen or args.coordinator, "--listen/--coordinator")
-    _print_json(bench_model.ceiling_rank(args.role, port, args.model, args.max_tokens,
-                                         args.prompt_tokens))
+    _print_json(bench_model.ceiling_rank(address_from_args(args, "ceiling"), args.model,
+                                         args.max_tokens, args.prompt_tokens))
     return 0
 
 
 def _run(args) -> int:
     from ..lockstep import run as pair_run
 
-    return pair_run.run(args, cli.check_run_args(args), tokens_out=args.tokens_out,
+    address, sampling = run_command.check_args(args)
+    return pair_run.run(args, address, sampling, tokens_out=args.tokens_out,
                         stop_at_eos=not args.no_eos, prompt_tokens=args.prompt_tokens)
 
 
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
 
     run = sub.add_parser("run")
-    cli.add_run_args(run)
+    run_command.add_args(run)
     run.add_argument("--tokens-out", default=None, metavar="FILE",
                      help="leader: write the tokens record here (JSON)")
     run.add_argument("--no-eos", action="store_true", help="decode --max-tokens whatever the model says")
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one spawned rank; errors are reported as the public CLI reports them."""
     args = build_parser().parse_args(argv)
-    return cli.report_errors(lambda: args.func(args))
+    return report_errors(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from .. import gate_ops
 from .. import transport as tr
+from ..link.config import PairAddress
 from ..link.identity import model_identity
 from ..split.progress import LoadingBar
+from .sampling import SamplingOptions
 from .steps import Leader, Worker, make_sampler
 
 
@@ -24,9 +26,10 @@ def bench_prompt(tokenizer, text: str, count: int) -> List[int]:
     return (base * (count // len(base) + 1))[:count]
 
 
-def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
+def run(args, address: PairAddress, sampling: SamplingOptions, *, tokens_out: Optional[str] = None,
         stop_at_eos: bool = True, prompt_tokens: int = 0) -> int:
-    """One rank of `ds4tp run` (args as cli.add_run_args parses them).
+    """One rank of `ds4tp run` (args as cli.run.add_args parses them; address and sampling
+    as cli.run.check_args made them).
 
     tokens_out: the leader writes the prompt's and the generated tokens, the
     prompt and decode rates and the gate latency there as JSON (the local pair
@@ -35,14 +38,14 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
     repeated to that many (bench_prompt), without the chat template.
     """
     from ..model_split import load_split
-    from .sampling import options_from_args, run_sampler
+    from .sampling import run_sampler
 
     identity = model_identity(args.model)
-    leader = args.role == "leader"
+    leader = address.role == "leader"
     group = gate_ops.init(
-        role=args.role,
-        listen=address if leader else None,
-        coordinator=None if leader else address,
+        role=address.role,
+        listen=address.listen,
+        coordinator=address.coordinator,
         transport=args.transport,
         rdma_device=args.rdma_device,
         gid_index=args.rdma_gid_index,
@@ -77,7 +80,7 @@ def run(args, address: Tuple[str, int], *, tokens_out: Optional[str] = None,
                 sys.stdout.write(detok.last_segment)
                 sys.stdout.flush()
 
-            sampler = run_sampler(options_from_args(args), prompt_ids)
+            sampler = run_sampler(sampling, prompt_ids)
             if prompt_tokens > 0:
                 # The bench's contenders all warm up on the prompt's first 16 tokens before the
                 # timed generation (bench_model._generate); the pair does it in lockstep.

@@ -1,4 +1,5 @@
-"""Sampling options shared by `ds4tp run` and `ds4tp serve`, and the per-session sampler.
+"""Sampling options shared by `ds4tp run` and `ds4tp serve`, and the per-session sampler
+(the flags that make the options are mlx_ds4tp.cli.sampling_args).
 
 The samplers and logits processors are mlx-lm's own (`mlx_lm.sample_utils`), fed exactly what
 `mlx_lm.generate` feeds them: the processors see the token history and the raw logits, the
@@ -8,7 +9,6 @@ is then token for token what mlx-lm produces for the same model.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Callable, Dict, List, Optional
 
@@ -135,27 +135,3 @@ def run_sampler(options: SamplingOptions, prompt_tokens: List[int]) -> Callable[
     """A sampler for lockstep.Leader.generate (1-D logits in, token out)."""
     session = SessionSampler(options, prompt_tokens)
     return lambda logits: session.sample(logits.reshape(1, -1))
-
-
-def add_sampling_args(p: argparse.ArgumentParser, seed_default: Optional[int] = None) -> None:
-    """The sampling flags of `ds4tp run` and the defaults of `ds4tp serve`."""
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=0.0,
-                   help="mlx-lm's repetition penalty over the last 20 tokens (0 = off)")
-    p.add_argument("--seed", type=int, default=seed_default, help="random seed for sampling")
-
-
-def options_from_args(args: argparse.Namespace) -> SamplingOptions:
-    """SamplingOptions from the flags of add_sampling_args; SystemExit naming a bad flag."""
-    options = SamplingOptions(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-                              min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                              seed=args.seed)
-    try:
-        options.check()
-    except ValueError as exc:
-        raise SystemExit(f"ds4tp: {exc} (the flag is --{str(exc).split('=')[0].replace('_', '-')}"
-                         ", --temp for temperature)") from None
-    return options

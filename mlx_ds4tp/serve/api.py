@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from ..errors import ApiError
+from .errors import ApiError
 from ..lockstep.sampling import SamplingOptions
 
 
@@ -109,7 +109,8 @@ def text_prompt(tokenizer, prompt: Any, vocab_size: int) -> List[int]:
 
 def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], default_max_tokens: int,
                   context_length: int, vocab_size: int, defaults: SamplingOptions) -> ParsedRequest:
-    """Check every field of a completion request and tokenize its prompt."""
+    """Check every field of a completion request and tokenize its prompt. model_ids: the
+    served id first (a request without "model" names it), then the other names accepted."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     model = _field(body, "model", str, model_ids[0])

@@ -22,7 +22,7 @@ import threading
 from typing import Dict, List, Optional
 
 from .. import transport as tr
-from ..errors import PairUnavailable
+from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex, Reuse
 from ..lockstep.sampling import SamplingOptions, SessionSampler, sample_rows
 from ..lockstep.sessions import LeaderSessions

@@ -14,13 +14,14 @@ import queue
 import select
 import socket
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
-from ..errors import ClientGone
+from .errors import ApiError, ClientGone, PairUnavailable
 from ..lockstep.sampling import SamplingOptions
-from .api import ApiError, ParsedRequest, ResponseShape, parse_request, usage
-from .engine import Engine, PairUnavailable, Request
+from .api import ParsedRequest, ResponseShape, parse_request, usage
+from .engine import Engine, Request
 
 MAX_BODY_BYTES = 16 << 20
 # How often a request waiting for its next token checks that the engine is still alive. The
@@ -36,10 +37,13 @@ class ServeState:
 
     def __init__(self, engine: Engine, tokenizer, model_id: str, *, api_key: Optional[str],
                  context_length: int, vocab_size: int, default_max_tokens: int,
-                 defaults: SamplingOptions):
+                 defaults: SamplingOptions, aliases: Sequence[str] = ()):
         self.engine = engine
         self.tokenizer = tokenizer
+        # model_id is the one /v1/models lists (--served-model-name); a request may also name
+        # an alias (the model as --model gave it, its directory), answered under its own name.
         self.model_id = model_id
+        self.model_ids = [model_id] + [a for a in dict.fromkeys(aliases) if a != model_id]
         self.api_key = api_key
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -120,8 +124,8 @@ class Handler(BaseHTTPRequestHandler):
                      "owned_by": "mlx_ds4tp"}]})
         elif path.startswith(("/v1/models/", "/models/")):
             if self._authorized():
-                name = path.split("/models/", 1)[1]
-                if name == self.state.model_id:
+                name = urllib.parse.unquote(path.split("/models/", 1)[1])
+                if name in self.state.model_ids:
                     self._send_json(200, {"id": name, "object": "model",
                                           "created": self.state.created, "owned_by": "mlx_ds4tp"})
                 else:
@@ -174,7 +178,7 @@ class Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
         s = self.state
-        return parse_request(body, kind, s.tokenizer, model_ids=[s.model_id],
+        return parse_request(body, kind, s.tokenizer, model_ids=s.model_ids,
                              default_max_tokens=s.default_max_tokens,
                              context_length=s.context_length, vocab_size=s.vocab_size,
                              defaults=s.defaults)

@@ -8,11 +8,13 @@ import signal
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from .. import gate_ops
 from .. import transport as tr
+from ..link.config import PairAddress
 from ..link.identity import model_identity
+from ..lockstep.sampling import SamplingOptions
 from ..split.progress import LoadingBar
 
 
@@ -25,31 +27,31 @@ def context_length(model: Any, config: Dict[str, Any]) -> int:
     return 1 << 20
 
 
-def run(args, address: Tuple[str, int], model_path: Path) -> int:
-    """One rank of `ds4tp serve` (cli.cmd_serve checked the flags); returns the exit code."""
+def run(args, address: PairAddress, model_path: Path, sampling: SamplingOptions) -> int:
+    """One rank of `ds4tp serve` (cli.serve checked the flags and made address, model_path,
+    sampling and args.served_model_name); returns the exit code."""
     from .http import make_server
 
     identity = model_identity(str(model_path))
-    leader = args.role == "leader"
+    leader = address.role == "leader"
     server = make_server(args.host, args.port) if leader else None
     try:
-        return _run_rank(args, address, model_path, identity, server)
+        return _run_rank(args, address, model_path, sampling, identity, server)
     finally:
         if server is not None:
             server.server_close()
 
 
-def _run_rank(args, address: Tuple[str, int], model_path: Path, identity: tr.ModelIdentity,
-              server: Optional[ThreadingHTTPServer]) -> int:
+def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOptions,
+              identity: tr.ModelIdentity, server: Optional[ThreadingHTTPServer]) -> int:
     from ..model_split import load_split
-    from ..lockstep.sampling import options_from_args
     from .http import ServeState
     from .engine import Engine
     from ..lockstep.sessions import LeaderSessions, serve_worker
 
     leader = server is not None
-    group = gate_ops.init(role=args.role, listen=address if leader else None,
-                          coordinator=None if leader else address, transport=args.transport,
+    group = gate_ops.init(role=address.role, listen=address.listen,
+                          coordinator=address.coordinator, transport=args.transport,
                           rdma_device=args.rdma_device, gid_index=args.rdma_gid_index,
                           secret=args.secret, identity=identity)
     with group:
@@ -69,14 +71,16 @@ def _run_rank(args, address: Tuple[str, int], model_path: Path, identity: tr.Mod
                         prompt_cache_size=args.prompt_cache_size,
                         prefill_step=args.prefill_step_size, max_batch=args.max_batch,
                         debug_hash=args.debug_hash)
-        state = ServeState(engine, tokenizer, args.model, api_key=args.api_key,
+        # Requests may name the short id, or the model as --model gave it (or its directory).
+        state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
+                           aliases=(args.model, str(model_path)),
                            context_length=context_length(model, config),
                            vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]),
-                           default_max_tokens=args.max_tokens, defaults=options_from_args(args))
+                           default_max_tokens=args.max_tokens, defaults=sampling)
         server.RequestHandlerClass.state = state
         engine.start()
-        tr.log(f"serving {args.model} on http://{args.host}:{server.server_address[1]}/v1 "
-               f"(transport {group.transport})")
+        tr.log(f"serving {args.served_model_name} ({model_path}) on "
+               f"http://{args.host}:{server.server_address[1]}/v1 (transport {group.transport})")
         # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
         signal.signal(signal.SIGTERM, _interrupt)
         try:

@@ -1,0 +1,104 @@
+"""`ds4tp bench`: gate latency of our transports against the baselines (a bare socket exchange,
+MLX's ring all_sum), both ranks on this machine; with --model, decode and prefill tok/s of a
+model; with --serve, `ds4tp serve`'s throughput for 1 to 8 clients. With --role, one rank of a
+two-machine gate bench (the other machine runs the same line with the other role)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import transport as tr
+from .pair_args import add_pair_args, address_from_args, check_at_least
+
+HELP = "gate latency: tcp, rdma and the baselines (--model: tok/s; --serve: serving)"
+ROLE_HELP = ("run one rank of a two-machine gate bench (the other machine runs the other role); "
+             "default: both ranks on 127.0.0.1")
+TRANSPORT_HELP = ("all (default): tcp, rdma on --rdma-device (default the emulated 'ucsim') and the "
+                  "baselines; tcp or rdma: that one and the baselines; auto (only with --role): "
+                  "what the pair picks. --serve uses tcp unless rdma is given")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `ds4tp bench`."""
+    p.add_argument("--transport", choices=("tcp", "rdma", "all", "auto"), default="all",
+                   help=TRANSPORT_HELP)
+    p.add_argument("--bytes", type=int, default=16384,
+                   help=f"bytes per gate exchange, a multiple of 4 up to {tr.GATE_MAX_BYTES} "
+                        "(default 16384)")
+    p.add_argument("--iters", type=int, default=5000, help="timed exchanges per contender (default 5000)")
+    p.add_argument("--json", action="store_true", help="one JSON record per line")
+    p.add_argument("--model", default=None, help="time decode tok/s of this mlx-lm model instead "
+                   "(a directory, or a preset built once: 150m, moe-1g): single process, our pair "
+                   "(tcp, rdma) and mlx-lm's shard() on MLX's ring; with --serve: the model served")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="decode length for --model and --serve (default 64)")
+    p.add_argument("--prompt-tokens", type=int, default=512,
+                   help="prompt length for --model: prompt processing (prefill) is timed too (default 512)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--model: run every contender this many times, in rotating order, and "
+                        "report the median; --serve: rounds per client count (default 3)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="latency histogram per transport (needs matplotlib)")
+    p.add_argument("--serve", action="store_true",
+                   help="`ds4tp serve` on 127.0.0.1: aggregate tok/s and time to first token "
+                        "for 1, 2, 4 and 8 concurrent clients (--model, default the demo model)")
+    p.add_argument("--url", default=None, metavar="http://HOST:PORT",
+                   help="--serve: measure this running `ds4tp serve` instead of starting one")
+    p.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
+    add_pair_args(p, ROLE_HELP, "verbs device (e.g. rdma_en1) or 'ucsim'; default: 'ucsim' with "
+                  "both ranks here, the first device with an active port with --role")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Check the flags once, then run the bench they ask for."""
+    from ..bench import report
+
+    if args.bytes <= 0 or args.bytes % 4:
+        raise SystemExit(f"ds4tp bench: --bytes {args.bytes} must be a positive multiple of 4")
+    if args.bytes > tr.GATE_MAX_BYTES:
+        raise SystemExit(f"ds4tp bench: --bytes {args.bytes} is over the {tr.GATE_MAX_BYTES}-byte gate limit")
+    check_at_least("bench", (("--iters", args.iters, 1),))
+    address = address_from_args(args, "bench")
+    if address is not None and (args.serve or args.model):
+        raise SystemExit("ds4tp bench: --role is for the two-machine gate bench; --model and "
+                         "--serve run both ranks here")
+    if args.url and not args.serve:
+        raise SystemExit("ds4tp bench: --url needs --serve")
+    if args.serve:
+        return _serve(args)
+    if address is None and args.transport == "auto":
+        raise SystemExit("ds4tp bench: --transport auto is what a two-machine pair picks (with "
+                         "--role); with both ranks here give tcp, rdma or all")
+    if args.model:
+        return _model(args, report)
+    if address is not None:
+        transport = args.transport if args.transport != "all" else "auto"
+        return report.gate_rank_report(address, transport, args.rdma_device, args.bytes, args.iters,
+                                       args.secret, args.json)
+    transports = ("tcp", "rdma") if args.transport == "all" else (args.transport,)
+    return report.gates_report(transports, args.rdma_device, args.bytes, args.iters, args.json,
+                               args.plot)
+
+
+def _model(args: argparse.Namespace, report) -> int:
+    from ..bench.model import bench_model_dir
+    from ..link.identity import model_identity
+
+    check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1),
+                             ("--prompt-tokens", args.prompt_tokens, 1)))
+    model = bench_model_dir(args.model)  # a preset name ("moe-1g") is built first
+    model_identity(model)  # raises a clear error when PATH is not a model directory
+    return report.model_report(model, args.transport, args.rdma_device, args.max_tokens,
+                               args.rounds, args.prompt_tokens, args.json)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ..bench import serve as serve_bench
+    from .model_arg import model_path
+
+    check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1)))
+    transport = "tcp" if args.transport in ("all", "auto") else args.transport
+    device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
+    model = model_path(args.model) if args.model and not args.url else None
+    return serve_bench.serve_report(args.url, model, transport, device, args.max_tokens,
+                                    args.rounds, args.api_key, args.json)

@@ -1,0 +1,34 @@
+"""`--model` of `ds4tp run` and `ds4tp serve`: an mlx-lm model directory, a Hugging Face repo
+id already downloaded, or `demo` (the demo's small synthetic model, built once into the cache);
+and the short id `ds4tp serve` serves it under."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO = "demo"
+MODEL_HELP = ("an mlx-lm model directory, a Hugging Face repo id already downloaded (the same "
+              "model on both machines), or 'demo': a small model with synthetic random weights, "
+              "built once into ~/.cache/mlx_ds4tp (./demo for a directory of that name)")
+
+
+def model_path(model: str) -> Path:
+    """The directory `--model` names; exits naming the value and the fix when there is none."""
+    if model == DEMO:
+        from ..testing.demo_model import demo_model_dir
+
+        return demo_model_dir()
+    from ..checkpoint.source import resolve_model_arg
+
+    return resolve_model_arg(model)
+
+
+def default_served_name(model: str) -> str:
+    """mlx-lm's model id convention: 'demo' for the demo model, the repo id for a Hugging
+    Face repo id, the directory's own name for a path."""
+    if model == DEMO:
+        return DEMO
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    return model

@@ -1,0 +1,52 @@
+"""`ds4tp run`: one rank of a two-machine generation. The leader tokenizes the prompt, samples
+and streams the text on stdout; the worker runs the same forward passes in lockstep. Each
+machine runs its own rank (`ds4tp demo` runs both on this one)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Tuple
+
+from ..link.config import PairAddress
+from ..lockstep.sampling import SamplingOptions
+from .model_arg import MODEL_HELP, model_path
+from .pair_args import add_pair_args, add_transport_args, check_at_least, one_rank_address
+from .sampling_args import add_sampling_args, options_from_args
+
+HELP = "one rank of a two-machine generation"
+ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen, --prompt; prints the "
+             "text) or 'worker' (rank 1: --coordinator); run the other rank on the other machine")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `ds4tp run` (examples/pair_generate.py takes the same)."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--prompt", default=None, help="leader: the prompt text (required there)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    add_sampling_args(p, seed_default=0)
+    add_transport_args(p)
+    p.add_argument("--debug-hash", type=int, default=0, metavar="N",
+                   help="compare a hash of the logits with the worker every N tokens and stop on "
+                        "divergence (default 0: off)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed the prompt as raw text (default: the model's chat template, when it has one)")
+    add_pair_args(p, ROLE_HELP)
+
+
+def check_args(args: argparse.Namespace) -> Tuple[PairAddress, SamplingOptions]:
+    """The flags of one `ds4tp run` rank checked once: the rank's address and the sampling
+    options; args.model becomes the model's directory. Bad flags exit naming the flag."""
+    address = one_rank_address(args, "run", " --prompt TEXT")
+    if address.role == "leader" and not args.prompt:
+        raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
+    check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))
+    sampling = options_from_args(args)
+    args.model = str(model_path(args.model))
+    return address, sampling
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..lockstep import run as pair_run
+
+    address, sampling = check_args(args)
+    return pair_run.run(args, address, sampling)

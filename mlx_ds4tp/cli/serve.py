@@ -1,0 +1,71 @@
+"""`ds4tp serve`: an OpenAI-compatible HTTP server on the pair. The leader serves HTTP on
+--host/--port and drives the generation; the worker runs the same forward passes. Each machine
+runs its own rank; on one machine, run both on 127.0.0.1 (Ctrl-C on the leader stops both):
+
+    ds4tp serve --model demo --role worker --coordinator 127.0.0.1 9911 &
+    ds4tp serve --model demo --role leader --listen 127.0.0.1 9911
+
+then ask http://127.0.0.1:8080/v1 for model "demo" (GET /v1/models lists the id served).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .model_arg import MODEL_HELP, default_served_name, model_path
+from .pair_args import add_pair_args, add_transport_args, check_at_least, one_rank_address
+from .sampling_args import add_sampling_args, options_from_args
+
+HELP = "an OpenAI-compatible HTTP server on the pair"
+ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen; serves HTTP on "
+             "--host/--port) or 'worker' (rank 1: --coordinator); run both, one per machine or "
+             "both on 127.0.0.1")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `ds4tp serve` (HTTP flags named as mlx_lm.server names them)."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="leader: the model id /v1/models lists and requests name (default: 'demo' "
+                        "for --model demo, the repo id for a Hugging Face repo id, the directory's "
+                        "name for a path); requests may also name --model as given")
+    p.add_argument("--host", default="127.0.0.1", help="leader: HTTP address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="leader: HTTP port (default 8080)")
+    p.add_argument("--api-key", default=None,
+                   help="leader: require 'Authorization: Bearer KEY' on the API endpoints")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="answer length when a request gives no max_tokens (default 512)")
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="most sessions decoded together in one step; the rest wait (default 32)")
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens per prefill chunk between decode steps (mlx-lm's default, 2048)")
+    p.add_argument("--prompt-cache-size", type=int, default=10,
+                   help="most stored prompt caches kept for reuse (LRU; 0 = no reuse; default 10)")
+    p.add_argument("--debug-hash", type=int, default=0, metavar="N",
+                   help="compare a hash of the logits with the worker every N decode steps "
+                        "(default 0: off)")
+    add_transport_args(p)
+    add_sampling_args(p)
+    add_pair_args(p, ROLE_HELP)
+    p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
+                "Both ranks take the same --model.")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Check the flags once, then run this rank of `ds4tp serve`."""
+    from ..serve import pair as serve_pair
+
+    address = one_rank_address(args, "serve", " (it serves HTTP on --host/--port)")
+    check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
+                             ("--prefill-step-size", args.prefill_step_size, 1),
+                             ("--prompt-cache-size", args.prompt_cache_size, 0),
+                             ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0)))
+    if args.port > 65535:
+        raise SystemExit(f"ds4tp serve: --port {args.port} must be <= 65535")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise SystemExit("ds4tp serve: --served-model-name must not be empty")
+    sampling = options_from_args(args)
+    path = model_path(args.model)
+    if args.served_model_name is None:
+        args.served_model_name = default_served_name(args.model)
+    return serve_pair.run(args, address, path, sampling)

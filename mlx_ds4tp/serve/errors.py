@@ -1,0 +1,28 @@
+"""The errors of `ds4tp serve`'s HTTP face: what a request is answered with when it cannot be
+served, and the client that left before its answer."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+
+class PairUnavailable(RuntimeError):
+    """`ds4tp serve`: the pair is down (worker dead, link dropped): the server answers 503."""
+
+
+class ClientGone(Exception):
+    """`ds4tp serve`: the client closed its connection before its answer was complete."""
+
+
+class ApiError(Exception):
+    """`ds4tp serve`: an HTTP error answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> Dict[str, Any]:
+        """OpenAI's error object."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
