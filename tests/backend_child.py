@@ -1,0 +1,135 @@
+"""One rank of the MLX backend tests (tests/test_backend.py), run as a script:
+
+    backend_child.py ROLE PORT TRANSPORT CASE
+
+CASE: chain (100 chained gates built while the peer sleeps, then evaluated), shard (mlx-lm's
+own Model.shard(g) on a dense and an MoE model, logits against the unsplit model), die
+(rank 1 exits inside an evaluated graph; rank 0 reports what it saw and that it lives on).
+Prints one JSON object on stdout's last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_ds4tp as tp
+from mlx_ds4tp.collectives.backend import PairGroup
+
+
+def join(role: str, port: int, transport: str) -> PairGroup:
+    where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
+    kw = {"rdma_device": "ucsim"} if transport == "rdma" else {}
+    group = tp.init(role=role, transport=transport, timeout=float(os.environ.get("CHILD_TIMEOUT", 20)),
+                    **where, **kw)
+    return group if isinstance(group, PairGroup) else PairGroup(group.pair)
+
+
+def chain(g: PairGroup) -> dict:
+    x = mx.ones((4096,), dtype=mx.float32) * (g.rank() + 1)
+    sent_before = g.gates()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        x = mx.distributed.all_sum(x, group=g) * 0.5
+    build_sec = time.perf_counter() - t0
+    moved = g.gates() - sent_before
+    if g.rank() == 1:
+        time.sleep(1.0)
+    mx.eval(x)
+    # The first step makes (1 + 2) / 2 = 1.5 on both ranks, every later one keeps it: exact.
+    return {"build_sec": build_sec, "gates_while_building": moved, "value": float(x[0]),
+            "gates_after": g.gates() - sent_before}
+
+
+def _qwen3(seed: int):
+    from mlx_lm.models import qwen3
+
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, rms_norm_eps=1e-6, vocab_size=256, max_position_embeddings=128,
+                           rope_theta=10000.0, tie_word_embeddings=False)
+    mx.random.seed(seed)
+    model = qwen3.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _qwen3_moe(seed: int):
+    from mlx_lm.models import qwen3_moe
+
+    args = qwen3_moe.ModelArgs(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2,
+                               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, rms_norm_eps=1e-6, vocab_size=256, num_experts=4,
+                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               moe_intermediate_size=32, norm_topk_prob=True,
+                               max_position_embeddings=128, rope_theta=10000.0,
+                               tie_word_embeddings=False)
+    mx.random.seed(seed)
+    model = qwen3_moe.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def shard(g: PairGroup) -> dict:
+    tokens = mx.array([[1, 5, 9, 42, 7, 3, 100, 200]])
+    out = {}
+    for name, make in (("qwen3", _qwen3), ("qwen3_moe", _qwen3_moe)):
+        reference = make(0)(tokens)
+        model = make(0)
+        model.shard(g)
+        logits = model(tokens)
+        mx.eval(reference, logits)
+        ref = np.array(reference, dtype=np.float64)
+        got = np.array(logits, dtype=np.float64)
+        out[name] = {
+            "max_rel": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))),
+        }
+        # Identity across ranks: rank 1 sends its logits' bytes through the same group.
+        theirs = mx.distributed.all_gather(logits.reshape(1, -1), group=g)
+        mx.eval(theirs)
+        both = np.array(theirs)
+        out[name]["identical_on_both"] = bool(np.array_equal(both[0], both[1]))
+    return out
+
+
+def die(g: PairGroup) -> dict:
+    x = mx.ones((4096,))
+    for _ in range(4):
+        x = mx.distributed.all_sum(x, group=g) * 0.5
+    if g.rank() == 1:
+        mx.eval(mx.distributed.all_sum(mx.ones((4096,)), group=g))
+        os._exit(3)  # dies with the leader inside its evaluated graph
+    t0 = time.perf_counter()
+    try:
+        mx.eval(mx.distributed.all_sum(mx.ones((4096,)), group=g))
+        mx.eval(x)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    elapsed = time.perf_counter() - t0
+    try:
+        mx.eval(mx.distributed.all_sum(mx.ones((8,)), group=g))
+        later = None
+    except RuntimeError as exc:
+        later = str(exc)
+    alive = float(mx.sum(mx.ones(3)).item())  # the process and MLX go on
+    return {"error": error, "elapsed": elapsed, "later": later, "alive": alive}
+
+
+def main() -> None:
+    role, port, transport, case = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    g = join(role, port, transport)
+    result = {"chain": chain, "shard": shard, "die": die}[case](g)
+    result["rank"] = g.rank()
+    result["transport"] = g.transport
+    print(json.dumps(result), flush=True)
+    g.close()
+
+
+if __name__ == "__main__":
+    main()

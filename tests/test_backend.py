@@ -1,0 +1,96 @@
+"""The MLX distributed backend (mlx_ds4tp._pairgroup, csrc/mlx/): a pair's group is an
+mx.distributed.Group whose collectives are lazy primitives in MLX's graph.
+
+Each case runs both ranks as processes (tests/backend_child.py): two ranks evaluating in
+one process would share MLX's scheduler, whose cap on tasks in flight is global, so one
+rank's blocked exchange could stall the other's graph before it reaches the matching one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+import pytest
+
+from pairutil import Procs, free_port
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend_child.py")
+
+
+def run_case(case: str, transport: str, timeout: float = 120.0, env=None):
+    procs = Procs()
+    port = str(free_port())
+    try:
+        ranks = [procs.spawn([CHILD, role, port, transport, case], env=env)
+                 for role in ("leader", "worker")]
+        out = []
+        for p in ranks:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout, stderr))
+        return out
+    finally:
+        procs.kill_all()
+
+
+def reports(case: str, transport: str):
+    out = []
+    for rc, stdout, stderr in run_case(case, transport):
+        assert rc == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def test_the_group_is_an_mlx_group_and_its_module_names_its_mlx():
+    from mlx_ds4tp.collectives import backend
+
+    assert issubclass(backend.PairGroup, mx.distributed.Group)
+    assert backend._pairgroup.BUILT_AGAINST_MLX == mx.__version__
+    assert backend.built_against(backend._extension_path()) == mx.__version__
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_a_chain_of_100_gates_is_built_without_moving_a_byte(transport):
+    for report in reports("chain", transport):
+        assert report["transport"] == transport
+        assert report["gates_while_building"] == 0
+        # Under 1% of the peer's 1 s sleep (it takes well under a millisecond).
+        assert report["build_sec"] < 0.01, report
+        assert report["gates_after"] == 100
+        assert report["value"] == 1.5
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_mlx_lm_shard_plans_run_over_the_pair(transport):
+    for report in reports("shard", transport):
+        for name in ("qwen3", "qwen3_moe"):
+            assert report[name]["max_rel"] < 1e-4, (name, report)
+            assert report[name]["identical_on_both"], (name, report)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_a_peer_that_dies_inside_a_graph_is_an_error_and_the_survivor_lives(transport):
+    (lrc, lout, lerr), (wrc, _, _) = run_case("die", transport, env={"CHILD_TIMEOUT": "20"})
+    assert wrc == 3
+    assert lrc == 0, lerr[-3000:]
+    report = json.loads(lout.strip().splitlines()[-1])
+    assert report["error"] and "peer" in report["error"], report
+    assert report["elapsed"] < 20.0, report  # within the gate timeout, not at the test's
+    assert "this group is closed" in report["later"], report
+    assert report["alive"] == 3.0
+
+
+def test_a_module_built_against_another_mlx_is_refused_naming_both(tmp_path, monkeypatch):
+    from mlx_ds4tp.collectives import backend
+
+    fake = tmp_path / "_pairgroup.cpython-fake.so"
+    fake.write_bytes(b"\x7fELF....ds4tp-built-against-mlx=0.1.0;....")
+    monkeypatch.setattr(backend, "_extension_path", lambda: str(fake))
+    with pytest.raises(ImportError) as err:
+        backend.load_pairgroup()
+    message = str(err.value)
+    assert "built against MLX 0.1.0" in message
+    assert f"MLX {mx.__version__} is installed" in message
+    assert "pip install" in message and "--no-build-isolation" in message
