@@ -1,18 +1,25 @@
 """The transport between the two ranks: control channel, hello, TCP gates and
-RDMA gates. This module is the public face; each idea lives in its own
-private module beside it, in layer order (each imports only those above it):
+RDMA gates. This module is the public face of the transport package,
+``link/``, where each idea lives in its own module, in layer order (each
+imports only those above it):
 
-- ``_wire``: every frame type, struct layout, magic and size bound;
-- ``_log``: ``log()``, the one writer of ``ds4-tp:`` lines;
-- ``_fingerprint``: a model directory's fingerprint, compared at the hello;
-- ``_control``: socket helpers, listen / dial / accept, ``ControlChannel``;
-- ``_hello``: ``ModelIdentity``, ``Hello``, the checks on it, the transport
+- ``wire``: every frame type, struct layout, magic and size bound;
+- ``fingerprint``: a model directory's fingerprint, compared at the hello
+  (its safetensors headers read by ``checkpoint/header.py``);
+- ``control``: socket helpers, listen / dial / accept, ``ControlChannel``;
+- ``hello``: ``ModelIdentity``, ``Hello``, the checks on it, the transport
   choice, the shared-secret proofs;
-- ``_config``: ``PairConfig``, which resolves every ``DS4_TP_*`` knob once;
-- ``_native``: the compiled ``_verbs`` module;
-- ``_tcp_gates`` / ``_rdma_gates``: the gates over the data socket or the
-  queue pair;
-- ``_handshake``: ``Pair`` and ``connect()``.
+- ``config``: ``PairConfig``, which resolves every ``DS4_TP_*`` knob once, and
+  ``pair_address``, the one check of the role/listen/coordinator triple;
+- ``native``: the compiled ``_verbs`` module;
+- ``tcp`` / ``rdma`` / ``sum_gates``: the gates over the data socket or the
+  queue pair, and the float gates that also sum;
+- ``joined``: the ranks after the hello, before any gate (seen by connect and
+  the bring-up only);
+- ``bringup``: the RDMA bring-up (barriers, warm-up, re-creation);
+- ``advice``: what a rank without RDMA tells its user, for its platform;
+- ``pair``: ``Pair``, complete: its gates proven or TCP chosen;
+- ``handshake``: ``connect()``, which makes one.
 
 The transport never sees MLX: gates move bytes between buffers the caller owns.
 """
@@ -47,7 +54,8 @@ from .link.control import (
     tune_socket,
 )
 from .link.fingerprint import Fingerprint, first_difference, model_fingerprint, summary_label
-from .link.handshake import Pair, connect
+from .link.handshake import connect
+from .link.pair import Pair
 from .link.hello import (
     Hello,
     ModelIdentity,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import socket
 import struct
+import sys
 import textwrap
 import time
 
@@ -267,6 +268,51 @@ def test_worker_retries_until_leader_appears():
     lp, wp = both_ok(lambda: (time.sleep(1.0), tr.connect(cfg))[1], lambda: tr.connect(wcfg))
     lp.close()
     wp.close()
+
+
+def test_first_dial_retries_are_quiet_and_a_long_wait_says_one_calm_line(capfd, monkeypatch):
+    """A worker started before its leader listens is normal: its refused dials print
+    nothing; only a wait past DIAL_QUIET_SEC says one line, and it is not an error."""
+    from mlx_ds4tp.link import control
+
+    port = free_port()
+    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
+    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+    lp, wp = both_ok(lambda: (time.sleep(1.0), tr.connect(cfg))[1], lambda: tr.connect(wcfg))
+    lp.close()
+    wp.close()
+    err = capfd.readouterr().err
+    assert "refused" not in err and "error" not in err.lower() and "still waiting" not in err, err
+    monkeypatch.setattr(control, "DIAL_QUIET_SEC", 0.2)
+    with pytest.raises(TransportTimeoutError, match="cannot connect control"):
+        tr.dial("127.0.0.1", free_port(), time.monotonic() + 0.6, "control")
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if "still waiting for the leader" in ln]
+    assert len(lines) == 1 and "error" not in lines[0].lower(), lines
+
+
+def test_rdma_advice_is_for_this_platform_and_said_once_per_process(capfd, monkeypatch):
+    import mlx_ds4tp as tp
+    from mlx_ds4tp.link import advice
+
+    reason = ("tp rdma: no verbs devices (ibv_get_device_list found 0); check `rdma_ctl status` "
+              "(macOS: `sudo rdma_ctl enable` in recovery)")
+    assert advice.short_reason(reason) == "no verbs devices (ibv_get_device_list found 0)"
+    linux, mac = advice.platform_advice(reason, "linux"), advice.platform_advice(reason, "darwin")
+    assert "rdma_ctl" not in linux and "loopback" in linux and "ucsim" in linux
+    assert "rdma_ctl" in mac and "Mac" in mac
+    monkeypatch.setattr(advice, "_advised", False)
+    for _ in range(2):  # two pairs, each of two ranks, in this one process
+        port = free_port()
+        lg, wg = both_ok(
+            lambda: tp.init(role="leader", listen=("127.0.0.1", port), transport="auto", timeout=5.0),
+            lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), transport="auto", timeout=5.0),
+        )
+        lg.close()
+        wg.close()
+    err = capfd.readouterr().err
+    said = [ln for ln in err.splitlines() if "so the gates run over TCP" in ln]
+    assert said == ["ds4-tp: " + advice.platform_advice(tr.rdma_probe(None, "")[1])], err
+    assert ("rdma_ctl" in err) == (sys.platform == "darwin")
 
 
 def test_worker_gives_up_after_timeout():

@@ -258,12 +258,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
     )
 
 
+# A worker usually starts a moment before its leader listens, so the first dials are refused:
+# that is normal, not an error, and says nothing. Only a wait this long says one calm line
+# (then one every DIAL_LOG_EVERY_SEC), so a wrong address is still visible.
+DIAL_QUIET_SEC = 3.0
+DIAL_LOG_EVERY_SEC = 10.0
+
+
 def dial(host: str, port: int, deadline: float, what: str) -> socket.socket:
     """Connect to host:port, retrying until deadline: normal while the leader
-    is still loading its model. Still say why every ~10 s so a wrong address
-    is visible."""
+    is still starting or loading its model. Quiet for the first DIAL_QUIET_SEC,
+    then a line every DIAL_LOG_EVERY_SEC; the timeout error names the cause."""
     last_error = "no address worked"
-    next_log = time.monotonic()
+    next_log = time.monotonic() + DIAL_QUIET_SEC
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic())))
@@ -277,8 +284,9 @@ def dial(host: str, port: int, deadline: float, what: str) -> socket.socket:
                 "and reachable? (DS4_TP_TIMEOUT_SEC sets how long to keep trying)"
             )
         if now >= next_log:
-            log(f"connecting to {host}:{port} ... ({last_error})")
-            next_log = now + 10.0
+            log(f"still waiting for the leader at {host}:{port} ({last_error}); retrying until "
+                f"the timeout")
+            next_log = now + DIAL_LOG_EVERY_SEC
         time.sleep(min(0.1, max(0.0, deadline - now)))
 
 

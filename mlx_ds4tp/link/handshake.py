@@ -14,6 +14,7 @@ from typing import Callable, Optional, Tuple
 
 from ..base.log import log
 from ..errors import AuthenticationError, FrameError, HelloMismatchError, PeerClosedError, TransportError
+from .advice import advise_once, short_reason
 from .bringup import bring_up_rdma
 from .config import PairConfig
 from .control import (
@@ -34,6 +35,7 @@ from .wire import DATA_HELLO, DATA_MAGIC, LEADER, NONCE_BYTES, PROTOCOL_VERSION,
 
 Dial = Callable[[str, int, float, str], socket.socket]
 BringUp = Callable[[Joined], Optional[RdmaGates]]
+NO_PROBE_REASON = "no RDMA provider given"  # connect() without rdma_probe: no device to advise on
 
 
 def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, str]]] = None,
@@ -51,7 +53,7 @@ def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, st
     if config.transport == "tcp":
         rdma_ok, reason = False, "transport=tcp requested"
     elif rdma_probe is None:
-        rdma_ok, reason = False, "no RDMA provider given"
+        rdma_ok, reason = False, NO_PROBE_REASON
     else:
         rdma_ok, reason = rdma_probe()
     deadline = time.monotonic() + config.timeout
@@ -145,6 +147,7 @@ def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Joined:
         listener.close()
     log(f"worker connected from {peer}, transport={transport}"
         f"{_choice_note(config, mine, theirs, transport)}")
+    _advise(config, mine, transport)
     set_kernel_timeout(data, config.timeout)
     return Joined(config, control, data, mine, theirs, transport)
 
@@ -198,16 +201,27 @@ def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial
         raise
     log(f"connected to leader {host}:{port}, transport={transport}"
         f"{_choice_note(config, mine, theirs, transport)}")
+    _advise(config, mine, transport)
     set_kernel_timeout(data, config.timeout)
     return Joined(config, control, data, mine, theirs, transport)
 
 
 def _choice_note(config: PairConfig, mine: Hello, theirs: Hello, transport: str) -> str:
-    """Why auto chose TCP, in the same log line (both ranks say it)."""
+    """Why auto chose TCP, in the same log line (both ranks say it): each side's cause,
+    short; this side's advice, for this platform, follows once per process."""
     if config.transport != "auto" or transport != "tcp":
         return ""
-    why = [f"{'this side' if h is mine else 'the ' + ROLE_NAMES[h.role]}: {h.rdma_reason or 'no device'}"
-           for h in (mine, theirs) if not h.rdma_ok]
+    causes = [(h, short_reason(h.rdma_reason)) for h in (mine, theirs) if not h.rdma_ok]
+    if len(causes) == 2 and causes[0][1] == causes[1][1]:
+        return f" (auto: RDMA unavailable on both ranks: {causes[0][1]})"
+    why = [f"{'this side' if h is mine else 'the ' + ROLE_NAMES[h.role]}: {cause}" for h, cause in causes]
     if not why:
         why = ["the peer asked for tcp"]
     return " (auto: RDMA unavailable on " + "; ".join(why) + ")"
+
+
+def _advise(config: PairConfig, mine: Hello, transport: str) -> None:
+    """After the choice line: what this side's user can do about its missing RDMA."""
+    if (config.transport == "auto" and transport == "tcp" and not mine.rdma_ok
+            and mine.rdma_reason != NO_PROBE_REASON):
+        advise_once(mine.rdma_reason)
