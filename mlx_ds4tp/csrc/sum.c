@@ -141,6 +141,7 @@ static sum_fn sum_bf16_fn = (sum_fn)sum_bf16_base;
  * nearest-even, as MLX's float16 add). Chosen once at run time, so one build
  * runs on any x86-64; both ranks are the same machine model, so they pick the
  * same code and hold the same bits. */
+#include <cpuid.h>
 #include <immintrin.h>
 
 #define TP_AVX2 __attribute__((target("avx2,f16c"))) TP_VECTORISE
@@ -191,7 +192,11 @@ static void pick_sums(void) {
     static int picked;
     if (picked) return;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    /* F16C is CPUID leaf 1, ECX bit 29: asked directly, since clang before 15
+     * does not know "f16c" as a __builtin_cpu_supports name. */
+    unsigned int eax, ebx, ecx, edx;
+    const int f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29));
+    if (__builtin_cpu_supports("avx2") && f16c) {
         sum_f16_fn = (sum_fn)sum_f16_f16c;
         sum_bf16_fn = (sum_fn)sum_bf16_avx2x;
     }
