@@ -4,54 +4,41 @@ Names, signatures and results follow ``mx.distributed`` (``init``,
 ``Group.rank()``, ``Group.size()``, ``all_sum``, ``all_gather``, ``all_max``,
 ``all_min``, ``sum_scatter``, ``send``, ``recv``, ``recv_like``; ``group=None``
 is the group ``init`` returned last), so moving between this and MLX's own
-backends is a one-line change. The machinery behind them is _pair_collectives.
+backends is a one-line change. The machinery behind them is in collectives/: the
+state one pair keeps (state.py) and the collectives themselves (ops.py).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-from .collectives import ops as _c
 from . import transport as tr
+from .collectives import ops as _c
+from .collectives.dtypes import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
 from .collectives.seam import MlxCollective
-from .collectives.ops import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES  # noqa: F401 - re-exported
-from .link.wire import DESCRIPTOR, DESCRIPTOR_MAGIC, MAX_DIMS
-from .errors import HelloMismatchError, TransportError
+from .collectives.state import LATENCY_WINDOW, PairCollectives  # noqa: F401 - re-exported
+from .errors import TransportError
 
 # ============================================================================
 # Groups
 # ============================================================================
-
-LATENCY_WINDOW = 8192
 
 
 class Group:
     """Two ranks joined by a Pair (tcp or rdma) or by mx.distributed ("mlx")."""
 
     def __init__(self, pair: Optional[tr.Pair] = None, mlx_group=None):
-        self._pair = pair
-        # MLX's own group goes through the collective seam, the one caller of mx.distributed.
+        # A pair's collectives keep their state (gate signature, buffers, slots, the
+        # round-trip ring) in a PairCollectives; MLX's own group goes through the
+        # collective seam, the one caller of mx.distributed. Exactly one is set.
+        self._pc: Optional[PairCollectives] = PairCollectives(pair) if pair is not None else None
         self._mlx = MlxCollective(mlx_group) if mlx_group is not None else None
-        # The last (op, dtype code, shape) both ranks agreed on (agree_signature).
-        self.signature: Optional[Tuple[int, int, Tuple[int, ...]]] = None
-        self._scratch: Dict[Tuple[int, int], np.ndarray] = {}
-        # The float gate's reused buffers and C arguments per (dtype, shape)
-        # (_pair_collectives.SumSlot): decode-sized ones, where all_sum looks first, and
-        # bulk-sized (prefill) ones.
-        self.sum_slots: Dict[tuple, object] = {}
-        self.bulk_slots: Dict[tuple, object] = {}
-        # Round trips of the last LATENCY_WINDOW decode gates, for the closing line of a
-        # run (p50/p99). The float gates record theirs in C (tp_sum_gate_run), hence the
-        # count, and the total time of every gate so far, in an array C writes too.
-        self._latency_ns = np.zeros(LATENCY_WINDOW, dtype=np.int64)
-        self._latency_count = np.zeros(2, dtype=np.uint64)
-        # The total time of the other exchanges: bulk (prefill rows, logits) and the
-        # signature checks (agree_signature).
-        self._other_exchange_ns = 0
+        # all_sum's fast path looks here first: the state's own dict (empty for "mlx"), one
+        # attribute away from the group instead of two.
+        self.sum_slots = self._pc.sum_slots if self._pc is not None else {}
         if pair is not None:
             self.transport = pair.transport
             self._rank = pair.rank
@@ -75,12 +62,8 @@ class Group:
         return all_gather(x, group=self)
 
     def close(self) -> None:
-        if self._pair is not None:
-            self._pair.close()
-            self._pair = None
-        # all_sum's fast path finds no slot now, so it takes the path that says "closed".
-        self.sum_slots.clear()
-        self.bulk_slots.clear()
+        if self._pc is not None:
+            self._pc.close()
 
     def __enter__(self) -> "Group":
         return self
@@ -91,29 +74,17 @@ class Group:
     def __repr__(self) -> str:
         return f"<mlx_ds4tp Group rank={self._rank} size=2 transport={self.transport}>"
 
-    # -- internals used by the collectives ---------------------------------
+    # -- the pair and its statistics ------------------------------------------
     @property
     def pair(self) -> tr.Pair:
-        if self._pair is None:
+        """The Pair under this group (control channel, gates); TransportError once closed."""
+        if self._pc is None:
             raise TransportError("this group is closed; create a new one with mlx_ds4tp.init(...)")
-        return self._pair
+        return self._pc.pair
 
     def gate_latency_us(self) -> Tuple[float, float]:
         """(p50, p99) of the recent decode gates' round trips, in microseconds."""
-        n = min(int(self._latency_count[0]), LATENCY_WINDOW)
-        if n == 0:
-            return 0.0, 0.0
-        p50, p99 = np.percentile(self._latency_ns[:n], [50, 99]) / 1000.0
-        return float(p50), float(p99)
-
-    def record_latency(self, ns: int) -> None:
-        self._latency_ns[int(self._latency_count[0]) % LATENCY_WINDOW] = ns
-        self._latency_count[0] += 1
-        self._latency_count[1] += ns
-
-    def record_exchange(self, ns: int) -> None:
-        """Time spent in an exchange the gates' ring does not record (bulk, signature)."""
-        self._other_exchange_ns += ns
+        return (0.0, 0.0) if self._pc is None else self._pc.gate_latency_us()
 
     def exchange_seconds(self) -> float:
         """Seconds this rank has spent in gates, bulk exchanges and signature checks since
@@ -121,49 +92,14 @@ class Group:
         runs). In lockstep decode that is mostly waiting: a rank that finishes its half of a
         layer first waits at the gate for the other's. Take the difference across a span of
         work to see how much of it was exchange."""
-        return (int(self._latency_count[1]) + self._other_exchange_ns) / 1e9
+        return 0.0 if self._pc is None else self._pc.exchange_seconds()
 
     def latency_ring(self) -> Tuple[np.ndarray, np.ndarray]:
         """(round trips in ns, [how many were recorded, their total ns]): the float gates'
         C side writes both."""
-        return self._latency_ns, self._latency_count
-
-    def scratch(self, nbytes: int, np_dtype) -> np.ndarray:
-        """Reusable receive buffers: the gate path allocates nothing per call."""
-        key = (nbytes, np.dtype(np_dtype).num)
-        buf = self._scratch.get(key)
-        if buf is None:
-            buf = np.empty(nbytes // np.dtype(np_dtype).itemsize, dtype=np_dtype)
-            self._scratch[key] = buf
-        return buf
-
-    def agree_signature(self, op: int, dtype_code: int, shape: Tuple[int, ...]) -> None:
-        """When the collective, dtype or shape changes, both ranks compare theirs."""
-        sig = (op, dtype_code, shape)
-        if sig == self.signature:
-            return
-        if len(shape) > MAX_DIMS:
-            raise ValueError(f"gate arrays have at most {MAX_DIMS} dimensions, got shape {shape}")
-        dims = list(shape) + [0] * (MAX_DIMS - len(shape))
-        mine = DESCRIPTOR.pack(DESCRIPTOR_MAGIC, dtype_code, len(shape), op, *dims)
-        t0 = time.perf_counter_ns()
-        theirs = self.pair.exchange_small(mine, "gate signature")
-        self.record_exchange(time.perf_counter_ns() - t0)
-        magic, pcode, pndim, pop, *pdims = DESCRIPTOR.unpack(theirs)
-        if magic != DESCRIPTOR_MAGIC:
-            raise HelloMismatchError(
-                f"gate signature: this rank changed its partial to {_c.describe(op, dtype_code, shape)} "
-                f"while the peer did not (it sent magic 0x{magic:08x}); both ranks must run "
-                "the same sequence of gates"
-            )
-        pshape = tuple(pdims[:pndim])
-        if (pop, pcode, pshape) != sig:
-            raise HelloMismatchError(
-                f"gate partial mismatch: this rank has {_c.describe(op, dtype_code, shape)}, the peer "
-                f"has {_c.describe(pop, pcode, pshape)}; both ranks must call the same collective "
-                "with the same shape and dtype"
-            )
-        self.signature = sig
+        if self._pc is None:
+            return np.zeros(LATENCY_WINDOW, dtype=np.int64), np.zeros(2, dtype=np.uint64)
+        return self._pc.latency_ring()
 
 
 def init(
@@ -268,19 +204,20 @@ def all_sum(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     # The decode gate: a float partial of a (dtype, shape) this group has gated before, its
     # signature agreed. This runs dozens of times per token on a round trip of ~10 us, so
     # each line counts (after the gate's system calls the interpreter runs with cold
-    # caches: a lookup or call here costs 2-3x what it does in a tight loop). See _sum_gates.
-    pair_group = group or _LAST_GROUP
+    # caches: a lookup or call here costs 2-3x what it does in a tight loop). See link/sum_gates.py.
+    # No group made yet, an mx.distributed group or a closed one (no slots) raise here and
+    # take the general path. slot.current: this slot's signature is the one agreed last.
     try:
-        slot = pair_group.sum_slots[(x.dtype, x.shape)]
+        slot = (group or _LAST_GROUP).sum_slots[(x.dtype, x.shape)]
     except (AttributeError, KeyError):
         return _all_sum(x, group, stream)
     try:
-        mx.async_eval(x)  # refused while a transformation traces x: see _pair_collectives
+        mx.async_eval(x)  # refused while a transformation traces x: see collectives/ops.py
     except ValueError:
-        return _c.traced(_c.sum_eager, _c.pass_cotangent, x, pair_group, "all_sum")
+        return _c.traced(_c.sum_eager, _c.pass_cotangent, x, (group or _LAST_GROUP)._pc, "all_sum")
     local = memoryview(x)  # waits for x; on Apple Silicon its memory is the host's
-    if pair_group.signature is not slot.signature or not local.c_contiguous:
-        return _c.sum_eager(x, pair_group)
+    if not slot.current or not local.c_contiguous:
+        return _c.sum_eager(x, (group or _LAST_GROUP)._pc)
     rc = slot.run(slot.ctx, slot.to_c(local), slot.nbytes)
     if rc:
         slot.fail(rc)
@@ -292,7 +229,7 @@ def _all_sum(x: mx.array, group: Optional[Group], stream) -> mx.array:
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.all_sum(x, stream=stream)
-    return _c.collective(_c.sum_eager, _c.pass_cotangent, x, group, "all_sum")
+    return _c.collective(_c.sum_eager, _c.pass_cotangent, x, group._pc, "all_sum")
 
 
 def all_gather(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
@@ -303,7 +240,7 @@ def all_gather(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.all_gather(x, stream=stream)
-    return _c.collective(_c.gather_eager, _c.slice_cotangent, x, group, "all_gather")
+    return _c.collective(_c.gather_eager, _c.slice_cotangent, x, group._pc, "all_gather")
 
 
 def all_max(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
@@ -313,7 +250,7 @@ def all_max(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.all_max(x, stream=stream)
-    return _c.collective(_c.max_eager, _c.pass_cotangent, x, group, "all_max")
+    return _c.collective(_c.max_eager, _c.pass_cotangent, x, group._pc, "all_max")
 
 
 def all_min(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
@@ -321,7 +258,7 @@ def all_min(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.ar
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.all_min(x, stream=stream)
-    return _c.collective(_c.min_eager, _c.pass_cotangent, x, group, "all_min")
+    return _c.collective(_c.min_eager, _c.pass_cotangent, x, group._pc, "all_min")
 
 
 def sum_scatter(x: mx.array, *, group: Optional[Group] = None, stream=None) -> mx.array:
@@ -332,7 +269,7 @@ def sum_scatter(x: mx.array, *, group: Optional[Group] = None, stream=None) -> m
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.sum_scatter(x, stream=stream)
-    return _c.collective(_c.scatter_eager, _c.gather_cotangent, x, group, "sum_scatter")
+    return _c.collective(_c.scatter_eager, _c.gather_cotangent, x, group._pc, "sum_scatter")
 
 
 def send(x: mx.array, dst: int, *, group: Optional[Group] = None, stream=None) -> mx.array:
@@ -346,7 +283,7 @@ def send(x: mx.array, dst: int, *, group: Optional[Group] = None, stream=None) -
         mx.async_eval(x)
     except ValueError:
         _c.evaluate_traced(x, "send")
-    return _c.send_eager(x, dst, group)
+    return _c.send_eager(x, dst, group._pc)
 
 
 def recv(shape: Sequence[int], dtype: mx.Dtype, src: int, *, group: Optional[Group] = None,
@@ -355,7 +292,7 @@ def recv(shape: Sequence[int], dtype: mx.Dtype, src: int, *, group: Optional[Gro
     group = _resolve(group)
     if group._mlx is not None:
         return group._mlx.recv(shape, dtype, src, stream=stream)
-    return _c.recv(shape, dtype, src, group)
+    return _c.recv(shape, dtype, src, group._pc)
 
 
 def recv_like(x: mx.array, src: int, *, group: Optional[Group] = None, stream=None) -> mx.array:
