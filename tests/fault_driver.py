@@ -61,6 +61,7 @@ def main(argv) -> int:
         block()
     if phase in ("backlog", "accepted"):
         listener = tr.listen_socket(host, port)
+        print("LISTENING", flush=True)  # the test starts the survivor worker now
         if phase == "backlog":
             select.select([listener], [], [])  # a connection is pending
         else:

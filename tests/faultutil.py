@@ -21,8 +21,12 @@ HELLO_TIMEOUT_ENV = "DS4_TP_HELLO_TIMEOUT_SEC"
 class Stream:
     """A child's pipe, read by a thread as bytes arrive; remembers when."""
 
-    def __init__(self, fileobj) -> None:
+    def __init__(self, fileobj, name: str = "output") -> None:
         self.fd = fileobj.fileno()
+        self.name = name
+        # The process's other pipe (set by Watched): a wait that fails shows both,
+        # so a child that died early says why (its error is on stderr).
+        self.other: Optional["Stream"] = None
         self.buf = bytearray()
         self.marks: List[tuple] = []  # (monotonic time, buffer length after the chunk)
         self.lock = threading.Lock()
@@ -68,11 +72,20 @@ class Stream:
             if t is not None:
                 return t
             if time.monotonic() > deadline:
-                raise AssertionError(f"{needle!r} did not appear within {timeout} s; got:\n{self.text()[-3000:]}")
+                raise AssertionError(f"{needle!r} did not appear within {timeout} s; got:\n{self.both()}")
             if proc is not None and proc.poll() is not None and self.eof:
+                if self.other is not None:
+                    self.other.thread.join(2.0)  # the exited process's last stderr lines
                 raise AssertionError(f"the process exited ({proc.returncode}) before printing "
-                                     f"{needle!r}:\n{self.text()[-3000:]}")
+                                     f"{needle!r}:\n{self.both()}")
             time.sleep(0.005)
+
+    def both(self) -> str:
+        """This stream's last 3000 characters and its sibling's, labelled."""
+        text = f"--- {self.name} ---\n{self.text()[-3000:]}"
+        if self.other is not None:
+            text += f"\n--- {self.other.name} ---\n{self.other.text()[-3000:]}"
+        return text
 
 
 class Watched:
@@ -81,8 +94,9 @@ class Watched:
     def __init__(self, proc: subprocess.Popen, name: str) -> None:
         self.proc = proc
         self.name = name
-        self.out = Stream(proc.stdout)
-        self.err = Stream(proc.stderr)
+        self.out = Stream(proc.stdout, f"{name} stdout")
+        self.err = Stream(proc.stderr, f"{name} stderr")
+        self.out.other, self.err.other = self.err, self.out
 
     def wait_exit(self, timeout: float) -> Optional[float]:
         """The time the process was seen gone (5 ms resolution), None on timeout."""

@@ -50,6 +50,10 @@ BOTH = ["tcp", "rdma"]
 # Phases where the RDMA provider runs: also over the real provider and the fake.
 RDMA_ROWS = ["rdma", "rdma-fake"]
 ALL = BOTH + ["rdma-fake"]
+# Driver phases that block after `AT <phase>`: the driver is the victim, and what it waits for
+# before its phase is set-up, not the detection a case measures.
+PARKED = {"before-listen", "backlog", "accepted", "dialed", "hello-sent", "rdma-info",
+          "rdma-info-sent", "warmup"}
 
 RESULTS: list = []
 
@@ -116,8 +120,20 @@ class Case:
         return self._spawn(args, f"ds4tp run {role}", role, env=env)
 
     def driver(self, phase: str, role: str, **kw) -> Watched:
-        return self._spawn([DRIVER, phase, role, "127.0.0.1", str(self.port), self.transport, self.model],
-                           f"driver {phase} {role}", role, **kw)
+        """A driver rank. One that parks at its phase waits with KILL_TIMEOUT for
+        its peer (on a loaded machine the survivor's start-up alone can take
+        longer than STOP_TIMEOUT), and a parked leader is returned only once it
+        listens, so the survivor's own dial timeout starts against a live port."""
+        parked = phase in PARKED
+        env = {"DS4_TP_TIMEOUT_SEC": str(KILL_TIMEOUT)} if parked else None
+        w = self._spawn([DRIVER, phase, role, "127.0.0.1", str(self.port), self.transport, self.model],
+                        f"driver {phase} {role}", role, env=env, **kw)
+        if parked and role == "leader" and phase != "before-listen":
+            if phase in ("backlog", "accepted"):
+                w.out.wait_for("LISTENING", 60, w.proc)
+            else:
+                w.err.wait_for("waiting for worker", 60, w.proc)
+        return w
 
     def fail(self, message: str) -> None:
         pytest.fail(f"{self.id}: {message}\n" + "\n".join(w.describe() for w in self.watched))
@@ -248,9 +264,10 @@ def test_hello(procs, model_dir, transport, victim, sig):
         survivor = c.cli("worker")
         dead.out.wait_for("AT accepted", 30, dead.proc)
     else:
-        survivor = c.cli("leader")
-        survivor.err.wait_for("waiting for worker", 30, survivor.proc)
+        # The driver first: it dials until the leader listens, so the leader's
+        # connect timeout (STOP_TIMEOUT) never has to cover the driver's start-up.
         dead = c.driver("hello-sent", "worker")
+        survivor = c.cli("leader")
         dead.out.wait_for("AT hello-sent", 30, dead.proc)
     t = dead.signal(SIGNALS[sig])
     c.expect_stop(survivor, t)
@@ -274,9 +291,10 @@ def test_rdma_bring_up(procs, model_dir, phase, transport, victim, sig):
         dead = c.driver(phase, "leader")
         survivor = c.cli("worker")
     else:
-        survivor = c.cli("leader")
-        survivor.err.wait_for("waiting for worker", 30, survivor.proc)
+        # The driver first: it dials until the leader listens, so the leader's
+        # connect timeout (STOP_TIMEOUT) never has to cover the driver's start-up.
         dead = c.driver(phase, "worker")
+        survivor = c.cli("leader")
     dead.out.wait_for(f"AT {phase}", 30, dead.proc)
     t = dead.signal(SIGNALS[sig])
     c.expect_stop(survivor, t)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -195,7 +196,9 @@ def test_one_direction_drop_recovers_on_the_third_build(fake, procs):
         assert res["transport"] == "rdma" and res["device"] == "rdma_en1" and res["wrong"] == []
         assert "recreating the queue pair (setup attempt 1)" in err
         assert "recreating the queue pair (setup attempt 2)" in err
-        assert "rdma warm-up ok (1 attempt), queue depth recv 1024 send 1024 [build 3" in err
+        # Any number of rounds within build 3: on a loaded machine a 100 ms round can be missed.
+        assert re.search(r"rdma warm-up ok \(\d+ attempts?\), queue depth recv 1024 send 1024 \[build 3",
+                         err), err
         assert (res["recv_cap"], res["bulk_slots"]) == (20, 10)
 
 

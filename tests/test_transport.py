@@ -555,7 +555,10 @@ def test_peer_killed_mid_exchange(procs, transport, victim):
     lead = procs.spawn(["-c", RANK_SCRIPT, "leader", str(port), transport])
     work = procs.spawn(["-c", RANK_SCRIPT, "worker", str(port), transport])
     for p in (lead, work):
-        assert p.stdout.readline().strip() == "READY"
+        if p.stdout.readline().strip() != "READY":  # it died early: show why
+            p.kill()
+            out, err = p.communicate(timeout=10)
+            pytest.fail(f"a rank exited ({p.returncode}) before READY:\n{out}\n{err}")
     time.sleep(0.3)
     dead, survivor = (work, lead) if victim == "worker" else (lead, work)
     dead.send_signal(signal.SIGKILL)

@@ -71,14 +71,23 @@ def test_one_direction_drop_recovers_on_build_k_plus_1(monkeypatch, capfd, direc
     for leader, worker in outcomes:
         assert leader == ("rdma", None), leader
         assert worker == ("rdma", None), worker
-    # Every rank of every trial logged K re-creations, then success on build K+1.
+    # Every rank of every trial logged K re-creations (the K dropping builds can never
+    # pass), then one success, never past the cap of three re-creations.
     for attempt in range(1, k + 1):
         lines = re.findall(rf"warm-up failed after 20 attempts \(recv \d, peer \d\); "
                            rf"recreating the queue pair \(setup attempt {attempt}\)", err)
         assert len(lines) == 2 * trials, (attempt, len(lines))
     assert len(re.findall(r"recreating the queue pair \(setup attempt 4\)", err)) == 0
-    ok = re.findall(rf"rdma warm-up ok \(1 attempt\), queue depth recv 1024 send 1024 \[build {k + 1},", err)
-    assert len(ok) == 2 * trials
+    ok = re.findall(r"rdma warm-up ok \((\d+) attempts?\), queue depth recv 1024 send 1024 \[build (\d+),", err)
+    assert len(ok) == 2 * trials, len(ok)
+    # Success comes on build K+1, the first build without the drop: a later build only
+    # where build K+1's own warm-up ran out (a starved round on a loaded machine, logged as
+    # one more re-creation). Rounds within a build (the "N attempts") may be more than
+    # one under load: a round is 100 ms, and a busy machine can miss it.
+    builds = [int(b) for _, b in ok]
+    assert all(b >= k + 1 for b in builds) and all(1 <= int(n) <= 20 for n, _ in ok), ok
+    extra = len(re.findall(rf"recreating the queue pair \(setup attempt {k + 1}\)", err))
+    assert sum(b > k + 1 for b in builds) <= extra, (builds, extra)
     # The side whose sends were dropped reports it received, its peer did not.
     receiver_blind = "recv 0, peer 1" if direction == "l2w" else "recv 1, peer 0"
     assert receiver_blind in err
@@ -132,7 +141,10 @@ def test_posted_barrier_prevents_kill_unposted(monkeypatch, capfd):
     failures = [o for pair in outcomes for o in pair if o != ("rdma", None)]
     assert failures == []
     assert "recreating the queue pair" not in err
-    assert err.count("rdma warm-up ok (1 attempt)") == 100
+    # Every rank's warm-up passed on its first build; a round missed under load (a second
+    # round of the same build) is not a killed direction, which would need a re-creation.
+    assert len(re.findall(r"rdma warm-up ok \(\d+ attempts?\), queue depth recv \d+ send \d+ \[build 1,",
+                          err)) == 100
 
 
 def test_without_the_barrier_kill_unposted_breaks_bring_ups(monkeypatch, capfd):
@@ -155,4 +167,5 @@ def test_queue_depths_the_device_cuts_are_logged(monkeypatch, capfd):
     assert leader == ("rdma", None) and worker == ("rdma", None), (leader, worker)
     err = capfd.readouterr().err
     assert err.count("queue pair granted cq 512 send 1024 recv 256 (asked 512/1024/1024)") == 2
-    assert err.count("rdma warm-up ok (1 attempt), queue depth recv 256 send 1024") == 2
+    # Any number of rounds: on a loaded machine a 100 ms warm-up round can be missed.
+    assert len(re.findall(r"rdma warm-up ok \(\d+ attempts?\), queue depth recv 256 send 1024", err)) == 2
