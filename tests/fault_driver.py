@@ -130,19 +130,21 @@ def main(argv) -> int:
             if k == 0:
                 at(phase)
     if phase == "between-prompts" and leader:
-        from mlx_ds4tp.lockstep.steps import Leader, make_sampler
+        from mlx_ds4tp.lockstep.compute import argmax_token
+        from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
+        from mlx_ds4tp.lockstep.sessions import LeaderSessions
         from mlx_ds4tp.model_split import load_split
 
         split, tokenizer = load_split(model, group)
-        driver = Leader(group, split, tokenizer)
-        prompt = driver.encode("two machines", chat=False)
+        sessions = LeaderSessions(group, split)
+        prompt = encode_prompt(tokenizer, "two machines", chat=False)
         try:
-            driver.generate(prompt, 4, make_sampler(0.0), stop_at_eos=False)
+            pair_generate(sessions, prompt, 4, argmax_token)
             at(phase)
             sys.stdin.readline()
-            driver.generate(prompt, 4, make_sampler(0.0), stop_at_eos=False)
+            pair_generate(sessions, prompt, 4, argmax_token)
         finally:
-            driver.stop()
+            sessions.stop()
         group.close()
         print("DONE", flush=True)
         return 0

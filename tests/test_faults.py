@@ -6,7 +6,7 @@ provider and the tests' fake libibverbs ("rdma-fake": DS4_TP_VERBS_LIBRARY,
 no device named).
 
 The survivor is the shipped `ds4tp run` (or, for bulk exchanges and the pause
-between prompts, a rank built from the library's Group / Leader; see
+between prompts, a rank built from the library's Group / LeaderSessions; see
 fault_driver.py); the victim is a driver that reaches the phase, prints
 `AT <phase>` and blocks there, or a real rank caught mid-work. Each case
 checks that the survivor exits non-zero with a `ds4-tp: error:` line naming
@@ -346,7 +346,7 @@ def test_bulk(procs, model_dir, transport, victim, sig):
 
 @pytest.mark.parametrize("transport, victim, sig", cases(ALL))
 def test_between_prompts(procs, model_dir, transport, victim, sig):
-    """One generation done; the leader (a driver built on lockstep.Leader)
+    """One generation done; the leader (a driver built on lockstep.LeaderSessions)
     waits before the next, the `ds4tp run` worker idles for its command.
     A killed leader: the idle worker stops at once. A stopped leader: the idle
     worker waits without a deadline (by design), and the pair goes on when the

@@ -1,6 +1,6 @@
 """Frame fuzzing: random and mutated frames of every type fed to the control
 channel's decoder (decode_frame_header, ControlChannel.recv over a socketpair,
-Hello.unpack) and to the worker's command loop (lockstep.Worker.serve), and
+Hello.unpack) and to the worker's command loop (lockstep.sessions.serve_worker), and
 strangers (scanners, curl, garbage, half hellos) knocking on a waiting leader.
 
 Every case is checked against a small reference model of the wire format, not
@@ -34,7 +34,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep import steps as lockstep
+from mlx_ds4tp.lockstep.prompt_cache import FRESH
+from mlx_ds4tp.lockstep.sessions import serve_worker
+from mlx_ds4tp.lockstep.table import SessionTable, pack_batch
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import (
     FrameError,
@@ -69,17 +71,16 @@ def valid_payloads() -> dict:
     """A well-formed payload for each frame type, as the code that sends it builds it."""
     known = {
         F.SYNC: wire.SYNC_HEADER.pack(1, 3, 0) + np.array([5, 6, 7], "<i4").tobytes(),
-        F.EVAL: wire.EVAL_PAYLOAD.pack(1, 1, 42, 0),
-        F.REWIND: struct.pack("<QQ", 1, 4),
-        F.INVALIDATE: struct.pack("<Q", 1),
+        F.EVAL_BATCH: pack_batch(1, [(1, 42)]),
+        F.REWIND: wire.REWIND_PAYLOAD.pack(1, 4, 0),
+        F.INVALIDATE: wire.INVALIDATE_PAYLOAD.pack(1),
         F.STOP: b"",
-        F.HASH: wire.HASH_PAYLOAD.pack(1, 2, 0x1234),
+        F.HASH: wire.HASH_PAYLOAD.pack(0, 2, 0x1234),
         F.RDMA_INFO: wire.RDMA_INFO.pack(0x11, 0x22, 1024, 0, 1, bytes(10) + b"\xff\xff\x7f\x00\x00\x01"),
         F.RDMA_READY: b"",
         F.LOGITS: np.arange(64, dtype="<f4").tobytes(),
-        F.SESSION_CREATE: wire.SESSION_PAYLOAD.pack(1, 16, 0),
-        F.SESSION_DESTROY: wire.SESSION_PAYLOAD.pack(1, 0, 0),
-        F.COMMAND_ACK: wire.ACK_PAYLOAD.pack(1, 0),
+        F.SESSION_CREATE: wire.SESSION_CREATE_PAYLOAD.pack(1, 0, FRESH, 0),
+        F.SESSION_DESTROY: wire.SESSION_DESTROY_PAYLOAD.pack(1, 0),
         F.RDMA_WARM: wire.WARM_ROUND.pack(0, 1, 1, 0),
         F.RDMA_POSTED: struct.pack("<I", 1),
         F.HELLO: valid_hello().pack(),
@@ -87,7 +88,7 @@ def valid_payloads() -> dict:
         F.RDMA_STATUS: wire.STATUS.pack(1, 2) + b"ok",
         F.AUTH: bytes(32),
     }
-    # A frame type added later still gets fuzzed, with a plain payload.
+    # A frame type added later (or reserved: EVAL, COMMAND_ACK) still gets fuzzed, with a plain payload.
     return {t: known.get(t, bytes(min(16, tr.FRAME_MAX_BYTES[t]))) for t in F}
 
 
@@ -549,7 +550,7 @@ class StubModel:
 
 
 class StubGroup:
-    """What Worker needs of a Group: the control channel (a socketpair end)."""
+    """What serve_worker needs of a Group: the control channel (a socketpair end)."""
 
     def __init__(self, control: tr.ControlChannel):
         self.pair = SimpleNamespace(control=control)
@@ -561,11 +562,11 @@ def worker_script(r) -> Tuple[bytes, str, int]:
     s = r.randrange(1, 1 << 16)
     toks = [r.randrange(VOCAB) for _ in range(r.randint(1, 8))]
     frames = [
-        frame(F.SESSION_CREATE, wire.SESSION_PAYLOAD.pack(s, 16, 0)),
+        frame(F.SESSION_CREATE, wire.SESSION_CREATE_PAYLOAD.pack(s, 0, FRESH, 0)),
         frame(F.SYNC, wire.SYNC_HEADER.pack(s, len(toks), 0) + np.array(toks, "<i4").tobytes()),
-        frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s, 1, r.randrange(VOCAB), 0)),
-        frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s, 2, r.randrange(VOCAB), 0)),
-        frame(F.SESSION_DESTROY, wire.SESSION_PAYLOAD.pack(s, 0, 0)),
+        frame(F.EVAL_BATCH, pack_batch(1, [(s, r.randrange(VOCAB))])),
+        frame(F.EVAL_BATCH, pack_batch(2, [(s, r.randrange(VOCAB))])),
+        frame(F.SESSION_DESTROY, wire.SESSION_DESTROY_PAYLOAD.pack(s, 0)),
         frame(F.STOP),
     ]
     bad_token = r.choice([VOCAB, VOCAB + 1, -1, -(2**31), 2**31 - 1, r.randrange(VOCAB, 2**31)])
@@ -577,14 +578,14 @@ def worker_script(r) -> Tuple[bytes, str, int]:
         "insert-random": lambda: frames.insert(r.randrange(len(frames) + 1), mutated_stream(r)),
         "delete": lambda: frames.pop(r.randrange(len(frames))),
         "swap": lambda: _swap(r, frames),
-        "eval-bad-token": lambda: frames.__setitem__(2, frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s, 1, bad_token, 0))),
+        "eval-bad-token": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, pack_batch(1, [(s, bad_token)]))),
         "sync-bad-token": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(s, 2, 0)
                                                              + np.array([3, bad_token], "<i4").tobytes())),
         "sync-empty": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(s, 0, 0))),
         "sync-count": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(
             s, r.choice([0, len(toks) + 1, 2**32 - 1]), 0) + np.array(toks, "<i4").tobytes())),
-        "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL, wire.EVAL_PAYLOAD.pack(s + 1, 1, 7, 0))),
-        "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, wire.HASH_PAYLOAD.pack(s, 1, _u32(r)))),
+        "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, pack_batch(1, [(s + 1, 7)]))),
+        "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, wire.HASH_PAYLOAD.pack(0, 1, _u32(r)))),
         "cut": lambda: None,
     }
     name = r.choice(list(ops) + ["mutate"] * 4)
@@ -618,15 +619,14 @@ WORKER_ERRORS = {
 
 def run_worker_case(model, data: bytes, name: str) -> str:
     """Serve one script; returns the outcome. The worker's replies must be
-    well-formed COMMAND_ACK / HASH frames."""
+    well-formed HASH frames."""
     a, b = socket.socketpair()
     try:
         a.sendall(data)
         a.shutdown(socket.SHUT_WR)
-        worker = lockstep.Worker(StubGroup(tr.ControlChannel(b, 2.0)), model)
         try:
-            served = worker.serve()
-            outcome = f"served {served}"
+            table = serve_worker(StubGroup(tr.ControlChannel(b, 2.0)), model, tell_leader=False)
+            outcome = f"served {table.ended}"
         except TransportError as exc:
             assert str(exc), "an error without a message"
             outcome = type(exc).__name__
@@ -640,8 +640,8 @@ def run_worker_case(model, data: bytes, name: str) -> str:
             except PeerClosedError as exc:
                 assert "EOF" in str(exc), f"the worker wrote a truncated reply: {exc}"
                 break
-            assert ftype in (F.COMMAND_ACK, F.HASH), ftype
-            assert len(payload) == (wire.ACK_PAYLOAD.size if ftype == F.COMMAND_ACK else wire.HASH_PAYLOAD.size)
+            assert ftype == F.HASH, ftype
+            assert len(payload) == wire.HASH_PAYLOAD.size
         if name == "none":
             assert outcome == "served 1", outcome
         return outcome
@@ -729,11 +729,11 @@ _HYPOTHESIS_MODEL = StubModel()
 
 def test_real_model_rejects_out_of_vocabulary_ids(tiny_model):
     """The reason for the worker's check: MLX gathers without bounds checks."""
-    worker = lockstep.Worker(StubGroup(None), tiny_model)
-    assert worker.vocab == VOCAB
+    table = SessionTable(tiny_model)
+    assert table.vocab == VOCAB
     for bad in (VOCAB, -1, 2**31 - 1):
         with pytest.raises(FrameError, match=f"token id {bad}, outside the model's vocabulary"):
-            worker._check_tokens(np.array([1, bad]), F.EVAL)
+            table._check_tokens(np.array([1, bad]))
 
 
 # ============================================================================

@@ -340,7 +340,7 @@ def test_prefill_skips_only_the_last_blocks_gates_and_fills_the_same_cache(tmp_p
     exactly what the unsplit model puts there."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_ds4tp.lockstep.steps import fill_cache
+    from mlx_ds4tp.lockstep.compute import fill_cache
 
     path = tiny_models.build(family, tmp_path)
     whole = _load_whole(path)

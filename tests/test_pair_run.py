@@ -86,15 +86,32 @@ def test_divergence_is_detected():
     the hash check, both with the LOCKSTEP DIVERGENCE message."""
     import mlx.core as mx
 
-    from mlx_ds4tp.lockstep.steps import Leader, LockstepDivergence, Worker
+    from mlx_ds4tp.errors import LockstepDivergence
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
     from pairutil import make_groups, run_both
 
+    class Fixed:
+        """A model whose logits are one fixed row, whatever it is fed."""
+
+        def __init__(self, row):
+            self.row = row
+
+        def make_cache(self):
+            return []
+
+        def __call__(self, ids, cache=None):
+            return mx.array([[self.row]] * ids.shape[0])
+
+    def lead():
+        leader.create(1)
+        leader.step([(1, 0)])
+        leader.step([(1, 0)])
+        leader.check_hash()  # at seq (decode step) 2
+
     lg, wg = make_groups("tcp")
-    leader = Leader(lg, model=None, tokenizer=None, debug_hash=2)
-    worker = Worker(wg, model=None)
-    worker.last_logits = mx.array([1.0, 2.0])
+    leader = LeaderSessions(lg, Fixed([1.0, 2.5]))
     try:
-        (_, le), (_, we) = run_both(lambda: leader._check_hash(1, 2, mx.array([1.0, 2.5])), worker.serve)
+        (_, le), (_, we) = run_both(lead, lambda: serve_worker(wg, Fixed([1.0, 2.0])))
     finally:
         lg.close()
         wg.close()

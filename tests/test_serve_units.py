@@ -166,7 +166,7 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path):
     def worker():
         try:
             split, _ = load_split(str(path), worker_group)
-            worker_result["steps"] = serve_worker(worker_group, split)
+            worker_result["steps"] = serve_worker(worker_group, split).step_count
         except BaseException as exc:  # noqa: BLE001 - reported below
             worker_result["error"] = exc
 
@@ -239,8 +239,8 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
 
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
-    from mlx_ds4tp.lockstep.sessions import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch)
-    from mlx_ds4tp.link.wire import SYNC_HEADER
+    from mlx_ds4tp.lockstep.table import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch,
+                                          pack_sync)
     from mlx_ds4tp.testing.tiny_model import save_llama
     from mlx_lm import load
 
@@ -249,7 +249,7 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     vocab = model.args.vocab_size
 
     def sync(session, tokens):
-        return F.SYNC, SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, "<i4").tobytes()
+        return F.SYNC, pack_sync(session, tokens)
 
     script = [
         (F.SESSION_CREATE, CREATE.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),

@@ -49,8 +49,7 @@ WARMUP_PROMPT_TOKENS = 16
 
 def _generate(model, tokenizer, prompt_tokens: int, max_tokens: int):
     """Warm up, then the timed generation of the bench prompt."""
-    from ..lockstep.steps import greedy_generate
-    from ..lockstep.run import bench_prompt
+    from ..lockstep.generate import bench_prompt, greedy_generate
 
     prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
     greedy_generate(model, prompt[:WARMUP_PROMPT_TOKENS], 4)
@@ -123,10 +122,9 @@ def ceiling_rank(address: PairAddress, path: str, max_tokens: int,
     gateless gates, started together with the other rank so the two compete for the cores as a
     real pair does. A TCP pair is used only as the start line and to agree on the slower rank's
     times (prefill and decode each)."""
-    from ..lockstep.steps import greedy_generate
-    from ..model_split import load_split
     from ..link.identity import model_identity
-    from ..lockstep.run import bench_prompt
+    from ..lockstep.generate import bench_prompt, greedy_generate
+    from ..model_split import load_split
 
     with gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
                        transport="tcp", identity=model_identity(path)) as group:

@@ -18,7 +18,7 @@ def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int)
     """The same greedy generation, unsplit, in this process: the reference."""
     from mlx_lm.utils import load
 
-    from ..lockstep.steps import greedy_generate
+    from ..lockstep.generate import greedy_generate
 
     model, tokenizer = load(str(path))
     eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])

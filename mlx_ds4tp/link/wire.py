@@ -12,17 +12,17 @@ The bound is checked before anything is allocated.
 | frame            | payload                                                        | bound       |
 |------------------|----------------------------------------------------------------|-------------|
 | SYNC             | SYNC_HEADER (session, count) + count little-endian int32 tokens | 4194320     |
-| EVAL             | EVAL_PAYLOAD (session, seq, token)                             | 64          |
-| REWIND           | SERVE_REWIND (session, tokens to keep)                         | 64          |
-| INVALIDATE       | SERVE_INVALIDATE (stored cache id)                             | 64          |
+| EVAL             | (reserved: no longer sent; EVAL_BATCH decodes)                 | 64          |
+| REWIND           | REWIND_PAYLOAD (session, tokens to keep)                       | 64          |
+| INVALIDATE       | INVALIDATE_PAYLOAD (stored cache id)                           | 64          |
 | STOP             | empty                                                          | 64          |
-| HASH             | HASH_PAYLOAD (session, seq, logits hash)                       | 64          |
+| HASH             | HASH_PAYLOAD (0, decode step, logits hash)                     | 64          |
 | RDMA_INFO        | RDMA_INFO (qpn, psn, mtu, lid, link layer, gid)                | 64          |
 | RDMA_READY       | empty                                                          | 16          |
 | LOGITS           | (reserved)                                                     | 67108864    |
-| SESSION_CREATE   | SESSION_PAYLOAD (session, max tokens); serving: SERVE_CREATE   | 4096        |
-| SESSION_DESTROY  | SESSION_PAYLOAD (session, 0); serving: SERVE_DESTROY           | 64          |
-| COMMAND_ACK      | ACK_PAYLOAD (session, status) + UTF-8 message                  | 4096        |
+| SESSION_CREATE   | SESSION_CREATE_PAYLOAD (session, stored cache id, mode)        | 4096        |
+| SESSION_DESTROY  | SESSION_DESTROY_PAYLOAD (session, cache id to store it under)  | 64          |
+| COMMAND_ACK      | (reserved: no longer sent; a failing worker sends ERROR)       | 4096        |
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
 | HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
@@ -31,10 +31,12 @@ The bound is checked before anything is allocated.
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
-| EVAL_BATCH       | SERVE_BATCH_HEADER (step, rows) + rows x SERVE_BATCH_ROW (session, token) | 65536 |
+| EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token) | 65536 |
 
-`ds4tp run` uses the SESSION_PAYLOAD forms; `ds4tp serve` (mlx_ds4tp.lockstep.sessions) the SERVE_ ones,
-with SYNC, HASH and STOP as above (HASH's session field 0, its seq the decode step).
+The lockstep commands (SESSION_CREATE, REWIND, SYNC, EVAL_BATCH, SESSION_DESTROY, INVALIDATE,
+HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
+it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are never sent
+(`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
@@ -54,8 +56,9 @@ from __future__ import annotations
 import enum
 import struct
 
-# 2: the hello carries a model fingerprint.
-PROTOCOL_VERSION = 2
+# 2: the hello carries a model fingerprint. 3: `ds4tp run` speaks the serving sessions'
+# commands (one lockstep protocol), so a rank of an older install is refused at the hello.
+PROTOCOL_VERSION = 3
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
@@ -74,7 +77,7 @@ class FrameType(enum.IntEnum):
     free number, an existing one is never renumbered."""
 
     SYNC = 1
-    EVAL = 2
+    EVAL = 2  # reserved: no longer sent
     REWIND = 3
     INVALIDATE = 4
     STOP = 5
@@ -84,7 +87,7 @@ class FrameType(enum.IntEnum):
     LOGITS = 10
     SESSION_CREATE = 13
     SESSION_DESTROY = 14
-    COMMAND_ACK = 17
+    COMMAND_ACK = 17  # reserved: no longer sent
     RDMA_WARM = 19
     RDMA_POSTED = 20
     HELLO = 21
@@ -93,7 +96,7 @@ class FrameType(enum.IntEnum):
     AUTH = 24
     FINGERPRINT = 25
     FINGERPRINT_DETAIL = 26
-    # Serving (mlx_ds4tp.lockstep.sessions): one decode step over the rows of every active session.
+    # One decode step over the rows of every active session (mlx_ds4tp.lockstep.sessions).
     EVAL_BATCH = 32
 
 
@@ -183,17 +186,13 @@ POSTED = struct.Struct("<I")  # always 1: "my receives are posted"
 WARM_ROUND = struct.Struct("<IIII")  # setup attempt, round, received, reserved
 WARM_TAG = struct.Struct("<IIII")  # WARM_MAGIC, rank, setup attempt, reserved
 
-SESSION_PAYLOAD = struct.Struct("<QII")  # session id, max tokens, reserved
-SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved
-EVAL_PAYLOAD = struct.Struct("<QQiI")  # session id, seq, token, reserved
-HASH_PAYLOAD = struct.Struct("<QQQ")  # session id, seq, hash
-ACK_PAYLOAD = struct.Struct("<Qi")  # session id, status (0 ok); then a message
-
-# Serving (mlx_ds4tp.lockstep.sessions).
-SERVE_CREATE = struct.Struct("<QQII")  # session id, stored cache id, mode, reserved
-SERVE_REWIND = struct.Struct("<QII")  # session id, tokens to keep, reserved
-SERVE_DESTROY = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
-SERVE_INVALIDATE = struct.Struct("<Q")  # stored cache id
-SERVE_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved
-SERVE_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
-SERVE_MAX_BATCH_ROWS = 1024
+# The lockstep commands (mlx_ds4tp.lockstep.sessions), one layout per frame type.
+SESSION_CREATE_PAYLOAD = struct.Struct("<QQII")  # session id, stored cache id, mode, reserved
+SESSION_DESTROY_PAYLOAD = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
+REWIND_PAYLOAD = struct.Struct("<QII")  # session id, tokens to keep, reserved
+INVALIDATE_PAYLOAD = struct.Struct("<Q")  # stored cache id
+SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved; then the tokens
+EVAL_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then the rows
+EVAL_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
+MAX_BATCH_ROWS = 1024
+HASH_PAYLOAD = struct.Struct("<QQQ")  # 0 (reserved), decode step, hash of its logits

@@ -1,4 +1,5 @@
-"""`ds4tp run`: one rank of a two-machine generation."""
+"""`ds4tp run`: one rank of a two-machine generation, one session of the lockstep protocol
+(the leader: lockstep.generate.pair_generate; the worker: lockstep.sessions.serve_worker)."""
 
 from __future__ import annotations
 
@@ -6,101 +7,104 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 from .. import gate_ops
 from .. import transport as tr
 from ..link.config import PairAddress
 from ..link.identity import model_identity
 from ..split.progress import LoadingBar
-from .sampling import SamplingOptions
-from .steps import Leader, Worker, make_sampler
+from .compute import argmax_token
+from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
+from .sampling import SamplingOptions, run_sampler
+from .sessions import LeaderSessions, serve_worker
 
-
-def bench_prompt(tokenizer, text: str, count: int) -> List[int]:
-    """`text`'s tokens repeated (and cut) to exactly `count` tokens: a prompt of a chosen
-    length that every contender of the model bench feeds alike."""
-    if count < 1:
-        raise ValueError(f"a prompt of {count} tokens: give at least 1")
-    base = list(tokenizer.encode(text)) or [0]
-    return (base * (count // len(base) + 1))[:count]
+# The bench's contenders all warm up on the prompt's first tokens before the timed
+# generation (bench.model WARMUP_PROMPT_TOKENS); the pair does it in lockstep.
+BENCH_WARMUP_TOKENS = 16
 
 
 def run(args, address: PairAddress, sampling: SamplingOptions, *, tokens_out: Optional[str] = None,
         stop_at_eos: bool = True, prompt_tokens: int = 0) -> int:
     """One rank of `ds4tp run` (args as cli.run.add_args parses them; address and sampling
-    as cli.run.check_args made them).
+    as cli.run.check_args made them): run_rank with the flags' values."""
+    return run_rank(address, args.model, transport=args.transport, rdma_device=args.rdma_device,
+                    gid_index=args.rdma_gid_index, secret=args.secret, prompt=args.prompt or "",
+                    max_tokens=args.max_tokens, chat=not args.no_chat_template, sampling=sampling,
+                    debug_hash=args.debug_hash, tokens_out=tokens_out, stop_at_eos=stop_at_eos,
+                    prompt_tokens=prompt_tokens)
+
+
+def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
+             rdma_device: Optional[str] = None, gid_index: Optional[int] = None,
+             secret: Optional[str] = None, prompt: str = "", max_tokens: int = 128, chat: bool = True,
+             sampling: SamplingOptions = SamplingOptions(), debug_hash: int = 0,
+             tokens_out: Optional[str] = None, stop_at_eos: bool = True, prompt_tokens: int = 0) -> int:
+    """One rank of `ds4tp run`; returns the exit code. The leader streams the text on stdout,
+    then the closing stats line (GenerationStats.line).
 
     tokens_out: the leader writes the prompt's and the generated tokens, the
     prompt and decode rates and the gate latency there as JSON (the local pair
     reads it). stop_at_eos=False decodes max_tokens whatever the model says
     (the bench). prompt_tokens > 0: the leader's prompt is the text's tokens
-    repeated to that many (bench_prompt), without the chat template.
+    repeated to that many (bench_prompt), without the chat template, after a
+    warm-up generation on its first tokens.
     """
     from ..model_split import load_split
-    from .sampling import run_sampler
 
-    identity = model_identity(args.model)
-    leader = address.role == "leader"
-    group = gate_ops.init(
-        role=address.role,
-        listen=address.listen,
-        coordinator=address.coordinator,
-        transport=args.transport,
-        rdma_device=args.rdma_device,
-        gid_index=args.rdma_gid_index,
-        secret=args.secret,
-        identity=identity,
-    )
+    group = gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
+                          transport=transport, rdma_device=rdma_device, gid_index=gid_index,
+                          secret=secret, identity=model_identity(model_path))
     with group:
         t0 = time.perf_counter()
-        model, tokenizer = load_split(args.model, group, progress=LoadingBar())
+        model, tokenizer = load_split(model_path, group, progress=LoadingBar())
         tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
-        if not leader:
-            try:
-                served = Worker(group, model).serve()
-            except Exception as exc:
-                # Tell the leader why before the sockets close, so its error
-                # names the cause, not just "peer closed".
-                group.pair.control.send_error(f"{type(exc).__name__}: {exc}")
-                raise
-            tr.log(f"worker done: served {served} prompt(s), leader said stop")
+        if address.role != "leader":
+            table = serve_worker(group, model)
+            tr.log(f"worker done: served {table.ended} prompt(s), leader said stop")
             return 0
-        driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
+        sessions = LeaderSessions(group, model)
         try:
             if prompt_tokens > 0:
-                prompt_ids = bench_prompt(tokenizer, args.prompt, prompt_tokens)
+                prompt_ids = bench_prompt(tokenizer, prompt, prompt_tokens)
+                pair_generate(sessions, prompt_ids[:BENCH_WARMUP_TOKENS], 4, argmax_token)
             else:
-                prompt_ids = driver.encode(args.prompt, chat=not args.no_chat_template)
-            detok = tokenizer.detokenizer
-            detok.reset()
-
-            def stream(token: int) -> None:
-                detok.add_token(token)
-                sys.stdout.write(detok.last_segment)
-                sys.stdout.flush()
-
-            sampler = run_sampler(sampling, prompt_ids)
-            if prompt_tokens > 0:
-                # The bench's contenders all warm up on the prompt's first 16 tokens before the
-                # timed generation (bench_model._generate); the pair does it in lockstep.
-                driver.generate(prompt_ids[:16], 4, make_sampler(0.0), stop_at_eos=False)
-            stats = driver.generate(prompt_ids, args.max_tokens, sampler, stream,
-                                    stop_at_eos=stop_at_eos)
-            detok.finalize()
-            sys.stdout.write(detok.last_segment + "\n")
+                prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
+            stats = _stream(sessions, tokenizer, prompt_ids, max_tokens, sampling, debug_hash,
+                            stop_at_eos)
         finally:
-            driver.stop()
+            sessions.stop()
         print(stats.line(group), flush=True)
         if tokens_out:
-            p50, p99 = group.gate_latency_us()
-            Path(tokens_out).write_text(json.dumps({
-                "prompt_tokens": prompt_ids, "tokens": stats.tokens, "transport": group.transport,
-                "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
-                "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,
-                "gate_p50_us": p50, "gate_p99_us": p99,
-                "exchange_ms_per_token": stats.exchange_ms_per_token(),
-            }))
+            _write_tokens(tokens_out, group, prompt_ids, stats)
     return 0
 
 
+def _stream(sessions: LeaderSessions, tokenizer, prompt_ids, max_tokens: int,
+            sampling: SamplingOptions, debug_hash: int, stop_at_eos: bool) -> GenerationStats:
+    """The generation, its text streamed to stdout as it is decoded."""
+    detok = tokenizer.detokenizer
+    detok.reset()
+
+    def show(token: int) -> None:
+        detok.add_token(token)
+        sys.stdout.write(detok.last_segment)
+        sys.stdout.flush()
+
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
+    stats = pair_generate(sessions, prompt_ids, max_tokens, run_sampler(sampling, prompt_ids),
+                          on_token=show, eos=eos, debug_hash=debug_hash)
+    detok.finalize()
+    sys.stdout.write(detok.last_segment + "\n")
+    return stats
+
+
+def _write_tokens(path: str, group: gate_ops.Group, prompt_ids, stats: GenerationStats) -> None:
+    p50, p99 = group.gate_latency_us()
+    Path(path).write_text(json.dumps({
+        "prompt_tokens": prompt_ids, "tokens": stats.tokens, "transport": group.transport,
+        "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
+        "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,
+        "gate_p50_us": p50, "gate_p99_us": p99,
+        "exchange_ms_per_token": stats.exchange_ms_per_token(),
+    }))

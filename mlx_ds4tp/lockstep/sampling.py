@@ -132,6 +132,6 @@ def sample_rows(logits: mx.array, samplers: List[SessionSampler],
 
 
 def run_sampler(options: SamplingOptions, prompt_tokens: List[int]) -> Callable[[mx.array], int]:
-    """A sampler for lockstep.Leader.generate (1-D logits in, token out)."""
+    """A sampler for lockstep.generate.pair_generate (1-D logits in, token out)."""
     session = SessionSampler(options, prompt_tokens)
     return lambda logits: session.sample(logits.reshape(1, -1))

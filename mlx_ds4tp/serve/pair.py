@@ -59,12 +59,8 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
         model, tokenizer = load_split(str(model_path), group, progress=LoadingBar())
         tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if not leader:
-            try:
-                steps = serve_worker(group, model)
-            except Exception as exc:
-                group.pair.control.send_error(f"{type(exc).__name__}: {exc}")
-                raise
-            tr.log(f"worker done after {steps} decode steps: the leader said stop")
+            table = serve_worker(group, model)  # tells the leader why if it fails
+            tr.log(f"worker done after {table.step_count} decode steps: the leader said stop")
             return 0
         config = json.loads((model_path / "config.json").read_text())
         engine = Engine(LeaderSessions(group, model), tokenizer,

@@ -1,0 +1,234 @@
+"""One rank's sessions: their KV caches, the stored prompt caches and the decode batch,
+changed only by the lockstep commands (see mlx_ds4tp.lockstep.sessions for the protocol).
+
+The decode batch is mlx-lm's BatchKVCache: rows left-padded, merged when sessions join,
+filtered when they leave, exactly as mlx-lm's BatchGenerator does. A batch of one row is the
+session's own cache, unmerged: the single-sequence path of mlx_lm.generate, bit for bit, for
+any cache family (a one-session `ds4tp run` decodes there); it is merged when a second
+session joins.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import transport as tr
+from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
+from ..link.wire import EVAL_BATCH_ROW
+from ..link.wire import INVALIDATE_PAYLOAD as INVALIDATE
+from ..link.wire import MAX_BATCH_ROWS
+from ..link.wire import REWIND_PAYLOAD as REWIND
+from ..link.wire import SESSION_CREATE_PAYLOAD as CREATE
+from ..link.wire import SESSION_DESTROY_PAYLOAD as DESTROY
+from ..link.wire import SYNC_HEADER
+from .compute import fill_cache, logits_hash, make_cache
+from .prompt_cache import COPY, FRESH, MOVE
+
+F = tr.FrameType
+
+# The rows of an EVAL_BATCH as one numpy record array: the layout of wire.EVAL_BATCH_ROW.
+BATCH_ROW = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
+if BATCH_ROW.itemsize != EVAL_BATCH_ROW.size:
+    raise ImportError(f"BATCH_ROW is {BATCH_ROW.itemsize} bytes, wire.EVAL_BATCH_ROW {EVAL_BATCH_ROW.size}")
+
+
+def unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
+    """A fixed-size payload's fields; FrameError naming the frame when its size is not fmt's."""
+    if len(payload) != fmt.size:
+        raise tr.FrameError(f"{ftype.name} payload is {len(payload)} bytes, expected {fmt.size}")
+    return fmt.unpack(payload)
+
+
+def pack_sync(session: int, tokens: Sequence[int]) -> bytes:
+    """A SYNC payload: one prefill chunk of a session."""
+    return SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def pack_batch(step: int, rows: Sequence[Tuple[int, int]]) -> bytes:
+    """An EVAL_BATCH payload: the step number, then (session, token) per row."""
+    items = np.zeros(len(rows), dtype=BATCH_ROW)
+    items["session"] = [s for s, _ in rows]
+    items["token"] = [t for _, t in rows]
+    return BATCH_HEADER.pack(step, len(rows), 0) + items.tobytes()
+
+
+class SessionTable:
+    """The sessions, stored caches and decode batch of one rank; see the module docstring."""
+
+    def __init__(self, model):
+        self.model = model
+        self.make_cache = lambda: make_cache(model)
+        self.sessions: Dict[int, list] = {}  # prefilling, not yet in the batch
+        self.stored: Dict[int, list] = {}
+        self.rows: List[int] = []
+        self.batch_cache: Optional[list] = None
+        self._merged = False  # batch_cache is a BatchKVCache per layer (else one session's own)
+        self.step_count = 0
+        self.ended = 0  # sessions destroyed: the prompts served
+        self.last_logits: Optional[mx.array] = None
+        # Token ids index the embedding, which MLX does not bounds-check (an id past the table
+        # reads other memory or crashes), so every id from the wire is checked here first.
+        self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
+
+    @property
+    def busy(self) -> bool:
+        """True while a generation is under way (the leader's next command is imminent)."""
+        return bool(self.sessions or self.rows)
+
+    # -- commands ------------------------------------------------------------
+    def apply(self, ftype, payload: bytes) -> Optional[mx.array]:
+        """Execute one command; EVAL_BATCH returns the rows' logits [rows, vocab]."""
+        if ftype == F.SESSION_CREATE:
+            self.create(*unpack(CREATE, payload, ftype)[:3])
+        elif ftype == F.REWIND:
+            session, keep, _ = unpack(REWIND, payload, ftype)
+            self.rewind(session, keep)
+        elif ftype == F.SYNC:
+            if len(payload) < SYNC_HEADER.size or (len(payload) - SYNC_HEADER.size) % 4:
+                raise tr.FrameError(f"SYNC payload of {len(payload)} bytes is malformed")
+            session, count, _ = SYNC_HEADER.unpack_from(payload)
+            tokens = np.frombuffer(payload, dtype="<i4", offset=SYNC_HEADER.size)
+            if len(tokens) != count or count == 0:
+                raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)} "
+                                    "(a prompt needs at least one token per SYNC)")
+            self.prefill(session, tokens)
+        elif ftype == F.EVAL_BATCH:
+            if len(payload) < BATCH_HEADER.size:
+                raise tr.FrameError(f"EVAL_BATCH payload of {len(payload)} bytes is malformed")
+            step, count, _ = BATCH_HEADER.unpack_from(payload)
+            items = np.frombuffer(payload, dtype=BATCH_ROW, offset=BATCH_HEADER.size) \
+                if (len(payload) - BATCH_HEADER.size) % BATCH_ROW.itemsize == 0 else None
+            if items is None or len(items) != count or not 0 < count <= MAX_BATCH_ROWS:
+                raise tr.FrameError(f"EVAL_BATCH says {count} rows in a {len(payload)}-byte payload "
+                                    f"(1 to {MAX_BATCH_ROWS} rows of {BATCH_ROW.itemsize} bytes)")
+            if step != self.step_count + 1:
+                raise tr.FrameError(f"EVAL_BATCH step {step} arrived after step {self.step_count}: "
+                                    "the ranks are out of step")
+            return self.step(items["session"].tolist(), items["token"])
+        elif ftype == F.SESSION_DESTROY:
+            self.destroy(*unpack(DESTROY, payload, ftype))
+        elif ftype == F.INVALIDATE:
+            (cache_id,) = unpack(INVALIDATE, payload, ftype)
+            if self.stored.pop(cache_id, None) is None:
+                raise tr.FrameError(f"INVALIDATE names stored cache {cache_id}, which does not exist")
+        else:
+            raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
+        return None
+
+    def create(self, session: int, cache_id: int, mode: int) -> None:
+        """A new session: a fresh cache, or stored cache `cache_id` moved or copied."""
+        if session in self.sessions or session in self.rows:
+            raise tr.FrameError(f"SESSION_CREATE for session {session}, which already exists")
+        if mode == FRESH:
+            self.sessions[session] = self.make_cache()
+            return
+        if cache_id not in self.stored:
+            raise tr.FrameError(f"SESSION_CREATE reuses stored cache {cache_id}, which does not exist")
+        if mode == MOVE:
+            self.sessions[session] = self.stored.pop(cache_id)
+        elif mode == COPY:
+            import copy
+
+            self.sessions[session] = copy.deepcopy(self.stored[cache_id])
+        else:
+            raise tr.FrameError(f"SESSION_CREATE mode {mode} is not FRESH, MOVE or COPY")
+
+    def rewind(self, session: int, keep: int) -> None:
+        """Trim a (reused) session cache to its first `keep` tokens."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        cache = self._session(session)
+        size = cache[0].size() if cache else 0  # a model without layer caches holds nothing
+        if keep > size:
+            raise tr.FrameError(f"REWIND session {session} to {keep} tokens, but it holds {size}")
+        trim_prompt_cache(cache, size - keep)
+
+    def prefill(self, session: int, tokens: np.ndarray) -> None:
+        """Append tokens to a session that is not decoding yet (batch of one): the cache only,
+        no vocabulary projection and no logits gather, the last block's gates skipped
+        (fill_cache)."""
+        self._check_tokens(tokens)
+        fill_cache(self.model, tokens.tolist(), self._session(session))
+
+    def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
+        """One decode forward over the batch's rows; sessions that are not in the batch yet
+        join it (after the existing rows, in the order given)."""
+        if len(set(sessions)) != len(sessions):
+            raise tr.FrameError(f"EVAL_BATCH names a session twice: {sessions}")
+        if sessions[: len(self.rows)] != self.rows:
+            raise tr.FrameError(f"EVAL_BATCH rows {sessions} do not begin with this rank's batch "
+                                f"{self.rows}: the ranks are out of step")
+        joining = sessions[len(self.rows):]
+        if joining:
+            self._join(joining)
+        self._check_tokens(tokens)
+        self.step_count += 1
+        logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=self.batch_cache)
+        logits = logits[:, -1, :]
+        mx.eval(logits)
+        self.last_logits = logits
+        return logits
+
+    def _join(self, joining: List[int]) -> None:
+        caches = [self._session(s) for s in joining]
+        for s in joining:
+            del self.sessions[s]
+        if self.batch_cache is None and len(caches) == 1:
+            self.batch_cache, self._merged = caches[0], False
+        else:
+            if self.batch_cache is not None and not self._merged:
+                caches.insert(0, self.batch_cache)  # the lone row's own cache joins the merge
+                self.batch_cache = None
+            merged = [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+            if self.batch_cache is None:
+                self.batch_cache = merged
+            else:
+                for mine, new in zip(self.batch_cache, merged):
+                    mine.extend(new)
+            self._merged = True
+        self.rows.extend(joining)
+
+    def logits_hash(self) -> int:
+        """Hash of the last decode step's logits: equal on both ranks while they are in step."""
+        return logits_hash(self.last_logits) if self.last_logits is not None else 0
+
+    def destroy(self, session: int, store_as: int) -> None:
+        """End a session (leaving the batch if it is in it); keep its cache as `store_as`."""
+        if session in self.rows:
+            idx = self.rows.index(session)
+            del self.rows[idx]
+            if not self._merged:
+                cache, self.batch_cache = self.batch_cache, None
+            else:
+                cache = [c.extract(idx) for c in self.batch_cache] if store_as else None
+                if self.rows:
+                    keep = [i for i in range(len(self.rows) + 1) if i != idx]
+                    for c in self.batch_cache:
+                        c.filter(keep)
+                else:
+                    self.batch_cache, self._merged = None, False
+        elif session in self.sessions:
+            cache = self.sessions.pop(session)
+        else:
+            raise tr.FrameError(f"SESSION_DESTROY for session {session}, which does not exist")
+        self.ended += 1
+        if store_as:
+            if store_as in self.stored:
+                raise tr.FrameError(f"SESSION_DESTROY stores under cache id {store_as}, already taken")
+            self.stored[store_as] = cache
+
+    def _session(self, session: int) -> list:
+        cache = self.sessions.get(session)
+        if cache is None:
+            raise tr.FrameError(f"session {session} does not exist or is already decoding")
+        return cache
+
+    def _check_tokens(self, tokens: np.ndarray) -> None:
+        if self.vocab and len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab):
+            bad = int(tokens[(tokens < 0) | (tokens >= self.vocab)][0])
+            raise tr.FrameError(f"token id {bad}, outside the model's vocabulary [0, {self.vocab}): "
+                                "the leader runs another model or the frame is corrupt")
