@@ -24,7 +24,8 @@ import sys
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.cli.run import add_args as add_run_args, check_args as check_run_args
-from mlx_ds4tp.lockstep.steps import Leader, Worker
+from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
+from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
 from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.link.identity import model_identity
 from mlx_ds4tp.lockstep.sampling import run_sampler
@@ -57,13 +58,14 @@ def main() -> int:
         model, tokenizer = load_split(args.model, group)
 
         if not leader:
-            served = Worker(group, model).serve()  # until the leader says stop
-            print(f"worker: served {served} prompt(s)", file=sys.stderr)
+            table = serve_worker(group, model)  # the leader's commands, until it says stop
+            print(f"worker: served {table.ended} prompt(s)", file=sys.stderr)
             return 0
 
-        driver = Leader(group, model, tokenizer, debug_hash=args.debug_hash)
+        # The leader drives both ranks' sessions: each command it sends, it runs too.
+        sessions = LeaderSessions(group, model)
         try:
-            prompt_tokens = driver.encode(args.prompt, chat=not args.no_chat_template)
+            prompt_tokens = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
             detokenizer = tokenizer.detokenizer
             detokenizer.reset()
 
@@ -73,11 +75,13 @@ def main() -> int:
 
             # The same sampling flags as `ds4tp run`, sampled by mlx-lm's own samplers.
             sampler = run_sampler(sampling, prompt_tokens)
-            stats = driver.generate(prompt_tokens, args.max_tokens, sampler, stream)
+            eos = set(tokenizer.eos_token_ids or [])
+            stats = pair_generate(sessions, prompt_tokens, args.max_tokens, sampler, on_token=stream,
+                                  eos=eos, debug_hash=args.debug_hash)
             detokenizer.finalize()
             print(detokenizer.last_segment, flush=True)
         finally:
-            driver.stop()  # releases the worker
+            sessions.stop()  # releases the worker
         print(stats.line(group), flush=True)
     return 0
 
