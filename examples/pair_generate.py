@@ -12,7 +12,7 @@ noise; `--model demo` builds it once into ~/.cache/mlx_ds4tp):
 
     $ python examples/pair_generate.py --model demo --role worker --coordinator 127.0.0.1 9911 &
       python examples/pair_generate.py --model demo --prompt "Hello" --max-tokens 16 \
-              --role leader --listen 127.0.0.1 9911
+              --role leader --listen 127.0.0.1 9911; wait
 
 Both ranks join the pair, each loads its half of the model, then the leader
 tokenizes, samples and streams the text while the worker runs the same

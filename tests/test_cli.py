@@ -176,6 +176,7 @@ def test_bad_serve_flags_exit_naming_the_flag(served, model_dir, flags, says):
     (("--role", "leader", "--listen", "h", "p"), "--listen h p: PORT must be an integer"),
     (("--model", "m", *LEADER), "--role is for the two-machine gate bench"),
     (("--url", "http://x"), "--url needs --serve"),
+    (("--model", "m", "--plot", "x.png"), "--plot draws the gate bench run with both ranks here"),
     (("--serve", "--url", "http://x", "--max-tokens", "1"), "--max-tokens 1 must be >= 2"),
     (("--serve", "--url", "http://x", "--rounds", "0"), "--rounds 0 must be >= 1"),
 ])

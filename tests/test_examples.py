@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import shlex
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -52,3 +57,42 @@ def test_gate_layer_matches_the_unsplit_model_on_both_ranks(procs, transport):
     # Both ranks continue with the same bits after every gate.
     digests = [out.split("output sha256 ")[1].split()[0] for out in outs]
     assert digests[0] == digests[1], outs
+
+
+def loopback_commands(script: str, port: int) -> str:
+    """The shell lines the script's docstring gives for one machine (the block of `$ ` lines
+    under "On one machine"), with this test's port and this Python."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(EXAMPLES, script)).read()))
+    block = doc.split("On one machine", 1)[1].split("\n\n", 2)[1]
+    lines = [ln.strip().removeprefix("$ ") for ln in block.splitlines()]
+    text = " ".join(ln[:-1] if ln.endswith("\\") else ln + "\n" for ln in lines)
+    assert "127.0.0.1 9911" in text and "--role leader" in text and "--role worker" in text, text
+    return text.replace("9911", str(port)).replace("python ", shlex.quote(sys.executable) + " ")
+
+
+def run_shell(text: str, env: dict, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """`text` under bash in the repository; the whole process group is killed on a timeout."""
+    full_env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    p = subprocess.Popen(["bash", "-c", text], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+@pytest.mark.parametrize("script", ["gate_layer.py", "pair_generate.py"])
+def test_the_docstrings_loopback_commands_run_as_written(script, tmp_path):
+    # A reader copies the docstring's one-machine lines: they start both ranks and finish.
+    text = loopback_commands(script, free_port())
+    res = run_shell(text, {"XDG_CACHE_HOME": str(tmp_path), "DS4_TP_TIMEOUT_SEC": "60"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    if script == "gate_layer.py":
+        for rank in (0, 1):
+            assert f"rank {rank}: matches the unsplit model: True" in res.stdout, res.stdout
+    else:
+        assert "tok/s" in res.stdout.strip().splitlines()[-1], res.stdout
+        assert "worker: served 1 prompt(s)" in res.stderr, res.stderr

@@ -64,6 +64,9 @@ def main(args: argparse.Namespace) -> int:
                          "--serve run both ranks here")
     if args.url and not args.serve:
         raise SystemExit("ds4tp bench: --url needs --serve")
+    if args.plot and (args.serve or args.model or address is not None):
+        raise SystemExit("ds4tp bench: --plot draws the gate bench run with both ranks here "
+                         "(no --model, --serve or --role)")
     if args.serve:
         return _serve(args)
     if address is None and args.transport == "auto":

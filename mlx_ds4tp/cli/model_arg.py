@@ -9,7 +9,8 @@ from pathlib import Path
 DEMO = "demo"
 MODEL_HELP = ("an mlx-lm model directory, a Hugging Face repo id already downloaded (the same "
               "model on both machines), or 'demo': a small model with synthetic random weights, "
-              "built once into ~/.cache/mlx_ds4tp (./demo for a directory of that name)")
+              "built once into ~/.cache/mlx_ds4tp, or $XDG_CACHE_HOME/mlx_ds4tp (./demo for a "
+              "directory of that name)")
 
 
 def model_path(model: str) -> Path:
