@@ -1,0 +1,139 @@
+"""The README's loopback recipes, run as a newcomer would run them: each fenced block
+marked `<!-- recipe: NAME -->` in README.md is read from the README itself, so a recipe
+that stops working (or a README edit that breaks one) fails here.
+
+- demo: `ds4tp demo` (with a short --max-tokens appended) matches the unsplit model;
+- serve-loopback + serve-client: the two `ds4tp serve` lines (the worker's, then the
+  leader's), on free ports substituted for the README's 9911 and 8080, then the README's
+  `openai` client snippet against them; then Ctrl-C on the leader stops both ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pairutil import REPO, free_port
+
+README = Path(REPO) / "README.md"
+RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->\s*\n```[\w-]*\n(.*?)\n```", re.S)
+
+
+def recipes() -> dict:
+    return {name: body for name, body in RECIPE.findall(README.read_text())}
+
+
+def recipe(name: str) -> str:
+    found = recipes()
+    assert name in found, f"README.md has no fenced block marked <!-- recipe: {name} --> ({sorted(found)})"
+    return found[name]
+
+
+def commands(block: str) -> list:
+    """The shell lines of a block (comments and blank lines dropped), each as argv, with
+    `ds4tp` run as installed (its console script), or as `python -m mlx_ds4tp` without one."""
+    ds4tp = [shutil.which("ds4tp")] if shutil.which("ds4tp") else [sys.executable, "-m", "mlx_ds4tp"]
+    out = []
+    for line in block.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        argv = shlex.split(line)
+        assert argv[0] == "ds4tp", f"a recipe line that is not a ds4tp command: {line!r}"
+        out.append(ds4tp + argv[1:])
+    return out
+
+
+def child_env() -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1",
+                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_every_recipe_is_marked():
+    assert {"demo", "serve-loopback", "serve-client"} <= set(recipes()), sorted(recipes())
+
+
+def test_demo_recipe(tmp_path):
+    (cmd,) = commands(recipe("demo"))
+    res = subprocess.run(cmd + ["--max-tokens", "4"], capture_output=True, text=True, timeout=600,
+                         env=child_env(), cwd=tmp_path)
+    assert res.returncode == 0, f"{cmd}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert "match with the unsplit model in one process: True" in res.stdout, res.stdout + res.stderr
+
+
+def _health(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def test_serve_recipe(tmp_path):
+    pytest.importorskip("openai", reason="the client snippet needs the `openai` package (the test extra)")
+    pair_port, http_port = free_port(), free_port()
+    block = recipe("serve-loopback")
+    assert "9911" in block and "8080" in block, block
+    block = re.sub(r"\b9911\b", str(pair_port), block)
+    block = re.sub(r"\b8080\b", str(http_port), block)
+    worker_cmd, leader_cmd = commands(block)
+    assert "worker" in worker_cmd and "leader" in leader_cmd, (worker_cmd, leader_cmd)
+    client = re.sub(r"\b8080\b", str(http_port), recipe("serve-client"))
+    assert f"127.0.0.1:{http_port}/v1" in client, client
+
+    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("worker", "leader")}
+    procs = {}
+
+    def log(name: str) -> str:
+        logs[name].flush()
+        return (tmp_path / f"{name}.log").read_text()
+
+    def describe() -> str:
+        return "\n".join(f"--- {n} (rc {p.poll()}) ---\n{log(n)[-4000:]}" for n, p in procs.items())
+
+    try:
+        # In the README's order: terminal 1 the worker, terminal 2 the leader.
+        for name, cmd in (("worker", worker_cmd), ("leader", leader_cmd)):
+            procs[name] = subprocess.Popen(cmd, env=child_env(), cwd=tmp_path, stdout=logs[name],
+                                           stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while _health(http_port) != 200:
+            for name, p in procs.items():
+                if p.poll() is not None:
+                    pytest.fail(f"the {name} exited ({p.returncode}) before the server was up\n{describe()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not healthy within 300 s\n{describe()}")
+            time.sleep(0.2)
+        assert "serving demo" in log("leader"), describe()
+
+        res = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True,
+                             timeout=300, env=child_env(), cwd=tmp_path)
+        assert res.returncode == 0, f"the README's client snippet failed:\n{res.stdout}\n{res.stderr}\n{describe()}"
+
+        # "Ctrl-C on the leader stops both ranks."
+        procs["leader"].send_signal(signal.SIGINT)
+        for name, p in procs.items():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {name} still runs 60 s after Ctrl-C on the leader\n{describe()}")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for f in logs.values():
+            f.close()
