@@ -1,10 +1,14 @@
 """One rank of the collective matrix (tests/test_collectives.py runs two of these).
 
-    python collective_child.py leader|worker PORT tcp|rdma
+MLX's own collective test matrix against our Group, through mx.distributed (tp.all_sum and
+its kin are thin names over it), with group=None, sum_scatter, send/recv, gradients against
+the unsplit computation, and mx.compile / mx.vmap of functions with collectives inside.
+Prints one JSON report as its last line.
 
-MLX's own collective test matrix against our Group, with group=None, sum_scatter,
-send/recv, gradients against the unsplit computation, and the mx.compile / mx.vmap
-refusal. Prints one JSON report as its last line.
+    python collective_child.py leader|worker PORT tcp|rdma|rdma-fake
+
+rdma-fake: the real ibverbs provider over the tests' fake libibverbs (DS4_TP_VERBS_LIBRARY
+set by the caller), no device named.
 """
 
 from __future__ import annotations
@@ -145,16 +149,15 @@ def gradients(g, rank: int) -> dict:
 
 
 def transforms(g, rank: int) -> dict:
-    """mx.compile and mx.vmap are refused before any byte moves: the pair still works."""
+    """mx.compile and mx.vmap of functions with collectives inside, against the unsplit
+    computation: the collectives are primitives in MLX's graph, so both transform them."""
     x = mx.ones((16,)) * (rank + 1)
     out = {}
-    for name, run in (("compile", lambda: mx.compile(lambda a: tp.all_sum(a * 2, group=g))(x)),
-                      ("vmap", lambda: mx.vmap(lambda a: tp.all_max(a, group=g))(mx.ones((2, 8))))):
-        try:
-            run()
-            out[name] = "no error"
-        except ValueError as exc:
-            out[name] = str(exc)
+    compiled = mx.compile(lambda a: tp.all_sum(a * 2, group=g) + 1)
+    out["compile"] = same(compiled(x), mx.full((16,), 7.0)) and same(compiled(x * 2), mx.full((16,), 13.0))
+    rows = mx.arange(16, dtype=mx.float32).reshape(2, 8) * (rank + 1)
+    out["vmap"] = same(mx.vmap(lambda a: tp.all_max(a, group=g))(rows),
+                       mx.arange(16, dtype=mx.float32).reshape(2, 8) * 2)
     out["pair_intact"] = bool(mx.array_equal(tp.all_sum(x, group=g), mx.full((16,), 3.0)))
     return out
 
@@ -170,15 +173,18 @@ def main() -> None:
         report.check("group=None before init", "call mlx_ds4tp.init(...) first" in str(exc))
     where = {"listen": ("127.0.0.1", port)} if rank == 0 else {"coordinator": ("127.0.0.1", port)}
     kwargs = {"rdma_device": "ucsim"} if transport == "rdma" else {}
-    with tp.init(role=role, transport=transport, timeout=60.0, **where, **kwargs) as g:
-        if g.transport != transport:
-            raise SystemExit(f"asked for {transport}, got {g.transport}")
+    wire = "rdma" if transport == "rdma-fake" else transport
+    with tp.init(role=role, transport=wire, timeout=60.0, **where, **kwargs) as g:
+        if g.transport != wire:
+            raise SystemExit(f"asked for {wire}, got {g.transport}")
+        if not isinstance(g, mx.distributed.Group):
+            raise SystemExit(f"{g!r} is not an mx.distributed.Group")
         matrix(g, rank, report)
         default_group(rank, report)
         grads = gradients(g, rank)
-        refused = transforms(g, rank)
+        transformed = transforms(g, rank)
     print(json.dumps({"rank": rank, "cases": report.cases, "failed": report.failed,
-                      "gradients": grads, "transforms": refused}), flush=True)
+                      "gradients": grads, "transforms": transformed}), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,14 +39,33 @@ def dial_when_listening(port: int, within: float = 20.0, host: str = "127.0.0.1"
             time.sleep(0.02)
 
 
+def _evaluate(value) -> None:
+    """Evaluate the MLX arrays in a rank's result in that rank's own thread: collectives
+    are lazy and run when evaluated, each rank's must run in its own thread (and MLX's
+    streams belong to the thread that made them)."""
+    import mlx.core as mx
+
+    if isinstance(value, mx.array):
+        mx.eval(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _evaluate(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _evaluate(v)
+
+
 def run_both(leader_fn: Callable, worker_fn: Callable, timeout: float = 60.0) -> Tuple:
     """Run the two ranks' functions concurrently; return (leader, worker)
-    results as (value, exception) pairs. Never hangs past timeout."""
+    results as (value, exception) pairs, MLX arrays in them evaluated. Never
+    hangs past timeout."""
     results: List = [(None, None), (None, None)]
 
     def wrap(i: int, fn: Callable) -> None:
         try:
-            results[i] = (fn(), None)
+            value = fn()
+            _evaluate(value)
+            results[i] = (value, None)
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             results[i] = (None, exc)
 

@@ -1,8 +1,8 @@
-"""Our Group as an mx.distributed stand-in: MLX's collective test matrix (dtypes int8, uint8,
+"""Our Group is an mx.distributed.Group: MLX's collective test matrix (dtypes int8, uint8,
 int32, uint32, float32, float16, bfloat16; shapes (), (7,), (10,), (1024,), (1024, 1024);
-all_sum, all_max, all_min, all_gather) plus sum_scatter, send/recv and group=None, over tcp
-and the emulated RDMA device; gradients against the unsplit computation; mx.compile and
-mx.vmap refused before any byte moves.
+all_sum, all_max, all_min, all_gather) plus sum_scatter, send/recv and group=None, through
+mx.distributed over tcp, the emulated RDMA device and the real ibverbs provider on the fake
+libibverbs; gradients, mx.compile and mx.vmap against the unsplit computation.
 
 One pair of rank processes per transport runs the whole matrix (tests/collective_child.py).
 """
@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.errors import HelloMismatchError
-from pairutil import Procs, free_port, make_groups, run_both, run_mlx_ranks
+from pairutil import Procs, fake_verbs_library, free_port, make_groups, run_both, run_mlx_ranks
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_child.py")
 # 7 dtypes x 5 shapes x (all_sum, all_max, all_min, all_gather, sum_scatter, send/recv)
@@ -26,12 +25,13 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_chi
 MATRIX_CASES = 7 * 5 * 6 + 7 * 6 + 1
 
 
-@pytest.fixture(scope="module", params=["tcp", "rdma"])
+@pytest.fixture(scope="module", params=["tcp", "rdma", "rdma-fake"])
 def reports(request):
     procs = Procs()
     port = str(free_port())
+    env = {"DS4_TP_VERBS_LIBRARY": fake_verbs_library()} if request.param == "rdma-fake" else None
     try:
-        ranks = [procs.spawn([CHILD, role, port, request.param]) for role in ("leader", "worker")]
+        ranks = [procs.spawn([CHILD, role, port, request.param], env=env) for role in ("leader", "worker")]
         out = []
         for p in ranks:
             stdout, stderr = p.communicate(timeout=120)
@@ -54,15 +54,9 @@ def test_gradients_match_the_unsplit_computation(reports):
         assert report["gradients"] == {"all_sum": True, "all_gather": True, "sum_scatter": True}
 
 
-def test_compile_and_vmap_are_refused_before_any_byte_moves(reports):
+def test_compile_and_vmap_of_collectives_match_the_unsplit_computation(reports):
     for report in reports:
-        refused = report["transforms"]
-        assert refused["compile"].startswith("mlx_ds4tp.all_sum runs eagerly"), refused
-        assert "cannot be traced by mx.compile or mx.vmap (nothing was sent" in refused["compile"]
-        assert "Compile the pieces between the collectives" in refused["compile"]
-        assert refused["vmap"].startswith("mlx_ds4tp.all_max runs eagerly"), refused
-        # Nothing moved: the next all_sum still pairs up.
-        assert refused["pair_intact"] is True
+        assert report["transforms"] == {"compile": True, "vmap": True, "pair_intact": True}
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +67,22 @@ def groups():
     wg.close()
 
 
+def evaluated(y: mx.array) -> mx.array:
+    """y evaluated in the calling thread: each rank's thread runs its own collective (a
+    collective is lazy; evaluating both ranks' in one thread would wait on itself)."""
+    mx.eval(y)
+    return y
+
+
 def test_different_collectives_on_the_two_ranks_are_named():
     lg, wg = make_groups("tcp", timeout=5.0)
     with lg, wg:
         x = mx.zeros((8,), dtype=mx.int32)
         mx.eval(x)
-        (_, le), (_, we) = run_both(lambda: tp.all_sum(x, group=lg), lambda: tp.all_max(x, group=wg))
-    assert isinstance(le, HelloMismatchError)
+        (_, le), (_, we) = run_both(lambda: evaluated(tp.all_sum(x, group=lg)),
+                                    lambda: evaluated(tp.all_max(x, group=wg)))
+    # Raised inside MLX's evaluation: MLX hands it on as a RuntimeError.
+    assert isinstance(le, RuntimeError) and isinstance(we, RuntimeError)
     assert "this rank has all_sum int32 (8,), the peer has all_max int32 (8,)" in str(le)
     assert "this rank has all_max int32 (8,), the peer has all_sum int32 (8,)" in str(we)
 
@@ -89,16 +92,19 @@ def test_two_senders_are_named():
     with lg, wg:
         x = mx.zeros((3,), dtype=mx.uint8)
         mx.eval(x)
-        (_, le), (_, we) = run_both(lambda: tp.send(x, 1, group=lg), lambda: tp.send(x, 0, group=wg))
-    assert isinstance(le, HelloMismatchError)
+        (_, le), (_, we) = run_both(lambda: evaluated(tp.send(x, 1, group=lg)),
+                                    lambda: evaluated(tp.send(x, 0, group=wg)))
+    assert isinstance(le, RuntimeError)
     assert "this rank has send/recv from rank 0 uint8 (3,), the peer has send/recv from rank 1" in str(le)
 
 
-def test_recv_of_a_wrong_shape_is_named(groups):
-    lg, wg = groups
-    x = mx.arange(6, dtype=mx.int16)
-    mx.eval(x)
-    (_, le), (_, we) = run_both(lambda: tp.send(x, 1, group=lg), lambda: tp.recv((5,), mx.int16, 0, group=wg))
+def test_recv_of_a_wrong_shape_is_named():
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        x = mx.arange(6, dtype=mx.int16)
+        mx.eval(x)
+        (_, le), (_, we) = run_both(lambda: evaluated(tp.send(x, 1, group=lg)),
+                                    lambda: evaluated(tp.recv((5,), mx.int16, 0, group=wg)))
     assert "this rank has send/recv from rank 0 int16 (6,), the peer has send/recv from rank 0 int16 (5,)" in str(le)
 
 
@@ -117,7 +123,7 @@ def test_every_mlx_dtype_round_trips_exactly(groups):
         xa, xb = (mx.array(np.array(v, dtype=np_dtype), dtype=dtype) for v in (a, b))
         mx.eval(xa, xb)
         for ours, theirs in ((tp.all_sum, mx.add), (tp.all_max, mx.maximum), (tp.all_min, mx.minimum)):
-            ya, yb = run_both(lambda: ours(xa, group=lg), lambda: ours(xb, group=wg))
+            ya, yb = run_both(lambda: evaluated(ours(xa, group=lg)), lambda: evaluated(ours(xb, group=wg)))
             want = theirs(xa, xb)
             for y, exc in (ya, yb):
                 assert exc is None, exc

@@ -1,5 +1,6 @@
-"""The gate's sum in C (tp_sum2, and through it tp_tcp_gate_sum / tp_gate_sum): bit-identical
-to MLX's own a + b for float32, float16 and bfloat16, whatever the bits of the partials."""
+"""The gate's sum in C (tp_sum2, which the MLX backend's all_sum and sum_scatter call for the
+float dtypes): bit-identical to MLX's own a + b for float32, float16 and bfloat16, whatever the
+bits of the partials."""
 
 from __future__ import annotations
 
@@ -7,7 +8,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_ds4tp.link.native import load_verbs, sum_partials
+from mlx_ds4tp.link.native import load_verbs
+
+
+def sum_partials(dtype: int, rank: int, mine, peer, out) -> None:
+    """out = rank 0's partial + rank 1's (mine is this rank's), as the backend calls tp_sum2."""
+    ffi, lib = load_verbs()
+    a, b = ffi.from_buffer(mine), ffi.from_buffer(peer)
+    o = ffi.from_buffer(out, require_writable=True)
+    if not len(a) == len(b) == len(o):
+        raise ValueError(f"{len(a)}, {len(b)} and {len(o)} bytes: they must match")
+    item = 4 if dtype == lib.TP_SUM_F32 else 2
+    first, second = (a, b) if rank == 0 else (b, a)
+    if len(a) % item or lib.tp_sum2(dtype, first, second, o, len(a) // item) != lib.TP_OK:
+        raise ValueError(f"dtype code {dtype} with {len(a)} bytes is not a whole number of items")
 
 # (MLX dtype, C code, the numpy type its bits are read as)
 DTYPES = [(mx.float32, 1, np.uint32), (mx.float16, 2, np.uint16), (mx.bfloat16, 3, np.uint16)]
@@ -70,58 +84,3 @@ def test_bad_sizes_and_dtypes_are_refused():
     with pytest.raises(ValueError, match="must match"):
         sum_partials(1, 0, np.zeros(4, np.uint8), np.zeros(8, np.uint8), np.zeros(4, np.uint8))
     assert lib.tp_sum2(9, ffi.NULL, ffi.NULL, ffi.NULL, 0) == lib.TP_EINVAL
-
-
-def test_sum_gate_refuses_a_wrong_size_and_a_closed_pair_before_sending():
-    """tp_sum_gate_run checks before it touches the socket or device: a partial of another
-    size is TP_EINVAL naming both sizes, a closed pair TP_ECLOSED, and neither spends a
-    sequence number."""
-    ffi, lib = load_verbs()
-    state = ffi.new("tp_pair_state *")
-    gate = ffi.new("tp_sum_gate *")
-    gate.pair = state
-    gate.fd = -1
-    gate.bytes = 16
-    src = ffi.new("char[]", 16)
-    assert lib.tp_sum_gate_run(gate, src, 8) == lib.TP_EINVAL
-    assert "the partial is 8 bytes, this gate takes 16" in ffi.string(gate.err).decode()
-    state.closed = 1
-    assert lib.tp_sum_gate_run(gate, src, 16) == lib.TP_ECLOSED
-    assert "this pair is closed" in ffi.string(gate.err).decode()
-    assert state.seq == 0
-
-
-def test_sum_gate_refuses_a_latency_count_without_room_for_the_total():
-    from mlx_ds4tp.link.sum_gates import make_sum_gate
-
-    ffi, lib = load_verbs()
-
-    class Tcp:
-        spin_ns = 0
-
-        def fileno(self):
-            return -1
-
-    buf = np.zeros(16, np.uint8)
-    with pytest.raises(ValueError, match="latency_count holds 1 uint64; it needs 2"):
-        make_sum_gate(ffi.new("tp_pair_state *"), Tcp(), None, 0, buf, buf.copy(), lib.TP_SUM_F32, 0, 0,
-                      np.zeros(8, np.int64), np.zeros(1, np.uint64))
-
-
-@pytest.mark.parametrize("shape", [(8192,), (2, 3, 4), (), (0,), (2, 0, 3)], ids=str)
-def test_bfloat16_export_copies_the_bits_into_a_new_evaluated_array(shape):
-    from mlx_ds4tp.collectives.dlpack import Bf16Export
-
-    count = int(np.prod(shape, dtype=np.int64))
-    bits_in = np.random.default_rng(5).integers(0, 1 << 16, size=count, dtype=np.uint64).astype(np.uint16)
-    export = Bf16Export(bits_in, shape)
-    original = bits_in.copy()
-    first = export()
-    assert first.dtype == mx.bfloat16 and first.shape == tuple(shape)
-    assert np.array_equal(np.array(first.view(mx.uint16)).ravel(), original)
-    bits_in[:] = 0x3F80  # the next gate reuses the buffer: the array made before must not change
-    second = export()
-    assert np.array_equal(np.array(first.view(mx.uint16)).ravel(), original)
-    assert np.all(np.array(second.view(mx.uint16)) == 0x3F80)
-    with pytest.raises(ValueError, match="cannot hold shape"):
-        Bf16Export(np.zeros(3, np.uint16), (4,))

@@ -37,6 +37,7 @@ def _sum_until_error(g, iters: int):
     for k in range(iters):
         try:
             y = tp.all_sum(base * (rank + 1) + k, group=g)
+            mx.eval(y)  # the collective runs inside MLX's evaluation
         except Exception as exc:  # noqa: BLE001 - returned to the test
             g.close()
             return k, wrong, exc
@@ -58,8 +59,10 @@ def test_lost_message_stops_the_pair_naming_the_seq(monkeypatch):
     for name, (done, wrong, exc) in (("leader", lres), ("worker", wres)):
         assert wrong == [], f"{name} got wrong sums at calls {wrong[:5]}: a silent loss"
         assert exc is not None, f"{name} ran all {iters} gates: was no message lost?"
-        assert isinstance(exc, (DesyncError, PeerClosedError)), f"{name}: {exc!r}"
-        if isinstance(exc, DesyncError):
+        # Raised inside MLX's evaluation, handed on as a RuntimeError: a loss detected here, or
+        # the peer's end of the pair closing because it detected the loss first.
+        assert isinstance(exc, RuntimeError), f"{name}: {exc!r}"
+        if LOST_RE.search(str(exc)):
             m = LOST_RE.search(str(exc))
             assert m, str(exc)
             # call k is gate seq k + 1: the seq named is the one in progress
@@ -99,6 +102,7 @@ def _scripted_sums(g, sizes):
         t0 = time.monotonic()
         try:
             y = tp.all_sum(x, group=g)
+            mx.eval(y)  # the collective runs inside MLX's evaluation
         except Exception as exc:  # noqa: BLE001 - returned to the test
             took = time.monotonic() - t0
             g.close()
@@ -125,7 +129,7 @@ def test_lost_last_gate_before_the_data_socket_is_desync_within_a_second(monkeyp
     assert lexc is None and wexc is None, (lexc, wexc)
     (ldone, lwrong, lerr, ltook), (wdone, wwrong, werr, _) = lres, wres
     assert lwrong == [] and wwrong == [], (lwrong, wwrong)
-    assert isinstance(lerr, DesyncError), repr(lerr)
+    assert isinstance(lerr, RuntimeError), repr(lerr)  # raised inside MLX's evaluation
     assert ldone == 4, (ldone, str(lerr))
     m = MOVED_RE.search(str(lerr))
     assert m and m.group(1) == "gate seq 5 (recv_done 4)", str(lerr)
@@ -179,7 +183,7 @@ def test_lost_last_bulk_chunk_is_desync_within_a_second(monkeypatch):
     assert lexc is None and wexc is None, (lexc, wexc)
     (ldone, lwrong, lerr, ltook), (wdone, wwrong, werr, _) = lres, wres
     assert lwrong == [] and wwrong == []
-    assert ldone == 0 and isinstance(lerr, DesyncError), (ldone, repr(lerr))
+    assert ldone == 0 and isinstance(lerr, RuntimeError), (ldone, repr(lerr))
     m = MOVED_RE.search(str(lerr))
     assert m and m.group(1).startswith("bulk round 0 of 1 (3/4 receives in"), str(lerr)
     assert "its bulk message never landed" in str(lerr)

@@ -1,13 +1,17 @@
 """The pieces of `ds4tp serve` one by one: the prompt-cache decisions, stop strings, seeded
 sampling, the request checks, --model resolution, and the two ranks' session tables driven
-in lockstep inside one process (batched rows equal each session alone)."""
+in lockstep (the leader's here, the worker's in its own process; batched rows equal each
+session alone)."""
 
 from __future__ import annotations
 
-import threading
+import json
+import os
 
 import mlx.core as mx
 import pytest
+
+import mlx_ds4tp as tp
 
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
 from mlx_ds4tp.lockstep.sampling import SamplingOptions, SessionSampler
@@ -136,18 +140,25 @@ def test_model_resolution_names_the_missing_repo(tmp_path, monkeypatch):
         resolve_model(str(tmp_path / "a" / "b" / "c"))
 
 
-def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path):
-    """Both ranks' tables in one process: staggered joins and leaves, a moved cache and a
-    copied, rewound cache; every session's greedy tokens equal mlx-lm's for it alone."""
+def _worker_process(procs, path, port: int):
+    """The worker rank as its own process (tests/worker_child.py): one rank evaluates here."""
+    return procs.spawn([os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_child.py"),
+                        str(path), str(port)])
+
+
+def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
+    """The leader's table here, the worker's in its process: staggered joins and leaves, a
+    moved cache and a copied, rewound cache; every session's greedy tokens equal mlx-lm's for
+    it alone."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.lockstep.sampling import sample_rows
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.testing.tiny_model import save_llama
-    from pairutil import make_groups
+    from pairutil import free_port
 
     path = save_llama(tmp_path / "m", "tiny", seed=3)
     model, tokenizer = load(str(path))
@@ -160,18 +171,9 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path):
         return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n,
                                             sampler=make_sampler(0.0))]
 
-    leader_group, worker_group = make_groups("tcp")
-    worker_result = {}
-
-    def worker():
-        try:
-            split, _ = load_split(str(path), worker_group)
-            worker_result["steps"] = serve_worker(worker_group, split).step_count
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            worker_result["error"] = exc
-
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
+    port = free_port()
+    worker = _worker_process(procs, path, port)
+    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
     try:
         split, _ = load_split(str(path), leader_group)
         sessions = LeaderSessions(leader_group, split)
@@ -219,13 +221,11 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path):
             assert state[sid][2] == alone(ids), sid
         assert sessions.table.stored.keys() == set()
         sessions.stop()
-        thread.join(30)
-        assert "error" not in worker_result, worker_result.get("error")
-        assert worker_result["steps"] == sessions.table.step_count
+        out, err = worker.communicate(timeout=60)
+        assert worker.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["steps"] == sessions.table.step_count
     finally:
         leader_group.close()
-        worker_group.close()
-        thread.join(10)
 
 
 def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
@@ -312,10 +312,10 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     assert failures > 50  # most damages are caught, the rest are scripts that still make sense
 
 
-def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, monkeypatch):
-    """The engine in one process over an in-process pair: a request whose (leader-only)
-    sampling raises gets a "failed" event; the request decoding beside it, and the next one,
-    get mlx-lm's tokens; the pair stays up."""
+def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, monkeypatch, procs):
+    """The engine here over a pair whose worker is its own process: a request whose
+    (leader-only) sampling raises gets a "failed" event; the request decoding beside it, and
+    the next one, get mlx-lm's tokens; the pair stays up."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -323,9 +323,9 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     from mlx_ds4tp.serve import engine as serve_engine
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve.engine import Engine, Request
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.testing.tiny_model import save_llama
-    from pairutil import make_groups
+    from pairutil import free_port
 
     class Flaky(SessionSampler):
         def sample(self, logits):
@@ -336,10 +336,9 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     monkeypatch.setattr(serve_engine, "SessionSampler", Flaky)
     path = save_llama(tmp_path / "m", "tiny", seed=2)
     model, tokenizer = load(str(path))
-    leader_group, worker_group = make_groups("tcp")
-    thread = threading.Thread(
-        target=lambda: serve_worker(worker_group, load_split(str(path), worker_group)[0]), daemon=True)
-    thread.start()
+    port = free_port()
+    worker = _worker_process(procs, path, port)
+    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
     engine = None
     try:
         engine = Engine(LeaderSessions(leader_group, load_split(str(path), leader_group)[0]), tokenizer)
@@ -380,6 +379,5 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     finally:
         if engine is not None:
             engine.stop()
-        thread.join(30)
         leader_group.close()
-        worker_group.close()
+        worker.wait(30)

@@ -166,3 +166,38 @@ class PairGroup(_pairgroup.PairGroup):
     def gates(self) -> int:
         """Decode gates run since init."""
         return int(self._latency_count[0])
+
+    def latency_ring(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(round trips in ns, [how many were recorded, their total ns]), as the C exchange
+        writes them."""
+        return self._latency_ns, self._latency_count
+
+
+class MlxGroup(_pairgroup.SharedGroup):
+    """MLX's own group (ring or JACCL, as init(transport="mlx") returns it) with the extras
+    a pair's group has: ``transport`` ("mlx"), ``close()`` (MLX owns the connections: the
+    group simply stops being the default), the context manager, and statistics that MLX
+    does not keep (zero)."""
+
+    transport = "mlx"
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "MlxGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<mlx_ds4tp MlxGroup rank={self.rank()} size={self.size()} transport=mlx>"
+
+    def gate_latency_us(self) -> Tuple[float, float]:
+        return 0.0, 0.0
+
+    def exchange_seconds(self) -> float:
+        return 0.0
+
+    def gates(self) -> int:
+        return 0

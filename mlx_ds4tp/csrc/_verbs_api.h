@@ -284,59 +284,18 @@ int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin
  * and bfloat16 added in float32 and rounded to nearest-even, as MLX adds
  * them. out must not overlap the inputs. TP_EINVAL for another dtype. */
 int tp_sum2(int dtype, const void *first, const void *second, void *out, uint64_t count);
-/* tp_tcp_gate (peer's payload into `peer`), then out = rank 0's partial +
- * rank 1's (rank: this side's), so both ranks compute the same expression
- * and hold identical bits. */
-int tp_tcp_gate_sum(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, const void *src,
-                    void *peer, void *out, uint64_t bytes, uint64_t seq, uint64_t spin_ns, int dtype,
-                    int rank, char *err, size_t errlen);
-/* tp_gate (peer's partial into `peer`), then the sum as tp_tcp_gate_sum. */
-int tp_gate_sum(tp_dev *dev, const void *src, void *peer, void *out, uint32_t bytes, uint64_t seq,
-                double timeout_s, int dtype, int rank, char *err, size_t errlen);
 
 
-/* ---- The float gate in one call (csrc/sum.c) ---- */
+/* ---- The pair's shared gate state ---- */
 
 /* What every gate of a pair shares: the sequence number of the last gate or
  * bulk exchange (the TCP header carries it, the RDMA window is posted by it)
  * and whether the pair is closed. The pair owns it; Python reads and bumps
- * seq for the other gates. */
+ * seq for the gates it runs itself (the transport tests, the bench). */
 typedef struct tp_pair_state {
     uint64_t seq;
     int closed;
 } tp_pair_state;
-
-/* One float gate's fixed arguments, filled once per (dtype, shape) by the
- * pair: a gate is then one call with three arguments, so the interpreter
- * converts and checks almost nothing per gate (each converted argument and
- * each Python frame cost about as much as the sum itself). */
-typedef struct tp_sum_gate {
-    tp_pair_state *pair;
-    tp_dev *dev;              /* RDMA gates; NULL: the TCP gate on fd */
-    int fd;
-    uint64_t spin_ns;         /* TCP: poll this long before blocking */
-    double timeout_s;         /* RDMA: the hot path's deadline */
-    int dtype;                /* TP_SUM_* */
-    int rank;                 /* this side's: rank 0's partial comes first in the sum */
-    uint16_t layer;           /* the TCP header's layer and gate fields */
-    uint16_t gate;
-    void *peer;               /* the peer's partial lands here (bytes) */
-    void *out;                /* the sum (bytes) */
-    uint64_t bytes;
-    unsigned char hdr_out[16];   /* the TCP gate header, GATE_HEADER in _wire.py */
-    unsigned char hdr_in[16];    /* the peer's (read on TP_EDESYNC) */
-    int64_t *latency_ns;      /* ring of round trips, latency_len entries (NULL: not kept) */
-    uint64_t latency_len;
-    uint64_t *latency_count;  /* [0]: round trips recorded so far, [1]: their total ns */
-    char err[512];            /* why the last failed call failed */
-} tp_sum_gate;
-
-/* Exchange src (g->bytes) with the peer and sum into g->out, as
- * tp_tcp_gate_sum / tp_gate_sum, bumping g->pair->seq first and timing the
- * round trip into the latency ring. TP_EINVAL when bytes differs from
- * g->bytes; TP_ECLOSED when the pair is closed (nothing sent). */
-int tp_sum_gate_run(tp_sum_gate *g, const void *src, uint64_t bytes);
-
 
 
 /* ---- One exchange for the MLX backend (csrc/exchange.c) ---- */
@@ -353,6 +312,20 @@ int tp_sum_gate_run(tp_sum_gate *g, const void *src, uint64_t bytes);
  * larger ones are bulk exchanges. GATE_MAX_BYTES in link/wire.py. */
 #define TP_GATE_BYTES 32768
 
+/* An exchange's signature: what both ranks must agree on. The TCP header
+ * carries it whole (EXCHANGE_HEADER in link/wire.py, TP_EXCHANGE_HEADER
+ * bytes); shapes of more than TP_XSIG_DIMS dimensions are compared on their
+ * first TP_XSIG_DIMS and their byte count. */
+#define TP_XSIG_DIMS 8
+#define TP_EXCHANGE_HEADER 96
+typedef struct tp_xsig {
+    int op;                   /* TP_XOP_* */
+    int dtype;                /* the collectives' dtype code (1 float32 ... 14 complex64) */
+    uint64_t bytes;
+    int ndim;
+    int64_t shape[8];
+} tp_xsig;
+
 /* What the MLX backend's GroupImpl holds of the pair: filled by Python once
  * the pair is complete, read and written only by tp_link_exchange after. */
 typedef struct tp_link {
@@ -367,23 +340,20 @@ typedef struct tp_link {
     uint64_t *latency_count;  /* [0]: gates recorded, [1]: their total ns */
     uint64_t other_ns;        /* total ns of bulk exchanges and signature swaps */
     int sig_valid;            /* RDMA: the signature last agreed with the peer */
-    int sig_op;
-    int sig_dtype;
-    uint64_t sig_bytes;
+    tp_xsig sig;
     int failed;               /* an exchange failed: the link is dead (failure says why) */
-    unsigned char hdr_out[24];
-    unsigned char hdr_in[24];
+    unsigned char hdr_out[96];
+    unsigned char hdr_in[96];
     char failure[512];
 } tp_link;
 
-/* Send bytes from src, receive the peer's bytes into dst (src and dst must
- * not overlap), both ranks naming the same collective op (TP_XOP_*) and
- * dtype code: a peer at another op, dtype, size or sequence is TP_EDESYNC,
- * with both sides named in err. After any failure the link is dead: every
+/* Send sig->bytes from src, receive the peer's into dst (src and dst must
+ * not overlap): a peer at another collective, dtype, shape or sequence is
+ * TP_EDESYNC, with both sides named in err. After any failure the link is dead: every
  * later call is TP_ECLOSED naming the first failure, and the data socket is
  * shut down so the peer fails at once too. */
-int tp_link_exchange(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
-                     char *err, size_t errlen);
+int tp_link_exchange(tp_link *l, const tp_xsig *sig, const void *src, void *dst, char *err,
+                     size_t errlen);
 /* Mark the pair closed and wake an exchange blocked on the data socket. */
 void tp_link_close(tp_link *l);
 /* The addresses the C++ backend calls (it is another shared object). */

@@ -11,9 +11,10 @@
  * does not (a peer at another collective, dtype or size, a skipped gate) must
  * fail loudly, never sum the wrong partials, so each exchange carries its
  * signature: collective, dtype, byte count and sequence number.
- *   - TCP: the 24-byte EXCHANGE_HEADER (link/wire.py) rides ahead of the
- *     payload in the same write; the peer compares it with its own before
- *     it waits for any payload (tp_tcp_gate / tp_tcp_duplex).
+ *   - TCP: the EXCHANGE_HEADER (link/wire.py: collective, dtype, sequence,
+ *     bytes, and the shape, so a mismatch names both ranks' arrays) rides
+ *     ahead of the payload in the same write; the peer compares it with its
+ *     own before it waits for any payload (tp_tcp_gate / tp_tcp_duplex).
  *   - RDMA: the payload rides the queue pair, whose immediates carry only the
  *     sequence; the header goes over the data socket when the signature
  *     changes (a decode step's gates share one) and before every bulk
@@ -33,7 +34,8 @@
 #include <sys/socket.h>
 
 #define TP_EXCHANGE_MAGIC 0x58345344u /* "DS4X", EXCHANGE_MAGIC in link/wire.py */
-#define TP_EXCHANGE_HEADER_BYTES 24u  /* magic u32, op u16, dtype u16, seq u64, bytes u64 */
+/* magic u32, op u16, dtype u16, seq u64, bytes u64, ndim u32, 0 u32, dims 8 x u64 */
+#define TP_EXCHANGE_HEADER_BYTES TP_EXCHANGE_HEADER
 
 static const char *op_name(int op) {
     switch (op) {
@@ -65,31 +67,69 @@ static uint64_t get_le(const unsigned char *p, int n) {
     return v;
 }
 
-static void pack_header(unsigned char *h, int op, int dtype, uint64_t seq, uint64_t bytes) {
+static void pack_header(unsigned char *h, const tp_xsig *sig, uint64_t seq) {
+    memset(h, 0, TP_EXCHANGE_HEADER_BYTES);
     put_le(h, TP_EXCHANGE_MAGIC, 4);
-    put_le(h + 4, (uint64_t)op, 2);
-    put_le(h + 6, (uint64_t)dtype, 2);
+    put_le(h + 4, (uint64_t)sig->op, 2);
+    put_le(h + 6, (uint64_t)sig->dtype, 2);
     put_le(h + 8, seq, 8);
-    put_le(h + 16, bytes, 8);
+    put_le(h + 16, sig->bytes, 8);
+    put_le(h + 24, (uint64_t)sig->ndim, 4);
+    const int kept = sig->ndim < TP_XSIG_DIMS ? sig->ndim : TP_XSIG_DIMS;
+    for (int i = 0; i < kept; i++) put_le(h + 32 + 8 * i, (uint64_t)sig->shape[i], 8);
 }
 
-/* "the peer is at all_gather float32 (65536 bytes, seq 9), this rank at ...". */
-static void name_desync(const unsigned char *theirs, int op, int dtype, uint64_t seq,
-                        uint64_t bytes, char *err, size_t errlen) {
+static void unpack_header(const unsigned char *h, tp_xsig *sig, uint64_t *seq) {
+    memset(sig, 0, sizeof(*sig));
+    sig->op = (int)get_le(h + 4, 2);
+    sig->dtype = (int)get_le(h + 6, 2);
+    *seq = get_le(h + 8, 8);
+    sig->bytes = get_le(h + 16, 8);
+    sig->ndim = (int)get_le(h + 24, 4);
+    const int kept = sig->ndim < TP_XSIG_DIMS ? sig->ndim : TP_XSIG_DIMS;
+    for (int i = 0; i < kept; i++) sig->shape[i] = (int64_t)get_le(h + 32 + 8 * i, 8);
+}
+
+/* "all_sum float32 (2, 4096)": an exchange as the errors name it (numpy's shape style). */
+static void describe(const tp_xsig *sig, char *out, size_t len) {
+    int n = snprintf(out, len, "%s %s (", op_name(sig->op), dtype_name(sig->dtype));
+    const int kept = sig->ndim < TP_XSIG_DIMS ? sig->ndim : TP_XSIG_DIMS;
+    for (int i = 0; i < kept && n > 0 && (size_t)n < len; i++)
+        n += snprintf(out + n, len - (size_t)n, i ? ", %lld" : "%lld", (long long)sig->shape[i]);
+    if (n > 0 && (size_t)n < len)
+        snprintf(out + n, len - (size_t)n, "%s%s)", sig->ndim > TP_XSIG_DIMS ? ", ..." : "",
+                 sig->ndim == 1 ? "," : "");
+}
+
+/* "this rank has all_sum float32 (4096,), the peer has all_gather float32 (2048,)". */
+static void name_desync(const unsigned char *theirs, const tp_xsig *mine, uint64_t seq, char *err,
+                        size_t errlen) {
+    char here[160], there[160];
+    describe(mine, here, sizeof(here));
     const uint32_t magic = (uint32_t)get_le(theirs, 4);
     if (magic != TP_EXCHANGE_MAGIC) {
-        tp_errf(err, errlen, "collective desync at seq %llu: the peer sent no exchange header "
-                "(magic 0x%08x) while this rank is at %s %s (%llu bytes); both ranks must run "
-                "the same collectives in the same order", (unsigned long long)seq, magic,
-                op_name(op), dtype_name(dtype), (unsigned long long)bytes);
+        tp_errf(err, errlen, "collective mismatch at seq %llu: this rank has %s, the peer sent no "
+                "exchange header (magic 0x%08x); both ranks must run the same collectives in the "
+                "same order", (unsigned long long)seq, here, magic);
         return;
     }
-    tp_errf(err, errlen, "collective desync: the peer is at %s %s (%llu bytes, seq %llu), this "
-            "rank at %s %s (%llu bytes, seq %llu); both ranks must call the same collective "
-            "with the same shape and dtype in the same order",
-            op_name((int)get_le(theirs + 4, 2)), dtype_name((int)get_le(theirs + 6, 2)),
-            (unsigned long long)get_le(theirs + 16, 8), (unsigned long long)get_le(theirs + 8, 8),
-            op_name(op), dtype_name(dtype), (unsigned long long)bytes, (unsigned long long)seq);
+    tp_xsig peer;
+    uint64_t peer_seq;
+    unpack_header(theirs, &peer, &peer_seq);
+    describe(&peer, there, sizeof(there));
+    if (peer_seq != seq)
+        tp_errf(err, errlen, "collective mismatch: this rank is at collective %llu (%s), the peer "
+                "at %llu (%s); both ranks must run the same collectives in the same order",
+                (unsigned long long)seq, here, (unsigned long long)peer_seq, there);
+    else if (peer.bytes == mine->bytes && peer.op == mine->op && peer.dtype == mine->dtype &&
+             peer.ndim == mine->ndim)
+        tp_errf(err, errlen, "collective mismatch at seq %llu: this rank has %s, the peer has %s; "
+                "both ranks must call the same collective with the same shape",
+                (unsigned long long)seq, here, there);
+    else
+        tp_errf(err, errlen, "collective mismatch at seq %llu: this rank has %s, the peer has %s; "
+                "both ranks must call the same collective with the same shape and dtype",
+                (unsigned long long)seq, here, there);
 }
 
 static void record(tp_link *l, uint64_t bytes, uint64_t ns) {
@@ -103,37 +143,45 @@ static void record(tp_link *l, uint64_t bytes, uint64_t ns) {
 }
 
 /* The header alone, both ways, over the data socket (RDMA's signature check). */
-static int swap_header(tp_link *l, int op, int dtype, uint64_t seq, uint64_t bytes, char *err,
-                       size_t errlen) {
-    pack_header(l->hdr_out, op, dtype, seq, bytes);
+static int swap_header(tp_link *l, const tp_xsig *sig, uint64_t seq, char *err, size_t errlen) {
+    pack_header(l->hdr_out, sig, seq);
     int rc = tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, NULL, NULL, 0,
                          seq, l->spin_ns, err, errlen);
-    if (rc == TP_EDESYNC) name_desync(l->hdr_in, op, dtype, seq, bytes, err, errlen);
+    if (rc == TP_EDESYNC) name_desync(l->hdr_in, sig, seq, err, errlen);
     return rc;
 }
 
-static int run_tcp(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
-                   uint64_t seq, char *err, size_t errlen) {
-    pack_header(l->hdr_out, op, dtype, seq, bytes);
+static int run_tcp(tp_link *l, const tp_xsig *sig, const void *src, void *dst, uint64_t seq,
+                   char *err, size_t errlen) {
+    const uint64_t bytes = sig->bytes;
+    pack_header(l->hdr_out, sig, seq);
     int rc = bytes <= TP_GATE_BYTES
                  ? tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, src, dst,
                                bytes, seq, l->spin_ns, err, errlen)
                  : tp_tcp_duplex(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, src,
                                  dst, bytes, seq, l->spin_ns, l->timeout_s, err, errlen);
-    if (rc == TP_EDESYNC) name_desync(l->hdr_in, op, dtype, seq, bytes, err, errlen);
+    if (rc == TP_EDESYNC) name_desync(l->hdr_in, sig, seq, err, errlen);
     return rc;
 }
 
-static int run_rdma(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
-                    uint64_t seq, char *err, size_t errlen) {
+static int same_sig(const tp_xsig *a, const tp_xsig *b) {
+    if (a->op != b->op || a->dtype != b->dtype || a->bytes != b->bytes || a->ndim != b->ndim)
+        return 0;
+    const int kept = a->ndim < TP_XSIG_DIMS ? a->ndim : TP_XSIG_DIMS;
+    for (int i = 0; i < kept; i++)
+        if (a->shape[i] != b->shape[i]) return 0;
+    return 1;
+}
+
+static int run_rdma(tp_link *l, const tp_xsig *sig, const void *src, void *dst, uint64_t seq,
+                    char *err, size_t errlen) {
+    const uint64_t bytes = sig->bytes;
     const int gate = bytes <= TP_GATE_BYTES;
-    if (!gate || !l->sig_valid || l->sig_op != op || l->sig_dtype != dtype || l->sig_bytes != bytes) {
-        int rc = swap_header(l, op, dtype, seq, bytes, err, errlen);
+    if (!gate || !l->sig_valid || !same_sig(&l->sig, sig)) {
+        int rc = swap_header(l, sig, seq, err, errlen);
         if (rc != TP_OK) return rc;
         l->sig_valid = 1;
-        l->sig_op = op;
-        l->sig_dtype = dtype;
-        l->sig_bytes = bytes;
+        l->sig = *sig;
     }
     if (gate) {
         int rc = tp_gate(l->dev, src, dst, (uint32_t)bytes, seq, l->timeout_s, err, errlen);
@@ -142,21 +190,21 @@ static int run_rdma(tp_link *l, int op, int dtype, const void *src, void *dst, u
     return tp_bulk(l->dev, src, dst, bytes, l->timeout_s, err, errlen);
 }
 
-int tp_link_exchange(tp_link *l, int op, int dtype, const void *src, void *dst, uint64_t bytes,
-                     char *err, size_t errlen) {
+int tp_link_exchange(tp_link *l, const tp_xsig *sig, const void *src, void *dst, char *err,
+                     size_t errlen) {
     if (l->failed || l->pair->closed) {
         tp_errf(err, errlen, "%s %s: this group is closed%s%s; create a new one with "
-                "mlx_ds4tp.init(...)", op_name(op), dtype_name(dtype),
+                "mlx_ds4tp.init(...)", op_name(sig->op), dtype_name(sig->dtype),
                 l->failed ? " since an earlier collective failed: " : "",
                 l->failed ? l->failure : "");
         return TP_ECLOSED;
     }
     const uint64_t seq = ++l->pair->seq;
     const uint64_t t0 = tp_mono_ns();
-    int rc = l->dev ? run_rdma(l, op, dtype, src, dst, bytes, seq, err, errlen)
-                    : run_tcp(l, op, dtype, src, dst, bytes, seq, err, errlen);
+    int rc = l->dev ? run_rdma(l, sig, src, dst, seq, err, errlen)
+                    : run_tcp(l, sig, src, dst, seq, err, errlen);
     if (rc == TP_OK) {
-        record(l, bytes, tp_mono_ns() - t0);
+        record(l, sig->bytes, tp_mono_ns() - t0);
         return TP_OK;
     }
     l->failed = 1;

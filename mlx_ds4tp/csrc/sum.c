@@ -1,10 +1,9 @@
 /* The gate's sum: the two ranks' partials added where the bytes already are.
  *
- * A gate ends with both ranks holding the same total. Adding the partials in
- * Python cost numpy temporaries and, for float16, a software conversion of
- * every element (numpy has no half-precision arithmetic on most CPUs); here
- * the exchange and the sum are one C call with the GIL released, writing
- * into a buffer the caller reuses from gate to gate.
+ * A gate ends with both ranks holding the same total. The MLX backend
+ * (csrc/mlx/) calls this for the float sums of all_sum and sum_scatter, on
+ * the group's stream thread, vectorised where the CPU allows (a scalar
+ * float16 loop converts every element in software).
  *
  * Both ranks hold identical bits only if both compute the same expression:
  * `first` is always rank 0's partial, `second` rank 1's, whichever rank this
@@ -18,7 +17,6 @@
  * own conversion keeps; both ranks still hold the same bits. */
 
 #include <stdint.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "_verbs.h"
@@ -214,84 +212,3 @@ int tp_sum2(int dtype, const void *first, const void *second, void *out, uint64_
     else return TP_EINVAL;
     return TP_OK;
 }
-
-static uint64_t sum_item_bytes(int dtype) {
-    return dtype == TP_SUM_F32 ? 4 : (dtype == TP_SUM_F16 || dtype == TP_SUM_BF16) ? 2 : 0;
-}
-
-/* The sum once the peer's partial is in `peer`: rank 0's partial first. */
-static int sum_in_rank_order(int dtype, int rank, const void *mine, const void *peer, void *out,
-                             uint64_t bytes) {
-    const uint64_t item = sum_item_bytes(dtype);
-    if (!item || bytes % item) return TP_EINVAL;
-    return rank == 0 ? tp_sum2(dtype, mine, peer, out, bytes / item)
-                     : tp_sum2(dtype, peer, mine, out, bytes / item);
-}
-
-static int sum_refused(int dtype, uint64_t bytes, char *err, size_t errlen) {
-    if (err && errlen)
-        snprintf(err, errlen, "gate sum: dtype code %d with %llu bytes is not a whole number of "
-                 "float32, float16 or bfloat16 items", dtype, (unsigned long long)bytes);
-    return TP_EINVAL;
-}
-
-int tp_tcp_gate_sum(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, const void *src,
-                    void *peer, void *out, uint64_t bytes, uint64_t seq, uint64_t spin_ns, int dtype,
-                    int rank, char *err, size_t errlen) {
-    const uint64_t item = sum_item_bytes(dtype);
-    if (!item || bytes % item) return sum_refused(dtype, bytes, err, errlen);
-    int rc = tp_tcp_gate(fd, hdr_out, hdr_in, hdr_len, src, peer, bytes, seq, spin_ns, err, errlen);
-    if (rc != TP_OK) return rc;
-    return sum_in_rank_order(dtype, rank, src, peer, out, bytes);
-}
-
-int tp_gate_sum(tp_dev *dev, const void *src, void *peer, void *out, uint32_t bytes, uint64_t seq,
-                double timeout_s, int dtype, int rank, char *err, size_t errlen) {
-    const uint64_t item = sum_item_bytes(dtype);
-    if (!item || bytes % item) return sum_refused(dtype, bytes, err, errlen);
-    int rc = tp_gate(dev, src, peer, bytes, seq, timeout_s, err, errlen);
-    if (rc < 0) return rc;
-    return sum_in_rank_order(dtype, rank, src, peer, out, bytes);
-}
-
-/* The TCP gate header (GATE_HEADER in _wire.py, "<IHHQ": magic, layer, gate,
- * seq), little-endian whatever the host. */
-static void put_le(unsigned char *p, uint64_t v, int n) {
-    for (int i = 0; i < n; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-#define TP_GATE_MAGIC 0x44533454u /* "DS4T", MAGIC in _wire.py */
-
-int tp_sum_gate_run(tp_sum_gate *g, const void *src, uint64_t bytes) {
-    if (g->pair->closed) {
-        snprintf(g->err, sizeof(g->err), "this pair is closed; create a new group with mlx_ds4tp.init(...)");
-        return TP_ECLOSED;
-    }
-    if (bytes != g->bytes) {
-        snprintf(g->err, sizeof(g->err), "gate sum: the partial is %llu bytes, this gate takes %llu",
-                 (unsigned long long)bytes, (unsigned long long)g->bytes);
-        return TP_EINVAL;
-    }
-    const uint64_t seq = ++g->pair->seq;
-    const uint64_t t0 = tp_mono_ns();
-    int rc;
-    if (g->dev) {
-        rc = tp_gate_sum(g->dev, src, g->peer, g->out, (uint32_t)bytes, seq, g->timeout_s, g->dtype,
-                         g->rank, g->err, sizeof(g->err));
-    } else {
-        put_le(g->hdr_out, TP_GATE_MAGIC, 4);
-        put_le(g->hdr_out + 4, g->layer, 2);
-        put_le(g->hdr_out + 6, g->gate, 2);
-        put_le(g->hdr_out + 8, seq, 8);
-        rc = tp_tcp_gate_sum(g->fd, g->hdr_out, g->hdr_in, sizeof(g->hdr_out), src, g->peer, g->out,
-                             bytes, seq, g->spin_ns, g->dtype, g->rank, g->err, sizeof(g->err));
-    }
-    if (rc == TP_OK && g->latency_ns && g->latency_len) {
-        const uint64_t ns = tp_mono_ns() - t0;
-        g->latency_ns[g->latency_count[0] % g->latency_len] = (int64_t)ns;
-        g->latency_count[0]++;
-        g->latency_count[1] += ns;
-    }
-    return rc;
-}
-

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from ..errors import FrameError, HelloMismatchError, TransportError
+from ..errors import FrameError, HelloMismatchError
 from .control import ControlChannel, swap_small
 from .fingerprint import Fingerprint, first_difference, summary_label
 from .joined import Joined
-from .native import load_verbs, sum_partials
+from .native import load_verbs
 from .rdma import RdmaGates
-from .sum_gates import SumGate, make_sum_gate
 from .tcp import TcpGates
 from .wire import FINGERPRINT_SUMMARY, LEADER, ROLE_NAMES, FrameType
 
@@ -37,7 +36,8 @@ class Pair:
         self.tcp = TcpGates(self.data, self.timeout, spin_us=config.tcp_spin_us)
         self.rdma: Optional[RdmaGates] = rdma
         # The sequence number of the last gate or bulk exchange, and whether the pair is
-        # closed, in C memory: the float gates (SumGate) bump and check them without Python.
+        # closed, in C memory: the MLX backend's exchanges (csrc/exchange.c) bump and check
+        # them without Python.
         ffi, _ = load_verbs()
         self.state = ffi.new("tp_pair_state *")
         self.closed = False
@@ -84,23 +84,6 @@ class Pair:
             self.tcp.gate(send, recv, self.seq, layer, gate)
         return self.seq
 
-    def sum_gate(self, peer, out, dtype: int, layer: int = 0, gate: int = 0, latency_ns=None,
-                 latency_count=None) -> SumGate:
-        """A gate that also sums, with every argument but the partial fixed once: the peer's
-        partial lands in `peer`, rank 0's partial plus rank 1's in `out` (reused buffers of
-        the partial's size, dtype lib.TP_SUM_*), both in C in one call; see _sum_gates.
-        latency_ns / latency_count: a ring of round trips to record into."""
-        if self.closed:
-            raise TransportError("this pair is closed; create a new group with mlx_ds4tp.init(...)")
-        return make_sum_gate(self.state, self.tcp, self.rdma, self.rank, peer, out, dtype, layer, gate,
-                             latency_ns, latency_count)
-
-    def bulk_sum(self, send, peer, out, dtype: int, layer: int = 0) -> int:
-        """bulk, then out = rank 0's partial + rank 1's in C (prefill rows)."""
-        seq = self.bulk(send, peer, layer)
-        sum_partials(dtype, self.rank, send, peer, out)
-        return seq
-
     def exchange_small(self, mine: bytes, what: str) -> bytes:
         """Write-then-read a small fixed-size record on the data connection
         (both sides send the same size): signatures, barriers."""
@@ -123,7 +106,7 @@ class Pair:
         if self.closed:
             return
         self.closed = True
-        self.state.closed = 1  # before the device is freed: a SumGate refuses from now on
+        self.state.closed = 1  # before the device is freed: the backend's exchanges refuse from now on
         if self.rdma is not None:
             self.rdma.close()
             self.rdma = None

@@ -54,5 +54,14 @@ NB_MODULE(_pairgroup, m) {
           },
           "Stop the collectives: wake an exchange in flight, wait for it, refuse the rest.");
 
+  // MLX's own group (ring, JACCL) under a type Python can extend, so the group
+  // init(transport="mlx") returns carries the same extras as a pair's.
+  nb::class_<SharedGroup, mx::distributed::Group>(
+      m, "SharedGroup", "An mlx.core.distributed.Group sharing another group's implementation.")
+      .def(
+          "__init__",
+          [](SharedGroup* self, const mx::distributed::Group& group) { new (self) SharedGroup(group); },
+          nb::arg("group"));
+
   m.attr("BUILT_AGAINST_MLX") = DS4TP_BUILT_MLX;
 }

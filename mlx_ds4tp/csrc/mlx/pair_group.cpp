@@ -129,6 +129,17 @@ const char* op_label(int op) {
   }
 }
 
+// What both ranks must agree on for an exchange of `a` (its bytes may be a part of it).
+tp_xsig signature(int op, int code, const mx::array& a, uint64_t bytes) {
+  tp_xsig sig{};
+  sig.op = op;
+  sig.dtype = code;
+  sig.bytes = bytes;
+  sig.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < sig.ndim && i < TP_XSIG_DIMS; i++) sig.shape[i] = a.shape(i);
+  return sig;
+}
+
 int checked_code(int op, const mx::array& a) {
   const int code = dtype_code(a.dtype());
   if (code == 0) {
@@ -195,13 +206,13 @@ char* PairGroupImpl::scratch(size_t bytes) {
   return scratch_.data();
 }
 
-void PairGroupImpl::exchange(int op, int dtype, const void* src, void* dst, uint64_t bytes) {
+void PairGroupImpl::exchange(const tp_xsig& sig, const void* src, void* dst) {
   if (link_ == nullptr) {
-    throw std::runtime_error(std::string("mlx_ds4tp ") + op_label(op) +
+    throw std::runtime_error(std::string("mlx_ds4tp ") + op_label(sig.op) +
                              ": this group is closed; create a new one with mlx_ds4tp.init(...)");
   }
   char err[512] = {0};
-  const int rc = exchange_(link_, op, dtype, src, dst, bytes, err, sizeof(err));
+  const int rc = exchange_(link_, &sig, src, dst, err, sizeof(err));
   if (rc != 0) throw std::runtime_error(std::string("mlx_ds4tp: ") + err);
 }
 
@@ -222,10 +233,11 @@ void PairGroupImpl::reduce(int op, const mx::array& input, mx::array& output, mx
   char* out = output.data<char>();
   const size_t n = input.size();
   const size_t bytes = input.nbytes();
-  encoder.dispatch([self = shared_from_this(), op, code, in, out, n, bytes]() {
+  const tp_xsig sig = signature(op, code, input, bytes);
+  encoder.dispatch([self = shared_from_this(), op, code, sig, in, out, n, bytes]() {
     std::lock_guard<std::mutex> lock(self->mu_);
     char* peer = self->scratch(bytes);
-    self->exchange(op, code, in, peer, bytes);
+    self->exchange(sig, in, peer);
     const bool first = self->rank_ == 0;
     combine(op, code, self->sum2_, first ? in : peer, first ? peer : in, out, n);
   });
@@ -251,10 +263,11 @@ void PairGroupImpl::all_gather(const mx::array& input, mx::array& output, mx::St
   const char* in = input.data<char>();
   char* out = output.data<char>();
   const size_t bytes = input.nbytes();
-  encoder.dispatch([self = shared_from_this(), code, in, out, bytes]() {
+  const tp_xsig sig = signature(TP_XOP_GATHER, code, input, bytes);
+  encoder.dispatch([self = shared_from_this(), sig, in, out, bytes]() {
     std::lock_guard<std::mutex> lock(self->mu_);
     // The peer's rows land straight in their place in the output.
-    self->exchange(TP_XOP_GATHER, code, in, out + (1 - self->rank_) * bytes, bytes);
+    self->exchange(sig, in, out + (1 - self->rank_) * bytes);
     std::memcpy(out + self->rank_ * bytes, in, bytes);
   });
 }
@@ -273,14 +286,15 @@ void PairGroupImpl::sum_scatter(const mx::array& input, mx::array& output, mx::S
   char* out = output.data<char>();
   const size_t half = input.nbytes() / 2;
   const size_t n = input.size() / 2;
-  encoder.dispatch([self = shared_from_this(), code, in, out, half, n]() {
+  const tp_xsig sig = signature(TP_XOP_SCATTER, code, input, half);
+  encoder.dispatch([self = shared_from_this(), code, sig, in, out, half, n]() {
     std::lock_guard<std::mutex> lock(self->mu_);
     // Half the bytes of an all_sum move: the rows the peer keeps go out, the
     // peer's partial of the rows this rank keeps comes back.
     const int r = self->rank_;
     const char* mine = in + r * half;
     char* peer = self->scratch(half);
-    self->exchange(TP_XOP_SCATTER, code, in + (1 - r) * half, peer, half);
+    self->exchange(sig, in + (1 - r) * half, peer);
     combine(TP_XOP_SCATTER, code, self->sum2_, r == 0 ? mine : peer, r == 0 ? peer : mine, out, n);
   });
 }
@@ -298,9 +312,10 @@ void PairGroupImpl::send(const mx::array& input, int dst, mx::Stream stream) {
   encoder.set_input_array(input);
   const char* in = input.data<char>();
   const size_t bytes = input.nbytes();
-  encoder.dispatch([self = shared_from_this(), code, in, bytes]() {
+  const tp_xsig sig = signature(TP_XOP_P2P_FROM + rank_, code, input, bytes);
+  encoder.dispatch([self = shared_from_this(), sig, in, bytes]() {
     std::lock_guard<std::mutex> lock(self->mu_);
-    self->exchange(TP_XOP_P2P_FROM + self->rank_, code, in, self->scratch(bytes), bytes);
+    self->exchange(sig, in, self->scratch(bytes));
   });
 }
 
@@ -315,11 +330,12 @@ void PairGroupImpl::recv(mx::array& out, int src, mx::Stream stream) {
   encoder.set_output_array(out);
   char* dst = out.data<char>();
   const size_t bytes = out.nbytes();
-  encoder.dispatch([self = shared_from_this(), code, src, dst, bytes]() {
+  const tp_xsig sig = signature(TP_XOP_P2P_FROM + src, code, out, bytes);
+  encoder.dispatch([self = shared_from_this(), sig, dst, bytes]() {
     std::lock_guard<std::mutex> lock(self->mu_);
     char* filler = self->scratch(bytes);
     std::memset(filler, 0, bytes);
-    self->exchange(TP_XOP_P2P_FROM + src, code, filler, dst, bytes);
+    self->exchange(sig, filler, dst);
   });
 }
 

@@ -24,7 +24,7 @@ namespace mx = mlx::core;
 
 // The C module's entry points, handed over as addresses: _verbs is another
 // shared object, loaded by Python with its symbols local to it.
-using ExchangeFn = int (*)(tp_link*, int, int, const void*, void*, uint64_t, char*, size_t);
+using ExchangeFn = int (*)(tp_link*, const tp_xsig*, const void*, void*, char*, size_t);
 using Sum2Fn = int (*)(int, const void*, const void*, void*, uint64_t);
 using CloseFn = void (*)(tp_link*);
 
@@ -52,7 +52,7 @@ class PairGroupImpl : public mx::distributed::detail::GroupImpl,
  private:
   void reduce(int op, const mx::array& input, mx::array& output, mx::Stream stream);
   // One exchange: this rank's bytes out, the peer's in; throws naming what failed.
-  void exchange(int op, int dtype, const void* src, void* dst, uint64_t bytes);
+  void exchange(const tp_xsig& sig, const void* src, void* dst);
   // The peer's partial lands here: one buffer reused by every collective (they
   // run one at a time, under mu_).
   char* scratch(size_t bytes);
@@ -71,6 +71,12 @@ struct PairGroup : public mx::distributed::Group {
   explicit PairGroup(std::shared_ptr<PairGroupImpl> impl)
       : mx::distributed::Group(impl), impl_(std::move(impl)) {}
   std::shared_ptr<PairGroupImpl> impl_;
+};
+
+// Another group's implementation (MLX's own backends) under a type of ours.
+struct SharedGroup : public mx::distributed::Group {
+  explicit SharedGroup(const mx::distributed::Group& group)
+      : mx::distributed::Group(group.raw_group()) {}
 };
 
 // The wire code of an MLX dtype (the collectives' codes, link/wire.py); 0 if none.
