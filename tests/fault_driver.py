@@ -124,6 +124,7 @@ def main(argv) -> int:
         rank = group.rank()
         for k in range(1 << 62):
             y = gate_ops.all_sum(mx.full(shape, float(rank + 1)) + k, group=group)
+            mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
             if not np.array_equal(np.array(y), np.full(shape, 3.0 + 2 * k, np.float32)):
                 print(f"fault_driver: wrong sum at exchange {k}", file=sys.stderr, flush=True)
                 return 2
@@ -156,6 +157,7 @@ if __name__ == "__main__":
 
     try:
         sys.exit(main(sys.argv[1:]))
-    except (TransportError, ValueError) as exc:
+    # RuntimeError: what MLX's evaluation hands on from a collective that failed inside it.
+    except (TransportError, ValueError, RuntimeError) as exc:
         print(f"ds4-tp: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)

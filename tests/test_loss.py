@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.errors import DesyncError, PeerClosedError
+from mlx_ds4tp.errors import DesyncError
 from pairutil import make_groups, run_both
 
 HIDDEN = 4096  # one 16 KiB float32 gate, as in decode

@@ -66,6 +66,7 @@ def test_soak_100k_gates_exact_sums_flat_memory(transport, monkeypatch):
         for i in range(1, GATES + 1):
             k = i % VARIANTS
             y = tp.all_sum(xs[k], group=group)
+            mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
             if not np.array_equal(np.array(y).view(np.uint32), expect[k]):
                 raise AssertionError(f"rank {rank}: gate {i} sum differs from numpy's")
             exact += 1

@@ -40,6 +40,7 @@ def bring_up(n_pairs: int, transport: str = "rdma", timeout: float = 10.0, start
                 base = mx.arange(4096, dtype=mx.float32)
                 for k in range(gates):
                     y = tp.all_sum(base * (role + 1) + k, group=g)
+                    mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
                     expect = np.arange(4096, dtype=np.float32) * 3 + 2 * k
                     if not np.array_equal(np.array(y), expect):
                         raise AssertionError(f"pair {i} rank {role}: wrong sum at gate {k}")

@@ -40,6 +40,7 @@ def sums(role: str, port: int, device: str) -> dict:
         for n, times in SIZES:
             for k in range(times):
                 y = tp.all_sum(mx.arange(n, dtype=mx.float32) * (rank + 1) + k, group=g)
+                mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
                 if not np.array_equal(np.array(y), np.arange(n, dtype=np.float32) * 3 + 2 * k):
                     wrong.append((n, k))
         st = g.pair.rdma.stats()
@@ -58,6 +59,7 @@ def lossy(role: str, port: int, device: str, iters: int) -> dict:
     try:
         for k in range(iters):
             y = tp.all_sum(base + k, group=g)
+            mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
             if not np.array_equal(np.array(y), np.arange(4096, dtype=np.float32) * 3 + 2 * k):
                 wrong.append(k)
     except Exception as exc:  # noqa: BLE001 - reported to the test

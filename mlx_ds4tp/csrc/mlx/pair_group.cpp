@@ -118,6 +118,32 @@ void combine(int op, int code, Sum2Fn sum2, const void* first, const void* secon
   }
 }
 
+// A failed collective's output is filled with NaN where its dtype has one, so that even a
+// reader that never sees the error (numpy's np.array() swallows the first evaluation error
+// of an MLX array and reads it through another protocol, and MLX reports an evaluation's
+// error once) gets no plausible sum.
+void poison(int code, void* out, size_t bytes) {
+  switch (code) {
+    case 1: case 14: {  // float32, complex64 (two float32 each)
+      const uint32_t nan = 0x7FC00000u;
+      for (size_t i = 0; i + 4 <= bytes; i += 4) std::memcpy(static_cast<char*>(out) + i, &nan, 4);
+      return;
+    }
+    case 2: case 3: {  // float16, bfloat16
+      const uint16_t nan = code == 2 ? 0x7E00u : 0x7FC0u;
+      for (size_t i = 0; i + 2 <= bytes; i += 2) std::memcpy(static_cast<char*>(out) + i, &nan, 2);
+      return;
+    }
+    case 13: {
+      const uint64_t nan = 0x7FF8000000000000ull;
+      for (size_t i = 0; i + 8 <= bytes; i += 8) std::memcpy(static_cast<char*>(out) + i, &nan, 8);
+      return;
+    }
+    default:
+      return;  // integers and bools have no NaN: the error is all there is
+  }
+}
+
 const char* op_label(int op) {
   switch (op) {
     case TP_XOP_SUM: return "all_sum";
@@ -237,7 +263,12 @@ void PairGroupImpl::reduce(int op, const mx::array& input, mx::array& output, mx
   encoder.dispatch([self = shared_from_this(), op, code, sig, in, out, n, bytes]() {
     std::lock_guard<std::mutex> lock(self->mu_);
     char* peer = self->scratch(bytes);
-    self->exchange(sig, in, peer);
+    try {
+      self->exchange(sig, in, peer);
+    } catch (...) {
+      poison(code, out, bytes);
+      throw;
+    }
     const bool first = self->rank_ == 0;
     combine(op, code, self->sum2_, first ? in : peer, first ? peer : in, out, n);
   });
@@ -267,7 +298,12 @@ void PairGroupImpl::all_gather(const mx::array& input, mx::array& output, mx::St
   encoder.dispatch([self = shared_from_this(), sig, in, out, bytes]() {
     std::lock_guard<std::mutex> lock(self->mu_);
     // The peer's rows land straight in their place in the output.
-    self->exchange(sig, in, out + (1 - self->rank_) * bytes);
+    try {
+      self->exchange(sig, in, out + (1 - self->rank_) * bytes);
+    } catch (...) {
+      poison(sig.dtype, out, 2 * bytes);
+      throw;
+    }
     std::memcpy(out + self->rank_ * bytes, in, bytes);
   });
 }
@@ -294,7 +330,12 @@ void PairGroupImpl::sum_scatter(const mx::array& input, mx::array& output, mx::S
     const int r = self->rank_;
     const char* mine = in + r * half;
     char* peer = self->scratch(half);
-    self->exchange(sig, in + (1 - r) * half, peer);
+    try {
+      self->exchange(sig, in + (1 - r) * half, peer);
+    } catch (...) {
+      poison(code, out, half);
+      throw;
+    }
     combine(TP_XOP_SCATTER, code, self->sum2_, r == 0 ? mine : peer, r == 0 ? peer : mine, out, n);
   });
 }
@@ -335,7 +376,12 @@ void PairGroupImpl::recv(mx::array& out, int src, mx::Stream stream) {
     std::lock_guard<std::mutex> lock(self->mu_);
     char* filler = self->scratch(bytes);
     std::memset(filler, 0, bytes);
-    self->exchange(sig, filler, dst);
+    try {
+      self->exchange(sig, filler, dst);
+    } catch (...) {
+      poison(sig.dtype, dst, bytes);
+      throw;
+    }
   });
 }
 
