@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.errors import RdmaUnavailableError, TransportTimeoutError
+from mlx_ds4tp.errors import RdmaUnavailableError
 from mlx_ds4tp.link import bringup  # its test seams: SKIP_POSTED_BARRIER, WARMUP_DELAY_MS
 from pairutil import free_port
 
@@ -128,8 +128,11 @@ def test_without_warmup_a_dead_direction_is_a_gate_timeout(monkeypatch):
     assert time.monotonic() - t0 < 10.0
     for _, exc in (leader, worker):
         assert exc is not None, "a gate on a dead direction must not succeed"
-        assert isinstance(exc, (TransportTimeoutError, tp.PeerClosedError)), exc
-    timeouts = [exc for _, exc in (leader, worker) if isinstance(exc, TransportTimeoutError)]
+        # Raised inside MLX's evaluation (a RuntimeError): this rank's gate timed out, or the
+        # peer's closed the pair when its own timed out.
+        assert isinstance(exc, RuntimeError), exc
+        assert re.search(r"timeout after|peer closed", str(exc)), exc
+    timeouts = [exc for _, exc in (leader, worker) if "timeout after" in str(exc)]
     assert timeouts and all(re.search(r"seq \d+", str(e)) for e in timeouts), timeouts
 
 
