@@ -21,6 +21,11 @@ def test_gate_bench_prints_every_record(procs):
         assert rec["bytes"] == 16384 and rec["iters"] == 300
         assert 0 < rec["p50_us"] <= rec["p99_us"]
         assert "samples_us" not in rec
+    for name in ("tcp-in-graph", "rdma-ucsim-in-graph"):
+        # The in-graph gate's own cost: chains with gates less chains without (MLX's op cost).
+        rec = got[name]
+        assert rec["bytes"] == 16384 and rec["chain"] == 64 and rec["op_us"] > 0, rec
+        assert rec["p50_us"] <= rec["p99_us"], rec
     assert 0 < got["rdma-ucsim"]["warmup_ms"] < 1000
 
 
@@ -33,7 +38,8 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     got = records(out)
-    for name in ("single", "tp2-tcp", "tp2-rdma-ucsim", "mlx-lm-ring"):
+    # mlx-lm-tcp / -rdma-ucsim: mlx-lm's own plan and loading over our pair (the MLX backend).
+    for name in ("single", "tp2-tcp", "tp2-rdma-ucsim", "mlx-lm-ring", "mlx-lm-tcp", "mlx-lm-rdma-ucsim"):
         rec = got[name]
         assert rec["tok_s"] > 0 and rec["tokens_match"] is True, rec
         # The median of the rounds, each of which is reported.

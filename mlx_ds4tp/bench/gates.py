@@ -4,8 +4,11 @@ Each record is one JSON object: name, bytes, iters, p50_us, p99_us. The
 baselines are measured in the same run: ``raw-floor`` (a bare write-then-read
 of the same bytes on the same kind of socket, no header, no checks) and
 ``mlx-ring`` (``mx.distributed.all_sum`` on MLX's ring backend, two local
-ranks). ``*-all_sum`` records time our ``all_sum`` on an ``mx.array``, the
-like-for-like comparison with ``mlx-ring``.
+ranks). ``*-all_sum`` records time ``mx.eval(all_sum(x))`` on our group, one
+collective per evaluation, the like-for-like comparison with ``mlx-ring``.
+``*-in-graph`` records the in-graph gate's own cost: a chain of gates with one
+elementwise op between them, evaluated once, less the same chain without the
+gates (MLX's own cost per op, in ``op_us``), per gate.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
     x = mx.array(send)
     contenders = {
         name: lambda: pair.gate(send, recv),
-        f"{name}-all_sum": lambda: gate_ops.all_sum(x, group=group),
+        f"{name}-all_sum": lambda: mx.eval(gate_ops.all_sum(x, group=group)),
     }
     if pair.rdma is not None:
         # The alternative to copying the partial into the registered slab:
@@ -93,9 +96,48 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
     if not np.all(recv == 2.0 - group.rank()):
         raise RuntimeError(f"{name}: the peer's partial arrived wrong: {recv[:4]}")
     records = [record(label, nbytes, got) for label, got in samples.items()]
+    records.append(in_graph_record(group, f"{name}-in-graph", nbytes, iters))
     if pair.rdma is not None and pair.rdma.warmup_ms is not None:
         records[0]["warmup_ms"] = round(pair.rdma.warmup_ms, 2)
     return records
+
+
+CHAIN = 64
+
+
+def in_graph_record(group, name: str, nbytes: int, iters: int) -> Dict:
+    """The in-graph gate's own cost: chains of CHAIN gates, each followed by one multiply and
+    evaluated once, interleaved with the same chains without the gates; per gate, the chain's
+    time less the gateless chain's. Both ranks run the same chains, so every gate pairs up."""
+    import mlx.core as mx
+
+    start = mx.ones((nbytes // 4,), dtype=mx.float32)
+    mx.eval(start)
+
+    def chain(gates: bool) -> int:
+        x = start
+        t0 = time.perf_counter_ns()
+        for _ in range(CHAIN):
+            # Both ranks hold ones: the sum halved stays one, exactly, gate after gate.
+            x = mx.distributed.all_sum(x, group=group) * 0.5 if gates else x * 1.0
+        mx.eval(x)
+        took = time.perf_counter_ns() - t0
+        if float(x[0]) != 1.0:
+            raise RuntimeError(f"{name}: the chain's value drifted to {float(x[0])}")
+        return took
+
+    rounds = max(ROUNDS, iters // CHAIN)
+    for _ in range(4):
+        chain(True), chain(False)
+    gated, bare = [], []
+    for _ in range(rounds):
+        gated.append(chain(True) / CHAIN)
+        bare.append(chain(False) / CHAIN)
+    op_ns = float(np.median(bare))
+    rec = record(name, nbytes, [g - op_ns for g in gated])
+    rec["op_us"] = round(op_ns / 1000.0, 2)
+    rec["chain"] = CHAIN
+    return rec
 
 
 def run_rank(address: PairAddress, transport: str, rdma_device: Optional[str],

@@ -65,26 +65,48 @@ def single_record(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMP
     return _tok_record("single", stats)
 
 
-def ring_model_rank(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
-    """One rank of mlx-lm's own model.shard() over MLX's ring backend (rank 0 returns the record)."""
+def shard_model_rank(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                     address: Optional[PairAddress] = None, transport: str = "ring",
+                     rdma_device: Optional[str] = None) -> List[Dict]:
+    """One rank of mlx-lm's own plan (model.shard(group)) and mlx-lm's loading, generating
+    with the same loop as every contender: over MLX's ring backend (transport "ring", ranks
+    from MLX_HOSTFILE / MLX_RANK) or over our pair ("tcp" | "rdma", address the rank's):
+    one plan, one loop, only the backend differs. Rank 0 returns the record."""
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    group = mx.distributed.init(backend="ring", strict=True)
-    model, tokenizer = load(path, lazy=True)
-    model.shard(group)
-    mx.eval(model.parameters())
-    _, stats = _generate(model, tokenizer, prompt_tokens, max_tokens)
-    return [_tok_record("mlx-lm-ring", stats)] if group.rank() == 0 else []
+    if transport == "ring":
+        group, name = mx.distributed.init(backend="ring", strict=True), "mlx-lm-ring"
+    else:
+        group = gate_ops.init(role=address.role, listen=address.listen,
+                              coordinator=address.coordinator, transport=transport,
+                              rdma_device=rdma_device)
+        name = "mlx-lm-tcp" if group.transport == "tcp" else f"mlx-lm-rdma-{rdma_device or 'ibverbs'}"
+    try:
+        model, tokenizer = load(path, lazy=True)
+        model.shard(group)
+        mx.eval(model.parameters())
+        _, stats = _generate(model, tokenizer, prompt_tokens, max_tokens)
+    finally:
+        if transport != "ring":
+            group.close()
+    return [_tok_record(name, stats)] if group.rank() == 0 else []
 
 
-def spawn_ring_model(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-                     timeout: float = 1200.0) -> Dict:
-    """Both ranks of the mlx-lm ring contender on 127.0.0.1."""
-    cmd = _localpair.rank_command("ring-model", "--model", path, "--max-tokens", str(max_tokens),
-                                  "--prompt-tokens", str(prompt_tokens))
-    with _localpair.ring_hostfile() as hostfile:
-        outs = _localpair.run_ranks([cmd, cmd], _localpair.ring_envs(hostfile), timeout=timeout)
+def spawn_shard_model(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                      transport: str = "ring", rdma_device: Optional[str] = None,
+                      timeout: float = 1200.0) -> Dict:
+    """Both ranks of an mlx-lm shard() contender on 127.0.0.1 (see shard_model_rank)."""
+    base = _localpair.rank_command("shard-model", "--model", path, "--max-tokens", str(max_tokens),
+                                   "--prompt-tokens", str(prompt_tokens), "--transport", transport)
+    if rdma_device:
+        base += ["--rdma-device", rdma_device]
+    if transport == "ring":
+        with _localpair.ring_hostfile() as hostfile:
+            outs = _localpair.run_ranks([base, base], _localpair.ring_envs(hostfile), timeout=timeout)
+    else:
+        outs = _localpair.run_ranks(_localpair.pair_commands(base, _localpair.free_port()),
+                                    timeout=timeout)
     return _localpair.json_records(outs[0])[0]
 
 
@@ -203,9 +225,16 @@ def _model_contenders(path: str, transport: str, rdma_device: Optional[str], max
         device = rdma_device or "ucsim"
         contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens, n)
     if mlx_lm_can_shard(path):
-        contenders["mlx-lm-ring"] = lambda: spawn_ring_model(path, max_tokens, n)
+        # mlx-lm's own plan and loading, over MLX's ring and over our pair.
+        contenders["mlx-lm-ring"] = lambda: spawn_shard_model(path, max_tokens, n)
+        if transport in ("tcp", "all"):
+            contenders["mlx-lm-tcp"] = lambda: spawn_shard_model(path, max_tokens, n, "tcp")
+        if transport in ("rdma", "all"):
+            device = rdma_device or "ucsim"
+            contenders[f"mlx-lm-rdma-{device}"] = lambda: spawn_shard_model(
+                path, max_tokens, n, "rdma", device)
     else:
-        log(f"mlx-lm-ring left out: mlx-lm's module for {path} has no shard()")
+        log(f"mlx-lm's contenders left out: mlx-lm's module for {path} has no shard()")
     # Not a contender (its tokens are meaningless): the bound every tp2 figure sits under.
     contenders[CEILING] = lambda: spawn_ceiling(path, max_tokens, n)
     return contenders

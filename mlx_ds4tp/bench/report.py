@@ -93,7 +93,9 @@ def _print_model_ratios(records: List[dict]) -> None:
             if base not in by_name or not by_name[base][key]:
                 continue
             for name, rec in by_name.items():
-                if name != base and name.startswith("tp2"):
+                # mlx-lm's own plan over our pair: against the same plan over MLX's ring.
+                ours = name.startswith("tp2") or (base == "mlx-lm-ring" and name.startswith("mlx-lm-"))
+                if name != base and ours:
                     print(f"{name:>22}  {label} = {rec[key] / by_name[base][key]:.2f}x {base}")
         if ceiling and ceiling[key]:
             for name, rec in by_name.items():
@@ -125,7 +127,9 @@ def _print_ratios(records: List[dict]) -> None:
             parts.append(f"{rec['p50_us'] / ring['p50_us']:.2f}x mlx-ring")
         # all_sum on an mx.array against the bare gate of its own transport: what the gate
         # op (checks, the sum, the result array) adds to the exchange.
-        bare = by_name.get(name[: -len("-all_sum")]) if name.endswith("-all_sum") else None
+        # The in-graph gate's own cost (MLX's cost per op taken out) against the same.
+        suffix = next((s for s in ("-all_sum", "-in-graph") if name.endswith(s)), None)
+        bare = by_name.get(name[: -len(suffix)]) if suffix else None
         if bare:
             parts.append(f"{rec['p50_us'] / bare['p50_us']:.2f}x {bare['name']}")
         if parts:

@@ -7,7 +7,8 @@ stdout (rank 0's are the ones the parent reads).
 
     gate        one rank of the transport gate bench (--role, --listen/--coordinator)
     ring-gate   one rank of mx.distributed's ring all_sum (MLX_HOSTFILE, MLX_RANK)
-    ring-model  one rank of mlx-lm's model.shard() on the ring (MLX_HOSTFILE, MLX_RANK)
+    shard-model one rank of mlx-lm's model.shard() over the ring (MLX_HOSTFILE, MLX_RANK)
+                or our pair (--transport tcp|rdma, --role, --listen/--coordinator)
     ceiling     one rank of the compute ceiling (half the model, gates skipped)
     run         one rank of `ds4tp run`, plus --tokens-out FILE and --no-eos
 """
@@ -44,10 +45,12 @@ def _ring_gate(args) -> int:
     return 0
 
 
-def _ring_model(args) -> int:
+def _shard_model(args) -> int:
     from ..bench import model as bench_model
 
-    _print_json(bench_model.ring_model_rank(args.model, args.max_tokens, args.prompt_tokens))
+    address = None if args.transport == "ring" else address_from_args(args, "shard-model")
+    _print_json(bench_model.shard_model_rank(args.model, args.max_tokens, args.prompt_tokens,
+                                             address, args.transport, args.rdma_device))
     return 0
 
 
@@ -93,13 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     ring_gate.add_argument("--iters", type=int, required=True)
     ring_gate.set_defaults(func=_ring_gate)
 
-    for kind, func in (("ring-model", _ring_model), ("ceiling", _ceiling)):
+    for kind, func in (("shard-model", _shard_model), ("ceiling", _ceiling)):
         p = sub.add_parser(kind)
         p.add_argument("--model", required=True)
         p.add_argument("--max-tokens", type=int, required=True)
         p.add_argument("--prompt-tokens", type=int, required=True)
         if kind == "ceiling":
             _add_role(p)
+        else:
+            p.add_argument("--transport", choices=("ring", "tcp", "rdma"), required=True)
+            p.add_argument("--rdma-device", default=None)
+            p.add_argument("--role", choices=("leader", "worker"))
+            where = p.add_mutually_exclusive_group()
+            where.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"))
+            where.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"))
         p.set_defaults(func=func)
 
     run = sub.add_parser("run")
