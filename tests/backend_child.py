@@ -97,6 +97,24 @@ def shard(g: PairGroup) -> dict:
     return out
 
 
+def prefill(g: PairGroup) -> dict:
+    """The split demo-sized llama prefilling 37 tokens in chunks of 16 (lockstep.fill_cache):
+    the gates evaluated, against what a forward builds."""
+    from pathlib import Path
+    import tempfile
+
+    from mlx_ds4tp.lockstep.compute import fill_cache, make_cache
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.testing.tiny_model import save_llama
+
+    path = save_llama(Path(tempfile.mkdtemp(prefix=f"prefill-{g.rank()}-")), "tiny", seed=4)
+    model, _ = load_split(str(path), g)
+    layers = len(model.model.layers)
+    before = g.gates()
+    fill_cache(model, list(range(3, 40)), make_cache(model), step=16)
+    return {"layers": layers, "prefill_gates": g.gates() - before}
+
+
 def die(g: PairGroup) -> dict:
     x = mx.ones((4096,))
     for _ in range(4):
@@ -124,7 +142,7 @@ def die(g: PairGroup) -> dict:
 def main() -> None:
     role, port, transport, case = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     g = join(role, port, transport)
-    result = {"chain": chain, "shard": shard, "die": die}[case](g)
+    result = {"chain": chain, "shard": shard, "die": die, "prefill": prefill}[case](g)
     result["rank"] = g.rank()
     result["transport"] = g.transport
     print(json.dumps(result), flush=True)

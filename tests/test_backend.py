@@ -62,6 +62,14 @@ def test_a_chain_of_100_gates_is_built_without_moving_a_byte(transport):
         assert report["value"] == 1.5
 
 
+def test_prefill_runs_only_the_gates_the_cache_needs():
+    # 3 chunks of the prompt; each forward builds 2L + 1 gates (the embedding's, then the
+    # attention's and the MLP's per block) and the logits gather, but evaluating only the
+    # cache runs neither the last block's two gates nor the gather, on both ranks alike.
+    for report in reports("prefill", "tcp"):
+        assert report["prefill_gates"] == 3 * (2 * report["layers"] - 1), report
+
+
 @pytest.mark.parametrize("transport", ["tcp", "rdma"])
 def test_mlx_lm_shard_plans_run_over_the_pair(transport):
     for report in reports("shard", transport):

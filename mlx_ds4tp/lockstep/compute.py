@@ -7,12 +7,10 @@ whichever rank makes them. No wire, no session state here.
 from __future__ import annotations
 
 import hashlib
-from contextlib import nullcontext
 from typing import List, Sequence
 
 import mlx.core as mx
 
-from ..split.layers import gates_skipped
 
 # mlx-lm's generate_step default (prefill_step_size): the prompt's prefix enters the cache in
 # chunks of this many tokens, so a long prompt's attention scores never take more memory than
@@ -47,25 +45,15 @@ def argmax_token(logits: mx.array) -> int:
 
 
 def fill_cache(model, tokens: Sequence[int], cache, step: int = PREFILL_STEP) -> None:
-    """Append tokens to the cache, computing nothing past the last block.
-
-    mlx-lm's generate_step calls the whole model on the prefix and evaluates only the cache,
-    so MLX never runs the lazy vocabulary projection. A split model's logits gather is eager
-    (its bytes leave when it is called), so here the prefix goes through the inner model
-    (`model.model`: embedding and blocks, which every supported family has) and the projection
-    and the gather of every position's logits are never built. Both ranks call this with the
-    same tokens, so their gates pair up chunk by chunk."""
+    """Append tokens to the cache in chunks of `step`, evaluating only the cache, as mlx-lm's
+    generate_step prefills: MLX then never runs what no cache entry needs (the last block's
+    output, the vocabulary projection and its logits gather), and since both ranks build the
+    same graph, the gates it does run pair up chunk by chunk. One evaluation per chunk."""
     if step < 1:
         raise ValueError(f"prefill step {step} must be >= 1")
-    inner = model.model
-    # The last block's output is never read here: only its keys and values enter the cache.
-    # Its gates are skipped so the eager exchange does not force the rest of it (gates_skipped).
-    layers = getattr(inner, "layers", None)
-    last_block = gates_skipped(layers[-1]) if isinstance(layers, (list, tuple)) and layers else nullcontext()
-    with last_block:
-        for start in range(0, len(tokens), step):
-            inner(mx.array(tokens[start:start + step], dtype=mx.int32)[None], cache)
-            mx.eval([c.state for c in cache])
+    for start in range(0, len(tokens), step):
+        model(mx.array(tokens[start:start + step], dtype=mx.int32)[None], cache=cache)
+        mx.eval([c.state for c in cache])
 
 
 def prefill(model, tokens: Sequence[int], cache, step: int = PREFILL_STEP) -> mx.array:

@@ -15,8 +15,7 @@ group of `group_size` inputs, so all three arrays cut along the same axis as a f
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -176,30 +175,9 @@ class AllSumGate(nn.Module):
     def __init__(self, group: Any):
         super().__init__()
         self.group = as_collective(group)
-        self.skip = False  # set by gates_skipped
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.skip:
-            return x
         return self.group.all_sum(x)
-
-
-@contextmanager
-def gates_skipped(module: nn.Module) -> Iterator[None]:
-    """Within it, every gate inside `module` hands back its partial as it is: no exchange, no
-    evaluation. For work whose result nobody reads: a prompt prefix's last block, of which
-    only the keys and values entering the cache matter. MLX never computes the rest of that
-    block when the caller evaluates only the cache (mlx-lm's prefill), but an eager gate
-    would force it (its bytes must leave), about one block in every L of the prefill's
-    compute. Both ranks must skip the same gates, as both call the same code."""
-    gates = [m for m in module.modules() if isinstance(m, AllSumGate)]
-    for gate in gates:
-        gate.skip = True
-    try:
-        yield
-    finally:
-        for gate in gates:
-            gate.skip = False
 
 
 class ColumnParallelLinear(nn.Module):
