@@ -134,7 +134,7 @@ def reference(model_dir: Path, prompt_ids: List[int], max_tokens: int, temp: flo
               seed: Optional[int] = None, **sampling) -> str:
     """mlx_lm.generate's text for these prompt tokens on the unsplit model."""
     import mlx.core as mx
-    from mlx_lm import generate, load
+    from mlx_lm import generate
     from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = _load(model_dir)
