@@ -19,12 +19,23 @@ from mlx_ds4tp.link import bringup  # its test seams: SKIP_POSTED_BARRIER, WARMU
 from pairutil import free_port
 
 
+GATING_PAIRS = 2  # pairs running their gates at once in bring_up (see there)
+
+
 def bring_up(n_pairs: int, transport: str = "rdma", timeout: float = 10.0, start_delay_ms: int = 0,
              gates: int = 20):
     """n pairs brought up concurrently in this process; each then runs `gates`
     all_sums and checks the sums. Returns [(leader_outcome, worker_outcome)]
     where an outcome is (transport, None) or (None, exception)."""
     outcomes = [[None, None] for _ in range(n_pairs)]
+    # The bring-ups (what these tests stress) run all at once; the gates after them run a few
+    # pairs at a time. A gate is a task of MLX's scheduler, which keeps only a few tasks in
+    # flight per process: a rank blocked in a gate holds its slot while its peer waits for one,
+    # so dozens of pairs gating at once in one process wait on each other until the gate
+    # timeout, the more so on a loaded machine. That is the test's crowd, not the bring-up.
+    gating = threading.Semaphore(GATING_PAIRS)
+    go = [threading.Event() for _ in range(n_pairs)]
+    done = [threading.Event() for _ in range(n_pairs)]
 
     def rank(i: int, role: int, port: int) -> None:
         try:
@@ -37,16 +48,28 @@ def bring_up(n_pairs: int, transport: str = "rdma", timeout: float = 10.0, start
                 g = tp.init(role="worker", coordinator=("127.0.0.1", port), transport=transport,
                             rdma_device="ucsim", timeout=timeout)
             with g:
-                base = mx.arange(4096, dtype=mx.float32)
-                for k in range(gates):
-                    y = tp.all_sum(base * (role + 1) + k, group=g)
-                    mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
-                    expect = np.arange(4096, dtype=np.float32) * 3 + 2 * k
-                    if not np.array_equal(np.array(y), expect):
-                        raise AssertionError(f"pair {i} rank {role}: wrong sum at gate {k}")
+                if role == 0:
+                    gating.acquire()
+                    go[i].set()
+                elif not go[i].wait(100):
+                    raise AssertionError(f"pair {i}: the leader never came to its gates")
+                try:
+                    base = mx.arange(4096, dtype=mx.float32)
+                    for k in range(gates):
+                        y = tp.all_sum(base * (role + 1) + k, group=g)
+                        mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
+                        expect = np.arange(4096, dtype=np.float32) * 3 + 2 * k
+                        if not np.array_equal(np.array(y), expect):
+                            raise AssertionError(f"pair {i} rank {role}: wrong sum at gate {k}")
+                finally:
+                    if role == 0:
+                        done[i].wait(60)
+                        gating.release()
                 outcomes[i][role] = (g.transport, None)
         except BaseException as exc:  # noqa: BLE001 - reported below
             outcomes[i][role] = (None, exc)
+        finally:  # whatever happened, the peer's thread is not left waiting
+            (go if role == 0 else done)[i].set()
 
     threads = []
     for i in range(n_pairs):
