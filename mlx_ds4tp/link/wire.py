@@ -43,9 +43,11 @@ from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
 payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
 BIG_TAG, seq, bytes) then the payload in the same byte stream, both directions
 at once (tp_tcp_duplex; over RDMA the header alone, then the payload as RDMA
-bulk rounds); and the gate
-signature swap DESCRIPTOR (DESCRIPTOR_MAGIC, dtype code, ndim, collective OP_*,
-up to MAX_DIMS dims).
+bulk rounds): the transport's own gates (the tests, the bench). The collectives
+(the MLX backend, csrc/exchange.c) send EXCHANGE_HEADER (EXCHANGE_MAGIC, collective
+OP_*, dtype code, seq, bytes, ndim, the first 8 dims) ahead of each payload over
+TCP; over RDMA the header alone when the signature changes and before each bulk
+exchange, the payload on the queue pair.
 
 Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG
 (WARM_MAGIC, rank, setup attempt); its work request id is WARM_MAGIC too.
@@ -64,7 +66,6 @@ PROTOCOL_VERSION = 3
 MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
 BATCH_MAGIC = 0x44533442  # "DS4B": bulk exchange headers
 DATA_MAGIC = 0x44533444  # "DS4D": first word on the gate data connection
-DESCRIPTOR_MAGIC = 0x44533453  # "DS4S": gate signature swap
 WARM_MAGIC = 0x5741524D  # "WARM": the warm-up message's tag and work request id
 WARM_WR_ID = WARM_MAGIC
 
@@ -118,7 +119,6 @@ MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000
 NONCE_BYTES = 16
-MAX_DIMS = 8
 
 # Largest payload each frame type may claim: checked before anything is
 # allocated, so a header claiming 4 GiB is an error, never a malloc.
@@ -172,12 +172,15 @@ DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
 GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
 BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
 BIG_TAG = 0xB16
-# dtype code, ndim, collective (an OP_* below), up to MAX_DIMS dims: what both
-# ranks compare when a partial's signature changes.
-DESCRIPTOR = struct.Struct(f"<IIII{MAX_DIMS}Q")
-# The collective in a gate signature, and in a TCP gate header's layer field and a
-# bulk header's layer field. send/recv name the source rank (OP_P2P_FROM + src) on
-# both sides, so two senders or two receivers disagree.
+# What travels ahead of every exchange of the collectives (csrc/exchange.c, whose
+# TP_EXCHANGE_HEADER is its size): magic, collective (an OP_* below), dtype code, seq,
+# bytes, ndim, 0, the first 8 dims. A peer at another collective, dtype, shape or
+# sequence differs in it, and both sides are named.
+EXCHANGE_HEADER = struct.Struct("<IHHQQII8q")  # 8: TP_XSIG_DIMS
+EXCHANGE_MAGIC = 0x58345344  # "DS4X" little-endian
+# The collective in an exchange header (csrc/_verbs_api.h TP_XOP_*), and in the transport
+# gates' layer field. send/recv name the source rank (OP_P2P_FROM + src) on both sides, so
+# two senders or two receivers disagree.
 OP_SUM, OP_GATHER, OP_MAX, OP_MIN, OP_SCATTER, OP_P2P_FROM = 1, 2, 3, 4, 5, 6
 
 RDMA_INFO = struct.Struct("<IIIHB16s")  # qpn, psn, mtu, lid, link_layer, gid
