@@ -47,7 +47,7 @@ def init(
     group is returned).
     secret (str or bytes, default DS4_TP_SECRET): both ranks prove they hold it
     (HMAC challenge-response in the hello) before any session state exists.
-    tcp_spin_us (default DS4_TP_TCP_SPIN_US, else 5000; 0 on a one-core machine):
+    tcp_spin_us (default DS4_TP_TCP_SPIN_US, else 5000 with 8 cores or more, 200 with 2-7, 0 on one):
     how long a TCP gate polls for the peer's message before it sleeps.
 
     The group returned becomes the default of every collective's group=None,

@@ -741,4 +741,5 @@ def test_tcp_spin_env_and_default(monkeypatch):
     monkeypatch.delenv("DS4_TP_TCP_SPIN_US")
     assert tr.tcp_spin_us({}, cpu_count=1) == tr.default_tcp_spin_us(1) == 0
     assert tr.tcp_spin_us({}, cpu_count=8) == tr.default_tcp_spin_us(8) == 5000
+    assert tr.tcp_spin_us({}, cpu_count=2) == tr.default_tcp_spin_us(2) == 200
     assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == tr.tcp_spin_us({})

@@ -21,9 +21,14 @@ DEFAULT_TIMEOUT_SEC = 300.0
 DEFAULT_HELLO_TIMEOUT_SEC = 10.0
 # How long a TCP gate polls for the peer's message before it sleeps in the kernel. Waits at a
 # gate are mostly the other rank finishing its half of the layer, well under a millisecond; a
-# rank that polls through them skips the wake-up. A machine with one core would starve the
-# other rank by polling, so there it sleeps at once.
+# rank that polls through them skips the wake-up. The gate runs on MLX's stream thread, beside
+# the thread that feeds it the graph: with few cores (both ranks of a test pair on one small
+# machine) a long poll takes the core the other rank is computing on, so there it polls only
+# briefly (measured on 2 cores, 156M llama decode: 7.5-8.5 tok/s polling 5 ms, 11.3 polling
+# 200 us or not at all); a machine with one core would starve the other rank, so it sleeps.
 DEFAULT_TCP_SPIN_US = 5000
+FEW_CORES_TCP_SPIN_US = 200
+MANY_CORES = 8
 MAX_TCP_SPIN_US = 1_000_000
 
 TIMEOUT_ENV = "DS4_TP_TIMEOUT_SEC"
@@ -70,13 +75,15 @@ def default_hello_timeout(env: Optional[Mapping[str, str]] = None) -> float:
 
 
 def default_tcp_spin_us(cpu_count: Optional[int]) -> int:
-    """5000 us on a machine with two cores or more, 0 (never poll) on one."""
-    return DEFAULT_TCP_SPIN_US if (cpu_count or 1) >= 2 else 0
+    """5000 us with 8 cores or more (a Mac of the pair), 200 us with 2 to 7, 0 (never poll)
+    on one."""
+    cores = cpu_count or 1
+    return DEFAULT_TCP_SPIN_US if cores >= MANY_CORES else FEW_CORES_TCP_SPIN_US if cores >= 2 else 0
 
 
 def tcp_spin_us(env: Optional[Mapping[str, str]] = None, cpu_count: Optional[int] = None) -> int:
-    """DS4_TP_TCP_SPIN_US, default 5000 (0 on a one-core machine): microseconds a TCP gate
-    polls before it blocks."""
+    """DS4_TP_TCP_SPIN_US, default default_tcp_spin_us(cores): microseconds a TCP gate polls
+    before it blocks."""
     raw = _raw(os.environ if env is None else env, TCP_SPIN_ENV)
     if raw is None:
         return default_tcp_spin_us(os.cpu_count() if cpu_count is None else cpu_count)
