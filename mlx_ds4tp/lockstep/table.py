@@ -148,9 +148,9 @@ class SessionTable:
         trim_prompt_cache(cache, size - keep)
 
     def prefill(self, session: int, tokens: np.ndarray) -> None:
-        """Append tokens to a session that is not decoding yet (batch of one): the cache only,
-        no vocabulary projection and no logits gather, the last block's gates skipped
-        (fill_cache)."""
+        """Append tokens to a session that is not decoding yet (batch of one): only the cache is
+        evaluated, so neither the vocabulary projection, its logits gather nor the last block's
+        gates run (fill_cache)."""
         self._check_tokens(tokens)
         fill_cache(self.model, tokens.tolist(), self._session(session))
 
@@ -169,6 +169,7 @@ class SessionTable:
         self.step_count += 1
         logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=self.batch_cache)
         logits = logits[:, -1, :]
+        # The step's one evaluation: every gate of the forward runs inside it (the MLX backend).
         mx.eval(logits)
         self.last_logits = logits
         return logits
