@@ -55,8 +55,9 @@ def test_a_chain_of_100_gates_is_built_without_moving_a_byte(transport):
     for report in reports("chain", transport):
         assert report["transport"] == transport
         assert report["gates_while_building"] == 0
-        # Under 1% of the peer's 1 s sleep (it takes well under a millisecond).
-        assert report["build_sec"] < 0.01, report
+        # Building never waits for the peer, asleep for 1 s (it takes about 0.1 ms on a quiet
+        # machine; the bound leaves a loaded one room).
+        assert report["build_sec"] < 0.5, report
         assert report["gates_after"] == 100
         assert report["value"] == 1.5
 

@@ -48,9 +48,12 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
         assert rec["prompt_tokens"] == 40 and rec["prefill_tok_s"] > 0, rec
         assert rec["prefill_tok_s"] == round(sum(rec["prefill_tok_s_rounds"]) / 2, 2), rec
     for name in ("tp2-tcp", "tp2-rdma-ucsim"):
-        # The leader's time in exchanges (waits included) is part of each decode token's time.
+        # The leader's time in exchanges (waits included) is part of each decode token's time,
+        # round by round (the medians of the two may come from different rounds: on a loaded
+        # machine one round can be several times slower than the other).
         rec = got[name]
-        assert 0 < rec["exchange_ms_per_token"] < 1e3 / rec["tok_s"], rec
+        for tok_s, exchange in zip(rec["tok_s_rounds"], rec["exchange_ms_per_token_rounds"]):
+            assert 0 < exchange < 1e3 / tok_s, rec
     ceiling = got["tp2-compute-ceiling"]
     assert ceiling["tok_s"] > 0 and ceiling["tokens"] == 6 and ceiling["tokens_match"] is None, ceiling
     assert ceiling["prefill_tok_s"] > 0 and ceiling["prompt_tokens"] == 40, ceiling
