@@ -10,12 +10,11 @@ gate; experts are cut by their intermediate features with the router whole; the 
 cut by rows and the logits' parts gathered (split/apply.py says which families, how).
 """
 
+from .collectives.seam import MlxCollective
 from .split.apply import (
-    AllSumGate,
     Collective,
     ColumnParallelLinear,
     GatedBlock,
-    MlxCollective,
     RowParallelLinear,
     SafetensorsParts,
     VocabParallelEmbedding,
@@ -29,6 +28,7 @@ from .split.apply import (
     plan_split,
     split_model,
 )
+from .split.layers import AllSumGate
 
 __all__ = [
     "AllSumGate",

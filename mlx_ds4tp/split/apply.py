@@ -26,13 +26,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..collectives.backend import PairGroup
-from ..collectives.seam import Collective, MlxCollective, as_collective
+from ..collectives.seam import Collective, as_collective
 from ..link.fingerprint import model_fingerprint
 from ..checkpoint.parts import SafetensorsParts
 from .layers import (
     CUTTABLE,
     SHARDED,
-    AllSumGate,
     ColumnParallelLinear,
     GatedBlock,
     ReadPart,
@@ -281,23 +280,3 @@ def load_split(
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     log(f"rank {rank}/{size} holds its part of {model_path}: {nbytes / 2**20:.1f} MiB of weights")
     return model, tokenizer
-
-
-__all__ = [
-    "AllSumGate",
-    "Collective",
-    "ColumnParallelLinear",
-    "GatedBlock",
-    "MlxCollective",
-    "RowParallelLinear",
-    "SafetensorsParts",
-    "VocabParallelEmbedding",
-    "VocabParallelHead",
-    "as_collective",
-    "check_cut",
-    "cut_layer",
-    "family_of",
-    "load_split",
-    "plan_split",
-    "split_model",
-]
