@@ -38,6 +38,7 @@ _SAFETENSORS_DTYPES = {
     "U64": (np.uint64, mx.uint64),
     "I64": (np.int64, mx.int64),
 }
+Runs = Sequence[tuple[int, int]]  # [start, stop) ranges of one axis, read one after the other
 READ_CHUNK_BYTES = 2 << 20  # whole rows read per step when the ranges are short
 SEEK_MIN_BYTES = 16 << 10  # ranges at least this long are read one by one
 
@@ -91,13 +92,15 @@ class SafetensorsParts:
             and _SAFETENSORS_DTYPES[found[1]][1] == dtype
         )
 
-    def __call__(self, key: str, whole: mx.array, axis: int) -> Optional[mx.array]:
+    def __call__(self, key: str, whole: mx.array, axis: int, runs: Optional[Runs] = None) -> Optional[mx.array]:
+        """This rank's part of the saved tensor `key` (loaded as `whole`) along `axis`: its
+        1/size block, or the [start, stop) runs of that axis given, in their order."""
         if self._readable(key, whole.shape, whole.dtype):
-            part = self._read(key, axis)
+            part = self._read(key, axis, runs=runs)
         else:
-            part = self._read_stacked(key, whole, axis)
+            part = self._read_stacked(key, whole, axis, runs)
             if part is None:
-                part = self._read_fused(key, whole, axis)
+                part = self._read_fused(key, whole, axis, runs)
             if part is None:
                 return None
         out = mx.array(part)
@@ -107,7 +110,7 @@ class SafetensorsParts:
         mx.eval(out)
         return out
 
-    def _read_stacked(self, key: str, whole: mx.array, axis: int) -> Optional[np.ndarray]:
+    def _read_stacked(self, key: str, whole: mx.array, axis: int, runs: Optional[Runs]) -> Optional[np.ndarray]:
         """This rank's part of a [experts, ...] stack whose experts the files hold one by one."""
         axis = axis % whole.ndim
         if axis == 0:
@@ -118,15 +121,15 @@ class SafetensorsParts:
             keys = [key.replace(stacked, one.format(e=e)) for e in range(whole.shape[0])]
             if not all(self._readable(k, whole.shape[1:], whole.dtype) for k in keys):
                 continue
-            first = self._read(keys[0], axis - 1)
+            first = self._read(keys[0], axis - 1, runs=runs)
             out = self._buffer("stack", first.nbytes * len(keys), first.dtype, (len(keys),) + first.shape)
             out[0] = first
             for e, k in enumerate(keys[1:], 1):
-                out[e] = self._read(k, axis - 1)
+                out[e] = self._read(k, axis - 1, runs=runs)
             return out
         return None
 
-    def _read_fused(self, key: str, whole: mx.array, axis: int) -> Optional[np.ndarray]:
+    def _read_fused(self, key: str, whole: mx.array, axis: int, runs: Optional[Runs]) -> Optional[np.ndarray]:
         """This rank's part of an array mlx-lm's sanitize() takes as every step-th row of a
         saved one (gpt-oss's fused gate_up), or from mxfp4 blocks saved as [..., groups, 16]."""
         axis = axis % whole.ndim
@@ -146,7 +149,8 @@ class SafetensorsParts:
             if list(shape) != want:
                 continue
             # This rank's rows of every fused row set are one contiguous run of the saved rows.
-            part = self._read(key[: -len(loaded)] + saved, axis, shape)
+            saved_runs = None if runs is None else tuple((a * step, b * step) for a, b in runs)
+            part = self._read(key[: -len(loaded)] + saved, axis, shape, saved_runs)
             if bytes_as_words:
                 part = part.view(np.uint32)
             rows = [slice(None)] * part.ndim
@@ -157,8 +161,10 @@ class SafetensorsParts:
             return out
         return None
 
-    def _read(self, key: str, axis: int, shape: Optional[tuple[int, ...]] = None) -> np.ndarray:
-        """This rank's part of tensor `key` cut along `axis`, in the 'part' scratch buffer.
+    def _read(self, key: str, axis: int, shape: Optional[tuple[int, ...]] = None,
+              runs: Optional[Runs] = None) -> np.ndarray:
+        """This rank's part of tensor `key` cut along `axis`, in the 'part' scratch buffer:
+        its 1/size block, or the given [start, stop) runs of the axis one after the other.
         `shape` reads the tensor's bytes as that shape instead of the saved one."""
         file, dtype, saved_shape, start = self.tensors[key]
         shape = saved_shape if shape is None else shape
@@ -167,14 +173,21 @@ class SafetensorsParts:
         axis = axis % len(shape)
         outer = int(np.prod(shape[:axis]))
         mid, inner = shape[axis], int(np.prod(shape[axis + 1 :]))
-        width = mid // self.size * inner  # items of one range
-        lo = self.rank * width
-        part = self._buffer("part", outer * width * itemsize, np_dtype, (outer, width))
+        if runs is None:
+            block = mid // self.size
+            runs = ((self.rank * block, (self.rank + 1) * block),)
+        kept = sum(b - a for a, b in runs)
+        # (first item, items) of each run inside one row of the [outer, mid * inner] view
+        spans = [(a * inner, (b - a) * inner) for a, b in runs]
+        part = self._buffer("part", outer * kept * inner * itemsize, np_dtype, (outer, kept * inner))
         with open(file, "rb", buffering=0) as f:
-            if outer == 1 or width * itemsize >= SEEK_MIN_BYTES:
+            if outer == 1 or min(w for _, w in spans) * itemsize >= SEEK_MIN_BYTES:
                 for o in range(outer):
-                    f.seek(start + (o * mid * inner + lo) * itemsize)
-                    _read_exactly(f, part[o], key)
+                    col = 0
+                    for lo, width in spans:
+                        f.seek(start + (o * mid * inner + lo) * itemsize)
+                        _read_exactly(f, part[o, col : col + width], key)
+                        col += width
             else:
                 row = mid * inner
                 step = max(1, READ_CHUNK_BYTES // (row * itemsize))
@@ -183,8 +196,11 @@ class SafetensorsParts:
                 for r in range(0, outer, step):
                     n = min(step, outer - r)
                     _read_exactly(f, chunk[:n], key)
-                    part[r : r + n] = chunk[:n, lo : lo + width]
-        return part.reshape(shape[:axis] + (mid // self.size,) + shape[axis + 1 :])
+                    col = 0
+                    for lo, width in spans:
+                        part[r : r + n, col : col + width] = chunk[:n, lo : lo + width]
+                        col += width
+        return part.reshape(shape[:axis] + (kept,) + shape[axis + 1 :])
 
 
 def _read_exactly(f, buf: np.ndarray, key: str) -> None:

@@ -173,6 +173,12 @@ class PairGroup(_pairgroup.PairGroup):
         return self._latency_ns, self._latency_count
 
 
+def cut_only_group(rank: int, size: int) -> "mx.distributed.Group":
+    """An mx.distributed.Group that only says who this rank is: enough for code that cuts
+    weights (mlx-lm's shard()), whose every collective fails at evaluation saying so."""
+    return _pairgroup.CutOnlyGroup(rank, size)
+
+
 class MlxGroup(_pairgroup.SharedGroup):
     """MLX's own group (ring or JACCL, as init(transport="mlx") returns it) with the extras
     a pair's group has: ``transport`` ("mlx"), ``close()`` (MLX owns the connections: the

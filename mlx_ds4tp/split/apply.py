@@ -43,7 +43,9 @@ from .layers import (
     cut_layer,
     rank_and_size,
 )
-from .plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, supported
+from .derive import has_mlx_lm_plan
+from .mlx_lm_plan import split_with_mlx_lm_plan
+from .plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, mlx_lm_family, supported
 from ..base.log import log
 
 _WRAPPERS = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear}
@@ -65,14 +67,17 @@ class _Cut:
 
 
 def family_of(model: nn.Module) -> Family:
-    """The split plan of `model`'s mlx-lm module; ValueError listing the supported ones."""
+    """Our own split plan of `model`'s mlx-lm module, or the entry for mlx-lm's own plan (a
+    Family with no blocks: its shard() cuts them); ValueError listing the supported ones."""
     family = FAMILIES.get(type(model).__module__)
-    if family is None:
-        raise ValueError(
-            f"model_type={getattr(model, 'model_type', '?')!r} ({type(model).__module__}) is not "
-            f"supported by split_model; supported families: {supported()}"
-        )
-    return family
+    if family is not None:
+        return family
+    if has_mlx_lm_plan(model):
+        return mlx_lm_family(type(model).__module__)
+    raise ValueError(
+        f"model_type={getattr(model, 'model_type', '?')!r} ({type(model).__module__}) is not "
+        f"supported by split_model; supported families: {supported()}"
+    )
 
 
 def _resolve(root: Any, dotted: str) -> tuple[Any, str, Any]:
@@ -129,12 +134,21 @@ def _block_cuts(family: Family, block: nn.Module, size: int, where: str) -> list
     return [c for c in cuts if c.how != GATED] + [c for c in cuts if c.how == GATED]
 
 
-def plan_split(model: nn.Module, size: int) -> list[_Cut]:
-    """Every change split_model will make, all checked; raises before anything is changed."""
-    family = family_of(model)
-    already = [type(m).__name__ for m in model.modules() if isinstance(m, SHARDED)]
+_MLX_SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear,
+                nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+
+
+def _refuse_split_twice(model: nn.Module) -> None:
+    already = [type(m).__name__ for m in model.modules() if isinstance(m, SHARDED + _MLX_SHARDED)]
     if already:
         raise ValueError(f"the model is already split (it holds {already[0]} layers); split a model once")
+
+
+def plan_split(model: nn.Module, size: int) -> list[_Cut]:
+    """Every change split_model will make with one of our own plans, all checked; raises
+    before anything is changed."""
+    family = family_of(model)
+    _refuse_split_twice(model)
     cuts = []
     for i, block in enumerate(model.model.layers):
         cuts += _block_cuts(family, block, size, f"model.layers.{i}")
@@ -193,8 +207,12 @@ def split_model(
     """
     collective = as_collective(group)
     size = int(collective.size())
-    cuts = plan_split(model, size)
     family = family_of(model)
+    if not family.blocks:
+        _refuse_split_twice(model)
+        split_with_mlx_lm_plan(model, group, collective, read_part=read_part, progress=progress)
+        return model
+    cuts = plan_split(model, size)
     for done, cut in enumerate(cuts, 1):
         _apply(cut, collective, read_part)
         if progress is not None:

@@ -22,6 +22,7 @@ entry in FAMILIES.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Optional
 
 COLUMN, ROW, OUT, IN, HEADS, GATED, WHOLE = "column", "row", "out", "in", "heads", "gated", "whole"
@@ -84,38 +85,11 @@ MLA_ATTENTION = attention(
     whole=("q_a_proj", "kv_a_proj_with_mqa"),
 )
 
+# Families whose mlx-lm module has no Model.shard(): our own plans. Every module that has one
+# is split by mlx-lm's own plan (split/mlx_lm_plan.py) with our vocabulary split on top; our
+# hand-written plans for those (llama, qwen2, qwen3, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss)
+# gave the same cuts and the same gate count, so they went.
 FAMILIES: dict[str, Family] = {
-    "mlx_lm.models.llama": Family("llama, mistral", ("n_heads", "n_kv_heads"), {"MLP": LLAMA_ATTENTION | dense()}),
-    "mlx_lm.models.qwen2": Family("qwen2", ("n_heads", "n_kv_heads"), {"MLP": LLAMA_ATTENTION | dense()}),
-    "mlx_lm.models.qwen3": Family("qwen3", ("n_heads", "n_kv_heads"), {"MLP": LLAMA_ATTENTION | dense()}),
-    "mlx_lm.models.qwen3_moe": Family(
-        "qwen3_moe", ("n_heads", "n_kv_heads"),
-        {"MLP": LLAMA_ATTENTION | dense(), "Qwen3MoeSparseMoeBlock": LLAMA_ATTENTION | moe("mlp")},
-        expert_keys=stacked_experts(),
-    ),
-    "mlx_lm.models.glm4_moe": Family(
-        "glm4_moe", ("n_heads", "n_kv_heads"),
-        {"MLP": LLAMA_ATTENTION | dense(), "MoE": LLAMA_ATTENTION | moe("mlp", shared="shared_experts")},
-        expert_keys=stacked_experts(),
-    ),
-    "mlx_lm.models.deepseek_v3": Family(
-        "deepseek_v3, kimi_k2", ("num_heads",),
-        {"DeepseekV3MLP": MLA_ATTENTION | dense(), "DeepseekV3MoE": MLA_ATTENTION | moe("mlp", shared="shared_experts")},
-        expert_keys=stacked_experts(),
-    ),
-    # Every block is a mixture of experts; sliding-window and full layers split alike. The
-    # original checkpoints fuse gate and up (rows interleaved) and save mxfp4 experts as bytes.
-    "mlx_lm.models.gpt_oss": Family(
-        "gpt_oss", ("num_attention_heads", "num_key_value_heads"),
-        {"MLPBlock": attention(heads=("sinks",)) | moe("mlp", experts="experts", router="router")},
-        fused_keys=tuple(
-            (f"experts.{proj}.{array}", f"experts.{saved}_{suffix}", offset, step)
-            for proj, saved, offset, step in (("gate_proj", "gate_up_proj", 0, 2),
-                                              ("up_proj", "gate_up_proj", 1, 2),
-                                              ("down_proj", "down_proj", 0, 1))
-            for array, suffix in (("weight", "blocks"), ("scales", "scales"), ("bias", "bias"))
-        ),
-    ),
     "mlx_lm.models.mixtral": Family(
         "mixtral", ("num_heads", "num_key_value_heads"),
         {"MixtralSparseMoeBlock": LLAMA_ATTENTION | moe("block_sparse_moe")},
@@ -123,10 +97,42 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
+# How original Hugging Face checkpoints save what mlx-lm's sanitize() rewrites, for the families
+# split by mlx-lm's plan: experts one by one (most MoE modules stack them into switch_mlp), and
+# gpt-oss's fused gate_up with mxfp4 blocks saved as bytes.
+_GPT_OSS_FUSED = tuple(
+    (f"experts.{proj}.{array}", f"experts.{saved}_{suffix}", offset, step)
+    for proj, saved, offset, step in (("gate_proj", "gate_up_proj", 0, 2),
+                                      ("up_proj", "gate_up_proj", 1, 2),
+                                      ("down_proj", "down_proj", 0, 1))
+    for array, suffix in (("weight", "blocks"), ("scales", "scales"), ("bias", "bias"))
+)
+_SAVED_LAYOUTS = {"mlx_lm.models.gpt_oss": {"fused_keys": _GPT_OSS_FUSED}}
+
+
+def mlx_lm_family(module: str) -> Family:
+    """The entry of a family split by its mlx-lm module's own plan: no blocks of ours, only
+    how its original checkpoints are saved."""
+    layout = {"expert_keys": stacked_experts(), **_SAVED_LAYOUTS.get(module, {})}
+    return Family(module.rsplit(".", 1)[-1], (), {}, **layout)
+
+
+def mlx_lm_plan_modules() -> list[str]:
+    """The installed mlx-lm's model modules that define Model.shard(group)."""
+    import mlx_lm.models
+
+    found = []
+    for file in sorted(Path(mlx_lm.models.__path__[0]).glob("*.py")):
+        if "    def shard(" in file.read_text(errors="replace"):
+            found.append(file.stem)
+    return found
+
 
 def supported() -> str:
-    """The supported model_type values, for error messages."""
-    return ", ".join(f.names for f in FAMILIES.values())
+    """The supported model modules, for error messages and the README."""
+    ours = ", ".join(f.names for f in FAMILIES.values())
+    return f"{', '.join(mlx_lm_plan_modules())} (mlx-lm's plans); {ours} (ours)"
 
 
-__all__ = ["COLUMN", "FAMILIES", "Family", "GATED", "HEADS", "IN", "OUT", "ROW", "WHOLE", "supported"]
+__all__ = ["COLUMN", "FAMILIES", "Family", "GATED", "HEADS", "IN", "OUT", "ROW", "WHOLE", "mlx_lm_family",
+           "mlx_lm_plan_modules", "supported"]

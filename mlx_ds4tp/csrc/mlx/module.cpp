@@ -63,5 +63,21 @@ NB_MODULE(_pairgroup, m) {
           [](SharedGroup* self, const mx::distributed::Group& group) { new (self) SharedGroup(group); },
           nb::arg("group"));
 
+  nb::class_<CutOnlyGroup, mx::distributed::Group>(
+      m, "CutOnlyGroup",
+      "An mlx.core.distributed.Group that only says who this rank is: for cutting weights; "
+      "every collective fails at evaluation.")
+      .def(
+          "__init__",
+          [](CutOnlyGroup* self, int rank, int size) {
+            if (size < 1 || rank < 0 || rank >= size) {
+              throw std::invalid_argument("CutOnlyGroup: rank " + std::to_string(rank) +
+                                          " of size " + std::to_string(size) +
+                                          ": give 0 <= rank < size");
+            }
+            new (self) CutOnlyGroup(rank, size);
+          },
+          nb::arg("rank"), nb::arg("size"));
+
   m.attr("BUILT_AGAINST_MLX") = DS4TP_BUILT_MLX;
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,41 @@ struct PairGroup : public mx::distributed::Group {
 struct SharedGroup : public mx::distributed::Group {
   explicit SharedGroup(const mx::distributed::Group& group)
       : mx::distributed::Group(group.raw_group()) {}
+};
+
+// A group that only says who this rank is: enough to cut a model's weights
+// (mlx-lm's shard() asks only rank() and size()), never to run one. Its every
+// collective fails at evaluation saying so, rather than summing nothing.
+class CutOnlyGroupImpl : public mx::distributed::detail::GroupImpl {
+ public:
+  CutOnlyGroupImpl(int rank, int size) : rank_(rank), size_(size) {}
+  mx::Stream communication_stream(mx::StreamOrDevice s = {}) override {
+    return mx::default_stream(mx::Device::cpu);
+  }
+  int rank() override { return rank_; }
+  int size() override { return size_; }
+  std::shared_ptr<GroupImpl> split(int, int = -1) override { refuse("split"); }
+  void all_sum(const mx::array&, mx::array&, mx::Stream) override { refuse("all_sum"); }
+  void all_gather(const mx::array&, mx::array&, mx::Stream) override { refuse("all_gather"); }
+  void send(const mx::array&, int, mx::Stream) override { refuse("send"); }
+  void recv(mx::array&, int, mx::Stream) override { refuse("recv"); }
+  void all_max(const mx::array&, mx::array&, mx::Stream) override { refuse("all_max"); }
+  void all_min(const mx::array&, mx::array&, mx::Stream) override { refuse("all_min"); }
+  void sum_scatter(const mx::array&, mx::array&, mx::Stream) override { refuse("sum_scatter"); }
+
+ private:
+  [[noreturn]] void refuse(const char* op) {
+    throw std::runtime_error(std::string("mlx_ds4tp: ") + op + " on a group that only says who rank " +
+                             std::to_string(rank_) + " of " + std::to_string(size_) +
+                             " is (it can cut weights, not run them); pass the group from "
+                             "mlx_ds4tp.init(...) or mx.distributed.init()");
+  }
+  const int rank_, size_;
+};
+
+struct CutOnlyGroup : public mx::distributed::Group {
+  CutOnlyGroup(int rank, int size)
+      : mx::distributed::Group(std::make_shared<CutOnlyGroupImpl>(rank, size)) {}
 };
 
 // The wire code of an MLX dtype (the collectives' codes, link/wire.py); 0 if none.

@@ -1,0 +1,220 @@
+"""What mlx-lm's own plan (`Model.shard(group)`) cuts, learned before the model changes.
+
+mlx-lm's plans are code, not tables: about two dozen modules each cut their layers with
+`shard_linear` / `shard_inplace` (some with segments: fused q/k/v), slice per-head arrays,
+repeat KV heads, divide head counts. Rather than keep a table per family that mirrors that code
+(and goes stale the day mlx-lm changes it), the plan is run on a *twin* of the model: the same
+module objects copied, the same arrays shared, so the real model is untouched and no byte is
+read. The twin shows
+
+- whether the plan can run for this many ranks at all: a count that does not divide fails
+  inside MLX's split, and the error is raised again naming the layer it failed on;
+- which head counts it divides: `n_heads //= N` floors silently, so a count that does not
+  divide is refused here, naming the attribute;
+- which arrays it cuts: their shapes before and after.
+
+A second run, on a twin whose cut arrays are *index tracers* (each element its own index along
+the cut axis: a broadcast view, no memory of its own) shows which indices of the saved tensor
+each rank keeps, whatever code made the cut (segments, per-head slices, repeats). The reader
+then reads exactly those bytes. A cut the tracer cannot explain (an array reshaped across axes,
+or values changed) is left to the plan itself: read whole and cut in memory, and counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+
+def has_mlx_lm_plan(model: nn.Module) -> bool:
+    """True when the model's mlx-lm module defines Model.shard(group)."""
+    return callable(getattr(type(model), "shard", None))
+
+
+@dataclass(frozen=True)
+class ArrayCut:
+    """One array the plan cuts: which indices of the whole array's `axis` this rank keeps,
+    as [start, stop) runs in the order the part holds them."""
+
+    path: str
+    shape: tuple[int, ...]
+    axis: int
+    runs: tuple[tuple[int, int], ...]
+
+
+@dataclass
+class ShardPlan:
+    """mlx-lm's plan for this model, rank and group size, as the twins showed it."""
+
+    cuts: dict[str, ArrayCut] = field(default_factory=dict)
+    underived: list[str] = field(default_factory=list)  # cut, but not by index selection
+
+
+def _twin(value: Any) -> Any:
+    """A copy of every module (their attributes included) whose arrays are new array objects
+    over the same data: nothing is read or copied, and an in-place update a plan makes
+    (gpt-oss's `bias /= N`) changes the twin's array, not the model's."""
+    if isinstance(value, mx.array):
+        return mx.stop_gradient(value)
+    if isinstance(value, nn.Module):
+        twin = copy.copy(value)
+        for key, child in list(twin.items()):
+            twin[key] = _twin(child)
+        return twin
+    if isinstance(value, list):
+        return [_twin(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _twin(v) for k, v in value.items()}
+    return value
+
+
+def set_array(root: nn.Module, path: str, value: mx.array) -> None:
+    """Put `value` at the dotted parameter path (list indices included)."""
+    *parents, name = path.split(".")
+    node: Any = root
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    node[name] = value
+
+
+def _layer_of(error: BaseException, modules: dict[int, tuple[str, nn.Module]]) -> tuple[str, Any]:
+    """The innermost module of the twin the failing code was handling: (dotted path, module)."""
+    tb, found = error.__traceback__, ("the model", None)
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, nn.Module) and modules.get(id(value), (None, None))[1] is value:
+                found = modules[id(value)]
+        tb = tb.tb_next
+    return found
+
+
+def _fix(size: int) -> str:
+    multiple = "even" if size == 2 else f"multiples of {size}"
+    return (f"use a model whose head counts and layer widths are {multiple}, or "
+            f"{'one Mac' if size == 2 else 'a number of ranks that divides them'}")
+
+
+def _run_plan(twin: nn.Module, group: Any, family: str) -> None:
+    size = int(group.size())
+    # The modules themselves are held, not only their ids: the plan replaces some, and a new
+    # module could take a freed one's id.
+    modules = {id(m): (p or "model", m) for p, m in twin.named_modules()}
+    try:
+        twin.shard(group)
+    except (ValueError, AssertionError, RuntimeError, IndexError) as e:
+        where, layer = _layer_of(e, modules)
+        fix = _fix(size)
+        group_size = getattr(layer, "group_size", None)
+        if group_size is not None:
+            fix += (f"; or, as it is quantized with group_size={group_size}, quantize with a group "
+                    f"size that divides its inputs per rank (e.g. mlx_lm.convert --q-group-size 32)")
+        raise ValueError(f"mlx-lm's {family} plan cannot split {where} across {size} ranks ({e}); {fix}") from None
+
+
+def _check_counts(model: nn.Module, twin: nn.Module, size: int, family: str) -> None:
+    """A count the plan floor-divided by the group size must have divided exactly."""
+    before = dict(model.named_modules())
+    refused = []
+    for path, module in twin.named_modules():
+        orig = before.get(path)
+        if orig is None:
+            continue
+        for attr, value in vars(orig).items():
+            new = vars(module).get(attr)
+            if (isinstance(value, int) and not isinstance(value, bool) and isinstance(new, int)
+                    and new != value and new == value // size and value % size):
+                refused.append((_natural(path), f"{path}.{attr}={value}"))
+    if refused:
+        first = min(refused)[1]
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise ValueError(
+            f"{first}{more} cannot be split across {size} ranks (mlx-lm's {family} plan divides "
+            f"it); {_fix(size)}"
+        )
+
+
+def _natural(path: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
+def _tracer(shape: tuple[int, ...], axis: int) -> mx.array:
+    line = [1] * len(shape)
+    line[axis] = shape[axis]
+    return mx.broadcast_to(mx.arange(shape[axis], dtype=mx.int32).reshape(line), shape)
+
+
+def _runs(indices: np.ndarray) -> tuple[tuple[int, int], ...]:
+    runs: list[list[int]] = []
+    for i in indices.tolist():
+        if runs and runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, i + 1])
+    return tuple((a, b) for a, b in runs)
+
+
+def _kept_indices(traced: mx.array, axis: int, whole: int) -> np.ndarray | None:
+    """The indices a traced array kept along `axis`, or None if it is not a pure selection."""
+    if not mx.issubdtype(traced.dtype, mx.integer):
+        return None
+    mx.eval(traced)
+    values = np.array(traced)
+    index = [0] * values.ndim
+    index[axis] = slice(None)
+    kept = values[tuple(index)]
+    shape = [1] * values.ndim
+    shape[axis] = kept.size
+    if kept.size == 0 or kept.min() < 0 or kept.max() >= whole:
+        return None
+    if not np.array_equal(values, np.broadcast_to(kept.reshape(shape), values.shape)):
+        return None
+    return kept
+
+
+def derive_plan(model: nn.Module, group: Any, *, trace: bool) -> ShardPlan:
+    """Run mlx-lm's plan on twins of `model` (which stays whole); raise ValueError naming the
+    layer, the values and the fix when it cannot split this model across group.size() ranks.
+
+    trace: also learn which indices of every cut array this rank keeps (for reading only
+    those bytes); without it only the checks run."""
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    size = int(group.size())
+    before = dict(tree_flatten(model.parameters()))
+    twin = _twin(model)
+    _run_plan(twin, group, family)
+    _check_counts(model, twin, size, family)
+    plan = ShardPlan()
+    if not trace:
+        return plan
+    changed: dict[str, int] = {}
+    for path, cut in tree_flatten(twin.parameters()):
+        whole = before.get(path)
+        if whole is None or whole.shape == cut.shape:
+            continue
+        axes = [a for a in range(whole.ndim) if cut.ndim == whole.ndim and whole.shape[a] != cut.shape[a]]
+        if len(axes) == 1:
+            changed[path] = axes[0]
+        else:
+            plan.underived.append(path)
+    del twin
+    traced = _twin(model)
+    for path, axis in changed.items():
+        set_array(traced, path, _tracer(before[path].shape, axis))
+    traced.shard(group)
+    after = dict(tree_flatten(traced.parameters()))
+    for path, axis in changed.items():
+        kept = _kept_indices(after.pop(path), axis, before[path].shape[axis]) if path in after else None
+        if kept is None:
+            plan.underived.append(path)
+        else:
+            plan.cuts[path] = ArrayCut(path, tuple(before[path].shape), axis, _runs(kept))
+    return plan
+
+
+__all__ = ["ArrayCut", "ShardPlan", "derive_plan", "has_mlx_lm_plan", "set_array"]
