@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -108,36 +109,41 @@ def test_four_ranks_on_the_ring_generate_the_unsplit_tokens(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-class CountingCollective(RankOnly):
-    """A collective of the user's own: records every call; its 'peers' hold zeros."""
+@pytest.fixture
+def counted(monkeypatch):
+    """mx.distributed.all_sum / all_gather counted as the graph is built (mlx-lm's layers and
+    ours both call them); each returns this rank's input, its 'peers' holding zeros, so the
+    graph evaluates in one process."""
+    calls = {"sums": 0, "gathers": 0}
 
-    def __init__(self, rank: int):
-        super().__init__(rank)
-        self.sums, self.gathers = 0, 0
-
-    def all_sum(self, x):
-        self.sums += 1
+    def all_sum(x, group=None, stream=None):
+        calls["sums"] += 1
         return x
 
-    def all_gather(self, x):
-        self.gathers += 1
+    def all_gather(x, group=None, stream=None):
+        calls["gathers"] += 1
         return mx.concatenate([x, mx.zeros_like(x)], axis=0)
+
+    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
+    monkeypatch.setattr(mx.distributed, "all_gather", all_gather)
+    return calls
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gates_per_token(model_dirs, family):
+def test_gates_per_token(model_dirs, family, counted):
     from mlx_lm.models.cache import make_prompt_cache
 
-    group = CountingCollective(0)
-    model = split_model(_load_whole(model_dirs[family]), group)
+    from mlx_ds4tp.collectives.backend import cut_only_group
+
+    model = split_model(_load_whole(model_dirs[family]), cut_only_group(0, 2))
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[5, 6, 7]]), cache=cache))
     layers = len(model.model.layers)
     for step in range(3):
-        group.sums = group.gathers = 0
+        counted["sums"] = counted["gathers"] = 0
         mx.eval(model(mx.array([[8 + step]]), cache=cache))
-        assert group.sums <= 2 * layers + 1, f"{group.sums} all_sum calls for one token of {layers} layers"
-        assert group.gathers == 1
+        assert counted["sums"] <= 2 * layers + 1, f"{counted['sums']} all_sum calls for one token of {layers} layers"
+        assert counted["gathers"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,13 +156,14 @@ def test_qwen3_moe_experts_are_cut_by_their_intermediate_features(model_dirs):
     whole = dict(tree_flatten(_load_whole(path).parameters()))
     model = split_model(_load_whole(path), RankOnly(1))
     moe, dense = model.model.layers[0].mlp, model.model.layers[1].mlp
-    assert isinstance(moe, GatedBlock) and isinstance(dense.down_proj, RowParallelLinear)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, ColumnParallelLinear)
+    # mlx-lm's plan: the block sums its experts' partials once (its sharding_group).
+    assert moe.sharding_group is not None and isinstance(dense.down_proj, nn.ShardedToAllLinear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.AllToShardedLinear)
     gate = whole["model.layers.0.mlp.switch_mlp.gate_proj.weight"]  # [experts, out, in]
     down = whole["model.layers.0.mlp.switch_mlp.down_proj.weight"]
-    assert mx.array_equal(moe.block.switch_mlp.gate_proj.weight, gate[:, gate.shape[1] // 2 :])
-    assert mx.array_equal(moe.block.switch_mlp.down_proj.weight, down[..., down.shape[2] // 2 :])
-    assert mx.array_equal(moe.block.gate.weight, whole["model.layers.0.mlp.gate.weight"])  # router whole
+    assert mx.array_equal(moe.switch_mlp.gate_proj.weight, gate[:, gate.shape[1] // 2 :])
+    assert mx.array_equal(moe.switch_mlp.down_proj.weight, down[..., down.shape[2] // 2 :])
+    assert mx.array_equal(moe.gate.weight, whole["model.layers.0.mlp.gate.weight"])  # router whole
 
 
 def test_gpt_oss_sinks_and_expert_biases(model_dirs):
@@ -167,9 +174,8 @@ def test_gpt_oss_sinks_and_expert_biases(model_dirs):
         layer = split_model(_load_whole(path), RankOnly(rank)).model.layers[0]
         assert layer.self_attn.num_attention_heads == 2 and layer.self_attn.num_key_value_heads == 1
         assert mx.array_equal(layer.self_attn.sinks, sinks[2 * rank : 2 * rank + 2])
-        # Summed over the ranks by one gate: the expert biases are added by rank 0 alone.
-        bias = layer.mlp.block.experts.down_proj.bias
-        assert mx.array_equal(bias, down_bias if rank == 0 else mx.zeros_like(down_bias))
+        # Summed over the ranks by one gate: mlx-lm's plan gives each rank 1/N of the expert biases.
+        assert mx.array_equal(layer.mlp.experts.down_proj.bias, down_bias / 2)
 
 
 def test_mla_cuts_heads_and_keeps_the_latent_projections_whole(model_dirs):
@@ -184,10 +190,18 @@ def test_mla_cuts_heads_and_keeps_the_latent_projections_whole(model_dirs):
 
 
 def _no_in_memory_cuts(monkeypatch):
+    """Our plans' cuts and mlx-lm's (load_split logs any array it had to read whole) all read
+    from the file."""
+    from mlx_ds4tp.split import mlx_lm_plan
+
     def refuse(a, axis, rank, size):
         raise AssertionError(f"an array of shape {a.shape} was cut in memory instead of read from disk")
 
+    def refuse_log(message):
+        assert "read whole" not in message, message
+
     monkeypatch.setattr(_split_layers, "_keep_rank_part", refuse)
+    monkeypatch.setattr(mlx_lm_plan, "log", refuse_log)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -234,8 +248,8 @@ def test_experts_saved_one_by_one_are_stacked_from_this_ranks_parts(model_dirs, 
     reads = []
     original = SafetensorsParts._read
 
-    def spy(self, key, axis):
-        part = original(self, key, axis)
+    def spy(self, key, axis, shape=None, runs=None):
+        part = original(self, key, axis, shape, runs)
         reads.append((key, part.size, self.tensors[key][2]))
         return part
 
@@ -320,13 +334,19 @@ def _qwen3_moe(**overrides):
 
 
 def _assert_whole(model):
-    assert not any(isinstance(m, _split_layers.SHARDED) for m in model.modules())
+    assert not any(isinstance(m, _split_layers.SHARDED + (nn.AllToShardedLinear, nn.ShardedToAllLinear))
+                   for m in model.modules())
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    fresh = type(model)(model.args)
+    assert shapes == {k: v.shape for k, v in tree_flatten(fresh.parameters())} or any(
+        isinstance(m, nn.QuantizedLinear) for m in model.modules())
 
 
 def test_expert_width_that_does_not_divide_is_refused():
     model = _qwen3_moe(moe_intermediate_size=65)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.switch_mlp.gate_proj: 65 output features "
-                                         r"cannot be split evenly across 2 ranks"):
+    with pytest.raises(ValueError, match=r"mlx-lm's qwen3_moe plan cannot split "
+                                         r"model.layers.0.mlp.switch_mlp.gate_proj across 2 ranks .*65.*"
+                                         r"use a model whose head counts and layer widths are even"):
         split_model(model, RankOnly(0))
     _assert_whole(model)
 
@@ -336,30 +356,61 @@ def test_expert_quantization_group_that_straddles_the_cut_is_refused():
 
     model = _qwen3_moe()
     nn.quantize(model, group_size=64, bits=4)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.switch_mlp.down_proj: 64 input features split "
-                                         r"across 2 ranks give 32 per rank, not a multiple of the "
-                                         r"quantization group_size=64"):
+    with pytest.raises(ValueError, match=r"cannot split model.layers.0.mlp.switch_mlp.down_proj across 2 "
+                                         r"ranks .*quantized with group_size=64, quantize with a group size"):
         split_model(model, RankOnly(0))
     _assert_whole(model)
 
 
 def test_three_ranks_are_refused_naming_the_count():
     model = _qwen3_moe()
-    with pytest.raises(ValueError, match=r"n_heads=4 cannot be split across 3 ranks; use a model with a "
-                                         r"multiple of 3 attention heads"):
+    with pytest.raises(ValueError, match=r"512 output features cannot be split evenly across 3 ranks; use a "
+                                         r"model whose sizes are a multiple of 3"):
         split_model(model, RankOnly(0, size=3))
     _assert_whole(model)
 
 
-def test_a_layer_missing_from_the_plan_is_refused(monkeypatch):
-    family = _split_plans.FAMILIES["mlx_lm.models.qwen3_moe"]
-    blocks = {name: {k: v for k, v in plan.items() if k != "mlp.gate"} for name, plan in family.blocks.items()}
-    monkeypatch.setitem(_split_plans.FAMILIES, "mlx_lm.models.qwen3_moe",
-                        _split_plans.Family(family.names, family.head_counts, blocks))
-    model = _qwen3_moe()
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate \(Linear\) is not in the qwen3_moe split plan"):
+def _mixtral():
+    from mlx_lm.models import mixtral
+
+    return mixtral.Model(mixtral.ModelArgs.from_dict(tiny_models.MOE_FAMILIES["mixtral"][0]))
+
+
+def test_a_layer_missing_from_our_plan_is_refused(monkeypatch):
+    family = _split_plans.FAMILIES["mlx_lm.models.mixtral"]
+    blocks = {name: {k: v for k, v in plan.items() if k != "block_sparse_moe.gate"}
+              for name, plan in family.blocks.items()}
+    monkeypatch.setitem(_split_plans.FAMILIES, "mlx_lm.models.mixtral",
+                        _split_plans.Family(family.names, family.head_counts, blocks, ffn=family.ffn))
+    model = _mixtral()
+    with pytest.raises(ValueError, match=r"model.layers.0.block_sparse_moe.gate \(Linear\) is not in the "
+                                         r"mixtral split plan"):
         split_model(model, RankOnly(0))
     _assert_whole(model)
+
+
+class CountingCollective(RankOnly):
+    """A collective of the user's own: records every call; its 'peers' hold zeros."""
+
+    def __init__(self, rank: int):
+        super().__init__(rank)
+        self.sums, self.gathers = 0, 0
+
+    def all_sum(self, x):
+        self.sums += 1
+        return x
+
+    def all_gather(self, x):
+        self.gathers += 1
+        return mx.concatenate([x, mx.zeros_like(x)], axis=0)
+
+
+def test_our_plans_take_a_collective_of_the_users_own():
+    group = CountingCollective(0)
+    model = split_model(_mixtral(), group)
+    mx.eval(model(mx.array([[1, 2, 3]])))
+    # The embedding's gate, then attention and MoE of every block; one gather for the logits.
+    assert group.sums == 1 + 2 * len(model.model.layers) and group.gathers == 1
 
 
 def test_unsupported_family_lists_the_supported_ones():
@@ -368,8 +419,8 @@ def test_unsupported_family_lists_the_supported_ones():
     args = gemma.ModelArgs(model_type="gemma", hidden_size=64, num_hidden_layers=1,
                            intermediate_size=128, num_attention_heads=2, head_dim=32,
                            rms_norm_eps=1e-5, vocab_size=256, num_key_value_heads=2)
-    with pytest.raises(ValueError, match=r"supported families: .*qwen3_moe, glm4_moe, deepseek_v3, "
-                                         r"kimi_k2, gpt_oss, mixtral"):
+    with pytest.raises(ValueError, match=r"supported families: .*deepseek_v3.*glm4_moe.*gpt_oss.*qwen3_moe.*"
+                                         r"\(mlx-lm's plans\); mixtral \(ours\)"):
         split_model(gemma.Model(args), RankOnly(0))
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from ..testing import localpair as _localpair
 from .. import gate_ops
 from ..base.log import log
+from ..collectives.backend import gateless_group
 from ..link.config import PairAddress
 
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -110,34 +111,6 @@ def spawn_shard_model(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_P
     return _localpair.json_records(outs[0])[0]
 
 
-class GatelessGroup:
-    """A two-rank group whose gates do nothing: all_sum hands the local partial back.
-
-    For the compute ceiling only. Each rank still runs exactly its half of every matmul, so
-    two of these side by side decode as fast as the pair could with a transport that takes zero
-    time and ranks that never wait for each other. A real pair meets at every gate, so it also
-    waits there whenever the other rank's half of a layer ran a little slower. Its tokens are
-    meaningless (the halves are never summed).
-    """
-
-    def __init__(self, rank: int):
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return 2
-
-    def all_sum(self, x):
-        return x
-
-    def all_gather(self, x):
-        import mlx.core as mx
-
-        return mx.concatenate([x, x], axis=0)
-
-
 def ceiling_rank(address: PairAddress, path: str, max_tokens: int,
                  prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
     """One rank of the compute ceiling: its half of the model prefilling and decoding with
@@ -150,7 +123,7 @@ def ceiling_rank(address: PairAddress, path: str, max_tokens: int,
 
     with gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
                        transport="tcp", identity=model_identity(path)) as group:
-        model, tokenizer = load_split(path, GatelessGroup(group.rank()))
+        model, tokenizer = load_split(path, gateless_group(group.rank()))
         prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
         greedy_generate(model, prompt[:WARMUP_PROMPT_TOKENS], 4)
         start_line = np.zeros(1, np.float64)

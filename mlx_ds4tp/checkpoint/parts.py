@@ -149,7 +149,9 @@ class SafetensorsParts:
             if list(shape) != want:
                 continue
             # This rank's rows of every fused row set are one contiguous run of the saved rows.
-            saved_runs = None if runs is None else tuple((a * step, b * step) for a, b in runs)
+            # Runs count loaded elements; along the last axis of mxfp4 blocks the saved ones are bytes.
+            scale = step * (4 if bytes_as_words and axis == whole.ndim - 1 else 1)
+            saved_runs = None if runs is None else tuple((a * scale, b * scale) for a, b in runs)
             part = self._read(key[: -len(loaded)] + saved, axis, shape, saved_runs)
             if bytes_as_words:
                 part = part.view(np.uint32)

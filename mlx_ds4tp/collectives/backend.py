@@ -176,7 +176,13 @@ class PairGroup(_pairgroup.PairGroup):
 def cut_only_group(rank: int, size: int) -> "mx.distributed.Group":
     """An mx.distributed.Group that only says who this rank is: enough for code that cuts
     weights (mlx-lm's shard()), whose every collective fails at evaluation saying so."""
-    return _pairgroup.CutOnlyGroup(rank, size)
+    return _pairgroup.LocalGroup(rank, size, False)
+
+
+def gateless_group(rank: int, size: int = 2) -> "mx.distributed.Group":
+    """An mx.distributed.Group whose gates do nothing (all_sum hands the local partial back,
+    all_gather repeats it): the compute ceiling's, where the ranks never meet."""
+    return _pairgroup.LocalGroup(rank, size, True)
 
 
 class MlxGroup(_pairgroup.SharedGroup):

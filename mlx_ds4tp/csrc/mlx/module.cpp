@@ -63,21 +63,21 @@ NB_MODULE(_pairgroup, m) {
           [](SharedGroup* self, const mx::distributed::Group& group) { new (self) SharedGroup(group); },
           nb::arg("group"));
 
-  nb::class_<CutOnlyGroup, mx::distributed::Group>(
-      m, "CutOnlyGroup",
-      "An mlx.core.distributed.Group that only says who this rank is: for cutting weights; "
-      "every collective fails at evaluation.")
+  nb::class_<LocalGroup, mx::distributed::Group>(
+      m, "LocalGroup",
+      "An mlx.core.distributed.Group of ranks with no link between them: cut only (every "
+      "collective fails at evaluation) or gateless (collectives hand the input back).")
       .def(
           "__init__",
-          [](CutOnlyGroup* self, int rank, int size) {
+          [](LocalGroup* self, int rank, int size, bool gateless) {
             if (size < 1 || rank < 0 || rank >= size) {
-              throw std::invalid_argument("CutOnlyGroup: rank " + std::to_string(rank) +
+              throw std::invalid_argument("LocalGroup: rank " + std::to_string(rank) +
                                           " of size " + std::to_string(size) +
                                           ": give 0 <= rank < size");
             }
-            new (self) CutOnlyGroup(rank, size);
+            new (self) LocalGroup(rank, size, gateless);
           },
-          nb::arg("rank"), nb::arg("size"));
+          nb::arg("rank"), nb::arg("size"), nb::arg("gateless"));
 
   m.attr("BUILT_AGAINST_MLX") = DS4TP_BUILT_MLX;
 }

@@ -386,3 +386,40 @@ void PairGroupImpl::recv(mx::array& out, int src, mx::Stream stream) {
 }
 
 }  // namespace mlx_ds4tp
+
+namespace mlx_ds4tp {
+
+mx::Stream LocalGroupImpl::communication_stream(mx::StreamOrDevice s) {
+  if (auto stream = std::get_if<mx::Stream>(&s); stream && stream->device == mx::Device::cpu) {
+    return *stream;
+  }
+  return mx::default_stream(mx::Device::cpu);
+}
+
+void LocalGroupImpl::refuse(const char* op) {
+  if (gateless_) {
+    throw std::runtime_error(std::string("mlx_ds4tp: ") + op +
+                             " is not offered by a gateless group (it has all_sum, all_max, "
+                             "all_min and all_gather only)");
+  }
+  throw std::runtime_error(std::string("mlx_ds4tp: ") + op + " on a group that only says who rank " +
+                           std::to_string(rank_) + " of " + std::to_string(size_) +
+                           " is (it can cut weights, not run them); pass the group from "
+                           "mlx_ds4tp.init(...) or mx.distributed.init()");
+}
+
+void LocalGroupImpl::copy(const char* op, const mx::array& input, mx::array& output,
+                          mx::Stream stream, int times) {
+  if (!gateless_) refuse(op);
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  encoder.set_input_array(input);
+  encoder.set_output_array(output);
+  const char* in = input.data<char>();
+  char* out = output.data<char>();
+  const size_t bytes = input.nbytes();
+  encoder.dispatch([in, out, bytes, times]() {
+    for (int i = 0; i < times; ++i) std::memcpy(out + i * bytes, in, bytes);
+  });
+}
+
+}  // namespace mlx_ds4tp

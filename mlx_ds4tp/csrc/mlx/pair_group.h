@@ -80,39 +80,43 @@ struct SharedGroup : public mx::distributed::Group {
       : mx::distributed::Group(group.raw_group()) {}
 };
 
-// A group that only says who this rank is: enough to cut a model's weights
-// (mlx-lm's shard() asks only rank() and size()), never to run one. Its every
-// collective fails at evaluation saying so, rather than summing nothing.
-class CutOnlyGroupImpl : public mx::distributed::detail::GroupImpl {
+// A group of `size` ranks with no link between them, for code that needs an
+// mx.distributed.Group but no peer:
+// - cut only (gateless=false): enough to cut a model's weights (mlx-lm's shard()
+//   asks only rank() and size()), never to run one; every collective fails at
+//   evaluation saying so, rather than summing nothing.
+// - gateless (true): all_sum and all_max/all_min hand this rank's input back,
+//   all_gather repeats it once per rank. The compute ceiling's group: each rank
+//   runs exactly its half of every matmul and meets no one.
+class LocalGroupImpl : public mx::distributed::detail::GroupImpl {
  public:
-  CutOnlyGroupImpl(int rank, int size) : rank_(rank), size_(size) {}
-  mx::Stream communication_stream(mx::StreamOrDevice s = {}) override {
-    return mx::default_stream(mx::Device::cpu);
-  }
+  LocalGroupImpl(int rank, int size, bool gateless)
+      : rank_(rank), size_(size), gateless_(gateless) {}
+  mx::Stream communication_stream(mx::StreamOrDevice s = {}) override;
   int rank() override { return rank_; }
   int size() override { return size_; }
   std::shared_ptr<GroupImpl> split(int, int = -1) override { refuse("split"); }
-  void all_sum(const mx::array&, mx::array&, mx::Stream) override { refuse("all_sum"); }
-  void all_gather(const mx::array&, mx::array&, mx::Stream) override { refuse("all_gather"); }
+  void all_sum(const mx::array& in, mx::array& out, mx::Stream s) override { copy("all_sum", in, out, s, 1); }
+  void all_gather(const mx::array& in, mx::array& out, mx::Stream s) override {
+    copy("all_gather", in, out, s, size_);
+  }
   void send(const mx::array&, int, mx::Stream) override { refuse("send"); }
   void recv(mx::array&, int, mx::Stream) override { refuse("recv"); }
-  void all_max(const mx::array&, mx::array&, mx::Stream) override { refuse("all_max"); }
-  void all_min(const mx::array&, mx::array&, mx::Stream) override { refuse("all_min"); }
+  void all_max(const mx::array& in, mx::array& out, mx::Stream s) override { copy("all_max", in, out, s, 1); }
+  void all_min(const mx::array& in, mx::array& out, mx::Stream s) override { copy("all_min", in, out, s, 1); }
   void sum_scatter(const mx::array&, mx::array&, mx::Stream) override { refuse("sum_scatter"); }
 
  private:
-  [[noreturn]] void refuse(const char* op) {
-    throw std::runtime_error(std::string("mlx_ds4tp: ") + op + " on a group that only says who rank " +
-                             std::to_string(rank_) + " of " + std::to_string(size_) +
-                             " is (it can cut weights, not run them); pass the group from "
-                             "mlx_ds4tp.init(...) or mx.distributed.init()");
-  }
+  [[noreturn]] void refuse(const char* op);
+  // `times` copies of the input, one after the other, into the output.
+  void copy(const char* op, const mx::array& in, mx::array& out, mx::Stream stream, int times);
   const int rank_, size_;
+  const bool gateless_;
 };
 
-struct CutOnlyGroup : public mx::distributed::Group {
-  CutOnlyGroup(int rank, int size)
-      : mx::distributed::Group(std::make_shared<CutOnlyGroupImpl>(rank, size)) {}
+struct LocalGroup : public mx::distributed::Group {
+  LocalGroup(int rank, int size, bool gateless)
+      : mx::distributed::Group(std::make_shared<LocalGroupImpl>(rank, size, gateless)) {}
 };
 
 // The wire code of an MLX dtype (the collectives' codes, link/wire.py); 0 if none.
