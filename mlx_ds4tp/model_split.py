@@ -5,27 +5,22 @@ bytes of the weights (the face; the plans and their application live in split/).
     model, tokenizer = load_split("path/to/mlx-lm-model", group=g)   # each rank loads its half
     split_model(model, group=g)                                       # or split a loaded model
 
-q/k/v and gate/up projections are column parallel, o and down row parallel followed by the
-gate; experts are cut by their intermediate features with the router whole; the vocabulary is
-cut by rows and the logits' parts gathered (split/apply.py says which families, how).
+The blocks are cut by mlx-lm's own plan (Model.shard) where the model's module has one, by ours
+(split/plans.py) where it has none; the vocabulary is cut by rows and the logits' parts
+gathered; each rank reads only its bytes (split/apply.py says how).
 """
 
 from .collectives.seam import MlxCollective
 from .split.apply import (
     Collective,
-    ColumnParallelLinear,
-    GatedBlock,
-    RowParallelLinear,
     SafetensorsParts,
     VocabParallelEmbedding,
     VocabParallelHead,
     agree_model,
     as_collective,
-    check_cut,
-    cut_layer,
-    family_of,
+    check_rows,
+    cut_rows,
     load_split,
-    plan_split,
     split_model,
 )
 from .split.layers import AllSumGate
@@ -33,19 +28,14 @@ from .split.layers import AllSumGate
 __all__ = [
     "AllSumGate",
     "Collective",
-    "ColumnParallelLinear",
-    "GatedBlock",
     "MlxCollective",
-    "RowParallelLinear",
     "SafetensorsParts",
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "agree_model",
     "as_collective",
-    "check_cut",
-    "cut_layer",
-    "family_of",
+    "check_rows",
+    "cut_rows",
     "load_split",
-    "plan_split",
     "split_model",
 ]

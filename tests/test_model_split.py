@@ -26,8 +26,6 @@ import tiny_models
 from tiny_models import RankOnly
 from mlx_ds4tp.checkpoint import parts as _safetensors_parts
 from mlx_ds4tp.model_split import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     SafetensorsParts,
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -259,7 +257,8 @@ def test_unsupported_family_is_refused():
     args = gemma.ModelArgs(model_type="gemma", hidden_size=64, num_hidden_layers=1,
                            intermediate_size=128, num_attention_heads=2, head_dim=32,
                            rms_norm_eps=1e-5, vocab_size=256, num_key_value_heads=2)
-    with pytest.raises(ValueError, match=r"model_type='gemma' .* supported families: .*llama.*qwen3_moe.*\(mlx-lm's plans\); mixtral \(ours\)"):
+    with pytest.raises(ValueError, match=r"model_type='gemma' .* supported families: .*llama.*qwen3_moe.*\(mlx-lm's plans\); mixtral, llama4, "
+                                         r"qwen3_next \(ours\)"):
         split_model(gemma.Model(args), RankOnly(0))
 
 
@@ -285,11 +284,10 @@ class CountingCollective(RankOnly):
         return x
 
 
-def test_a_collective_of_the_users_own_is_refused_for_mlx_lm_plans():
-    # mlx-lm's layers call mx.distributed themselves: the object's all_sum would be bypassed.
-    # (Our own plans take such objects: tests/test_model_split_moe.py, mixtral.)
+def test_a_collective_of_the_users_own_is_refused():
+    # The plans' layers call mx.distributed themselves: the object's all_sum would be bypassed.
     model = _llama()
-    with pytest.raises(TypeError, match=r"CountingCollective is not an mx.distributed.Group; mlx-lm's "
+    with pytest.raises(TypeError, match=r"CountingCollective is not an mx.distributed.Group; the split "
                                         r"plans run their gates through mx.distributed"):
         split_model(model, CountingCollective(0))
     _assert_whole(model)

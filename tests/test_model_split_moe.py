@@ -25,14 +25,7 @@ from tiny_models import RankOnly
 from mlx_ds4tp.split import layers as _split_layers
 from mlx_ds4tp.split import plans as _split_plans
 from mlx_ds4tp.checkpoint.parts import SafetensorsParts
-from mlx_ds4tp.model_split import (
-    ColumnParallelLinear,
-    GatedBlock,
-    RowParallelLinear,
-    family_of,
-    load_split,
-    split_model,
-)
+from mlx_ds4tp.model_split import load_split, split_model
 
 FAMILIES = list(tiny_models.MOE_FAMILIES)
 # The issue's bound: logits of the split model within 2e-3 of the unsplit model's, relative to
@@ -192,7 +185,7 @@ def test_mla_cuts_heads_and_keeps_the_latent_projections_whole(model_dirs):
 def _no_in_memory_cuts(monkeypatch):
     """Our plans' cuts and mlx-lm's (load_split logs any array it had to read whole) all read
     from the file."""
-    from mlx_ds4tp.split import mlx_lm_plan
+    from mlx_ds4tp.split import apply
 
     def refuse(a, axis, rank, size):
         raise AssertionError(f"an array of shape {a.shape} was cut in memory instead of read from disk")
@@ -201,7 +194,7 @@ def _no_in_memory_cuts(monkeypatch):
         assert "read whole" not in message, message
 
     monkeypatch.setattr(_split_layers, "_keep_rank_part", refuse)
-    monkeypatch.setattr(mlx_lm_plan, "log", refuse_log)
+    monkeypatch.setattr(apply, "log", refuse_log)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -241,7 +234,7 @@ def _save_per_expert(src: Path, dst: Path, expert_keys) -> None:
 def test_experts_saved_one_by_one_are_stacked_from_this_ranks_parts(model_dirs, tmp_path, family, rank, monkeypatch):
     src = model_dirs[family]
     dst = tmp_path / f"{family}-hf"
-    expert_keys = family_of(_load_whole(src)).expert_keys
+    expert_keys = _split_plans.saved_layout(type(_load_whole(src)).__module__)["expert_keys"]
     _save_per_expert(src, dst, expert_keys)
     want = dict(tree_flatten(load_split(src, RankOnly(rank))[0].parameters()))
 
@@ -334,8 +327,8 @@ def _qwen3_moe(**overrides):
 
 
 def _assert_whole(model):
-    assert not any(isinstance(m, _split_layers.SHARDED + (nn.AllToShardedLinear, nn.ShardedToAllLinear))
-                   for m in model.modules())
+    assert not any(isinstance(m, _split_layers.SHARDED + (nn.AllToShardedLinear, nn.ShardedToAllLinear)
+                              + _split_plans.summed_blocks()) for m in model.modules())
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
     fresh = type(model)(model.args)
     assert shapes == {k: v.shape for k, v in tree_flatten(fresh.parameters())} or any(
@@ -376,43 +369,6 @@ def _mixtral():
     return mixtral.Model(mixtral.ModelArgs.from_dict(tiny_models.MOE_FAMILIES["mixtral"][0]))
 
 
-def test_a_layer_missing_from_our_plan_is_refused(monkeypatch):
-    family = _split_plans.FAMILIES["mlx_lm.models.mixtral"]
-    blocks = {name: {k: v for k, v in plan.items() if k != "block_sparse_moe.gate"}
-              for name, plan in family.blocks.items()}
-    monkeypatch.setitem(_split_plans.FAMILIES, "mlx_lm.models.mixtral",
-                        _split_plans.Family(family.names, family.head_counts, blocks, ffn=family.ffn))
-    model = _mixtral()
-    with pytest.raises(ValueError, match=r"model.layers.0.block_sparse_moe.gate \(Linear\) is not in the "
-                                         r"mixtral split plan"):
-        split_model(model, RankOnly(0))
-    _assert_whole(model)
-
-
-class CountingCollective(RankOnly):
-    """A collective of the user's own: records every call; its 'peers' hold zeros."""
-
-    def __init__(self, rank: int):
-        super().__init__(rank)
-        self.sums, self.gathers = 0, 0
-
-    def all_sum(self, x):
-        self.sums += 1
-        return x
-
-    def all_gather(self, x):
-        self.gathers += 1
-        return mx.concatenate([x, mx.zeros_like(x)], axis=0)
-
-
-def test_our_plans_take_a_collective_of_the_users_own():
-    group = CountingCollective(0)
-    model = split_model(_mixtral(), group)
-    mx.eval(model(mx.array([[1, 2, 3]])))
-    # The embedding's gate, then attention and MoE of every block; one gather for the logits.
-    assert group.sums == 1 + 2 * len(model.model.layers) and group.gathers == 1
-
-
 def test_unsupported_family_lists_the_supported_ones():
     from mlx_lm.models import gemma
 
@@ -420,7 +376,7 @@ def test_unsupported_family_lists_the_supported_ones():
                            intermediate_size=128, num_attention_heads=2, head_dim=32,
                            rms_norm_eps=1e-5, vocab_size=256, num_key_value_heads=2)
     with pytest.raises(ValueError, match=r"supported families: .*deepseek_v3.*glm4_moe.*gpt_oss.*qwen3_moe.*"
-                                         r"\(mlx-lm's plans\); mixtral \(ours\)"):
+                                         r"\(mlx-lm's plans\); mixtral, llama4, qwen3_next \(ours\)"):
         split_model(gemma.Model(args), RankOnly(0))
 
 

@@ -1,19 +1,22 @@
-"""Tensor-parallel split of mlx-lm models across 2 (or more) ranks, float or quantized: the
-plans applied (behind the face mlx_ds4tp/model_split.py).
+"""Tensor-parallel split of mlx-lm models across 2 (or more) ranks, float or quantized, each
+rank reading only its bytes (behind the face mlx_ds4tp/model_split.py).
 
-Families: llama, mistral, qwen2, qwen3 (dense); qwen3_moe, glm4_moe, deepseek_v3 / kimi_k2 (MLA),
-gpt_oss, mixtral (mixtures of experts). Which layer is cut which way is a short plan per family
-(split/plans.py). Every block is cut the Megatron way: q/k/v and gate/up projections
-are column parallel (each rank keeps a part of the output features: its heads, its MLP channels),
-o and down projections row parallel (each rank keeps the matching input features and produces a
-partial sum), followed by the gate, which adds the partials. Mixtures of experts cut every expert
-by its intermediate features (every rank holds every expert's part, so the work stays balanced
-whatever the router picks), keep the router whole, and sum routed and shared experts locally
-before one gate per block. The vocabulary is cut by rows, the logits' parts gathered. Per
-generated token and rank: 2 * layers + 1 gates of one hidden vector each and one gather.
+The blocks are cut by a plan: the model's own mlx-lm `Model.shard(group)` where its module has
+one (about two dozen do), ours (split/plans.py) where it has none. What a plan leaves whole,
+and what we add on top:
 
-The ranks talk only through the collective seam (collectives/seam.py): our own group
-(TCP, Thunderbolt RDMA), an mx.distributed.Group (ring, JACCL) or a collective of the user's own.
+- the vocabulary: mlx-lm keeps the embedding and (in most modules) `lm_head` whole on every
+  rank, two copies of a 150k-vocabulary model's largest tensors per Mac. We cut both by rows
+  (split/layers.py): one all_sum after the lookup, one gather of the logits a token. An
+  `lm_head` the plan cuts itself is left to it.
+- the checks: the plan runs on a twin first (split/derive.py), so a count that does not divide
+  is refused naming the layer, the values and the fix before the model changes.
+- the reading: the twin shows which indices of each saved tensor this rank keeps, so load_split
+  reads only those bytes, where mlx-lm's own loader reads the whole checkpoint on every rank.
+
+Per generated token and rank: 2 * layers + 1 all_sums of one hidden vector each and one gather.
+The plans' layers call mx.distributed themselves, so the group is an mx.distributed.Group: ours
+from mlx_ds4tp.init (TCP, Thunderbolt RDMA) or MLX's own (ring, JACCL).
 """
 
 from __future__ import annotations
@@ -25,154 +28,76 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..collectives.backend import PairGroup
+from ..base.log import log
+from ..checkpoint.parts import SafetensorsParts
+from ..collectives.backend import PairGroup, cut_only_group
 from ..collectives.seam import Collective, as_collective
 from ..link.fingerprint import model_fingerprint
-from ..checkpoint.parts import SafetensorsParts
+from .derive import derive_plan, set_array
 from .layers import (
-    CUTTABLE,
     SHARDED,
-    ColumnParallelLinear,
-    GatedBlock,
     ReadPart,
-    RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
-    check_cut,
-    cut_array,
-    cut_layer,
+    check_rows,
+    cut_rows,
     rank_and_size,
 )
-from .derive import has_mlx_lm_plan
-from .mlx_lm_plan import split_with_mlx_lm_plan
-from .plans import COLUMN, FAMILIES, GATED, HEADS, IN, OUT, ROW, WHOLE, Family, mlx_lm_family, supported
-from ..base.log import log
+from .plans import OWN_PLANS, plan_of, saved_layout, summed_blocks
 
-_WRAPPERS = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear}
-_CUT_KIND = {COLUMN: "out", ROW: "in", OUT: "out", IN: "in", HEADS: "heads"}
-# Around the blocks. lm_head is absent when the embedding is tied: then the cut embedding's
-# as_linear is the vocabulary projection.
-_VOCAB = (("model.embed_tokens", VocabParallelEmbedding), ("lm_head", VocabParallelHead))
-
-
-class _Cut:
-    """One planned change: the object at parent.name, what to do with it, and its dotted path."""
-
-    def __init__(self, parent: Any, name: str, how: Any, where: str):
-        self.parent, self.name, self.how, self.where = parent, name, how, where
-
-    @property
-    def target(self) -> Any:
-        return getattr(self.parent, self.name)
-
-
-def family_of(model: nn.Module) -> Family:
-    """Our own split plan of `model`'s mlx-lm module, or the entry for mlx-lm's own plan (a
-    Family with no blocks: its shard() cuts them); ValueError listing the supported ones."""
-    family = FAMILIES.get(type(model).__module__)
-    if family is not None:
-        return family
-    if has_mlx_lm_plan(model):
-        return mlx_lm_family(type(model).__module__)
-    raise ValueError(
-        f"model_type={getattr(model, 'model_type', '?')!r} ({type(model).__module__}) is not "
-        f"supported by split_model; supported families: {supported()}"
-    )
-
-
-def _resolve(root: Any, dotted: str) -> tuple[Any, str, Any]:
-    *path, name = dotted.split(".")
-    parent = root
-    for part in path:
-        parent = getattr(parent, part, None)
-        if parent is None:
-            return None, name, None
-    return parent, name, getattr(parent, name, None)
-
-
-def _check_heads(attn: nn.Module, names: tuple[str, ...], size: int, where: str) -> None:
-    for label in names:
-        value = getattr(attn, label)
-        if value % size:
-            count = "an even number of" if size == 2 else f"a multiple of {size}"
-            kind = "KV heads" if "kv" in label or "key_value" in label else "attention heads"
-            raise ValueError(
-                f"{label}={value} cannot be split across {size} ranks; use a model with {count} "
-                f"{kind}, or {'one Mac' if size == 2 else 'fewer ranks'} ({where}.self_attn)"
-            )
-
-
-def _block_cuts(family: Family, block: nn.Module, size: int, where: str) -> list[_Cut]:
-    ffn = getattr(block, family.ffn)
-    plan = family.blocks.get(type(ffn).__name__)
-    if plan is None:
-        raise ValueError(
-            f"{where}.{family.ffn} is a {type(ffn).__name__}; the {family.names} plan knows "
-            f"{', '.join(family.blocks)}: this mlx-lm version's module differs from the one the plan was written for"
-        )
-    _check_heads(block.self_attn, family.head_counts, size, where)
-    cuts, planned, whole = [], set(), []
-    for dotted, how in plan.items():
-        parent, name, target = _resolve(block, dotted)
-        if target is None:
-            continue  # a layer this configuration does not have (MLA's q_proj vs q_a/q_b)
-        planned.add(dotted)
-        if how == WHOLE:
-            whole.append(dotted + ".")
-        elif how != GATED:
-            check_cut(target, _CUT_KIND[how], size, f"{where}.{dotted}")
-        cuts.append(_Cut(parent, name, how, f"{where}.{dotted}"))
-    for path, module in block.named_modules():
-        if isinstance(module, CUTTABLE) and path not in planned and not any(
-            (path + ".").startswith(w) for w in whole
-        ):
-            raise ValueError(
-                f"{where}.{path} ({type(module).__name__}) is not in the {family.names} split plan; "
-                f"this mlx-lm version's module differs from the one the plan was written for"
-            )
-    # Cut inside a block before wrapping it with its gate.
-    return [c for c in cuts if c.how != GATED] + [c for c in cuts if c.how == GATED]
-
-
+_VOCAB_LAYERS = {"embed_tokens": ((nn.Embedding, nn.QuantizedEmbedding), VocabParallelEmbedding),
+                 "lm_head": ((nn.Linear, nn.QuantizedLinear), VocabParallelHead)}
 _MLX_SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear,
                 nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
 
 
+def _vocab_layers(model: nn.Module) -> list[tuple[str, Any]]:
+    """(dotted path, our wrapper class) of each whole embedding / vocabulary projection."""
+    found = []
+    for path, module in model.named_modules():
+        kinds = _VOCAB_LAYERS.get(path.rsplit(".", 1)[-1])
+        if kinds is not None and type(module) in kinds[0]:
+            found.append((path, kinds[1]))
+    return found
+
+
+def _parent(root: nn.Module, path: str) -> tuple[Any, str]:
+    *parents, name = path.split(".")
+    node: Any = root
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node, name
+
+
+def _shard_group(group: Any) -> "mx.distributed.Group":
+    """The group the plan is given."""
+    # The plans' layers call mx.distributed.all_sum(x, group=...) themselves: only a real
+    # mx.distributed.Group can carry their gates. An object with only rank() and size() is
+    # enough to cut (tests, tools that save parts): it stands behind a group whose
+    # collectives fail saying so. One with collectives of its own would be silently
+    # bypassed, so it is refused.
+    if isinstance(group, mx.distributed.Group):
+        return group
+    if not hasattr(group, "all_sum"):
+        rank, size = rank_and_size(group)
+        return cut_only_group(rank, size)
+    raise TypeError(
+        f"{type(group).__name__} is not an mx.distributed.Group; the split plans run their gates "
+        f"through mx.distributed, so give the group mlx_ds4tp.init(...) or mx.distributed.init() returns"
+    )
+
+
+def _label(model: nn.Module) -> str:
+    module = type(model).__module__
+    name = module.rsplit(".", 1)[-1]
+    return f"our {name} plan" if module in OWN_PLANS else f"mlx-lm's {name} plan"
+
+
 def _refuse_split_twice(model: nn.Module) -> None:
-    already = [type(m).__name__ for m in model.modules() if isinstance(m, SHARDED + _MLX_SHARDED)]
+    already = [type(m).__name__ for m in model.modules()
+               if isinstance(m, SHARDED + _MLX_SHARDED + summed_blocks())]
     if already:
         raise ValueError(f"the model is already split (it holds {already[0]} layers); split a model once")
-
-
-def plan_split(model: nn.Module, size: int) -> list[_Cut]:
-    """Every change split_model will make with one of our own plans, all checked; raises
-    before anything is changed."""
-    family = family_of(model)
-    _refuse_split_twice(model)
-    cuts = []
-    for i, block in enumerate(model.model.layers):
-        cuts += _block_cuts(family, block, size, f"model.layers.{i}")
-    for dotted, cls in _VOCAB:
-        parent, name, target = _resolve(model, dotted)
-        if target is not None:
-            check_cut(target, cls.cut_kind, size, dotted)
-            cuts.append(_Cut(parent, name, cls, dotted))
-    return cuts
-
-
-def _apply(cut: _Cut, group: Collective, read_part: Optional[ReadPart]) -> None:
-    how, target = cut.how, cut.target
-    if how == WHOLE:
-        return
-    if how == GATED:
-        setattr(cut.parent, cut.name, GatedBlock(target, group))
-    elif isinstance(target, mx.array):  # gpt-oss's per-head attention sinks
-        setattr(cut.parent, cut.name, cut_array(target, 0, group, cut.where, read_part))
-    elif how in (OUT, IN, HEADS):
-        cut_layer(target, _CUT_KIND[how], group, cut.where, read_part, bias_once=True)
-    else:
-        cls = _WRAPPERS.get(how, how)
-        setattr(cut.parent, cut.name, cls(cut_layer(target, cls.cut_kind, group, cut.where, read_part), group))
 
 
 def split_model(
@@ -186,40 +111,63 @@ def split_model(
 
     Arguments:
       model: a model from mlx_lm.load / mlx_lm.utils.load_model (lazy or evaluated), of a
-        supported family (see mlx_ds4tp/_split_plans.py), float or quantized.
-      group: who this rank is and how it reaches the others: the Group from mlx_ds4tp.init(...),
-        an mx.distributed.Group, or an object of the user's own with rank(), size(),
-        all_sum(x) and all_gather(x). Cutting needs only rank() and size().
-      read_part: (load_split passes one) reads a part straight from the model's files instead of
-        cutting the loaded array; default None cuts in memory.
-      progress: progress(done, total, where) after each change (the CLI draws its bar with it).
+        supported family (an mlx-lm module with Model.shard(), or one of split/plans.py's),
+        float or quantized.
+      group: an mx.distributed.Group: the one mlx_ds4tp.init(...) returns, or MLX's own.
+        An object with only rank() and size() is enough to cut (its gates fail if run).
+      read_part: (load_split passes one) reads a part straight from the model's files instead
+        of cutting the loaded array; default None cuts in memory. A cut it cannot read (the
+        plan's cut is not a selection of the saved tensor, or the saved layout differs) is
+        cut in memory and logged.
+      progress: progress(done, total, where) after each array (the CLI draws its bar with it).
 
-    Every rank calls this with the same model. All cuts are checked before any is made, so an
-    error leaves the model whole. Each part is evaluated as it is cut and the whole array
-    dropped, so a lazily loaded model never holds more than its part plus one whole tensor.
+    Every rank calls this with the same model. All checks run before anything changes, so an
+    error leaves the model whole. Each array is evaluated in turn, so a lazily loaded model
+    never holds more than its part plus one whole tensor.
 
     Raises:
       ValueError: the family is not supported (the message lists the supported ones), a count
         does not divide by the number of ranks (heads, KV heads, expert or MLP width, vocabulary,
-        quantization group: the message names the layer, the values and the fix), a layer is
-        not in the family's plan, or the model is already split.
-      TypeError: `group` has no rank()/size(), or a layer is of a kind split_model cannot cut.
+        quantization group: the message names the layer, the values and the fix), or the model
+        is already split.
+      TypeError: `group` is neither an mx.distributed.Group nor an object with rank()/size().
     """
+    shard = plan_of(model)
+    _refuse_split_twice(model)
     collective = as_collective(group)
-    size = int(collective.size())
-    family = family_of(model)
-    if not family.blocks:
-        _refuse_split_twice(model)
-        split_with_mlx_lm_plan(model, group, collective, read_part=read_part, progress=progress)
-        return model
-    cuts = plan_split(model, size)
-    for done, cut in enumerate(cuts, 1):
-        _apply(cut, collective, read_part)
+    group = _shard_group(group)
+    size = int(group.size())
+    vocab = _vocab_layers(model)
+    for path, cls in vocab:
+        parent, name = _parent(model, path)
+        check_rows(parent[name], size, path)
+    plan = derive_plan(model, group, shard, trace=read_part is not None, label=_label(model))
+    wholes = dict(tree_flatten(model.parameters()))  # lazily loaded: nothing read yet
+    shard(model, group)
+    for path, cls in vocab:
+        parent, name = _parent(model, path)
+        layer = parent[name]
+        if type(layer) in _VOCAB_LAYERS[name][0]:  # not cut by the plan itself
+            parent[name] = cls(cut_rows(layer, collective, path, read_part), collective)
+    params = tree_flatten(model.parameters())
+    in_memory = list(plan.underived) if read_part is not None else []
+    for done, (path, value) in enumerate(params, 1):
+        cut = plan.cuts.get(path)
+        part = read_part(path, wholes[path], cut.axis, runs=cut.runs) if read_part and cut else None
+        if part is not None and part.shape == value.shape and part.dtype == value.dtype:
+            set_array(model, path, part)
+        else:
+            if cut is not None and read_part is not None:
+                in_memory.append(path)
+            # Whole on every rank, or cut in memory: one array read at a time, its whole
+            # dropped as soon as the part is kept.
+            mx.eval(value)
         if progress is not None:
-            progress(done, len(cuts), cut.where)
-    for block in model.model.layers:
-        for label in family.head_counts:
-            setattr(block.self_attn, label, getattr(block.self_attn, label) // size)
+            progress(done, len(params), path)
+    if in_memory:
+        log(f"{len(in_memory)} cut array(s) read whole and cut in memory (their cut is not a plain "
+            f"selection of the saved tensor, or the saved layout differs): {', '.join(in_memory[:4])}"
+            f"{', ...' if len(in_memory) > 4 else ''}")
     return model
 
 
@@ -288,9 +236,8 @@ def load_split(
     model, config = load_model(model_path, lazy=lazy)
     # The reader's scratch buffers go with it as soon as the split is done (not kept through
     # the tokenizer's load, which would add them to this rank's peak).
-    family = family_of(model)
     split_model(model, group, progress=progress,
-                read_part=SafetensorsParts(model_path, rank, size, family.expert_keys, family.fused_keys)
+                read_part=SafetensorsParts(model_path, rank, size, **saved_layout(type(model).__module__))
                 if lazy else None)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))

@@ -1,4 +1,4 @@
-"""What mlx-lm's own plan (`Model.shard(group)`) cuts, learned before the model changes.
+"""What a split plan (mlx-lm's `Model.shard(group)`, or ours) cuts, learned before the model changes.
 
 mlx-lm's plans are code, not tables: about two dozen modules each cut their layers with
 `shard_linear` / `shard_inplace` (some with segments: fused q/k/v), slice per-head arrays,
@@ -24,17 +24,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-
-
-def has_mlx_lm_plan(model: nn.Module) -> bool:
-    """True when the model's mlx-lm module defines Model.shard(group)."""
-    return callable(getattr(type(model), "shard", None))
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,7 @@ class ArrayCut:
 
 @dataclass
 class ShardPlan:
-    """mlx-lm's plan for this model, rank and group size, as the twins showed it."""
+    """A plan for this model, rank and group size, as the twins showed it."""
 
     cuts: dict[str, ArrayCut] = field(default_factory=dict)
     underived: list[str] = field(default_factory=list)  # cut, but not by index selection
@@ -100,13 +95,13 @@ def _fix(size: int) -> str:
             f"{'one Mac' if size == 2 else 'a number of ranks that divides them'}")
 
 
-def _run_plan(twin: nn.Module, group: Any, family: str) -> None:
+def _run_plan(twin: nn.Module, group: Any, shard: Callable[[nn.Module, Any], None], family: str) -> None:
     size = int(group.size())
     # The modules themselves are held, not only their ids: the plan replaces some, and a new
     # module could take a freed one's id.
     modules = {id(m): (p or "model", m) for p, m in twin.named_modules()}
     try:
-        twin.shard(group)
+        shard(twin, group)
     except (ValueError, AssertionError, RuntimeError, IndexError) as e:
         where, layer = _layer_of(e, modules)
         fix = _fix(size)
@@ -114,7 +109,7 @@ def _run_plan(twin: nn.Module, group: Any, family: str) -> None:
         if group_size is not None:
             fix += (f"; or, as it is quantized with group_size={group_size}, quantize with a group "
                     f"size that divides its inputs per rank (e.g. mlx_lm.convert --q-group-size 32)")
-        raise ValueError(f"mlx-lm's {family} plan cannot split {where} across {size} ranks ({e}); {fix}") from None
+        raise ValueError(f"{family} cannot split {where} across {size} ranks ({e}); {fix}") from None
 
 
 def _check_counts(model: nn.Module, twin: nn.Module, size: int, family: str) -> None:
@@ -134,8 +129,7 @@ def _check_counts(model: nn.Module, twin: nn.Module, size: int, family: str) -> 
         first = min(refused)[1]
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ValueError(
-            f"{first}{more} cannot be split across {size} ranks (mlx-lm's {family} plan divides "
-            f"it); {_fix(size)}"
+            f"{first}{more} cannot be split across {size} ranks ({family} divides it); {_fix(size)}"
         )
 
 
@@ -177,17 +171,19 @@ def _kept_indices(traced: mx.array, axis: int, whole: int) -> np.ndarray | None:
     return kept
 
 
-def derive_plan(model: nn.Module, group: Any, *, trace: bool) -> ShardPlan:
-    """Run mlx-lm's plan on twins of `model` (which stays whole); raise ValueError naming the
-    layer, the values and the fix when it cannot split this model across group.size() ranks.
+def derive_plan(model: nn.Module, group: Any, shard: Callable[[nn.Module, Any], None], *,
+                trace: bool, label: str = "the plan") -> ShardPlan:
+    """Run `shard(model, group)` on twins of `model` (which stays whole); raise ValueError
+    naming the layer, the values and the fix when it cannot split this model across
+    group.size() ranks. `label` names the plan in messages ("mlx-lm's llama plan").
 
     trace: also learn which indices of every cut array this rank keeps (for reading only
     those bytes); without it only the checks run."""
-    family = type(model).__module__.rsplit(".", 1)[-1]
+    family = label
     size = int(group.size())
     before = dict(tree_flatten(model.parameters()))
     twin = _twin(model)
-    _run_plan(twin, group, family)
+    _run_plan(twin, group, shard, family)
     _check_counts(model, twin, size, family)
     plan = ShardPlan()
     if not trace:
@@ -206,7 +202,7 @@ def derive_plan(model: nn.Module, group: Any, *, trace: bool) -> ShardPlan:
     traced = _twin(model)
     for path, axis in changed.items():
         set_array(traced, path, _tracer(before[path].shape, axis))
-    traced.shard(group)
+    shard(traced, group)
     after = dict(tree_flatten(traced.parameters()))
     for path, axis in changed.items():
         kept = _kept_indices(after.pop(path), axis, before[path].shape[axis]) if path in after else None
@@ -217,4 +213,4 @@ def derive_plan(model: nn.Module, group: Any, *, trace: bool) -> ShardPlan:
     return plan
 
 
-__all__ = ["ArrayCut", "ShardPlan", "derive_plan", "has_mlx_lm_plan", "set_array"]
+__all__ = ["ArrayCut", "ShardPlan", "derive_plan", "set_array"]

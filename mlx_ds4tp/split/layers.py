@@ -1,16 +1,10 @@
-"""Cutting one layer's arrays, and the layers of a split model (the gates live here).
+"""The vocabulary split we add on top of every plan, and the gate for user code.
 
-Three cuts, named by what each rank keeps:
-
-- "out": a part of the output features (the rows of a Linear's weight, of an Embedding's
-  vocabulary, of every expert in a SwitchLinear's [experts, out, in] stack). Its bias is cut too.
-- "in": a part of the input features (the last axis of every weight). Each rank then computes a
-  partial sum of the whole output; a bias must be added once, not once per rank.
-- "heads": a part of the leading (head) axis of every array: MLA's per-head MultiLinear
-  [heads, out, in], gpt-oss's per-head attention sinks.
-
-Quantized layers store their weight packed along the input axis with one scale (and bias) per
-group of `group_size` inputs, so all three arrays cut along the same axis as a float weight.
+A plan (mlx-lm's own or ours) cuts the blocks; the embedding and the vocabulary projection are
+ours to cut: each rank keeps a part of the vocabulary rows (an Embedding's weight, a Linear's
+output features; with a quantized layer its scales and biases alike, which are laid out by row).
+A lookup is summed over the ranks (the row comes from the rank that holds it, zeros from the
+others); the logits' parts are gathered.
 """
 
 from __future__ import annotations
@@ -19,21 +13,16 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..collectives.seam import Collective, as_collective
 
-_WEIGHT_ARRAYS = ("weight", "scales", "biases")
-CUTTABLE = (
-    nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding,
-    SwitchLinear, QuantizedSwitchLinear, MultiLinear, QuantizedMultiLinear,
-)
-CUT_KINDS = ("out", "in", "heads")
+_WEIGHT_ARRAYS = ("weight", "scales", "biases", "bias")
+VOCAB_LAYERS = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 
-# read_part(key, whole, axis) -> this rank's part of the array saved under `key`, read from disk,
-# or None to cut `whole` in memory instead. `whole` is the layer's (usually still lazy) array.
-ReadPart = Callable[[str, mx.array, int], Optional[mx.array]]
+# read_part(key, whole, axis, runs=None) -> this rank's part of the array saved under `key`,
+# read from disk, or None to cut `whole` in memory instead. `whole` is the layer's (usually
+# still lazy) array; runs, when given, are the [start, stop) ranges of `axis` to keep.
+ReadPart = Callable[..., Optional[mx.array]]
 
 
 def rank_and_size(group: Any) -> tuple[int, int]:
@@ -42,74 +31,18 @@ def rank_and_size(group: Any) -> tuple[int, int]:
     return int(collective.rank()), int(collective.size())
 
 
-def _input_features(layer: nn.Module) -> int:
-    bits = getattr(layer, "bits", None)
-    if bits is not None and not isinstance(layer, (nn.Linear, nn.Embedding)):
-        return layer["weight"].shape[-1] * 32 // bits
-    return layer["weight"].shape[-1]
-
-
-def _refuse_count(where: str, what: str, value: int, size: int) -> None:
-    multiple = "an even number" if size == 2 else f"a multiple of {size}"
-    raise ValueError(
-        f"{where}: {value} {what} cannot be split evenly across {size} ranks; use a model whose "
-        f"sizes are {multiple}, or {'one Mac' if size == 2 else 'a number of ranks that divides it'}"
-    )
-
-
-def check_cut(layer: Any, kind: str, size: int, where: str) -> None:
-    """Raise, naming the values and the fix, if `layer` cannot be cut `size` ways by `kind`.
-
-    `layer` is one of CUTTABLE, or a bare array for a "heads" cut (attention sinks).
-    """
-    if kind not in CUT_KINDS:
-        raise ValueError(f"{where}: unknown cut {kind!r}; use one of {CUT_KINDS}")
-    if isinstance(layer, mx.array):
-        if kind != "heads":
-            raise TypeError(f"{where} is a bare array; only a 'heads' cut applies to it")
-        if layer.shape[0] % size:
-            _refuse_count(where, "heads", layer.shape[0], size)
-        return
-    if not isinstance(layer, CUTTABLE):
-        raise TypeError(
-            f"{where} is a {type(layer).__name__}; split_model cuts only "
-            f"{', '.join(c.__name__ for c in CUTTABLE)}"
-        )
-    unknown = {k for k, v in layer.items() if isinstance(v, mx.array)} - {*_WEIGHT_ARRAYS, "bias"}
-    if unknown:
+def check_rows(layer: Any, size: int, where: str) -> None:
+    """Raise, naming the values and the fix, if `layer`'s vocabulary rows cannot be cut `size` ways."""
+    if not isinstance(layer, VOCAB_LAYERS):
+        raise TypeError(f"{where} is a {type(layer).__name__}; the vocabulary split cuts only "
+                        f"{', '.join(c.__name__ for c in VOCAB_LAYERS)}")
+    rows = layer["weight"].shape[0]
+    if rows % size:
+        multiple = "an even number" if size == 2 else f"a multiple of {size}"
         raise ValueError(
-            f"{where} ({type(layer).__name__}) holds arrays {sorted(unknown)} that split_model "
-            f"does not know how to cut; this quantization mode is not supported"
+            f"{where}: {rows} output features cannot be split evenly across {size} ranks; use a "
+            f"model whose sizes are {multiple}, or {'one Mac' if size == 2 else 'a number of ranks that divides it'}"
         )
-    weight = layer["weight"]
-    if kind == "heads":
-        if weight.shape[0] % size:
-            _refuse_count(where, "heads", weight.shape[0], size)
-        return
-    if kind == "out":
-        if weight.shape[-2] % size:
-            _refuse_count(where, "output features", weight.shape[-2], size)
-        return
-    inputs = _input_features(layer)
-    if inputs % size:
-        _refuse_count(where, "input features", inputs, size)
-    group_size = getattr(layer, "group_size", None)
-    if group_size is not None and (inputs // size) % group_size:
-        raise ValueError(
-            f"{where}: {inputs} input features split across {size} ranks give {inputs // size} "
-            f"per rank, not a multiple of the quantization group_size={group_size}; quantize "
-            f"with a group size that divides {inputs // size} (e.g. mlx_lm.convert "
-            f"--q-group-size 32)"
-        )
-
-
-def _axes(kind: str, name: str) -> Optional[int]:
-    """The axis array `name` of a layer is cut along, or None for "not cut here"."""
-    if kind == "heads":
-        return 0
-    if name == "bias":
-        return -1 if kind == "out" else None
-    return -2 if kind == "out" else -1
 
 
 def _keep_rank_part(a: mx.array, axis: int, rank: int, size: int) -> mx.array:
@@ -118,42 +51,20 @@ def _keep_rank_part(a: mx.array, axis: int, rank: int, size: int) -> mx.array:
     return mx.contiguous(mx.split(a, size, axis=axis)[rank])
 
 
-def cut_array(a: mx.array, axis: int, group: Any, key: str, read_part: Optional[ReadPart] = None) -> mx.array:
-    """This rank's part of `a` along `axis`, read from disk by `read_part` when it can, evaluated."""
+def cut_rows(layer: nn.Module, group: Any, where: str = "layer", read_part: Optional[ReadPart] = None) -> nn.Module:
+    """Keep this rank's part of `layer`'s rows (its vocabulary), in place, each array read from
+    disk by `read_part` when it can and evaluated at once."""
     rank, size = rank_and_size(group)
-    part = read_part(key, a, axis) if read_part else None
-    if part is None:
-        part = _keep_rank_part(a, axis, rank, size)
-    mx.eval(part)
-    return part
-
-
-def cut_layer(
-    layer: nn.Module,
-    kind: str,
-    group: Any,
-    where: str = "layer",
-    read_part: Optional[ReadPart] = None,
-    *,
-    bias_once: bool = False,
-) -> nn.Module:
-    """Keep this rank's part of `layer`'s arrays ("out", "in" or "heads" cut), in place.
-
-    An "in" cut leaves the bias whole; with bias_once=True ranks other than 0 zero it, so a
-    layer that stays inside a block summed by one gate adds it once. Each part is evaluated as
-    soon as it is cut and the whole array dropped: a lazily loaded model never holds more than
-    one whole tensor at a time (none with `read_part`).
-    """
-    rank, size = rank_and_size(group)
-    check_cut(layer, kind, size, where)
-    for name in _WEIGHT_ARRAYS + ("bias",):
-        if layer.get(name) is None:
+    check_rows(layer, size, where)
+    for name in _WEIGHT_ARRAYS:
+        whole = layer.get(name)
+        if whole is None:
             continue
-        axis = _axes(kind, name)
-        if axis is not None:
-            layer[name] = cut_array(layer[name], axis, group, f"{where}.{name}", read_part)
-        elif bias_once and rank != 0:
-            layer[name] = mx.zeros(layer[name].shape, layer[name].dtype)
+        part = read_part(f"{where}.{name}", whole, 0) if read_part else None
+        if part is None:
+            part = _keep_rank_part(whole, 0, rank, size)
+        mx.eval(part)
+        layer[name] = part
     return layer
 
 
@@ -180,56 +91,6 @@ class AllSumGate(nn.Module):
         return self.group.all_sum(x)
 
 
-class ColumnParallelLinear(nn.Module):
-    """A Linear (or QuantizedLinear) holding this rank's part of the output features.
-
-    No communication: the output is this rank's slice of the features (its heads, its MLP
-    channels), consumed by a RowParallelLinear. Build it from a whole layer with from_linear.
-    """
-
-    cut_kind = "out"
-
-    def __init__(self, linear: nn.Module, group: Any):
-        super().__init__()
-        self.linear = linear
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.linear(x)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Module, group: Any, where: str = "linear"):
-        """Cut a whole layer in place and wrap it."""
-        return cls(cut_layer(linear, cls.cut_kind, group, where), group)
-
-
-class RowParallelLinear(nn.Module):
-    """A Linear (or QuantizedLinear) holding this rank's part of the input features, then the gate.
-
-    Each rank multiplies its slice of the features by its slice of the weight, giving a partial
-    sum of the whole output; the gate adds the partials. The bias is added once, after the gate:
-    added to each partial it would be counted once per rank.
-    """
-
-    cut_kind = "in"
-
-    def __init__(self, linear: nn.Module, group: Any):
-        super().__init__()
-        if linear.get("bias") is not None:
-            self.bias = linear["bias"]
-            del linear["bias"]
-        self.linear = linear
-        self.gate = AllSumGate(group)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.gate(self.linear(x))
-        return y + self["bias"] if "bias" in self else y
-
-    @classmethod
-    def from_linear(cls, linear: nn.Module, group: Any, where: str = "linear"):
-        """Cut a whole layer in place and wrap it."""
-        return cls(cut_layer(linear, cls.cut_kind, group, where), group)
-
-
 class VocabParallelEmbedding(nn.Module):
     """An Embedding (or QuantizedEmbedding) holding this rank's part of the vocabulary rows.
 
@@ -237,8 +98,6 @@ class VocabParallelEmbedding(nn.Module):
     adds them, so every rank ends with the exact row (x + 0 is exact in floating point). As the
     tied vocabulary projection (`as_linear`) it computes this rank's logits and gathers them.
     """
-
-    cut_kind = "out"
 
     def __init__(self, embedding: nn.Module, group: Any):
         super().__init__()
@@ -261,13 +120,11 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Module, group: Any, where: str = "embedding"):
         """Cut a whole embedding in place and wrap it."""
-        return cls(cut_layer(embedding, cls.cut_kind, group, where), group)
+        return cls(cut_rows(embedding, group, where), group)
 
 
 class VocabParallelHead(nn.Module):
     """The vocabulary projection holding this rank's part of the vocabulary; logits gathered."""
-
-    cut_kind = "out"
 
     def __init__(self, linear: nn.Module, group: Any):
         super().__init__()
@@ -280,24 +137,7 @@ class VocabParallelHead(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Module, group: Any, where: str = "lm_head"):
         """Cut a whole layer in place and wrap it."""
-        return cls(cut_layer(linear, cls.cut_kind, group, where), group)
+        return cls(cut_rows(linear, group, where), group)
 
 
-class GatedBlock(nn.Module):
-    """A whole block (a mixture of experts) whose layers were cut in place, then one gate.
-
-    Inside, every expert and shared expert holds its part of the intermediate features, so the
-    block's output is this rank's partial sum of the routed and shared experts together; one
-    gate per block adds the ranks' partials. The router stays whole: every rank routes alike.
-    """
-
-    def __init__(self, block: nn.Module, group: Any):
-        super().__init__()
-        self.block = block
-        self.gate = AllSumGate(group)
-
-    def __call__(self, *args, **kwargs) -> mx.array:
-        return self.gate(self.block(*args, **kwargs))
-
-
-SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, GatedBlock)
+SHARDED = (VocabParallelEmbedding, VocabParallelHead)

@@ -1,74 +1,146 @@
-"""Which layer of each mlx-lm model family is cut which way: one short plan per family.
+"""Our own split plans, for the mlx-lm modules that have no `Model.shard(group)` of their own.
 
-A plan names, for each kind of transformer block, every layer that holds weights (dotted paths
-inside the block) and what happens to it:
+Each plan is a short function in MLX's own vocabulary (`shard_linear`, `shard_inplace`), the
+one mlx-lm's plans use, so ours go through exactly the same path as theirs (split/apply.py):
+run first on a twin for the checks and the byte ranges (split/derive.py), then on the model,
+with our vocabulary split on top. Every block is cut the Megatron way: q/k/v and gate/up
+projections keep this rank's output features (its heads, its channels), o and down projections
+its input features and sum the ranks' partials; a mixture of experts cuts every expert (and
+shared expert) by its intermediate features in place, keeps the router whole, and sums once
+after the block. Per token: 2 * layers all_sums, plus the vocabulary's.
 
-    COLUMN  output features cut, wrapped (ColumnParallelLinear): q/k/v, a dense MLP's gate/up
-    ROW     input features cut, then a gate (RowParallelLinear): o_proj, a dense MLP's down_proj
-    OUT     output features cut in place, no gate: an expert stack's gate/up, a shared expert's
-    IN      input features cut in place, bias added by rank 0 only: an expert stack's down_proj
-    HEADS   head axis cut in place: MLA's per-head embed_q / unembed_out, gpt-oss's sinks
-    GATED   the whole block wrapped with one gate after it (GatedBlock): a mixture of experts,
-            whose routed and shared experts are summed locally before it
-    WHOLE   replicated on every rank: routers, MLA's latent projections
-
-Blocks are told apart by the class of their feed-forward module (dense layers and MoE layers
-of one model differ there). Paths a model lacks are skipped (MLA has q_proj or q_a_proj/q_b_proj
-by configuration); a weight-holding layer the plan does not name is refused, so a change in
-mlx-lm's module shows up as an error, not as a silently unsplit layer. Adding a family is one
-entry in FAMILIES.
+The families mlx-lm's own plans cover (llama, qwen2/3, qwen3_moe, glm4_moe, deepseek_v3,
+gpt_oss, ...) had hand-written plans here; mlx-lm's plus our vocabulary split gives the same
+cuts and the same gate count, so they went. A new family mlx-lm gives a shard() works the day
+it lands.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Callable
 
-COLUMN, ROW, OUT, IN, HEADS, GATED, WHOLE = "column", "row", "out", "in", "heads", "gated", "whole"
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
 GLU = ("gate_proj", "up_proj", "down_proj")
+ShardFn = Callable[[nn.Module, Any], None]
 
 
-@dataclass(frozen=True)
-class Family:
-    """The split of one mlx-lm model module."""
-
-    names: str  # model_type values it serves, for messages and the README
-    head_counts: tuple[str, ...]  # self_attn attributes counting heads: divided by the ranks
-    blocks: Mapping[str, Mapping[str, str]]  # class of block.<ffn> -> {dotted path: cut}
-    ffn: str = "mlp"  # the block's feed-forward attribute
-    # (stacked key fragment, one expert's key fragment with {e}) as original Hugging Face
-    # checkpoints save experts one by one; mlx-lm's sanitize() stacks them while loading.
-    expert_keys: tuple[tuple[str, str], ...] = field(default=())
-    # (key ending as mlx-lm loads it, key ending as saved, row offset, row step): the loaded
-    # array is rows offset::step of a saved one (gpt-oss's fused gate_up_proj, mxfp4 blocks).
-    fused_keys: tuple[tuple[str, str, int, int], ...] = field(default=())
+def _divide(module: nn.Module, counts: tuple[str, ...], size: int) -> None:
+    # A count that does not divide is refused before this runs (split/derive.py's twin).
+    for name in counts:
+        setattr(module, name, getattr(module, name) // size)
 
 
-def attention(*, column=("q_proj", "k_proj", "v_proj"), row=("o_proj",), heads=(), whole=()) -> dict:
-    """The attention part of a block plan (self_attn.*)."""
-    plan = {f"self_attn.{p}": COLUMN for p in column}
-    plan.update({f"self_attn.{p}": ROW for p in row})
-    plan.update({f"self_attn.{p}": HEADS for p in heads})
-    plan.update({f"self_attn.{p}": WHOLE for p in whole})
-    return plan
+def _attention(attn: nn.Module, group: Any, counts: tuple[str, ...],
+               column: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"), row: str = "o_proj") -> None:
+    for name in column:
+        setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+    setattr(attn, row, shard_linear(getattr(attn, row), "sharded-to-all", group=group))
+    _divide(attn, counts, group.size())
 
 
-def dense(at: str = "mlp", names: tuple[str, str, str] = GLU) -> dict:
-    """A dense gated MLP: gate/up column parallel, down row parallel with its gate."""
+def _dense(mlp: nn.Module, group: Any, names: tuple[str, str, str] = GLU) -> None:
     gate, up, down = names
-    return {f"{at}.{gate}": COLUMN, f"{at}.{up}": COLUMN, f"{at}.{down}": ROW}
+    for name in (gate, up):
+        setattr(mlp, name, shard_linear(getattr(mlp, name), "all-to-sharded", group=group))
+    setattr(mlp, down, shard_linear(getattr(mlp, down), "sharded-to-all", group=group))
 
 
-def moe(at: str, *, experts: str = "switch_mlp", router: str = "gate", shared: Optional[str] = None) -> dict:
-    """A mixture of experts: every expert (and shared expert) cut by its intermediate features
-    in place, the router whole, one gate after the block."""
-    gate, up, down = GLU
-    plan = {at: GATED, f"{at}.{router}": WHOLE}
-    for part in (experts,) + ((shared,) if shared else ()):
-        plan.update({f"{at}.{part}.{gate}": OUT, f"{at}.{part}.{up}": OUT, f"{at}.{part}.{down}": IN})
-    return plan
+def _in_place(glu: nn.Module, group: Any, names: tuple[str, str, str] = GLU) -> None:
+    """An expert stack or a shared expert cut by its intermediate features, no sum of its own."""
+    gate, up, down = names
+    shard_inplace(getattr(glu, gate), "all-to-sharded", group=group)
+    shard_inplace(getattr(glu, up), "all-to-sharded", group=group)
+    shard_inplace(getattr(glu, down), "sharded-to-all", group=group)
+
+
+_SUMMED: dict[type, type] = {}
+
+
+def _summed_class(cls: type) -> type:
+    if cls not in _SUMMED:
+        def __call__(self, *args, **kwargs):
+            return mx.distributed.all_sum(cls.__call__(self, *args, **kwargs), group=self.__dict__["_sum_group"])
+
+        _SUMMED[cls] = type(f"Summed{cls.__name__}", (cls,), {"__call__": __call__, "__module__": __name__})
+    return _SUMMED[cls]
+
+
+def sum_after(block: nn.Module, group: Any) -> None:
+    """Make `block`, whose output is now this rank's partial sum, sum it over the group.
+
+    mlx-lm's newer MoE blocks do this themselves (`sharding_group`); older ones (mixtral,
+    llama4) do not. The block's class is swapped for a subclass rather than the block wrapped:
+    a wrapper would move every parameter under a new name, and the names are the checkpoint's
+    keys, by which each rank reads its bytes."""
+    object.__setattr__(block, "_sum_group", group)
+    block.__class__ = _summed_class(type(block))
+
+
+def summed_blocks() -> tuple[type, ...]:
+    """The classes sum_after made so far (a model holding one is already split)."""
+    return tuple(_SUMMED.values())
+
+
+def shard_mixtral(model: nn.Module, group: Any) -> None:
+    for layer in model.model.layers:
+        _attention(layer.self_attn, group, ("num_heads", "num_key_value_heads"))
+        _in_place(layer.block_sparse_moe.switch_mlp, group)
+        sum_after(layer.block_sparse_moe, group)
+
+
+def shard_llama4(model: nn.Module, group: Any) -> None:
+    """Llama 4's text model (the vision tower is not loaded by mlx-lm): MoE layers with a
+    shared expert beside dense ones."""
+    for layer in model.layers:
+        _attention(layer.self_attn, group, ("n_heads", "n_kv_heads"))
+        ffn = layer.feed_forward
+        if hasattr(ffn, "experts"):
+            _in_place(ffn.experts, group)
+            _in_place(ffn.shared_expert, group)
+            sum_after(ffn, group)
+        else:
+            _dense(ffn, group)
+
+
+def shard_qwen3_next(model: nn.Module, group: Any) -> None:
+    """Qwen3-Next: gated delta-net layers cut by key head beside gated full-attention layers;
+    MoE blocks with a gated shared expert (they sum themselves: mlx-lm's sharding_group)."""
+    size, rank = group.size(), group.rank()
+    for layer in model.model.layers:
+        if layer.is_linear:
+            net = layer.linear_attn
+            # in_proj_qkvz and in_proj_ba are laid out key head by key head (q, k, v, z of one
+            # head, then the next): a rank's heads are one run of rows. The convolution's
+            # channels are all q, then all k, then all v: one run of each.
+            net.in_proj_qkvz = shard_linear(net.in_proj_qkvz, "all-to-sharded", group=group)
+            net.in_proj_ba = shard_linear(net.in_proj_ba, "all-to-sharded", group=group)
+            key_dim = net.key_dim
+            shard_inplace(net.conv1d, lambda path, w: (0, [key_dim, 2 * key_dim]), group=group)
+            net.conv1d.groups //= size
+            net.dt_bias = mx.contiguous(mx.split(net.dt_bias, size)[rank])
+            net.A_log = mx.contiguous(mx.split(net.A_log, size)[rank])
+            net.out_proj = shard_linear(net.out_proj, "sharded-to-all", group=group)
+            _divide(net, ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"), size)
+        else:
+            # q_proj holds each head's queries and its output gate side by side.
+            _attention(layer.self_attn, group, ("num_attention_heads", "num_key_value_heads"))
+        if hasattr(layer.mlp, "switch_mlp"):
+            layer.mlp.sharding_group = group
+            _in_place(layer.mlp.switch_mlp, group)
+            _in_place(layer.mlp.shared_expert, group)
+        else:
+            _dense(layer.mlp, group)
+
+
+OWN_PLANS: dict[str, ShardFn] = {
+    "mlx_lm.models.mixtral": shard_mixtral,
+    "mlx_lm.models.llama4": shard_llama4,
+    "mlx_lm.models.qwen3_next": shard_qwen3_next,
+}
 
 
 def stacked_experts(names: tuple[str, str, str] = GLU, at: str = "switch_mlp") -> tuple[tuple[str, str], ...]:
@@ -76,30 +148,9 @@ def stacked_experts(names: tuple[str, str, str] = GLU, at: str = "switch_mlp") -
     return tuple((f"{at}.{stacked}.", f"experts.{{e}}.{saved}.") for stacked, saved in zip(GLU, names))
 
 
-LLAMA_ATTENTION = attention()
-# MLA (DeepSeek V3, Kimi K2): queries are cut by head (q_proj, or q_b_proj after the low-rank
-# q_a_proj); the latent projections are shared by all heads and stay whole; the per-head
-# absorbed key/value projections (mlx-lm's embed_q / unembed_out) are cut by head.
-MLA_ATTENTION = attention(
-    column=("q_proj", "q_b_proj"), heads=("embed_q", "unembed_out"),
-    whole=("q_a_proj", "kv_a_proj_with_mqa"),
-)
-
-# Families whose mlx-lm module has no Model.shard(): our own plans. Every module that has one
-# is split by mlx-lm's own plan (split/mlx_lm_plan.py) with our vocabulary split on top; our
-# hand-written plans for those (llama, qwen2, qwen3, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss)
-# gave the same cuts and the same gate count, so they went.
-FAMILIES: dict[str, Family] = {
-    "mlx_lm.models.mixtral": Family(
-        "mixtral", ("num_heads", "num_key_value_heads"),
-        {"MixtralSparseMoeBlock": LLAMA_ATTENTION | moe("block_sparse_moe")},
-        ffn="block_sparse_moe", expert_keys=stacked_experts(("w1", "w3", "w2")),
-    ),
-}
-
-# How original Hugging Face checkpoints save what mlx-lm's sanitize() rewrites, for the families
-# split by mlx-lm's plan: experts one by one (most MoE modules stack them into switch_mlp), and
-# gpt-oss's fused gate_up with mxfp4 blocks saved as bytes.
+# How original Hugging Face checkpoints save what mlx-lm's sanitize() rewrites: experts one by
+# one (most MoE modules stack them into switch_mlp), and gpt-oss's fused gate_up with mxfp4
+# blocks saved as bytes: (key ending as loaded, key ending as saved, row offset, row step).
 _GPT_OSS_FUSED = tuple(
     (f"experts.{proj}.{array}", f"experts.{saved}_{suffix}", offset, step)
     for proj, saved, offset, step in (("gate_proj", "gate_up_proj", 0, 2),
@@ -107,32 +158,57 @@ _GPT_OSS_FUSED = tuple(
                                       ("down_proj", "down_proj", 0, 1))
     for array, suffix in (("weight", "blocks"), ("scales", "scales"), ("bias", "bias"))
 )
-_SAVED_LAYOUTS = {"mlx_lm.models.gpt_oss": {"fused_keys": _GPT_OSS_FUSED}}
+_SAVED_LAYOUTS: dict[str, dict[str, tuple]] = {
+    "mlx_lm.models.mixtral": {"expert_keys": stacked_experts(("w1", "w3", "w2"))},
+    "mlx_lm.models.gpt_oss": {"fused_keys": _GPT_OSS_FUSED},
+}
 
 
-def mlx_lm_family(module: str) -> Family:
-    """The entry of a family split by its mlx-lm module's own plan: no blocks of ours, only
-    how its original checkpoints are saved."""
-    layout = {"expert_keys": stacked_experts(), **_SAVED_LAYOUTS.get(module, {})}
-    return Family(module.rsplit(".", 1)[-1], (), {}, **layout)
+def saved_layout(module: str) -> dict[str, tuple]:
+    """SafetensorsParts' expert_keys and fused_keys for a model module."""
+    return {"expert_keys": stacked_experts(), "fused_keys": (), **_SAVED_LAYOUTS.get(module, {})}
 
 
 def mlx_lm_plan_modules() -> list[str]:
-    """The installed mlx-lm's model modules that define Model.shard(group)."""
+    """The installed mlx-lm's model modules whose Model has shard(group): its own, or its
+    parent's (`from .deepseek_v32 import Model as ...`), read from the sources without
+    importing every module."""
+    import re
+
     import mlx_lm.models
 
-    found = []
-    for file in sorted(Path(mlx_lm.models.__path__[0]).glob("*.py")):
-        if "    def shard(" in file.read_text(errors="replace"):
-            found.append(file.stem)
-    return found
+    sources = {f.stem: f.read_text(errors="replace") for f in Path(mlx_lm.models.__path__[0]).glob("*.py")}
+    found = {name for name, text in sources.items() if "    def shard(" in text}
+    parent = re.compile(r"^from \.(\w+) import Model\b", re.MULTILINE)
+    grew = True
+    while grew:
+        grew = False
+        for name, text in sources.items():
+            if name not in found and any(p in found for p in parent.findall(text)):
+                found.add(name)
+                grew = True
+    return sorted(found)
 
 
 def supported() -> str:
     """The supported model modules, for error messages and the README."""
-    ours = ", ".join(f.names for f in FAMILIES.values())
+    ours = ", ".join(m.rsplit(".", 1)[-1] for m in OWN_PLANS)
     return f"{', '.join(mlx_lm_plan_modules())} (mlx-lm's plans); {ours} (ours)"
 
 
-__all__ = ["COLUMN", "FAMILIES", "Family", "GATED", "HEADS", "IN", "OUT", "ROW", "WHOLE", "mlx_lm_family",
-           "mlx_lm_plan_modules", "supported"]
+def plan_of(model: nn.Module) -> ShardFn:
+    """The plan that splits `model`: ours where its module has none, else mlx-lm's own;
+    ValueError listing the supported modules."""
+    module = type(model).__module__
+    if module in OWN_PLANS:
+        return OWN_PLANS[module]
+    if callable(getattr(type(model), "shard", None)):
+        return lambda m, group: m.shard(group)
+    raise ValueError(
+        f"model_type={getattr(model, 'model_type', '?')!r} ({module}) is not supported by "
+        f"split_model; supported families: {supported()}"
+    )
+
+
+__all__ = ["OWN_PLANS", "ShardFn", "mlx_lm_plan_modules", "plan_of", "saved_layout", "stacked_experts",
+           "sum_after", "summed_blocks", "supported"]
