@@ -364,3 +364,69 @@ def test_run_takes_the_same_sampling_options(model_dir, tmp_path, procs):
     _, err = bad.communicate(timeout=60)
     assert bad.returncode != 0 and "nobody/no-such-model" in err and "download" in err
 
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP details browsers and keep-alive clients rely on
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cors_preflight_allows_the_headers_a_browser_sdk_asks_for(pair):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", pair.port, timeout=10)
+    asked = "x-stainless-os, x-stainless-lang, content-type, authorization"
+    conn.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": asked})
+    r = conn.getresponse()
+    r.read()
+    allowed = {h.strip().lower() for h in r.getheader("Access-Control-Allow-Headers").split(",")}
+    assert r.status == 204 and r.getheader("Access-Control-Allow-Origin") == "*"
+    assert {"x-stainless-os", "x-stainless-lang", "content-type", "authorization"} <= allowed
+    # Without a list asked for: everything, Authorization named (a "*" does not cover it).
+    conn.request("OPTIONS", "/v1/models")
+    r = conn.getresponse()
+    r.read()
+    assert {"*", "authorization"} <= {h.strip().lower() for h in r.getheader("Access-Control-Allow-Headers").split(",")}
+    conn.close()
+
+
+def test_a_response_that_closes_the_connection_says_so(pair, model_dir):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", pair.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=b"{not json",
+                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    assert r.status == 400 and r.getheader("Connection") == "close"
+    conn.close()
+    # A 404 for a model id with a "/" in it (as the SDK sends it, %2F) is found once decoded.
+    assert get_raw(pair, "/v1/models/" + str(model_dir).replace("/", "%2F"))[0] == 200
+    code, _ = get_raw(pair, "/v1/models/no%2Fsuch")
+    assert code == 404
+
+
+def test_a_stream_that_has_not_started_sends_keep_alive_comments(model_dir, tmp_path):
+    import http.client
+
+    served = ServedPair(model_dir, tmp_path, extra=["--keepalive-sec", "0.001"])
+    try:
+        served.wait_healthy()
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+        body = json.dumps({"prompt": [5] * 1500, "max_tokens": 2, "stream": True})
+        conn.request("POST", "/v1/completions", body=body,
+                     headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        r = conn.getresponse()
+        lines = [ln for ln in r.read().decode().split("\n") if ln]
+        conn.close()
+        assert r.status == 200
+        # The 1500-token prefill takes far longer than 1 ms: comments come before the first data.
+        assert lines[0] == ": keep-alive", lines[:3]
+        data = [ln for ln in lines if ln.startswith("data: ")]
+        assert data[-1] == "data: [DONE]" and all(ln.startswith((": keep-alive", "data: ")) for ln in lines)
+        text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in data[:-1])
+        assert text == reference(model_dir, [5] * 1500, 2)
+    finally:
+        served.close()

@@ -41,6 +41,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill chunk between decode steps (mlx-lm's default, 2048)")
     p.add_argument("--prompt-cache-size", type=int, default=10,
                    help="most stored prompt caches kept for reuse (LRU; 0 = no reuse; default 10)")
+    p.add_argument("--keepalive-sec", type=float, default=10.0, metavar="SEC",
+                   help="a streamed answer that has not started after SEC seconds (a long prefill, "
+                        "a full batch) starts with its status line and an SSE comment, repeated "
+                        "every SEC seconds, so proxies and clients do not time out (default 10)")
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N decode steps "
                         "(default 0: off)")

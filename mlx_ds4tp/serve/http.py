@@ -37,7 +37,7 @@ class ServeState:
 
     def __init__(self, engine: Engine, tokenizer, model_id: str, *, api_key: Optional[str],
                  context_length: int, vocab_size: int, default_max_tokens: int,
-                 defaults: SamplingOptions, aliases: Sequence[str] = ()):
+                 defaults: SamplingOptions, aliases: Sequence[str] = (), keepalive_sec: float = 10.0):
         self.engine = engine
         self.tokenizer = tokenizer
         # model_id is the one /v1/models lists (--served-model-name); a request may also name
@@ -49,6 +49,9 @@ class ServeState:
         self.vocab_size = vocab_size
         self.default_max_tokens = default_max_tokens
         self.defaults = defaults
+        if not keepalive_sec > 0:
+            raise ValueError(f"--keepalive-sec {keepalive_sec}: give a positive number of seconds")
+        self.keepalive_sec = keepalive_sec
         self.created = int(time.time())
 
 
@@ -74,6 +77,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            # Said, so a client that keeps connections alive opens a new one for its next
+            # request instead of writing into a socket this side has closed.
+            self.send_header("Connection", "close")
         self._cors()
         self.end_headers()
         self.wfile.write(data)
@@ -81,7 +88,14 @@ class Handler(BaseHTTPRequestHandler):
     def _cors(self) -> None:
         self.send_header("Access-Control-Allow-Origin", "*")
         self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+        # Browser SDKs send headers of their own (the openai SDK's x-stainless-*): a preflight
+        # gets back every header it asks for; "*" does not cover Authorization, so it is named.
+        asked = self.headers.get("Access-Control-Request-Headers", "") if self.headers else ""
+        names = [h.strip() for h in asked.split(",") if h.strip()]
+        if not any(h.lower() == "authorization" for h in names):
+            names.append("Authorization")
+        self.send_header("Access-Control-Allow-Headers", ", ".join(names if asked else ["*", "Content-Type", "Authorization"]))
+        self.send_header("Access-Control-Max-Age", "600")
 
     def _error(self, err: ApiError) -> None:
         # The body may be unread (a refused key, an unknown path): it must not be taken for
@@ -188,7 +202,8 @@ class Handler(BaseHTTPRequestHandler):
         piled up while this thread waited for the interpreter goes out as one event: fewer
         writes, and less time holding the lock the engine thread needs for the next step."""
         text: list = []
-        checked = time.monotonic()
+        checked = last = time.monotonic()
+        poll = min(EVENT_POLL_SEC, self.state.keepalive_sec)
         while True:
             if time.monotonic() - checked > CLIENT_CHECK_SEC:
                 checked = time.monotonic()
@@ -197,16 +212,20 @@ class Handler(BaseHTTPRequestHandler):
                     request.cancelled = True
                     raise ClientGone()
             try:
-                event = request.events.get_nowait() if text else \
-                    request.events.get(timeout=EVENT_POLL_SEC)
+                event = request.events.get_nowait() if text else request.events.get(timeout=poll)
             except queue.Empty:
                 if text:
                     yield ("text", "".join(text))
                     text = []
+                    last = time.monotonic()
                 elif not self.state.engine.alive():
                     request.cancelled = True
                     raise unavailable(self.state.engine.error or "the engine thread stopped")
+                elif time.monotonic() - last >= self.state.keepalive_sec:
+                    last = time.monotonic()
+                    yield ("idle", None)
                 continue
+            last = time.monotonic()
             if event[0] == "error":
                 raise unavailable(event[1])
             if event[0] == "failed":
@@ -239,7 +258,7 @@ class Handler(BaseHTTPRequestHandler):
             for event in self._events(request):
                 if event[0] == "text":
                     parts.append(event[1])
-                else:
+                elif event[0] == "done":
                     finish = event[1]
         except ApiError as err:
             self._error(err)
@@ -273,7 +292,11 @@ class Handler(BaseHTTPRequestHandler):
             if parsed.kind == "chat":
                 self._sse(shape.chunk("", None, first=True))
             for event in itertools.chain([first], events):
-                if event[0] == "text":
+                if event[0] == "idle":
+                    # An SSE comment: clients skip it; proxies and timeouts see the stream alive.
+                    self.wfile.write(b": keep-alive\n\n")
+                    self.wfile.flush()
+                elif event[0] == "text":
                     self._sse(shape.chunk(event[1], None))
                 else:
                     self._sse(shape.chunk(None if parsed.kind == "chat" else "", event[1]))

@@ -72,7 +72,8 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
                            aliases=(args.model, str(model_path)),
                            context_length=context_length(model, config),
                            vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]),
-                           default_max_tokens=args.max_tokens, defaults=sampling)
+                           default_max_tokens=args.max_tokens, defaults=sampling,
+                           keepalive_sec=args.keepalive_sec)
         server.RequestHandlerClass.state = state
         engine.start()
         tr.log(f"serving {args.served_model_name} ({model_path}) on "
