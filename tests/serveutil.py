@@ -163,3 +163,19 @@ def chat_ids(model_dir: Path, messages: list) -> List[int]:
 def text_ids(model_dir: Path, text: str) -> List[int]:
     _, tokenizer = _load(model_dir)
     return list(tokenizer.encode(text))
+
+
+def reference_steps(model_dir: Path, prompt_ids: List[int], max_tokens: int, **processors) -> list:
+    """mlx-lm's greedy generation with mlx_lm.server's logits processors (make_logits_processors
+    with these keyword arguments): [(token, logprobs over the vocabulary)] per generated token."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    model, tokenizer = _load(model_dir)
+    steps = []
+    for r in stream_generate(model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
+                             sampler=make_sampler(0.0),
+                             logits_processors=make_logits_processors(**processors)):
+        steps.append((r.token, r.logprobs))
+    return steps

@@ -430,3 +430,133 @@ def test_a_stream_that_has_not_started_sends_keep_alive_comments(model_dir, tmp_
         assert text == reference(model_dir, [5] * 1500, 2)
     finally:
         served.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties, logit_bias and logprobs, as mlx-lm computes them; every request field acted on or refused
+# ---------------------------------------------------------------------------------------------
+
+
+def _text(model_dir, tokens):
+    from serveutil import _load
+
+    return _load(model_dir)[1].decode([t for t in tokens if t not in _load(model_dir)[1].eos_token_ids])
+
+
+def test_penalties_and_logit_bias_change_the_output_as_mlx_lm_does(pair, model_dir):
+    from serveutil import reference_steps
+
+    prompt = "the quick brown fox"
+    ids = text_ids(model_dir, prompt)
+    plain = [t for t, _ in reference_steps(model_dir, ids, 12)]
+    favoured = plain[1]
+    settings = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "logit_bias": {str(favoured): 6.0}}
+    want = [t for t, _ in reference_steps(model_dir, ids, 12, presence_penalty=1.5, frequency_penalty=0.8,
+                                          logit_bias={favoured: 6.0})]
+    assert want != plain  # the processors do change this model's output
+    r = client(pair).completions.create(model=str(model_dir), prompt=prompt, max_tokens=12, temperature=0,
+                                        **{k: v for k, v in settings.items() if k != "logit_bias"},
+                                        logit_bias=settings["logit_bias"])
+    assert r.choices[0].text == _text(model_dir, want)
+
+
+def test_chat_logprobs_equal_mlx_lms_whole_and_streamed(pair, model_dir):
+    import numpy as np
+    from serveutil import reference_steps
+
+    messages = [{"role": "user", "content": "count the stars"}]
+    steps = reference_steps(model_dir, chat_ids(model_dir, messages), 8)
+    c = client(pair)
+    r = c.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=8, temperature=0,
+                                  logprobs=True, top_logprobs=3)
+    whole = r.choices[0].logprobs.content
+    chunks = list(c.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=8,
+                                            temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [item for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for item in ch.choices[0].logprobs.content]
+    for got in (whole, streamed):
+        assert len(got) == len(steps)
+        for item, (token, logprobs) in zip(got, steps):
+            want = np.array(logprobs)
+            assert abs(item.logprob - float(want[token])) <= 1e-4
+            top = np.argsort(-want)[:3]
+            assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+            assert all(abs(t.logprob - float(want[i])) <= 1e-4 for t, i in zip(item.top_logprobs, top))
+            assert item.bytes == list(item.token.encode())
+    # Without logprobs asked for, none come back.
+    plain = c.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_equal_mlx_lms(pair, model_dir):
+    import numpy as np
+    from serveutil import reference_steps
+
+    prompt = "one two three"
+    steps = reference_steps(model_dir, text_ids(model_dir, prompt), 6)
+    r = client(pair).completions.create(model=str(model_dir), prompt=prompt, max_tokens=6, temperature=0,
+                                        logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(steps) and lp.text_offset[0] == 0
+    for got, top, (token, logprobs) in zip(lp.token_logprobs, lp.top_logprobs, steps):
+        assert abs(got - float(np.array(logprobs)[token])) <= 1e-4
+        assert len(top) <= 2
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+# A value for every field of the openai package's request types: acted on (200) or refused
+# with a 400 naming the field; a field the SDK adds later fails the first assertion.
+_CHAT_FIELDS = {
+    "audio": {"voice": "alloy", "format": "wav"}, "frequency_penalty": 0.5,
+    "function_call": "auto", "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"5": 1.0},
+    "logprobs": True, "max_completion_tokens": 2, "max_tokens": 2, "messages": None, "metadata": {"a": "b"},
+    "modalities": ["text", "audio"], "model": None, "moderation": {"type": "auto"}, "n": 2,
+    "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"},
+    "presence_penalty": 0.5, "prompt_cache_key": "k", "prompt_cache_options": {"x": 1},
+    "prompt_cache_retention": "24h", "reasoning_effort": "low",
+    "response_format": {"type": "json_object"}, "safety_identifier": "u1", "seed": 3,
+    "service_tier": "auto", "stop": ["zz"], "store": True, "stream_options": {"include_usage": True},
+    "temperature": 0.0, "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "top_logprobs": 2,
+    "top_p": 0.9, "user": "u1", "verbosity": "low", "web_search_options": {},
+}
+_TEXT_FIELDS = {
+    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0}, "logprobs": 2,
+    "max_tokens": 2, "model": None, "n": 2, "presence_penalty": 0.5, "prompt": None, "seed": 3,
+    "stop": ["zz"], "stream_options": {"include_usage": True}, "suffix": "tail", "temperature": 0.0,
+    "top_p": 0.9, "user": "u1",
+}
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_every_request_field_is_acted_on_or_refused_naming_it(pair, kind):
+    from openai.types import completion_create_params as text_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    shape = (chat_params if kind == "chat" else text_params).CompletionCreateParamsBase
+    samples = _CHAT_FIELDS if kind == "chat" else _TEXT_FIELDS
+    assert set(shape.__annotations__) <= set(samples), set(shape.__annotations__) - set(samples)
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    base = {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
+    base["max_tokens"] = 2
+    outcome = {}
+    for field, value in samples.items():
+        if value is None:
+            continue
+        body = {**base, field: value}
+        if field == "top_logprobs":
+            body["logprobs"] = True
+        code, answer = post_raw(pair, path, json.dumps(body).encode())
+        if code == 200:
+            outcome[field] = "acted"
+        else:
+            assert code == 400 and answer["error"]["param"] == field, (field, code, answer)
+            assert field in answer["error"]["message"]
+            outcome[field] = "refused"
+    acted = {f for f, o in outcome.items() if o == "acted"}
+    assert {"frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "seed", "stop"} <= acted
+    assert outcome["n"] == "refused"
+    assert kind == "text" or {outcome[f] for f in ("audio", "tools", "response_format")} == {"refused"}
+    # An unknown field is refused too, naming it.
+    code, answer = post_raw(pair, path, json.dumps({**base, "temprature": 0.5}).encode())
+    assert code == 400 and answer["error"]["param"] == "temprature"

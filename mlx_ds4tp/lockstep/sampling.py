@@ -10,7 +10,7 @@ is then token for token what mlx-lm produces for the same model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -25,6 +25,11 @@ class SamplingOptions:
     min_p: float = 0.0
     repetition_penalty: float = 0.0
     repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, bias) pairs
     seed: Optional[int] = None
 
     def check(self) -> None:
@@ -41,13 +46,28 @@ class SamplingOptions:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be >= 0 (0 is off)")
         if self.repetition_context_size < 1:
             raise ValueError(f"repetition_context_size={self.repetition_context_size} must be >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2] (0 is off)")
+        for name in ("presence_context_size", "frequency_context_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for token, bias in self.logit_bias:
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
 
     @property
+    def processed(self) -> bool:
+        """True when a logits processor (penalty, bias) changes the logits before sampling."""
+        return bool(self.repetition_penalty or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         """Argmax of the raw distribution: no temperature, no processor."""
-        return self.temperature == 0 and not self.repetition_penalty
+        return self.temperature == 0 and not self.processed
 
 
 def _seed_of_key(key: mx.array) -> int:
@@ -62,16 +82,27 @@ class SessionSampler:
     seeded) its own random stream, so a seeded session draws exactly the numbers it would draw
     alone after mx.random.seed(seed), however many other sessions sample in between."""
 
-    def __init__(self, options: SamplingOptions, prompt_tokens: List[int]):
+    def __init__(self, options: SamplingOptions, prompt_tokens: List[int], *, keep_logprobs: bool = False):
         from mlx_lm.sample_utils import make_logits_processors
 
         self.options = options
         self.history = list(prompt_tokens)
         self.sampler: Optional[Callable[[mx.array], mx.array]] = None
+        # mlx_lm.server's processors, with its arguments: the same penalties and bias give
+        # the same tokens.
         self.processors = make_logits_processors(
+            logit_bias=dict(options.logit_bias) or None,
             repetition_penalty=options.repetition_penalty or None,
-            repetition_context_size=options.repetition_context_size)
+            repetition_context_size=options.repetition_context_size,
+            presence_penalty=options.presence_penalty or None,
+            presence_context_size=options.presence_context_size,
+            frequency_penalty=options.frequency_penalty or None,
+            frequency_context_size=options.frequency_context_size)
         self._rng_seed = options.seed
+        # keep_logprobs: the normalised log-probabilities the last token was drawn from ([vocab]),
+        # for a request that asked for logprobs.
+        self.keep_logprobs = keep_logprobs
+        self.last_logprobs: Optional[mx.array] = None
 
     def _make_sampler(self, vocab: int) -> Callable[[mx.array], mx.array]:
         from mlx_lm.sample_utils import make_sampler
@@ -90,6 +121,8 @@ class SessionSampler:
             for processor in self.processors:
                 logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.keep_logprobs:
+            self.last_logprobs = logprobs.reshape(-1)
         if self.sampler is None:
             self.sampler = self._make_sampler(logits.shape[-1])
         if self._rng_seed is not None and self.options.temperature > 0:
@@ -116,9 +149,11 @@ def sample_rows(logits: mx.array, samplers: List[SessionSampler],
     if greedy:
         rows = logits if len(greedy) == len(samplers) else logits[mx.array(greedy)]
         logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-        for i, token in zip(greedy, mx.argmax(logprobs, axis=-1).tolist()):
+        for row, (i, token) in enumerate(zip(greedy, mx.argmax(logprobs, axis=-1).tolist())):
             tokens[i] = int(token)
             samplers[i].history.append(int(token))
+            if samplers[i].keep_logprobs:
+                samplers[i].last_logprobs = logprobs[row]
     for i, s in enumerate(samplers):
         if tokens[i] is not None:
             continue
@@ -135,3 +170,21 @@ def run_sampler(options: SamplingOptions, prompt_tokens: List[int]) -> Callable[
     """A sampler for lockstep.generate.pair_generate (1-D logits in, token out)."""
     session = SessionSampler(options, prompt_tokens)
     return lambda logits: session.sample(logits.reshape(1, -1))
+
+
+def logprob_item(tokenizer, logprobs: mx.array, token: int, top: int) -> dict:
+    """OpenAI's logprobs entry for one generated token: its text, log-probability and UTF-8
+    bytes, and the `top` most likely tokens (most likely first) with theirs."""
+    def entry(tid: int, value: float) -> dict:
+        text = tokenizer.decode([tid])
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8")), "id": tid}
+
+    item = entry(token, float(logprobs[token].item()))
+    best = []
+    if top > 0:
+        ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        values = logprobs[ids]
+        order = mx.argsort(-values)
+        best = [entry(int(t), float(v)) for t, v in zip(ids[order].tolist(), values[order].tolist())]
+    item["top_logprobs"] = best
+    return item

@@ -5,6 +5,7 @@ ApiError naming it (the `param` of OpenAI's error object)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from typing import Any, Dict, List, Optional
@@ -23,9 +24,92 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    logprobs: Optional[int] = None  # None: no logprobs; N: each token's entry with the top N
 
 
 _NUMBER = (int, float)
+
+# Every field of OpenAI's chat and completions request shapes (and mlx_lm.server's extensions)
+# is acted on, or accepted only at the value that asks for nothing (n=1, echo=false, ...), or
+# refused with a 400 naming it: a client is never led to believe a field was applied.
+_ACTED = {
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
+    "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "seed",
+    "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
+    # Descriptive fields that change no output, accepted as OpenAI accepts them.
+    "user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
+}
+# field -> (the values that ask for nothing, what to say when another value is given)
+_NEUTRAL = {
+    "best_of": ((1,), "one completion per request"),
+    "echo": ((False,), "the prompt is not echoed back"),
+    "suffix": (("",), "no text after the completion (insertion) is supported"),
+    "modalities": ((["text"],), "text output only"),
+    "response_format": (({"type": "text"},), "constrained (JSON) output is not supported"),
+    "store": ((False,), "nothing is stored for later retrieval"),
+    "tools": (([],), "tool calling is not supported by this server yet"),
+    "tool_choice": (("none",), "tool calling is not supported by this server yet"),
+    "parallel_tool_calls": ((False, True), ""),
+}
+_REFUSED = {
+    "audio": "audio output is not supported",
+    "functions": "function calling is not supported by this server yet",
+    "function_call": "function calling is not supported by this server yet",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning effort is not adjustable here",
+    "verbosity": "verbosity is not adjustable here",
+    "web_search_options": "web search is not available",
+    "moderation": "moderation is not available",
+    "prompt_cache_options": "prompt caching is automatic here (the longest stored prefix is reused)",
+    "prompt_cache_retention": "prompt caching is automatic here (the longest stored prefix is reused)",
+}
+
+
+def _check_fields(body: dict, kind: str) -> None:
+    for name, value in body.items():
+        if name in _ACTED:
+            continue
+        if name in _NEUTRAL:
+            neutral, why = _NEUTRAL[name]
+            if value is None or any(value == v and type(value) is type(v) for v in neutral):
+                continue
+            raise ApiError(400, f"'{name}'={json.dumps(value)[:80]} is not supported: {why}; leave it "
+                           "out", name, "unsupported_parameter")
+        reason = _REFUSED.get(name, "it is not a field of OpenAI's "
+                              f"{'chat completions' if kind == 'chat' else 'completions'} request")
+        raise ApiError(400, f"'{name}' is not supported: {reason}; leave it out", name,
+                       "unsupported_parameter")
+
+
+def _logit_bias(body: dict, vocab_size: int) -> tuple:
+    value = _field(body, "logit_bias", dict, {})
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"'logit_bias' key {key!r} must be a token id", "logit_bias",
+                           "invalid_value") from None
+        if not 0 <= token < vocab_size:
+            raise ApiError(400, f"'logit_bias' key {token} is outside the model's vocabulary "
+                           f"[0, {vocab_size})", "logit_bias", "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, _NUMBER) or not -100 <= bias <= 100:
+            raise ApiError(400, f"'logit_bias[{key}]' is {bias!r}; it must be a number in [-100, 100]",
+                           "logit_bias", "invalid_value")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
+def _logprobs(body: dict, kind: str) -> Optional[int]:
+    if kind == "chat":
+        if not _field(body, "logprobs", bool, False):
+            if body.get("top_logprobs") is not None:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs",
+                               "invalid_value")
+            return None
+        return _field(body, "top_logprobs", int, 0, low=0, high=20)
+    return _field(body, "logprobs", int, None, low=0, high=20)
 
 
 def _field(body: dict, name: str, types, default=None, *, low=None, high=None, low_open=False):
@@ -113,6 +197,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
     served id first (a request without "model" names it), then the other names accepted."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    _check_fields(body, kind)
     model = _field(body, "model", str, model_ids[0])
     if model not in model_ids and model != "default_model":
         raise ApiError(404, f"model '{model}' is not served here; this server serves "
@@ -130,8 +215,14 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
         repetition_penalty=float(_field(body, "repetition_penalty", _NUMBER,
                                         defaults.repetition_penalty, low=0)),
         repetition_context_size=_field(body, "repetition_context_size", int, 20, low=1),
+        presence_penalty=float(_field(body, "presence_penalty", _NUMBER, 0.0, low=-2, high=2)),
+        presence_context_size=_field(body, "presence_context_size", int, 20, low=1),
+        frequency_penalty=float(_field(body, "frequency_penalty", _NUMBER, 0.0, low=-2, high=2)),
+        frequency_context_size=_field(body, "frequency_context_size", int, 20, low=1),
+        logit_bias=_logit_bias(body, vocab_size),
         seed=_field(body, "seed", int, defaults.seed, low=0, high=(1 << 63) - 1),
     )
+    logprobs = _logprobs(body, kind)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -159,7 +250,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
                        f"{context_length} tokens and the answer needs at least one",
                        where, "context_length_exceeded")
     max_tokens = min(max_tokens, context_length - len(prompt))
-    return ParsedRequest(kind, prompt, max_tokens, options, stop, stream, include_usage, model)
+    return ParsedRequest(kind, prompt, max_tokens, options, stop, stream, include_usage, model, logprobs)
 
 
 # ============================================================================
@@ -175,35 +266,53 @@ class ResponseShape:
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._offset = 0  # completions' text_offset of the next token
+
+    def _logprobs(self, items: Optional[list]) -> Optional[Dict[str, Any]]:
+        """The choice's logprobs object for these tokens' entries (None: not asked for)."""
+        if items is None:
+            return None
+        if self.kind == "chat":
+            return {"content": items, "refusal": None}
+        offsets = []
+        for item in items:
+            offsets.append(self._offset)
+            self._offset += len(item["token"])
+        return {"tokens": [i["token"] for i in items],
+                "token_logprobs": [i["logprob"] for i in items],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in i["top_logprobs"]} for i in items],
+                "text_offset": offsets}
 
     def _base(self, obj: str) -> Dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, usage: Dict[str, Any]) -> Dict[str, Any]:
-        """The response of a request that does not stream."""
+    def whole(self, text: str, finish: str, usage: Dict[str, Any], logprobs: Optional[list] = None) -> Dict[str, Any]:
+        """The response of a request that does not stream (logprobs: the tokens' entries)."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish, "logprobs": None}
+                      "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             out = self._base("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             out = self._base("text_completion")
         out["choices"] = [choice]
         out["usage"] = usage
         return out
 
-    def chunk(self, text: Optional[str], finish: Optional[str], first: bool = False) -> Dict[str, Any]:
-        """One streamed event (`first`: the chat chunk that names the role)."""
+    def chunk(self, text: Optional[str], finish: Optional[str], first: bool = False,
+              logprobs: Optional[list] = None) -> Dict[str, Any]:
+        """One streamed event (`first`: the chat chunk that names the role; logprobs: the
+        entries of the tokens whose text this is)."""
         if self.kind == "chat":
             delta: Dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             out = self._base("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             out = self._base("text_completion")
         out["choices"] = [choice]
         return out

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 from .. import transport as tr
 from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex, Reuse
-from ..lockstep.sampling import SamplingOptions, SessionSampler, sample_rows
+from ..lockstep.sampling import SamplingOptions, SessionSampler, logprob_item, sample_rows
 from ..lockstep.sessions import LeaderSessions
 
 IDLE_POLL_SEC = 0.25
@@ -32,9 +32,11 @@ IDLE_POLL_SEC = 0.25
 
 @dataclasses.dataclass
 class Request:
-    """One generation as the HTTP layer hands it over; `events` receives ("text", str),
+    """One generation as the HTTP layer hands it over; `events` receives ("text", str, items),
     then ("done", finish_reason), ("failed", message) when this request alone failed, or
-    ("error", message) when the pair is down."""
+    ("error", message) when the pair is down. `logprobs`: None, or how many most likely
+    tokens each generated token's logprobs entry lists (items: those entries, OpenAI's shape,
+    for the tokens since the last text event)."""
 
     prompt: List[int]
     max_tokens: int
@@ -44,6 +46,7 @@ class Request:
     cached_tokens: int = 0
     completion_tokens: int = 0
     cancelled: bool = False
+    logprobs: Optional[int] = None
 
 
 class TextStream:
@@ -85,8 +88,10 @@ class _Session:
         self.todo = request.prompt[reuse.keep : -1]
         self.next_input = request.prompt[-1]
         self.generated: List[int] = []
-        self.sampler = SessionSampler(request.options, request.prompt)
+        self.sampler = SessionSampler(request.options, request.prompt,
+                                      keep_logprobs=request.logprobs is not None)
         self.text = TextStream(tokenizer.detokenizer, request.stop)
+        self.items: List[dict] = []  # logprobs entries not sent yet
 
 
 class Engine:
@@ -242,9 +247,13 @@ class Engine:
         self.stats["generated_tokens"] += 1
         if token in self.eos:
             return "stop", True
+        if request.logprobs is not None:
+            session.items.append(logprob_item(self.tokenizer, session.sampler.last_logprobs, token,
+                                              request.logprobs))
         text, stopped = session.text.add(token)
         if text:
-            request.events.put(("text", text))
+            request.events.put(("text", text, session.items))
+            session.items = []
         if stopped:
             return "stop", False  # whatever follows a stop string is never sent
         if len(session.generated) >= request.max_tokens:
@@ -266,8 +275,8 @@ class Engine:
         for old in evicted:
             self.sessions.invalidate(old)
         tail = session.text.finish() if flush else ""
-        if tail:
-            request.events.put(("text", tail))
+        if tail or session.items:
+            request.events.put(("text", tail, session.items))
         request.events.put(("done", finish))
 
     def _end_cancelled(self) -> None:

@@ -167,7 +167,7 @@ class Handler(BaseHTTPRequestHandler):
             self._error(err)
             return
         request = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens,
-                          options=parsed.options, stop=parsed.stop)
+                          options=parsed.options, stop=parsed.stop, logprobs=parsed.logprobs)
         try:
             self.state.engine.submit(request)
         except PairUnavailable as exc:
@@ -202,6 +202,7 @@ class Handler(BaseHTTPRequestHandler):
         piled up while this thread waited for the interpreter goes out as one event: fewer
         writes, and less time holding the lock the engine thread needs for the next step."""
         text: list = []
+        items: list = []
         checked = last = time.monotonic()
         poll = min(EVENT_POLL_SEC, self.state.keepalive_sec)
         while True:
@@ -215,8 +216,8 @@ class Handler(BaseHTTPRequestHandler):
                 event = request.events.get_nowait() if text else request.events.get(timeout=poll)
             except queue.Empty:
                 if text:
-                    yield ("text", "".join(text))
-                    text = []
+                    yield ("text", "".join(text), items)
+                    text, items = [], []
                     last = time.monotonic()
                 elif not self.state.engine.alive():
                     request.cancelled = True
@@ -233,10 +234,11 @@ class Handler(BaseHTTPRequestHandler):
                                "serving", None, "generation_failed", "server_error")
             if event[0] == "text":
                 text.append(event[1])
+                items.extend(event[2])
                 continue
             if text:
-                yield ("text", "".join(text))
-                text = []
+                yield ("text", "".join(text), items)
+                text, items = [], []
             yield event
             if event[0] == "done":
                 return
@@ -253,11 +255,12 @@ class Handler(BaseHTTPRequestHandler):
         return usage(len(parsed.prompt), request.completion_tokens, request.cached_tokens)
 
     def _whole(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
-        parts, finish = [], "stop"
+        parts, items, finish = [], [], "stop"
         try:
             for event in self._events(request):
                 if event[0] == "text":
                     parts.append(event[1])
+                    items.extend(event[2])
                 elif event[0] == "done":
                     finish = event[1]
         except ApiError as err:
@@ -266,7 +269,8 @@ class Handler(BaseHTTPRequestHandler):
         except ClientGone:
             self.close_connection = True
             return
-        self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request)))
+        self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request),
+                                         items if request.logprobs is not None else None))
 
     def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
         events = self._events(request)
@@ -297,7 +301,7 @@ class Handler(BaseHTTPRequestHandler):
                     self.wfile.write(b": keep-alive\n\n")
                     self.wfile.flush()
                 elif event[0] == "text":
-                    self._sse(shape.chunk(event[1], None))
+                    self._sse(shape.chunk(event[1], None, logprobs=event[2] if request.logprobs is not None else None))
                 else:
                     self._sse(shape.chunk(None if parsed.kind == "chat" else "", event[1]))
             if parsed.include_usage:

@@ -54,7 +54,11 @@ def _in_place(glu: nn.Module, group: Any, names: tuple[str, str, str] = GLU) -> 
     gate, up, down = names
     shard_inplace(getattr(glu, gate), "all-to-sharded", group=group)
     shard_inplace(getattr(glu, up), "all-to-sharded", group=group)
-    shard_inplace(getattr(glu, down), "sharded-to-all", group=group)
+    down_proj = getattr(glu, down)
+    shard_inplace(down_proj, "sharded-to-all", group=group)
+    if "bias" in down_proj:
+        # Added after each rank's partial product, so summed once per rank by the block's sum.
+        down_proj.bias = down_proj.bias / group.size()
 
 
 _SUMMED: dict[type, type] = {}
@@ -136,10 +140,123 @@ def shard_qwen3_next(model: nn.Module, group: Any) -> None:
             _dense(layer.mlp, group)
 
 
+def _moe_or_dense(mlp: nn.Module, group: Any, experts: str = "switch_mlp", shared: str = "shared_experts") -> None:
+    """A MoE block (routed expert stack and, where it has one, a shared expert, cut in place, one
+    sum after the block; the router whole) or a dense GLU MLP."""
+    if experts not in mlp:
+        _dense(mlp, group)
+        return
+    _in_place(mlp[experts], group)
+    if isinstance(mlp.get(shared), nn.Module):
+        _in_place(mlp[shared], group)
+    sum_after(mlp, group)
+
+
+def _heads(array: mx.array, group: Any, axis: int = 0) -> mx.array:
+    """This rank's run of a per-head array."""
+    return mx.contiguous(mx.split(array, group.size(), axis=axis)[group.rank()])
+
+
+def shard_dots1(model: nn.Module, group: Any) -> None:
+    """dots.llm1: dense layers (first_k_dense_replace) then MoE blocks with a shared expert;
+    q/k RMSNorms are per head."""
+    for layer in model.model.layers:
+        _attention(layer.self_attn, group, ("n_heads", "n_kv_heads"))
+        _moe_or_dense(layer.mlp, group, experts="experts")
+
+
+def shard_ernie4_5_moe(model: nn.Module, group: Any) -> None:
+    """ERNIE 4.5 MoE: dense layers outside [moe_layer_start_index, moe_layer_end_index], MoE
+    blocks with shared experts; use_bias puts biases on every projection (an expert's or the
+    shared expert's down bias is divided by _in_place, the dense ones added after the sum)."""
+    for layer in model.model.layers:
+        _attention(layer.self_attn, group, ("n_heads", "n_kv_heads"))
+        _moe_or_dense(layer.mlp, group)
+
+
+def shard_hunyuan(model: nn.Module, group: Any) -> None:
+    """Hunyuan (MoE): cross-layer attention (use_cla) leaves every other layer without k/v
+    projections, reusing the previous layer's keys and values, which are this rank's KV heads
+    there too; MoE blocks with a shared MLP (use_mixed_mlp_moe)."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        kv = ("k_proj", "v_proj") if "k_proj" in attn else ()
+        _attention(attn, group, ("n_heads", "n_kv_heads"), column=("q_proj", *kv))
+        _moe_or_dense(layer.mlp, group, shared="shared_mlp")
+
+
+def shard_bailing_moe(model: nn.Module, group: Any) -> None:
+    """Ling / Bailing MoE: fused query_key_value (all queries, then all keys, then all values:
+    each rank its run of each), dense layers (first_k_dense_replace) then MoE blocks with
+    shared experts."""
+    for layer in model.model.layers:
+        attn = layer.attention
+        q, kv = attn.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
+        attn.query_key_value = shard_linear(attn.query_key_value, "all-to-sharded",
+                                            segments=[q, q + kv], group=group)
+        attn.dense = shard_linear(attn.dense, "sharded-to-all", group=group)
+        _divide(attn, ("num_attention_heads", "num_key_value_heads"), group.size())
+        _moe_or_dense(layer.mlp, group)
+
+
+def shard_qwen3_vl_moe(model: nn.Module, group: Any) -> None:
+    """Qwen3-VL MoE: mlx-lm builds only its language model, a qwen3_moe Model (the vision tower
+    is dropped by sanitize), split by mlx-lm's own qwen3_moe plan."""
+    model.language_model.shard(group)
+
+
+def shard_mimo_v2_flash(model: nn.Module, group: Any) -> None:
+    """MiMo-V2-Flash: sliding-window layers (their own head counts and head dims) beside full
+    attention ones, each with per-head attention sinks; MoE blocks with shared experts beside
+    dense layers."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        _attention(attn, group, ("n_heads", "n_kv_heads"))
+        if attn.attention_sink_bias is not None:
+            attn.attention_sink_bias = _heads(attn.attention_sink_bias, group)
+        _moe_or_dense(layer.mlp, group)
+
+
+def shard_kimi_linear(model: nn.Module, group: Any) -> None:
+    """Kimi Linear: Kimi delta-attention layers cut by head beside MLA layers (cut by head as
+    mlx-lm's deepseek_v3 plan does); MoE blocks with shared experts beside dense layers."""
+    size = group.size()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if layer.is_linear:
+            # q/k/v, the forget gate's f_b, the output gate's g_b and beta are laid out head by
+            # head; f_a and g_a (hidden -> head_dim, the low-rank halves) stay whole.
+            for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj"):
+                setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+            for name in ("q_conv", "k_conv", "v_conv"):
+                conv = getattr(attn, name).conv  # depthwise: weight [channels, kernel, 1]
+                shard_inplace(conv, lambda path, w: 0, group=group)
+                conv.groups //= size
+            attn.A_log = _heads(attn.A_log, group, axis=2)  # [1, 1, heads, 1]
+            attn.dt_bias = _heads(attn.dt_bias, group)  # [heads * head_dim]
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            _divide(attn, ("num_heads", "projection_dim"), size)
+        else:
+            # The latent (kv_a_proj_with_mqa, its norm) is shared by every head: whole.
+            attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
+            attn.embed_q.apply(lambda w: _heads(w, group))
+            attn.unembed_out.apply(lambda w: _heads(w, group))
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            _divide(attn, ("num_heads",), size)
+        _moe_or_dense(layer.mlp, group)
+
+
 OWN_PLANS: dict[str, ShardFn] = {
     "mlx_lm.models.mixtral": shard_mixtral,
     "mlx_lm.models.llama4": shard_llama4,
     "mlx_lm.models.qwen3_next": shard_qwen3_next,
+    "mlx_lm.models.dots1": shard_dots1,
+    "mlx_lm.models.ernie4_5_moe": shard_ernie4_5_moe,
+    "mlx_lm.models.hunyuan": shard_hunyuan,
+    "mlx_lm.models.bailing_moe": shard_bailing_moe,
+    "mlx_lm.models.qwen3_vl_moe": shard_qwen3_vl_moe,
+    "mlx_lm.models.mimo_v2_flash": shard_mimo_v2_flash,
+    "mlx_lm.models.kimi_linear": shard_kimi_linear,
 }
 
 
@@ -160,6 +277,7 @@ _GPT_OSS_FUSED = tuple(
 )
 _SAVED_LAYOUTS: dict[str, dict[str, tuple]] = {
     "mlx_lm.models.mixtral": {"expert_keys": stacked_experts(("w1", "w3", "w2"))},
+    "mlx_lm.models.dots1": {"expert_keys": stacked_experts(at="experts")},
     "mlx_lm.models.gpt_oss": {"fused_keys": _GPT_OSS_FUSED},
 }
 
