@@ -258,7 +258,7 @@ def test_unsupported_family_is_refused():
                            intermediate_size=128, num_attention_heads=2, head_dim=32,
                            rms_norm_eps=1e-5, vocab_size=256, num_key_value_heads=2)
     with pytest.raises(ValueError, match=r"model_type='gemma' .* supported families: .*llama.*qwen3_moe.*\(mlx-lm's plans\); mixtral, llama4, "
-                                         r"qwen3_next \(ours\)"):
+                                         r"qwen3_next, dots1, .*kimi_linear \(ours\)"):
         split_model(gemma.Model(args), RankOnly(0))
 
 
