@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
+from .chat import chat_prompt, chat_tools
 from .errors import ApiError
 from ..lockstep.sampling import SamplingOptions
 
@@ -25,6 +26,7 @@ class ParsedRequest:
     include_usage: bool
     model: str
     logprobs: Optional[int] = None  # None: no logprobs; N: each token's entry with the top N
+    tools: Optional[list] = None  # the tools the chat template was given (their calls are parsed)
 
 
 _NUMBER = (int, float)
@@ -36,7 +38,7 @@ _ACTED = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
     "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "seed",
-    "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
+    "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "tools", "tool_choice",
     # Descriptive fields that change no output, accepted as OpenAI accepts them.
     "user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
 }
@@ -48,10 +50,10 @@ _NEUTRAL = {
     "modalities": ((["text"],), "text output only"),
     "response_format": (({"type": "text"},), "constrained (JSON) output is not supported"),
     "store": ((False,), "nothing is stored for later retrieval"),
-    "tools": (([],), "tool calling is not supported by this server yet"),
-    "tool_choice": (("none",), "tool calling is not supported by this server yet"),
-    "parallel_tool_calls": ((False, True), ""),
+    "parallel_tool_calls": ((True,), "every call the model makes is returned (it cannot be held to one)"),
 }
+_CHAT_ONLY = {"messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens",
+              "top_logprobs"}
 _REFUSED = {
     "audio": "audio output is not supported",
     "functions": "function calling is not supported by this server yet",
@@ -68,9 +70,9 @@ _REFUSED = {
 
 def _check_fields(body: dict, kind: str) -> None:
     for name, value in body.items():
-        if name in _ACTED:
+        if name in _ACTED and not (kind == "text" and name in _CHAT_ONLY):
             continue
-        if name in _NEUTRAL:
+        if name in _NEUTRAL and not (kind == "text" and name in _CHAT_ONLY):
             neutral, why = _NEUTRAL[name]
             if value is None or any(value == v and type(value) is type(v) for v in neutral):
                 continue
@@ -128,50 +130,6 @@ def _field(body: dict, name: str, types, default=None, *, low=None, high=None, l
     if high is not None and value > high:
         raise ApiError(400, f"'{name}' is {value}; it must be <= {high}", name, "invalid_value")
     return value
-
-
-def _message_text(content: Any, where: str) -> str:
-    if content is None:  # an assistant turn that only called tools
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise ApiError(400, f"'{where}[{i}]' must be a text part "
-                               "({\"type\": \"text\", \"text\": ...}); this model reads text only",
-                               where, "invalid_type")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"'{where}' must be a string or a list of text parts", where, "invalid_type")
-
-
-def chat_prompt(tokenizer, messages: Any) -> List[int]:
-    """The model's chat template over `messages`, with the assistant's turn opened."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects",
-                       "messages", "invalid_type")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"'messages[{i}]' must be an object with a string 'role'",
-                           f"messages[{i}].role", "invalid_type")
-        plain.append({"role": m["role"],
-                      "content": _message_text(m.get("content", ""), f"messages[{i}].content")})
-    if getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None):
-        try:
-            ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # noqa: BLE001 - a template rejects messages with its own errors
-            raise ApiError(400, f"the model's chat template rejected the messages: {exc}",
-                           "messages", "invalid_value") from None
-        # Some tokenizer versions answer a BatchEncoding instead of the ids.
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    # No template: mlx-lm's plain role-prefixed rendering.
-    from mlx_lm.server import convert_chat
-
-    return list(tokenizer.encode(convert_chat(plain)))
 
 
 def text_prompt(tokenizer, prompt: Any, vocab_size: int) -> List[int]:
@@ -233,10 +191,12 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
     stream = _field(body, "stream", bool, False)
     stream_options = _field(body, "stream_options", dict, {})
     include_usage = _field(stream_options, "include_usage", bool, False)
+    tools = None
     if kind == "chat":
         if "messages" not in body:
             raise ApiError(400, "'messages' is required", "messages", "missing_field")
-        prompt = chat_prompt(tokenizer, body["messages"])
+        tools = chat_tools(body, tokenizer)
+        prompt = chat_prompt(tokenizer, body["messages"], tools)
         where = "messages"
     else:
         if "prompt" not in body:
@@ -250,7 +210,8 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
                        f"{context_length} tokens and the answer needs at least one",
                        where, "context_length_exceeded")
     max_tokens = min(max_tokens, context_length - len(prompt))
-    return ParsedRequest(kind, prompt, max_tokens, options, stop, stream, include_usage, model, logprobs)
+    return ParsedRequest(kind, prompt, max_tokens, options, stop, stream, include_usage, model, logprobs,
+                         tools)
 
 
 # ============================================================================
@@ -286,10 +247,17 @@ class ResponseShape:
     def _base(self, obj: str) -> Dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, usage: Dict[str, Any], logprobs: Optional[list] = None) -> Dict[str, Any]:
+    def whole(self, text: str, finish: str, usage: Dict[str, Any], logprobs: Optional[list] = None,
+              reasoning: str = "", tool_calls: Optional[list] = None) -> Dict[str, Any]:
         """The response of a request that does not stream (logprobs: the tokens' entries)."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message: Dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                # mlx_lm.server's name, and the one other clients read.
+                message["reasoning"] = message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message,
                       "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             out = self._base("chat.completion")
         else:
@@ -300,7 +268,8 @@ class ResponseShape:
         return out
 
     def chunk(self, text: Optional[str], finish: Optional[str], first: bool = False,
-              logprobs: Optional[list] = None) -> Dict[str, Any]:
+              logprobs: Optional[list] = None, reasoning: str = "",
+              tool_calls: Optional[list] = None) -> Dict[str, Any]:
         """One streamed event (`first`: the chat chunk that names the role; logprobs: the
         entries of the tokens whose text this is)."""
         if self.kind == "chat":
@@ -309,6 +278,10 @@ class ResponseShape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if reasoning:
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             out = self._base("chat.completion.chunk")
         else:

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 from .errors import ApiError, ClientGone, PairUnavailable
 from ..lockstep.sampling import SamplingOptions
 from .api import ParsedRequest, ResponseShape, parse_request, usage
+from .chat import ChatText
 from .engine import Engine, Request
 
 MAX_BODY_BYTES = 16 << 20
@@ -254,13 +255,29 @@ class Handler(BaseHTTPRequestHandler):
     def _usage(self, parsed: ParsedRequest, request: Request) -> Dict[str, Any]:
         return usage(len(parsed.prompt), request.completion_tokens, request.cached_tokens)
 
+    def _chat_text(self, parsed: ParsedRequest, request: Request, streaming: bool) -> Optional[ChatText]:
+        if parsed.kind != "chat":
+            return None
+        return ChatText(self.state.tokenizer, parsed.prompt, parsed.tools, streaming)
+
     def _whole(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
         parts, items, finish = [], [], "stop"
+        reasoning, calls = [], []
+        chat = self._chat_text(parsed, request, streaming=False)
+
+        def take(pieces: Dict[str, Any]) -> None:
+            parts.append(pieces["content"])
+            reasoning.append(pieces["reasoning"])
+            calls.extend(pieces["tool_calls"])
+
         try:
             for event in self._events(request):
                 if event[0] == "text":
-                    parts.append(event[1])
                     items.extend(event[2])
+                    if chat is None:
+                        parts.append(event[1])
+                    else:
+                        take(chat.add(event[1]))
                 elif event[0] == "done":
                     finish = event[1]
         except ApiError as err:
@@ -269,8 +286,13 @@ class Handler(BaseHTTPRequestHandler):
         except ClientGone:
             self.close_connection = True
             return
+        if chat is not None:
+            take(chat.finish(finish))
+            if chat.made_tool_call and finish == "stop":
+                finish = "tool_calls"
         self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request),
-                                         items if request.logprobs is not None else None))
+                                         items if request.logprobs is not None else None,
+                                         reasoning="".join(reasoning), tool_calls=calls))
 
     def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
         events = self._events(request)
@@ -293,7 +315,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         try:
-            if parsed.kind == "chat":
+            chat = self._chat_text(parsed, request, streaming=True)
+            if chat is not None:
                 self._sse(shape.chunk("", None, first=True))
             for event in itertools.chain([first], events):
                 if event[0] == "idle":
@@ -301,9 +324,17 @@ class Handler(BaseHTTPRequestHandler):
                     self.wfile.write(b": keep-alive\n\n")
                     self.wfile.flush()
                 elif event[0] == "text":
-                    self._sse(shape.chunk(event[1], None, logprobs=event[2] if request.logprobs is not None else None))
+                    logprobs = event[2] if request.logprobs is not None else None
+                    if chat is None:
+                        self._sse(shape.chunk(event[1], None, logprobs=logprobs))
+                    else:
+                        self._chat_chunk(shape, chat.add(event[1]), logprobs)
+                elif chat is None:
+                    self._sse(shape.chunk("", event[1]))
                 else:
-                    self._sse(shape.chunk(None if parsed.kind == "chat" else "", event[1]))
+                    self._chat_chunk(shape, chat.finish(event[1]), None)
+                    finish = "tool_calls" if chat.made_tool_call and event[1] == "stop" else event[1]
+                    self._sse(shape.chunk(None, finish))
             if parsed.include_usage:
                 self._sse(shape.usage_chunk(self._usage(parsed, request)))
             self.wfile.write(b"data: [DONE]\n\n")
@@ -315,6 +346,12 @@ class Handler(BaseHTTPRequestHandler):
             # The client went away (broken pipe, reset, closed): the engine frees its
             # session on both ranks at its next step.
             request.cancelled = True
+
+    def _chat_chunk(self, shape: ResponseShape, pieces: Dict[str, Any], logprobs: Optional[list]) -> None:
+        """The chunk of a piece of a chat answer, if there is anything to send."""
+        if pieces["content"] or pieces["reasoning"] or pieces["tool_calls"] or logprobs:
+            self._sse(shape.chunk(pieces["content"] or None, None, logprobs=logprobs,
+                                  reasoning=pieces["reasoning"], tool_calls=pieces["tool_calls"]))
 
     def _sse(self, chunk: Dict[str, Any]) -> None:
         self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

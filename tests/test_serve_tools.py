@@ -1,0 +1,145 @@
+"""Tool calls and reasoning through `ds4tp serve`, against mlx_lm.server on the same model.
+
+The model's output is scripted (tests/scripted_model.py): thinking, then one tool call in the
+json_tools format its Qwen-style template names. The official openai client gets the call parsed
+(whole and streamed, finish_reason "tool_calls") and the thinking apart from the answer; the
+follow-up turn carrying the tool's result renders into exactly the prompt mlx_lm.server renders
+(same prompt_tokens), and both servers return the same call and reasoning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
+
+import scripted_model  # noqa: E402
+from pairutil import free_port  # noqa: E402
+from serveutil import API_KEY, ServedPair, client  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return scripted_model.build(tmp_path_factory.mktemp("scripted"))
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, tmp_path_factory):
+    served = ServedPair(model_dir, tmp_path_factory.mktemp("tools-logs"))
+    try:
+        served.wait_healthy()
+        yield served
+    finally:
+        served.close()
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_server(model_dir, tmp_path_factory):
+    """mlx_lm.server on the same model (127.0.0.1), as the reference."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("mlx-lm-server") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, open(log.name).read()
+            try:
+                with urllib.request.urlopen(base + "/v1/models", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("mlx_lm.server did not start within 90 s")
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _call(tool_call) -> tuple:
+    return tool_call.function.name, json.loads(tool_call.function.arguments)
+
+
+def test_a_tool_call_comes_back_parsed_with_the_reasoning_apart(pair):
+    r = client(pair).chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, max_tokens=20,
+                                             temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [_call(c) for c in choice.message.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert choice.message.tool_calls[0].type == "function" and choice.message.tool_calls[0].id
+    assert choice.message.content == ""
+    extra = choice.message.model_extra
+    assert extra["reasoning"] == extra["reasoning_content"] == "The user wants the weather."
+
+
+def test_a_streamed_tool_call_arrives_as_deltas(pair):
+    chunks = list(client(pair).chat.completions.create(model="scripted", messages=ASK, tools=TOOLS,
+                                                       max_tokens=20, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    reasoning = "".join((d.model_extra or {}).get("reasoning", "") or "" for d in deltas)
+    assert reasoning == "The user wants the weather."
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_choice_none_hides_the_tools_and_forcing_a_call_is_refused(pair, mlx_lm_server):
+    c = client(pair)
+    hidden = c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="none",
+                                       max_tokens=2, temperature=0)
+    plain = c.chat.completions.create(model="scripted", messages=ASK, max_tokens=2, temperature=0)
+    assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="required",
+                                  max_tokens=2)
+
+
+def test_the_follow_up_renders_as_mlx_lm_server_renders_it(pair, mlx_lm_server):
+    ours, theirs = client(pair), mlx_lm_server
+    first = [s.chat.completions.create(model="scripted" if s is ours else "default_model", messages=ASK,
+                                       tools=TOOLS, max_tokens=20, temperature=0) for s in (ours, theirs)]
+    assert first[0].usage.prompt_tokens == first[1].usage.prompt_tokens
+    assert [_call(c) for c in first[0].choices[0].message.tool_calls] == \
+        [_call(c) for c in first[1].choices[0].message.tool_calls]
+    call = first[0].choices[0].message.tool_calls[0]
+    follow = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18})},
+    ]
+    again = [s.chat.completions.create(model="scripted" if s is ours else "default_model", messages=follow,
+                                       tools=TOOLS, max_tokens=20, temperature=0) for s in (ours, theirs)]
+    assert again[0].usage.prompt_tokens == again[1].usage.prompt_tokens > first[0].usage.prompt_tokens
+    assert again[0].choices[0].finish_reason == again[1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tools_for_a_model_without_a_tool_format_are_refused(tmp_path):
+    from serveutil import build_chat_model, post_raw
+
+    served = ServedPair(build_chat_model(tmp_path), tmp_path)
+    try:
+        served.wait_healthy()
+        code, answer = post_raw(served, "/v1/chat/completions", json.dumps(
+            {"messages": ASK, "tools": TOOLS, "max_tokens": 2}).encode(), api_key=API_KEY)
+        assert code == 400 and answer["error"]["param"] == "tools"
+        assert "no tool-call format" in answer["error"]["message"]
+    finally:
+        served.close()
