@@ -560,3 +560,51 @@ def test_every_request_field_is_acted_on_or_refused_naming_it(pair, kind):
     # An unknown field is refused too, naming it.
     code, answer = post_raw(pair, path, json.dumps({**base, "temprature": 0.5}).encode())
     assert code == 400 and answer["error"]["param"] == "temprature"
+
+
+# ---------------------------------------------------------------------------------------------
+# Anthropic's Messages API: the same sessions, the same text
+# ---------------------------------------------------------------------------------------------
+
+
+def _anthropic_client(pair):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic package (pip install anthropic)")
+    return anthropic.Anthropic(base_url=pair.base, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_messages_answer_as_chat_completions_do(pair, model_dir):
+    ac = _anthropic_client(pair)
+    system, question = "be brief", "tell me about two machines"
+    chat = client(pair).chat.completions.create(
+        model=model_dir.name, messages=[{"role": "system", "content": system},
+                                        {"role": "user", "content": question}],
+        max_tokens=12, temperature=0)
+    r = ac.messages.create(model=model_dir.name, system=system, max_tokens=12,
+                           messages=[{"role": "user", "content": [{"type": "text", "text": question}]}])
+    assert r.type == "message" and r.role == "assistant"
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == chat.choices[0].message.content
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 12
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    with ac.messages.stream(model=model_dir.name, system=system, max_tokens=12,
+                            messages=[{"role": "user", "content": question}]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == chat.choices[0].message.content and final.stop_reason == "max_tokens"
+    counted = ac.messages.count_tokens(model=model_dir.name, system=system,
+                                       messages=[{"role": "user", "content": question}])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_messages_refuse_what_they_cannot_do_in_anthropics_error_shape(pair, model_dir):
+    import anthropic
+
+    ac = _anthropic_client(pair)
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):
+        ac.messages.create(model=model_dir.name, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                           thinking={"type": "enabled", "budget_tokens": 1024})
+    code, answer = post_raw(pair, "/v1/messages", json.dumps(
+        {"model": model_dir.name, "messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert code == 400 and answer["type"] == "error" and "max_tokens" in answer["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=pair.base, api_key="wrong", max_retries=0).messages.create(
+            model=model_dir.name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])

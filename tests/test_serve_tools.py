@@ -143,3 +143,30 @@ def test_tools_for_a_model_without_a_tool_format_are_refused(tmp_path):
         assert "no tool-call format" in answer["error"]["message"]
     finally:
         served.close()
+
+
+def test_messages_api_returns_the_thinking_and_the_tool_use(pair):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic package (pip install anthropic)")
+    ac = anthropic.Anthropic(base_url=pair.base, api_key=API_KEY, max_retries=0, timeout=60)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    r = ac.messages.create(model="scripted", max_tokens=20, messages=ASK, tools=tools)
+    assert [b.type for b in r.content] == ["thinking", "tool_use"] and r.stop_reason == "tool_use"
+    assert r.content[0].thinking == "The user wants the weather."
+    use = r.content[1]
+    assert (use.name, use.input) == ("get_weather", {"city": "Paris"})
+    with ac.messages.stream(model="scripted", max_tokens=20, messages=ASK, tools=tools) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "tool_use"] and final.stop_reason == "tool_use"
+    assert (final.content[1].name, final.content[1].input) == ("get_weather", {"city": "Paris"})
+    # The result goes back as a tool_result block: the same prompt as chat completions' tool turn.
+    follow = ASK + [{"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                       "input": use.input}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                  "content": json.dumps({"temperature_c": 18})}]}]
+    counted = ac.messages.count_tokens(model="scripted", messages=follow, tools=tools)
+    chat = client(pair).chat.completions.create(model="scripted", tools=TOOLS, max_tokens=1, temperature=0, messages=ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": use.id, "type": "function", "function": {
+            "name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": json.dumps({"temperature_c": 18})}])
+    assert counted.input_tokens == chat.usage.prompt_tokens

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 from .errors import ApiError, ClientGone, PairUnavailable
 from ..lockstep.sampling import SamplingOptions
 from .api import ParsedRequest, ResponseShape, parse_request, usage
+from . import anthropic
 from .chat import ChatText
 from .engine import Engine, Request
 
@@ -102,7 +103,10 @@ class Handler(BaseHTTPRequestHandler):
         # The body may be unread (a refused key, an unknown path): it must not be taken for
         # the next request on this connection.
         self.close_connection = True
-        self._send_json(err.status, err.body())
+        self._send_json(err.status, anthropic.error_body(err) if self._is_messages() else err.body())
+
+    def _is_messages(self) -> bool:
+        return self.path.split("?", 1)[0].startswith("/v1/messages")
 
     def _authorized(self) -> bool:
         key = self.state.api_key
@@ -111,8 +115,12 @@ class Handler(BaseHTTPRequestHandler):
         given = self.headers.get("Authorization", "")
         if given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode()):
             return True
+        # Anthropic's clients send the key as x-api-key.
+        other = self.headers.get("x-api-key", "")
+        if other and hmac.compare_digest(other.encode(), key.encode()):
+            return True
         self._error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with "
-                             "the key given to `ds4tp serve --api-key`", None, "invalid_api_key",
+                             "the key given to `ds4tp serve --api-key` (or 'x-api-key: KEY')", None, "invalid_api_key",
                              "authentication_error"))
         return False
 
@@ -148,13 +156,15 @@ class Handler(BaseHTTPRequestHandler):
                                          "model_not_found"))
         else:
             self._error(ApiError(404, f"no endpoint {path}; see GET /v1/models, POST "
-                                 "/v1/chat/completions, POST /v1/completions", None, "not_found"))
+                                 "/v1/chat/completions, POST /v1/completions, POST /v1/messages",
+                                 None, "not_found"))
 
     # -- POST ---------------------------------------------------------------------
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
         kinds = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
-                 "/v1/completions": "text", "/completions": "text"}
+                 "/v1/completions": "text", "/completions": "text",
+                 "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
         if path not in kinds:
             self._error(ApiError(404, f"no endpoint POST {path}", None, "not_found"))
             return
@@ -167,12 +177,19 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as err:
             self._error(err)
             return
+        if kinds[path] == "count_tokens":
+            self._send_json(200, {"input_tokens": len(parsed.prompt)})
+            return
         request = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens,
                           options=parsed.options, stop=parsed.stop, logprobs=parsed.logprobs)
         try:
             self.state.engine.submit(request)
         except PairUnavailable as exc:
             self._error(unavailable(str(exc)))
+            return
+        if kinds[path] == "messages":
+            message = anthropic.MessageShape(parsed.model, len(parsed.prompt))
+            (self._stream_message if parsed.stream else self._whole_message)(parsed, request, message)
             return
         shape = ResponseShape(parsed.kind, parsed.model)
         if parsed.stream:
@@ -193,6 +210,10 @@ class Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
         s = self.state
+        if kind in ("messages", "count_tokens"):
+            if kind == "count_tokens":
+                body = {**body, "max_tokens": 1} if isinstance(body, dict) else body
+            body, kind = anthropic.to_chat_body(body), "chat"
         return parse_request(body, kind, s.tokenizer, model_ids=s.model_ids,
                              default_max_tokens=s.default_max_tokens,
                              context_length=s.context_length, vocab_size=s.vocab_size,
@@ -260,7 +281,9 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return ChatText(self.state.tokenizer, parsed.prompt, parsed.tools, streaming)
 
-    def _whole(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+    def _collect(self, parsed: ParsedRequest, request: Request) -> Optional[Dict[str, Any]]:
+        """The whole answer: text (content), reasoning, tool calls, logprobs entries, finish
+        reason; None when it failed (the error is sent) or the client left."""
         parts, items, finish = [], [], "stop"
         reasoning, calls = [], []
         chat = self._chat_text(parsed, request, streaming=False)
@@ -282,30 +305,44 @@ class Handler(BaseHTTPRequestHandler):
                     finish = event[1]
         except ApiError as err:
             self._error(err)
-            return
+            return None
         except ClientGone:
             self.close_connection = True
-            return
+            return None
         if chat is not None:
             take(chat.finish(finish))
             if chat.made_tool_call and finish == "stop":
                 finish = "tool_calls"
-        self._send_json(200, shape.whole("".join(parts), finish, self._usage(parsed, request),
-                                         items if request.logprobs is not None else None,
-                                         reasoning="".join(reasoning), tool_calls=calls))
+        return {"text": "".join(parts), "reasoning": "".join(reasoning), "calls": calls,
+                "items": items if request.logprobs is not None else None, "finish": finish}
 
-    def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
-        events = self._events(request)
+    def _whole(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+        answer = self._collect(parsed, request)
+        if answer is not None:
+            self._send_json(200, shape.whole(answer["text"], answer["finish"], self._usage(parsed, request),
+                                             answer["items"], reasoning=answer["reasoning"],
+                                             tool_calls=answer["calls"]))
+
+    def _whole_message(self, parsed: ParsedRequest, request: Request, shape: "anthropic.MessageShape") -> None:
+        answer = self._collect(parsed, request)
+        if answer is not None:
+            self._send_json(200, shape.whole(answer["text"], answer["reasoning"], answer["calls"],
+                                             answer["finish"], request.completion_tokens,
+                                             request.cached_tokens))
+
+    def _open_stream(self, events) -> Optional[tuple]:
+        """The first event, once the stream's status line and headers are out; None when the
+        request failed before it (the error is sent) or the client left."""
         try:
             # The status line waits for the first event: a pair that is already down is
             # then a plain 503, like a request that does not stream.
             first = next(events)
         except ApiError as err:
             self._error(err)
-            return
+            return None
         except ClientGone:
             self.close_connection = True
-            return
+            return None
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -314,6 +351,41 @@ class Handler(BaseHTTPRequestHandler):
         self._cors()
         self.end_headers()
         self.close_connection = True
+        return first
+
+    def _stream_message(self, parsed: ParsedRequest, request: Request, shape: "anthropic.MessageShape") -> None:
+        events = self._events(request)
+        first = self._open_stream(events)
+        if first is None:
+            return
+
+        def send(name: str, data: Dict[str, Any]) -> None:
+            self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+            self.wfile.flush()
+
+        stream = anthropic.MessageStream(shape, send)
+        chat = self._chat_text(parsed, request, streaming=True)
+        try:
+            stream.start(request.cached_tokens)
+            for event in itertools.chain([first], events):
+                if event[0] == "idle":
+                    send("ping", {"type": "ping"})
+                elif event[0] == "text":
+                    stream.pieces(chat.add(event[1]))
+                else:
+                    stream.pieces(chat.finish(event[1]))
+                    finish = "tool_calls" if chat.made_tool_call and event[1] == "stop" else event[1]
+                    stream.finish(finish, request.completion_tokens)
+        except ApiError as err:
+            self._try_write(b"event: error\ndata: " + json.dumps(anthropic.error_body(err)).encode() + b"\n\n")
+        except (OSError, ClientGone):
+            request.cancelled = True
+
+    def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
+        events = self._events(request)
+        first = self._open_stream(events)
+        if first is None:
+            return
         try:
             chat = self._chat_text(parsed, request, streaming=True)
             if chat is not None:

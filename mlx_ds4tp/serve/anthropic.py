@@ -1,0 +1,215 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) over the same
+sessions, sampling and batching as the OpenAI endpoints.
+
+A Messages request is translated into the chat-completions request it means (system prompt,
+text / tool_use / tool_result content blocks, tools with their input schemas, stop sequences)
+and checked by the same parser, so both APIs render the same prompt and sample alike; the
+answer (content, reasoning, tool calls: serve/chat.py) goes back as Anthropic's content blocks
+(`thinking`, `text`, `tool_use`), whole or as its streamed events.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+from .errors import ApiError
+
+# Every field of Anthropic's request: acted on (translated), or refused naming it.
+_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
+           "top_p", "top_k", "tools", "tool_choice", "metadata"}
+_REFUSED = {
+    "thinking": "extended thinking is not configurable here (a model's own thinking is returned as is)",
+    "service_tier": "there is one tier", "container": "containers are not available",
+    "mcp_servers": "MCP servers are not available", "context_management": "not available",
+}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise ApiError(400, f"'{where}' must be a string or a list of content blocks", where, "invalid_type")
+    texts = []
+    for i, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise ApiError(400, f"'{where}[{i}]' must be a text block ({{\"type\": \"text\", \"text\": ...}})",
+                           where, "invalid_type")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _messages(body: dict) -> List[dict]:
+    """Anthropic's system prompt and messages as chat-completions messages."""
+    out: List[dict] = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _text_of(body["system"], "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages",
+                       "invalid_type")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"'{where}.role' must be \"user\" or \"assistant\"", f"{where}.role", "invalid_value")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, f"'{where}.content' must be a string or a list of content blocks",
+                           f"{where}.content", "invalid_type")
+        text, calls = [], []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                text.append(block["text"])
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append({"id": block.get("id"), "type": "function", "function": {
+                    "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
+            elif kind == "tool_result" and m["role"] == "user":
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                            "content": _text_of(block.get("content", ""), f"{where}.content[{j}].content")})
+            else:
+                raise ApiError(400, f"'{where}.content[{j}]' is a {kind!r} block; this server reads text, "
+                               "tool_use (assistant) and tool_result (user) blocks", f"{where}.content",
+                               "invalid_type")
+        if text or calls:
+            message: Dict[str, Any] = {"role": m["role"], "content": "".join(text)}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out
+
+
+def to_chat_body(body: Any) -> dict:
+    """The chat-completions request a Messages request means; ApiError naming a field it cannot take."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    for name in body:
+        if name not in _FIELDS:
+            reason = _REFUSED.get(name, "it is not a field of Anthropic's Messages request")
+            raise ApiError(400, f"'{name}' is not supported: {reason}; leave it out", name,
+                           "unsupported_parameter")
+    if "max_tokens" not in body:
+        raise ApiError(400, "'max_tokens' is required", "max_tokens", "missing_field")
+    chat: Dict[str, Any] = {"messages": _messages(body), "max_tokens": body["max_tokens"]}
+    for ours, theirs in (("model", "model"), ("stop", "stop_sequences"), ("stream", "stream"),
+                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+        if body.get(theirs) is not None:
+            chat[ours] = body[theirs]
+    if body.get("metadata") is not None:
+        chat["metadata"] = body["metadata"]
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                                  for t in tools):
+            raise ApiError(400, "'tools' must be a list of {name, description, input_schema}", "tools",
+                           "invalid_type")
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in ("auto", "none"):
+            raise ApiError(400, f"'tool_choice' type {kind!r} is not supported: a call cannot be forced here; "
+                           "use \"auto\" or \"none\"", "tool_choice", "unsupported_parameter")
+        chat["tool_choice"] = kind
+    return chat
+
+
+def error_body(err: ApiError) -> Dict[str, Any]:
+    """Anthropic's error object for an ApiError."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "request_too_large", 503: "overloaded_error"}.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.body()["error"]["message"]}}
+
+
+def _tool_use(call: dict) -> dict:
+    arguments = call["function"]["arguments"]
+    return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call["function"]["name"],
+            "input": json.loads(arguments) if arguments else {}}
+
+
+class MessageShape:
+    """One Messages answer, whole or as its events."""
+
+    def __init__(self, model: str, prompt_tokens: int):
+        self.id = "msg_" + uuid.uuid4().hex
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+
+    def _base(self) -> Dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
+
+    def whole(self, text: str, reasoning: str, calls: list, finish: str, output_tokens: int,
+              cached: int) -> Dict[str, Any]:
+        content: List[dict] = []
+        if reasoning:
+            content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        if text or not (reasoning or calls):
+            content.append({"type": "text", "text": text})
+        content.extend(_tool_use(c) for c in calls)
+        return {**self._base(), "content": content, "stop_reason": _STOP_REASONS.get(finish, "end_turn"),
+                "stop_sequence": None, "usage": self.usage(output_tokens, cached)}
+
+    def usage(self, output_tokens: int, cached: int) -> Dict[str, Any]:
+        return {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+class MessageStream:
+    """Anthropic's streamed events for one answer: content blocks opened as their kind of text
+    arrives (thinking, text, each tool call), closed when another kind follows."""
+
+    def __init__(self, shape: MessageShape, send: Callable[[str, Dict[str, Any]], None]):
+        self.shape, self.send = shape, send
+        self.index = -1
+        self.open: Optional[str] = None
+
+    def start(self, cached: int) -> None:
+        self.send("message_start", {"type": "message_start", "message": {
+            **self.shape._base(), "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": self.shape.usage(0, cached)}})
+
+    def _block(self, kind: str, block: dict) -> None:
+        if self.open is not None:
+            self.send("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        self.index += 1
+        self.open = kind
+        self.send("content_block_start", {"type": "content_block_start", "index": self.index,
+                                          "content_block": block})
+
+    def pieces(self, pieces: Dict[str, Any]) -> None:
+        if pieces["reasoning"]:
+            if self.open != "thinking":
+                self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.send("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                              "delta": {"type": "thinking_delta", "thinking": pieces["reasoning"]}})
+        if pieces["content"]:
+            if self.open != "text":
+                self._block("text", {"type": "text", "text": ""})
+            self.send("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                              "delta": {"type": "text_delta", "text": pieces["content"]}})
+        for call in pieces["tool_calls"]:
+            use = _tool_use(call)
+            self._block("tool_use", {**use, "input": {}})
+            self.send("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                              "delta": {"type": "input_json_delta",
+                                                        "partial_json": json.dumps(use["input"])}})
+
+    def finish(self, finish: str, output_tokens: int) -> None:
+        if self.open is None:  # an empty answer is still one (empty) text block
+            self._block("text", {"type": "text", "text": ""})
+        self.send("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        self.send("message_delta", {"type": "message_delta",
+                                    "delta": {"stop_reason": _STOP_REASONS.get(finish, "end_turn"),
+                                              "stop_sequence": None},
+                                    "usage": {"output_tokens": output_tokens}})
+        self.send("message_stop", {"type": "message_stop"})
+
+
+__all__ = ["MessageShape", "MessageStream", "error_body", "to_chat_body"]
