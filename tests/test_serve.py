@@ -608,3 +608,44 @@ def test_messages_refuse_what_they_cannot_do_in_anthropics_error_shape(pair, mod
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=pair.base, api_key="wrong", max_retries=0).messages.create(
             model=model_dir.name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI's Responses API: the same sessions, the same text, previous_response_id
+# ---------------------------------------------------------------------------------------------
+
+
+def test_responses_answer_as_chat_completions_do(pair, model_dir):
+    c = client(pair)
+    question = "tell me about two machines"
+    chat = c.chat.completions.create(model=model_dir.name, max_tokens=10, temperature=0, messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": question}])
+    r = c.responses.create(model=model_dir.name, instructions="be brief", input=question,
+                           max_output_tokens=10, temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 10
+    events = list(c.responses.create(model=model_dir.name, instructions="be brief", input=question,
+                                     max_output_tokens=10, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_previous_response_id_continues_the_conversation(pair, model_dir):
+    c = client(pair)
+    first = c.responses.create(model=model_dir.name, input="hello there", max_output_tokens=6, temperature=0)
+    second = c.responses.create(model=model_dir.name, input="and again", previous_response_id=first.id,
+                                max_output_tokens=6, temperature=0)
+    chat = c.chat.completions.create(model=model_dir.name, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and again"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    # The first turn's prefix came from the prompt cache.
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        c.responses.create(model=model_dir.name, input="x", previous_response_id="resp_nope", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="reasoning"):
+        c.responses.create(model=model_dir.name, input="x", reasoning={"effort": "high"}, max_output_tokens=2)

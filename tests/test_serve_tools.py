@@ -170,3 +170,23 @@ def test_messages_api_returns_the_thinking_and_the_tool_use(pair):
             "name": use.name, "arguments": json.dumps(use.input)}}]},
         {"role": "tool", "tool_call_id": use.id, "content": json.dumps({"temperature_c": 18})}])
     assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_api_returns_the_function_call(pair):
+    c = client(pair)
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    r = c.responses.create(model="scripted", input=ASK[0]["content"], tools=tools, max_output_tokens=20)
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "function_call"]
+    call = r.output[1]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    events = list(c.responses.create(model="scripted", input=ASK[0]["content"], tools=tools,
+                                     max_output_tokens=20, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["reasoning", "function_call"] and events[-1].type == "response.completed"
+    # The call's output goes back as a function_call_output item after the previous response.
+    follow = c.responses.create(model="scripted", previous_response_id=r.id, tools=tools, max_output_tokens=20,
+                                input=[{"type": "function_call_output", "call_id": call.call_id,
+                                        "output": json.dumps({"temperature_c": 18})}])
+    assert follow.usage.input_tokens > r.usage.input_tokens

@@ -21,7 +21,8 @@ from typing import Any, Dict, Optional, Sequence
 from .errors import ApiError, ClientGone, PairUnavailable
 from ..lockstep.sampling import SamplingOptions
 from .api import ParsedRequest, ResponseShape, parse_request, usage
-from . import anthropic
+from . import anthropic, responses
+from .other_apis import OtherApis
 from .chat import ChatText
 from .engine import Engine, Request
 
@@ -54,6 +55,7 @@ class ServeState:
         if not keepalive_sec > 0:
             raise ValueError(f"--keepalive-sec {keepalive_sec}: give a positive number of seconds")
         self.keepalive_sec = keepalive_sec
+        self.responses = responses.ResponseStore()
         self.created = int(time.time())
 
 
@@ -63,7 +65,7 @@ def unavailable(reason: str) -> ApiError:
                     "machines", None, "pair_unavailable", "server_error")
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(OtherApis, BaseHTTPRequestHandler):
     """One HTTP connection. `state` is a class attribute of the subclass make_server makes,
     set once the pair is up (serve_main)."""
 
@@ -164,7 +166,8 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         kinds = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
                  "/v1/completions": "text", "/completions": "text",
-                 "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+                 "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
+                 "/v1/responses": "responses", "/responses": "responses"}
         if path not in kinds:
             self._error(ApiError(404, f"no endpoint POST {path}", None, "not_found"))
             return
@@ -191,6 +194,11 @@ class Handler(BaseHTTPRequestHandler):
             message = anthropic.MessageShape(parsed.model, len(parsed.prompt))
             (self._stream_message if parsed.stream else self._whole_message)(parsed, request, message)
             return
+        if kinds[path] == "responses":
+            body, messages = self._responses_request
+            answer = responses.ResponseShape(body, parsed.model, len(parsed.prompt))
+            (self._stream_response if parsed.stream else self._whole_response)(parsed, request, answer, messages)
+            return
         shape = ResponseShape(parsed.kind, parsed.model)
         if parsed.stream:
             self._stream(parsed, request, shape)
@@ -214,6 +222,10 @@ class Handler(BaseHTTPRequestHandler):
             if kind == "count_tokens":
                 body = {**body, "max_tokens": 1} if isinstance(body, dict) else body
             body, kind = anthropic.to_chat_body(body), "chat"
+        elif kind == "responses":
+            chat, messages = responses.to_chat_body(body, s.responses)
+            self._responses_request = (body, messages)
+            body, kind = chat, "chat"
         return parse_request(body, kind, s.tokenizer, model_ids=s.model_ids,
                              default_max_tokens=s.default_max_tokens,
                              context_length=s.context_length, vocab_size=s.vocab_size,
@@ -323,12 +335,9 @@ class Handler(BaseHTTPRequestHandler):
                                              answer["items"], reasoning=answer["reasoning"],
                                              tool_calls=answer["calls"]))
 
-    def _whole_message(self, parsed: ParsedRequest, request: Request, shape: "anthropic.MessageShape") -> None:
-        answer = self._collect(parsed, request)
-        if answer is not None:
-            self._send_json(200, shape.whole(answer["text"], answer["reasoning"], answer["calls"],
-                                             answer["finish"], request.completion_tokens,
-                                             request.cached_tokens))
+    def _sse_event(self, name: str, data: Dict[str, Any]) -> None:
+        self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+        self.wfile.flush()
 
     def _open_stream(self, events) -> Optional[tuple]:
         """The first event, once the stream's status line and headers are out; None when the
@@ -352,34 +361,6 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         return first
-
-    def _stream_message(self, parsed: ParsedRequest, request: Request, shape: "anthropic.MessageShape") -> None:
-        events = self._events(request)
-        first = self._open_stream(events)
-        if first is None:
-            return
-
-        def send(name: str, data: Dict[str, Any]) -> None:
-            self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-            self.wfile.flush()
-
-        stream = anthropic.MessageStream(shape, send)
-        chat = self._chat_text(parsed, request, streaming=True)
-        try:
-            stream.start(request.cached_tokens)
-            for event in itertools.chain([first], events):
-                if event[0] == "idle":
-                    send("ping", {"type": "ping"})
-                elif event[0] == "text":
-                    stream.pieces(chat.add(event[1]))
-                else:
-                    stream.pieces(chat.finish(event[1]))
-                    finish = "tool_calls" if chat.made_tool_call and event[1] == "stop" else event[1]
-                    stream.finish(finish, request.completion_tokens)
-        except ApiError as err:
-            self._try_write(b"event: error\ndata: " + json.dumps(anthropic.error_body(err)).encode() + b"\n\n")
-        except (OSError, ClientGone):
-            request.cancelled = True
 
     def _stream(self, parsed: ParsedRequest, request: Request, shape: ResponseShape) -> None:
         events = self._events(request)

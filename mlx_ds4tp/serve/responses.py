@@ -1,0 +1,279 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the same sessions as chat completions.
+
+A Responses request is translated into the chat-completions request it means: `instructions`
+as the system turn, `input` (a string, or message / function_call / function_call_output items)
+as the messages, after those of `previous_response_id`'s conversation, which this server keeps
+for its last responses (the prompt cache then reuses that conversation's prefix). The answer
+(content, reasoning, function calls: serve/chat.py) goes back as Responses output items, whole
+or as the API's streamed events.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+from .errors import ApiError
+
+# Every field of the Responses request: acted on, accepted at its neutral value, or refused.
+_ACTED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+          "tools", "tool_choice", "previous_response_id", "metadata", "user", "safety_identifier",
+          "prompt_cache_key", "parallel_tool_calls", "store", "service_tier"}
+_NEUTRAL = {"text": ({"format": {"type": "text"}},), "truncation": ("disabled",), "include": ([],),
+            "background": (False,)}
+KEPT_RESPONSES = 64  # conversations kept for previous_response_id
+
+
+class ResponseStore:
+    """The conversations of the last responses, by response id (for previous_response_id)."""
+
+    def __init__(self, size: int = KEPT_RESPONSES):
+        self.size = size
+        self._kept: "collections.OrderedDict[str, List[dict]]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, response_id: str) -> List[dict]:
+        with self._lock:
+            if response_id not in self._kept:
+                raise ApiError(404, f"previous_response_id '{response_id}' is not known here (this server "
+                               f"keeps its last {self.size} responses, in memory)", "previous_response_id",
+                               "not_found")
+            self._kept.move_to_end(response_id)
+            return list(self._kept[response_id])
+
+    def put(self, response_id: str, messages: List[dict]) -> None:
+        with self._lock:
+            self._kept[response_id] = messages
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{where}' must be a string or a list of content parts", where, "invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"'{where}[{i}]' must be an input_text part; this model reads text only",
+                           where, "invalid_type")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _input_messages(value: Any) -> List[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'input' must be a string or a non-empty list of items", "input", "invalid_type")
+    out: List[dict] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
+            role = "system" if item["role"] == "developer" else item["role"]
+            out.append({"role": role, "content": _content_text(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "reasoning":
+            continue  # a previous turn's thinking: templates drop it from the prompt
+        else:
+            raise ApiError(400, f"'{where}' is a {kind!r} item; this server reads message, function_call, "
+                           "function_call_output and reasoning items", where, "invalid_type")
+    return out
+
+
+def to_chat_body(body: Any, store: ResponseStore) -> tuple:
+    """(the chat-completions request a Responses request means, its messages)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    for name, value in body.items():
+        if name in _ACTED or (name in _NEUTRAL and (value is None or value in _NEUTRAL[name])):
+            continue
+        raise ApiError(400, f"'{name}' is not supported by this server's Responses API; leave it out",
+                       name, "unsupported_parameter")
+    if "input" not in body:
+        raise ApiError(400, "'input' is required", "input", "missing_field")
+    messages = store.get(body["previous_response_id"]) if body.get("previous_response_id") else []
+    if body.get("instructions"):
+        # Instructions belong to this request only: they replace a previous system turn.
+        messages = [m for m in messages if m["role"] != "system"]
+        messages.insert(0, {"role": "system", "content": str(body["instructions"])})
+    messages += _input_messages(body["input"])
+    chat: Dict[str, Any] = {"messages": messages}
+    for ours, theirs in (("model", "model"), ("max_tokens", "max_output_tokens"), ("stream", "stream"),
+                         ("temperature", "temperature"), ("top_p", "top_p"), ("metadata", "metadata"),
+                         ("user", "user")):
+        if body.get(theirs) is not None:
+            chat[ours] = body[theirs]
+    tools = body.get("tools")
+    if tools:
+        if not all(isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)
+                   for t in tools):
+            raise ApiError(400, "'tools' must be function tools ({\"type\": \"function\", \"name\": ...}); "
+                           "built-in tools are not available here", "tools", "unsupported_parameter")
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("parameters", {"type": "object"})}} for t in tools]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = body["tool_choice"]
+    return chat, messages
+
+
+class ResponseShape:
+    """One Responses answer: its object, whole or built up by the streamed events."""
+
+    def __init__(self, body: dict, model: str, prompt_tokens: int):
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
+        self.output: List[dict] = []
+
+    def obj(self, status: str, finish: Optional[str] = None, output_tokens: int = 0,
+            cached: int = 0) -> Dict[str, Any]:
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": self.output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": self.body.get("instructions"), "metadata": self.body.get("metadata") or {},
+            "parallel_tool_calls": self.body.get("parallel_tool_calls", True),
+            "tool_choice": self.body.get("tool_choice", "auto"), "tools": self.body.get("tools", []),
+            "temperature": self.body.get("temperature"), "top_p": self.body.get("top_p"),
+            "max_output_tokens": self.body.get("max_output_tokens"),
+            "previous_response_id": self.body.get("previous_response_id"),
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
+                      "total_tokens": self.prompt_tokens + output_tokens,
+                      "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens_details": {"reasoning_tokens": 0}},
+        }
+
+    @staticmethod
+    def reasoning_item(text: str) -> dict:
+        return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
+    @staticmethod
+    def message_item(text: str, status: str = "completed") -> dict:
+        return {"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+    @staticmethod
+    def call_item(call: dict) -> dict:
+        return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                "status": "completed"}
+
+    def whole(self, text: str, reasoning: str, calls: list, finish: str, output_tokens: int,
+              cached: int) -> Dict[str, Any]:
+        if reasoning:
+            self.output.append(self.reasoning_item(reasoning))
+        if text or not calls:
+            self.output.append(self.message_item(text))
+        self.output.extend(self.call_item(c) for c in calls)
+        return self.obj("incomplete" if finish == "length" else "completed", finish, output_tokens, cached)
+
+
+def conversation(messages: List[dict], text: str, calls: list) -> List[dict]:
+    """The conversation a response leaves, for a request naming it as previous_response_id."""
+    reply: Dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        reply["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])}
+                               for c in calls]
+    return messages + [reply]
+
+
+class ResponseStream:
+    """The Responses API's streamed events for one answer."""
+
+    def __init__(self, shape: ResponseShape, send: Callable[[str, Dict[str, Any]], None]):
+        self.shape, self._send = shape, send
+        self.sequence = 0
+        self.text: Optional[dict] = None  # the message item being streamed
+        self.reasoning: Optional[dict] = None
+
+    def send(self, kind: str, **fields: Any) -> None:
+        self._send(kind, {"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+
+    def start(self) -> None:
+        self.send("response.created", response=self.shape.obj("in_progress"))
+        self.send("response.in_progress", response=self.shape.obj("in_progress"))
+
+    def _close_text(self) -> None:
+        if self.text is not None:
+            item, index = self.text, len(self.shape.output) - 1
+            part = item["content"][0]
+            self.send("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=part["text"])
+            self.send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                      part=part)
+            item["status"] = "completed"
+            self.send("response.output_item.done", output_index=index, item=item)
+            self.text = None
+
+    def _close_reasoning(self) -> None:
+        if self.reasoning is not None:
+            self.send("response.output_item.done", output_index=len(self.shape.output) - 1, item=self.reasoning)
+            self.reasoning = None
+
+    def pieces(self, pieces: Dict[str, Any]) -> None:
+        if pieces["reasoning"]:
+            self._close_text()
+            if self.reasoning is None:
+                self.reasoning = self.shape.reasoning_item("")
+                self.shape.output.append(self.reasoning)
+                self.send("response.output_item.added", output_index=len(self.shape.output) - 1,
+                          item=self.reasoning)
+            self.reasoning["content"][0]["text"] += pieces["reasoning"]
+            self.send("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                      output_index=len(self.shape.output) - 1, content_index=0, delta=pieces["reasoning"])
+        if pieces["content"]:
+            self._close_reasoning()
+            if self.text is None:
+                self.text = self.shape.message_item("", status="in_progress")
+                self.shape.output.append(self.text)
+                index = len(self.shape.output) - 1
+                self.send("response.output_item.added", output_index=index, item=self.text)
+                self.send("response.content_part.added", item_id=self.text["id"], output_index=index,
+                          content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            self.text["content"][0]["text"] += pieces["content"]
+            self.send("response.output_text.delta", item_id=self.text["id"],
+                      output_index=len(self.shape.output) - 1, content_index=0, delta=pieces["content"])
+        for call in pieces["tool_calls"]:
+            self._close_reasoning()
+            self._close_text()
+            item = self.shape.call_item(call)
+            self.shape.output.append(item)
+            index = len(self.shape.output) - 1
+            self.send("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                 "status": "in_progress"})
+            self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                      delta=item["arguments"])
+            self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                      arguments=item["arguments"])
+            self.send("response.output_item.done", output_index=index, item=item)
+
+    def finish(self, finish: str, output_tokens: int, cached: int) -> None:
+        self._close_reasoning()
+        self._close_text()
+        status = "incomplete" if finish == "length" else "completed"
+        self.send("response.incomplete" if status == "incomplete" else "response.completed",
+                  response=self.shape.obj(status, finish, output_tokens, cached))
+
+
+__all__ = ["ResponseShape", "ResponseStore", "ResponseStream", "conversation", "to_chat_body"]
