@@ -190,3 +190,29 @@ def test_responses_api_returns_the_function_call(pair):
                                 input=[{"type": "function_call_output", "call_id": call.call_id,
                                         "output": json.dumps({"temperature_c": 18})}])
     assert follow.usage.input_tokens > r.usage.input_tokens
+
+
+def test_langchain_bind_tools_gets_the_call_whole_streamed_and_over_responses(pair):
+    pytest.importorskip("langchain_openai", reason="the langchain-openai package (pip install langchain-openai)")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city"""
+        return "sunny"
+
+    def llm(**extra):
+        return ChatOpenAI(base_url=pair.base + "/v1", api_key=API_KEY, model="scripted", max_tokens=20,
+                          max_retries=0, **extra).bind_tools([get_weather])
+
+    want = [("get_weather", {"city": "Paris"})]
+    whole = llm().invoke(ASK[0]["content"])
+    assert [(c["name"], c["args"]) for c in whole.tool_calls] == want
+    chunks = list(llm().stream(ASK[0]["content"]))
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total = total + chunk
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == want
+    over_responses = llm(use_responses_api=True).invoke(ASK[0]["content"])
+    assert [(c["name"], c["args"]) for c in over_responses.tool_calls] == want
