@@ -30,6 +30,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "divergence (default 0: off)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="feed the prompt as raw text (default: the model's chat template, when it has one)")
+    p.add_argument("--draft-model", default=None, metavar="PATH|REPO",
+                   help="leader: speculative decoding with this small model of the same vocabulary "
+                        "(whole, on the leader): the pair verifies its drafts in one forward a round")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="leader: speculative decoding drafting from the last N-gram's earlier "
+                        "occurrence in the prompt and the text so far (no draft model; 0: off)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                   help="tokens drafted a round with --draft-model or --prompt-lookup (default 3)")
     add_pair_args(p, ROLE_HELP)
 
 
@@ -39,9 +47,19 @@ def check_args(args: argparse.Namespace) -> Tuple[PairAddress, SamplingOptions]:
     address = one_rank_address(args, "run", " --prompt TEXT")
     if address.role == "leader" and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
-    check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))
+    check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0),
+                           ("--prompt-lookup", args.prompt_lookup, 0), ("--num-draft-tokens", args.num_draft_tokens, 1)))
     sampling = options_from_args(args)
+    if args.draft_model and args.prompt_lookup:
+        raise SystemExit("ds4tp run: --draft-model and --prompt-lookup are two ways to draft; give one")
+    if (args.draft_model or args.prompt_lookup) and not sampling.greedy:
+        raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) is greedy here: "
+                         "give --temp 0 and no --repetition-penalty")
+    if args.num_draft_tokens > 64:
+        raise SystemExit(f"ds4tp run: --num-draft-tokens {args.num_draft_tokens} must be <= 64")
     args.model = str(model_path(args.model))
+    if args.draft_model:
+        args.draft_model = str(model_path(args.draft_model))
     return address, sampling
 
 

@@ -32,9 +32,10 @@ The bound is checked before anything is allocated.
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
 | EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token) | 65536 |
+| VERIFY           | SYNC_HEADER (session, count) + count little-endian int32 tokens (<= MAX_VERIFY_TOKENS) | 4112 |
 
-The lockstep commands (SESSION_CREATE, REWIND, SYNC, EVAL_BATCH, SESSION_DESTROY, INVALIDATE,
-HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
+The lockstep commands (SESSION_CREATE, REWIND, SYNC, EVAL_BATCH, VERIFY, SESSION_DESTROY,
+INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
 it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are never sent
 (`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
@@ -99,6 +100,9 @@ class FrameType(enum.IntEnum):
     FINGERPRINT_DETAIL = 26
     # One decode step over the rows of every active session (mlx_ds4tp.lockstep.sessions).
     EVAL_BATCH = 32
+    # One session's input token and drafted tokens in one forward, logits at every position
+    # (speculative decoding: mlx_ds4tp.lockstep.speculative).
+    VERIFY = 33
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -116,6 +120,7 @@ GATE_MAX_BYTES = 2 * RDMA_MAX_MSG
 # A 16 KiB gate fits any socket buffer, so write-then-read cannot deadlock; a
 # bulk exchange writes and reads at once instead (tp_tcp_duplex).
 MAX_TOKENS_PER_FRAME = 1 << 20
+MAX_VERIFY_TOKENS = 1024  # one verify forward: the input token and at most 1023 drafted ones
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000
 NONCE_BYTES = 16
@@ -144,6 +149,7 @@ FRAME_MAX_BYTES = {
     FrameType.FINGERPRINT: 64,
     FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
     FrameType.EVAL_BATCH: 64 * 1024,
+    FrameType.VERIFY: 16 + 4 * MAX_VERIFY_TOKENS,
 }
 
 # ---- layouts ------------------------------------------------------------------

@@ -32,14 +32,17 @@ def run(args, address: PairAddress, sampling: SamplingOptions, *, tokens_out: Op
                     gid_index=args.rdma_gid_index, secret=args.secret, prompt=args.prompt or "",
                     max_tokens=args.max_tokens, chat=not args.no_chat_template, sampling=sampling,
                     debug_hash=args.debug_hash, tokens_out=tokens_out, stop_at_eos=stop_at_eos,
-                    prompt_tokens=prompt_tokens)
+                    prompt_tokens=prompt_tokens, draft_model=getattr(args, "draft_model", None),
+                    prompt_lookup=getattr(args, "prompt_lookup", 0),
+                    num_draft_tokens=getattr(args, "num_draft_tokens", 3))
 
 
 def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
              rdma_device: Optional[str] = None, gid_index: Optional[int] = None,
              secret: Optional[str] = None, prompt: str = "", max_tokens: int = 128, chat: bool = True,
              sampling: SamplingOptions = SamplingOptions(), debug_hash: int = 0,
-             tokens_out: Optional[str] = None, stop_at_eos: bool = True, prompt_tokens: int = 0) -> int:
+             tokens_out: Optional[str] = None, stop_at_eos: bool = True, prompt_tokens: int = 0,
+             draft_model: Optional[str] = None, prompt_lookup: int = 0, num_draft_tokens: int = 3) -> int:
     """One rank of `ds4tp run`; returns the exit code. The leader streams the text on stdout,
     then the closing stats line (GenerationStats.line).
 
@@ -48,7 +51,8 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
     reads it). stop_at_eos=False decodes max_tokens whatever the model says
     (the bench). prompt_tokens > 0: the leader's prompt is the text's tokens
     repeated to that many (bench_prompt), without the chat template, after a
-    warm-up generation on its first tokens.
+    warm-up generation on its first tokens. draft_model / prompt_lookup: the leader decodes
+    speculatively (lockstep.speculative), num_draft_tokens a round.
     """
     from ..model_split import load_split
 
@@ -70,8 +74,9 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
                 pair_generate(sessions, prompt_ids[:BENCH_WARMUP_TOKENS], 4, argmax_token)
             else:
                 prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
+            drafting = _drafter(draft_model, prompt_lookup, prompt_ids, model)
             stats = _stream(sessions, tokenizer, prompt_ids, max_tokens, sampling, debug_hash,
-                            stop_at_eos)
+                            stop_at_eos, drafting, num_draft_tokens)
         finally:
             sessions.stop()
         print(stats.line(group), flush=True)
@@ -80,8 +85,27 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
     return 0
 
 
+def _drafter(draft_model: Optional[str], prompt_lookup: int, prompt_ids, target):
+    """The leader's drafter for speculative decoding, or None."""
+    from .speculative import DraftModel, PromptLookup
+
+    if prompt_lookup:
+        return PromptLookup(prompt_lookup)
+    if not draft_model:
+        return None
+    from mlx_lm.utils import load_model
+
+    draft, _ = load_model(Path(draft_model))
+    mine, theirs = (int(getattr(m, "args").vocab_size) for m in (target, draft))
+    if mine != theirs:
+        raise SystemExit(f"ds4tp run: the draft model {draft_model} has a vocabulary of {theirs} tokens, "
+                         f"the model {mine}: a draft must share the model's tokenizer")
+    return DraftModel(draft, prompt_ids)
+
+
 def _stream(sessions: LeaderSessions, tokenizer, prompt_ids, max_tokens: int,
-            sampling: SamplingOptions, debug_hash: int, stop_at_eos: bool) -> GenerationStats:
+            sampling: SamplingOptions, debug_hash: int, stop_at_eos: bool, drafter=None,
+            num_draft_tokens: int = 3) -> GenerationStats:
     """The generation, its text streamed to stdout as it is decoded."""
     detok = tokenizer.detokenizer
     detok.reset()
@@ -92,8 +116,16 @@ def _stream(sessions: LeaderSessions, tokenizer, prompt_ids, max_tokens: int,
         sys.stdout.flush()
 
     eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
-    stats = pair_generate(sessions, prompt_ids, max_tokens, run_sampler(sampling, prompt_ids),
-                          on_token=show, eos=eos, debug_hash=debug_hash)
+    if drafter is not None:
+        from .speculative import greedy_rows, speculative_generate
+
+        stats = speculative_generate(sessions, prompt_ids, max_tokens, greedy_rows, drafter, num_draft_tokens,
+                                     on_token=show, eos=eos)
+        tr.log(f"speculative: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
+               f"{stats.rounds} rounds ({len(stats.tokens) / max(stats.rounds, 1):.2f} tokens a round)")
+    else:
+        stats = pair_generate(sessions, prompt_ids, max_tokens, run_sampler(sampling, prompt_ids),
+                              on_token=show, eos=eos, debug_hash=debug_hash)
     detok.finalize()
     sys.stdout.write(detok.last_segment + "\n")
     return stats
@@ -107,4 +139,6 @@ def _write_tokens(path: str, group: gate_ops.Group, prompt_ids, stats: Generatio
         "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,
         "gate_p50_us": p50, "gate_p99_us": p99,
         "exchange_ms_per_token": stats.exchange_ms_per_token(),
+        "drafted": getattr(stats, "drafted", 0), "accepted": getattr(stats, "accepted", 0),
+        "rounds": getattr(stats, "rounds", 0),
     }))

@@ -11,6 +11,7 @@ frames, their layouts in link.wire):
   REWIND          session id, tokens to keep                          trim a reused cache
   SYNC            session id, tokens                                  prefill a chunk (batch of 1)
   EVAL_BATCH      step, then (session id, token) per row              one decode forward, all rows
+  VERIFY          session id, tokens                                  one forward, logits at each position
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
   INVALIDATE      cache id                                            drop a stored cache
   HASH            step, hash of the last step's logits                 the worker answers its own
@@ -97,6 +98,10 @@ class LeaderSessions:
     def prefill(self, session: int, tokens: Sequence[int]) -> None:
         """SYNC (one prefill chunk) on both ranks."""
         self._command(F.SYNC, pack_sync(session, tokens))
+
+    def verify(self, session: int, tokens: Sequence[int]) -> mx.array:
+        """VERIFY on both ranks: the logits at every position of `tokens` [len, vocab]."""
+        return self._command(F.VERIFY, pack_sync(session, tokens))
 
     def step(self, rows: Sequence[Tuple[int, int]]) -> mx.array:
         """Logits [rows, vocab] of one decode step over (session, input token) rows."""

@@ -20,7 +20,7 @@ from .. import transport as tr
 from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
 from ..link.wire import EVAL_BATCH_ROW
 from ..link.wire import INVALIDATE_PAYLOAD as INVALIDATE
-from ..link.wire import MAX_BATCH_ROWS
+from ..link.wire import MAX_BATCH_ROWS, MAX_VERIFY_TOKENS
 from ..link.wire import REWIND_PAYLOAD as REWIND
 from ..link.wire import SESSION_CREATE_PAYLOAD as CREATE
 from ..link.wire import SESSION_DESTROY_PAYLOAD as DESTROY
@@ -96,6 +96,15 @@ class SessionTable:
                 raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)} "
                                     "(a prompt needs at least one token per SYNC)")
             self.prefill(session, tokens)
+        elif ftype == F.VERIFY:
+            if len(payload) < SYNC_HEADER.size or (len(payload) - SYNC_HEADER.size) % 4:
+                raise tr.FrameError(f"VERIFY payload of {len(payload)} bytes is malformed")
+            session, count, _ = SYNC_HEADER.unpack_from(payload)
+            tokens = np.frombuffer(payload, dtype="<i4", offset=SYNC_HEADER.size)
+            if len(tokens) != count or not 0 < count <= MAX_VERIFY_TOKENS:
+                raise tr.FrameError(f"VERIFY says {count} tokens but carries {len(tokens)} "
+                                    f"(1 to {MAX_VERIFY_TOKENS})")
+            return self.verify(session, tokens)
         elif ftype == F.EVAL_BATCH:
             if len(payload) < BATCH_HEADER.size:
                 raise tr.FrameError(f"EVAL_BATCH payload of {len(payload)} bytes is malformed")
@@ -153,6 +162,23 @@ class SessionTable:
         gates run (fill_cache)."""
         self._check_tokens(tokens)
         fill_cache(self.model, tokens.tolist(), self._session(session))
+
+    def verify(self, session: int, tokens: np.ndarray) -> mx.array:
+        """One forward of a session that is not in the batch over `tokens` (its input token,
+        then drafted ones): the logits at every position [len(tokens), vocab], the cache
+        holding them all until the leader's REWIND trims the rejected ones."""
+        self._check_tokens(tokens)
+        self.step_count += 1
+        logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=self._session(session))[0]
+        # One evaluation for the whole round: the gates of every layer run once for all rows.
+        mx.eval(logits)
+        self.last_logits = logits
+        return logits
+
+    def size(self, session: int) -> int:
+        """Tokens a session's (unbatched) cache holds."""
+        cache = self._session(session)
+        return cache[0].size() if cache else 0
 
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over the batch's rows; sessions that are not in the batch yet

@@ -14,11 +14,12 @@ from . import localpair as _localpair
 
 def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
                    rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
-                   timeout: float = 1200.0, prompt_tokens: int = 0) -> Optional[dict]:
+                   timeout: float = 1200.0, prompt_tokens: int = 0, extra=()) -> Optional[dict]:
     """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
     leader's tokens record (see run's tokens_out), or None when either rank
     failed (both are killed on any failure, the reason is logged).
-    prompt_tokens > 0: the prompt's tokens repeated to that many (see run)."""
+    prompt_tokens > 0: the prompt's tokens repeated to that many (see run). extra: more
+    `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = f.name
     base = _localpair.rank_command(
@@ -30,6 +31,7 @@ def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
         base += ["--no-eos"]
     if prompt_tokens > 0:
         base += ["--prompt-tokens", str(prompt_tokens)]
+    base += list(extra)
     leader, worker = _localpair.pair_commands(base, _localpair.free_port())
     leader += ["--tokens-out", out_path]
     try:

@@ -1,0 +1,110 @@
+"""Speculative decoding on the pair (lockstep/speculative.py): greedy output with any drafter
+is token for token the plain greedy output, over tcp and the emulated RDMA device."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mlx_ds4tp.lockstep.generate import greedy_generate
+from mlx_ds4tp.lockstep.prompt_cache import FRESH
+from mlx_ds4tp.lockstep.speculative import DraftModel, PromptLookup, Recorded, greedy_rows, speculative_generate
+from mlx_ds4tp.lockstep.table import SessionTable
+from mlx_ds4tp.testing.local_run import run_local_pair
+from mlx_ds4tp.testing.tiny_model import save_llama
+
+PROMPT = "the quick brown fox jumps over the lazy dog and the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    # The target, and an unrelated draft of the same vocabulary (other weights).
+    return save_llama(root / "target", "tiny", seed=3), save_llama(root / "other", "tiny", seed=11)
+
+
+class OneRank:
+    """LeaderSessions' surface over a table of one rank (no peer): the drafting logic alone."""
+
+    class _Group:
+        def exchange_seconds(self) -> float:
+            return 0.0
+
+    def __init__(self, model):
+        self.table, self.group = SessionTable(model), self._Group()
+
+    def create(self, s):
+        self.table.create(s, 0, FRESH)
+
+    def prefill(self, s, tokens):
+        self.table.prefill(s, np.array(tokens, dtype=np.int32))
+
+    def verify(self, s, tokens):
+        return self.table.verify(s, np.array(tokens, dtype=np.int32))
+
+    def rewind(self, s, keep):
+        self.table.rewind(s, keep)
+
+    def destroy(self, s):
+        self.table.destroy(s, 0)
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_match():
+    lookup = PromptLookup(2)
+    assert lookup.propose([1, 2, 3, 4, 9, 1, 2], 3) == [3, 4, 9]
+    assert lookup.propose([1, 2, 3, 1, 2, 5, 1, 2], 2) == [5, 1]  # the most recent match
+    assert lookup.propose([1, 2, 3], 3) == []
+    with pytest.raises(ValueError, match="--prompt-lookup 0"):
+        PromptLookup(0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_every_drafter_gives_the_plain_greedy_tokens(models, k):
+    from mlx_lm.utils import load_model
+
+    target_path, other_path = models
+    model = load_model(target_path)[0]
+    prompt = list(range(5, 40)) + list(range(5, 20))
+    plain = greedy_generate(model, prompt, 24).tokens
+    drafters = {"lookup": PromptLookup(2), "recorded": Recorded(len(prompt), plain),
+                "self": DraftModel(load_model(target_path)[0], prompt),
+                "unrelated": DraftModel(load_model(other_path)[0], prompt)}
+    for name, drafter in drafters.items():
+        stats = speculative_generate(OneRank(model), prompt, 24, greedy_rows, drafter, k)
+        assert stats.tokens == plain, name
+        assert stats.accepted <= stats.drafted
+    # A drafter that knows the continuation has every draft accepted: k + 1 tokens a round.
+    recorded = speculative_generate(OneRank(model), prompt, 24, greedy_rows, Recorded(len(prompt), plain), k)
+    assert recorded.accepted == recorded.drafted and recorded.rounds == -(-24 // (k + 1))
+
+
+@pytest.mark.parametrize("transport,device", [("tcp", None), ("rdma", "ucsim")])
+def test_the_pair_decodes_speculatively_with_the_plain_tokens(models, transport, device):
+    target, other = models
+    plain = run_local_pair(target, PROMPT, 20, transport, device, stop_at_eos=False, quiet=True)
+    assert plain is not None
+    for extra in (["--prompt-lookup", "2"], ["--draft-model", str(target)],
+                  ["--draft-model", str(other), "--num-draft-tokens", "4"]):
+        got = run_local_pair(target, PROMPT, 20, transport, device, stop_at_eos=False, quiet=True, extra=extra)
+        assert got is not None, extra
+        assert got["tokens"] == plain["tokens"], extra
+        assert got["rounds"] > 0 and got["accepted"] <= got["drafted"]
+        if extra[1] == str(target):
+            # The target drafting for itself: every draft accepted, 4 tokens a round.
+            assert got["accepted"] == got["drafted"] and got["rounds"] == 5
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prompt-lookup", "2", "--draft-model", "x"], "two ways to draft"),
+    (["--prompt-lookup", "2", "--temp", "0.7"], "greedy here"),
+    (["--prompt-lookup", "2", "--num-draft-tokens", "0"], "--num-draft-tokens 0 must be >= 1"),
+])
+def test_bad_speculative_flags_name_the_fix(models, flags, message):
+    target, _ = models
+    run = subprocess.run([sys.executable, "-m", "mlx_ds4tp", "run", "--model", str(target), "--prompt", "hi",
+                          "--role", "leader", "--listen", "127.0.0.1", "1", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and message in run.stderr, run.stderr
