@@ -67,7 +67,8 @@ def _run(args) -> int:
 
     address, sampling = run_command.check_args(args)
     return pair_run.run(args, address, sampling, tokens_out=args.tokens_out,
-                        stop_at_eos=not args.no_eos, prompt_tokens=args.prompt_tokens)
+                        stop_at_eos=not args.no_eos, prompt_tokens=args.prompt_tokens,
+                        recorded_draft=args.recorded_draft)
 
 
 def _add_role(p: argparse.ArgumentParser) -> None:
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-eos", action="store_true", help="decode --max-tokens whatever the model says")
     run.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
                      help="leader: the prompt's tokens repeated to N tokens (the model bench)")
+    run.add_argument("--recorded-draft", default=None, metavar="FILE",
+                     help="leader: draft a known continuation (a JSON list of tokens, e.g. a plain "
+                          "run's): speculative decoding's ceiling, every draft accepted (the bench)")
     run.set_defaults(func=_run)
     return parser
 

@@ -25,7 +25,7 @@ BENCH_WARMUP_TOKENS = 16
 
 
 def run(args, address: PairAddress, sampling: SamplingOptions, *, tokens_out: Optional[str] = None,
-        stop_at_eos: bool = True, prompt_tokens: int = 0) -> int:
+        stop_at_eos: bool = True, prompt_tokens: int = 0, recorded_draft: Optional[str] = None) -> int:
     """One rank of `ds4tp run` (args as cli.run.add_args parses them; address and sampling
     as cli.run.check_args made them): run_rank with the flags' values."""
     return run_rank(address, args.model, transport=args.transport, rdma_device=args.rdma_device,
@@ -34,7 +34,7 @@ def run(args, address: PairAddress, sampling: SamplingOptions, *, tokens_out: Op
                     debug_hash=args.debug_hash, tokens_out=tokens_out, stop_at_eos=stop_at_eos,
                     prompt_tokens=prompt_tokens, draft_model=getattr(args, "draft_model", None),
                     prompt_lookup=getattr(args, "prompt_lookup", 0),
-                    num_draft_tokens=getattr(args, "num_draft_tokens", 3))
+                    num_draft_tokens=getattr(args, "num_draft_tokens", 3), recorded_draft=recorded_draft)
 
 
 def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
@@ -42,7 +42,8 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
              secret: Optional[str] = None, prompt: str = "", max_tokens: int = 128, chat: bool = True,
              sampling: SamplingOptions = SamplingOptions(), debug_hash: int = 0,
              tokens_out: Optional[str] = None, stop_at_eos: bool = True, prompt_tokens: int = 0,
-             draft_model: Optional[str] = None, prompt_lookup: int = 0, num_draft_tokens: int = 3) -> int:
+             draft_model: Optional[str] = None, prompt_lookup: int = 0, num_draft_tokens: int = 3,
+             recorded_draft: Optional[str] = None) -> int:
     """One rank of `ds4tp run`; returns the exit code. The leader streams the text on stdout,
     then the closing stats line (GenerationStats.line).
 
@@ -52,7 +53,8 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
     (the bench). prompt_tokens > 0: the leader's prompt is the text's tokens
     repeated to that many (bench_prompt), without the chat template, after a
     warm-up generation on its first tokens. draft_model / prompt_lookup: the leader decodes
-    speculatively (lockstep.speculative), num_draft_tokens a round.
+    speculatively (lockstep.speculative), num_draft_tokens a round; recorded_draft: a JSON
+    file of tokens drafted as the known continuation (the bench's ceiling).
     """
     from ..model_split import load_split
 
@@ -74,7 +76,7 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
                 pair_generate(sessions, prompt_ids[:BENCH_WARMUP_TOKENS], 4, argmax_token)
             else:
                 prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
-            drafting = _drafter(draft_model, prompt_lookup, prompt_ids, model)
+            drafting = _drafter(draft_model, prompt_lookup, prompt_ids, model, recorded_draft)
             stats = _stream(sessions, tokenizer, prompt_ids, max_tokens, sampling, debug_hash,
                             stop_at_eos, drafting, num_draft_tokens)
         finally:
@@ -85,10 +87,13 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
     return 0
 
 
-def _drafter(draft_model: Optional[str], prompt_lookup: int, prompt_ids, target):
+def _drafter(draft_model: Optional[str], prompt_lookup: int, prompt_ids, target,
+             recorded: Optional[str] = None):
     """The leader's drafter for speculative decoding, or None."""
-    from .speculative import DraftModel, PromptLookup
+    from .speculative import DraftModel, PromptLookup, Recorded
 
+    if recorded:
+        return Recorded(len(prompt_ids), json.loads(Path(recorded).read_text()))
     if prompt_lookup:
         return PromptLookup(prompt_lookup)
     if not draft_model:
