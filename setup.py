@@ -75,5 +75,7 @@ setup(
         "mlx-lm>=0.20",
         "numpy>=1.24",
         "cffi>=1.16",
+        # ds4tp serve's GET /metrics (the Prometheus text format)
+        "prometheus_client>=0.17",
     ],
 )

@@ -649,3 +649,38 @@ def test_responses_previous_response_id_continues_the_conversation(pair, model_d
         c.responses.create(model=model_dir.name, input="x", previous_response_id="resp_nope", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError, match="reasoning"):
         c.responses.create(model=model_dir.name, input="x", reasoning={"effort": "high"}, max_output_tokens=2)
+
+
+def test_metrics_in_the_prometheus_format_count_what_was_served(pair, model_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        import urllib.request
+
+        req = urllib.request.Request(pair.base + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    c = client(pair)
+    r = c.completions.create(model=model_dir.name, prompt="count me", max_tokens=5, temperature=0)
+    list(c.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "again"}],
+                                   max_tokens=4, temperature=0, stream=True))
+    post_raw(pair, "/v1/completions", b"{not json")
+    after = scrape()
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("ds4tp_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert delta("ds4tp_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert delta("ds4tp_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert delta("ds4tp_completion_tokens_total") == r.usage.completion_tokens + 4
+    assert delta("ds4tp_prompt_tokens_total") >= r.usage.prompt_tokens
+    assert delta("ds4tp_time_to_first_token_seconds_count") == 2
+    assert after[("ds4tp_pair_up", ())] == 1.0 and after[("ds4tp_sessions_decoding", ())] == 0
+    assert after[("ds4tp_gate_latency_p50_microseconds", ())] > 0

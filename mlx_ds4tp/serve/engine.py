@@ -136,6 +136,18 @@ class Engine:
         return {"prefilling": len(self._prefilling), "waiting": len(self._ready),
                 "decoding": len(self._running)}
 
+    def queued(self) -> int:
+        """Requests submitted and not yet admitted (for /metrics)."""
+        return self._inbox.qsize()
+
+    def kv_tokens(self) -> int:
+        """Tokens the caches of the sessions under way hold (for /metrics; read from another
+        thread, so a snapshot of the lists the engine thread owns)."""
+        total = 0
+        for session in list(self._prefilling) + list(self._ready) + list(self._running):
+            total += len(session.request.prompt) - len(session.todo) - 1 + len(session.generated)
+        return max(total, 0)
+
     def submit(self, request: Request) -> None:
         """Queue a request; PairUnavailable when the pair is down."""
         with self._lock:

@@ -22,6 +22,8 @@ from .errors import ApiError, ClientGone, PairUnavailable
 from ..lockstep.sampling import SamplingOptions
 from .api import ParsedRequest, ResponseShape, parse_request, usage
 from . import anthropic, responses
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServeMetrics, TokenClock
 from .other_apis import OtherApis
 from .chat import ChatText
 from .engine import Engine, Request
@@ -56,6 +58,7 @@ class ServeState:
             raise ValueError(f"--keepalive-sec {keepalive_sec}: give a positive number of seconds")
         self.keepalive_sec = keepalive_sec
         self.responses = responses.ResponseStore()
+        self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
         self.created = int(time.time())
 
 
@@ -76,7 +79,17 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
         return
 
     # -- plumbing ---------------------------------------------------------------
+    def _answered(self, status: int) -> None:
+        path = self.path.split("?", 1)[0]
+        known = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+                 "/v1/responses", "/v1/models", "/health", "/metrics")
+        endpoint = path if path in known else ("/v1/models/{id}" if "/models/" in path else "other")
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.metrics.answered(endpoint, status)
+
     def _send_json(self, status: int, body: Dict[str, Any]) -> None:
+        self._answered(status)
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -142,6 +155,15 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
             if error is not None:
                 body["error"] = error
             self._send_json(200 if error is None else 503, body)
+        elif path == "/metrics":
+            if self._authorized():
+                data = self.state.metrics.render()
+                self._answered(200)
+                self.send_response(200)
+                self.send_header("Content-Type", METRICS_CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
         elif path in ("/v1/models", "/models"):
             if self._authorized():
                 self._send_json(200, {"object": "list", "data": [
@@ -237,6 +259,7 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
         writes, and less time holding the lock the engine thread needs for the next step."""
         text: list = []
         items: list = []
+        clock, counted = TokenClock(self.state.metrics), 0
         checked = last = time.monotonic()
         poll = min(EVENT_POLL_SEC, self.state.keepalive_sec)
         while True:
@@ -269,7 +292,12 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
             if event[0] == "text":
                 text.append(event[1])
                 items.extend(event[2])
+                clock.tokens(request.completion_tokens - counted)
+                counted = request.completion_tokens
                 continue
+            if event[0] == "done":
+                self.state.metrics.finished(len(request.prompt), request.completion_tokens,
+                                            request.cached_tokens)
             if text:
                 yield ("text", "".join(text), items)
                 text, items = [], []
@@ -352,6 +380,7 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
         except ClientGone:
             self.close_connection = True
             return None
+        self._answered(200)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")

@@ -1,0 +1,92 @@
+"""`GET /metrics`: the server's state in the Prometheus text format (prometheus_client).
+
+Requests by endpoint and status, tokens in and out (and reused from the prompt cache), time to
+first token and the time between streamed tokens, the sessions waiting and decoding, the tokens
+their caches hold, the pair's state and its gates' latency. One registry per server (not the
+process-wide default), so two servers in one process never mix their counts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: from a few ms (a cached prompt) to minutes (a long prefill behind a full batch).
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServeMetrics:
+    """The counters the HTTP handlers update, and the gauges read from the engine and group."""
+
+    def __init__(self, engine, gate_latency_us: Optional[Callable[[], Any]] = None):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("ds4tp_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("ds4tp_prompt_tokens", "Prompt tokens of the requests served", registry=r)
+        self.cached_tokens = Counter("ds4tp_cached_prompt_tokens",
+                                     "Prompt tokens reused from the prompt cache", registry=r)
+        self.completion_tokens = Counter("ds4tp_completion_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("ds4tp_time_to_first_token_seconds",
+                              "From a request's arrival to its first text", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("ds4tp_inter_token_seconds", "Between a request's consecutive generated tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        counts = engine.counts
+        Gauge("ds4tp_sessions_prefilling", "Sessions whose prompt is being prefilled",
+              registry=r).set_function(lambda: counts()["prefilling"])
+        Gauge("ds4tp_sessions_waiting", "Sessions prefilled and waiting to join the decode batch",
+              registry=r).set_function(lambda: counts()["waiting"])
+        Gauge("ds4tp_sessions_decoding", "Sessions in the decode batch",
+              registry=r).set_function(lambda: counts()["decoding"])
+        Gauge("ds4tp_requests_queued", "Requests submitted, not yet admitted by the engine",
+              registry=r).set_function(engine.queued)
+        Gauge("ds4tp_kv_tokens", "Tokens the active sessions' caches hold",
+              registry=r).set_function(engine.kv_tokens)
+        Gauge("ds4tp_pair_up", "1 while the two-machine pair is up, else 0",
+              registry=r).set_function(lambda: 1.0 if engine.error is None else 0.0)
+        if gate_latency_us is not None:
+            Gauge("ds4tp_gate_latency_p50_microseconds", "Median round trip of the recent decode gates",
+                  registry=r).set_function(lambda: gate_latency_us()[0])
+            Gauge("ds4tp_gate_latency_p99_microseconds", "99th percentile round trip of the recent decode gates",
+                  registry=r).set_function(lambda: gate_latency_us()[1])
+
+    def answered(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def finished(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(cached_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class TokenClock:
+    """One request's time to first token and the gaps between its tokens."""
+
+    def __init__(self, metrics: Optional[ServeMetrics]):
+        self.metrics = metrics
+        self.start = self.last = time.monotonic()
+        self.first = True
+
+    def tokens(self, count: int) -> None:
+        """`count` tokens (one event's worth) have just arrived."""
+        if self.metrics is None or count <= 0:
+            return
+        now = time.monotonic()
+        if self.first:
+            self.metrics.ttft.observe(now - self.start)
+            self.first = False
+            count -= 1
+        if count > 0:
+            gap = (now - self.last) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.last = now
+
+
+__all__ = ["CONTENT_TYPE", "ServeMetrics", "TokenClock"]
