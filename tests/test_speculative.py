@@ -108,3 +108,23 @@ def test_bad_speculative_flags_name_the_fix(models, flags, message):
                           "--role", "leader", "--listen", "127.0.0.1", "1", *flags],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and message in run.stderr, run.stderr
+
+
+def test_the_speculative_bench_prints_every_contender(models):
+    import json
+
+    target, other = models
+    run = subprocess.run([sys.executable, "-m", "mlx_ds4tp", "bench", "--json", "--transport", "tcp",
+                          "--model", str(target), "--draft-model", str(other), "--prompt-lookup", "2",
+                          "--max-tokens", "8", "--prompt-tokens", "32", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = {r["name"]: r for r in map(json.loads, (ln for ln in run.stdout.splitlines() if ln.startswith("{")))}
+    assert set(got) == {"tp2-tcp", "tp2-tcp-recorded-3", "tp2-tcp-draft-3", "tp2-tcp-lookup-2-3",
+                        "mlx-lm-single", "mlx-lm-single-draft-3"}
+    for name, rec in got.items():
+        assert rec["tok_s"] > 0, name
+        if name.startswith("tp2"):
+            assert rec["tokens_match"] is True, name
+    assert got["tp2-tcp-recorded-3"]["acceptance"] == 1.0
+    assert got["tp2-tcp-recorded-3"]["rounds_of_gates"] == 2  # 8 tokens, 4 a round

@@ -30,6 +30,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="time decode tok/s of this mlx-lm model instead "
                    "(a directory, or a preset built once: 150m, moe-1g): single process, our pair "
                    "(tcp, rdma) and mlx-lm's shard() on MLX's ring; with --serve: the model served")
+    p.add_argument("--draft-model", default=None, metavar="PATH|PRESET",
+                   help="--model: speculative decoding with this draft model against plain pair "
+                        "decode and mlx-lm's single-machine speculative decoding")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="--model: speculative decoding by prompt lookup (N-gram size) in the same bench")
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                   help="--draft-model / --prompt-lookup: tokens drafted a round (default 3)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="decode length for --model and --serve (default 64)")
     p.add_argument("--prompt-tokens", type=int, default=512,
@@ -91,6 +98,18 @@ def _model(args: argparse.Namespace, report) -> int:
                              ("--prompt-tokens", args.prompt_tokens, 1)))
     model = bench_model_dir(args.model)  # a preset name ("moe-1g") is built first
     model_identity(model)  # raises a clear error when PATH is not a model directory
+    if args.draft_model or args.prompt_lookup:
+        from ..bench.speculative import speculative_report
+
+        check_at_least("bench", (("--num-draft-tokens", args.num_draft_tokens, 1),
+                                 ("--prompt-lookup", args.prompt_lookup, 0)))
+        if args.transport not in ("tcp", "all"):
+            raise SystemExit("ds4tp bench: the speculative bench runs the pair over tcp; give --transport tcp")
+        draft = bench_model_dir(args.draft_model) if args.draft_model else None
+        if draft:
+            model_identity(draft)
+        return speculative_report(model, draft, args.prompt_lookup, args.num_draft_tokens, args.max_tokens,
+                                  args.rounds, args.prompt_tokens, args.json)
     return report.model_report(model, args.transport, args.rdma_device, args.max_tokens,
                                args.rounds, args.prompt_tokens, args.json)
 
