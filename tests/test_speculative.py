@@ -99,7 +99,7 @@ def test_the_pair_decodes_speculatively_with_the_plain_tokens(models, transport,
 
 @pytest.mark.parametrize("flags,message", [
     (["--prompt-lookup", "2", "--draft-model", "x"], "two ways to draft"),
-    (["--prompt-lookup", "2", "--temp", "0.7"], "greedy here"),
+    (["--prompt-lookup", "2", "--repetition-penalty", "1.2"], "takes no --repetition-penalty"),
     (["--prompt-lookup", "2", "--num-draft-tokens", "0"], "--num-draft-tokens 0 must be >= 1"),
 ])
 def test_bad_speculative_flags_name_the_fix(models, flags, message):
@@ -128,3 +128,22 @@ def test_the_speculative_bench_prints_every_contender(models):
             assert rec["tokens_match"] is True, name
     assert got["tp2-tcp-recorded-3"]["acceptance"] == 1.0
     assert got["tp2-tcp-recorded-3"]["rounds_of_gates"] == 2  # 8 tokens, 4 a round
+
+
+def test_a_seeded_sampled_run_follows_mlx_lms_speculative_sampler(models):
+    """The pair with a draft model draws what mlx-lm's own speculative decoding draws for the
+    same seed, target and draft."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    target, other = models
+    got = run_local_pair(target, PROMPT, 16, "tcp", None, stop_at_eos=False, quiet=True,
+                         extra=["--draft-model", str(other), "--temp", "0.8", "--seed", "7"])
+    assert got is not None
+    model, tokenizer = load(str(target))
+    mx.random.seed(7)
+    want = [r.token for r in stream_generate(model, tokenizer, got["prompt_tokens"], max_tokens=16,
+                                             draft_model=load(str(other))[0], num_draft_tokens=3,
+                                             sampler=make_sampler(0.8))]
+    assert got["tokens"] == want

@@ -52,9 +52,9 @@ def check_args(args: argparse.Namespace) -> Tuple[PairAddress, SamplingOptions]:
     sampling = options_from_args(args)
     if args.draft_model and args.prompt_lookup:
         raise SystemExit("ds4tp run: --draft-model and --prompt-lookup are two ways to draft; give one")
-    if (args.draft_model or args.prompt_lookup) and not sampling.greedy:
-        raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) is greedy here: "
-                         "give --temp 0 and no --repetition-penalty")
+    if (args.draft_model or args.prompt_lookup) and sampling.processed:
+        raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
+                         "--repetition-penalty here: leave it out")
     if args.num_draft_tokens > 64:
         raise SystemExit(f"ds4tp run: --num-draft-tokens {args.num_draft_tokens} must be <= 64")
     args.model = str(model_path(args.model))

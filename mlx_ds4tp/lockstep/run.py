@@ -76,7 +76,7 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
                 pair_generate(sessions, prompt_ids[:BENCH_WARMUP_TOKENS], 4, argmax_token)
             else:
                 prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
-            drafting = _drafter(draft_model, prompt_lookup, prompt_ids, model, recorded_draft)
+            drafting = _drafter(draft_model, prompt_lookup, prompt_ids, model, recorded_draft, sampling)
             stats = _stream(sessions, tokenizer, prompt_ids, max_tokens, sampling, debug_hash,
                             stop_at_eos, drafting, num_draft_tokens)
         finally:
@@ -88,8 +88,18 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
 
 
 def _drafter(draft_model: Optional[str], prompt_lookup: int, prompt_ids, target,
-             recorded: Optional[str] = None):
-    """The leader's drafter for speculative decoding, or None."""
+             recorded: Optional[str] = None, sampling: SamplingOptions = SamplingOptions()):
+    """(the leader's drafter for speculative decoding, its rows sampler), or None."""
+    from .speculative import greedy_rows, sampled
+
+    if not (draft_model or prompt_lookup or recorded):
+        return None
+    rows, one = (greedy_rows, None) if sampling.greedy else sampled(sampling)
+    drafter = _make_drafter(draft_model, prompt_lookup, prompt_ids, target, recorded, one)
+    return None if drafter is None else (drafter, rows)
+
+
+def _make_drafter(draft_model, prompt_lookup, prompt_ids, target, recorded, one):
     from .speculative import DraftModel, PromptLookup, Recorded
 
     if recorded:
@@ -105,7 +115,7 @@ def _drafter(draft_model: Optional[str], prompt_lookup: int, prompt_ids, target,
     if mine != theirs:
         raise SystemExit(f"ds4tp run: the draft model {draft_model} has a vocabulary of {theirs} tokens, "
                          f"the model {mine}: a draft must share the model's tokenizer")
-    return DraftModel(draft, prompt_ids)
+    return DraftModel(draft, prompt_ids, one)
 
 
 def _stream(sessions: LeaderSessions, tokenizer, prompt_ids, max_tokens: int,
@@ -122,9 +132,10 @@ def _stream(sessions: LeaderSessions, tokenizer, prompt_ids, max_tokens: int,
 
     eos = set(getattr(tokenizer, "eos_token_ids", None) or []) if stop_at_eos else set()
     if drafter is not None:
-        from .speculative import greedy_rows, speculative_generate
+        from .speculative import speculative_generate
 
-        stats = speculative_generate(sessions, prompt_ids, max_tokens, greedy_rows, drafter, num_draft_tokens,
+        drafter, rows = drafter
+        stats = speculative_generate(sessions, prompt_ids, max_tokens, rows, drafter, num_draft_tokens,
                                      on_token=show, eos=eos)
         tr.log(f"speculative: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
                f"{stats.rounds} rounds ({len(stats.tokens) / max(stats.rounds, 1):.2f} tokens a round)")

@@ -7,8 +7,9 @@ keeps the longest prefix of drafts the target agrees with, plus the target's own
 both ranks trim their caches to exactly that on its word (REWIND). The worker never decides.
 
 Acceptance is mlx-lm's (`speculative_generate_step`): the target's tokens for all k+1 positions
-are drawn at once by the session's sampler and compared with the drafts; greedy output is then
-token for token the plain greedy output, whatever the drafter proposes.
+are drawn at once by the sampler and compared with the drafts; greedy output is then token for
+token the plain greedy output, whatever the drafter proposes, and a seeded sampled run with a
+draft model draws mlx-lm's numbers in mlx-lm's order.
 
 Drafters:
 - DraftModel: a small model of the same vocabulary, whole on the leader, with its own cache
@@ -74,9 +75,11 @@ class Recorded:
 
 
 class DraftModel:
-    """A small model with the target's vocabulary, run whole on the leader, greedy."""
+    """A small model with the target's vocabulary, run whole on the leader. `sample` draws a
+    draft token from one row of normalised log-probabilities (greedy by default; a sampled run
+    draws with the target's sampler, as mlx-lm's speculative decoding does)."""
 
-    def __init__(self, model, prompt: Sequence[int]):
+    def __init__(self, model, prompt: Sequence[int], sample: Optional[Callable[[mx.array], int]] = None):
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
         self.model = model
@@ -85,7 +88,7 @@ class DraftModel:
             raise ValueError("the draft model's cache cannot be trimmed; speculative decoding needs "
                              "a draft model with a plain KV cache (attention layers only)")
         self.fed = 0  # history tokens the draft cache holds
-        self.last: List[int] = []
+        self.sample = sample or (lambda logprobs: int(mx.argmax(logprobs).item()))
         head = list(prompt[:-1])
         for start in range(0, len(head), PREFILL_STEP):
             self.model(mx.array(head[start:start + PREFILL_STEP])[None], cache=self.cache)
@@ -96,12 +99,11 @@ class DraftModel:
         pending = list(history[self.fed:])
         drafts: List[int] = []
         for _ in range(k):
-            logits = self.model(mx.array(pending)[None], cache=self.cache)[0, -1]
-            token = int(mx.argmax(logits).item())
+            logits = self.model(mx.array(pending)[None], cache=self.cache)[:, -1]
+            token = self.sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
             self.fed += len(pending)
             drafts.append(token)
             pending = [token]
-        self.last = drafts
         return drafts
 
     def accepted(self, drafted: int, kept: int) -> None:
@@ -140,8 +142,10 @@ def speculative_generate(sessions: LeaderSessions, prompt: Sequence[int], max_to
     exchanged = sessions.group.exchange_seconds()
     done = False
     while not done:
+        # As mlx-lm: up to the tokens still wanted (a sampled run then draws its numbers in
+        # mlx-lm's order, round for round).
         room = max_tokens - len(stats.tokens)
-        drafts = drafter.propose(history, min(k, room - 1)) if room > 1 else []
+        drafts = drafter.propose(history, min(k, room))
         held = sessions.table.size(session)
         logits = sessions.verify(session, [history[-1]] + drafts).astype(mx.float32)
         targets = sample_rows(logits)
@@ -178,4 +182,23 @@ def greedy_rows(logits: mx.array) -> List[int]:
     return [int(t) for t in mx.argmax(logprobs, axis=-1).tolist()]
 
 
-__all__ = ["DraftModel", "Drafter", "PromptLookup", "Recorded", "greedy_rows", "speculative_generate"]
+def sampled(options) -> tuple:
+    """(rows sampler, one-row draft sampler) drawing with mlx-lm's sampler for `options` from
+    MLX's generator, seeded once with options.seed as mlx_lm.generate is: all k+1 verify rows
+    in one draw, each draft token in one draw, in mlx-lm's speculative order."""
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(options.temperature, top_p=options.top_p, min_p=options.min_p, top_k=options.top_k)
+    if options.seed is not None:
+        mx.random.seed(options.seed)
+
+    def rows(logits: mx.array) -> List[int]:
+        return [int(t) for t in sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()]
+
+    def one(logprobs: mx.array) -> int:
+        return int(sampler(logprobs).reshape(-1)[0].item())
+
+    return rows, one
+
+
+__all__ = ["DraftModel", "Drafter", "PromptLookup", "Recorded", "greedy_rows", "sampled", "speculative_generate"]
