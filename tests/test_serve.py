@@ -684,3 +684,74 @@ def test_metrics_in_the_prometheus_format_count_what_was_served(pair, model_dir)
     assert delta("ds4tp_time_to_first_token_seconds_count") == 2
     assert after[("ds4tp_pair_up", ())] == 1.0 and after[("ds4tp_sessions_decoding", ())] == 0
     assert after[("ds4tp_gate_latency_p50_microseconds", ())] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory-bounded admission
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_kv_budget_queues_what_does_not_fit_and_refuses_past_the_queue(model_dir, tmp_path):
+    import http.client
+
+    from mlx_ds4tp.testing.tiny_model import EOS_ID
+    from serveutil import reference_steps
+
+    # Each request below reserves 3 prompt tokens + 1000 (EOS biased away, so each decodes them
+    # all and the first two are still running while the others arrive): the budget fits two.
+    served = ServedPair(model_dir, tmp_path, extra=["--max-kv-tokens", "2100", "--max-queued", "1"])
+    try:
+        served.wait_healthy()
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1000, "stream": True,
+                           "logit_bias": {str(EOS_ID): -100}}).encode()
+
+        def start() -> http.client.HTTPResponse:
+            conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+            return conn
+
+        running = [start(), start()]
+        deadline = time.monotonic() + 30
+        while served.health()[1]["kv_reserved_tokens"] < 2006 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = served.health()[1]
+        assert health["kv_reserved_tokens"] == 2006, health
+        third = start()  # no room: it waits, in the queue of one
+        deadline = time.monotonic() + 30
+        while served.health()[1]["queued"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        code, answer = post_raw(served, "/v1/completions", body)
+        assert code == 429 and answer["error"]["code"] == "server_busy" and "--max-queued" in answer["error"]["message"]
+        import urllib.request
+
+        req = urllib.request.Request(served.base + "/v1/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            raise AssertionError("expected a 429")
+        except urllib.error.HTTPError as e:
+            assert e.code == 429 and e.headers["Retry-After"].isdigit()
+        # A request that could never fit is a 400 naming the budget.
+        code, answer = post_raw(served, "/v1/completions", json.dumps({"prompt": [5], "max_tokens": 2100}).encode())
+        assert code == 400 and "--max-kv-tokens 2100" in answer["error"]["message"]
+        # Everyone admitted finishes, the queued one once there was room, with the right text.
+        from serveutil import _load
+
+        steps = reference_steps(model_dir, [5, 6, 7], 1000, logit_bias={EOS_ID: -100.0})
+        detok = _load(model_dir)[1].detokenizer  # the streaming detokenizer, as the server's
+        detok.reset()
+        for token, _ in steps:
+            detok.add_token(token)
+        detok.finalize()
+        want = detok.text
+        for conn in running + [third]:
+            r = conn.getresponse()
+            data = [ln[6:] for ln in r.read().decode().split("\n") if ln.startswith("data: ")]
+            assert r.status == 200 and data[-1] == "[DONE]"
+            assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == want
+            conn.close()
+        health = served.health()[1]
+        assert health["kv_reserved_tokens"] == 0 and health["queued"] == 0
+    finally:
+        served.close()

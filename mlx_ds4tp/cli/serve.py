@@ -41,6 +41,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill chunk between decode steps (mlx-lm's default, 2048)")
     p.add_argument("--prompt-cache-size", type=int, default=10,
                    help="most stored prompt caches kept for reuse (LRU; 0 = no reuse; default 10)")
+    p.add_argument("--max-kv-tokens", type=int, default=0, metavar="N",
+                   help="KV budget: a request starts only while the sessions under way reserve at most "
+                        "N cache tokens (prompt + max_tokens each); the others wait (default 0: no "
+                        "budget; size it from the Macs' memory less the weights)")
+    p.add_argument("--max-queued", type=int, default=64, metavar="N",
+                   help="requests that may wait for room in the KV budget; past them a request gets 429 with "
+                        "Retry-After (default 64)")
     p.add_argument("--keepalive-sec", type=float, default=10.0, metavar="SEC",
                    help="a streamed answer that has not started after SEC seconds (a long prefill, "
                         "a full batch) starts with its status line and an SSE comment, repeated "
@@ -63,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
                              ("--prefill-step-size", args.prefill_step_size, 1),
                              ("--prompt-cache-size", args.prompt_cache_size, 0),
-                             ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0)))
+                             ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0),
+                             ("--max-kv-tokens", args.max_kv_tokens, 0), ("--max-queued", args.max_queued, 1)))
     if args.port > 65535:
         raise SystemExit(f"ds4tp serve: --port {args.port} must be <= 65535")
     if args.served_model_name is not None and not args.served_model_name.strip():

@@ -15,6 +15,7 @@ the others, so each session's tokens are what mlx-lm generates for it alone.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import queue
@@ -81,6 +82,11 @@ class TextStream:
         return text, False
 
 
+def reserved_tokens(request: Request) -> int:
+    """The cache tokens a request may come to hold: its prompt and every token it may generate."""
+    return len(request.prompt) + request.max_tokens
+
+
 class _Session:
     def __init__(self, sid: int, request: Request, reuse: Reuse, tokenizer):
         self.sid = sid
@@ -92,13 +98,15 @@ class _Session:
                                       keep_logprobs=request.logprobs is not None)
         self.text = TextStream(tokenizer.detokenizer, request.stop)
         self.items: List[dict] = []  # logprobs entries not sent yet
+        self.reserved = reserved_tokens(request)
 
 
 class Engine:
     """See the module docstring. `start()` runs the loop in a daemon thread."""
 
     def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
-                 prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0):
+                 prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0,
+                 kv_budget: int = 0, max_queued: int = 64):
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         self.sessions = sessions
@@ -110,6 +118,12 @@ class Engine:
                                       can_trim_prompt_cache(sessions.table.make_cache()))
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
+        # Memory-bounded admission: a session starts only while the tokens reserved by the
+        # sessions under way (prompt + max_tokens each) stay within kv_budget (0: no budget);
+        # the others wait here in arrival order, at most max_queued of them with the inbox.
+        self.kv_budget, self.max_queued = kv_budget, max_queued
+        self._waiting: "collections.deque[Request]" = collections.deque()
+        self._reserved = 0
         self._ids = itertools.count(1)
         self._prefilling: List[_Session] = []
         self._ready: List[_Session] = []
@@ -134,11 +148,12 @@ class Engine:
     def counts(self) -> Dict[str, int]:
         """Sessions prefilling, waiting to join the batch, decoding (for /health)."""
         return {"prefilling": len(self._prefilling), "waiting": len(self._ready),
-                "decoding": len(self._running)}
+                "decoding": len(self._running), "queued": self.queued(),
+                "kv_reserved_tokens": self._reserved, "kv_budget_tokens": self.kv_budget}
 
     def queued(self) -> int:
-        """Requests submitted and not yet admitted (for /metrics)."""
-        return self._inbox.qsize()
+        """Requests submitted and not started yet (waiting for room in the KV budget)."""
+        return self._inbox.qsize() + len(self._waiting)
 
     def kv_tokens(self) -> int:
         """Tokens the caches of the sessions under way hold (for /metrics; read from another
@@ -149,7 +164,14 @@ class Engine:
         return max(total, 0)
 
     def submit(self, request: Request) -> None:
-        """Queue a request; PairUnavailable when the pair is down."""
+        """Queue a request; PairUnavailable when the pair is down, ValueError when it could
+        never fit the budget. A request that must wait while max_queued others already wait
+        gets ("busy", reason) as its only event (the HTTP layer's 429)."""
+        need = reserved_tokens(request)
+        if self.kv_budget and need > self.kv_budget:
+            raise ValueError(f"the prompt and max_tokens need {need} cache tokens, more than the "
+                             f"server's whole budget (--max-kv-tokens {self.kv_budget}); send a "
+                             "shorter prompt or a smaller max_tokens")
         with self._lock:
             if self._error is not None:
                 raise PairUnavailable(self._error)
@@ -182,24 +204,44 @@ class Engine:
             self._fail(f"{type(exc).__name__}: {exc}")
 
     def _admit(self) -> None:
-        busy = bool(self._prefilling or self._ready or self._running)
+        busy = bool(self._prefilling or self._ready or self._running or self._waiting)
         try:
             request = self._inbox.get_nowait() if busy else self._inbox.get(timeout=IDLE_POLL_SEC)
         except queue.Empty:
+            request = None
             if not busy:
                 # Idle: nothing would notice a dead worker until the next request, and
                 # /health must stop answering 200 as soon as the pair is down.
                 gone = self.sessions.peer_gone()
                 if gone:
                     raise tr.TransportError(gone)
-            return
-        while True:
-            if not request.cancelled:
-                self._start(request)
+        while request is not None:
+            self._waiting.append(request)
+            self._start_waiting()
+            if len(self._waiting) > self.max_queued:
+                # It could not start, and max_queued others already wait before it.
+                self._waiting.pop().events.put((
+                    "busy", f"{self.max_queued} requests already wait for room in the KV budget "
+                    f"(--max-kv-tokens {self.kv_budget}, --max-queued {self.max_queued}); retry shortly"))
             try:
                 request = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                request = None
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """Start waiting requests, in arrival order, while the KV budget has room."""
+        while self._waiting:
+            head = self._waiting[0]
+            if head.cancelled:
+                self._waiting.popleft()
+                continue
+            need = reserved_tokens(head)
+            if self.kv_budget and self._reserved + need > self.kv_budget:
+                return  # the head waits for room, and the rest behind it
+            self._waiting.popleft()
+            self._reserved += need
+            self._start(head)
 
     def _start(self, request: Request) -> None:
         sid = next(self._ids)
@@ -278,6 +320,7 @@ class Engine:
     def _end(self, session: _Session, finish: str, flush: bool) -> None:
         """Free the session on both ranks; a completed one's cache is stored for reuse."""
         request = session.request
+        self._reserved -= session.reserved
         if finish == "cancelled":
             self.sessions.destroy(session.sid, 0)
             return
@@ -295,6 +338,7 @@ class Engine:
         for waiting in (self._prefilling, self._ready):
             for session in [s for s in waiting if s.request.cancelled]:
                 waiting.remove(session)
+                self._reserved -= session.reserved
                 self.sessions.destroy(session.sid, 0)
 
     def _fail(self, message: str) -> None:
@@ -306,6 +350,9 @@ class Engine:
         self._prefilling, self._ready, self._running = [], [], []
         for session in sessions:
             session.request.events.put(("error", message))
+        while self._waiting:
+            self._waiting.popleft().events.put(("error", message))
+        self._reserved = 0
         while True:
             try:
                 self._inbox.get_nowait().events.put(("error", message))

@@ -33,6 +33,8 @@ MAX_BODY_BYTES = 16 << 20
 # engine itself never waits on the worker past the gate timeout: it fails the pair instead,
 # and every waiting request gets the reason.
 EVENT_POLL_SEC = 1.0
+# What a 429 (every queue place taken) tells the client to wait before it retries.
+RETRY_AFTER_SEC = 2
 # How often a request being answered looks whether its client is still connected.
 CLIENT_CHECK_SEC = 0.5
 
@@ -88,11 +90,13 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
         if state is not None:
             state.metrics.answered(endpoint, status)
 
-    def _send_json(self, status: int, body: Dict[str, Any]) -> None:
+    def _send_json(self, status: int, body: Dict[str, Any], headers: Optional[Dict[str, str]] = None) -> None:
         self._answered(status)
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             # Said, so a client that keeps connections alive opens a new one for its next
@@ -114,11 +118,13 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
         self.send_header("Access-Control-Allow-Headers", ", ".join(names if asked else ["*", "Content-Type", "Authorization"]))
         self.send_header("Access-Control-Max-Age", "600")
 
-    def _error(self, err: ApiError) -> None:
+    def _error(self, err: ApiError, headers: Optional[Dict[str, str]] = None) -> None:
         # The body may be unread (a refused key, an unknown path): it must not be taken for
         # the next request on this connection.
         self.close_connection = True
-        self._send_json(err.status, anthropic.error_body(err) if self._is_messages() else err.body())
+        if err.status == 429:
+            headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_SEC)}
+        self._send_json(err.status, anthropic.error_body(err) if self._is_messages() else err.body(), headers)
 
     def _is_messages(self) -> bool:
         return self.path.split("?", 1)[0].startswith("/v1/messages")
@@ -212,6 +218,9 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
         except PairUnavailable as exc:
             self._error(unavailable(str(exc)))
             return
+        except ValueError as exc:
+            self._error(ApiError(400, str(exc), "max_tokens", "kv_budget_exceeded"))
+            return
         if kinds[path] == "messages":
             message = anthropic.MessageShape(parsed.model, len(parsed.prompt))
             (self._stream_message if parsed.stream else self._whole_message)(parsed, request, message)
@@ -286,6 +295,8 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
             last = time.monotonic()
             if event[0] == "error":
                 raise unavailable(event[1])
+            if event[0] == "busy":
+                raise ApiError(429, event[1], None, "server_busy", "rate_limit_error")
             if event[0] == "failed":
                 raise ApiError(500, f"generating this answer failed ({event[1]}); the server goes on "
                                "serving", None, "generation_failed", "server_error")

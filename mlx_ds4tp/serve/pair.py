@@ -66,7 +66,8 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
         engine = Engine(LeaderSessions(group, model), tokenizer,
                         prompt_cache_size=args.prompt_cache_size,
                         prefill_step=args.prefill_step_size, max_batch=args.max_batch,
-                        debug_hash=args.debug_hash)
+                        debug_hash=args.debug_hash, kv_budget=args.max_kv_tokens,
+                        max_queued=args.max_queued)
         # Requests may name the short id, or the model as --model gave it (or its directory).
         state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
                            aliases=(args.model, str(model_path)),
