@@ -10,14 +10,12 @@ The blocks are cut by mlx-lm's own plan (Model.shard) where the model's module h
 gathered; each rank reads only its bytes (split/apply.py says how).
 """
 
-from .collectives.seam import MlxCollective
+from .collectives.seam import Collective, MlxCollective, as_collective
 from .split.apply import (
-    Collective,
     SafetensorsParts,
     VocabParallelEmbedding,
     VocabParallelHead,
     agree_model,
-    as_collective,
     check_rows,
     cut_rows,
     load_split,

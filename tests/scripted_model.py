@@ -36,6 +36,11 @@ TOOLS_TEMPLATE = (
 VOCAB_BASE = 384
 
 
+def token_id(piece: str) -> int:
+    """The id of one piece of the script in the scripted model's tokenizer."""
+    return VOCAB_BASE + SCRIPT.index(piece)
+
+
 def build(directory: Path, script=SCRIPT) -> Path:
     """Save the scripted model under directory/scripted and return its path."""
     from tokenizers import AddedToken, Tokenizer

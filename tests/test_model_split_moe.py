@@ -102,26 +102,6 @@ def test_four_ranks_on_the_ring_generate_the_unsplit_tokens(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """mx.distributed.all_sum / all_gather counted as the graph is built (mlx-lm's layers and
-    ours both call them); each returns this rank's input, its 'peers' holding zeros, so the
-    graph evaluates in one process."""
-    calls = {"sums": 0, "gathers": 0}
-
-    def all_sum(x, group=None, stream=None):
-        calls["sums"] += 1
-        return x
-
-    def all_gather(x, group=None, stream=None):
-        calls["gathers"] += 1
-        return mx.concatenate([x, mx.zeros_like(x)], axis=0)
-
-    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
-    monkeypatch.setattr(mx.distributed, "all_gather", all_gather)
-    return calls
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gates_per_token(model_dirs, family, counted):
     from mlx_lm.models.cache import make_prompt_cache

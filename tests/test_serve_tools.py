@@ -216,3 +216,31 @@ def test_langchain_bind_tools_gets_the_call_whole_streamed_and_over_responses(pa
     assert [(c["name"], c["args"]) for c in total.tool_calls] == want
     over_responses = llm(use_responses_api=True).invoke(ASK[0]["content"])
     assert [(c["name"], c["args"]) for c in over_responses.tool_calls] == want
+
+
+def _raw_chat(base: str, body: dict, key: str = API_KEY) -> dict:
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_logprobs_and_logit_bias_equal_mlx_lm_servers(pair, mlx_lm_server):
+    theirs_base = str(mlx_lm_server.base_url).rstrip("/").removesuffix("/v1")
+    body = {"messages": ASK, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    ours = _raw_chat(pair.base, {**body, "model": "scripted"})
+    theirs = _raw_chat(theirs_base, body)
+    mine = ours["choices"][0]["logprobs"]["content"]
+    other = theirs["choices"][0]["logprobs"]["content"]
+    assert len(mine) == len(other) > 0
+    for a, b in zip(mine, other):
+        assert abs(a["logprob"] - b["logprob"]) <= 1e-4
+        assert [t["logprob"] for t in a["top_logprobs"]] == pytest.approx(
+            sorted((t["logprob"] for t in b["top_logprobs"]), reverse=True), abs=1e-4)
+    # A bias that forbids the script's first token changes the answer, alike on both servers.
+    first = scripted_model.token_id(scripted_model.SCRIPT[0])
+    biased = {"messages": ASK, "max_tokens": 6, "temperature": 0, "logit_bias": {str(first): -100}}
+    got = _raw_chat(pair.base, {**biased, "model": "scripted"})["choices"][0]["message"]
+    want = _raw_chat(theirs_base, biased)["choices"][0]["message"]
+    assert got["content"] == want["content"] and (got.get("reasoning") or "") == (want.get("reasoning") or "")
+    assert got != ours["choices"][0]["message"]

@@ -26,7 +26,7 @@ import family_configs_a
 import family_configs_b
 import family_configs_own
 from mlx_ds4tp.collectives.backend import cut_only_group
-from mlx_ds4tp.model_split import load_split, split_model
+from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.split import apply as _apply
 from mlx_ds4tp.split.plans import mlx_lm_plan_modules
 from mlx_ds4tp.testing.tiny_model import save_random_model
@@ -144,25 +144,6 @@ def test_four_ranks_of_mlx_ring(tmp_path):
     out.mkdir()
     results = run_ranks("ring", {"qwen3_next-4": path}, out, ranks=4)["qwen3_next-4"]
     _check_pair(results, ref, "qwen3_next over 4 ranks of the ring")
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """mx.distributed.all_sum / all_gather counted as the graph is built; each hands this
-    rank's input back (its 'peer' holding zeros), so the graph runs in one process."""
-    calls = {"sums": 0, "gathers": 0}
-
-    def all_sum(x, group=None, stream=None):
-        calls["sums"] += 1
-        return x
-
-    def all_gather(x, group=None, stream=None):
-        calls["gathers"] += 1
-        return mx.concatenate([x, mx.zeros_like(x)], axis=0)
-
-    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
-    monkeypatch.setattr(mx.distributed, "all_gather", all_gather)
-    return calls
 
 
 @pytest.mark.parametrize("family", FAMILIES)

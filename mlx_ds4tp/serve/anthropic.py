@@ -14,6 +14,7 @@ import json
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
+from .chat import text_content
 from .errors import ApiError
 
 # Every field of Anthropic's request: acted on (translated), or refused naming it.
@@ -27,25 +28,11 @@ _REFUSED = {
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _text_of(blocks: Any, where: str) -> str:
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise ApiError(400, f"'{where}' must be a string or a list of content blocks", where, "invalid_type")
-    texts = []
-    for i, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise ApiError(400, f"'{where}[{i}]' must be a text block ({{\"type\": \"text\", \"text\": ...}})",
-                           where, "invalid_type")
-        texts.append(block["text"])
-    return "".join(texts)
-
-
 def _messages(body: dict) -> List[dict]:
     """Anthropic's system prompt and messages as chat-completions messages."""
     out: List[dict] = []
     if body.get("system") is not None:
-        out.append({"role": "system", "content": _text_of(body["system"], "system")})
+        out.append({"role": "system", "content": text_content(body["system"], "system")})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages",
@@ -71,7 +58,7 @@ def _messages(body: dict) -> List[dict]:
                     "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
             elif kind == "tool_result" and m["role"] == "user":
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _text_of(block.get("content", ""), f"{where}.content[{j}].content")})
+                            "content": text_content(block.get("content", ""), f"{where}.content[{j}].content")})
             else:
                 raise ApiError(400, f"'{where}.content[{j}]' is a {kind!r} block; this server reads text, "
                                "tool_use (assistant) and tool_result (user) blocks", f"{where}.content",

@@ -18,18 +18,20 @@ from typing import Any, Dict, List, Optional
 from .errors import ApiError
 
 
-def _message_text(content: Any, where: str) -> str:
-    if content is None:  # an assistant turn that only called tools
+def text_content(content: Any, where: str, part_types: tuple = ("text",)) -> str:
+    """A message's text: a string, or a list of text parts (of `part_types`: each API names its
+    own), joined; None (an assistant turn that only called tools) is no text."""
+    if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or \
+            if not isinstance(part, dict) or part.get("type") not in part_types or \
                     not isinstance(part.get("text"), str):
                 raise ApiError(400, f"'{where}[{i}]' must be a text part "
-                               "({\"type\": \"text\", \"text\": ...}); this model reads text only",
+                               f"({{\"type\": \"{part_types[0]}\", \"text\": ...}}); this model reads text only",
                                where, "invalid_type")
             parts.append(part["text"])
         return "".join(parts)
@@ -47,7 +49,7 @@ def _template_messages(messages: Any) -> List[dict]:
             raise ApiError(400, f"'messages[{i}]' must be an object with a string 'role'",
                            f"messages[{i}].role", "invalid_type")
         message = copy.deepcopy(m)
-        message["content"] = _message_text(m.get("content", ""), f"messages[{i}].content")
+        message["content"] = text_content(m.get("content", ""), f"messages[{i}].content")
         calls = message.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -174,4 +176,4 @@ class ChatText:
         return out
 
 
-__all__ = ["ChatText", "chat_prompt", "chat_tools"]
+__all__ = ["ChatText", "chat_prompt", "chat_tools", "text_content"]

@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
+from .chat import text_content
 from .errors import ApiError
 
 # Every field of the Responses request: acted on, accepted at its neutral value, or refused.
@@ -52,19 +53,7 @@ class ResponseStore:
                 self._kept.popitem(last=False)
 
 
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"'{where}' must be a string or a list of content parts", where, "invalid_type")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"'{where}[{i}]' must be an input_text part; this model reads text only",
-                           where, "invalid_type")
-        texts.append(part["text"])
-    return "".join(texts)
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _input_messages(value: Any) -> List[dict]:
@@ -78,7 +67,7 @@ def _input_messages(value: Any) -> List[dict]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": _content_text(item.get("content", ""), f"{where}.content")})
+            out.append({"role": role, "content": text_content(item.get("content", ""), f"{where}.content", _TEXT_PARTS)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}

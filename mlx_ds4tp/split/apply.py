@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from ..base.log import log
 from ..checkpoint.parts import SafetensorsParts
 from ..collectives.backend import PairGroup, cut_only_group
-from ..collectives.seam import Collective, as_collective
+from ..collectives.seam import as_collective
 from ..link.fingerprint import model_fingerprint
 from .derive import derive_plan, set_array
 from .layers import (

@@ -211,7 +211,7 @@ PairGroupImpl::PairGroupImpl(int rank, tp_link* link, ExchangeFn exchange, Sum2F
       sum2_(sum2),
       close_(close) {}
 
-mx::Stream PairGroupImpl::communication_stream(mx::StreamOrDevice s) {
+mx::Stream cpu_communication_stream(mx::StreamOrDevice s) {
   // As MLX's own backends: the exchange runs on a CPU stream (the calling
   // thread's default one unless a CPU stream is named); on a Mac the model's
   // GPU work meets it through MLX's events. Streams are per thread in MLX, so
@@ -220,6 +220,10 @@ mx::Stream PairGroupImpl::communication_stream(mx::StreamOrDevice s) {
     return *stream;
   }
   return mx::default_stream(mx::Device::cpu);
+}
+
+mx::Stream PairGroupImpl::communication_stream(mx::StreamOrDevice s) {
+  return cpu_communication_stream(s);
 }
 
 std::shared_ptr<mx::distributed::detail::GroupImpl> PairGroupImpl::split(int, int) {
@@ -390,10 +394,7 @@ void PairGroupImpl::recv(mx::array& out, int src, mx::Stream stream) {
 namespace mlx_ds4tp {
 
 mx::Stream LocalGroupImpl::communication_stream(mx::StreamOrDevice s) {
-  if (auto stream = std::get_if<mx::Stream>(&s); stream && stream->device == mx::Device::cpu) {
-    return *stream;
-  }
-  return mx::default_stream(mx::Device::cpu);
+  return cpu_communication_stream(s);
 }
 
 void LocalGroupImpl::refuse(const char* op) {

@@ -119,6 +119,9 @@ struct LocalGroup : public mx::distributed::Group {
       : mx::distributed::Group(std::make_shared<LocalGroupImpl>(rank, size, gateless)) {}
 };
 
+// The CPU stream a collective runs on: the one named, else the thread's default.
+mx::Stream cpu_communication_stream(mx::StreamOrDevice s);
+
 // The wire code of an MLX dtype (the collectives' codes, link/wire.py); 0 if none.
 int dtype_code(mx::Dtype dtype);
 
