@@ -26,6 +26,7 @@ from .gate_ops import (
     all_min,
     all_sum,
     init,
+    reconnect,
     recv,
     recv_like,
     send,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init",
+    "reconnect",
     "all_sum",
     "all_gather",
     "all_max",

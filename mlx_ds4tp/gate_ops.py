@@ -57,7 +57,46 @@ def init(
     if transport == "mlx":
         _LAST_GROUP = _init_mlx(role)
         return _LAST_GROUP
-    config = tr.PairConfig(
+    config = _pair_config(role, listen, coordinator, transport, rdma_device, gid_index, timeout,
+                          secret, identity, tcp_spin_us)
+    pair = _connect(config)
+    try:
+        _LAST_GROUP = PairGroup(pair)
+    except BaseException:
+        pair.close()
+        raise
+    return _LAST_GROUP
+
+
+def reconnect(group: "PairGroup", role: Optional[str] = None,
+              listen: Optional[Tuple[str, int]] = None,
+              coordinator: Optional[Tuple[str, int]] = None, transport: str = "auto", *,
+              rdma_device: Optional[str] = None, gid_index: Optional[int] = None,
+              timeout: Optional[float] = None, secret=None,
+              identity: Optional[tr.ModelIdentity] = None,
+              tcp_spin_us: Optional[int] = None) -> "PairGroup":
+    """Join the pair again on a closed group (the arguments init's): the same hello, secret
+    and model fingerprint checks, then the group runs over the new pair. A model split
+    over the group keeps working, so a rank that lost its peer serves on once the peer
+    (restarted) is back; nothing of the old pair's state is carried over."""
+    if not isinstance(group, PairGroup):
+        raise TypeError(f"group={group!r}: reconnect() takes a group mlx_ds4tp.init(...) returned")
+    if transport == "mlx":
+        raise ValueError("transport='mlx': MLX's own groups cannot be rejoined; relaunch them")
+    config = _pair_config(role, listen, coordinator, transport, rdma_device, gid_index, timeout,
+                          secret, identity, tcp_spin_us)
+    pair = _connect(config)
+    try:
+        group.reattach(pair)
+    except BaseException:
+        pair.close()
+        raise
+    return group
+
+
+def _pair_config(role, listen, coordinator, transport, rdma_device, gid_index, timeout, secret,
+                 identity, tcp_spin_us) -> tr.PairConfig:
+    return tr.PairConfig(
         role=role,
         listen=tuple(listen) if listen is not None else None,
         coordinator=tuple(coordinator) if coordinator is not None else None,
@@ -69,14 +108,11 @@ def init(
         secret=secret,
         tcp_spin_us=tcp_spin_us,
     )
+
+
+def _connect(config: tr.PairConfig):
     # connect() hands out a complete pair: its RDMA queue pair proven, or TCP chosen.
-    pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library))
-    try:
-        _LAST_GROUP = PairGroup(pair)
-    except BaseException:
-        pair.close()
-        raise
-    return _LAST_GROUP
+    return tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library))
 
 
 def _init_mlx(role: Optional[str]):

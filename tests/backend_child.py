@@ -4,7 +4,8 @@
 
 CASE: chain (100 chained gates built while the peer sleeps, then evaluated), shard (mlx-lm's
 own Model.shard(g) on a dense and an MoE model, logits against the unsplit model), die
-(rank 1 exits inside an evaluated graph; rank 0 reports what it saw and that it lives on).
+(rank 1 exits inside an evaluated graph; rank 0 reports what it saw and that it lives on),
+rejoin (the leader joins a second worker on the same group after the first left).
 Prints one JSON object on stdout's last line.
 """
 
@@ -139,10 +140,48 @@ def die(g: PairGroup) -> dict:
     return {"error": error, "elapsed": elapsed, "later": later, "alive": alive}
 
 
+def rejoin(g: PairGroup) -> dict:
+    """mlx-lm's qwen3 plan over the group; the first worker leaves after one forward, the
+    leader's next forward fails, the leader joins a second worker on the same group and the
+    model, sharded over it once, runs on: logits against the unsplit model's."""
+    from mlx_ds4tp import gate_ops
+
+    tokens = mx.array([[1, 5, 9, 42, 7, 3]])
+    reference = _qwen3(0)(tokens)
+    model = _qwen3(0)
+    model.shard(g)
+    first = model(tokens)
+    mx.eval(reference, first)
+    ref = np.array(reference, dtype=np.float64)
+    out = {"first_rel": float(np.max(np.abs(np.array(first, dtype=np.float64) - ref)) / np.max(np.abs(ref)))}
+    if g.rank() == 1:
+        if os.environ.get("CHILD_SECOND") != "1":
+            os._exit(3)  # the first worker leaves; the second returns its own report
+        return out
+    try:
+        mx.eval(model(tokens))
+        out["lost"] = None
+    except RuntimeError as exc:
+        out["lost"] = str(exc)
+    try:
+        g.reattach(g.pair)  # still open: refused
+    except Exception as exc:  # noqa: BLE001
+        out["bad_reattach"] = f"{type(exc).__name__}: {exc}"
+    g.close()
+    gate_ops.reconnect(g, role="leader", listen=("127.0.0.1", int(sys.argv[2])),
+                       transport=sys.argv[3], timeout=20.0,
+                       **({"rdma_device": "ucsim"} if sys.argv[3] == "rdma" else {}))
+    again = model(tokens)
+    mx.eval(again)
+    out["again_rel"] = float(np.max(np.abs(np.array(again, dtype=np.float64) - ref)) / np.max(np.abs(ref)))
+    return out
+
+
 def main() -> None:
     role, port, transport, case = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     g = join(role, port, transport)
-    result = {"chain": chain, "shard": shard, "die": die, "prefill": prefill}[case](g)
+    result = {"chain": chain, "shard": shard, "die": die, "prefill": prefill,
+              "rejoin": rejoin}[case](g)
     result["rank"] = g.rank()
     result["transport"] = g.transport
     print(json.dumps(result), flush=True)

@@ -90,6 +90,29 @@ def test_a_peer_that_dies_inside_a_graph_is_an_error_and_the_survivor_lives(tran
     assert report["alive"] == 3.0
 
 
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_a_group_rejoined_by_a_new_worker_runs_the_model_split_over_it(transport):
+    procs = Procs()
+    port = str(free_port())
+    try:
+        leader = procs.spawn([CHILD, "leader", port, transport, "rejoin"])
+        first = procs.spawn([CHILD, "worker", port, transport, "rejoin"])
+        first.communicate(timeout=120)
+        assert first.returncode == 3
+        second = procs.spawn([CHILD, "worker", port, transport, "rejoin"], env={"CHILD_SECOND": "1"})
+        out = [p.communicate(timeout=120) + (p.returncode,) for p in (leader, second)]
+    finally:
+        procs.kill_all()
+    (lout, lerr, lrc), (wout, werr, wrc) = out
+    assert lrc == 0 and wrc == 0, (lerr[-3000:], werr[-3000:])
+    lead, work = (json.loads(o.strip().splitlines()[-1]) for o in (lout, wout))
+    assert lead["first_rel"] < 1e-4 and work["first_rel"] < 1e-4
+    assert lead["lost"] and "peer" in lead["lost"], lead
+    assert lead["bad_reattach"].startswith("TransportError") and "still open" in lead["bad_reattach"], lead
+    assert lead["again_rel"] < 1e-4, lead
+    assert lead["transport"] == work["transport"] == transport
+
+
 def test_a_module_built_against_another_mlx_is_refused_naming_both(tmp_path, monkeypatch):
     from mlx_ds4tp.collectives import backend
 

@@ -157,6 +157,19 @@ def test_group_surface_and_close():
         mx.eval(tp.all_sum(mx.zeros((4,)), group=lg))
 
 
+def test_reconnect_refuses_what_it_cannot_rejoin():
+    from mlx_ds4tp import gate_ops
+
+    with pytest.raises(TypeError, match="reconnect.. takes a group mlx_ds4tp.init"):
+        gate_ops.reconnect("g", role="leader", listen=("127.0.0.1", 1))
+    lg, wg = make_groups("tcp", timeout=5.0)
+    with lg, wg:
+        with pytest.raises(ValueError, match="transport='mlx'"):
+            gate_ops.reconnect(lg, transport="mlx")
+        with pytest.raises(tp.TransportError, match="still open"):
+            lg.reattach(lg.pair)
+
+
 def test_gate_latency_is_recorded():
     lg, wg = make_groups("tcp", timeout=5.0)
     with lg, wg:

@@ -93,20 +93,11 @@ class PairGroup(_pairgroup.PairGroup):
 
     def __init__(self, pair):
         ffi, lib = load_verbs()
-        link = ffi.new("tp_link *")
-        link.pair = pair.state
-        link.dev = pair.rdma.dev if pair.rdma is not None else ffi.NULL
-        link.fd = pair.data.fileno()
-        link.rank = pair.rank
-        link.spin_ns = pair.tcp.spin_ns
-        link.timeout_s = pair.timeout
         # Round trips of the last LATENCY_WINDOW decode gates and their count and total,
         # written by the C exchange.
         self._latency_ns = np.zeros(LATENCY_WINDOW, dtype=np.int64)
         self._latency_count = np.zeros(2, dtype=np.uint64)
-        link.latency_ns = ffi.cast("int64_t *", ffi.from_buffer(self._latency_ns))
-        link.latency_len = LATENCY_WINDOW
-        link.latency_count = ffi.cast("uint64_t *", ffi.from_buffer(self._latency_count))
+        link = self._new_link(pair)
         super().__init__(pair.rank, _address(ffi, link),
                          _address(ffi, lib.tp_link_exchange_address()),
                          _address(ffi, lib.tp_sum2_address()),
@@ -114,6 +105,34 @@ class PairGroup(_pairgroup.PairGroup):
         self._link = link  # C memory the backend reads: kept as long as this group
         self._pair = pair
         self.transport = pair.transport
+
+    def _new_link(self, pair):
+        ffi, _ = load_verbs()
+        link = ffi.new("tp_link *")
+        link.pair = pair.state
+        link.dev = pair.rdma.dev if pair.rdma is not None else ffi.NULL
+        link.fd = pair.data.fileno()
+        link.rank = pair.rank
+        link.spin_ns = pair.tcp.spin_ns
+        link.timeout_s = pair.timeout
+        link.latency_ns = ffi.cast("int64_t *", ffi.from_buffer(self._latency_ns))
+        link.latency_len = LATENCY_WINDOW
+        link.latency_count = ffi.cast("uint64_t *", ffi.from_buffer(self._latency_count))
+        return link
+
+    def reattach(self, pair) -> None:
+        """Run this closed group over a new pair with the same peer rank come back (`ds4tp
+        serve`'s rejoin): a model split over this group, whose layers hold it, works on
+        unchanged. The new pair's sequence numbers start again at zero on both ranks."""
+        if self._pair is not None:
+            raise TransportError("this group is still open; close() it before reattach()")
+        if pair.rank != self.rank():
+            raise ValueError(f"the new pair makes this process rank {pair.rank}, the group is rank "
+                             f"{self.rank()}: a group keeps its rank")
+        ffi, _ = load_verbs()
+        link = self._new_link(pair)
+        self._attach_backend(_address(ffi, link))
+        self._link, self._pair, self.transport = link, pair, pair.transport
 
     @property
     def pair(self):

@@ -52,7 +52,15 @@ NB_MODULE(_pairgroup, m) {
             nb::gil_scoped_release released;  // may wait for an exchange in flight
             self.impl_->close();
           },
-          "Stop the collectives: wake an exchange in flight, wait for it, refuse the rest.");
+          "Stop the collectives: wake an exchange in flight, wait for it, refuse the rest.")
+      .def(
+          "_attach_backend",
+          [](PairGroup& self, uintptr_t link) {
+            if (!link) throw std::invalid_argument("PairGroup: a null link");
+            self.impl_->attach(reinterpret_cast<tp_link*>(link));
+          },
+          nb::arg("link"),
+          "Run the collectives of this closed group over a new link.");
 
   // MLX's own group (ring, JACCL) under a type Python can extend, so the group
   // init(transport="mlx") returns carries the same extras as a pair's.

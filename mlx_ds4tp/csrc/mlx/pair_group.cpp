@@ -254,6 +254,14 @@ void PairGroupImpl::close() {
   link_ = nullptr;
 }
 
+void PairGroupImpl::attach(tp_link* link) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (link_ != nullptr) {
+    throw std::runtime_error("mlx_ds4tp: the group is still open; close it before attaching a new link");
+  }
+  link_ = link;
+}
+
 void PairGroupImpl::reduce(int op, const mx::array& input, mx::array& output, mx::Stream stream) {
   const int code = checked_code(op, input);
   auto& encoder = mx::cpu::get_command_encoder(stream);

@@ -49,6 +49,9 @@ class PairGroupImpl : public mx::distributed::detail::GroupImpl,
 
   // After close() every collective fails at evaluation, saying the group is closed.
   void close();
+  // A closed group over a new link (the same peer's rank come back): the model
+  // code that holds this group, its sharded layers, works on unchanged.
+  void attach(tp_link* link);
 
  private:
   void reduce(int op, const mx::array& input, mx::array& output, mx::Stream stream);
