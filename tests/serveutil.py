@@ -58,11 +58,18 @@ class ServedPair:
                                       "--port", str(self.port)],
             "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)],
         }
+        self.cmds, self.env = cmds, full_env
         self.procs = {}
-        for name, cmd in cmds.items():
-            out = open(logs / f"{name}.log", "w")
-            self.procs[name] = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        for name in cmds:
+            self.start(name)
         self.base = f"http://127.0.0.1:{self.port}"
+
+    def start(self, name: str, extra: List[str] = ()) -> None:
+        """Start rank `name` ("leader" or "worker") with its command line (plus `extra`), its
+        output appended to its log: a first start, or a restart after kill()."""
+        out = open(self.logs / f"{name}.log", "a")
+        self.procs[name] = subprocess.Popen(self.cmds[name] + list(extra), env=self.env, stdout=out,
+                                            stderr=subprocess.STDOUT)
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()

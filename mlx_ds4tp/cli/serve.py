@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..link.wire import MAX_PREFILL_ROWS
 from .model_arg import MODEL_HELP, default_served_name, model_path
 from .pair_args import add_pair_args, add_transport_args, check_at_least, one_rank_address
 from .sampling_args import add_sampling_args, options_from_args
@@ -39,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="most sessions decoded together in one step; the rest wait (default 32)")
     p.add_argument("--prefill-step-size", type=int, default=2048,
                    help="prompt tokens per prefill chunk between decode steps (mlx-lm's default, 2048)")
+    p.add_argument("--prompt-concurrency", type=int, default=8, metavar="N",
+                   help="most prompts prefilled together in one padded forward, one chunk of each "
+                        "(mlx_lm.server's flag and default, 8; at most 256)")
     p.add_argument("--prompt-cache-size", type=int, default=10,
                    help="most stored prompt caches kept for reuse (LRU; 0 = no reuse; default 10)")
     p.add_argument("--max-kv-tokens", type=int, default=0, metavar="N",
@@ -52,6 +56,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a streamed answer that has not started after SEC seconds (a long prefill, "
                         "a full batch) starts with its status line and an SSE comment, repeated "
                         "every SEC seconds, so proxies and clients do not time out (default 10)")
+    p.add_argument("--rejoin", action="store_true",
+                   help="worker: when the leader stops or dies, wait for a leader on the same "
+                        "address and serve it, instead of exiting (the leader always takes a "
+                        "worker back: when its worker dies it keeps serving HTTP, answering 503, "
+                        "until a worker joins again)")
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N decode steps "
                         "(default 0: off)")
@@ -69,11 +78,18 @@ def main(args: argparse.Namespace) -> int:
     address = one_rank_address(args, "serve", " (it serves HTTP on --host/--port)")
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
                              ("--prefill-step-size", args.prefill_step_size, 1),
+                             ("--prompt-concurrency", args.prompt_concurrency, 1),
                              ("--prompt-cache-size", args.prompt_cache_size, 0),
                              ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens, 0), ("--max-queued", args.max_queued, 1)))
+    if args.rejoin and address.role != "worker":
+        raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
+                         "takes a restarted worker back")
     if args.port > 65535:
         raise SystemExit(f"ds4tp serve: --port {args.port} must be <= 65535")
+    if args.prompt_concurrency > MAX_PREFILL_ROWS:
+        raise SystemExit(f"ds4tp serve: --prompt-concurrency {args.prompt_concurrency} must be <= "
+                         f"{MAX_PREFILL_ROWS} (the rows one prefill command carries)")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise SystemExit("ds4tp serve: --served-model-name must not be empty")
     sampling = options_from_args(args)

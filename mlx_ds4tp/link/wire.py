@@ -33,9 +33,10 @@ The bound is checked before anything is allocated.
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
 | EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token) | 65536 |
 | VERIFY           | SYNC_HEADER (session, count) + count little-endian int32 tokens (<= MAX_VERIFY_TOKENS) | 4112 |
+| PREFILL_BATCH    | PREFILL_BATCH_HEADER (rows) + rows x PREFILL_BATCH_ROW (session, count) + the rows' int32 tokens, row after row | 4198416 |
 
-The lockstep commands (SESSION_CREATE, REWIND, SYNC, EVAL_BATCH, VERIFY, SESSION_DESTROY,
-INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
+The lockstep commands (SESSION_CREATE, REWIND, SYNC, PREFILL_BATCH, EVAL_BATCH, VERIFY,
+SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
 it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are never sent
 (`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
@@ -61,7 +62,8 @@ import struct
 
 # 2: the hello carries a model fingerprint. 3: `ds4tp run` speaks the serving sessions'
 # commands (one lockstep protocol), so a rank of an older install is refused at the hello.
-PROTOCOL_VERSION = 3
+# 4: prompts waiting together are prefilled in one PREFILL_BATCH forward.
+PROTOCOL_VERSION = 4
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
@@ -103,6 +105,9 @@ class FrameType(enum.IntEnum):
     # One session's input token and drafted tokens in one forward, logits at every position
     # (speculative decoding: mlx_ds4tp.lockstep.speculative).
     VERIFY = 33
+    # One prefill chunk of several sessions in one right-padded forward (mlx-lm's batched
+    # prompt processing: mlx_ds4tp.lockstep.table.SessionTable.prefill_batch).
+    PREFILL_BATCH = 34
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -121,6 +126,9 @@ GATE_MAX_BYTES = 2 * RDMA_MAX_MSG
 # bulk exchange writes and reads at once instead (tp_tcp_duplex).
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_VERIFY_TOKENS = 1024  # one verify forward: the input token and at most 1023 drafted ones
+# One PREFILL_BATCH: at most this many sessions, all their tokens together at most
+# MAX_TOKENS_PER_FRAME (the padded forward is rows x the longest row's tokens).
+MAX_PREFILL_ROWS = 256
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000
 NONCE_BYTES = 16
@@ -150,6 +158,7 @@ FRAME_MAX_BYTES = {
     FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
     FrameType.EVAL_BATCH: 64 * 1024,
     FrameType.VERIFY: 16 + 4 * MAX_VERIFY_TOKENS,
+    FrameType.PREFILL_BATCH: 16 + 16 * MAX_PREFILL_ROWS + 4 * MAX_TOKENS_PER_FRAME,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -204,4 +213,6 @@ SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved; then t
 EVAL_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then the rows
 EVAL_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
 MAX_BATCH_ROWS = 1024
+PREFILL_BATCH_HEADER = struct.Struct("<IIQ")  # rows, reserved, reserved; then the rows
+PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; tokens follow all rows
 HASH_PAYLOAD = struct.Struct("<QQQ")  # 0 (reserved), decode step, hash of its logits

@@ -10,6 +10,8 @@ frames, their layouts in link.wire):
   SESSION_CREATE  session id, stored cache id, FRESH | MOVE | COPY   a session's cache
   REWIND          session id, tokens to keep                          trim a reused cache
   SYNC            session id, tokens                                  prefill a chunk (batch of 1)
+  PREFILL_BATCH   (session id, tokens) per row                        one prefill chunk of each row,
+                                                                      one padded forward
   EVAL_BATCH      step, then (session id, token) per row              one decode forward, all rows
   VERIFY          session id, tokens                                  one forward, logits at each position
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
@@ -35,7 +37,8 @@ from .. import gate_ops
 from .. import transport as tr
 from ..errors import LockstepDivergence, TransportError
 from ..link.wire import HASH_PAYLOAD as HASH
-from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch, pack_sync, unpack
+from .table import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch, pack_prefill_batch,
+                    pack_sync, unpack)
 from .prompt_cache import FRESH
 
 F = tr.FrameType
@@ -98,6 +101,10 @@ class LeaderSessions:
     def prefill(self, session: int, tokens: Sequence[int]) -> None:
         """SYNC (one prefill chunk) on both ranks."""
         self._command(F.SYNC, pack_sync(session, tokens))
+
+    def prefill_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> None:
+        """PREFILL_BATCH on both ranks: one prefill chunk of each (session, tokens) row."""
+        self._command(F.PREFILL_BATCH, pack_prefill_batch(rows))
 
     def verify(self, session: int, tokens: Sequence[int]) -> mx.array:
         """VERIFY on both ranks: the logits at every position of `tokens` [len, vocab]."""

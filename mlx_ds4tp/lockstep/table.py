@@ -20,12 +20,14 @@ from .. import transport as tr
 from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
 from ..link.wire import EVAL_BATCH_ROW
 from ..link.wire import INVALIDATE_PAYLOAD as INVALIDATE
-from ..link.wire import MAX_BATCH_ROWS, MAX_VERIFY_TOKENS
+from ..link.wire import MAX_BATCH_ROWS, MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME, MAX_VERIFY_TOKENS
+from ..link.wire import PREFILL_BATCH_HEADER as PREFILL_HEADER
+from ..link.wire import PREFILL_BATCH_ROW
 from ..link.wire import REWIND_PAYLOAD as REWIND
 from ..link.wire import SESSION_CREATE_PAYLOAD as CREATE
 from ..link.wire import SESSION_DESTROY_PAYLOAD as DESTROY
 from ..link.wire import SYNC_HEADER
-from .compute import fill_cache, logits_hash, make_cache
+from .compute import PREFILL_STEP, fill_cache, logits_hash, make_cache
 from .prompt_cache import COPY, FRESH, MOVE
 
 F = tr.FrameType
@@ -34,6 +36,10 @@ F = tr.FrameType
 BATCH_ROW = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
 if BATCH_ROW.itemsize != EVAL_BATCH_ROW.size:
     raise ImportError(f"BATCH_ROW is {BATCH_ROW.itemsize} bytes, wire.EVAL_BATCH_ROW {EVAL_BATCH_ROW.size}")
+# The rows of a PREFILL_BATCH: the layout of wire.PREFILL_BATCH_ROW.
+PREFILL_ROW = np.dtype([("session", "<u8"), ("count", "<u4"), ("reserved", "<u4")])
+if PREFILL_ROW.itemsize != PREFILL_BATCH_ROW.size:
+    raise ImportError(f"PREFILL_ROW is {PREFILL_ROW.itemsize} bytes, wire.PREFILL_BATCH_ROW {PREFILL_BATCH_ROW.size}")
 
 
 def unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
@@ -46,6 +52,45 @@ def unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
 def pack_sync(session: int, tokens: Sequence[int]) -> bytes:
     """A SYNC payload: one prefill chunk of a session."""
     return SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def pack_prefill_batch(rows: Sequence[Tuple[int, Sequence[int]]]) -> bytes:
+    """A PREFILL_BATCH payload: one prefill chunk of each (session, tokens) row."""
+    items = np.zeros(len(rows), dtype=PREFILL_ROW)
+    items["session"] = [s for s, _ in rows]
+    items["count"] = [len(t) for _, t in rows]
+    tokens = b"".join(np.asarray(t, dtype="<i4").tobytes() for _, t in rows)
+    return PREFILL_HEADER.pack(len(rows), 0, 0) + items.tobytes() + tokens
+
+
+def unpack_prefill_batch(payload: bytes) -> Tuple[List[int], List[np.ndarray]]:
+    """A PREFILL_BATCH's sessions and their token chunks (views of the payload); FrameError
+    naming what is wrong, every count checked against the payload's size first."""
+    if len(payload) < PREFILL_HEADER.size:
+        raise tr.FrameError(f"PREFILL_BATCH payload of {len(payload)} bytes is shorter than its "
+                            f"{PREFILL_HEADER.size}-byte header")
+    count, _, _ = PREFILL_HEADER.unpack_from(payload)
+    if not 0 < count <= MAX_PREFILL_ROWS:
+        raise tr.FrameError(f"PREFILL_BATCH says {count} rows (1 to {MAX_PREFILL_ROWS})")
+    end = PREFILL_HEADER.size + count * PREFILL_ROW.itemsize
+    if len(payload) < end:
+        raise tr.FrameError(f"PREFILL_BATCH says {count} rows, but its {len(payload)} bytes cannot "
+                            f"hold their {count} x {PREFILL_ROW.itemsize}-byte entries")
+    items = np.frombuffer(payload, dtype=PREFILL_ROW, count=count, offset=PREFILL_HEADER.size)
+    counts = items["count"].astype(np.int64)
+    sessions = items["session"].tolist()
+    if counts.min() == 0:
+        row = int(np.argmin(counts))
+        raise tr.FrameError(f"PREFILL_BATCH row {row} (session {sessions[row]}) has 0 tokens "
+                            "(a prompt needs at least one token per row)")
+    total = int(counts.sum())
+    if total > MAX_TOKENS_PER_FRAME or len(payload) - end != 4 * total:
+        raise tr.FrameError(f"PREFILL_BATCH rows say {total} tokens (at most {MAX_TOKENS_PER_FRAME}), "
+                            f"but {len(payload) - end} bytes follow them ({4 * total} expected)")
+    if len(set(sessions)) != count:
+        raise tr.FrameError(f"PREFILL_BATCH names a session twice: {sessions}")
+    tokens = np.frombuffer(payload, dtype="<i4", offset=end)
+    return sessions, np.split(tokens, np.cumsum(counts)[:-1])
 
 
 def pack_batch(step: int, rows: Sequence[Tuple[int, int]]) -> bytes:
@@ -70,6 +115,7 @@ class SessionTable:
         self.step_count = 0
         self.ended = 0  # sessions destroyed: the prompts served
         self.last_logits: Optional[mx.array] = None
+        self._said_no_merge = False  # prefill_batch's fallback is logged once
         # Token ids index the embedding, which MLX does not bounds-check (an id past the table
         # reads other memory or crashes), so every id from the wire is checked here first.
         self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
@@ -96,6 +142,8 @@ class SessionTable:
                 raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)} "
                                     "(a prompt needs at least one token per SYNC)")
             self.prefill(session, tokens)
+        elif ftype == F.PREFILL_BATCH:
+            self.prefill_batch(*unpack_prefill_batch(payload))
         elif ftype == F.VERIFY:
             if len(payload) < SYNC_HEADER.size or (len(payload) - SYNC_HEADER.size) % 4:
                 raise tr.FrameError(f"VERIFY payload of {len(payload)} bytes is malformed")
@@ -162,6 +210,57 @@ class SessionTable:
         gates run (fill_cache)."""
         self._check_tokens(tokens)
         fill_cache(self.model, tokens.tolist(), self._session(session))
+
+    def prefill_batch(self, sessions: List[int], chunks: List[np.ndarray]) -> None:
+        """One prefill chunk of each of several sessions that are not decoding yet, in one padded
+        forward, as mlx-lm's PromptProcessingBatch.prompt processes prompts together: the
+        caches merged (left-padded to the longest history, so a reused cache joins as it is),
+        the chunks right-padded to the longest, prepare / forward / finalize (the right padding
+        rolled into left padding), then each row extracted back into its session's own cache,
+        so joining the decode batch, destroying and storing a cache are unchanged. One row is
+        prefill() itself, bit for bit; a cache family mlx-lm cannot merge runs the rows one
+        at a time (the same decision on both ranks: it depends on the model alone)."""
+        from mlx_lm.generate import _merge_caches, _right_pad_prompts
+
+        if len(set(sessions)) != len(sessions) or len(sessions) != len(chunks) or not sessions:
+            raise tr.FrameError(f"PREFILL_BATCH sessions {sessions} with {len(chunks)} chunks: "
+                                "each session once, one non-empty chunk each")
+        caches = [self._session(s) for s in sessions]
+        for tokens in chunks:
+            self._check_tokens(tokens)
+            if len(tokens) == 0:
+                raise tr.FrameError("PREFILL_BATCH carries an empty chunk")
+        batch = None
+        if len(sessions) > 1 and caches[0]:
+            try:
+                batch = _merge_caches(caches)
+            except ValueError as exc:
+                if not self._said_no_merge:
+                    tr.log(f"prefill: prompts are prefilled one at a time ({exc})")
+                    self._said_no_merge = True
+        if batch is None:
+            for tokens, cache in zip(chunks, caches):
+                fill_cache(self.model, tokens.tolist(), cache)
+            return
+        lengths = [len(t) for t in chunks]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        tokens = _right_pad_prompts([t.tolist() for t in chunks], max_length=longest)
+        if max(padding):
+            for c in batch:
+                c.prepare(lengths=lengths, right_padding=padding)
+        # Chunked as fill_cache is, so the attention scores never outgrow one chunk's; the
+        # finalize joins the last chunk's evaluation (it moves cache entries, no gates).
+        for start in range(0, longest, PREFILL_STEP):
+            self.model(tokens[:, start:start + PREFILL_STEP], cache=batch)
+            if start + PREFILL_STEP >= longest and max(padding):
+                for c in batch:
+                    c.finalize()
+            mx.eval([c.state for c in batch])
+        for i, session in enumerate(sessions):
+            self.sessions[session] = [c.extract(i) for c in batch]
+        # The rows' own copies now, so the padded batch's memory goes before the next forward.
+        mx.eval([c.state for s in sessions for c in self.sessions[s]])
 
     def verify(self, session: int, tokens: np.ndarray) -> mx.array:
         """One forward of a session that is not in the batch over `tokens` (its input token,

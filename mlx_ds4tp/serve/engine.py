@@ -4,11 +4,15 @@ One thread owns the model and the control channel. HTTP threads hand it requests
 events back from a queue per request. Each turn of its loop:
   1. admits waiting requests: looks up the longest stored prefix (prompt_cache), creates the
      session on both ranks from that cache, trimmed where the leader says;
-  2. prefills one chunk (`prefill_step` tokens) of the oldest session still prefilling, so a
-     long prompt delays the running sessions by one chunk per step, not by its whole length;
+  2. prefills one chunk (`prefill_step` tokens) of each of the oldest sessions still
+     prefilling (up to `prompt_concurrency`) in one padded forward (PREFILL_BATCH), so prompts
+     that arrive together are prefilled together, and a long prompt delays the running
+     sessions by one chunk per step, not by its whole length;
   3. runs one decode step over the rows of every running session plus the sessions whose
      prefill is done (they join the batch), samples each row, streams the text out;
   4. ends finished and abandoned sessions on both ranks, storing their caches for reuse.
+When the pair goes down, every session fails with it; `resume` serves again over a pair
+joined anew (serve.pair takes a restarted worker back).
 As in mlx_lm.generate, a prompt's last token is the first decode input: the prefill covers
 the others, so each session's tokens are what mlx-lm generates for it alone.
 """
@@ -106,13 +110,19 @@ class Engine:
 
     def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
                  prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0,
-                 kv_budget: int = 0, max_queued: int = 64):
+                 kv_budget: int = 0, max_queued: int = 64, prompt_concurrency: int = 8):
         from mlx_lm.models.cache import can_trim_prompt_cache
+
+        from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.prefill_step = prefill_step
         self.max_batch = max_batch
+        # Prompts prefilled together in one padded forward (mlx_lm.server's --prompt-concurrency),
+        # within what one PREFILL_BATCH frame may carry.
+        self.prompt_concurrency = max(1, min(prompt_concurrency, MAX_PREFILL_ROWS))
+        self._frame_tokens = MAX_TOKENS_PER_FRAME
         self.debug_hash = debug_hash
         self.index = PromptCacheIndex(prompt_cache_size,
                                       can_trim_prompt_cache(sessions.table.make_cache()))
@@ -130,10 +140,11 @@ class Engine:
         self._running: List[_Session] = []
         self._lock = threading.Lock()
         self._error: Optional[str] = None
+        self._down = threading.Event()  # set while the pair is down (see resume)
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self.stats = {"requests": 0, "prefilled_tokens": 0, "cached_tokens": 0, "decode_steps": 0,
-                      "generated_tokens": 0}
+                      "generated_tokens": 0, "prefill_batches": 0, "prefill_batch_rows": 0}
 
     # -- the HTTP threads' side ---------------------------------------------
     @property
@@ -256,12 +267,26 @@ class Engine:
         (self._prefilling if session.todo else self._ready).append(session)
 
     def _prefill_chunk(self) -> None:
-        session = self._prefilling[0]
-        chunk, session.todo = session.todo[: self.prefill_step], session.todo[self.prefill_step:]
-        self.sessions.prefill(session.sid, chunk)
-        self.stats["prefilled_tokens"] += len(chunk)
-        if not session.todo:
-            self._ready.append(self._prefilling.pop(0))
+        """One chunk of each of the oldest prefilling sessions (up to prompt_concurrency), in one
+        padded forward on both ranks: prompts that arrive together cost one forward per chunk,
+        not one each, and the running sessions still wait only one chunk's time per step."""
+        step = min(self.prefill_step, self._frame_tokens)
+        rows, total = [], 0
+        for session in self._prefilling[: self.prompt_concurrency]:
+            chunk = session.todo[:step]
+            if rows and total + len(chunk) > self._frame_tokens:
+                break  # the rest wait for the next forward rather than overflow one frame
+            rows.append((session, chunk))
+            total += len(chunk)
+        self.sessions.prefill_batch([(session.sid, chunk) for session, chunk in rows])
+        self.stats["prefilled_tokens"] += total
+        self.stats["prefill_batches"] += 1
+        self.stats["prefill_batch_rows"] = max(self.stats["prefill_batch_rows"], len(rows))
+        for session, chunk in rows:
+            session.todo = session.todo[len(chunk):]
+            if not session.todo:
+                self._prefilling.remove(session)
+                self._ready.append(session)
 
     def _decode_step(self) -> None:
         room = self.max_batch - len(self._running)
@@ -341,9 +366,36 @@ class Engine:
                 self._reserved -= session.reserved
                 self.sessions.destroy(session.sid, 0)
 
+    def wait_down(self, timeout: float) -> bool:
+        """True once the pair is down and the loop has ended (a worker may then rejoin)."""
+        if not self._down.wait(timeout):
+            return False
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
+    def resume(self, sessions: LeaderSessions) -> None:
+        """Serve again over a pair joined anew (a worker restarted and rejoined): the sessions
+        that were under way have already failed with the pair, and the stored prompt caches
+        went with the old worker, so both ranks start from empty tables and the index of
+        stored prompts starts empty too."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        if not self.wait_down(0):
+            raise RuntimeError("resume() is for a server whose pair is down; this one is up")
+        self.sessions = sessions
+        self.index = PromptCacheIndex(self.index.max_size,
+                                      can_trim_prompt_cache(sessions.table.make_cache()))
+        self._reserved = 0
+        with self._lock:
+            self._error = None
+            self._down.clear()
+        self.start()
+
     def _fail(self, message: str) -> None:
         with self._lock:
             self._error = message
+            self._down.set()
         tr.log(f"serve: the pair is down: {message}")
         self.sessions.abort(message)
         sessions = self._prefilling + self._ready + self._running

@@ -66,8 +66,9 @@ class ServeState:
 
 def unavailable(reason: str) -> ApiError:
     """The 503 every request gets once the pair is down."""
-    return ApiError(503, f"the two-machine pair is down ({reason}); restart `ds4tp serve` on both "
-                    "machines", None, "pair_unavailable", "server_error")
+    return ApiError(503, f"the two-machine pair is down ({reason}); start the worker's `ds4tp serve` "
+                    "again (the leader takes it back, no restart needed) and retry",
+                    None, "pair_unavailable", "server_error")
 
 
 class Handler(OtherApis, BaseHTTPRequestHandler):

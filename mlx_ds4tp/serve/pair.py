@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -47,27 +48,27 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
     from ..model_split import load_split
     from .http import ServeState
     from .engine import Engine
-    from ..lockstep.sessions import LeaderSessions, serve_worker
+    from ..lockstep.sessions import LeaderSessions
 
     leader = server is not None
-    group = gate_ops.init(role=address.role, listen=address.listen,
-                          coordinator=address.coordinator, transport=args.transport,
-                          rdma_device=args.rdma_device, gid_index=args.rdma_gid_index,
-                          secret=args.secret, identity=identity)
+    # The same arguments join the pair again when the peer comes back (gate_ops.reconnect).
+    join = dict(role=address.role, listen=address.listen, coordinator=address.coordinator,
+                transport=args.transport, rdma_device=args.rdma_device,
+                gid_index=args.rdma_gid_index, secret=args.secret, identity=identity)
+    rejoin = getattr(args, "rejoin", False)
+    group = _join_first(join) if rejoin else gate_ops.init(**join)
     with group:
         t0 = time.perf_counter()
         model, tokenizer = load_split(str(model_path), group, progress=LoadingBar())
         tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if not leader:
-            table = serve_worker(group, model)  # tells the leader why if it fails
-            tr.log(f"worker done after {table.step_count} decode steps: the leader said stop")
-            return 0
+            return _worker(group, model, join, rejoin=rejoin)
         config = json.loads((model_path / "config.json").read_text())
         engine = Engine(LeaderSessions(group, model), tokenizer,
                         prompt_cache_size=args.prompt_cache_size,
                         prefill_step=args.prefill_step_size, max_batch=args.max_batch,
                         debug_hash=args.debug_hash, kv_budget=args.max_kv_tokens,
-                        max_queued=args.max_queued)
+                        max_queued=args.max_queued, prompt_concurrency=args.prompt_concurrency)
         # Requests may name the short id, or the model as --model gave it (or its directory).
         state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
                            aliases=(args.model, str(model_path)),
@@ -77,6 +78,8 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
                            keepalive_sec=args.keepalive_sec)
         server.RequestHandlerClass.state = state
         engine.start()
+        threading.Thread(target=_take_back_workers, args=(engine, group, model, join),
+                         name="ds4tp-rejoin", daemon=True).start()
         tr.log(f"serving {args.served_model_name} ({model_path}) on "
                f"http://{args.host}:{server.server_address[1]}/v1 (transport {group.transport})")
         # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
@@ -88,6 +91,76 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
         finally:
             engine.stop()
     return 0
+
+
+def _take_back_workers(engine, group: gate_ops.Group, model, join: Dict[str, Any]) -> None:
+    """The leader's side of a worker that comes back: whenever the pair goes down (the worker
+    died, the link dropped), keep serving HTTP (503 and /health 503 meanwhile), listen again on
+    the pair's address, and resume serving once a worker with the same model fingerprint and
+    secret has joined. A daemon thread: Ctrl-C on the leader ends it with the process."""
+    from ..lockstep.sessions import LeaderSessions
+
+    host, port = join["listen"]
+    while True:
+        while not engine.wait_down(1.0):
+            pass
+        tr.log(f"serve: HTTP answers 503 until a worker joins again on {host}:{port} (start "
+               "`ds4tp serve --role worker` again, with the same --model and secret)")
+        while True:
+            try:
+                gate_ops.reconnect(group, **join)
+                break
+            except tr.TransportTimeoutError:
+                continue  # nobody came within the connect timeout: keep listening
+            except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
+                tr.log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
+                time.sleep(0.5)
+        engine.resume(LeaderSessions(group, model))
+        tr.log(f"serve: a worker rejoined (transport {group.transport}); serving again")
+
+
+def _join_first(join: Dict[str, Any]) -> gate_ops.Group:
+    """A --rejoin worker's first join: it waits for its leader however long that takes (a
+    supervisor may start it first), as it does for every later one."""
+    while True:
+        try:
+            return gate_ops.init(**join)
+        except (tr.HelloMismatchError, tr.AuthenticationError):
+            raise
+        except tr.TransportError as exc:
+            tr.log(f"serve: no leader yet ({exc}); still waiting (--rejoin)")
+            time.sleep(0.5)
+
+
+def _worker(group: gate_ops.Group, model, join: Dict[str, Any], rejoin: bool) -> int:
+    """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
+    dies it waits for a leader on the same address and serves it (the same checks as a first
+    join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
+    from ..lockstep.sessions import serve_worker
+
+    host, port = join["coordinator"]
+    while True:
+        try:
+            table = serve_worker(group, model)  # tells the leader why if it fails
+            tr.log(f"worker done after {table.step_count} decode steps: the leader said stop")
+            if not rejoin:
+                return 0
+        except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
+            if not rejoin:
+                raise tr.TransportError(f"{exc}; the worker stops (run it with --rejoin to wait "
+                                        "for a leader instead)") from None
+            tr.log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
+        group.close()
+        tr.log(f"serve: waiting for a leader at {host}:{port} (--rejoin) ...")
+        while True:
+            try:
+                gate_ops.reconnect(group, **join)
+                break
+            except (tr.HelloMismatchError, tr.AuthenticationError):
+                raise  # another model or another secret: waiting would not change it
+            except tr.TransportError:
+                time.sleep(0.5)  # no leader yet (or one that went away during the join)
+        tr.log(f"serve: joined a leader again (transport {group.transport})")
 
 
 def _interrupt(signum: int, frame: Any) -> None:
