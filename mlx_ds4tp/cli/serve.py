@@ -56,6 +56,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a streamed answer that has not started after SEC seconds (a long prefill, "
                         "a full batch) starts with its status line and an SSE comment, repeated "
                         "every SEC seconds, so proxies and clients do not time out (default 10)")
+    p.add_argument("--kv-bits", type=int, default=0, metavar="BITS",
+                   help="leader: quantize the KV caches to BITS (mlx-lm's QuantizedKVCache: 2, 3, 4, 5, "
+                        "6 or 8; default 0: float); batching stays on (the leader tells the worker)")
+    p.add_argument("--kv-group-size", type=int, default=64, metavar="N",
+                   help="leader: the KV quantization's group size (32, 64 or 128; default 64, "
+                        "mlx-lm's); the model's head size must be a multiple of it")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=0, metavar="SIZE",
+                   help="leader: most bytes the stored prompt caches take on each machine, e.g. 4GB "
+                        "or 512MB (least recently used dropped first; default 0: bounded by "
+                        "--prompt-cache-size only)")
     p.add_argument("--rejoin", action="store_true",
                    help="worker: when the leader stops or dies, wait for a leader on the same "
                         "address and serve it, instead of exiting (the leader always takes a "
@@ -71,6 +81,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
                 "Both ranks take the same --model.")
 
 
+def _size(text: str) -> int:
+    """A byte count as mlx_lm.server takes it: 123, 1.5GB, 512MB, 2G, 800M (powers of ten)."""
+    units = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+    number = text.strip().rstrip("bB") if text.strip().upper().endswith(("KB", "MB", "GB")) else text.strip()
+    digits = number.rstrip("kKmMgG")
+    unit = number[len(digits):].upper()
+    try:
+        value = float(digits) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with "
+                                         "KB, MB or GB (e.g. 4GB)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be >= 0")
+    return int(value)
+
+
 def main(args: argparse.Namespace) -> int:
     """Check the flags once, then run this rank of `ds4tp serve`."""
     from ..serve import pair as serve_pair
@@ -82,6 +108,14 @@ def main(args: argparse.Namespace) -> int:
                              ("--prompt-cache-size", args.prompt_cache_size, 0),
                              ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens, 0), ("--max-queued", args.max_queued, 1)))
+    from ..lockstep.table import KV_BITS, KV_GROUP_SIZES
+
+    if args.kv_bits and args.kv_bits not in KV_BITS:
+        raise SystemExit(f"ds4tp serve: --kv-bits {args.kv_bits}: give one of "
+                         f"{', '.join(map(str, KV_BITS))} (or 0 for a float cache)")
+    if args.kv_group_size not in KV_GROUP_SIZES:
+        raise SystemExit(f"ds4tp serve: --kv-group-size {args.kv_group_size}: give one of "
+                         f"{', '.join(map(str, KV_GROUP_SIZES))}")
     if args.rejoin and address.role != "worker":
         raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
                          "takes a restarted worker back")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 # How a session starts from a stored cache (the values travel in SESSION_CREATE).
 FRESH, MOVE, COPY = 0, 1, 2
@@ -38,12 +38,18 @@ class Reuse:
 class PromptCacheIndex:
     """A bounded LRU of stored prompt caches keyed by their tokens."""
 
-    def __init__(self, max_size: int = 10, trimmable: bool = True):
+    def __init__(self, max_size: int = 10, trimmable: bool = True, max_bytes: int = 0):
         from mlx_lm.models.cache import PromptTrie
 
         if max_size < 0:
             raise ValueError(f"prompt cache size {max_size} must be >= 0 (0 disables reuse)")
+        if max_bytes < 0:
+            raise ValueError(f"prompt cache bytes {max_bytes} must be >= 0 (0: no bound)")
         self.max_size = max_size
+        # Stored caches' bytes (each rank's own: both hold the same share), bounded by
+        # max_bytes (0: only max_size bounds them).
+        self.max_bytes = max_bytes
+        self._bytes: Dict[int, int] = {}
         self.trimmable = trimmable
         self._trie = PromptTrie()
         self._lru: "OrderedDict[int, Tuple[int, ...]]" = OrderedDict()
@@ -79,6 +85,7 @@ class PromptCacheIndex:
         if mode == MOVE:
             self._trie.pop(_MODEL, list(key))
             del self._lru[cache_id]
+            self._bytes.pop(cache_id, None)
         else:
             self._lru.move_to_end(cache_id)
         return Reuse(cache_id=cache_id, mode=mode, keep=keep, stored_len=len(key))
@@ -103,10 +110,32 @@ class PromptCacheIndex:
                 del self._lru[prefix_id]
                 evicted.append(prefix_id)
         while len(self._lru) > self.max_size:
-            old_id, old_key = self._lru.popitem(last=False)
-            self._trie.pop(_MODEL, list(old_key))
-            evicted.append(old_id)
+            evicted.append(self._evict_oldest())
+        for gone in evicted:
+            self._bytes.pop(gone, None)
         return cache_id, evicted
+
+    def charge(self, cache_id: int, nbytes: int) -> List[int]:
+        """Record a stored cache's size; the ids evicted (least recently used first, the new
+        one too if it alone is past max_bytes) to keep all within max_bytes."""
+        if cache_id not in self._lru:
+            return []
+        self._bytes[cache_id] = nbytes
+        evicted: List[int] = []
+        while self.max_bytes and self.nbytes() > self.max_bytes and self._lru:
+            gone = self._evict_oldest()
+            self._bytes.pop(gone, None)
+            evicted.append(gone)
+        return evicted
+
+    def nbytes(self) -> int:
+        """Bytes the stored caches take (as charged)."""
+        return sum(self._bytes.get(i, 0) for i in self._lru)
+
+    def _evict_oldest(self) -> int:
+        old_id, old_key = self._lru.popitem(last=False)
+        self._trie.pop(_MODEL, list(old_key))
+        return old_id
 
     def ids(self) -> List[int]:
         """The stored ids, least recently used first."""

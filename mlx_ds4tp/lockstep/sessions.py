@@ -7,7 +7,8 @@ and the leader applies every command it sends to its own table in the same order
 tables stay identical and every forward pairs its gates with the peer's. Commands (control
 frames, their layouts in link.wire):
 
-  SESSION_CREATE  session id, stored cache id, FRESH | MOVE | COPY   a session's cache
+  SESSION_CREATE  session id, stored cache id, FRESH | MOVE | COPY,  a session's cache
+                  KV quantization (bits, group size) of a fresh one
   REWIND          session id, tokens to keep                          trim a reused cache
   SYNC            session id, tokens                                  prefill a chunk (batch of 1)
   PREFILL_BATCH   (session id, tokens) per row                        one prefill chunk of each row,
@@ -90,9 +91,9 @@ class LeaderSessions:
                 raise TransportError(f"{exc}; the worker reported: {reason}") from None
             raise
 
-    def create(self, session: int, cache_id: int = 0, mode: int = FRESH) -> None:
-        """SESSION_CREATE on both ranks."""
-        self._command(F.SESSION_CREATE, CREATE.pack(session, cache_id, mode, 0))
+    def create(self, session: int, cache_id: int = 0, mode: int = FRESH, kv: int = 0) -> None:
+        """SESSION_CREATE on both ranks; kv: a fresh cache's quantization (table.kv_code)."""
+        self._command(F.SESSION_CREATE, CREATE.pack(session, cache_id, mode, kv))
 
     def rewind(self, session: int, keep: int) -> None:
         """REWIND on both ranks."""
@@ -127,6 +128,18 @@ class LeaderSessions:
         when they differ (the worker stops with it too)."""
         step, mine = self.table.step_count, self.table.logits_hash()
         self.control.send(F.HASH, HASH.pack(0, step, mine))
+        _, payload = self.control.recv(F.HASH)
+        _, peer_step, theirs = unpack(HASH, payload, F.HASH)
+        check_in_step(step, mine, peer_step, theirs, "worker")
+
+    def wait_ready(self, poll_sec: float = 1.0) -> None:
+        """Block until the worker runs its command loop: it joins first and loads its weights
+        after, which may take minutes, so the wait has no deadline while its connection stays
+        open (one HASH round trip); TransportError when it closes or reports a failure."""
+        step, mine = self.table.step_count, self.table.logits_hash()
+        self.control.send(F.HASH, HASH.pack(0, step, mine))
+        while not select.select([self.control.sock], [], [], poll_sec)[0]:
+            pass
         _, payload = self.control.recv(F.HASH)
         _, peer_step, theirs = unpack(HASH, payload, F.HASH)
         check_in_step(step, mine, peer_step, theirs, "worker")

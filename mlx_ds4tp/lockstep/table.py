@@ -101,6 +101,26 @@ def pack_batch(step: int, rows: Sequence[Tuple[int, int]]) -> bytes:
     return BATCH_HEADER.pack(step, len(rows), 0) + items.tobytes()
 
 
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def kv_code(bits: int, group_size: int) -> int:
+    """SESSION_CREATE's KV field: 0 for a float cache, else bits | group_size << 8."""
+    return 0 if not bits else bits | group_size << 8
+
+
+def kv_of_code(code: int) -> Tuple[int, int]:
+    """(bits, group size) of a SESSION_CREATE KV field; FrameError when it names neither."""
+    if code == 0:
+        return 0, 0
+    bits, group_size = code & 0xFF, code >> 8
+    if bits not in KV_BITS or group_size not in KV_GROUP_SIZES:
+        raise tr.FrameError(f"SESSION_CREATE asks for a KV cache of {bits} bits in groups of "
+                            f"{group_size} (bits {KV_BITS}, groups {KV_GROUP_SIZES})")
+    return bits, group_size
+
+
 class SessionTable:
     """The sessions, stored caches and decode batch of one rank; see the module docstring."""
 
@@ -129,7 +149,7 @@ class SessionTable:
     def apply(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Execute one command; EVAL_BATCH returns the rows' logits [rows, vocab]."""
         if ftype == F.SESSION_CREATE:
-            self.create(*unpack(CREATE, payload, ftype)[:3])
+            self.create(*unpack(CREATE, payload, ftype))
         elif ftype == F.REWIND:
             session, keep, _ = unpack(REWIND, payload, ftype)
             self.rewind(session, keep)
@@ -176,12 +196,19 @@ class SessionTable:
             raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
         return None
 
-    def create(self, session: int, cache_id: int, mode: int) -> None:
-        """A new session: a fresh cache, or stored cache `cache_id` moved or copied."""
+    def create(self, session: int, cache_id: int, mode: int, kv: int = 0) -> None:
+        """A new session: a fresh cache (its KV quantized as `kv` says, kv_code), or stored
+        cache `cache_id` moved or copied (quantized as it was made)."""
         if session in self.sessions or session in self.rows:
             raise tr.FrameError(f"SESSION_CREATE for session {session}, which already exists")
         if mode == FRESH:
-            self.sessions[session] = self.make_cache()
+            bits, group_size = kv_of_code(kv)
+            cache = self.make_cache()
+            if bits:
+                from .quantized_cache import quantize_session_cache
+
+                cache = quantize_session_cache(cache, bits, group_size)
+            self.sessions[session] = cache
             return
         if cache_id not in self.stored:
             raise tr.FrameError(f"SESSION_CREATE reuses stored cache {cache_id}, which does not exist")
@@ -346,6 +373,10 @@ class SessionTable:
             if store_as in self.stored:
                 raise tr.FrameError(f"SESSION_DESTROY stores under cache id {store_as}, already taken")
             self.stored[store_as] = cache
+
+    def stored_bytes(self, cache_id: int) -> int:
+        """Bytes a stored cache's arrays take on this rank."""
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in self.stored.get(cache_id, ()))
 
     def _session(self, session: int) -> list:
         cache = self.sessions.get(session)

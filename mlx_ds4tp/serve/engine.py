@@ -31,6 +31,7 @@ from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex, Reuse
 from ..lockstep.sampling import SamplingOptions, SessionSampler, logprob_item, sample_rows
 from ..lockstep.sessions import LeaderSessions
+from ..lockstep.table import kv_code
 
 IDLE_POLL_SEC = 0.25
 
@@ -110,7 +111,8 @@ class Engine:
 
     def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
                  prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0,
-                 kv_budget: int = 0, max_queued: int = 64, prompt_concurrency: int = 8):
+                 kv_budget: int = 0, max_queued: int = 64, prompt_concurrency: int = 8,
+                 kv_bits: int = 0, kv_group_size: int = 64, prompt_cache_bytes: int = 0):
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
@@ -125,7 +127,11 @@ class Engine:
         self._frame_tokens = MAX_TOKENS_PER_FRAME
         self.debug_hash = debug_hash
         self.index = PromptCacheIndex(prompt_cache_size,
-                                      can_trim_prompt_cache(sessions.table.make_cache()))
+                                      can_trim_prompt_cache(sessions.table.make_cache()),
+                                      prompt_cache_bytes)
+        # Every fresh session's cache is quantized so (0: float): the same for all, so that
+        # sessions merge into one decode batch.
+        self.kv = kv_code(kv_bits, kv_group_size)
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         # Memory-bounded admission: a session starts only while the tokens reserved by the
@@ -144,7 +150,8 @@ class Engine:
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self.stats = {"requests": 0, "prefilled_tokens": 0, "cached_tokens": 0, "decode_steps": 0,
-                      "generated_tokens": 0, "prefill_batches": 0, "prefill_batch_rows": 0}
+                      "generated_tokens": 0, "prefill_batches": 0, "prefill_batch_rows": 0,
+                      "decode_batch_rows": 0}
 
     # -- the HTTP threads' side ---------------------------------------------
     @property
@@ -160,7 +167,8 @@ class Engine:
         """Sessions prefilling, waiting to join the batch, decoding (for /health)."""
         return {"prefilling": len(self._prefilling), "waiting": len(self._ready),
                 "decoding": len(self._running), "queued": self.queued(),
-                "kv_reserved_tokens": self._reserved, "kv_budget_tokens": self.kv_budget}
+                "kv_reserved_tokens": self._reserved, "kv_budget_tokens": self.kv_budget,
+                "prompt_cache_entries": len(self.index), "prompt_cache_bytes": self.index.nbytes()}
 
     def queued(self) -> int:
         """Requests submitted and not started yet (waiting for room in the KV budget)."""
@@ -257,7 +265,7 @@ class Engine:
     def _start(self, request: Request) -> None:
         sid = next(self._ids)
         reuse = self.index.lookup(request.prompt)
-        self.sessions.create(sid, reuse.cache_id, reuse.mode)
+        self.sessions.create(sid, reuse.cache_id, reuse.mode, self.kv)
         if reuse.needs_rewind:
             self.sessions.rewind(sid, reuse.keep)
         request.cached_tokens = reuse.keep
@@ -297,6 +305,7 @@ class Engine:
             # Prompt tokens are computed once each: the last one is the first decode input.
             self.stats["prefilled_tokens"] += len(joining)
         self.stats["decode_steps"] += 1
+        self.stats["decode_batch_rows"] = max(self.stats["decode_batch_rows"], len(rows))
         if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
             self.sessions.check_hash()
         errors: Dict[int, str] = {}
@@ -352,6 +361,8 @@ class Engine:
         # The cache holds every token fed in: the prompt and all but the last sampled one.
         cache_id, evicted = self.index.insert(request.prompt + session.generated[:-1])
         self.sessions.destroy(session.sid, cache_id)
+        if cache_id:
+            evicted += self.index.charge(cache_id, self.sessions.table.stored_bytes(cache_id))
         for old in evicted:
             self.sessions.invalidate(old)
         tail = session.text.finish() if flush else ""
@@ -385,7 +396,8 @@ class Engine:
             raise RuntimeError("resume() is for a server whose pair is down; this one is up")
         self.sessions = sessions
         self.index = PromptCacheIndex(self.index.max_size,
-                                      can_trim_prompt_cache(sessions.table.make_cache()))
+                                      can_trim_prompt_cache(sessions.table.make_cache()),
+                                      self.index.max_bytes)
         self._reserved = 0
         with self._lock:
             self._error = None

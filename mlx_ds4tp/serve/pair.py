@@ -28,6 +28,37 @@ def context_length(model: Any, config: Dict[str, Any]) -> int:
     return 1 << 20
 
 
+def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
+    """Refuse --kv-bits for a model it would fail on at its first request (SystemExit naming
+    why), and log the layers it leaves in float."""
+    from ..lockstep.compute import make_cache
+    from ..lockstep.quantized_cache import describe_unquantizable, quantize_session_cache
+
+    cache = make_cache(model)
+    quantized = quantize_session_cache(cache, bits, group_size)
+    if all(q is c for q, c in zip(quantized, cache)):
+        raise SystemExit(f"ds4tp serve: --kv-bits {bits}: this model has no plain KV cache layer "
+                         "to quantize; serve it without --kv-bits")
+    note = describe_unquantizable(cache)
+    if note:
+        tr.log(f"serve: {note}")
+    # mlx-lm's quantized attention has no attention sinks (gpt-oss), and mx.quantize needs the
+    # head size to be a multiple of the group: both would fail a request, not the start.
+    if any("sinks" in m for _, m in model.named_modules()):
+        raise SystemExit(f"ds4tp serve: --kv-bits {bits}: this model's attention uses sinks, "
+                         "which mlx-lm's quantized attention does not support; serve it without --kv-bits")
+    margs = getattr(model, "args", None)
+    dims = {getattr(margs, name, None) for name in ("head_dim", "v_head_dim")} - {None}
+    if not dims and getattr(margs, "num_attention_heads", 0):
+        dims = {margs.hidden_size // margs.num_attention_heads}
+    fits = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+    if group_size not in fits:
+        advice = (f"give --kv-group-size {fits[-1]}" if fits else "no group size fits it") + \
+            " or serve without --kv-bits"
+        raise SystemExit(f"ds4tp serve: --kv-group-size {group_size}: the model's head size "
+                         f"{sorted(dims)} is not a multiple of it; {advice}")
+
+
 def run(args, address: PairAddress, model_path: Path, sampling: SamplingOptions) -> int:
     """One rank of `ds4tp serve` (cli.serve checked the flags and made address, model_path,
     sampling and args.served_model_name); returns the exit code."""
@@ -64,11 +95,15 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
         if not leader:
             return _worker(group, model, join, rejoin=rejoin)
         config = json.loads((model_path / "config.json").read_text())
+        if args.kv_bits:
+            check_kv_quantization(model, args.kv_bits, args.kv_group_size)
         engine = Engine(LeaderSessions(group, model), tokenizer,
                         prompt_cache_size=args.prompt_cache_size,
                         prefill_step=args.prefill_step_size, max_batch=args.max_batch,
                         debug_hash=args.debug_hash, kv_budget=args.max_kv_tokens,
-                        max_queued=args.max_queued, prompt_concurrency=args.prompt_concurrency)
+                        max_queued=args.max_queued, prompt_concurrency=args.prompt_concurrency,
+                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                        prompt_cache_bytes=args.prompt_cache_bytes)
         # Requests may name the short id, or the model as --model gave it (or its directory).
         state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
                            aliases=(args.model, str(model_path)),
@@ -77,6 +112,7 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
                            default_max_tokens=args.max_tokens, defaults=sampling,
                            keepalive_sec=args.keepalive_sec)
         server.RequestHandlerClass.state = state
+        engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
         engine.start()
         threading.Thread(target=_take_back_workers, args=(engine, group, model, join),
                          name="ds4tp-rejoin", daemon=True).start()
@@ -115,7 +151,14 @@ def _take_back_workers(engine, group: gate_ops.Group, model, join: Dict[str, Any
             except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
                 tr.log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
                 time.sleep(0.5)
-        engine.resume(LeaderSessions(group, model))
+        sessions = LeaderSessions(group, model)
+        try:
+            sessions.wait_ready()  # the worker loads its weights after joining
+        except Exception as exc:  # noqa: BLE001 - it died loading: listen again
+            tr.log(f"serve: the worker joined but failed before serving: {exc}")
+            group.close()
+            continue
+        engine.resume(sessions)
         tr.log(f"serve: a worker rejoined (transport {group.transport}); serving again")
 
 
