@@ -38,7 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                    help="--draft-model / --prompt-lookup: tokens drafted a round (default 3)")
     p.add_argument("--max-tokens", type=int, default=64,
-                   help="decode length for --model and --serve (default 64)")
+                   help="decode length for --model and --serve; --soak: the most a request asks "
+                        "for, each drawing 1..N (default 64)")
     p.add_argument("--prompt-tokens", type=int, default=512,
                    help="prompt length for --model: prompt processing (prefill) is timed too (default 512)")
     p.add_argument("--rounds", type=int, default=3,
@@ -52,6 +53,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, metavar="http://HOST:PORT",
                    help="--serve: measure this running `ds4tp serve` instead of starting one")
     p.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
+    _add_soak_args(p)
     add_pair_args(p, ROLE_HELP, "verbs device (e.g. rdma_en1) or 'ucsim'; default: 'ucsim' with "
                   "both ranks here, the first device with an active port with --role")
 
@@ -71,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
                          "--serve run both ranks here")
     if args.url and not args.serve:
         raise SystemExit("ds4tp bench: --url needs --serve")
+    if (args.soak or args.restart_worker or args.client_counts) and not args.serve:
+        raise SystemExit("ds4tp bench: --soak, --restart-worker and --client-counts need --serve")
     if args.plot and (args.serve or args.model or address is not None):
         raise SystemExit("ds4tp bench: --plot draws the gate bench run with both ranks here "
                          "(no --model, --serve or --role)")
@@ -118,9 +122,77 @@ def _serve(args: argparse.Namespace) -> int:
     from ..bench import serve as serve_bench
     from .model_arg import model_path
 
+    if args.soak or args.restart_worker or args.client_counts:
+        return _soak(args)
     check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1)))
     transport = "tcp" if args.transport in ("all", "auto") else args.transport
     device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
     model = model_path(args.model) if args.model and not args.url else None
     return serve_bench.serve_report(args.url, model, transport, device, args.max_tokens,
                                     args.rounds, args.api_key, args.json)
+
+
+def _add_soak_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                   help="--serve: a load run of SECONDS against the pair (or --url on this "
+                        "machine): --clients looping over greedy streamed completions checked "
+                        "against mlx-lm, some cancelled mid-stream, some bad requests that must get a "
+                        "4xx; exit status 1 when anything failed")
+    p.add_argument("--clients", type=int, default=32, help="--soak: concurrent clients (default 32)")
+    p.add_argument("--cancel-share", type=float, default=0.10, metavar="P",
+                   help="--soak: share of requests closed mid-stream (default 0.10)")
+    p.add_argument("--bad-share", type=float, default=0.05, metavar="P",
+                   help="--soak: share of bad requests, each must get a 4xx (default 0.05)")
+    p.add_argument("--restart-worker", action="store_true",
+                   help="--soak: SIGKILL the worker at mid-run, start it again, time the outage "
+                        "(not with --url)")
+    p.add_argument("--seed", type=int, default=0, help="--soak: seed of the requests drawn (default 0)")
+    p.add_argument("--variants", type=int, default=16, metavar="N",
+                   help="--soak: distinct (prompt, max_tokens) drawn from, each checked against one "
+                        "mlx-lm reference (default 16)")
+    p.add_argument("--request-timeout", type=float, default=120.0, metavar="SEC",
+                   help="--soak: a request not done after SEC is hung, a failure (default 120)")
+    p.add_argument("--context-length", type=int, default=0, metavar="N",
+                   help="--soak: prompts reach up to N tokens with their answer (default: the "
+                        "server's context, from the model's config)")
+    p.add_argument("--client-counts", default=None, metavar="1,4,8,32",
+                   help="--soak: also the tok/s of this many clients against the pair and against "
+                        "mlx_lm.server on the same model (--rounds each)")
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from ..bench import soak, soak_pair
+    from .model_arg import model_path
+
+    if not args.soak:
+        raise SystemExit("ds4tp bench: --restart-worker and --client-counts go with --soak SECONDS")
+    if args.url and args.restart_worker:
+        raise SystemExit("ds4tp bench: --restart-worker restarts a worker the bench started; not with --url")
+    if args.url and not args.model:
+        raise SystemExit("ds4tp bench: --soak --url needs --model, the served model, for mlx-lm's "
+                         "reference answers")
+    if not args.soak > 0 or not 0 <= args.cancel_share <= 1 or not 0 <= args.bad_share <= 1 \
+            or args.cancel_share + args.bad_share > 1 or not args.request_timeout > 0:
+        raise SystemExit("ds4tp bench: --soak and --request-timeout must be positive, --cancel-share "
+                         "and --bad-share shares in [0, 1] adding up to at most 1")
+    try:
+        counts = [int(c) for c in args.client_counts.split(",")] if args.client_counts else []
+    except ValueError:
+        raise SystemExit(f"ds4tp bench: --client-counts {args.client_counts}: give counts like 1,4,8,32") from None
+    check_at_least("bench", (("--clients", args.clients, 1), ("--max-tokens", args.max_tokens, 1),
+                             ("--variants", args.variants, 1), ("--rounds", args.rounds, 1),
+                             ("--context-length", args.context_length, 0),
+                             *(("--client-counts", c, 1) for c in counts)))
+    transport = "tcp" if args.transport in ("all", "auto") else args.transport
+    device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
+    opts = soak.SoakOptions(args.soak, args.clients, args.max_tokens, args.cancel_share,
+                            args.bad_share, args.restart_worker, args.seed, args.variants,
+                            args.request_timeout, args.context_length or None,
+                            client_counts=counts, rounds=args.rounds)
+    if args.url:
+        try:
+            soak_pair.loopback_host(args.url)
+        except ValueError as exc:
+            raise SystemExit(f"ds4tp bench: {exc}") from None
+    return soak.soak_report(args.url, model_path(args.model or "demo"), transport, device,
+                            args.api_key, opts, args.json)

@@ -1,0 +1,271 @@
+"""The processes around `ds4tp bench --serve --soak` (mlx_ds4tp.bench.soak): the served pair it
+starts on loopback (and kills a worker of), the resident memory of a process, the pair behind a
+running server's port, mlx_lm.server for the client-count comparison, and the references."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import transport as tr
+from .serve import _wait_healthy
+
+# After the kill, how long /health may still say 200 before the leader is taken to have missed
+# the worker's death (a kill under load is seen within a gate exchange).
+NOTICE_SEC = 30.0
+
+
+def health(base: str) -> int:
+    """GET /health's status; 0 while nothing answers."""
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def get_json(base: str, path: str, api_key: Optional[str]) -> Optional[dict]:
+    """A GET's JSON body, or None when it fails."""
+    req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {api_key}"}
+                                 if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return json.loads(e.read())
+        except ValueError:
+            return None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def rss_kib(pid: Optional[int]) -> Optional[int]:
+    """The process's resident memory in KiB; None when it is gone (or pid is None)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return None
+    except FileNotFoundError:
+        if Path("/proc/self/status").exists():
+            return None  # Linux, and the process is gone
+    except OSError:
+        return None
+    try:  # macOS: no /proc
+        out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        return int(out) if out else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def _flag(args: List[str], name: str, count: int = 1) -> Optional[List[str]]:
+    if name in args:
+        i = args.index(name)
+        return args[i + 1:i + 1 + count] if len(args) >= i + 1 + count else None
+    return None
+
+
+def find_pair_pids(http_port: int) -> Tuple[Optional[int], Optional[int]]:
+    """The pids of the `ds4tp serve` leader serving http_port here and of its worker, read off
+    the command lines `ps` shows (None for one not found)."""
+    try:
+        lines = subprocess.run(["ps", "-axo", "pid=,args="], capture_output=True, text=True,
+                               timeout=10).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    serving = []
+    for line in lines:
+        pid, _, cmd = line.strip().partition(" ")
+        args = cmd.split()
+        if "serve" in args and "ds4tp" in cmd and "--role" in args:
+            serving.append((int(pid), args))
+    leader, listen = None, None
+    for pid, args in serving:
+        port = _flag(args, "--port")
+        if _flag(args, "--role") == ["leader"] and int(port[0] if port else 8080) == http_port:
+            leader, listen = pid, _flag(args, "--listen", 2)
+    worker = None
+    for pid, args in serving:
+        coordinator = _flag(args, "--coordinator", 2)
+        if listen and _flag(args, "--role") == ["worker"] and coordinator and coordinator[1] == listen[1]:
+            worker = pid
+    return leader, worker
+
+
+class LocalPair:
+    """Both ranks of `ds4tp serve` on 127.0.0.1, both logs in one temporary file."""
+
+    def __init__(self, model: Path, transport: str, rdma_device: Optional[str], max_batch: int):
+        from ..testing.localpair import child_env, free_port
+
+        self.env = child_env()
+        pair_port, http_port = free_port(), free_port()
+        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), "--transport",
+                  transport, "--max-batch", str(max_batch)]
+        if rdma_device:
+            common += ["--rdma-device", rdma_device]
+        self.cmds = {"leader": common + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
+                                         "--port", str(http_port)],
+                     "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)]}
+        self.base = f"http://127.0.0.1:{http_port}"
+        self.port = http_port
+        self.log = tempfile.TemporaryFile()
+        self.procs = {name: self._spawn(name) for name in self.cmds}
+
+    def _spawn(self, name: str) -> subprocess.Popen:
+        return subprocess.Popen(self.cmds[name], env=self.env, stdout=self.log, stderr=self.log)
+
+    def pid(self, name: str) -> int:
+        return self.procs[name].pid
+
+    def wait_healthy(self, within: float = 300.0) -> None:
+        try:
+            _wait_healthy(self.base, list(self.procs.values()), within)
+        except RuntimeError:
+            self.dump_log()
+            raise
+
+    def dump_log(self, last: int = 80) -> None:
+        """The ranks' last lines, to stderr (after a failure)."""
+        self.log.seek(0)
+        lines = self.log.read().decode(errors="replace").splitlines()
+        sys.stderr.write("".join(line + "\n" for line in lines[-last:]))
+
+    def restart_worker(self, within: float) -> Dict[str, object]:
+        """SIGKILL the worker, start it again with the same command line and time the outage:
+        kill to the first /health 200 after the leader said 503."""
+        t_kill = time.perf_counter()
+        self.procs["worker"].kill()
+        self.procs["worker"].wait(10)
+        self.procs["worker"] = self._spawn("worker")
+        tr.log(f"soak: worker killed and started again (pid {self.pid('worker')})")
+        seen_down, why = False, ""
+        while time.perf_counter() - t_kill < within:
+            code = health(self.base)
+            if code == 503:  # not 0: a probe lost under load says nothing of the pair
+                seen_down = True
+            elif seen_down:
+                now = time.perf_counter()
+                return {"killed_at": t_kill, "rejoined_at": now, "rejoined": True,
+                        "outage_s": round(now - t_kill, 3)}
+            elif time.perf_counter() - t_kill > NOTICE_SEC:
+                why = f"/health stayed 200 for {NOTICE_SEC:g} s after the kill"
+                break
+            if self.procs["worker"].poll() is not None:
+                why = (f"the restarted worker exited with {self.procs['worker'].returncode}: the "
+                       "leader did not take it back")
+                break
+            if self.procs["leader"].poll() is not None:
+                why = f"the leader exited with {self.procs['leader'].returncode}"
+                break
+            time.sleep(0.05)
+        return {"killed_at": t_kill, "rejoined_at": None, "rejoined": False, "outage_s": None,
+                "why": why or f"/health was not 200 again within {within:g} s of the kill"}
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        self.log.close()
+
+
+def mlx_lm_server(model: Path, concurrency: int) -> Tuple[subprocess.Popen, str]:
+    """mlx_lm.server on 127.0.0.1 on the same model, healthy; (process, base URL)."""
+    from ..testing.localpair import child_env, free_port
+
+    port = free_port()
+    # Its access log is a line per request: kept out of the way, shown when it fails to start.
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
+                                 "--host", "127.0.0.1", "--port", str(port), "--log-level",
+                                 "WARNING", "--decode-concurrency", str(concurrency)],
+                                env=child_env(), stdout=log, stderr=log)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(base, [proc], 300.0)
+        except BaseException:
+            proc.kill()
+            proc.wait(10)
+            log.seek(0)
+            sys.stderr.write(log.read().decode(errors="replace")[-4000:])
+            raise
+    return proc, base
+
+
+def model_limits(model: Path) -> Tuple[int, int]:
+    """(vocabulary size, context length) as the model's config states them (what the server
+    computes them from)."""
+    from ..serve.pair import context_length
+
+    config = json.loads((model / "config.json").read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(vocab), context_length(None, config)
+
+
+def server_context(base: str, api_key: Optional[str]) -> Optional[int]:
+    """The context length the server states, where it states one (/v1/models' context_length
+    or max_model_len, /health's context_length); None otherwise."""
+    models = get_json(base, "/v1/models", api_key) or {}
+    for entry in models.get("data") or []:
+        for key in ("context_length", "max_model_len"):
+            if isinstance(entry.get(key), int):
+                return entry[key]
+    found = (get_json(base, "/health", None) or {}).get("context_length")
+    return found if isinstance(found, int) else None
+
+
+def references(model: Path, variants: Sequence[Tuple[List[int], int]]) -> List[str]:
+    """mlx-lm's own greedy text for each (prompt ids, max_tokens), one process, the whole
+    model; the model is freed afterwards (the soak's RSS figures are the server's, but this
+    machine's memory is shared)."""
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    t0 = time.perf_counter()
+    loaded, tokenizer = load(str(model))
+    texts = [generate(loaded, tokenizer, prompt=list(ids), max_tokens=n, sampler=make_sampler(0.0))
+             for ids, n in variants]
+    del loaded, tokenizer
+    gc.collect()
+    mx.clear_cache()
+    tr.log(f"soak: {len(texts)} references from mlx-lm in {time.perf_counter() - t0:.1f} s")
+    return texts
+
+
+def loopback_host(url: str) -> Tuple[str, int]:
+    """(host, port) of an http:// URL on this machine; ValueError for any other host."""
+    import ipaddress
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"--url {url}: give http://HOST:PORT")
+    host = parts.hostname
+    try:
+        loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loop = False
+    if not loop:
+        raise ValueError(f"--url {url}: the soak runs against a server on this machine only "
+                         "(127.0.0.1, ::1 or localhost): it reads the ranks' memory and its "
+                         f"references are computed here; {host} is not a loopback address")
+    return host, parts.port or 80
+
