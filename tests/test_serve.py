@@ -41,6 +41,11 @@ def test_models_and_health(pair, model_dir):
     assert get_raw(pair, "/v1/models/nope")[0] == 404
     code, body = pair.health()
     assert code == 200 and body["status"] == "ok"
+    # No --max-kv-tokens: the budget is what this machine's memory holds, as the log says.
+    import re
+
+    logged = re.search(r"KV budget (\d+) tokens", pair.log("leader"))
+    assert logged and body["kv_budget_tokens"] == int(logged.group(1)) > 0, body
 
 
 def test_model_demo_is_served_as_demo_on_both_ranks(tmp_path, monkeypatch):

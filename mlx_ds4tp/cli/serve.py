@@ -45,10 +45,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(mlx_lm.server's flag and default, 8; at most 256)")
     p.add_argument("--prompt-cache-size", type=int, default=10,
                    help="most stored prompt caches kept for reuse (LRU; 0 = no reuse; default 10)")
-    p.add_argument("--max-kv-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--max-kv-tokens", type=int, default=None, metavar="N",
                    help="KV budget: a request starts only while the sessions under way reserve at most "
-                        "N cache tokens (prompt + max_tokens each); the others wait (default 0: no "
-                        "budget; size it from the Macs' memory less the weights)")
+                        "N cache tokens (prompt + max_tokens each); the others wait (default: what "
+                        "the Mac's memory holds less the weights and a quarter kept free, logged at "
+                        "start; 0: no budget)")
     p.add_argument("--max-queued", type=int, default=64, metavar="N",
                    help="requests that may wait for room in the KV budget; past them a request gets 429 with "
                         "Retry-After (default 64)")
@@ -107,7 +108,8 @@ def main(args: argparse.Namespace) -> int:
                              ("--prompt-concurrency", args.prompt_concurrency, 1),
                              ("--prompt-cache-size", args.prompt_cache_size, 0),
                              ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0),
-                             ("--max-kv-tokens", args.max_kv_tokens, 0), ("--max-queued", args.max_queued, 1)))
+                             ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0),
+                             ("--max-queued", args.max_queued, 1)))
     from ..lockstep.table import KV_BITS, KV_GROUP_SIZES
 
     if args.kv_bits and args.kv_bits not in KV_BITS:

@@ -97,10 +97,16 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
         config = json.loads((model_path / "config.json").read_text())
         if args.kv_bits:
             check_kv_quantization(model, args.kv_bits, args.kv_group_size)
+        budget = args.max_kv_tokens
+        if budget is None:
+            from .memory import default_kv_budget
+
+            budget, how = default_kv_budget(model, args.kv_bits, args.kv_group_size)
+            tr.log(f"serve: {how}")
         engine = Engine(LeaderSessions(group, model), tokenizer,
                         prompt_cache_size=args.prompt_cache_size,
                         prefill_step=args.prefill_step_size, max_batch=args.max_batch,
-                        debug_hash=args.debug_hash, kv_budget=args.max_kv_tokens,
+                        debug_hash=args.debug_hash, kv_budget=budget,
                         max_queued=args.max_queued, prompt_concurrency=args.prompt_concurrency,
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                         prompt_cache_bytes=args.prompt_cache_bytes)

@@ -1,0 +1,96 @@
+"""How many KV cache tokens a Mac can hold: the default of `ds4tp serve`'s --max-kv-tokens.
+
+Both Macs are identical and hold the same share of every cache, so the leader's own figures
+stand for both: the machine's memory, less what this process holds once the weights are
+loaded (its resident memory), less a headroom for MLX's buffers, the activations of a
+forward and the system, divided by the bytes one cache token takes on a rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Optional
+
+# What stays free besides the caches: a share of the machine (macOS starts compressing and
+# swapping well before memory is full) and a floor for a prefill chunk's activations.
+HEADROOM_SHARE = 0.25
+HEADROOM_MIN_BYTES = 2 << 30
+
+
+def total_memory() -> int:
+    """This machine's physical memory in bytes (0 when it cannot be read)."""
+    try:
+        if sys.platform == "darwin":
+            return int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True,
+                                      text=True, timeout=5).stdout.strip())
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
+def resident_memory() -> int:
+    """This process's resident memory in bytes (0 when it cannot be read)."""
+    try:
+        if sys.platform == "darwin":
+            out = subprocess.run(["ps", "-o", "rss=", "-p", str(os.getpid())], capture_output=True,
+                                 text=True, timeout=5).stdout
+            return int(out.strip()) * 1024
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return 0
+
+
+def kv_bytes_per_token(model, kv_bits: int = 0, kv_group_size: int = 64, probe: int = 256) -> float:
+    """Bytes one cache token takes on this rank, read off the cache of a forward over `probe`
+    tokens that is built and never evaluated: shapes are known without running anything, so
+    no gate is met and no memory is used. Fixed-size state (recurrent layers) is spread over
+    the probe, which over-counts it for long sessions: a bound, never an underestimate for
+    the attention layers."""
+    import mlx.core as mx
+
+    from ..lockstep.compute import make_cache
+
+    cache = make_cache(model)
+    if kv_bits:
+        from ..lockstep.quantized_cache import quantize_session_cache
+
+        cache = quantize_session_cache(cache, kv_bits, kv_group_size)
+    model(mx.zeros((1, probe), dtype=mx.int32), cache=cache)
+    total = 0
+    for layer in cache:
+        for part in _arrays(layer.state):
+            total += part.nbytes
+    return total / probe
+
+
+def _arrays(state):
+    import mlx.core as mx
+
+    if isinstance(state, mx.array):
+        yield state
+    elif isinstance(state, (list, tuple)):
+        for item in state:
+            yield from _arrays(item)
+
+
+def default_kv_budget(model, kv_bits: int = 0, kv_group_size: int = 64,
+                      total: Optional[int] = None, resident: Optional[int] = None) -> tuple:
+    """(tokens, explanation): the KV budget this machine affords, and how it was reckoned."""
+    total = total_memory() if total is None else total
+    resident = resident_memory() if resident is None else resident
+    per_token = kv_bytes_per_token(model, kv_bits, kv_group_size)
+    if not total or per_token <= 0:
+        return 0, "no KV budget: this machine's memory could not be read"
+    headroom = max(int(total * HEADROOM_SHARE), HEADROOM_MIN_BYTES)
+    free = total - resident - headroom
+    tokens = max(int(free // per_token), 0)
+    gib = 1 << 30
+    return tokens, (f"KV budget {tokens} tokens ({per_token / 1024:.1f} KiB a token on each machine): "
+                    f"{total / gib:.1f} GiB of memory, {resident / gib:.1f} GiB held with the weights, "
+                    f"{headroom / gib:.1f} GiB kept free; set --max-kv-tokens to change it")
