@@ -50,7 +50,7 @@ def test_untrimmable_caches_are_only_moved():
 
 
 def test_stop_strings_are_cut_and_never_half_sent():
-    from mlx_ds4tp.serve.engine import TextStream
+    from mlx_ds4tp.serve.text_stream import TextStream
 
     class Pieces:
         """A detokenizer whose token i is the string pieces[i]."""

@@ -67,6 +67,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="leader: most bytes the stored prompt caches take on each machine, e.g. 4GB "
                         "or 512MB (least recently used dropped first; default 0: bounded by "
                         "--prompt-cache-size only)")
+    p.add_argument("--draft-model", default=None, metavar="PATH|REPO",
+                   help="leader: speculative decoding with this small model of the same vocabulary "
+                        "(whole, on the leader; one cache per session): greedy sessions verify their "
+                        "drafts in the decode batch, several tokens a round of gates")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="leader: speculative decoding drafting from the last N-gram's earlier "
+                        "occurrence in the prompt and the text so far (0: off)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                   help="drafted tokens a round (default 3, mlx_lm.server's); a request's "
+                        "num_draft_tokens overrides it, 0 there decodes that request plainly")
     p.add_argument("--rejoin", action="store_true",
                    help="worker: when the leader stops or dies, wait for a leader on the same "
                         "address and serve it, instead of exiting (the leader always takes a "
@@ -118,6 +128,14 @@ def main(args: argparse.Namespace) -> int:
     if args.kv_group_size not in KV_GROUP_SIZES:
         raise SystemExit(f"ds4tp serve: --kv-group-size {args.kv_group_size}: give one of "
                          f"{', '.join(map(str, KV_GROUP_SIZES))}")
+    if args.draft_model and args.prompt_lookup:
+        raise SystemExit("ds4tp serve: --draft-model and --prompt-lookup are two ways to draft; give one")
+    if not 1 <= args.num_draft_tokens <= 64:
+        raise SystemExit(f"ds4tp serve: --num-draft-tokens {args.num_draft_tokens} must be 1 to 64")
+    if args.prompt_lookup < 0:
+        raise SystemExit(f"ds4tp serve: --prompt-lookup {args.prompt_lookup} must be >= 0 (0: off)")
+    if args.draft_model:
+        args.draft_model = str(model_path(args.draft_model))
     if args.rejoin and address.role != "worker":
         raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
                          "takes a restarted worker back")

@@ -34,9 +34,11 @@ The bound is checked before anything is allocated.
 | EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token) | 65536 |
 | VERIFY           | SYNC_HEADER (session, count) + count little-endian int32 tokens (<= MAX_VERIFY_TOKENS) | 4112 |
 | PREFILL_BATCH    | PREFILL_BATCH_HEADER (rows) + rows x PREFILL_BATCH_ROW (session, count) + the rows' int32 tokens, row after row | 4198416 |
+| VERIFY_BATCH     | VERIFY_BATCH_HEADER (step, rows, width) + rows x VERIFY_BATCH_ROW (session, count) + rows x width int32 tokens, right-padded | 282640 |
+| COMMIT_BATCH     | COMMIT_BATCH_HEADER (step, rows) + rows x uint32 positions kept | 4112 |
 
 The lockstep commands (SESSION_CREATE, REWIND, SYNC, PREFILL_BATCH, EVAL_BATCH, VERIFY,
-SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
+VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
 it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are never sent
 (`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
@@ -63,7 +65,9 @@ import struct
 # 2: the hello carries a model fingerprint. 3: `ds4tp run` speaks the serving sessions'
 # commands (one lockstep protocol), so a rank of an older install is refused at the hello.
 # 4: prompts waiting together are prefilled in one PREFILL_BATCH forward.
-PROTOCOL_VERSION = 4
+# 5: speculative rows verified in the decode batch (VERIFY_BATCH, COMMIT_BATCH); SESSION_CREATE
+# names a fresh cache's KV quantization.
+PROTOCOL_VERSION = 5
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
@@ -108,6 +112,11 @@ class FrameType(enum.IntEnum):
     # One prefill chunk of several sessions in one right-padded forward (mlx-lm's batched
     # prompt processing: mlx_ds4tp.lockstep.table.SessionTable.prefill_batch).
     PREFILL_BATCH = 34
+    # One decode step whose rows carry an input token and their drafts, right-padded to the
+    # longest (`ds4tp serve`'s speculative sessions in the batch: lockstep.batch_verify) ...
+    VERIFY_BATCH = 35
+    # ... then the positions of each row its session keeps; the rest leave the caches.
+    COMMIT_BATCH = 36
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -129,6 +138,8 @@ MAX_VERIFY_TOKENS = 1024  # one verify forward: the input token and at most 1023
 # One PREFILL_BATCH: at most this many sessions, all their tokens together at most
 # MAX_TOKENS_PER_FRAME (the padded forward is rows x the longest row's tokens).
 MAX_PREFILL_ROWS = 256
+# A VERIFY_BATCH row: the input token and at most 64 drafts (--num-draft-tokens <= 64).
+MAX_VERIFY_WIDTH = 65
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000
 NONCE_BYTES = 16
@@ -159,6 +170,8 @@ FRAME_MAX_BYTES = {
     FrameType.EVAL_BATCH: 64 * 1024,
     FrameType.VERIFY: 16 + 4 * MAX_VERIFY_TOKENS,
     FrameType.PREFILL_BATCH: 16 + 16 * MAX_PREFILL_ROWS + 4 * MAX_TOKENS_PER_FRAME,
+    FrameType.VERIFY_BATCH: 16 + 16 * 1024 + 4 * 1024 * MAX_VERIFY_WIDTH,  # 1024: MAX_BATCH_ROWS
+    FrameType.COMMIT_BATCH: 16 + 4 * 1024,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -213,6 +226,9 @@ SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved; then t
 EVAL_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then the rows
 EVAL_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
 MAX_BATCH_ROWS = 1024
+VERIFY_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, width; then rows, then tokens
+VERIFY_BATCH_ROW = struct.Struct("<QII")  # session id, tokens in the row, reserved
+COMMIT_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then uint32 per row
 PREFILL_BATCH_HEADER = struct.Struct("<IIQ")  # rows, reserved, reserved; then the rows
 PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; tokens follow all rows
 HASH_PAYLOAD = struct.Struct("<QQQ")  # 0 (reserved), decode step, hash of its logits

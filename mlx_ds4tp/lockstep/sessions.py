@@ -15,6 +15,8 @@ frames, their layouts in link.wire):
                                                                       one padded forward
   EVAL_BATCH      step, then (session id, token) per row              one decode forward, all rows
   VERIFY          session id, tokens                                  one forward, logits at each position
+  VERIFY_BATCH    step, then (session id, input + drafts) per row     EVAL_BATCH with drafts, padded
+  COMMIT_BATCH    step, positions kept per row                        the rejected drafts leave
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
   INVALIDATE      cache id                                            drop a stored cache
   HASH            step, hash of the last step's logits                 the worker answers its own
@@ -40,6 +42,7 @@ from ..errors import LockstepDivergence, TransportError
 from ..link.wire import HASH_PAYLOAD as HASH
 from .table import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch, pack_prefill_batch,
                     pack_sync, unpack)
+from .batch_verify import pack_commit, pack_verify_batch
 from .prompt_cache import FRESH
 
 F = tr.FrameType
@@ -114,6 +117,15 @@ class LeaderSessions:
     def step(self, rows: Sequence[Tuple[int, int]]) -> mx.array:
         """Logits [rows, vocab] of one decode step over (session, input token) rows."""
         return self._command(F.EVAL_BATCH, pack_batch(self.table.step_count + 1, rows))
+
+    def verify_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> mx.array:
+        """Logits [rows, width, vocab] of one decode step whose rows are (session, its input token
+        and drafts); COMMIT_BATCH (commit_batch) must follow."""
+        return self._command(F.VERIFY_BATCH, pack_verify_batch(self.table.step_count + 1, rows))
+
+    def commit_batch(self, keep: Sequence[int]) -> None:
+        """COMMIT_BATCH on both ranks: the positions each row of the last verify keeps."""
+        self._command(F.COMMIT_BATCH, pack_commit(self.table.step_count, keep))
 
     def destroy(self, session: int, store_as: int = 0) -> None:
         """SESSION_DESTROY on both ranks."""

@@ -27,6 +27,7 @@ from ..link.wire import REWIND_PAYLOAD as REWIND
 from ..link.wire import SESSION_CREATE_PAYLOAD as CREATE
 from ..link.wire import SESSION_DESTROY_PAYLOAD as DESTROY
 from ..link.wire import SYNC_HEADER
+from . import batch_verify
 from .compute import PREFILL_STEP, fill_cache, logits_hash, make_cache
 from .prompt_cache import COPY, FRESH, MOVE
 
@@ -132,6 +133,7 @@ class SessionTable:
         self.rows: List[int] = []
         self.batch_cache: Optional[list] = None
         self._merged = False  # batch_cache is a BatchKVCache per layer (else one session's own)
+        self._verifying: Optional[List[int]] = None  # the last VERIFY_BATCH's row lengths, until its commit
         self.step_count = 0
         self.ended = 0  # sessions destroyed: the prompts served
         self.last_logits: Optional[mx.array] = None
@@ -148,6 +150,9 @@ class SessionTable:
     # -- commands ------------------------------------------------------------
     def apply(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Execute one command; EVAL_BATCH returns the rows' logits [rows, vocab]."""
+        if self._verifying is not None and ftype != F.COMMIT_BATCH:
+            raise tr.FrameError(f"a {ftype.name} frame arrived before the COMMIT_BATCH of the last "
+                                "VERIFY_BATCH: the ranks are out of step")
         if ftype == F.SESSION_CREATE:
             self.create(*unpack(CREATE, payload, ftype))
         elif ftype == F.REWIND:
@@ -186,6 +191,14 @@ class SessionTable:
                 raise tr.FrameError(f"EVAL_BATCH step {step} arrived after step {self.step_count}: "
                                     "the ranks are out of step")
             return self.step(items["session"].tolist(), items["token"])
+        elif ftype == F.VERIFY_BATCH:
+            step, sessions, rows = batch_verify.unpack_verify_batch(payload)
+            if step != self.step_count + 1:
+                raise tr.FrameError(f"VERIFY_BATCH step {step} arrived after step {self.step_count}: "
+                                    "the ranks are out of step")
+            return self.verify_batch(sessions, rows)
+        elif ftype == F.COMMIT_BATCH:
+            self.commit_batch(*batch_verify.unpack_commit(payload))
         elif ftype == F.SESSION_DESTROY:
             self.destroy(*unpack(DESTROY, payload, ftype))
         elif ftype == F.INVALIDATE:
@@ -309,14 +322,7 @@ class SessionTable:
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over the batch's rows; sessions that are not in the batch yet
         join it (after the existing rows, in the order given)."""
-        if len(set(sessions)) != len(sessions):
-            raise tr.FrameError(f"EVAL_BATCH names a session twice: {sessions}")
-        if sessions[: len(self.rows)] != self.rows:
-            raise tr.FrameError(f"EVAL_BATCH rows {sessions} do not begin with this rank's batch "
-                                f"{self.rows}: the ranks are out of step")
-        joining = sessions[len(self.rows):]
-        if joining:
-            self._join(joining)
+        self._take_rows("EVAL_BATCH", sessions)
         self._check_tokens(tokens)
         self.step_count += 1
         logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=self.batch_cache)
@@ -325,6 +331,39 @@ class SessionTable:
         mx.eval(logits)
         self.last_logits = logits
         return logits
+
+    def verify_batch(self, sessions: List[int], rows: List[np.ndarray]) -> mx.array:
+        """One decode forward whose rows carry an input token and drafts (batch_verify):
+        logits [rows, width, vocab]; the caches hold every position until COMMIT_BATCH."""
+        self._take_rows("VERIFY_BATCH", sessions)
+        for row in rows:
+            self._check_tokens(row)
+        self.step_count += 1
+        logits = batch_verify.forward_rows(self.model, self.batch_cache, rows)
+        self.last_logits = logits
+        self._verifying = [len(r) for r in rows]
+        return logits
+
+    def commit_batch(self, step: int, keep: List[int]) -> None:
+        """Keep the positions of each row of the last VERIFY_BATCH its session accepted."""
+        if step != self.step_count:
+            raise tr.FrameError(f"COMMIT_BATCH for step {step} after step {self.step_count}")
+        problem = batch_verify.check_commit(keep, self._verifying or [])
+        if problem:
+            raise tr.FrameError(problem)
+        width = max(self._verifying)
+        self._verifying = None
+        batch_verify.commit_rows(self.batch_cache, self._merged, width, keep)
+
+    def _take_rows(self, frame: str, sessions: List[int]) -> None:
+        if len(set(sessions)) != len(sessions):
+            raise tr.FrameError(f"{frame} names a session twice: {sessions}")
+        if sessions[: len(self.rows)] != self.rows:
+            raise tr.FrameError(f"{frame} rows {sessions} do not begin with this rank's batch "
+                                f"{self.rows}: the ranks are out of step")
+        joining = sessions[len(self.rows):]
+        if joining:
+            self._join(joining)
 
     def _join(self, joining: List[int]) -> None:
         caches = [self._session(s) for s in joining]

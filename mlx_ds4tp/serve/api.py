@@ -27,6 +27,7 @@ class ParsedRequest:
     model: str
     logprobs: Optional[int] = None  # None: no logprobs; N: each token's entry with the top N
     tools: Optional[list] = None  # the tools the chat template was given (their calls are parsed)
+    num_draft_tokens: Optional[int] = None  # None: the server's --num-draft-tokens; 0: no drafts
 
 
 _NUMBER = (int, float)
@@ -39,6 +40,7 @@ _ACTED = {
     "top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
     "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "seed",
     "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "num_draft_tokens",  # mlx_lm.server's: drafted tokens a round (0: this request decodes plainly)
     # Descriptive fields that change no output, accepted as OpenAI accepts them.
     "user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
 }
@@ -211,7 +213,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], defa
                        where, "context_length_exceeded")
     max_tokens = min(max_tokens, context_length - len(prompt))
     return ParsedRequest(kind, prompt, max_tokens, options, stop, stream, include_usage, model, logprobs,
-                         tools)
+                         tools, _field(body, "num_draft_tokens", int, None, low=0, high=64))
 
 
 # ============================================================================

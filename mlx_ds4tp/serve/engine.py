@@ -26,12 +26,16 @@ import queue
 import threading
 from typing import Dict, List, Optional
 
+import mlx.core as mx
+
 from .. import transport as tr
 from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex, Reuse
 from ..lockstep.sampling import SamplingOptions, SessionSampler, logprob_item, sample_rows
 from ..lockstep.sessions import LeaderSessions
 from ..lockstep.table import kv_code
+from .speculation import verified_tokens
+from .text_stream import TextStream
 
 IDLE_POLL_SEC = 0.25
 
@@ -53,38 +57,7 @@ class Request:
     completion_tokens: int = 0
     cancelled: bool = False
     logprobs: Optional[int] = None
-
-
-class TextStream:
-    """Detokenized text with stop strings cut off: text is released only once no stop
-    string can begin in it, so a client never sees part of a stop string."""
-
-    def __init__(self, detokenizer, stop: List[str]):
-        self.detok = detokenizer
-        self.detok.reset()
-        self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.pending = ""
-
-    def add(self, token: int) -> tuple:
-        """(text to send now, True when a stop string ended the text)."""
-        self.detok.add_token(token)
-        return self._release(self.detok.last_segment, final=False)
-
-    def finish(self) -> str:
-        """The text still held back, at the end of a generation that no stop string ended."""
-        self.detok.finalize()
-        return self._release(self.detok.last_segment, final=True)[0]
-
-    def _release(self, segment: str, final: bool) -> tuple:
-        self.pending += segment
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            text, self.pending = self.pending[: min(hits)], ""
-            return text, True
-        cut = len(self.pending) if final else max(0, len(self.pending) - self.hold)
-        text, self.pending = self.pending[:cut], self.pending[cut:]
-        return text, False
+    num_draft_tokens: Optional[int] = None  # drafts a round (None: the server's; 0: none)
 
 
 def reserved_tokens(request: Request) -> int:
@@ -104,6 +77,7 @@ class _Session:
         self.text = TextStream(tokenizer.detokenizer, request.stop)
         self.items: List[dict] = []  # logprobs entries not sent yet
         self.reserved = reserved_tokens(request)
+        self.drafter = None  # set when this session drafts (serve.speculation)
 
 
 class Engine:
@@ -112,7 +86,8 @@ class Engine:
     def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
                  prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0,
                  kv_budget: int = 0, max_queued: int = 64, prompt_concurrency: int = 8,
-                 kv_bits: int = 0, kv_group_size: int = 64, prompt_cache_bytes: int = 0):
+                 kv_bits: int = 0, kv_group_size: int = 64, prompt_cache_bytes: int = 0,
+                 speculation=None):
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
@@ -132,6 +107,7 @@ class Engine:
         # Every fresh session's cache is quantized so (0: float): the same for all, so that
         # sessions merge into one decode batch.
         self.kv = kv_code(kv_bits, kv_group_size)
+        self.speculation = speculation  # serve.speculation.Speculation, or None: no drafts
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         # Memory-bounded admission: a session starts only while the tokens reserved by the
@@ -151,7 +127,8 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self.stats = {"requests": 0, "prefilled_tokens": 0, "cached_tokens": 0, "decode_steps": 0,
                       "generated_tokens": 0, "prefill_batches": 0, "prefill_batch_rows": 0,
-                      "decode_batch_rows": 0}
+                      "decode_batch_rows": 0, "verify_steps": 0, "drafted_tokens": 0,
+                      "accepted_tokens": 0}
 
     # -- the HTTP threads' side ---------------------------------------------
     @property
@@ -272,6 +249,8 @@ class Engine:
         self.stats["requests"] += 1
         self.stats["cached_tokens"] += reuse.keep
         session = _Session(sid, request, reuse, self.tokenizer)
+        if self.speculation is not None:
+            session.drafter = self.speculation.drafter(request)
         (self._prefilling if session.todo else self._ready).append(session)
 
     def _prefill_chunk(self) -> None:
@@ -300,7 +279,12 @@ class Engine:
         room = self.max_batch - len(self._running)
         joining, self._ready = self._ready[:room], self._ready[room:]
         rows = self._running + joining
-        logits = self.sessions.step([(s.sid, s.next_input) for s in rows])
+        drafts = [self._propose(s) for s in rows] if self.speculation is not None else []
+        if any(drafts):
+            logits = self.sessions.verify_batch([(s.sid, [s.next_input] + d) for s, d in zip(rows, drafts)])
+            self.stats["verify_steps"] += 1
+        else:
+            logits = self.sessions.step([(s.sid, s.next_input) for s in rows])
         if joining:
             # Prompt tokens are computed once each: the last one is the first decode input.
             self.stats["prefilled_tokens"] += len(joining)
@@ -309,14 +293,56 @@ class Engine:
         if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
             self.sessions.check_hash()
         errors: Dict[int, str] = {}
-        tokens = sample_rows(logits, [s.sampler for s in rows], errors)
+        if not any(drafts):
+            new = [None if t is None else [t] for t in sample_rows(logits, [s.sampler for s in rows], errors)]
+            return self._take(rows, new, errors, commit=False)
+        new: List[Optional[List[int]]] = [None] * len(rows)
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if plain:
+            mine: Dict[int, str] = {}
+            tokens = sample_rows(logits[mx.array(plain), 0], [rows[i].sampler for i in plain], mine)
+            for j, i in enumerate(plain):
+                new[i] = None if tokens[j] is None else [tokens[j]]
+                if j in mine:
+                    errors[i] = mine[j]
+        drafted = [i for i, d in enumerate(drafts) if d]
+        for i, tokens in zip(drafted, verified_tokens(logits[mx.array(drafted)], [drafts[i] for i in drafted])):
+            new[i] = tokens
+            rows[i].sampler.history.extend(tokens)
+            rows[i].drafter.accepted(len(drafts[i]), len(tokens) - 1)
+            self.stats["drafted_tokens"] += len(drafts[i])
+            self.stats["accepted_tokens"] += len(tokens) - 1
+        self._take(rows, new, errors, commit=True)
+
+    def _propose(self, session: _Session) -> List[int]:
+        request = session.request
+        return self.speculation.propose(session.drafter, request.prompt + session.generated,
+                                        request.num_draft_tokens,
+                                        request.max_tokens - len(session.generated))
+
+    def _take(self, rows: List[_Session], new: List[Optional[List[int]]], errors: Dict[int, str],
+              commit: bool) -> None:
+        """Each row's new tokens (None: its sampling failed) into its session, in order, until
+        one ends it; with `commit` (a verify step), both ranks then keep in each row's cache the
+        positions its session used, before any session ends."""
+        outcomes, keep = [], []
+        for i, (session, tokens) in enumerate(zip(rows, new)):
+            finish, flush, used = ("failed", False, 1) if tokens is None else (None, True, 0)
+            for token in tokens or ():
+                used += 1
+                try:
+                    finish, flush = self._advance(session, token)
+                except Exception as exc:  # noqa: BLE001 - this request's text, reported to it alone
+                    errors[i] = f"{type(exc).__name__}: {exc}"
+                    finish, flush = "failed", False
+                if finish is not None:
+                    break
+            outcomes.append((finish, flush))
+            keep.append(used)
+        if commit:
+            self.sessions.commit_batch(keep)
         self._running = []
-        for i, (session, token) in enumerate(zip(rows, tokens)):
-            try:
-                finish, flush = ("failed", False) if token is None else self._advance(session, token)
-            except Exception as exc:  # noqa: BLE001 - this request's text, reported to it alone
-                errors[i] = f"{type(exc).__name__}: {exc}"
-                finish, flush = "failed", False
+        for i, (session, (finish, flush)) in enumerate(zip(rows, outcomes)):
             if finish is None:
                 self._running.append(session)
             elif finish == "failed":

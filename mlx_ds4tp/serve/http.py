@@ -213,7 +213,8 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
             self._send_json(200, {"input_tokens": len(parsed.prompt)})
             return
         request = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens,
-                          options=parsed.options, stop=parsed.stop, logprobs=parsed.logprobs)
+                          options=parsed.options, stop=parsed.stop, logprobs=parsed.logprobs,
+                          num_draft_tokens=parsed.num_draft_tokens)
         try:
             self.state.engine.submit(request)
         except PairUnavailable as exc:

@@ -28,6 +28,38 @@ def context_length(model: Any, config: Dict[str, Any]) -> int:
     return 1 << 20
 
 
+def make_speculation(args, model: Any):
+    """The server's drafting (serve.speculation.Speculation) as the flags ask, or None;
+    SystemExit naming why when this model or draft cannot speculate."""
+    draft_path, lookup = getattr(args, "draft_model", None), getattr(args, "prompt_lookup", 0)
+    if not (draft_path or lookup):
+        return None
+    from ..lockstep.batch_verify import speculation_blocker
+    from ..lockstep.compute import make_cache
+    from .speculation import Speculation
+
+    blocker = speculation_blocker(make_cache(model))
+    if blocker:
+        raise SystemExit(f"ds4tp serve: {blocker}")
+    draft = None
+    if draft_path:
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+        from mlx_lm.utils import load_model
+
+        draft, _ = load_model(Path(draft_path))
+        mine, theirs = (int(m.args.vocab_size) for m in (model, draft))
+        if mine != theirs:
+            raise SystemExit(f"ds4tp serve: the draft model {draft_path} has a vocabulary of {theirs} "
+                             f"tokens, the model {mine}: a draft must share the model's tokenizer")
+        if not can_trim_prompt_cache(make_prompt_cache(draft)):
+            raise SystemExit(f"ds4tp serve: the draft model {draft_path}'s cache cannot drop rejected "
+                             "drafts; give a draft model with plain attention layers")
+        tr.log(f"serve: drafting with {draft_path}, {args.num_draft_tokens} tokens a round")
+    else:
+        tr.log(f"serve: drafting by prompt lookup ({lookup}-grams), {args.num_draft_tokens} tokens a round")
+    return Speculation(args.num_draft_tokens, lookup, draft)
+
+
 def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
     """Refuse --kv-bits for a model it would fail on at its first request (SystemExit naming
     why), and log the layers it leaves in float."""
@@ -97,6 +129,7 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
         config = json.loads((model_path / "config.json").read_text())
         if args.kv_bits:
             check_kv_quantization(model, args.kv_bits, args.kv_group_size)
+        speculation = make_speculation(args, model)
         budget = args.max_kv_tokens
         if budget is None:
             from .memory import default_kv_budget
@@ -109,7 +142,7 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
                         debug_hash=args.debug_hash, kv_budget=budget,
                         max_queued=args.max_queued, prompt_concurrency=args.prompt_concurrency,
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                        prompt_cache_bytes=args.prompt_cache_bytes)
+                        prompt_cache_bytes=args.prompt_cache_bytes, speculation=speculation)
         # Requests may name the short id, or the model as --model gave it (or its directory).
         state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
                            aliases=(args.model, str(model_path)),
