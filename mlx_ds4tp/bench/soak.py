@@ -170,6 +170,11 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
                for i in range(opts.clients)]
     for t in threads:
         t.start()
+    # Steady state: a quarter in, every client has been running and the prompt caches are
+    # full; a leak shows as growth from here to the end (the warm-up ran one client at a
+    # time, so memory after it is below what 32 clients at once need).
+    time.sleep(max(0.0, t0 + opts.seconds / 4 - time.perf_counter()))
+    rss_steady = _rss(pids)
     if opts.restart_worker and pair is not None:
         time.sleep(max(0.0, t0 + opts.seconds / 2 - time.perf_counter()))
         restart = pair.restart_worker(opts.rejoin_timeout)
@@ -182,8 +187,15 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     stuck = sum(t.is_alive() for t in threads)
     t1 = max([stop_at] + [o.end for o in outcomes if not o.warmup])
     rss_end = _rss(pids)
-    return _record(opts, list(outcomes), variants, refs, restart, stuck, t0, t1, rss_start,
-                   rss_end, reach)
+    rec = _record(opts, list(outcomes), variants, refs, restart, stuck, t0, t1, rss_start,
+                  rss_end, reach)
+    for name in ("leader", "worker"):
+        a, b = rss_steady.get(name), rss_end.get(name)
+        rec[f"rss_{name}_steady_kib"] = a
+        # A restarted worker is another process: its end says nothing of the first one's growth.
+        same = name == "leader" or not opts.restart_worker
+        rec[f"rss_{name}_end_vs_steady"] = round(b / a, 3) if a and b and same else None
+    return rec
 
 
 def _record(opts: SoakOptions, outcomes: List[Outcome], variants, refs: List[str],
@@ -274,9 +286,12 @@ def print_soak(rec: Dict[str, Any], as_json: bool) -> None:
     for name in ("leader", "worker"):
         ratio = rec[f"rss_{name}_ratio"]
         again = " (the restarted worker's)" if name == "worker" and "restart" in rec else ""
-        print(f"soak  {name} RSS {_mib(rec[f'rss_{name}_start_kib'])} after warm-up -> "
+        steady = rec.get(f"rss_{name}_end_vs_steady")
+        print(f"soak  {name} RSS {_mib(rec[f'rss_{name}_start_kib'])} after warm-up, "
+              f"{_mib(rec.get(f'rss_{name}_steady_kib'))} a quarter in -> "
               f"{_mib(rec[f'rss_{name}_end_kib'])} at the end{again}"
-              f"{f' ({ratio:.3f}x)' if ratio else ''}")
+              f"{f' ({ratio:.3f}x the warm-up' if ratio else ''}"
+              f"{f', {steady:.3f}x the quarter)' if steady else (')' if ratio else '')}")
     if "restart" in rec:
         r = rec["restart"]
         print("soak  worker restart: " + (

@@ -102,6 +102,10 @@ def pack_batch(step: int, rows: Sequence[Tuple[int, int]]) -> bytes:
     return BATCH_HEADER.pack(step, len(rows), 0) + items.tobytes()
 
 
+# Decode steps between releases of MLX's buffer cache (mlx-lm's BatchGenerator: 512; a
+# serving batch changes shape with every join and leave, and freed buffers of each shape
+# pile up, so more often: a 32-client soak then ends below its steady memory).
+CLEAR_EVERY = 64
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 KV_GROUP_SIZES = (32, 64, 128)
 
@@ -301,6 +305,9 @@ class SessionTable:
             self.sessions[session] = [c.extract(i) for c in batch]
         # The rows' own copies now, so the padded batch's memory goes before the next forward.
         mx.eval([c.state for s in sessions for c in self.sessions[s]])
+        # As mlx-lm after each prompt chunk: MLX keeps freed buffers for reuse, and a padded
+        # forward's activations would otherwise stay held as the process's memory.
+        mx.clear_cache()
 
     def verify(self, session: int, tokens: np.ndarray) -> mx.array:
         """One forward of a session that is not in the batch over `tokens` (its input token,
@@ -330,6 +337,8 @@ class SessionTable:
         # The step's one evaluation: every gate of the forward runs inside it (the MLX backend).
         mx.eval(logits)
         self.last_logits = logits
+        if self.step_count % CLEAR_EVERY == 0:
+            mx.clear_cache()
         return logits
 
     def verify_batch(self, sessions: List[int], rows: List[np.ndarray]) -> mx.array:

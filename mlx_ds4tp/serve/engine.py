@@ -126,7 +126,7 @@ class Engine:
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self.stats = {"requests": 0, "prefilled_tokens": 0, "cached_tokens": 0, "decode_steps": 0,
-                      "generated_tokens": 0, "prefill_batches": 0, "prefill_batch_rows": 0,
+                      "generated_tokens": 0, "prefill_batches": 0, "prefill_batch_rows": 0, "prefill_padded_tokens": 0,
                       "decode_batch_rows": 0, "verify_steps": 0, "drafted_tokens": 0,
                       "accepted_tokens": 0}
 
@@ -145,7 +145,11 @@ class Engine:
         return {"prefilling": len(self._prefilling), "waiting": len(self._ready),
                 "decoding": len(self._running), "queued": self.queued(),
                 "kv_reserved_tokens": self._reserved, "kv_budget_tokens": self.kv_budget,
-                "prompt_cache_entries": len(self.index), "prompt_cache_bytes": self.index.nbytes()}
+                "prompt_cache_entries": len(self.index), "prompt_cache_bytes": self.index.nbytes(),
+                # MLX's own figures on the leader (the worker's are the same share): arrays
+                # alive, freed buffers it keeps for reuse, and the high-water mark.
+                "mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
+                "mlx_peak_bytes": mx.get_peak_memory()}
 
     def queued(self) -> int:
         """Requests submitted and not started yet (waiting for room in the KV budget)."""
@@ -257,18 +261,22 @@ class Engine:
         """One chunk of each of the oldest prefilling sessions (up to prompt_concurrency), in one
         padded forward on both ranks: prompts that arrive together cost one forward per chunk,
         not one each, and the running sessions still wait only one chunk's time per step."""
+        # One forward takes at most prefill_step tokens in all, padding included, however many
+        # rows share it: its activations (the attention scores above all) then never outgrow
+        # those of one session's chunk. The rows share the chunk evenly; a short prompt takes
+        # only what it needs.
         step = min(self.prefill_step, self._frame_tokens)
-        rows, total = [], 0
-        for session in self._prefilling[: self.prompt_concurrency]:
-            chunk = session.todo[:step]
-            if rows and total + len(chunk) > self._frame_tokens:
-                break  # the rest wait for the next forward rather than overflow one frame
-            rows.append((session, chunk))
-            total += len(chunk)
+        waiting = self._prefilling[: self.prompt_concurrency]
+        width = min(max(len(s.todo) for s in waiting), max(step // len(waiting), 1))
+        count = max(1, min(len(waiting), step // width))
+        rows = [(session, session.todo[:width]) for session in waiting[:count]]
+        total = sum(len(chunk) for _, chunk in rows)
         self.sessions.prefill_batch([(session.sid, chunk) for session, chunk in rows])
         self.stats["prefilled_tokens"] += total
         self.stats["prefill_batches"] += 1
         self.stats["prefill_batch_rows"] = max(self.stats["prefill_batch_rows"], len(rows))
+        self.stats["prefill_padded_tokens"] = max(self.stats["prefill_padded_tokens"],
+                                                  len(rows) * max(len(c) for _, c in rows))
         for session, chunk in rows:
             session.todo = session.todo[len(chunk):]
             if not session.todo:

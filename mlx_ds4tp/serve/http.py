@@ -460,13 +460,20 @@ class Handler(OtherApis, BaseHTTPRequestHandler):
             pass
 
 
+class _Server(ThreadingHTTPServer):
+    # The standard library's backlog is 5: many clients connecting at once (a burst of agent
+    # calls) while the accepting thread waits for the interpreter lock overflow it, and the
+    # kernel then resets some of them.
+    request_queue_size = 256
+
+
 def make_server(host: str, port: int) -> ThreadingHTTPServer:
     """The HTTP server, bound but not serving yet: its handlers read `state`, which the
     caller sets (server.RequestHandlerClass.state) before serve_forever. Binding first lets
     a taken port fail before the pair is joined and the weights are loaded."""
     handler = type("BoundHandler", (Handler,), {})
     try:
-        server = ThreadingHTTPServer((host, port), handler)
+        server = _Server((host, port), handler)
     except OSError as exc:
         raise RuntimeError(f"cannot serve HTTP on {host}:{port} ({exc}); pick another --port or "
                            "--host") from None
