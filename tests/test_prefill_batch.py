@@ -310,3 +310,48 @@ def test_prompt_concurrency_is_checked_and_passed_down(tmp_path, monkeypatch, va
     with pytest.raises(SystemExit) as info:
         args.func(args)
     assert says in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixed batch: prompts ride in the decode steps
+# ---------------------------------------------------------------------------------------------
+
+
+def test_prompts_ride_in_the_decode_steps_with_mixed_prefill(model_dir, tmp_path):
+    """--mixed-prefill 4: prompts that arrive while a session decodes join its decode forwards,
+    four prompt tokens a step, with drafting rows beside them; no prefill forward of their own
+    runs, the running session gains a token every step, and every text is mlx-lm's alone."""
+    pytest.importorskip("openai", reason="the openai package (pip install openai)")
+    from serveutil import ServedPair, client, reference, text_ids
+
+    served = ServedPair(model_dir, tmp_path, extra=["--mixed-prefill", "4", "--prompt-lookup", "2",
+                                                    "--debug-hash", "1"])
+    try:
+        served.wait_healthy()
+        c = client(served, timeout=120)
+        first_ids = text_ids(model_dir, "the cat sat on the mat")
+        pieces: list = []
+        stream = c.completions.create(model=str(model_dir), prompt=first_ids, max_tokens=80, stream=True)
+        it = iter(stream)
+        pieces.append(next(it).choices[0].text)
+        before = served.health()[1]
+        prompts = [text_ids(model_dir, "a much longer prompt about the sea and the sky and the wind"),
+                   text_ids(model_dir, "alpha beta gamma delta")]
+        got: list = [None, None]
+
+        def ask(i):
+            got[i] = c.completions.create(model=str(model_dir), prompt=prompts[i], max_tokens=12).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        pieces.extend(chunk.choices[0].text for chunk in it)
+        assert got == [reference(model_dir, p, 12) for p in prompts]
+        assert "".join(pieces) == reference(model_dir, first_ids, 80)
+        after = served.health()[1]
+        assert after["mixed_steps"] - before["mixed_steps"] >= math.ceil((len(prompts[0]) - 1) / 4), after
+        assert after["prefill_batches"] == before["prefill_batches"], after  # none of their own
+    finally:
+        served.close()

@@ -320,7 +320,7 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_ds4tp.serve import engine as serve_engine
+    from mlx_ds4tp.serve import requests as serve_requests
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve.engine import Engine, Request
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
@@ -333,7 +333,7 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
                 raise RuntimeError("injected")
             return super().sample(logits)
 
-    monkeypatch.setattr(serve_engine, "SessionSampler", Flaky)
+    monkeypatch.setattr(serve_requests, "SessionSampler", Flaky)
     path = save_llama(tmp_path / "m", "tiny", seed=2)
     model, tokenizer = load(str(path))
     port = free_port()
@@ -381,3 +381,41 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
             engine.stop()
         leader_group.close()
         worker.wait(30)
+
+
+def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
+    """A session stored from the merged batch keeps only its own keys and values: without the
+    copy, the longest row of a just-merged batch is a view of the whole batch's buffer, and a
+    server's memory grows with every batch it has held (the soak found it)."""
+    import gc
+    import random
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    from mlx_ds4tp.lockstep.table import SessionTable
+    from mlx_ds4tp.testing.tiny_model import save_llama
+
+    model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=2)))
+    table = SessionTable(model)
+    rng = random.Random(0)
+    gc.collect()
+    base = mx.get_active_memory()
+    sid = store = 0
+    for _ in range(6):
+        sessions = []
+        for _ in range(4):
+            sid += 1
+            table.create(sid, 0, 0)
+            table.prefill(sid, np.array([rng.randrange(200) for _ in range(rng.randint(2, 300))], dtype=np.int32))
+            sessions.append(sid)
+        table.step(sessions, np.ones(4, dtype=np.int32))
+        for s in sessions:
+            store += 1
+            table.destroy(s, store)
+    table.last_logits = None
+    gc.collect()
+    held = mx.get_active_memory() - base
+    own = sum(c.nbytes for cache in table.stored.values() for c in cache)
+    assert held <= own * 1.1 + (1 << 20), (held, own)

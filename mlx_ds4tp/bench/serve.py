@@ -30,6 +30,9 @@ PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime n
            "The recipe calls for"]
 
 
+CONNECT_RETRIES = 5
+
+
 def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str]) -> Dict[str, float]:
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
@@ -64,11 +67,26 @@ def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = N
     results: List[Optional[Dict[str, float]]] = [None] * clients
     errors: List[BaseException] = []
 
+    resets = [0]
+
     def client(i: int) -> None:
-        try:
-            results[i] = _stream_one(base, PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens, api_key)
-        except BaseException as exc:  # noqa: BLE001 - reported after the join
-            errors.append(exc)
+        first_try = time.perf_counter()
+        for attempt in range(CONNECT_RETRIES + 1):
+            try:
+                results[i] = _stream_one(base, PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens, api_key)
+                results[i]["start"] = first_try
+                return
+            except (ConnectionResetError, ConnectionRefusedError) as exc:
+                # A server whose listen backlog overflows (the standard library's is 5, as
+                # mlx_lm.server's) resets connections of a burst; a client retries, and the
+                # count says how often. The time of the failed tries counts in the figures.
+                resets[0] += 1
+                if attempt == CONNECT_RETRIES:
+                    errors.append(exc)
+                time.sleep(0.05 * (attempt + 1))
+            except BaseException as exc:  # noqa: BLE001 - reported after the join
+                errors.append(exc)
+                return
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -85,7 +103,8 @@ def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = N
     ttfts = [1000.0 * (r["first"] - r["start"]) for r in results]
     return {"name": f"serve-{clients}", "clients": clients, "tokens": tokens,
             "tok_s": tokens / (end - start), "decode_tok_s": decode,
-            "ttft_p50_ms": statistics.median(ttfts), "ttft_max_ms": max(ttfts)}
+            "ttft_p50_ms": statistics.median(ttfts), "ttft_max_ms": max(ttfts),
+            "connections_reset": resets[0]}
 
 
 def _wait_healthy(base: str, procs: Sequence[subprocess.Popen], within: float) -> None:
@@ -161,7 +180,8 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
         if one and one["decode_tok_s"]:
             ratio = f"  = {rec['decode_tok_s'] / one['decode_tok_s']:.2f}x one client"
         print(f"{rec['name']:>10}  {rec['tok_s']:8.1f} tok/s  decode {rec['decode_tok_s']:8.1f} tok/s"
-              f"  ttft p50 {rec['ttft_p50_ms']:7.1f} ms max {rec['ttft_max_ms']:7.1f} ms{ratio}",
+              f"  ttft p50 {rec['ttft_p50_ms']:7.1f} ms max {rec['ttft_max_ms']:7.1f} ms{ratio}"
+              f"{'  (%d connections reset and retried)' % rec['connections_reset'] if rec.get('connections_reset') else ''}",
               flush=True)
 
 

@@ -94,10 +94,14 @@ def _client(i: int, target: Target, opts: SoakOptions, variants, vocab: int, ser
             time.sleep(0.1)  # a client backs off from a refusal, as a real one would
 
 
+IDLE_SEC = 2.0
+
+
 def _warm_up(target: Target, variants, clients: int, out: List[Outcome]) -> None:
-    """Every variant once, `clients` at a time: first-call compilation, the longest prompt's
-    cache, the prompt cache filled, before the first memory reading."""
-    order = list(range(len(variants)))
+    """Every variant, `clients` at a time, about twice a client: first-call compilation, the
+    longest prompt's cache, the prompt cache filled and the batch at its full width, before the
+    first memory reading (taken idle, as the last one is)."""
+    order = list(range(len(variants))) * max(1, -(-2 * clients // len(variants)))
     lock = threading.Lock()
 
     def run() -> None:
@@ -110,7 +114,7 @@ def _warm_up(target: Target, variants, clients: int, out: List[Outcome]) -> None
             outcome.variant, outcome.warmup = v, True
             out.append(outcome)
 
-    threads = [threading.Thread(target=run, daemon=True) for _ in range(min(clients, len(variants)))]
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(min(clients, len(order)))]
     for t in threads:
         t.start()
     for t in threads:
@@ -142,6 +146,12 @@ def _per_minute(outcomes: Sequence[Outcome], t0: float, t1: float) -> List[float
     return [round(tokens / span, 1) if span > 0 else 0.0 for tokens, span in zip(buckets, spans)]
 
 
+def _stored_bytes(base: str, target: Target) -> Optional[int]:
+    """KiB of the stored prompt caches on one rank, as the server's /health says."""
+    found = (soak_pair.get_json(base, "/health", target.api_key) or {}).get("prompt_cache_bytes")
+    return found // 1024 if isinstance(found, int) else None
+
+
 def _rss(pids: Dict[str, Optional[int]]) -> Dict[str, Optional[int]]:
     return {name: soak_pair.rss_kib(pid) for name, pid in pids.items()}
 
@@ -160,7 +170,9 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     t_warm = time.perf_counter()
     _warm_up(target, variants, opts.clients, outcomes)
     tr.log(f"soak: warm-up of {len(variants)} variants in {time.perf_counter() - t_warm:.1f} s")
+    time.sleep(IDLE_SEC)  # the server hands memory back once idle: read it there, as at the end
     rss_start = _rss(pids)
+    stored_start = _stored_bytes(base, target)
 
     t0 = time.perf_counter()
     stop_at = t0 + opts.seconds
@@ -186,9 +198,21 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
         t.join(max(0.0, stop_at + 2 * target.timeout + 10 - time.perf_counter()))
     stuck = sum(t.is_alive() for t in threads)
     t1 = max([stop_at] + [o.end for o in outcomes if not o.warmup])
+    time.sleep(IDLE_SEC)
     rss_end = _rss(pids)
+    stored_end = _stored_bytes(base, target)
     rec = _record(opts, list(outcomes), variants, refs, restart, stuck, t0, t1, rss_start,
                   rss_end, reach)
+    # Stored prompt caches are memory the server keeps on purpose, up to its bounds, and each
+    # rank holds the same share; which prompts they hold differs from start to end, so the
+    # growth is also given without them.
+    rec["stored_prompt_cache_start_kib"], rec["stored_prompt_cache_end_kib"] = stored_start, stored_end
+    for name in ("leader", "worker"):
+        a, b = rss_start.get(name), rss_end.get(name)
+        same = name == "leader" or not opts.restart_worker
+        rec[f"rss_{name}_ratio_less_stored"] = (
+            round((b - stored_end) / (a - stored_start), 3)
+            if a and b and same and stored_start is not None and stored_end is not None else None)
     for name in ("leader", "worker"):
         a, b = rss_steady.get(name), rss_end.get(name)
         rec[f"rss_{name}_steady_kib"] = a
@@ -287,11 +311,13 @@ def print_soak(rec: Dict[str, Any], as_json: bool) -> None:
         ratio = rec[f"rss_{name}_ratio"]
         again = " (the restarted worker's)" if name == "worker" and "restart" in rec else ""
         steady = rec.get(f"rss_{name}_end_vs_steady")
+        less = rec.get(f"rss_{name}_ratio_less_stored")
         print(f"soak  {name} RSS {_mib(rec[f'rss_{name}_start_kib'])} after warm-up, "
               f"{_mib(rec.get(f'rss_{name}_steady_kib'))} a quarter in -> "
               f"{_mib(rec[f'rss_{name}_end_kib'])} at the end{again}"
               f"{f' ({ratio:.3f}x the warm-up' if ratio else ''}"
-              f"{f', {steady:.3f}x the quarter)' if steady else (')' if ratio else '')}")
+              f"{f', {steady:.3f}x the quarter' if steady else ''}"
+              f"{f', {less:.3f}x less the stored prompt caches' if less else ''}{')' if ratio else ''}")
     if "restart" in rec:
         r = rec["restart"]
         print("soak  worker restart: " + (

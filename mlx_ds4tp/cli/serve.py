@@ -45,6 +45,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(mlx_lm.server's flag and default, 8; at most 256)")
     p.add_argument("--prompt-cache-size", type=int, default=10,
                    help="most stored prompt caches kept for reuse (LRU; 0 = no reuse; default 10)")
+    p.add_argument("--mixed-prefill", type=int, default=0, metavar="N",
+                   help="prompts still prefilling ride in the decode steps, N prompt tokens each a step "
+                        "(the seed's mixed batch: one pass over the weights for both, cheaper where "
+                        "decode is bound by memory bandwidth, as on a Mac; default 0: prompts are "
+                        "prefilled in forwards of their own, between decode steps)")
     p.add_argument("--max-kv-tokens", type=int, default=None, metavar="N",
                    help="KV budget: a request starts only while the sessions under way reserve at most "
                         "N cache tokens (prompt + max_tokens each); the others wait (default: what "
@@ -128,6 +133,11 @@ def main(args: argparse.Namespace) -> int:
     if args.kv_group_size not in KV_GROUP_SIZES:
         raise SystemExit(f"ds4tp serve: --kv-group-size {args.kv_group_size}: give one of "
                          f"{', '.join(map(str, KV_GROUP_SIZES))}")
+    from ..link.wire import MAX_VERIFY_WIDTH
+
+    if not 0 <= args.mixed_prefill <= MAX_VERIFY_WIDTH:
+        raise SystemExit(f"ds4tp serve: --mixed-prefill {args.mixed_prefill} must be 0 to "
+                         f"{MAX_VERIFY_WIDTH} (a decode step's rows carry at most that many tokens)")
     if args.draft_model and args.prompt_lookup:
         raise SystemExit("ds4tp serve: --draft-model and --prompt-lookup are two ways to draft; give one")
     if not 1 <= args.num_draft_tokens <= 64:

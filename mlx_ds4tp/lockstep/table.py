@@ -10,7 +10,9 @@ session joins.
 
 from __future__ import annotations
 
+import ctypes
 import struct
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -124,6 +126,57 @@ def kv_of_code(code: int) -> Tuple[int, int]:
         raise tr.FrameError(f"SESSION_CREATE asks for a KV cache of {bits} bits in groups of "
                             f"{group_size} (bits {KV_BITS}, groups {KV_GROUP_SIZES})")
     return bits, group_size
+
+
+def owned(cache: list) -> list:
+    """The cache with every array its own copy. A row extracted from the batch may be a view of
+    the whole batch's buffer (mlx-lm's extract of the longest row of a just-merged batch is
+    contiguous, so no copy is made), and a stored cache would then keep every other row's
+    keys and values alive for as long as it is kept."""
+    made: list = []
+
+    def copy(value):
+        if isinstance(value, mx.array):
+            made.append(mx.array(value))
+            return made[-1]
+        if isinstance(value, (list, tuple)) and any(isinstance(v, mx.array) for v in value):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    fresh = []
+    for layer in cache:
+        for name, value in list(vars(layer).items()):
+            new = copy(value)
+            if new is not value:
+                setattr(layer, name, new)
+        fresh.append(layer)
+    mx.eval(made)
+    return fresh
+
+
+def release_memory() -> None:
+    """Hand the memory of finished work back: MLX's buffer cache, and on Linux the C heap's
+    free pages (glibc keeps freed arrays' pages resident, raising its mmap threshold after
+    large frees, so a server's resident memory would follow its busiest moment forever)."""
+    mx.clear_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim():
+    global _TRIM
+    if _TRIM is None:
+        _TRIM = False
+        if sys.platform.startswith("linux"):
+            try:
+                _TRIM = ctypes.CDLL(None).malloc_trim
+            except (OSError, AttributeError):
+                pass
+    return _TRIM or None
+
+
+_TRIM = None
 
 
 class SessionTable:
@@ -301,10 +354,10 @@ class SessionTable:
                 for c in batch:
                     c.finalize()
             mx.eval([c.state for c in batch])
+        # The rows' own copies (owned: an extracted row may be a view of the padded batch), so
+        # the padded batch's memory goes before the next forward.
         for i, session in enumerate(sessions):
-            self.sessions[session] = [c.extract(i) for c in batch]
-        # The rows' own copies now, so the padded batch's memory goes before the next forward.
-        mx.eval([c.state for s in sessions for c in self.sessions[s]])
+            self.sessions[session] = owned([c.extract(i) for c in batch])
         # As mlx-lm after each prompt chunk: MLX keeps freed buffers for reuse, and a padded
         # forward's activations would otherwise stay held as the process's memory.
         mx.clear_cache()
@@ -417,10 +470,12 @@ class SessionTable:
         else:
             raise tr.FrameError(f"SESSION_DESTROY for session {session}, which does not exist")
         self.ended += 1
+        if not self.rows and not self.sessions:
+            release_memory()  # idle: nothing runs until the next request
         if store_as:
             if store_as in self.stored:
                 raise tr.FrameError(f"SESSION_DESTROY stores under cache id {store_as}, already taken")
-            self.stored[store_as] = cache
+            self.stored[store_as] = owned(cache)
 
     def stored_bytes(self, cache_id: int) -> int:
         """Bytes a stored cache's arrays take on this rank."""

@@ -20,7 +20,6 @@ the others, so each session's tokens are what mlx-lm generates for it alone.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import queue
 import threading
@@ -30,54 +29,14 @@ import mlx.core as mx
 
 from .. import transport as tr
 from .errors import PairUnavailable
-from ..lockstep.prompt_cache import PromptCacheIndex, Reuse
-from ..lockstep.sampling import SamplingOptions, SessionSampler, logprob_item, sample_rows
+from ..lockstep.prompt_cache import PromptCacheIndex
+from ..lockstep.sampling import logprob_item, sample_rows
 from ..lockstep.sessions import LeaderSessions
 from ..lockstep.table import kv_code
 from .speculation import verified_tokens
-from .text_stream import TextStream
+from .requests import Request, RunningSession, reserved_tokens
 
 IDLE_POLL_SEC = 0.25
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation as the HTTP layer hands it over; `events` receives ("text", str, items),
-    then ("done", finish_reason), ("failed", message) when this request alone failed, or
-    ("error", message) when the pair is down. `logprobs`: None, or how many most likely
-    tokens each generated token's logprobs entry lists (items: those entries, OpenAI's shape,
-    for the tokens since the last text event)."""
-
-    prompt: List[int]
-    max_tokens: int
-    options: SamplingOptions = SamplingOptions()
-    stop: List[str] = dataclasses.field(default_factory=list)
-    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    cancelled: bool = False
-    logprobs: Optional[int] = None
-    num_draft_tokens: Optional[int] = None  # drafts a round (None: the server's; 0: none)
-
-
-def reserved_tokens(request: Request) -> int:
-    """The cache tokens a request may come to hold: its prompt and every token it may generate."""
-    return len(request.prompt) + request.max_tokens
-
-
-class _Session:
-    def __init__(self, sid: int, request: Request, reuse: Reuse, tokenizer):
-        self.sid = sid
-        self.request = request
-        self.todo = request.prompt[reuse.keep : -1]
-        self.next_input = request.prompt[-1]
-        self.generated: List[int] = []
-        self.sampler = SessionSampler(request.options, request.prompt,
-                                      keep_logprobs=request.logprobs is not None)
-        self.text = TextStream(tokenizer.detokenizer, request.stop)
-        self.items: List[dict] = []  # logprobs entries not sent yet
-        self.reserved = reserved_tokens(request)
-        self.drafter = None  # set when this session drafts (serve.speculation)
 
 
 class Engine:
@@ -87,7 +46,7 @@ class Engine:
                  prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0,
                  kv_budget: int = 0, max_queued: int = 64, prompt_concurrency: int = 8,
                  kv_bits: int = 0, kv_group_size: int = 64, prompt_cache_bytes: int = 0,
-                 speculation=None):
+                 speculation=None, mixed_prefill: int = 0):
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
@@ -108,6 +67,11 @@ class Engine:
         # sessions merge into one decode batch.
         self.kv = kv_code(kv_bits, kv_group_size)
         self.speculation = speculation  # serve.speculation.Speculation, or None: no drafts
+        # Prompt tokens a prefilling session carries in a decode step (0: prompts are prefilled
+        # in forwards of their own). On a Mac decode is bound by reading the weights, so a step
+        # that also carries some prompt tokens costs about one pass where two would cost two;
+        # on a compute-bound CPU every padded position costs, so it is off by default.
+        self.mixed_prefill = mixed_prefill
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         # Memory-bounded admission: a session starts only while the tokens reserved by the
@@ -117,9 +81,9 @@ class Engine:
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._reserved = 0
         self._ids = itertools.count(1)
-        self._prefilling: List[_Session] = []
-        self._ready: List[_Session] = []
-        self._running: List[_Session] = []
+        self._prefilling: List[RunningSession] = []
+        self._ready: List[RunningSession] = []
+        self._running: List[RunningSession] = []
         self._lock = threading.Lock()
         self._error: Optional[str] = None
         self._down = threading.Event()  # set while the pair is down (see resume)
@@ -127,7 +91,7 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self.stats = {"requests": 0, "prefilled_tokens": 0, "cached_tokens": 0, "decode_steps": 0,
                       "generated_tokens": 0, "prefill_batches": 0, "prefill_batch_rows": 0, "prefill_padded_tokens": 0,
-                      "decode_batch_rows": 0, "verify_steps": 0, "drafted_tokens": 0,
+                      "decode_batch_rows": 0, "verify_steps": 0, "mixed_steps": 0, "drafted_tokens": 0,
                       "accepted_tokens": 0}
 
     # -- the HTTP threads' side ---------------------------------------------
@@ -149,7 +113,10 @@ class Engine:
                 # MLX's own figures on the leader (the worker's are the same share): arrays
                 # alive, freed buffers it keeps for reuse, and the high-water mark.
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
-                "mlx_peak_bytes": mx.get_peak_memory()}
+                "mlx_peak_bytes": mx.get_peak_memory(),
+                # The leader's table (the worker's is the same): sessions, stored caches.
+                "table_sessions": len(self.sessions.table.sessions) + len(self.sessions.table.rows),
+                "table_stored": len(self.sessions.table.stored)}
 
     def queued(self) -> int:
         """Requests submitted and not started yet (waiting for room in the KV budget)."""
@@ -196,7 +163,8 @@ class Engine:
             while not self._stopping:
                 self._admit()
                 self._end_cancelled()
-                if self._prefilling:
+                mixing = self.mixed_prefill and (self._running or self._ready)
+                if self._prefilling and not mixing:
                     self._prefill_chunk()
                 if self._running or self._ready:
                     self._decode_step()
@@ -252,7 +220,7 @@ class Engine:
         request.cached_tokens = reuse.keep
         self.stats["requests"] += 1
         self.stats["cached_tokens"] += reuse.keep
-        session = _Session(sid, request, reuse, self.tokenizer)
+        session = RunningSession(sid, request, reuse, self.tokenizer)
         if self.speculation is not None:
             session.drafter = self.speculation.drafter(request)
         (self._prefilling if session.todo else self._ready).append(session)
@@ -287,49 +255,66 @@ class Engine:
         room = self.max_batch - len(self._running)
         joining, self._ready = self._ready[:room], self._ready[room:]
         rows = self._running + joining
-        drafts = [self._propose(s) for s in rows] if self.speculation is not None else []
-        if any(drafts):
-            logits = self.sessions.verify_batch([(s.sid, [s.next_input] + d) for s, d in zip(rows, drafts)])
+        if self.mixed_prefill and self._prefilling and len(rows) < self.max_batch:
+            # Mixed batch: prompts still prefilling join the decode forward with a chunk each,
+            # so one pass over the weights serves both (see mixed_prefill).
+            entering = self._prefilling[: self.max_batch - len(rows)]
+            self._prefilling = self._prefilling[len(entering):]
+            rows += entering
+        chunks = [s.todo[: self.mixed_prefill] if s.todo else None for s in rows]
+        drafts = [[] if c is not None else self._propose(s) for s, c in zip(rows, chunks)] \
+            if self.speculation is not None else [[] for _ in rows]
+        inputs = [c if c is not None else [s.next_input] + d for s, c, d in zip(rows, chunks, drafts)]
+        multi = any(len(i) > 1 for i in inputs)
+        if multi:
+            logits = self.sessions.verify_batch([(s.sid, i) for s, i in zip(rows, inputs)])
             self.stats["verify_steps"] += 1
         else:
-            logits = self.sessions.step([(s.sid, s.next_input) for s in rows])
+            logits = self.sessions.step([(s.sid, i[0]) for s, i in zip(rows, inputs)])
         if joining:
             # Prompt tokens are computed once each: the last one is the first decode input.
             self.stats["prefilled_tokens"] += len(joining)
+        if any(c is not None for c in chunks):
+            self.stats["mixed_steps"] += 1
+        for session, chunk in zip(rows, chunks):
+            if chunk is not None:
+                session.todo = session.todo[len(chunk):]
+                self.stats["prefilled_tokens"] += len(chunk) + (0 if session.todo else 1)
         self.stats["decode_steps"] += 1
         self.stats["decode_batch_rows"] = max(self.stats["decode_batch_rows"], len(rows))
         if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
             self.sessions.check_hash()
         errors: Dict[int, str] = {}
-        if not any(drafts):
-            new = [None if t is None else [t] for t in sample_rows(logits, [s.sampler for s in rows], errors)]
-            return self._take(rows, new, errors, commit=False)
-        new: List[Optional[List[int]]] = [None] * len(rows)
-        plain = [i for i, d in enumerate(drafts) if not d]
+        new: List[Optional[List[int]]] = [[] for _ in rows]  # prefill rows yield no token
+        plain = [i for i, (c, d) in enumerate(zip(chunks, drafts)) if c is None and not d]
         if plain:
             mine: Dict[int, str] = {}
-            tokens = sample_rows(logits[mx.array(plain), 0], [rows[i].sampler for i in plain], mine)
+            row_logits = logits[mx.array(plain), 0] if multi else (logits if len(plain) == len(rows) else logits[mx.array(plain)])
+            tokens = sample_rows(row_logits, [rows[i].sampler for i in plain], mine)
             for j, i in enumerate(plain):
                 new[i] = None if tokens[j] is None else [tokens[j]]
                 if j in mine:
                     errors[i] = mine[j]
         drafted = [i for i, d in enumerate(drafts) if d]
-        for i, tokens in zip(drafted, verified_tokens(logits[mx.array(drafted)], [drafts[i] for i in drafted])):
-            new[i] = tokens
-            rows[i].sampler.history.extend(tokens)
-            rows[i].drafter.accepted(len(drafts[i]), len(tokens) - 1)
-            self.stats["drafted_tokens"] += len(drafts[i])
-            self.stats["accepted_tokens"] += len(tokens) - 1
-        self._take(rows, new, errors, commit=True)
+        if drafted:
+            verified = verified_tokens(logits[mx.array(drafted)], [drafts[i] for i in drafted])
+            for i, tokens in zip(drafted, verified):
+                new[i] = tokens
+                rows[i].sampler.history.extend(tokens)
+                rows[i].drafter.accepted(len(drafts[i]), len(tokens) - 1)
+                self.stats["drafted_tokens"] += len(drafts[i])
+                self.stats["accepted_tokens"] += len(tokens) - 1
+        fixed = {i: len(c) for i, c in enumerate(chunks) if c is not None}
+        self._take(rows, new, errors, commit=multi, fixed_keep=fixed)
 
-    def _propose(self, session: _Session) -> List[int]:
+    def _propose(self, session: RunningSession) -> List[int]:
         request = session.request
         return self.speculation.propose(session.drafter, request.prompt + session.generated,
                                         request.num_draft_tokens,
                                         request.max_tokens - len(session.generated))
 
-    def _take(self, rows: List[_Session], new: List[Optional[List[int]]], errors: Dict[int, str],
-              commit: bool) -> None:
+    def _take(self, rows: List[RunningSession], new: List[Optional[List[int]]], errors: Dict[int, str],
+              commit: bool, fixed_keep: Optional[Dict[int, int]] = None) -> None:
         """Each row's new tokens (None: its sampling failed) into its session, in order, until
         one ends it; with `commit` (a verify step), both ranks then keep in each row's cache the
         positions its session used, before any session ends."""
@@ -345,6 +330,9 @@ class Engine:
                     finish, flush = "failed", False
                 if finish is not None:
                     break
+            if fixed_keep and i in fixed_keep:  # a prompt chunk: all kept, no token yet
+                used = fixed_keep[i]
+                finish, flush = ("cancelled", False) if session.request.cancelled else (None, True)
             outcomes.append((finish, flush))
             keep.append(used)
         if commit:
@@ -361,7 +349,7 @@ class Engine:
             else:
                 self._end(session, finish, flush)
 
-    def _advance(self, session: _Session, token: int) -> tuple:
+    def _advance(self, session: RunningSession, token: int) -> tuple:
         """Take a session's new token: (finish reason or None, whether held text is sent)."""
         request = session.request
         session.generated.append(token)
@@ -385,7 +373,7 @@ class Engine:
         session.next_input = token
         return None, True
 
-    def _end(self, session: _Session, finish: str, flush: bool) -> None:
+    def _end(self, session: RunningSession, finish: str, flush: bool) -> None:
         """Free the session on both ranks; a completed one's cache is stored for reuse."""
         request = session.request
         self._reserved -= session.reserved

@@ -1,0 +1,55 @@
+"""What the engine schedules: a request as the HTTP layer hands it over, and the session the
+engine keeps for it while it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from typing import List, Optional
+
+from ..lockstep.prompt_cache import Reuse
+from ..lockstep.sampling import SamplingOptions, SessionSampler
+from .text_stream import TextStream
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation as the HTTP layer hands it over; `events` receives ("text", str, items),
+    then ("done", finish_reason), ("failed", message) when this request alone failed, or
+    ("error", message) when the pair is down. `logprobs`: None, or how many most likely
+    tokens each generated token's logprobs entry lists (items: those entries, OpenAI's shape,
+    for the tokens since the last text event)."""
+
+    prompt: List[int]
+    max_tokens: int
+    options: SamplingOptions = SamplingOptions()
+    stop: List[str] = dataclasses.field(default_factory=list)
+    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cancelled: bool = False
+    logprobs: Optional[int] = None
+    num_draft_tokens: Optional[int] = None  # drafts a round (None: the server's; 0: none)
+
+
+def reserved_tokens(request: Request) -> int:
+    """The cache tokens a request may come to hold: its prompt and every token it may generate."""
+    return len(request.prompt) + request.max_tokens
+
+
+class RunningSession:
+    """A request the engine has started: its cache's tokens still to prefill, its next input,
+    what it generated, its sampler and its text."""
+
+    def __init__(self, sid: int, request: Request, reuse: Reuse, tokenizer):
+        self.sid = sid
+        self.request = request
+        self.todo = request.prompt[reuse.keep : -1]
+        self.next_input = request.prompt[-1]
+        self.generated: List[int] = []
+        self.sampler = SessionSampler(request.options, request.prompt,
+                                      keep_logprobs=request.logprobs is not None)
+        self.text = TextStream(tokenizer.detokenizer, request.stop)
+        self.items: List[dict] = []  # logprobs entries not sent yet
+        self.reserved = reserved_tokens(request)
+        self.drafter = None  # set when this session drafts (serve.speculation)
