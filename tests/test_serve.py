@@ -689,6 +689,10 @@ def test_metrics_in_the_prometheus_format_count_what_was_served(pair, model_dir)
     assert delta("ds4tp_time_to_first_token_seconds_count") == 2
     assert after[("ds4tp_pair_up", ())] == 1.0 and after[("ds4tp_sessions_decoding", ())] == 0
     assert after[("ds4tp_gate_latency_p50_microseconds", ())] > 0
+    assert delta("ds4tp_decode_steps") >= r.usage.completion_tokens
+    assert delta("ds4tp_prefill_batches") >= 1
+    assert after[("ds4tp_kv_budget_tokens", ())] == pair.health()[1]["kv_budget_tokens"] > 0
+    assert after[("ds4tp_prompt_cache_bytes", ())] > 0
 
 
 # ---------------------------------------------------------------------------------------------
