@@ -170,6 +170,21 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     t_warm = time.perf_counter()
     _warm_up(target, variants, opts.clients, outcomes)
     tr.log(f"soak: warm-up of {len(variants)} variants in {time.perf_counter() - t_warm:.1f} s")
+    # Then the load itself for a tenth of the run (10 to 60 s), so the caches and the heap have
+    # filled at full width before the first memory reading.
+    fill = min(60.0, max(10.0, opts.seconds / 10))
+    filled: List[Outcome] = []
+    fillers = [threading.Thread(target=_client, args=(i, target, opts, variants, vocab, server_ctx,
+                                                      time.perf_counter() + fill, filled), daemon=True)
+               for i in range(opts.clients)]
+    for t in fillers:
+        t.start()
+    for t in fillers:
+        t.join(fill + 2 * target.timeout + 10)
+    for outcome in filled:
+        outcome.warmup = True
+    outcomes.extend(filled)
+    tr.log(f"soak: {len(filled)} requests at full width for {fill:g} s before the first memory reading")
     time.sleep(IDLE_SEC)  # the server hands memory back once idle: read it there, as at the end
     rss_start = _rss(pids)
     stored_start = _stored_bytes(base, target)
