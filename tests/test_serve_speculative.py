@@ -113,6 +113,8 @@ def test_a_model_whose_cache_cannot_forget_is_refused_speculation(tmp_path):
     assert speculation_blocker([KVCache(), KVCache()]) is None
     why = speculation_blocker([KVCache(), RotatingKVCache(max_size=8), ArraysCache(2)])
     assert "ArraysCache, RotatingKVCache" in why and "--prompt-lookup" in why
+    # The mixed batch's rows differ in length too, so the same caches refuse it.
+    assert speculation_blocker([ArraysCache(2)], "--mixed-prefill").endswith("without --mixed-prefill")
 
 
 # ---------------------------------------------------------------------------------------------

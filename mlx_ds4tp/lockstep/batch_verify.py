@@ -32,15 +32,16 @@ from ..link.wire import VERIFY_BATCH_HEADER, VERIFY_BATCH_ROW
 COMPACT_AT = 256
 
 
-def speculation_blocker(cache: Sequence) -> Optional[str]:
-    """Why a session cache like this one cannot be verified in the batch (None: it can)."""
+def speculation_blocker(cache: Sequence, flags: str = "--draft-model / --prompt-lookup") -> Optional[str]:
+    """Why a session cache like this one cannot take rows of different lengths in the batch
+    (speculation, the mixed batch), naming `flags` to leave out; None: it can."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     bad = sorted({type(c).__name__ for c in cache if not isinstance(c, (KVCache, QuantizedKVCache))})
     if bad:
-        return (f"the model's {', '.join(bad)} layers cannot drop rejected drafts (a rotating "
-                "window or recurrent state cannot forget a token); serve it without "
-                "--draft-model / --prompt-lookup")
+        return (f"the model's {', '.join(bad)} layers cannot drop the positions a row does not keep "
+                "(a rotating window or recurrent state cannot forget a token); serve it without "
+                f"{flags}")
     return None
 
 

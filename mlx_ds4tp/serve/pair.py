@@ -130,6 +130,14 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
         if args.kv_bits:
             check_kv_quantization(model, args.kv_bits, args.kv_group_size)
         speculation = make_speculation(args, model)
+        if args.mixed_prefill:
+            from ..lockstep.batch_verify import speculation_blocker
+            from ..lockstep.compute import make_cache
+
+            # A mixed step's rows differ in length: the same per-row cut as a verify's.
+            blocker = speculation_blocker(make_cache(model), "--mixed-prefill")
+            if blocker:
+                raise SystemExit(f"ds4tp serve: {blocker}")
         budget = args.max_kv_tokens
         if budget is None:
             from .memory import default_kv_budget
