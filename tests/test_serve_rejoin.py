@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 
-import openai
 import pytest
 
-from serveutil import ServedPair, build_chat_model, client, reference, text_ids
+openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
+
+from serveutil import ServedPair, build_chat_model, client, reference, text_ids  # noqa: E402
 
 
 @pytest.fixture(scope="module")
