@@ -80,6 +80,10 @@ class Engine:
         self.kv_budget, self.max_queued = kv_budget, max_queued
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._reserved = 0
+        # Every request between leaving the queue and its last event, whatever list its
+        # session is in at the moment (a step moves sessions between lists, and a failure can
+        # strike in between): the pair going down reaches each of them, none hangs.
+        self._owned: Dict[int, Request] = {}
         self._ids = itertools.count(1)
         self._prefilling: List[RunningSession] = []
         self._ready: List[RunningSession] = []
@@ -209,6 +213,7 @@ class Engine:
                 return  # the head waits for room, and the rest behind it
             self._waiting.popleft()
             self._reserved += need
+            self._owned[id(head)] = head
             self._start(head)
 
     def _start(self, request: Request) -> None:
@@ -379,6 +384,7 @@ class Engine:
         self._reserved -= session.reserved
         if finish == "cancelled":
             self.sessions.destroy(session.sid, 0)
+            self._owned.pop(id(request), None)
             return
         # The cache holds every token fed in: the prompt and all but the last sampled one.
         cache_id, evicted = self.index.insert(request.prompt + session.generated[:-1])
@@ -391,6 +397,7 @@ class Engine:
         if tail or session.items:
             request.events.put(("text", tail, session.items))
         request.events.put(("done", finish))
+        self._owned.pop(id(request), None)
 
     def _end_cancelled(self) -> None:
         for waiting in (self._prefilling, self._ready):
@@ -398,6 +405,7 @@ class Engine:
                 waiting.remove(session)
                 self._reserved -= session.reserved
                 self.sessions.destroy(session.sid, 0)
+                self._owned.pop(id(session.request), None)
 
     def wait_down(self, timeout: float) -> bool:
         """True once the pair is down and the loop has ended (a worker may then rejoin)."""
@@ -432,10 +440,11 @@ class Engine:
             self._down.set()
         tr.log(f"serve: the pair is down: {message}")
         self.sessions.abort(message)
-        sessions = self._prefilling + self._ready + self._running
+        owned = list(self._owned.values())
+        self._owned.clear()
         self._prefilling, self._ready, self._running = [], [], []
-        for session in sessions:
-            session.request.events.put(("error", message))
+        for request in owned:
+            request.events.put(("error", message))
         while self._waiting:
             self._waiting.popleft().events.put(("error", message))
         self._reserved = 0
