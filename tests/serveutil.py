@@ -115,6 +115,23 @@ def client(pair: ServedPair, api_key: str = API_KEY, timeout: float = 60.0):
     return openai.OpenAI(base_url=pair.base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
 
+def open_stream(pair: ServedPair, body: bytes, api_key: str = API_KEY):
+    """A streamed POST /v1/completions on a raw socket, returned once the first event has
+    arrived: the test closes it when it chooses (a client that hangs up, a budget held)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", pair.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + api_key.encode() + b"\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    while b"data:" not in received:
+        chunk = sock.recv(4096)
+        assert chunk, f"the server closed the stream before any event: {received!r}"
+        received += chunk
+    return sock
+
+
 def post_raw(pair: ServedPair, path: str, body: bytes, api_key: str = API_KEY) -> tuple:
     """(status, parsed JSON body) of a POST with an exact body."""
     req = urllib.request.Request(pair.base + path, data=body, method="POST",

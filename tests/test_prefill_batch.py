@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import socket
 import threading
 import time
 
@@ -51,7 +50,7 @@ def model(model_dir):
 def test_four_queued_prompts_are_prefilled_in_one_batch_each_as_mlx_lm_alone(model_dir, tmp_path, step):
     pytest.importorskip("openai", reason="the openai package (pip install openai)")
     from mlx_ds4tp.testing.tiny_model import EOS_ID
-    from serveutil import API_KEY, ServedPair, client, post_raw, reference, text_ids
+    from serveutil import ServedPair, client, open_stream, post_raw, reference, text_ids
 
     warm = [5, 6, 7, 8, 9, 10]
     # One prompt shares the warm-up's first six tokens: it starts from a copy of that stored
@@ -76,15 +75,7 @@ def test_four_queued_prompts_are_prefilled_in_one_batch_each_as_mlx_lm_alone(mod
         assert code == 200
         body = json.dumps({"prompt": [5, 6, 7], "max_tokens": holder_tokens, "stream": True,
                            "logit_bias": {str(EOS_ID): -100}}).encode()
-        holder = socket.create_connection(("127.0.0.1", served.port), timeout=30)
-        holder.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
-                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        received = b""
-        while b"data:" not in received:
-            chunk = holder.recv(4096)
-            assert chunk, f"the server closed the stream before any event: {received!r}"
-            received += chunk
+        holder = open_stream(served, body)
         before = served.health()[1]
         got, errors = [None] * 4, []
 

@@ -12,7 +12,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
 
 from serveutil import (  # noqa: E402
-    API_KEY, ServedPair, build_chat_model, chat_ids, client, get_raw, post_raw, reference, text_ids,
+    API_KEY, ServedPair, build_chat_model, chat_ids, client, get_raw, open_stream, post_raw, reference,
+    text_ids,
 )
 
 
@@ -225,15 +226,7 @@ def test_prompt_longer_than_context_token_past_the_vocabulary_and_wrong_key(pair
 
 def test_client_disconnect_mid_stream_frees_the_session(pair, model_dir):
     body = json.dumps({"prompt": "go on forever", "max_tokens": 2000, "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", pair.port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    received = b""
-    while b"data:" not in received:
-        chunk = sock.recv(4096)
-        assert chunk, f"the server closed the stream before any event: {received!r}"
-        received += chunk
+    sock = open_stream(pair, body)
     sock.close()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

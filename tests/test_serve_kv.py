@@ -4,13 +4,12 @@ quantized cache, lockstep/quantized_cache.py), and the prompt cache bounded in b
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import pytest
 
-from serveutil import API_KEY, ServedPair, _load, build_chat_model, client, post_raw, text_ids
+from serveutil import ServedPair, _load, build_chat_model, client, open_stream, post_raw, text_ids
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +27,12 @@ def quantized_reference(model_dir, prompt, max_tokens: int, bits: int, group_siz
     return generate(model, tokenizer, prompt=prompt, max_tokens=max_tokens, prompt_cache=cache)
 
 
-def _hold(served: ServedPair, tokens: int) -> socket.socket:
+def _hold(served: ServedPair, tokens: int):
     """A streamed request that holds the KV budget until its connection closes."""
     from mlx_ds4tp.testing.tiny_model import EOS_ID
 
-    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": tokens, "stream": True,
-                       "logit_bias": {str(EOS_ID): -100}}).encode()
-    sock = socket.create_connection(("127.0.0.1", served.port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    received = b""
-    while b"data:" not in received:
-        chunk = sock.recv(4096)
-        assert chunk, received
-        received += chunk
-    return sock
+    return open_stream(served, json.dumps({"prompt": [5, 6, 7], "max_tokens": tokens, "stream": True,
+                                           "logit_bias": {str(EOS_ID): -100}}).encode())
 
 
 @pytest.mark.parametrize("bits", [8, 4])

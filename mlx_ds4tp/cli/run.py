@@ -9,6 +9,7 @@ from typing import Tuple
 
 from ..link.config import PairAddress
 from ..lockstep.sampling import SamplingOptions
+from .draft_args import add_draft_args, check_draft_args
 from .model_arg import MODEL_HELP, model_path
 from .pair_args import add_pair_args, add_transport_args, check_at_least, one_rank_address
 from .sampling_args import add_sampling_args, options_from_args
@@ -30,14 +31,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "divergence (default 0: off)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="feed the prompt as raw text (default: the model's chat template, when it has one)")
-    p.add_argument("--draft-model", default=None, metavar="PATH|REPO",
-                   help="leader: speculative decoding with this small model of the same vocabulary "
-                        "(whole, on the leader): the pair verifies its drafts in one forward a round")
-    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
-                   help="leader: speculative decoding drafting from the last N-gram's earlier "
-                        "occurrence in the prompt and the text so far (no draft model; 0: off)")
-    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
-                   help="tokens drafted a round with --draft-model or --prompt-lookup (default 3)")
+    add_draft_args(p, "the pair verifies its drafts in one forward a round")
     add_pair_args(p, ROLE_HELP)
 
 
@@ -47,19 +41,13 @@ def check_args(args: argparse.Namespace) -> Tuple[PairAddress, SamplingOptions]:
     address = one_rank_address(args, "run", " --prompt TEXT")
     if address.role == "leader" and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
-    check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0),
-                           ("--prompt-lookup", args.prompt_lookup, 0), ("--num-draft-tokens", args.num_draft_tokens, 1)))
+    check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))
+    check_draft_args("run", args)
     sampling = options_from_args(args)
-    if args.draft_model and args.prompt_lookup:
-        raise SystemExit("ds4tp run: --draft-model and --prompt-lookup are two ways to draft; give one")
     if (args.draft_model or args.prompt_lookup) and sampling.processed:
         raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
                          "--repetition-penalty here: leave it out")
-    if args.num_draft_tokens > 64:
-        raise SystemExit(f"ds4tp run: --num-draft-tokens {args.num_draft_tokens} must be <= 64")
     args.model = str(model_path(args.model))
-    if args.draft_model:
-        args.draft_model = str(model_path(args.draft_model))
     return address, sampling
 
 

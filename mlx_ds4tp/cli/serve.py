@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from ..link.wire import MAX_PREFILL_ROWS
+from .draft_args import add_draft_args, check_draft_args
 from .model_arg import MODEL_HELP, default_served_name, model_path
 from .pair_args import add_pair_args, add_transport_args, check_at_least, one_rank_address
 from .sampling_args import add_sampling_args, options_from_args
@@ -72,16 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="leader: most bytes the stored prompt caches take on each machine, e.g. 4GB "
                         "or 512MB (least recently used dropped first; default 0: bounded by "
                         "--prompt-cache-size only)")
-    p.add_argument("--draft-model", default=None, metavar="PATH|REPO",
-                   help="leader: speculative decoding with this small model of the same vocabulary "
-                        "(whole, on the leader; one cache per session): greedy sessions verify their "
-                        "drafts in the decode batch, several tokens a round of gates")
-    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
-                   help="leader: speculative decoding drafting from the last N-gram's earlier "
-                        "occurrence in the prompt and the text so far (0: off)")
-    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
-                   help="drafted tokens a round (default 3, mlx_lm.server's); a request's "
-                        "num_draft_tokens overrides it, 0 there decodes that request plainly")
+    add_draft_args(p, "greedy sessions verify their drafts in the decode batch (a request's "
+                      "num_draft_tokens asks for fewer, 0 for none)")
     p.add_argument("--rejoin", action="store_true",
                    help="worker: when the leader stops or dies, wait for a leader on the same "
                         "address and serve it, instead of exiting (the leader always takes a "
@@ -138,14 +131,7 @@ def main(args: argparse.Namespace) -> int:
     if not 0 <= args.mixed_prefill <= MAX_VERIFY_WIDTH:
         raise SystemExit(f"ds4tp serve: --mixed-prefill {args.mixed_prefill} must be 0 to "
                          f"{MAX_VERIFY_WIDTH} (a decode step's rows carry at most that many tokens)")
-    if args.draft_model and args.prompt_lookup:
-        raise SystemExit("ds4tp serve: --draft-model and --prompt-lookup are two ways to draft; give one")
-    if not 1 <= args.num_draft_tokens <= 64:
-        raise SystemExit(f"ds4tp serve: --num-draft-tokens {args.num_draft_tokens} must be 1 to 64")
-    if args.prompt_lookup < 0:
-        raise SystemExit(f"ds4tp serve: --prompt-lookup {args.prompt_lookup} must be >= 0 (0: off)")
-    if args.draft_model:
-        args.draft_model = str(model_path(args.draft_model))
+    check_draft_args("serve", args)
     if args.rejoin and address.role != "worker":
         raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
                          "takes a restarted worker back")
