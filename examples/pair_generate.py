@@ -28,7 +28,6 @@ from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
 from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
 from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.link.identity import model_identity
-from mlx_ds4tp.lockstep.sampling import run_sampler
 
 
 def main() -> int:
@@ -73,10 +72,10 @@ def main() -> int:
                 detokenizer.add_token(token)
                 print(detokenizer.last_segment, end="", flush=True)
 
-            # The same sampling flags as `ds4tp run`, sampled by mlx-lm's own samplers.
-            sampler = run_sampler(sampling, prompt_tokens)
+            # The same sampling flags as `ds4tp run`, sampled by mlx-lm's own samplers (on
+            # both ranks: each samples for itself, so each step is queued while the last runs).
             eos = set(tokenizer.eos_token_ids or [])
-            stats = pair_generate(sessions, prompt_tokens, args.max_tokens, sampler, on_token=stream,
+            stats = pair_generate(sessions, prompt_tokens, args.max_tokens, sampling, on_token=stream,
                                   eos=eos, debug_hash=args.debug_hash)
             detokenizer.finalize()
             print(detokenizer.last_segment, flush=True)

@@ -131,7 +131,6 @@ def main(argv) -> int:
             if k == 0:
                 at(phase)
     if phase == "between-prompts" and leader:
-        from mlx_ds4tp.lockstep.compute import argmax_token
         from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
         from mlx_ds4tp.lockstep.sessions import LeaderSessions
         from mlx_ds4tp.model_split import load_split
@@ -140,10 +139,10 @@ def main(argv) -> int:
         sessions = LeaderSessions(group, split)
         prompt = encode_prompt(tokenizer, "two machines", chat=False)
         try:
-            pair_generate(sessions, prompt, 4, argmax_token)
+            pair_generate(sessions, prompt, 4)
             at(phase)
             sys.stdin.readline()
-            pair_generate(sessions, prompt, 4, argmax_token)
+            pair_generate(sessions, prompt, 4)
         finally:
             sessions.stop()
         group.close()

@@ -36,9 +36,10 @@ The bound is checked before anything is allocated.
 | PREFILL_BATCH    | PREFILL_BATCH_HEADER (rows) + rows x PREFILL_BATCH_ROW (session, count) + the rows' int32 tokens, row after row | 4198416 |
 | VERIFY_BATCH     | VERIFY_BATCH_HEADER (step, rows, width) + rows x VERIFY_BATCH_ROW (session, count) + rows x width int32 tokens, right-padded | 282640 |
 | COMMIT_BATCH     | COMMIT_BATCH_HEADER (step, rows) + rows x uint32 positions kept | 4112 |
+| DECODE           | DECODE_HEADER (session, step, seed, max tokens, hash every, counts) + eos int32s + context int32s + JSON sampling options | 4264000 |
 
 The lockstep commands (SESSION_CREATE, REWIND, SYNC, PREFILL_BATCH, EVAL_BATCH, VERIFY,
-VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
+VERIFY_BATCH, COMMIT_BATCH, DECODE, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
 it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are never sent
 (`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
@@ -67,7 +68,8 @@ import struct
 # 4: prompts waiting together are prefilled in one PREFILL_BATCH forward.
 # 5: speculative rows verified in the decode batch (VERIFY_BATCH, COMMIT_BATCH); SESSION_CREATE
 # names a fresh cache's KV quantization.
-PROTOCOL_VERSION = 5
+# 6: `ds4tp run` decodes with both ranks sampling for themselves (DECODE), pipelined.
+PROTOCOL_VERSION = 6
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
@@ -117,6 +119,9 @@ class FrameType(enum.IntEnum):
     VERIFY_BATCH = 35
     # ... then the positions of each row its session keeps; the rest leave the caches.
     COMMIT_BATCH = 36
+    # One session decoded alone to its end, both ranks sampling the same tokens for
+    # themselves, each step built while the last computes (lockstep.pipelined).
+    DECODE = 37
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -140,6 +145,9 @@ MAX_VERIFY_TOKENS = 1024  # one verify forward: the input token and at most 1023
 MAX_PREFILL_ROWS = 256
 # A VERIFY_BATCH row: the input token and at most 64 drafts (--num-draft-tokens <= 64).
 MAX_VERIFY_WIDTH = 65
+# A DECODE: at most this many end-of-sequence tokens, and sampling options of at most 64 KiB.
+MAX_DECODE_EOS = 1024
+MAX_DECODE_OPTIONS_BYTES = 64 * 1024
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000
 NONCE_BYTES = 16
@@ -172,6 +180,7 @@ FRAME_MAX_BYTES = {
     FrameType.PREFILL_BATCH: 16 + 16 * MAX_PREFILL_ROWS + 4 * MAX_TOKENS_PER_FRAME,
     FrameType.VERIFY_BATCH: 16 + 16 * 1024 + 4 * 1024 * MAX_VERIFY_WIDTH,  # 1024: MAX_BATCH_ROWS
     FrameType.COMMIT_BATCH: 16 + 4 * 1024,
+    FrameType.DECODE: 64 + 4 * MAX_DECODE_EOS + 4 * MAX_TOKENS_PER_FRAME + MAX_DECODE_OPTIONS_BYTES,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -231,4 +240,8 @@ VERIFY_BATCH_ROW = struct.Struct("<QII")  # session id, tokens in the row, reser
 COMMIT_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then uint32 per row
 PREFILL_BATCH_HEADER = struct.Struct("<IIQ")  # rows, reserved, reserved; then the rows
 PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; tokens follow all rows
+# session id, decode step it starts at, random seed, max tokens, hash every N tokens (0: at
+# the end only), end-of-sequence tokens, context tokens, options bytes; then the eos tokens,
+# the context (the prompt's latest tokens, its last one the first input), the options (JSON).
+DECODE_HEADER = struct.Struct("<QQQIIIII")
 HASH_PAYLOAD = struct.Struct("<QQQ")  # 0 (reserved), decode step, hash of its logits

@@ -2,22 +2,23 @@
 generation as one session of the lockstep protocol (what `ds4tp run` runs).
 
 The pair's generation is the serving sessions used for one sequence: SESSION_CREATE, the
-prompt but its last token as SYNC chunks, one EVAL_BATCH step of one row per token (the
-prompt's last token is the first step's input, as in mlx_lm.generate), SESSION_DESTROY. A
-batch of one row decodes on the session's own cache (SessionTable.step), so its tokens are
-the single process's, token for token.
+prompt but its last token as SYNC chunks, one DECODE (the prompt's last token is the first
+step's input, as in mlx_lm.generate; both ranks then sample for themselves, each step built
+while the last computes: lockstep.pipelined), SESSION_DESTROY. The session decodes on its own
+cache, so its tokens are the single process's, token for token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from typing import Callable, Collection, List, Optional, Sequence
 
-import mlx.core as mx
-
 from .. import gate_ops
 from .compute import PREFILL_STEP, argmax_token, forward, make_cache, prefill
+from .pipelined import DecodePlan
+from .sampling import SamplingOptions
 from .sessions import LeaderSessions
 
 
@@ -84,47 +85,46 @@ def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozen
 
 
 def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int,
-                  sample: Callable[[mx.array], int], *, on_token: Optional[Callable[[int], None]] = None,
-                  eos: Collection[int] = frozenset(), debug_hash: int = 0, session: int = 1,
-                  prefill_step: int = PREFILL_STEP) -> GenerationStats:
+                  sampling: SamplingOptions = SamplingOptions(), *,
+                  on_token: Optional[Callable[[int], None]] = None, eos: Collection[int] = frozenset(),
+                  debug_hash: int = 0, session: int = 1, prefill_step: int = PREFILL_STEP,
+                  seed: Optional[int] = None) -> GenerationStats:
     """The leader's side of one generation on the pair, as one session (see the module
-    docstring). `sample` takes the step's logits as 1-D float32 (what the single process
-    samples); every `debug_hash` decode tokens the logits' hashes are compared with the
-    worker's (LockstepDivergence stops both)."""
+    docstring), sampled as mlx-lm samples with `sampling`. Every `debug_hash` decode tokens
+    the logits' hashes are compared with the worker's, and the tokens' at the end
+    (LockstepDivergence stops both). seed: the random stream of a sampled generation whose
+    options carry none (default: a fresh one)."""
     if not prompt:
         raise ValueError("the prompt encodes to zero tokens; give a non-empty prompt")
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
     prompt = list(prompt)
     stats = GenerationStats(prompt_tokens=len(prompt))
+    if sampling.seed is not None:
+        seed = sampling.seed
+    elif seed is None:
+        seed = secrets.randbits(63)
     sessions.create(session)
     t0 = time.perf_counter()
     head = prompt[:-1]
     for start in range(0, len(head), prefill_step):
         sessions.prefill(session, head[start:start + prefill_step])
-    logits = _one_row(sessions.step([(session, prompt[-1])]))
-    stats.prompt_sec = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    exchanged = sessions.group.exchange_seconds()
-    while True:
-        token = sample(logits)
-        stats.tokens.append(token)
+    first = {}
+
+    def seen(token: int) -> None:
+        if not first:  # the prompt's last token went through with the first step
+            first["at"] = time.perf_counter()
+            first["exchanged"] = sessions.group.exchange_seconds()
         if on_token is not None:
             on_token(token)
-        if token in eos or len(stats.tokens) == max_tokens:
-            break
-        logits = _one_row(sessions.step([(session, token)]))
-        stats.decode_tokens += 1
-        if debug_hash and stats.decode_tokens % debug_hash == 0:
-            sessions.check_hash()
-    stats.decode_sec = time.perf_counter() - t1
-    stats.decode_exchange_sec = sessions.group.exchange_seconds() - exchanged
+
+    plan = DecodePlan.for_prompt(session, sessions.table.step_count + 1, prompt, max_tokens, sampling,
+                                 seed, eos, debug_hash)
+    stats.tokens = sessions.decode(plan, on_token=seen).tokens
+    end = time.perf_counter()
+    stats.prompt_sec = first["at"] - t0
+    stats.decode_tokens = len(stats.tokens) - 1
+    stats.decode_sec = end - first["at"]
+    stats.decode_exchange_sec = sessions.group.exchange_seconds() - first["exchanged"]
     sessions.destroy(session)
     return stats
-
-
-def _one_row(logits: mx.array) -> mx.array:
-    """A one-row step's logits as the single process samples them: 1-D, float32."""
-    row = logits[0].astype(mx.float32)
-    mx.eval(row)
-    return row

@@ -14,9 +14,8 @@ from .. import transport as tr
 from ..link.config import PairAddress
 from ..link.identity import model_identity
 from ..split.progress import LoadingBar
-from .compute import argmax_token
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
-from .sampling import SamplingOptions, run_sampler
+from .sampling import SamplingOptions
 from .sessions import LeaderSessions, serve_worker
 
 # The bench's contenders all warm up on the prompt's first tokens before the timed
@@ -73,7 +72,7 @@ def run_rank(address: PairAddress, model_path: str, *, transport: str = "auto",
         try:
             if prompt_tokens > 0:
                 prompt_ids = bench_prompt(tokenizer, prompt, prompt_tokens)
-                pair_generate(sessions, prompt_ids[:BENCH_WARMUP_TOKENS], 4, argmax_token)
+                pair_generate(sessions, prompt_ids[:BENCH_WARMUP_TOKENS], 4)
             else:
                 prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
             drafting = _drafter(draft_model, prompt_lookup, prompt_ids, model, recorded_draft, sampling)
@@ -140,8 +139,7 @@ def _stream(sessions: LeaderSessions, tokenizer, prompt_ids, max_tokens: int,
         tr.log(f"speculative: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
                f"{stats.rounds} rounds ({len(stats.tokens) / max(stats.rounds, 1):.2f} tokens a round)")
     else:
-        stats = pair_generate(sessions, prompt_ids, max_tokens, run_sampler(sampling, prompt_ids),
-                              on_token=show, eos=eos, debug_hash=debug_hash)
+        stats = pair_generate(sessions, prompt_ids, max_tokens, sampling, on_token=show, eos=eos, debug_hash=debug_hash)
     detok.finalize()
     sys.stdout.write(detok.last_segment + "\n")
     return stats

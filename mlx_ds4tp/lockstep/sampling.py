@@ -70,6 +70,61 @@ class SamplingOptions:
         return self.temperature == 0 and not self.processed
 
 
+def mlx_processors(options: SamplingOptions) -> list:
+    """mlx_lm.server's logits processors, with its arguments: the same penalties and bias
+    give the same tokens."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return make_logits_processors(
+        logit_bias=dict(options.logit_bias) or None,
+        repetition_penalty=options.repetition_penalty or None,
+        repetition_context_size=options.repetition_context_size,
+        presence_penalty=options.presence_penalty or None,
+        presence_context_size=options.presence_context_size,
+        frequency_penalty=options.frequency_penalty or None,
+        frequency_context_size=options.frequency_context_size)
+
+
+def processor_context(options: SamplingOptions) -> int:
+    """How many of the latest tokens the processors look at (0: none does)."""
+    sizes = [(options.repetition_penalty, options.repetition_context_size),
+             (options.presence_penalty, options.presence_context_size),
+             (options.frequency_penalty, options.frequency_context_size)]
+    return max([size for on, size in sizes if on], default=0)
+
+
+def mlx_sampler(options: SamplingOptions, vocab: int) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler for the options (it takes normalised log-probabilities)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    # mlx-lm refuses top_k >= vocabulary (and an exception inside its compiled sampler
+    # leaves MLX unable to run it again in this process); keeping every token is what
+    # such a top_k means, so it is off.
+    top_k = options.top_k if options.top_k < vocab else 0
+    return make_sampler(options.temperature, top_p=options.top_p, min_p=options.min_p, top_k=top_k)
+
+
+def options_to_json(options: SamplingOptions) -> bytes:
+    """The options as the lockstep DECODE command carries them to the worker."""
+    import json
+
+    return json.dumps(dataclasses.asdict(options)).encode()
+
+
+def options_from_json(data: bytes) -> SamplingOptions:
+    """options_to_json's inverse; ValueError naming what is wrong."""
+    import json
+
+    try:
+        fields = json.loads(data.decode("utf-8"))
+        fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields.get("logit_bias", ()))
+        options = SamplingOptions(**fields)
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"sampling options {data[:200]!r} do not parse: {exc}") from None
+    options.check()
+    return options
+
+
 def _seed_of_key(key: mx.array) -> int:
     """The seed whose key is `key`: mx.random.key(s) is [s >> 32, s & 0xffffffff], so any
     key of MLX's generator can be put back as the global state with mx.random.seed."""
@@ -83,36 +138,15 @@ class SessionSampler:
     alone after mx.random.seed(seed), however many other sessions sample in between."""
 
     def __init__(self, options: SamplingOptions, prompt_tokens: List[int], *, keep_logprobs: bool = False):
-        from mlx_lm.sample_utils import make_logits_processors
-
         self.options = options
         self.history = list(prompt_tokens)
         self.sampler: Optional[Callable[[mx.array], mx.array]] = None
-        # mlx_lm.server's processors, with its arguments: the same penalties and bias give
-        # the same tokens.
-        self.processors = make_logits_processors(
-            logit_bias=dict(options.logit_bias) or None,
-            repetition_penalty=options.repetition_penalty or None,
-            repetition_context_size=options.repetition_context_size,
-            presence_penalty=options.presence_penalty or None,
-            presence_context_size=options.presence_context_size,
-            frequency_penalty=options.frequency_penalty or None,
-            frequency_context_size=options.frequency_context_size)
+        self.processors = mlx_processors(options)
         self._rng_seed = options.seed
         # keep_logprobs: the normalised log-probabilities the last token was drawn from ([vocab]),
         # for a request that asked for logprobs.
         self.keep_logprobs = keep_logprobs
         self.last_logprobs: Optional[mx.array] = None
-
-    def _make_sampler(self, vocab: int) -> Callable[[mx.array], mx.array]:
-        from mlx_lm.sample_utils import make_sampler
-
-        # mlx-lm refuses top_k >= vocabulary (and an exception inside its compiled sampler
-        # leaves MLX unable to run it again in this process); keeping every token is what
-        # such a top_k means, so it is off.
-        o = self.options
-        top_k = o.top_k if o.top_k < vocab else 0
-        return make_sampler(o.temperature, top_p=o.top_p, min_p=o.min_p, top_k=top_k)
 
     def sample(self, logits: mx.array) -> int:
         """The next token from one row of logits ([1, vocab]); records it in the history."""
@@ -124,7 +158,7 @@ class SessionSampler:
         if self.keep_logprobs:
             self.last_logprobs = logprobs.reshape(-1)
         if self.sampler is None:
-            self.sampler = self._make_sampler(logits.shape[-1])
+            self.sampler = mlx_sampler(self.options, logits.shape[-1])
         if self._rng_seed is not None and self.options.temperature > 0:
             # MLX has one global generator: put this session's state in, draw, take it out.
             mx.random.seed(self._rng_seed)
@@ -164,12 +198,6 @@ def sample_rows(logits: mx.array, samplers: List[SessionSampler],
                 raise
             errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
     return tokens
-
-
-def run_sampler(options: SamplingOptions, prompt_tokens: List[int]) -> Callable[[mx.array], int]:
-    """A sampler for lockstep.generate.pair_generate (1-D logits in, token out)."""
-    session = SessionSampler(options, prompt_tokens)
-    return lambda logits: session.sample(logits.reshape(1, -1))
 
 
 def logprob_item(tokenizer, logprobs: mx.array, token: int, top: int) -> dict:

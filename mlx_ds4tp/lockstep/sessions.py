@@ -17,6 +17,9 @@ frames, their layouts in link.wire):
   VERIFY          session id, tokens                                  one forward, logits at each position
   VERIFY_BATCH    step, then (session id, input + drafts) per row     EVAL_BATCH with drafts, padded
   COMMIT_BATCH    step, positions kept per row                        the rejected drafts leave
+  DECODE          session, step, seed, max tokens, eos, sampling      one session decoded to its end,
+                  options, the prompt's latest tokens                 each rank sampling for itself,
+                                                                      pipelined (lockstep.pipelined)
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
   INVALIDATE      cache id                                            drop a stored cache
   HASH            step, hash of the last step's logits                 the worker answers its own
@@ -32,7 +35,7 @@ close; the leader's failing command reports it (LeaderSessions._command).
 from __future__ import annotations
 
 import select
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -43,6 +46,8 @@ from ..link.wire import HASH_PAYLOAD as HASH
 from .table import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch, pack_prefill_batch,
                     pack_sync, unpack)
 from .batch_verify import pack_commit, pack_verify_batch
+from .compute import logits_hash
+from .pipelined import Decoded, DecodePlan, decode, tokens_hash
 from .prompt_cache import FRESH
 
 F = tr.FrameType
@@ -53,6 +58,51 @@ def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str) 
     if (peer_step, theirs) != (step, mine):
         raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: local {mine:016x}, {peer} "
                                  f"{theirs:016x} at its seq {peer_step} (seq: the decode step)")
+
+
+def swap_hash(control: tr.ControlChannel, step: int, mine: int, peer: str, what: str = "logits") -> None:
+    """Both ranks at once: send this rank's hash of step `step`, read the peer's, and raise
+    LockstepDivergence on both when they differ (a 24-byte frame each way fits any socket
+    buffer, so sending first cannot deadlock)."""
+    control.send(F.HASH, HASH.pack(0, step, mine))
+    _, payload = control.recv(F.HASH)
+    _, peer_step, theirs = unpack(HASH, payload, F.HASH)
+    if (peer_step, theirs) != (step, mine):
+        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: the {what} differ: local "
+                                 f"{mine:016x}, {peer} {theirs:016x} at its seq {peer_step} "
+                                 "(seq: the decode step)")
+
+
+def run_decode(table: SessionTable, control: tr.ControlChannel, plan: DecodePlan, peer: str,
+               on_token: Optional[Callable[[int], None]] = None) -> Decoded:
+    """One rank's DECODE (lockstep.pipelined): the session decoded alone to its end; the
+    logits' hashes swapped every plan.hash_every tokens, the tokens' hash at the end, so a
+    pair that drew different tokens fails loudly on both ranks."""
+    cache = check_decode(table, plan)
+    out = decode(table.model, cache, plan, vocab=table.vocab, on_token=on_token,
+                 check=lambda step, logits: swap_hash(control, step, logits_hash(logits), peer))
+    table.step_count += out.steps
+    table.last_logits = out.last_logits
+    swap_hash(control, table.step_count, tokens_hash(out.tokens), peer, "tokens decoded")
+    return out
+
+
+def check_decode(table: SessionTable, plan: DecodePlan) -> list:
+    """The cache a DECODE runs on; FrameError when the table cannot run it now."""
+    if plan.step != table.step_count + 1:
+        raise tr.FrameError(f"DECODE step {plan.step} arrived after step {table.step_count}: "
+                            "the ranks are out of step")
+    if table.rows:
+        raise tr.FrameError(f"DECODE runs session {plan.session} alone, but the decode batch holds "
+                            f"sessions {table.rows}: the ranks are out of step")
+    cache = table.sessions.get(plan.session)
+    if cache is None:
+        raise tr.FrameError(f"DECODE names session {plan.session}, which does not exist")
+    bad = [t for t in plan.context if table.vocab and not 0 <= t < table.vocab]
+    if bad:
+        raise tr.FrameError(f"token id {bad[0]}, outside the model's vocabulary [0, {table.vocab}): "
+                            "the leader runs another model or the frame is corrupt")
+    return cache
 
 
 def _peer_error(control: tr.ControlChannel) -> Optional[str]:
@@ -126,6 +176,21 @@ class LeaderSessions:
     def commit_batch(self, keep: Sequence[int]) -> None:
         """COMMIT_BATCH on both ranks: the positions each row of the last verify keeps."""
         self._command(F.COMMIT_BATCH, pack_commit(self.table.step_count, keep))
+
+    def decode(self, plan: DecodePlan, on_token: Optional[Callable[[int], None]] = None) -> Decoded:
+        """DECODE on both ranks: the plan's session decoded alone to its end, pipelined, each
+        rank sampling for itself (lockstep.pipelined); on_token sees each token here."""
+        check_decode(self.table, plan)  # the leader's own mistake: the worker is not told
+        self.control.send(F.DECODE, plan.pack())
+        try:
+            return run_decode(self.table, self.control, plan, "worker", on_token)
+        except LockstepDivergence:
+            raise
+        except RuntimeError as exc:  # TransportError, or a gate's failure out of MLX's evaluation
+            reason = _peer_error(self.control)
+            if reason:
+                raise TransportError(f"{exc}; the worker reported: {reason}") from None
+            raise
 
     def destroy(self, session: int, store_as: int = 0) -> None:
         """SESSION_DESTROY on both ranks."""
@@ -203,6 +268,9 @@ def serve_worker(group: gate_ops.Group, model, *, tell_leader: bool = True) -> S
                 mine = table.logits_hash()
                 control.send(F.HASH, HASH.pack(0, table.step_count, mine))
                 check_in_step(table.step_count, mine, step, theirs, "leader")
+                continue
+            if ftype == F.DECODE:
+                run_decode(table, control, DecodePlan.unpack(payload), "leader")
                 continue
             table.apply(ftype, payload)
     except Exception as exc:
