@@ -51,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(the seed's mixed batch: one pass over the weights for both, cheaper where "
                         "decode is bound by memory bandwidth, as on a Mac; default 0: prompts are "
                         "prefilled in forwards of their own, between decode steps)")
+    p.add_argument("--mixed-prefill-when", choices=("cheaper", "always"), default="cheaper",
+                   help="with --mixed-prefill: mix where the leader measured it cheaper per prompt "
+                        "token than a prefill forward of its own, turn by turn (default), or always")
     p.add_argument("--max-kv-tokens", type=int, default=None, metavar="N",
                    help="KV budget: a request starts only while the sessions under way reserve at most "
                         "N cache tokens (prompt + max_tokens each); the others wait (default: what "

@@ -23,6 +23,7 @@ import collections
 import itertools
 import queue
 import threading
+import time
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -33,6 +34,7 @@ from ..lockstep.prompt_cache import PromptCacheIndex
 from ..lockstep.sampling import logprob_item, sample_rows
 from ..lockstep.sessions import LeaderSessions
 from ..lockstep.table import kv_code
+from .mixing import MixChoice
 from .speculation import verified_tokens
 from .requests import Request, RunningSession, reserved_tokens
 
@@ -46,7 +48,7 @@ class Engine:
                  prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0,
                  kv_budget: int = 0, max_queued: int = 64, prompt_concurrency: int = 8,
                  kv_bits: int = 0, kv_group_size: int = 64, prompt_cache_bytes: int = 0,
-                 speculation=None, mixed_prefill: int = 0):
+                 speculation=None, mixed_prefill: int = 0, mixed_when: str = "cheaper"):
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
@@ -70,8 +72,10 @@ class Engine:
         # Prompt tokens a prefilling session carries in a decode step (0: prompts are prefilled
         # in forwards of their own). On a Mac decode is bound by reading the weights, so a step
         # that also carries some prompt tokens costs about one pass where two would cost two;
-        # on a compute-bound CPU every padded position costs, so it is off by default.
+        # on a compute-bound CPU every padded position costs, so it is off by default, and
+        # where it is on, the leader mixes where it measured mixing cheaper (serve.mixing).
         self.mixed_prefill = mixed_prefill
+        self.mixing = MixChoice(mixed_when)
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         # Memory-bounded admission: a session starts only while the tokens reserved by the
@@ -120,7 +124,8 @@ class Engine:
                 "mlx_peak_bytes": mx.get_peak_memory(),
                 # The leader's table (the worker's is the same): sessions, stored caches.
                 "table_sessions": len(self.sessions.table.sessions) + len(self.sessions.table.rows),
-                "table_stored": len(self.sessions.table.stored)}
+                "table_stored": len(self.sessions.table.stored),
+                **(self.mixing.figures() if self.mixed_prefill else {})}
 
     def queued(self) -> int:
         """Requests submitted and not started yet (waiting for room in the KV budget)."""
@@ -167,11 +172,15 @@ class Engine:
             while not self._stopping:
                 self._admit()
                 self._end_cancelled()
-                mixing = self.mixed_prefill and (self._running or self._ready)
-                if self._prefilling and not mixing:
+                decoding = bool(self._running or self._ready)
+                # A full batch has no row for a prompt: it is prefilled on its own meanwhile.
+                room = len(self._running) + len(self._ready) < self.max_batch
+                mix = bool(self.mixed_prefill and decoding and room and self._prefilling
+                           and self.mixing.mix())
+                if self._prefilling and not mix:
                     self._prefill_chunk()
-                if self._running or self._ready:
-                    self._decode_step()
+                if decoding:
+                    self._decode_step(mix)
         except Exception as exc:  # noqa: BLE001 - every failure ends the pair, reported to all
             self._fail(f"{type(exc).__name__}: {exc}")
 
@@ -244,7 +253,9 @@ class Engine:
         count = max(1, min(len(waiting), step // width))
         rows = [(session, session.todo[:width]) for session in waiting[:count]]
         total = sum(len(chunk) for _, chunk in rows)
+        began = time.perf_counter()
         self.sessions.prefill_batch([(session.sid, chunk) for session, chunk in rows])
+        self.mixing.prefill_timed(time.perf_counter() - began, total)
         self.stats["prefilled_tokens"] += total
         self.stats["prefill_batches"] += 1
         self.stats["prefill_batch_rows"] = max(self.stats["prefill_batch_rows"], len(rows))
@@ -256,11 +267,11 @@ class Engine:
                 self._prefilling.remove(session)
                 self._ready.append(session)
 
-    def _decode_step(self) -> None:
+    def _decode_step(self, mix: bool = False) -> None:
         room = self.max_batch - len(self._running)
         joining, self._ready = self._ready[:room], self._ready[room:]
         rows = self._running + joining
-        if self.mixed_prefill and self._prefilling and len(rows) < self.max_batch:
+        if mix and len(rows) < self.max_batch:
             # Mixed batch: prompts still prefilling join the decode forward with a chunk each,
             # so one pass over the weights serves both (see mixed_prefill).
             entering = self._prefilling[: self.max_batch - len(rows)]
@@ -271,11 +282,19 @@ class Engine:
             if self.speculation is not None else [[] for _ in rows]
         inputs = [c if c is not None else [s.next_input] + d for s, c, d in zip(rows, chunks, drafts)]
         multi = any(len(i) > 1 for i in inputs)
+        began = time.perf_counter()
         if multi:
             logits = self.sessions.verify_batch([(s.sid, i) for s, i in zip(rows, inputs)])
             self.stats["verify_steps"] += 1
         else:
             logits = self.sessions.step([(s.sid, i[0]) for s, i in zip(rows, inputs)])
+        took = time.perf_counter() - began
+        prompt_tokens = sum(len(c) for c in chunks if c is not None)
+        width = max([len(i) for i, c in zip(inputs, chunks) if c is None], default=1)
+        if prompt_tokens:
+            self.mixing.mixed_timed(took, prompt_tokens, width)
+        else:
+            self.mixing.decode_timed(took, width)
         if joining:
             # Prompt tokens are computed once each: the last one is the first decode input.
             self.stats["prefilled_tokens"] += len(joining)

@@ -151,7 +151,7 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
                         max_queued=args.max_queued, prompt_concurrency=args.prompt_concurrency,
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                         prompt_cache_bytes=args.prompt_cache_bytes, speculation=speculation,
-                        mixed_prefill=args.mixed_prefill)
+                        mixed_prefill=args.mixed_prefill, mixed_when=args.mixed_prefill_when)
         # Requests may name the short id, or the model as --model gave it (or its directory).
         state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
                            aliases=(args.model, str(model_path)),
