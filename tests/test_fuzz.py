@@ -34,7 +34,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_ds4tp.link import wire
+from mlx_ds4tp.lockstep.pipelined import DecodePlan
 from mlx_ds4tp.lockstep.prompt_cache import FRESH
+from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import serve_worker
 from mlx_ds4tp.lockstep.table import SessionTable, pack_batch
 from mlx_ds4tp import transport as tr
@@ -585,6 +587,11 @@ def worker_script(r) -> Tuple[bytes, str, int]:
         "sync-count": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(
             s, r.choice([0, len(toks) + 1, 2**32 - 1]), 0) + np.array(toks, "<i4").tobytes())),
         "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, pack_batch(1, [(s + 1, 7)]))),
+        # DECODE runs to its end without another frame, so only what the worker must refuse
+        # is sent (a valid one with a mutated max_tokens would decode for hours on the stub).
+        "decode-bad-token": lambda: frames.__setitem__(2, frame(F.DECODE, DecodePlan.for_prompt(
+            s, 1, [bad_token], 4, SamplingOptions(), 0).pack())),
+        "decode-cut": lambda: frames.__setitem__(2, frame(F.DECODE, _cut_plan(r, s))),
         "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, wire.HASH_PAYLOAD.pack(0, 1, _u32(r)))),
         "cut": lambda: None,
     }
@@ -594,6 +601,11 @@ def worker_script(r) -> Tuple[bytes, str, int]:
     if name == "cut":
         data = data[: r.randrange(len(data))]
     return data, name, len(frames)
+
+
+def _cut_plan(r, session: int) -> bytes:
+    plan = DecodePlan.for_prompt(session, 1, [3, 4], 4, SamplingOptions(temperature=0.5), 9).pack()
+    return plan[: r.randrange(len(plan))]
 
 
 def _mutate_at(r, frames: list, i: int) -> None:
@@ -614,6 +626,8 @@ WORKER_ERRORS = {
     "sync-empty": "a prompt needs at least one",
     "sync-count": "SYNC says",
     "unknown-session": "does not exist",
+    "decode-bad-token": "outside the model's vocabulary",
+    "decode-cut": "DECODE payload",
 }
 
 
