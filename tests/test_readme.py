@@ -137,3 +137,16 @@ def test_serve_recipe(tmp_path):
                 p.wait(10)
         for f in logs.values():
             f.close()
+
+
+def test_the_architecture_has_a_row_for_every_module():
+    """Each module of a room (mlx_ds4tp/<room>/<module>.py) has its line in the README's
+    Architecture block, and no line names a module that is gone."""
+    package = Path(REPO) / "mlx_ds4tp"
+    # cli/__init__.py is the ds4tp command itself, so it has a row; other __init__.py are empty.
+    modules = {f"{p.parent.name}/{p.name}" for p in package.glob("*/*.py")
+               if p.name != "__init__.py" or p.parent.name == "cli"}
+    rows = set(re.findall(r"^([a-z_]+/[a-z_0-9]+\.py) ", README.read_text(), re.M))
+    rows = {r for r in rows if not r.startswith("examples/")}
+    assert modules - rows == set(), f"modules without a README row: {sorted(modules - rows)}"
+    assert rows - modules == set(), f"README rows for modules that do not exist: {sorted(rows - modules)}"
