@@ -38,7 +38,8 @@ from mlx_ds4tp.lockstep.pipelined import DecodePlan
 from mlx_ds4tp.lockstep.prompt_cache import FRESH
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import serve_worker
-from mlx_ds4tp.lockstep.table import SessionTable, pack_batch
+from mlx_ds4tp.lockstep.frames import pack_batch
+from mlx_ds4tp.lockstep.table import SessionTable
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import (
     FrameError,

@@ -239,8 +239,8 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
 
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
-    from mlx_ds4tp.lockstep.table import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch,
-                                          pack_sync)
+    from mlx_ds4tp.lockstep.frames import pack_batch, pack_sync
+    from mlx_ds4tp.lockstep.table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable
     from mlx_ds4tp.testing.tiny_model import save_llama
     from mlx_lm import load
 
@@ -320,20 +320,26 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_ds4tp.serve import requests as serve_requests
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve.engine import Engine, Request
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
 
-    class Flaky(SessionSampler):
-        def sample(self, logits):
-            if self.options.seed == 666 and len(self.history) > 6:
-                raise RuntimeError("injected")
-            return super().sample(logits)
+    from mlx_ds4tp.lockstep.row_sampling import RowSampler
 
-    monkeypatch.setattr(serve_requests, "SessionSampler", Flaky)
+    # The leader's sampler of one request fails at its fourth draw (the engine's rows are
+    # sampled by the tables' RowSamplers: the pipelined decode).
+    real_draw = RowSampler.draw
+
+    def flaky(self, logits):
+        if self.options.seed == 666:
+            self.draws = getattr(self, "draws", 0) + 1
+            if self.draws > 3:
+                raise RuntimeError("injected")
+        return real_draw(self, logits)
+
+    monkeypatch.setattr(RowSampler, "draw", flaky)
     path = save_llama(tmp_path / "m", "tiny", seed=2)
     model, tokenizer = load(str(path))
     port = free_port()
@@ -419,3 +425,84 @@ def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
     held = mx.get_active_memory() - base
     own = sum(c.nbytes for cache in table.stored.values() for c in cache)
     assert held <= own * 1.1 + (1 << 20), (held, own)
+
+
+def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monkeypatch, procs):
+    """Pipelined serving: when the engine takes a session's first token in, the forward of
+    the step after it has already been built and sent (the worker in its own process samples
+    the same rows itself); the text is still mlx-lm's, and a second turn reuses the cache
+    that holds every generated token."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.serve import finishing
+    from mlx_ds4tp.serve.engine import Engine, Request
+    from mlx_ds4tp.testing.tiny_model import save_llama
+    from pairutil import free_port
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            return self.inner(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    path = save_llama(tmp_path / "m", "tiny", seed=2)
+    model, tokenizer = load(str(path))
+    port = free_port()
+    worker = _worker_process(procs, path, port)
+    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
+    engine = None
+    seen = []
+    real_advance = finishing.Finishing._advance
+
+    def advance(self, session, token, logprobs=None):
+        seen.append(counted.calls)
+        return real_advance(self, session, token, logprobs)
+
+    monkeypatch.setattr(finishing.Finishing, "_advance", advance)
+    try:
+        counted = Counting(load_split(str(path), leader_group)[0])
+        engine = Engine(LeaderSessions(leader_group, counted), tokenizer)
+        engine.start()
+
+        def run(ids):
+            request = Request(ids, 6)
+            engine.submit(request)
+            events = []
+            while not events or events[-1][0] not in ("done", "failed", "error"):
+                events.append(request.events.get(timeout=60))
+            return request, events
+
+        ids = tokenizer.encode("one two three four")
+        request, events = run(ids)
+        assert events[-1][0] == "done", events
+        # One prefill forward of the prompt's head, then steps 1 and 2 before token 1 is read.
+        assert seen[:2] == [3, 4], seen
+        want = []
+        for t, _ in generate_step(mx.array(ids), model, max_tokens=6, sampler=make_sampler(0.0)):
+            want.append(t)
+            if t in tokenizer.eos_token_ids:
+                break
+        detok = tokenizer.detokenizer
+        detok.reset()
+        for t in want:
+            if t not in tokenizer.eos_token_ids:
+                detok.add_token(t)
+        detok.finalize()
+        assert "".join(e[1] for e in events if e[0] == "text") == detok.text
+        again, events = run(ids + want)
+        assert events[-1][0] == "done" and again.cached_tokens == len(ids) + len(want) - 1, again
+        assert engine.error is None
+    finally:
+        if engine is not None:
+            engine.stop()
+        leader_group.close()
+        worker.wait(30)

@@ -31,15 +31,16 @@ The bound is checked before anything is allocated.
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
-| EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token) | 65536 |
+| EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token or EVAL_PENDING: this rank's own sample) | 65536 |
 | VERIFY           | SYNC_HEADER (session, count) + count little-endian int32 tokens (<= MAX_VERIFY_TOKENS) | 4112 |
 | PREFILL_BATCH    | PREFILL_BATCH_HEADER (rows) + rows x PREFILL_BATCH_ROW (session, count) + the rows' int32 tokens, row after row | 4198416 |
 | VERIFY_BATCH     | VERIFY_BATCH_HEADER (step, rows, width) + rows x VERIFY_BATCH_ROW (session, count) + rows x width int32 tokens, right-padded | 282640 |
 | COMMIT_BATCH     | COMMIT_BATCH_HEADER (step, rows) + rows x uint32 positions kept | 4112 |
 | DECODE           | DECODE_HEADER (session, step, seed, max tokens, hash every, counts) + eos int32s + context int32s + JSON sampling options | 4264000 |
+| SAMPLER          | SAMPLER_HEADER (session, seed, context count, options bytes) + context int32s + JSON sampling options | 4259904 |
 
 The lockstep commands (SESSION_CREATE, REWIND, SYNC, PREFILL_BATCH, EVAL_BATCH, VERIFY,
-VERIFY_BATCH, COMMIT_BATCH, DECODE, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
+VERIFY_BATCH, COMMIT_BATCH, DECODE, SAMPLER, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
 it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are never sent
 (`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
@@ -68,7 +69,8 @@ import struct
 # 4: prompts waiting together are prefilled in one PREFILL_BATCH forward.
 # 5: speculative rows verified in the decode batch (VERIFY_BATCH, COMMIT_BATCH); SESSION_CREATE
 # names a fresh cache's KV quantization.
-# 6: `ds4tp run` decodes with both ranks sampling for themselves (DECODE), pipelined.
+# 6: both ranks sample for themselves, so decode is pipelined: `ds4tp run` in one DECODE,
+# `ds4tp serve`'s batch through SAMPLER and EVAL_BATCH rows that take this rank's own sample.
 PROTOCOL_VERSION = 6
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
@@ -122,6 +124,9 @@ class FrameType(enum.IntEnum):
     # One session decoded alone to its end, both ranks sampling the same tokens for
     # themselves, each step built while the last computes (lockstep.pipelined).
     DECODE = 37
+    # A session's sampler, on both ranks: its options, random seed and the prompt's latest
+    # tokens, so both sample its rows alike (lockstep.row_sampling).
+    SAMPLER = 38
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -181,6 +186,7 @@ FRAME_MAX_BYTES = {
     FrameType.VERIFY_BATCH: 16 + 16 * 1024 + 4 * 1024 * MAX_VERIFY_WIDTH,  # 1024: MAX_BATCH_ROWS
     FrameType.COMMIT_BATCH: 16 + 4 * 1024,
     FrameType.DECODE: 64 + 4 * MAX_DECODE_EOS + 4 * MAX_TOKENS_PER_FRAME + MAX_DECODE_OPTIONS_BYTES,
+    FrameType.SAMPLER: 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_DECODE_OPTIONS_BYTES,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -233,7 +239,10 @@ REWIND_PAYLOAD = struct.Struct("<QII")  # session id, tokens to keep, reserved
 INVALIDATE_PAYLOAD = struct.Struct("<Q")  # stored cache id
 SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved; then the tokens
 EVAL_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then the rows
-EVAL_BATCH_ROW = struct.Struct("<QiI")  # session id, input token, reserved
+EVAL_BATCH_ROW = struct.Struct("<QiI")  # session id, input token (or EVAL_PENDING), reserved
+# An EVAL_BATCH row's input token that says: the token this rank sampled for the session at
+# the last step (lockstep.row_sampling), which the leader has not read yet.
+EVAL_PENDING = -1
 MAX_BATCH_ROWS = 1024
 VERIFY_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, width; then rows, then tokens
 VERIFY_BATCH_ROW = struct.Struct("<QII")  # session id, tokens in the row, reserved
@@ -244,4 +253,5 @@ PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; 
 # the end only), end-of-sequence tokens, context tokens, options bytes; then the eos tokens,
 # the context (the prompt's latest tokens, its last one the first input), the options (JSON).
 DECODE_HEADER = struct.Struct("<QQQIIIII")
+SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, options bytes; then both
 HASH_PAYLOAD = struct.Struct("<QQQ")  # 0 (reserved), decode step, hash of its logits

@@ -20,6 +20,9 @@ frames, their layouts in link.wire):
   DECODE          session, step, seed, max tokens, eos, sampling      one session decoded to its end,
                   options, the prompt's latest tokens                 each rank sampling for itself,
                                                                       pipelined (lockstep.pipelined)
+  SAMPLER         session id, seed, sampling options, the prompt's     both ranks sample its rows alike
+                  latest tokens                                       (an EVAL_BATCH row's EVAL_PENDING
+                                                                      input: this rank's own sample)
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
   INVALIDATE      cache id                                            drop a stored cache
   HASH            step, hash of the last step's logits                 the worker answers its own
@@ -43,12 +46,13 @@ from .. import gate_ops
 from .. import transport as tr
 from ..errors import LockstepDivergence, TransportError
 from ..link.wire import HASH_PAYLOAD as HASH
-from .table import (CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, pack_batch, pack_prefill_batch,
-                    pack_sync, unpack)
+from .frames import pack_batch, pack_prefill_batch, pack_sync, unpack
+from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable
 from .batch_verify import pack_commit, pack_verify_batch
 from .compute import logits_hash
 from .pipelined import Decoded, DecodePlan, decode, tokens_hash
 from .prompt_cache import FRESH
+from .row_sampling import pack_sampler
 
 F = tr.FrameType
 
@@ -147,6 +151,11 @@ class LeaderSessions:
     def create(self, session: int, cache_id: int = 0, mode: int = FRESH, kv: int = 0) -> None:
         """SESSION_CREATE on both ranks; kv: a fresh cache's quantization (table.kv_code)."""
         self._command(F.SESSION_CREATE, CREATE.pack(session, cache_id, mode, kv))
+
+    def sampler(self, session: int, options, prompt: Sequence[int], seed: int) -> None:
+        """SAMPLER on both ranks: the session's rows are sampled alike on both from now on, and
+        its EVAL_BATCH rows may take this rank's own sample (lockstep.row_sampling)."""
+        self._command(F.SAMPLER, pack_sampler(session, options, prompt, seed))
 
     def rewind(self, session: int, keep: int) -> None:
         """REWIND on both ranks."""

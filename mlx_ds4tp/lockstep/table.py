@@ -11,98 +11,28 @@ session joins.
 from __future__ import annotations
 
 import ctypes
-import struct
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .. import transport as tr
 from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
-from ..link.wire import EVAL_BATCH_ROW
+from ..link.wire import EVAL_PENDING
 from ..link.wire import INVALIDATE_PAYLOAD as INVALIDATE
-from ..link.wire import MAX_BATCH_ROWS, MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME, MAX_VERIFY_TOKENS
-from ..link.wire import PREFILL_BATCH_HEADER as PREFILL_HEADER
-from ..link.wire import PREFILL_BATCH_ROW
+from ..link.wire import MAX_BATCH_ROWS, MAX_VERIFY_TOKENS
 from ..link.wire import REWIND_PAYLOAD as REWIND
 from ..link.wire import SESSION_CREATE_PAYLOAD as CREATE
 from ..link.wire import SESSION_DESTROY_PAYLOAD as DESTROY
 from ..link.wire import SYNC_HEADER
 from . import batch_verify
+from .frames import BATCH_ROW, unpack, unpack_prefill_batch
 from .compute import PREFILL_STEP, fill_cache, logits_hash, make_cache
 from .prompt_cache import COPY, FRESH, MOVE
+from .row_sampling import RowSampler, sample_batch, unpack_sampler
 
 F = tr.FrameType
-
-# The rows of an EVAL_BATCH as one numpy record array: the layout of wire.EVAL_BATCH_ROW.
-BATCH_ROW = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
-if BATCH_ROW.itemsize != EVAL_BATCH_ROW.size:
-    raise ImportError(f"BATCH_ROW is {BATCH_ROW.itemsize} bytes, wire.EVAL_BATCH_ROW {EVAL_BATCH_ROW.size}")
-# The rows of a PREFILL_BATCH: the layout of wire.PREFILL_BATCH_ROW.
-PREFILL_ROW = np.dtype([("session", "<u8"), ("count", "<u4"), ("reserved", "<u4")])
-if PREFILL_ROW.itemsize != PREFILL_BATCH_ROW.size:
-    raise ImportError(f"PREFILL_ROW is {PREFILL_ROW.itemsize} bytes, wire.PREFILL_BATCH_ROW {PREFILL_BATCH_ROW.size}")
-
-
-def unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
-    """A fixed-size payload's fields; FrameError naming the frame when its size is not fmt's."""
-    if len(payload) != fmt.size:
-        raise tr.FrameError(f"{ftype.name} payload is {len(payload)} bytes, expected {fmt.size}")
-    return fmt.unpack(payload)
-
-
-def pack_sync(session: int, tokens: Sequence[int]) -> bytes:
-    """A SYNC payload: one prefill chunk of a session."""
-    return SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, dtype="<i4").tobytes()
-
-
-def pack_prefill_batch(rows: Sequence[Tuple[int, Sequence[int]]]) -> bytes:
-    """A PREFILL_BATCH payload: one prefill chunk of each (session, tokens) row."""
-    items = np.zeros(len(rows), dtype=PREFILL_ROW)
-    items["session"] = [s for s, _ in rows]
-    items["count"] = [len(t) for _, t in rows]
-    tokens = b"".join(np.asarray(t, dtype="<i4").tobytes() for _, t in rows)
-    return PREFILL_HEADER.pack(len(rows), 0, 0) + items.tobytes() + tokens
-
-
-def unpack_prefill_batch(payload: bytes) -> Tuple[List[int], List[np.ndarray]]:
-    """A PREFILL_BATCH's sessions and their token chunks (views of the payload); FrameError
-    naming what is wrong, every count checked against the payload's size first."""
-    if len(payload) < PREFILL_HEADER.size:
-        raise tr.FrameError(f"PREFILL_BATCH payload of {len(payload)} bytes is shorter than its "
-                            f"{PREFILL_HEADER.size}-byte header")
-    count, _, _ = PREFILL_HEADER.unpack_from(payload)
-    if not 0 < count <= MAX_PREFILL_ROWS:
-        raise tr.FrameError(f"PREFILL_BATCH says {count} rows (1 to {MAX_PREFILL_ROWS})")
-    end = PREFILL_HEADER.size + count * PREFILL_ROW.itemsize
-    if len(payload) < end:
-        raise tr.FrameError(f"PREFILL_BATCH says {count} rows, but its {len(payload)} bytes cannot "
-                            f"hold their {count} x {PREFILL_ROW.itemsize}-byte entries")
-    items = np.frombuffer(payload, dtype=PREFILL_ROW, count=count, offset=PREFILL_HEADER.size)
-    counts = items["count"].astype(np.int64)
-    sessions = items["session"].tolist()
-    if counts.min() == 0:
-        row = int(np.argmin(counts))
-        raise tr.FrameError(f"PREFILL_BATCH row {row} (session {sessions[row]}) has 0 tokens "
-                            "(a prompt needs at least one token per row)")
-    total = int(counts.sum())
-    if total > MAX_TOKENS_PER_FRAME or len(payload) - end != 4 * total:
-        raise tr.FrameError(f"PREFILL_BATCH rows say {total} tokens (at most {MAX_TOKENS_PER_FRAME}), "
-                            f"but {len(payload) - end} bytes follow them ({4 * total} expected)")
-    if len(set(sessions)) != count:
-        raise tr.FrameError(f"PREFILL_BATCH names a session twice: {sessions}")
-    tokens = np.frombuffer(payload, dtype="<i4", offset=end)
-    return sessions, np.split(tokens, np.cumsum(counts)[:-1])
-
-
-def pack_batch(step: int, rows: Sequence[Tuple[int, int]]) -> bytes:
-    """An EVAL_BATCH payload: the step number, then (session, token) per row."""
-    items = np.zeros(len(rows), dtype=BATCH_ROW)
-    items["session"] = [s for s, _ in rows]
-    items["token"] = [t for _, t in rows]
-    return BATCH_HEADER.pack(step, len(rows), 0) + items.tobytes()
-
 
 # Decode steps between releases of MLX's buffer cache (mlx-lm's BatchGenerator: 512; a
 # serving batch changes shape with every join and leave, and freed buffers of each shape
@@ -194,6 +124,12 @@ class SessionTable:
         self.step_count = 0
         self.ended = 0  # sessions destroyed: the prompts served
         self.last_logits: Optional[mx.array] = None
+        # Pipelined decode (lockstep.row_sampling): each session's sampler, the token this rank
+        # sampled for it at the last step (an EVAL_PENDING row's input), and, by session, why
+        # its sampler failed there.
+        self.samplers: Dict[int, RowSampler] = {}
+        self.pending: Dict[int, mx.array] = {}
+        self.row_errors: Dict[int, str] = {}
         self._said_no_merge = False  # prefill_batch's fallback is logged once
         # Token ids index the embedding, which MLX does not bounds-check (an id past the table
         # reads other memory or crashes), so every id from the wire is checked here first.
@@ -258,6 +194,11 @@ class SessionTable:
             self.commit_batch(*batch_verify.unpack_commit(payload))
         elif ftype == F.SESSION_DESTROY:
             self.destroy(*unpack(DESTROY, payload, ftype))
+        elif ftype == F.SAMPLER:
+            session, options, context, seed = unpack_sampler(payload)
+            self._session(session)
+            self._check_tokens(np.asarray(context))
+            self.samplers[session] = RowSampler(options, context, seed, self.vocab)
         elif ftype == F.INVALIDATE:
             (cache_id,) = unpack(INVALIDATE, payload, ftype)
             if self.stored.pop(cache_id, None) is None:
@@ -381,18 +322,45 @@ class SessionTable:
 
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over the batch's rows; sessions that are not in the batch yet
-        join it (after the existing rows, in the order given)."""
+        join it (after the existing rows, in the order given). Where every row's session has
+        a sampler (SAMPLER), this rank samples them all inside the step's graph and queues it
+        without waiting (pipelined: the leader reads the tokens while the next step runs);
+        otherwise the logits are evaluated here."""
         self._take_rows("EVAL_BATCH", sessions)
-        self._check_tokens(tokens)
+        inputs = self._step_inputs(sessions, tokens)
         self.step_count += 1
-        logits = self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=self.batch_cache)
+        logits = self.model(inputs[:, None], cache=self.batch_cache)
         logits = logits[:, -1, :]
-        # The step's one evaluation: every gate of the forward runs inside it (the MLX backend).
-        mx.eval(logits)
         self.last_logits = logits
+        samplers = [self.samplers.get(s) for s in sessions]
+        if all(samplers):
+            errors: Dict[int, str] = {}
+            drawn = sample_batch(logits, samplers, errors)
+            for i, session in enumerate(sessions):
+                self.pending[session] = drawn[i:i + 1]
+            self.row_errors.update({sessions[i]: why for i, why in errors.items()})
+            mx.async_eval(drawn)
+        else:
+            # The step's one evaluation: every gate of the forward runs inside it.
+            mx.eval(logits)
         if self.step_count % CLEAR_EVERY == 0:
             mx.clear_cache()
         return logits
+
+    def _step_inputs(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
+        """The step's input tokens: each row's own, or (EVAL_PENDING) this rank's last sample."""
+        pending = tokens == EVAL_PENDING
+        self._check_tokens(tokens[~pending])
+        if not pending.any():
+            return mx.array(tokens, dtype=mx.int32)
+        parts = []
+        for session, token, mine in zip(sessions, tokens.tolist(), pending.tolist()):
+            if mine and session not in self.pending:
+                raise tr.FrameError(f"EVAL_BATCH asks for session {session}'s own sampled token (id "
+                                    f"{token}), but this rank has none pending: an id outside the "
+                                    "model's vocabulary otherwise; the ranks are out of step")
+            parts.append(self.pending[session] if mine else mx.array([token], dtype=mx.int32))
+        return mx.concatenate(parts)
 
     def verify_batch(self, sessions: List[int], rows: List[np.ndarray]) -> mx.array:
         """One decode forward whose rows carry an input token and drafts (batch_verify):
@@ -469,6 +437,8 @@ class SessionTable:
             cache = self.sessions.pop(session)
         else:
             raise tr.FrameError(f"SESSION_DESTROY for session {session}, which does not exist")
+        for kept in (self.samplers, self.pending, self.row_errors):
+            kept.pop(session, None)
         self.ended += 1
         if not self.rows and not self.sessions:
             release_memory()  # idle: nothing runs until the next request

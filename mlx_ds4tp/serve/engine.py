@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import secrets
 import threading
 import time
 from typing import Dict, List, Optional
@@ -29,11 +30,13 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from .. import transport as tr
+from ..link.wire import EVAL_PENDING
 from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex
-from ..lockstep.sampling import logprob_item, sample_rows
+from ..lockstep.sampling import sample_rows
 from ..lockstep.sessions import LeaderSessions
 from ..lockstep.table import kv_code
+from .finishing import Finishing
 from .mixing import MixChoice
 from .speculation import verified_tokens
 from .requests import Request, RunningSession, reserved_tokens
@@ -41,7 +44,7 @@ from .requests import Request, RunningSession, reserved_tokens
 IDLE_POLL_SEC = 0.25
 
 
-class Engine:
+class Engine(Finishing):
     """See the module docstring. `start()` runs the loop in a daemon thread."""
 
     def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
@@ -76,6 +79,10 @@ class Engine:
         # where it is on, the leader mixes where it measured mixing cheaper (serve.mixing).
         self.mixed_prefill = mixed_prefill
         self.mixing = MixChoice(mixed_when)
+        # Decode pipelined (lockstep.row_sampling): both ranks sample every row, and each step
+        # is sent and queued before the last one's tokens are read. A verify or mixed step
+        # needs the tokens first, so with drafts or mixed prefill the steps stay in lockstep.
+        self.pipelined = speculation is None and not mixed_prefill
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         # Memory-bounded admission: a session starts only while the tokens reserved by the
@@ -235,6 +242,11 @@ class Engine:
         self.stats["requests"] += 1
         self.stats["cached_tokens"] += reuse.keep
         session = RunningSession(sid, request, reuse, self.tokenizer)
+        if self.pipelined:
+            options = request.options
+            seed = options.seed if options.seed is not None else secrets.randbits(63)
+            self.sessions.sampler(sid, options, request.prompt, seed)
+            self.sessions.table.samplers[sid].keep_logprobs = request.logprobs is not None
         if self.speculation is not None:
             session.drafter = self.speculation.drafter(request)
         (self._prefilling if session.todo else self._ready).append(session)
@@ -271,6 +283,9 @@ class Engine:
         room = self.max_batch - len(self._running)
         joining, self._ready = self._ready[:room], self._ready[room:]
         rows = self._running + joining
+        if self.pipelined:
+            self._pipelined_step(rows, joining)
+            return
         if mix and len(rows) < self.max_batch:
             # Mixed batch: prompts still prefilling join the decode forward with a chunk each,
             # so one pass over the weights serves both (see mixed_prefill).
@@ -295,19 +310,13 @@ class Engine:
             self.mixing.mixed_timed(took, prompt_tokens, width)
         else:
             self.mixing.decode_timed(took, width)
-        if joining:
-            # Prompt tokens are computed once each: the last one is the first decode input.
-            self.stats["prefilled_tokens"] += len(joining)
         if any(c is not None for c in chunks):
             self.stats["mixed_steps"] += 1
         for session, chunk in zip(rows, chunks):
             if chunk is not None:
                 session.todo = session.todo[len(chunk):]
                 self.stats["prefilled_tokens"] += len(chunk) + (0 if session.todo else 1)
-        self.stats["decode_steps"] += 1
-        self.stats["decode_batch_rows"] = max(self.stats["decode_batch_rows"], len(rows))
-        if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
-            self.sessions.check_hash()
+        self._count_step(rows, joining)
         errors: Dict[int, str] = {}
         new: List[Optional[List[int]]] = [[] for _ in rows]  # prefill rows yield no token
         plain = [i for i, (c, d) in enumerate(zip(chunks, drafts)) if c is None and not d]
@@ -331,100 +340,41 @@ class Engine:
         fixed = {i: len(c) for i, c in enumerate(chunks) if c is not None}
         self._take(rows, new, errors, commit=multi, fixed_keep=fixed)
 
+    def _pipelined_step(self, rows: List[RunningSession], joining: List[RunningSession]) -> None:
+        """Send and queue this step, its running rows taking each rank's own sample of the last
+        step (EVAL_PENDING), then read the last step's tokens while this one runs. A session
+        that ends there was a row of this step too: its last token went into its cache."""
+        table = self.sessions.table
+        flight = self._running  # the last step's rows, whose tokens are in flight
+        drawn = [table.pending[s.sid] for s in flight]
+        logprobs = [table.samplers[s.sid].last_logprobs for s in flight]
+        failed = {i: table.row_errors.pop(s.sid) for i, s in enumerate(flight) if s.sid in table.row_errors}
+        self.sessions.step([(s.sid, EVAL_PENDING if s.fed_all else s.next_input) for s in rows])
+        for session in rows:
+            session.fed_all = True
+        self._count_step(rows, joining)
+        if not flight:
+            self._running = rows
+            return
+        values = (drawn[0] if len(drawn) == 1 else mx.concatenate(drawn)).tolist()
+        new = [None if i in failed else [v] for i, v in enumerate(values)]
+        self._take(flight, new, failed, commit=False, logprobs=logprobs)
+        self._running += joining
+
+    def _count_step(self, rows: List[RunningSession], joining: List[RunningSession]) -> None:
+        if joining:
+            # Prompt tokens are computed once each: the last one is the first decode input.
+            self.stats["prefilled_tokens"] += len(joining)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_batch_rows"] = max(self.stats["decode_batch_rows"], len(rows))
+        if self.debug_hash and self.stats["decode_steps"] % self.debug_hash == 0:
+            self.sessions.check_hash()
+
     def _propose(self, session: RunningSession) -> List[int]:
         request = session.request
         return self.speculation.propose(session.drafter, request.prompt + session.generated,
                                         request.num_draft_tokens,
                                         request.max_tokens - len(session.generated))
-
-    def _take(self, rows: List[RunningSession], new: List[Optional[List[int]]], errors: Dict[int, str],
-              commit: bool, fixed_keep: Optional[Dict[int, int]] = None) -> None:
-        """Each row's new tokens (None: its sampling failed) into its session, in order, until
-        one ends it; with `commit` (a verify step), both ranks then keep in each row's cache the
-        positions its session used, before any session ends."""
-        outcomes, keep = [], []
-        for i, (session, tokens) in enumerate(zip(rows, new)):
-            finish, flush, used = ("failed", False, 1) if tokens is None else (None, True, 0)
-            for token in tokens or ():
-                used += 1
-                try:
-                    finish, flush = self._advance(session, token)
-                except Exception as exc:  # noqa: BLE001 - this request's text, reported to it alone
-                    errors[i] = f"{type(exc).__name__}: {exc}"
-                    finish, flush = "failed", False
-                if finish is not None:
-                    break
-            if fixed_keep and i in fixed_keep:  # a prompt chunk: all kept, no token yet
-                used = fixed_keep[i]
-                finish, flush = ("cancelled", False) if session.request.cancelled else (None, True)
-            outcomes.append((finish, flush))
-            keep.append(used)
-        if commit:
-            self.sessions.commit_batch(keep)
-        self._running = []
-        for i, (session, (finish, flush)) in enumerate(zip(rows, outcomes)):
-            if finish is None:
-                self._running.append(session)
-            elif finish == "failed":
-                # Leader-only work failed for this request: the pair is fine, and the
-                # session ends on both ranks like an abandoned one.
-                session.request.events.put(("failed", errors[i]))
-                self._end(session, "cancelled", False)
-            else:
-                self._end(session, finish, flush)
-
-    def _advance(self, session: RunningSession, token: int) -> tuple:
-        """Take a session's new token: (finish reason or None, whether held text is sent)."""
-        request = session.request
-        session.generated.append(token)
-        request.completion_tokens += 1
-        self.stats["generated_tokens"] += 1
-        if token in self.eos:
-            return "stop", True
-        if request.logprobs is not None:
-            session.items.append(logprob_item(self.tokenizer, session.sampler.last_logprobs, token,
-                                              request.logprobs))
-        text, stopped = session.text.add(token)
-        if text:
-            request.events.put(("text", text, session.items))
-            session.items = []
-        if stopped:
-            return "stop", False  # whatever follows a stop string is never sent
-        if len(session.generated) >= request.max_tokens:
-            return "length", True
-        if request.cancelled:
-            return "cancelled", False
-        session.next_input = token
-        return None, True
-
-    def _end(self, session: RunningSession, finish: str, flush: bool) -> None:
-        """Free the session on both ranks; a completed one's cache is stored for reuse."""
-        request = session.request
-        self._reserved -= session.reserved
-        if finish == "cancelled":
-            self.sessions.destroy(session.sid, 0)
-            self._owned.pop(id(request), None)
-            return
-        # The cache holds every token fed in: the prompt and all but the last sampled one.
-        cache_id, evicted = self.index.insert(request.prompt + session.generated[:-1])
-        self.sessions.destroy(session.sid, cache_id)
-        if cache_id:
-            evicted += self.index.charge(cache_id, self.sessions.table.stored_bytes(cache_id))
-        for old in evicted:
-            self.sessions.invalidate(old)
-        tail = session.text.finish() if flush else ""
-        if tail or session.items:
-            request.events.put(("text", tail, session.items))
-        request.events.put(("done", finish))
-        self._owned.pop(id(request), None)
-
-    def _end_cancelled(self) -> None:
-        for waiting in (self._prefilling, self._ready):
-            for session in [s for s in waiting if s.request.cancelled]:
-                waiting.remove(session)
-                self._reserved -= session.reserved
-                self.sessions.destroy(session.sid, 0)
-                self._owned.pop(id(session.request), None)
 
     def wait_down(self, timeout: float) -> bool:
         """True once the pair is down and the loop has ended (a worker may then rejoin)."""

@@ -53,3 +53,6 @@ class RunningSession:
         self.items: List[dict] = []  # logprobs entries not sent yet
         self.reserved = reserved_tokens(request)
         self.drafter = None  # set when this session drafts (serve.speculation)
+        # Pipelined decode: its last token went in as a step's input before it was read (its
+        # rows take each rank's own sample), so the cache holds every token generated.
+        self.fed_all = False

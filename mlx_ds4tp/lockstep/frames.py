@@ -1,0 +1,83 @@
+"""The lockstep commands' payloads as bytes: packed by the leader, unpacked (every count checked
+against the payload's size first) by both ranks. The layouts are link.wire's."""
+
+from __future__ import annotations
+
+import struct
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from .. import transport as tr
+from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
+from ..link.wire import EVAL_BATCH_ROW, MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
+from ..link.wire import PREFILL_BATCH_HEADER as PREFILL_HEADER
+from ..link.wire import PREFILL_BATCH_ROW, SYNC_HEADER
+
+# The rows of an EVAL_BATCH as one numpy record array: the layout of wire.EVAL_BATCH_ROW.
+BATCH_ROW = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
+if BATCH_ROW.itemsize != EVAL_BATCH_ROW.size:
+    raise ImportError(f"BATCH_ROW is {BATCH_ROW.itemsize} bytes, wire.EVAL_BATCH_ROW {EVAL_BATCH_ROW.size}")
+# The rows of a PREFILL_BATCH: the layout of wire.PREFILL_BATCH_ROW.
+PREFILL_ROW = np.dtype([("session", "<u8"), ("count", "<u4"), ("reserved", "<u4")])
+if PREFILL_ROW.itemsize != PREFILL_BATCH_ROW.size:
+    raise ImportError(f"PREFILL_ROW is {PREFILL_ROW.itemsize} bytes, wire.PREFILL_BATCH_ROW {PREFILL_BATCH_ROW.size}")
+
+
+def unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
+    """A fixed-size payload's fields; FrameError naming the frame when its size is not fmt's."""
+    if len(payload) != fmt.size:
+        raise tr.FrameError(f"{ftype.name} payload is {len(payload)} bytes, expected {fmt.size}")
+    return fmt.unpack(payload)
+
+
+def pack_sync(session: int, tokens: Sequence[int]) -> bytes:
+    """A SYNC payload: one prefill chunk of a session."""
+    return SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def pack_prefill_batch(rows: Sequence[Tuple[int, Sequence[int]]]) -> bytes:
+    """A PREFILL_BATCH payload: one prefill chunk of each (session, tokens) row."""
+    items = np.zeros(len(rows), dtype=PREFILL_ROW)
+    items["session"] = [s for s, _ in rows]
+    items["count"] = [len(t) for _, t in rows]
+    tokens = b"".join(np.asarray(t, dtype="<i4").tobytes() for _, t in rows)
+    return PREFILL_HEADER.pack(len(rows), 0, 0) + items.tobytes() + tokens
+
+
+def unpack_prefill_batch(payload: bytes) -> Tuple[List[int], List[np.ndarray]]:
+    """A PREFILL_BATCH's sessions and their token chunks (views of the payload); FrameError
+    naming what is wrong, every count checked against the payload's size first."""
+    if len(payload) < PREFILL_HEADER.size:
+        raise tr.FrameError(f"PREFILL_BATCH payload of {len(payload)} bytes is shorter than its "
+                            f"{PREFILL_HEADER.size}-byte header")
+    count, _, _ = PREFILL_HEADER.unpack_from(payload)
+    if not 0 < count <= MAX_PREFILL_ROWS:
+        raise tr.FrameError(f"PREFILL_BATCH says {count} rows (1 to {MAX_PREFILL_ROWS})")
+    end = PREFILL_HEADER.size + count * PREFILL_ROW.itemsize
+    if len(payload) < end:
+        raise tr.FrameError(f"PREFILL_BATCH says {count} rows, but its {len(payload)} bytes cannot "
+                            f"hold their {count} x {PREFILL_ROW.itemsize}-byte entries")
+    items = np.frombuffer(payload, dtype=PREFILL_ROW, count=count, offset=PREFILL_HEADER.size)
+    counts = items["count"].astype(np.int64)
+    sessions = items["session"].tolist()
+    if counts.min() == 0:
+        row = int(np.argmin(counts))
+        raise tr.FrameError(f"PREFILL_BATCH row {row} (session {sessions[row]}) has 0 tokens "
+                            "(a prompt needs at least one token per row)")
+    total = int(counts.sum())
+    if total > MAX_TOKENS_PER_FRAME or len(payload) - end != 4 * total:
+        raise tr.FrameError(f"PREFILL_BATCH rows say {total} tokens (at most {MAX_TOKENS_PER_FRAME}), "
+                            f"but {len(payload) - end} bytes follow them ({4 * total} expected)")
+    if len(set(sessions)) != count:
+        raise tr.FrameError(f"PREFILL_BATCH names a session twice: {sessions}")
+    tokens = np.frombuffer(payload, dtype="<i4", offset=end)
+    return sessions, np.split(tokens, np.cumsum(counts)[:-1])
+
+
+def pack_batch(step: int, rows: Sequence[Tuple[int, int]]) -> bytes:
+    """An EVAL_BATCH payload: the step number, then (session, token) per row."""
+    items = np.zeros(len(rows), dtype=BATCH_ROW)
+    items["session"] = [s for s, _ in rows]
+    items["token"] = [t for _, t in rows]
+    return BATCH_HEADER.pack(step, len(rows), 0) + items.tobytes()

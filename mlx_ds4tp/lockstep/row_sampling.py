@@ -1,0 +1,131 @@
+"""Sampling both ranks run alike, lazily, so that a decode batch can be pipelined: each
+session's sampler lives in both ranks' tables (the SAMPLER command), every row of a step is
+sampled on both ranks inside the step's graph, and the next step takes each row's token from
+this rank's own sample (EVAL_BATCH's PENDING) instead of waiting for the leader to read it,
+sample it and send it. The leader reads the tokens one step late, while the next step runs.
+
+Both ranks hold the same logits bits, so the same sampler gives the same token if it draws
+the same random numbers. MLX has one global generator, and its state can be put back only
+eagerly (mx.random.seed takes an int), so a session's stream here is an explicit key chain:
+`key, sub = split(key)` per draw, then categorical with `sub`. That is the chain mx.random's
+global state follows after mx.random.seed(seed), so a seeded request draws exactly what it
+draws alone in mlx-lm. The filters (top_p, min_p, top_k) are mlx-lm's own functions, applied
+in make_sampler's order; only the last step, the draw with an explicit key, is written here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import transport as tr
+from ..link.wire import MAX_DECODE_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME, SAMPLER_HEADER
+from .sampling import SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context
+
+
+def pack_sampler(session: int, options: SamplingOptions, prompt: Sequence[int], seed: int) -> bytes:
+    """A SAMPLER payload: the session's options, random seed and the prompt's latest tokens (as
+    many as its penalties look at, at least one)."""
+    keep = max(1, processor_context(options))
+    context = np.asarray(list(prompt)[-keep:], dtype="<i4")
+    body = options_to_json(options)
+    return SAMPLER_HEADER.pack(session, seed, len(context), len(body)) + context.tobytes() + body
+
+
+def unpack_sampler(payload: bytes) -> Tuple[int, SamplingOptions, List[int], int]:
+    """(session, options, context tokens, seed) of a SAMPLER payload; FrameError naming what is
+    wrong."""
+    if len(payload) < SAMPLER_HEADER.size:
+        raise tr.FrameError(f"SAMPLER payload of {len(payload)} bytes is shorter than its "
+                            f"{SAMPLER_HEADER.size}-byte header")
+    session, seed, count, nbytes = SAMPLER_HEADER.unpack_from(payload)
+    if not 0 < count <= MAX_TOKENS_PER_FRAME or nbytes > MAX_DECODE_OPTIONS_BYTES \
+            or len(payload) != SAMPLER_HEADER.size + 4 * count + nbytes:
+        raise tr.FrameError(f"SAMPLER says {count} context tokens (1 to {MAX_TOKENS_PER_FRAME}) and "
+                            f"{nbytes} option bytes (at most {MAX_DECODE_OPTIONS_BYTES}) in a "
+                            f"{len(payload)}-byte payload")
+    context = np.frombuffer(payload, dtype="<i4", count=count, offset=SAMPLER_HEADER.size).tolist()
+    try:
+        options = options_from_json(payload[SAMPLER_HEADER.size + 4 * count:])
+    except ValueError as exc:
+        raise tr.FrameError(f"SAMPLER: {exc}") from None
+    return session, options, context, seed
+
+
+class RowSampler:
+    """One session's sampler, lazy, identical on both ranks (see the module docstring)."""
+
+    def __init__(self, options: SamplingOptions, context: Sequence[int], seed: int, vocab: int):
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        self.options = options
+        self.processors = mlx_processors(options)
+        self.keep = max(1, processor_context(options))
+        self.history = mx.array(list(context)[-self.keep:], dtype=mx.int32)
+        self.key = mx.random.key(seed) if options.temperature > 0 else None
+        # make_sampler's chain and order; a top_k of the whole vocabulary keeps every token
+        # (mlx-lm refuses it: lockstep.sampling.mlx_sampler).
+        o = options
+        self.filters = []
+        if 0 < o.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, o.top_p))
+        if o.min_p != 0.0:
+            self.filters.append(lambda x: apply_min_p(x, o.min_p, 1))
+        if 0 < o.top_k < (vocab or 1 << 62):
+            self.filters.append(lambda x: apply_top_k(x, o.top_k))
+        self.keep_logprobs = False  # the leader's, for a request that asked for logprobs
+        self.last_logprobs: Optional[mx.array] = None
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with no processor: its rows share one argmax."""
+        return self.options.greedy
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """This session's next token ([1] int32, lazy) from its row of logits ([1, vocab])."""
+        for processor in self.processors:
+            logits = processor(self.history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.keep_logprobs:
+            self.last_logprobs = logprobs.reshape(-1)
+        if self.key is None:
+            token = mx.argmax(logprobs, axis=-1)
+        else:
+            for keep in self.filters:
+                logprobs = keep(logprobs)
+            self.key, sub = mx.random.split(self.key)
+            token = mx.random.categorical(logprobs * (1.0 / self.options.temperature), key=sub)
+        token = token.reshape(1).astype(mx.int32)
+        if self.processors:
+            self.history = mx.concatenate([self.history, token])[-self.keep:]
+        return token
+
+
+def sample_batch(logits: mx.array, samplers: List[RowSampler], errors: Dict[int, str]) -> mx.array:
+    """Each row's token ([rows] int32, lazy) of a decode step's logits ([rows, vocab]). Greedy
+    rows without processors share one argmax; the others draw one by one. A row whose sampler
+    fails gets token 0 (a valid id, since the next step may feed it) and its error in `errors`
+    by row, on both ranks alike; the leader then fails that request alone."""
+    logits = logits.astype(mx.float32)
+    parts: List[Optional[mx.array]] = [None] * len(samplers)
+    plain = [i for i, s in enumerate(samplers) if s.plain]
+    if plain:
+        rows = logits if len(plain) == len(samplers) else logits[mx.array(plain)]
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+        for j, i in enumerate(plain):
+            parts[i] = tokens[j:j + 1]
+            if samplers[i].keep_logprobs:
+                samplers[i].last_logprobs = logprobs[j]
+    for i, sampler in enumerate(samplers):
+        if parts[i] is not None:
+            continue
+        try:
+            parts[i] = sampler.draw(logits[i:i + 1])
+        except Exception as exc:  # noqa: BLE001 - one request's sampler, reported to it alone
+            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+            parts[i] = mx.zeros((1,), dtype=mx.int32)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
