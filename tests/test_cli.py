@@ -179,6 +179,9 @@ def test_bad_serve_flags_exit_naming_the_flag(served, model_dir, flags, says):
     (("--model", "m", "--plot", "x.png"), "--plot draws the gate bench run with both ranks here"),
     (("--serve", "--url", "http://x", "--max-tokens", "1"), "--max-tokens 1 must be >= 2"),
     (("--serve", "--url", "http://x", "--rounds", "0"), "--rounds 0 must be >= 1"),
+    (("--model", "/nowhere/m"), "ds4tp bench: --model /nowhere/m: /nowhere/m is not an mlx-lm model "
+     "directory (no config.json)"),
+    (("--model", "/nowhere/m"), "or give `demo` or a preset built once: 150m"),
 ])
 def test_bad_bench_flags_exit_naming_the_flag(flags, says):
     msg = exit_message(serve_main, "bench", *flags)

@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=5000, help="timed exchanges per contender (default 5000)")
     p.add_argument("--json", action="store_true", help="one JSON record per line")
     p.add_argument("--model", default=None, help="time decode tok/s of this mlx-lm model instead "
-                   "(a directory, or a preset built once: 150m, moe-1g): single process, our pair "
+                   "(a directory, `demo`, or a preset built once: 150m, moe-1g): single process, our pair "
                    "(tcp, rdma) and mlx-lm's shard() on MLX's ring; with --serve: the model served")
     p.add_argument("--draft-model", default=None, metavar="PATH|PRESET",
                    help="--model: speculative decoding with this draft model against plain pair "
@@ -94,14 +94,28 @@ def main(args: argparse.Namespace) -> int:
                                args.plot)
 
 
-def _model(args: argparse.Namespace, report) -> int:
+def _model_dir(flag: str, value: str) -> str:
+    """The model directory a --model / --draft-model value names: a directory, `demo`, or a
+    preset built once ("150m", "moe-1g"); exits naming the value and the choices otherwise."""
     from ..bench.model import bench_model_dir
     from ..link.identity import model_identity
+    from ..testing import tiny_model
+    from .model_arg import DEMO, model_path
 
+    model = str(model_path(value)) if value == DEMO else bench_model_dir(value)
+    try:
+        model_identity(model)
+    except FileNotFoundError as exc:
+        presets = ", ".join(sorted({**tiny_model.PRESETS, **tiny_model.MOE_PRESETS}))
+        raise SystemExit(f"ds4tp bench: {flag} {value}: {exc}; or give `demo` or a preset built "
+                         f"once: {presets}") from None
+    return model
+
+
+def _model(args: argparse.Namespace, report) -> int:
     check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1),
                              ("--prompt-tokens", args.prompt_tokens, 1)))
-    model = bench_model_dir(args.model)  # a preset name ("moe-1g") is built first
-    model_identity(model)  # raises a clear error when PATH is not a model directory
+    model = _model_dir("--model", args.model)
     if args.draft_model or args.prompt_lookup:
         from ..bench.speculative import speculative_report
 
@@ -109,9 +123,7 @@ def _model(args: argparse.Namespace, report) -> int:
                                  ("--prompt-lookup", args.prompt_lookup, 0)))
         if args.transport not in ("tcp", "all"):
             raise SystemExit("ds4tp bench: the speculative bench runs the pair over tcp; give --transport tcp")
-        draft = bench_model_dir(args.draft_model) if args.draft_model else None
-        if draft:
-            model_identity(draft)
+        draft = _model_dir("--draft-model", args.draft_model) if args.draft_model else None
         return speculative_report(model, draft, args.prompt_lookup, args.num_draft_tokens, args.max_tokens,
                                   args.rounds, args.prompt_tokens, args.json)
     return report.model_report(model, args.transport, args.rdma_device, args.max_tokens,
