@@ -506,3 +506,42 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
             engine.stop()
         leader_group.close()
         worker.wait(30)
+
+
+def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(tmp_path, procs):
+    """Pipelined serving reads the last step's tokens before a prefill chunk; when that ends
+    the only running session while another prompt is still prefilling, the turn runs the
+    chunk and no decode step (an empty one would stop the pair), and both answers are whole."""
+    from mlx_lm import load
+
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.serve.engine import Engine, Request
+    from mlx_ds4tp.testing.tiny_model import save_llama
+    from pairutil import free_port
+
+    path = save_llama(tmp_path / "m", "tiny", seed=2)
+    _, tokenizer = load(str(path))
+    port = free_port()
+    worker = _worker_process(procs, path, port)
+    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
+    engine = None
+    try:
+        engine = Engine(LeaderSessions(leader_group, load_split(str(path), leader_group)[0]), tokenizer,
+                        prefill_step=4)
+        short = Request([5], 2)  # nothing to prefill: it decodes from the first turn
+        long = Request(list(range(10, 50)), 3)  # ten chunks of 4 tokens
+        engine.submit(short)
+        engine.submit(long)
+        engine.start()  # both are admitted in its first turn
+        for request in (short, long):
+            events = []
+            while not events or events[-1][0] not in ("done", "failed", "error"):
+                events.append(request.events.get(timeout=60))
+            assert events[-1] == ("done", "length"), events
+        assert engine.error is None and short.completion_tokens == 2 and long.completion_tokens == 3
+    finally:
+        if engine is not None:
+            engine.stop()
+        leader_group.close()
+        worker.wait(30)

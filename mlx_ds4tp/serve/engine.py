@@ -83,6 +83,7 @@ class Engine(Finishing):
         # is sent and queued before the last one's tokens are read. A verify or mixed step
         # needs the tokens first, so with drafts or mixed prefill the steps stay in lockstep.
         self.pipelined = speculation is None and not mixed_prefill
+        self._unread = False  # the rows in _running have a step's tokens not read yet
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         # Memory-bounded admission: a session starts only while the tokens reserved by the
@@ -185,8 +186,9 @@ class Engine(Finishing):
                 mix = bool(self.mixed_prefill and decoding and room and self._prefilling
                            and self.mixing.mix())
                 if self._prefilling and not mix:
+                    self._read_ahead()  # may end the last running session
                     self._prefill_chunk()
-                if decoding:
+                if self._running or self._ready:
                     self._decode_step(mix)
         except Exception as exc:  # noqa: BLE001 - every failure ends the pair, reported to all
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -344,22 +346,46 @@ class Engine(Finishing):
         """Send and queue this step, its running rows taking each rank's own sample of the last
         step (EVAL_PENDING), then read the last step's tokens while this one runs. A session
         that ends there was a row of this step too: its last token went into its cache."""
-        table = self.sessions.table
-        flight = self._running  # the last step's rows, whose tokens are in flight
-        drawn = [table.pending[s.sid] for s in flight]
-        logprobs = [table.samplers[s.sid].last_logprobs for s in flight]
-        failed = {i: table.row_errors.pop(s.sid) for i, s in enumerate(flight) if s.sid in table.row_errors}
+        flight = self._running if self._unread else []  # the last step's rows, tokens unread
+        taken = self._taken(flight)
         self.sessions.step([(s.sid, EVAL_PENDING if s.fed_all else s.next_input) for s in rows])
         for session in rows:
             session.fed_all = True
+        self._unread = True
         self._count_step(rows, joining)
         if not flight:
             self._running = rows
             return
-        values = (drawn[0] if len(drawn) == 1 else mx.concatenate(drawn)).tolist()
+        self._take_drawn(flight, *taken)
+        self._running += joining
+
+    def _read_ahead(self) -> None:
+        """Read the last step's tokens now, before a prefill chunk would hold them back by its
+        whole forward (a new session's first token above all); their rows' next inputs are
+        then the tokens themselves, and the tokens not in any cache yet."""
+        if not (self.pipelined and self._unread and self._running):
+            return
+        flight = self._running
+        taken = self._taken(flight)
+        self._unread = False
+        for session in flight:
+            session.fed_all = False
+        self._take_drawn(flight, *taken)
+
+    def _taken(self, flight: List[RunningSession]) -> tuple:
+        """(tokens, errors, logprobs) of the rows of the last step, kept before another step
+        overwrites what the table holds of them; the tokens still lazy."""
+        table = self.sessions.table
+        drawn = [table.pending[s.sid] for s in flight]
+        failed = {i: table.row_errors.pop(s.sid) for i, s in enumerate(flight) if s.sid in table.row_errors}
+        logprobs = [table.samplers[s.sid].last_logprobs for s in flight]
+        return drawn, failed, logprobs
+
+    def _take_drawn(self, flight: List[RunningSession], drawn: List[mx.array], failed: Dict[int, str],
+                    logprobs: list) -> None:
+        values = (drawn[0] if len(drawn) == 1 else mx.concatenate(drawn)).tolist()  # waits for them
         new = [None if i in failed else [v] for i, v in enumerate(values)]
         self._take(flight, new, failed, commit=False, logprobs=logprobs)
-        self._running += joining
 
     def _count_step(self, rows: List[RunningSession], joining: List[RunningSession]) -> None:
         if joining:
@@ -412,6 +438,7 @@ class Engine(Finishing):
         owned = list(self._owned.values())
         self._owned.clear()
         self._prefilling, self._ready, self._running = [], [], []
+        self._unread = False
         for request in owned:
             request.events.put(("error", message))
         while self._waiting:

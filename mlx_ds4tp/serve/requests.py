@@ -53,6 +53,8 @@ class RunningSession:
         self.items: List[dict] = []  # logprobs entries not sent yet
         self.reserved = reserved_tokens(request)
         self.drafter = None  # set when this session drafts (serve.speculation)
-        # Pipelined decode: its last token went in as a step's input before it was read (its
-        # rows take each rank's own sample), so the cache holds every token generated.
+        # Pipelined decode: True while the step last sent takes in this session's token of the
+        # step before (EVAL_PENDING): when that token is read, it is in the cache already, so
+        # an ended session's cache holds every token generated. A token read before the next
+        # step is sent (engine._read_ahead) is not, and goes in as the next step's own input.
         self.fed_all = False
