@@ -185,8 +185,12 @@ class Engine(Finishing):
                 room = len(self._running) + len(self._ready) < self.max_batch
                 mix = bool(self.mixed_prefill and decoding and room and self._prefilling
                            and self.mixing.mix())
+                if self._prefilling or self._ready:
+                    # Sessions wait to prefill or to join: the last step's tokens are read
+                    # first, so a finished row is free for them and a first token is not held
+                    # back by a chunk or a step (this may end the last running session).
+                    self._read_ahead()
                 if self._prefilling and not mix:
-                    self._read_ahead()  # may end the last running session
                     self._prefill_chunk()
                 if self._running or self._ready:
                     self._decode_step(mix)
