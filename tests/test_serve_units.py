@@ -428,10 +428,10 @@ def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
 
 
 def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monkeypatch, procs):
-    """Pipelined serving: when the engine takes a session's first token in, the forward of
-    the step after it has already been built and sent (the worker in its own process samples
-    the same rows itself); the text is still mlx-lm's, and a second turn reuses the cache
-    that holds every generated token."""
+    """Pipelined serving: when the engine takes a session's token in (its first excepted, which
+    is read at once), the forward of the step after it has already been built and sent (the
+    worker in its own process samples the same rows itself); the text is still mlx-lm's, and a
+    second turn reuses the cache that holds every generated token."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -484,8 +484,10 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
         ids = tokenizer.encode("one two three four")
         request, events = run(ids)
         assert events[-1][0] == "done", events
-        # One prefill forward of the prompt's head, then steps 1 and 2 before token 1 is read.
-        assert seen[:2] == [3, 4], seen
+        # One prefill forward of the prompt's head and step 1: the first token is read at once
+        # (its time to first token waits for no other step). Every later token is read with
+        # the step after it already built and sent: token 2 after step 3, token 3 after 4.
+        assert seen[:3] == [2, 4, 5], seen
         want = []
         for t, _ in generate_step(mx.array(ids), model, max_tokens=6, sampler=make_sampler(0.0)):
             want.append(t)

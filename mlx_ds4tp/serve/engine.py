@@ -84,6 +84,7 @@ class Engine(Finishing):
         # needs the tokens first, so with drafts or mixed prefill the steps stay in lockstep.
         self.pipelined = speculation is None and not mixed_prefill
         self._unread = False  # the rows in _running have a step's tokens not read yet
+        self._first_unread = False  # ... and one of them is a session's first token
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         # Memory-bounded admission: a session starts only while the tokens reserved by the
@@ -185,10 +186,11 @@ class Engine(Finishing):
                 room = len(self._running) + len(self._ready) < self.max_batch
                 mix = bool(self.mixed_prefill and decoding and room and self._prefilling
                            and self.mixing.mix())
-                if self._prefilling or self._ready:
-                    # Sessions wait to prefill or to join: the last step's tokens are read
-                    # first, so a finished row is free for them and a first token is not held
-                    # back by a chunk or a step (this may end the last running session).
+                if self._prefilling or self._ready or self._first_unread:
+                    # Sessions wait to prefill or to join, or the last step made a session's
+                    # first token: the last step's tokens are read first, so a finished row is
+                    # free for them and a first token is not held back by a chunk or a step
+                    # (this may end the last running session). The steady batch pipelines.
                     self._read_ahead()
                 if self._prefilling and not mix:
                     self._prefill_chunk()
@@ -356,6 +358,7 @@ class Engine(Finishing):
         for session in rows:
             session.fed_all = True
         self._unread = True
+        self._first_unread = bool(joining)
         self._count_step(rows, joining)
         if not flight:
             self._running = rows
@@ -371,7 +374,7 @@ class Engine(Finishing):
             return
         flight = self._running
         taken = self._taken(flight)
-        self._unread = False
+        self._unread = self._first_unread = False
         for session in flight:
             session.fed_all = False
         self._take_drawn(flight, *taken)
@@ -442,7 +445,7 @@ class Engine(Finishing):
         owned = list(self._owned.values())
         self._owned.clear()
         self._prefilling, self._ready, self._running = [], [], []
-        self._unread = False
+        self._unread = self._first_unread = False
         for request in owned:
             request.events.put(("error", message))
         while self._waiting:
