@@ -367,9 +367,9 @@ class Engine(Finishing):
         self._running += joining
 
     def _read_ahead(self) -> None:
-        """Read the last step's tokens now, before a prefill chunk would hold them back by its
-        whole forward (a new session's first token above all); their rows' next inputs are
-        then the tokens themselves, and the tokens not in any cache yet."""
+        """Read the last step's tokens now, before the turn's prefill chunk or next step would
+        hold them back (see _run for when); their rows' next inputs are then the tokens
+        themselves, and the tokens not in any cache yet."""
         if not (self.pipelined and self._unread and self._running):
             return
         flight = self._running
