@@ -748,7 +748,7 @@ def test_real_model_rejects_out_of_vocabulary_ids(tiny_model):
     assert table.vocab == VOCAB
     for bad in (VOCAB, -1, 2**31 - 1):
         with pytest.raises(FrameError, match=f"token id {bad}, outside the model's vocabulary"):
-            table._check_tokens(np.array([1, bad]))
+            table.check_tokens(np.array([1, bad]))
 
 
 # ============================================================================

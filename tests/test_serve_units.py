@@ -5,6 +5,7 @@ session alone)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -312,21 +313,69 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     assert failures > 50  # most damages are caught, the rest are scripts that still make sense
 
 
+@contextlib.contextmanager
+def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
+    """The serving engine here over the tiny llama, its worker rank in its own process:
+    yields (engine, the unsplit model, tokenizer), not started; stopped and closed after.
+    wrap: what the leader's table gets in place of its split model."""
+    from mlx_lm import load
+
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.serve.engine import Engine
+    from mlx_ds4tp.testing.tiny_model import save_llama
+    from pairutil import free_port
+
+    path = save_llama(tmp_path / "m", "tiny", seed=2)
+    model, tokenizer = load(str(path))
+    port = free_port()
+    worker = _worker_process(procs, path, port)
+    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
+    engine = None
+    try:
+        split = wrap(load_split(str(path), leader_group)[0])
+        engine = Engine(LeaderSessions(leader_group, split), tokenizer, **engine_args)
+        yield engine, model, tokenizer
+    finally:
+        if engine is not None:
+            engine.stop()
+        leader_group.close()
+        worker.wait(30)
+
+
+def _events(request) -> list:
+    """A request's events, through its last one."""
+    events = []
+    while not events or events[-1][0] not in ("done", "failed", "error"):
+        events.append(request.events.get(timeout=60))
+    return events
+
+
+def _greedy_alone(model, tokenizer, ids, n: int) -> tuple:
+    """(tokens, text) mlx-lm's generate_step makes greedily for `ids` alone, to an eos or n."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    tokens = []
+    for t, _ in generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(0.0)):
+        tokens.append(t)
+        if t in tokenizer.eos_token_ids:
+            break
+    detok = tokenizer.detokenizer
+    detok.reset()
+    for t in tokens:
+        if t not in tokenizer.eos_token_ids:
+            detok.add_token(t)
+    detok.finalize()
+    return tokens, detok.text
+
+
 def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, monkeypatch, procs):
     """The engine here over a pair whose worker is its own process: a request whose
     (leader-only) sampling raises gets a "failed" event; the request decoding beside it, and
     the next one, get mlx-lm's tokens; the pair stays up."""
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
-
-    from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.serve.engine import Engine, Request
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions
-    from mlx_ds4tp.testing.tiny_model import save_llama
-    from pairutil import free_port
-
     from mlx_ds4tp.lockstep.row_sampling import RowSampler
+    from mlx_ds4tp.serve.engine import Request
 
     # The leader's sampler of one request fails at its fourth draw (the engine's rows are
     # sampled by the tables' RowSamplers: the pipelined decode).
@@ -340,53 +389,20 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
         return real_draw(self, logits)
 
     monkeypatch.setattr(RowSampler, "draw", flaky)
-    path = save_llama(tmp_path / "m", "tiny", seed=2)
-    model, tokenizer = load(str(path))
-    port = free_port()
-    worker = _worker_process(procs, path, port)
-    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
-    engine = None
-    try:
-        engine = Engine(LeaderSessions(leader_group, load_split(str(path), leader_group)[0]), tokenizer)
+    with _served_engine(tmp_path, procs) as (engine, model, tokenizer):
         engine.start()
-
-        def collect(request):
-            events = []
-            while not events or events[-1][0] not in ("done", "failed", "error"):
-                events.append(request.events.get(timeout=60))
-            return events
-
-        def alone(ids, n):
-            out = []
-            for t, _ in generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(0.0)):
-                out.append(t)
-                if t in tokenizer.eos_token_ids:
-                    break
-            return out
-
         ids = [tokenizer.encode("one two three"), tokenizer.encode("four five")]
         bad = Request(ids[0], 8, SamplingOptions(temperature=0.5, seed=666))
         good = Request(ids[1], 8)
         engine.submit(bad)
         engine.submit(good)
-        assert collect(bad)[-1][0] == "failed"
-        assert collect(good)[-1] == ("done", "length" if good.completion_tokens == 8 else "stop")
+        assert _events(bad)[-1][0] == "failed"
+        assert _events(good)[-1] == ("done", "length" if good.completion_tokens == 8 else "stop")
         assert engine.error is None
         again = Request(ids[1], 8)
         engine.submit(again)
-        text = "".join(e[1] for e in collect(again) if e[0] == "text")
-        detok = tokenizer.detokenizer
-        detok.reset()
-        for t in alone(ids[1], 8):
-            if t not in tokenizer.eos_token_ids:
-                detok.add_token(t)
-        detok.finalize()
-        assert text == detok.text and again.cached_tokens > 0
-    finally:
-        if engine is not None:
-            engine.stop()
-        leader_group.close()
-        worker.wait(30)
+        text = "".join(e[1] for e in _events(again) if e[0] == "text")
+        assert text == _greedy_alone(model, tokenizer, ids[1], 8)[1] and again.cached_tokens > 0
 
 
 def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
@@ -432,16 +448,8 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
     is read at once), the forward of the step after it has already been built and sent (the
     worker in its own process samples the same rows itself); the text is still mlx-lm's, and a
     second turn reuses the cache that holds every generated token."""
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
-
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions
-    from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve import finishing
-    from mlx_ds4tp.serve.engine import Engine, Request
-    from mlx_ds4tp.testing.tiny_model import save_llama
-    from pairutil import free_port
+    from mlx_ds4tp.serve.engine import Request
 
     class Counting:
         def __init__(self, inner):
@@ -454,12 +462,7 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    path = save_llama(tmp_path / "m", "tiny", seed=2)
-    model, tokenizer = load(str(path))
-    port = free_port()
-    worker = _worker_process(procs, path, port)
-    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
-    engine = None
+    counted = Counting(None)  # the leader's split model goes in when it is loaded
     seen = []
     real_advance = finishing.Finishing._advance
 
@@ -467,19 +470,18 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
         seen.append(counted.calls)
         return real_advance(self, session, token, logprobs)
 
+    def wrap(split):
+        counted.inner = split
+        return counted
+
     monkeypatch.setattr(finishing.Finishing, "_advance", advance)
-    try:
-        counted = Counting(load_split(str(path), leader_group)[0])
-        engine = Engine(LeaderSessions(leader_group, counted), tokenizer)
+    with _served_engine(tmp_path, procs, wrap) as (engine, model, tokenizer):
         engine.start()
 
         def run(ids):
             request = Request(ids, 6)
             engine.submit(request)
-            events = []
-            while not events or events[-1][0] not in ("done", "failed", "error"):
-                events.append(request.events.get(timeout=60))
-            return request, events
+            return request, _events(request)
 
         ids = tokenizer.encode("one two three four")
         request, events = run(ids)
@@ -488,62 +490,26 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
         # (its time to first token waits for no other step). Every later token is read with
         # the step after it already built and sent: token 2 after step 3, token 3 after 4.
         assert seen[:3] == [2, 4, 5], seen
-        want = []
-        for t, _ in generate_step(mx.array(ids), model, max_tokens=6, sampler=make_sampler(0.0)):
-            want.append(t)
-            if t in tokenizer.eos_token_ids:
-                break
-        detok = tokenizer.detokenizer
-        detok.reset()
-        for t in want:
-            if t not in tokenizer.eos_token_ids:
-                detok.add_token(t)
-        detok.finalize()
-        assert "".join(e[1] for e in events if e[0] == "text") == detok.text
+        want, text = _greedy_alone(model, tokenizer, ids, 6)
+        assert "".join(e[1] for e in events if e[0] == "text") == text
         again, events = run(ids + want)
         assert events[-1][0] == "done" and again.cached_tokens == len(ids) + len(want) - 1, again
         assert engine.error is None
-    finally:
-        if engine is not None:
-            engine.stop()
-        leader_group.close()
-        worker.wait(30)
 
 
 def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(tmp_path, procs):
     """Pipelined serving reads the last step's tokens before a prefill chunk; when that ends
     the only running session while another prompt is still prefilling, the turn runs the
     chunk and no decode step (an empty one would stop the pair), and both answers are whole."""
-    from mlx_lm import load
+    from mlx_ds4tp.serve.engine import Request
 
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions
-    from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.serve.engine import Engine, Request
-    from mlx_ds4tp.testing.tiny_model import save_llama
-    from pairutil import free_port
-
-    path = save_llama(tmp_path / "m", "tiny", seed=2)
-    _, tokenizer = load(str(path))
-    port = free_port()
-    worker = _worker_process(procs, path, port)
-    leader_group = tp.init(role="leader", listen=("127.0.0.1", port), transport="tcp", timeout=60.0)
-    engine = None
-    try:
-        engine = Engine(LeaderSessions(leader_group, load_split(str(path), leader_group)[0]), tokenizer,
-                        prefill_step=4)
+    with _served_engine(tmp_path, procs, prefill_step=4) as (engine, _, _):
         short = Request([5], 2)  # nothing to prefill: it decodes from the first turn
         long = Request(list(range(10, 50)), 3)  # ten chunks of 4 tokens
         engine.submit(short)
         engine.submit(long)
         engine.start()  # both are admitted in its first turn
         for request in (short, long):
-            events = []
-            while not events or events[-1][0] not in ("done", "failed", "error"):
-                events.append(request.events.get(timeout=60))
+            events = _events(request)
             assert events[-1] == ("done", "length"), events
         assert engine.error is None and short.completion_tokens == 2 and long.completion_tokens == 3
-    finally:
-        if engine is not None:
-            engine.stop()
-        leader_group.close()
-        worker.wait(30)

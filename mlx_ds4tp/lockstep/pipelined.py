@@ -30,8 +30,8 @@ import numpy as np
 
 from .. import transport as tr
 from ..link.wire import DECODE_HEADER, MAX_DECODE_EOS, MAX_DECODE_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME
-from .sampling import (SamplingOptions, mlx_processors, mlx_sampler, options_from_json, options_to_json,
-                       processor_context)
+from .row_sampling import RowSampler
+from .sampling import SamplingOptions, options_from_json, options_to_json, processor_context
 
 # As mlx-lm's generate_step: MLX's buffer cache is released every so many tokens.
 CLEAR_EVERY = 256
@@ -112,26 +112,14 @@ def decode(model, cache: list, plan: DecodePlan, *, vocab: int = 0,
     """Decode the plan on this rank (see the module docstring); the same call on both ranks
     pairs their gates. on_token sees each token as it is read; check(step, logits) runs every
     plan.hash_every decode tokens, with that step's number and logits (both ranks at once)."""
-    options = plan.options
-    processors = mlx_processors(options)
-    keep = max(1, processor_context(options))
-    sampler = mlx_sampler(options, vocab or (1 << 62))
-    if options.temperature > 0:
-        mx.random.seed(plan.seed)  # both ranks draw the same numbers, in the same order
-    history = mx.array(plan.context, dtype=mx.int32)
+    # The serving batch's sampler, one row: a seeded draw is mlx-lm's after mx.random.seed.
+    sampler = RowSampler(plan.options, plan.context, plan.seed, vocab)
 
     def step(token: mx.array) -> Tuple[mx.array, mx.array]:
-        nonlocal history
         logits = model(token[None], cache=cache)[:, -1, :].astype(mx.float32)
-        for processor in processors:
-            logits = processor(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = sampler(logprobs).reshape(1).astype(mx.int32)
-        if processors:
-            history = mx.concatenate([history, token])[-keep:]
-        return token, logits
+        return sampler.draw(logits), logits
 
-    token, logits = step(history[-1:])
+    token, logits = step(mx.array(plan.context[-1:], dtype=mx.int32))
     mx.async_eval(token)
     out = Decoded(tokens=[], steps=1)
     while True:

@@ -22,7 +22,8 @@ import numpy as np
 
 from .. import transport as tr
 from ..link.wire import MAX_DECODE_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME, SAMPLER_HEADER
-from .sampling import SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context
+from .sampling import (SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context,
+                       shared_argmax)
 
 
 def pack_sampler(session: int, options: SamplingOptions, prompt: Sequence[int], seed: int) -> bytes:
@@ -112,9 +113,8 @@ def sample_batch(logits: mx.array, samplers: List[RowSampler], errors: Dict[int,
     parts: List[Optional[mx.array]] = [None] * len(samplers)
     plain = [i for i, s in enumerate(samplers) if s.plain]
     if plain:
-        rows = logits if len(plain) == len(samplers) else logits[mx.array(plain)]
-        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-        tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+        logprobs, tokens = shared_argmax(logits, plain)
+        tokens = tokens.astype(mx.int32)
         for j, i in enumerate(plain):
             parts[i] = tokens[j:j + 1]
             if samplers[i].keep_logprobs:

@@ -172,6 +172,14 @@ class SessionSampler:
         return value
 
 
+def shared_argmax(logits: mx.array, rows: List[int]) -> Tuple[mx.array, mx.array]:
+    """The normalised log-probabilities of `rows` of a batch's logits ([rows, vocab]) and their
+    argmax: what mlx-lm's greedy sampler takes and gives, one op for all the greedy rows."""
+    picked = logits if len(rows) == logits.shape[0] else logits[mx.array(rows)]
+    logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
+    return logprobs, mx.argmax(logprobs, axis=-1)
+
+
 def sample_rows(logits: mx.array, samplers: List[SessionSampler],
                 errors: Optional[Dict[int, str]] = None) -> List[Optional[int]]:
     """One token per row of a decode batch ([rows, vocab]). Rows that decode greedily with no
@@ -181,9 +189,8 @@ def sample_rows(logits: mx.array, samplers: List[SessionSampler],
     tokens: List[Optional[int]] = [None] * len(samplers)
     greedy = [i for i, s in enumerate(samplers) if s.options.greedy]
     if greedy:
-        rows = logits if len(greedy) == len(samplers) else logits[mx.array(greedy)]
-        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-        for row, (i, token) in enumerate(zip(greedy, mx.argmax(logprobs, axis=-1).tolist())):
+        logprobs, best = shared_argmax(logits, greedy)
+        for row, (i, token) in enumerate(zip(greedy, best.tolist())):
             tokens[i] = int(token)
             samplers[i].history.append(int(token))
             if samplers[i].keep_logprobs:

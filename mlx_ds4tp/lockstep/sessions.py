@@ -41,6 +41,7 @@ import select
 from typing import Callable, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from .. import gate_ops
 from .. import transport as tr
@@ -57,24 +58,23 @@ from .row_sampling import pack_sampler
 F = tr.FrameType
 
 
-def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str) -> None:
-    """Both ranks' decode step and logits hash must agree: LockstepDivergence otherwise."""
+def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str, what: str = "") -> None:
+    """Both ranks' decode step and hash (of the logits, or `what`) must agree:
+    LockstepDivergence otherwise."""
     if (peer_step, theirs) != (step, mine):
-        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: local {mine:016x}, {peer} "
+        differ = f"the {what} differ: " if what else ""
+        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: {differ}local {mine:016x}, {peer} "
                                  f"{theirs:016x} at its seq {peer_step} (seq: the decode step)")
 
 
-def swap_hash(control: tr.ControlChannel, step: int, mine: int, peer: str, what: str = "logits") -> None:
-    """Both ranks at once: send this rank's hash of step `step`, read the peer's, and raise
-    LockstepDivergence on both when they differ (a 24-byte frame each way fits any socket
-    buffer, so sending first cannot deadlock)."""
+def swap_hash(control: tr.ControlChannel, step: int, mine: int, peer: str, what: str = "") -> None:
+    """Send this rank's hash of step `step`, read the peer's, and raise LockstepDivergence when
+    they differ (check_in_step). Both ranks may do it at once: a 24-byte frame each way fits
+    any socket buffer, so sending first cannot deadlock."""
     control.send(F.HASH, HASH.pack(0, step, mine))
     _, payload = control.recv(F.HASH)
     _, peer_step, theirs = unpack(HASH, payload, F.HASH)
-    if (peer_step, theirs) != (step, mine):
-        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: the {what} differ: local "
-                                 f"{mine:016x}, {peer} {theirs:016x} at its seq {peer_step} "
-                                 "(seq: the decode step)")
+    check_in_step(step, mine, peer_step, theirs, peer, what)
 
 
 def run_decode(table: SessionTable, control: tr.ControlChannel, plan: DecodePlan, peer: str,
@@ -84,7 +84,7 @@ def run_decode(table: SessionTable, control: tr.ControlChannel, plan: DecodePlan
     pair that drew different tokens fails loudly on both ranks."""
     cache = check_decode(table, plan)
     out = decode(table.model, cache, plan, vocab=table.vocab, on_token=on_token,
-                 check=lambda step, logits: swap_hash(control, step, logits_hash(logits), peer))
+                 check=lambda step, logits: swap_hash(control, step, logits_hash(logits), peer, "logits"))
     table.step_count += out.steps
     table.last_logits = out.last_logits
     swap_hash(control, table.step_count, tokens_hash(out.tokens), peer, "tokens decoded")
@@ -102,10 +102,7 @@ def check_decode(table: SessionTable, plan: DecodePlan) -> list:
     cache = table.sessions.get(plan.session)
     if cache is None:
         raise tr.FrameError(f"DECODE names session {plan.session}, which does not exist")
-    bad = [t for t in plan.context if table.vocab and not 0 <= t < table.vocab]
-    if bad:
-        raise tr.FrameError(f"token id {bad[0]}, outside the model's vocabulary [0, {table.vocab}): "
-                            "the leader runs another model or the frame is corrupt")
+    table.check_tokens(np.asarray(plan.context))
     return cache
 
 
@@ -212,11 +209,7 @@ class LeaderSessions:
     def check_hash(self) -> None:
         """Compare the last step's logits with the worker's (--debug-hash); LockstepDivergence
         when they differ (the worker stops with it too)."""
-        step, mine = self.table.step_count, self.table.logits_hash()
-        self.control.send(F.HASH, HASH.pack(0, step, mine))
-        _, payload = self.control.recv(F.HASH)
-        _, peer_step, theirs = unpack(HASH, payload, F.HASH)
-        check_in_step(step, mine, peer_step, theirs, "worker")
+        swap_hash(self.control, self.table.step_count, self.table.logits_hash(), "worker")
 
     def wait_ready(self, poll_sec: float = 1.0) -> None:
         """Block until the worker runs its command loop: it joins first and loads its weights

@@ -197,7 +197,7 @@ class SessionTable:
         elif ftype == F.SAMPLER:
             session, options, context, seed = unpack_sampler(payload)
             self._session(session)
-            self._check_tokens(np.asarray(context))
+            self.check_tokens(np.asarray(context))
             self.samplers[session] = RowSampler(options, context, seed, self.vocab)
         elif ftype == F.INVALIDATE:
             (cache_id,) = unpack(INVALIDATE, payload, ftype)
@@ -246,7 +246,7 @@ class SessionTable:
         """Append tokens to a session that is not decoding yet (batch of one): only the cache is
         evaluated, so neither the vocabulary projection, its logits gather nor the last block's
         gates run (fill_cache)."""
-        self._check_tokens(tokens)
+        self.check_tokens(tokens)
         fill_cache(self.model, tokens.tolist(), self._session(session))
 
     def prefill_batch(self, sessions: List[int], chunks: List[np.ndarray]) -> None:
@@ -265,7 +265,7 @@ class SessionTable:
                                 "each session once, one non-empty chunk each")
         caches = [self._session(s) for s in sessions]
         for tokens in chunks:
-            self._check_tokens(tokens)
+            self.check_tokens(tokens)
             if len(tokens) == 0:
                 raise tr.FrameError("PREFILL_BATCH carries an empty chunk")
         batch = None
@@ -307,7 +307,7 @@ class SessionTable:
         """One forward of a session that is not in the batch over `tokens` (its input token,
         then drafted ones): the logits at every position [len(tokens), vocab], the cache
         holding them all until the leader's REWIND trims the rejected ones."""
-        self._check_tokens(tokens)
+        self.check_tokens(tokens)
         self.step_count += 1
         logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=self._session(session))[0]
         # One evaluation for the whole round: the gates of every layer run once for all rows.
@@ -350,7 +350,7 @@ class SessionTable:
     def _step_inputs(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """The step's input tokens: each row's own, or (EVAL_PENDING) this rank's last sample."""
         pending = tokens == EVAL_PENDING
-        self._check_tokens(tokens[~pending])
+        self.check_tokens(tokens[~pending])
         if not pending.any():
             return mx.array(tokens, dtype=mx.int32)
         parts = []
@@ -367,7 +367,7 @@ class SessionTable:
         logits [rows, width, vocab]; the caches hold every position until COMMIT_BATCH."""
         self._take_rows("VERIFY_BATCH", sessions)
         for row in rows:
-            self._check_tokens(row)
+            self.check_tokens(row)
         self.step_count += 1
         logits = batch_verify.forward_rows(self.model, self.batch_cache, rows)
         self.last_logits = logits
@@ -457,7 +457,7 @@ class SessionTable:
             raise tr.FrameError(f"session {session} does not exist or is already decoding")
         return cache
 
-    def _check_tokens(self, tokens: np.ndarray) -> None:
+    def check_tokens(self, tokens: np.ndarray) -> None:
         if self.vocab and len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab):
             bad = int(tokens[(tokens < 0) | (tokens >= self.vocab)][0])
             raise tr.FrameError(f"token id {bad}, outside the model's vocabulary [0, {self.vocab}): "
