@@ -106,6 +106,16 @@ def check_decode(table: SessionTable, plan: DecodePlan) -> list:
     return cache
 
 
+def drain_failed_work() -> None:
+    """Wait out the steps a failed pair left queued (a pipelined step is sent before the last
+    one is read): on the closed group their gates fail at once, and the error they raise is
+    theirs, here, not the next pair's first evaluation's."""
+    try:
+        mx.synchronize()
+    except Exception:  # noqa: BLE001 - the old pair's failure, already reported
+        pass
+
+
 def _peer_error(control: tr.ControlChannel) -> Optional[str]:
     """The worker's ERROR text if one arrives within half a second (its own explanation of a
     failure that reached us as 'peer closed'), else None."""

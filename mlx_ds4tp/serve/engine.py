@@ -34,7 +34,7 @@ from ..link.wire import EVAL_PENDING
 from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex
 from ..lockstep.sampling import sample_rows
-from ..lockstep.sessions import LeaderSessions
+from ..lockstep.sessions import LeaderSessions, drain_failed_work
 from ..lockstep.table import kv_code
 from .finishing import Finishing
 from .mixing import MixChoice
@@ -442,6 +442,7 @@ class Engine(Finishing):
             self._down.set()
         tr.log(f"serve: the pair is down: {message}")
         self.sessions.abort(message)
+        drain_failed_work()
         owned = list(self._owned.values())
         self._owned.clear()
         self._prefilling, self._ready, self._running = [], [], []

@@ -227,7 +227,7 @@ def _worker(group: gate_ops.Group, model, join: Dict[str, Any], rejoin: bool) ->
     """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
     dies it waits for a leader on the same address and serves it (the same checks as a first
     join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
-    from ..lockstep.sessions import serve_worker
+    from ..lockstep.sessions import drain_failed_work, serve_worker
 
     host, port = join["coordinator"]
     while True:
@@ -242,6 +242,7 @@ def _worker(group: gate_ops.Group, model, join: Dict[str, Any], rejoin: bool) ->
                                         "for a leader instead)") from None
             tr.log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
         group.close()
+        drain_failed_work()
         tr.log(f"serve: waiting for a leader at {host}:{port} (--rejoin) ...")
         while True:
             try:
