@@ -48,13 +48,15 @@ def test_models_and_health(pair, model_dir):
 
     logged = re.search(r"KV budget (\d+) tokens", pair.log("leader"))
     assert logged and body["kv_budget_tokens"] == int(logged.group(1)) > 0, body
-    # The leader started itself again with bounded glibc arenas (cli.heap), keeping its pid.
+    # The leader started itself again with a bounded glibc heap (cli.heap), keeping its pid.
     import platform
 
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" and \
-            "MALLOC_ARENA_MAX" not in os.environ:
+    from mlx_ds4tp.cli.heap import HEAP_ENV
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         environ = open(f"/proc/{pair.procs['leader'].pid}/environ", "rb").read().split(b"\0")
-        assert b"MALLOC_ARENA_MAX=2" in environ
+        for name, value in HEAP_ENV.items():
+            assert f"{name}={os.environ.get(name, value)}".encode() in environ, name
 
 
 def test_model_demo_is_served_as_demo_on_both_ranks(tmp_path, monkeypatch):

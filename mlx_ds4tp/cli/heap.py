@@ -1,13 +1,23 @@
-"""The C heap of a long-running `ds4tp serve` on Linux: a bounded number of glibc arenas.
+"""The C heap of a long-running `ds4tp serve` on Linux: bounded glibc arenas, fixed thresholds.
 
 glibc gives each thread that meets a locked heap an arena of its own, up to eight per core,
 and an arena's free pages stay resident while any chunk in them lives. The HTTP server runs a
 thread per connection, so after a burst of clients the leader's resident memory kept the
 burst's arenas: five rounds of 32 clients against one server left it idle at 107, 129, 125,
 124 and 126 MiB; with MALLOC_ARENA_MAX=2 in its environment, 112, 107, 107, 106 and 107.
-glibc reads that variable once, when the process starts (a mallopt at run time came too late:
-145-160 MiB), so the command starts itself again with it set: exec keeps the process id, so
-whoever started the server still holds it. A value the user set is kept.
+
+Two arenas still left the 10-minute soak's leader idle at 0.99x to 1.55x its start: after a
+large free glibc raises its mmap threshold (up to 32 MiB) and its trim threshold with it (to
+twice that), so later large arrays come from the arenas, and the free top of a thread's own
+arena (the engine thread's, after a worker rejoined) is never given back: malloc_trim only
+shrinks the main arena's top. In one such soak the second arena had grown to 240 MiB with
+11 of them in use. Setting both thresholds fixes them: arrays past 256 KiB are mapped on their own and
+unmapped when freed, and an arena's free top past 1 MiB is handed back when a chunk is freed.
+
+glibc reads these variables once, when the process starts (a mallopt of the arena count at
+run time came too late: 145-160 MiB), so the command starts itself again with them set: exec
+keeps the process id, so whoever started the server still holds it. Values the user set are
+kept.
 """
 
 from __future__ import annotations
@@ -17,32 +27,39 @@ import platform
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
-ARENA_ENV = "MALLOC_ARENA_MAX"
-ARENAS = "2"
+HEAP_ENV = {
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_MMAP_THRESHOLD_": str(256 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024),
+}
 
 
-def bounded_arenas_argv(argv: Sequence[str], environ: Dict[str, str], *, system: str,
-                        libc: str, orig_argv: Sequence[str], executable: str) -> Optional[list]:
-    """The command line to exec so the server runs with bounded arenas, or None when there is
-    nothing to do: not `serve`, not glibc, or the variable already set (by the user, or by the
-    exec itself, so it happens once)."""
+def bounded_heap_argv(argv: Sequence[str], environ: Dict[str, str], *, system: str,
+                      libc: str, orig_argv: Sequence[str], executable: str) -> Optional[list]:
+    """The command line to exec so the server runs with a bounded heap, or None when there is
+    nothing to do: not `serve`, not glibc, or every variable already set (by the user, or by
+    the exec itself, so it happens once)."""
     if not argv or argv[0] != "serve" or system != "Linux" or libc != "glibc":
         return None
-    if ARENA_ENV in environ or not executable or len(orig_argv) < 2:
+    if all(name in environ for name in HEAP_ENV) or not executable or len(orig_argv) < 2:
         return None
     return [executable, *orig_argv[1:]]
 
 
-def exec_with_bounded_arenas(argv: Sequence[str],
-                             execve: Callable[[str, list, dict], None] = os.execve) -> None:
-    """Start this `ds4tp serve` again with MALLOC_ARENA_MAX set, where that bounds its heap
-    (bounded_arenas_argv); returns only when nothing is to be done."""
-    command = bounded_arenas_argv(argv, os.environ, system=platform.system(),
-                                  libc=platform.libc_ver()[0], orig_argv=getattr(sys, "orig_argv", []),
-                                  executable=sys.executable)
+def bounded_heap_environ(environ: Dict[str, str]) -> Dict[str, str]:
+    """`environ` with each heap variable the user did not set."""
+    return {**HEAP_ENV, **environ}
+
+
+def exec_with_bounded_heap(argv: Sequence[str],
+                           execve: Callable[[str, list, dict], None] = os.execve) -> None:
+    """Start this `ds4tp serve` again with the heap variables set, where they bound its heap
+    (bounded_heap_argv); returns only when nothing is to be done."""
+    command = bounded_heap_argv(argv, os.environ, system=platform.system(),
+                                libc=platform.libc_ver()[0], orig_argv=getattr(sys, "orig_argv", []),
+                                executable=sys.executable)
     if command is None:
         return
-    env = dict(os.environ, **{ARENA_ENV: ARENAS})
     sys.stdout.flush()
     sys.stderr.flush()
-    execve(command[0], command, env)
+    execve(command[0], command, bounded_heap_environ(dict(os.environ)))

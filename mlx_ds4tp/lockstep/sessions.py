@@ -48,7 +48,7 @@ from .. import transport as tr
 from ..errors import LockstepDivergence, TransportError
 from ..link.wire import HASH_PAYLOAD as HASH
 from .frames import pack_batch, pack_prefill_batch, pack_sync, unpack
-from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable
+from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, release_memory
 from .batch_verify import pack_commit, pack_verify_batch
 from .compute import logits_hash
 from .pipelined import Decoded, DecodePlan, decode, tokens_hash
@@ -304,7 +304,11 @@ def _next_command(control: tr.ControlChannel, busy: bool) -> tuple:
             raise tr.TransportTimeoutError(
                 f"the leader sent no command for {control.timeout:g} s in the middle of a "
                 f"generation (DS4_TP_TIMEOUT_SEC): it is stopped or unreachable ({exc})") from None
+    released = False
     while True:
         readable, _, _ = select.select([control.sock], [], [], 1.0)
         if readable:
             return control.recv()
+        if not released:  # a second without a command: the pair is idle
+            release_memory()
+            released = True

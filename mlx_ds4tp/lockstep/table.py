@@ -11,6 +11,7 @@ session joins.
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -85,9 +86,19 @@ def owned(cache: list) -> list:
 
 
 def release_memory() -> None:
-    """Hand the memory of finished work back: MLX's buffer cache, and on Linux the C heap's
-    free pages (glibc keeps freed arrays' pages resident, raising its mmap threshold after
-    large frees, so a server's resident memory would follow its busiest moment forever)."""
+    """Hand the memory of finished work back, once a rank has been idle for a moment (the
+    serving leader's engine, the worker's command loop) or its pair failed: arrays only
+    garbage cycles still hold, MLX's buffer cache, and on Linux the C heap's free pages
+    (glibc keeps freed arrays' pages resident, so a server's resident memory would follow its
+    busiest moment forever). Not when the last session ends: the collection takes 15-25 ms,
+    which a client that sends its next request at once would wait for, and the HTTP threads
+    free their requests' objects only after it.
+
+    The cycles come from failures: an exception's traceback holds the frames, and so the
+    arrays, of the step that raised (a cancelled stream, a pair that went down). Python's
+    collector finds them only after enough new allocations, which an idle server never makes:
+    the soak's leader sat idle with 4 MiB of such arrays."""
+    gc.collect()
     mx.clear_cache()
     trim = _malloc_trim()
     if trim is not None:
@@ -440,8 +451,6 @@ class SessionTable:
         for kept in (self.samplers, self.pending, self.row_errors):
             kept.pop(session, None)
         self.ended += 1
-        if not self.rows and not self.sessions:
-            release_memory()  # idle: nothing runs until the next request
         if store_as:
             if store_as in self.stored:
                 raise tr.FrameError(f"SESSION_DESTROY stores under cache id {store_as}, already taken")

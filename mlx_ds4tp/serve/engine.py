@@ -35,7 +35,7 @@ from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex
 from ..lockstep.sampling import sample_rows
 from ..lockstep.sessions import LeaderSessions, drain_failed_work
-from ..lockstep.table import kv_code
+from ..lockstep.table import kv_code, release_memory
 from .finishing import Finishing
 from .mixing import MixChoice
 from .speculation import verified_tokens
@@ -93,6 +93,7 @@ class Engine(Finishing):
         self.kv_budget, self.max_queued = kv_budget, max_queued
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._reserved = 0
+        self._released = False  # memory handed back since the last request (release_memory)
         # Every request between leaving the queue and its last event, whatever list its
         # session is in at the moment (a step moves sessions between lists, and a failure can
         # strike in between): the pair going down reaches each of them, none hangs.
@@ -211,7 +212,11 @@ class Engine(Finishing):
                 gone = self.sessions.peer_gone()
                 if gone:
                     raise tr.TransportError(gone)
+                if not self._released:  # IDLE_POLL_SEC without work: the pair is idle
+                    release_memory()
+                    self._released = True
         while request is not None:
+            self._released = False
             self._waiting.append(request)
             self._start_waiting()
             if len(self._waiting) > self.max_queued:
@@ -427,6 +432,7 @@ class Engine(Finishing):
         if not self.wait_down(0):
             raise RuntimeError("resume() is for a server whose pair is down; this one is up")
         self.sessions = sessions
+        release_memory()  # the old pair's table, its caches and its failed steps
         self.index = PromptCacheIndex(self.index.max_size,
                                       can_trim_prompt_cache(sessions.table.make_cache()),
                                       self.index.max_bytes)

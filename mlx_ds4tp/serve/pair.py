@@ -228,6 +228,7 @@ def _worker(group: gate_ops.Group, model, join: Dict[str, Any], rejoin: bool) ->
     dies it waits for a leader on the same address and serves it (the same checks as a first
     join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
     from ..lockstep.sessions import drain_failed_work, serve_worker
+    from ..lockstep.table import release_memory
 
     host, port = join["coordinator"]
     while True:
@@ -243,6 +244,7 @@ def _worker(group: gate_ops.Group, model, join: Dict[str, Any], rejoin: bool) ->
             tr.log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
         group.close()
         drain_failed_work()
+        release_memory()  # the failed pair's table, its caches and its failed steps
         tr.log(f"serve: waiting for a leader at {host}:{port} (--rejoin) ...")
         while True:
             try:
