@@ -513,3 +513,67 @@ def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(
             events = _events(request)
             assert events[-1] == ("done", "length"), events
         assert engine.error is None and short.completion_tokens == 2 and long.completion_tokens == 3
+
+
+def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
+    """Once the engine has had no work for IDLE_POLL_SEC it hands memory back: an array only a
+    garbage cycle holds (a failed step's traceback holds its frames' arrays) is freed, and
+    MLX's buffer cache is emptied after it. Python's collector is off here, as it in effect is
+    at idle: it runs only after enough new allocations."""
+    import gc
+    import time
+
+    from mlx_ds4tp.serve.engine import Request
+
+    with _served_engine(tmp_path, procs) as (engine, model, tokenizer):
+        engine.start()
+        gc.disable()
+        try:
+            cycle = [mx.ones((1 << 20,), dtype=mx.float32)]  # 4 MiB
+            mx.eval(cycle[0])
+            cycle.append(cycle)
+            del cycle
+            held = mx.get_active_memory()
+            # A request ends the idle period the engine may already have released in.
+            request = Request(tokenizer.encode("one two three"), 4)
+            engine.submit(request)
+            assert _events(request)[-1][0] == "done"
+            deadline = time.monotonic() + 30
+            # The array is freed into the cache, which is emptied a moment later: wait for both.
+            while time.monotonic() < deadline and (mx.get_active_memory() > held - (3 << 20)
+                                                   or mx.get_cache_memory() >= 1 << 20):
+                time.sleep(0.05)
+            assert mx.get_active_memory() <= held - (3 << 20), (held, mx.get_active_memory())
+            assert mx.get_cache_memory() < 1 << 20, mx.get_cache_memory()
+        finally:
+            gc.enable()
+
+
+def test_an_idle_worker_hands_memory_back_after_a_second_without_a_command(monkeypatch):
+    """The worker's command loop hands memory back once when a second passes without a
+    command between requests; a command that is already there, or one in the middle of a
+    generation, is taken without it."""
+    import socket
+    import threading
+    import time
+
+    from mlx_ds4tp import transport as tr
+    from mlx_ds4tp.lockstep import sessions
+
+    calls = []
+    monkeypatch.setattr(sessions, "release_memory", lambda: calls.append(time.monotonic()))
+    a, b = socket.socketpair()
+    try:
+        leader, worker = tr.ControlChannel(a, 10.0), tr.ControlChannel(b, 10.0)
+        leader.send(tr.FrameType.STOP)
+        assert sessions._next_command(worker, False)[0] == tr.FrameType.STOP and calls == []
+        leader.send(tr.FrameType.STOP)
+        assert sessions._next_command(worker, True)[0] == tr.FrameType.STOP and calls == []
+        late = threading.Thread(target=lambda: (time.sleep(2.5), leader.send(tr.FrameType.STOP)))
+        late.start()
+        assert sessions._next_command(worker, False)[0] == tr.FrameType.STOP
+        late.join()
+        assert len(calls) == 1
+    finally:
+        a.close()
+        b.close()
