@@ -1,4 +1,4 @@
-"""The C heap of a long-running `ds4tp serve` on Linux: bounded glibc arenas, fixed thresholds.
+"""The C heap of a long-running `ds4tp serve` on Linux: one glibc arena.
 
 glibc gives each thread that meets a locked heap an arena of its own, up to eight per core,
 and an arena's free pages stay resident while any chunk in them lives. The HTTP server runs a
@@ -6,18 +6,22 @@ thread per connection, so after a burst of clients the leader's resident memory 
 burst's arenas: five rounds of 32 clients against one server left it idle at 107, 129, 125,
 124 and 126 MiB; with MALLOC_ARENA_MAX=2 in its environment, 112, 107, 107, 106 and 107.
 
-Two arenas still left the 10-minute soak's leader idle at 0.99x to 1.55x its start: after a
-large free glibc raises its mmap threshold (up to 32 MiB) and its trim threshold with it (to
-twice that), so later large arrays come from the arenas, and the free top of a thread's own
-arena (the engine thread's, after a worker rejoined) is never given back: malloc_trim only
-shrinks the main arena's top. In one such soak the second arena had grown to 240 MiB with
-11 of them in use. Setting both thresholds fixes them: arrays past 256 KiB are mapped on their own and
-unmapped when freed, and an arena's free top past 1 MiB is handed back when a chunk is freed.
+Two arenas still left the 10-minute soak's leader idle at 0.99x to 1.55x its start. The
+server hands memory back once idle (lockstep.table.release_memory), and malloc_trim gives
+back the free pages inside every arena but shrinks only the main arena's free top. A second
+arena's top is given back only when a free leaves more than the trim threshold there, and
+glibc raises that threshold after large frees, to up to 64 MiB. After a worker rejoined, the
+engine's new thread allocated in the second arena, and in one soak that arena had grown to
+240 MiB with 11 in use. Fixing the thresholds instead (arrays past 256 KiB mapped on their
+own, tops past 1 MiB trimmed at once) held the memory to 1.00x but cost a quarter of the
+throughput (164 against 214 tok/s): every large array was mapped and faulted in afresh.
+With one arena the whole heap is the main arena, whose free memory, top included, the idle
+trim hands back; the same soak ended at 1.01x, at 221 tok/s. The threads allocate under one
+lock, which the GIL already all but serialises.
 
-glibc reads these variables once, when the process starts (a mallopt of the arena count at
-run time came too late: 145-160 MiB), so the command starts itself again with them set: exec
-keeps the process id, so whoever started the server still holds it. Values the user set are
-kept.
+glibc reads the variable once, when the process starts (a mallopt of the arena count at run
+time came too late: 145-160 MiB), so the command starts itself again with it set: exec keeps
+the process id, so whoever started the server still holds it. A value the user set is kept.
 """
 
 from __future__ import annotations
@@ -27,11 +31,7 @@ import platform
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
-HEAP_ENV = {
-    "MALLOC_ARENA_MAX": "2",
-    "MALLOC_MMAP_THRESHOLD_": str(256 * 1024),
-    "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024),
-}
+HEAP_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 
 def bounded_heap_argv(argv: Sequence[str], environ: Dict[str, str], *, system: str,
