@@ -255,12 +255,14 @@ def test_serve_restarts_itself_once_with_a_bounded_glibc_heap():
     orig = ["python3", "-m", "mlx_ds4tp", "serve", "--model", "demo"]
     assert bounded_heap_argv(["serve", "--model", "demo"], {}, orig_argv=orig, **linux) == \
         ["/usr/bin/python3", "-m", "mlx_ds4tp", "serve", "--model", "demo"]
-    # Once: the exec'd process has the variable; a value the user set is kept.
+    # Once: the exec'd process has every variable; values the user set are kept, and one the
+    # user left out is still added.
     assert bounded_heap_argv(["serve"], dict(HEAP_ENV), orig_argv=orig, **linux) is None
-    assert bounded_heap_argv(["serve"], {"MALLOC_ARENA_MAX": "8"}, orig_argv=orig, **linux) is None
+    assert bounded_heap_argv(["serve"], {"MALLOC_ARENA_MAX": "8"}, orig_argv=orig, **linux) == \
+        ["/usr/bin/python3", "-m", "mlx_ds4tp", "serve", "--model", "demo"]
     assert bounded_heap_environ({"MALLOC_ARENA_MAX": "8", "PATH": "/bin"}) == \
-        {"MALLOC_ARENA_MAX": "8", "PATH": "/bin"}
-    assert bounded_heap_environ({"PATH": "/bin"}) == {"MALLOC_ARENA_MAX": "1", "PATH": "/bin"}
+        {"MALLOC_ARENA_MAX": "8", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+         "MALLOC_TRIM_THRESHOLD_": str(1 << 20), "PATH": "/bin"}
     # Only the long-running server, only glibc (a Mac's allocator has no such arenas).
     assert bounded_heap_argv(["run", "--model", "demo"], {}, orig_argv=orig, **linux) is None
     assert bounded_heap_argv(["serve"], {}, orig_argv=orig, system="Darwin", libc="",

@@ -1,4 +1,4 @@
-"""The C heap of a long-running `ds4tp serve` on Linux: one glibc arena.
+"""The C heap of a long-running `ds4tp serve` on Linux: two glibc arenas, fixed thresholds.
 
 glibc gives each thread that meets a locked heap an arena of its own, up to eight per core,
 and an arena's free pages stay resident while any chunk in them lives. The HTTP server runs a
@@ -8,20 +8,22 @@ burst's arenas: five rounds of 32 clients against one server left it idle at 107
 
 Two arenas still left the 10-minute soak's leader idle at 0.99x to 1.55x its start. The
 server hands memory back once idle (lockstep.table.release_memory), and malloc_trim gives
-back the free pages inside every arena but shrinks only the main arena's free top. A second
+back the free pages inside every arena but shrinks only the main arena's free top. Another
 arena's top is given back only when a free leaves more than the trim threshold there, and
-glibc raises that threshold after large frees, to up to 64 MiB. After a worker rejoined, the
-engine's new thread allocated in the second arena, and in one soak that arena had grown to
-240 MiB with 11 in use. Fixing the thresholds instead (arrays past 256 KiB mapped on their
-own, tops past 1 MiB trimmed at once) held the memory to 1.00x but cost a quarter of the
-throughput (164 against 214 tok/s): every large array was mapped and faulted in afresh.
-With one arena the whole heap is the main arena, whose free memory, top included, the idle
-trim hands back; the same soak ended at 1.01x, at 221 tok/s. The threads allocate under one
-lock, which the GIL already all but serialises.
+after large frees glibc raises that threshold with its mmap threshold, to up to 64 MiB.
+After a worker rejoined, the engine's allocations moved to the second arena, and in one soak
+it had grown to 240 MiB with 11 in use. So both thresholds are fixed: the mmap threshold at
+32 MiB, the most glibc would raise it to, so arrays are reused from the heap as before, and
+the trim threshold at 1 MiB, so a free top past it is handed back when a chunk is freed; the
+same soak, the allocations again moving to the second arena, ended at 1.003x. An mmap
+threshold of 256 KiB also held the memory but cost a quarter of the throughput (every large
+array mapped and faulted in afresh), and one arena cost 6-13% at one to eight clients (the
+engine thread and MLX's threads allocating under one lock).
 
-glibc reads the variable once, when the process starts (a mallopt of the arena count at run
-time came too late: 145-160 MiB), so the command starts itself again with it set: exec keeps
-the process id, so whoever started the server still holds it. A value the user set is kept.
+glibc reads these variables once, when the process starts (a mallopt of the arena count at
+run time came too late: 145-160 MiB), so the command starts itself again with them set: exec
+keeps the process id, so whoever started the server still holds it. Values the user set are
+kept.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ import platform
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
-HEAP_ENV = {"MALLOC_ARENA_MAX": "1"}
+HEAP_ENV = {
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 20),
+}
 
 
 def bounded_heap_argv(argv: Sequence[str], environ: Dict[str, str], *, system: str,
