@@ -17,8 +17,9 @@ it had grown to 240 MiB with 11 in use. So both thresholds are fixed: the mmap t
 the trim threshold at 1 MiB, so a free top past it is handed back when a chunk is freed; the
 same soak, the allocations again moving to the second arena, ended at 1.003x. An mmap
 threshold of 256 KiB also held the memory but cost a quarter of the throughput (every large
-array mapped and faulted in afresh), and one arena cost 6-13% at one to eight clients (the
-engine thread and MLX's threads allocating under one lock).
+array mapped and faulted in afresh), and one arena measured 0.87x-1.00x the throughput of two
+at one to eight clients (the engine thread and MLX's threads allocating under one lock),
+where these thresholds measured 0.90x-1.03x and 0.92x-1.01x, within this machine's noise.
 
 glibc reads these variables once, when the process starts (a mallopt of the arena count at
 run time came too late: 145-160 MiB), so the command starts itself again with them set: exec
