@@ -1,10 +1,11 @@
 """cffi API-mode build of ``mlx_ds4tp._verbs``.
 
 The C lives in csrc/ beside this script (shared headers at its top, the
-transports by concern in csrc/tcp/ and csrc/rdma/). The cdef is ``_verbs_api.h``
-read whole: that header is also what the C files include, so each declaration
-is written once, and cffi checks at import that every constant and struct
-layout in it equals what the compiler made of it. ``setup.py`` names
+transports by concern in csrc/tcp/ and csrc/rdma/). The cdef is
+``exchange_codes.h`` and ``_verbs_api.h`` read whole: those headers are also what
+the C files (and the C++ backend) include, so each declaration is written once,
+and cffi checks at import that every constant and struct layout in them equals
+what the compiler made of it. ``setup.py`` names
 ``ffibuilder`` in ``cffi_modules``; ``python mlx_ds4tp/_verbs_build.py``
 builds the module in place. ``MLX_DS4TP_NO_IBVERBS=1`` builds without the
 ibverbs provider, as on a machine lacking infiniband/verbs.h
@@ -30,7 +31,8 @@ SOURCES = [
     "csrc/sum.c",  # the gate's sum of the two partials (float32, float16, bfloat16)
     "csrc/exchange.c",  # one exchange of any collective, for the MLX backend (csrc/mlx/)
 ]
-HEADERS = ["csrc/_verbs.h", "csrc/_verbs_api.h", "csrc/_verbs_priv.h", "csrc/_verbs_hot.h"]
+CDEF_HEADERS = ["csrc/exchange_codes.h", "csrc/_verbs_api.h"]
+HEADERS = ["csrc/_verbs.h", *CDEF_HEADERS, "csrc/_verbs_priv.h", "csrc/_verbs_hot.h"]
 STANDALONE = __name__ == "__main__"
 
 
@@ -42,9 +44,12 @@ def _path(name: str) -> str:
 
 
 def _api_cdef() -> str:
-    """_verbs_api.h, whole: the one place the API is declared."""
-    with open(os.path.join(HERE, "csrc", "_verbs_api.h")) as f:
-        return f.read()
+    """The cdef headers, whole: the one place the API and its codes are declared."""
+    texts = []
+    for name in CDEF_HEADERS:
+        with open(os.path.join(HERE, name)) as f:
+            texts.append(f.read())
+    return "\n".join(texts)
 
 
 ffibuilder = FFI()

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 
 from . import transport as tr
-from .collectives.backend import MlxGroup, PairGroup
+from .collectives.backend import SUPPORTED_DTYPES, MlxGroup, PairGroup
 from .errors import TransportError
 
 # The public name of a pair's group.
@@ -215,10 +215,6 @@ def send(x: mx.array, dst: int, *, group=None, stream=None) -> mx.array:
     group = _resolve(group)
     _peer_rank(group, dst, "dst")
     return mx.distributed.send(x, dst, group=group, stream=stream)
-
-
-SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.bool_, mx.int8, mx.int16, mx.int32,
-                    mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.float64, mx.complex64)
 
 
 def recv(shape: Sequence[int], dtype: mx.Dtype, src: int, *, group=None, stream=None) -> mx.array:

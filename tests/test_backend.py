@@ -50,6 +50,21 @@ def test_the_group_is_an_mlx_group_and_its_module_names_its_mlx():
     assert backend.built_against(backend._extension_path()) == mx.__version__
 
 
+def test_the_dtype_codes_are_one_table_seen_alike_from_c_cpp_and_python():
+    from mlx_ds4tp import gate_ops
+    from mlx_ds4tp.collectives import backend
+    from mlx_ds4tp.link.native import load_verbs
+
+    _, lib = load_verbs()
+    codes = backend._pairgroup.dtype_codes()
+    # The backend's table: every code of csrc/exchange_codes.h once, in order, each MLX dtype
+    # under the header's name for it; Python's list of dtypes is that table's.
+    assert [code for _, code in codes] == list(range(lib.TP_DTYPE_FIRST, lib.TP_DTYPE_LAST + 1))
+    for dtype, code in codes:
+        assert getattr(lib, "TP_DTYPE_" + str(dtype).split(".")[-1].upper()) == code, dtype
+    assert gate_ops.SUPPORTED_DTYPES == tuple(dtype for dtype, _ in codes)
+
+
 @pytest.mark.parametrize("transport", ["tcp", "rdma"])
 def test_a_chain_of_100_gates_is_built_without_moving_a_byte(transport):
     for report in reports("chain", transport):

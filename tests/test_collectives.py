@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlx_ds4tp as tp
+from mlx_ds4tp.gate_ops import SUPPORTED_DTYPES
 from pairutil import Procs, fake_verbs_library, free_port, make_groups, run_both, run_mlx_ranks
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_child.py")
@@ -74,6 +76,11 @@ def evaluated(y: mx.array) -> mx.array:
     return y
 
 
+def evaluated_op(op, x: mx.array, group) -> mx.array:
+    """op(x, group=group), evaluated in the calling thread."""
+    return evaluated(op(x, group=group))
+
+
 def test_different_collectives_on_the_two_ranks_are_named():
     lg, wg = make_groups("tcp", timeout=5.0)
     with lg, wg:
@@ -123,11 +130,43 @@ def test_every_mlx_dtype_round_trips_exactly(groups):
         xa, xb = (mx.array(np.array(v, dtype=np_dtype), dtype=dtype) for v in (a, b))
         mx.eval(xa, xb)
         for ours, theirs in ((tp.all_sum, mx.add), (tp.all_max, mx.maximum), (tp.all_min, mx.minimum)):
-            ya, yb = run_both(lambda: evaluated(ours(xa, group=lg)), lambda: evaluated(ours(xb, group=wg)))
+            ya, yb = run_both(partial(evaluated_op, ours, xa, lg), partial(evaluated_op, ours, xb, wg))
             want = theirs(xa, xb)
             for y, exc in (ya, yb):
                 assert exc is None, exc
                 assert y.dtype == dtype and bytes(memoryview(y)) == bytes(memoryview(want)), (dtype, ours, y, want)
+
+
+def _all_sum_or_error(x: mx.array, group):
+    """(the all_sum of x, the error its evaluation raised or None), in the calling thread."""
+    y = tp.all_sum(x, group=group)
+    try:
+        mx.eval(y)
+    except RuntimeError as exc:
+        return y, str(exc)
+    return y, None
+
+
+def test_every_dtype_is_named_by_its_code_and_a_failed_float_output_is_nan():
+    """The exchange header carries the dtype's code (csrc/exchange_codes.h): the C++ backend
+    writes it, the C exchange names it in the mismatch error, so every dtype must come back
+    under MLX's own name. A failed collective's output is poisoned with NaN where the dtype has
+    one, so even a reader that never sees the error gets no plausible sum."""
+    dtypes = list(SUPPORTED_DTYPES)
+    assert len(dtypes) == 14
+    for mine, theirs in zip(dtypes[::2], dtypes[1::2]):
+        lg, wg = make_groups("tcp", timeout=5.0)
+        with lg, wg:
+            xa, xb = mx.ones((3,), dtype=mine), mx.ones((3,), dtype=theirs)
+            mx.eval(xa, xb)
+            ((ya, le), _), ((yb, we), _) = run_both(partial(_all_sum_or_error, xa, lg),
+                                                    partial(_all_sum_or_error, xb, wg))
+        a, b = (str(d).split(".")[-1] for d in (mine, theirs))
+        assert f"this rank has all_sum {a} (3,), the peer has all_sum {b} (3,)" in le, le
+        assert f"this rank has all_sum {b} (3,), the peer has all_sum {a} (3,)" in we, we
+        for y in (ya, yb):
+            if mx.issubdtype(y.dtype, mx.inexact):
+                assert mx.isnan(y).all().item(), (y.dtype, y)
 
 
 def test_unsupported_dtype_is_refused_with_the_list(groups):

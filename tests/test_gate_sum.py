@@ -18,13 +18,15 @@ def sum_partials(dtype: int, rank: int, mine, peer, out) -> None:
     o = ffi.from_buffer(out, require_writable=True)
     if not len(a) == len(b) == len(o):
         raise ValueError(f"{len(a)}, {len(b)} and {len(o)} bytes: they must match")
-    item = 4 if dtype == lib.TP_SUM_F32 else 2
+    item = 4 if dtype == lib.TP_DTYPE_FLOAT32 else 2
     first, second = (a, b) if rank == 0 else (b, a)
     if len(a) % item or lib.tp_sum2(dtype, first, second, o, len(a) // item) != lib.TP_OK:
         raise ValueError(f"dtype code {dtype} with {len(a)} bytes is not a whole number of items")
 
 # (MLX dtype, C code, the numpy type its bits are read as)
-DTYPES = [(mx.float32, 1, np.uint32), (mx.float16, 2, np.uint16), (mx.bfloat16, 3, np.uint16)]
+_LIB = load_verbs()[1]
+DTYPES = [(mx.float32, _LIB.TP_DTYPE_FLOAT32, np.uint32), (mx.float16, _LIB.TP_DTYPE_FLOAT16, np.uint16),
+          (mx.bfloat16, _LIB.TP_DTYPE_BFLOAT16, np.uint16)]
 
 
 def _not_nan_bits(rng, count: int, dtype, bits_type) -> np.ndarray:
@@ -80,7 +82,8 @@ def test_bad_sizes_and_dtypes_are_refused():
     ffi, lib = load_verbs()
     a = np.zeros(3, np.uint8)
     with pytest.raises(ValueError, match="not a whole number"):
-        sum_partials(1, 0, a, a.copy(), a.copy())
+        sum_partials(lib.TP_DTYPE_FLOAT32, 0, a, a.copy(), a.copy())
     with pytest.raises(ValueError, match="must match"):
-        sum_partials(1, 0, np.zeros(4, np.uint8), np.zeros(8, np.uint8), np.zeros(4, np.uint8))
-    assert lib.tp_sum2(9, ffi.NULL, ffi.NULL, ffi.NULL, 0) == lib.TP_EINVAL
+        sum_partials(lib.TP_DTYPE_FLOAT32, 0, np.zeros(4, np.uint8), np.zeros(8, np.uint8), np.zeros(4, np.uint8))
+    # The other dtypes are combined by the backend itself, never by tp_sum2.
+    assert lib.tp_sum2(lib.TP_DTYPE_UINT8, ffi.NULL, ffi.NULL, ffi.NULL, 0) == lib.TP_EINVAL

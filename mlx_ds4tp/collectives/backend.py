@@ -77,6 +77,9 @@ def load_pairgroup():
 
 
 _pairgroup = load_pairgroup()
+# Every dtype the collectives take, in the order of their codes (csrc/exchange_codes.h),
+# as the backend's own table lists them.
+SUPPORTED_DTYPES = tuple(dtype for dtype, _ in _pairgroup.dtype_codes())
 
 
 def _address(ffi, pointer) -> int:
@@ -185,11 +188,6 @@ class PairGroup(_pairgroup.PairGroup):
     def gates(self) -> int:
         """Decode gates run since init."""
         return int(self._latency_count[0])
-
-    def latency_ring(self) -> Tuple[np.ndarray, np.ndarray]:
-        """(round trips in ns, [how many were recorded, their total ns]), as the C exchange
-        writes them."""
-        return self._latency_ns, self._latency_count
 
 
 def cut_only_group(rank: int, size: int) -> "mx.distributed.Group":

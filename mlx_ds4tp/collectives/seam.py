@@ -1,12 +1,11 @@
-"""The collective seam: the one place split models (and gate_ops' "mlx" groups) reach the other ranks.
+"""The collective seam: how the vocabulary split and AllSumGate reach the other ranks.
 
 A split layer holds a `Collective` and calls `self.group.all_sum(x)` / `self.group.all_gather(x)`.
-Three kinds of group become one with `as_collective`:
+`as_collective` makes one of any group:
 
-- mlx_ds4tp's own `gate_ops.Group` (TCP or Thunderbolt RDMA): it has the methods, used as is;
-- an `mx.distributed.Group` (ring, JACCL, MPI): wrapped once in `MlxCollective`, the only code in
-  the package that calls `mx.distributed.all_sum` / `all_gather`;
-- any object of the user's own with `rank()`, `size()`, `all_sum(x)`, `all_gather(x)`.
+- an `mx.distributed.Group` (the pair's group mlx_ds4tp.init returns, MLX's ring, JACCL, MPI):
+  wrapped once in `MlxCollective`;
+- any object of the user's own with `rank()`, `size()`, `all_sum(x)`, `all_gather(x)`: as is.
 
 An object with only `rank()` and `size()` is enough to cut weights (cutting never talks to the
 other ranks); its first collective raises, naming what is missing.
@@ -48,34 +47,11 @@ class MlxCollective:
     def size(self) -> int:
         return self.group.size()
 
-    def all_sum(self, x: mx.array, stream=None) -> mx.array:
-        return mx.distributed.all_sum(x, group=self.group, stream=stream)
+    def all_sum(self, x: mx.array) -> mx.array:
+        return mx.distributed.all_sum(x, group=self.group)
 
-    def all_gather(self, x: mx.array, stream=None) -> mx.array:
-        return mx.distributed.all_gather(x, group=self.group, stream=stream)
-
-    # The rest of mx.distributed's surface, for gate_ops' transport="mlx" groups.
-    def all_max(self, x: mx.array, stream=None) -> mx.array:
-        return mx.distributed.all_max(x, group=self.group, stream=stream)
-
-    def all_min(self, x: mx.array, stream=None) -> mx.array:
-        return mx.distributed.all_min(x, group=self.group, stream=stream)
-
-    def sum_scatter(self, x: mx.array, stream=None) -> mx.array:
-        """all_sum and this rank's rows: MLX's own sum_scatter runs only on NCCL."""
-        size = self.group.size()
-        if x.ndim == 0 or x.shape[0] % size:
-            raise ValueError(f"sum_scatter: x.shape[0] must be divisible by the group size {size}, "
-                             f"got shape {tuple(x.shape)}")
-        rows = x.shape[0] // size
-        total = mx.distributed.all_sum(x, group=self.group, stream=stream)
-        return total[self.group.rank() * rows: (self.group.rank() + 1) * rows]
-
-    def send(self, x: mx.array, dst: int, stream=None) -> mx.array:
-        return mx.distributed.send(x, dst, group=self.group, stream=stream)
-
-    def recv(self, shape, dtype, src: int, stream=None) -> mx.array:
-        return mx.distributed.recv(shape, dtype, src, group=self.group, stream=stream)
+    def all_gather(self, x: mx.array) -> mx.array:
+        return mx.distributed.all_gather(x, group=self.group)
 
     def __repr__(self) -> str:
         return f"<MlxCollective rank={self.rank()} size={self.size()}>"

@@ -5,8 +5,8 @@
  * Python (transport.py, warmup.py) drives setup; the hot loops (decode gates,
  * bulk rounds, window drain) live here and run with the GIL released.
  *
- * The declarations are in _verbs_api.h, which is also the cffi cdef; this
- * header adds what only the C compiler can decide. */
+ * The declarations are in exchange_codes.h and _verbs_api.h, which are also
+ * the cffi cdef; this header adds what only the C compiler can decide. */
 #ifndef MLX_DS4TP_VERBS_H
 #define MLX_DS4TP_VERBS_H
 
@@ -27,6 +27,7 @@
 #define TP_HAVE_IBVERBS_HEADER 0
 #endif
 
+#include "exchange_codes.h"
 #include "_verbs_api.h"
 
 #endif

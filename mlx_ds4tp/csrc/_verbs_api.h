@@ -275,12 +275,8 @@ int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin
 
 /* ---- The gate's sum (csrc/sum.c) ---- */
 
-/* Element types the sum takes (the collectives' wire codes for them). */
-#define TP_SUM_F32 1
-#define TP_SUM_F16 2
-#define TP_SUM_BF16 3
-
-/* out[i] = first[i] + second[i] for count items of dtype (TP_SUM_*): float16
+/* out[i] = first[i] + second[i] for count items of dtype (TP_DTYPE_FLOAT32,
+ * TP_DTYPE_FLOAT16 or TP_DTYPE_BFLOAT16, exchange_codes.h): float16
  * and bfloat16 added in float32 and rounded to nearest-even, as MLX adds
  * them. out must not overlap the inputs. TP_EINVAL for another dtype. */
 int tp_sum2(int dtype, const void *first, const void *second, void *out, uint64_t count);
@@ -300,30 +296,14 @@ typedef struct tp_pair_state {
 
 /* ---- One exchange for the MLX backend (csrc/exchange.c) ---- */
 
-/* The collectives' codes, as the exchange header carries them (OP_* in
- * link/wire.py); send/recv name the sending rank: TP_XOP_P2P_FROM + src. */
-#define TP_XOP_SUM 1
-#define TP_XOP_GATHER 2
-#define TP_XOP_MAX 3
-#define TP_XOP_MIN 4
-#define TP_XOP_SCATTER 5
-#define TP_XOP_P2P_FROM 6
-/* An exchange up to this size is a decode gate (RDMA: the receive window);
- * larger ones are bulk exchanges. GATE_MAX_BYTES in link/wire.py. */
-#define TP_GATE_BYTES 32768
-
-/* An exchange's signature: what both ranks must agree on. The TCP header
- * carries it whole (EXCHANGE_HEADER in link/wire.py, TP_EXCHANGE_HEADER
- * bytes); shapes of more than TP_XSIG_DIMS dimensions are compared on their
- * first TP_XSIG_DIMS and their byte count. */
-#define TP_XSIG_DIMS 8
-#define TP_EXCHANGE_HEADER 96
+/* An exchange's signature: what both ranks must agree on, the codes and
+ * sizes exchange_codes.h's. The TCP header carries it whole. */
 typedef struct tp_xsig {
     int op;                   /* TP_XOP_* */
-    int dtype;                /* the collectives' dtype code (1 float32 ... 14 complex64) */
+    int dtype;                /* TP_DTYPE_* */
     uint64_t bytes;
     int ndim;
-    int64_t shape[8];
+    int64_t shape[TP_XSIG_DIMS];
 } tp_xsig;
 
 /* What the MLX backend's GroupImpl holds of the pair: filled by Python once
@@ -342,8 +322,8 @@ typedef struct tp_link {
     int sig_valid;            /* RDMA: the signature last agreed with the peer */
     tp_xsig sig;
     int failed;               /* an exchange failed: the link is dead (failure says why) */
-    unsigned char hdr_out[96];
-    unsigned char hdr_in[96];
+    unsigned char hdr_out[TP_EXCHANGE_HEADER];
+    unsigned char hdr_in[TP_EXCHANGE_HEADER];
     char failure[512];
 } tp_link;
 

@@ -11,7 +11,7 @@
  * does not (a peer at another collective, dtype or size, a skipped gate) must
  * fail loudly, never sum the wrong partials, so each exchange carries its
  * signature: collective, dtype, byte count and sequence number.
- *   - TCP: the EXCHANGE_HEADER (link/wire.py: collective, dtype, sequence,
+ *   - TCP: the exchange header (exchange_codes.h: collective, dtype, sequence,
  *     bytes, and the shape, so a mismatch names both ranks' arrays) rides
  *     ahead of the payload in the same write; the peer compares it with its
  *     own before it waits for any payload (tp_tcp_gate / tp_tcp_duplex).
@@ -33,10 +33,6 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#define TP_EXCHANGE_MAGIC 0x58345344u /* "DS4X", EXCHANGE_MAGIC in link/wire.py */
-/* magic u32, op u16, dtype u16, seq u64, bytes u64, ndim u32, 0 u32, dims 8 x u64 */
-#define TP_EXCHANGE_HEADER_BYTES TP_EXCHANGE_HEADER
-
 static const char *op_name(int op) {
     switch (op) {
     case TP_XOP_SUM: return "all_sum";
@@ -51,10 +47,15 @@ static const char *op_name(int op) {
 }
 
 static const char *dtype_name(int code) {
-    static const char *names[] = {"?", "float32", "float16", "bfloat16", "bool", "int8",
-                                  "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                                  "uint64", "float64", "complex64"};
-    return code > 0 && code < (int)(sizeof(names) / sizeof(names[0])) ? names[code] : "dtype?";
+    static const char *names[TP_DTYPE_LAST + 1] = {
+        [TP_DTYPE_FLOAT32] = "float32", [TP_DTYPE_FLOAT16] = "float16",
+        [TP_DTYPE_BFLOAT16] = "bfloat16", [TP_DTYPE_BOOL] = "bool",
+        [TP_DTYPE_INT8] = "int8", [TP_DTYPE_INT16] = "int16",
+        [TP_DTYPE_INT32] = "int32", [TP_DTYPE_INT64] = "int64",
+        [TP_DTYPE_UINT8] = "uint8", [TP_DTYPE_UINT16] = "uint16",
+        [TP_DTYPE_UINT32] = "uint32", [TP_DTYPE_UINT64] = "uint64",
+        [TP_DTYPE_FLOAT64] = "float64", [TP_DTYPE_COMPLEX64] = "complex64"};
+    return code >= TP_DTYPE_FIRST && code <= TP_DTYPE_LAST ? names[code] : "dtype?";
 }
 
 static void put_le(unsigned char *p, uint64_t v, int n) {
@@ -68,7 +69,7 @@ static uint64_t get_le(const unsigned char *p, int n) {
 }
 
 static void pack_header(unsigned char *h, const tp_xsig *sig, uint64_t seq) {
-    memset(h, 0, TP_EXCHANGE_HEADER_BYTES);
+    memset(h, 0, TP_EXCHANGE_HEADER);
     put_le(h, TP_EXCHANGE_MAGIC, 4);
     put_le(h + 4, (uint64_t)sig->op, 2);
     put_le(h + 6, (uint64_t)sig->dtype, 2);
@@ -145,7 +146,7 @@ static void record(tp_link *l, uint64_t bytes, uint64_t ns) {
 /* The header alone, both ways, over the data socket (RDMA's signature check). */
 static int swap_header(tp_link *l, const tp_xsig *sig, uint64_t seq, char *err, size_t errlen) {
     pack_header(l->hdr_out, sig, seq);
-    int rc = tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, NULL, NULL, 0,
+    int rc = tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER, NULL, NULL, 0,
                          seq, l->spin_ns, err, errlen);
     if (rc == TP_EDESYNC) name_desync(l->hdr_in, sig, seq, err, errlen);
     return rc;
@@ -156,9 +157,9 @@ static int run_tcp(tp_link *l, const tp_xsig *sig, const void *src, void *dst, u
     const uint64_t bytes = sig->bytes;
     pack_header(l->hdr_out, sig, seq);
     int rc = bytes <= TP_GATE_BYTES
-                 ? tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, src, dst,
+                 ? tp_tcp_gate(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER, src, dst,
                                bytes, seq, l->spin_ns, err, errlen)
-                 : tp_tcp_duplex(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER_BYTES, src,
+                 : tp_tcp_duplex(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER, src,
                                  dst, bytes, seq, l->spin_ns, l->timeout_s, err, errlen);
     if (rc == TP_EDESYNC) name_desync(l->hdr_in, sig, seq, err, errlen);
     return rc;

@@ -206,9 +206,9 @@ static void pick_sums(void) {}
 
 int tp_sum2(int dtype, const void *first, const void *second, void *out, uint64_t count) {
     pick_sums();
-    if (dtype == TP_SUM_F32) sum_f32_fn(first, second, out, count);
-    else if (dtype == TP_SUM_F16) sum_f16_fn(first, second, out, count);
-    else if (dtype == TP_SUM_BF16) sum_bf16_fn(first, second, out, count);
+    if (dtype == TP_DTYPE_FLOAT32) sum_f32_fn(first, second, out, count);
+    else if (dtype == TP_DTYPE_FLOAT16) sum_f16_fn(first, second, out, count);
+    else if (dtype == TP_DTYPE_BFLOAT16) sum_bf16_fn(first, second, out, count);
     else return TP_EINVAL;
     return TP_OK;
 }

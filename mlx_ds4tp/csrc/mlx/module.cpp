@@ -87,5 +87,15 @@ NB_MODULE(_pairgroup, m) {
           },
           nb::arg("rank"), nb::arg("size"), nb::arg("gateless"));
 
+  m.def(
+      "dtype_codes",
+      [] {
+        nb::list codes;
+        for (const auto& [dtype, code] : dtype_codes()) codes.append(nb::make_tuple(dtype, code));
+        return codes;
+      },
+      "[(mlx.core.Dtype, code)]: every dtype the pair's collectives take, with its code in the "
+      "exchange header (TP_DTYPE_*), in code order.");
+
   m.attr("BUILT_AGAINST_MLX") = DS4TP_BUILT_MLX;
 }

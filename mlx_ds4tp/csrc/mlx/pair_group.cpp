@@ -8,8 +8,10 @@
 #include <cmath>
 #include <complex>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 #include <type_traits>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -17,6 +19,54 @@
 namespace mlx_ds4tp {
 
 namespace {
+
+// ---- The dtypes: one table ---------------------------------------------------
+
+// A dtype the collectives take: MLX's, its code in the exchange header
+// (exchange_codes.h), and the C++ type its items are combined as.
+template <typename T>
+struct DtypeEntry {
+  using type = T;
+  mx::Dtype dtype;
+  int code;
+};
+
+// The one place a dtype meets its code: dtype_code, the combine and the
+// poisoning of a failed output all read it.
+constexpr std::tuple kDtypes{
+    DtypeEntry<float>{mx::float32, TP_DTYPE_FLOAT32},
+    DtypeEntry<mx::float16_t>{mx::float16, TP_DTYPE_FLOAT16},
+    DtypeEntry<mx::bfloat16_t>{mx::bfloat16, TP_DTYPE_BFLOAT16},
+    DtypeEntry<bool>{mx::bool_, TP_DTYPE_BOOL},
+    DtypeEntry<int8_t>{mx::int8, TP_DTYPE_INT8},
+    DtypeEntry<int16_t>{mx::int16, TP_DTYPE_INT16},
+    DtypeEntry<int32_t>{mx::int32, TP_DTYPE_INT32},
+    DtypeEntry<int64_t>{mx::int64, TP_DTYPE_INT64},
+    DtypeEntry<uint8_t>{mx::uint8, TP_DTYPE_UINT8},
+    DtypeEntry<uint16_t>{mx::uint16, TP_DTYPE_UINT16},
+    DtypeEntry<uint32_t>{mx::uint32, TP_DTYPE_UINT32},
+    DtypeEntry<uint64_t>{mx::uint64, TP_DTYPE_UINT64},
+    DtypeEntry<double>{mx::float64, TP_DTYPE_FLOAT64},
+    DtypeEntry<mx::complex64_t>{mx::complex64, TP_DTYPE_COMPLEX64},
+};
+
+// fn(entry) for every entry; stops at the first for which it returns true.
+template <typename Fn>
+void each_dtype(Fn&& fn) {
+  std::apply([&](const auto&... entry) { (fn(entry) || ...); }, kDtypes);
+}
+
+// fn(std::type_identity<T>{}) with T the C++ type of `code`; throws for a code the table lacks.
+template <typename Fn>
+void with_type(int code, Fn&& fn) {
+  bool found = false;
+  each_dtype([&](const auto& entry) {
+    if (entry.code != code) return false;
+    fn(std::type_identity<typename std::decay_t<decltype(entry)>::type>{});
+    return found = true;
+  });
+  if (!found) throw std::invalid_argument("mlx_ds4tp: no dtype has code " + std::to_string(code));
+}
 
 // ---- Combining the two partials (first = rank 0's) -------------------------
 
@@ -95,27 +145,15 @@ void combine(int op, int code, Sum2Fn sum2, const void* first, const void* secon
              size_t n) {
   // The float sums run in C, vectorised where the CPU allows, float16 and
   // bfloat16 added in float32 and rounded to nearest-even as MLX adds them.
-  if ((op == TP_XOP_SUM || op == TP_XOP_SCATTER) && code >= TP_SUM_F32 && code <= TP_SUM_BF16) {
+  const bool float_sum = code == TP_DTYPE_FLOAT32 || code == TP_DTYPE_FLOAT16 ||
+                         code == TP_DTYPE_BFLOAT16;
+  if ((op == TP_XOP_SUM || op == TP_XOP_SCATTER) && float_sum) {
     sum2(code, first, second, out, n);
     return;
   }
-  switch (code) {
-    case 1: return combine_as<float>(op, first, second, out, n);
-    case 2: return combine_as<mx::float16_t>(op, first, second, out, n);
-    case 3: return combine_as<mx::bfloat16_t>(op, first, second, out, n);
-    case 4: return combine_as<bool>(op, first, second, out, n);
-    case 5: return combine_as<int8_t>(op, first, second, out, n);
-    case 6: return combine_as<int16_t>(op, first, second, out, n);
-    case 7: return combine_as<int32_t>(op, first, second, out, n);
-    case 8: return combine_as<int64_t>(op, first, second, out, n);
-    case 9: return combine_as<uint8_t>(op, first, second, out, n);
-    case 10: return combine_as<uint16_t>(op, first, second, out, n);
-    case 11: return combine_as<uint32_t>(op, first, second, out, n);
-    case 12: return combine_as<uint64_t>(op, first, second, out, n);
-    case 13: return combine_as<double>(op, first, second, out, n);
-    case 14: return combine_as<mx::complex64_t>(op, first, second, out, n);
-    default: throw std::invalid_argument("mlx_ds4tp: no combine for dtype code " + std::to_string(code));
-  }
+  with_type(code, [&](auto type) {
+    combine_as<typename decltype(type)::type>(op, first, second, out, n);
+  });
 }
 
 // A failed collective's output is filled with NaN where its dtype has one, so that even a
@@ -123,25 +161,22 @@ void combine(int op, int code, Sum2Fn sum2, const void* first, const void* secon
 // of an MLX array and reads it through another protocol, and MLX reports an evaluation's
 // error once) gets no plausible sum.
 void poison(int code, void* out, size_t bytes) {
-  switch (code) {
-    case 1: case 14: {  // float32, complex64 (two float32 each)
-      const uint32_t nan = 0x7FC00000u;
-      for (size_t i = 0; i + 4 <= bytes; i += 4) std::memcpy(static_cast<char*>(out) + i, &nan, 4);
-      return;
+  with_type(code, [&](auto type) {
+    using T = typename decltype(type)::type;
+    // Integers and bools have no NaN: for them the error is all there is.
+    if constexpr (!std::is_integral_v<T>) {
+      const float q = std::numeric_limits<float>::quiet_NaN();
+      T nan;
+      if constexpr (std::is_same_v<T, mx::complex64_t>) {
+        nan = T(q, q);
+      } else {
+        nan = T(q);
+      }
+      for (size_t i = 0; i + sizeof(T) <= bytes; i += sizeof(T)) {
+        std::memcpy(static_cast<char*>(out) + i, &nan, sizeof(T));
+      }
     }
-    case 2: case 3: {  // float16, bfloat16
-      const uint16_t nan = code == 2 ? 0x7E00u : 0x7FC0u;
-      for (size_t i = 0; i + 2 <= bytes; i += 2) std::memcpy(static_cast<char*>(out) + i, &nan, 2);
-      return;
-    }
-    case 13: {
-      const uint64_t nan = 0x7FF8000000000000ull;
-      for (size_t i = 0; i + 8 <= bytes; i += 8) std::memcpy(static_cast<char*>(out) + i, &nan, 8);
-      return;
-    }
-    default:
-      return;  // integers and bools have no NaN: the error is all there is
-  }
+  });
 }
 
 const char* op_label(int op) {
@@ -171,9 +206,11 @@ int checked_code(int op, const mx::array& a) {
   if (code == 0) {
     std::ostringstream msg;
     msg << "mlx_ds4tp " << op_label(op) << ": dtype " << a.dtype()
-        << " is not supported by the pair's collectives; use float32, float16, bfloat16, "
-           "bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, float64 or "
-           "complex64";
+        << " is not supported by the pair's collectives; use one of";
+    each_dtype([&](const auto& entry) {
+      msg << (entry.code == TP_DTYPE_FIRST ? " " : ", ") << entry.dtype;
+      return false;
+    });
     throw std::invalid_argument(msg.str());
   }
   return code;
@@ -182,23 +219,21 @@ int checked_code(int op, const mx::array& a) {
 }  // namespace
 
 int dtype_code(mx::Dtype dtype) {
-  switch (dtype.val()) {
-    case mx::Dtype::Val::float32: return 1;
-    case mx::Dtype::Val::float16: return 2;
-    case mx::Dtype::Val::bfloat16: return 3;
-    case mx::Dtype::Val::bool_: return 4;
-    case mx::Dtype::Val::int8: return 5;
-    case mx::Dtype::Val::int16: return 6;
-    case mx::Dtype::Val::int32: return 7;
-    case mx::Dtype::Val::int64: return 8;
-    case mx::Dtype::Val::uint8: return 9;
-    case mx::Dtype::Val::uint16: return 10;
-    case mx::Dtype::Val::uint32: return 11;
-    case mx::Dtype::Val::uint64: return 12;
-    case mx::Dtype::Val::float64: return 13;
-    case mx::Dtype::Val::complex64: return 14;
-    default: return 0;
-  }
+  int code = 0;
+  each_dtype([&](const auto& entry) {
+    if (entry.dtype.val() == dtype.val()) code = entry.code;
+    return code != 0;
+  });
+  return code;
+}
+
+std::vector<std::pair<mx::Dtype, int>> dtype_codes() {
+  std::vector<std::pair<mx::Dtype, int>> codes;
+  each_dtype([&](const auto& entry) {
+    codes.emplace_back(entry.dtype, entry.code);
+    return false;
+  });
+  return codes;
 }
 
 // ---- The group --------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/distributed/distributed.h"
@@ -16,6 +17,7 @@
 #include "mlx/stream.h"
 
 extern "C" {
+#include "exchange_codes.h"
 #include "_verbs_api.h"
 }
 
@@ -125,7 +127,9 @@ struct LocalGroup : public mx::distributed::Group {
 // The CPU stream a collective runs on: the one named, else the thread's default.
 mx::Stream cpu_communication_stream(mx::StreamOrDevice s);
 
-// The wire code of an MLX dtype (the collectives' codes, link/wire.py); 0 if none.
+// The exchange's code of an MLX dtype (TP_DTYPE_*, exchange_codes.h); 0 if none.
 int dtype_code(mx::Dtype dtype);
+// Every dtype the collectives take, with its code, in code order.
+std::vector<std::pair<mx::Dtype, int>> dtype_codes();
 
 }  // namespace mlx_ds4tp
