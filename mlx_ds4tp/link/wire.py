@@ -50,10 +50,11 @@ payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
 BIG_TAG, seq, bytes) then the payload in the same byte stream, both directions
 at once (tp_tcp_duplex; over RDMA the header alone, then the payload as RDMA
 bulk rounds): the transport's own gates (the tests, the bench). The collectives
-(the MLX backend, csrc/exchange.c) send EXCHANGE_HEADER (EXCHANGE_MAGIC, collective
-OP_*, dtype code, seq, bytes, ndim, the first 8 dims) ahead of each payload over
-TCP; over RDMA the header alone when the signature changes and before each bulk
-exchange, the payload on the queue pair.
+(the MLX backend, csrc/exchange.c) send their exchange header (magic, collective,
+dtype code, seq, bytes, ndim, the first dims: laid out and numbered in
+csrc/exchange_codes.h, its one source) ahead of each payload over TCP; over RDMA the
+header alone when the signature changes and before each bulk exchange, the payload on
+the queue pair.
 
 Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG
 (WARM_MAGIC, rank, setup attempt); its work request id is WARM_MAGIC too.
@@ -215,16 +216,6 @@ DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
 GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
 BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
 BIG_TAG = 0xB16
-# What travels ahead of every exchange of the collectives (csrc/exchange.c, whose
-# TP_EXCHANGE_HEADER is its size): magic, collective (an OP_* below), dtype code, seq,
-# bytes, ndim, 0, the first 8 dims. A peer at another collective, dtype, shape or
-# sequence differs in it, and both sides are named.
-EXCHANGE_HEADER = struct.Struct("<IHHQQII8q")  # 8: TP_XSIG_DIMS
-EXCHANGE_MAGIC = 0x58345344  # "DS4X" little-endian
-# The collective in an exchange header (csrc/_verbs_api.h TP_XOP_*), and in the transport
-# gates' layer field. send/recv name the source rank (OP_P2P_FROM + src) on both sides, so
-# two senders or two receivers disagree.
-OP_SUM, OP_GATHER, OP_MAX, OP_MIN, OP_SCATTER, OP_P2P_FROM = 1, 2, 3, 4, 5, 6
 
 RDMA_INFO = struct.Struct("<IIIHB16s")  # qpn, psn, mtu, lid, link_layer, gid
 STATUS = struct.Struct("<II")  # ok, message length; then the message
