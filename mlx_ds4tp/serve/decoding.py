@@ -13,10 +13,9 @@ others, so each session's tokens are what mlx-lm generates for it alone.
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -25,16 +24,8 @@ from ..lockstep.sampling import sample_rows
 from ..lockstep.sessions import LeaderSessions, SampledStep
 from .limits import ServeLimits
 from .mixing import MixChoice
-from .requests import RowResult, RunningSession, StepOutput
+from .requests import RowResult, RunningSession, StepOutput, cancelled_out
 from .speculation import Speculation, verified_tokens
-
-
-@dataclasses.dataclass
-class _Unread:
-    """A pipelined step sent and not read yet: its rows, and what it drew for them."""
-
-    rows: List[RunningSession]
-    drawn: SampledStep
 
 
 class DecodeStepper:
@@ -51,7 +42,7 @@ class DecodeStepper:
         self.pipelined = speculation is None and not limits.mixed_prefill
         self.ready: List[RunningSession] = []  # prefilled, waiting for a row
         self.running: List[RunningSession] = []  # the rows of the batch, in row order
-        self._unread: Optional[_Unread] = None
+        self._unread: Optional[Tuple[List[RunningSession], SampledStep]] = None  # sent, not read
         self.first_unread = False  # the unread step made a session's first token
         self.stats = {"decode_steps": 0, "decode_batch_rows": 0, "verify_steps": 0, "mixed_steps": 0,
                       "drafted_tokens": 0, "accepted_tokens": 0, "prefilled_tokens": 0}
@@ -116,8 +107,7 @@ class DecodeStepper:
 
     def take_cancelled(self) -> List[RunningSession]:
         """The waiting sessions whose requests were cancelled, out of the queue."""
-        cancelled = [s for s in self.ready if s.request.cancelled]
-        self.ready = [s for s in self.ready if s not in cancelled]  # read once: HTTP threads set it
+        self.ready, cancelled = cancelled_out(self.ready)
         return cancelled
 
     def clear(self) -> None:
@@ -137,7 +127,7 @@ class DecodeStepper:
         drawn = self.sessions.sampled_step([(s.sid, EVAL_PENDING if s.fed_all else s.next_input) for s in rows])
         for session in rows:
             session.fed_all = True
-        self._unread, self.first_unread = _Unread(rows, drawn), bool(joining)
+        self._unread, self.first_unread = (rows, drawn), bool(joining)
         self._count(rows, joining)
         self.running = rows
         return _read(last, flight) if last is not None and flight else None
@@ -211,14 +201,11 @@ class DecodeStepper:
                                         request.max_tokens - len(session.generated))
 
 
-def _read(unread: _Unread, rows: List[RunningSession]) -> StepOutput:
+def _read(unread: Tuple[List[RunningSession], SampledStep], rows: List[RunningSession]) -> StepOutput:
     """What a pipelined step drew for `rows` (rows of it still running); waits for the tokens."""
-    at = {id(s): i for i, s in enumerate(unread.rows)}
-    values = unread.drawn.tokens.tolist()
-    results = []
-    for session in rows:
-        i = at[id(session)]
-        error = unread.drawn.errors.get(i)
-        results.append(RowResult(None, error) if error is not None else
-                       RowResult([values[i]], logprobs=unread.drawn.logprobs[i]))
+    step_rows, drawn = unread
+    at = {id(s): i for i, s in enumerate(step_rows)}
+    values = drawn.tokens.tolist()
+    results = [RowResult(None, drawn.errors[i]) if i in drawn.errors else
+               RowResult([values[i]], logprobs=drawn.logprobs[i]) for i in (at[id(s)] for s in rows)]
     return StepOutput(rows, results)

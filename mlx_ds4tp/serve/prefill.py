@@ -17,7 +17,7 @@ from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 from ..lockstep.sessions import LeaderSessions
 from .limits import ServeLimits
 from .mixing import MixChoice
-from .requests import RunningSession
+from .requests import RunningSession, cancelled_out
 
 
 class PrefillScheduler:
@@ -82,8 +82,7 @@ class PrefillScheduler:
 
     def take_cancelled(self) -> List[RunningSession]:
         """The sessions whose requests were cancelled, out of the queue (for the caller to end)."""
-        cancelled = [s for s in self.queue if s.request.cancelled]
-        self.queue = [s for s in self.queue if s not in cancelled]  # read once: HTTP threads set it
+        self.queue, cancelled = cancelled_out(self.queue)
         return cancelled
 
     def clear(self) -> None:

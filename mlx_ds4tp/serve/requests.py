@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -60,6 +60,13 @@ class RunningSession:
         # an ended session's cache holds every token generated. A token read before the next
         # step is sent (engine._read_ahead) is not, and goes in as the next step's own input.
         self.fed_all = False
+
+
+def cancelled_out(sessions: List[RunningSession]) -> Tuple[List[RunningSession], List[RunningSession]]:
+    """(the sessions that go on, those whose requests were cancelled): each request's flag read
+    once, since the HTTP threads may set it meanwhile."""
+    cancelled = [s for s in sessions if s.request.cancelled]
+    return [s for s in sessions if s not in cancelled], cancelled
 
 
 @dataclasses.dataclass
