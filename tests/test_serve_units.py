@@ -323,6 +323,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve.engine import Engine
+    from mlx_ds4tp.serve.limits import ServeLimits
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
 
@@ -334,7 +335,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
     engine = None
     try:
         split = wrap(load_split(str(path), leader_group)[0])
-        engine = Engine(LeaderSessions(leader_group, split), tokenizer, **engine_args)
+        engine = Engine(LeaderSessions(leader_group, split), tokenizer, ServeLimits(**engine_args))
         yield engine, model, tokenizer
     finally:
         if engine is not None:
@@ -464,17 +465,17 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
 
     counted = Counting(None)  # the leader's split model goes in when it is loaded
     seen = []
-    real_advance = finishing.Finishing._advance
+    real_take = finishing.Finishing.take_token
 
-    def advance(self, session, token, logprobs=None):
+    def take_token(self, session, token, logprobs):
         seen.append(counted.calls)
-        return real_advance(self, session, token, logprobs)
+        return real_take(self, session, token, logprobs)
 
     def wrap(split):
         counted.inner = split
         return counted
 
-    monkeypatch.setattr(finishing.Finishing, "_advance", advance)
+    monkeypatch.setattr(finishing.Finishing, "take_token", take_token)
     with _served_engine(tmp_path, procs, wrap) as (engine, model, tokenizer):
         engine.start()
 

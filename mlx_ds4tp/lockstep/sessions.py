@@ -37,8 +37,9 @@ close; the leader's failing command reports it (LeaderSessions._command).
 
 from __future__ import annotations
 
+import dataclasses
 import select
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -134,6 +135,17 @@ def _peer_error(control: tr.ControlChannel) -> Optional[str]:
 # ============================================================================
 
 
+@dataclasses.dataclass
+class SampledStep:
+    """What one sampled decode step drew on the leader, row by row: the tokens (lazy, read
+    while the next step runs), why a row's sampler failed (its token is then 0), and the
+    log-probabilities each row's token was drawn from (None unless its sampler keeps them)."""
+
+    tokens: mx.array  # [rows] int32
+    errors: Dict[int, str]
+    logprobs: List[Optional[mx.array]]
+
+
 class LeaderSessions:
     """The leader's side: every command is sent to the worker, then applied here, in that
     order, so the worker's forward starts as early as the leader's."""
@@ -183,6 +195,16 @@ class LeaderSessions:
     def step(self, rows: Sequence[Tuple[int, int]]) -> mx.array:
         """Logits [rows, vocab] of one decode step over (session, input token) rows."""
         return self._command(F.EVAL_BATCH, pack_batch(self.table.step_count + 1, rows))
+
+    def sampled_step(self, rows: Sequence[Tuple[int, int]]) -> SampledStep:
+        """One decode step over (session, input token or EVAL_PENDING) rows whose sessions all
+        have samplers (SAMPLER): queued, not waited for; what this rank drew for each row."""
+        self.step(rows)
+        table, sids = self.table, [sid for sid, _ in rows]
+        drawn = [table.pending[sid] for sid in sids]
+        return SampledStep(drawn[0] if len(drawn) == 1 else mx.concatenate(drawn),
+                           {i: table.row_errors.pop(sid) for i, sid in enumerate(sids) if sid in table.row_errors},
+                           [table.samplers[sid].last_logprobs for sid in sids])
 
     def verify_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> mx.array:
         """Logits [rows, width, vocab] of one decode step whose rows are (session, its input token

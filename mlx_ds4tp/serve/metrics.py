@@ -51,14 +51,13 @@ class ServeMetrics:
               registry=r).set_function(lambda: counts()["kv_budget_tokens"])
         Gauge("ds4tp_prompt_cache_bytes", "Bytes the stored prompt caches take on each machine",
               registry=r).set_function(lambda: counts()["prompt_cache_bytes"])
-        stats = engine.stats
-        # Totals since start, read from the engine (which owns them): gauges, not counters,
-        # because prometheus_client counters cannot be read from a function.
+        # Totals since start, read from the engine (whose parts own them): gauges, not
+        # counters, because prometheus_client counters cannot be read from a function.
         for key, what in (("prefill_batches", "Prefill forwards (each of up to --prompt-concurrency prompts)"),
                           ("decode_steps", "Decode forwards (each over every running session)"),
                           ("drafted_tokens", "Tokens drafted for speculative sessions"),
                           ("accepted_tokens", "Drafted tokens the model accepted")):
-            Gauge(f"ds4tp_{key}", what, registry=r).set_function(lambda key=key: stats[key])
+            Gauge(f"ds4tp_{key}", what, registry=r).set_function(lambda key=key: engine.stats[key])
         Gauge("ds4tp_pair_up", "1 while the two-machine pair is up, else 0",
               registry=r).set_function(lambda: 1.0 if engine.error is None else 0.0)
         if gate_latency_us is not None:

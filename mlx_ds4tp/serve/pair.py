@@ -111,6 +111,7 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
     from ..model_split import load_split
     from .http import ServeState
     from .engine import Engine
+    from .limits import ServeLimits
     from ..lockstep.sessions import LeaderSessions
 
     leader = server is not None
@@ -144,14 +145,13 @@ def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOp
 
             budget, how = default_kv_budget(model, args.kv_bits, args.kv_group_size)
             tr.log(f"serve: {how}")
-        engine = Engine(LeaderSessions(group, model), tokenizer,
-                        prompt_cache_size=args.prompt_cache_size,
-                        prefill_step=args.prefill_step_size, max_batch=args.max_batch,
-                        debug_hash=args.debug_hash, kv_budget=budget,
-                        max_queued=args.max_queued, prompt_concurrency=args.prompt_concurrency,
-                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                        prompt_cache_bytes=args.prompt_cache_bytes, speculation=speculation,
-                        mixed_prefill=args.mixed_prefill, mixed_when=args.mixed_prefill_when)
+        limits = ServeLimits(prompt_cache_size=args.prompt_cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
+                             prefill_step=args.prefill_step_size, prompt_concurrency=args.prompt_concurrency,
+                             max_batch=args.max_batch, kv_budget=budget, max_queued=args.max_queued,
+                             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                             mixed_prefill=args.mixed_prefill, mixed_when=args.mixed_prefill_when,
+                             debug_hash=args.debug_hash)
+        engine = Engine(LeaderSessions(group, model), tokenizer, limits, speculation)
         # Requests may name the short id, or the model as --model gave it (or its directory).
         state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
                            aliases=(args.model, str(model_path)),

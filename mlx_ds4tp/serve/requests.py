@@ -1,11 +1,13 @@
-"""What the engine schedules: a request as the HTTP layer hands it over, and the session the
-engine keeps for it while it runs."""
+"""What the engine schedules: a request as the HTTP layer hands it over, the session the
+engine keeps for it while it runs, and what a decode step produced for each of its rows."""
 
 from __future__ import annotations
 
 import dataclasses
 import queue
-from typing import List, Optional
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
 
 from ..lockstep.prompt_cache import Reuse
 from ..lockstep.sampling import SamplingOptions, SessionSampler
@@ -58,3 +60,32 @@ class RunningSession:
         # an ended session's cache holds every token generated. A token read before the next
         # step is sent (engine._read_ahead) is not, and goes in as the next step's own input.
         self.fed_all = False
+
+
+def cancelled_out(sessions: List[RunningSession]) -> Tuple[List[RunningSession], List[RunningSession]]:
+    """(the sessions that go on, those whose requests were cancelled): each request's flag read
+    once, since the HTTP threads may set it meanwhile."""
+    cancelled = [s for s in sessions if s.request.cancelled]
+    return [s for s in sessions if s not in cancelled], cancelled
+
+
+@dataclasses.dataclass
+class RowResult:
+    """What a decode step produced for one row: its new tokens (None: its sampling failed, for
+    `error`), the log-probabilities its token was drawn from (where the request asked), or,
+    for a prompt row of a mixed step, the `chunk` prompt tokens it took in and no token."""
+
+    tokens: Optional[List[int]]
+    error: str = ""
+    logprobs: Optional[mx.array] = None
+    chunk: int = 0
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """A decode step's rows and what it produced for each; `verify`: a VERIFY_BATCH, whose
+    positions the rows did not use must be dropped (COMMIT_BATCH) before any session ends."""
+
+    rows: List[RunningSession]
+    results: List[RowResult]
+    verify: bool = False

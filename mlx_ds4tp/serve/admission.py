@@ -1,0 +1,128 @@
+"""Which requests start, and the lifetime of their sessions on both ranks: the waiting queue,
+the KV budget, and the index of stored prompt caches.
+
+Memory-bounded admission: a session starts only while the tokens reserved by the sessions
+under way (prompt + max_tokens each) stay within the KV budget (0: no budget); the others wait
+in arrival order, at most max_queued of them, and one more is refused as busy (the HTTP
+layer's 429). A starting session takes the longest stored prefix of its prompt (the index's
+lookup), and an ending one is stored for the next (the index's insert), the evicted caches
+dropped on both ranks. Every request between its start and its end is owned here, so the pair
+going down reaches each of them, whatever a step was doing with its session.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Dict, List, Optional
+
+from ..lockstep.prompt_cache import PromptCacheIndex
+from ..lockstep.sessions import LeaderSessions
+from ..lockstep.table import kv_code
+from .limits import ServeLimits
+from .requests import Request, RunningSession, reserved_tokens
+
+
+def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    return PromptCacheIndex(limits.prompt_cache_size, can_trim_prompt_cache(sessions.table.make_cache()),
+                            limits.prompt_cache_bytes)
+
+
+class Admission:
+    """The waiting queue, the KV budget and the prompt-cache index (see the module docstring)."""
+
+    def __init__(self, sessions: LeaderSessions, tokenizer, limits: ServeLimits):
+        self.sessions = sessions
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.kv_budget, self.max_queued = limits.kv_budget, limits.max_queued
+        # Every fresh session's cache is quantized so (0: float): the same for all, so that
+        # sessions merge into one decode batch.
+        self.kv = kv_code(limits.kv_bits, limits.kv_group_size)
+        self.index = _index(sessions, limits)
+        self.waiting: "collections.deque[Request]" = collections.deque()
+        self.reserved = 0
+        self._owned: Dict[int, Request] = {}
+        self._ids = itertools.count(1)
+        self.stats = {"requests": 0, "cached_tokens": 0}
+
+    def check(self, request: Request) -> None:
+        """ValueError when the request could never fit the budget, however long it waited."""
+        need = reserved_tokens(request)
+        if self.kv_budget and need > self.kv_budget:
+            raise ValueError(f"the prompt and max_tokens need {need} cache tokens, more than the "
+                             f"server's whole budget (--max-kv-tokens {self.kv_budget}); send a "
+                             "shorter prompt or a smaller max_tokens")
+
+    def offer(self, request: Request) -> List[RunningSession]:
+        """Queue a request behind the waiting ones; the sessions that start now. A request that
+        must wait while max_queued others already wait gets ("busy", reason) and is dropped."""
+        self.waiting.append(request)
+        started = self.start_waiting()
+        if len(self.waiting) > self.max_queued:
+            self.waiting.pop().events.put((
+                "busy", f"{self.max_queued} requests already wait for room in the KV budget "
+                f"(--max-kv-tokens {self.kv_budget}, --max-queued {self.max_queued}); retry shortly"))
+        return started
+
+    def start_waiting(self) -> List[RunningSession]:
+        """Start waiting requests, in arrival order, while the KV budget has room."""
+        started = []
+        while self.waiting:
+            head = self.waiting[0]
+            if head.cancelled:
+                self.waiting.popleft()
+                continue
+            need = reserved_tokens(head)
+            if self.kv_budget and self.reserved + need > self.kv_budget:
+                break  # the head waits for room, and the rest behind it
+            self.waiting.popleft()
+            self.reserved += need
+            self._owned[id(head)] = head
+            started.append(self._start(head))
+        return started
+
+    def _start(self, request: Request) -> RunningSession:
+        sid = next(self._ids)
+        reuse = self.index.lookup(request.prompt)
+        self.sessions.create(sid, reuse.cache_id, reuse.mode, self.kv)
+        if reuse.needs_rewind:
+            self.sessions.rewind(sid, reuse.keep)
+        request.cached_tokens = reuse.keep
+        self.stats["requests"] += 1
+        self.stats["cached_tokens"] += reuse.keep
+        return RunningSession(sid, request, reuse, self.tokenizer)
+
+    def close(self, session: RunningSession, fed: Optional[List[int]]) -> None:
+        """End a session on both ranks and hand its reservation back; `fed`: the tokens its
+        cache holds, to store it for reuse under, or None to drop it (an abandoned session)."""
+        if fed is None:
+            self.sessions.destroy(session.sid, 0)
+        else:
+            cache_id, evicted = self.index.insert(fed)
+            self.sessions.destroy(session.sid, cache_id)
+            if cache_id:
+                evicted += self.index.charge(cache_id, self.sessions.table.stored_bytes(cache_id))
+            for old in evicted:
+                self.sessions.invalidate(old)
+        self.reserved -= session.reserved
+        self._owned.pop(id(session.request), None)
+
+    def fail(self, message: str) -> None:
+        """The pair is down: every request under way or waiting gets ("error", message)."""
+        owned = list(self._owned.values())
+        self._owned.clear()
+        for request in owned:
+            request.events.put(("error", message))
+        while self.waiting:
+            self.waiting.popleft().events.put(("error", message))
+        self.reserved = 0
+
+    def renew(self, sessions: LeaderSessions) -> None:
+        """Admit onto a pair joined anew: the stored caches went with the old worker, so the
+        index starts empty."""
+        self.sessions = sessions
+        self.index = _index(sessions, self.limits)
+        self.reserved = 0

@@ -1,0 +1,149 @@
+"""A leader's sessions without a pair or a model, for the serving engine's parts on their own.
+
+FakeSessions keeps what LeaderSessions would send to the worker (`commands`) and plays a model
+whose next token after token t is (t + 1) % VOCAB: its decode logits put the most weight on
+that token, and a sampled step draws it (EVAL_PENDING rows continue from their own last draw,
+as a rank's table does). FakeTokenizer spells token t as one letter, so texts are easy to read.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_ds4tp.link.wire import EVAL_PENDING
+from mlx_ds4tp.lockstep.sessions import SampledStep
+
+VOCAB = 26
+EOS = 25
+
+
+def next_token(token: int) -> int:
+    return (token + 1) % VOCAB
+
+
+def letters(tokens) -> str:
+    return "".join(chr(ord("a") + t) for t in tokens)
+
+
+class _Detokenizer:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.tokens, self.sent = [], 0
+
+    def add_token(self, token):
+        self.tokens.append(token)
+
+    def finalize(self):
+        pass
+
+    @property
+    def last_segment(self):
+        text, self.sent = letters(self.tokens[self.sent:]), len(self.tokens)
+        return text
+
+
+class FakeTokenizer:
+    eos_token_ids = [EOS]
+
+    @property
+    def detokenizer(self):
+        return _Detokenizer()
+
+    def decode(self, tokens):
+        return letters(tokens)
+
+
+class _Table:
+    def __init__(self):
+        self.stored = {}
+        self.samplers = {}
+        self.sessions, self.rows = {}, []
+        self.vocab = VOCAB
+
+    def make_cache(self):
+        return []  # no layers: trimmable, as a float KV cache is
+
+    def stored_bytes(self, cache_id):
+        return 100
+
+
+class _Sampler:
+    keep_logprobs = False
+
+
+def _logits(tokens) -> mx.array:
+    """Decode logits [rows, VOCAB] whose argmax after token t is next_token(t)."""
+    rows = [[5.0 if v == next_token(t) else 0.0 for v in range(VOCAB)] for t in tokens]
+    return mx.array(rows)
+
+
+class FakeSessions:
+    """LeaderSessions' commands, recorded (see the module docstring)."""
+
+    def __init__(self):
+        self.table = _Table()
+        self.commands = []
+        self.pending = {}  # session -> this "rank's" last sampled token
+
+    def create(self, session, cache_id=0, mode=0, kv=0):
+        self.commands.append(("create", session, cache_id, mode))
+        self.table.sessions[session] = cache_id
+
+    def rewind(self, session, keep):
+        self.commands.append(("rewind", session, keep))
+
+    def sampler(self, session, options, prompt, seed):
+        self.commands.append(("sampler", session))
+        self.table.samplers[session] = _Sampler()
+
+    def prefill_batch(self, rows):
+        self.commands.append(("prefill", [(s, list(t)) for s, t in rows]))
+
+    def step(self, rows):
+        self.commands.append(("step", list(rows)))
+        return _logits([t for _, t in rows])
+
+    def sampled_step(self, rows):
+        self.commands.append(("sampled_step", list(rows)))
+        drawn = []
+        for session, token in rows:
+            base = self.pending[session] if token == EVAL_PENDING else token
+            self.pending[session] = next_token(base)
+            drawn.append(self.pending[session])
+        return SampledStep(mx.array(drawn, dtype=mx.int32), {}, [None] * len(rows))
+
+    def verify_batch(self, rows):
+        self.commands.append(("verify", [(s, list(t)) for s, t in rows]))
+        width = max(len(t) for _, t in rows)
+        return mx.stack([_logits(list(t) + [t[-1]] * (width - len(t))) for _, t in rows])
+
+    def commit_batch(self, keep):
+        self.commands.append(("commit", list(keep)))
+
+    def destroy(self, session, store_as=0):
+        self.commands.append(("destroy", session, store_as))
+        if store_as:
+            self.table.stored[store_as] = session
+
+    def invalidate(self, cache_id):
+        self.commands.append(("invalidate", cache_id))
+        del self.table.stored[cache_id]
+
+    def check_hash(self):
+        self.commands.append(("hash",))
+
+    def kinds(self):
+        return [c[0] for c in self.commands]
+
+    def peer_gone(self):
+        return self.gone
+
+    gone = None  # why the worker is gone, as peer_gone says it between commands
+
+    def abort(self, reason):
+        self.commands.append(("abort", reason))
+
+    def stop(self):
+        self.commands.append(("stop",))

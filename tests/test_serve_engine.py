@@ -1,0 +1,97 @@
+"""serve.engine on its own: the thin loop that wires admission, prefill, decoding and
+finishing, its thread, failure and resume, over recorded sessions whose model continues t
+with t + 1 (engine_fakes)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fakes import FakeSessions, FakeTokenizer, letters
+
+from mlx_ds4tp.serve.engine import Engine
+from mlx_ds4tp.serve.errors import PairUnavailable
+from mlx_ds4tp.serve.limits import ServeLimits
+from mlx_ds4tp.serve.requests import Request
+
+
+def _events(request) -> list:
+    events = []
+    while not events or events[-1][0] not in ("done", "failed", "error", "busy"):
+        events.append(request.events.get(timeout=30))
+    return events
+
+
+def _text(events) -> str:
+    return "".join(e[1] for e in events if e[0] == "text")
+
+
+@pytest.mark.parametrize("limits", [ServeLimits(prefill_step=4), ServeLimits(mixed_prefill=2, mixed_when="always")],
+                         ids=["pipelined", "mixed"])
+def test_requests_get_the_models_continuation_and_end_their_sessions(limits):
+    sessions = FakeSessions()
+    engine = Engine(sessions, FakeTokenizer(), limits)
+    engine.start()
+    try:
+        requests = [Request(list(range(1, 12)), 5), Request([20], 9), Request([2, 3], 3)]
+        for request in requests:
+            engine.submit(request)
+        texts = [_text(_events(r)) for r in requests]
+        # Token 25 is the eos: the second stops at it.
+        assert texts == [letters(range(12, 17)), letters(range(21, 25)), letters(range(4, 7))]
+        assert engine.alive() and engine.error is None
+        stats = engine.stats
+        assert stats["requests"] == 3 and stats["generated_tokens"] == 5 + 5 + 3
+        # Every prompt token is computed once: the prefill or the decode steps took each in.
+        assert stats["prefilled_tokens"] == 11 + 1 + 2
+        counts = engine.counts()
+        assert counts["decoding"] == counts["prefilling"] == counts["queued"] == 0
+        assert counts["kv_reserved_tokens"] == 0 and counts["prompt_cache_entries"] == 3
+    finally:
+        engine.stop()
+    assert sessions.commands[-1] == ("stop",)
+
+
+def test_the_pair_going_down_fails_everyone_and_resume_serves_again():
+    sessions = FakeSessions()
+    engine = Engine(sessions, FakeTokenizer(), ServeLimits())
+    sessions.gone = "the worker closed the connection"
+    engine.start()
+    assert engine.wait_down(10)
+    assert "the worker closed the connection" in engine.error and not engine.alive()
+    assert sessions.commands[-1][0] == "abort"
+    with pytest.raises(PairUnavailable):
+        engine.submit(Request([1], 2))
+    fresh = FakeSessions()
+    engine.resume(fresh)
+    try:
+        request = Request([1, 2], 2)
+        engine.submit(request)
+        assert _text(_events(request)) == letters([3, 4]) and engine.error is None
+        with pytest.raises(RuntimeError, match="this one is up"):
+            engine.resume(FakeSessions())
+    finally:
+        engine.stop()
+
+
+def test_a_step_that_fails_reaches_every_request_under_way():
+    class Failing(FakeSessions):
+        def sampled_step(self, rows):
+            raise ConnectionError("gates failed")
+
+    sessions = Failing()
+    engine = Engine(sessions, FakeTokenizer(), ServeLimits())
+    requests = [Request([1], 4), Request([2], 4)]
+    for request in requests:
+        engine.submit(request)
+    engine.start()
+    try:
+        for request in requests:
+            assert _events(request)[-1] == ("error", "ConnectionError: gates failed")
+    finally:
+        engine.stop()
+
+
+def test_a_request_the_budget_cannot_hold_is_refused_before_it_queues():
+    engine = Engine(FakeSessions(), FakeTokenizer(), ServeLimits(kv_budget=8))
+    with pytest.raises(ValueError, match="--max-kv-tokens 8"):
+        engine.submit(Request([1, 2, 3], 6))
+    assert engine.queued() == 0
