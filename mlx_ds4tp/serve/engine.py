@@ -37,6 +37,7 @@ from ..lockstep.sampling import sample_rows
 from ..lockstep.sessions import LeaderSessions, drain_failed_work
 from ..lockstep.table import kv_code, release_memory
 from .finishing import Finishing
+from .limits import ServeLimits
 from .mixing import MixChoice
 from .speculation import verified_tokens
 from .requests import Request, RunningSession, reserved_tokens
@@ -47,42 +48,38 @@ IDLE_POLL_SEC = 0.25
 class Engine(Finishing):
     """See the module docstring. `start()` runs the loop in a daemon thread."""
 
-    def __init__(self, sessions: LeaderSessions, tokenizer, *, prompt_cache_size: int = 10,
-                 prefill_step: int = 2048, max_batch: int = 32, debug_hash: int = 0,
-                 kv_budget: int = 0, max_queued: int = 64, prompt_concurrency: int = 8,
-                 kv_bits: int = 0, kv_group_size: int = 64, prompt_cache_bytes: int = 0,
-                 speculation=None, mixed_prefill: int = 0, mixed_when: str = "cheaper"):
+    def __init__(self, sessions: LeaderSessions, tokenizer, limits: ServeLimits, speculation=None):
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 
         self.sessions = sessions
         self.tokenizer = tokenizer
-        self.prefill_step = prefill_step
-        self.max_batch = max_batch
+        self.prefill_step = limits.prefill_step
+        self.max_batch = limits.max_batch
         # Prompts prefilled together in one padded forward (mlx_lm.server's --prompt-concurrency),
         # within what one PREFILL_BATCH frame may carry.
-        self.prompt_concurrency = max(1, min(prompt_concurrency, MAX_PREFILL_ROWS))
+        self.prompt_concurrency = max(1, min(limits.prompt_concurrency, MAX_PREFILL_ROWS))
         self._frame_tokens = MAX_TOKENS_PER_FRAME
-        self.debug_hash = debug_hash
-        self.index = PromptCacheIndex(prompt_cache_size,
+        self.debug_hash = limits.debug_hash
+        self.index = PromptCacheIndex(limits.prompt_cache_size,
                                       can_trim_prompt_cache(sessions.table.make_cache()),
-                                      prompt_cache_bytes)
+                                      limits.prompt_cache_bytes)
         # Every fresh session's cache is quantized so (0: float): the same for all, so that
         # sessions merge into one decode batch.
-        self.kv = kv_code(kv_bits, kv_group_size)
+        self.kv = kv_code(limits.kv_bits, limits.kv_group_size)
         self.speculation = speculation  # serve.speculation.Speculation, or None: no drafts
         # Prompt tokens a prefilling session carries in a decode step (0: prompts are prefilled
         # in forwards of their own). On a Mac decode is bound by reading the weights, so a step
         # that also carries some prompt tokens costs about one pass where two would cost two;
         # on a compute-bound CPU every padded position costs, so it is off by default, and
         # where it is on, the leader mixes where it measured mixing cheaper (serve.mixing).
-        self.mixed_prefill = mixed_prefill
-        self.mixing = MixChoice(mixed_when)
+        self.mixed_prefill = limits.mixed_prefill
+        self.mixing = MixChoice(limits.mixed_when)
         # Decode pipelined (lockstep.row_sampling): both ranks sample every row, and each step
         # is sent and queued before the last one's tokens are read. A verify or mixed step
         # needs the tokens first, so with drafts or mixed prefill the steps stay in lockstep.
-        self.pipelined = speculation is None and not mixed_prefill
+        self.pipelined = speculation is None and not limits.mixed_prefill
         self._unread = False  # the rows in _running have a step's tokens not read yet
         self._first_unread = False  # ... and one of them is a session's first token
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -90,7 +87,7 @@ class Engine(Finishing):
         # Memory-bounded admission: a session starts only while the tokens reserved by the
         # sessions under way (prompt + max_tokens each) stay within kv_budget (0: no budget);
         # the others wait here in arrival order, at most max_queued of them with the inbox.
-        self.kv_budget, self.max_queued = kv_budget, max_queued
+        self.kv_budget, self.max_queued = limits.kv_budget, limits.max_queued
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._reserved = 0
         self._released = False  # memory handed back since the last request (release_memory)
