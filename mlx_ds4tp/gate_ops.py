@@ -22,7 +22,7 @@ import mlx.core as mx
 from . import transport as tr
 from .collectives.backend import MlxGroup, PairGroup
 from .errors import TransportError
-from .link.config import MLX, LinkSettings, PairAddress, check_mlx_role, pair_address
+from .link.config import MLX, LinkSettings, PairAddress, pair_address
 
 # The public name of a pair's group.
 Group = PairGroup
@@ -55,11 +55,7 @@ def init(
     The group returned becomes the default of every collective's group=None,
     as mx.distributed.init sets the global group. The keywords' one path is init_pair.
     """
-    if transport == MLX:
-        check_mlx_role(role)
-        address = PairAddress(role, None, None)
-    else:
-        address = pair_address(role, listen, coordinator)
+    address = PairAddress(role, None, None) if transport == MLX else pair_address(role, listen, coordinator)
     link = LinkSettings(address, transport, rdma_device=rdma_device, gid_index=gid_index,
                         secret=secret, timeout=timeout, tcp_spin_us=tcp_spin_us)
     return init_pair(link, identity)

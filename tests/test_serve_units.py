@@ -323,6 +323,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve.engine import Engine
+    from mlx_ds4tp.serve.limits import ServeLimits
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
 
@@ -334,7 +335,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
     engine = None
     try:
         split = wrap(load_split(str(path), leader_group)[0])
-        engine = Engine(LeaderSessions(leader_group, split), tokenizer, **engine_args)
+        engine = Engine(LeaderSessions(leader_group, split), tokenizer, ServeLimits(**engine_args))
         yield engine, model, tokenizer
     finally:
         if engine is not None:

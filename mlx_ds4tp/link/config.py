@@ -214,7 +214,9 @@ class LinkSettings:
             raise ValueError(f"address={self.address!r}: make it with pair_address(role, listen, "
                              "coordinator)")
         if self.transport == MLX:
-            check_mlx_role(self.address.role)
+            if self.address.role not in (None, "leader", "worker"):
+                raise ValueError(f"role={self.address.role!r}: use 'leader' (rank 0), 'worker' "
+                                 "(rank 1), or None to take MLX's rank (--role leader|worker)")
         else:
             pair_address(self.address.role, self.address.listen, self.address.coordinator)
         if self.rdma_device is not None and (not isinstance(self.rdma_device, str) or not self.rdma_device):
@@ -237,13 +239,6 @@ class LinkSettings:
                           rdma_device=self.rdma_device, gid_index=self.gid_index,
                           timeout=self.timeout, identity=identity or ModelIdentity(),
                           secret=self.secret, tcp_spin_us=self.tcp_spin_us)
-
-
-def check_mlx_role(role: Optional[str]) -> None:
-    """MLX's group takes its rank from MLX's launcher; a role given must be one of the two."""
-    if role not in (None, "leader", "worker"):
-        raise ValueError(f"role={role!r}: use 'leader' (rank 0), 'worker' (rank 1), or None to "
-                         "take MLX's rank (--role leader|worker)")
 
 
 def check_gid_index(gid_index: Optional[int]) -> None:
