@@ -14,6 +14,7 @@ between this and MLX's own backends is a one-line change.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ import mlx.core as mx
 from . import transport as tr
 from .collectives.backend import SUPPORTED_DTYPES, MlxGroup, PairGroup
 from .errors import TransportError
+from .link.config import MLX, LinkSettings, PairAddress, pair_address
 
 # The public name of a pair's group.
 Group = PairGroup
@@ -44,70 +46,67 @@ def init(
     transport: "auto" (RDMA when both sides have it, else TCP), "rdma" (error
     if either side lacks it), "tcp", or "mlx" (mx.distributed: ring or jaccl
     as MLX chooses, configured by MLX's own launcher environment; MLX's own
-    group is returned).
+    group is returned; listen and coordinator are MLX's launcher's to give).
     secret (str or bytes, default DS4_TP_SECRET): both ranks prove they hold it
     (HMAC challenge-response in the hello) before any session state exists.
     tcp_spin_us (default DS4_TP_TCP_SPIN_US, else 5000 with 8 cores or more, 200 with 2-7, 0 on one):
     how long a TCP gate polls for the peer's message before it sleeps.
 
     The group returned becomes the default of every collective's group=None,
-    as mx.distributed.init sets the global group.
+    as mx.distributed.init sets the global group. The keywords' one path is init_pair.
     """
+    address = PairAddress(role, None, None) if transport == MLX else pair_address(role, listen, coordinator)
+    link = LinkSettings(address, transport, rdma_device=rdma_device, gid_index=gid_index,
+                        secret=secret, timeout=timeout, tcp_spin_us=tcp_spin_us)
+    return init_pair(link, identity)
+
+
+def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
+    """Join as `link` says (init's one path): a PairGroup over a pair whose hello checks
+    `identity` (the model's fingerprint), or MLX's own group for transport "mlx"."""
     global _LAST_GROUP
-    if transport == "mlx":
-        _LAST_GROUP = _init_mlx(role)
+    link.check()
+    if link.transport == MLX:
+        _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
-    config = _pair_config(role, listen, coordinator, transport, rdma_device, gid_index, timeout,
-                          secret, identity, tcp_spin_us)
-    pair = _connect(config)
+    pair = _connect(link.pair_config(identity))
     try:
-        _LAST_GROUP = PairGroup(pair)
+        group = PairGroup(pair)
     except BaseException:
         pair.close()
         raise
-    return _LAST_GROUP
+    _JOINED_WITH[group] = (link, identity)
+    _LAST_GROUP = group
+    return group
 
 
-def reconnect(group: "PairGroup", role: Optional[str] = None,
-              listen: Optional[Tuple[str, int]] = None,
-              coordinator: Optional[Tuple[str, int]] = None, transport: str = "auto", *,
-              rdma_device: Optional[str] = None, gid_index: Optional[int] = None,
-              timeout: Optional[float] = None, secret=None,
-              identity: Optional[tr.ModelIdentity] = None,
-              tcp_spin_us: Optional[int] = None) -> "PairGroup":
-    """Join the pair again on a closed group (the arguments init's): the same hello, secret
-    and model fingerprint checks, then the group runs over the new pair. A model split
-    over the group keeps working, so a rank that lost its peer serves on once the peer
-    (restarted) is back; nothing of the old pair's state is carried over."""
+def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairGroup":
+    """Join the pair again on a closed group, with the settings it was made with (or `link`):
+    the same hello, secret and model fingerprint checks, then the group runs over the new
+    pair. A model split over the group keeps working, so a rank that lost its peer serves on
+    once the peer (restarted) is back; nothing of the old pair's state is carried over."""
     if not isinstance(group, PairGroup):
         raise TypeError(f"group={group!r}: reconnect() takes a group mlx_ds4tp.init(...) returned")
-    if transport == "mlx":
+    made_with, identity = _JOINED_WITH.get(group, (None, None))
+    link = link or made_with
+    if link is None:
+        raise ValueError(f"{group!r} was not made by mlx_ds4tp.init(...): pass "
+                         "link=LinkSettings(...) to say how to join again")
+    if link.check().transport == MLX:
         raise ValueError("transport='mlx': MLX's own groups cannot be rejoined; relaunch them")
-    config = _pair_config(role, listen, coordinator, transport, rdma_device, gid_index, timeout,
-                          secret, identity, tcp_spin_us)
-    pair = _connect(config)
+    pair = _connect(link.pair_config(identity))
     try:
         group.reattach(pair)
     except BaseException:
         pair.close()
         raise
+    _JOINED_WITH[group] = (link, identity)
     return group
 
 
-def _pair_config(role, listen, coordinator, transport, rdma_device, gid_index, timeout, secret,
-                 identity, tcp_spin_us) -> tr.PairConfig:
-    return tr.PairConfig(
-        role=role,
-        listen=tuple(listen) if listen is not None else None,
-        coordinator=tuple(coordinator) if coordinator is not None else None,
-        transport=transport,
-        rdma_device=rdma_device,
-        gid_index=gid_index,
-        timeout=timeout,
-        identity=identity or tr.ModelIdentity(),
-        secret=secret,
-        tcp_spin_us=tcp_spin_us,
-    )
+# What each pair's group was joined with, for reconnect(); weak, so a dropped group goes.
+_JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _connect(config: tr.PairConfig):
@@ -122,15 +121,11 @@ def _init_mlx(role: Optional[str]):
             f"transport='mlx' needs exactly 2 ranks, mx.distributed has {group.size()}; "
             "launch with `mlx.launch -n 2` or a 2-host hostfile"
         )
-    if role is not None:
-        want = {"leader": 0, "worker": 1}.get(role)
-        if want is None:
-            raise ValueError(f"role={role!r}: use 'leader' or 'worker'")
-        if want != group.rank():
-            raise ValueError(
-                f"role={role!r} but mx.distributed made this process rank {group.rank()}; "
-                "drop role= or fix MLX_RANK"
-            )
+    if role is not None and {"leader": 0, "worker": 1}[role] != group.rank():
+        raise ValueError(
+            f"role={role!r} but mx.distributed made this process rank {group.rank()}; "
+            "drop role= or fix MLX_RANK"
+        )
     return MlxGroup(group)
 
 

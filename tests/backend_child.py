@@ -168,9 +168,7 @@ def rejoin(g: PairGroup) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["bad_reattach"] = f"{type(exc).__name__}: {exc}"
     g.close()
-    gate_ops.reconnect(g, role="leader", listen=("127.0.0.1", int(sys.argv[2])),
-                       transport=sys.argv[3], timeout=20.0,
-                       **({"rdma_device": "ucsim"} if sys.argv[3] == "rdma" else {}))
+    gate_ops.reconnect(g)  # the settings init made it with: the same address and transport
     again = model(tokens)
     mx.eval(again)
     out["again_rel"] = float(np.max(np.abs(np.array(again, dtype=np.float64) - ref)) / np.max(np.abs(ref)))

@@ -140,3 +140,23 @@ def test_a_module_built_against_another_mlx_is_refused_naming_both(tmp_path, mon
     assert "built against MLX 0.1.0" in message
     assert f"MLX {mx.__version__} is installed" in message
     assert "pip install" in message and "--no-build-isolation" in message
+
+
+def test_reconnect_rejoins_with_the_settings_the_group_was_made_with():
+    """No evaluation here (one process, one MLX scheduler): the pairs only."""
+    from pairutil import both_ok, make_groups
+
+    from mlx_ds4tp import gate_ops
+    from mlx_ds4tp.link.config import LinkSettings, PairAddress
+
+    lg, wg = make_groups("tcp", timeout=10.0)
+    first = lg.pair
+    lg.close()
+    wg.close()
+    # Nothing repeated: the address, transport, timeout and identity init was given.
+    both_ok(lambda: gate_ops.reconnect(lg), lambda: gate_ops.reconnect(wg))
+    with lg, wg:
+        assert lg.pair is not first and (lg.transport, lg.rank(), wg.rank()) == ("tcp", 0, 1)
+    bad = LinkSettings(PairAddress("leader", ("127.0.0.1", 1), None), "tcp", gid_index=-1)
+    with pytest.raises(ValueError, match="gid_index=-1"):  # an override is checked as init's are
+        gate_ops.reconnect(lg, bad)

@@ -109,8 +109,8 @@ def served(monkeypatch):
 
     got = {}
 
-    def run(args, address, model_path, sampling):
-        got.update(args=args, address=address, model_path=model_path, sampling=sampling)
+    def run(settings):
+        got.update(settings=settings)
         return 0
 
     monkeypatch.setattr(serve_pair, "run", run)
@@ -123,29 +123,60 @@ def serve_main(*argv: str) -> int:
 
 
 def test_serve_passes_values_down(served, model_dir):
-    assert serve_main("serve", "--model", str(model_dir), "--temp", "0.7", "--seed", "5", *LEADER) == 0
-    assert served["address"] == PairAddress("leader", ("127.0.0.1", 9911), None)
-    assert served["model_path"] == model_dir
-    assert served["sampling"] == SamplingOptions(temperature=0.7, seed=5)
+    from mlx_ds4tp.link.config import LinkSettings
+    from mlx_ds4tp.serve.limits import ServeLimits
+    from mlx_ds4tp.serve.settings import HttpSettings
+
+    assert serve_main("serve", "--model", str(model_dir), "--temp", "0.7", "--seed", "5",
+                      "--transport", "tcp", "--rdma-gid-index", "2", "--secret", "s", *LEADER) == 0
+    settings = served["settings"]
+    assert settings.link == LinkSettings(PairAddress("leader", ("127.0.0.1", 9911), None), "tcp",
+                                         gid_index=2, secret="s")
+    assert settings.model.path == model_dir
+    assert settings.http == HttpSettings(sampling=SamplingOptions(temperature=0.7, seed=5))
+    assert settings.limits == ServeLimits() and settings.kv_budget_from_memory
+    assert not settings.rejoin
+
+
+def test_serve_limits_come_from_the_flags(served, model_dir):
+    from mlx_ds4tp.serve.limits import ServeLimits
+
+    serve_main("serve", "--model", str(model_dir), "--max-batch", "4", "--prefill-step-size", "64",
+               "--prompt-concurrency", "2", "--prompt-cache-size", "3", "--prompt-cache-bytes", "1MB",
+               "--max-kv-tokens", "900", "--max-queued", "5", "--kv-bits", "4", "--kv-group-size", "32",
+               "--mixed-prefill", "8", "--mixed-prefill-when", "always", "--debug-hash", "7", *LEADER)
+    assert served["settings"].limits == ServeLimits(
+        prompt_cache_size=3, prompt_cache_bytes=10**6, prefill_step=64, prompt_concurrency=2,
+        max_batch=4, kv_budget=900, max_queued=5, kv_bits=4, kv_group_size=32, mixed_prefill=8,
+        mixed_when="always", debug_hash=7)
+    assert not served["settings"].kv_budget_from_memory
+    serve_main("serve", "--model", str(model_dir), "--max-kv-tokens", "0", *LEADER)
+    assert served["settings"].limits.kv_budget == 0 and not served["settings"].kv_budget_from_memory
+    serve_main("serve", "--model", str(model_dir), "--rejoin", "--prompt-lookup", "2", *WORKER)
+    assert served["settings"].rejoin and served["settings"].model.prompt_lookup == 2
 
 
 def test_served_model_name_defaults_to_a_short_id(served, model_dir, monkeypatch, tmp_path):
     import mlx_ds4tp.checkpoint.source as source
     import mlx_ds4tp.testing.demo_model as demo_model
 
+    def name() -> str:
+        return served["settings"].model.name
+
     serve_main("serve", "--model", str(model_dir), *WORKER)
-    assert served["args"].served_model_name == "my-model"  # the directory's own name
+    assert name() == "my-model"  # the directory's own name
     serve_main("serve", "--model", str(model_dir) + "/", *WORKER)
-    assert served["args"].served_model_name == "my-model"
+    assert name() == "my-model"
     monkeypatch.setattr(demo_model, "demo_model_dir", lambda: tmp_path / "built-demo")
     serve_main("serve", "--model", "demo", *LEADER)
-    assert served["args"].served_model_name == "demo"
-    assert served["model_path"] == tmp_path / "built-demo"
+    assert name() == "demo"
+    assert served["settings"].model.path == tmp_path / "built-demo"
+    assert served["settings"].model.ids == ("demo", str(tmp_path / "built-demo"))
     monkeypatch.setattr(source, "resolve_model_arg", lambda model: tmp_path / "hub" / "snapshot")
     serve_main("serve", "--model", "mlx-community/Qwen3-0.6B-4bit", *LEADER)
-    assert served["args"].served_model_name == "mlx-community/Qwen3-0.6B-4bit"  # the repo id
+    assert name() == "mlx-community/Qwen3-0.6B-4bit"  # the repo id
     serve_main("serve", "--model", str(model_dir), "--served-model-name", "tiny", *LEADER)
-    assert served["args"].served_model_name == "tiny"
+    assert name() == "tiny"
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -204,10 +235,12 @@ def test_doctor_round_trip_address():
     from mlx_ds4tp.cli import doctor
 
     assert doctor.check_args(parse("doctor")) is None
-    assert doctor.check_args(parse("doctor", "--peer", "10.0.0.1", "9")) == \
+    assert doctor.check_args(parse("doctor", "--peer", "10.0.0.1", "9")).address == \
         PairAddress("worker", None, ("10.0.0.1", 9))
-    assert doctor.check_args(parse("doctor", "--listen", "0.0.0.0", "9")) == \
-        PairAddress("leader", ("0.0.0.0", 9), None)
+    link = doctor.check_args(parse("doctor", "--listen", "0.0.0.0", "9", "--transport", "rdma",
+                                   "--rdma-device", "ucsim", "--rdma-gid-index", "1"))
+    assert link.address == PairAddress("leader", ("0.0.0.0", 9), None)
+    assert (link.transport, link.rdma_device, link.gid_index) == ("rdma", "ucsim", 1)
 
 
 # -- help texts ---------------------------------------------------------------------------
@@ -272,3 +305,78 @@ def test_serve_restarts_itself_once_with_a_bounded_glibc_heap():
     calls = []
     exec_with_bounded_heap(["demo"], execve=lambda *a: calls.append(a))
     assert calls == []
+
+
+# -- the shared flags and --transport mlx -------------------------------------------------
+
+
+def _option(parser, flag: str):
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+def test_every_transport_flag_is_the_one_definition():
+    from mlx_ds4tp.cli.rank import build_parser as rank_parser
+    from mlx_ds4tp.link.config import TRANSPORTS
+
+    assert TRANSPORTS == ("auto", "tcp", "rdma", "mlx")
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    ranks = next(a for a in rank_parser()._actions if a.dest == "kind")
+    parsers = {**sub.choices, "rank gate": ranks.choices["gate"],
+               "rank shard-model": ranks.choices["shard-model"], "rank run": ranks.choices["run"]}
+    for name, parser in parsers.items():
+        choices = tuple(_option(parser, "--transport").choices)
+        # bench alone adds its own value, "all" (every transport of the pair in turn).
+        assert choices == TRANSPORTS + (("all",) if name == "bench" else ()), name
+        for flag in ("--rdma-device", "--rdma-gid-index", "--secret"):
+            assert _option(parser, flag), (name, flag)
+
+
+@pytest.mark.parametrize("command, extra, says", [
+    ("run", ("--prompt", "p", *LEADER), "ds4tp run: --transport mlx (MLX's own group) cannot carry"),
+    ("serve", LEADER, "the pair's control channel"),
+    ("demo", (), "a `ds4tp run` pair"),
+    ("doctor", ("--peer", "10.0.0.1", "9"), "times a pair's exchange"),
+    ("bench", LEADER, "ds4tp bench --role: --transport mlx"),
+    ("bench", ("--serve",), "ds4tp bench --serve: --transport mlx"),
+])
+def test_transport_mlx_is_refused_naming_why_where_a_command_needs_a_pair(
+        served, model_dir, command, extra, says):
+    model = ("--model", str(model_dir)) if command in ("run", "serve") else ()
+    msg = exit_message(serve_main, command, *model, "--transport", "mlx", *extra)
+    assert says in msg and "give --transport auto, tcp or rdma" in msg, msg
+    assert not served
+
+
+def test_bench_transport_mlx_times_mlx_own_group(monkeypatch):
+    import mlx_ds4tp.bench.report as report
+
+    calls = []
+    monkeypatch.setattr(report, "gates_report", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(report, "model_report", lambda *a: calls.append(a) or 0)
+    assert serve_main("bench", "--transport", "mlx", "--iters", "3") == 0
+    assert calls[-1][0] == ("mlx",)  # MLX's ring alone, no pair transport
+    assert serve_main("bench", "--transport", "all", "--iters", "3") == 0
+    assert calls[-1][0] == ("tcp", "rdma")
+    assert serve_main("bench", "--model", "demo", "--transport", "mlx") == 0
+    assert calls[-1][1] == "mlx"
+
+
+def test_spawned_shard_model_rank_takes_transport_mlx(monkeypatch):
+    import mlx_ds4tp.bench.model as bench_model
+    from mlx_ds4tp.cli import rank
+
+    got = []
+    monkeypatch.setattr(bench_model, "shard_model_rank", lambda *a: got.append(a) or [])
+    argv = ["shard-model", "--model", "m", "--max-tokens", "2", "--prompt-tokens", "3"]
+    assert rank.main([*argv, "--transport", "mlx"]) == 0
+    assert got[-1] == ("m", 2, 3, None)  # MLX's ring, ranks from MLX_HOSTFILE / MLX_RANK
+    assert rank.main([*argv, "--transport", "tcp", *WORKER]) == 0
+    link = got[-1][3]
+    assert (link.transport, link.address) == ("tcp", PairAddress("worker", None, ("127.0.0.1", 9911)))
+
+
+def test_bad_link_flags_exit_naming_the_flag(served, model_dir):
+    msg = exit_message(serve_main, "serve", "--model", str(model_dir), "--rdma-gid-index", "-1", *LEADER)
+    assert "ds4tp serve: gid_index=-1 must be a non-negative integer or None (--rdma-gid-index N)" in msg
+    msg = exit_message(serve_main, "serve", "--model", str(model_dir), "--rdma-device", "", *LEADER)
+    assert "rdma_device='': give a verbs device name" in msg and "(--rdma-device)" in msg

@@ -160,12 +160,14 @@ def test_group_surface_and_close():
 def test_reconnect_refuses_what_it_cannot_rejoin():
     from mlx_ds4tp import gate_ops
 
+    from mlx_ds4tp.link.config import LinkSettings, PairAddress
+
     with pytest.raises(TypeError, match="reconnect.. takes a group mlx_ds4tp.init"):
-        gate_ops.reconnect("g", role="leader", listen=("127.0.0.1", 1))
+        gate_ops.reconnect("g")
     lg, wg = make_groups("tcp", timeout=5.0)
     with lg, wg:
         with pytest.raises(ValueError, match="transport='mlx'"):
-            gate_ops.reconnect(lg, transport="mlx")
+            gate_ops.reconnect(lg, LinkSettings(PairAddress("leader", None, None), "mlx"))
         with pytest.raises(tp.TransportError, match="still open"):
             lg.reattach(lg.pair)
 

@@ -1,5 +1,5 @@
 """The wire format's one home (_wire.py, its table true to the code), every
-DS4_TP_* knob resolved once by PairConfig, and connect() handing out a
+DS4_TP_* knob resolved once by PairConfig (made from the user's LinkSettings), and connect() handing out a
 complete pair (its RDMA gates brought up, or TCP chosen)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 
 import mlx_ds4tp
 from mlx_ds4tp.link import wire
+from mlx_ds4tp.link.config import LinkSettings
 from mlx_ds4tp import transport as tr
 from pairutil import both_ok, free_port, run_both
 
@@ -145,6 +146,46 @@ def test_bad_environment_values_are_refused_before_connecting(monkeypatch, name,
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValueError, match=re.escape(message)):
         leader_config()
+
+
+# ============================================================================
+# LinkSettings: how a rank joins, as the user gives it, checked by name
+# ============================================================================
+
+LEADER_AT = tr.PairAddress("leader", ("127.0.0.1", 9911), None)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"transport": "ib"}, "transport='ib': use 'auto', 'tcp', 'rdma' or 'mlx' (--transport auto|tcp|rdma|mlx)"),
+    ({"address": ("127.0.0.1", 9911)}, "address=('127.0.0.1', 9911): make it with pair_address("),
+    ({"address": tr.PairAddress("leader", None, ("h", 1))}, "the leader needs listen=(host, port)"),
+    ({"address": tr.PairAddress("boss", None, None), "transport": "mlx"}, "role='boss': use 'leader'"),
+    ({"rdma_device": ""}, "rdma_device='': give a verbs device name"),
+    ({"gid_index": -2}, "gid_index=-2 must be a non-negative integer or None (--rdma-gid-index N)"),
+    ({"gid_index": True}, "gid_index=True must be a non-negative integer"),
+    ({"timeout": 0}, "timeout=0 must be > 0 seconds"),
+    ({"tcp_spin_us": 2_000_000}, "tcp_spin_us=2000000: give 0 (never poll) to 1000000"),
+    ({"secret": 5}, "secret must be a non-empty str or bytes"),
+    ({"secret": b""}, "secret must be a non-empty str or bytes"),
+])
+def test_bad_link_settings_are_named(kw, message):
+    link = LinkSettings(**{"address": LEADER_AT, **kw})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        link.check()
+
+
+def test_link_settings_make_the_pair_config(monkeypatch):
+    monkeypatch.setenv("DS4_TP_TIMEOUT_SEC", "9")
+    link = LinkSettings(LEADER_AT, "tcp", gid_index=1, secret="s", tcp_spin_us=0).check()
+    identity = tr.ModelIdentity(layers=3)
+    config = link.pair_config(identity)
+    assert (config.role, config.listen, config.coordinator) == ("leader", ("127.0.0.1", 9911), None)
+    assert (config.transport, config.gid_index, config.secret, config.tcp_spin_us) == ("tcp", 1, b"s", 0)
+    assert config.timeout == 9.0 and config.identity is identity  # None: the environment's
+    assert LinkSettings(LEADER_AT, timeout=2.5).pair_config().timeout == 2.5
+    mlx = LinkSettings(tr.PairAddress(None, None, None), "mlx").check()  # MLX's rank decides
+    with pytest.raises(ValueError, match="transport='mlx' is MLX's own group, not a pair"):
+        mlx.pair_config()
 
 
 # ============================================================================

@@ -22,7 +22,7 @@ from ..testing import localpair as _localpair
 from .. import gate_ops
 from ..base.log import log
 from ..collectives.backend import gateless_group
-from ..link.config import PairAddress
+from ..link.config import MLX, LinkSettings, PairAddress
 
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
 DEFAULT_PROMPT_TOKENS = 512
@@ -67,42 +67,42 @@ def single_record(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMP
 
 
 def shard_model_rank(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-                     address: Optional[PairAddress] = None, transport: str = "ring",
-                     rdma_device: Optional[str] = None) -> List[Dict]:
+                     link: Optional[LinkSettings] = None) -> List[Dict]:
     """One rank of mlx-lm's own plan (model.shard(group)) and mlx-lm's loading, generating
-    with the same loop as every contender: over MLX's ring backend (transport "ring", ranks
-    from MLX_HOSTFILE / MLX_RANK) or over our pair ("tcp" | "rdma", address the rank's):
-    one plan, one loop, only the backend differs. Rank 0 returns the record."""
+    with the same loop as every contender: over MLX's ring backend (link None, ranks from
+    MLX_HOSTFILE / MLX_RANK) or over our pair (the rank's link): one plan, one loop, only the
+    backend differs. Rank 0 returns the record."""
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    if transport == "ring":
+    if link is None:
+        # The ring pinned, not MLX's first available backend: the hostfile spawn_shard_model
+        # writes is a ring's, and the record is named for it.
         group, name = mx.distributed.init(backend="ring", strict=True), "mlx-lm-ring"
     else:
-        group = gate_ops.init(role=address.role, listen=address.listen,
-                              coordinator=address.coordinator, transport=transport,
-                              rdma_device=rdma_device)
-        name = "mlx-lm-tcp" if group.transport == "tcp" else f"mlx-lm-rdma-{rdma_device or 'ibverbs'}"
+        group = gate_ops.init_pair(link)
+        device = link.rdma_device or "ibverbs"
+        name = "mlx-lm-tcp" if group.transport == "tcp" else f"mlx-lm-rdma-{device}"
     try:
         model, tokenizer = load(path, lazy=True)
         model.shard(group)
         mx.eval(model.parameters())
         _, stats = _generate(model, tokenizer, prompt_tokens, max_tokens)
     finally:
-        if transport != "ring":
+        if link is not None:
             group.close()
     return [_tok_record(name, stats)] if group.rank() == 0 else []
 
 
 def spawn_shard_model(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-                      transport: str = "ring", rdma_device: Optional[str] = None,
+                      transport: str = MLX, rdma_device: Optional[str] = None,
                       timeout: float = 1200.0) -> Dict:
     """Both ranks of an mlx-lm shard() contender on 127.0.0.1 (see shard_model_rank)."""
     base = _localpair.rank_command("shard-model", "--model", path, "--max-tokens", str(max_tokens),
                                    "--prompt-tokens", str(prompt_tokens), "--transport", transport)
     if rdma_device:
         base += ["--rdma-device", rdma_device]
-    if transport == "ring":
+    if transport == MLX:
         with _localpair.ring_hostfile() as hostfile:
             outs = _localpair.run_ranks([base, base], _localpair.ring_envs(hostfile), timeout=timeout)
     else:

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .. import transport as tr
-from ..link.config import PairAddress
+from ..link.config import LinkSettings
 
 
 def model_report(model: str, transport: str, rdma_device: Optional[str], max_tokens: int,
@@ -26,19 +26,20 @@ def model_report(model: str, transport: str, rdma_device: Optional[str], max_tok
     return 0
 
 
-def gate_rank_report(address: PairAddress, transport: str, rdma_device: Optional[str],
-                     nbytes: int, iters: int, secret, as_json: bool) -> int:
+def gate_rank_report(link: LinkSettings, nbytes: int, iters: int, as_json: bool) -> int:
     """One rank of a two-machine gate bench: the other machine runs the same line."""
     from . import gates as bench_gates
 
-    records = bench_gates.run_rank(address, transport, rdma_device, nbytes, iters, secret=secret)
+    records = bench_gates.run_rank(link.address, link.transport, link.rdma_device, nbytes, iters,
+                                   secret=link.secret)
     print_records(records, as_json, keep_samples=True)
     return 0
 
 
 def gates_report(transports: Sequence[str], rdma_device: Optional[str], nbytes: int, iters: int,
                  as_json: bool, plot: Optional[str] = None) -> int:
-    """Both ranks here: each of `transports` ("tcp", "rdma") and MLX's ring, then the ratios
+    """Both ranks here: each of `transports` ("tcp", "rdma"; "mlx": MLX's ring alone) and MLX's
+    ring, then the ratios
     and (plot: a PNG path) the latency histogram."""
     from . import gates as bench_gates
 

@@ -1,8 +1,10 @@
 """The ``ds4tp`` command line (``python -m mlx_ds4tp`` is the same).
 
 Each command is its own module here, as mlx-lm's are: `HELP`, `add_args(parser)`, its checks,
-and `main(args)`. Flags are parsed and checked once, in the command's module, and the values
-it makes are what the layers below take.
+and `main(args)`. A flag several commands take is defined once, in its helper module
+(pair_args, model_arg, sampling_args, draft_args); the command checks its flags once and makes
+typed settings objects of them (LinkSettings, ServeSettings, ...), which are what the layers
+below take: no module below cli/ sees the argparse namespace.
 """
 
 from __future__ import annotations

@@ -8,35 +8,37 @@ from __future__ import annotations
 import argparse
 
 from .. import transport as tr
-from .pair_args import add_pair_args, address_from_args, check_at_least
+from .draft_args import add_draft_args
+from .model_arg import add_model_arg
+from .pair_args import (LOCKSTEP_NEEDS_PAIR, add_pair_args, add_transport_args, address_from_args,
+                        check_at_least, link_from_args, refuse_mlx)
 
 HELP = "gate latency: tcp, rdma and the baselines (--model: tok/s; --serve: serving)"
 ROLE_HELP = ("run one rank of a two-machine gate bench (the other machine runs the other role); "
              "default: both ranks on 127.0.0.1")
+# The bench's own --transport value: every transport of the pair, one after the other.
+ALL = "all"
 TRANSPORT_HELP = ("all (default): tcp, rdma on --rdma-device (default the emulated 'ucsim') and the "
-                  "baselines; tcp or rdma: that one and the baselines; auto (only with --role): "
-                  "what the pair picks. --serve uses tcp unless rdma is given")
+                  "baselines; tcp or rdma: that one and the baselines; mlx: MLX's own group alone "
+                  "(its ring, both ranks here); auto (only with --role): what the pair picks. "
+                  "--serve uses tcp unless rdma is given")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp bench`."""
-    p.add_argument("--transport", choices=("tcp", "rdma", "all", "auto"), default="all",
-                   help=TRANSPORT_HELP)
+    add_transport_args(p, TRANSPORT_HELP, "verbs device (e.g. rdma_en1) or 'ucsim'; default: 'ucsim' "
+                       "with both ranks here, the first device with an active port with --role",
+                       extra_choice=ALL, default=ALL)
     p.add_argument("--bytes", type=int, default=16384,
                    help=f"bytes per gate exchange, a multiple of 4 up to {tr.GATE_MAX_BYTES} "
                         "(default 16384)")
     p.add_argument("--iters", type=int, default=5000, help="timed exchanges per contender (default 5000)")
     p.add_argument("--json", action="store_true", help="one JSON record per line")
-    p.add_argument("--model", default=None, help="time decode tok/s of this mlx-lm model instead "
-                   "(a directory, `demo`, or a preset built once: 150m, moe-1g): single process, our pair "
-                   "(tcp, rdma) and mlx-lm's shard() on MLX's ring; with --serve: the model served")
-    p.add_argument("--draft-model", default=None, metavar="PATH|PRESET",
-                   help="--model: speculative decoding with this draft model against plain pair "
-                        "decode and mlx-lm's single-machine speculative decoding")
-    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
-                   help="--model: speculative decoding by prompt lookup (N-gram size) in the same bench")
-    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
-                   help="--draft-model / --prompt-lookup: tokens drafted a round (default 3)")
+    add_model_arg(p, "time decode tok/s of this mlx-lm model instead (a directory, `demo`, or a "
+                  "preset built once: 150m, moe-1g): single process, our pair (tcp, rdma) and "
+                  "mlx-lm's shard() on MLX's ring; with --serve: the model served", required=False)
+    add_draft_args(p, "with --model, timed against plain pair decode and mlx-lm's single-machine "
+                      "speculative decoding (a directory, `demo` or a preset)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="decode length for --model and --serve; --soak: the most a request asks "
                         "for, each drawing 1..N (default 64)")
@@ -54,8 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="--serve: measure this running `ds4tp serve` instead of starting one")
     p.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
     _add_soak_args(p)
-    add_pair_args(p, ROLE_HELP, "verbs device (e.g. rdma_en1) or 'ucsim'; default: 'ucsim' with "
-                  "both ranks here, the first device with an active port with --role")
+    add_pair_args(p, ROLE_HELP)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -79,17 +80,19 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("ds4tp bench: --plot draws the gate bench run with both ranks here "
                          "(no --model, --serve or --role)")
     if args.serve:
+        refuse_mlx(args, "bench --serve", LOCKSTEP_NEEDS_PAIR)
         return _serve(args)
     if address is None and args.transport == "auto":
         raise SystemExit("ds4tp bench: --transport auto is what a two-machine pair picks (with "
-                         "--role); with both ranks here give tcp, rdma or all")
+                         "--role); with both ranks here give tcp, rdma, mlx or all")
     if args.model:
         return _model(args, report)
     if address is not None:
-        transport = args.transport if args.transport != "all" else "auto"
-        return report.gate_rank_report(address, transport, args.rdma_device, args.bytes, args.iters,
-                                       args.secret, args.json)
-    transports = ("tcp", "rdma") if args.transport == "all" else (args.transport,)
+        refuse_mlx(args, "bench --role", "its ranks are started by MLX's launcher, not joined with "
+                   "--role (both ranks here, `ds4tp bench --transport mlx` times MLX's ring)")
+        link = link_from_args(args, address, "bench", transport="auto" if args.transport == ALL else None)
+        return report.gate_rank_report(link, args.bytes, args.iters, args.json)
+    transports = ("tcp", "rdma") if args.transport == ALL else (args.transport,)
     return report.gates_report(transports, args.rdma_device, args.bytes, args.iters, args.json,
                                args.plot)
 
@@ -121,7 +124,7 @@ def _model(args: argparse.Namespace, report) -> int:
 
         check_at_least("bench", (("--num-draft-tokens", args.num_draft_tokens, 1),
                                  ("--prompt-lookup", args.prompt_lookup, 0)))
-        if args.transport not in ("tcp", "all"):
+        if args.transport not in ("tcp", ALL):
             raise SystemExit("ds4tp bench: the speculative bench runs the pair over tcp; give --transport tcp")
         draft = _model_dir("--draft-model", args.draft_model) if args.draft_model else None
         return speculative_report(model, draft, args.prompt_lookup, args.num_draft_tokens, args.max_tokens,
@@ -137,7 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.soak or args.restart_worker or args.client_counts:
         return _soak(args)
     check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1)))
-    transport = "tcp" if args.transport in ("all", "auto") else args.transport
+    transport = "tcp" if args.transport in (ALL, "auto") else args.transport
     device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
     model = model_path(args.model) if args.model and not args.url else None
     return serve_bench.serve_report(args.url, model, transport, device, args.max_tokens,
@@ -195,7 +198,7 @@ def _soak(args: argparse.Namespace) -> int:
                              ("--variants", args.variants, 1), ("--rounds", args.rounds, 1),
                              ("--context-length", args.context_length, 0),
                              *(("--client-counts", c, 1) for c in counts)))
-    transport = "tcp" if args.transport in ("all", "auto") else args.transport
+    transport = "tcp" if args.transport in (ALL, "auto") else args.transport
     device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
     opts = soak.SoakOptions(args.soak, args.clients, args.max_tokens, args.cancel_share,
                             args.bad_share, args.restart_worker, args.seed, args.variants,

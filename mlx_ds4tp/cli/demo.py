@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from ..testing.demo_model import demo_model_dir
 from ..testing.local_run import run_local_pair
-from .pair_args import TRANSPORT_HELP, check_at_least
+from .pair_args import LOCKSTEP_NEEDS_PAIR, add_transport_args, check_at_least, refuse_mlx
 
 HELP = "both ranks on 127.0.0.1 with a small synthetic model, checked against the unsplit model"
 
@@ -27,9 +27,7 @@ def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int)
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp demo`."""
-    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto", help=TRANSPORT_HELP)
-    p.add_argument("--rdma-device", default=None,
-                   help="'ucsim' for the emulated Thunderbolt device, or a verbs device")
+    add_transport_args(p, rdma_device_help="'ucsim' for the emulated Thunderbolt device, or a verbs device")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--prompt", default="The two machines agree that",
                    help="the prompt, fed as raw text (default %(default)r)")
@@ -38,18 +36,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Check the flags, then run the demo."""
     check_at_least("demo", (("--max-tokens", args.max_tokens, 1),))
-    return demo(args.prompt, args.max_tokens, args.transport, args.rdma_device)
+    refuse_mlx(args, "demo", f"its two ranks are a `ds4tp run` pair, and {LOCKSTEP_NEEDS_PAIR}")
+    extra = [*(("--rdma-gid-index", str(args.rdma_gid_index)) if args.rdma_gid_index is not None else ()),
+             *(("--secret", args.secret) if args.secret else ())]
+    return demo(args.prompt, args.max_tokens, args.transport, args.rdma_device, extra)
 
 
-def demo(prompt: str, max_tokens: int, transport: str, rdma_device: Optional[str]) -> int:
-    """Both ranks here on the demo model, then the same generation unsplit; 0 when they match."""
+def demo(prompt: str, max_tokens: int, transport: str, rdma_device: Optional[str],
+         extra: Sequence[str] = ()) -> int:
+    """Both ranks here on the demo model, then the same generation unsplit; 0 when they match.
+    extra: more flags of both ranks' `ds4tp run` (the GID index, the secret)."""
     path = demo_model_dir()
     print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
           "noise), split 50/50 across two local processes.", flush=True)
     # Both ranks write here: the leader's text on stdout, both ranks' `ds4-tp:` logs on stderr.
     print(f"prompt: {prompt!r}\n--- the two ranks (stdout: the leader's text; stderr: both "
           f"ranks' logs) ---", flush=True)
-    result = run_local_pair(path, prompt, max_tokens, transport, rdma_device, timeout=600.0)
+    result = run_local_pair(path, prompt, max_tokens, transport, rdma_device, timeout=600.0,
+                            extra=extra)
     if result is None:
         print("ds4tp demo: FAILED (see the ranks' errors above)", flush=True)
         return 1

@@ -7,6 +7,7 @@ Each check prints one line: ok, warn (works, but slower or degraded) or FAIL
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -17,9 +18,9 @@ import time
 from typing import List, Optional, Tuple
 
 from .. import transport as tr
-from ..link.config import PairAddress, pair_address
-
-from .pair_args import TRANSPORT_HELP, parse_address
+from ..link.config import LinkSettings, pair_address
+from .model_arg import add_model_arg
+from .pair_args import TRANSPORT_HELP, add_transport_args, link_from_args, parse_address, refuse_mlx
 
 HELP = "check what a pair needs and say what to fix"
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -170,7 +171,7 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
     return [_line(OK, "ucsim pair", f"bring-up, warm-up and 200 gates in {time.perf_counter() - t0:.2f} s")]
 
 
-def peer_round_trip(args: argparse.Namespace, address: PairAddress) -> List[Tuple[str, str]]:
+def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[str, str]]:
     """A short gate run against the other machine's `ds4tp doctor --listen`;
     with --model, both sides' model fingerprints are compared at the hello."""
     import numpy as np
@@ -183,11 +184,9 @@ def peer_round_trip(args: argparse.Namespace, address: PairAddress) -> List[Tupl
     # when DS4_TP_TIMEOUT_SEC says so.
     limit = tr.default_timeout()
     identity = model_identity(args.model) if args.model else None
-    host, port = address.address
-    g = gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
-                      transport=args.transport, rdma_device=args.rdma_device,
-                      timeout=min(30.0 if address.role == "worker" else 120.0, limit),
-                      secret=args.secret, identity=identity)
+    host, port = link.address.address
+    wait = min(30.0 if link.address.role == "worker" else 120.0, limit)
+    g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait), identity)
     with g:
         out = []
         if identity is not None:
@@ -215,18 +214,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        help="run a short gate round trip against `ds4tp doctor --listen` on the peer")
     where.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"),
                        help="wait for the peer's `ds4tp doctor --peer` and answer its gates")
-    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto",
-                   help="with --peer/--listen: " + TRANSPORT_HELP)
-    p.add_argument("--rdma-device", default=None,
-                   help="with --peer/--listen: verbs device (e.g. rdma_en1) or 'ucsim'")
-    p.add_argument("--secret", default=None, help="shared secret (default DS4_TP_SECRET)")
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="with --peer/--listen: compare this model directory's fingerprint with "
-                        "the peer's at the hello and print both")
+    add_transport_args(p, "with --peer/--listen: " + TRANSPORT_HELP,
+                       "with --peer/--listen: verbs device (e.g. rdma_en1) or 'ucsim'")
+    add_model_arg(p, "with --peer/--listen: compare this model directory's fingerprint with the "
+                     "peer's at the hello and print both", required=False, metavar="PATH")
 
 
-def check_args(args: argparse.Namespace) -> Optional[PairAddress]:
-    """The round trip's address (the --peer side dials as the worker, the --listen side
+def check_args(args: argparse.Namespace) -> Optional[LinkSettings]:
+    """The round trip's link (the --peer side dials as the worker, the --listen side
     answers as the leader), or None without either; bad flags exit naming the flag."""
     if args.model is not None and not (args.peer or args.listen):
         raise SystemExit("ds4tp doctor: --model is compared with the peer's: give --peer or --listen")
@@ -237,21 +232,24 @@ def check_args(args: argparse.Namespace) -> Optional[PairAddress]:
     else:
         role, listen, coordinator = "leader", parse_address(args.listen, "--listen"), None
     try:
-        return pair_address(role, listen, coordinator)
+        address = pair_address(role, listen, coordinator)
     except ValueError as exc:
         flag = "--peer" if args.peer else "--listen"
         raise SystemExit(f"ds4tp doctor: {flag}: {exc}") from None
+    refuse_mlx(args, "doctor", "its round trip times a pair's exchange, and MLX's own group is no "
+               "pair (`ds4tp bench --transport mlx` times MLX's ring)")
+    return link_from_args(args, address, "doctor")
 
 
 def main(args: argparse.Namespace) -> int:
     """Every check, one line each; 1 when any FAILs."""
-    address = check_args(args)
+    link = check_args(args)
     results = check_python() + check_verbs() + check_macos()
     if not any(s == FAIL and w == "C module" for s, w in results):
         results += check_ucsim_pair()
-    if address is not None:
+    if link is not None:
         try:
-            results += peer_round_trip(args, address)
+            results += peer_round_trip(args, link)
         except (tr.TransportError, ValueError, FileNotFoundError) as exc:
             results.append(_line(FAIL, "gate round trip", str(exc)))
     failed = [w for s, w in results if s == FAIL]

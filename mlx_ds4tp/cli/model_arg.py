@@ -1,9 +1,11 @@
-"""`--model` of `ds4tp run` and `ds4tp serve`: an mlx-lm model directory, a Hugging Face repo
-id already downloaded, or `demo` (the demo's small synthetic model, built once into the cache);
-and the short id `ds4tp serve` serves it under."""
+"""`--model`, defined once for every command that takes it; for `ds4tp run` and `ds4tp serve`
+an mlx-lm model directory, a Hugging Face repo id already downloaded, or `demo` (the demo's
+small synthetic model, built once into the cache); and the short id `ds4tp serve` serves it
+under."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 DEMO = "demo"
@@ -11,6 +13,13 @@ MODEL_HELP = ("an mlx-lm model directory, a Hugging Face repo id already downloa
               "model on both machines), or 'demo': a small model with synthetic random weights, "
               "built once into ~/.cache/mlx_ds4tp, or $XDG_CACHE_HOME/mlx_ds4tp (./demo for a "
               "directory of that name)")
+
+
+def add_model_arg(p: argparse.ArgumentParser, help_text: str = MODEL_HELP, required: bool = True,
+                  metavar: str = "MODEL") -> None:
+    """--model, the one definition every command's --model is; help_text says what this
+    command does with it."""
+    p.add_argument("--model", required=required, default=None, metavar=metavar, help=help_text)
 
 
 def model_path(model: str) -> Path:

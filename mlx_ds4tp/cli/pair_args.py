@@ -1,42 +1,68 @@
-"""The flags that say how this process joins the pair, shared by `ds4tp run`, `serve` and
-`bench`: --role, --listen/--coordinator, --transport, --rdma-device, --rdma-gid-index and
---secret, and their one check (the address triple becomes a PairAddress here, once)."""
+"""The flags that say how this process joins the pair, defined here once for every command that
+takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
+--listen/--coordinator, --transport, --rdma-device, --rdma-gid-index and --secret; and their one
+check, which turns them into a PairAddress and a LinkSettings."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Optional, Sequence, Tuple
 
-from ..link.config import PairAddress, pair_address
+from ..link.config import MLX, TRANSPORTS, LinkSettings, PairAddress, pair_address
 
-TRANSPORT_HELP = ("gates over 'rdma' (error if either machine lacks a device), 'tcp', or 'auto': "
-                  "RDMA when both ranks have a usable device, else TCP (default auto)")
-
-
+TRANSPORT_HELP = ("gates over 'rdma' (error if either machine lacks a device), 'tcp', 'auto': "
+                  "RDMA when both ranks have a usable device, else TCP (default auto), or 'mlx': "
+                  "MLX's own group (ring or JACCL) where the command can use one")
 RDMA_DEVICE_HELP = ("verbs device (e.g. rdma_en1), or 'ucsim' for the emulated Thunderbolt "
                     "device (default: the first device with an active port)")
+# Why `ds4tp run` and `serve` cannot run over MLX's own group: what they need of a pair.
+LOCKSTEP_NEEDS_PAIR = ("the leader drives the worker over the pair's control channel (sessions, "
+                       "prompts, decode steps), which MLX's own group does not have")
 
 
-def add_pair_args(p: argparse.ArgumentParser, role_help: str,
-                  rdma_device_help: str = RDMA_DEVICE_HELP) -> None:
-    """--role, --listen, --coordinator, --rdma-device and --secret; `role_help` says what
-    --role means for this command (required, or what happens without it)."""
+def add_pair_args(p: argparse.ArgumentParser, role_help: str) -> None:
+    """--role, --listen and --coordinator; `role_help` says what --role means for this command
+    (required, or what happens without it)."""
     p.add_argument("--role", choices=("leader", "worker"), help=role_help)
     p.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"),
                    help="leader: the address it listens on for the worker (e.g. 10.99.0.1 9911)")
     p.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"),
                    help="worker: the leader's --listen address")
+
+
+def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPORT_HELP,
+                       rdma_device_help: str = RDMA_DEVICE_HELP, extra_choice: Optional[str] = None,
+                       default: str = "auto") -> None:
+    """--transport (auto, tcp, rdma, mlx, and `extra_choice`, a value the command handles
+    itself), --rdma-device, --rdma-gid-index and --secret: how the gates travel."""
+    choices = TRANSPORTS + ((extra_choice,) if extra_choice else ())
+    p.add_argument("--transport", choices=choices, default=default, help=transport_help)
     p.add_argument("--rdma-device", default=None, help=rdma_device_help)
+    p.add_argument("--rdma-gid-index", type=int, default=None, metavar="N",
+                   help="the verbs GID index to use (default: the device's IPv4-mapped GID)")
     p.add_argument("--secret", default=None,
                    help="shared secret both ranks must hold (default DS4_TP_SECRET; the variable "
                         "keeps it out of `ps`)")
 
 
-def add_transport_args(p: argparse.ArgumentParser) -> None:
-    """--transport (auto, tcp, rdma) and --rdma-gid-index: how the gates travel."""
-    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto", help=TRANSPORT_HELP)
-    p.add_argument("--rdma-gid-index", type=int, default=None, metavar="N",
-                   help="the verbs GID index to use (default: the device's IPv4-mapped GID)")
+def refuse_mlx(args: argparse.Namespace, command: str, why: str) -> None:
+    """Exit naming why `command` cannot run over --transport mlx, when it was given."""
+    if args.transport == MLX:
+        raise SystemExit(f"ds4tp {command}: --transport mlx (MLX's own group) cannot carry this "
+                         f"command: {why}; give --transport auto, tcp or rdma")
+
+
+def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
+                   transport: Optional[str] = None) -> LinkSettings:
+    """The checked LinkSettings of add_transport_args' flags for this rank's `address`
+    (`transport`: what the command made of its own --transport value); a bad value exits
+    naming it and the fix."""
+    link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
+                        gid_index=args.rdma_gid_index, secret=args.secret)
+    try:
+        return link.check()
+    except ValueError as exc:
+        raise SystemExit(f"ds4tp {command}: {exc}") from None
 
 
 def parse_address(pair: Optional[Sequence[str]], flag: str) -> Optional[Tuple[str, int]]:

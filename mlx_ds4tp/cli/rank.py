@@ -7,8 +7,8 @@ stdout (rank 0's are the ones the parent reads).
 
     gate        one rank of the transport gate bench (--role, --listen/--coordinator)
     ring-gate   one rank of mx.distributed's ring all_sum (MLX_HOSTFILE, MLX_RANK)
-    shard-model one rank of mlx-lm's model.shard() over the ring (MLX_HOSTFILE, MLX_RANK)
-                or our pair (--transport tcp|rdma, --role, --listen/--coordinator)
+    shard-model one rank of mlx-lm's model.shard() over MLX's ring (--transport mlx;
+                MLX_HOSTFILE, MLX_RANK) or our pair (--transport tcp|rdma, --role, --listen/--coordinator)
     ceiling     one rank of the compute ceiling (half the model, gates skipped)
     run         one rank of `ds4tp run`, plus --tokens-out FILE and --no-eos
 """
@@ -22,7 +22,8 @@ from typing import Dict, List, Optional, Sequence
 
 from . import report_errors
 from . import run as run_command
-from .pair_args import address_from_args
+from .model_arg import add_model_arg
+from .pair_args import MLX, add_pair_args, add_transport_args, link_from_args, one_rank_address
 
 
 def _print_json(records: List[Dict]) -> None:
@@ -33,7 +34,7 @@ def _print_json(records: List[Dict]) -> None:
 def _gate(args) -> int:
     from ..bench import gates as bench_gates
 
-    _print_json(bench_gates.run_rank(address_from_args(args, "gate"), args.transport,
+    _print_json(bench_gates.run_rank(one_rank_address(args, "gate", ""), args.transport,
                                      args.rdma_device, args.bytes, args.iters))
     return 0
 
@@ -48,16 +49,16 @@ def _ring_gate(args) -> int:
 def _shard_model(args) -> int:
     from ..bench import model as bench_model
 
-    address = None if args.transport == "ring" else address_from_args(args, "shard-model")
-    _print_json(bench_model.shard_model_rank(args.model, args.max_tokens, args.prompt_tokens,
-                                             address, args.transport, args.rdma_device))
+    link = None if args.transport == MLX else \
+        link_from_args(args, one_rank_address(args, "shard-model", ""), "shard-model")
+    _print_json(bench_model.shard_model_rank(args.model, args.max_tokens, args.prompt_tokens, link))
     return 0
 
 
 def _ceiling(args) -> int:
     from ..bench import model as bench_model
 
-    _print_json(bench_model.ceiling_rank(address_from_args(args, "ceiling"), args.model,
+    _print_json(bench_model.ceiling_rank(one_rank_address(args, "ceiling", ""), args.model,
                                          args.max_tokens, args.prompt_tokens))
     return 0
 
@@ -71,11 +72,7 @@ def _run(args) -> int:
                         recorded_draft=args.recorded_draft)
 
 
-def _add_role(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=("leader", "worker"), required=True)
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"))
-    where.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"))
+ROLE_HELP = "this rank: 'leader' (--listen) or 'worker' (--coordinator)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,11 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="kind", required=True)
 
     gate = sub.add_parser("gate")
-    gate.add_argument("--transport", choices=("auto", "tcp", "rdma"), required=True)
-    gate.add_argument("--rdma-device", default=None)
+    add_transport_args(gate)
     gate.add_argument("--bytes", type=int, required=True)
     gate.add_argument("--iters", type=int, required=True)
-    _add_role(gate)
+    add_pair_args(gate, ROLE_HELP)
     gate.set_defaults(func=_gate)
 
     ring_gate = sub.add_parser("ring-gate")
@@ -99,18 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     for kind, func in (("shard-model", _shard_model), ("ceiling", _ceiling)):
         p = sub.add_parser(kind)
-        p.add_argument("--model", required=True)
+        add_model_arg(p)
         p.add_argument("--max-tokens", type=int, required=True)
         p.add_argument("--prompt-tokens", type=int, required=True)
-        if kind == "ceiling":
-            _add_role(p)
-        else:
-            p.add_argument("--transport", choices=("ring", "tcp", "rdma"), required=True)
-            p.add_argument("--rdma-device", default=None)
-            p.add_argument("--role", choices=("leader", "worker"))
-            where = p.add_mutually_exclusive_group()
-            where.add_argument("--listen", nargs=2, metavar=("HOST", "PORT"))
-            where.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"))
+        if kind == "shard-model":
+            add_transport_args(p)
+        add_pair_args(p, ROLE_HELP)
         p.set_defaults(func=func)
 
     run = sub.add_parser("run")

@@ -10,8 +10,9 @@ from typing import Tuple
 from ..link.config import PairAddress
 from ..lockstep.sampling import SamplingOptions
 from .draft_args import add_draft_args, check_draft_args
-from .model_arg import MODEL_HELP, model_path
-from .pair_args import add_pair_args, add_transport_args, check_at_least, one_rank_address
+from .model_arg import add_model_arg, model_path
+from .pair_args import (LOCKSTEP_NEEDS_PAIR, add_pair_args, add_transport_args, check_at_least,
+                        one_rank_address, refuse_mlx)
 from .sampling_args import add_sampling_args, options_from_args
 
 HELP = "one rank of a two-machine generation"
@@ -21,7 +22,7 @@ ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen, --promp
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp run` (examples/pair_generate.py takes the same)."""
-    p.add_argument("--model", required=True, help=MODEL_HELP)
+    add_model_arg(p)
     p.add_argument("--prompt", default=None, help="leader: the prompt text (required there)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     add_sampling_args(p, seed_default=0)
@@ -39,6 +40,7 @@ def check_args(args: argparse.Namespace) -> Tuple[PairAddress, SamplingOptions]:
     """The flags of one `ds4tp run` rank checked once: the rank's address and the sampling
     options; args.model becomes the model's directory. Bad flags exit naming the flag."""
     address = one_rank_address(args, "run", " --prompt TEXT")
+    refuse_mlx(args, "run", LOCKSTEP_NEEDS_PAIR)
     if address.role == "leader" and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
     check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..link.wire import MAX_PREFILL_ROWS
+from ..link.wire import MAX_PREFILL_ROWS, MAX_VERIFY_WIDTH
+from ..serve.limits import ServeLimits
+from ..serve.settings import HttpSettings, ServedModel, ServeSettings
 from .draft_args import add_draft_args, check_draft_args
-from .model_arg import MODEL_HELP, default_served_name, model_path
-from .pair_args import add_pair_args, add_transport_args, check_at_least, one_rank_address
+from .model_arg import add_model_arg, default_served_name, model_path
+from .pair_args import (LOCKSTEP_NEEDS_PAIR, add_pair_args, add_transport_args, check_at_least,
+                        link_from_args, one_rank_address, refuse_mlx)
 from .sampling_args import add_sampling_args, options_from_args
 
 HELP = "an OpenAI-compatible HTTP server on the pair"
@@ -26,7 +29,7 @@ ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen; serves 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp serve` (HTTP flags named as mlx_lm.server names them)."""
-    p.add_argument("--model", required=True, help=MODEL_HELP)
+    add_model_arg(p)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="leader: the model id /v1/models lists and requests name (default: 'demo' "
                         "for --model demo, the repo id for a Hugging Face repo id, the directory's "
@@ -113,40 +116,61 @@ def main(args: argparse.Namespace) -> int:
     """Check the flags once, then run this rank of `ds4tp serve`."""
     from ..serve import pair as serve_pair
 
+    return serve_pair.run(check_args(args))
+
+
+def check_args(args: argparse.Namespace) -> ServeSettings:
+    """The flags of one `ds4tp serve` rank checked once, as the settings it runs with; bad
+    flags exit naming the flag."""
     address = one_rank_address(args, "serve", " (it serves HTTP on --host/--port)")
-    check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
+    refuse_mlx(args, "serve", LOCKSTEP_NEEDS_PAIR)
+    link = link_from_args(args, address, "serve")
+    check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
+                             ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0)))
+    if args.rejoin and address.role != "worker":
+        raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
+                         "takes a restarted worker back")
+    if args.port > 65535:
+        raise SystemExit(f"ds4tp serve: --port {args.port} must be <= 65535")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise SystemExit("ds4tp serve: --served-model-name must not be empty")
+    check_draft_args("serve", args)
+    limits = _limits(args)
+    sampling = options_from_args(args)
+    path = model_path(args.model)
+    served = ServedModel(path, args.served_model_name or default_served_name(args.model),
+                         aliases=(args.model, str(path)), draft_model=args.draft_model,
+                         prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+    http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling)
+    return ServeSettings(link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
+                         rejoin=args.rejoin)
+
+
+def _limits(args: argparse.Namespace) -> ServeLimits:
+    """The engine's limits from the flags; exits naming a flag out of range."""
+    from ..lockstep.table import KV_BITS, KV_GROUP_SIZES
+
+    check_at_least("serve", (("--max-batch", args.max_batch, 1),
                              ("--prefill-step-size", args.prefill_step_size, 1),
                              ("--prompt-concurrency", args.prompt_concurrency, 1),
                              ("--prompt-cache-size", args.prompt_cache_size, 0),
-                             ("--debug-hash", args.debug_hash, 0), ("--port", args.port, 0),
-                             ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0),
-                             ("--max-queued", args.max_queued, 1)))
-    from ..lockstep.table import KV_BITS, KV_GROUP_SIZES
-
+                             ("--debug-hash", args.debug_hash, 0), ("--max-queued", args.max_queued, 1)))
     if args.kv_bits and args.kv_bits not in KV_BITS:
         raise SystemExit(f"ds4tp serve: --kv-bits {args.kv_bits}: give one of "
                          f"{', '.join(map(str, KV_BITS))} (or 0 for a float cache)")
     if args.kv_group_size not in KV_GROUP_SIZES:
         raise SystemExit(f"ds4tp serve: --kv-group-size {args.kv_group_size}: give one of "
                          f"{', '.join(map(str, KV_GROUP_SIZES))}")
-    from ..link.wire import MAX_VERIFY_WIDTH
-
     if not 0 <= args.mixed_prefill <= MAX_VERIFY_WIDTH:
         raise SystemExit(f"ds4tp serve: --mixed-prefill {args.mixed_prefill} must be 0 to "
                          f"{MAX_VERIFY_WIDTH} (a decode step's rows carry at most that many tokens)")
-    check_draft_args("serve", args)
-    if args.rejoin and address.role != "worker":
-        raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
-                         "takes a restarted worker back")
-    if args.port > 65535:
-        raise SystemExit(f"ds4tp serve: --port {args.port} must be <= 65535")
     if args.prompt_concurrency > MAX_PREFILL_ROWS:
         raise SystemExit(f"ds4tp serve: --prompt-concurrency {args.prompt_concurrency} must be <= "
                          f"{MAX_PREFILL_ROWS} (the rows one prefill command carries)")
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise SystemExit("ds4tp serve: --served-model-name must not be empty")
-    sampling = options_from_args(args)
-    path = model_path(args.model)
-    if args.served_model_name is None:
-        args.served_model_name = default_served_name(args.model)
-    return serve_pair.run(args, address, path, sampling)
+    return ServeLimits(prompt_cache_size=args.prompt_cache_size,
+                       prompt_cache_bytes=args.prompt_cache_bytes, prefill_step=args.prefill_step_size,
+                       prompt_concurrency=args.prompt_concurrency, max_batch=args.max_batch,
+                       kv_budget=args.max_kv_tokens or 0, max_queued=args.max_queued,
+                       kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                       mixed_prefill=args.mixed_prefill, mixed_when=args.mixed_prefill_when,
+                       debug_hash=args.debug_hash)

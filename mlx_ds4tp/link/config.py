@@ -1,5 +1,7 @@
-"""PairConfig: how this rank joins the pair, with every ``DS4_TP_*`` knob
-resolved once, at construction, and passed down explicitly from here.
+"""How this rank joins the pair: ``LinkSettings``, as the user gives it (tp.init's keywords,
+the command line's flags, made once in cli/), and ``PairConfig``, what the link layer runs
+on: the same with every ``DS4_TP_*`` knob resolved once, at construction, and passed down
+explicitly from here (``LinkSettings.pair_config`` makes one from the other).
 
 A field left as None takes its environment variable, else its default; a
 field given a value ignores the environment. A bad value (argument or
@@ -181,6 +183,82 @@ def _checked_address(addr, name: str) -> Tuple[str, int]:
     return (addr[0], addr[1])
 
 
+# The transports a rank may ask for: the pair's three (the hello's TRANSPORT_CODES) and "mlx",
+# MLX's own group (ring or JACCL) as MLX's launcher configures it, which never says hello.
+MLX = "mlx"
+TRANSPORTS = (*TRANSPORT_CODES, MLX)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSettings:
+    """How this rank joins the pair, as a user gives it (tp.init's keywords, the command line's
+    --transport/--rdma-device/--rdma-gid-index/--secret): None takes the DS4_TP_* variable or
+    the default when the link is made (pair_config). check() refuses a bad value by name.
+    With transport "mlx" only address.role counts (None: MLX's rank decides)."""
+
+    address: PairAddress
+    transport: str = "auto"
+    rdma_device: Optional[str] = None
+    gid_index: Optional[int] = None
+    secret: object = None
+    timeout: Optional[float] = None
+    tcp_spin_us: Optional[int] = None
+
+    def check(self) -> "LinkSettings":
+        """self, once every field is one a pair can be made with; else a ValueError naming the
+        field, its value and the fix (the command line's flag in brackets)."""
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: use 'auto', 'tcp', 'rdma' or 'mlx' "
+                             "(--transport auto|tcp|rdma|mlx)")
+        if not isinstance(self.address, PairAddress):
+            raise ValueError(f"address={self.address!r}: make it with pair_address(role, listen, "
+                             "coordinator)")
+        if self.transport == MLX:
+            if self.address.role not in (None, "leader", "worker"):
+                raise ValueError(f"role={self.address.role!r}: use 'leader' (rank 0), 'worker' "
+                                 "(rank 1), or None to take MLX's rank (--role leader|worker)")
+        else:
+            pair_address(self.address.role, self.address.listen, self.address.coordinator)
+        if self.rdma_device is not None and (not isinstance(self.rdma_device, str) or not self.rdma_device):
+            raise ValueError(f"rdma_device={self.rdma_device!r}: give a verbs device name (e.g. "
+                             "'rdma_en1'), 'ucsim', or None for the first active one (--rdma-device)")
+        check_gid_index(self.gid_index)
+        if self.timeout is not None:
+            _positive(self.timeout, "timeout", None)
+        check_tcp_spin_us(self.tcp_spin_us)
+        secret_bytes(self.secret, {})
+        return self
+
+    def pair_config(self, identity: Optional[ModelIdentity] = None) -> "PairConfig":
+        """The pair's configuration: these settings with every DS4_TP_* knob resolved."""
+        if self.transport == MLX:
+            raise ValueError("transport='mlx' is MLX's own group, not a pair: it has no pair "
+                             "configuration (mx.distributed.init makes it)")
+        return PairConfig(role=self.address.role, listen=self.address.listen,
+                          coordinator=self.address.coordinator, transport=self.transport,
+                          rdma_device=self.rdma_device, gid_index=self.gid_index,
+                          timeout=self.timeout, identity=identity or ModelIdentity(),
+                          secret=self.secret, tcp_spin_us=self.tcp_spin_us)
+
+
+def check_gid_index(gid_index: Optional[int]) -> None:
+    """None (the device's IPv4-mapped GID) or a non-negative whole number."""
+    if gid_index is not None and (not isinstance(gid_index, int) or isinstance(gid_index, bool)
+                                  or gid_index < 0):
+        raise ValueError(f"gid_index={gid_index!r} must be a non-negative integer or None "
+                         "(--rdma-gid-index N)")
+
+
+def check_tcp_spin_us(value: Optional[int]) -> None:
+    """None (DS4_TP_TCP_SPIN_US / the default) or 0 to MAX_TCP_SPIN_US microseconds."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 0 <= value <= MAX_TCP_SPIN_US):
+        raise ValueError(
+            f"tcp_spin_us={value!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
+            f"microseconds, or None for DS4_TP_TCP_SPIN_US / the default"
+        )
+
+
 @dataclasses.dataclass
 class PairConfig:
     """How this rank joins the pair; every None field is resolved from its
@@ -221,20 +299,14 @@ class PairConfig:
         address = pair_address(self.role, self.listen, self.coordinator)
         self.listen, self.coordinator = address.listen, address.coordinator
         if self.transport not in TRANSPORT_CODES:
-            raise ValueError(f"transport={self.transport!r}: use 'auto', 'tcp' or 'rdma'")
+            raise ValueError(f"transport={self.transport!r}: a pair takes 'auto', 'tcp' or 'rdma'")
         self.timeout = _positive(self.timeout, "timeout", lambda: default_timeout(env))
         self.hello_timeout = _positive(self.hello_timeout, "hello_timeout",
                                        lambda: default_hello_timeout(env))
-        if self.gid_index is not None and (not isinstance(self.gid_index, int) or self.gid_index < 0):
-            raise ValueError(f"gid_index={self.gid_index!r} must be a non-negative integer or None")
+        check_gid_index(self.gid_index)
+        check_tcp_spin_us(self.tcp_spin_us)
         if self.tcp_spin_us is None:
             self.tcp_spin_us = tcp_spin_us(env)
-        elif (not isinstance(self.tcp_spin_us, int) or isinstance(self.tcp_spin_us, bool)
-              or not 0 <= self.tcp_spin_us <= MAX_TCP_SPIN_US):
-            raise ValueError(
-                f"tcp_spin_us={self.tcp_spin_us!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
-                f"microseconds, or None for DS4_TP_TCP_SPIN_US / the default"
-            )
         if self.ucsim_faults is None:
             self.ucsim_faults = env.get(UCSIM_FAULTS_ENV, "")
         if self.rdma_no_imm is None:

@@ -16,10 +16,9 @@ import socket
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional
 
 from .errors import ApiError, ClientGone, PairUnavailable
-from ..lockstep.sampling import SamplingOptions
 from .api import ParsedRequest, ResponseShape, parse_request, usage
 from . import anthropic, responses
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -27,6 +26,7 @@ from .metrics import ServeMetrics, TokenClock
 from .other_apis import OtherApis
 from .chat import ChatText
 from .engine import Engine, Request
+from .settings import HttpSettings, ServedModel
 
 MAX_BODY_BYTES = 16 << 20
 # How often a request waiting for its next token checks that the engine is still alive. The
@@ -42,23 +42,22 @@ CLIENT_CHECK_SEC = 0.5
 class ServeState:
     """What the handler threads share: the engine and the server's fixed answers."""
 
-    def __init__(self, engine: Engine, tokenizer, model_id: str, *, api_key: Optional[str],
-                 context_length: int, vocab_size: int, default_max_tokens: int,
-                 defaults: SamplingOptions, aliases: Sequence[str] = (), keepalive_sec: float = 10.0):
+    def __init__(self, engine: Engine, tokenizer, served: ServedModel, http: HttpSettings,
+                 context_length: int, vocab_size: int):
         self.engine = engine
         self.tokenizer = tokenizer
         # model_id is the one /v1/models lists (--served-model-name); a request may also name
         # an alias (the model as --model gave it, its directory), answered under its own name.
-        self.model_id = model_id
-        self.model_ids = [model_id] + [a for a in dict.fromkeys(aliases) if a != model_id]
-        self.api_key = api_key
+        self.model_id = served.name
+        self.model_ids = list(served.ids)
+        self.api_key = http.api_key
         self.context_length = context_length
         self.vocab_size = vocab_size
-        self.default_max_tokens = default_max_tokens
-        self.defaults = defaults
-        if not keepalive_sec > 0:
-            raise ValueError(f"--keepalive-sec {keepalive_sec}: give a positive number of seconds")
-        self.keepalive_sec = keepalive_sec
+        self.default_max_tokens = http.default_max_tokens
+        self.defaults = http.sampling
+        if not http.keepalive_sec > 0:
+            raise ValueError(f"--keepalive-sec {http.keepalive_sec}: give a positive number of seconds")
+        self.keepalive_sec = http.keepalive_sec
         self.responses = responses.ResponseStore()
         self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
         self.created = int(time.time())

@@ -3,6 +3,7 @@ worker's command loop (worker) or the engine and the HTTP server (leader)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import threading
@@ -13,10 +14,10 @@ from typing import Any, Dict, Optional
 
 from .. import gate_ops
 from .. import transport as tr
-from ..link.config import PairAddress
+from ..link.config import LinkSettings
 from ..link.identity import model_identity
-from ..lockstep.sampling import SamplingOptions
 from ..split.progress import LoadingBar
+from .settings import ServedModel, ServeSettings
 
 
 def context_length(model: Any, config: Dict[str, Any]) -> int:
@@ -28,10 +29,10 @@ def context_length(model: Any, config: Dict[str, Any]) -> int:
     return 1 << 20
 
 
-def make_speculation(args, model: Any):
-    """The server's drafting (serve.speculation.Speculation) as the flags ask, or None;
+def make_speculation(served: ServedModel, model: Any):
+    """The server's drafting (serve.speculation.Speculation) as `served` asks, or None;
     SystemExit naming why when this model or draft cannot speculate."""
-    draft_path, lookup = getattr(args, "draft_model", None), getattr(args, "prompt_lookup", 0)
+    draft_path, lookup, k = served.draft_model, served.prompt_lookup, served.num_draft_tokens
     if not (draft_path or lookup):
         return None
     from ..lockstep.batch_verify import speculation_blocker
@@ -54,10 +55,10 @@ def make_speculation(args, model: Any):
         if not can_trim_prompt_cache(make_prompt_cache(draft)):
             raise SystemExit(f"ds4tp serve: the draft model {draft_path}'s cache cannot drop rejected "
                              "drafts; give a draft model with plain attention layers")
-        tr.log(f"serve: drafting with {draft_path}, {args.num_draft_tokens} tokens a round")
+        tr.log(f"serve: drafting with {draft_path}, {k} tokens a round")
     else:
-        tr.log(f"serve: drafting by prompt lookup ({lookup}-grams), {args.num_draft_tokens} tokens a round")
-    return Speculation(args.num_draft_tokens, lookup, draft)
+        tr.log(f"serve: drafting by prompt lookup ({lookup}-grams), {k} tokens a round")
+    return Speculation(k, lookup, draft)
 
 
 def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
@@ -91,100 +92,98 @@ def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
                          f"{sorted(dims)} is not a multiple of it; {advice}")
 
 
-def run(args, address: PairAddress, model_path: Path, sampling: SamplingOptions) -> int:
-    """One rank of `ds4tp serve` (cli.serve checked the flags and made address, model_path,
-    sampling and args.served_model_name); returns the exit code."""
+def run(settings: ServeSettings) -> int:
+    """One rank of `ds4tp serve`, as cli.serve resolved it; returns the exit code."""
     from .http import make_server
 
-    identity = model_identity(str(model_path))
-    leader = address.role == "leader"
-    server = make_server(args.host, args.port) if leader else None
+    leader = settings.link.address.role == "leader"
+    server = make_server(settings.http.host, settings.http.port) if leader else None
     try:
-        return _run_rank(args, address, model_path, sampling, identity, server)
+        return _run_rank(settings, model_identity(str(settings.model.path)), server)
     finally:
         if server is not None:
             server.server_close()
 
 
-def _run_rank(args, address: PairAddress, model_path: Path, sampling: SamplingOptions,
-              identity: tr.ModelIdentity, server: Optional[ThreadingHTTPServer]) -> int:
+def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity,
+              server: Optional[ThreadingHTTPServer]) -> int:
     from ..model_split import load_split
-    from .http import ServeState
-    from .engine import Engine
-    from .limits import ServeLimits
-    from ..lockstep.sessions import LeaderSessions
 
-    leader = server is not None
-    # The same arguments join the pair again when the peer comes back (gate_ops.reconnect).
-    join = dict(role=address.role, listen=address.listen, coordinator=address.coordinator,
-                transport=args.transport, rdma_device=args.rdma_device,
-                gid_index=args.rdma_gid_index, secret=args.secret, identity=identity)
-    rejoin = getattr(args, "rejoin", False)
-    group = _join_first(join) if rejoin else gate_ops.init(**join)
+    served = settings.model
+    group = _join_first(settings.link, identity) if settings.rejoin else \
+        gate_ops.init_pair(settings.link, identity)
     with group:
         t0 = time.perf_counter()
-        model, tokenizer = load_split(str(model_path), group, progress=LoadingBar())
+        model, tokenizer = load_split(str(served.path), group, progress=LoadingBar())
         tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
-        if not leader:
-            return _worker(group, model, join, rejoin=rejoin)
-        config = json.loads((model_path / "config.json").read_text())
-        if args.kv_bits:
-            check_kv_quantization(model, args.kv_bits, args.kv_group_size)
-        speculation = make_speculation(args, model)
-        if args.mixed_prefill:
-            from ..lockstep.batch_verify import speculation_blocker
-            from ..lockstep.compute import make_cache
-
-            # A mixed step's rows differ in length: the same per-row cut as a verify's.
-            blocker = speculation_blocker(make_cache(model), "--mixed-prefill")
-            if blocker:
-                raise SystemExit(f"ds4tp serve: {blocker}")
-        budget = args.max_kv_tokens
-        if budget is None:
-            from .memory import default_kv_budget
-
-            budget, how = default_kv_budget(model, args.kv_bits, args.kv_group_size)
-            tr.log(f"serve: {how}")
-        limits = ServeLimits(prompt_cache_size=args.prompt_cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
-                             prefill_step=args.prefill_step_size, prompt_concurrency=args.prompt_concurrency,
-                             max_batch=args.max_batch, kv_budget=budget, max_queued=args.max_queued,
-                             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                             mixed_prefill=args.mixed_prefill, mixed_when=args.mixed_prefill_when,
-                             debug_hash=args.debug_hash)
-        engine = Engine(LeaderSessions(group, model), tokenizer, limits, speculation)
-        # Requests may name the short id, or the model as --model gave it (or its directory).
-        state = ServeState(engine, tokenizer, args.served_model_name, api_key=args.api_key,
-                           aliases=(args.model, str(model_path)),
-                           context_length=context_length(model, config),
-                           vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]),
-                           default_max_tokens=args.max_tokens, defaults=sampling,
-                           keepalive_sec=args.keepalive_sec)
-        server.RequestHandlerClass.state = state
-        engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
-        engine.start()
-        threading.Thread(target=_take_back_workers, args=(engine, group, model, join),
-                         name="ds4tp-rejoin", daemon=True).start()
-        tr.log(f"serving {args.served_model_name} ({model_path}) on "
-               f"http://{args.host}:{server.server_address[1]}/v1 (transport {group.transport})")
-        # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            server.serve_forever(poll_interval=0.5)
-        except KeyboardInterrupt:
-            tr.log("serve: stopping; the worker is told to stop too")
-        finally:
-            engine.stop()
+        if server is None:
+            return _worker(group, model, settings.link, rejoin=settings.rejoin)
+        engine = _leader_engine(settings, group, model, tokenizer)
+        _serve_http(settings, engine, group, model, server)
     return 0
 
 
-def _take_back_workers(engine, group: gate_ops.Group, model, join: Dict[str, Any]) -> None:
+def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokenizer):
+    """The engine over this pair, with the limits checked against the model loaded."""
+    from ..lockstep.sessions import LeaderSessions
+    from .engine import Engine
+
+    limits = settings.limits
+    if limits.kv_bits:
+        check_kv_quantization(model, limits.kv_bits, limits.kv_group_size)
+    speculation = make_speculation(settings.model, model)
+    if limits.mixed_prefill:
+        from ..lockstep.batch_verify import speculation_blocker
+        from ..lockstep.compute import make_cache
+
+        # A mixed step's rows differ in length: the same per-row cut as a verify's.
+        blocker = speculation_blocker(make_cache(model), "--mixed-prefill")
+        if blocker:
+            raise SystemExit(f"ds4tp serve: {blocker}")
+    if settings.kv_budget_from_memory:
+        from .memory import default_kv_budget
+
+        budget, how = default_kv_budget(model, limits.kv_bits, limits.kv_group_size)
+        tr.log(f"serve: {how}")
+        limits = dataclasses.replace(limits, kv_budget=budget)
+    return Engine(LeaderSessions(group, model), tokenizer, limits, speculation=speculation)
+
+
+def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, model,
+                server: ThreadingHTTPServer) -> None:
+    """The leader's HTTP front over `engine`, until Ctrl-C or SIGTERM."""
+    from .http import ServeState
+
+    served = settings.model
+    config = json.loads((served.path / "config.json").read_text())
+    state = ServeState(engine, tokenizer=engine.tokenizer, served=served, http=settings.http,
+                       context_length=context_length(model, config),
+                       vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]))
+    server.RequestHandlerClass.state = state
+    engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
+    engine.start()
+    threading.Thread(target=_take_back_workers, args=(engine, group, model, settings.link),
+                     name="ds4tp-rejoin", daemon=True).start()
+    tr.log(f"serving {served.name} ({served.path}) on "
+           f"http://{settings.http.host}:{server.server_address[1]}/v1 (transport {group.transport})")
+    # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        tr.log("serve: stopping; the worker is told to stop too")
+    finally:
+        engine.stop()
+
+
+def _take_back_workers(engine, group: gate_ops.Group, model, link: LinkSettings) -> None:
     """The leader's side of a worker that comes back: whenever the pair goes down (the worker
     died, the link dropped), keep serving HTTP (503 and /health 503 meanwhile), listen again on
     the pair's address, and resume serving once a worker with the same model fingerprint and
     secret has joined. A daemon thread: Ctrl-C on the leader ends it with the process."""
     from ..lockstep.sessions import LeaderSessions
 
-    host, port = join["listen"]
+    host, port = link.address.listen
     while True:
         while not engine.wait_down(1.0):
             pass
@@ -192,7 +191,7 @@ def _take_back_workers(engine, group: gate_ops.Group, model, join: Dict[str, Any
                "`ds4tp serve --role worker` again, with the same --model and secret)")
         while True:
             try:
-                gate_ops.reconnect(group, **join)
+                gate_ops.reconnect(group)
                 break
             except tr.TransportTimeoutError:
                 continue  # nobody came within the connect timeout: keep listening
@@ -210,12 +209,12 @@ def _take_back_workers(engine, group: gate_ops.Group, model, join: Dict[str, Any
         tr.log(f"serve: a worker rejoined (transport {group.transport}); serving again")
 
 
-def _join_first(join: Dict[str, Any]) -> gate_ops.Group:
+def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Group:
     """A --rejoin worker's first join: it waits for its leader however long that takes (a
     supervisor may start it first), as it does for every later one."""
     while True:
         try:
-            return gate_ops.init(**join)
+            return gate_ops.init_pair(link, identity)
         except (tr.HelloMismatchError, tr.AuthenticationError):
             raise
         except tr.TransportError as exc:
@@ -223,14 +222,14 @@ def _join_first(join: Dict[str, Any]) -> gate_ops.Group:
             time.sleep(0.5)
 
 
-def _worker(group: gate_ops.Group, model, join: Dict[str, Any], rejoin: bool) -> int:
+def _worker(group: gate_ops.Group, model, link: LinkSettings, rejoin: bool) -> int:
     """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
     dies it waits for a leader on the same address and serves it (the same checks as a first
     join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
     from ..lockstep.sessions import drain_failed_work, serve_worker
     from ..lockstep.table import release_memory
 
-    host, port = join["coordinator"]
+    host, port = link.address.coordinator
     while True:
         try:
             table = serve_worker(group, model)  # tells the leader why if it fails
@@ -248,7 +247,7 @@ def _worker(group: gate_ops.Group, model, join: Dict[str, Any], rejoin: bool) ->
         tr.log(f"serve: waiting for a leader at {host}:{port} (--rejoin) ...")
         while True:
             try:
-                gate_ops.reconnect(group, **join)
+                gate_ops.reconnect(group)
                 break
             except (tr.HelloMismatchError, tr.AuthenticationError):
                 raise  # another model or another secret: waiting would not change it
