@@ -42,6 +42,7 @@ class Engine:
     def __init__(self, sessions: LeaderSessions, tokenizer, limits: ServeLimits,
                  speculation: Optional[Speculation] = None):
         self.sessions = sessions
+        self.tokenizer = tokenizer
         self.limits = limits
         self.admission = Admission(sessions, tokenizer, limits)
         self.prefill = PrefillScheduler(sessions, limits)
