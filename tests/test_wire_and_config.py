@@ -193,7 +193,7 @@ def test_connect_brings_rdma_up_and_the_pair_it_returns_is_complete():
     lp, wp = connected_pairs("rdma")
     try:
         for p in (lp, wp):
-            assert p.transport == "rdma" and isinstance(p.rdma, tr.RdmaGates)
+            assert p.transport == "rdma" and isinstance(p.rdma, tr.RdmaDevice)
             assert p.rdma.warmup_ms is not None  # both directions proven before the pair was handed out
         assert both_ok(lambda: _gate(lp, 3.0), lambda: _gate(wp, 4.0)) == (4.0, 3.0)
     finally:

@@ -45,15 +45,13 @@ it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are 
 (`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
-from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
-payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
-BIG_TAG, seq, bytes) then the payload in the same byte stream, both directions
-at once (tp_tcp_duplex; over RDMA the header alone, then the payload as RDMA
-bulk rounds): the transport's own gates (the tests, the bench). The collectives
-(the MLX backend, csrc/exchange.c) send EXCHANGE_HEADER (EXCHANGE_MAGIC, collective
-OP_*, dtype code, seq, bytes, ndim, the first 8 dims) ahead of each payload over
-TCP; over RDMA the header alone when the signature changes and before each bulk
-exchange, the payload on the queue pair.
+from the worker; then, per exchange of the collectives (csrc/exchange.c, which
+the MLX backend calls, and the bench, doctor and tests through
+link/exchange.py), EXCHANGE_HEADER (EXCHANGE_MAGIC, collective OP_*, dtype code,
+seq, bytes, ndim, the first 8 dims) ahead of the payload over TCP (a decode gate
+write-then-read, a bulk exchange both directions at once: tp_tcp_duplex); over
+RDMA the header alone when the signature changes and before each bulk exchange,
+the payload on the queue pair.
 
 Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG
 (WARM_MAGIC, rank, setup attempt); its work request id is WARM_MAGIC too.
@@ -74,8 +72,7 @@ import struct
 PROTOCOL_VERSION = 6
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
-MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
-BATCH_MAGIC = 0x44533442  # "DS4B": bulk exchange headers
+MAGIC = 0x44533454  # "DS4T": control frames
 DATA_MAGIC = 0x44533444  # "DS4D": first word on the gate data connection
 WARM_MAGIC = 0x5741524D  # "WARM": the warm-up message's tag and work request id
 WARM_WR_ID = WARM_MAGIC
@@ -212,17 +209,13 @@ AUTH_TAG = b"ds4tp-auth-v1"
 DATA_AUTH_TAG = b"ds4tp-data-v1"
 
 DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
-GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
-BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
-BIG_TAG = 0xB16
 # What travels ahead of every exchange of the collectives (csrc/exchange.c, whose
 # TP_EXCHANGE_HEADER is its size): magic, collective (an OP_* below), dtype code, seq,
 # bytes, ndim, 0, the first 8 dims. A peer at another collective, dtype, shape or
 # sequence differs in it, and both sides are named.
 EXCHANGE_HEADER = struct.Struct("<IHHQQII8q")  # 8: TP_XSIG_DIMS
 EXCHANGE_MAGIC = 0x58345344  # "DS4X" little-endian
-# The collective in an exchange header (csrc/_verbs_api.h TP_XOP_*), and in the transport
-# gates' layer field. send/recv name the source rank (OP_P2P_FROM + src) on both sides, so
+# The collective in an exchange header (csrc/_verbs_api.h TP_XOP_*). send/recv name the source rank (OP_P2P_FROM + src) on both sides, so
 # two senders or two receivers disagree.
 OP_SUM, OP_GATHER, OP_MAX, OP_MIN, OP_SCATTER, OP_P2P_FROM = 1, 2, 3, 4, 5, 6
 
