@@ -493,6 +493,10 @@ def test_bulk_exchanges_at_round_boundaries(groups, nbytes):
     b = rng.integers(0, 255, nbytes, dtype=np.uint8)
     ra, rb = swap(lg, wg, a, b, timeout=60)
     assert np.array_equal(ra, b) and np.array_equal(rb, a)
+    if lg.transport == "rdma" and nbytes > 63 * 16384:
+        # ucsim refuses the 64th outstanding receive with ENOMEM, as Apple's driver does: the
+        # exchange learned the cap and stayed within it, nothing lost or sent twice.
+        assert lg.pair.rdma.stats().recv_cap == 63
 
 
 def test_gates_then_bulk_then_gates(groups):
@@ -514,7 +518,7 @@ def test_gates_then_bulk_then_gates(groups):
     assert lo == [1000 + s for s in range(1, len(lo) + 1)]
     assert wo == [s for s in range(1, len(wo) + 1)]
     if lg.transport == "rdma":
-        assert lg.pair.rdma.stats().window > 0  # the window was re-armed after the last bulk
+        assert lg.pair.rdma.stats().window > 0  # the gates ran in the window, re-armed after each bulk
 
 
 def test_bulk_desync_names_both(groups):
