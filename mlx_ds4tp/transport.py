@@ -1,5 +1,5 @@
-"""The transport between the two ranks: control channel, hello, TCP gates and
-RDMA gates. This module is the public face of the transport package,
+"""The transport between the two ranks: control channel, hello, the RDMA
+device, and the exchange the collectives run. This module is the public face of the transport package,
 ``link/``, where each idea lives in its own module, in layer order (each
 imports only those above it):
 
@@ -12,16 +12,17 @@ imports only those above it):
 - ``config``: ``PairConfig``, which resolves every ``DS4_TP_*`` knob once, and
   ``pair_address``, the one check of the role/listen/coordinator triple;
 - ``native``: the compiled ``_verbs`` module;
-- ``tcp`` / ``rdma`` / ``sum_gates``: the gates over the data socket or the
-  queue pair, and the float gates that also sum;
+- ``exchange``: the exchange the MLX backend calls (csrc/exchange.c), from
+  Python on a group's link, and the raw socket floor;
+- ``rdma``: the RDMA device (slab, queue pair, raw work requests);
 - ``joined``: the ranks after the hello, before any gate (seen by connect and
   the bring-up only);
 - ``bringup``: the RDMA bring-up (barriers, warm-up, re-creation);
 - ``advice``: what a rank without RDMA tells its user, for its platform;
-- ``pair``: ``Pair``, complete: its gates proven or TCP chosen;
+- ``pair``: ``Pair``, complete: its queue pair proven or TCP chosen;
 - ``handshake``: ``connect()``, which makes one.
 
-The transport never sees MLX: gates move bytes between buffers the caller owns.
+The transport never sees MLX: an exchange moves bytes between buffers the caller owns.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from .link.control import (
     recv_exact_into,
     send_all,
     set_kernel_timeout,
-    swap_small,
     tune_socket,
 )
 from .link.fingerprint import Fingerprint, first_difference, model_fingerprint, summary_label
@@ -67,17 +67,14 @@ from .link.hello import (
 )
 from .base.log import log
 from .link.native import load_verbs
-from .link.rdma import UCSIM, RdmaGates, rdma_probe
-from .link.tcp import TcpGates, raw_exchange
+from .link.exchange import Exchange, raw_floor
+from .link.rdma import UCSIM, RdmaDevice, rdma_probe
 from .link.wire import (
-    BATCH_MAGIC,
-    BIG_HEADER,
     DATA_HELLO,
     DATA_MAGIC,
     FINGERPRINT_SUMMARY,
     FRAME_HEADER,
     FRAME_MAX_BYTES,
-    GATE_HEADER,
     GATE_MAX_BYTES,
     HELLO_FIXED,
     LEADER,
@@ -113,15 +110,15 @@ __all__ = [
     "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",
     # connection
     "Pair", "connect", "ControlChannel", "decode_frame_header", "listen_socket", "dial", "accept",
-    "tune_socket", "set_kernel_timeout", "recv_exact_into", "send_all", "swap_small",
+    "tune_socket", "set_kernel_timeout", "recv_exact_into", "send_all",
     # hello
     "Hello", "ModelIdentity", "check_hello", "choose_transport", "auth_proof", "authenticate",
     "data_proof", "Fingerprint", "model_fingerprint", "first_difference", "summary_label",
-    # gates
-    "TcpGates", "raw_exchange", "RdmaGates", "rdma_probe", "load_verbs", "UCSIM",
+    # exchange and device
+    "Exchange", "raw_floor", "RdmaDevice", "rdma_probe", "load_verbs", "UCSIM",
     # wire
-    "FrameType", "FRAME_HEADER", "FRAME_MAX_BYTES", "GATE_HEADER", "BIG_HEADER", "DATA_HELLO",
-    "HELLO_FIXED", "FINGERPRINT_SUMMARY", "RDMA_INFO", "MAGIC", "BATCH_MAGIC", "DATA_MAGIC", "WARM_WR_ID",
+    "FrameType", "FRAME_HEADER", "FRAME_MAX_BYTES", "DATA_HELLO",
+    "HELLO_FIXED", "FINGERPRINT_SUMMARY", "RDMA_INFO", "MAGIC", "DATA_MAGIC", "WARM_WR_ID",
     "PROTOCOL_VERSION", "GATE_MAX_BYTES", "RDMA_MAX_MSG", "MAX_REASON_BYTES",
     "NONCE_BYTES", "TRANSPORT_CODES", "TRANSPORT_NAMES", "LEADER", "WORKER", "ROLE_NAMES",
     # errors and logging

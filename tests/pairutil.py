@@ -105,6 +105,30 @@ def make_groups(transport: str = "tcp", timeout: float = 20.0, **kw):
     )
 
 
+def exchange(group, send):
+    """One exchange of `send` (a numpy array) on the group's link, through the C entry point
+    the MLX backend calls: the peer's array back."""
+    import numpy as np
+
+    from mlx_ds4tp.link.exchange import Exchange
+
+    recv = np.empty_like(send)
+    Exchange(group.link, send)(send, recv)
+    return recv
+
+
+def swap(lg, wg, lsend, wsend, timeout: float = 30.0) -> Tuple:
+    """Both ranks exchange at once: (what the leader received, what the worker received)."""
+    return both_ok(lambda: exchange(lg, lsend), lambda: exchange(wg, wsend), timeout)
+
+
+def groups_of(*pairs) -> List:
+    """Pairs from transport.connect() as groups (each then owns and closes its pair)."""
+    from mlx_ds4tp.collectives.backend import PairGroup
+
+    return [PairGroup(p) for p in pairs]
+
+
 class Procs:
     """Child processes that are always killed when the test ends."""
 

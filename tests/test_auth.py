@@ -10,7 +10,7 @@ import pytest
 import mlx_ds4tp as tp
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import AuthenticationError, TransportError, TransportTimeoutError
-from pairutil import both_ok, dial_when_listening, free_port, run_both
+from pairutil import both_ok, dial_when_listening, free_port, run_both, swap
 
 
 def configs(port, leader_secret, worker_secret, timeout=5.0):
@@ -30,8 +30,7 @@ def test_same_secret_connects_and_gates_work(transport):
                      lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), **kw))
     with lg, wg:
         a, b = np.ones(4096, np.float32), np.full(4096, 2, np.float32)
-        ra, rb = np.empty_like(a), np.empty_like(b)
-        both_ok(lambda: lg.pair.gate(a, ra), lambda: wg.pair.gate(b, rb))
+        ra, rb = swap(lg, wg, a, b)
         assert np.array_equal(ra, b) and np.array_equal(rb, a)
 
 

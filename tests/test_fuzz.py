@@ -169,7 +169,7 @@ def m_shrink_payload(r, d):  # a shorter payload, and a header that counts it
 
 def m_wrong_magic(r, d):
     swapped = struct.unpack("<I", struct.pack(">I", tr.MAGIC))[0]
-    magic = r.choice([0, _u32(r), swapped, tr.MAGIC ^ (1 << r.randrange(32)), tr.BATCH_MAGIC,
+    magic = r.choice([0, _u32(r), swapped, tr.MAGIC ^ (1 << r.randrange(32)), tr.load_verbs()[1].TP_EXCHANGE_MAGIC,
                       tr.DATA_MAGIC, 0xFFFFFFFF])
     return _set_header(d, magic=magic)
 
@@ -826,7 +826,7 @@ def test_leader_drops_strangers_and_keeps_waiting(capfd):
             time.sleep(0.05)
         return tr.connect(wcfg)
 
-    from pairutil import both_ok
+    from pairutil import both_ok, groups_of, swap
 
     t0 = time.monotonic()
     lp, wp = both_ok(lambda: tr.connect(cfg), strangers_then_worker, timeout=60)
@@ -835,8 +835,7 @@ def test_leader_drops_strangers_and_keeps_waiting(capfd):
         assert lp.transport == wp.transport == "tcp"
         # The pair works after all that.
         a, b = np.arange(1024, dtype=np.float32), np.ones(1024, np.float32)
-        ra, rb = np.empty_like(a), np.empty_like(b)
-        both_ok(lambda: lp.gate(a, ra), lambda: wp.gate(b, rb))
+        ra, rb = swap(*groups_of(lp, wp), a, b)
         assert np.array_equal(ra, b) and np.array_equal(rb, a)
     finally:
         lp.close()

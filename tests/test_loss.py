@@ -20,7 +20,7 @@ import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.errors import DesyncError
-from pairutil import make_groups, run_both
+from pairutil import exchange, make_groups, run_both
 
 HIDDEN = 4096  # one 16 KiB float32 gate, as in decode
 LOST_RE = re.compile(r"lost message detected at (?:gate seq|the gate after seq) (\d+)")
@@ -141,22 +141,20 @@ def test_lost_last_gate_before_the_data_socket_is_desync_within_a_second(monkeyp
 
 
 def test_lost_last_gate_before_a_bulk_header_is_desync_within_a_second(monkeypatch):
-    # The same through the pair directly: gates, then a bulk exchange whose
-    # header (transport.Pair.bulk) is the worker's next data-socket word.
+    # The same through the exchange the backend calls, from numpy buffers: gates, then a
+    # bulk exchange whose signature header is the worker's next data-socket word.
     monkeypatch.setenv("DS4_TP_UCSIM_FAULTS", "drop_nth=w2l:3")
     leader, worker = make_groups("rdma", timeout=10.0)
 
     def side(g):
         r = g.rank()
-        recv = bytearray(4 * HIDDEN)
         try:
             for seq in range(1, 4):
                 t0 = time.monotonic()
-                g.pair.gate(bytes([r + seq]) * (4 * HIDDEN), recv)
-                assert recv == bytes([1 - r + seq]) * (4 * HIDDEN), (r, seq)
-            big = bytearray(16 * HIDDEN)
+                recv = exchange(g, np.full(4 * HIDDEN, r + seq, np.uint8))
+                assert np.all(recv == 1 - r + seq), (r, seq)
             t0 = time.monotonic()
-            g.pair.bulk(bytes([r]) * (16 * HIDDEN), big)
+            exchange(g, np.full(16 * HIDDEN, r, np.uint8))
             return None, 0.0
         except Exception as exc:  # noqa: BLE001 - returned to the test
             return exc, time.monotonic() - t0

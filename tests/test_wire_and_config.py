@@ -15,7 +15,7 @@ import mlx_ds4tp
 from mlx_ds4tp.link import wire
 from mlx_ds4tp.link.config import LinkSettings
 from mlx_ds4tp import transport as tr
-from pairutil import both_ok, free_port, run_both
+from pairutil import both_ok, exchange, free_port, groups_of, run_both
 
 PKG = os.path.dirname(mlx_ds4tp.__file__)
 KNOBS = ("DS4_TP_UCSIM_FAULTS", "DS4_TP_RDMA_NO_IMM", "DS4_TP_DISABLE_RDMA_WARMUP", "DS4_TP_HELLO_TIMEOUT_SEC",
@@ -217,7 +217,8 @@ def test_a_pair_without_proven_rdma_falls_back_to_tcp_gates():
     try:
         assert seen == ["rdma", "rdma"]  # agreed on RDMA, then the bring-up said no
         assert lp.transport == wp.transport == "tcp" and lp.rdma is None and wp.rdma is None
-        out = both_ok(lambda: _gate(lp, 1.0), lambda: _gate(wp, 2.0))
+        lg, wg = groups_of(lp, wp)
+        out = both_ok(lambda: _gate(lg, 1.0), lambda: _gate(wg, 2.0))
         assert out == (2.0, 1.0)
         # Nothing above the transport package attaches gates: there is no half-built pair.
         assert not hasattr(lp, "attach_rdma") and not hasattr(lp, "open_rdma")
@@ -230,9 +231,10 @@ def test_connect_brings_rdma_up_and_the_pair_it_returns_is_complete():
     lp, wp = connected_pairs("rdma")
     try:
         for p in (lp, wp):
-            assert p.transport == "rdma" and isinstance(p.rdma, tr.RdmaGates)
+            assert p.transport == "rdma" and isinstance(p.rdma, tr.RdmaDevice)
             assert p.rdma.warmup_ms is not None  # both directions proven before the pair was handed out
-        assert both_ok(lambda: _gate(lp, 3.0), lambda: _gate(wp, 4.0)) == (4.0, 3.0)
+        lg, wg = groups_of(lp, wp)
+        assert both_ok(lambda: _gate(lg, 3.0), lambda: _gate(wg, 4.0)) == (4.0, 3.0)
     finally:
         lp.close()
         wp.close()
@@ -259,11 +261,9 @@ def test_a_bring_up_that_fails_hard_closes_both_connections():
     assert len(joined) == 2 and all(j.control.sock.fileno() == -1 and j.data.fileno() == -1 for j in joined)
 
 
-def _gate(pair, value: float) -> float:
+def _gate(group, value: float) -> float:
     import numpy as np
 
-    send = np.full(4096, value, np.float32)
-    recv = np.empty_like(send)
-    pair.gate(send, recv)
+    recv = exchange(group, np.full(4096, value, np.float32))
     assert np.all(recv == recv[0])
     return float(recv[0])

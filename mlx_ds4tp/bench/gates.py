@@ -1,8 +1,10 @@
 """Gate latency benchmark: our transports against the baselines, in one run.
 
-Each record is one JSON object: name, bytes, iters, p50_us, p99_us. The
+Each record is one JSON object: name, bytes, iters, p50_us, p99_us. ``tcp`` and
+``rdma-*`` time the exchange a decode step runs: the C entry point the MLX
+backend calls (tp_link_exchange), on the group's link, from numpy buffers. The
 baselines are measured in the same run: ``raw-floor`` (a bare write-then-read
-of the same bytes on the same kind of socket, no header, no checks) and
+of the same bytes on the same socket, no header, no checks) and
 ``mlx-ring`` (``mx.distributed.all_sum`` on MLX's ring backend, two local
 ranks). ``*-all_sum`` records time ``mx.eval(all_sum(x))`` on our group, one
 collective per evaluation, the like-for-like comparison with ``mlx-ring``.
@@ -21,8 +23,8 @@ import numpy as np
 
 from ..testing import localpair as _localpair
 from .. import gate_ops
-from .. import transport as tr
 from ..link.config import PairAddress
+from ..link.exchange import Exchange, raw_floor
 
 WARMUP_ITERS = 500
 ROUNDS = 10
@@ -68,31 +70,24 @@ def _time_interleaved(contenders: Dict[str, object], iters: int) -> Dict[str, Li
 
 
 def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> List[Dict]:
-    """Time the bare gate, our all_sum on an mx.array and the baseline of the
-    transport (TCP: the raw floor; RDMA: sending from a registered buffer
-    instead of copying into the slab). Both ranks run this same sequence, so
-    every exchange has its partner."""
+    """Time the exchange the backend calls (``name``: tp_link_exchange on the group's own
+    link, from numpy buffers), our all_sum on an mx.array, and over TCP the raw floor on
+    the same socket. Both ranks run this same sequence, so every exchange has its partner."""
     import mlx.core as mx
 
     pair = group.pair
     send = np.full(nbytes // 4, 1.0 + group.rank(), dtype=np.float32)
     recv = np.empty_like(send)
+    exchange = Exchange(group.link, send)
     x = mx.array(send)
     contenders = {
-        name: lambda: pair.gate(send, recv),
+        name: lambda: exchange(send, recv),
         f"{name}-all_sum": lambda: mx.eval(gate_ops.all_sum(x, group=group)),
     }
-    if pair.rdma is not None:
-        # The alternative to copying the partial into the registered slab:
-        # send straight from a registered buffer (an MLX array's own memory
-        # would need a registration per new buffer).
-        send_registered = send.copy()
-        pair.rdma.register(send_registered)
-        contenders[f"{name}-registered"] = lambda: pair.gate(send_registered, recv)
-    else:
-        contenders["raw-floor"] = lambda: tr.raw_exchange(pair.tcp, send, recv)
+    if pair.rdma is None:
+        contenders["raw-floor"] = lambda: raw_floor(pair, send, recv)
     samples = _time_interleaved(contenders, iters)
-    pair.gate(send, recv)
+    exchange(send, recv)
     if not np.all(recv == 2.0 - group.rank()):
         raise RuntimeError(f"{name}: the peer's partial arrived wrong: {recv[:4]}")
     records = [record(label, nbytes, got) for label, got in samples.items()]

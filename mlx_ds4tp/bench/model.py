@@ -16,8 +16,6 @@ import statistics
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
-
 from ..testing import localpair as _localpair
 from .. import gate_ops
 from ..base.log import log
@@ -117,6 +115,8 @@ def ceiling_rank(address: PairAddress, path: str, max_tokens: int,
     gateless gates, started together with the other rank so the two compete for the cores as a
     real pair does. A TCP pair is used only as the start line and to agree on the slower rank's
     times (prefill and decode each)."""
+    import mlx.core as mx
+
     from ..link.identity import model_identity
     from ..lockstep.generate import bench_prompt, greedy_generate
     from ..model_split import load_split
@@ -126,12 +126,10 @@ def ceiling_rank(address: PairAddress, path: str, max_tokens: int,
         model, tokenizer = load_split(path, gateless_group(group.rank()))
         prompt = bench_prompt(tokenizer, BENCH_PROMPT, prompt_tokens)
         greedy_generate(model, prompt[:WARMUP_PROMPT_TOKENS], 4)
-        start_line = np.zeros(1, np.float64)
-        group.pair.gate(start_line, np.empty_like(start_line))
+        mx.eval(gate_ops.all_sum(mx.zeros(1), group=group))  # the start line
         stats = greedy_generate(model, prompt, max_tokens)
-        mine, theirs = np.array([stats.prompt_sec, stats.decode_sec]), np.empty(2)
-        group.pair.gate(mine, theirs)
-    rec = _tok_record(CEILING, stats, float(max(mine[0], theirs[0])), float(max(mine[1], theirs[1])))
+        slower = gate_ops.all_max(mx.array([stats.prompt_sec, stats.decode_sec]), group=group).tolist()
+    rec = _tok_record(CEILING, stats, slower[0], slower[1])
     rec["tokens_match"] = None  # the halves are never summed: no tokens to compare
     rec["gates"] = "skipped: the pair's compute alone, ranks never waiting for each other"
     return [rec] if address.role == "leader" else []

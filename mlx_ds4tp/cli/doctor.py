@@ -129,10 +129,12 @@ def check_macos() -> List[Tuple[str, str]]:
 
 def check_ucsim_pair() -> List[Tuple[str, str]]:
     """Both ranks in this process over the emulated device: proves the whole
-    RDMA path (bring-up, warm-up, gates) works on this machine."""
+    RDMA path (bring-up, warm-up, the exchange the model's gates run) works on
+    this machine."""
     import numpy as np
 
     from .. import gate_ops
+    from ..link.exchange import Exchange
     from ..testing.localpair import free_port
 
     port = free_port()
@@ -150,8 +152,9 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
             g = groups[i]
             send = np.full(4096, i + 1.0, np.float32)
             recv = np.empty_like(send)
+            exchange = Exchange(g.link, send)
             for _ in range(200):
-                g.pair.gate(send, recv)
+                exchange(send, recv)
             if not np.all(recv == 2.0 - i):
                 errors.append(f"rank {i} received {recv[:2]}")
         except Exception as exc:  # noqa: BLE001 - reported as a doctor line
@@ -172,11 +175,13 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
 
 
 def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[str, str]]:
-    """A short gate run against the other machine's `ds4tp doctor --listen`;
-    with --model, both sides' model fingerprints are compared at the hello."""
+    """A short run of the model's exchange (the one its gates call) against the
+    other machine's `ds4tp doctor --listen`; with --model, both sides' model
+    fingerprints are compared at the hello."""
     import numpy as np
 
     from .. import gate_ops
+    from ..link.exchange import Exchange
     from ..bench.gates import percentiles
     from ..link.identity import model_identity
 
@@ -195,10 +200,11 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[
                              f"({args.model})"))
         send = np.full(4096, g.rank() + 1.0, np.float32)
         recv = np.empty_like(send)
+        exchange = Exchange(g.link, send)
         samples = []
         for _ in range(2000):
             t0 = time.perf_counter_ns()
-            g.pair.gate(send, recv)
+            exchange(send, recv)
             samples.append(time.perf_counter_ns() - t0)
         good = bool(np.all(recv == 2.0 - g.rank()))
         p = percentiles(samples[200:])

@@ -116,7 +116,7 @@ class PairGroup(_pairgroup.PairGroup):
         link.dev = pair.rdma.dev if pair.rdma is not None else ffi.NULL
         link.fd = pair.data.fileno()
         link.rank = pair.rank
-        link.spin_ns = pair.tcp.spin_ns
+        link.spin_ns = pair.spin_ns
         link.timeout_s = pair.timeout
         link.latency_ns = ffi.cast("int64_t *", ffi.from_buffer(self._latency_ns))
         link.latency_len = LATENCY_WINDOW
@@ -136,6 +136,12 @@ class PairGroup(_pairgroup.PairGroup):
         link = self._new_link(pair)
         self._attach_backend(_address(ffi, link))
         self._link, self._pair, self.transport = link, pair, pair.transport
+
+    @property
+    def link(self):
+        """The C link (``tp_link *``) the backend's exchanges run on: link/exchange.py's
+        Exchange calls the same entry point on it from Python (bench, doctor, tests)."""
+        return self._link
 
     @property
     def pair(self):

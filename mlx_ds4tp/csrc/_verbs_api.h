@@ -142,8 +142,11 @@ void tp_set_fds(tp_dev *dev, int control_fd, int barrier_fd);
  * Python sets it from PairConfig (DS4_TP_RDMA_NO_IMM). Logged once. */
 void tp_set_no_imm(tp_dev *dev, int no_imm);
 
-/* Extra memory registrations (for sending straight out of a caller's buffer).
- * Returns a handle >= 0 or a negative code. At most 96 in all. */
+/* Extra memory registrations: tp_gate / tp_bulk send straight out of (and
+ * receive straight into) a registered region instead of the slab. Returns a
+ * handle >= 0 or a negative code. At most 96 in all. The exchange passes MLX's
+ * buffers, never registered (a registration per new buffer would cost more
+ * than the 16 KiB copy), so only the C tests register. */
 int tp_reg(tp_dev *dev, void *addr, uint64_t len, char *err, size_t errlen);
 int tp_dereg(tp_dev *dev, int handle);
 
@@ -248,9 +251,11 @@ typedef struct {
 } tp_stats;
 void tp_get_stats(const tp_dev *dev, tp_stats *out);
 
-/* ---- TCP gate hot loop (the fallback transport, csrc/tcp/gate.c) ---- */
+/* ---- TCP hot loops (the fallback transport, csrc/tcp/gate.c) ----
+ * tp_link_exchange's TCP legs (and its RDMA signature swaps), with the header
+ * it packs; tp_tcp_raw is the bench's floor. */
 
-/* One TCP decode gate on a blocking socket whose SO_RCVTIMEO/SO_SNDTIMEO set
+/* One decode gate on a blocking socket whose SO_RCVTIMEO/SO_SNDTIMEO set
  * the deadline: send hdr_out + src in one sendmsg, receive the peer's header
  * into hdr_in and its payload into dst. Both ranks send identical headers
  * when in step, so a differing header is TP_EDESYNC, detected before any more
@@ -268,7 +273,7 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
 int tp_tcp_duplex(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, const void *src,
                   void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns, double timeout_s,
                   char *err, size_t errlen);
-/* The floor the TCP gate is measured against: write bytes, read bytes. */
+/* The floor the TCP exchange is measured against: write bytes, read bytes. */
 int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
                size_t errlen);
 
@@ -284,10 +289,10 @@ int tp_sum2(int dtype, const void *first, const void *second, void *out, uint64_
 
 /* ---- The pair's shared gate state ---- */
 
-/* What every gate of a pair shares: the sequence number of the last gate or
- * bulk exchange (the TCP header carries it, the RDMA window is posted by it)
- * and whether the pair is closed. The pair owns it; Python reads and bumps
- * seq for the gates it runs itself (the transport tests, the bench). */
+/* What every exchange of a pair shares: the sequence number of the last one
+ * (the exchange header carries it) and whether the pair is closed. The pair
+ * owns it; tp_link_exchange bumps and checks it (tests set seq to put the
+ * ranks out of step). */
 typedef struct tp_pair_state {
     uint64_t seq;
     int closed;

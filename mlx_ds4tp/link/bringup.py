@@ -27,7 +27,7 @@ from ..errors import (
     WarmupFailed,
 )
 from .joined import Joined
-from .rdma import RdmaGates
+from .rdma import RdmaDevice
 from .wire import (
     MAX_STATUS_MESSAGE_BYTES,
     POSTED,
@@ -91,7 +91,7 @@ def exchange_status(joined: Joined, ok: bool, message: str) -> tuple:
 # ============================================================================
 
 
-def warm_up(joined: Joined, rdma: RdmaGates, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
+def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
     """Prove both directions; returns the rounds used. Raises WarmupFailed."""
     if WARMUP_DELAY_MS:
         time.sleep(random.uniform(0.0, WARMUP_DELAY_MS) / 1000.0)
@@ -137,8 +137,8 @@ def warm_up(joined: Joined, rdma: RdmaGates, rounds: int = UC_ROUNDS, round_sec:
     )
 
 
-def _reap_sends(rdma: RdmaGates) -> None:
-    """Collect the warm-up's send completions so the gate path starts clean."""
+def _reap_sends(rdma: RdmaDevice) -> None:
+    """Collect the warm-up's send completions so the exchanges start on a clean queue."""
     rdma.poll(64, 0.0)
 
 
@@ -147,7 +147,7 @@ def _reap_sends(rdma: RdmaGates) -> None:
 # ============================================================================
 
 
-def connect_queue_pair(joined: Joined, rdma: RdmaGates) -> None:
+def connect_queue_pair(joined: Joined, rdma: RdmaDevice) -> None:
     """Exchange queue pair info over the control channel, move to RTS, READY."""
     joined.control.send(FrameType.RDMA_INFO, rdma.local_info())
     _, payload = joined.control.recv(FrameType.RDMA_INFO)
@@ -155,9 +155,9 @@ def connect_queue_pair(joined: Joined, rdma: RdmaGates) -> None:
     ready_barrier(joined)
 
 
-def bring_up_rdma(joined: Joined) -> Optional[RdmaGates]:
+def bring_up_rdma(joined: Joined) -> Optional[RdmaDevice]:
     """Open the device, build, connect and warm the queue joined, re-creating
-    it after a failed warm-up; returns the proven gates, from which connect()
+    it after a failed warm-up; returns the proven device, from which connect()
     makes the Pair. With transport="auto" any failure makes both ranks return
     None together, loudly, and fall back to TCP; with "rdma" both raise
     RdmaUnavailableError."""
@@ -187,7 +187,7 @@ def bring_up_rdma(joined: Joined) -> Optional[RdmaGates]:
         raise
 
 
-def _warm_loop(joined: Joined, rdma: RdmaGates, strict: bool) -> Optional[RdmaGates]:
+def _warm_loop(joined: Joined, rdma: RdmaDevice, strict: bool) -> Optional[RdmaDevice]:
     started = time.monotonic()
     setup_attempt = 0
     while True:
@@ -218,7 +218,7 @@ def _warm_loop(joined: Joined, rdma: RdmaGates, strict: bool) -> Optional[RdmaGa
         return rdma
 
 
-def _give_up(rdma: Optional[RdmaGates], strict: bool, reason: str) -> None:
+def _give_up(rdma: Optional[RdmaDevice], strict: bool, reason: str) -> None:
     """Both ranks reach this point from the same exchanged outcome, so both
     stop (transport=rdma) or both fall back to TCP (transport=auto)."""
     if rdma is not None:

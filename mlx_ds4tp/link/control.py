@@ -97,25 +97,6 @@ def send_all(sock: socket.socket, data, what: str, deadline: float) -> None:
         raise PeerClosedError(f"peer closed the connection while we sent {what}: {exc}") from None
 
 
-def swap_small(sock: socket.socket, mine: bytes, into: bytearray, what: str, timeout: float) -> None:
-    """Write a small record, then read the peer's record of the same kind into
-    `into` (both sides do the same), on a blocking socket whose kernel
-    timeouts (SO_RCVTIMEO/SO_SNDTIMEO) bound the wait."""
-    try:
-        sock.sendall(mine)
-        view = memoryview(into)
-        got = 0
-        while got < len(view):
-            n = sock.recv_into(view[got:])
-            if n == 0:
-                raise PeerClosedError(f"peer closed the gate connection during {what}")
-            got += n
-    except BlockingIOError:
-        raise TransportTimeoutError(f"the peer did not reach {what} within {timeout:g} s") from None
-    except (ConnectionResetError, BrokenPipeError) as exc:
-        raise PeerClosedError(f"peer closed the gate connection during {what}: {exc}") from None
-
-
 # ============================================================================
 # Control channel
 # ============================================================================

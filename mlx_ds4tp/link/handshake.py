@@ -2,7 +2,7 @@
 authentication and the transport choice on the control connection; then the
 gate data connection; then, when both agreed on RDMA, the queue pair's
 bring-up (bringup.py). The result is a complete Pair, which owns both
-connections and the gates that run over them."""
+connections and, over RDMA, the proven device the exchanges run on."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ from .control import (
 from .hello import Hello, authenticate, check_hello, choose_transport, data_proof
 from .joined import Joined
 from .pair import Pair, fingerprint_mismatch
-from .rdma import RdmaGates
+from .rdma import RdmaDevice
 from .wire import DATA_HELLO, DATA_MAGIC, LEADER, NONCE_BYTES, PROTOCOL_VERSION, ROLE_NAMES, FrameType
 
 Dial = Callable[[str, int, float, str], socket.socket]
-BringUp = Callable[[Joined], Optional[RdmaGates]]
+BringUp = Callable[[Joined], Optional[RdmaDevice]]
 NO_PROBE_REASON = "no RDMA provider given"  # connect() without rdma_probe: no device to advise on
 
 
@@ -42,13 +42,13 @@ def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, st
             *, dial: Dial = dial, bring_up: BringUp = bring_up_rdma) -> Pair:
     """Bring the pair up, complete: hello, authentication, the transport choice,
     the gate data connection and, when both sides agreed on RDMA, the queue
-    pair's bring-up (barriers, warm-up, re-creation). The Pair returned runs
-    RDMA gates that are proven (transport "rdma"), or TCP gates ("tcp": asked
-    for, or the fallback of transport=auto, chosen by both ranks together).
+    pair's bring-up (barriers, warm-up, re-creation). The Pair returned holds
+    a proven queue pair (transport "rdma"), or none ("tcp": asked for, or the
+    fallback of transport=auto, chosen by both ranks together).
 
     rdma_probe() -> (ok, reason) says whether this side has RDMA.
     dial(host, port, deadline, what) opens the worker's connections and
-    bring_up(joined) -> RdmaGates or None proves the queue pair: seams for the
+    bring_up(joined) -> RdmaDevice or None proves the queue pair: seams for the
     tests, which stop or fault a rank at a chosen point."""
     if config.transport == "tcp":
         rdma_ok, reason = False, "transport=tcp requested"

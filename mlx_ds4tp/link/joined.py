@@ -1,9 +1,9 @@
 """What the handshake leaves behind: both connections open, the hellos
-swapped, the transport agreed, and no gates yet.
+swapped, the transport agreed, and no exchange yet.
 
 Only connect() (handshake.py) and the RDMA bring-up (bringup.py) ever see
-one: connect() turns it into a complete Pair, with its RDMA gates proven or
-TCP chosen, so no caller can run a gate on a pair that is still half built.
+one: connect() turns it into a complete Pair, with its queue pair proven or
+TCP chosen, so no caller can run an exchange on a pair that is still half built.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import socket
 from .config import PairConfig
 from .control import ControlChannel
 from .hello import Hello
-from .rdma import RdmaGates
+from .rdma import RdmaDevice
 from .wire import ROLE_NAMES
 
 
@@ -41,11 +41,11 @@ class Joined:
         """"leader" or "worker": the other rank's role."""
         return ROLE_NAMES[1 - self.rank]
 
-    def open_rdma(self) -> RdmaGates:
+    def open_rdma(self) -> RdmaDevice:
         """Open this side's RDMA device for the pair (its queue pair not yet
         built, connected or warmed up: that is bringup.bring_up_rdma's work)."""
         cfg = self.config
-        return RdmaGates(
+        return RdmaDevice(
             device=cfg.rdma_device,
             gid_index=cfg.gid_index,
             rank=self.rank,

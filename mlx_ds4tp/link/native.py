@@ -1,5 +1,5 @@
-"""The compiled C module (mlx_ds4tp._verbs, built by _verbs_build.py): TCP gate
-and RDMA hot paths with the GIL released."""
+"""The compiled C module (mlx_ds4tp._verbs, built by _verbs_build.py): the
+exchange's TCP and RDMA hot paths with the GIL released, the RDMA device."""
 
 from __future__ import annotations
 

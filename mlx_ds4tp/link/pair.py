@@ -1,27 +1,27 @@
 """The pair of ranks as connect() hands it out: both connections, the
-hellos, and the gates (RDMA, proven by the bring-up, or TCP) with one
-sequence number shared by every gate and bulk exchange."""
+hellos, the RDMA device when its queue pair is proven by the bring-up (else
+TCP), and the state every exchange of the pair shares (csrc/exchange.c)."""
 
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 from ..errors import FrameError, HelloMismatchError
-from .control import ControlChannel, swap_small
+from .control import ControlChannel
 from .fingerprint import Fingerprint, first_difference, summary_label
 from .joined import Joined
 from .native import load_verbs
-from .rdma import RdmaGates
-from .tcp import TcpGates
+from .rdma import RdmaDevice
 from .wire import FINGERPRINT_SUMMARY, LEADER, ROLE_NAMES, FrameType
 
 
 class Pair:
     """An established connection between the two ranks: control channel, gate
-    data connection and the gates of the transport they run (connect() makes
-    one, complete: RDMA proven, or TCP)."""
+    data connection and, over RDMA, the proven device (connect() makes one,
+    complete: RDMA proven, or TCP). The exchanges themselves run in C on a
+    link made of it (collectives/backend.py, link/exchange.py)."""
 
-    def __init__(self, joined: Joined, rdma: Optional[RdmaGates]):
+    def __init__(self, joined: Joined, rdma: Optional[RdmaDevice]):
         config = joined.config
         self.config = config
         self.rank = config.rank
@@ -29,22 +29,24 @@ class Pair:
         self.data = joined.data
         self.mine = joined.mine
         self.peer_hello = joined.theirs
-        # The transport follows from the gates: a pair says "rdma" only with its queue pair
-        # proven, so no gate can quietly run over TCP while the pair says otherwise.
+        # The transport follows from the device: a pair says "rdma" only with its queue pair
+        # proven, so no exchange can quietly run over TCP while the pair says otherwise.
         self.transport = "rdma" if rdma is not None else "tcp"
         self.timeout = float(config.timeout)
-        self.tcp = TcpGates(self.data, self.timeout, spin_us=config.tcp_spin_us)
-        self.rdma: Optional[RdmaGates] = rdma
-        # The sequence number of the last gate or bulk exchange, and whether the pair is
-        # closed, in C memory: the MLX backend's exchanges (csrc/exchange.c) bump and check
-        # them without Python.
+        self.rdma: Optional[RdmaDevice] = rdma
+        # How long a TCP exchange polls for the peer's bytes before it blocks. Polling comes
+        # before the kernel's SO_RCVTIMEO wait, so it is capped at a quarter of the timeout:
+        # a silent peer is still reported within 1.25x the timeout.
+        self.spin_ns = min(config.tcp_spin_us * 1000, int(self.timeout * 1e9) // 4)
+        # The sequence number of the last exchange, and whether the pair is closed, in C
+        # memory: the exchanges (csrc/exchange.c) bump and check them without Python.
         ffi, _ = load_verbs()
         self.state = ffi.new("tp_pair_state *")
         self.closed = False
 
     @property
     def seq(self) -> int:
-        """The last gate or bulk exchange's sequence number."""
+        """The last exchange's sequence number (tests set it to put the ranks out of step)."""
         return int(self.state.seq)
 
     @seq.setter
@@ -73,36 +75,8 @@ class Pair:
         if theirs != mine:
             raise fingerprint_mismatch(self.control, self.rank, fingerprint, theirs)
 
-    def gate(self, send, recv, layer: int = 0, gate: int = 0) -> int:
-        """Exchange one gate: send our bytes, receive the peer's (same size).
-        Gates and bulk exchanges share one sequence, numbered here: the RDMA
-        receive window is posted by it, and the TCP header carries it."""
-        self.seq += 1
-        if self.rdma is not None:
-            self.rdma.gate(send, recv, self.seq)
-        else:
-            self.tcp.gate(send, recv, self.seq, layer, gate)
-        return self.seq
-
-    def exchange_small(self, mine: bytes, what: str) -> bytes:
-        """Write-then-read a small fixed-size record on the data connection
-        (both sides send the same size): signatures, barriers."""
-        theirs = bytearray(len(mine))
-        swap_small(self.data, mine, theirs, f"the {what} exchange", self.timeout)
-        return bytes(theirs)
-
-    def bulk(self, send, recv, layer: int = 0) -> int:
-        """Exchange a big buffer (prefill rows, gathered logits)."""
-        self.seq += 1
-        if self.rdma is not None:
-            self.tcp.big_header(len(memoryview(send).cast("B")), self.seq, layer)
-            self.rdma.bulk(send, recv)
-        else:
-            self.tcp.big(send, recv, self.seq, layer)
-        return self.seq
-
     def close(self) -> None:
-        """Close the gates and both connections (idempotent)."""
+        """Close the RDMA device and both connections (idempotent)."""
         if self.closed:
             return
         self.closed = True

@@ -1,6 +1,7 @@
-"""RDMA gates over the _verbs C module (ibverbs, or the emulated UC device
-"ucsim"): one registered slab, one UC queue pair, the decode window and bulk
-rounds. The hot loops run in C with the GIL released."""
+"""The RDMA device of a pair over the _verbs C module (ibverbs, or the
+emulated UC device "ucsim"): one registered slab and one UC queue pair, built,
+connected and warmed up from here (bringup.py); the exchange (csrc/exchange.c)
+then runs its decode window and bulk rounds on it in C."""
 
 from __future__ import annotations
 
@@ -11,14 +12,8 @@ from .config import VERBS_LIBRARY_ENV
 from ..base.log import log
 from .native import load_verbs
 from .wire import RDMA_INFO, RDMA_MAX_MSG
-from ..errors import (
-    DesyncError,
-    FrameError,
-    PeerClosedError,
-    RdmaError,
-    RdmaUnavailableError,
-    TransportTimeoutError,
-)
+from ..errors import FrameError, RdmaUnavailableError
+from .exchange import rc_error
 
 UCSIM = "ucsim"
 _ERR_BYTES = 512
@@ -50,9 +45,8 @@ def rdma_probe(device: Optional[str], verbs_library: str) -> Tuple[bool, str]:
     return bool(ok), ffi.string(err).decode("utf-8", "replace")
 
 
-class RdmaGates:
-    """One registered slab, one UC queue pair, the decode window and bulk
-    rounds on an open device.
+class RdmaDevice:
+    """One registered slab and one UC queue pair on an open device.
 
     device: "ucsim" or an ibverbs device name (None: the first). gid_index:
     None lets the provider pick. rank: 0 leader, 1 worker. bind_ip: this
@@ -106,7 +100,6 @@ class RdmaGates:
         self.warm_recv = self.slab + self.hot_bytes + RDMA_MAX_MSG
         self.setup_attempt = 0
         self.depths: Tuple[int, int, int] = (0, 0, 0)
-        self._registered: list = []  # (handle, buffer) kept alive while registered
         self.warmup_ms: Optional[float] = None  # set by the bring-up (bringup.py) once both directions are proven
 
     # -- setup -----------------------------------------------------------------
@@ -119,16 +112,8 @@ class RdmaGates:
         return rc
 
     def raise_error(self, rc: int, text: str) -> None:
-        """The error for a failed hot path's rc, text the C side's message."""
-        if rc == self.lib.TP_ETIMEOUT:
-            raise TransportTimeoutError(text)
-        if rc == self.lib.TP_EPEER:
-            raise PeerClosedError(text)
-        if rc == self.lib.TP_ELOST:
-            # UC dropped a message and the in-order window shifted: the
-            # ranks' gate streams are out of step; the text names the seq.
-            raise DesyncError(text)
-        raise RdmaError(text, rc)
+        """The error for a failed call's rc, text the C side's message."""
+        raise rc_error(self.lib, rc, text, rdma=True)
 
     def build(self, setup_attempt: int) -> Tuple[int, int, int]:
         """(Re)build CQ and QP; returns the granted (cq, send, recv) depths.
@@ -199,33 +184,6 @@ class RdmaGates:
         wc = self.ffi.new("tp_wc[]", max_wc)
         n = self._check(self.lib.tp_poll(self.dev, wc, max_wc, timeout, self._err, self._errlen))
         return [wc[i] for i in range(n)]
-
-    def register(self, buffer) -> int:
-        """Register a caller's buffer so gates sent from it skip the slab copy.
-        Measured by `ds4tp bench` (rdma-*-registered) against the copy; the
-        copy of 16 KiB into the slab is as fast and needs no registration per
-        new MLX buffer, so the gate path keeps the copy (see README)."""
-        ptr = self.ffi.from_buffer(buffer)
-        handle = self._check(self.lib.tp_reg(self.dev, ptr, len(ptr), self._err, self._errlen))
-        self._registered.append((handle, ptr))
-        return handle
-
-    # -- hot paths -------------------------------------------------------------
-    def gate(self, send, recv, seq: int) -> None:
-        """One decode gate (up to two messages each way), labelled seq."""
-        src = self.ffi.from_buffer(send)
-        dst = self.ffi.from_buffer(recv, require_writable=True)
-        rc = self.lib.tp_gate(self.dev, src, dst, len(src), seq, self.timeout, self._err, self._errlen)
-        if rc < 0:
-            self._check(rc)
-
-    def bulk(self, send, recv) -> None:
-        """One bulk exchange (prefill rows, logits) in rounds of messages."""
-        src = self.ffi.from_buffer(send)
-        dst = self.ffi.from_buffer(recv, require_writable=True)
-        if len(src) != len(dst):
-            raise ValueError(f"bulk send is {len(src)} bytes but recv is {len(dst)}: they must match")
-        self._check(self.lib.tp_bulk(self.dev, src, dst, len(src), self.timeout, self._err, self._errlen))
 
     def close(self) -> None:
         """Destroy the queue pair and device; release the slab."""

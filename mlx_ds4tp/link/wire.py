@@ -45,16 +45,13 @@ it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are 
 (`ds4tp run`'s own frames before it became one session); the worker refuses them.
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
-from the worker; then per decode gate GATE_HEADER (MAGIC, layer, gate, seq) +
-payload (<= GATE_MAX_BYTES); per bulk exchange BIG_HEADER (BATCH_MAGIC, layer,
-BIG_TAG, seq, bytes) then the payload in the same byte stream, both directions
-at once (tp_tcp_duplex; over RDMA the header alone, then the payload as RDMA
-bulk rounds): the transport's own gates (the tests, the bench). The collectives
-(the MLX backend, csrc/exchange.c) send their exchange header (magic, collective,
-dtype code, seq, bytes, ndim, the first dims: laid out and numbered in
-csrc/exchange_codes.h, its one source) ahead of each payload over TCP; over RDMA the
-header alone when the signature changes and before each bulk exchange, the payload on
-the queue pair.
+from the worker; then, per exchange of the collectives (csrc/exchange.c, which
+the MLX backend calls, and the bench, doctor and tests through
+link/exchange.py), the exchange header (magic, collective, dtype code, seq, bytes,
+ndim, the first dims: laid out and numbered in csrc/exchange_codes.h, its one source) ahead of the payload over TCP (a decode gate
+write-then-read, a bulk exchange both directions at once: tp_tcp_duplex); over
+RDMA the header alone when the signature changes and before each bulk exchange,
+the payload on the queue pair.
 
 Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG
 (WARM_MAGIC, rank, setup attempt); its work request id is WARM_MAGIC too.
@@ -75,8 +72,7 @@ import struct
 PROTOCOL_VERSION = 6
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
-MAGIC = 0x44533454  # "DS4T": control frames and decode gate headers
-BATCH_MAGIC = 0x44533442  # "DS4B": bulk exchange headers
+MAGIC = 0x44533454  # "DS4T": control frames
 DATA_MAGIC = 0x44533444  # "DS4D": first word on the gate data connection
 WARM_MAGIC = 0x5741524D  # "WARM": the warm-up message's tag and work request id
 WARM_WR_ID = WARM_MAGIC
@@ -213,9 +209,6 @@ AUTH_TAG = b"ds4tp-auth-v1"
 DATA_AUTH_TAG = b"ds4tp-data-v1"
 
 DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
-GATE_HEADER = struct.Struct("<IHHQ")  # magic, layer, gate, seq
-BIG_HEADER = struct.Struct("<IHHQQ")  # magic, layer, tag, seq, bytes
-BIG_TAG = 0xB16
 
 RDMA_INFO = struct.Struct("<IIIHB16s")  # qpn, psn, mtu, lid, link_layer, gid
 STATUS = struct.Struct("<II")  # ok, message length; then the message

@@ -70,8 +70,10 @@ def lossy(role: str, port: int, device: str, iters: int) -> dict:
 
 
 def gate_times(role: str, port: int, device: str, iters: int) -> dict:
-    """p50/p99 of the bare 16 KiB gate (the pair's own gate, as `ds4tp bench`)."""
+    """p50/p99 of the 16 KiB exchange the backend calls, from numpy buffers (as `ds4tp bench`)."""
     import time
+
+    from mlx_ds4tp.link.exchange import Exchange
 
     kw = dict(transport="rdma", timeout=60.0, rdma_device=device or None)
     g = (tp.init(role="leader", listen=("127.0.0.1", port), **kw) if role == "leader"
@@ -79,12 +81,13 @@ def gate_times(role: str, port: int, device: str, iters: int) -> dict:
     with g:
         send = np.full(4096, 1.0 + g.rank(), dtype=np.float32)
         recv = np.empty_like(send)
+        exchange = Exchange(g.link, send)
         for _ in range(500):
-            g.pair.gate(send, recv)
+            exchange(send, recv)
         ns = []
         for _ in range(iters):
             t0 = time.perf_counter_ns()
-            g.pair.gate(send, recv)
+            exchange(send, recv)
             ns.append(time.perf_counter_ns() - t0)
         if not np.all(recv == 2.0 - g.rank()):
             raise SystemExit(f"the peer's partial arrived wrong: {recv[:4]}")
