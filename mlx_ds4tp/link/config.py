@@ -141,6 +141,20 @@ class PairAddress:
         return LEADER if self.role == "leader" else WORKER
 
 
+@dataclasses.dataclass(frozen=True)
+class LinkSettings:
+    """How one rank joins its pair, as the command line resolved it: the address, and the
+    transport's choices (None: the environment's or the default, as PairConfig resolves it)."""
+
+    address: PairAddress
+    transport: str = "auto"
+    rdma_device: Optional[str] = None
+    gid_index: Optional[int] = None
+    secret: object = None  # str or bytes (None: DS4_TP_SECRET, else no pairing secret)
+    timeout: Optional[float] = None
+    tcp_spin_us: Optional[int] = None
+
+
 def pair_address(role: Optional[str], listen=None, coordinator=None) -> PairAddress:
     """The role/listen/coordinator triple checked (the one place it is): the leader
     needs listen=(host, port) and no coordinator, the worker the reverse. A bad

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
-import secrets
 import threading
 import time
 from typing import Dict, List, Optional
@@ -33,7 +32,7 @@ from .. import transport as tr
 from ..link.wire import EVAL_PENDING
 from .errors import PairUnavailable
 from ..lockstep.prompt_cache import PromptCacheIndex
-from ..lockstep.sampling import sample_rows
+from ..lockstep.row_sampling import RowSampler, sample_batch, stream_seed
 from ..lockstep.sessions import LeaderSessions, drain_failed_work
 from ..lockstep.table import kv_code, release_memory
 from .finishing import Finishing
@@ -255,11 +254,13 @@ class Engine(Finishing):
         self.stats["requests"] += 1
         self.stats["cached_tokens"] += reuse.keep
         session = RunningSession(sid, request, reuse, self.tokenizer)
+        seed = stream_seed(request.options)
         if self.pipelined:
-            options = request.options
-            seed = options.seed if options.seed is not None else secrets.randbits(63)
-            self.sessions.sampler(sid, options, request.prompt, seed)
-            self.sessions.table.samplers[sid].keep_logprobs = request.logprobs is not None
+            self.sessions.sampler(sid, request.options, request.prompt, seed)
+            session.sampler = self.sessions.table.samplers[sid]
+        else:
+            session.sampler = RowSampler(request.options, request.prompt, seed, self.sessions.table.vocab)
+        session.sampler.keep_logprobs = request.logprobs is not None
         if self.speculation is not None:
             session.drafter = self.speculation.drafter(request)
         (self._prefilling if session.todo else self._ready).append(session)
@@ -336,9 +337,9 @@ class Engine(Finishing):
         if plain:
             mine: Dict[int, str] = {}
             row_logits = logits[mx.array(plain), 0] if multi else (logits if len(plain) == len(rows) else logits[mx.array(plain)])
-            tokens = sample_rows(row_logits, [rows[i].sampler for i in plain], mine)
+            tokens = sample_batch(row_logits, [rows[i].sampler for i in plain], mine).tolist()
             for j, i in enumerate(plain):
-                new[i] = None if tokens[j] is None else [tokens[j]]
+                new[i] = None if j in mine else [tokens[j]]
                 if j in mine:
                     errors[i] = mine[j]
         drafted = [i for i, d in enumerate(drafts) if d]
@@ -346,7 +347,6 @@ class Engine(Finishing):
             verified = verified_tokens(logits[mx.array(drafted)], [drafts[i] for i in drafted])
             for i, tokens in zip(drafted, verified):
                 new[i] = tokens
-                rows[i].sampler.history.extend(tokens)
                 rows[i].drafter.accepted(len(drafts[i]), len(tokens) - 1)
                 self.stats["drafted_tokens"] += len(drafts[i])
                 self.stats["accepted_tokens"] += len(tokens) - 1

@@ -43,17 +43,9 @@ def make_speculation(args, model: Any):
         raise SystemExit(f"ds4tp serve: {blocker}")
     draft = None
     if draft_path:
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-        from mlx_lm.utils import load_model
+        from ..lockstep.speculative import load_draft
 
-        draft, _ = load_model(Path(draft_path))
-        mine, theirs = (int(m.args.vocab_size) for m in (model, draft))
-        if mine != theirs:
-            raise SystemExit(f"ds4tp serve: the draft model {draft_path} has a vocabulary of {theirs} "
-                             f"tokens, the model {mine}: a draft must share the model's tokenizer")
-        if not can_trim_prompt_cache(make_prompt_cache(draft)):
-            raise SystemExit(f"ds4tp serve: the draft model {draft_path}'s cache cannot drop rejected "
-                             "drafts; give a draft model with plain attention layers")
+        draft = load_draft(draft_path, model)
         tr.log(f"serve: drafting with {draft_path}, {args.num_draft_tokens} tokens a round")
     else:
         tr.log(f"serve: drafting by prompt lookup ({lookup}-grams), {args.num_draft_tokens} tokens a round")
