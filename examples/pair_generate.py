@@ -34,27 +34,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(parser)
     args = parser.parse_args()
-    # The same checks as `ds4tp run`: the rank's address, and the sampling flags as mlx-lm's
-    # sampling options.
-    address, sampling = check_run_args(args)
-    leader = address.role == "leader"
+    # The same checks as `ds4tp run`: how this rank joins the pair (link), the model's
+    # directory, and what the leader generates (the sampling flags as mlx-lm's options).
+    link, model_dir, run = check_run_args(args)
+    leader = link.address.role == "leader"
 
     # The pair: the leader listens, the worker dials. The model's identity (its shape and
     # its weights' fingerprint) rides in the hello, so two different models stop here
     # instead of after loading.
     group = tp.init(
-        role=address.role,
-        listen=address.listen,
-        coordinator=address.coordinator,
-        transport=args.transport,
-        rdma_device=args.rdma_device,
-        gid_index=args.rdma_gid_index,
-        secret=args.secret,
-        identity=model_identity(args.model),
+        role=link.address.role,
+        listen=link.address.listen,
+        coordinator=link.address.coordinator,
+        transport=link.transport,
+        rdma_device=link.rdma_device,
+        gid_index=link.gid_index,
+        secret=link.secret,
+        identity=model_identity(model_dir),
     )
     with group:
         # Each rank reads only its half of the weights from the safetensors files.
-        model, tokenizer = load_split(args.model, group)
+        model, tokenizer = load_split(model_dir, group)
 
         if not leader:
             table = serve_worker(group, model)  # the leader's commands, until it says stop
@@ -64,7 +64,7 @@ def main() -> int:
         # The leader drives both ranks' sessions: each command it sends, it runs too.
         sessions = LeaderSessions(group, model)
         try:
-            prompt_tokens = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
+            prompt_tokens = encode_prompt(tokenizer, run.prompt, chat=run.chat)
             detokenizer = tokenizer.detokenizer
             detokenizer.reset()
 
@@ -72,11 +72,11 @@ def main() -> int:
                 detokenizer.add_token(token)
                 print(detokenizer.last_segment, end="", flush=True)
 
-            # The same sampling flags as `ds4tp run`, sampled by mlx-lm's own samplers (on
-            # both ranks: each samples for itself, so each step is queued while the last runs).
+            # The same sampling flags as `ds4tp run`, drawn as mlx-lm draws them (on both
+            # ranks: each samples for itself, so each step is queued while the last runs).
             eos = set(tokenizer.eos_token_ids or [])
-            stats = pair_generate(sessions, prompt_tokens, args.max_tokens, sampling, on_token=stream,
-                                  eos=eos, debug_hash=args.debug_hash)
+            stats = pair_generate(sessions, prompt_tokens, run.max_tokens, run.sampling, on_token=stream,
+                                  eos=eos, debug_hash=run.debug_hash)
             detokenizer.finalize()
             print(detokenizer.last_segment, flush=True)
         finally:

@@ -50,12 +50,12 @@ def test_run_check_makes_the_address_and_the_sampling_options_once(model_dir):
 
     args = parse("run", "--model", str(model_dir), "--prompt", "hi", "--temp", "0.5", "--top-k", "7",
                  *LEADER)
-    address, sampling = run.check_args(args)
-    assert address == PairAddress("leader", ("127.0.0.1", 9911), None)
-    assert sampling == SamplingOptions(temperature=0.5, top_k=7, seed=0)
-    assert args.model == str(model_dir)
-    address, _ = run.check_args(parse("run", "--model", str(model_dir), *WORKER))
-    assert address == PairAddress("worker", None, ("127.0.0.1", 9911)) and address.rank == 1
+    link, model, settings = run.check_args(args)
+    assert link.address == PairAddress("leader", ("127.0.0.1", 9911), None) and link.transport == "auto"
+    assert settings.sampling == SamplingOptions(temperature=0.5, top_k=7, seed=0) and settings.prompt == "hi"
+    assert model == str(model_dir)
+    link, _, _ = run.check_args(parse("run", "--model", str(model_dir), *WORKER))
+    assert link.address == PairAddress("worker", None, ("127.0.0.1", 9911)) and link.address.rank == 1
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -88,8 +88,8 @@ def test_run_model_demo_is_the_demo_model(monkeypatch, tmp_path):
 
     monkeypatch.setattr(demo_model, "demo_model_dir", lambda: tmp_path / "built-demo")
     args = parse("run", "--model", "demo", *WORKER)
-    run.check_args(args)
-    assert args.model == str(tmp_path / "built-demo")
+    _, model, _ = run.check_args(args)
+    assert model == str(tmp_path / "built-demo")
 
 
 def test_run_model_that_is_not_there_names_it(tmp_path):

@@ -34,11 +34,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep.pipelined import DecodePlan
 from mlx_ds4tp.lockstep.prompt_cache import FRESH
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import serve_worker
-from mlx_ds4tp.lockstep.frames import pack_batch
+from mlx_ds4tp.lockstep.frames import pack_batch, pack_prefill_batch
+from mlx_ds4tp.lockstep.row_sampling import pack_sampler
 from mlx_ds4tp.lockstep.table import SessionTable
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import (
@@ -73,7 +73,8 @@ def valid_hello(role: int = 1) -> tr.Hello:
 def valid_payloads() -> dict:
     """A well-formed payload for each frame type, as the code that sends it builds it."""
     known = {
-        F.SYNC: wire.SYNC_HEADER.pack(1, 3, 0) + np.array([5, 6, 7], "<i4").tobytes(),
+        F.PREFILL_BATCH: pack_prefill_batch([(1, [5, 6, 7])]),
+        F.SAMPLER: pack_sampler(1, SamplingOptions(temperature=0.5), [5, 6, 7], 9),
         F.EVAL_BATCH: pack_batch(1, [(1, 42)]),
         F.REWIND: wire.REWIND_PAYLOAD.pack(1, 4, 0),
         F.INVALIDATE: wire.INVALIDATE_PAYLOAD.pack(1),
@@ -81,7 +82,6 @@ def valid_payloads() -> dict:
         F.HASH: wire.HASH_PAYLOAD.pack(0, 2, 0x1234),
         F.RDMA_INFO: wire.RDMA_INFO.pack(0x11, 0x22, 1024, 0, 1, bytes(10) + b"\xff\xff\x7f\x00\x00\x01"),
         F.RDMA_READY: b"",
-        F.LOGITS: np.arange(64, dtype="<f4").tobytes(),
         F.SESSION_CREATE: wire.SESSION_CREATE_PAYLOAD.pack(1, 0, FRESH, 0),
         F.SESSION_DESTROY: wire.SESSION_DESTROY_PAYLOAD.pack(1, 0),
         F.RDMA_WARM: wire.WARM_ROUND.pack(0, 1, 1, 0),
@@ -91,7 +91,7 @@ def valid_payloads() -> dict:
         F.RDMA_STATUS: wire.STATUS.pack(1, 2) + b"ok",
         F.AUTH: bytes(32),
     }
-    # A frame type added later (or reserved: EVAL, COMMAND_ACK) still gets fuzzed, with a plain payload.
+    # A frame type added later still gets fuzzed, with a plain payload.
     return {t: known.get(t, bytes(min(16, tr.FRAME_MAX_BYTES[t]))) for t in F}
 
 
@@ -566,7 +566,7 @@ def worker_script(r) -> Tuple[bytes, str, int]:
     toks = [r.randrange(VOCAB) for _ in range(r.randint(1, 8))]
     frames = [
         frame(F.SESSION_CREATE, wire.SESSION_CREATE_PAYLOAD.pack(s, 0, FRESH, 0)),
-        frame(F.SYNC, wire.SYNC_HEADER.pack(s, len(toks), 0) + np.array(toks, "<i4").tobytes()),
+        frame(F.PREFILL_BATCH, pack_prefill_batch([(s, toks)])),
         frame(F.EVAL_BATCH, pack_batch(1, [(s, r.randrange(VOCAB))])),
         frame(F.EVAL_BATCH, pack_batch(2, [(s, r.randrange(VOCAB))])),
         frame(F.SESSION_DESTROY, wire.SESSION_DESTROY_PAYLOAD.pack(s, 0)),
@@ -582,17 +582,15 @@ def worker_script(r) -> Tuple[bytes, str, int]:
         "delete": lambda: frames.pop(r.randrange(len(frames))),
         "swap": lambda: _swap(r, frames),
         "eval-bad-token": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, pack_batch(1, [(s, bad_token)]))),
-        "sync-bad-token": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(s, 2, 0)
-                                                             + np.array([3, bad_token], "<i4").tobytes())),
-        "sync-empty": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(s, 0, 0))),
-        "sync-count": lambda: frames.__setitem__(1, frame(F.SYNC, wire.SYNC_HEADER.pack(
-            s, r.choice([0, len(toks) + 1, 2**32 - 1]), 0) + np.array(toks, "<i4").tobytes())),
+        "prefill-bad-token": lambda: frames.__setitem__(1, frame(F.PREFILL_BATCH, pack_prefill_batch(
+            [(s, [3, bad_token])]))),
+        "prefill-empty": lambda: frames.__setitem__(1, frame(F.PREFILL_BATCH, _prefill_claiming(s, 0, []))),
+        "prefill-count": lambda: frames.__setitem__(1, frame(F.PREFILL_BATCH, _prefill_claiming(
+            s, r.choice([len(toks) + 1, 2**32 - 1]), toks))),
         "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, pack_batch(1, [(s + 1, 7)]))),
-        # DECODE runs to its end without another frame, so only what the worker must refuse
-        # is sent (a valid one with a mutated max_tokens would decode for hours on the stub).
-        "decode-bad-token": lambda: frames.__setitem__(2, frame(F.DECODE, DecodePlan.for_prompt(
-            s, 1, [bad_token], 4, SamplingOptions(), 0).pack())),
-        "decode-cut": lambda: frames.__setitem__(2, frame(F.DECODE, _cut_plan(r, s))),
+        "sampler-bad-token": lambda: frames.insert(2, frame(F.SAMPLER, pack_sampler(
+            s, SamplingOptions(), [bad_token], 0))),
+        "sampler-cut": lambda: frames.insert(2, frame(F.SAMPLER, _cut_sampler(r, s))),
         "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, wire.HASH_PAYLOAD.pack(0, 1, _u32(r)))),
         "cut": lambda: None,
     }
@@ -604,9 +602,15 @@ def worker_script(r) -> Tuple[bytes, str, int]:
     return data, name, len(frames)
 
 
-def _cut_plan(r, session: int) -> bytes:
-    plan = DecodePlan.for_prompt(session, 1, [3, 4], 4, SamplingOptions(temperature=0.5), 9).pack()
-    return plan[: r.randrange(len(plan))]
+def _prefill_claiming(session: int, count: int, tokens: list) -> bytes:
+    """A PREFILL_BATCH of one row whose count says `count` tokens, carrying `tokens`."""
+    return (wire.PREFILL_BATCH_HEADER.pack(1, 0, 0) + wire.PREFILL_BATCH_ROW.pack(session, count, 0)
+            + np.array(tokens, "<i4").tobytes())
+
+
+def _cut_sampler(r, session: int) -> bytes:
+    payload = pack_sampler(session, SamplingOptions(temperature=0.5), [3, 4], 9)
+    return payload[: r.randrange(len(payload))]
 
 
 def _mutate_at(r, frames: list, i: int) -> None:
@@ -623,12 +627,12 @@ def _swap(r, frames: list) -> None:
 
 WORKER_ERRORS = {
     "eval-bad-token": "outside the model's vocabulary",
-    "sync-bad-token": "outside the model's vocabulary",
-    "sync-empty": "a prompt needs at least one",
-    "sync-count": "SYNC says",
+    "prefill-bad-token": "outside the model's vocabulary",
+    "prefill-empty": "a prompt needs at least one",
+    "prefill-count": "PREFILL_BATCH rows say",
     "unknown-session": "does not exist",
-    "decode-bad-token": "outside the model's vocabulary",
-    "decode-cut": "DECODE payload",
+    "sampler-bad-token": "outside the model's vocabulary",
+    "sampler-cut": "SAMPLER",
 }
 
 

@@ -1,19 +1,17 @@
-"""lockstep.pipelined: the DECODE command's plan on the wire, and one session decoded on both
-ranks with each sampling for itself (two groups over tcp in this process, scripted models,
-so what is checked is the loop: where it stops, what the caches hold, when the next step is
-built, and that ranks which would draw different tokens fail loudly on both)."""
+"""The pipelined decode of one session (lockstep.generate.pair_generate: SAMPLER, then
+EVAL_BATCH steps whose input is each rank's own sample), on both ranks with each sampling for
+itself (two groups over tcp in this process, scripted models, so what is checked is the loop:
+where it stops, what the tables hold after, when the next step is built, and that ranks which
+would draw different tokens fail loudly on both)."""
 
 from __future__ import annotations
 
 import types
 
 import mlx.core as mx
-import pytest
 
-from mlx_ds4tp.errors import FrameError, LockstepDivergence
-from mlx_ds4tp.link.wire import DECODE_HEADER
+from mlx_ds4tp.errors import LockstepDivergence
 from mlx_ds4tp.lockstep.generate import pair_generate
-from mlx_ds4tp.lockstep.pipelined import DecodePlan
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
 from pairutil import make_groups, run_both
@@ -76,34 +74,7 @@ def _pair(leader_model, worker_model, lead, transport="tcp"):
     return value, le, we, sessions.table, worker_table.get("t")
 
 
-def test_the_plan_travels_whole():
-    options = SamplingOptions(temperature=0.7, top_p=0.9, top_k=5, repetition_penalty=1.3,
-                              repetition_context_size=4, logit_bias=((3, -2.5), (7, 1.0)), seed=11)
-    plan = DecodePlan.for_prompt(9, 5, list(range(20)), 33, options, 12345, eos={2, 0}, hash_every=4)
-    assert plan.context == tuple(range(16, 20))  # as far back as the penalty looks
-    assert DecodePlan.unpack(plan.pack()) == plan
-    greedy = DecodePlan.for_prompt(1, 1, [4, 5, 6], 8, SamplingOptions(), 0)
-    assert greedy.context == (6,) and DecodePlan.unpack(greedy.pack()) == greedy
-
-
-def test_a_malformed_plan_is_refused_naming_what_is_wrong():
-    good = DecodePlan.for_prompt(1, 1, [4, 5, 6], 8, SamplingOptions(), 0).pack()
-    with pytest.raises(FrameError, match="shorter than its"):
-        DecodePlan.unpack(good[:10])
-    with pytest.raises(FrameError, match="its counts say"):
-        DecodePlan.unpack(good + b"x")
-    no_context = DECODE_HEADER.pack(1, 1, 0, 8, 0, 0, 0, 2) + b"{}"
-    with pytest.raises(FrameError, match="0 context tokens"):
-        DecodePlan.unpack(no_context)
-    bad_json = DECODE_HEADER.pack(1, 1, 0, 8, 0, 0, 1, 3) + b"\x04\x00\x00\x00" + b"{x}"
-    with pytest.raises(FrameError, match="do not parse"):
-        DecodePlan.unpack(bad_json)
-    bad_value = DECODE_HEADER.pack(1, 1, 0, 8, 0, 0, 1, 20) + b"\x04\x00\x00\x00" + b'{"top_p": 2.0}      '
-    with pytest.raises(FrameError, match="top_p=2.0"):
-        DecodePlan.unpack(bad_value)
-
-
-def test_both_ranks_stop_at_the_end_of_sequence_with_the_caches_the_stepped_path_leaves():
+def test_both_ranks_stop_at_the_end_of_sequence():
     lm, wm = Successor(), Successor()
     stats, le, we, lt, wt = _pair(lm, wm, lambda s: pair_generate(s, [1, 2, 3], 10, eos={6}))
     assert le is None and we is None, (le, we)
@@ -111,7 +82,7 @@ def test_both_ranks_stop_at_the_end_of_sequence_with_the_caches_the_stepped_path
     # The step after the end of sequence ran on both (it was queued before 6 was read) ...
     assert lt.step_count == wt.step_count == 4
     assert lm.fed == wm.fed == [[[1, 2]], [[3]], [[4]], [[5]], [[6]]]
-    # ... and its cache entry was trimmed on both: prompt and every token but the last.
+    # ... and finished on both before the session ended.
     assert lt.ended == wt.ended == 1
 
 
@@ -123,20 +94,13 @@ def test_max_tokens_stops_without_a_step_ahead():
     assert lt.step_count == wt.step_count == 4 and lm.calls == wm.calls == 5
 
 
-def test_the_cache_keeps_the_prompt_and_every_token_but_the_last():
+def test_a_generation_leaves_nothing_behind_in_either_table():
     lm, wm = Successor(), Successor()
-
-    def lead(s):
-        s.create(1)
-        s.prefill(1, [1, 2])
-        plan = DecodePlan.for_prompt(1, s.table.step_count + 1, [1, 2, 3], 10, SamplingOptions(), 0, eos={6})
-        out = s.decode(plan)
-        return out.tokens, s.table.size(1)
-
-    (tokens, size), le, we, _, wt = _pair(lm, wm, lead)
+    stats, le, we, lt, wt = _pair(lm, wm, lambda s: pair_generate(s, [1, 2, 3], 10, eos={6}))
     assert le is None and we is None, (le, we)
-    assert tokens == [4, 5, 6] and size == 5
-    assert wt.size(1) == 5
+    for table in (lt, wt):
+        assert (table.rows, table.sessions, table.batch_cache, table.samplers, table.pending) == \
+            ([], {}, None, {}, {})
 
 
 def test_the_next_step_is_built_before_this_token_is_read():
@@ -184,18 +148,3 @@ def test_debug_hash_catches_logits_that_differ_with_the_same_tokens():
     # Without the per-token check the tokens agree, so the pair finishes.
     stats, le, we, _, _ = _pair(Successor(peak=10.0), Successor(peak=9.0), lambda s: pair_generate(s, [3], 6))
     assert le is None and we is None and stats.tokens == [4, 5, 6, 7, 8, 9]
-
-
-def test_a_decode_while_the_batch_holds_rows_is_out_of_step():
-    lm, wm = Successor(), Successor()
-
-    def lead(s):
-        s.create(1)
-        s.create(2)
-        s.step([(1, 3)])
-        s.decode(DecodePlan.for_prompt(2, s.table.step_count + 1, [5], 4, SamplingOptions(), 0))
-
-    _, le, we, _, _ = _pair(lm, wm, lead)
-    # Refused before it is sent: the worker is told nothing but the STOP that follows.
-    assert isinstance(le, FrameError) and "the decode batch holds sessions [1]" in str(le), le
-    assert we is None

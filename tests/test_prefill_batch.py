@@ -22,7 +22,8 @@ from mlx_ds4tp.errors import FrameError, TransportError
 from mlx_ds4tp.link import wire
 from mlx_ds4tp.lockstep import table as table_mod
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH
-from mlx_ds4tp.lockstep.frames import pack_prefill_batch, pack_sync
+from mlx_ds4tp.lockstep.compute import forward
+from mlx_ds4tp.lockstep.frames import pack_prefill_batch
 from mlx_ds4tp.lockstep.table import SessionTable
 
 F = tr.FrameType
@@ -145,7 +146,7 @@ def _tables(model, make_cache=None, rewind=True):
 
 
 def _next_logits(table, session):
-    return table.verify(session, np.array([40], "<i4"))[-1]
+    return forward(table.model, [40], table.sessions[session])
 
 
 def _count_single_prefills(monkeypatch) -> list:
@@ -191,7 +192,7 @@ def test_a_batch_of_one_is_the_single_session_prefill_bit_for_bit(model, monkeyp
     singles = _count_single_prefills(monkeypatch)
     batched.apply(F.PREFILL_BATCH, pack_prefill_batch([(3, CHUNKS[0])]))
     assert singles == [len(CHUNKS[0])]
-    alone.apply(F.SYNC, pack_sync(3, CHUNKS[0]))
+    alone.prefill(3, np.array(CHUNKS[0], "<i4"))
     for mine, theirs in zip(batched.sessions[3], alone.sessions[3]):
         assert mine.offset == theirs.offset and mx.array_equal(mine.keys, theirs.keys).item()
     assert mx.array_equal(_next_logits(batched, 3), _next_logits(alone, 3)).item()

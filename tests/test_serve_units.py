@@ -15,7 +15,8 @@ import pytest
 import mlx_ds4tp as tp
 
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
-from mlx_ds4tp.lockstep.sampling import SamplingOptions, SessionSampler
+from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch
+from mlx_ds4tp.lockstep.sampling import SamplingOptions
 
 
 def test_prompt_cache_decisions():
@@ -86,19 +87,19 @@ def test_seeded_session_draws_what_it_would_draw_alone():
     alone = [int(alone_sampler(logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], axis=-1,
                                                                 keepdims=True)).item())
              for i in range(6)]
-    a, b = SessionSampler(options, [1]), SessionSampler(SamplingOptions(temperature=1.0, seed=5), [1])
+    a, b = RowSampler(options, [1], 77, 64), RowSampler(SamplingOptions(temperature=1.0, seed=5), [1], 5, 64)
     interleaved = []
     for i in range(6):
-        interleaved.append(a.sample(logits[i : i + 1]))
-        b.sample(logits[i : i + 1])
+        interleaved.append(a.draw(logits[i : i + 1]).item())
+        b.draw(logits[i : i + 1])
     assert interleaved == alone
 
 
 def test_top_k_past_the_vocabulary_keeps_every_token():
     logits = mx.random.normal((1, 64), key=mx.random.key(1))
     options = SamplingOptions(temperature=1.0, top_k=1000, seed=3)
-    assert SessionSampler(options, [1]).sample(logits) == \
-        SessionSampler(SamplingOptions(temperature=1.0, seed=3), [1]).sample(logits)
+    assert RowSampler(options, [1], 3, 64).draw(logits).item() == \
+        RowSampler(SamplingOptions(temperature=1.0, seed=3), [1], 3, 64).draw(logits).item()
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("top_k", -2),
@@ -156,7 +157,6 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
     from mlx_lm.sample_utils import make_sampler
 
     from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.lockstep.sampling import sample_rows
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
@@ -180,11 +180,11 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
         sessions = LeaderSessions(leader_group, split)
         # Session 1: the base prompt alone, stored as cache 7 when it ends.
         sessions.create(1)
-        sessions.prefill(1, base[:-1])
+        sessions.prefill_batch([(1, base[:-1])])
         out = []
-        nxt, sampler = base[-1], SessionSampler(SamplingOptions(), base)
+        nxt, sampler = base[-1], RowSampler(SamplingOptions(), base, 0, 0)
         for _ in range(n):
-            (tok,) = sample_rows(sessions.step([(1, nxt)]), [sampler])
+            (tok,) = sample_batch(sessions.step([(1, nxt)]), [sampler], {}).tolist()
             out.append(tok)
             nxt = tok
         assert out == alone(base)
@@ -202,14 +202,14 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
             if mode != FRESH and keep < sessions.table.sessions[sid][0].size():
                 sessions.rewind(sid, keep)
             if ids[keep:-1]:
-                sessions.prefill(sid, ids[keep:-1])
-            state[sid] = [ids[-1], SessionSampler(SamplingOptions(), ids), []]
+                sessions.prefill_batch([(sid, ids[keep:-1])])
+            state[sid] = [ids[-1], RowSampler(SamplingOptions(), ids, 0, 0), []]
         rows, waiting = [], list(plans)
         while rows or waiting:
             if waiting:
                 rows.append(waiting.pop(0))
-            tokens = sample_rows(sessions.step([(s, state[s][0]) for s in rows]),
-                                 [state[s][1] for s in rows])
+            tokens = sample_batch(sessions.step([(s, state[s][0]) for s in rows]),
+                                  [state[s][1] for s in rows], {}).tolist()
             for s, tok in zip(list(rows), tokens):
                 state[s][0] = tok
                 state[s][2].append(tok)
@@ -240,7 +240,7 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
 
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
-    from mlx_ds4tp.lockstep.frames import pack_batch, pack_sync
+    from mlx_ds4tp.lockstep.frames import pack_batch, pack_prefill_batch
     from mlx_ds4tp.lockstep.table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable
     from mlx_ds4tp.testing.tiny_model import save_llama
     from mlx_lm import load
@@ -250,7 +250,7 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     vocab = model.args.vocab_size
 
     def sync(session, tokens):
-        return F.SYNC, pack_sync(session, tokens)
+        return F.PREFILL_BATCH, pack_prefill_batch([(session, tokens)])
 
     script = [
         (F.SESSION_CREATE, CREATE.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),

@@ -1,17 +1,19 @@
-"""Speculative decoding on the pair (lockstep/speculative.py): greedy output with any drafter
-is token for token the plain greedy output, over tcp and the emulated RDMA device."""
+"""Speculative decoding on the pair (lockstep/speculative.py, VERIFY_BATCH + COMMIT_BATCH):
+greedy output with any drafter is token for token the plain greedy output, over tcp and the
+emulated RDMA device, and a seeded sampled run draws what mlx-lm's speculative decoding draws."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from mlx_ds4tp.lockstep.generate import greedy_generate
-from mlx_ds4tp.lockstep.prompt_cache import FRESH
-from mlx_ds4tp.lockstep.speculative import DraftModel, PromptLookup, Recorded, greedy_rows, speculative_generate
+from mlx_ds4tp.lockstep.row_sampling import RowSampler
+from mlx_ds4tp.lockstep.sampling import SamplingOptions
+from mlx_ds4tp.lockstep.sessions import LeaderSessions
+from mlx_ds4tp.lockstep.speculative import DraftModel, PromptLookup, Recorded, load_draft, speculative_generate
 from mlx_ds4tp.lockstep.table import SessionTable
 from mlx_ds4tp.testing.local_run import run_local_pair
 from mlx_ds4tp.testing.tiny_model import save_llama
@@ -26,30 +28,23 @@ def models(tmp_path_factory):
     return save_llama(root / "target", "tiny", seed=3), save_llama(root / "other", "tiny", seed=11)
 
 
-class OneRank:
-    """LeaderSessions' surface over a table of one rank (no peer): the drafting logic alone."""
+class OneRank(LeaderSessions):
+    """LeaderSessions with no peer: each command packed and applied to this rank's table alone
+    (the drafting logic and the frames, without a pair)."""
 
     class _Group:
         def exchange_seconds(self) -> float:
             return 0.0
 
     def __init__(self, model):
-        self.table, self.group = SessionTable(model), self._Group()
+        self.table, self.group, self.control = SessionTable(model), self._Group(), None
 
-    def create(self, s):
-        self.table.create(s, 0, FRESH)
+    def _command(self, ftype, payload: bytes):
+        return self.table.apply(ftype, payload)
 
-    def prefill(self, s, tokens):
-        self.table.prefill(s, np.array(tokens, dtype=np.int32))
 
-    def verify(self, s, tokens):
-        return self.table.verify(s, np.array(tokens, dtype=np.int32))
-
-    def rewind(self, s, keep):
-        self.table.rewind(s, keep)
-
-    def destroy(self, s):
-        self.table.destroy(s, 0)
+def greedy() -> RowSampler:
+    return RowSampler(SamplingOptions(), [0], 0, 0)
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_match():
@@ -73,12 +68,24 @@ def test_every_drafter_gives_the_plain_greedy_tokens(models, k):
                 "self": DraftModel(load_model(target_path)[0], prompt),
                 "unrelated": DraftModel(load_model(other_path)[0], prompt)}
     for name, drafter in drafters.items():
-        stats = speculative_generate(OneRank(model), prompt, 24, greedy_rows, drafter, k)
+        stats = speculative_generate(OneRank(model), prompt, 24, greedy(), drafter, k)
         assert stats.tokens == plain, name
         assert stats.accepted <= stats.drafted
     # A drafter that knows the continuation has every draft accepted: k + 1 tokens a round.
-    recorded = speculative_generate(OneRank(model), prompt, 24, greedy_rows, Recorded(len(prompt), plain), k)
+    recorded = speculative_generate(OneRank(model), prompt, 24, greedy(), Recorded(len(prompt), plain), k)
     assert recorded.accepted == recorded.drafted and recorded.rounds == -(-24 // (k + 1))
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_both(models, tmp_path):
+    from mlx_lm.utils import load_model
+
+    from mlx_ds4tp.testing.tiny_model import LlamaSizes
+
+    target_path, _ = models
+    other = save_llama(tmp_path / "narrow", LlamaSizes(layers=1, hidden=64, heads=2, kv_heads=1,
+                                                        intermediate=128, vocab=300), seed=5)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens.*a draft must share"):
+        load_draft(str(other), load_model(target_path)[0])
 
 
 @pytest.mark.parametrize("transport,device", [("tcp", None), ("rdma", "ucsim")])

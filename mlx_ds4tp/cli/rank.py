@@ -16,6 +16,7 @@ stdout (rank 0's are the ones the parent reads).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -64,12 +65,13 @@ def _ceiling(args) -> int:
 
 
 def _run(args) -> int:
-    from ..lockstep import run as pair_run
+    from ..lockstep.run import run_rank
 
-    address, sampling = run_command.check_args(args)
-    return pair_run.run(args, address, sampling, tokens_out=args.tokens_out,
-                        stop_at_eos=not args.no_eos, prompt_tokens=args.prompt_tokens,
-                        recorded_draft=args.recorded_draft)
+    link, model, settings = run_command.check_args(args)
+    settings = dataclasses.replace(
+        settings, tokens_out=args.tokens_out, stop_at_eos=not args.no_eos, prompt_tokens=args.prompt_tokens,
+        draft=dataclasses.replace(settings.draft, recorded_draft=args.recorded_draft))
+    return run_rank(link, model, settings)
 
 
 ROLE_HELP = "this rank: 'leader' (--listen) or 'worker' (--coordinator)"

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 from typing import Tuple
 
-from ..link.config import PairAddress
-from ..lockstep.sampling import SamplingOptions
+from ..link.config import LinkSettings
+from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, model_path
 from .pair_args import (LOCKSTEP_NEEDS_PAIR, add_pair_args, add_transport_args, check_at_least,
-                        one_rank_address, refuse_mlx)
+                        link_from_args, one_rank_address, refuse_mlx)
 from .sampling_args import add_sampling_args, options_from_args
 
 HELP = "one rank of a two-machine generation"
@@ -36,9 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_pair_args(p, ROLE_HELP)
 
 
-def check_args(args: argparse.Namespace) -> Tuple[PairAddress, SamplingOptions]:
-    """The flags of one `ds4tp run` rank checked once: the rank's address and the sampling
-    options; args.model becomes the model's directory. Bad flags exit naming the flag."""
+def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings]:
+    """The flags of one `ds4tp run` rank checked once and resolved: the rank's link settings,
+    the model's directory and what the leader generates. Bad flags exit naming the flag."""
     address = one_rank_address(args, "run", " --prompt TEXT")
     refuse_mlx(args, "run", LOCKSTEP_NEEDS_PAIR)
     if address.role == "leader" and not args.prompt:
@@ -49,12 +49,15 @@ def check_args(args: argparse.Namespace) -> Tuple[PairAddress, SamplingOptions]:
     if (args.draft_model or args.prompt_lookup) and sampling.processed:
         raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
                          "--repetition-penalty here: leave it out")
-    args.model = str(model_path(args.model))
-    return address, sampling
+    link = link_from_args(args, address, "run")
+    draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
+    settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
+                           chat=not args.no_chat_template, sampling=sampling,
+                           debug_hash=args.debug_hash, draft=draft)
+    return link, str(model_path(args.model)), settings
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..lockstep import run as pair_run
+    from ..lockstep.run import run_rank
 
-    address, sampling = check_args(args)
-    return pair_run.run(args, address, sampling)
+    return run_rank(*check_args(args))

@@ -11,18 +11,14 @@ The bound is checked before anything is allocated.
 
 | frame            | payload                                                        | bound       |
 |------------------|----------------------------------------------------------------|-------------|
-| SYNC             | SYNC_HEADER (session, count) + count little-endian int32 tokens | 4194320     |
-| EVAL             | (reserved: no longer sent; EVAL_BATCH decodes)                 | 64          |
 | REWIND           | REWIND_PAYLOAD (session, tokens to keep)                       | 64          |
 | INVALIDATE       | INVALIDATE_PAYLOAD (stored cache id)                           | 64          |
 | STOP             | empty                                                          | 64          |
-| HASH             | HASH_PAYLOAD (0, decode step, logits hash)                     | 64          |
+| HASH             | HASH_PAYLOAD (0 or a session, decode step, hash of the last step's logits or of the session's sampled tokens) | 64 |
 | RDMA_INFO        | RDMA_INFO (qpn, psn, mtu, lid, link layer, gid)                | 64          |
 | RDMA_READY       | empty                                                          | 16          |
-| LOGITS           | (reserved)                                                     | 67108864    |
 | SESSION_CREATE   | SESSION_CREATE_PAYLOAD (session, stored cache id, mode)        | 4096        |
 | SESSION_DESTROY  | SESSION_DESTROY_PAYLOAD (session, cache id to store it under)  | 64          |
-| COMMAND_ACK      | (reserved: no longer sent; a failing worker sends ERROR)       | 4096        |
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
 | HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
@@ -32,17 +28,16 @@ The bound is checked before anything is allocated.
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
 | EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token or EVAL_PENDING: this rank's own sample) | 65536 |
-| VERIFY           | SYNC_HEADER (session, count) + count little-endian int32 tokens (<= MAX_VERIFY_TOKENS) | 4112 |
 | PREFILL_BATCH    | PREFILL_BATCH_HEADER (rows) + rows x PREFILL_BATCH_ROW (session, count) + the rows' int32 tokens, row after row | 4198416 |
 | VERIFY_BATCH     | VERIFY_BATCH_HEADER (step, rows, width) + rows x VERIFY_BATCH_ROW (session, count) + rows x width int32 tokens, right-padded | 282640 |
 | COMMIT_BATCH     | COMMIT_BATCH_HEADER (step, rows) + rows x uint32 positions kept | 4112 |
-| DECODE           | DECODE_HEADER (session, step, seed, max tokens, hash every, counts) + eos int32s + context int32s + JSON sampling options | 4264000 |
 | SAMPLER          | SAMPLER_HEADER (session, seed, context count, options bytes) + context int32s + JSON sampling options | 4259904 |
 
-The lockstep commands (SESSION_CREATE, REWIND, SYNC, PREFILL_BATCH, EVAL_BATCH, VERIFY,
-VERIFY_BATCH, COMMIT_BATCH, DECODE, SAMPLER, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol, mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on
-it, `ds4tp run` one. EVAL and COMMAND_ACK keep their numbers and bounds but are never sent
-(`ds4tp run`'s own frames before it became one session); the worker refuses them.
+The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
+VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol,
+mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Numbers
+of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE) are never
+reused: a peer of an older install that sent one gets "unknown frame type" at the header.
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then, per exchange of the collectives (csrc/exchange.c, which
@@ -69,7 +64,10 @@ import struct
 # names a fresh cache's KV quantization.
 # 6: both ranks sample for themselves, so decode is pipelined: `ds4tp run` in one DECODE,
 # `ds4tp serve`'s batch through SAMPLER and EVAL_BATCH rows that take this rank's own sample.
-PROTOCOL_VERSION = 6
+# 7: `ds4tp run` speaks exactly serve's commands (PREFILL_BATCH, SAMPLER + EVAL_BATCH,
+# VERIFY_BATCH + COMMIT_BATCH); SYNC, VERIFY and DECODE, and the never-sent EVAL, LOGITS and
+# COMMAND_ACK, are gone, so a rank of version 6 would send frames this one refuses.
+PROTOCOL_VERSION = 7
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -85,18 +83,14 @@ class FrameType(enum.IntEnum):
     """Control frame types. The numbers travel on the wire: a new type takes a
     free number, an existing one is never renumbered."""
 
-    SYNC = 1
-    EVAL = 2  # reserved: no longer sent
     REWIND = 3
     INVALIDATE = 4
     STOP = 5
     HASH = 6
     RDMA_INFO = 7
     RDMA_READY = 9
-    LOGITS = 10
     SESSION_CREATE = 13
     SESSION_DESTROY = 14
-    COMMAND_ACK = 17  # reserved: no longer sent
     RDMA_WARM = 19
     RDMA_POSTED = 20
     HELLO = 21
@@ -107,9 +101,6 @@ class FrameType(enum.IntEnum):
     FINGERPRINT_DETAIL = 26
     # One decode step over the rows of every active session (mlx_ds4tp.lockstep.sessions).
     EVAL_BATCH = 32
-    # One session's input token and drafted tokens in one forward, logits at every position
-    # (speculative decoding: mlx_ds4tp.lockstep.speculative).
-    VERIFY = 33
     # One prefill chunk of several sessions in one right-padded forward (mlx-lm's batched
     # prompt processing: mlx_ds4tp.lockstep.table.SessionTable.prefill_batch).
     PREFILL_BATCH = 34
@@ -118,9 +109,6 @@ class FrameType(enum.IntEnum):
     VERIFY_BATCH = 35
     # ... then the positions of each row its session keeps; the rest leave the caches.
     COMMIT_BATCH = 36
-    # One session decoded alone to its end, both ranks sampling the same tokens for
-    # themselves, each step built while the last computes (lockstep.pipelined).
-    DECODE = 37
     # A session's sampler, on both ranks: its options, random seed and the prompt's latest
     # tokens, so both sample its rows alike (lockstep.row_sampling).
     SAMPLER = 38
@@ -141,15 +129,13 @@ GATE_MAX_BYTES = 2 * RDMA_MAX_MSG
 # A 16 KiB gate fits any socket buffer, so write-then-read cannot deadlock; a
 # bulk exchange writes and reads at once instead (tp_tcp_duplex).
 MAX_TOKENS_PER_FRAME = 1 << 20
-MAX_VERIFY_TOKENS = 1024  # one verify forward: the input token and at most 1023 drafted ones
 # One PREFILL_BATCH: at most this many sessions, all their tokens together at most
 # MAX_TOKENS_PER_FRAME (the padded forward is rows x the longest row's tokens).
 MAX_PREFILL_ROWS = 256
 # A VERIFY_BATCH row: the input token and at most 64 drafts (--num-draft-tokens <= 64).
 MAX_VERIFY_WIDTH = 65
-# A DECODE: at most this many end-of-sequence tokens, and sampling options of at most 64 KiB.
-MAX_DECODE_EOS = 1024
-MAX_DECODE_OPTIONS_BYTES = 64 * 1024
+# A SAMPLER's sampling options (JSON): at most 64 KiB.
+MAX_SAMPLER_OPTIONS_BYTES = 64 * 1024
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000
 NONCE_BYTES = 16
@@ -157,18 +143,14 @@ NONCE_BYTES = 16
 # Largest payload each frame type may claim: checked before anything is
 # allocated, so a header claiming 4 GiB is an error, never a malloc.
 FRAME_MAX_BYTES = {
-    FrameType.SYNC: 16 + 4 * MAX_TOKENS_PER_FRAME,
-    FrameType.EVAL: 64,
     FrameType.REWIND: 64,
     FrameType.INVALIDATE: 64,
     FrameType.STOP: 64,
     FrameType.HASH: 64,
     FrameType.RDMA_INFO: 64,
     FrameType.RDMA_READY: 16,
-    FrameType.LOGITS: 64 * 1024 * 1024,
     FrameType.SESSION_CREATE: 4096,
     FrameType.SESSION_DESTROY: 64,
-    FrameType.COMMAND_ACK: 4096,
     FrameType.RDMA_WARM: 64,
     FrameType.RDMA_POSTED: 64,
     FrameType.HELLO: 1024,
@@ -178,12 +160,10 @@ FRAME_MAX_BYTES = {
     FrameType.FINGERPRINT: 64,
     FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
     FrameType.EVAL_BATCH: 64 * 1024,
-    FrameType.VERIFY: 16 + 4 * MAX_VERIFY_TOKENS,
     FrameType.PREFILL_BATCH: 16 + 16 * MAX_PREFILL_ROWS + 4 * MAX_TOKENS_PER_FRAME,
     FrameType.VERIFY_BATCH: 16 + 16 * 1024 + 4 * 1024 * MAX_VERIFY_WIDTH,  # 1024: MAX_BATCH_ROWS
     FrameType.COMMIT_BATCH: 16 + 4 * 1024,
-    FrameType.DECODE: 64 + 4 * MAX_DECODE_EOS + 4 * MAX_TOKENS_PER_FRAME + MAX_DECODE_OPTIONS_BYTES,
-    FrameType.SAMPLER: 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_DECODE_OPTIONS_BYTES,
+    FrameType.SAMPLER: 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_SAMPLER_OPTIONS_BYTES,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -221,7 +201,6 @@ SESSION_CREATE_PAYLOAD = struct.Struct("<QQII")  # session id, stored cache id, 
 SESSION_DESTROY_PAYLOAD = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
 REWIND_PAYLOAD = struct.Struct("<QII")  # session id, tokens to keep, reserved
 INVALIDATE_PAYLOAD = struct.Struct("<Q")  # stored cache id
-SYNC_HEADER = struct.Struct("<QII")  # session id, token count, reserved; then the tokens
 EVAL_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then the rows
 EVAL_BATCH_ROW = struct.Struct("<QiI")  # session id, input token (or EVAL_PENDING), reserved
 # An EVAL_BATCH row's input token that says: the token this rank sampled for the session at
@@ -233,9 +212,7 @@ VERIFY_BATCH_ROW = struct.Struct("<QII")  # session id, tokens in the row, reser
 COMMIT_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then uint32 per row
 PREFILL_BATCH_HEADER = struct.Struct("<IIQ")  # rows, reserved, reserved; then the rows
 PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; tokens follow all rows
-# session id, decode step it starts at, random seed, max tokens, hash every N tokens (0: at
-# the end only), end-of-sequence tokens, context tokens, options bytes; then the eos tokens,
-# the context (the prompt's latest tokens, its last one the first input), the options (JSON).
-DECODE_HEADER = struct.Struct("<QQQIIIII")
 SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, options bytes; then both
-HASH_PAYLOAD = struct.Struct("<QQQ")  # 0 (reserved), decode step, hash of its logits
+# 0: the last decode step's logits are hashed, else a session id: the tokens this rank sampled
+# for it (SessionTable.hash_of); then the decode step and the hash.
+HASH_PAYLOAD = struct.Struct("<QQQ")

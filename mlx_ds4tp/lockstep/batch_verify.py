@@ -2,7 +2,7 @@
 row's cache cut back to what its session kept.
 
 `ds4tp serve` verifies the drafts of several sessions, and decodes the plain ones, in one
-forward (VERIFY_BATCH): row i carries its input token and its k_i drafts, right-padded to the
+forward (VERIFY_BATCH; `ds4tp run` verifies its one session's the same way, a batch of one row): row i carries its input token and its k_i drafts, right-padded to the
 longest row. Causal attention never lets a real token see the padding after it, so every
 row's logits are those of its own tokens. The leader then says how many of each row's
 positions its session keeps (COMMIT_BATCH); the rest (rejected drafts, padding) leave the

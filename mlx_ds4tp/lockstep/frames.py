@@ -12,7 +12,7 @@ from .. import transport as tr
 from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
 from ..link.wire import EVAL_BATCH_ROW, MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 from ..link.wire import PREFILL_BATCH_HEADER as PREFILL_HEADER
-from ..link.wire import PREFILL_BATCH_ROW, SYNC_HEADER
+from ..link.wire import PREFILL_BATCH_ROW
 
 # The rows of an EVAL_BATCH as one numpy record array: the layout of wire.EVAL_BATCH_ROW.
 BATCH_ROW = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
@@ -29,11 +29,6 @@ def unpack(fmt: struct.Struct, payload: bytes, ftype) -> tuple:
     if len(payload) != fmt.size:
         raise tr.FrameError(f"{ftype.name} payload is {len(payload)} bytes, expected {fmt.size}")
     return fmt.unpack(payload)
-
-
-def pack_sync(session: int, tokens: Sequence[int]) -> bytes:
-    """A SYNC payload: one prefill chunk of a session."""
-    return SYNC_HEADER.pack(session, len(tokens), 0) + np.asarray(tokens, dtype="<i4").tobytes()
 
 
 def pack_prefill_batch(rows: Sequence[Tuple[int, Sequence[int]]]) -> bytes:

@@ -1,25 +1,36 @@
 """One generation and what it measures: the single-process reference, and the pair's
 generation as one session of the lockstep protocol (what `ds4tp run` runs).
 
-The pair's generation is the serving sessions used for one sequence: SESSION_CREATE, the
-prompt but its last token as SYNC chunks, one DECODE (the prompt's last token is the first
-step's input, as in mlx_lm.generate; both ranks then sample for themselves, each step built
-while the last computes: lockstep.pipelined), SESSION_DESTROY. The session decodes on its own
-cache, so its tokens are the single process's, token for token.
+The pair's generation is one session of the serving protocol: SESSION_CREATE, the prompt but
+its last token as PREFILL_BATCH chunks, SAMPLER, then one EVAL_BATCH a token (the prompt's last
+token is the first step's input, as in mlx_lm.generate), HASH of the tokens sampled, and
+SESSION_DESTROY. A batch of one row is the session's own cache (lockstep.table), so its tokens
+are the single process's, token for token.
+
+Decode is pipelined, as mlx-lm's generate_step is: both ranks sample each step's token inside
+its graph (lockstep.row_sampling), so step n+1 is sent and queued, its input this rank's own
+sample of step n (EVAL_PENDING), before step n's token is read. The host meets the graph once a
+token and the queue (on a Mac, the GPU's) is never empty while it does. Both ranks stop at the
+same token because the leader stops sending steps; where the token read is an end of sequence,
+the step after it is already running on both, and is finished before the session ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from typing import Callable, Collection, List, Optional, Sequence
 
 from .. import gate_ops
+from ..link.wire import EVAL_PENDING
 from .compute import PREFILL_STEP, argmax_token, forward, make_cache, prefill
-from .pipelined import DecodePlan
+from .row_sampling import stream_seed
 from .sampling import SamplingOptions
 from .sessions import LeaderSessions
+
+# The session id a generation on its own runs as (it is destroyed at the end, so the next one
+# takes it again).
+SESSION = 1
 
 
 @dataclasses.dataclass
@@ -84,47 +95,56 @@ def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozen
     return stats
 
 
-def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int,
-                  sampling: SamplingOptions = SamplingOptions(), *,
-                  on_token: Optional[Callable[[int], None]] = None, eos: Collection[int] = frozenset(),
-                  debug_hash: int = 0, session: int = 1, prefill_step: int = PREFILL_STEP,
-                  seed: Optional[int] = None) -> GenerationStats:
-    """The leader's side of one generation on the pair, as one session (see the module
-    docstring), sampled as mlx-lm samples with `sampling`. Every `debug_hash` decode tokens
-    the logits' hashes are compared with the worker's, and the tokens' at the end
-    (LockstepDivergence stops both). seed: the random stream of a sampled generation whose
-    options carry none (default: a fresh one)."""
+def open_session(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int) -> None:
+    """SESSION_CREATE and the prompt but its last token prefilled (PREFILL_BATCH chunks of
+    PREFILL_STEP tokens) on both ranks: the start of every generation on the pair."""
     if not prompt:
         raise ValueError("the prompt encodes to zero tokens; give a non-empty prompt")
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+    sessions.create(SESSION)
+    head = list(prompt[:-1])
+    for start in range(0, len(head), PREFILL_STEP):
+        sessions.prefill_batch([(SESSION, head[start:start + PREFILL_STEP])])
+
+
+def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int,
+                  sampling: SamplingOptions = SamplingOptions(), *,
+                  on_token: Optional[Callable[[int], None]] = None, eos: Collection[int] = frozenset(),
+                  debug_hash: int = 0) -> GenerationStats:
+    """The leader's side of one generation on the pair, as one session (see the module
+    docstring), sampled as mlx-lm samples with `sampling` (options without a seed draw from a
+    fresh one). Every `debug_hash` decode tokens the logits' hashes are compared with the
+    worker's, and the sampled tokens' at the end (LockstepDivergence stops both)."""
     prompt = list(prompt)
     stats = GenerationStats(prompt_tokens=len(prompt))
-    if sampling.seed is not None:
-        seed = sampling.seed
-    elif seed is None:
-        seed = secrets.randbits(63)
-    sessions.create(session)
     t0 = time.perf_counter()
-    head = prompt[:-1]
-    for start in range(0, len(head), prefill_step):
-        sessions.prefill(session, head[start:start + prefill_step])
-    first = {}
-
-    def seen(token: int) -> None:
-        if not first:  # the prompt's last token went through with the first step
-            first["at"] = time.perf_counter()
-            first["exchanged"] = sessions.group.exchange_seconds()
+    open_session(sessions, prompt, max_tokens)
+    sessions.sampler(SESSION, sampling, prompt, stream_seed(sampling))
+    sessions.step([(SESSION, prompt[-1])])
+    first_step = sessions.table.step_count
+    while True:
+        drawn = sessions.table.pending[SESSION]
+        ahead = len(stats.tokens) + 1 < max_tokens
+        if ahead:
+            sessions.step([(SESSION, EVAL_PENDING)])  # queued before `drawn` is read
+            decoded = sessions.table.step_count - first_step  # the token this step makes
+            if debug_hash and decoded % debug_hash == 0:
+                sessions.check_hash()
+        (token,) = sessions.read(drawn)
+        if not stats.tokens:  # the prompt's last token went through with the first step
+            first_at, first_exchanged = time.perf_counter(), sessions.group.exchange_seconds()
+        stats.tokens.append(token)
         if on_token is not None:
             on_token(token)
-
-    plan = DecodePlan.for_prompt(session, sessions.table.step_count + 1, prompt, max_tokens, sampling,
-                                 seed, eos, debug_hash)
-    stats.tokens = sessions.decode(plan, on_token=seen).tokens
-    end = time.perf_counter()
-    stats.prompt_sec = first["at"] - t0
+        if not ahead or token in eos:
+            break
+    if ahead:  # the step after the end of sequence: both ranks queued it, both finish it
+        sessions.read(sessions.table.pending[SESSION])
+    sessions.check_hash(SESSION)
+    stats.prompt_sec = first_at - t0
     stats.decode_tokens = len(stats.tokens) - 1
-    stats.decode_sec = end - first["at"]
-    stats.decode_exchange_sec = sessions.group.exchange_seconds() - first["exchanged"]
-    sessions.destroy(session)
+    stats.decode_sec = time.perf_counter() - first_at
+    stats.decode_exchange_sec = sessions.group.exchange_seconds() - first_exchanged
+    sessions.destroy(SESSION)
     return stats

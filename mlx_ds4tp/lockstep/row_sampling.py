@@ -1,29 +1,37 @@
-"""Sampling both ranks run alike, lazily, so that a decode batch can be pipelined: each
-session's sampler lives in both ranks' tables (the SAMPLER command), every row of a step is
-sampled on both ranks inside the step's graph, and the next step takes each row's token from
-this rank's own sample (EVAL_BATCH's PENDING) instead of waiting for the leader to read it,
-sample it and send it. The leader reads the tokens one step late, while the next step runs.
+"""The one sampler of `ds4tp run` and `ds4tp serve`: mlx-lm's processors and filters, drawn
+lazily with an explicit random key, the same on both ranks.
+
+A decode batch is pipelined when both ranks sample: each session's sampler lives in both
+ranks' tables (the SAMPLER command), every row of a step is sampled on both ranks inside the
+step's graph, and the next step takes each row's token from this rank's own sample
+(EVAL_BATCH's PENDING) instead of waiting for the leader to read it and send it. The leader
+reads the tokens one step late, while the next step runs. Where the leader alone must see the
+tokens before the next step (a verify round, a mixed step), it draws from the logits with the
+same class.
 
 Both ranks hold the same logits bits, so the same sampler gives the same token if it draws
 the same random numbers. MLX has one global generator, and its state can be put back only
 eagerly (mx.random.seed takes an int), so a session's stream here is an explicit key chain:
 `key, sub = split(key)` per draw, then categorical with `sub`. That is the chain mx.random's
 global state follows after mx.random.seed(seed), so a seeded request draws exactly what it
-draws alone in mlx-lm. The filters (top_p, min_p, top_k) are mlx-lm's own functions, applied
-in make_sampler's order; only the last step, the draw with an explicit key, is written here.
+draws alone in mlx-lm (mlx-lm's speculative decoding too: its draft tokens and its verify
+rows are draws of one stream). The processors see the token history and the raw logits, the
+filters (top_p, min_p, top_k, mlx-lm's own functions in make_sampler's order) the normalised
+log-probabilities (logits - logsumexp), as in mlx_lm.generate; only the draw with an explicit
+key is written here.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .. import transport as tr
-from ..link.wire import MAX_DECODE_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME, SAMPLER_HEADER
-from .sampling import (SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context,
-                       shared_argmax)
+from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME, SAMPLER_HEADER
+from .sampling import SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context
 
 
 def pack_sampler(session: int, options: SamplingOptions, prompt: Sequence[int], seed: int) -> bytes:
@@ -42,10 +50,10 @@ def unpack_sampler(payload: bytes) -> Tuple[int, SamplingOptions, List[int], int
         raise tr.FrameError(f"SAMPLER payload of {len(payload)} bytes is shorter than its "
                             f"{SAMPLER_HEADER.size}-byte header")
     session, seed, count, nbytes = SAMPLER_HEADER.unpack_from(payload)
-    if not 0 < count <= MAX_TOKENS_PER_FRAME or nbytes > MAX_DECODE_OPTIONS_BYTES \
+    if not 0 < count <= MAX_TOKENS_PER_FRAME or nbytes > MAX_SAMPLER_OPTIONS_BYTES \
             or len(payload) != SAMPLER_HEADER.size + 4 * count + nbytes:
         raise tr.FrameError(f"SAMPLER says {count} context tokens (1 to {MAX_TOKENS_PER_FRAME}) and "
-                            f"{nbytes} option bytes (at most {MAX_DECODE_OPTIONS_BYTES}) in a "
+                            f"{nbytes} option bytes (at most {MAX_SAMPLER_OPTIONS_BYTES}) in a "
                             f"{len(payload)}-byte payload")
     context = np.frombuffer(payload, dtype="<i4", count=count, offset=SAMPLER_HEADER.size).tolist()
     try:
@@ -55,10 +63,25 @@ def unpack_sampler(payload: bytes) -> Tuple[int, SamplingOptions, List[int], int
     return session, options, context, seed
 
 
-class RowSampler:
-    """One session's sampler, lazy, identical on both ranks (see the module docstring)."""
+def stream_seed(options: SamplingOptions) -> int:
+    """The random stream a session draws from: its options' seed, else a fresh one."""
+    return options.seed if options.seed is not None else secrets.randbits(63)
 
-    def __init__(self, options: SamplingOptions, context: Sequence[int], seed: int, vocab: int):
+
+def seed_of_key(key: mx.array) -> int:
+    """The seed whose key is `key`: mx.random.key(s) is [s >> 32, s & 0xffffffff], so a stream
+    can start from any state of MLX's generator."""
+    hi, lo = (int(v) for v in key.tolist())
+    return (hi << 32) | lo
+
+
+class RowSampler:
+    """One session's sampler, lazy, identical on both ranks (see the module docstring).
+    keep_logprobs: keep the normalised log-probabilities of the last draw (a request that
+    asked for logprobs)."""
+
+    def __init__(self, options: SamplingOptions, context: Sequence[int], seed: int, vocab: int,
+                 keep_logprobs: bool = False):
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         self.options = options
@@ -66,8 +89,9 @@ class RowSampler:
         self.keep = max(1, processor_context(options))
         self.history = mx.array(list(context)[-self.keep:], dtype=mx.int32)
         self.key = mx.random.key(seed) if options.temperature > 0 else None
-        # make_sampler's chain and order; a top_k of the whole vocabulary keeps every token
-        # (mlx-lm refuses it: lockstep.sampling.mlx_sampler).
+        # make_sampler's chain and order. mlx-lm refuses a top_k of the whole vocabulary (and
+        # an exception inside its compiled sampler leaves MLX unable to run it again in this
+        # process); keeping every token is what such a top_k means, so it is off.
         o = options
         self.filters = []
         if 0 < o.top_p < 1.0:
@@ -76,7 +100,7 @@ class RowSampler:
             self.filters.append(lambda x: apply_min_p(x, o.min_p, 1))
         if 0 < o.top_k < (vocab or 1 << 62):
             self.filters.append(lambda x: apply_top_k(x, o.top_k))
-        self.keep_logprobs = False  # the leader's, for a request that asked for logprobs
+        self.keep_logprobs = keep_logprobs
         self.last_logprobs: Optional[mx.array] = None
 
     @property
@@ -85,12 +109,19 @@ class RowSampler:
         return self.options.greedy
 
     def draw(self, logits: mx.array) -> mx.array:
-        """This session's next token ([1] int32, lazy) from its row of logits ([1, vocab])."""
-        for processor in self.processors:
-            logits = processor(self.history, logits)
+        """Tokens ([rows] int32, lazy) from rows of logits ([rows, vocab]): a session's next
+        token from its one row, or a verify round's target at each of its positions, all in
+        one draw as mlx-lm draws them. The processors follow one sequence, so only one row
+        may pass through them."""
+        if self.processors:
+            if logits.shape[0] != 1:
+                raise ValueError(f"a sampler with logits processors draws one row at a time, not "
+                                 f"{logits.shape[0]}: speculative decoding takes no penalties or bias")
+            for processor in self.processors:
+                logits = processor(self.history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.keep_logprobs:
-            self.last_logprobs = logprobs.reshape(-1)
+            self.last_logprobs = logprobs[-1]
         if self.key is None:
             token = mx.argmax(logprobs, axis=-1)
         else:
@@ -98,10 +129,18 @@ class RowSampler:
                 logprobs = keep(logprobs)
             self.key, sub = mx.random.split(self.key)
             token = mx.random.categorical(logprobs * (1.0 / self.options.temperature), key=sub)
-        token = token.reshape(1).astype(mx.int32)
+        token = token.reshape(-1).astype(mx.int32)
         if self.processors:
             self.history = mx.concatenate([self.history, token])[-self.keep:]
         return token
+
+
+def shared_argmax(logits: mx.array, rows: List[int]) -> Tuple[mx.array, mx.array]:
+    """The normalised log-probabilities of `rows` of a batch's logits ([rows, vocab]) and their
+    argmax: what mlx-lm's greedy sampler takes and gives, one op for all the greedy rows."""
+    picked = logits if len(rows) == logits.shape[0] else logits[mx.array(rows)]
+    logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
+    return logprobs, mx.argmax(logprobs, axis=-1)
 
 
 def sample_batch(logits: mx.array, samplers: List[RowSampler], errors: Dict[int, str]) -> mx.array:

@@ -1,16 +1,12 @@
-"""Sampling options shared by `ds4tp run` and `ds4tp serve`, and the per-session sampler
-(the flags that make the options are mlx_ds4tp.cli.sampling_args).
-
-The samplers and logits processors are mlx-lm's own (`mlx_lm.sample_utils`), fed exactly what
-`mlx_lm.generate` feeds them: the processors see the token history and the raw logits, the
-sampler sees the normalised log-probabilities (logits - logsumexp). Greedy and seeded output
-is then token for token what mlx-lm produces for the same model.
+"""Sampling options shared by `ds4tp run` and `ds4tp serve` (the flags that make them are
+mlx_ds4tp.cli.sampling_args), mlx-lm's logits processors for them, and OpenAI's logprobs entry.
+The one sampler that draws with them is lockstep.row_sampling.RowSampler.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -93,19 +89,8 @@ def processor_context(options: SamplingOptions) -> int:
     return max([size for on, size in sizes if on], default=0)
 
 
-def mlx_sampler(options: SamplingOptions, vocab: int) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampler for the options (it takes normalised log-probabilities)."""
-    from mlx_lm.sample_utils import make_sampler
-
-    # mlx-lm refuses top_k >= vocabulary (and an exception inside its compiled sampler
-    # leaves MLX unable to run it again in this process); keeping every token is what
-    # such a top_k means, so it is off.
-    top_k = options.top_k if options.top_k < vocab else 0
-    return make_sampler(options.temperature, top_p=options.top_p, min_p=options.min_p, top_k=top_k)
-
-
 def options_to_json(options: SamplingOptions) -> bytes:
-    """The options as the lockstep DECODE command carries them to the worker."""
+    """The options as the SAMPLER command carries them to the worker."""
     import json
 
     return json.dumps(dataclasses.asdict(options)).encode()
@@ -123,88 +108,6 @@ def options_from_json(data: bytes) -> SamplingOptions:
         raise ValueError(f"sampling options {data[:200]!r} do not parse: {exc}") from None
     options.check()
     return options
-
-
-def _seed_of_key(key: mx.array) -> int:
-    """The seed whose key is `key`: mx.random.key(s) is [s >> 32, s & 0xffffffff], so any
-    key of MLX's generator can be put back as the global state with mx.random.seed."""
-    hi, lo = (int(v) for v in key.tolist())
-    return (hi << 32) | lo
-
-
-class SessionSampler:
-    """One session's sampling: mlx-lm's processors and sampler, its token history, and (when
-    seeded) its own random stream, so a seeded session draws exactly the numbers it would draw
-    alone after mx.random.seed(seed), however many other sessions sample in between."""
-
-    def __init__(self, options: SamplingOptions, prompt_tokens: List[int], *, keep_logprobs: bool = False):
-        self.options = options
-        self.history = list(prompt_tokens)
-        self.sampler: Optional[Callable[[mx.array], mx.array]] = None
-        self.processors = mlx_processors(options)
-        self._rng_seed = options.seed
-        # keep_logprobs: the normalised log-probabilities the last token was drawn from ([vocab]),
-        # for a request that asked for logprobs.
-        self.keep_logprobs = keep_logprobs
-        self.last_logprobs: Optional[mx.array] = None
-
-    def sample(self, logits: mx.array) -> int:
-        """The next token from one row of logits ([1, vocab]); records it in the history."""
-        if self.processors:
-            context = mx.array(self.history, dtype=mx.int32)
-            for processor in self.processors:
-                logits = processor(context, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self.keep_logprobs:
-            self.last_logprobs = logprobs.reshape(-1)
-        if self.sampler is None:
-            self.sampler = mlx_sampler(self.options, logits.shape[-1])
-        if self._rng_seed is not None and self.options.temperature > 0:
-            # MLX has one global generator: put this session's state in, draw, take it out.
-            mx.random.seed(self._rng_seed)
-            token = self.sampler(logprobs)
-            mx.eval(token)
-            self._rng_seed = _seed_of_key(mx.random.state[0])
-        else:
-            token = self.sampler(logprobs)
-        value = int(token.reshape(-1)[0].item())
-        self.history.append(value)
-        return value
-
-
-def shared_argmax(logits: mx.array, rows: List[int]) -> Tuple[mx.array, mx.array]:
-    """The normalised log-probabilities of `rows` of a batch's logits ([rows, vocab]) and their
-    argmax: what mlx-lm's greedy sampler takes and gives, one op for all the greedy rows."""
-    picked = logits if len(rows) == logits.shape[0] else logits[mx.array(rows)]
-    logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
-    return logprobs, mx.argmax(logprobs, axis=-1)
-
-
-def sample_rows(logits: mx.array, samplers: List[SessionSampler],
-                errors: Optional[Dict[int, str]] = None) -> List[Optional[int]]:
-    """One token per row of a decode batch ([rows, vocab]). Rows that decode greedily with no
-    processor share one argmax over the normalised log-probabilities (what mlx-lm's greedy
-    sampler takes); the others sample one by one. With `errors`, a row whose own sampler
-    fails gets None and its error there, and the other rows go on; without, it raises."""
-    tokens: List[Optional[int]] = [None] * len(samplers)
-    greedy = [i for i, s in enumerate(samplers) if s.options.greedy]
-    if greedy:
-        logprobs, best = shared_argmax(logits, greedy)
-        for row, (i, token) in enumerate(zip(greedy, best.tolist())):
-            tokens[i] = int(token)
-            samplers[i].history.append(int(token))
-            if samplers[i].keep_logprobs:
-                samplers[i].last_logprobs = logprobs[row]
-    for i, s in enumerate(samplers):
-        if tokens[i] is not None:
-            continue
-        try:
-            tokens[i] = s.sample(logits[i : i + 1])
-        except Exception as exc:  # noqa: BLE001 - one request's sampler, reported to it alone
-            if errors is None:
-                raise
-            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-    return tokens
 
 
 def logprob_item(tokenizer, logprobs: mx.array, token: int, top: int) -> dict:

@@ -10,22 +10,18 @@ frames, their layouts in link.wire):
   SESSION_CREATE  session id, stored cache id, FRESH | MOVE | COPY,  a session's cache
                   KV quantization (bits, group size) of a fresh one
   REWIND          session id, tokens to keep                          trim a reused cache
-  SYNC            session id, tokens                                  prefill a chunk (batch of 1)
   PREFILL_BATCH   (session id, tokens) per row                        one prefill chunk of each row,
                                                                       one padded forward
-  EVAL_BATCH      step, then (session id, token) per row              one decode forward, all rows
-  VERIFY          session id, tokens                                  one forward, logits at each position
-  VERIFY_BATCH    step, then (session id, input + drafts) per row     EVAL_BATCH with drafts, padded
-  COMMIT_BATCH    step, positions kept per row                        the rejected drafts leave
-  DECODE          session, step, seed, max tokens, eos, sampling      one session decoded to its end,
-                  options, the prompt's latest tokens                 each rank sampling for itself,
-                                                                      pipelined (lockstep.pipelined)
   SAMPLER         session id, seed, sampling options, the prompt's     both ranks sample its rows alike
                   latest tokens                                       (an EVAL_BATCH row's EVAL_PENDING
                                                                       input: this rank's own sample)
+  EVAL_BATCH      step, then (session id, token) per row              one decode forward, all rows
+  VERIFY_BATCH    step, then (session id, input + drafts) per row     EVAL_BATCH with drafts, padded
+  COMMIT_BATCH    step, positions kept per row                        the rejected drafts leave
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
   INVALIDATE      cache id                                            drop a stored cache
-  HASH            step, hash of the last step's logits                 the worker answers its own
+  HASH            0 or a session, step, hash of the last step's        the worker answers its own
+                  logits or of the session's sampled tokens
   STOP                                                                the worker returns
 
 Rows of EVAL_BATCH: the sessions already in the batch, in row order, then the sessions that
@@ -39,72 +35,28 @@ from __future__ import annotations
 
 import dataclasses
 import select
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-import numpy as np
 
 from .. import gate_ops
 from .. import transport as tr
 from ..errors import LockstepDivergence, TransportError
 from ..link.wire import HASH_PAYLOAD as HASH
-from .frames import pack_batch, pack_prefill_batch, pack_sync, unpack
+from .frames import pack_batch, pack_prefill_batch, unpack
 from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, release_memory
 from .batch_verify import pack_commit, pack_verify_batch
-from .compute import logits_hash
-from .pipelined import Decoded, DecodePlan, decode, tokens_hash
 from .prompt_cache import FRESH
 from .row_sampling import pack_sampler
 
 F = tr.FrameType
 
 
-def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str, what: str = "") -> None:
-    """Both ranks' decode step and hash (of the logits, or `what`) must agree:
-    LockstepDivergence otherwise."""
+def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str, what: str) -> None:
+    """Both ranks' decode step and hash (of `what`) must agree: LockstepDivergence otherwise."""
     if (peer_step, theirs) != (step, mine):
-        differ = f"the {what} differ: " if what else ""
-        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: {differ}local {mine:016x}, {peer} "
-                                 f"{theirs:016x} at its seq {peer_step} (seq: the decode step)")
-
-
-def swap_hash(control: tr.ControlChannel, step: int, mine: int, peer: str, what: str = "") -> None:
-    """Send this rank's hash of step `step`, read the peer's, and raise LockstepDivergence when
-    they differ (check_in_step). Both ranks may do it at once: a 24-byte frame each way fits
-    any socket buffer, so sending first cannot deadlock."""
-    control.send(F.HASH, HASH.pack(0, step, mine))
-    _, payload = control.recv(F.HASH)
-    _, peer_step, theirs = unpack(HASH, payload, F.HASH)
-    check_in_step(step, mine, peer_step, theirs, peer, what)
-
-
-def run_decode(table: SessionTable, control: tr.ControlChannel, plan: DecodePlan, peer: str,
-               on_token: Optional[Callable[[int], None]] = None) -> Decoded:
-    """One rank's DECODE (lockstep.pipelined): the session decoded alone to its end; the
-    logits' hashes swapped every plan.hash_every tokens, the tokens' hash at the end, so a
-    pair that drew different tokens fails loudly on both ranks."""
-    cache = check_decode(table, plan)
-    out = decode(table.model, cache, plan, vocab=table.vocab, on_token=on_token,
-                 check=lambda step, logits: swap_hash(control, step, logits_hash(logits), peer, "logits"))
-    table.step_count += out.steps
-    table.last_logits = out.last_logits
-    swap_hash(control, table.step_count, tokens_hash(out.tokens), peer, "tokens decoded")
-    return out
-
-
-def check_decode(table: SessionTable, plan: DecodePlan) -> list:
-    """The cache a DECODE runs on; FrameError when the table cannot run it now."""
-    if plan.step != table.step_count + 1:
-        raise tr.FrameError(f"DECODE step {plan.step} arrived after step {table.step_count}: "
-                            "the ranks are out of step")
-    if table.rows:
-        raise tr.FrameError(f"DECODE runs session {plan.session} alone, but the decode batch holds "
-                            f"sessions {table.rows}: the ranks are out of step")
-    cache = table.sessions.get(plan.session)
-    if cache is None:
-        raise tr.FrameError(f"DECODE names session {plan.session}, which does not exist")
-    table.check_tokens(np.asarray(plan.context))
-    return cache
+        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: the {what} differ: local {mine:016x}, "
+                                 f"{peer} {theirs:016x} at its seq {peer_step} (seq: the decode step)")
 
 
 def drain_failed_work() -> None:
@@ -159,9 +111,19 @@ class LeaderSessions:
         """Send, then apply; when the gates fail, prefer the worker's own explanation (an
         ERROR frame) over our 'peer closed'."""
         self.control.send(ftype, payload)
+        return self._explained(lambda: self.table.apply(ftype, payload))
+
+    def read(self, tokens: mx.array) -> List[int]:
+        """The values of tokens this rank sampled, once their step has run (a pipelined step's
+        gates fail here, in MLX's evaluation): explained as _command explains a failure."""
+        return self._explained(tokens.tolist)
+
+    def _explained(self, work: Callable[[], Any]) -> Any:
         try:
-            return self.table.apply(ftype, payload)
-        except TransportError as exc:
+            return work()
+        except LockstepDivergence:
+            raise
+        except RuntimeError as exc:  # TransportError, or a gate's failure out of MLX's evaluation
             reason = _peer_error(self.control)
             if reason:
                 raise TransportError(f"{exc}; the worker reported: {reason}") from None
@@ -180,17 +142,9 @@ class LeaderSessions:
         """REWIND on both ranks."""
         self._command(F.REWIND, REWIND.pack(session, keep, 0))
 
-    def prefill(self, session: int, tokens: Sequence[int]) -> None:
-        """SYNC (one prefill chunk) on both ranks."""
-        self._command(F.SYNC, pack_sync(session, tokens))
-
     def prefill_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> None:
         """PREFILL_BATCH on both ranks: one prefill chunk of each (session, tokens) row."""
         self._command(F.PREFILL_BATCH, pack_prefill_batch(rows))
-
-    def verify(self, session: int, tokens: Sequence[int]) -> mx.array:
-        """VERIFY on both ranks: the logits at every position of `tokens` [len, vocab]."""
-        return self._command(F.VERIFY, pack_sync(session, tokens))
 
     def step(self, rows: Sequence[Tuple[int, int]]) -> mx.array:
         """Logits [rows, vocab] of one decode step over (session, input token) rows."""
@@ -215,21 +169,6 @@ class LeaderSessions:
         """COMMIT_BATCH on both ranks: the positions each row of the last verify keeps."""
         self._command(F.COMMIT_BATCH, pack_commit(self.table.step_count, keep))
 
-    def decode(self, plan: DecodePlan, on_token: Optional[Callable[[int], None]] = None) -> Decoded:
-        """DECODE on both ranks: the plan's session decoded alone to its end, pipelined, each
-        rank sampling for itself (lockstep.pipelined); on_token sees each token here."""
-        check_decode(self.table, plan)  # the leader's own mistake: the worker is not told
-        self.control.send(F.DECODE, plan.pack())
-        try:
-            return run_decode(self.table, self.control, plan, "worker", on_token)
-        except LockstepDivergence:
-            raise
-        except RuntimeError as exc:  # TransportError, or a gate's failure out of MLX's evaluation
-            reason = _peer_error(self.control)
-            if reason:
-                raise TransportError(f"{exc}; the worker reported: {reason}") from None
-            raise
-
     def destroy(self, session: int, store_as: int = 0) -> None:
         """SESSION_DESTROY on both ranks."""
         self._command(F.SESSION_DESTROY, DESTROY.pack(session, store_as))
@@ -238,22 +177,26 @@ class LeaderSessions:
         """INVALIDATE (drop a stored cache) on both ranks."""
         self._command(F.INVALIDATE, INVALIDATE.pack(cache_id))
 
-    def check_hash(self) -> None:
-        """Compare the last step's logits with the worker's (--debug-hash); LockstepDivergence
+    def check_hash(self, session: int = 0) -> None:
+        """Compare a hash with the worker's: of the last step's logits (session 0: --debug-hash),
+        or of the tokens each rank sampled for `session` (a generation's end); LockstepDivergence
         when they differ (the worker stops with it too)."""
-        swap_hash(self.control, self.table.step_count, self.table.logits_hash(), "worker")
+        self._swap_hash(session, None)
 
     def wait_ready(self, poll_sec: float = 1.0) -> None:
         """Block until the worker runs its command loop: it joins first and loads its weights
         after, which may take minutes, so the wait has no deadline while its connection stays
         open (one HASH round trip); TransportError when it closes or reports a failure."""
-        step, mine = self.table.step_count, self.table.logits_hash()
-        self.control.send(F.HASH, HASH.pack(0, step, mine))
-        while not select.select([self.control.sock], [], [], poll_sec)[0]:
+        self._swap_hash(0, poll_sec)
+
+    def _swap_hash(self, session: int, poll_sec: Optional[float]) -> None:
+        step, (mine, what) = self.table.step_count, self.table.hash_of(session)
+        self.control.send(F.HASH, HASH.pack(session, step, mine))
+        while poll_sec is not None and not select.select([self.control.sock], [], [], poll_sec)[0]:
             pass
         _, payload = self.control.recv(F.HASH)
         _, peer_step, theirs = unpack(HASH, payload, F.HASH)
-        check_in_step(step, mine, peer_step, theirs, "worker")
+        check_in_step(step, mine, peer_step, theirs, "worker", what)
 
     def peer_gone(self) -> Optional[str]:
         """Between commands: why the worker is gone (it sent ERROR or closed), or None."""
@@ -298,13 +241,10 @@ def serve_worker(group: gate_ops.Group, model, *, tell_leader: bool = True) -> S
             if ftype == F.STOP:
                 return table
             if ftype == F.HASH:
-                _, step, theirs = unpack(HASH, payload, ftype)
-                mine = table.logits_hash()
-                control.send(F.HASH, HASH.pack(0, table.step_count, mine))
-                check_in_step(table.step_count, mine, step, theirs, "leader")
-                continue
-            if ftype == F.DECODE:
-                run_decode(table, control, DecodePlan.unpack(payload), "leader")
+                session, step, theirs = unpack(HASH, payload, ftype)
+                mine, what = table.hash_of(session)
+                control.send(F.HASH, HASH.pack(session, table.step_count, mine))
+                check_in_step(table.step_count, mine, step, theirs, "leader", what)
                 continue
             table.apply(ftype, payload)
     except Exception as exc:

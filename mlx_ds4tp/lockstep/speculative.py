@@ -1,15 +1,18 @@
 """Speculative decoding on the pair: several tokens per round of gates.
 
 A drafter on the leader proposes k tokens; the split target verifies the input token and the k
-drafts in one forward on both ranks (VERIFY: the gates are paid once for k+1 rows, and decode of
-a big model is bound by memory bandwidth, so k+1 rows cost little more than one); the leader
-keeps the longest prefix of drafts the target agrees with, plus the target's own next token, and
-both ranks trim their caches to exactly that on its word (REWIND). The worker never decides.
+drafts in one forward on both ranks (VERIFY_BATCH, a batch of one row: the gates are paid once
+for k+1 positions, and decode of a big model is bound by memory bandwidth, so k+1 positions
+cost little more than one); the leader keeps the longest prefix of drafts the target agrees
+with, plus the target's own next token, and both ranks keep exactly that in their caches on its
+word (COMMIT_BATCH). The worker never decides. `ds4tp serve` verifies its sessions' drafts with
+the same two commands, several rows at once (lockstep.batch_verify).
 
 Acceptance is mlx-lm's (`speculative_generate_step`): the target's tokens for all k+1 positions
 are drawn at once by the sampler and compared with the drafts; greedy output is then token for
 token the plain greedy output, whatever the drafter proposes, and a seeded sampled run with a
-draft model draws mlx-lm's numbers in mlx-lm's order.
+draft model draws mlx-lm's numbers in mlx-lm's order (the draft tokens and the verify rows are
+draws of one RowSampler's stream).
 
 Drafters:
 - DraftModel: a small model of the same vocabulary, whole on the leader, with its own cache
@@ -22,11 +25,15 @@ Drafters:
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable, Collection, List, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from .generate import PREFILL_STEP, GenerationStats
+from .batch_verify import accepted_prefix
+from .generate import PREFILL_STEP, SESSION, GenerationStats, open_session
+from .row_sampling import RowSampler
+from .sampling import SamplingOptions
 from .sessions import LeaderSessions
 
 
@@ -74,21 +81,35 @@ class Recorded:
         pass
 
 
-class DraftModel:
-    """A small model with the target's vocabulary, run whole on the leader. `sample` draws a
-    draft token from one row of normalised log-probabilities (greedy by default; a sampled run
-    draws with the target's sampler, as mlx-lm's speculative decoding does)."""
+def load_draft(path: str, target) -> object:
+    """The draft model at `path`, loaded whole: ValueError naming the fix when it cannot draft
+    for `target` (another vocabulary, or a cache that cannot drop rejected drafts)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+    from mlx_lm.utils import load_model
 
-    def __init__(self, model, prompt: Sequence[int], sample: Optional[Callable[[mx.array], int]] = None):
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+    draft, _ = load_model(Path(path))
+    mine, theirs = (int(m.args.vocab_size) for m in (target, draft))
+    if mine != theirs:
+        raise ValueError(f"the draft model {path} has a vocabulary of {theirs} tokens, the model "
+                         f"{mine}: a draft must share the model's tokenizer")
+    if not can_trim_prompt_cache(make_prompt_cache(draft)):
+        raise ValueError(f"the draft model {path}'s cache cannot drop rejected drafts; give a draft "
+                         "model with plain attention layers")
+    return draft
+
+
+class DraftModel:
+    """A small model with the target's vocabulary (load_draft), run whole on the leader, with
+    its own cache. `sampler` draws each draft token (greedy by default; a sampled run draws
+    with the target's own sampler, as mlx-lm's speculative decoding does)."""
+
+    def __init__(self, model, prompt: Sequence[int], sampler: Optional[RowSampler] = None):
+        from mlx_lm.models.cache import make_prompt_cache
 
         self.model = model
         self.cache = make_prompt_cache(model)
-        if not can_trim_prompt_cache(self.cache):
-            raise ValueError("the draft model's cache cannot be trimmed; speculative decoding needs "
-                             "a draft model with a plain KV cache (attention layers only)")
         self.fed = 0  # history tokens the draft cache holds
-        self.sample = sample or (lambda logprobs: int(mx.argmax(logprobs).item()))
+        self.sampler = sampler or RowSampler(SamplingOptions(), prompt[-1:], 0, 0)
         head = list(prompt[:-1])
         for start in range(0, len(head), PREFILL_STEP):
             self.model(mx.array(head[start:start + PREFILL_STEP])[None], cache=self.cache)
@@ -100,7 +121,7 @@ class DraftModel:
         drafts: List[int] = []
         for _ in range(k):
             logits = self.model(mx.array(pending)[None], cache=self.cache)[:, -1]
-            token = self.sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            token = int(self.sampler.draw(logits).item())
             self.fed += len(pending)
             drafts.append(token)
             pending = [token]
@@ -118,25 +139,18 @@ class DraftModel:
 
 
 def speculative_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int,
-                         sample_rows: Callable[[mx.array], List[int]], drafter: Drafter, k: int, *,
-                         on_token: Optional[Callable[[int], None]] = None, eos: Collection[int] = frozenset(),
-                         session: int = 1, prefill_step: int = PREFILL_STEP) -> GenerationStats:
-    """The leader's side of one speculative generation on the pair, as one session.
-    `sample_rows` draws one token per row of a [rows, vocab] float32 logits array."""
-    if not prompt:
-        raise ValueError("the prompt encodes to zero tokens; give a non-empty prompt")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+                         sampler: RowSampler, drafter: Drafter, k: int,
+                         on_token: Optional[Callable[[int], None]] = None,
+                         eos: Collection[int] = frozenset()) -> GenerationStats:
+    """The leader's side of one speculative generation on the pair, as one session; `sampler`
+    draws the target's token at every position of a round (a sampled DraftModel shares it)."""
     if not 1 <= k <= 64:
         raise ValueError(f"--num-draft-tokens {k}: give 1 to 64 drafted tokens a round")
     history = list(prompt)
     stats = GenerationStats(prompt_tokens=len(prompt))
     stats.drafted = stats.accepted = stats.rounds = 0
-    sessions.create(session)
     t0 = time.perf_counter()
-    head = history[:-1]
-    for start in range(0, len(head), prefill_step):
-        sessions.prefill(session, head[start:start + prefill_step])
+    open_session(sessions, history, max_tokens)
     stats.prompt_sec = time.perf_counter() - t0  # the first round is the first decode
     t1 = time.perf_counter()
     exchanged = sessions.group.exchange_seconds()
@@ -144,22 +158,16 @@ def speculative_generate(sessions: LeaderSessions, prompt: Sequence[int], max_to
     while not done:
         # As mlx-lm: up to the tokens still wanted (a sampled run then draws its numbers in
         # mlx-lm's order, round for round).
-        room = max_tokens - len(stats.tokens)
-        drafts = drafter.propose(history, min(k, room))
-        held = sessions.table.size(session)
-        logits = sessions.verify(session, [history[-1]] + drafts).astype(mx.float32)
-        targets = sample_rows(logits)
-        kept = 0
-        while kept < len(drafts) and targets[kept] == drafts[kept]:
-            kept += 1
-        new = targets[:kept + 1]
+        drafts = drafter.propose(history, min(k, max_tokens - len(stats.tokens)))
+        logits = sessions.verify_batch([(SESSION, [history[-1]] + drafts)])
+        new = accepted_prefix(sessions.read(sampler.draw(logits[0].astype(mx.float32))), drafts)
+        kept = len(new) - 1
         stats.rounds += 1
         stats.drafted += len(drafts)
         stats.accepted += kept
         drafter.accepted(len(drafts), kept)
         # The cache holds the input token and every draft; keep the input and the accepted drafts.
-        if len(drafts) > kept:
-            sessions.rewind(session, held + kept + 1)
+        sessions.commit_batch([kept + 1])
         for token in new:
             stats.tokens.append(token)
             history.append(token)
@@ -172,33 +180,8 @@ def speculative_generate(sessions: LeaderSessions, prompt: Sequence[int], max_to
     stats.decode_tokens = len(stats.tokens)
     stats.decode_sec = time.perf_counter() - t1
     stats.decode_exchange_sec = sessions.group.exchange_seconds() - exchanged
-    sessions.destroy(session)
+    sessions.destroy(SESSION)
     return stats
 
 
-def greedy_rows(logits: mx.array) -> List[int]:
-    """Greedy tokens of each row (the argmax of the normalised log-probabilities, as mlx-lm)."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return [int(t) for t in mx.argmax(logprobs, axis=-1).tolist()]
-
-
-def sampled(options) -> tuple:
-    """(rows sampler, one-row draft sampler) drawing with mlx-lm's sampler for `options` from
-    MLX's generator, seeded once with options.seed as mlx_lm.generate is: all k+1 verify rows
-    in one draw, each draft token in one draw, in mlx-lm's speculative order."""
-    from mlx_lm.sample_utils import make_sampler
-
-    sampler = make_sampler(options.temperature, top_p=options.top_p, min_p=options.min_p, top_k=options.top_k)
-    if options.seed is not None:
-        mx.random.seed(options.seed)
-
-    def rows(logits: mx.array) -> List[int]:
-        return [int(t) for t in sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()]
-
-    def one(logprobs: mx.array) -> int:
-        return int(sampler(logprobs).reshape(-1)[0].item())
-
-    return rows, one
-
-
-__all__ = ["DraftModel", "Drafter", "PromptLookup", "Recorded", "greedy_rows", "sampled", "speculative_generate"]
+__all__ = ["DraftModel", "Drafter", "PromptLookup", "Recorded", "load_draft", "speculative_generate"]

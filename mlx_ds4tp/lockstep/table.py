@@ -6,6 +6,11 @@ filtered when they leave, exactly as mlx-lm's BatchGenerator does. A batch of on
 session's own cache, unmerged: the single-sequence path of mlx_lm.generate, bit for bit, for
 any cache family (a one-session `ds4tp run` decodes there); it is merged when a second
 session joins.
+
+Each rank also folds the tokens it samples for each row into a 32-bit hash per row, inside
+the step's graph (no wait for the host): the leader compares them with the worker's when a
+generation ends (LeaderSessions.check_hash), so a pair whose ranks drew different tokens
+fails loudly instead of generating from caches that no longer match.
 """
 
 from __future__ import annotations
@@ -22,11 +27,10 @@ from .. import transport as tr
 from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
 from ..link.wire import EVAL_PENDING
 from ..link.wire import INVALIDATE_PAYLOAD as INVALIDATE
-from ..link.wire import MAX_BATCH_ROWS, MAX_VERIFY_TOKENS
+from ..link.wire import MAX_BATCH_ROWS
 from ..link.wire import REWIND_PAYLOAD as REWIND
 from ..link.wire import SESSION_CREATE_PAYLOAD as CREATE
 from ..link.wire import SESSION_DESTROY_PAYLOAD as DESTROY
-from ..link.wire import SYNC_HEADER
 from . import batch_verify
 from .frames import BATCH_ROW, unpack, unpack_prefill_batch
 from .compute import PREFILL_STEP, fill_cache, logits_hash, make_cache
@@ -35,10 +39,13 @@ from .row_sampling import RowSampler, sample_batch, unpack_sampler
 
 F = tr.FrameType
 
-# Decode steps between releases of MLX's buffer cache (mlx-lm's BatchGenerator: 512; a
-# serving batch changes shape with every join and leave, and freed buffers of each shape
-# pile up, so more often: a 32-client soak then ends below its steady memory).
+# Decode steps between releases of MLX's buffer cache, for `ds4tp run` and `ds4tp serve`
+# alike (mlx-lm's BatchGenerator: 512, its generate_step 256; a serving batch changes shape
+# with every join and leave, and freed buffers of each shape pile up, so more often: a
+# 32-client soak then ends below its steady memory).
 CLEAR_EVERY = 64
+# The per-row fold of sampled tokens (hash = hash * M + token, wrapping in uint32): FNV's prime.
+TOKEN_HASH_MULT = 16777619
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 KV_GROUP_SIZES = (32, 64, 128)
 
@@ -141,6 +148,7 @@ class SessionTable:
         self.samplers: Dict[int, RowSampler] = {}
         self.pending: Dict[int, mx.array] = {}
         self.row_errors: Dict[int, str] = {}
+        self._drawn_hash: Optional[mx.array] = None  # [rows] uint32: see the module docstring
         self._said_no_merge = False  # prefill_batch's fallback is logged once
         # Token ids index the embedding, which MLX does not bounds-check (an id past the table
         # reads other memory or crashes), so every id from the wire is checked here first.
@@ -162,26 +170,8 @@ class SessionTable:
         elif ftype == F.REWIND:
             session, keep, _ = unpack(REWIND, payload, ftype)
             self.rewind(session, keep)
-        elif ftype == F.SYNC:
-            if len(payload) < SYNC_HEADER.size or (len(payload) - SYNC_HEADER.size) % 4:
-                raise tr.FrameError(f"SYNC payload of {len(payload)} bytes is malformed")
-            session, count, _ = SYNC_HEADER.unpack_from(payload)
-            tokens = np.frombuffer(payload, dtype="<i4", offset=SYNC_HEADER.size)
-            if len(tokens) != count or count == 0:
-                raise tr.FrameError(f"SYNC says {count} tokens but carries {len(tokens)} "
-                                    "(a prompt needs at least one token per SYNC)")
-            self.prefill(session, tokens)
         elif ftype == F.PREFILL_BATCH:
             self.prefill_batch(*unpack_prefill_batch(payload))
-        elif ftype == F.VERIFY:
-            if len(payload) < SYNC_HEADER.size or (len(payload) - SYNC_HEADER.size) % 4:
-                raise tr.FrameError(f"VERIFY payload of {len(payload)} bytes is malformed")
-            session, count, _ = SYNC_HEADER.unpack_from(payload)
-            tokens = np.frombuffer(payload, dtype="<i4", offset=SYNC_HEADER.size)
-            if len(tokens) != count or not 0 < count <= MAX_VERIFY_TOKENS:
-                raise tr.FrameError(f"VERIFY says {count} tokens but carries {len(tokens)} "
-                                    f"(1 to {MAX_VERIFY_TOKENS})")
-            return self.verify(session, tokens)
         elif ftype == F.EVAL_BATCH:
             if len(payload) < BATCH_HEADER.size:
                 raise tr.FrameError(f"EVAL_BATCH payload of {len(payload)} bytes is malformed")
@@ -314,18 +304,6 @@ class SessionTable:
         # forward's activations would otherwise stay held as the process's memory.
         mx.clear_cache()
 
-    def verify(self, session: int, tokens: np.ndarray) -> mx.array:
-        """One forward of a session that is not in the batch over `tokens` (its input token,
-        then drafted ones): the logits at every position [len(tokens), vocab], the cache
-        holding them all until the leader's REWIND trims the rejected ones."""
-        self.check_tokens(tokens)
-        self.step_count += 1
-        logits = self.model(mx.array(tokens, dtype=mx.int32)[None], cache=self._session(session))[0]
-        # One evaluation for the whole round: the gates of every layer run once for all rows.
-        mx.eval(logits)
-        self.last_logits = logits
-        return logits
-
     def size(self, session: int) -> int:
         """Tokens a session's (unbatched) cache holds."""
         cache = self._session(session)
@@ -350,7 +328,9 @@ class SessionTable:
             for i, session in enumerate(sessions):
                 self.pending[session] = drawn[i:i + 1]
             self.row_errors.update({sessions[i]: why for i, why in errors.items()})
-            mx.async_eval(drawn)
+            self._drawn_hash = self._hash_rows(len(sessions)) * TOKEN_HASH_MULT + drawn.astype(mx.uint32)
+            # The hash is evaluated with the tokens, so its graph never outgrows one step's.
+            mx.async_eval(drawn, self._drawn_hash)
         else:
             # The step's one evaluation: every gate of the forward runs inside it.
             mx.eval(logits)
@@ -425,15 +405,35 @@ class SessionTable:
             self._merged = True
         self.rows.extend(joining)
 
+    def _hash_rows(self, rows: int) -> mx.array:
+        """The rows' token hashes, a fresh 0 for each row that joined since the last fold."""
+        have = 0 if self._drawn_hash is None else self._drawn_hash.shape[0]
+        fresh = mx.zeros((rows - have,), dtype=mx.uint32)
+        return fresh if self._drawn_hash is None else mx.concatenate([self._drawn_hash, fresh])
+
     def logits_hash(self) -> int:
         """Hash of the last decode step's logits: equal on both ranks while they are in step."""
         return logits_hash(self.last_logits) if self.last_logits is not None else 0
+
+    def hash_of(self, session: int) -> Tuple[int, str]:
+        """(hash, what it covers) for a HASH frame's first field: 0, the last step's logits;
+        a session in the batch, the tokens this rank sampled for it (0 before any)."""
+        if session == 0:
+            return self.logits_hash(), "logits"
+        if session not in self.rows:
+            raise tr.FrameError(f"HASH asks for the sampled tokens of session {session}, which is "
+                                f"not in the decode batch {self.rows}")
+        row = self.rows.index(session)
+        if self._drawn_hash is None or row >= self._drawn_hash.shape[0]:
+            return 0, "tokens decoded"
+        return int(self._drawn_hash[row].item()), "tokens decoded"
 
     def destroy(self, session: int, store_as: int) -> None:
         """End a session (leaving the batch if it is in it); keep its cache as `store_as`."""
         if session in self.rows:
             idx = self.rows.index(session)
             del self.rows[idx]
+            self._drop_hash_row(idx)
             if not self._merged:
                 cache, self.batch_cache = self.batch_cache, None
             else:
@@ -455,6 +455,12 @@ class SessionTable:
             if store_as in self.stored:
                 raise tr.FrameError(f"SESSION_DESTROY stores under cache id {store_as}, already taken")
             self.stored[store_as] = owned(cache)
+
+    def _drop_hash_row(self, row: int) -> None:
+        held = 0 if self._drawn_hash is None else self._drawn_hash.shape[0]
+        if row < held:
+            keep = [i for i in range(held) if i != row]
+            self._drawn_hash = self._drawn_hash[mx.array(keep)] if keep else None
 
     def stored_bytes(self, cache_id: int) -> int:
         """Bytes a stored cache's arrays take on this rank."""

@@ -13,14 +13,13 @@ others, so each session's tokens are what mlx-lm generates for it alone.
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
 from ..link.wire import EVAL_PENDING
-from ..lockstep.sampling import sample_rows
+from ..lockstep.row_sampling import RowSampler, sample_batch, stream_seed
 from ..lockstep.sessions import LeaderSessions, SampledStep
 from .limits import ServeLimits
 from .mixing import MixChoice
@@ -60,11 +59,13 @@ class DecodeStepper:
         """Set a new session up for this batch's kind of step: pipelined, both ranks' sampler
         (SAMPLER); speculating, its drafter (None: it decodes one token a step)."""
         request = session.request
+        seed = stream_seed(request.options)
         if self.pipelined:
-            options = request.options
-            seed = options.seed if options.seed is not None else secrets.randbits(63)
-            self.sessions.sampler(session.sid, options, request.prompt, seed)
-            self.sessions.table.samplers[session.sid].keep_logprobs = request.logprobs is not None
+            self.sessions.sampler(session.sid, request.options, request.prompt, seed)
+            session.sampler = self.sessions.table.samplers[session.sid]
+        else:
+            session.sampler = RowSampler(request.options, request.prompt, seed, self.sessions.table.vocab)
+        session.sampler.keep_logprobs = request.logprobs is not None
         if self.speculation is not None:
             session.drafter = self.speculation.drafter(request)
 
@@ -159,16 +160,15 @@ class DecodeStepper:
             errors = {}
             row_logits = logits[mx.array(plain), 0] if multi else \
                 (logits if len(plain) == len(rows) else logits[mx.array(plain)])
-            tokens = sample_rows(row_logits, [rows[i].sampler for i in plain], errors)
+            tokens = sample_batch(row_logits, [rows[i].sampler for i in plain], errors).tolist()
             for j, i in enumerate(plain):
-                results[i] = RowResult(None, errors.get(j, "")) if tokens[j] is None else \
+                results[i] = RowResult(None, errors[j]) if j in errors else \
                     RowResult([tokens[j]], logprobs=rows[i].sampler.last_logprobs)
         drafted = [i for i, d in enumerate(drafts) if d]
         if drafted:
             verified = verified_tokens(logits[mx.array(drafted)], [drafts[i] for i in drafted])
             for i, tokens in zip(drafted, verified):
                 results[i] = RowResult(tokens)
-                rows[i].sampler.history.extend(tokens)
                 rows[i].drafter.accepted(len(drafts[i]), len(tokens) - 1)
                 self.stats["drafted_tokens"] += len(drafts[i])
                 self.stats["accepted_tokens"] += len(tokens) - 1

@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 from .. import gate_ops
@@ -44,17 +43,12 @@ def make_speculation(served: ServedModel, model: Any):
         raise SystemExit(f"ds4tp serve: {blocker}")
     draft = None
     if draft_path:
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-        from mlx_lm.utils import load_model
+        from ..lockstep.speculative import load_draft
 
-        draft, _ = load_model(Path(draft_path))
-        mine, theirs = (int(m.args.vocab_size) for m in (model, draft))
-        if mine != theirs:
-            raise SystemExit(f"ds4tp serve: the draft model {draft_path} has a vocabulary of {theirs} "
-                             f"tokens, the model {mine}: a draft must share the model's tokenizer")
-        if not can_trim_prompt_cache(make_prompt_cache(draft)):
-            raise SystemExit(f"ds4tp serve: the draft model {draft_path}'s cache cannot drop rejected "
-                             "drafts; give a draft model with plain attention layers")
+        try:
+            draft = load_draft(draft_path, model)
+        except ValueError as exc:
+            raise SystemExit(f"ds4tp serve: {exc}") from None
         tr.log(f"serve: drafting with {draft_path}, {k} tokens a round")
     else:
         tr.log(f"serve: drafting by prompt lookup ({lookup}-grams), {k} tokens a round")

@@ -10,7 +10,8 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 from ..lockstep.prompt_cache import Reuse
-from ..lockstep.sampling import SamplingOptions, SessionSampler
+from ..lockstep.row_sampling import RowSampler
+from ..lockstep.sampling import SamplingOptions
 from .text_stream import TextStream
 
 
@@ -49,8 +50,7 @@ class RunningSession:
         self.todo = request.prompt[reuse.keep : -1]
         self.next_input = request.prompt[-1]
         self.generated: List[int] = []
-        self.sampler = SessionSampler(request.options, request.prompt,
-                                      keep_logprobs=request.logprobs is not None)
+        self.sampler: Optional[RowSampler] = None  # set by the engine as the session starts
         self.text = TextStream(tokenizer.detokenizer, request.stop)
         self.items: List[dict] = []  # logprobs entries not sent yet
         self.reserved = reserved_tokens(request)

@@ -1,0 +1,46 @@
+"""What one `ds4tp run` generates, as cli.run resolves its flags: typed settings that
+lockstep.run takes instead of the argparse namespace."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .sampling import SamplingOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSettings:
+    """How the leader drafts for speculative decoding: a draft model's directory, prompt
+    lookup's n-gram size, or recorded_draft, a JSON file of tokens drafted as the known
+    continuation (the bench's ceiling); none of them: it decodes one token a step."""
+
+    draft_model: Optional[str] = None
+    prompt_lookup: int = 0
+    num_draft_tokens: int = 3
+    recorded_draft: Optional[str] = None
+
+    @property
+    def drafts(self) -> bool:
+        return bool(self.draft_model or self.prompt_lookup or self.recorded_draft)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What one `ds4tp run` leader generates (the worker reads none of it but the model).
+
+    tokens_out: the leader writes the prompt's and the generated tokens, the prompt and decode
+    rates and the gate latency there as JSON (the local pair reads it). stop_at_eos=False
+    decodes max_tokens whatever the model says (the bench). prompt_tokens > 0: the prompt is
+    the text's tokens repeated to that many (bench_prompt), without the chat template, after a
+    warm-up generation on its first tokens."""
+
+    prompt: str = ""
+    max_tokens: int = 128
+    chat: bool = True
+    sampling: SamplingOptions = SamplingOptions()
+    debug_hash: int = 0
+    stop_at_eos: bool = True
+    prompt_tokens: int = 0
+    tokens_out: Optional[str] = None
+    draft: DraftSettings = DraftSettings()
