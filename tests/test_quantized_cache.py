@@ -275,24 +275,24 @@ def test_session_table_batches_quantized_sessions(model):
     bits, seqs = 8, [0, 1, 2]
     rows = Rows({s: reference(model, PROMPTS[s], bits, "quantized", 6) for s in seqs})
     table = SessionTable(model)
-    table.make_cache = lambda: quantize_session_cache(make_cache(model), bits, GROUP)
+    table.caches.make_cache = lambda: quantize_session_cache(make_cache(model), bits, GROUP)
     for s in seqs:
-        table.create(s + 1, 0, FRESH)
-        table.prefill(s + 1, np.array(PROMPTS[s][:-1], dtype=np.int32))
+        table.caches.create(s + 1, 0, FRESH)
+        table.caches.prefill_batch([s + 1], [np.array(PROMPTS[s][:-1], dtype=np.int32)])
         rows.start(s)
     # The first session decodes alone (its own cache), then the others join and merge in.
     rows.check([0], np.array(table.step([1], np.array(rows.tokens([0]), dtype=np.int32))))
     for _ in range(3):
         logits = table.step([1, 2, 3], np.array(rows.tokens(seqs), dtype=np.int32))
         rows.check(seqs, np.array(logits))
-    assert table._merged and type(table.batch_cache[0]) is BatchQuantizedKVCache
+    assert table.batch.merged and type(table.batch.batch_cache[0]) is BatchQuantizedKVCache
     table.destroy(2, 77)  # the middle row leaves, its cache stored
-    assert type(table.stored[77][0]) is SessionQuantizedKVCache
+    assert type(table.caches.stored[77][0]) is SessionQuantizedKVCache
     rows.check([0, 2], np.array(table.step([1, 3], np.array(rows.tokens([0, 2]), dtype=np.int32))))
     # A copy of the stored cache, rewound a step, decodes on as sequence 1 would.
-    table.create(9, 77, COPY)
-    table.rewind(9, table.size(9) - 1)
+    table.caches.create(9, 77, COPY)
+    table.caches.rewind(9, table.caches.sessions[9][0].size() - 1)
     rows.pos[1] -= 1
     logits = table.step([1, 3, 9], np.array(rows.tokens([0, 2, 1]), dtype=np.int32))
     rows.check([0, 2, 1], np.array(logits))
-    assert copy.deepcopy(table.stored[77])[0].size() == table.stored[77][0].size()
+    assert copy.deepcopy(table.caches.stored[77])[0].size() == table.caches.stored[77][0].size()

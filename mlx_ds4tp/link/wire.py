@@ -102,7 +102,7 @@ class FrameType(enum.IntEnum):
     # One decode step over the rows of every active session (mlx_ds4tp.lockstep.sessions).
     EVAL_BATCH = 32
     # One prefill chunk of several sessions in one right-padded forward (mlx-lm's batched
-    # prompt processing: mlx_ds4tp.lockstep.table.SessionTable.prefill_batch).
+    # prompt processing: mlx_ds4tp.lockstep.session_caches.SessionCaches.prefill_batch).
     PREFILL_BATCH = 34
     # One decode step whose rows carry an input token and their drafts, right-padded to the
     # longest (`ds4tp serve`'s speculative sessions in the batch: lockstep.batch_verify) ...

@@ -4,7 +4,7 @@ generation as one session of the lockstep protocol (what `ds4tp run` runs).
 The pair's generation is one session of the serving protocol: SESSION_CREATE, the prompt but
 its last token as PREFILL_BATCH chunks, SAMPLER, then one EVAL_BATCH a token (the prompt's last
 token is the first step's input, as in mlx_lm.generate), HASH of the tokens sampled, and
-SESSION_DESTROY. A batch of one row is the session's own cache (lockstep.table), so its tokens
+SESSION_DESTROY. A batch of one row is the session's own cache (lockstep.decode_batch), so its tokens
 are the single process's, token for token.
 
 Decode is pipelined, as mlx-lm's generate_step is: both ranks sample each step's token inside
@@ -122,13 +122,13 @@ def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: i
     open_session(sessions, prompt, max_tokens)
     sessions.sampler(SESSION, sampling, prompt, stream_seed(sampling))
     sessions.step([(SESSION, prompt[-1])])
-    first_step = sessions.table.step_count
+    first_step = sessions.table.batch.step_count
     while True:
-        drawn = sessions.table.pending[SESSION]
+        drawn = sessions.table.batch.pending[SESSION]
         ahead = len(stats.tokens) + 1 < max_tokens
         if ahead:
             sessions.step([(SESSION, EVAL_PENDING)])  # queued before `drawn` is read
-            decoded = sessions.table.step_count - first_step  # the token this step makes
+            decoded = sessions.table.batch.step_count - first_step  # the token this step makes
             if debug_hash and decoded % debug_hash == 0:
                 sessions.check_hash()
         (token,) = sessions.read(drawn)
@@ -140,7 +140,7 @@ def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: i
         if not ahead or token in eos:
             break
     if ahead:  # the step after the end of sequence: both ranks queued it, both finish it
-        sessions.read(sessions.table.pending[SESSION])
+        sessions.read(sessions.table.batch.pending[SESSION])
     sessions.check_hash(SESSION)
     stats.prompt_sec = first_at - t0
     stats.decode_tokens = len(stats.tokens) - 1
