@@ -15,7 +15,7 @@ fails loudly instead of generating from caches that no longer match.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -62,18 +62,18 @@ class DecodeBatch:
             raise tr.FrameError(f"{frame} step {step} arrived after step {self.step_count}: "
                                 "the ranks are out of step")
 
-    def joining(self, frame: str, sessions: List[int]) -> List[int]:
-        """The sessions of a step's rows that are not in the batch yet; FrameError unless the
-        rows begin with the batch's own, in its order, each session once."""
+    def join(self, frame: str, sessions: List[int], take: Callable[[int], list]) -> None:
+        """A step's rows: the batch's own, in its order, then the sessions that join it now,
+        their caches taken (SessionCaches.take); FrameError when the rows are not that."""
         if len(set(sessions)) != len(sessions):
             raise tr.FrameError(f"{frame} names a session twice: {sessions}")
         if sessions[: len(self.rows)] != self.rows:
             raise tr.FrameError(f"{frame} rows {sessions} do not begin with this rank's batch "
                                 f"{self.rows}: the ranks are out of step")
-        return sessions[len(self.rows):]
-
-    def join(self, sessions: List[int], caches: List[list]) -> None:
-        """Sessions' caches join the batch, after its rows, in the order given."""
+        joining = sessions[len(self.rows):]
+        if not joining:
+            return
+        caches = [take(s) for s in joining]
         if self.batch_cache is None and len(caches) == 1:
             self.batch_cache, self.merged = caches[0], False
         else:
@@ -87,7 +87,7 @@ class DecodeBatch:
                 for mine, new in zip(self.batch_cache, merged):
                     mine.extend(new)
             self.merged = True
-        self.rows.extend(sessions)
+        self.rows.extend(joining)
 
     def step(self, tokens: np.ndarray) -> mx.array:
         """One decode forward over the batch's rows. Where every row's session has a sampler
@@ -138,7 +138,8 @@ class DecodeBatch:
         for row in rows:
             check_tokens(row, self.vocab)
         self.step_count += 1
-        logits = batch_verify.forward_rows(self.model, self.batch_cache, rows)
+        logits = self.model(mx.array(batch_verify.pad_rows(rows)), cache=self.batch_cache)
+        mx.eval(logits)  # the gates of every layer run once for all rows and positions
         self.last_logits = logits
         self.verifying = [len(r) for r in rows]
         return logits
@@ -147,9 +148,7 @@ class DecodeBatch:
         """Keep the positions of each row of the last verify its session accepted (COMMIT_BATCH)."""
         if step != self.step_count:
             raise tr.FrameError(f"COMMIT_BATCH for step {step} after step {self.step_count}")
-        problem = batch_verify.check_commit(keep, self.verifying or [])
-        if problem:
-            raise tr.FrameError(problem)
+        batch_verify.check_commit(keep, self.verifying or [])
         width = max(self.verifying)
         self.verifying = None
         batch_verify.commit_rows(self.batch_cache, self.merged, width, keep)
@@ -158,7 +157,10 @@ class DecodeBatch:
         """A session leaves the batch: its cache (extracted when keep_cache, else None)."""
         idx = self.rows.index(session)
         del self.rows[idx]
-        self._drop_hash_row(idx)
+        held = 0 if self._drawn_hash is None else self._drawn_hash.shape[0]
+        if idx < held:
+            kept = [i for i in range(held) if i != idx]
+            self._drawn_hash = self._drawn_hash[mx.array(kept)] if kept else None
         if not self.merged:
             cache, self.batch_cache = self.batch_cache, None
             return cache
@@ -181,12 +183,6 @@ class DecodeBatch:
         have = 0 if self._drawn_hash is None else self._drawn_hash.shape[0]
         fresh = mx.zeros((rows - have,), dtype=mx.uint32)
         return fresh if self._drawn_hash is None else mx.concatenate([self._drawn_hash, fresh])
-
-    def _drop_hash_row(self, row: int) -> None:
-        held = 0 if self._drawn_hash is None else self._drawn_hash.shape[0]
-        if row < held:
-            keep = [i for i in range(held) if i != row]
-            self._drawn_hash = self._drawn_hash[mx.array(keep)] if keep else None
 
     def hash_of(self, session: int) -> Tuple[int, str]:
         """(hash, what it covers) for a HASH frame's first field: 0, the last step's logits;

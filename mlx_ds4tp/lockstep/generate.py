@@ -21,9 +21,11 @@ import dataclasses
 import time
 from typing import Callable, Collection, List, Optional, Sequence
 
+import mlx.core as mx
+
 from .. import gate_ops
 from ..link.wire import EVAL_PENDING
-from .compute import PREFILL_STEP, argmax_token, forward, make_cache, prefill
+from .compute import PREFILL_STEP, fill_cache, forward, make_cache
 from .row_sampling import stream_seed
 from .sampling import SamplingOptions
 from .sessions import LeaderSessions
@@ -81,15 +83,19 @@ def bench_prompt(tokenizer, text: str, count: int) -> List[int]:
 def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozenset()) -> GenerationStats:
     """A plain single-model greedy generation (tokens, prompt and decode seconds): the
     reference the pair must match, and the single-process benchmark. The prompt is
-    processed as the pair processes it (prefill)."""
+    processed as the pair processes it: all but its last token only fill the cache, the last
+    one's logits pick the first generated token (mlx-lm's generate_step)."""
+    if not prompt_tokens:
+        raise ValueError("the prompt has zero tokens; give a non-empty prompt")
     cache = make_cache(model)
     stats = GenerationStats(prompt_tokens=len(prompt_tokens))
     t0 = time.perf_counter()
-    stats.tokens.append(argmax_token(prefill(model, prompt_tokens, cache)))
+    fill_cache(model, prompt_tokens[:-1], cache)
+    stats.tokens.append(int(mx.argmax(forward(model, prompt_tokens[-1:], cache)).item()))
     stats.prompt_sec = time.perf_counter() - t0
     t1 = time.perf_counter()
     while len(stats.tokens) < max_tokens and stats.tokens[-1] not in eos:
-        stats.tokens.append(argmax_token(forward(model, [stats.tokens[-1]], cache)))
+        stats.tokens.append(int(mx.argmax(forward(model, [stats.tokens[-1]], cache)).item()))
         stats.decode_tokens += 1
     stats.decode_sec = time.perf_counter() - t1
     return stats

@@ -1,10 +1,7 @@
-"""One rank's session caches before they decode, and the stored prompt caches: created,
-reused, trimmed and prefilled only by the lockstep commands (lockstep.table applies them).
-
-A session's cache lives here from SESSION_CREATE until it joins the decode batch
-(lockstep.decode_batch); a destroyed session's cache may come back here as a stored cache,
-which a later session moves or copies (the leader's lockstep.prompt_cache decides which).
-"""
+"""One rank's caches of the sessions not decoding yet (from SESSION_CREATE until they join
+lockstep.decode_batch) and its stored prompt caches (a destroyed session's, which a later one
+moves or copies as the leader's lockstep.prompt_cache decides); lockstep.table applies the
+commands that change them."""
 
 from __future__ import annotations
 
@@ -166,6 +163,12 @@ class SessionCaches:
         cache = self.sessions.get(session)
         if cache is None:
             raise tr.FrameError(f"session {session} does not exist or is already decoding")
+        return cache
+
+    def take(self, session: int) -> list:
+        """The cache of a session that joins the decode batch, no longer held here."""
+        cache = self.session(session)
+        del self.sessions[session]
         return cache
 
     def store(self, cache_id: int, cache: list) -> None:

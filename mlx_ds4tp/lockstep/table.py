@@ -8,6 +8,7 @@ a session's cache from one to the other when it joins the batch or leaves it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import sys
 from typing import List, Optional
@@ -32,18 +33,14 @@ F = tr.FrameType
 
 
 def release_memory() -> None:
-    """Hand the memory of finished work back, once a rank has been idle for a moment (the
-    serving leader's engine, the worker's command loop) or its pair failed: arrays only
-    garbage cycles still hold, MLX's buffer cache, and on Linux the C heap's free pages
-    (glibc keeps freed arrays' pages resident, so a server's resident memory would follow its
-    busiest moment forever). Not when the last session ends: the collection takes 15-25 ms,
-    which a client that sends its next request at once would wait for, and the HTTP threads
-    free their requests' objects only after it.
-
-    Arrays in cycles: an exception's traceback, for one, holds the frames, and so the arrays,
-    of the step that raised. Python's collector finds them only after enough new allocations,
-    which an idle server never makes: a soak's leader sat idle with 4.2 MB of arrays that only
-    cycles reached."""
+    """Hand the memory of finished work back once a rank has idled a moment (the serving
+    leader's engine, the worker's command loop) or its pair failed: arrays only garbage cycles
+    hold (a traceback keeps the failed step's frames and arrays, and Python's collector runs
+    only after new allocations, which an idle server never makes: a soak's leader sat idle
+    with 4.2 MB of them), MLX's buffer cache, and on Linux the C heap's free pages (glibc keeps
+    them resident, so resident memory would follow the busiest moment forever). Not when the
+    last session ends: the collection takes 15-25 ms, which a client that sends its next
+    request at once would wait for, and the HTTP threads free their requests' objects after."""
     gc.collect()
     mx.clear_cache()
     trim = _malloc_trim()
@@ -51,19 +48,14 @@ def release_memory() -> None:
         trim(0)
 
 
+@functools.lru_cache(maxsize=None)
 def _malloc_trim():
-    global _TRIM
-    if _TRIM is None:
-        _TRIM = False
-        if sys.platform.startswith("linux"):
-            try:
-                _TRIM = ctypes.CDLL(None).malloc_trim
-            except (OSError, AttributeError):
-                pass
-    return _TRIM or None
-
-
-_TRIM = None
+    if sys.platform.startswith("linux"):
+        try:
+            return ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            pass
+    return None
 
 
 class SessionTable:
@@ -106,7 +98,8 @@ class SessionTable:
         elif ftype == F.VERIFY_BATCH:
             step, sessions, rows = batch_verify.unpack_verify_batch(payload)
             batch.check_step("VERIFY_BATCH", step)
-            return self.verify_batch(sessions, rows)
+            batch.join("VERIFY_BATCH", sessions, caches.take)
+            return batch.verify(rows)
         elif ftype == F.COMMIT_BATCH:
             batch.commit(*batch_verify.unpack_commit(payload))
         elif ftype == F.SESSION_DESTROY:
@@ -126,22 +119,8 @@ class SessionTable:
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over (session, token) rows (DecodeBatch.step); sessions not in
         the batch yet join it first (after the existing rows, in the order given)."""
-        self._join("EVAL_BATCH", sessions)
+        self.batch.join("EVAL_BATCH", sessions, self.caches.take)
         return self.batch.step(tokens)
-
-    def verify_batch(self, sessions: List[int], rows: List[np.ndarray]) -> mx.array:
-        """One decode forward whose rows carry an input token and drafts (DecodeBatch.verify),
-        joining sessions as step does; COMMIT_BATCH must follow."""
-        self._join("VERIFY_BATCH", sessions)
-        return self.batch.verify(rows)
-
-    def _join(self, frame: str, sessions: List[int]) -> None:
-        joining = self.batch.joining(frame, sessions)
-        if joining:
-            caches = [self.caches.session(s) for s in joining]
-            for s in joining:
-                del self.caches.sessions[s]
-            self.batch.join(joining, caches)
 
     def destroy(self, session: int, store_as: int) -> None:
         """End a session (leaving the batch if it is in it); keep its cache as `store_as`."""
