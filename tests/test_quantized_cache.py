@@ -112,7 +112,7 @@ class Rows:
 
 
 def merged(caches):
-    """Per-layer merge, as the session table's _join does it."""
+    """Per-layer merge, as the decode batch's join does it."""
     return [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
 
 

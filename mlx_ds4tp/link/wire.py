@@ -214,5 +214,5 @@ PREFILL_BATCH_HEADER = struct.Struct("<IIQ")  # rows, reserved, reserved; then t
 PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; tokens follow all rows
 SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, options bytes; then both
 # 0: the last decode step's logits are hashed, else a session id: the tokens this rank sampled
-# for it (SessionTable.hash_of); then the decode step and the hash.
+# for it (DecodeBatch.hash_of); then the decode step and the hash.
 HASH_PAYLOAD = struct.Struct("<QQQ")

@@ -1,12 +1,12 @@
 """A quantized KV cache that can join the decode batch: `--kv-bits` with continuous batching.
 
 mlx-lm quantizes a session's KV cache with QuantizedKVCache, but that class has no batched
-twin (no `merge`), so mlx_lm.server turns batching off under --kv-bits. The session table
-builds its decode batch with `caches[0][i].merge(...)`, then `extend`, `filter` and `extract`
-(see table.py), so a quantized layer needs exactly BatchKVCache's API over quantized storage:
+twin (no `merge`), so mlx_lm.server turns batching off under --kv-bits. The decode batch
+is built with `caches[0][i].merge(...)`, then `extend`, `filter` and `extract`
+(lockstep.decode_batch), so a quantized layer needs exactly BatchKVCache's API over quantized storage:
 
 - SessionQuantizedKVCache: mlx-lm's QuantizedKVCache (same update, same attention path) plus
-  `size()` and `merge()`, the two calls the table makes on a session's own cache.
+  `size()` and `merge()`, the two calls made on a session's own cache.
 - BatchQuantizedKVCache: BatchKVCache's semantics (left padding, an offsets array, `_idx`,
   256-step growth, right-padded prefill rolled left by `finalize`) where keys and values are
   the (data, scales, biases) tuples of mx.quantize, every sequence-axis operation applied to
