@@ -55,18 +55,26 @@ class FakeTokenizer:
         return letters(tokens)
 
 
-class _Table:
+class _Caches:
     def __init__(self):
-        self.stored = {}
-        self.samplers = {}
-        self.sessions, self.rows = {}, []
-        self.vocab = VOCAB
+        self.stored, self.sessions = {}, {}
 
     def make_cache(self):
         return []  # no layers: trimmable, as a float KV cache is
 
     def stored_bytes(self, cache_id):
         return 100
+
+
+class _Batch:
+    def __init__(self):
+        self.samplers, self.rows = {}, []
+
+
+class _Table:
+    def __init__(self):
+        self.caches, self.batch = _Caches(), _Batch()
+        self.vocab = VOCAB
 
 
 class _Sampler:
@@ -89,14 +97,14 @@ class FakeSessions:
 
     def create(self, session, cache_id=0, mode=0, kv=0):
         self.commands.append(("create", session, cache_id, mode))
-        self.table.sessions[session] = cache_id
+        self.table.caches.sessions[session] = cache_id
 
     def rewind(self, session, keep):
         self.commands.append(("rewind", session, keep))
 
     def sampler(self, session, options, prompt, seed):
         self.commands.append(("sampler", session))
-        self.table.samplers[session] = _Sampler()
+        self.table.batch.samplers[session] = _Sampler()
 
     def prefill_batch(self, rows):
         self.commands.append(("prefill", [(s, list(t)) for s, t in rows]))
@@ -125,11 +133,11 @@ class FakeSessions:
     def destroy(self, session, store_as=0):
         self.commands.append(("destroy", session, store_as))
         if store_as:
-            self.table.stored[store_as] = session
+            self.table.caches.stored[store_as] = session
 
     def invalidate(self, cache_id):
         self.commands.append(("invalidate", cache_id))
-        del self.table.stored[cache_id]
+        del self.table.caches.stored[cache_id]
 
     def check_hash(self):
         self.commands.append(("hash",))

@@ -39,6 +39,7 @@ from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import serve_worker
 from mlx_ds4tp.lockstep.frames import pack_batch, pack_prefill_batch
 from mlx_ds4tp.lockstep.row_sampling import pack_sampler
+from mlx_ds4tp.lockstep.frames import check_tokens
 from mlx_ds4tp.lockstep.table import SessionTable
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import (
@@ -752,7 +753,7 @@ def test_real_model_rejects_out_of_vocabulary_ids(tiny_model):
     assert table.vocab == VOCAB
     for bad in (VOCAB, -1, 2**31 - 1):
         with pytest.raises(FrameError, match=f"token id {bad}, outside the model's vocabulary"):
-            table.check_tokens(np.array([1, bad]))
+            check_tokens(np.array([1, bad]), table.vocab)
 
 
 # ============================================================================

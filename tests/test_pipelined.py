@@ -80,7 +80,7 @@ def test_both_ranks_stop_at_the_end_of_sequence():
     assert le is None and we is None, (le, we)
     assert stats.tokens == [4, 5, 6]
     # The step after the end of sequence ran on both (it was queued before 6 was read) ...
-    assert lt.step_count == wt.step_count == 4
+    assert lt.batch.step_count == wt.batch.step_count == 4
     assert lm.fed == wm.fed == [[[1, 2]], [[3]], [[4]], [[5]], [[6]]]
     # ... and finished on both before the session ended.
     assert lt.ended == wt.ended == 1
@@ -91,7 +91,7 @@ def test_max_tokens_stops_without_a_step_ahead():
     stats, le, we, lt, wt = _pair(lm, wm, lambda s: pair_generate(s, [1, 2, 3], 4))
     assert le is None and we is None, (le, we)
     assert stats.tokens == [4, 5, 6, 7] and stats.decode_tokens == 3
-    assert lt.step_count == wt.step_count == 4 and lm.calls == wm.calls == 5
+    assert lt.batch.step_count == wt.batch.step_count == 4 and lm.calls == wm.calls == 5
 
 
 def test_a_generation_leaves_nothing_behind_in_either_table():
@@ -99,7 +99,8 @@ def test_a_generation_leaves_nothing_behind_in_either_table():
     stats, le, we, lt, wt = _pair(lm, wm, lambda s: pair_generate(s, [1, 2, 3], 10, eos={6}))
     assert le is None and we is None, (le, we)
     for table in (lt, wt):
-        assert (table.rows, table.sessions, table.batch_cache, table.samplers, table.pending) == \
+        batch = table.batch
+        assert (batch.rows, table.caches.sessions, batch.batch_cache, batch.samplers, batch.pending) == \
             ([], {}, None, {}, {})
 
 

@@ -20,9 +20,9 @@ import pytest
 import mlx_ds4tp.transport as tr
 from mlx_ds4tp.errors import FrameError, TransportError
 from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep import table as table_mod
+from mlx_ds4tp.lockstep import session_caches as caches_mod
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH
-from mlx_ds4tp.lockstep.compute import forward
+from mlx_ds4tp.lockstep.compute import fill_cache, forward
 from mlx_ds4tp.lockstep.frames import pack_prefill_batch
 from mlx_ds4tp.lockstep.table import SessionTable
 
@@ -132,52 +132,61 @@ def _tables(model, make_cache=None, rewind=True):
     for _ in range(2):
         t = SessionTable(model)
         if make_cache is not None:
-            t.make_cache = make_cache
-        t.create(90, 0, FRESH)
-        t.prefill(90, np.array([30, 31, 32, 33, 34, 35, 36], "<i4"))
+            t.caches.make_cache = make_cache
+        t.caches.create(90, 0, FRESH)
+        t.caches.prefill_batch([90], [np.array([30, 31, 32, 33, 34, 35, 36], "<i4")])
         t.destroy(90, 4)
-        t.create(1, 0, FRESH)
-        t.create(2, 0, FRESH)
-        t.create(3, 4, COPY)
+        t.caches.create(1, 0, FRESH)
+        t.caches.create(2, 0, FRESH)
+        t.caches.create(3, 4, COPY)
         if rewind:
-            t.rewind(3, 5)
+            t.caches.rewind(3, 5)
         tables.append(t)
     return tables
 
 
 def _next_logits(table, session):
-    return forward(table.model, [40], table.sessions[session])
+    return forward(table.model, [40], table.caches.sessions[session])
+
+
+def _size(table, session):
+    return table.caches.sessions[session][0].size()
+
+
+def _prefill_alone(table, session, tokens):
+    """The reference: the session's cache filled on its own (fill_cache)."""
+    fill_cache(table.model, np.asarray(tokens).tolist(), table.caches.sessions[session])
 
 
 def _count_single_prefills(monkeypatch) -> list:
     """The token counts of every single-session prefill (fill_cache) the table runs from now."""
     calls = []
-    inner = table_mod.fill_cache
+    inner = caches_mod.fill_cache
 
     def counted(model, tokens, cache, *args, **kwargs):
         calls.append(len(tokens))
         return inner(model, tokens, cache, *args, **kwargs)
 
-    monkeypatch.setattr(table_mod, "fill_cache", counted)
+    monkeypatch.setattr(caches_mod, "fill_cache", counted)
     return calls
 
 
 CHUNKS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
 
 
-@pytest.mark.parametrize("step", [table_mod.PREFILL_STEP, 3])
+@pytest.mark.parametrize("step", [caches_mod.PREFILL_STEP, 3])
 def test_batched_rows_give_the_logits_of_each_session_alone(model, monkeypatch, step):
     # step 3: the padded batch in several forwards, finalize joining the last one's evaluation.
-    monkeypatch.setattr(table_mod, "PREFILL_STEP", step)
+    monkeypatch.setattr(caches_mod, "PREFILL_STEP", step)
     batched, alone = _tables(model)
     chunks = [np.array(c, "<i4") for c in CHUNKS]
     singles = _count_single_prefills(monkeypatch)
-    batched.prefill_batch([1, 2, 3], chunks)
+    batched.caches.prefill_batch([1, 2, 3], chunks)
     assert singles == []  # one padded batch, not three single-session prefills
     for sid, tokens in zip([1, 2, 3], chunks):
-        alone.prefill(sid, tokens)
+        _prefill_alone(alone, sid, tokens)
     for sid in (1, 2, 3):
-        assert batched.size(sid) == alone.size(sid)
+        assert _size(batched, sid) == _size(alone, sid)
         mine, theirs = _next_logits(batched, sid), _next_logits(alone, sid)
         assert mx.allclose(mine, theirs, rtol=1e-4, atol=1e-4 * float(mx.abs(theirs).max())).item(), sid
     # Each row is its session's own cache again: it joins the decode batch and decodes as alone.
@@ -192,8 +201,8 @@ def test_a_batch_of_one_is_the_single_session_prefill_bit_for_bit(model, monkeyp
     singles = _count_single_prefills(monkeypatch)
     batched.apply(F.PREFILL_BATCH, pack_prefill_batch([(3, CHUNKS[0])]))
     assert singles == [len(CHUNKS[0])]
-    alone.prefill(3, np.array(CHUNKS[0], "<i4"))
-    for mine, theirs in zip(batched.sessions[3], alone.sessions[3]):
+    _prefill_alone(alone, 3, CHUNKS[0])
+    for mine, theirs in zip(batched.caches.sessions[3], alone.caches.sessions[3]):
         assert mine.offset == theirs.offset and mx.array_equal(mine.keys, theirs.keys).item()
     assert mx.array_equal(_next_logits(batched, 3), _next_logits(alone, 3)).item()
 
@@ -209,10 +218,10 @@ def test_a_cache_mlx_lm_cannot_merge_is_prefilled_one_session_at_a_time(model, m
     batched, alone = _tables(model, quantized, rewind=False)
     chunks = [np.array(c, "<i4") for c in CHUNKS]
     singles = _count_single_prefills(monkeypatch)
-    batched.prefill_batch([1, 2, 3], chunks)
+    batched.caches.prefill_batch([1, 2, 3], chunks)
     assert singles == [len(c) for c in CHUNKS]
     for sid, tokens in zip([1, 2, 3], chunks):
-        alone.prefill(sid, tokens)
+        _prefill_alone(alone, sid, tokens)
     for sid in (1, 2, 3):
         assert mx.array_equal(_next_logits(batched, sid), _next_logits(alone, sid)).item(), sid
 
@@ -249,13 +258,13 @@ def _tokens(*ids) -> bytes:
 ])
 def test_a_malformed_prefill_batch_is_a_frame_error_naming_it(model, payload, says):
     t = SessionTable(model)
-    t.create(1, 0, FRESH)
-    t.create(2, 0, FRESH)
+    t.caches.create(1, 0, FRESH)
+    t.caches.create(2, 0, FRESH)
     with pytest.raises(FrameError) as info:
         t.apply(F.PREFILL_BATCH, payload)
     assert says in str(info.value), str(info.value)
     # Nothing was prefilled: a refused command changes no session.
-    assert t.size(1) == 0 and t.size(2) == 0
+    assert _size(t, 1) == 0 and _size(t, 2) == 0
 
 
 def test_a_damaged_prefill_batch_runs_or_is_refused_never_another_error(model):
@@ -268,8 +277,8 @@ def test_a_damaged_prefill_batch_runs_or_is_refused_never_another_error(model):
             payload[rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
         payload = bytes(payload[: rng.choice([len(payload), rng.randrange(len(payload) + 1)])])
         t = SessionTable(model)
-        t.create(1, 0, FRESH)
-        t.create(2, 0, FRESH)
+        t.caches.create(1, 0, FRESH)
+        t.caches.create(2, 0, FRESH)
         try:
             t.apply(F.PREFILL_BATCH, payload)
         except TransportError:

@@ -16,8 +16,7 @@ from mlx_lm.models.cache import (ArraysCache, BatchKVCache, KVCache, QuantizedKV
                                  trim_prompt_cache)
 
 from mlx_ds4tp.lockstep.quantized_cache import (BatchQuantizedKVCache, SessionQuantizedKVCache,
-                                                describe_unquantizable, quantize_session_cache,
-                                                unquantizable_layers)
+                                                describe_unquantizable, quantize_session_cache)
 from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama
 
 # head_dim 64: quantization groups run along the head dimension, so group size 64 needs it
@@ -113,7 +112,7 @@ class Rows:
 
 
 def merged(caches):
-    """Per-layer merge, as the session table's _join does it."""
+    """Per-layer merge, as the decode batch's join does it."""
     return [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
 
 
@@ -260,7 +259,6 @@ def test_quantize_session_cache_leaves_other_layers(model):
     assert layers[0] is filled  # the input list is not changed
     ref = filled.to_quantized(group_size=GROUP, bits=8)
     assert all(mx.array_equal(a, b) for a, b in zip(out[0].keys + out[0].values, ref.keys + ref.values))
-    assert unquantizable_layers(layers) == {"RotatingKVCache": [1], "ArraysCache": [3]}
     message = describe_unquantizable(layers)
     assert "RotatingKVCache (layers 1)" in message and "ArraysCache (layers 3)" in message
     assert "2 of 5 layers" in message
@@ -275,24 +273,24 @@ def test_session_table_batches_quantized_sessions(model):
     bits, seqs = 8, [0, 1, 2]
     rows = Rows({s: reference(model, PROMPTS[s], bits, "quantized", 6) for s in seqs})
     table = SessionTable(model)
-    table.make_cache = lambda: quantize_session_cache(make_cache(model), bits, GROUP)
+    table.caches.make_cache = lambda: quantize_session_cache(make_cache(model), bits, GROUP)
     for s in seqs:
-        table.create(s + 1, 0, FRESH)
-        table.prefill(s + 1, np.array(PROMPTS[s][:-1], dtype=np.int32))
+        table.caches.create(s + 1, 0, FRESH)
+        table.caches.prefill_batch([s + 1], [np.array(PROMPTS[s][:-1], dtype=np.int32)])
         rows.start(s)
     # The first session decodes alone (its own cache), then the others join and merge in.
     rows.check([0], np.array(table.step([1], np.array(rows.tokens([0]), dtype=np.int32))))
     for _ in range(3):
         logits = table.step([1, 2, 3], np.array(rows.tokens(seqs), dtype=np.int32))
         rows.check(seqs, np.array(logits))
-    assert table._merged and type(table.batch_cache[0]) is BatchQuantizedKVCache
+    assert table.batch.merged and type(table.batch.batch_cache[0]) is BatchQuantizedKVCache
     table.destroy(2, 77)  # the middle row leaves, its cache stored
-    assert type(table.stored[77][0]) is SessionQuantizedKVCache
+    assert type(table.caches.stored[77][0]) is SessionQuantizedKVCache
     rows.check([0, 2], np.array(table.step([1, 3], np.array(rows.tokens([0, 2]), dtype=np.int32))))
     # A copy of the stored cache, rewound a step, decodes on as sequence 1 would.
-    table.create(9, 77, COPY)
-    table.rewind(9, table.size(9) - 1)
+    table.caches.create(9, 77, COPY)
+    table.caches.rewind(9, table.caches.sessions[9][0].size() - 1)
     rows.pos[1] -= 1
     logits = table.step([1, 3, 9], np.array(rows.tokens([0, 2, 1]), dtype=np.int32))
     rows.check([0, 2, 1], np.array(logits))
-    assert copy.deepcopy(table.stored[77])[0].size() == table.stored[77][0].size()
+    assert copy.deepcopy(table.caches.stored[77])[0].size() == table.caches.stored[77][0].size()

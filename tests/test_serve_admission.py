@@ -82,7 +82,7 @@ def test_the_index_bounds_evict_stored_caches_on_both_ranks():
     for prompt in ([1, 2, 3], [7, 8, 9]):
         (running,) = admission.offer(Request(prompt, 2))
         admission.close(running, prompt + [0])
-    assert ("invalidate", 1) in sessions.commands and list(sessions.table.stored) == [2]
+    assert ("invalidate", 1) in sessions.commands and list(sessions.table.caches.stored) == [2]
     assert len(admission.index) == 1
 
 

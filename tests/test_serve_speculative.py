@@ -133,15 +133,15 @@ def test_each_row_after_a_commit_continues_as_its_session_alone(model_dir):
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34]]
     table = SessionTable(model)
     for sid, p in enumerate(prompts, 1):
-        table.create(sid, 0, 0)
-        table.prefill(sid, np.array(p[:-1], dtype=np.int32))
+        table.caches.create(sid, 0, 0)
+        table.caches.prefill_batch([sid], [np.array(p[:-1], dtype=np.int32)])
     table.step([1, 2, 3], np.array([p[-1] for p in prompts], dtype=np.int32))
     # Row 1 carries 4 drafts and keeps 3 positions, row 2 none (a plain row), row 3 two and all.
     rows = [np.array([40, 41, 42, 43, 44], dtype=np.int32), np.array([50], dtype=np.int32),
             np.array([60, 61, 62], dtype=np.int32)]
-    table.verify_batch([1, 2, 3], rows)
+    table.batch.verify(rows)  # the rows of sessions 1, 2, 3, already in the batch
     keep = [3, 1, 3]
-    table.commit_batch(table.step_count, keep)
+    table.batch.commit(table.batch.step_count, keep)
     nxt = np.array([70, 71, 72], dtype=np.int32)
     batched = table.step([1, 2, 3], nxt)
     for i, p in enumerate(prompts):
@@ -171,7 +171,7 @@ def test_verify_and_commit_frames_are_checked(model_dir):
     with pytest.raises(FrameError, match="says 2 rows"):
         bv.unpack_commit(bv.pack_commit(1, [1, 1])[:-4])
     table = SessionTable(_load(model_dir)[0])
-    table.create(1, 0, 0)
+    table.caches.create(1, 0, 0)
     table.apply(F.VERIFY_BATCH, bv.pack_verify_batch(1, [(1, [3, 4, 5])]))
     with pytest.raises(FrameError, match="before the COMMIT_BATCH"):
         table.apply(F.EVAL_BATCH, b"")
@@ -180,4 +180,4 @@ def test_verify_and_commit_frames_are_checked(model_dir):
     with pytest.raises(FrameError, match="for step 2 after step 1"):
         table.apply(F.COMMIT_BATCH, bv.pack_commit(2, [1]))
     table.apply(F.COMMIT_BATCH, bv.pack_commit(1, [2]))
-    assert table.batch_cache[0].size() == 2  # the lone row's own cache, cut back to 2
+    assert table.batch.batch_cache[0].size() == 2  # the lone row's own cache, cut back to 2

@@ -199,7 +199,7 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
         state = {}
         for sid, (ids, cache_id, mode, keep) in plans.items():
             sessions.create(sid, cache_id, mode)
-            if mode != FRESH and keep < sessions.table.sessions[sid][0].size():
+            if mode != FRESH and keep < sessions.table.caches.sessions[sid][0].size():
                 sessions.rewind(sid, keep)
             if ids[keep:-1]:
                 sessions.prefill_batch([(sid, ids[keep:-1])])
@@ -216,15 +216,15 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
                 if len(state[s][2]) == n:
                     sessions.destroy(s, store_as=9 if s == 3 else 0)
                     rows.remove(s)
-        assert sessions.table.stored.keys() == {9}
+        assert sessions.table.caches.stored.keys() == {9}
         sessions.invalidate(9)
         for sid, (ids, *_rest) in plans.items():
             assert state[sid][2] == alone(ids), sid
-        assert sessions.table.stored.keys() == set()
+        assert sessions.table.caches.stored.keys() == set()
         sessions.stop()
         out, err = worker.communicate(timeout=60)
         assert worker.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1])["steps"] == sessions.table.step_count
+        assert json.loads(out.strip().splitlines()[-1])["steps"] == sessions.table.batch.step_count
     finally:
         leader_group.close()
 
@@ -300,7 +300,7 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     clean = SessionTable(Guard(model))
     for ftype, payload in script:
         clean.apply(ftype, payload)
-    assert not clean.busy and not clean.stored
+    assert not clean.busy and not clean.caches.stored
     rng = random.Random(int(os.environ.get("DS4_TP_FUZZ_SEED", "12")))
     failures = 0
     for _ in range(150):
@@ -430,17 +430,18 @@ def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
         sessions = []
         for _ in range(4):
             sid += 1
-            table.create(sid, 0, 0)
-            table.prefill(sid, np.array([rng.randrange(200) for _ in range(rng.randint(2, 300))], dtype=np.int32))
+            table.caches.create(sid, 0, 0)
+            tokens = np.array([rng.randrange(200) for _ in range(rng.randint(2, 300))], dtype=np.int32)
+            table.caches.prefill_batch([sid], [tokens])
             sessions.append(sid)
         table.step(sessions, np.ones(4, dtype=np.int32))
         for s in sessions:
             store += 1
             table.destroy(s, store)
-    table.last_logits = None
+    table.batch.last_logits = None
     gc.collect()
     held = mx.get_active_memory() - base
-    own = sum(c.nbytes for cache in table.stored.values() for c in cache)
+    own = sum(c.nbytes for cache in table.caches.stored.values() for c in cache)
     assert held <= own * 1.1 + (1 << 20), (held, own)
 
 

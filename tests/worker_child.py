@@ -27,7 +27,7 @@ def main() -> None:
     with tp.init(role="worker", coordinator=("127.0.0.1", port), transport="tcp", timeout=60.0) as g:
         split, _ = load_split(path, g)
         table = serve_worker(g, split)
-    print(json.dumps({"steps": table.step_count}), flush=True)
+    print(json.dumps({"steps": table.batch.step_count}), flush=True)
 
 
 if __name__ == "__main__":

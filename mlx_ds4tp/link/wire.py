@@ -102,7 +102,7 @@ class FrameType(enum.IntEnum):
     # One decode step over the rows of every active session (mlx_ds4tp.lockstep.sessions).
     EVAL_BATCH = 32
     # One prefill chunk of several sessions in one right-padded forward (mlx-lm's batched
-    # prompt processing: mlx_ds4tp.lockstep.table.SessionTable.prefill_batch).
+    # prompt processing: mlx_ds4tp.lockstep.session_caches.SessionCaches.prefill_batch).
     PREFILL_BATCH = 34
     # One decode step whose rows carry an input token and their drafts, right-padded to the
     # longest (`ds4tp serve`'s speculative sessions in the batch: lockstep.batch_verify) ...
@@ -214,5 +214,5 @@ PREFILL_BATCH_HEADER = struct.Struct("<IIQ")  # rows, reserved, reserved; then t
 PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; tokens follow all rows
 SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, options bytes; then both
 # 0: the last decode step's logits are hashed, else a session id: the tokens this rank sampled
-# for it (SessionTable.hash_of); then the decode step and the hash.
+# for it (DecodeBatch.hash_of); then the decode step and the hash.
 HASH_PAYLOAD = struct.Struct("<QQQ")

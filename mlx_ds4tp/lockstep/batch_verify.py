@@ -103,14 +103,6 @@ def unpack_commit(payload: bytes) -> Tuple[int, List[int]]:
     return step, np.frombuffer(payload, dtype="<u4", offset=COMMIT_BATCH_HEADER.size).tolist()
 
 
-def forward_rows(model, batch_cache: list, rows: Sequence[np.ndarray]) -> mx.array:
-    """One forward of the batch over padded rows: logits [rows, width, vocab], evaluated (the
-    gates of every layer run once for all rows and positions)."""
-    logits = model(mx.array(pad_rows(rows)), cache=batch_cache)
-    mx.eval(logits)
-    return logits
-
-
 def commit_rows(batch_cache: list, merged: bool, width: int, keep: Sequence[int]) -> None:
     """Keep the first keep[i] of row i's `width` positions (the input token and the drafts its
     session accepted); drop the others from every layer's cache."""
@@ -133,14 +125,13 @@ def commit_rows(batch_cache: list, merged: bool, width: int, keep: Sequence[int]
             layer.filter(rows)
 
 
-def check_commit(keep: Sequence[int], lengths: Sequence[int]) -> Optional[str]:
-    """Why a commit does not fit the last verify's rows (None: it does)."""
+def check_commit(keep: Sequence[int], lengths: Sequence[int]) -> None:
+    """FrameError unless a commit fits the last verify's rows."""
     if len(keep) != len(lengths):
-        return f"COMMIT_BATCH has {len(keep)} rows, the last VERIFY_BATCH {len(lengths)}"
+        raise FrameError(f"COMMIT_BATCH has {len(keep)} rows, the last VERIFY_BATCH {len(lengths)}")
     for i, (k, n) in enumerate(zip(keep, lengths)):
         if not 1 <= k <= n:
-            return f"COMMIT_BATCH keeps {k} positions of row {i}, which carried {n} (1 to {n})"
-    return None
+            raise FrameError(f"COMMIT_BATCH keeps {k} positions of row {i}, which carried {n} (1 to {n})")
 
 
 def accepted_prefix(targets: Sequence[int], drafts: Sequence[int]) -> List[int]:

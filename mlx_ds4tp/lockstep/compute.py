@@ -39,11 +39,6 @@ def forward(model, tokens: List[int], cache) -> mx.array:
     return last
 
 
-def argmax_token(logits: mx.array) -> int:
-    """Greedy sampling: the most likely token of 1-D logits."""
-    return int(mx.argmax(logits).item())
-
-
 def fill_cache(model, tokens: Sequence[int], cache, step: int = PREFILL_STEP) -> None:
     """Append tokens to the cache in chunks of `step`, evaluating only the cache, as mlx-lm's
     generate_step prefills: MLX then never runs what no cache entry needs (the last block's
@@ -54,14 +49,3 @@ def fill_cache(model, tokens: Sequence[int], cache, step: int = PREFILL_STEP) ->
     for start in range(0, len(tokens), step):
         model(mx.array(tokens[start:start + step], dtype=mx.int32)[None], cache=cache)
         mx.eval([c.state for c in cache])
-
-
-def prefill(model, tokens: Sequence[int], cache, step: int = PREFILL_STEP) -> mx.array:
-    """The prompt into the cache; returns the last position's logits (float32).
-
-    As mlx-lm's generate_step: every token but the last only fills the cache (fill_cache),
-    the last one is the one full forward, whose logits pick the first generated token."""
-    if len(tokens) == 0:
-        raise ValueError("the prompt has zero tokens; prefill needs at least one")
-    fill_cache(model, tokens[:-1], cache, step)
-    return forward(model, tokens[-1:], cache)

@@ -9,10 +9,15 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from .. import transport as tr
-from ..link.wire import EVAL_BATCH_HEADER as BATCH_HEADER
-from ..link.wire import EVAL_BATCH_ROW, MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
-from ..link.wire import PREFILL_BATCH_HEADER as PREFILL_HEADER
-from ..link.wire import PREFILL_BATCH_ROW
+from ..link.wire import (
+    EVAL_BATCH_HEADER as BATCH_HEADER,
+    EVAL_BATCH_ROW,
+    MAX_BATCH_ROWS,
+    MAX_PREFILL_ROWS,
+    MAX_TOKENS_PER_FRAME,
+    PREFILL_BATCH_HEADER as PREFILL_HEADER,
+    PREFILL_BATCH_ROW,
+)
 
 # The rows of an EVAL_BATCH as one numpy record array: the layout of wire.EVAL_BATCH_ROW.
 BATCH_ROW = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
@@ -76,3 +81,26 @@ def pack_batch(step: int, rows: Sequence[Tuple[int, int]]) -> bytes:
     items["session"] = [s for s, _ in rows]
     items["token"] = [t for _, t in rows]
     return BATCH_HEADER.pack(step, len(rows), 0) + items.tobytes()
+
+
+def unpack_batch(payload: bytes) -> Tuple[int, List[int], np.ndarray]:
+    """(step, sessions, input tokens) of an EVAL_BATCH; FrameError when malformed."""
+    if len(payload) < BATCH_HEADER.size:
+        raise tr.FrameError(f"EVAL_BATCH payload of {len(payload)} bytes is malformed")
+    step, count, _ = BATCH_HEADER.unpack_from(payload)
+    items = np.frombuffer(payload, dtype=BATCH_ROW, offset=BATCH_HEADER.size) \
+        if (len(payload) - BATCH_HEADER.size) % BATCH_ROW.itemsize == 0 else None
+    if items is None or len(items) != count or not 0 < count <= MAX_BATCH_ROWS:
+        raise tr.FrameError(f"EVAL_BATCH says {count} rows in a {len(payload)}-byte payload "
+                            f"(1 to {MAX_BATCH_ROWS} rows of {BATCH_ROW.itemsize} bytes)")
+    return step, items["session"].tolist(), items["token"]
+
+
+def check_tokens(tokens: np.ndarray, vocab: int) -> None:
+    """FrameError unless every id is in [0, vocab) (vocab 0: unknown, not checked). Token ids
+    index the embedding, which MLX does not bounds-check (an id past the table reads other
+    memory or crashes), so every id from the wire is checked before the model sees it."""
+    if vocab and len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab):
+        bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+        raise tr.FrameError(f"token id {bad}, outside the model's vocabulary [0, {vocab}): "
+                            "the leader runs another model or the frame is corrupt")

@@ -4,7 +4,7 @@ generation as one session of the lockstep protocol (what `ds4tp run` runs).
 The pair's generation is one session of the serving protocol: SESSION_CREATE, the prompt but
 its last token as PREFILL_BATCH chunks, SAMPLER, then one EVAL_BATCH a token (the prompt's last
 token is the first step's input, as in mlx_lm.generate), HASH of the tokens sampled, and
-SESSION_DESTROY. A batch of one row is the session's own cache (lockstep.table), so its tokens
+SESSION_DESTROY. A batch of one row is the session's own cache (lockstep.decode_batch), so its tokens
 are the single process's, token for token.
 
 Decode is pipelined, as mlx-lm's generate_step is: both ranks sample each step's token inside
@@ -21,9 +21,11 @@ import dataclasses
 import time
 from typing import Callable, Collection, List, Optional, Sequence
 
+import mlx.core as mx
+
 from .. import gate_ops
 from ..link.wire import EVAL_PENDING
-from .compute import PREFILL_STEP, argmax_token, forward, make_cache, prefill
+from .compute import PREFILL_STEP, fill_cache, forward, make_cache
 from .row_sampling import stream_seed
 from .sampling import SamplingOptions
 from .sessions import LeaderSessions
@@ -81,15 +83,19 @@ def bench_prompt(tokenizer, text: str, count: int) -> List[int]:
 def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozenset()) -> GenerationStats:
     """A plain single-model greedy generation (tokens, prompt and decode seconds): the
     reference the pair must match, and the single-process benchmark. The prompt is
-    processed as the pair processes it (prefill)."""
+    processed as the pair processes it: all but its last token only fill the cache, the last
+    one's logits pick the first generated token (mlx-lm's generate_step)."""
+    if not prompt_tokens:
+        raise ValueError("the prompt has zero tokens; give a non-empty prompt")
     cache = make_cache(model)
     stats = GenerationStats(prompt_tokens=len(prompt_tokens))
     t0 = time.perf_counter()
-    stats.tokens.append(argmax_token(prefill(model, prompt_tokens, cache)))
+    fill_cache(model, prompt_tokens[:-1], cache)
+    stats.tokens.append(int(mx.argmax(forward(model, prompt_tokens[-1:], cache)).item()))
     stats.prompt_sec = time.perf_counter() - t0
     t1 = time.perf_counter()
     while len(stats.tokens) < max_tokens and stats.tokens[-1] not in eos:
-        stats.tokens.append(argmax_token(forward(model, [stats.tokens[-1]], cache)))
+        stats.tokens.append(int(mx.argmax(forward(model, [stats.tokens[-1]], cache)).item()))
         stats.decode_tokens += 1
     stats.decode_sec = time.perf_counter() - t1
     return stats
@@ -122,13 +128,13 @@ def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: i
     open_session(sessions, prompt, max_tokens)
     sessions.sampler(SESSION, sampling, prompt, stream_seed(sampling))
     sessions.step([(SESSION, prompt[-1])])
-    first_step = sessions.table.step_count
+    first_step = sessions.table.batch.step_count
     while True:
-        drawn = sessions.table.pending[SESSION]
+        drawn = sessions.table.batch.pending[SESSION]
         ahead = len(stats.tokens) + 1 < max_tokens
         if ahead:
             sessions.step([(SESSION, EVAL_PENDING)])  # queued before `drawn` is read
-            decoded = sessions.table.step_count - first_step  # the token this step makes
+            decoded = sessions.table.batch.step_count - first_step  # the token this step makes
             if debug_hash and decoded % debug_hash == 0:
                 sessions.check_hash()
         (token,) = sessions.read(drawn)
@@ -140,7 +146,7 @@ def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: i
         if not ahead or token in eos:
             break
     if ahead:  # the step after the end of sequence: both ranks queued it, both finish it
-        sessions.read(sessions.table.pending[SESSION])
+        sessions.read(sessions.table.batch.pending[SESSION])
     sessions.check_hash(SESSION)
     stats.prompt_sec = first_at - t0
     stats.decode_tokens = len(stats.tokens) - 1

@@ -1,12 +1,12 @@
 """A quantized KV cache that can join the decode batch: `--kv-bits` with continuous batching.
 
 mlx-lm quantizes a session's KV cache with QuantizedKVCache, but that class has no batched
-twin (no `merge`), so mlx_lm.server turns batching off under --kv-bits. The session table
-builds its decode batch with `caches[0][i].merge(...)`, then `extend`, `filter` and `extract`
-(see table.py), so a quantized layer needs exactly BatchKVCache's API over quantized storage:
+twin (no `merge`), so mlx_lm.server turns batching off under --kv-bits. The decode batch
+is built with `caches[0][i].merge(...)`, then `extend`, `filter` and `extract`
+(lockstep.decode_batch), so a quantized layer needs exactly BatchKVCache's API over quantized storage:
 
 - SessionQuantizedKVCache: mlx-lm's QuantizedKVCache (same update, same attention path) plus
-  `size()` and `merge()`, the two calls the table makes on a session's own cache.
+  `size()` and `merge()`, the two calls made on a session's own cache.
 - BatchQuantizedKVCache: BatchKVCache's semantics (left padding, an offsets array, `_idx`,
   256-step growth, right-padded prefill rolled left by `finalize`) where keys and values are
   the (data, scales, biases) tuples of mx.quantize, every sequence-axis operation applied to
@@ -95,9 +95,6 @@ class BatchQuantizedKVCache(_BaseCache):
         for i in range(len(self.keys)):
             self.keys[i][..., prev:self._idx, :] = q_keys[i]
             self.values[i][..., prev:self._idx, :] = q_values[i]
-        return self.keys_and_values()
-
-    def keys_and_values(self):
         return tree_map(lambda x: x[..., :self._idx, :], (self.keys, self.values))
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -247,19 +244,13 @@ class BatchQuantizedKVCache(_BaseCache):
         return sum(x.nbytes for x in self.keys + self.values)
 
 
-def _as_session(c: QuantizedKVCache) -> SessionQuantizedKVCache:
-    out = SessionQuantizedKVCache(group_size=c.group_size, bits=c.bits)
-    out.keys, out.values, out.offset = c.keys, c.values, c.offset
-    return out
-
-
 def quantize_session_cache(cache: list, bits: int, group_size: int) -> list:
     """A session's per-layer caches with every plain KVCache quantized as mlx-lm's
     KVCache.to_quantized does, into SessionQuantizedKVCache so the session can still be batched.
 
     Other layer types (RotatingKVCache, ArraysCache, CacheList, ...) are returned as they are:
     each has its own batched twin in mlx-lm or none, and quantizing them is not mlx-lm's
-    behaviour either (see unquantizable_layers to report them). A plain QuantizedKVCache is
+    behaviour either (describe_unquantizable reports them). A plain QuantizedKVCache is
     rewrapped, unchanged, since without `merge` it would stop the batch from forming.
     """
     out = []
@@ -272,24 +263,21 @@ def quantize_session_cache(cache: list, bits: int, group_size: int) -> list:
                 q.values = mx.quantize(c.values, group_size=group_size, bits=bits)
             out.append(q)
         elif type(c) is QuantizedKVCache:
-            out.append(_as_session(c))
+            q = SessionQuantizedKVCache(group_size=c.group_size, bits=c.bits)
+            q.keys, q.values, q.offset = c.keys, c.values, c.offset
+            out.append(q)
         else:
             out.append(c)
     return out
 
 
-def unquantizable_layers(cache: Sequence) -> Dict[str, List[int]]:
-    """Layer type name -> indices of the layers quantize_session_cache leaves in full precision."""
+def describe_unquantizable(cache: Sequence) -> Optional[str]:
+    """A sentence for a log or an error naming the layers quantize_session_cache leaves in full
+    precision (--kv-bits cannot quantize them), or None."""
     found: Dict[str, List[int]] = {}
     for i, c in enumerate(cache):
         if type(c) is not KVCache and not isinstance(c, QuantizedKVCache):
             found.setdefault(type(c).__name__, []).append(i)
-    return found
-
-
-def describe_unquantizable(cache: Sequence) -> Optional[str]:
-    """A sentence for a log or an error naming the layers --kv-bits cannot quantize, or None."""
-    found = unquantizable_layers(cache)
     if not found:
         return None
     parts = ", ".join(f"{name} (layers {', '.join(map(str, idx))})" for name, idx in found.items())

@@ -103,11 +103,6 @@ class RowSampler:
         self.keep_logprobs = keep_logprobs
         self.last_logprobs: Optional[mx.array] = None
 
-    @property
-    def plain(self) -> bool:
-        """Greedy with no processor: its rows share one argmax."""
-        return self.options.greedy
-
     def draw(self, logits: mx.array) -> mx.array:
         """Tokens ([rows] int32, lazy) from rows of logits ([rows, vocab]): a session's next
         token from its one row, or a verify round's target at each of its positions, all in
@@ -135,14 +130,6 @@ class RowSampler:
         return token
 
 
-def shared_argmax(logits: mx.array, rows: List[int]) -> Tuple[mx.array, mx.array]:
-    """The normalised log-probabilities of `rows` of a batch's logits ([rows, vocab]) and their
-    argmax: what mlx-lm's greedy sampler takes and gives, one op for all the greedy rows."""
-    picked = logits if len(rows) == logits.shape[0] else logits[mx.array(rows)]
-    logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
-    return logprobs, mx.argmax(logprobs, axis=-1)
-
-
 def sample_batch(logits: mx.array, samplers: List[RowSampler], errors: Dict[int, str]) -> mx.array:
     """Each row's token ([rows] int32, lazy) of a decode step's logits ([rows, vocab]). Greedy
     rows without processors share one argmax; the others draw one by one. A row whose sampler
@@ -150,10 +137,12 @@ def sample_batch(logits: mx.array, samplers: List[RowSampler], errors: Dict[int,
     by row, on both ranks alike; the leader then fails that request alone."""
     logits = logits.astype(mx.float32)
     parts: List[Optional[mx.array]] = [None] * len(samplers)
-    plain = [i for i, s in enumerate(samplers) if s.plain]
+    plain = [i for i, s in enumerate(samplers) if s.options.greedy]
     if plain:
-        logprobs, tokens = shared_argmax(logits, plain)
-        tokens = tokens.astype(mx.int32)
+        # mlx-lm's greedy sampler over the normalised log-probabilities, one op for all the rows.
+        picked = logits if len(plain) == logits.shape[0] else logits[mx.array(plain)]
+        logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         for j, i in enumerate(plain):
             parts[i] = tokens[j:j + 1]
             if samplers[i].keep_logprobs:

@@ -6,6 +6,7 @@ The one sampler that draws with them is lockstep.row_sampling.RowSampler.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -91,15 +92,11 @@ def processor_context(options: SamplingOptions) -> int:
 
 def options_to_json(options: SamplingOptions) -> bytes:
     """The options as the SAMPLER command carries them to the worker."""
-    import json
-
     return json.dumps(dataclasses.asdict(options)).encode()
 
 
 def options_from_json(data: bytes) -> SamplingOptions:
     """options_to_json's inverse; ValueError naming what is wrong."""
-    import json
-
     try:
         fields = json.loads(data.decode("utf-8"))
         fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields.get("logit_bias", ()))

@@ -130,7 +130,7 @@ class LeaderSessions:
             raise
 
     def create(self, session: int, cache_id: int = 0, mode: int = FRESH, kv: int = 0) -> None:
-        """SESSION_CREATE on both ranks; kv: a fresh cache's quantization (table.kv_code)."""
+        """SESSION_CREATE on both ranks; kv: a fresh cache's quantization (session_caches.kv_code)."""
         self._command(F.SESSION_CREATE, CREATE.pack(session, cache_id, mode, kv))
 
     def sampler(self, session: int, options, prompt: Sequence[int], seed: int) -> None:
@@ -148,26 +148,26 @@ class LeaderSessions:
 
     def step(self, rows: Sequence[Tuple[int, int]]) -> mx.array:
         """Logits [rows, vocab] of one decode step over (session, input token) rows."""
-        return self._command(F.EVAL_BATCH, pack_batch(self.table.step_count + 1, rows))
+        return self._command(F.EVAL_BATCH, pack_batch(self.table.batch.step_count + 1, rows))
 
     def sampled_step(self, rows: Sequence[Tuple[int, int]]) -> SampledStep:
         """One decode step over (session, input token or EVAL_PENDING) rows whose sessions all
         have samplers (SAMPLER): queued, not waited for; what this rank drew for each row."""
         self.step(rows)
-        table, sids = self.table, [sid for sid, _ in rows]
-        drawn = [table.pending[sid] for sid in sids]
+        batch, sids = self.table.batch, [sid for sid, _ in rows]
+        drawn = [batch.pending[sid] for sid in sids]
         return SampledStep(drawn[0] if len(drawn) == 1 else mx.concatenate(drawn),
-                           {i: table.row_errors.pop(sid) for i, sid in enumerate(sids) if sid in table.row_errors},
-                           [table.samplers[sid].last_logprobs for sid in sids])
+                           {i: batch.row_errors.pop(sid) for i, sid in enumerate(sids) if sid in batch.row_errors},
+                           [batch.samplers[sid].last_logprobs for sid in sids])
 
     def verify_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> mx.array:
         """Logits [rows, width, vocab] of one decode step whose rows are (session, its input token
         and drafts); COMMIT_BATCH (commit_batch) must follow."""
-        return self._command(F.VERIFY_BATCH, pack_verify_batch(self.table.step_count + 1, rows))
+        return self._command(F.VERIFY_BATCH, pack_verify_batch(self.table.batch.step_count + 1, rows))
 
     def commit_batch(self, keep: Sequence[int]) -> None:
         """COMMIT_BATCH on both ranks: the positions each row of the last verify keeps."""
-        self._command(F.COMMIT_BATCH, pack_commit(self.table.step_count, keep))
+        self._command(F.COMMIT_BATCH, pack_commit(self.table.batch.step_count, keep))
 
     def destroy(self, session: int, store_as: int = 0) -> None:
         """SESSION_DESTROY on both ranks."""
@@ -190,7 +190,7 @@ class LeaderSessions:
         self._swap_hash(0, poll_sec)
 
     def _swap_hash(self, session: int, poll_sec: Optional[float]) -> None:
-        step, (mine, what) = self.table.step_count, self.table.hash_of(session)
+        step, (mine, what) = self.table.batch.step_count, self.table.batch.hash_of(session)
         self.control.send(F.HASH, HASH.pack(session, step, mine))
         while poll_sec is not None and not select.select([self.control.sock], [], [], poll_sec)[0]:
             pass
@@ -230,7 +230,7 @@ class LeaderSessions:
 
 def serve_worker(group: gate_ops.Group, model, *, tell_leader: bool = True) -> SessionTable:
     """The worker's one command loop: execute the leader's commands until STOP; returns the
-    table (its step_count: decode steps run; ended: sessions served). Raises on any failure,
+    table (its batch.step_count: decode steps run; ended: sessions served). Raises on any failure,
     after telling the leader why (an ERROR frame, so its error names the cause, not just
     'peer closed') unless tell_leader is False."""
     control = group.pair.control
@@ -242,9 +242,9 @@ def serve_worker(group: gate_ops.Group, model, *, tell_leader: bool = True) -> S
                 return table
             if ftype == F.HASH:
                 session, step, theirs = unpack(HASH, payload, ftype)
-                mine, what = table.hash_of(session)
-                control.send(F.HASH, HASH.pack(session, table.step_count, mine))
-                check_in_step(table.step_count, mine, step, theirs, "leader", what)
+                mine, what = table.batch.hash_of(session)
+                control.send(F.HASH, HASH.pack(session, table.batch.step_count, mine))
+                check_in_step(table.batch.step_count, mine, step, theirs, "leader", what)
                 continue
             table.apply(ftype, payload)
     except Exception as exc:

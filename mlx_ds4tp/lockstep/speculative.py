@@ -31,7 +31,8 @@ from typing import Callable, Collection, List, Optional, Protocol, Sequence
 import mlx.core as mx
 
 from .batch_verify import accepted_prefix
-from .generate import PREFILL_STEP, SESSION, GenerationStats, open_session
+from .compute import fill_cache
+from .generate import SESSION, GenerationStats, open_session
 from .row_sampling import RowSampler
 from .sampling import SamplingOptions
 from .sessions import LeaderSessions
@@ -108,13 +109,10 @@ class DraftModel:
 
         self.model = model
         self.cache = make_prompt_cache(model)
-        self.fed = 0  # history tokens the draft cache holds
         self.sampler = sampler or RowSampler(SamplingOptions(), prompt[-1:], 0, 0)
         head = list(prompt[:-1])
-        for start in range(0, len(head), PREFILL_STEP):
-            self.model(mx.array(head[start:start + PREFILL_STEP])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        self.fed = len(head)
+        fill_cache(model, head, self.cache)
+        self.fed = len(head)  # history tokens the draft cache holds
 
     def propose(self, history: Sequence[int], k: int) -> List[int]:
         pending = list(history[self.fed:])

@@ -17,8 +17,8 @@ import itertools
 from typing import Dict, List, Optional
 
 from ..lockstep.prompt_cache import PromptCacheIndex
+from ..lockstep.session_caches import kv_code
 from ..lockstep.sessions import LeaderSessions
-from ..lockstep.table import kv_code
 from .limits import ServeLimits
 from .requests import Request, RunningSession, reserved_tokens
 
@@ -26,7 +26,7 @@ from .requests import Request, RunningSession, reserved_tokens
 def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
     from mlx_lm.models.cache import can_trim_prompt_cache
 
-    return PromptCacheIndex(limits.prompt_cache_size, can_trim_prompt_cache(sessions.table.make_cache()),
+    return PromptCacheIndex(limits.prompt_cache_size, can_trim_prompt_cache(sessions.table.caches.make_cache()),
                             limits.prompt_cache_bytes)
 
 
@@ -104,7 +104,7 @@ class Admission:
             cache_id, evicted = self.index.insert(fed)
             self.sessions.destroy(session.sid, cache_id)
             if cache_id:
-                evicted += self.index.charge(cache_id, self.sessions.table.stored_bytes(cache_id))
+                evicted += self.index.charge(cache_id, self.sessions.table.caches.stored_bytes(cache_id))
             for old in evicted:
                 self.sessions.invalidate(old)
         self.reserved -= session.reserved

@@ -62,7 +62,7 @@ class DecodeStepper:
         seed = stream_seed(request.options)
         if self.pipelined:
             self.sessions.sampler(session.sid, request.options, request.prompt, seed)
-            session.sampler = self.sessions.table.samplers[session.sid]
+            session.sampler = self.sessions.table.batch.samplers[session.sid]
         else:
             session.sampler = RowSampler(request.options, request.prompt, seed, self.sessions.table.vocab)
         session.sampler.keep_logprobs = request.logprobs is not None

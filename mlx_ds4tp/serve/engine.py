@@ -88,7 +88,8 @@ class Engine:
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
                 "mlx_peak_bytes": mx.get_peak_memory(),
                 # The leader's table (the worker's is the same): sessions, stored caches.
-                "table_sessions": len(table.sessions) + len(table.rows), "table_stored": len(table.stored),
+                "table_sessions": len(table.caches.sessions) + len(table.batch.rows),
+                "table_stored": len(table.caches.stored),
                 **(self.prefill.mixing.figures() if self.limits.mixed_prefill else {})}
 
     def queued(self) -> int:

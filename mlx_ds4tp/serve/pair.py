@@ -227,7 +227,7 @@ def _worker(group: gate_ops.Group, model, link: LinkSettings, rejoin: bool) -> i
     while True:
         try:
             table = serve_worker(group, model)  # tells the leader why if it fails
-            tr.log(f"worker done after {table.step_count} decode steps: the leader said stop")
+            tr.log(f"worker done after {table.batch.step_count} decode steps: the leader said stop")
             if not rejoin:
                 return 0
         except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin

@@ -1,0 +1,187 @@
+"""One rank's caches of the sessions not decoding yet (from SESSION_CREATE until they join
+lockstep.decode_batch) and its stored prompt caches (a destroyed session's, which a later one
+moves or copies as the leader's lockstep.prompt_cache decides); lockstep.table applies the
+commands that change them."""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import transport as tr
+from .compute import PREFILL_STEP, fill_cache, make_cache
+from .frames import check_tokens
+from .prompt_cache import COPY, FRESH, MOVE
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def kv_code(bits: int, group_size: int) -> int:
+    """SESSION_CREATE's KV field: 0 for a float cache, else bits | group_size << 8."""
+    return 0 if not bits else bits | group_size << 8
+
+
+def kv_of_code(code: int) -> Tuple[int, int]:
+    """(bits, group size) of a SESSION_CREATE KV field; FrameError when it names neither."""
+    if code == 0:
+        return 0, 0
+    bits, group_size = code & 0xFF, code >> 8
+    if bits not in KV_BITS or group_size not in KV_GROUP_SIZES:
+        raise tr.FrameError(f"SESSION_CREATE asks for a KV cache of {bits} bits in groups of "
+                            f"{group_size} (bits {KV_BITS}, groups {KV_GROUP_SIZES})")
+    return bits, group_size
+
+
+def owned(cache: list) -> list:
+    """The cache with every array its own copy. A row extracted from the batch may be a view of
+    the whole batch's buffer (mlx-lm's extract of the longest row of a just-merged batch is
+    contiguous, so no copy is made), and a stored cache would then keep every other row's
+    keys and values alive for as long as it is kept."""
+    made: list = []
+
+    def own(value):
+        if isinstance(value, mx.array):
+            made.append(mx.array(value))
+            return made[-1]
+        if isinstance(value, (list, tuple)) and any(isinstance(v, mx.array) for v in value):
+            return type(value)(own(v) for v in value)
+        return value
+
+    for layer in cache:
+        for name, value in list(vars(layer).items()):
+            new = own(value)
+            if new is not value:
+                setattr(layer, name, new)
+    mx.eval(made)
+    return cache
+
+
+class SessionCaches:
+    """The caches of the sessions not yet decoding, and the stored caches, of one rank."""
+
+    def __init__(self, model, vocab: int):
+        self.model = model
+        self.vocab = vocab
+        self.make_cache = lambda: make_cache(model)
+        self.sessions: Dict[int, list] = {}  # prefilling, not yet in the batch
+        self.stored: Dict[int, list] = {}
+        self._said_no_merge = False  # prefill_batch's fallback is logged once
+
+    def create(self, session: int, cache_id: int, mode: int, kv: int = 0) -> None:
+        """A new session: a fresh cache (its KV quantized as `kv` says, kv_code), or stored
+        cache `cache_id` moved or copied (quantized as it was made)."""
+        if mode == FRESH:
+            bits, group_size = kv_of_code(kv)
+            cache = self.make_cache()
+            if bits:
+                from .quantized_cache import quantize_session_cache
+
+                cache = quantize_session_cache(cache, bits, group_size)
+            self.sessions[session] = cache
+            return
+        if cache_id not in self.stored:
+            raise tr.FrameError(f"SESSION_CREATE reuses stored cache {cache_id}, which does not exist")
+        if mode == MOVE:
+            self.sessions[session] = self.stored.pop(cache_id)
+        elif mode == COPY:
+            self.sessions[session] = copy.deepcopy(self.stored[cache_id])
+        else:
+            raise tr.FrameError(f"SESSION_CREATE mode {mode} is not FRESH, MOVE or COPY")
+
+    def rewind(self, session: int, keep: int) -> None:
+        """Trim a (reused) session cache to its first `keep` tokens."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        cache = self.session(session)
+        size = cache[0].size() if cache else 0  # a model without layer caches holds nothing
+        if keep > size:
+            raise tr.FrameError(f"REWIND session {session} to {keep} tokens, but it holds {size}")
+        trim_prompt_cache(cache, size - keep)
+
+    def prefill_batch(self, sessions: List[int], chunks: List[np.ndarray]) -> None:
+        """One prefill chunk of each of several sessions that are not decoding yet, in one padded
+        forward, as mlx-lm's PromptProcessingBatch.prompt processes prompts together: the
+        caches merged (left-padded to the longest history, so a reused cache joins as it is),
+        the chunks right-padded to the longest, prepare / forward / finalize (the right padding
+        rolled into left padding), then each row extracted back into its session's own cache,
+        so joining the decode batch, destroying and storing a cache are unchanged. One row is
+        fill_cache itself, bit for bit (only the cache is evaluated, so neither the vocabulary
+        projection, its logits gather nor the last block's gates run); a cache family mlx-lm
+        cannot merge runs the rows one at a time (the same decision on both ranks: it depends
+        on the model alone)."""
+        from mlx_lm.generate import _merge_caches, _right_pad_prompts
+
+        if len(set(sessions)) != len(sessions) or len(sessions) != len(chunks) or not sessions:
+            raise tr.FrameError(f"PREFILL_BATCH sessions {sessions} with {len(chunks)} chunks: "
+                                "each session once, one non-empty chunk each")
+        caches = [self.session(s) for s in sessions]
+        for tokens in chunks:
+            check_tokens(tokens, self.vocab)
+            if len(tokens) == 0:
+                raise tr.FrameError("PREFILL_BATCH carries an empty chunk")
+        batch = None
+        if len(sessions) > 1 and caches[0]:
+            try:
+                batch = _merge_caches(caches)
+            except ValueError as exc:
+                if not self._said_no_merge:
+                    tr.log(f"prefill: prompts are prefilled one at a time ({exc})")
+                    self._said_no_merge = True
+        if batch is None:
+            for tokens, cache in zip(chunks, caches):
+                fill_cache(self.model, tokens.tolist(), cache)
+            return
+        lengths = [len(t) for t in chunks]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        tokens = _right_pad_prompts([t.tolist() for t in chunks], max_length=longest)
+        if max(padding):
+            for c in batch:
+                c.prepare(lengths=lengths, right_padding=padding)
+        # Chunked as fill_cache is, so the attention scores never outgrow one chunk's; the
+        # finalize joins the last chunk's evaluation (it moves cache entries, no gates).
+        for start in range(0, longest, PREFILL_STEP):
+            self.model(tokens[:, start:start + PREFILL_STEP], cache=batch)
+            if start + PREFILL_STEP >= longest and max(padding):
+                for c in batch:
+                    c.finalize()
+            mx.eval([c.state for c in batch])
+        # The rows' own copies (owned: an extracted row may be a view of the padded batch), so
+        # the padded batch's memory goes before the next forward.
+        for i, session in enumerate(sessions):
+            self.sessions[session] = owned([c.extract(i) for c in batch])
+        # As mlx-lm after each prompt chunk: MLX keeps freed buffers for reuse, and a padded
+        # forward's activations would otherwise stay held as the process's memory.
+        mx.clear_cache()
+
+    def session(self, session: int) -> list:
+        """The cache of a session not yet decoding; FrameError for any other."""
+        cache = self.sessions.get(session)
+        if cache is None:
+            raise tr.FrameError(f"session {session} does not exist or is already decoding")
+        return cache
+
+    def take(self, session: int) -> list:
+        """The cache of a session that joins the decode batch, no longer held here."""
+        cache = self.session(session)
+        del self.sessions[session]
+        return cache
+
+    def store(self, cache_id: int, cache: list) -> None:
+        """Keep a destroyed session's cache as stored cache `cache_id` (its own arrays)."""
+        if cache_id in self.stored:
+            raise tr.FrameError(f"SESSION_DESTROY stores under cache id {cache_id}, already taken")
+        self.stored[cache_id] = owned(cache)
+
+    def invalidate(self, cache_id: int) -> None:
+        """Drop stored cache `cache_id`."""
+        if self.stored.pop(cache_id, None) is None:
+            raise tr.FrameError(f"INVALIDATE names stored cache {cache_id}, which does not exist")
+
+    def stored_bytes(self, cache_id: int) -> int:
+        """Bytes a stored cache's arrays take on this rank."""
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in self.stored.get(cache_id, ()))
