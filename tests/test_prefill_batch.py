@@ -307,7 +307,7 @@ def test_prompt_concurrency_is_checked_and_passed_down(tmp_path, monkeypatch, va
     (tmp_path / "config.json").write_text("{}")
     leader = ["serve", "--model", str(tmp_path), "--role", "leader", "--listen", "127.0.0.1", "9911"]
     args = build_parser().parse_args(leader)
-    assert args.func(args) == 0 and got["args"].prompt_concurrency == 8  # mlx_lm.server's default
+    assert args.func(args) == 0 and got["args"].limits.prompt_concurrency == 8  # mlx_lm.server's default
     args = build_parser().parse_args(leader + ["--prompt-concurrency", value])
     with pytest.raises(SystemExit) as info:
         args.func(args)
