@@ -1,5 +1,5 @@
-"""One request's answer as the engine produces it: its events (text gathered, keep-alives,
-the pair's failure as an ApiError), and the whole answer of a request that does not stream."""
+"""One request's answer as the engine produces it: its pieces (text gathered, keep-alives, the
+pair's failure as an ApiError), and the whole answer of a request that does not stream."""
 
 from __future__ import annotations
 
@@ -23,21 +23,28 @@ EVENT_POLL_SEC = 1.0
 CLIENT_CHECK_SEC = 0.5
 
 
-def answer_events(request: Request, state: ServeState, client_gone: Callable[[], bool]) -> Iterator[tuple]:
-    """The request's events until done, with ("idle", None) after keepalive_sec of silence;
-    ApiError(503) when the pair fails. Text that piled up while this thread waited for the
-    interpreter goes out as one event: fewer writes, and less time holding the lock the
-    engine thread needs for the next step."""
+def answer_pieces(conn: Connection, state: ServeState, request: Request,
+                  chat: Optional[ChatText]) -> Iterator[tuple]:
+    """The answer as the engine produces it, in pieces ({"content", "reasoning", "tool_calls"},
+    split by `chat`; plain text when None): ("text", pieces, logprobs entries), ("idle", None,
+    None) after keepalive_sec of silence, and last ("done", pieces, finish reason), where "stop"
+    after a tool call is "tool_calls"; ApiError(503) when the pair fails. Text that piled up
+    while this thread waited for the interpreter goes out as one piece: fewer writes, and less
+    time holding the lock the engine thread needs for the next step."""
     text: list = []
     items: list = []
     clock, counted = TokenClock(state.metrics), 0
     checked = last = time.monotonic()
     keepalive = state.http.keepalive_sec
     poll = min(EVENT_POLL_SEC, keepalive)
+
+    def text_piece() -> tuple:
+        return "text", chat.add("".join(text)) if chat else _plain("".join(text)), items
+
     while True:
         if time.monotonic() - checked > CLIENT_CHECK_SEC:
             checked = time.monotonic()
-            if client_gone():
+            if conn.client_gone():
                 # Nobody will read the answer: free the session on both ranks.
                 request.cancelled = True
                 raise ClientGone()
@@ -45,7 +52,7 @@ def answer_events(request: Request, state: ServeState, client_gone: Callable[[],
             event = request.events.get_nowait() if text else request.events.get(timeout=poll)
         except queue.Empty:
             if text:
-                yield ("text", "".join(text), items)
+                yield text_piece()
                 text, items = [], []
                 last = time.monotonic()
             elif not state.engine.alive():
@@ -53,7 +60,7 @@ def answer_events(request: Request, state: ServeState, client_gone: Callable[[],
                 raise unavailable(state.engine.error or "the engine thread stopped") from None
             elif time.monotonic() - last >= keepalive:
                 last = time.monotonic()
-                yield ("idle", None)
+                yield "idle", None, None
             continue
         last = time.monotonic()
         if event[0] == "error":
@@ -69,14 +76,18 @@ def answer_events(request: Request, state: ServeState, client_gone: Callable[[],
             clock.tokens(request.completion_tokens - counted)
             counted = request.completion_tokens
             continue
-        if event[0] == "done":
-            state.metrics.finished(len(request.prompt), request.completion_tokens, request.cached_tokens)
+        # "done", the last event there is.
+        state.metrics.finished(len(request.prompt), request.completion_tokens, request.cached_tokens)
         if text:
-            yield ("text", "".join(text), items)
-            text, items = [], []
-        yield event
-        if event[0] == "done":
-            return
+            yield text_piece()
+        pieces = chat.finish(event[1]) if chat else _plain("")
+        called = chat is not None and chat.made_tool_call and event[1] == "stop"
+        yield "done", pieces, "tool_calls" if called else event[1]
+        return
+
+
+def _plain(text: str) -> Dict[str, Any]:
+    return {"content": text, "reasoning": "", "tool_calls": []}
 
 
 @dataclasses.dataclass
@@ -91,42 +102,22 @@ class Answer:
     finish: str
 
 
-def _collect(chat: Optional[ChatText], events: Iterator[tuple], request: Request) -> Answer:
-    parts, items, finish = [], [], "stop"
-    reasoning, calls = [], []
-
-    def take(pieces: Dict[str, Any]) -> None:
-        parts.append(pieces["content"])
-        reasoning.append(pieces["reasoning"])
-        calls.extend(pieces["tool_calls"])
-
-    for event in events:
-        if event[0] == "text":
-            items.extend(event[2])
-            if chat is None:
-                parts.append(event[1])
-            else:
-                take(chat.add(event[1]))
-        elif event[0] == "done":
-            finish = event[1]
-    if chat is not None:
-        take(chat.finish(finish))
-        if chat.made_tool_call and finish == "stop":
-            finish = "tool_calls"
-    return Answer("".join(parts), "".join(reasoning), calls,
-                  items if request.logprobs is not None else None, finish)
-
-
-def send_whole(conn: Connection, request: Request, chat: Optional[ChatText], events: Iterator[tuple],
+def send_whole(conn: Connection, request: Request, pieces: Iterator[tuple],
                body: Callable[[Answer], Dict[str, Any]]) -> None:
     """The answer of a request that does not stream, once the engine is done with it: `body`
-    (each API's shape of the Answer) with 200, or the error; nothing when the client left.
-    chat: the answer's text is split into content, reasoning and tool calls (None: plain text)."""
+    (each API's shape of the Answer) with 200; nothing when the client left; ApiError raised."""
+    text, reasoning, calls, items, finish = [], [], [], [], "stop"
     try:
-        answer = _collect(chat, events, request)
-    except ApiError as err:
-        conn.send_api_error(err)
-        return
+        for kind, piece, extra in pieces:
+            if kind != "idle":
+                text.append(piece["content"])
+                reasoning.append(piece["reasoning"])
+                calls.extend(piece["tool_calls"])
+                if kind == "text":
+                    items.extend(extra)
+                else:
+                    finish = extra
     except ClientGone:
         return
-    conn.send_json(200, body(answer))
+    conn.send_json(200, body(Answer("".join(text), "".join(reasoning), calls,
+                                    items if request.logprobs is not None else None, finish)))

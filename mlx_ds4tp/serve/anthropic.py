@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .answer import Answer, answer_events, send_whole
+from .answer import Answer, answer_pieces, send_whole
 from .api import ParsedRequest
 from .chat import ChatText, text_content
 from .connection import Connection
@@ -88,11 +88,10 @@ def to_chat_body(body: dict) -> dict:
         raise ApiError(400, "'max_tokens' is required", "max_tokens", "missing_field")
     chat: Dict[str, Any] = {"messages": _messages(body), "max_tokens": body["max_tokens"]}
     for ours, theirs in (("model", "model"), ("stop", "stop_sequences"), ("stream", "stream"),
-                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                         ("metadata", "metadata")):
         if body.get(theirs) is not None:
             chat[ours] = body[theirs]
-    if body.get("metadata") is not None:
-        chat["metadata"] = body["metadata"]
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
@@ -205,26 +204,23 @@ class MessageStream:
 def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
     """POST /v1/messages's answer to a submitted request."""
     shape = MessageShape(parsed.model, len(parsed.prompt))
-    events = answer_events(request, state, conn.client_gone)
-    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream)
+    pieces = answer_pieces(conn, state, request, ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream))
     if not parsed.stream:
-        send_whole(conn, request, chat, events, lambda whole: shape.whole(whole, request))
+        send_whole(conn, request, pieces, lambda whole: shape.whole(whole, request))
         return
 
-    def write_events(events: Iterator[tuple], stream: EventStream) -> None:
+    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
         message = MessageStream(shape, stream.event)
         message.start(request.cached_tokens)
-        for event in events:
-            if event[0] == "idle":
+        for kind, piece, extra in pieces:
+            if kind == "idle":
                 stream.event("ping", {"type": "ping"})
-            elif event[0] == "text":
-                message.pieces(chat.add(event[1]))
             else:
-                message.pieces(chat.finish(event[1]))
-                finish = "tool_calls" if chat.made_tool_call and event[1] == "stop" else event[1]
-                message.finish(finish, request.completion_tokens)
+                message.pieces(piece)
+                if kind == "done":
+                    message.finish(extra, request.completion_tokens)
 
-    stream_answer(conn, request, events, write_events, lambda stream, err: stream.event("error", error_body(err)))
+    stream_answer(conn, request, pieces, write_events, lambda stream, err: stream.event("error", error_body(err)))
 
 
 __all__ = ["MessageShape", "MessageStream", "answer", "error_body", "to_chat_body"]

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..lockstep.sampling import SamplingOptions
-from .answer import Answer, answer_events, send_whole
+from .answer import Answer, answer_pieces, send_whole
 from .chat import ChatText, chat_prompt, chat_tools
 from .connection import Connection
 from .errors import ApiError
@@ -229,8 +229,7 @@ class ResponseShape:
     """The id, timestamps and object names shared by one request's response or chunks."""
 
     def __init__(self, kind: str, model: str):
-        self.kind = kind
-        self.model = model
+        self.kind, self.model = kind, model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._offset = 0  # completions' text_offset of the next token
@@ -306,40 +305,30 @@ def usage(request: Request) -> Dict[str, Any]:
 def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
     """POST /v1/chat/completions's or /v1/completions's answer to a submitted request."""
     shape = ResponseShape(parsed.kind, parsed.model)
-    events = answer_events(request, state, conn.client_gone)
     chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream) if parsed.kind == "chat" else None
+    pieces = answer_pieces(conn, state, request, chat)
     if not parsed.stream:
-        send_whole(conn, request, chat, events, lambda whole: shape.whole(whole, request))
+        send_whole(conn, request, pieces, lambda whole: shape.whole(whole, request))
         return
 
-    def write_events(events: Iterator[tuple], stream: EventStream) -> None:
+    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
         if chat is not None:
             stream.data(shape.chunk("", None, first=True))
-        for event in events:
-            if event[0] == "idle":
+        for kind, piece, extra in pieces:
+            logprobs = extra if kind == "text" and request.logprobs is not None else None
+            if kind == "idle":
                 stream.keep_alive()
-            elif event[0] == "text":
-                logprobs = event[2] if request.logprobs is not None else None
-                if chat is None:
-                    stream.data(shape.chunk(event[1], None, logprobs=logprobs))
-                else:
-                    _chat_chunk(stream, shape, chat.add(event[1]), logprobs)
             elif chat is None:
-                stream.data(shape.chunk("", event[1]))
+                stream.data(shape.chunk(piece["content"], None, logprobs=logprobs) if kind == "text"
+                            else shape.chunk("", extra))
             else:
-                _chat_chunk(stream, shape, chat.finish(event[1]), None)
-                finish = "tool_calls" if chat.made_tool_call and event[1] == "stop" else event[1]
-                stream.data(shape.chunk(None, finish))
+                if piece["content"] or piece["reasoning"] or piece["tool_calls"] or logprobs:
+                    stream.data(shape.chunk(piece["content"] or None, None, logprobs=logprobs,
+                                            reasoning=piece["reasoning"], tool_calls=piece["tool_calls"]))
+                if kind == "done":
+                    stream.data(shape.chunk(None, extra))
         if parsed.include_usage:
             stream.data(shape.usage_chunk(request))
         stream.write(b"data: [DONE]\n\n")
 
-    stream_answer(conn, request, events, write_events, lambda stream, err: stream.data(err.body()))
-
-
-def _chat_chunk(stream: EventStream, shape: ResponseShape, pieces: Dict[str, Any],
-                logprobs: Optional[list]) -> None:
-    """The chunk of a piece of a chat answer, if there is anything to send."""
-    if pieces["content"] or pieces["reasoning"] or pieces["tool_calls"] or logprobs:
-        stream.data(shape.chunk(pieces["content"] or None, None, logprobs=logprobs,
-                                reasoning=pieces["reasoning"], tool_calls=pieces["tool_calls"]))
+    stream_answer(conn, request, pieces, write_events, lambda stream, err: stream.data(err.body()))

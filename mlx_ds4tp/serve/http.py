@@ -1,10 +1,6 @@
 """The HTTP face of `ds4tp serve` on the leader: the standard library's threading server, each
-connection a Connection (serve/connection.py) that serve/routes.py answers over the Engine.
-
-Endpoints: GET /health (200 only while the pair is up), /metrics, /v1/models; POST
-/v1/chat/completions, /v1/completions, /v1/messages, /v1/responses (streamed as server-sent
-events on request). The worker runs no HTTP: it executes the leader's commands
-(mlx_ds4tp.lockstep.sessions) until STOP.
+connection a Connection (serve/connection.py) that serve/routes.py answers over the Engine. The
+worker runs no HTTP: it executes the leader's commands (mlx_ds4tp.lockstep.sessions) until STOP.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import json
 import select
 import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import anthropic, routes
 from .errors import ApiError
@@ -39,10 +35,22 @@ class Handler(BaseHTTPRequestHandler):
         return self.path.split("?", 1)[0]
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        routes.get(self, self.state, self._path())
+        self._route(routes.get)
 
     def do_POST(self) -> None:  # noqa: N802
-        routes.post(self, self.state, self._path())
+        self._route(routes.post)
+
+    def _route(self, route: Callable[[Handler, ServeState, str], None]) -> None:
+        path = self._path()
+        try:
+            route(self, self.state, path)
+        except ApiError as err:
+            # The body may be unread (a refused key, an unknown path): it must not be taken for
+            # the next request on this connection.
+            self.close_connection = True
+            headers = {"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else None
+            self.send_json(err.status, anthropic.error_body(err) if path.startswith("/v1/messages") else err.body(),
+                           headers)
 
     def do_OPTIONS(self) -> None:  # noqa: N802
         self.send_response(204)
@@ -64,46 +72,19 @@ class Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length)
 
     def send_json(self, status: int, body: Dict[str, Any], headers: Optional[Dict[str, str]] = None) -> None:
-        self._answered(status)
         data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            # Said, so a client that keeps connections alive opens a new one for its next
-            # request instead of writing into a socket this side has closed.
-            self.send_header("Connection", "close")
-        self._cors()
-        self.end_headers()
-        self.wfile.write(data)
+        # Connection: close said, so a client that keeps connections alive opens a new one for
+        # its next request instead of writing into a socket this side has closed.
+        closing = [("Connection", "close")] if self.close_connection else []
+        self._send(status, [("Content-Type", "application/json"), *(headers or {}).items(),
+                            ("Content-Length", str(len(data))), *closing], data)
 
     def send_metrics(self, data: bytes) -> None:
-        self._answered(200)
-        self.send_response(200)
-        self.send_header("Content-Type", METRICS_CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_api_error(self, err: ApiError) -> None:
-        # The body may be unread (a refused key, an unknown path): it must not be taken for
-        # the next request on this connection.
-        self.close_connection = True
-        headers = {"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else None
-        body = anthropic.error_body(err) if self._path().startswith("/v1/messages") else err.body()
-        self.send_json(err.status, body, headers)
+        self._send(200, [("Content-Type", METRICS_CONTENT_TYPE), ("Content-Length", str(len(data)))], data, cors=False)
 
     def start_events(self) -> None:
-        self._answered(200)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
         # No Content-Length: the stream ends when the connection closes.
-        self.send_header("Connection", "close")
-        self._cors()
-        self.end_headers()
+        self._send(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("Connection", "close")])
         self.close_connection = True
 
     def write(self, data: bytes) -> None:
@@ -121,10 +102,18 @@ class Handler(BaseHTTPRequestHandler):
         return gone
 
     # -- plumbing -------------------------------------------------------------------
-    def _answered(self, status: int) -> None:
+    def _send(self, status: int, headers: List[Tuple[str, str]], data: bytes = b"", cors: bool = True) -> None:
+        """The status line (counted in /metrics) and headers, then `data`."""
         state = getattr(self, "state", None)
         if state is not None:
             state.metrics.answered(routes.endpoint(self._path()), status)
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        if cors:
+            self._cors()
+        self.end_headers()
+        self.wfile.write(data)
 
     def _cors(self) -> None:
         self.send_header("Access-Control-Allow-Origin", "*")

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .answer import Answer, answer_events, send_whole
+from .answer import Answer, answer_pieces, send_whole
 from .api import ParsedRequest
 from .chat import ChatText, text_content
 from .connection import Connection
@@ -246,33 +246,32 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
     """POST /v1/responses's answer to a submitted request (body: the Responses request,
     messages: the conversation it continues, as to_chat_body made them)."""
     shape = ResponseShape(body, parsed.model, len(parsed.prompt))
-    events = answer_events(request, state, conn.client_gone)
     chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, streaming=False)
+    pieces = answer_pieces(conn, state, request, chat)
     if not parsed.stream:
         def whole(answer: Answer) -> Dict[str, Any]:
             state.responses.put(shape.id, conversation(messages, answer.text, answer.calls))
             return shape.whole(answer, request)
 
-        send_whole(conn, request, chat, events, whole)
+        send_whole(conn, request, pieces, whole)
         return
 
-    def write_events(events: Iterator[tuple], stream: EventStream) -> None:
+    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
         response = ResponseStream(shape, stream.event)
         text, calls = [], []
         response.start()
-        for event in events:
-            if event[0] == "idle":
+        for kind, piece, extra in pieces:
+            if kind == "idle":
                 stream.keep_alive()
                 continue
-            pieces = chat.add(event[1]) if event[0] == "text" else chat.finish(event[1])
-            text.append(pieces["content"])
-            calls.extend(pieces["tool_calls"])
-            response.pieces(pieces)
-            if event[0] == "done":
+            text.append(piece["content"])
+            calls.extend(piece["tool_calls"])
+            response.pieces(piece)
+            if kind == "done":
                 state.responses.put(shape.id, conversation(messages, "".join(text), calls))
-                response.finish(event[1], request.completion_tokens, request.cached_tokens)
+                response.finish(extra, request.completion_tokens, request.cached_tokens)
 
-    stream_answer(conn, request, events, write_events,
+    stream_answer(conn, request, pieces, write_events,
                   lambda stream, err: stream.event("error", {"type": "error", **err.body()}))
 
 

@@ -1,6 +1,7 @@
 """Which answer each request of `ds4tp serve` gets: its endpoint, the API key, the body checked
 into a ParsedRequest and submitted to the engine, then each API's answer (serve/api.py,
-anthropic.py, responses.py). Over a Connection (serve/connection.py): no HTTP stack here."""
+anthropic.py, responses.py). Over a Connection (serve/connection.py): no HTTP stack here. A
+request refused before its answer starts raises ApiError; the stack answers it."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ POST_KINDS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
               "/v1/completions": "text", "/completions": "text",
               "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
               "/v1/responses": "responses", "/responses": "responses"}
-_COUNTED = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-            "/v1/responses", "/v1/models", "/health", "/metrics")
+_COUNTED = {p for p in POST_KINDS if p.startswith("/v1/")} | {"/v1/models", "/health", "/metrics"}
 
 
 def endpoint(path: str) -> str:
@@ -28,22 +28,14 @@ def endpoint(path: str) -> str:
     return path if path in _COUNTED else ("/v1/models/{id}" if "/models/" in path else "other")
 
 
-def authorized(conn: Connection, state: ServeState) -> bool:
-    """True when the request may be answered; else its 401 is sent."""
+def _authorize(conn: Connection, state: ServeState) -> None:
     key = state.http.api_key
-    if not key:
-        return True
-    given = conn.header("Authorization")
-    if given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode()):
-        return True
-    # Anthropic's clients send the key as x-api-key.
-    other = conn.header("x-api-key")
-    if other and hmac.compare_digest(other.encode(), key.encode()):
-        return True
-    conn.send_api_error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with "
-                             "the key given to `ds4tp serve --api-key` (or 'x-api-key: KEY')", None,
-                             "invalid_api_key", "authentication_error"))
-    return False
+    given, other = conn.header("Authorization"), conn.header("x-api-key")  # x-api-key: Anthropic's clients
+    if not key or (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())) or \
+            (other and hmac.compare_digest(other.encode(), key.encode())):
+        return
+    raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the key given to "
+                   "`ds4tp serve --api-key` (or 'x-api-key: KEY')", None, "invalid_api_key", "authentication_error")
 
 
 def get(conn: Connection, state: ServeState, path: str) -> None:
@@ -56,38 +48,31 @@ def get(conn: Connection, state: ServeState, path: str) -> None:
             body["error"] = error
         conn.send_json(200 if error is None else 503, body)
     elif path == "/metrics":
-        if authorized(conn, state):
-            conn.send_metrics(state.metrics.render())
+        _authorize(conn, state)
+        conn.send_metrics(state.metrics.render())
     elif path in ("/v1/models", "/models"):
-        if authorized(conn, state):
-            conn.send_json(200, {"object": "list", "data": [{"id": state.model_ids[0], **model}]})
+        _authorize(conn, state)
+        conn.send_json(200, {"object": "list", "data": [{"id": state.model_ids[0], **model}]})
     elif path.startswith(("/v1/models/", "/models/")):
-        if authorized(conn, state):
-            name = urllib.parse.unquote(path.split("/models/", 1)[1])
-            if name in state.model_ids:
-                conn.send_json(200, {"id": name, **model})
-            else:
-                conn.send_api_error(ApiError(404, f"model '{name}' is not served here", "model", "model_not_found"))
+        _authorize(conn, state)
+        name = urllib.parse.unquote(path.split("/models/", 1)[1])
+        if name not in state.model_ids:
+            raise ApiError(404, f"model '{name}' is not served here", "model", "model_not_found")
+        conn.send_json(200, {"id": name, **model})
     else:
-        conn.send_api_error(ApiError(404, f"no endpoint {path}; see GET /v1/models, POST /v1/chat/completions, "
-                                 "POST /v1/completions, POST /v1/messages", None, "not_found"))
+        raise ApiError(404, f"no endpoint {path}; see GET /v1/models, POST /v1/chat/completions, "
+                       "POST /v1/completions, POST /v1/messages", None, "not_found")
 
 
 def post(conn: Connection, state: ServeState, path: str) -> None:
     """POST to the chat, completions, messages (and count_tokens) and responses endpoints."""
     kind = POST_KINDS.get(path)
     if kind is None:
-        conn.send_api_error(ApiError(404, f"no endpoint POST {path}", None, "not_found"))
-        return
-    if not authorized(conn, state):
-        return
-    try:
-        parsed, asked = _parse(conn.read_body(), kind, state)
-        if state.engine.error is not None:
-            raise unavailable(state.engine.error)
-    except ApiError as err:
-        conn.send_api_error(err)
-        return
+        raise ApiError(404, f"no endpoint POST {path}", None, "not_found")
+    _authorize(conn, state)
+    parsed, asked = _parse(conn.read_body(), kind, state)
+    if state.engine.error is not None:
+        raise unavailable(state.engine.error)
     if kind == "count_tokens":
         conn.send_json(200, {"input_tokens": len(parsed.prompt)})
         return
@@ -96,11 +81,9 @@ def post(conn: Connection, state: ServeState, path: str) -> None:
     try:
         state.engine.submit(request)
     except PairUnavailable as exc:
-        conn.send_api_error(unavailable(str(exc)))
-        return
+        raise unavailable(str(exc)) from None
     except ValueError as exc:
-        conn.send_api_error(ApiError(400, str(exc), "max_tokens", "kv_budget_exceeded"))
-        return
+        raise ApiError(400, str(exc), "max_tokens", "kv_budget_exceeded") from None
     if kind == "messages":
         anthropic.answer(conn, state, parsed, request)
     elif kind == "responses":

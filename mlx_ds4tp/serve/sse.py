@@ -29,24 +29,21 @@ class EventStream:
         self.write(b": keep-alive\n\n")
 
 
-def stream_answer(conn: Connection, request: Request, events: Iterator[tuple],
+def stream_answer(conn: Connection, request: Request, pieces: Iterator[tuple],
                   write_events: Callable[[Iterator[tuple], EventStream], None],
                   write_error: Callable[[EventStream, ApiError], None]) -> None:
-    """Stream `events` (serve/answer.py) through write_events; write_error frames an error
-    that comes once the stream is open (each API has its own)."""
+    """Stream the answer's `pieces` (serve/answer.py) through write_events; write_error
+    frames an error that comes once the stream is open (each API has its own). An error
+    before that is raised: the status line waits for the first event, so a pair that is
+    already down is a plain 503, like a request that does not stream."""
     try:
-        # The status line waits for the first event: a pair that is already down is
-        # then a plain 503, like a request that does not stream.
-        first = next(events)
-    except ApiError as err:
-        conn.send_api_error(err)
-        return
+        first = next(pieces)
     except ClientGone:
         return
     conn.start_events()
     stream = EventStream(conn.write)
     try:
-        write_events(itertools.chain([first], events), stream)
+        write_events(itertools.chain([first], pieces), stream)
     except ApiError as err:
         # The status line is already out: the error travels as an event.
         try:

@@ -51,8 +51,7 @@ class ServeState:
         # The first id is the one /v1/models lists (--served-model-name); a request may also name
         # an alias (the model as --model gave it, its directory), answered under its own name.
         self.model_ids = list(served.ids)
-        self.context_length = context_length
-        self.vocab_size = vocab_size
+        self.context_length, self.vocab_size = context_length, vocab_size
         self.responses = ResponseStore()
         self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
         self.created = int(time.time())
