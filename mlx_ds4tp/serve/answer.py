@@ -31,8 +31,7 @@ def answer_pieces(conn: Connection, state: ServeState, request: Request,
     after a tool call is "tool_calls"; ApiError(503) when the pair fails. Text that piled up
     while this thread waited for the interpreter goes out as one piece: fewer writes, and less
     time holding the lock the engine thread needs for the next step."""
-    text: list = []
-    items: list = []
+    text, items = [], []
     clock, counted = TokenClock(state.metrics), 0
     checked = last = time.monotonic()
     keepalive = state.http.keepalive_sec
@@ -92,8 +91,7 @@ def _plain(text: str) -> Dict[str, Any]:
 
 @dataclasses.dataclass
 class Answer:
-    """A whole answer: its text (content), reasoning, tool calls, logprobs entries (None: not
-    asked for) and finish reason."""
+    """A whole answer (items: its logprobs entries, None when not asked for)."""
 
     text: str
     reasoning: str
@@ -102,13 +100,13 @@ class Answer:
     finish: str
 
 
-def send_whole(conn: Connection, request: Request, pieces: Iterator[tuple],
+def send_whole(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
                body: Callable[[Answer], Dict[str, Any]]) -> None:
     """The answer of a request that does not stream, once the engine is done with it: `body`
     (each API's shape of the Answer) with 200; nothing when the client left; ApiError raised."""
     text, reasoning, calls, items, finish = [], [], [], [], "stop"
     try:
-        for kind, piece, extra in pieces:
+        for kind, piece, extra in answer_pieces(conn, state, request, chat):
             if kind != "idle":
                 text.append(piece["content"])
                 reasoning.append(piece["reasoning"])

@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .answer import Answer, answer_pieces, send_whole
+from .answer import Answer, send_whole
 from .api import ParsedRequest
 from .chat import ChatText, text_content
 from .connection import Connection
@@ -128,9 +128,7 @@ class MessageShape:
     """One Messages answer, whole or as its events."""
 
     def __init__(self, model: str, prompt_tokens: int):
-        self.id = "msg_" + uuid.uuid4().hex
-        self.model = model
-        self.prompt_tokens = prompt_tokens
+        self.id, self.model, self.prompt_tokens = "msg_" + uuid.uuid4().hex, model, prompt_tokens
 
     def _base(self) -> Dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
@@ -204,9 +202,9 @@ class MessageStream:
 def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
     """POST /v1/messages's answer to a submitted request."""
     shape = MessageShape(parsed.model, len(parsed.prompt))
-    pieces = answer_pieces(conn, state, request, ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream))
+    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream)
     if not parsed.stream:
-        send_whole(conn, request, pieces, lambda whole: shape.whole(whole, request))
+        send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
         return
 
     def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
@@ -220,7 +218,4 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
                 if kind == "done":
                     message.finish(extra, request.completion_tokens)
 
-    stream_answer(conn, request, pieces, write_events, lambda stream, err: stream.event("error", error_body(err)))
-
-
-__all__ = ["MessageShape", "MessageStream", "answer", "error_body", "to_chat_body"]
+    stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.event("error", error_body(err)))

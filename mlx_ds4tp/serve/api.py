@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..lockstep.sampling import SamplingOptions
-from .answer import Answer, answer_pieces, send_whole
+from .answer import Answer, send_whole
 from .chat import ChatText, chat_prompt, chat_tools
 from .connection import Connection
 from .errors import ApiError
@@ -253,31 +253,28 @@ class ResponseShape:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _choice(self, said: Dict[str, Any], finish: Optional[str], items: Optional[list]) -> Dict[str, Any]:
+        return {"index": 0, **said, "finish_reason": finish, "logprobs": self._logprobs(items)}
+
     def whole(self, answer: Answer, request: Request) -> Dict[str, Any]:
         """The response of a request that does not stream."""
-        if self.kind == "chat":
-            message = _said({"role": "assistant", "content": answer.text}, answer.reasoning, answer.calls)
-            choice = {"index": 0, "message": message, "finish_reason": answer.finish,
-                      "logprobs": self._logprobs(answer.items)}
-        else:
-            choice = {"index": 0, "text": answer.text, "finish_reason": answer.finish,
-                      "logprobs": self._logprobs(answer.items)}
-        return {**self._base(chunk=False), "choices": [choice], "usage": usage(request)}
+        said = {"message": _said({"role": "assistant", "content": answer.text}, answer.reasoning, answer.calls)} \
+            if self.kind == "chat" else {"text": answer.text}
+        return {**self._base(chunk=False), "choices": [self._choice(said, answer.finish, answer.items)],
+                "usage": usage(request)}
 
     def chunk(self, text: Optional[str], finish: Optional[str], first: bool = False,
               logprobs: Optional[list] = None, reasoning: str = "",
               tool_calls: Optional[list] = None) -> Dict[str, Any]:
         """One streamed event (`first`: the chat chunk that names the role; logprobs: the
         entries of the tokens whose text this is)."""
+        said: Dict[str, Any] = {"text": text or ""}
         if self.kind == "chat":
             delta: Dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": _said(delta, reasoning, tool_calls), "finish_reason": finish,
-                      "logprobs": self._logprobs(logprobs)}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
-        return {**self._base(chunk=True), "choices": [choice]}
+            said = {"delta": _said(delta, reasoning, tool_calls)}
+        return {**self._base(chunk=True), "choices": [self._choice(said, finish, logprobs)]}
 
     def usage_chunk(self, request: Request) -> Dict[str, Any]:
         """The last streamed event under stream_options.include_usage: no choices, the usage."""
@@ -306,9 +303,8 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
     """POST /v1/chat/completions's or /v1/completions's answer to a submitted request."""
     shape = ResponseShape(parsed.kind, parsed.model)
     chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream) if parsed.kind == "chat" else None
-    pieces = answer_pieces(conn, state, request, chat)
     if not parsed.stream:
-        send_whole(conn, request, pieces, lambda whole: shape.whole(whole, request))
+        send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
         return
 
     def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
@@ -331,4 +327,4 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
             stream.data(shape.usage_chunk(request))
         stream.write(b"data: [DONE]\n\n")
 
-    stream_answer(conn, request, pieces, write_events, lambda stream, err: stream.data(err.body()))
+    stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.data(err.body()))

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .answer import Answer, answer_pieces, send_whole
+from .answer import Answer, send_whole
 from .api import ParsedRequest
 from .chat import ChatText, text_content
 from .connection import Connection
@@ -247,13 +247,12 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
     messages: the conversation it continues, as to_chat_body made them)."""
     shape = ResponseShape(body, parsed.model, len(parsed.prompt))
     chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, streaming=False)
-    pieces = answer_pieces(conn, state, request, chat)
     if not parsed.stream:
         def whole(answer: Answer) -> Dict[str, Any]:
             state.responses.put(shape.id, conversation(messages, answer.text, answer.calls))
             return shape.whole(answer, request)
 
-        send_whole(conn, request, pieces, whole)
+        send_whole(conn, state, request, chat, whole)
         return
 
     def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
@@ -271,8 +270,5 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
                 state.responses.put(shape.id, conversation(messages, "".join(text), calls))
                 response.finish(extra, request.completion_tokens, request.cached_tokens)
 
-    stream_answer(conn, request, pieces, write_events,
+    stream_answer(conn, state, request, chat, write_events,
                   lambda stream, err: stream.event("error", {"type": "error", **err.body()}))
-
-
-__all__ = ["ResponseShape", "ResponseStream", "answer", "conversation", "to_chat_body"]

@@ -44,9 +44,7 @@ def get(conn: Connection, state: ServeState, path: str) -> None:
     if path == "/health":
         error = state.engine.error
         body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts()}
-        if error is not None:
-            body["error"] = error
-        conn.send_json(200 if error is None else 503, body)
+        conn.send_json(200 if error is None else 503, body if error is None else {**body, "error": error})
     elif path == "/metrics":
         _authorize(conn, state)
         conn.send_metrics(state.metrics.render())
@@ -103,12 +101,10 @@ def _parse(raw: bytes, kind: str, state: ServeState) -> Tuple[api.ParsedRequest,
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     asked = None
     if kind in ("messages", "count_tokens"):
-        body = {**body, "max_tokens": 1} if kind == "count_tokens" else body
-        body, kind = anthropic.to_chat_body(body), "chat"
+        body, kind = anthropic.to_chat_body({**body, "max_tokens": 1} if kind == "count_tokens" else body), "chat"
     elif kind == "responses":
         chat, messages = responses.to_chat_body(body, state.responses)
-        asked = (body, messages)
-        body, kind = chat, "chat"
+        body, kind, asked = chat, "chat", (body, messages)
     return api.parse_request(body, kind, state.tokenizer, model_ids=state.model_ids,
                              default_max_tokens=state.http.default_max_tokens,
                              context_length=state.context_length, vocab_size=state.vocab_size,

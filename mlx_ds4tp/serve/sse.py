@@ -3,13 +3,17 @@ answer's first event, an error after that sent as an event, a client gone cancel
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, Optional
 
+from .answer import answer_pieces
+from .chat import ChatText
 from .connection import Connection
 from .errors import ApiError, ClientGone
 from .requests import Request
+from .state import ServeState
 
 
 class EventStream:
@@ -29,13 +33,13 @@ class EventStream:
         self.write(b": keep-alive\n\n")
 
 
-def stream_answer(conn: Connection, request: Request, pieces: Iterator[tuple],
+def stream_answer(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
                   write_events: Callable[[Iterator[tuple], EventStream], None],
                   write_error: Callable[[EventStream, ApiError], None]) -> None:
-    """Stream the answer's `pieces` (serve/answer.py) through write_events; write_error
-    frames an error that comes once the stream is open (each API has its own). An error
-    before that is raised: the status line waits for the first event, so a pair that is
-    already down is a plain 503, like a request that does not stream."""
+    """Stream the answer's pieces (serve/answer.py) through write_events; write_error frames an error
+    once the stream is open (each API has its own). One before is raised: the status line waits for
+    the first piece, so a pair that is already down is a plain 503, as for an answer not streamed."""
+    pieces = answer_pieces(conn, state, request, chat)
     try:
         first = next(pieces)
     except ClientGone:
@@ -46,10 +50,8 @@ def stream_answer(conn: Connection, request: Request, pieces: Iterator[tuple],
         write_events(itertools.chain([first], pieces), stream)
     except ApiError as err:
         # The status line is already out: the error travels as an event.
-        try:
+        with contextlib.suppress(OSError):
             write_error(stream, err)
-        except OSError:
-            pass
     except (OSError, ClientGone):
         # The client went away (broken pipe, reset, closed): the engine frees its
         # session on both ranks at its next step.
