@@ -5,17 +5,23 @@ A Messages request is translated into the chat-completions request it means (sys
 text / tool_use / tool_result content blocks, tools with their input schemas, stop sequences)
 and checked by the same parser, so both APIs render the same prompt and sample alike; the
 answer (content, reasoning, tool calls: serve/chat.py) goes back as Anthropic's content blocks
-(`thinking`, `text`, `tool_use`), whole or as its streamed events.
+(`thinking`, `text`, `tool_use`), whole or as its streamed events (`answer`).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .chat import text_content
+from .answer import Answer, send_whole
+from .api import ParsedRequest
+from .chat import ChatText, text_content
+from .connection import Connection
 from .errors import ApiError
+from .requests import Request
+from .sse import EventStream, stream_answer
+from .state import ServeState
 
 # Every field of Anthropic's request: acted on (translated), or refused naming it.
 _FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
@@ -71,10 +77,8 @@ def _messages(body: dict) -> List[dict]:
     return out
 
 
-def to_chat_body(body: Any) -> dict:
+def to_chat_body(body: dict) -> dict:
     """The chat-completions request a Messages request means; ApiError naming a field it cannot take."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     for name in body:
         if name not in _FIELDS:
             reason = _REFUSED.get(name, "it is not a field of Anthropic's Messages request")
@@ -84,11 +88,10 @@ def to_chat_body(body: Any) -> dict:
         raise ApiError(400, "'max_tokens' is required", "max_tokens", "missing_field")
     chat: Dict[str, Any] = {"messages": _messages(body), "max_tokens": body["max_tokens"]}
     for ours, theirs in (("model", "model"), ("stop", "stop_sequences"), ("stream", "stream"),
-                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                         ("metadata", "metadata")):
         if body.get(theirs) is not None:
             chat[ours] = body[theirs]
-    if body.get("metadata") is not None:
-        chat["metadata"] = body["metadata"]
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
@@ -125,23 +128,20 @@ class MessageShape:
     """One Messages answer, whole or as its events."""
 
     def __init__(self, model: str, prompt_tokens: int):
-        self.id = "msg_" + uuid.uuid4().hex
-        self.model = model
-        self.prompt_tokens = prompt_tokens
+        self.id, self.model, self.prompt_tokens = "msg_" + uuid.uuid4().hex, model, prompt_tokens
 
     def _base(self) -> Dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
 
-    def whole(self, text: str, reasoning: str, calls: list, finish: str, output_tokens: int,
-              cached: int) -> Dict[str, Any]:
+    def whole(self, answer: Answer, request: Request) -> Dict[str, Any]:
         content: List[dict] = []
-        if reasoning:
-            content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-        if text or not (reasoning or calls):
-            content.append({"type": "text", "text": text})
-        content.extend(_tool_use(c) for c in calls)
-        return {**self._base(), "content": content, "stop_reason": _STOP_REASONS.get(finish, "end_turn"),
-                "stop_sequence": None, "usage": self.usage(output_tokens, cached)}
+        if answer.reasoning:
+            content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+        if answer.text or not (answer.reasoning or answer.calls):
+            content.append({"type": "text", "text": answer.text})
+        content.extend(_tool_use(c) for c in answer.calls)
+        return {**self._base(), "content": content, "stop_reason": _STOP_REASONS.get(answer.finish, "end_turn"),
+                "stop_sequence": None, "usage": self.usage(request.completion_tokens, request.cached_tokens)}
 
     def usage(self, output_tokens: int, cached: int) -> Dict[str, Any]:
         return {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
@@ -199,4 +199,23 @@ class MessageStream:
         self.send("message_stop", {"type": "message_stop"})
 
 
-__all__ = ["MessageShape", "MessageStream", "error_body", "to_chat_body"]
+def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
+    """POST /v1/messages's answer to a submitted request."""
+    shape = MessageShape(parsed.model, len(parsed.prompt))
+    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream)
+    if not parsed.stream:
+        send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
+        return
+
+    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
+        message = MessageStream(shape, stream.event)
+        message.start(request.cached_tokens)
+        for kind, piece, extra in pieces:
+            if kind == "idle":
+                stream.event("ping", {"type": "ping"})
+            else:
+                message.pieces(piece)
+                if kind == "done":
+                    message.finish(extra, request.completion_tokens)
+
+    stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.event("error", error_body(err)))

@@ -1,6 +1,7 @@
-"""The OpenAI request shapes for `ds4tp serve`: parsing and checking a request body, and the
-response objects. Field names, defaults and checks follow `mlx_lm.server`; a bad field is an
-ApiError naming it (the `param` of OpenAI's error object)."""
+"""OpenAI's chat completions and completions for `ds4tp serve`: parsing and checking a request
+body, the response objects, and the answer written whole or streamed. Field names, defaults and
+checks follow `mlx_lm.server`; a bad field is an ApiError naming it (the `param` of OpenAI's
+error object)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
-from .chat import chat_prompt, chat_tools
-from .errors import ApiError
 from ..lockstep.sampling import SamplingOptions
+from .answer import Answer, send_whole
+from .chat import ChatText, chat_prompt, chat_tools
+from .connection import Connection
+from .errors import ApiError
+from .requests import Request
+from .sse import EventStream, stream_answer
+from .state import ServeState
 
 
 @dataclasses.dataclass
@@ -151,12 +157,10 @@ def text_prompt(tokenizer, prompt: Any, vocab_size: int) -> List[int]:
     raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
 
 
-def parse_request(body: Any, kind: str, tokenizer, *, model_ids: List[str], default_max_tokens: int,
+def parse_request(body: dict, kind: str, tokenizer, *, model_ids: List[str], default_max_tokens: int,
                   context_length: int, vocab_size: int, defaults: SamplingOptions) -> ParsedRequest:
-    """Check every field of a completion request and tokenize its prompt. model_ids: the
+    """Check every field of a completion request (a JSON object) and tokenize its prompt. model_ids: the
     served id first (a request without "model" names it), then the other names accepted."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     _check_fields(body, kind)
     model = _field(body, "model", str, model_ids[0])
     if model not in model_ids and model != "default_model":
@@ -225,8 +229,7 @@ class ResponseShape:
     """The id, timestamps and object names shared by one request's response or chunks."""
 
     def __init__(self, kind: str, model: str):
-        self.kind = kind
-        self.model = model
+        self.kind, self.model = kind, model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._offset = 0  # completions' text_offset of the next token
@@ -246,62 +249,82 @@ class ResponseShape:
                 "top_logprobs": [{t["token"]: t["logprob"] for t in i["top_logprobs"]} for i in items],
                 "text_offset": offsets}
 
-    def _base(self, obj: str) -> Dict[str, Any]:
+    def _base(self, chunk: bool) -> Dict[str, Any]:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, usage: Dict[str, Any], logprobs: Optional[list] = None,
-              reasoning: str = "", tool_calls: Optional[list] = None) -> Dict[str, Any]:
-        """The response of a request that does not stream (logprobs: the tokens' entries)."""
-        if self.kind == "chat":
-            message: Dict[str, Any] = {"role": "assistant", "content": text}
-            if reasoning:
-                # mlx_lm.server's name, and the one other clients read.
-                message["reasoning"] = message["reasoning_content"] = reasoning
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message,
-                      "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
-            out = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
-            out = self._base("text_completion")
-        out["choices"] = [choice]
-        out["usage"] = usage
-        return out
+    def _choice(self, said: Dict[str, Any], finish: Optional[str], items: Optional[list]) -> Dict[str, Any]:
+        return {"index": 0, **said, "finish_reason": finish, "logprobs": self._logprobs(items)}
+
+    def whole(self, answer: Answer, request: Request) -> Dict[str, Any]:
+        """The response of a request that does not stream."""
+        said = {"message": _said({"role": "assistant", "content": answer.text}, answer.reasoning, answer.calls)} \
+            if self.kind == "chat" else {"text": answer.text}
+        return {**self._base(chunk=False), "choices": [self._choice(said, answer.finish, answer.items)],
+                "usage": usage(request)}
 
     def chunk(self, text: Optional[str], finish: Optional[str], first: bool = False,
               logprobs: Optional[list] = None, reasoning: str = "",
               tool_calls: Optional[list] = None) -> Dict[str, Any]:
         """One streamed event (`first`: the chat chunk that names the role; logprobs: the
         entries of the tokens whose text this is)."""
+        said: Dict[str, Any] = {"text": text or ""}
         if self.kind == "chat":
-            delta: Dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
+            delta: Dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            if reasoning:
-                delta["reasoning"] = delta["reasoning_content"] = reasoning
-            if tool_calls:
-                delta["tool_calls"] = tool_calls
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
-            out = self._base("chat.completion.chunk")
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
-            out = self._base("text_completion")
-        out["choices"] = [choice]
-        return out
+            said = {"delta": _said(delta, reasoning, tool_calls)}
+        return {**self._base(chunk=True), "choices": [self._choice(said, finish, logprobs)]}
 
-    def usage_chunk(self, usage: Dict[str, Any]) -> Dict[str, Any]:
+    def usage_chunk(self, request: Request) -> Dict[str, Any]:
         """The last streamed event under stream_options.include_usage: no choices, the usage."""
-        out = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
-        out["choices"] = []
-        out["usage"] = usage
-        return out
+        return {**self._base(chunk=True), "choices": [], "usage": usage(request)}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:
+def _said(fields: Dict[str, Any], reasoning: str, tool_calls: Optional[list]) -> Dict[str, Any]:
+    """A chat message or delta with the answer's reasoning and tool calls, where there are any."""
+    if reasoning:
+        # mlx_lm.server's name, and the one other clients read.
+        fields["reasoning"] = fields["reasoning_content"] = reasoning
+    if tool_calls:
+        fields["tool_calls"] = tool_calls
+    return fields
+
+
+def usage(request: Request) -> Dict[str, Any]:
     """OpenAI's usage object, with the reused prompt tokens as cached_tokens."""
+    prompt_tokens, completion_tokens = len(request.prompt), request.completion_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
+
+
+def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
+    """POST /v1/chat/completions's or /v1/completions's answer to a submitted request."""
+    shape = ResponseShape(parsed.kind, parsed.model)
+    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream) if parsed.kind == "chat" else None
+    if not parsed.stream:
+        send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
+        return
+
+    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
+        if chat is not None:
+            stream.data(shape.chunk("", None, first=True))
+        for kind, piece, extra in pieces:
+            logprobs = extra if kind == "text" and request.logprobs is not None else None
+            if kind == "idle":
+                stream.keep_alive()
+            elif chat is None:
+                stream.data(shape.chunk(piece["content"], None, logprobs=logprobs) if kind == "text"
+                            else shape.chunk("", extra))
+            else:
+                if piece["content"] or piece["reasoning"] or piece["tool_calls"] or logprobs:
+                    stream.data(shape.chunk(piece["content"] or None, None, logprobs=logprobs,
+                                            reasoning=piece["reasoning"], tool_calls=piece["tool_calls"]))
+                if kind == "done":
+                    stream.data(shape.chunk(None, extra))
+        if parsed.include_usage:
+            stream.data(shape.usage_chunk(request))
+        stream.write(b"data: [DONE]\n\n")
+
+    stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.data(err.body()))

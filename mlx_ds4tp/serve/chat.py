@@ -174,6 +174,3 @@ class ChatText:
             self.made_tool_call |= bool(out["tool_calls"])
             self._tool_text = ""
         return out
-
-
-__all__ = ["ChatText", "chat_prompt", "chat_tools", "text_content"]

@@ -1,5 +1,5 @@
 """The errors of `ds4tp serve`'s HTTP face: what a request is answered with when it cannot be
-served, and the client that left before its answer."""
+served, the client that left before its answer, and the 503 of a pair that is down."""
 
 from __future__ import annotations
 
@@ -26,3 +26,10 @@ class ApiError(Exception):
         """OpenAI's error object."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+def unavailable(reason: str) -> ApiError:
+    """The 503 every request gets once the pair is down."""
+    return ApiError(503, f"the two-machine pair is down ({reason}); start the worker's `ds4tp serve` "
+                    "again (the leader takes it back, no restart needed) and retry",
+                    None, "pair_unavailable", "server_error")

@@ -146,7 +146,7 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
 def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, model,
                 server: ThreadingHTTPServer) -> None:
     """The leader's HTTP front over `engine`, until Ctrl-C or SIGTERM."""
-    from .http import ServeState
+    from .state import ServeState
 
     served = settings.model
     config = json.loads((served.path / "config.json").read_text())

@@ -5,20 +5,24 @@ as the system turn, `input` (a string, or message / function_call / function_cal
 as the messages, after those of `previous_response_id`'s conversation, which this server keeps
 for its last responses (the prompt cache then reuses that conversation's prefix). The answer
 (content, reasoning, function calls: serve/chat.py) goes back as Responses output items, whole
-or as the API's streamed events.
+or as the API's streamed events (`answer`).
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .chat import text_content
+from .answer import Answer, send_whole
+from .api import ParsedRequest
+from .chat import ChatText, text_content
+from .connection import Connection
 from .errors import ApiError
+from .requests import Request
+from .sse import EventStream, stream_answer
+from .state import ResponseStore, ServeState
 
 # Every field of the Responses request: acted on, accepted at its neutral value, or refused.
 _ACTED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
@@ -26,33 +30,6 @@ _ACTED = {"model", "input", "instructions", "max_output_tokens", "temperature", 
           "prompt_cache_key", "parallel_tool_calls", "store", "service_tier"}
 _NEUTRAL = {"text": ({"format": {"type": "text"}},), "truncation": ("disabled",), "include": ([],),
             "background": (False,)}
-KEPT_RESPONSES = 64  # conversations kept for previous_response_id
-
-
-class ResponseStore:
-    """The conversations of the last responses, by response id (for previous_response_id)."""
-
-    def __init__(self, size: int = KEPT_RESPONSES):
-        self.size = size
-        self._kept: "collections.OrderedDict[str, List[dict]]" = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, response_id: str) -> List[dict]:
-        with self._lock:
-            if response_id not in self._kept:
-                raise ApiError(404, f"previous_response_id '{response_id}' is not known here (this server "
-                               f"keeps its last {self.size} responses, in memory)", "previous_response_id",
-                               "not_found")
-            self._kept.move_to_end(response_id)
-            return list(self._kept[response_id])
-
-    def put(self, response_id: str, messages: List[dict]) -> None:
-        with self._lock:
-            self._kept[response_id] = messages
-            while len(self._kept) > self.size:
-                self._kept.popitem(last=False)
-
-
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -67,7 +44,8 @@ def _input_messages(value: Any) -> List[dict]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": text_content(item.get("content", ""), f"{where}.content", _TEXT_PARTS)})
+            content = text_content(item.get("content", ""), f"{where}.content", _TEXT_PARTS)
+            out.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -87,10 +65,8 @@ def _input_messages(value: Any) -> List[dict]:
     return out
 
 
-def to_chat_body(body: Any, store: ResponseStore) -> tuple:
+def to_chat_body(body: dict, store: ResponseStore) -> tuple:
     """(the chat-completions request a Responses request means, its messages)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     for name, value in body.items():
         if name in _ACTED or (name in _NEUTRAL and (value is None or value in _NEUTRAL[name])):
             continue
@@ -167,14 +143,14 @@ class ResponseShape:
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                 "status": "completed"}
 
-    def whole(self, text: str, reasoning: str, calls: list, finish: str, output_tokens: int,
-              cached: int) -> Dict[str, Any]:
-        if reasoning:
-            self.output.append(self.reasoning_item(reasoning))
-        if text or not calls:
-            self.output.append(self.message_item(text))
-        self.output.extend(self.call_item(c) for c in calls)
-        return self.obj("incomplete" if finish == "length" else "completed", finish, output_tokens, cached)
+    def whole(self, answer: Answer, request: Request) -> Dict[str, Any]:
+        if answer.reasoning:
+            self.output.append(self.reasoning_item(answer.reasoning))
+        if answer.text or not answer.calls:
+            self.output.append(self.message_item(answer.text))
+        self.output.extend(self.call_item(c) for c in answer.calls)
+        return self.obj("incomplete" if answer.finish == "length" else "completed", answer.finish,
+                        request.completion_tokens, request.cached_tokens)
 
 
 def conversation(messages: List[dict], text: str, calls: list) -> List[dict]:
@@ -265,4 +241,34 @@ class ResponseStream:
                   response=self.shape.obj(status, finish, output_tokens, cached))
 
 
-__all__ = ["ResponseShape", "ResponseStore", "ResponseStream", "conversation", "to_chat_body"]
+def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request, body: dict,
+           messages: List[dict]) -> None:
+    """POST /v1/responses's answer to a submitted request (body: the Responses request,
+    messages: the conversation it continues, as to_chat_body made them)."""
+    shape = ResponseShape(body, parsed.model, len(parsed.prompt))
+    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, streaming=False)
+    if not parsed.stream:
+        def whole(answer: Answer) -> Dict[str, Any]:
+            state.responses.put(shape.id, conversation(messages, answer.text, answer.calls))
+            return shape.whole(answer, request)
+
+        send_whole(conn, state, request, chat, whole)
+        return
+
+    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
+        response = ResponseStream(shape, stream.event)
+        text, calls = [], []
+        response.start()
+        for kind, piece, extra in pieces:
+            if kind == "idle":
+                stream.keep_alive()
+                continue
+            text.append(piece["content"])
+            calls.extend(piece["tool_calls"])
+            response.pieces(piece)
+            if kind == "done":
+                state.responses.put(shape.id, conversation(messages, "".join(text), calls))
+                response.finish(extra, request.completion_tokens, request.cached_tokens)
+
+    stream_answer(conn, state, request, chat, write_events,
+                  lambda stream, err: stream.event("error", {"type": "error", **err.body()}))

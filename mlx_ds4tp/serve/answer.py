@@ -1,0 +1,121 @@
+"""One request's answer as the engine produces it: its pieces (text gathered, keep-alives, the
+pair's failure as an ApiError), and the whole answer of a request that does not stream."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from .chat import ChatText
+from .connection import Connection
+from .errors import ApiError, ClientGone, unavailable
+from .metrics import TokenClock
+from .requests import Request
+from .state import ServeState
+
+# How often a request waiting for its next token checks that the engine is still alive. The
+# engine itself never waits on the worker past the gate timeout: it fails the pair instead,
+# and every waiting request gets the reason.
+EVENT_POLL_SEC = 1.0
+# How often a request being answered looks whether its client is still connected.
+CLIENT_CHECK_SEC = 0.5
+
+
+def answer_pieces(conn: Connection, state: ServeState, request: Request,
+                  chat: Optional[ChatText]) -> Iterator[tuple]:
+    """The answer as the engine produces it, in pieces ({"content", "reasoning", "tool_calls"},
+    split by `chat`; plain text when None): ("text", pieces, logprobs entries), ("idle", None,
+    None) after keepalive_sec of silence, and last ("done", pieces, finish reason), where "stop"
+    after a tool call is "tool_calls"; ApiError(503) when the pair fails. Text that piled up
+    while this thread waited for the interpreter goes out as one piece: fewer writes, and less
+    time holding the lock the engine thread needs for the next step."""
+    text, items = [], []
+    clock, counted = TokenClock(state.metrics), 0
+    checked = last = time.monotonic()
+    keepalive = state.http.keepalive_sec
+    poll = min(EVENT_POLL_SEC, keepalive)
+
+    def text_piece() -> tuple:
+        return "text", chat.add("".join(text)) if chat else _plain("".join(text)), items
+
+    while True:
+        if time.monotonic() - checked > CLIENT_CHECK_SEC:
+            checked = time.monotonic()
+            if conn.client_gone():
+                # Nobody will read the answer: free the session on both ranks.
+                request.cancelled = True
+                raise ClientGone()
+        try:
+            event = request.events.get_nowait() if text else request.events.get(timeout=poll)
+        except queue.Empty:
+            if text:
+                yield text_piece()
+                text, items = [], []
+                last = time.monotonic()
+            elif not state.engine.alive():
+                request.cancelled = True
+                raise unavailable(state.engine.error or "the engine thread stopped") from None
+            elif time.monotonic() - last >= keepalive:
+                last = time.monotonic()
+                yield "idle", None, None
+            continue
+        last = time.monotonic()
+        if event[0] == "error":
+            raise unavailable(event[1])
+        if event[0] == "busy":
+            raise ApiError(429, event[1], None, "server_busy", "rate_limit_error")
+        if event[0] == "failed":
+            raise ApiError(500, f"generating this answer failed ({event[1]}); the server goes on "
+                           "serving", None, "generation_failed", "server_error")
+        if event[0] == "text":
+            text.append(event[1])
+            items.extend(event[2])
+            clock.tokens(request.completion_tokens - counted)
+            counted = request.completion_tokens
+            continue
+        # "done", the last event there is.
+        state.metrics.finished(len(request.prompt), request.completion_tokens, request.cached_tokens)
+        if text:
+            yield text_piece()
+        pieces = chat.finish(event[1]) if chat else _plain("")
+        called = chat is not None and chat.made_tool_call and event[1] == "stop"
+        yield "done", pieces, "tool_calls" if called else event[1]
+        return
+
+
+def _plain(text: str) -> Dict[str, Any]:
+    return {"content": text, "reasoning": "", "tool_calls": []}
+
+
+@dataclasses.dataclass
+class Answer:
+    """A whole answer (items: its logprobs entries, None when not asked for)."""
+
+    text: str
+    reasoning: str
+    calls: List[dict]
+    items: Optional[list]
+    finish: str
+
+
+def send_whole(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
+               body: Callable[[Answer], Dict[str, Any]]) -> None:
+    """The answer of a request that does not stream, once the engine is done with it: `body`
+    (each API's shape of the Answer) with 200; nothing when the client left; ApiError raised."""
+    text, reasoning, calls, items, finish = [], [], [], [], "stop"
+    try:
+        for kind, piece, extra in answer_pieces(conn, state, request, chat):
+            if kind != "idle":
+                text.append(piece["content"])
+                reasoning.append(piece["reasoning"])
+                calls.extend(piece["tool_calls"])
+                if kind == "text":
+                    items.extend(extra)
+                else:
+                    finish = extra
+    except ClientGone:
+        return
+    conn.send_json(200, body(Answer("".join(text), "".join(reasoning), calls,
+                                    items if request.logprobs is not None else None, finish)))

@@ -1,0 +1,58 @@
+"""Streamed answers as server-sent events: the framing, and a stream's life (opened on the
+answer's first event, an error after that sent as an event, a client gone cancels the request)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from typing import Any, Callable, Dict, Iterator, Optional
+
+from .answer import answer_pieces
+from .chat import ChatText
+from .connection import Connection
+from .errors import ApiError, ClientGone
+from .requests import Request
+from .state import ServeState
+
+
+class EventStream:
+    """One answer's events, written once the status line is out."""
+
+    def __init__(self, write: Callable[[bytes], None]):
+        self.write = write
+
+    def data(self, obj: Dict[str, Any]) -> None:
+        self.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    def event(self, name: str, obj: Dict[str, Any]) -> None:
+        self.write(f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode())
+
+    def keep_alive(self) -> None:
+        # An SSE comment: clients skip it; proxies and timeouts see the stream alive.
+        self.write(b": keep-alive\n\n")
+
+
+def stream_answer(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
+                  write_events: Callable[[Iterator[tuple], EventStream], None],
+                  write_error: Callable[[EventStream, ApiError], None]) -> None:
+    """Stream the answer's pieces (serve/answer.py) through write_events; write_error frames an error
+    once the stream is open (each API has its own). One before is raised: the status line waits for
+    the first piece, so a pair that is already down is a plain 503, as for an answer not streamed."""
+    pieces = answer_pieces(conn, state, request, chat)
+    try:
+        first = next(pieces)
+    except ClientGone:
+        return
+    conn.start_events()
+    stream = EventStream(conn.write)
+    try:
+        write_events(itertools.chain([first], pieces), stream)
+    except ApiError as err:
+        # The status line is already out: the error travels as an event.
+        with contextlib.suppress(OSError):
+            write_error(stream, err)
+    except (OSError, ClientGone):
+        # The client went away (broken pipe, reset, closed): the engine frees its
+        # session on both ranks at its next step.
+        request.cancelled = True
