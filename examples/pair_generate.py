@@ -24,10 +24,10 @@ import sys
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.cli.run import add_args as add_run_args, check_args as check_run_args
+from mlx_ds4tp.link.identity import model_identity
 from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
 from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
 from mlx_ds4tp.model_split import load_split
-from mlx_ds4tp.link.identity import model_identity
 
 
 def main() -> int:

@@ -32,9 +32,10 @@ from .gate_ops import (
     send,
     sum_scatter,
 )
-from .transport import ModelIdentity, model_fingerprint
+
 # `ds4tp serve`'s errors live with the server; the package still names them.
 from .serve.errors import ApiError, ClientGone, PairUnavailable
+from .transport import ModelIdentity, model_fingerprint
 
 __version__ = "0.1.0"
 

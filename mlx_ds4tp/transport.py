@@ -27,10 +27,22 @@ The transport never sees MLX: an exchange moves bytes between buffers the caller
 
 from __future__ import annotations
 
+from .errors import (
+    AuthenticationError,
+    DesyncError,
+    FrameError,
+    HelloMismatchError,
+    PeerClosedError,
+    RdmaError,
+    RdmaUnavailableError,
+    TransportError,
+    TransportTimeoutError,
+)
 from .link.config import (
     DEFAULT_HELLO_TIMEOUT_SEC,
     DEFAULT_TIMEOUT_SEC,
     MAX_TCP_SPIN_US,
+    VERBS_LIBRARY_ENV,
     PairAddress,
     PairConfig,
     default_hello_timeout,
@@ -38,7 +50,6 @@ from .link.config import (
     default_timeout,
     pair_address,
     secret_bytes,
-    VERBS_LIBRARY_ENV,
     tcp_spin_us,
     verbs_library,
 )
@@ -53,9 +64,9 @@ from .link.control import (
     set_kernel_timeout,
     tune_socket,
 )
+from .link.exchange import Exchange, raw_floor
 from .link.fingerprint import Fingerprint, first_difference, model_fingerprint, summary_label
 from .link.handshake import connect
-from .link.pair import Pair
 from .link.hello import (
     Hello,
     ModelIdentity,
@@ -65,9 +76,8 @@ from .link.hello import (
     choose_transport,
     data_proof,
 )
-from .base.log import log
 from .link.native import load_verbs
-from .link.exchange import Exchange, raw_floor
+from .link.pair import Pair
 from .link.rdma import UCSIM, RdmaDevice, rdma_probe
 from .link.wire import (
     DATA_HELLO,
@@ -91,21 +101,11 @@ from .link.wire import (
     WORKER,
     FrameType,
 )
-from .errors import (
-    AuthenticationError,
-    DesyncError,
-    FrameError,
-    HelloMismatchError,
-    PeerClosedError,
-    RdmaError,
-    RdmaUnavailableError,
-    TransportError,
-    TransportTimeoutError,
-)
 
 __all__ = [
     # configuration
-    "PairConfig", "PairAddress", "pair_address", "default_timeout", "default_hello_timeout", "tcp_spin_us", "default_tcp_spin_us",
+    "PairConfig", "PairAddress", "pair_address", "default_timeout", "default_hello_timeout", "tcp_spin_us",
+    "default_tcp_spin_us",
     "secret_bytes", "verbs_library", "VERBS_LIBRARY_ENV", "DEFAULT_TIMEOUT_SEC",
     "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",
     # connection
@@ -121,8 +121,8 @@ __all__ = [
     "HELLO_FIXED", "FINGERPRINT_SUMMARY", "RDMA_INFO", "MAGIC", "DATA_MAGIC", "WARM_WR_ID",
     "PROTOCOL_VERSION", "GATE_MAX_BYTES", "RDMA_MAX_MSG", "MAX_REASON_BYTES",
     "NONCE_BYTES", "TRANSPORT_CODES", "TRANSPORT_NAMES", "LEADER", "WORKER", "ROLE_NAMES",
-    # errors and logging
+    # errors
     "TransportError", "PeerClosedError", "TransportTimeoutError", "FrameError",
     "HelloMismatchError", "DesyncError", "RdmaUnavailableError", "RdmaError",
-    "AuthenticationError", "log",
+    "AuthenticationError",
 ]

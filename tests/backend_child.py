@@ -101,8 +101,8 @@ def shard(g: PairGroup) -> dict:
 def prefill(g: PairGroup) -> dict:
     """The split demo-sized llama prefilling 37 tokens in chunks of 16 (lockstep.fill_cache):
     the gates evaluated, against what a forward builds."""
-    from pathlib import Path
     import tempfile
+    from pathlib import Path
 
     from mlx_ds4tp.lockstep.compute import fill_cache, make_cache
     from mlx_ds4tp.model_split import load_split

@@ -4,7 +4,6 @@ real processes (killed on failure)."""
 from __future__ import annotations
 
 import json
-
 import os
 import signal
 import subprocess

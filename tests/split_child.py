@@ -22,9 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiny_models import PROMPT, RankOnly, greedy_decode, stream_tokens  # noqa: E402
-
 from mlx_ds4tp.model_split import AllSumGate, load_split  # noqa: E402
+from tiny_models import PROMPT, RankOnly, greedy_decode, stream_tokens  # noqa: E402
 
 
 def make_group(transport: str, rank: int, port: int):

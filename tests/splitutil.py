@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from pairutil import Procs, free_port
 
 CHILD = Path(__file__).with_name("split_child.py")
@@ -71,6 +72,7 @@ def run_ranks(transport: str, model_dirs: dict[str, Path], out: Path, ranks: int
 def unsplit_references(model_dirs: dict[str, Path]) -> dict[str, dict]:
     """The unsplit models' greedy tokens and logits, decoded with mlx-lm's plain loader."""
     import mlx_lm
+
     import tiny_models
 
     out = {}

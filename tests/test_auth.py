@@ -3,7 +3,6 @@ peer without the secret is refused before any session state exists."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

@@ -144,10 +144,9 @@ def test_a_module_built_against_another_mlx_is_refused_naming_both(tmp_path, mon
 
 def test_reconnect_rejoins_with_the_settings_the_group_was_made_with():
     """No evaluation here (one process, one MLX scheduler): the pairs only."""
-    from pairutil import both_ok, make_groups
-
     from mlx_ds4tp import gate_ops
     from mlx_ds4tp.link.config import LinkSettings, PairAddress
+    from pairutil import both_ok, make_groups
 
     lg, wg = make_groups("tcp", timeout=10.0)
     first = lg.pair

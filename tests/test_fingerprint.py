@@ -15,6 +15,7 @@ import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp import transport as tr
+from mlx_ds4tp.errors import FrameError, HelloMismatchError
 from mlx_ds4tp.link.fingerprint import (
     SAMPLE_BYTES,
     SAMPLE_WINDOWS,
@@ -24,7 +25,6 @@ from mlx_ds4tp.link.fingerprint import (
     model_fingerprint,
     summary_label,
 )
-from mlx_ds4tp.errors import FrameError, HelloMismatchError
 from mlx_ds4tp.testing.tiny_model import save_random_model
 from pairutil import both_ok, free_port, run_both
 from tiny_models import FAMILIES
@@ -265,9 +265,9 @@ def plain_pair(identity=None):
 def test_load_split_compares_models_when_the_hello_did_not(models, monkeypatch):
     """init without a fingerprint: load_split swaps them first (both ranks) and
     stops both before loading; a hello that agreed on one is not asked again."""
-    from mlx_ds4tp import model_split
-
     import mlx_lm.utils
+
+    from mlx_ds4tp import model_split
 
     calls, loads = [], []
     agree, load_model = tr.Pair.agree_fingerprint, mlx_lm.utils.load_model

@@ -30,17 +30,8 @@ from typing import Callable, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep.prompt_cache import FRESH
-from mlx_ds4tp.lockstep.sampling import SamplingOptions
-from mlx_ds4tp.lockstep.sessions import serve_worker
-from mlx_ds4tp.lockstep.frames import pack_batch, pack_prefill_batch
-from mlx_ds4tp.lockstep.row_sampling import pack_sampler
-from mlx_ds4tp.lockstep.frames import check_tokens
-from mlx_ds4tp.lockstep.table import SessionTable
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.errors import (
     FrameError,
@@ -48,6 +39,13 @@ from mlx_ds4tp.errors import (
     PeerClosedError,
     TransportError,
 )
+from mlx_ds4tp.link import wire
+from mlx_ds4tp.lockstep.frames import check_tokens, pack_batch, pack_prefill_batch
+from mlx_ds4tp.lockstep.prompt_cache import FRESH
+from mlx_ds4tp.lockstep.row_sampling import pack_sampler
+from mlx_ds4tp.lockstep.sampling import SamplingOptions
+from mlx_ds4tp.lockstep.sessions import serve_worker
+from mlx_ds4tp.lockstep.table import SessionTable
 from pairutil import dial_when_listening, free_port
 
 F = tr.FrameType
@@ -285,7 +283,8 @@ def reference_recv(data: bytes, expect: Optional[F]):
             return frames, FrameError, bad, pos + HEADER.size, allocs
         allocs.append(n)
         if len(data) - pos - HEADER.size < n:
-            text = "truncated at" if len(data) > pos + HEADER.size else f"EOF) while waiting for {F(ftype).name} payload"
+            text = ("truncated at" if len(data) > pos + HEADER.size
+                    else f"EOF) while waiting for {F(ftype).name} payload")
             return frames, PeerClosedError, text, len(data), allocs
         payload = data[pos + HEADER.size : pos + HEADER.size + n]
         pos += HEADER.size + n

@@ -159,7 +159,6 @@ def test_group_surface_and_close():
 
 def test_reconnect_refuses_what_it_cannot_rejoin():
     from mlx_ds4tp import gate_ops
-
     from mlx_ds4tp.link.config import LinkSettings, PairAddress
 
     with pytest.raises(TypeError, match="reconnect.. takes a group mlx_ds4tp.init"):

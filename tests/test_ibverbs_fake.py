@@ -18,10 +18,10 @@ import re
 import subprocess
 import sys
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx.core as mx
 import mlx_ds4tp as tp
 from mlx_ds4tp._verbs import ffi, lib
 from pairutil import REPO, both_ok, fake_verbs_library, free_port, run_both

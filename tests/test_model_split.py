@@ -20,10 +20,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from splitutil import CHILD, run_ranks, transports, unsplit_references
 
 import tiny_models
-from tiny_models import RankOnly
 from mlx_ds4tp.checkpoint import parts as _safetensors_parts
 from mlx_ds4tp.model_split import (
     SafetensorsParts,
@@ -32,6 +30,8 @@ from mlx_ds4tp.model_split import (
     load_split,
     split_model,
 )
+from splitutil import CHILD, run_ranks, transports, unsplit_references
+from tiny_models import RankOnly
 
 # Summation order differs between one matmul and two half matmuls plus a gate; float32 logits
 # of these models agree to a few 1e-6.
@@ -257,7 +257,8 @@ def test_unsupported_family_is_refused():
     args = gemma.ModelArgs(model_type="gemma", hidden_size=64, num_hidden_layers=1,
                            intermediate_size=128, num_attention_heads=2, head_dim=32,
                            rms_norm_eps=1e-5, vocab_size=256, num_key_value_heads=2)
-    with pytest.raises(ValueError, match=r"model_type='gemma' .* supported families: .*llama.*qwen3_moe.*\(mlx-lm's plans\); mixtral, llama4, "
+    with pytest.raises(ValueError, match=r"model_type='gemma' .* supported families: .*llama.*qwen3_moe.*"
+                                         r"\(mlx-lm's plans\); mixtral, llama4, "
                                          r"qwen3_next, dots1, .*kimi_linear \(ours\)"):
         split_model(gemma.Model(args), RankOnly(0))
 

@@ -18,14 +18,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from splitutil import run_ranks, transports, unsplit_references
 
 import tiny_models
-from tiny_models import RankOnly
-from mlx_ds4tp.split import layers as _split_layers
-from mlx_ds4tp.split import plans as _split_plans
 from mlx_ds4tp.checkpoint.parts import SafetensorsParts
 from mlx_ds4tp.model_split import load_split, split_model
+from mlx_ds4tp.split import layers as _split_layers, plans as _split_plans
+from splitutil import run_ranks, transports, unsplit_references
+from tiny_models import RankOnly
 
 FAMILIES = list(tiny_models.MOE_FAMILIES)
 # The bound: logits of the split model within 2e-3 of the unsplit model's, relative to
@@ -366,9 +365,8 @@ def test_load_split_of_a_moe_reads_only_its_half(tmp_path):
     import subprocess
     import sys
 
-    from splitutil import CHILD
-
     from mlx_ds4tp.testing.tiny_model import MoeSizes, save_qwen3_moe
+    from splitutil import CHILD
 
     sizes = MoeSizes(layers=4, hidden=512, heads=8, kv_heads=4, head_dim=64, experts=16,
                      experts_per_token=2, expert_intermediate=768, vocab=8192)

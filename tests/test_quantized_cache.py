@@ -11,12 +11,22 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import (ArraysCache, BatchKVCache, KVCache, QuantizedKVCache,
-                                 RotatingKVCache, make_prompt_cache,
-                                 trim_prompt_cache)
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
-from mlx_ds4tp.lockstep.quantized_cache import (BatchQuantizedKVCache, SessionQuantizedKVCache,
-                                                describe_unquantizable, quantize_session_cache)
+from mlx_ds4tp.lockstep.quantized_cache import (
+    BatchQuantizedKVCache,
+    SessionQuantizedKVCache,
+    describe_unquantizable,
+    quantize_session_cache,
+)
 from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama
 
 # head_dim 64: quantization groups run along the head dimension, so group size 64 needs it

@@ -61,7 +61,8 @@ def test_a_rounds_rows_are_one_draw_as_mlx_lms_speculative_sampler_draws_them():
     drafts = [lazy.draw(_logits(k)) for k in range(3)] + [lazy.draw(rows)]
     mx.random.seed(7)
     sampler = make_sampler(0.8, top_k=20)
-    want = [sampler(x - mx.logsumexp(x, axis=-1, keepdims=True)).tolist() for x in [_logits(k) for k in range(3)] + [rows]]
+    want = [sampler(x - mx.logsumexp(x, axis=-1, keepdims=True)).tolist()
+            for x in [_logits(k) for k in range(3)] + [rows]]
     assert [t.tolist() for t in drafts] == want and len(want[-1]) == 4
     # A stream can start where MLX's generator stands (mlx-lm's, after a draft model's load).
     mx.random.seed(11)

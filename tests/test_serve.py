@@ -13,7 +13,15 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
 
 from serveutil import (  # noqa: E402
-    API_KEY, ServedPair, build_chat_model, chat_ids, client, get_raw, open_stream, post_raw, reference,
+    API_KEY,
+    ServedPair,
+    build_chat_model,
+    chat_ids,
+    client,
+    get_raw,
+    open_stream,
+    post_raw,
+    reference,
     text_ids,
 )
 
@@ -470,6 +478,7 @@ def test_penalties_and_logit_bias_change_the_output_as_mlx_lm_does(pair, model_d
 
 def test_chat_logprobs_equal_mlx_lms_whole_and_streamed(pair, model_dir):
     import numpy as np
+
     from serveutil import reference_steps
 
     messages = [{"role": "user", "content": "count the stars"}]
@@ -488,7 +497,8 @@ def test_chat_logprobs_equal_mlx_lms_whole_and_streamed(pair, model_dir):
             want = np.array(logprobs)
             assert abs(item.logprob - float(want[token])) <= 1e-4
             top = np.argsort(-want)[:3]
-            assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+            listed = [t.logprob for t in item.top_logprobs]
+            assert listed == sorted(listed, reverse=True)
             assert all(abs(t.logprob - float(want[i])) <= 1e-4 for t, i in zip(item.top_logprobs, top))
             assert item.bytes == list(item.token.encode())
     # Without logprobs asked for, none come back.
@@ -498,6 +508,7 @@ def test_chat_logprobs_equal_mlx_lms_whole_and_streamed(pair, model_dir):
 
 def test_completions_logprobs_equal_mlx_lms(pair, model_dir):
     import numpy as np
+
     from serveutil import reference_steps
 
     prompt = "one two three"

@@ -4,8 +4,8 @@ over recorded sessions (no pair)."""
 from __future__ import annotations
 
 import pytest
-from engine_fakes import FakeSessions, FakeTokenizer
 
+from engine_fakes import FakeSessions, FakeTokenizer
 from mlx_ds4tp.serve.admission import Admission
 from mlx_ds4tp.serve.limits import ServeLimits
 from mlx_ds4tp.serve.requests import Request

@@ -5,8 +5,8 @@ with t + 1 (engine_fakes)."""
 from __future__ import annotations
 
 import pytest
-from engine_fakes import FakeSessions, FakeTokenizer, letters
 
+from engine_fakes import FakeSessions, FakeTokenizer, letters
 from mlx_ds4tp.serve.engine import Engine
 from mlx_ds4tp.serve.errors import PairUnavailable
 from mlx_ds4tp.serve.limits import ServeLimits

@@ -4,7 +4,6 @@ positions used) and the finished sessions ended, their caches stored, over recor
 from __future__ import annotations
 
 from engine_fakes import EOS, FakeSessions, FakeTokenizer
-
 from mlx_ds4tp.serve.admission import Admission
 from mlx_ds4tp.serve.finishing import Finishing
 from mlx_ds4tp.serve.limits import ServeLimits

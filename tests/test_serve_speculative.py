@@ -107,8 +107,9 @@ def test_requests_that_cannot_or_will_not_draft_share_the_batch(model_dir, tmp_p
 
 
 def test_a_model_whose_cache_cannot_forget_is_refused_speculation(tmp_path):
-    from mlx_ds4tp.lockstep.batch_verify import speculation_blocker
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from mlx_ds4tp.lockstep.batch_verify import speculation_blocker
 
     assert speculation_blocker([KVCache(), KVCache()]) is None
     why = speculation_blocker([KVCache(), RotatingKVCache(max_size=8), ArraysCache(2)])
@@ -154,9 +155,9 @@ def test_each_row_after_a_commit_continues_as_its_session_alone(model_dir):
 
 def test_verify_and_commit_frames_are_checked(model_dir):
     from mlx_ds4tp.errors import FrameError
+    from mlx_ds4tp.link.wire import FrameType as F
     from mlx_ds4tp.lockstep import batch_verify as bv
     from mlx_ds4tp.lockstep.table import SessionTable
-    from mlx_ds4tp.link.wire import FrameType as F
     from serveutil import _load
 
     step, sessions, rows = bv.unpack_verify_batch(bv.pack_verify_batch(7, [(1, [3, 4, 5]), (2, [9])]))

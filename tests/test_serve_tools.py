@@ -165,7 +165,8 @@ def test_messages_api_returns_the_thinking_and_the_tool_use(pair):
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                   "content": json.dumps({"temperature_c": 18})}]}]
     counted = ac.messages.count_tokens(model="scripted", messages=follow, tools=tools)
-    chat = client(pair).chat.completions.create(model="scripted", tools=TOOLS, max_tokens=1, temperature=0, messages=ASK + [
+    chat = client(pair).chat.completions.create(model="scripted", tools=TOOLS, max_tokens=1, temperature=0,
+                                                messages=ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": use.id, "type": "function", "function": {
             "name": use.name, "arguments": json.dumps(use.input)}}]},
         {"role": "tool", "tool_call_id": use.id, "content": json.dumps({"temperature_c": 18})}])

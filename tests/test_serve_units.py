@@ -13,7 +13,6 @@ import mlx.core as mx
 import pytest
 
 import mlx_ds4tp as tp
-
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
 from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
@@ -156,8 +155,8 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
 
@@ -237,13 +236,13 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     import random
 
     import numpy as np
+    from mlx_lm import load
 
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
     from mlx_ds4tp.lockstep.frames import pack_batch, pack_prefill_batch
     from mlx_ds4tp.lockstep.table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable
     from mlx_ds4tp.testing.tiny_model import save_llama
-    from mlx_lm import load
 
     F = tr.FrameType
     model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=1)))

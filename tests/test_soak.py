@@ -95,4 +95,5 @@ def test_soak_100k_gates_exact_sums_flat_memory(transport, monkeypatch):
           f"{elapsed:.1f} s; VmRSS KiB {[kib for _, kib in samples]}; growth {100 * growth:+.2f} %")
     assert lexact == wexact == GATES and lbulk == wbulk == GATES // BULK_EVERY
     assert len(samples) == GATES // SAMPLE_EVERY
-    assert growth < MAX_GROWTH, f"VmRSS grew {100 * growth:.1f} % from gate {samples[0][0]} to {samples[-1][0]}: {samples}"
+    assert growth < MAX_GROWTH, (f"VmRSS grew {100 * growth:.1f} % from gate {samples[0][0]} to "
+                                 f"{samples[-1][0]}: {samples}")

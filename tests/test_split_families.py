@@ -20,7 +20,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from splitutil import run_ranks, transports, unsplit_references
 
 import family_configs_a
 import family_configs_b
@@ -30,6 +29,7 @@ from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.split import apply as _apply
 from mlx_ds4tp.split.plans import mlx_lm_plan_modules
 from mlx_ds4tp.testing.tiny_model import save_random_model
+from splitutil import run_ranks, transports, unsplit_references
 
 CONFIGS = {**family_configs_a.CONFIGS, **family_configs_b.CONFIGS,
            **{k: v for k, v in family_configs_own.CONFIGS.items() if k != "mixtral"}}
@@ -109,8 +109,10 @@ def _runs_here(family: str, model_dirs: dict[str, Path]) -> bool:
 
 def _check_pair(results: list, ref: dict, label: str) -> None:
     for rank, result in enumerate(results):
-        assert result["tokens"].tolist()[:TOKENS] == ref["tokens"][:TOKENS], f"{label}: rank {rank}'s greedy tokens differ"
-        assert np.array_equal(result["logits"], results[0]["logits"]), f"{label}: rank {rank}'s logits differ from rank 0's"
+        assert result["tokens"].tolist()[:TOKENS] == ref["tokens"][:TOKENS], \
+            f"{label}: rank {rank}'s greedy tokens differ"
+        assert np.array_equal(result["logits"], results[0]["logits"]), \
+            f"{label}: rank {rank}'s logits differ from rank 0's"
     got, want = results[0]["logits"][:TOKENS], ref["logits"][:TOKENS]
     err = float(np.abs(got - want).max() / np.abs(want).max())
     assert err <= LOGITS_RTOL, f"{label}: logits differ by {err:.2e} relative"

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from mlx_ds4tp import transport as tr
-from mlx_ds4tp.link.exchange import Exchange
 from mlx_ds4tp.errors import (
     DesyncError,
     FrameError,
@@ -24,8 +23,18 @@ from mlx_ds4tp.errors import (
     TransportError,
     TransportTimeoutError,
 )
-from pairutil import (both_ok, dial_when_listening, exchange, free_port, groups_of, make_groups,
-                      no_rdma_reason, run_both, swap)
+from mlx_ds4tp.link.exchange import Exchange
+from pairutil import (
+    both_ok,
+    dial_when_listening,
+    exchange,
+    free_port,
+    groups_of,
+    make_groups,
+    no_rdma_reason,
+    run_both,
+    swap,
+)
 
 TRANSPORTS = ["tcp", "rdma"]
 MiB = 1024 * 1024
@@ -306,8 +315,9 @@ def test_rdma_advice_is_for_this_platform_and_said_once_per_process(capfd, monke
     for _ in range(2):  # two pairs, each of two ranks, in this one process
         port = free_port()
         lg, wg = both_ok(
-            lambda: tp.init(role="leader", listen=("127.0.0.1", port), transport="auto", timeout=5.0),
-            lambda: tp.init(role="worker", coordinator=("127.0.0.1", port), transport="auto", timeout=5.0),
+            lambda port=port: tp.init(role="leader", listen=("127.0.0.1", port), transport="auto", timeout=5.0),
+            lambda port=port: tp.init(role="worker", coordinator=("127.0.0.1", port), transport="auto",
+                                      timeout=5.0),
         )
         lg.close()
         wg.close()
@@ -506,7 +516,7 @@ def test_gates_then_bulk_then_gates(groups):
     def run(group, base):
         got = []
         seq = 0
-        for phase in range(3):
+        for _phase in range(3):
             for _ in range(20):
                 seq += 1
                 got.append(float(exchange(group, np.full(4096, base + seq, np.float32))[0]))

@@ -8,9 +8,9 @@ on 127.0.0.1 and drive both sides; the blocking hot paths run in two threads
 import os
 import random
 import re
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -396,7 +396,7 @@ def _lossy_run(seed):
                 got.append(int.from_bytes(p.b.get((wr_id % 32) * 1024, 4), "little"))
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
-            for wr_id, status, _, _ in p.b.recvs(0.05):
+            for wr_id, _status, _, _ in p.b.recvs(0.05):
                 got.append(int.from_bytes(p.b.get((wr_id % 32) * 1024, 4), "little"))
             if len(got) + p.a.stats().dropped_fault == n:
                 break
@@ -866,7 +866,7 @@ def test_lost_bulk_message_is_an_error_naming_the_round(make_pair, seed):
     res = both(lambda: _lossy_bulks(p, p.a, 0, n, 10), lambda: _lossy_bulks(p, p.b, 1, n, 10),
                timeout=40)
     lost = []
-    for r, (done, bad, rc, msg) in enumerate(res):
+    for r, (_done, bad, rc, msg) in enumerate(res):
         assert bad == [], f"rank {r}: bulk exchanges {bad} returned wrong data"
         assert rc in (lib.TP_ELOST, lib.TP_EPEER), f"rank {r}: rc {rc}: {msg}"
         if rc == lib.TP_ELOST:

@@ -18,7 +18,6 @@ from mlx_ds4tp.errors import RdmaUnavailableError
 from mlx_ds4tp.link import bringup  # its test seams: SKIP_POSTED_BARRIER, WARMUP_DELAY_MS
 from pairutil import free_port
 
-
 GATING_PAIRS = 2  # pairs running their gates at once in bring_up (see there)
 
 

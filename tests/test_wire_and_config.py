@@ -12,9 +12,9 @@ import re
 import pytest
 
 import mlx_ds4tp
+from mlx_ds4tp import transport as tr
 from mlx_ds4tp.link import wire
 from mlx_ds4tp.link.config import LinkSettings
-from mlx_ds4tp import transport as tr
 from pairutil import both_ok, exchange, free_port, groups_of, run_both
 
 PKG = os.path.dirname(mlx_ds4tp.__file__)

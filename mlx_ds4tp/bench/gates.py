@@ -21,10 +21,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..testing import localpair as _localpair
 from .. import gate_ops
 from ..link.config import PairAddress
 from ..link.exchange import Exchange, raw_floor
+from ..testing import localpair as _localpair
 
 WARMUP_ITERS = 500
 ROUNDS = 10

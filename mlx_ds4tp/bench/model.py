@@ -16,11 +16,11 @@ import statistics
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from ..testing import localpair as _localpair
 from .. import gate_ops
 from ..base.log import log
 from ..collectives.backend import gateless_group
 from ..link.config import MLX, LinkSettings, PairAddress
+from ..testing import localpair as _localpair
 
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
 DEFAULT_PROMPT_TOKENS = 512

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .. import transport as tr
+from ..base.log import log
 from ..link.config import LinkSettings
 
 
@@ -57,7 +57,7 @@ def gates_report(transports: Sequence[str], rdma_device: Optional[str], nbytes: 
         _print_ratios(records)
     if plot:
         plot_histograms(records, plot)
-        tr.log(f"latency histogram written to {plot}")
+        log(f"latency histogram written to {plot}")
     return 0
 
 

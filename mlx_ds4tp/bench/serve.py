@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .. import transport as tr
+from ..base.log import log
 
 PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime numbers:",
            "The weather today", "In the beginning", "Dear diary,", "Rules of the road:",
@@ -165,7 +165,7 @@ def measure_all(base: str, max_tokens: int, clients: Sequence[int] = (1, 2, 4, 8
         runs = sorted((measure(base, n, max_tokens, api_key) for _ in range(rounds)),
                       key=lambda r: r["decode_tok_s"])
         records.append(runs[len(runs) // 2])
-        tr.log(f"serve bench: {n} client(s) done")
+        log(f"serve bench: {n} client(s) done")
     return records
 
 
@@ -181,7 +181,8 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
             ratio = f"  = {rec['decode_tok_s'] / one['decode_tok_s']:.2f}x one client"
         print(f"{rec['name']:>10}  {rec['tok_s']:8.1f} tok/s  decode {rec['decode_tok_s']:8.1f} tok/s"
               f"  ttft p50 {rec['ttft_p50_ms']:7.1f} ms max {rec['ttft_max_ms']:7.1f} ms{ratio}"
-              f"{'  (%d connections reset and retried)' % rec['connections_reset'] if rec.get('connections_reset') else ''}",
+              + (f"  ({rec['connections_reset']} connections reset and retried)"
+                 if rec.get("connections_reset") else ""),
               flush=True)
 
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .. import transport as tr
+from ..base.log import log
 from . import soak_pair
 from .soak_client import BAD_KINDS, EXPECTED_KINDS, Outcome, Target, bad_body, bad_request, stream
 
@@ -169,7 +169,7 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     outcomes: List[Outcome] = []
     t_warm = time.perf_counter()
     _warm_up(target, variants, opts.clients, outcomes)
-    tr.log(f"soak: warm-up of {len(variants)} variants in {time.perf_counter() - t_warm:.1f} s")
+    log(f"soak: warm-up of {len(variants)} variants in {time.perf_counter() - t_warm:.1f} s")
     # Then the load itself for a tenth of the run (10 to 60 s), so the caches and the heap have
     # filled at full width before the first memory reading.
     fill = min(60.0, max(10.0, opts.seconds / 10))
@@ -184,7 +184,7 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     for outcome in filled:
         outcome.warmup = True
     outcomes.extend(filled)
-    tr.log(f"soak: {len(filled)} requests at full width for {fill:g} s before the first memory reading")
+    log(f"soak: {len(filled)} requests at full width for {fill:g} s before the first memory reading")
     time.sleep(IDLE_SEC)  # the server hands memory back once idle: read it there, as at the end
     rss_start = _rss(pids)
     stored_start = _stored_bytes(base, target)
@@ -206,7 +206,7 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
         time.sleep(max(0.0, t0 + opts.seconds / 2 - time.perf_counter()))
         restart = pair.restart_worker(opts.rejoin_timeout)
         pids["worker"] = pair.pid("worker")
-        tr.log(f"soak: worker restart: {restart.get('outage_s')} s outage "
+        log(f"soak: worker restart: {restart.get('outage_s')} s outage "
                f"{'' if restart['rejoined'] else '(no rejoin: ' + restart['why'] + ')'}")
     # A request has its timeout; a thread still running well past the deadline is stuck.
     for t in threads:
@@ -301,7 +301,7 @@ def _record(opts: SoakOptions, outcomes: List[Outcome], variants, refs: List[str
     rec["failures"], rec["ok"] = failures, not failures
     examples = [o.detail for o in outcomes if o.kind not in EXPECTED_KINDS and o.detail][:3]
     for detail in examples:
-        tr.log(f"soak: e.g. {detail}")
+        log(f"soak: e.g. {detail}")
     return rec
 
 
@@ -379,7 +379,7 @@ def soak_report(url: Optional[str], model: Path, transport: str, rdma_device: Op
             raise RuntimeError(f"the server at {base} is not healthy (GET /health is not 200)")
         leader, worker = soak_pair.find_pair_pids(port)
         if leader is None or worker is None:
-            tr.log("soak: the leader's or the worker's process was not found here (ps): its "
+            log("soak: the leader's or the worker's process was not found here (ps): its "
                    "memory is not reported")
         pids = {"leader": leader, "worker": worker}
     else:

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import transport as tr
+from ..base.log import log
 from .serve import _wait_healthy
 
 # After the kill, how long /health may still say 200 before the leader is taken to have missed
@@ -152,7 +152,7 @@ class LocalPair:
         self.procs["worker"].kill()
         self.procs["worker"].wait(10)
         self.procs["worker"] = self._spawn("worker")
-        tr.log(f"soak: worker killed and started again (pid {self.pid('worker')})")
+        log(f"soak: worker killed and started again (pid {self.pid('worker')})")
         seen_down, why = False, ""
         while time.perf_counter() - t_kill < within:
             code = health(self.base)
@@ -246,7 +246,7 @@ def references(model: Path, variants: Sequence[Tuple[List[int], int]]) -> List[s
     del loaded, tokenizer
     gc.collect()
     mx.clear_cache()
-    tr.log(f"soak: {len(texts)} references from mlx-lm in {time.perf_counter() - t0:.1f} s")
+    log(f"soak: {len(texts)} references from mlx-lm in {time.perf_counter() - t0:.1f} s")
     return texts
 
 

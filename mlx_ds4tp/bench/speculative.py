@@ -71,7 +71,8 @@ def speculative_bench(model: str, draft: Optional[str], prompt_lookup: int, k: i
     }
     if draft:
         contenders[f"tp2-tcp-draft-{k}"] = lambda: _pair(
-            path, max_tokens, prompt_tokens, f"tp2-tcp-draft-{k}", ["--draft-model", draft, "--num-draft-tokens", str(k)])
+            path, max_tokens, prompt_tokens, f"tp2-tcp-draft-{k}",
+            ["--draft-model", draft, "--num-draft-tokens", str(k)])
         contenders[f"mlx-lm-single-draft-{k}"] = lambda: _mlx_lm_single(
             path, draft, k, max_tokens, prompt_tokens, f"mlx-lm-single-draft-{k}")
     if prompt_lookup:
@@ -105,7 +106,8 @@ def speculative_report(model: str, draft: Optional[str], prompt_lookup: int, k: 
         if as_json:
             print(json.dumps(rec))
             continue
-        ratio = f"{rec['tok_s'] / base:.2f}x tp2-tcp, {rec['tok_s'] / single:.2f}x mlx-lm-single" if base and single else ""
+        ratio = (f"{rec['tok_s'] / base:.2f}x tp2-tcp, {rec['tok_s'] / single:.2f}x mlx-lm-single"
+                 if base and single else "")
         acceptance = "" if rec["acceptance"] is None else f"  acceptance {rec['acceptance']:.3f}"
         match = "" if rec["tokens_match"] is None else f"  tokens_match={rec['tokens_match']}"
         print(f"{rec['name']:>26}  decode {rec['tok_s']:8.1f} tok/s (rounds "

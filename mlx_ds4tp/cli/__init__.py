@@ -15,6 +15,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from .. import transport as tr
+from ..base.log import log
 
 # Command name -> module (mlx_ds4tp.cli.<module>), in the order `ds4tp --help` lists them.
 COMMANDS = {"run": "run", "serve": "serve", "demo": "demo", "bench": "bench", "doctor": "doctor"}
@@ -43,7 +44,7 @@ def report_errors(fn: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         return 130
     except (tr.TransportError, ValueError, RuntimeError) as exc:
-        print(f"ds4-tp: error: {exc}", file=sys.stderr)
+        log(f"error: {exc}")
         return 1
 
 

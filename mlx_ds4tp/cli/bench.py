@@ -10,8 +10,15 @@ import argparse
 from .. import transport as tr
 from .draft_args import add_draft_args
 from .model_arg import add_model_arg
-from .pair_args import (LOCKSTEP_NEEDS_PAIR, add_pair_args, add_transport_args, address_from_args,
-                        check_at_least, link_from_args, refuse_mlx)
+from .pair_args import (
+    LOCKSTEP_NEEDS_PAIR,
+    add_pair_args,
+    add_transport_args,
+    address_from_args,
+    check_at_least,
+    link_from_args,
+    refuse_mlx,
+)
 
 HELP = "gate latency: tcp, rdma and the baselines (--model: tok/s; --serve: serving)"
 ROLE_HELP = ("run one rank of a two-machine gate bench (the other machine runs the other role); "

@@ -181,8 +181,8 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[
     import numpy as np
 
     from .. import gate_ops
-    from ..link.exchange import Exchange
     from ..bench.gates import percentiles
+    from ..link.exchange import Exchange
     from ..link.identity import model_identity
 
     # A doctor should answer soon: at most 30 s (dial) / 120 s (listen), less

@@ -21,8 +21,7 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from . import report_errors
-from . import run as run_command
+from . import report_errors, run as run_command
 from .model_arg import add_model_arg
 from .pair_args import MLX, add_pair_args, add_transport_args, link_from_args, one_rank_address
 

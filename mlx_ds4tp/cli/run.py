@@ -11,8 +11,15 @@ from ..link.config import LinkSettings
 from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, model_path
-from .pair_args import (LOCKSTEP_NEEDS_PAIR, add_pair_args, add_transport_args, check_at_least,
-                        link_from_args, one_rank_address, refuse_mlx)
+from .pair_args import (
+    LOCKSTEP_NEEDS_PAIR,
+    add_pair_args,
+    add_transport_args,
+    check_at_least,
+    link_from_args,
+    one_rank_address,
+    refuse_mlx,
+)
 from .sampling_args import add_sampling_args, options_from_args
 
 HELP = "one rank of a two-machine generation"

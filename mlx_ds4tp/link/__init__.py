@@ -1,1 +1,2 @@
-"""The transport between the two ranks (behind transport.py): wire format, configuration, control channel, hello, gates, pair."""
+"""The transport between the two ranks (behind transport.py): wire format, configuration,
+control channel, hello, the exchange, pair."""

@@ -12,8 +12,8 @@ import time
 from typing import Callable, Optional, Tuple
 
 from ..base.log import log
-from .wire import FRAME_HEADER, FRAME_MAX_BYTES, MAGIC, FrameType
 from ..errors import FrameError, PeerClosedError, TransportError, TransportTimeoutError
+from .wire import FRAME_HEADER, FRAME_MAX_BYTES, MAGIC, FrameType
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # TCP keepalive: a worker idle between prompts has nothing else that would

@@ -27,10 +27,10 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from .wire import FINGERPRINT_DETAIL_VERSION, FINGERPRINT_SUMMARY, MAX_FINGERPRINT_DETAIL_EXPANDED
-from ..errors import FrameError
 # The one safetensors header reader, with its size bound (MAX_SAFETENSORS_HEADER_BYTES).
 from ..checkpoint.header import MAX_SAFETENSORS_HEADER_BYTES, read_header  # noqa: F401
+from ..errors import FrameError
+from .wire import FINGERPRINT_DETAIL_VERSION, FINGERPRINT_SUMMARY, MAX_FINGERPRINT_DETAIL_EXPANDED
 
 SAMPLE_BYTES = 256
 SAMPLE_WINDOWS = 4

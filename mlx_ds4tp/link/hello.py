@@ -9,6 +9,7 @@ import hashlib
 import hmac
 from typing import Optional
 
+from ..errors import AuthenticationError, FrameError, HelloMismatchError, RdmaUnavailableError
 from .control import ControlChannel
 from .fingerprint import Fingerprint
 from .wire import (
@@ -27,7 +28,6 @@ from .wire import (
     TRANSPORT_NAMES,
     FrameType,
 )
-from ..errors import AuthenticationError, FrameError, HelloMismatchError, RdmaUnavailableError
 
 
 @dataclasses.dataclass(frozen=True)

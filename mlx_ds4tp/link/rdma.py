@@ -8,12 +8,12 @@ from __future__ import annotations
 import mmap
 from typing import Optional, Tuple
 
-from .config import VERBS_LIBRARY_ENV
 from ..base.log import log
+from ..errors import FrameError, RdmaUnavailableError
+from .config import VERBS_LIBRARY_ENV
+from .exchange import rc_error
 from .native import load_verbs
 from .wire import RDMA_INFO, RDMA_MAX_MSG
-from ..errors import FrameError, RdmaUnavailableError
-from .exchange import rc_error
 
 UCSIM = "ucsim"
 _ERR_BYTES = 512

@@ -43,9 +43,9 @@ Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
 from the worker; then, per exchange of the collectives (csrc/exchange.c, which
 the MLX backend calls, and the bench, doctor and tests through
 link/exchange.py), the exchange header (magic, collective, dtype code, seq, bytes,
-ndim, the first dims: laid out and numbered in csrc/exchange_codes.h, its one source) ahead of the payload over TCP (a decode gate
-write-then-read, a bulk exchange both directions at once: tp_tcp_duplex); over
-RDMA the header alone when the signature changes and before each bulk exchange,
+ndim, the first dims: laid out and numbered in csrc/exchange_codes.h, its one source)
+ahead of the payload over TCP (a decode gate write-then-read, a bulk exchange both
+directions at once: tp_tcp_duplex); over RDMA the header alone when the signature changes and before each bulk exchange,
 the payload on the queue pair.
 
 Queue pair: the warm-up message is RDMA_MAX_MSG bytes starting with WARM_TAG

@@ -2,8 +2,9 @@
 row's cache cut back to what its session kept.
 
 `ds4tp serve` verifies the drafts of several sessions, and decodes the plain ones, in one
-forward (VERIFY_BATCH; `ds4tp run` verifies its one session's the same way, a batch of one row): row i carries its input token and its k_i drafts, right-padded to the
-longest row. Causal attention never lets a real token see the padding after it, so every
+forward (VERIFY_BATCH; `ds4tp run` verifies its one session's the same way, a batch of one
+row): row i carries its input token and its k_i drafts, right-padded to the longest row.
+Causal attention never lets a real token see the padding after it, so every
 row's logits are those of its own tokens. The leader then says how many of each row's
 positions its session keeps (COMMIT_BATCH); the rest (rejected drafts, padding) leave the
 cache as mlx-lm's batched prefill drops its right padding: BatchKVCache.prepare(right_padding)
@@ -24,8 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FrameError
-from ..link.wire import COMMIT_BATCH_HEADER, MAX_BATCH_ROWS, MAX_VERIFY_WIDTH
-from ..link.wire import VERIFY_BATCH_HEADER, VERIFY_BATCH_ROW
+from ..link.wire import COMMIT_BATCH_HEADER, MAX_BATCH_ROWS, MAX_VERIFY_WIDTH, VERIFY_BATCH_HEADER, VERIFY_BATCH_ROW
 
 # Left padding every row carries before a commit compacts the batch (one growth step of
 # mlx-lm's BatchKVCache: compacting copies the whole cache, so not every round).

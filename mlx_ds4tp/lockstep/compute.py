@@ -11,7 +11,6 @@ from typing import List, Sequence
 
 import mlx.core as mx
 
-
 # mlx-lm's generate_step default (prefill_step_size): the prompt's prefix enters the cache in
 # chunks of this many tokens, so a long prompt's attention scores never take more memory than
 # one chunk's.

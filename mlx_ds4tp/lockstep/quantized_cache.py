@@ -58,7 +58,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.keys: Optional[Quantized] = None
         self.values: Optional[Quantized] = None
         self.left_padding = mx.array(left_padding)
-        self.offset = mx.array([-l for l in left_padding])
+        self.offset = mx.array([-pad for pad in left_padding])
         self._idx = 0
         self._right_padding = None
         self.group_size = group_size

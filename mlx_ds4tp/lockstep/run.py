@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import List
 
 from .. import gate_ops
-from .. import transport as tr
+from ..base.log import log
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
 from ..split.progress import LoadingBar
@@ -38,10 +38,10 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
     with group:
         t0 = time.perf_counter()
         model, tokenizer = load_split(model_path, group, progress=LoadingBar())
-        tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
+        log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if address.role != "leader":
             table = serve_worker(group, model)
-            tr.log(f"worker done: served {table.ended} prompt(s), leader said stop")
+            log(f"worker done: served {table.ended} prompt(s), leader said stop")
             return 0
         sessions = LeaderSessions(group, model)
         try:
@@ -106,7 +106,7 @@ def _speculate(sessions: LeaderSessions, prompt_ids: List[int], settings: RunSet
         drafter = DraftModel(model, prompt_ids, sampler)
     stats = speculative_generate(sessions, prompt_ids, settings.max_tokens, sampler, drafter,
                                  draft.num_draft_tokens, on_token=show, eos=eos)
-    tr.log(f"speculative: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
+    log(f"speculative: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
            f"{stats.rounds} rounds ({len(stats.tokens) / max(stats.rounds, 1):.2f} tokens a round)")
     return stats
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import transport as tr
+from ..base.log import log
 from .compute import PREFILL_STEP, fill_cache, make_cache
 from .frames import check_tokens
 from .prompt_cache import COPY, FRESH, MOVE
@@ -129,7 +130,7 @@ class SessionCaches:
                 batch = _merge_caches(caches)
             except ValueError as exc:
                 if not self._said_no_merge:
-                    tr.log(f"prefill: prompts are prefilled one at a time ({exc})")
+                    log(f"prefill: prompts are prefilled one at a time ({exc})")
                     self._said_no_merge = True
         if batch is None:
             for tokens, cache in zip(chunks, caches):

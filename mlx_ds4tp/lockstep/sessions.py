@@ -39,15 +39,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import gate_ops
-from .. import transport as tr
+from .. import gate_ops, transport as tr
 from ..errors import LockstepDivergence, TransportError
 from ..link.wire import HASH_PAYLOAD as HASH
-from .frames import pack_batch, pack_prefill_batch, unpack
-from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, release_memory
 from .batch_verify import pack_commit, pack_verify_batch
+from .frames import pack_batch, pack_prefill_batch, unpack
 from .prompt_cache import FRESH
 from .row_sampling import pack_sampler
+from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, release_memory
 
 F = tr.FrameType
 

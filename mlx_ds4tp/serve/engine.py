@@ -22,6 +22,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from .. import transport as tr
+from ..base.log import log
 from ..lockstep.sessions import LeaderSessions, drain_failed_work
 from ..lockstep.table import release_memory
 from .admission import Admission
@@ -164,7 +165,7 @@ class Engine:
                 # /health must stop answering 200 as soon as the pair is down.
                 gone = self.sessions.peer_gone()
                 if gone:
-                    raise tr.TransportError(gone)
+                    raise tr.TransportError(gone) from None
                 if not self._released:  # IDLE_POLL_SEC without work: the pair is idle
                     release_memory()
                     self._released = True
@@ -223,7 +224,7 @@ class Engine:
         with self._lock:
             self._error = message
             self._down.set()
-        tr.log(f"serve: the pair is down: {message}")
+        log(f"serve: the pair is down: {message}")
         self.sessions.abort(message)
         drain_failed_work()
         self.prefill.clear()

@@ -11,8 +11,8 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import Any, Dict, Optional
 
-from .. import gate_ops
-from .. import transport as tr
+from .. import gate_ops, transport as tr
+from ..base.log import log
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
 from ..split.progress import LoadingBar
@@ -49,9 +49,9 @@ def make_speculation(served: ServedModel, model: Any):
             draft = load_draft(draft_path, model)
         except ValueError as exc:
             raise SystemExit(f"ds4tp serve: {exc}") from None
-        tr.log(f"serve: drafting with {draft_path}, {k} tokens a round")
+        log(f"serve: drafting with {draft_path}, {k} tokens a round")
     else:
-        tr.log(f"serve: drafting by prompt lookup ({lookup}-grams), {k} tokens a round")
+        log(f"serve: drafting by prompt lookup ({lookup}-grams), {k} tokens a round")
     return Speculation(k, lookup, draft)
 
 
@@ -68,7 +68,7 @@ def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
                          "to quantize; serve it without --kv-bits")
     note = describe_unquantizable(cache)
     if note:
-        tr.log(f"serve: {note}")
+        log(f"serve: {note}")
     # mlx-lm's quantized attention has no attention sinks (gpt-oss), and mx.quantize needs the
     # head size to be a multiple of the group: both would fail a request, not the start.
     if any("sinks" in m for _, m in model.named_modules()):
@@ -109,7 +109,7 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity,
     with group:
         t0 = time.perf_counter()
         model, tokenizer = load_split(str(served.path), group, progress=LoadingBar())
-        tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
+        log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if server is None:
             return _worker(group, model, settings.link, rejoin=settings.rejoin)
         engine = _leader_engine(settings, group, model, tokenizer)
@@ -138,7 +138,7 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
         from .memory import default_kv_budget
 
         budget, how = default_kv_budget(model, limits.kv_bits, limits.kv_group_size)
-        tr.log(f"serve: {how}")
+        log(f"serve: {how}")
         limits = dataclasses.replace(limits, kv_budget=budget)
     return Engine(LeaderSessions(group, model), tokenizer, limits, speculation=speculation)
 
@@ -158,14 +158,14 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, model,
     engine.start()
     threading.Thread(target=_take_back_workers, args=(engine, group, model, settings.link),
                      name="ds4tp-rejoin", daemon=True).start()
-    tr.log(f"serving {served.name} ({served.path}) on "
+    log(f"serving {served.name} ({served.path}) on "
            f"http://{settings.http.host}:{server.server_address[1]}/v1 (transport {group.transport})")
     # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
-        tr.log("serve: stopping; the worker is told to stop too")
+        log("serve: stopping; the worker is told to stop too")
     finally:
         engine.stop()
 
@@ -181,7 +181,7 @@ def _take_back_workers(engine, group: gate_ops.Group, model, link: LinkSettings)
     while True:
         while not engine.wait_down(1.0):
             pass
-        tr.log(f"serve: HTTP answers 503 until a worker joins again on {host}:{port} (start "
+        log(f"serve: HTTP answers 503 until a worker joins again on {host}:{port} (start "
                "`ds4tp serve --role worker` again, with the same --model and secret)")
         while True:
             try:
@@ -190,17 +190,17 @@ def _take_back_workers(engine, group: gate_ops.Group, model, link: LinkSettings)
             except tr.TransportTimeoutError:
                 continue  # nobody came within the connect timeout: keep listening
             except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
-                tr.log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
+                log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
                 time.sleep(0.5)
         sessions = LeaderSessions(group, model)
         try:
             sessions.wait_ready()  # the worker loads its weights after joining
         except Exception as exc:  # noqa: BLE001 - it died loading: listen again
-            tr.log(f"serve: the worker joined but failed before serving: {exc}")
+            log(f"serve: the worker joined but failed before serving: {exc}")
             group.close()
             continue
         engine.resume(sessions)
-        tr.log(f"serve: a worker rejoined (transport {group.transport}); serving again")
+        log(f"serve: a worker rejoined (transport {group.transport}); serving again")
 
 
 def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Group:
@@ -212,7 +212,7 @@ def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Grou
         except (tr.HelloMismatchError, tr.AuthenticationError):
             raise
         except tr.TransportError as exc:
-            tr.log(f"serve: no leader yet ({exc}); still waiting (--rejoin)")
+            log(f"serve: no leader yet ({exc}); still waiting (--rejoin)")
             time.sleep(0.5)
 
 
@@ -227,18 +227,18 @@ def _worker(group: gate_ops.Group, model, link: LinkSettings, rejoin: bool) -> i
     while True:
         try:
             table = serve_worker(group, model)  # tells the leader why if it fails
-            tr.log(f"worker done after {table.batch.step_count} decode steps: the leader said stop")
+            log(f"worker done after {table.batch.step_count} decode steps: the leader said stop")
             if not rejoin:
                 return 0
         except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
             if not rejoin:
                 raise tr.TransportError(f"{exc}; the worker stops (run it with --rejoin to wait "
                                         "for a leader instead)") from None
-            tr.log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
+            log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
         group.close()
         drain_failed_work()
         release_memory()  # the failed pair's table, its caches and its failed steps
-        tr.log(f"serve: waiting for a leader at {host}:{port} (--rejoin) ...")
+        log(f"serve: waiting for a leader at {host}:{port} (--rejoin) ...")
         while True:
             try:
                 gate_ops.reconnect(group)
@@ -247,7 +247,7 @@ def _worker(group: gate_ops.Group, model, link: LinkSettings, rejoin: bool) -> i
                 raise  # another model or another secret: waiting would not change it
             except tr.TransportError:
                 time.sleep(0.5)  # no leader yet (or one that went away during the join)
-        tr.log(f"serve: joined a leader again (transport {group.transport})")
+        log(f"serve: joined a leader again (transport {group.transport})")
 
 
 def _interrupt(signum: int, frame: Any) -> None:

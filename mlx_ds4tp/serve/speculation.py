@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from ..lockstep.batch_verify import accepted_prefix
-from ..lockstep.speculative import DraftModel, Drafter, PromptLookup
+from ..lockstep.speculative import Drafter, DraftModel, PromptLookup
 
 
 class Speculation:

@@ -138,7 +138,7 @@ def split_model(
     group = _shard_group(group)
     size = int(group.size())
     vocab = _vocab_layers(model)
-    for path, cls in vocab:
+    for path, _cls in vocab:
         parent, name = _parent(model, path)
         check_rows(parent[name], size, path)
     plan = derive_plan(model, group, shard, trace=read_part is not None, label=_label(model))

@@ -123,7 +123,7 @@ def shard_qwen3_next(model: nn.Module, group: Any) -> None:
             net.in_proj_qkvz = shard_linear(net.in_proj_qkvz, "all-to-sharded", group=group)
             net.in_proj_ba = shard_linear(net.in_proj_ba, "all-to-sharded", group=group)
             key_dim = net.key_dim
-            shard_inplace(net.conv1d, lambda path, w: (0, [key_dim, 2 * key_dim]), group=group)
+            shard_inplace(net.conv1d, lambda path, w, key_dim=key_dim: (0, [key_dim, 2 * key_dim]), group=group)
             net.conv1d.groups //= size
             net.dt_bias = mx.contiguous(mx.split(net.dt_bias, size)[rank])
             net.A_log = mx.contiguous(mx.split(net.A_log, size)[rank])

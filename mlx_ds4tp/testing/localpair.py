@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+from ..base.log import log
+
 # The module a spawned rank runs (`python -m mlx_ds4tp.cli.rank ...`).
 RANK_MODULE = "mlx_ds4tp.cli.rank"
 # Where this package is imported from: a child must import the same copy, even
@@ -152,8 +154,7 @@ def _reap(p: subprocess.Popen) -> None:
     try:
         p.wait(timeout=_REAP_SEC)
     except subprocess.TimeoutExpired:
-        print(f"ds4-tp: rank process {p.pid} did not exit {_REAP_SEC:.0f} s after SIGKILL",
-              file=sys.stderr, flush=True)
+        log(f"rank process {p.pid} did not exit {_REAP_SEC:.0f} s after SIGKILL")
 
 
 def json_records(text: str) -> List[Dict]:

@@ -21,9 +21,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
+import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-import mlx.core as mx  # noqa: E402
 import mlx_ds4tp as tp  # noqa: E402
 from mlx_ds4tp._verbs import ffi, lib  # noqa: E402
 
