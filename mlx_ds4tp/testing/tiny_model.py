@@ -43,15 +43,6 @@ class LlamaSizes:
     # an untied one says something different each step, which makes a livelier demo.
     tied: bool = False
 
-    def param_count(self) -> int:
-        """Parameters of the model these sizes make (no biases)."""
-        head_dim = self.hidden // self.heads
-        attn = 2 * self.hidden * self.heads * head_dim + 2 * self.hidden * self.kv_heads * head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        norms = 2 * self.hidden
-        vocab = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * (attn + mlp + norms) + vocab + self.hidden
-
 
 PRESETS = {
     # Seconds to build, fast to run: the demo's default and the CI's model.
@@ -245,13 +236,6 @@ class MoeSizes:
     experts_per_token: int
     expert_intermediate: int
     vocab: int
-
-    def param_count(self) -> int:
-        """Parameters of the model these sizes make."""
-        attn = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
-        experts = 3 * self.hidden * self.expert_intermediate * self.experts
-        router, norms = self.hidden * self.experts, 2 * self.hidden + 2 * self.head_dim
-        return self.layers * (attn + experts + router + norms) + 2 * self.vocab * self.hidden + self.hidden
 
 
 MOE_PRESETS = {
