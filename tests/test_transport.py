@@ -71,7 +71,7 @@ def raw_header(magic, ftype, nbytes):
 
 def test_bad_magic_is_a_clear_error():
     a, b = channel_pair()
-    a.sock.sendall(raw_header(0x12345678, tr.FrameType.SYNC, 0))
+    a.sock.sendall(raw_header(0x12345678, tr.FrameType.REWIND, 0))
     with pytest.raises(FrameError, match="bad frame magic 0x12345678"):
         b.recv()
 
@@ -100,12 +100,12 @@ def test_oversized_header_is_refused_before_allocation():
         return bytearray(n)
 
     ch = tr.ControlChannel(b, 5.0, alloc=spy)
-    a.sendall(raw_header(tr.MAGIC, tr.FrameType.EVAL, 0xFFFFFFFF))
+    a.sendall(raw_header(tr.MAGIC, tr.FrameType.REWIND, 0xFFFFFFFF))
     with pytest.raises(FrameError, match="4294967295 bytes, over its 64-byte bound"):
         ch.recv()
     assert allocated == []
-    a.sendall(raw_header(tr.MAGIC, tr.FrameType.EVAL, 3) + b"abc")
-    assert ch.recv() == (tr.FrameType.EVAL, b"abc") and allocated == [3]
+    a.sendall(raw_header(tr.MAGIC, tr.FrameType.REWIND, 3) + b"abc")
+    assert ch.recv() == (tr.FrameType.REWIND, b"abc") and allocated == [3]
 
 
 def test_truncated_frame_eof_mid_payload():
