@@ -45,6 +45,12 @@ def check_rows(layer: Any, size: int, where: str) -> None:
         )
 
 
+def _keep_rows(whole: mx.array, start: int, stop: int) -> mx.array:
+    # contiguous() makes the part its own buffer: a plain slice is a view that would keep the
+    # whole tensor alive, which is exactly the memory the split exists to save.
+    return mx.contiguous(whole[start:stop])
+
+
 def cut_rows(layer: nn.Module, rows: tuple[int, int], where: str = "layer",
              read_part: Optional[ReadPart] = None) -> nn.Module:
     """Keep `layer`'s vocabulary rows [start, stop), in place, each array read from disk by
@@ -56,9 +62,7 @@ def cut_rows(layer: nn.Module, rows: tuple[int, int], where: str = "layer",
             continue
         part = read_part(f"{where}.{name}", whole, 0, runs=(rows,)) if read_part else None
         if part is None:
-            # contiguous() makes the part its own buffer: a plain slice is a view that would keep
-            # the whole tensor alive, which is exactly the memory the split exists to save.
-            part = mx.contiguous(whole[start:stop])
+            part = _keep_rows(whole, start, stop)
         mx.eval(part)
         layer[name] = part
     return layer
