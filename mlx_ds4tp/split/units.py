@@ -155,7 +155,9 @@ def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitSha
 
 def _limits(counts: list[tuple[int, str]], units: int) -> str:
     short = [name for whole, name in counts if whole % units]
-    return f"{len(short)} count(s) do not divide into {units}: " + ", ".join(short[:3]) if short else "the plan refused it"
+    if not short:
+        return "the plan refused it"
+    return f"{len(short)} count(s) do not divide into {units}: " + ", ".join(short[:3])
 
 
 def run_plan(layout: Layout, model: nn.Module, shard: Callable, group: Any) -> None:
