@@ -15,6 +15,8 @@ from .. import gate_ops
 from .. import transport as tr
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
+from ..split.agree import agree_share, with_figures
+from ..split.auto import model_need
 from ..split.progress import LoadingBar
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
 from .sessions import LeaderSessions, serve_worker
@@ -23,6 +25,7 @@ from .settings import RunSettings
 # The bench's contenders all warm up on the prompt's first tokens before the timed
 # generation (bench.model WARMUP_PROMPT_TOKENS); the pair does it in lockstep.
 BENCH_WARMUP_TOKENS = 16
+TEMPLATE_TOKENS = 256
 
 
 def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
@@ -31,13 +34,13 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
     from ..model_split import load_split
 
     address = link.address
-    group = gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
-                          transport=link.transport, rdma_device=link.rdma_device, gid_index=link.gid_index,
-                          timeout=link.timeout, secret=link.secret, identity=model_identity(model_path),
-                          tcp_spin_us=link.tcp_spin_us)
+    group = gate_ops.init_pair(with_figures(link, settings.split), model_identity(model_path))
     with group:
+        # A token is at least one character of the prompt; the chat template adds its own.
+        kv_tokens = len(settings.prompt) + TEMPLATE_TOKENS + settings.prompt_tokens + settings.max_tokens
+        share = agree_share(group, settings.split, model_need(Path(model_path), kv_tokens))
         t0 = time.perf_counter()
-        model, tokenizer = load_split(model_path, group, progress=LoadingBar())
+        model, tokenizer = load_split(model_path, group, split=share, progress=LoadingBar())
         tr.log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if address.role != "leader":
             table = serve_worker(group, model)

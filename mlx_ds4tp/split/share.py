@@ -83,6 +83,22 @@ EVEN = SplitShare()
 
 
 @dataclass(frozen=True)
+class SplitSettings:
+    """This rank's --split: the share it asks for (the leader's decides), whether it was given
+    (a worker without one takes the leader's silently), and the cap on the memory it reports
+    for auto (DS4_TP_MEMORY_LIMIT_BYTES; 0: the machine's)."""
+
+    share: SplitShare = EVEN
+    given: bool = False
+    memory_limit: int = 0
+
+    def measures(self, role: str) -> bool:
+        """Whether this rank measures its figures at start: a worker always (its leader may ask
+        for auto), a leader only for auto."""
+        return role == "worker" or self.share.auto
+
+
+@dataclass(frozen=True)
 class UnitCut:
     """A share as the plan runs it: every count cut into `units` units, rank r keeping `counts[r]`
     of them, rank 0's first."""
@@ -123,4 +139,4 @@ def nearest_cuts(share: SplitShare, size: int, granules: int) -> list[UnitCut]:
     return [UnitCut((f.numerator, f.denominator - f.numerator)) for f in ordered]
 
 
-__all__ = ["EVEN", "MAX_UNITS", "SplitShare", "UnitCut", "nearest_cuts"]
+__all__ = ["EVEN", "MAX_UNITS", "SplitSettings", "SplitShare", "UnitCut", "nearest_cuts"]
