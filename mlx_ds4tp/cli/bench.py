@@ -9,6 +9,7 @@ import argparse
 
 from .. import transport as tr
 from .draft_args import add_draft_args
+from .split_args import add_split_arg, split_from_args
 from .model_arg import add_model_arg
 from .pair_args import (LOCKSTEP_NEEDS_PAIR, add_pair_args, add_transport_args, address_from_args,
                         check_at_least, link_from_args, refuse_mlx)
@@ -37,6 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p, "time decode tok/s of this mlx-lm model instead (a directory, `demo`, or a "
                   "preset built once: 150m, moe-1g): single process, our pair (tcp, rdma) and "
                   "mlx-lm's shard() on MLX's ring; with --serve: the model served", required=False)
+    add_split_arg(p)
     add_draft_args(p, "with --model, timed against plain pair decode and mlx-lm's single-machine "
                       "speculative decoding (a directory, `demo` or a preset)")
     p.add_argument("--max-tokens", type=int, default=64,
@@ -129,8 +131,9 @@ def _model(args: argparse.Namespace, report) -> int:
         draft = _model_dir("--draft-model", args.draft_model) if args.draft_model else None
         return speculative_report(model, draft, args.prompt_lookup, args.num_draft_tokens, args.max_tokens,
                                   args.rounds, args.prompt_tokens, args.json)
+    split = split_from_args(args, "bench")
     return report.model_report(model, args.transport, args.rdma_device, args.max_tokens,
-                               args.rounds, args.prompt_tokens, args.json)
+                               args.rounds, args.prompt_tokens, args.json, str(split.share))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -45,6 +45,8 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
         if address.role != "leader":
             table = serve_worker(group, model)
             tr.log(f"worker done: served {table.ended} prompt(s), leader said stop")
+            if settings.tokens_out:
+                Path(settings.tokens_out).write_text(json.dumps({"split": str(share), "peak_rss_bytes": peak_rss()}))
             return 0
         sessions = LeaderSessions(group, model)
         try:
@@ -58,7 +60,7 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
             sessions.stop()
         print(stats.line(group), flush=True)
         if settings.tokens_out:
-            _write_tokens(settings.tokens_out, group, prompt_ids, stats)
+            _write_tokens(settings.tokens_out, group, prompt_ids, stats, share)
     return 0
 
 
@@ -114,9 +116,18 @@ def _speculate(sessions: LeaderSessions, prompt_ids: List[int], settings: RunSet
     return stats
 
 
-def _write_tokens(path: str, group: gate_ops.Group, prompt_ids, stats: GenerationStats) -> None:
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (what a rank's share of the model costs it)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, Linux KiB
+
+
+def _write_tokens(path: str, group: gate_ops.Group, prompt_ids, stats: GenerationStats, share) -> None:
     p50, p99 = group.gate_latency_us()
     Path(path).write_text(json.dumps({
+        "split": str(share), "peak_rss_bytes": peak_rss(),
         "prompt_tokens": prompt_ids, "tokens": stats.tokens, "transport": group.transport,
         "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
         "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,
