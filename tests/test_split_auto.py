@@ -226,3 +226,15 @@ def test_split_flag_is_checked(procs, model_dir):
     bad = _spawn(procs, model_dir, free_port(), "leader", ["--split", "3:0"])
     _, err = bad.communicate(timeout=60)
     assert bad.returncode != 0 and "leaves a rank with nothing" in err
+
+
+def test_doctor_prints_the_share_it_would_pick(procs, model_dir):
+    port = free_port()
+    common = ["-m", "mlx_ds4tp", "doctor", "--transport", "tcp", "--model", str(model_dir)]
+    listener = procs.spawn(common + ["--listen", "127.0.0.1", str(port)])
+    dialer = procs.spawn(common + ["--peer", "127.0.0.1", str(port)])
+    outs = [p.communicate(timeout=120)[0] for p in (listener, dialer)]
+    picks = [line for out in outs for line in out.splitlines() if "split auto: would pick" in line]
+    assert len(picks) == 2, outs
+    # The same arithmetic on the same two hellos: both sides name the same share.
+    assert picks[0].split(" with the peer")[0] == picks[1].split(" with the peer")[0]
