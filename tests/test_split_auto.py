@@ -123,8 +123,8 @@ def test_the_worker_takes_the_leaders_auto_share(capfd):
 
 
 def test_a_refused_auto_share_stops_both_ranks_naming_the_sizes():
-    from mlx_ds4tp.split.agree import agree_share
     from mlx_ds4tp.errors import TransportError
+    from mlx_ds4tp.split.agree import agree_share
 
     lg, wg = _pair_groups(figures(GB, 100 * GB), figures(GB, 100 * GB))
     with lg, wg:
