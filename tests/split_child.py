@@ -1,10 +1,11 @@
 """One rank of a split-model test, or one side of the memory measurement (run as a script).
 
-    split_child.py pair --rank R [--size N] --transport ring|tcp|rdma --port P --out DIR MODEL_DIR...
-        join the pair (N ranks over the ring), load_split every model, decode greedily, write DIR/rank{R}-{name}.npz,
+    split_child.py pair --rank R [--size N] [--split S] --transport ring|tcp|rdma --port P --out DIR MODEL_DIR...
+        join the pair (N ranks over the ring), load_split every model (share S, default even), decode
+        greedily, write DIR/rank{R}-{name}.npz (with the bytes of weights the rank holds),
         then pass a partial through AllSumGate and write DIR/rank{R}-gate.npz
-    split_child.py rss --mode whole|split MODEL_DIR
-        load the model (whole with mlx_lm.load, or this rank's part with load_split) and print
+    split_child.py rss --mode whole|split [--rank R] [--split S] MODEL_DIR
+        load the model (whole with mlx_lm.load, or rank R's part with load_split) and print
         {"baseline_kb": ..., "peak_kb": ...} (peak RSS after the imports, and at the end)
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,11 +46,12 @@ def run_pair(args) -> None:
         raise SystemExit(f"group says rank {group.rank()} of {group.size()}, expected {args.rank} of {args.size}")
     out = Path(args.out)
     for model_dir in map(Path, args.models):
-        model, tokenizer = load_split(model_dir, group)
+        model, tokenizer = load_split(model_dir, group, split=args.split)
+        weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         tokens, logits = greedy_decode(model, tokenizer.encode(PROMPT))
         streamed = stream_tokens(model, tokenizer)
         np.savez(out / f"rank{args.rank}-{model_dir.name}.npz", tokens=np.array(tokens),
-                 logits=logits, streamed=np.array(streamed))
+                 logits=logits, streamed=np.array(streamed), weight_bytes=weight_bytes)
     # The gate as user code would use it: each rank's partial in, the total out.
     partial = mx.arange(6, dtype=mx.float32).reshape(2, 3) * (args.rank + 1) + 0.25 * args.rank
     total = AllSumGate(group)(partial)
@@ -86,7 +89,7 @@ def run_rss(args) -> None:
     if args.mode == "whole":
         model, _ = mlx_lm.load(args.model)
     else:
-        model, _ = load_split(args.model, RankOnly(0))  # loading never calls a collective
+        model, _ = load_split(args.model, RankOnly(args.rank), split=args.split)  # loading never calls a collective
     print(json.dumps({"baseline_kb": baseline, "peak_kb": peak_rss_kb()}))
 
 
@@ -98,10 +101,13 @@ def main() -> None:
     pair.add_argument("--transport", required=True)
     pair.add_argument("--size", type=int, default=2)
     pair.add_argument("--port", type=int, default=0)
+    pair.add_argument("--split", default="even")
     pair.add_argument("--out", required=True)
     pair.add_argument("models", nargs="+")
     rss = sub.add_parser("rss")
     rss.add_argument("--mode", choices=("whole", "split"), required=True)
+    rss.add_argument("--rank", type=int, default=0)
+    rss.add_argument("--split", default="even")
     rss.add_argument("model")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -36,8 +36,10 @@ def transports() -> list[str]:
     return found
 
 
-def run_ranks(transport: str, model_dirs: dict[str, Path], out: Path, ranks: int = 2) -> dict[str, list]:
-    """All ranks in their own processes; {family: [rank0 npz, rank1 npz, ...]}. Never hangs.
+def run_ranks(transport: str, model_dirs: dict[str, Path], out: Path, ranks: int = 2,
+              split: str = "even") -> dict[str, list]:
+    """All ranks in their own processes, each loading its `split` share; {family: [rank0 npz,
+    rank1 npz, ...]}. Never hangs.
 
     More than 2 ranks only over MLX's ring (our own groups are pairs)."""
     port = free_port()
@@ -51,7 +53,7 @@ def run_ranks(transport: str, model_dirs: dict[str, Path], out: Path, ranks: int
         children = [
             procs.spawn(
                 [str(CHILD), "pair", "--rank", str(rank), "--size", str(ranks), "--transport", transport,
-                 "--port", str(port), "--out", str(out), *map(str, model_dirs.values())],
+                 "--port", str(port), "--split", split, "--out", str(out), *map(str, model_dirs.values())],
                 env={**env, "MLX_RANK": str(rank)},
             )
             for rank in range(ranks)

@@ -17,7 +17,8 @@ def test_doctor_reports_each_check(procs):
     if no_rdma_reason() == "no verbs devices":  # built with the provider: what to check
         assert "rdma_ctl status" in out and "ibv_devices" in out
     assert "[  ok] ucsim pair: bring-up, warm-up and 200 gates" in out
-    assert "doctor: 8 checks, 0 failed" in out
+    assert "[  ok] split auto: local figures only, no peer (this Mac: " in out
+    assert "doctor: 9 checks, 0 failed" in out
 
 
 def test_doctor_peer_round_trip(procs):

@@ -166,13 +166,13 @@ def _no_in_memory_cuts(monkeypatch):
     from the file."""
     from mlx_ds4tp.split import apply
 
-    def refuse(a, axis, rank, size):
+    def refuse(a, start, stop):
         raise AssertionError(f"an array of shape {a.shape} was cut in memory instead of read from disk")
 
     def refuse_log(message):
         assert "read whole" not in message, message
 
-    monkeypatch.setattr(_split_layers, "_keep_rank_part", refuse)
+    monkeypatch.setattr(_split_layers, "_keep_rows", refuse)
     monkeypatch.setattr(apply, "log", refuse_log)
 
 

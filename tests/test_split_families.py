@@ -207,3 +207,62 @@ def test_a_rank_loading_its_part_peaks_near_half_the_whole(tmp_path, kind):
           file=sys.stderr)
     # The import baseline (about 80 MiB) weighs more at this size than at 1 GB (0.56-0.58 there).
     assert ratio <= 0.65, f"a rank's peak RSS is {ratio:.3f} of the whole model's"
+
+
+# ---------------------------------------------------------------------------------------------
+# An uneven share (split/units.py): every family takes 3:1 where its counts allow
+# ---------------------------------------------------------------------------------------------
+
+# Counts that divide into 4 units (KV heads, key heads, 4 groups of 32 MLP and expert columns).
+QUARTERS = {
+    "qwen3_next": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16, "linear_num_value_heads": 8,
+                   "linear_num_key_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "intermediate_size": 128, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
+    "mixtral": {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_family_takes_3_to_1_or_the_nearest_share_its_counts_allow(model_dirs, family, rank, monkeypatch):
+    """These checkpoints' counts (2 KV heads, 64 MLP columns) allow only 1:1: logged naming the
+    counts, and each rank still reads its parts from the file."""
+    from mlx_ds4tp.split import units
+
+    messages = []
+    monkeypatch.setattr(_apply, "log", messages.append)
+    monkeypatch.setattr(units, "log", messages.append)
+    load_split(model_dirs[family], cut_only_group(rank, 2), split="3:1")
+    assert not [m for m in messages if "read whole" in m], messages
+    assert [m for m in messages if "split 3:1" in m and ("1:1" in m or "keeps" in m)], messages
+
+
+def test_our_plans_split_3_to_1(tmp_path):
+    """qwen3_next (gated delta-net key heads, their convolution's segments) and mixtral, with
+    counts that divide into 4, over TCP at 3:1: the unsplit tokens on both ranks."""
+    paths = {}
+    for family, counts in QUARTERS.items():
+        config, _ = family_configs_own.CONFIGS[family]
+        paths[family] = save_random_model(tmp_path / family, {**config, **counts})
+    refs = unsplit_references(paths)
+    out = tmp_path / "out"
+    out.mkdir()
+    results = run_ranks("tcp", paths, out, split="3:1")
+    for family in paths:
+        _check_pair(results[family], refs[family], f"{family} at 3:1")
+        held = [int(r["weight_bytes"]) for r in results[family]]
+        assert held[0] > 2 * held[1], f"{family} at 3:1 holds {held}"
+
+
+def test_a_plan_that_computes_with_the_group_size_splits_evenly(tmp_path, monkeypatch):
+    """minimax's q/k norm divides by the group's size, which only 1:1 keeps right: logged."""
+    from mlx_ds4tp.split import units
+
+    config, _ = family_configs_b.CONFIGS["minimax"]
+    path = save_random_model(tmp_path / "minimax", {**config, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                                    "head_dim": 16, "intermediate_size": 128})
+    messages = []
+    monkeypatch.setattr(units, "log", messages.append)
+    model, _ = load_split(path, cut_only_group(0, 2), split="3:1")
+    assert model.model.layers[0].self_attn.num_key_value_heads == 2
+    assert any("can only split evenly" in m and "ShardedRMSNorm" in m for m in messages), messages

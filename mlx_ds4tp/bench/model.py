@@ -145,16 +145,22 @@ def spawn_ceiling(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMP
 
 
 def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-              prompt_tokens: int = DEFAULT_PROMPT_TOKENS, timeout: float = 1200.0) -> Dict:
-    """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1."""
+              prompt_tokens: int = DEFAULT_PROMPT_TOKENS, timeout: float = 1200.0, split: str = "even") -> Dict:
+    """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1, split by `split` (--split); the
+    record names the share used and each rank's peak resident memory."""
     from ..testing.local_run import run_local_pair
 
     result = run_local_pair(Path(path), BENCH_PROMPT, max_tokens, transport, rdma_device,
-                            stop_at_eos=False, quiet=True, timeout=timeout, prompt_tokens=prompt_tokens)
+                            stop_at_eos=False, quiet=True, timeout=timeout, prompt_tokens=prompt_tokens,
+                            extra=("--split", split))
     if result is None:
         raise RuntimeError(f"the tp2-{transport} pair failed (its errors are above)")
     name = "tp2-tcp" if transport == "tcp" else f"tp2-rdma-{rdma_device or 'ibverbs'}"
+    if split != "even":
+        name += f"-split-{split}"
     return {"name": name, "tok_s": round(result["decode_tok_s"], 2), "tokens": len(result["tokens"]),
+            "split": result["split"], "rank0_peak_rss_mib": round(result["peak_rss_bytes"] / 2**20, 1),
+            "rank1_peak_rss_mib": round(result["worker_peak_rss_bytes"] / 2**20, 1),
             "token_ids": result["tokens"], "gate_p50_us": round(result["gate_p50_us"], 1),
             "exchange_ms_per_token": round(result["exchange_ms_per_token"], 2),
             "prefill_tok_s": round(result["prompt_tok_s"], 2), "prompt_tokens": len(result["prompt_tokens"])}
@@ -187,11 +193,14 @@ def mlx_lm_can_shard(path: str) -> bool:
 
 
 def _model_contenders(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-                      prompt_tokens: int) -> Dict[str, Callable[[], Dict]]:
+                      prompt_tokens: int, split: str) -> Dict[str, Callable[[], Dict]]:
     n = prompt_tokens
     contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens, n)}
     if transport in ("tcp", "all"):
         contenders["tp2-tcp"] = lambda: spawn_tp2(path, "tcp", None, max_tokens, n)
+        if split != "even":  # the chosen share beside the even split, in the same rounds
+            contenders[f"tp2-tcp-split-{split}"] = lambda: spawn_tp2(path, "tcp", None, max_tokens, n,
+                                                                      split=split)
     if transport in ("rdma", "all"):
         device = rdma_device or "ucsim"
         contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens, n)
@@ -212,14 +221,14 @@ def _model_contenders(path: str, transport: str, rdma_device: Optional[str], max
 
 
 def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-                rounds: int = 3, prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> List[Dict]:
+                rounds: int = 3, prompt_tokens: int = DEFAULT_PROMPT_TOKENS, split: str = "even") -> List[Dict]:
     """Prompt and decode tok/s of every contender, run `rounds` times in rotating order so a
     slow spell of the machine falls on all of them alike; each record gives the medians and
-    every round."""
+    every round. split other than "even": our tcp pair runs split so too, beside the even one."""
     if prompt_tokens < 1:
         raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1")
     path = bench_model_dir(path)
-    contenders = _model_contenders(path, transport, rdma_device, max_tokens, prompt_tokens)
+    contenders = _model_contenders(path, transport, rdma_device, max_tokens, prompt_tokens, split)
     names = list(contenders)
     runs: Dict[str, List[Dict]] = {name: [] for name in names}
     for r in range(rounds):

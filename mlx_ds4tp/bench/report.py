@@ -14,12 +14,13 @@ from ..link.config import LinkSettings
 
 
 def model_report(model: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-                 rounds: int, prompt_tokens: int, as_json: bool) -> int:
-    """`ds4tp bench --model`: decode and prefill tok/s of every contender, then the ratios."""
+                 rounds: int, prompt_tokens: int, as_json: bool, split: str = "even") -> int:
+    """`ds4tp bench --model`: decode and prefill tok/s of every contender (with --split, our
+    tcp pair split so beside the even split, each rank's peak resident memory), then the ratios."""
     from . import model as bench_model
 
     records = bench_model.model_bench(model, transport, rdma_device, max_tokens,
-                                      rounds=rounds, prompt_tokens=prompt_tokens)
+                                      rounds=rounds, prompt_tokens=prompt_tokens, split=split)
     print_records(records, as_json)
     if not as_json:
         _print_model_ratios(records)
@@ -77,6 +78,9 @@ def print_records(records: List[dict], as_json: bool, keep_samples: bool = False
                      else f"tokens_match={rec['tokens_match']}")
             exchanges = (f"  exchanges {rec['exchange_ms_per_token']:.2f} ms/token"
                          if "exchange_ms_per_token" in rec else "")
+            if "split" in rec:
+                exchanges += (f"  split {rec['split']}: peak resident {rec['rank0_peak_rss_mib']:.0f} MiB "
+                              f"(rank 0) / {rec['rank1_peak_rss_mib']:.0f} MiB (rank 1)")
             print(f"{rec['name']:>22}  prefill {rec['prefill_tok_s']:8.1f} tok/s{_rounds(rec, 'prefill_tok_s')}"
                   f"  decode {rec['tok_s']:8.1f} tok/s{_rounds(rec, 'tok_s')}{exchanges}  {match}", flush=True)
 

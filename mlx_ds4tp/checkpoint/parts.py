@@ -41,6 +41,11 @@ _SAFETENSORS_DTYPES = {
 Runs = Sequence[tuple[int, int]]  # [start, stop) ranges of one axis, read one after the other
 READ_CHUNK_BYTES = 2 << 20  # whole rows read per step when the ranges are short
 SEEK_MIN_BYTES = 16 << 10  # ranges at least this long are read one by one
+# Scratch buffers at least this large are dropped after their tensor: the C library maps them
+# on their own and unmaps them when freed (glibc above its 32 MiB mmap threshold, macOS's large
+# allocations alike), so they leave no freed pages behind; kept, a vocabulary part's buffer
+# would stay resident beside all the parts to the end of the load.
+DROP_SCRATCH_BYTES = 32 << 20
 
 
 class SafetensorsParts:
@@ -108,6 +113,7 @@ class SafetensorsParts:
         out = mx.view(out, mx_dtype) if out.dtype != mx_dtype else out
         # Evaluated now: MLX copies the scratch buffer, which the next tensor overwrites.
         mx.eval(out)
+        self._scratch = {k: v for k, v in self._scratch.items() if v.nbytes < DROP_SCRATCH_BYTES}
         return out
 
     def _read_stacked(self, key: str, whole: mx.array, axis: int, runs: Optional[Runs]) -> Optional[np.ndarray]:

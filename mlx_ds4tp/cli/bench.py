@@ -19,6 +19,7 @@ from .pair_args import (
     link_from_args,
     refuse_mlx,
 )
+from .split_args import add_split_arg, split_from_args
 
 HELP = "gate latency: tcp, rdma and the baselines (--model: tok/s; --serve: serving)"
 ROLE_HELP = ("run one rank of a two-machine gate bench (the other machine runs the other role); "
@@ -44,6 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p, "time decode tok/s of this mlx-lm model instead (a directory, `demo`, or a "
                   "preset built once: 150m, moe-1g): single process, our pair (tcp, rdma) and "
                   "mlx-lm's shard() on MLX's ring; with --serve: the model served", required=False)
+    add_split_arg(p)
     add_draft_args(p, "with --model, timed against plain pair decode and mlx-lm's single-machine "
                       "speculative decoding (a directory, `demo` or a preset)")
     p.add_argument("--max-tokens", type=int, default=64,
@@ -136,8 +138,9 @@ def _model(args: argparse.Namespace, report) -> int:
         draft = _model_dir("--draft-model", args.draft_model) if args.draft_model else None
         return speculative_report(model, draft, args.prompt_lookup, args.num_draft_tokens, args.max_tokens,
                                   args.rounds, args.prompt_tokens, args.json)
+    split = split_from_args(args, "bench")
     return report.model_report(model, args.transport, args.rdma_device, args.max_tokens,
-                               args.rounds, args.prompt_tokens, args.json)
+                               args.rounds, args.prompt_tokens, args.json, str(split.share))
 
 
 def _serve(args: argparse.Namespace) -> int:

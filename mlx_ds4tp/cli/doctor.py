@@ -15,10 +15,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .. import transport as tr
 from ..link.config import LinkSettings, pair_address
+from ..split.measure import measure_rank, memory_limit
 from .model_arg import add_model_arg
 from .pair_args import TRANSPORT_HELP, add_transport_args, link_from_args, parse_address, refuse_mlx
 
@@ -191,13 +193,15 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[
     identity = model_identity(args.model) if args.model else None
     host, port = link.address.address
     wait = min(30.0 if link.address.role == "worker" else 120.0, limit)
-    g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait), identity)
+    g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait, figures=measure_rank(memory_limit())),
+                           identity)
     with g:
         out = []
         if identity is not None:
             here, there = g.pair.fingerprint_labels()
             out.append(_line(OK, "model fingerprint", f"{here} here, {there} on the {g.pair.peer_name} "
                              f"({args.model})"))
+            out.append(_pair_share(g.pair, args.model))
         send = np.full(4096, g.rank() + 1.0, np.float32)
         recv = np.empty_like(send)
         exchange = Exchange(g.link, send)
@@ -211,6 +215,31 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[
         return out + [_line(OK if good else FAIL, f"gate round trip with {host}:{port}",
                             f"transport {g.transport}, 16 KiB p50 {p['p50_us']} us p99 {p['p99_us']} us"
                             + ("" if good else ", WRONG DATA"))]
+
+
+def _pair_share(pair, model: str) -> Tuple[str, str]:
+    """The share `--split auto` would pick for this pair and model (both sides print the same:
+    the same arithmetic on the same two hellos' figures)."""
+    from ..split.auto import choose_share, figures_line, model_need
+
+    mine, theirs = pair.mine.figures, pair.peer_hello.figures
+    leader, worker = (mine, theirs) if pair.rank == 0 else (theirs, mine)
+    figures = f"{figures_line('leader', leader)}; {figures_line('worker', worker)}"
+    try:
+        share = choose_share(leader, worker, model_need(Path(model), 0))
+    except ValueError as exc:
+        return _line(FAIL, "split auto", f"{exc} ({figures})")
+    return _line(OK, "split auto", f"would pick {share} (rank 0's part first) with the peer: {figures}")
+
+
+def check_split() -> List[Tuple[str, str]]:
+    """This Mac's figures for `--split auto`, alone (no peer to pick a share with)."""
+    from ..split.auto import figures_line
+
+    figures = measure_rank(memory_limit())
+    return [_line(OK, "split auto", f"local figures only, no peer ({figures_line('this Mac', figures)}): "
+                  "beside a Mac within 10% of it, auto splits evenly; `--peer`/`--listen` with --model "
+                  "prints the share for a pair")]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -253,7 +282,9 @@ def main(args: argparse.Namespace) -> int:
     results = check_python() + check_verbs() + check_macos()
     if not any(s == FAIL and w == "C module" for s, w in results):
         results += check_ucsim_pair()
-    if link is not None:
+    if link is None:
+        results += check_split()
+    else:
         try:
             results += peer_round_trip(args, link)
         except (tr.TransportError, ValueError, FileNotFoundError) as exc:

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run")
     run_command.add_args(run)
     run.add_argument("--tokens-out", default=None, metavar="FILE",
-                     help="leader: write the tokens record here (JSON)")
+                     help="leader: write the tokens record here (JSON); worker: its share and peak "
+                          "resident memory")
     run.add_argument("--no-eos", action="store_true", help="decode --max-tokens whatever the model says")
     run.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
                      help="leader: the prompt's tokens repeated to N tokens (the model bench)")

@@ -21,6 +21,7 @@ from .pair_args import (
     refuse_mlx,
 )
 from .sampling_args import add_sampling_args, options_from_args
+from .split_args import add_split_arg, split_from_args
 
 HELP = "one rank of a two-machine generation"
 ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen, --prompt; prints the "
@@ -34,6 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     add_sampling_args(p, seed_default=0)
     add_transport_args(p)
+    add_split_arg(p)
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N tokens and stop on "
                         "divergence (default 0: off)")
@@ -60,7 +62,7 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
     settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
                            chat=not args.no_chat_template, sampling=sampling,
-                           debug_hash=args.debug_hash, draft=draft)
+                           debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run"))
     return link, str(model_path(args.model)), settings
 
 

@@ -27,6 +27,7 @@ from .pair_args import (
     refuse_mlx,
 )
 from .sampling_args import add_sampling_args, options_from_args
+from .split_args import add_split_arg, split_from_args
 
 HELP = "an OpenAI-compatible HTTP server on the pair"
 ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen; serves HTTP on "
@@ -97,6 +98,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="compare a hash of the logits with the worker every N decode steps "
                         "(default 0: off)")
     add_transport_args(p)
+    add_split_arg(p)
     add_sampling_args(p)
     add_pair_args(p, ROLE_HELP)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
@@ -150,7 +152,7 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
                          prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
     http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling)
     return ServeSettings(link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
-                         rejoin=args.rejoin)
+                         rejoin=args.rejoin, split=split_from_args(args, "serve"))
 
 
 def _limits(args: argparse.Namespace) -> ServeLimits:

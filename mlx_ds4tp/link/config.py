@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Mapping, Optional, Tuple
 
-from .hello import ModelIdentity
+from .hello import ModelIdentity, RankFigures
 from .wire import LEADER, TRANSPORT_CODES, WORKER
 
 DEFAULT_TIMEOUT_SEC = 300.0
@@ -194,7 +194,8 @@ class LinkSettings:
     """How this rank joins the pair, as a user gives it (tp.init's keywords, the command line's
     --transport/--rdma-device/--rdma-gid-index/--secret): None takes the DS4_TP_* variable or
     the default when the link is made (pair_config). check() refuses a bad value by name.
-    With transport "mlx" only address.role counts (None: MLX's rank decides)."""
+    With transport "mlx" only address.role counts (None: MLX's rank decides). figures: what
+    this rank measured at start (split.measure), carried by its hello for `--split auto`."""
 
     address: PairAddress
     transport: str = "auto"
@@ -203,6 +204,7 @@ class LinkSettings:
     secret: object = None
     timeout: Optional[float] = None
     tcp_spin_us: Optional[int] = None
+    figures: RankFigures = RankFigures()
 
     def check(self) -> "LinkSettings":
         """self, once every field is one a pair can be made with; else a ValueError naming the
@@ -238,7 +240,7 @@ class LinkSettings:
                           coordinator=self.address.coordinator, transport=self.transport,
                           rdma_device=self.rdma_device, gid_index=self.gid_index,
                           timeout=self.timeout, identity=identity or ModelIdentity(),
-                          secret=self.secret, tcp_spin_us=self.tcp_spin_us)
+                          secret=self.secret, tcp_spin_us=self.tcp_spin_us, figures=self.figures)
 
 
 def check_gid_index(gid_index: Optional[int]) -> None:
@@ -273,7 +275,8 @@ class PairConfig:
     device (DS4_TP_UCSIM_FAULTS). rdma_no_imm: RDMA gates without the
     immediate-data tag (DS4_TP_RDMA_NO_IMM). disable_warmup: skip the RDMA
     warm-up (DS4_TP_DISABLE_RDMA_WARMUP). verbs_library: the library the
-    ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY).
+    ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY). figures: what the
+    hello reports this rank measured (LinkSettings.figures).
     (The bring-up's test-only switches are seams in link/bringup.py, not fields.)
     """
 
@@ -292,6 +295,7 @@ class PairConfig:
     rdma_no_imm: Optional[bool] = None
     disable_warmup: Optional[bool] = None
     verbs_library: Optional[str] = None
+    figures: RankFigures = RankFigures()
 
     def __post_init__(self) -> None:
         env = os.environ

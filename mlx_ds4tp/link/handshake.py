@@ -68,6 +68,7 @@ def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, st
         auth=config.secret is not None,
         nonce=secrets.token_bytes(NONCE_BYTES),
         fingerprint=b"" if config.identity.fingerprint is None else config.identity.fingerprint.summary(),
+        figures=config.figures,
     )
     if config.rank == LEADER:
         joined = _connect_leader(config, mine, deadline)

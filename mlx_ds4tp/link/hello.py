@@ -24,6 +24,7 @@ from .wire import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     ROLE_NAMES,
+    SPLIT_PAYLOAD,
     TRANSPORT_CODES,
     TRANSPORT_NAMES,
     FrameType,
@@ -58,6 +59,26 @@ class ModelIdentity:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class RankFigures:
+    """What a rank measured at start, for the leader's `--split auto`: the bytes of memory it
+    may use and its speed on the work that bounds decode (bytes a second of a matrix-vector
+    product over a buffer larger than the caches); 0 is "not measured"."""
+
+    memory_bytes: int = 0
+    speed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "speed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+                raise ValueError(f"rank figures {name}={value!r} must be a whole number in [0, 2^64)")
+
+    @property
+    def measured(self) -> bool:
+        return self.memory_bytes > 0 and self.speed > 0
+
+
 @dataclasses.dataclass
 class Hello:
     """One rank's hello: who it is, what it wants, what it has."""
@@ -71,6 +92,7 @@ class Hello:
     auth: bool = False
     nonce: bytes = bytes(NONCE_BYTES)
     fingerprint: bytes = b""  # FINGERPRINT_SUMMARY, or empty for a rank without one
+    figures: RankFigures = RankFigures()
     version: int = PROTOCOL_VERSION
     magic: int = MAGIC
 
@@ -91,6 +113,8 @@ class Hello:
                 int(self.auth),
                 self.nonce,
                 *ident,
+                self.figures.memory_bytes,
+                self.figures.speed,
             )
             + reason
             + self.fingerprint
@@ -104,9 +128,10 @@ class Hello:
                 f"hello payload is {len(payload)} bytes, need at least {HELLO_FIXED.size}: "
                 "the peer is not a ds4tp rank of this version"
             )
-        magic, version, role, tcode, rdma_ok, rlen, flen, session_id, auth, nonce, *ident = (
+        magic, version, role, tcode, rdma_ok, rlen, flen, session_id, auth, nonce, *rest = (
             HELLO_FIXED.unpack_from(payload)
         )
+        *ident, memory_bytes, speed = rest
         if magic != MAGIC:
             raise HelloMismatchError(
                 f"hello magic 0x{magic:08x} != 0x{MAGIC:08x}: mixed byte order or not a ds4tp peer"
@@ -142,6 +167,7 @@ class Hello:
             auth=bool(auth),
             nonce=nonce,
             fingerprint=bytes(payload[reason_end:]),
+            figures=RankFigures(memory_bytes, speed),
             version=version,
             magic=magic,
         )
@@ -227,3 +253,20 @@ def data_proof(secret: Optional[bytes], leader: Hello, worker: Hello) -> bytes:
     if secret is None:
         return bytes(32)
     return hmac.new(secret, DATA_AUTH_TAG + leader.nonce + worker.nonce, hashlib.sha256).digest()
+
+
+def tell_share(control: ControlChannel, parts: tuple) -> None:
+    """The leader's share (rank 0's part, rank 1's part; 1:1 even) to the worker, once a join."""
+    control.send(FrameType.SPLIT, SPLIT_PAYLOAD.pack(*parts))
+
+
+def hear_share(control: ControlChannel) -> tuple:
+    """The worker's side of tell_share: (rank 0's part, rank 1's part), both above zero. An
+    ERROR the leader sent instead (a model that fits no share) raises TransportError with it."""
+    _, payload = control.recv(FrameType.SPLIT)
+    if len(payload) != SPLIT_PAYLOAD.size:
+        raise FrameError(f"SPLIT payload is {len(payload)} bytes, expected {SPLIT_PAYLOAD.size}")
+    parts = SPLIT_PAYLOAD.unpack(payload)
+    if min(parts) == 0:
+        raise FrameError(f"the leader sent split {parts[0]}:{parts[1]}, which leaves a rank with nothing")
+    return parts

@@ -22,6 +22,7 @@ The bound is checked before anything is allocated.
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
 | HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
+| SPLIT            | SPLIT_PAYLOAD (rank 0's part, rank 1's part): the leader's share, before any weight | 64          |
 | ERROR            | UTF-8 message                                                  | 4096        |
 | RDMA_STATUS      | STATUS (ok, message length) + UTF-8 message                    | 4096        |
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
@@ -67,7 +68,10 @@ import struct
 # 7: `ds4tp run` speaks exactly serve's commands (PREFILL_BATCH, SAMPLER + EVAL_BATCH,
 # VERIFY_BATCH + COMMIT_BATCH); SYNC, VERIFY and DECODE, and the never-sent EVAL, LOGITS and
 # COMMAND_ACK, are gone, so a rank of version 6 would send frames this one refuses.
-PROTOCOL_VERSION = 7
+# 8: the hello carries what each rank measured at start (the memory it may use, its speed on
+# a matrix-vector product), and the leader sends the split share (SPLIT) after it: two different
+# Macs split unevenly, and a rank of version 7 would load an even half the leader never meant.
+PROTOCOL_VERSION = 8
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -112,6 +116,9 @@ class FrameType(enum.IntEnum):
     # A session's sampler, on both ranks: its options, random seed and the prompt's latest
     # tokens, so both sample its rows alike (lockstep.row_sampling).
     SAMPLER = 38
+    # The split share both ranks load with, the leader's (resolved from both hellos' figures
+    # for --split auto), sent once a join before any weight is read (split.agree).
+    SPLIT = 39
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -163,6 +170,7 @@ FRAME_MAX_BYTES = {
     FrameType.PREFILL_BATCH: 16 + 16 * MAX_PREFILL_ROWS + 4 * MAX_TOKENS_PER_FRAME,
     FrameType.VERIFY_BATCH: 16 + 16 * 1024 + 4 * 1024 * MAX_VERIFY_WIDTH,  # 1024: MAX_BATCH_ROWS
     FrameType.COMMIT_BATCH: 16 + 4 * 1024,
+    FrameType.SPLIT: 64,
     FrameType.SAMPLER: 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_SAMPLER_OPTIONS_BYTES,
 }
 
@@ -172,9 +180,11 @@ FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count
 # Hello: magic, version, role, transport wanted, rdma_ok, reason length,
 # fingerprint length, session id, "I have a secret", a fresh nonce, then the
 # model identity's fields (layers, hidden, vocab, quant bits, gates per
-# token); then the reason, then the fingerprint summary (or nothing).
+# token), the rank's figures (bytes of memory it may use, bytes a second of
+# its matrix-vector product; 0: not measured); then the reason, then the
+# fingerprint summary (or nothing).
 MODEL_IDENTITY_FIELDS = ("layers", "hidden", "vocab", "quant_bits", "gates_per_token")
-HELLO_FIXED = struct.Struct(f"<IIIIIIIQI{NONCE_BYTES}s" + "I" * len(MODEL_IDENTITY_FIELDS))
+HELLO_FIXED = struct.Struct(f"<IIIIIIIQI{NONCE_BYTES}s" + "I" * len(MODEL_IDENTITY_FIELDS) + "QQ")
 # Model fingerprint (_fingerprint.py): digest of the three parts, then the
 # digests of the config, of the tensor table (names, dtypes, shapes, sizes)
 # and of the sampled bytes, the tensor count and the weights' total bytes.
@@ -216,3 +226,4 @@ SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, opt
 # 0: the last decode step's logits are hashed, else a session id: the tokens this rank sampled
 # for it (DecodeBatch.hash_of); then the decode step and the hash.
 HASH_PAYLOAD = struct.Struct("<QQQ")
+SPLIT_PAYLOAD = struct.Struct("<II")  # rank 0's part, rank 1's part of every split count (1:1 even)

@@ -15,6 +15,8 @@ from .. import gate_ops
 from ..base.log import log
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
+from ..split.agree import agree_share, with_figures
+from ..split.auto import model_need
 from ..split.progress import LoadingBar
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
 from .sessions import LeaderSessions, serve_worker
@@ -23,6 +25,7 @@ from .settings import RunSettings
 # The bench's contenders all warm up on the prompt's first tokens before the timed
 # generation (bench.model WARMUP_PROMPT_TOKENS); the pair does it in lockstep.
 BENCH_WARMUP_TOKENS = 16
+TEMPLATE_TOKENS = 256
 
 
 def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
@@ -31,17 +34,19 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
     from ..model_split import load_split
 
     address = link.address
-    group = gate_ops.init(role=address.role, listen=address.listen, coordinator=address.coordinator,
-                          transport=link.transport, rdma_device=link.rdma_device, gid_index=link.gid_index,
-                          timeout=link.timeout, secret=link.secret, identity=model_identity(model_path),
-                          tcp_spin_us=link.tcp_spin_us)
+    group = gate_ops.init_pair(with_figures(link, settings.split), model_identity(model_path))
     with group:
+        # A token is at least one character of the prompt; the chat template adds its own.
+        kv_tokens = len(settings.prompt) + TEMPLATE_TOKENS + settings.prompt_tokens + settings.max_tokens
+        share = agree_share(group, settings.split, model_need(Path(model_path), kv_tokens))
         t0 = time.perf_counter()
-        model, tokenizer = load_split(model_path, group, progress=LoadingBar())
+        model, tokenizer = load_split(model_path, group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if address.role != "leader":
             table = serve_worker(group, model)
             log(f"worker done: served {table.ended} prompt(s), leader said stop")
+            if settings.tokens_out:
+                Path(settings.tokens_out).write_text(json.dumps({"split": str(share), "peak_rss_bytes": peak_rss()}))
             return 0
         sessions = LeaderSessions(group, model)
         try:
@@ -55,7 +60,7 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
             sessions.stop()
         print(stats.line(group), flush=True)
         if settings.tokens_out:
-            _write_tokens(settings.tokens_out, group, prompt_ids, stats)
+            _write_tokens(settings.tokens_out, group, prompt_ids, stats, share)
     return 0
 
 
@@ -111,9 +116,18 @@ def _speculate(sessions: LeaderSessions, prompt_ids: List[int], settings: RunSet
     return stats
 
 
-def _write_tokens(path: str, group: gate_ops.Group, prompt_ids, stats: GenerationStats) -> None:
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (what a rank's share of the model costs it)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, Linux KiB
+
+
+def _write_tokens(path: str, group: gate_ops.Group, prompt_ids, stats: GenerationStats, share) -> None:
     p50, p99 = group.gate_latency_us()
     Path(path).write_text(json.dumps({
+        "split": str(share), "peak_rss_bytes": peak_rss(),
         "prompt_tokens": prompt_ids, "tokens": stats.tokens, "transport": group.transport,
         "decode_tok_s": stats.decode_tokens / stats.decode_sec if stats.decode_sec else 0.0,
         "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,

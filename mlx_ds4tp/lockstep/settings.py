@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..split.share import SplitSettings
 from .sampling import SamplingOptions
 
 
@@ -33,7 +34,7 @@ class RunSettings:
     rates and the gate latency there as JSON (the local pair reads it). stop_at_eos=False
     decodes max_tokens whatever the model says (the bench). prompt_tokens > 0: the prompt is
     the text's tokens repeated to that many (bench_prompt), without the chat template, after a
-    warm-up generation on its first tokens."""
+    warm-up generation on its first tokens. split: this rank's --split (the leader's decides)."""
 
     prompt: str = ""
     max_tokens: int = 128
@@ -44,3 +45,4 @@ class RunSettings:
     prompt_tokens: int = 0
     tokens_out: Optional[str] = None
     draft: DraftSettings = DraftSettings()
+    split: SplitSettings = SplitSettings()

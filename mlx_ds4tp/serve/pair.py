@@ -9,13 +9,16 @@ import signal
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
+from ..split.agree import agree_share, with_figures
+from ..split.auto import ModelNeed, model_need
 from ..split.progress import LoadingBar
+from ..split.share import SplitShare
 from .settings import ServedModel, ServeSettings
 
 
@@ -104,17 +107,26 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity,
     from ..model_split import load_split
 
     served = settings.model
-    group = _join_first(settings.link, identity) if settings.rejoin else \
-        gate_ops.init_pair(settings.link, identity)
+    link = with_figures(settings.link, settings.split)
+    group = _join_first(link, identity) if settings.rejoin else gate_ops.init_pair(link, identity)
     with group:
+        share = agree_share(group, settings.split, model_need(served.path, kv_tokens_needed(settings)))
         t0 = time.perf_counter()
-        model, tokenizer = load_split(str(served.path), group, progress=LoadingBar())
+        model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if server is None:
-            return _worker(group, model, settings.link, rejoin=settings.rejoin)
+            return _worker(group, model, settings, share)
         engine = _leader_engine(settings, group, model, tokenizer)
-        _serve_http(settings, engine, group, model, server)
+        _serve_http(settings, engine, group, (model, share), server)
     return 0
+
+
+def kv_tokens_needed(settings: ServeSettings) -> int:
+    """The KV cache tokens the leader reserves room for when it picks a share: the budget
+    given, else one full prefill chunk and answer (the budget from memory is sized after
+    the load, from what the share leaves)."""
+    limits = settings.limits
+    return limits.kv_budget or limits.prefill_step + settings.http.default_max_tokens
 
 
 def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokenizer):
@@ -143,11 +155,13 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
     return Engine(LeaderSessions(group, model), tokenizer, limits, speculation=speculation)
 
 
-def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, model,
+def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
                 server: ThreadingHTTPServer) -> None:
-    """The leader's HTTP front over `engine`, until Ctrl-C or SIGTERM."""
+    """The leader's HTTP front over `engine` (split_model: the model and the share it is split
+    by), until Ctrl-C or SIGTERM."""
     from .state import ServeState
 
+    model = split_model[0]
     served = settings.model
     config = json.loads((served.path / "config.json").read_text())
     state = ServeState(engine, tokenizer=engine.tokenizer, served=served, http=settings.http,
@@ -156,7 +170,7 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, model,
     server.RequestHandlerClass.state = state
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     engine.start()
-    threading.Thread(target=_take_back_workers, args=(engine, group, model, settings.link),
+    threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings),
                      name="ds4tp-rejoin", daemon=True).start()
     log(f"serving {served.name} ({served.path}) on "
            f"http://{settings.http.host}:{server.server_address[1]}/v1 (transport {group.transport})")
@@ -170,14 +184,17 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, model,
         engine.stop()
 
 
-def _take_back_workers(engine, group: gate_ops.Group, model, link: LinkSettings) -> None:
+def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
+                       settings: ServeSettings) -> None:
     """The leader's side of a worker that comes back: whenever the pair goes down (the worker
     died, the link dropped), keep serving HTTP (503 and /health 503 meanwhile), listen again on
     the pair's address, and resume serving once a worker with the same model fingerprint and
-    secret has joined. A daemon thread: Ctrl-C on the leader ends it with the process."""
+    secret has joined; it gets the share the leader's model is split by. A daemon thread:
+    Ctrl-C on the leader ends it with the process."""
     from ..lockstep.sessions import LeaderSessions
 
-    host, port = link.address.listen
+    model, share = split_model
+    host, port = settings.link.address.listen
     while True:
         while not engine.wait_down(1.0):
             pass
@@ -186,11 +203,13 @@ def _take_back_workers(engine, group: gate_ops.Group, model, link: LinkSettings)
         while True:
             try:
                 gate_ops.reconnect(group)
+                agree_share(group, settings.split, ModelNeed(0), held=share)
                 break
             except tr.TransportTimeoutError:
                 continue  # nobody came within the connect timeout: keep listening
             except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
                 log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
+                group.close()
                 time.sleep(0.5)
         sessions = LeaderSessions(group, model)
         try:
@@ -216,14 +235,15 @@ def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Grou
             time.sleep(0.5)
 
 
-def _worker(group: gate_ops.Group, model, link: LinkSettings, rejoin: bool) -> int:
+def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare) -> int:
     """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
     dies it waits for a leader on the same address and serves it (the same checks as a first
     join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
     from ..lockstep.sessions import drain_failed_work, serve_worker
     from ..lockstep.table import release_memory
 
-    host, port = link.address.coordinator
+    rejoin = settings.rejoin
+    host, port = settings.link.address.coordinator
     while True:
         try:
             table = serve_worker(group, model)  # tells the leader why if it fails
@@ -242,10 +262,12 @@ def _worker(group: gate_ops.Group, model, link: LinkSettings, rejoin: bool) -> i
         while True:
             try:
                 gate_ops.reconnect(group)
+                agree_share(group, settings.split, ModelNeed(0), held=share)
                 break
             except (tr.HelloMismatchError, tr.AuthenticationError):
-                raise  # another model or another secret: waiting would not change it
+                raise  # another model, secret or share: waiting would not change it
             except tr.TransportError:
+                group.close()  # joined but the share never came: the next try joins afresh
                 time.sleep(0.5)  # no leader yet (or one that went away during the join)
         log(f"serve: joined a leader again (transport {group.transport})")
 

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 from ..link.config import LinkSettings
 from ..lockstep.sampling import SamplingOptions
+from ..split.share import SplitSettings
 from .limits import ServeLimits
 
 
@@ -47,7 +48,8 @@ class HttpSettings:
 class ServeSettings:
     """One rank of `ds4tp serve`. kv_budget_from_memory: --max-kv-tokens was not given, so
     the leader sizes limits.kv_budget from what the machine's memory holds once the weights
-    are in. rejoin: the worker outlives its leader and waits for the next one."""
+    are in. rejoin: the worker outlives its leader and waits for the next one. split: this
+    rank's --split (the leader's decides, and a worker taken back gets the same)."""
 
     link: LinkSettings
     model: ServedModel
@@ -55,3 +57,4 @@ class ServeSettings:
     http: HttpSettings = HttpSettings()
     kv_budget_from_memory: bool = False
     rejoin: bool = False
+    split: SplitSettings = SplitSettings()

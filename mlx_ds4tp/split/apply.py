@@ -33,7 +33,7 @@ from ..checkpoint.parts import SafetensorsParts
 from ..collectives.backend import PairGroup, cut_only_group
 from ..collectives.seam import as_collective
 from ..link.fingerprint import model_fingerprint
-from .derive import derive_plan, set_array
+from .derive import set_array
 from .layers import (
     SHARDED,
     ReadPart,
@@ -44,6 +44,8 @@ from .layers import (
     rank_and_size,
 )
 from .plans import OWN_PLANS, plan_of, saved_layout, summed_blocks
+from .share import EVEN, SplitShare
+from .units import choose_layout, part_shape, run_plan, take_runs
 
 _VOCAB_LAYERS = {"embed_tokens": ((nn.Embedding, nn.QuantizedEmbedding), VocabParallelEmbedding),
                  "lm_head": ((nn.Linear, nn.QuantizedLinear), VocabParallelHead)}
@@ -87,6 +89,12 @@ def _shard_group(group: Any) -> "mx.distributed.Group":
     )
 
 
+def _check_vocab(model: nn.Module, vocab: list[tuple[str, Any]], size: int) -> None:
+    for path, _ in vocab:
+        parent, name = _parent(model, path)
+        check_rows(parent[name], size, path)
+
+
 def _label(model: nn.Module) -> str:
     module = type(model).__module__
     name = module.rsplit(".", 1)[-1]
@@ -104,6 +112,7 @@ def split_model(
     model: nn.Module,
     group: Any,
     *,
+    split: Union[SplitShare, str] = EVEN,
     read_part: Optional[ReadPart] = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
 ) -> nn.Module:
@@ -115,50 +124,63 @@ def split_model(
         float or quantized.
       group: an mx.distributed.Group: the one mlx_ds4tp.init(...) returns, or MLX's own.
         An object with only rank() and size() is enough to cut (its gates fail if run).
+      split: the share each rank keeps: "even" (default) or "A:B" (rank 0's part first, two
+        ranks), or a SplitShare. Where the model's counts cannot give it, the nearest share
+        that can is used and logged (split/units.py); "auto" must be resolved first.
       read_part: (load_split passes one) reads a part straight from the model's files instead
         of cutting the loaded array; default None cuts in memory. A cut it cannot read (the
         plan's cut is not a selection of the saved tensor, or the saved layout differs) is
         cut in memory and logged.
       progress: progress(done, total, where) after each array (the CLI draws its bar with it).
 
-    Every rank calls this with the same model. All checks run before anything changes, so an
-    error leaves the model whole. Each array is evaluated in turn, so a lazily loaded model
-    never holds more than its part plus one whole tensor.
+    Every rank calls this with the same model and share. All checks run before anything
+    changes, so an error leaves the model whole. Each array is evaluated in turn, so a lazily
+    loaded model never holds more than its part plus one whole tensor.
 
     Raises:
       ValueError: the family is not supported (the message lists the supported ones), a count
         does not divide by the number of ranks (heads, KV heads, expert or MLP width, vocabulary,
-        quantization group: the message names the layer, the values and the fix), or the model
-        is already split.
+        quantization group: the message names the layer, the values and the fix), the share is
+        not one (or is "auto"), or the model is already split.
       TypeError: `group` is neither an mx.distributed.Group nor an object with rank()/size().
     """
     shard = plan_of(model)
     _refuse_split_twice(model)
+    share = SplitShare.of(split)
     collective = as_collective(group)
     group = _shard_group(group)
-    size = int(group.size())
+    size, rank = int(group.size()), int(group.rank())
     vocab = _vocab_layers(model)
-    for path, _cls in vocab:
-        parent, name = _parent(model, path)
-        check_rows(parent[name], size, path)
-    plan = derive_plan(model, group, shard, trace=read_part is not None, label=_label(model))
+    if share.is_even:
+        _check_vocab(model, vocab, size)
+    layout = choose_layout(model, group, shard, share, trace=read_part is not None, label=_label(model))
+    if layout.cut.is_even and not share.is_even:  # fell back to even: the rows must divide
+        _check_vocab(model, vocab, size)
+    if not layout.cut.is_even:
+        log(f"rank {rank} keeps {layout.count} of {layout.cut.units} units of every split count (split {layout.cut})")
     wholes = dict(tree_flatten(model.parameters()))  # lazily loaded: nothing read yet
-    shard(model, group)
+    run_plan(layout, model, shard, group)
     for path, cls in vocab:
         parent, name = _parent(model, path)
         layer = parent[name]
         if type(layer) in _VOCAB_LAYERS[name][0]:  # not cut by the plan itself
-            parent[name] = cls(cut_rows(layer, collective, path, read_part), collective)
+            bounds = layout.cut.bounds(layer["weight"].shape[0])
+            rows = (bounds[rank], bounds[rank + 1])
+            parent[name] = cls(cut_rows(layer, rows, path, read_part), collective, bounds)
     params = tree_flatten(model.parameters())
-    in_memory = list(plan.underived) if read_part is not None else []
+    in_memory = list(layout.plan.underived) if read_part is not None else []
     for done, (path, value) in enumerate(params, 1):
-        cut = plan.cuts.get(path)
+        cut = layout.plan.cuts.get(path)
         part = read_part(path, wholes[path], cut.axis, runs=cut.runs) if read_part and cut else None
-        if part is not None and part.shape == value.shape and part.dtype == value.dtype:
+        if cut is not None and (part is None or part.shape != part_shape(cut) or part.dtype != value.dtype):
+            if read_part is not None:
+                in_memory.append(path)
+            # One unit's part is the plan's own cut; a rank of several units takes its runs.
+            part = take_runs(wholes[path], cut) if layout.count > 1 else None
+        if part is not None:
+            mx.eval(part)
             set_array(model, path, part)
         else:
-            if cut is not None and read_part is not None:
-                in_memory.append(path)
             # Whole on every rank, or cut in memory: one array read at a time, its whole
             # dropped as soon as the part is kept.
             mx.eval(value)
@@ -193,6 +215,7 @@ def load_split(
     path: Union[str, Path],
     group: Any,
     *,
+    split: Union[SplitShare, str] = EVEN,
     lazy: bool = True,
     progress: Optional[Callable[[int, int, str], None]] = None,
 ) -> tuple[nn.Module, Any]:
@@ -203,6 +226,8 @@ def load_split(
         mlx_lm.convert or mlx_ds4tp.testing.tiny_model write it, or an original Hugging Face checkpoint
         of a supported family (experts saved one by one are stacked while reading).
       group: as for split_model.
+      split: as for split_model ("even", "A:B" or a SplitShare; "auto" is refused here, it is
+        resolved at the hello before anything is loaded).
       lazy: True (default): mlx-lm builds the model without reading the weights and each cut
         weight's part is read straight from the .safetensors files (for an expert stack, one
         range per expert), so a rank reads and holds about 1/size of the model. False: mlx-lm
@@ -232,11 +257,13 @@ def load_split(
             f"directory mlx_lm.convert or mlx_ds4tp.testing.tiny_model wrote"
         )
     rank, size = rank_and_size(group)
+    share = SplitShare.of(split)
+    share.check(size)
     agree_model(model_path, group)
     model, config = load_model(model_path, lazy=lazy)
     # The reader's scratch buffers go with it as soon as the split is done (not kept through
     # the tokenizer's load, which would add them to this rank's peak).
-    split_model(model, group, progress=progress,
+    split_model(model, group, split=share, progress=progress,
                 read_part=SafetensorsParts(model_path, rank, size, **saved_layout(type(model).__module__))
                 if lazy else None)
     mx.eval(model.parameters())

@@ -47,8 +47,16 @@ class ArrayCut:
 class ShardPlan:
     """A plan for this model, rank and group size, as the twins showed it."""
 
-    cuts: dict[str, ArrayCut] = field(default_factory=dict)
+    axes: dict[str, int] = field(default_factory=dict)  # every array it cuts: the cut axis
+    cuts: dict[str, ArrayCut] = field(default_factory=dict)  # traced: this rank's indices
     underived: list[str] = field(default_factory=list)  # cut, but not by index selection
+    # (module path, attribute) -> its whole value, of every count the plan divided by the size
+    divided: dict[tuple[str, str], int] = field(default_factory=dict)
+    # traced: arrays the plan replaced without cutting -> what it made of an array of ones
+    # (1: a copy; 1/size: gpt-oss's and our down_proj biases, added once per rank)
+    replaced: dict[str, float | None] = field(default_factory=dict)
+    # what the plan does that a share other than 1/size could not follow, as readable reasons
+    share_bound: list[str] = field(default_factory=list)
 
 
 def _twin(value: Any) -> Any:
@@ -112,8 +120,9 @@ def _run_plan(twin: nn.Module, group: Any, shard: Callable[[nn.Module, Any], Non
         raise ValueError(f"{family} cannot split {where} across {size} ranks ({e}); {fix}") from None
 
 
-def _check_counts(model: nn.Module, twin: nn.Module, size: int, family: str) -> None:
-    """A count the plan floor-divided by the group size must have divided exactly."""
+def _check_counts(model: nn.Module, twin: nn.Module, size: int, family: str, plan: ShardPlan) -> None:
+    """A count the plan floor-divided by the group size must have divided exactly; the divided
+    ones go into plan.divided, any other count it changed into plan.share_bound."""
     before = dict(model.named_modules())
     refused = []
     for path, module in twin.named_modules():
@@ -122,15 +131,45 @@ def _check_counts(model: nn.Module, twin: nn.Module, size: int, family: str) -> 
             continue
         for attr, value in vars(orig).items():
             new = vars(module).get(attr)
-            if (isinstance(value, int) and not isinstance(value, bool) and isinstance(new, int)
-                    and new != value and new == value // size and value % size):
+            if not (isinstance(value, int) and not isinstance(value, bool) and isinstance(new, int)) or new == value:
+                continue
+            if new * size == value:
+                plan.divided[(path, attr)] = value
+            elif new == value // size:
                 refused.append((_natural(path), f"{path}.{attr}={value}"))
+            else:
+                plan.share_bound.append(f"it sets {path}.{attr} from {value} to {new}")
     if refused:
         first = min(refused)[1]
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ValueError(
             f"{first}{more} cannot be split across {size} ranks ({family} divides it); {_fix(size)}"
         )
+
+
+# The modules that may hold the plan's group: they use it only for their sums (MLX's sharded
+# linears: `group`; mlx-lm's MoE blocks: `sharding_group`; split/plans.py's sum_after:
+# `_sum_group`). Any other holder may compute with the group's size (minimax's q/k norm divides
+# by it), which a share other than 1/size would get wrong.
+_SUM_ONLY = (nn.AllToShardedLinear, nn.ShardedToAllLinear,
+             nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+_SUM_ONLY_NAMES = {"sharding_group", "_sum_group"}
+
+
+def _private_arrays(twin: nn.Module) -> dict[tuple[str, str], int]:
+    return {(path, key): id(value) for path, module in twin.named_modules()
+            for key, value in module.items() if key.startswith("_") and isinstance(value, mx.array)}
+
+
+def _check_share_bound(twin: nn.Module, group: Any, private: dict, plan: ShardPlan) -> None:
+    """What in the plan's result only a share of 1/size explains, into plan.share_bound."""
+    for path, module in twin.named_modules():
+        for attr, value in vars(module).items():
+            if value is group and not (isinstance(module, _SUM_ONLY) or attr in _SUM_ONLY_NAMES):
+                plan.share_bound.append(f"{type(module).__name__} at {path} keeps the group for its own arithmetic")
+    for (path, key), ident in _private_arrays(twin).items():
+        if private.get((path, key)) not in (None, ident):
+            plan.share_bound.append(f"it derives {path}.{key} from the group's size")
 
 
 def _natural(path: str) -> tuple:
@@ -171,6 +210,16 @@ def _kept_indices(traced: mx.array, axis: int, whole: int) -> np.ndarray | None:
     return kept
 
 
+def _marker(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    return mx.broadcast_to(mx.array(1, dtype=dtype), shape)
+
+
+def _constant(array: mx.array) -> float | None:
+    """The one value every element of `array` holds, or None."""
+    values = np.array(array.astype(mx.float32))
+    return float(values.flat[0]) if values.size and np.all(values == values.flat[0]) else None
+
+
 def derive_plan(model: nn.Module, group: Any, shard: Callable[[nn.Module, Any], None], *,
                 trace: bool, label: str = "the plan") -> ShardPlan:
     """Run `shard(model, group)` on twins of `model` (which stays whole); raise ValueError
@@ -178,33 +227,43 @@ def derive_plan(model: nn.Module, group: Any, shard: Callable[[nn.Module, Any], 
     group.size() ranks. `label` names the plan in messages ("mlx-lm's llama plan").
 
     trace: also learn which indices of every cut array this rank keeps (for reading only
-    those bytes); without it only the checks run."""
-    family = label
+    those bytes) and what the plan made of the arrays it replaced; without it only the
+    checks run and the cut axes are found."""
     size = int(group.size())
     before = dict(tree_flatten(model.parameters()))
     twin = _twin(model)
-    _run_plan(twin, group, shard, family)
-    _check_counts(model, twin, size, family)
+    private = _private_arrays(twin)
+    kept_objects = {path: id(v) for path, v in tree_flatten(twin.parameters())}
+    _run_plan(twin, group, shard, label)
     plan = ShardPlan()
-    if not trace:
-        return plan
-    changed: dict[str, int] = {}
+    _check_counts(model, twin, size, label, plan)
+    _check_share_bound(twin, group, private, plan)
     for path, cut in tree_flatten(twin.parameters()):
         whole = before.get(path)
-        if whole is None or whole.shape == cut.shape:
+        if whole is None:
+            continue
+        if whole.shape == cut.shape:
+            if kept_objects.get(path) != id(cut):
+                plan.replaced[path] = None
             continue
         axes = [a for a in range(whole.ndim) if cut.ndim == whole.ndim and whole.shape[a] != cut.shape[a]]
         if len(axes) == 1:
-            changed[path] = axes[0]
+            plan.axes[path] = axes[0]
         else:
             plan.underived.append(path)
     del twin
+    if not trace:
+        return plan
     traced = _twin(model)
-    for path, axis in changed.items():
+    for path, axis in plan.axes.items():
         set_array(traced, path, _tracer(before[path].shape, axis))
+    for path in plan.replaced:
+        set_array(traced, path, _marker(before[path].shape, before[path].dtype))
     shard(traced, group)
     after = dict(tree_flatten(traced.parameters()))
-    for path, axis in changed.items():
+    for path in plan.replaced:
+        plan.replaced[path] = _constant(after[path]) if path in after else None
+    for path, axis in plan.axes.items():
         kept = _kept_indices(after.pop(path), axis, before[path].shape[axis]) if path in after else None
         if kept is None:
             plan.underived.append(path)

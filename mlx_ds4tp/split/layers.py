@@ -45,35 +45,42 @@ def check_rows(layer: Any, size: int, where: str) -> None:
         )
 
 
-def _keep_rank_part(a: mx.array, axis: int, rank: int, size: int) -> mx.array:
+def _keep_rows(whole: mx.array, start: int, stop: int) -> mx.array:
     # contiguous() makes the part its own buffer: a plain slice is a view that would keep the
     # whole tensor alive, which is exactly the memory the split exists to save.
-    return mx.contiguous(mx.split(a, size, axis=axis)[rank])
+    return mx.contiguous(whole[start:stop])
 
 
-def cut_rows(layer: nn.Module, group: Any, where: str = "layer", read_part: Optional[ReadPart] = None) -> nn.Module:
-    """Keep this rank's part of `layer`'s rows (its vocabulary), in place, each array read from
-    disk by `read_part` when it can and evaluated at once."""
-    rank, size = rank_and_size(group)
-    check_rows(layer, size, where)
+def cut_rows(layer: nn.Module, rows: tuple[int, int], where: str = "layer",
+             read_part: Optional[ReadPart] = None) -> nn.Module:
+    """Keep `layer`'s vocabulary rows [start, stop), in place, each array read from disk by
+    `read_part` when it can and evaluated at once."""
+    start, stop = rows
     for name in _WEIGHT_ARRAYS:
         whole = layer.get(name)
         if whole is None:
             continue
-        part = read_part(f"{where}.{name}", whole, 0) if read_part else None
+        part = read_part(f"{where}.{name}", whole, 0, runs=(rows,)) if read_part else None
         if part is None:
-            part = _keep_rank_part(whole, 0, rank, size)
+            part = _keep_rows(whole, start, stop)
         mx.eval(part)
         layer[name] = part
     return layer
 
 
-def _gather_last_axis(x: mx.array, group: Collective) -> mx.array:
-    """The ranks' x concatenated along the last axis (the vocabulary), in rank order."""
-    # all_gather stacks along axis 0: [size * B, ..., V / size]. Cut it back into the ranks'
+def _gather_last_axis(x: mx.array, group: Collective, bounds: tuple[int, ...]) -> mx.array:
+    """The ranks' x concatenated along the last axis (the vocabulary), in rank order; rank r's
+    x holds bounds[r + 1] - bounds[r] columns."""
+    widths = [b - a for a, b in zip(bounds, bounds[1:])]
+    widest = max(widths)
+    # all_gather moves equal shapes only: an uneven share's narrower part is padded with zeros
+    # to the widest and the padding dropped again, the same bytes on every rank.
+    if x.shape[-1] < widest:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, widest - x.shape[-1])])
+    # all_gather stacks along axis 0: [size * B, ..., widest]. Cut it back into the ranks'
     # pieces and lay them side by side, which is the unsplit logits' vocabulary order.
     pieces = mx.split(group.all_gather(x), group.size(), axis=0)
-    return mx.concatenate(pieces, axis=-1)
+    return mx.concatenate([piece[..., :width] for piece, width in zip(pieces, widths)], axis=-1)
 
 
 class AllSumGate(nn.Module):
@@ -92,19 +99,20 @@ class AllSumGate(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """An Embedding (or QuantizedEmbedding) holding this rank's part of the vocabulary rows.
+    """An Embedding (or QuantizedEmbedding) holding this rank's part of the vocabulary rows:
+    ids bounds[rank] to bounds[rank + 1].
 
     Looking up an id gives its row on the rank that holds it and zeros on the others; the gate
     adds them, so every rank ends with the exact row (x + 0 is exact in floating point). As the
     tied vocabulary projection (`as_linear`) it computes this rank's logits and gathers them.
     """
 
-    def __init__(self, embedding: nn.Module, group: Any):
+    def __init__(self, embedding: nn.Module, group: Any, bounds: tuple[int, ...]):
         super().__init__()
         rank, _ = rank_and_size(group)
         self.embedding = embedding
-        self.rows = embedding["weight"].shape[0]
-        self.first_id = rank * self.rows
+        self.bounds = tuple(bounds)
+        self.first_id, self.rows = bounds[rank], bounds[rank + 1] - bounds[rank]
         self.group = as_collective(group)
         self.gate = AllSumGate(group)
 
@@ -115,29 +123,21 @@ class VocabParallelEmbedding(nn.Module):
         return self.gate(mx.where(mine[..., None], rows, 0))
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return _gather_last_axis(self.embedding.as_linear(x), self.group)
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Module, group: Any, where: str = "embedding"):
-        """Cut a whole embedding in place and wrap it."""
-        return cls(cut_rows(embedding, group, where), group)
+        return _gather_last_axis(self.embedding.as_linear(x), self.group, self.bounds)
 
 
 class VocabParallelHead(nn.Module):
-    """The vocabulary projection holding this rank's part of the vocabulary; logits gathered."""
+    """The vocabulary projection holding this rank's part of the vocabulary (rows bounds[rank]
+    to bounds[rank + 1]); logits gathered."""
 
-    def __init__(self, linear: nn.Module, group: Any):
+    def __init__(self, linear: nn.Module, group: Any, bounds: tuple[int, ...]):
         super().__init__()
         self.linear = linear
+        self.bounds = tuple(bounds)
         self.group = as_collective(group)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _gather_last_axis(self.linear(x), self.group)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Module, group: Any, where: str = "lm_head"):
-        """Cut a whole layer in place and wrap it."""
-        return cls(cut_rows(linear, group, where), group)
+        return _gather_last_axis(self.linear(x), self.group, self.bounds)
 
 
 SHARDED = (VocabParallelEmbedding, VocabParallelHead)

@@ -16,7 +16,8 @@ def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
                    rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
                    timeout: float = 1200.0, prompt_tokens: int = 0, extra=()) -> Optional[dict]:
     """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
-    leader's tokens record (see run's tokens_out), or None when either rank
+    leader's tokens record (see run's tokens_out) with the worker's peak resident memory
+    (worker_peak_rss_bytes), or None when either rank
     failed (both are killed on any failure, the reason is logged).
     prompt_tokens > 0: the prompt's tokens repeated to that many (see run). extra: more
     `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N)."""
@@ -33,13 +34,19 @@ def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
         base += ["--prompt-tokens", str(prompt_tokens)]
     base += list(extra)
     leader, worker = _localpair.pair_commands(base, _localpair.free_port())
+    worker_path = out_path + ".worker"
     leader += ["--tokens-out", out_path]
+    worker += ["--tokens-out", worker_path]
     try:
         _localpair.run_ranks([leader, worker], timeout=timeout,
                              stdout="discard" if quiet else "inherit")
-        return json.loads(Path(out_path).read_text())
+        record = json.loads(Path(out_path).read_text())
+        record["worker_peak_rss_bytes"] = json.loads(Path(worker_path).read_text())["peak_rss_bytes"]
+        return record
     except RuntimeError as exc:
         log(f"the local pair failed: {exc}")
         return None
     finally:
-        os.unlink(out_path)
+        for path in (out_path, worker_path):
+            if os.path.exists(path):
+                os.unlink(path)

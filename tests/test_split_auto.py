@@ -1,0 +1,240 @@
+"""--split auto|even|A:B between two ranks: the share arithmetic (split/auto.py), the figures the
+hello carries, the leader's share sent to the worker (split/agree.py), and `ds4tp run` with a
+share (tokens equal the unsplit model's, the memory cap refused before loading)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_ds4tp.errors import FrameError, HelloMismatchError
+from mlx_ds4tp.link.hello import Hello, ModelIdentity, RankFigures
+from mlx_ds4tp.split.auto import (
+    RESERVE_BYTES,
+    ModelNeed,
+    ShareRefused,
+    choose_share,
+    fitting_range,
+    model_need,
+    speed_fraction,
+)
+from mlx_ds4tp.split.share import EVEN, SplitSettings, SplitShare
+from pairutil import both_ok, free_port, reference_text
+
+GB = 10**9
+BIG = 512 * GB
+
+
+def figures(memory: int, speed: int) -> RankFigures:
+    return RankFigures(memory_bytes=memory, speed=speed)
+
+
+# ---- the arithmetic ---------------------------------------------------------------------------
+
+def test_shares_follow_the_speeds():
+    # 819 and 546 GB/s (an M3 Ultra beside an M4 Pro-class Mac): 60/40.
+    assert choose_share(figures(BIG, 819 * GB), figures(BIG, 546 * GB), ModelNeed(10 * GB)) == SplitShare((3, 2))
+    assert choose_share(figures(BIG, 100 * GB), figures(BIG, 300 * GB), ModelNeed(10 * GB)) == SplitShare((1, 3))
+
+
+def test_machines_within_ten_percent_split_evenly():
+    assert speed_fraction(figures(BIG, 109), figures(BIG, 100)) == 0.5
+    assert choose_share(figures(BIG, 100 * GB), figures(BIG, 109 * GB), ModelNeed(GB)) == EVEN
+    assert choose_share(figures(BIG, 112 * GB), figures(BIG, 100 * GB), ModelNeed(GB)) != EVEN
+
+
+def test_memory_bounds_the_share():
+    # Equal speeds, but the worker holds only a quarter of the model: the leader takes the rest.
+    need = ModelNeed(40 * GB)
+    worker_memory = int(0.25 * need.total * 1.1) + RESERVE_BYTES
+    lowest, highest = fitting_range(need, figures(BIG, 100 * GB), figures(worker_memory, 100 * GB))
+    assert lowest == pytest.approx(0.75) and highest == 1.0
+    share = choose_share(figures(BIG, 100 * GB), figures(worker_memory, 100 * GB), need)
+    assert share.parts[0] / sum(share.parts) >= 0.75
+    assert need.on_rank(share.parts[1] / sum(share.parts)) <= worker_memory
+
+
+def test_a_model_that_fits_no_share_is_refused_naming_the_sizes():
+    with pytest.raises(ShareRefused) as err:
+        choose_share(figures(8 * GB, 100 * GB), figures(6 * GB, 100 * GB), ModelNeed(20 * GB, GB))
+    text = str(err.value)
+    assert "21.00 GiB" not in text  # sizes are in GiB of 2^30
+    assert "19.56 GiB" in text and "7.45 GiB" in text and "5.59 GiB" in text, text
+
+
+def test_unmeasured_figures_are_refused():
+    with pytest.raises(ValueError, match="worker reported no figures"):
+        choose_share(figures(BIG, 100), RankFigures(), ModelNeed(GB))
+
+
+def test_model_need_reads_the_weights_and_the_kv_cache(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "hidden_size": 128, "torch_dtype": "float32"}))
+    need = model_need(tmp_path, kv_tokens=10)
+    assert need.weight_bytes == 1000
+    assert need.kv_bytes == 10 * 2 * 4 * 16 * 2 * 4
+
+
+def test_who_measures():
+    assert SplitSettings().measures("worker") and not SplitSettings().measures("leader")
+    assert SplitSettings(SplitShare.parse("auto")).measures("leader")
+
+
+# ---- the hello and the leader's share ---------------------------------------------------------
+
+def test_the_hello_carries_the_figures():
+    hello = Hello(role=0, transport="tcp", rdma_ok=False, rdma_reason="", session_id=7,
+                  identity=ModelIdentity(), figures=figures(3 * GB, 5 * GB))
+    assert Hello.unpack(hello.pack()).figures == figures(3 * GB, 5 * GB)
+    with pytest.raises(ValueError, match="memory_bytes"):
+        RankFigures(memory_bytes=-1)
+
+
+def _pair_groups(leader_figures: RankFigures, worker_figures: RankFigures):
+    from mlx_ds4tp import gate_ops
+    from mlx_ds4tp.link.config import LinkSettings, pair_address
+
+    port = free_port()
+
+    def join(role, listen, coordinator, figs):
+        link = LinkSettings(pair_address(role, listen, coordinator), "tcp", timeout=20.0, figures=figs)
+        return gate_ops.init_pair(link)
+
+    return both_ok(lambda: join("leader", ("127.0.0.1", port), None, leader_figures),
+                   lambda: join("worker", None, ("127.0.0.1", port), worker_figures))
+
+
+def test_the_worker_takes_the_leaders_auto_share(capfd):
+    from mlx_ds4tp.split.agree import agree_share
+
+    auto = SplitSettings(SplitShare.parse("auto"))
+    lg, wg = _pair_groups(figures(BIG, 300 * GB), figures(BIG, 100 * GB))
+    with lg, wg:
+        got = both_ok(lambda: agree_share(lg, auto, ModelNeed(GB)),
+                      lambda: agree_share(wg, SplitSettings(SplitShare.parse("1:1"), given=True), ModelNeed(GB)))
+    assert got == (SplitShare((3, 1)), SplitShare((3, 1)))
+    err = capfd.readouterr().err
+    assert "split auto: 3:1 (rank 0's part first), sent to the worker" in err
+    assert "split 3:1: the leader's share (leader: " in err
+    assert "this side asked for even; the leader's share (3:1) decides" in err
+
+
+def test_a_refused_auto_share_stops_both_ranks_naming_the_sizes():
+    from mlx_ds4tp.errors import TransportError
+    from mlx_ds4tp.split.agree import agree_share
+
+    lg, wg = _pair_groups(figures(GB, 100 * GB), figures(GB, 100 * GB))
+    with lg, wg:
+        results = []
+
+        def rank(group, split):
+            try:
+                agree_share(group, split, ModelNeed(4 * GB))
+            except (ValueError, TransportError) as exc:
+                results.append(str(exc))
+
+        both_ok(lambda: rank(lg, SplitSettings(SplitShare.parse("auto"))), lambda: rank(wg, SplitSettings()))
+    assert len(results) == 2 and all("no share fits" in r and "0.93 GiB" in r for r in results), results
+
+
+def test_a_worker_taken_back_gets_the_held_share_and_a_held_worker_refuses_another():
+    from mlx_ds4tp.split.agree import agree_share
+
+    lg, wg = _pair_groups(RankFigures(), figures(BIG, GB))
+    with lg, wg:
+        # The leader's model is split 3:1 already: a worker taken back gets 3:1, not its even.
+        assert both_ok(lambda: agree_share(lg, SplitSettings(), ModelNeed(0), held=SplitShare((3, 1))),
+                       lambda: agree_share(wg, SplitSettings(), ModelNeed(0))) == (SplitShare((3, 1)),) * 2
+        errors = []
+
+        def held_worker():
+            try:
+                agree_share(wg, SplitSettings(), ModelNeed(0), held=SplitShare((2, 1)))
+            except HelloMismatchError as exc:
+                errors.append(str(exc))
+
+        both_ok(lambda: agree_share(lg, SplitSettings(), ModelNeed(0), held=SplitShare((3, 1))), held_worker)
+    assert errors and "split 2:1 and the leader's share is 3:1" in errors[0]
+
+
+def test_a_split_frame_leaving_a_rank_nothing_is_refused():
+    from mlx_ds4tp.link.hello import hear_share
+    from mlx_ds4tp.link.wire import SPLIT_PAYLOAD, FrameType
+
+    class Control:
+        def recv(self, expect):
+            return expect, SPLIT_PAYLOAD.pack(4, 0)
+
+    assert FrameType.SPLIT == 39
+    with pytest.raises(FrameError, match="leaves a rank with nothing"):
+        hear_share(Control())
+
+
+# ---- `ds4tp run` with a share -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama
+
+    # Four KV heads and 256 MLP columns: every count cuts into quarters, so 3:1 is taken as is.
+    sizes = LlamaSizes(layers=2, hidden=128, heads=8, kv_heads=4, intermediate=256, vocab=512)
+    return save_llama(tmp_path_factory.mktemp("split-auto-model"), sizes, seed=5)
+
+
+def _spawn(procs, model_dir, port, role, extra=(), env=None):
+    where = ["--listen", "127.0.0.1", str(port)] if role == "leader" else ["--coordinator", "127.0.0.1", str(port)]
+    prompt = ["--prompt", "Two different Macs"] if role == "leader" else []
+    return procs.spawn(["-m", "mlx_ds4tp", "run", "--model", str(model_dir), "--max-tokens", "12",
+                        "--no-chat-template", "--transport", "tcp", "--role", role, *where, *prompt,
+                        *extra], env=env)
+
+
+def test_run_with_split_3_1_gives_the_unsplit_models_tokens(procs, model_dir):
+    port = free_port()
+    leader = _spawn(procs, model_dir, port, "leader", ["--split", "3:1"])
+    worker = _spawn(procs, model_dir, port, "worker")
+    lout, lerr = leader.communicate(timeout=180)
+    _, werr = worker.communicate(timeout=60)
+    assert leader.returncode == 0, lerr
+    assert worker.returncode == 0, werr
+    text, _ = reference_text(model_dir, "Two different Macs", 12)
+    assert lout.rsplit("\n", 2)[0] == text
+    assert "split 3:1: the leader's share, sent to the worker" in lerr
+    assert "split 3:1: the leader's share" in werr
+    assert "rank 0 keeps 3 of 4 units" in lerr and "rank 1 keeps 1 of 4 units" in werr
+
+
+def test_run_auto_over_a_memory_cap_is_refused_before_loading(procs, model_dir):
+    import os
+
+    port = free_port()
+    capped = {**os.environ, "DS4_TP_MEMORY_LIMIT_BYTES": "1000"}
+    leader = _spawn(procs, model_dir, port, "leader", ["--split", "auto"], env=capped)
+    worker = _spawn(procs, model_dir, port, "worker", env=capped)
+    _, lerr = leader.communicate(timeout=120)
+    _, werr = worker.communicate(timeout=60)
+    assert leader.returncode != 0 and worker.returncode != 0
+    for err in (lerr, werr):
+        assert "no share fits" in err and "the leader may use 0.00 GiB and the worker 0.00 GiB" in err, err
+        assert "holds its part" not in err and "weights loaded" not in err
+
+
+def test_split_flag_is_checked(procs, model_dir):
+    bad = _spawn(procs, model_dir, free_port(), "leader", ["--split", "3:0"])
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode != 0 and "leaves a rank with nothing" in err
+
+
+def test_doctor_prints_the_share_it_would_pick(procs, model_dir):
+    port = free_port()
+    common = ["-m", "mlx_ds4tp", "doctor", "--transport", "tcp", "--model", str(model_dir)]
+    listener = procs.spawn(common + ["--listen", "127.0.0.1", str(port)])
+    dialer = procs.spawn(common + ["--peer", "127.0.0.1", str(port)])
+    outs = [p.communicate(timeout=120)[0] for p in (listener, dialer)]
+    picks = [line for out in outs for line in out.splitlines() if "split auto: would pick" in line]
+    assert len(picks) == 2, outs
+    # The same arithmetic on the same two hellos: both sides name the same share.
+    assert picks[0].split(" with the peer")[0] == picks[1].split(" with the peer")[0]
