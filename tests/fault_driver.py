@@ -135,7 +135,15 @@ def main(argv) -> int:
         from mlx_ds4tp.lockstep.sessions import LeaderSessions
         from mlx_ds4tp.model_split import load_split
 
-        split, tokenizer = load_split(model, group)
+        from pathlib import Path
+
+        from mlx_ds4tp.split.agree import agree_share
+        from mlx_ds4tp.split.auto import model_need
+        from mlx_ds4tp.split.share import SplitSettings
+
+        # The `ds4tp run` worker loads with the share its leader sends before any weight is read.
+        share = agree_share(group, SplitSettings(), model_need(Path(model), 64))
+        split, tokenizer = load_split(model, group, split=share)
         sessions = LeaderSessions(group, split)
         prompt = encode_prompt(tokenizer, "two machines", chat=False)
         try:
