@@ -131,12 +131,11 @@ def main(argv) -> int:
             if k == 0:
                 at(phase)
     if phase == "between-prompts" and leader:
+        from pathlib import Path
+
         from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
         from mlx_ds4tp.lockstep.sessions import LeaderSessions
         from mlx_ds4tp.model_split import load_split
-
-        from pathlib import Path
-
         from mlx_ds4tp.split.agree import agree_share
         from mlx_ds4tp.split.auto import model_need
         from mlx_ds4tp.split.share import SplitSettings
