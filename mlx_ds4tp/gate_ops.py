@@ -69,7 +69,7 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     if link.transport == MLX:
         _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
-    pair = _connect(link.pair_config(identity))
+    pair = _connect(link.resolved(identity))
     try:
         group = PairGroup(pair)
     except BaseException:
@@ -94,7 +94,7 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
                          "link=LinkSettings(...) to say how to join again")
     if link.check().transport == MLX:
         raise ValueError("transport='mlx': MLX's own groups cannot be rejoined; relaunch them")
-    pair = _connect(link.pair_config(identity))
+    pair = _connect(link.resolved(identity))
     try:
         group.reattach(pair)
     except BaseException:
@@ -109,7 +109,7 @@ _JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional
     weakref.WeakKeyDictionary()
 
 
-def _connect(config: tr.PairConfig):
+def _connect(config: LinkSettings):
     # connect() hands out a complete pair: its RDMA queue pair proven, or TCP chosen.
     return tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library))
 
