@@ -189,6 +189,26 @@ TRANSPORTS = (*TRANSPORT_CODES, MLX)
 
 
 @dataclasses.dataclass(frozen=True)
+class DiscoverySettings:
+    """How a rank finds its peer by itself (link/meet.py): on these interfaces (names), wanting
+    to lead ("lead": `run --prompt`, --role leader), to work ("work": `run` without a prompt,
+    --role worker, a worker rejoining) or either ("any": `serve`); http_url: what a serving
+    leader tells its worker to print."""
+
+    interfaces: Tuple[str, ...]
+    want: str = "any"
+    http_url: str = ""
+
+    def check(self) -> "DiscoverySettings":
+        if not self.interfaces or not all(isinstance(n, str) and n for n in self.interfaces):
+            raise ValueError(f"interfaces={self.interfaces!r}: name at least one interface "
+                             "(--interface NAME, e.g. en1, or lo for both ranks on this machine)")
+        if self.want not in ("lead", "work", "any"):
+            raise ValueError(f"want={self.want!r}: use 'lead', 'work' or 'any'")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
 class LinkSettings:
     """How this rank joins the pair: made once, from tp.init's keywords or the command line's
     --transport/--rdma-device/--rdma-gid-index/--secret (in cli/), and what the link layer runs
@@ -209,6 +229,7 @@ class LinkSettings:
     (split.measure), carried by its hello for `--split auto`. identity: the model the hello
     checks (resolved(identity) sets it). (The bring-up's test-only switches are seams in
     link/bringup.py, not fields.)
+    discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator.
     """
 
     address: PairAddress
@@ -225,6 +246,7 @@ class LinkSettings:
     rdma_no_imm: Optional[bool] = None
     disable_warmup: Optional[bool] = None
     verbs_library: Optional[str] = None
+    discovery: Optional[DiscoverySettings] = None
 
     @classmethod
     def of(cls, role: Optional[str], listen=None, coordinator=None, **fields) -> "LinkSettings":
@@ -257,7 +279,12 @@ class LinkSettings:
         if not isinstance(self.address, PairAddress):
             raise ValueError(f"address={self.address!r}: make it with pair_address(role, listen, "
                              "coordinator)")
-        if self.transport == MLX:
+        if self.discovery is not None:
+            self.discovery.check()
+            if self.transport == MLX or self.address.listen or self.address.coordinator:
+                raise ValueError("discovery finds the peer itself: give no listen/coordinator and "
+                                 "not transport 'mlx' (--listen/--coordinator are for scripts)")
+        if self.transport == MLX or self.discovery is not None:
             if self.address.role not in (None, "leader", "worker"):
                 raise ValueError(f"role={self.address.role!r}: use 'leader' (rank 0), 'worker' "
                                  "(rank 1), or None to take MLX's rank (--role leader|worker)")
@@ -288,6 +315,9 @@ class LinkSettings:
         if self.transport == MLX:
             raise ValueError("transport='mlx' is MLX's own group, not a pair: it has no pair "
                              "configuration (mx.distributed.init makes it)")
+        if self.discovery is not None:
+            raise ValueError("discovering settings have no address yet: link.meet finds the peer, "
+                             "then resolves the settings with its address")
         env = os.environ
         return dataclasses.replace(
             self,
