@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import re
 import secrets
 import socket
@@ -306,7 +305,3 @@ def dial_address(peer: Advert, interfaces: Sequence[Interface]) -> str:
                      f"on {', '.join(i.name for i in interfaces)}'s subnet: give both ends of the "
                      "link addresses on one subnet")
 
-
-def describe(peers: Sequence[Advert]) -> str:
-    """For a log line: who was heard."""
-    return json.dumps([{"host": p.host, "id": p.instance, "state": p.state, "want": p.want} for p in peers])

@@ -44,7 +44,8 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
     _check_secret(link, interfaces)
     finder = _finder(disc, interfaces, identity, link)
     finder.publish(state=dsc.SEEK, port=0, want=disc.want, http=disc.http_url, figures=link.figures)
-    deadline = time.monotonic() + (link.timeout or default_timeout())
+    started = time.monotonic()
+    deadline = started + (link.timeout or default_timeout())
     refused: Set[str] = set()
     settle_at: Optional[float] = None
     while True:
@@ -56,10 +57,10 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
         peers = [p for p in finder.peers() if p.instance not in refused]
         what, peer = dsc.elect(finder.me, peers, settled=settle_at is not None and now >= settle_at)
         if what == "lead":
-            return _lead(link, identity, connect, finder, interfaces)
+            return _paired(_lead(link, identity, connect, finder, interfaces), started)
         if what == "join":
             try:
-                return _join(link, identity, connect, finder, interfaces, peer)
+                return _paired(_join(link, identity, connect, finder, interfaces, peer), started)
             except (AuthenticationError, HelloMismatchError) as exc:
                 log(f"discovery: refused by / refusing {_who(peer)}: {exc}")
                 refused.add(peer.instance)
@@ -69,6 +70,11 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
             finder.publish(state=dsc.SEEK, port=0)
             continue
         time.sleep(POLL_SEC)
+
+
+def _paired(pair: Pair, started: float) -> Pair:
+    log(f"discovery: paired {time.monotonic() - started:.2f} s after this rank began looking")
+    return pair
 
 
 def _check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
