@@ -30,6 +30,8 @@ JOIN_DIAL_SEC = 3.0
 POLL_SEC = 0.05
 
 Connect = Callable[..., Pair]
+_WANTS = {"lead": "this rank leads", "work": "this rank works for a leader",
+          "any": "the first to wait for a worker leads"}
 
 _lock = threading.Lock()
 _finders: Dict[Tuple, dsc.Finder] = {}
@@ -44,6 +46,8 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
     _check_secret(link, interfaces)
     finder = _finder(disc, interfaces, identity, link)
     finder.publish(state=dsc.SEEK, port=0, want=disc.want, http=disc.http_url, figures=link.figures)
+    log(f"discovery: looking on {', '.join(disc.interfaces)} for a rank with this model "
+        f"({_WANTS[disc.want]})")
     started = time.monotonic()
     deadline = started + (link.timeout or default_timeout())
     refused: Set[str] = set()
