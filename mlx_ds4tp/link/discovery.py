@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from ..base.log import log
 from .hello import RankFigures
@@ -208,6 +208,7 @@ class Finder:
         self._lock = threading.Lock()
         self._peers: Dict[str, Advert] = {}
         self._registered = threading.Event()
+        self.refused: Set[str] = set()  # instances that refused us, or could not be reached
         binds: list = [a for i in self.interfaces for a, _ in i.ipv4]
         binds += [(a, 0, i.index) for i in self.interfaces for a in i.ipv6]
         v4, v6 = any(i.ipv4 for i in self.interfaces), any(i.ipv6 for i in self.interfaces)

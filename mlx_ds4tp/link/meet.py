@@ -50,7 +50,7 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
         f"({_WANTS[disc.want]})")
     started = time.monotonic()
     deadline = started + (link.timeout or default_timeout())
-    refused: Set[str] = set()
+    refused = finder.refused  # kept for the rejoins: a peer that refused us once is not asked again
     settle_at: Optional[float] = None
     while True:
         now = time.monotonic()
