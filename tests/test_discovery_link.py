@@ -143,7 +143,7 @@ def wait_for(ranks: List[Rank], what: str, pattern: str, within: float = 90.0) -
 
 def finished_text(leader: Rank, others: List[Rank]) -> str:
     """The leader's streamed text once the run exits 0."""
-    if leader.wait_exit(120) is None or leader.proc.returncode != 0:
+    if leader.wait_exit(300) is None or leader.proc.returncode != 0:
         pytest.fail("the run did not finish\n" + "\n".join(r.describe() for r in [leader, *others]))
     return leader.out.text().rsplit("\n", 2)[0]
 
