@@ -40,6 +40,8 @@ WANTS = ("lead", "work", "any")
 SETTLE_SEC = 0.3
 # Records of a rank that died without its goodbye go stale this soon (seconds).
 TTL_SEC = 10
+# How often the records heard are read again (zeroconf's cache: cheap).
+RESOLVE_SEC = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,18 +199,25 @@ def ipv4_advice(name: str, leads: bool) -> str:
 
 class Finder:
     """This process's advert and its browse on `interfaces`: publish() changes what the advert
-    says (in the background: an update is a few multicast packets), peers() is what was heard.
-    close() sends the goodbye."""
+    says (sent in the background: an update is a few multicast packets, the latest wins),
+    peers() is what was heard. close() sends the goodbye.
+
+    The browser only names the services it hears; a resolver thread reads each one's records
+    from zeroconf's cache every RESOLVE_SEC (asking the link for the ones not complete yet), so
+    a record missed once or an update (a leader's new state) is picked up on the next round."""
 
     def __init__(self, interfaces: Sequence[Interface], me: Advert) -> None:
         from zeroconf import IPVersion, ServiceBrowser, Zeroconf
 
         self.interfaces = tuple(interfaces)
         self.me = me
+        self.refused: Set[str] = set()  # instances that refused us, or could not be reached
         self._lock = threading.Lock()
+        self._names: Set[str] = set()
         self._peers: Dict[str, Advert] = {}
         self._registered = threading.Event()
-        self.refused: Set[str] = set()  # instances that refused us, or could not be reached
+        self._dirty = threading.Event()
+        self._closed = threading.Event()
         binds: list = [a for i in self.interfaces for a, _ in i.ipv4]
         binds += [(a, 0, i.index) for i in self.interfaces for a in i.ipv6]
         v4, v6 = any(i.ipv4 for i in self.interfaces), any(i.ipv6 for i in self.interfaces)
@@ -221,7 +230,8 @@ class Finder:
                              "run `sudo ip link set lo multicast on`") from None
         self._info = self._service_info(me)
         self.browser = ServiceBrowser(self.zc, SERVICE_TYPE, handlers=[self._changed])
-        threading.Thread(target=self._register, name="ds4tp-advert", daemon=True).start()
+        threading.Thread(target=self._advertise, name="ds4tp-advert", daemon=True).start()
+        threading.Thread(target=self._resolve, name="ds4tp-resolve", daemon=True).start()
 
     def _service_info(self, advert: Advert):
         from zeroconf import ServiceInfo
@@ -233,29 +243,36 @@ class Finder:
                            properties=advert.txt(), server=f"{name}.local.",
                            parsed_addresses=addresses, host_ttl=TTL_SEC, other_ttl=TTL_SEC)
 
-    def _register(self) -> None:
+    def _advertise(self) -> None:
+        """Register, then send each change publish() makes, the latest one when several wait."""
         try:
             self.zc.register_service(self._info, allow_name_change=True)
         except Exception as exc:  # noqa: BLE001 - the closed Zeroconf of an exit, or the link down
             log(f"discovery: could not advertise: {exc}")
-        self._registered.set()
+            return
+        finally:
+            self._registered.set()
+        while not self._closed.is_set():
+            if not self._dirty.wait(0.5):
+                continue
+            with self._lock:
+                self._dirty.clear()
+                info = self._info
+            try:
+                self.zc.update_service(info)
+            except Exception as exc:  # noqa: BLE001 - as above
+                if not self._closed.is_set():
+                    log(f"discovery: could not update the advert: {exc}")
 
     def registered(self, timeout: float) -> bool:
         return self._registered.wait(timeout)
 
     def publish(self, **changes) -> None:
-        """Advertise `changes` to this rank's advert (state, port, want, http)."""
-        self.me = dataclasses.replace(self.me, **changes)
-        info = self._service_info(self.me)
-        self._info = info
-
-        def update() -> None:
-            self._registered.wait(10.0)
-            try:
-                self.zc.update_service(info)
-            except Exception as exc:  # noqa: BLE001 - as _register
-                log(f"discovery: could not update the advert: {exc}")
-        threading.Thread(target=update, name="ds4tp-advert-update", daemon=True).start()
+        """Advertise `changes` to this rank's advert (state, port, want, http, figures)."""
+        with self._lock:
+            self.me = dataclasses.replace(self.me, **changes)
+            self._info = self._service_info(self.me)
+            self._dirty.set()
 
     def peers(self) -> List[Advert]:
         with self._lock:
@@ -264,21 +281,38 @@ class Finder:
     def _changed(self, zeroconf, service_type: str, name: str, state_change) -> None:
         from zeroconf import ServiceStateChange
 
-        if state_change is ServiceStateChange.Removed:
-            with self._lock:
-                self._peers.pop(name, None)
-            return
-        # Resolving asks the link (at most this long) on the browser's thread, never the gates'.
-        info = zeroconf.get_service_info(service_type, name, timeout=1000)
-        if info is None:
-            return
-        advert = Advert.from_txt(info.properties, info.parsed_scoped_addresses())
-        if advert is None or advert.instance == self.me.instance:
-            return
         with self._lock:
-            self._peers[name] = dataclasses.replace(advert, port=info.port if advert.state == LEAD else 0)
+            if state_change is ServiceStateChange.Removed:
+                self._names.discard(name)
+                self._peers.pop(name, None)
+            else:
+                self._names.add(name)
+
+    def _resolve(self) -> None:
+        from zeroconf import ServiceInfo
+
+        while not self._closed.wait(RESOLVE_SEC):
+            with self._lock:
+                names = list(self._names)
+            for name in names:
+                info = ServiceInfo(SERVICE_TYPE, name)
+                try:
+                    # Asking the link, briefly, on this thread: never the gates' (they do not
+                    # exist yet) nor the browser's.
+                    if not info.load_from_cache(self.zc) and not info.request(self.zc, 500):
+                        continue
+                except Exception:  # noqa: BLE001 - closing under our feet; the loop ends
+                    continue
+                advert = Advert.from_txt(info.properties, info.parsed_scoped_addresses())
+                if advert is None or advert.instance == self.me.instance:
+                    continue
+                with self._lock:
+                    if name in self._names:
+                        self._peers[name] = dataclasses.replace(
+                            advert, port=info.port if advert.state == LEAD else 0)
 
     def close(self) -> None:
+        self._closed.set()
         try:
             self.browser.cancel()
             self.zc.close()  # unregisters: the peers hear the goodbye
