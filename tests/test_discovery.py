@@ -108,6 +108,16 @@ def test_the_dial_address_is_the_one_on_our_link():
     assert dsc.Interface("en1", 9, (), ("fe80::9",)).listen_host() == "fe80::9%en1"
 
 
+def test_an_interface_without_multicast_is_refused_with_the_command(tmp_path):
+    (tmp_path / "lo").mkdir()
+    (tmp_path / "lo" / "flags").write_text("0x9\n")  # Linux's loopback: UP|LOOPBACK
+    with pytest.raises(ValueError, match=r"--interface lo does not carry multicast.*`sudo ip link set lo multicast"):
+        dsc._check_multicast("lo", str(tmp_path))
+    (tmp_path / "lo" / "flags").write_text("0x1009\n")
+    dsc._check_multicast("lo", str(tmp_path))
+    dsc._check_multicast("en1", str(tmp_path))  # no flags file (macOS): nothing to check
+
+
 def test_an_unknown_interface_names_the_ones_there_are():
     with pytest.raises(ValueError, match=r"--interface nosuch0: no such interface here \(there are: .*lo"):
         dsc.interface("nosuch0")

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from ..base.log import log
@@ -165,9 +166,26 @@ def interface(name: str) -> Interface:
             v4 = tuple((ip.ip, ip.network_prefix) for ip in a.ips if isinstance(ip.ip, str))
             v6 = tuple(ip.ip[0] for ip in a.ips if isinstance(ip.ip, tuple)
                        and ipaddress.ip_address(ip.ip[0]).is_link_local)
+            _check_multicast(a.nice_name)
             return Interface(a.nice_name, a.index or socket.if_nametoindex(a.nice_name), v4, v6)
     names = ", ".join(sorted(a.nice_name for a in adapters))
     raise ValueError(f"--interface {name}: no such interface here (there are: {names})")
+
+
+IFF_MULTICAST = 0x1000
+
+
+def _check_multicast(name: str, sys_net: str = "/sys/class/net") -> None:
+    """On Linux, an interface without the MULTICAST flag (loopback's default) never carries the
+    adverts: say so, with the command that turns it on, rather than find nobody."""
+    try:
+        flags = int(Path(sys_net, name, "flags").read_text().strip(), 16)
+    except (OSError, ValueError):
+        return  # not Linux, or no such file: nothing to check
+    if not flags & IFF_MULTICAST:
+        raise ValueError(f"--interface {name} does not carry multicast, which finding the peer "
+                         f"needs: run `sudo ip link set {name} multicast on` (or run both ranks in "
+                         "a network namespace of their own, where you may)")
 
 
 def thunderbolt_members(platform: str = sys.platform) -> List[str]:

@@ -16,7 +16,7 @@ import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..base.log import log
-from ..errors import AuthenticationError, HelloMismatchError, TransportError
+from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
 from . import discovery as dsc
 from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeout, secret_bytes
 from .control import dial as control_dial
@@ -132,7 +132,15 @@ def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
         f"{iface.name} ({host} port {port})")
     settings = dataclasses.replace(link, address=PairAddress("leader", (host, port), None),
                                    rdma_device=device, discovery=None)
-    pair = connect(settings.resolved(identity))
+    try:
+        pair = connect(settings.resolved(identity))
+    except TransportTimeoutError as exc:
+        # The handshake's advice names --coordinator; a discovering worker needs none.
+        cause = str(exc).split("; start the worker with --coordinator")[0]
+        raise TransportTimeoutError(
+            f"discovery: this leader on {iface.name}: {cause}; start the other rank with the same "
+            "--model (and secret) on the other end of the link (DS4_TP_TIMEOUT_SEC sets how long "
+            "to wait)") from None
     finder.publish(state=dsc.PAIRED, port=0)
     return pair
 
