@@ -79,5 +79,6 @@ setup(
         "prometheus_client>=0.17",
         # finding the peer: DNS-SD over multicast DNS (link/discovery.py)
         "zeroconf>=0.131",
+        "ifaddr>=0.2",  # the interfaces' addresses (zeroconf's own dependency, used directly)
     ],
 )
