@@ -77,5 +77,8 @@ setup(
         "cffi>=1.16",
         # ds4tp serve's GET /metrics (the Prometheus text format)
         "prometheus_client>=0.17",
+        # finding the peer: DNS-SD over multicast DNS (link/discovery.py)
+        "zeroconf>=0.131",
+        "ifaddr>=0.2",  # the interfaces' addresses (zeroconf's own dependency, used directly)
     ],
 )

@@ -14,6 +14,9 @@ noise; `--model demo` builds it once into ~/.cache/mlx_ds4tp):
       python examples/pair_generate.py --model demo --prompt "Hello" --max-tokens 16 \
               --role leader --listen 127.0.0.1 9911; wait
 
+Without --role/--listen/--coordinator the two find each other on --interface (the Thunderbolt
+Bridge's members on a Mac), as `ds4tp run`'s ranks do.
+
 Both ranks join the pair, each loads its half of the model, then the leader
 tokenizes, samples and streams the text while the worker runs the same
 forward passes in lockstep (its gates pair up with the leader's).
@@ -24,6 +27,7 @@ import sys
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.cli.run import add_args as add_run_args, check_args as check_run_args
+from mlx_ds4tp.gate_ops import init_pair
 from mlx_ds4tp.link.identity import model_identity
 from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
 from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
@@ -37,21 +41,25 @@ def main() -> int:
     # The same checks as `ds4tp run`: how this rank joins the pair (link), the model's
     # directory, and what the leader generates (the sampling flags as mlx-lm's options).
     link, model_dir, run = check_run_args(args)
-    leader = link.address.role == "leader"
-
     # The pair: the leader listens, the worker dials. The model's identity (its shape and
     # its weights' fingerprint) rides in the hello, so two different models stop here
-    # instead of after loading.
-    group = tp.init(
-        role=link.address.role,
-        listen=link.address.listen,
-        coordinator=link.address.coordinator,
-        transport=link.transport,
-        rdma_device=link.rdma_device,
-        gid_index=link.gid_index,
-        secret=link.secret,
-        identity=model_identity(model_dir),
-    )
+    # instead of after loading. Without --listen/--coordinator the two ranks find each other
+    # on --interface, as `ds4tp run`'s do (the rank with --prompt leads).
+    identity = model_identity(model_dir)
+    if link.discovery is not None:
+        group = init_pair(link, identity)
+    else:
+        group = tp.init(
+            role=link.address.role,
+            listen=link.address.listen,
+            coordinator=link.address.coordinator,
+            transport=link.transport,
+            rdma_device=link.rdma_device,
+            gid_index=link.gid_index,
+            secret=link.secret,
+            identity=identity,
+        )
+    leader = group.rank() == 0
     with group:
         # Each rank reads only its half of the weights from the safetensors files.
         model, tokenizer = load_split(model_dir, group)

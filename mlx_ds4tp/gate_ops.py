@@ -14,6 +14,7 @@ between this and MLX's own backends is a one-line change.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Optional, Sequence, Tuple
 
@@ -69,7 +70,7 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     if link.transport == MLX:
         _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
-    pair = _connect(link.pair_config(identity))
+    pair = _join(link, identity)
     try:
         group = PairGroup(pair)
     except BaseException:
@@ -94,7 +95,11 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
                          "link=LinkSettings(...) to say how to join again")
     if link.check().transport == MLX:
         raise ValueError("transport='mlx': MLX's own groups cannot be rejoined; relaunch them")
-    pair = _connect(link.pair_config(identity))
+    if link.discovery is not None:
+        # The rank keeps the role its share of the model was loaded for; it finds a new peer.
+        want = "lead" if group.rank() == 0 else "work"
+        link = dataclasses.replace(link, discovery=dataclasses.replace(link.discovery, want=want))
+    pair = _join(link, identity)
     try:
         group.reattach(pair)
     except BaseException:
@@ -109,9 +114,19 @@ _JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional
     weakref.WeakKeyDictionary()
 
 
-def _connect(config: tr.PairConfig):
+def _join(link: LinkSettings, identity: Optional[tr.ModelIdentity]):
+    """The pair as `link` says: at its address, or where discovery finds the peer."""
+    if link.discovery is not None:
+        from .link.meet import meet
+
+        return meet(link, identity or tr.ModelIdentity(), _connect)
+    return _connect(link.resolved(identity))
+
+
+def _connect(config: LinkSettings, **seams):
     # connect() hands out a complete pair: its RDMA queue pair proven, or TCP chosen.
-    return tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library))
+    return tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library),
+                      **seams)
 
 
 def _init_mlx(role: Optional[str]):

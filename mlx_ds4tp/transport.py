@@ -9,7 +9,7 @@ imports only those above it):
 - ``control``: socket helpers, listen / dial / accept, ``ControlChannel``;
 - ``hello``: ``ModelIdentity``, ``Hello``, the checks on it, the transport
   choice, the shared-secret proofs;
-- ``config``: ``PairConfig``, which resolves every ``DS4_TP_*`` knob once, and
+- ``config``: ``LinkSettings``, whose ``resolved()`` reads every ``DS4_TP_*`` knob once, and
   ``pair_address``, the one check of the role/listen/coordinator triple;
 - ``native``: the compiled ``_verbs`` module;
 - ``exchange``: the exchange the MLX backend calls (csrc/exchange.c), from
@@ -43,8 +43,8 @@ from .link.config import (
     DEFAULT_TIMEOUT_SEC,
     MAX_TCP_SPIN_US,
     VERBS_LIBRARY_ENV,
+    LinkSettings,
     PairAddress,
-    PairConfig,
     default_hello_timeout,
     default_tcp_spin_us,
     default_timeout,
@@ -104,7 +104,7 @@ from .link.wire import (
 
 __all__ = [
     # configuration
-    "PairConfig", "PairAddress", "pair_address", "default_timeout", "default_hello_timeout", "tcp_spin_us",
+    "LinkSettings", "PairAddress", "pair_address", "default_timeout", "default_hello_timeout", "tcp_spin_us",
     "default_tcp_spin_us",
     "secret_bytes", "verbs_library", "VERBS_LIBRARY_ENV", "DEFAULT_TIMEOUT_SEC",
     "DEFAULT_HELLO_TIMEOUT_SEC", "MAX_TCP_SPIN_US",

@@ -104,9 +104,9 @@ def main(argv) -> int:
             at(phase)
             block()
 
-        config = tr.PairConfig(role=role, listen=address if leader else None,
-                               coordinator=None if leader else address, transport=transport,
-                               rdma_device=device, identity=identity)
+        config = tr.LinkSettings.of(role, listen=address if leader else None,
+                                    coordinator=None if leader else address, transport=transport,
+                                    rdma_device=device, identity=identity)
         pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library),
                           bring_up=bring_up_to_phase)
         raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")

@@ -13,8 +13,8 @@ from pairutil import both_ok, dial_when_listening, free_port, run_both, swap
 
 
 def configs(port, leader_secret, worker_secret, timeout=5.0):
-    lc = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=timeout, secret=leader_secret)
-    wc = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=timeout,
+    lc = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=timeout, secret=leader_secret)
+    wc = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=timeout,
                        secret=worker_secret)
     return lc, wc
 
@@ -35,9 +35,9 @@ def test_same_secret_connects_and_gates_work(transport):
 
 def test_secret_from_environment(monkeypatch):
     monkeypatch.setenv("DS4_TP_SECRET", "from-env")
-    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).secret == b"from-env"
+    assert tr.LinkSettings.of("leader", listen=("127.0.0.1", 1)).secret == b"from-env"
     monkeypatch.delenv("DS4_TP_SECRET")
-    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).secret is None
+    assert tr.LinkSettings.of("leader", listen=("127.0.0.1", 1)).secret is None
 
 
 def test_wrong_secret_is_refused_and_the_leader_keeps_waiting(capfd):

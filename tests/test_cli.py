@@ -58,9 +58,37 @@ def test_run_check_makes_the_address_and_the_sampling_options_once(model_dir):
     assert link.address == PairAddress("worker", None, ("127.0.0.1", 9911)) and link.address.rank == 1
 
 
+def test_run_and_serve_without_addresses_find_the_peer(model_dir, monkeypatch, tmp_path):
+    """No --listen/--coordinator: the rank finds its peer on --interface; `run --prompt` leads,
+    `run` works, `serve` either (the worker rejoins by default); the stored pair secret is the
+    secret when no --secret or DS4_TP_SECRET is given."""
+    from mlx_ds4tp.cli import run, serve
+    from mlx_ds4tp.link.config import DiscoverySettings
+    from mlx_ds4tp.link.pair_secret import new_code, store_code
+
+    monkeypatch.delenv("DS4_TP_SECRET", raising=False)
+    monkeypatch.setenv("DS4_TP_CONFIG_DIR", str(tmp_path / "cfg"))
+    lead, _, _ = run.check_args(parse("run", "--model", str(model_dir), "--prompt", "hi", "--interface", "lo"))
+    assert lead.discovery == DiscoverySettings(("lo",), "lead") and lead.address == PairAddress(None, None, None)
+    assert lead.secret is None  # nothing stored: loopback needs none
+    code = new_code()
+    store_code(code)
+    work, _, _ = run.check_args(parse("run", "--model", str(model_dir), "--interface", "lo",
+                                      "--interface", "eth9"))
+    assert work.discovery == DiscoverySettings(("lo", "eth9"), "work") and work.secret == code
+    assert run.check_args(parse("run", "--model", str(model_dir), "--interface", "lo",
+                                "--secret", "s"))[0].secret == "s"
+    settings = serve.check_args(parse("serve", "--model", str(model_dir), "--interface", "lo",
+                                      "--port", "8123"))
+    assert settings.link.discovery == DiscoverySettings(("lo",), "any", "http://127.0.0.1:8123/v1")
+    assert settings.rejoin
+
+
 @pytest.mark.parametrize("flags, says", [
-    ((), "give --role leader --listen HOST PORT --prompt TEXT or --role worker --coordinator"),
-    (("--role", "leader", "--prompt", "x"), "--role leader --listen HOST PORT"),
+    ((), "ds4tp run: give --interface NAME, the link to find the other rank on"),
+    (("--role", "leader", "--prompt", "x"), "give --interface NAME"),
+    (("--role", "leader", "--interface", "lo"), "the leader needs --prompt TEXT"),
+    (("--role", "leader", "--interface", "lo", "--transport", "mlx"), "--transport mlx (MLX's own group)"),
     (("--role", "worker", "--listen", "h", "1"), "--role worker --coordinator HOST PORT, without --listen"),
     (("--listen", "h", "1", "--prompt", "x"), "(--role leader|worker)"),
     (("--role", "leader", "--listen", "h", "x", "--prompt", "p"), "--listen h x: PORT must be an integer"),
@@ -180,8 +208,8 @@ def test_served_model_name_defaults_to_a_short_id(served, model_dir, monkeypatch
 
 
 @pytest.mark.parametrize("flags, says", [
-    ((), "ds4tp serve: give --role leader --listen HOST PORT (it serves HTTP on --host/--port)"),
-    (("--role", "worker"), "--role worker --coordinator HOST PORT"),
+    ((), "ds4tp serve: give --interface NAME, the link to find the other rank on"),
+    (("--role", "worker", "--listen", "h", "1"), "--role worker --coordinator HOST PORT"),
     ((*LEADER, "--max-batch", "0"), "ds4tp serve: --max-batch 0 must be >= 1"),
     ((*LEADER, "--prompt-cache-size", "-1"), "--prompt-cache-size -1 must be >= 0"),
     ((*LEADER, "--prefill-step-size", "0"), "--prefill-step-size 0 must be >= 1"),
@@ -255,8 +283,10 @@ def help_of(command: str) -> str:
 def test_help_says_what_role_does():
     for command in ("run", "serve"):
         text = help_of(command)
-        # One rank only: there is no default that runs both ranks.
-        assert "--role {leader,worker} required:" in text, text
+        # One rank only: there is no default that runs both ranks; without addresses it finds
+        # the other one.
+        assert "--role {leader,worker} this process's rank" in text, text
+        assert "--interface NAME without --listen/--coordinator: find the other rank" in text, text
         assert "default: both ranks" not in text, text
     assert "default: both ranks on 127.0.0.1" in help_of("bench")  # true there: it spawns both
     assert "--served-model-name NAME" in help_of("serve") and "'demo' for --model demo" in help_of("serve")
@@ -321,7 +351,8 @@ def test_every_transport_flag_is_the_one_definition():
     assert TRANSPORTS == ("auto", "tcp", "rdma", "mlx")
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     ranks = next(a for a in rank_parser()._actions if a.dest == "kind")
-    parsers = {**sub.choices, "rank gate": ranks.choices["gate"],
+    # every command but `pair` (which makes the secret, no pair) joins one
+    parsers = {**{n: p for n, p in sub.choices.items() if n != "pair"}, "rank gate": ranks.choices["gate"],
                "rank shard-model": ranks.choices["shard-model"], "rank run": ranks.choices["run"]}
     for name, parser in parsers.items():
         choices = tuple(_option(parser, "--transport").choices)

@@ -162,9 +162,9 @@ def test_hello_carries_the_summary(models):
 
 def connect_both(leader_fp, worker_fp, timeout=10.0):
     port = free_port()
-    lc = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=timeout,
+    lc = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=timeout,
                        identity=tr.ModelIdentity(layers=2, fingerprint=leader_fp))
-    wc = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=timeout,
+    wc = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=timeout,
                        identity=tr.ModelIdentity(layers=2, fingerprint=worker_fp))
     return run_both(lambda: tr.connect(lc), lambda: tr.connect(wc), timeout=30)
 

@@ -802,8 +802,8 @@ def test_leader_drops_strangers_and_keeps_waiting(capfd):
     short hello timeout, and the real worker then joins."""
     hello_timeout = 0.5
     port = free_port()
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=60.0, hello_timeout=hello_timeout)
-    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=60.0)
+    cfg = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=60.0, hello_timeout=hello_timeout)
+    wcfg = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=60.0)
     hello = frame(F.HELLO, valid_hello().pack())
     strangers = [
         ("scanner", b"", False, False),
@@ -857,8 +857,8 @@ def test_half_hello_then_silence_holds_the_leader_only_for_the_hello_timeout(cap
     (much longer) connect timeout."""
     hello_timeout = 1.0
     port = free_port()
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=60.0, hello_timeout=hello_timeout)
-    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=60.0)
+    cfg = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=60.0, hello_timeout=hello_timeout)
+    wcfg = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=60.0)
     hello = frame(F.HELLO, valid_hello().pack())
     result = {}
     squatter_in = threading.Event()
@@ -892,9 +892,9 @@ def test_half_hello_then_silence_holds_the_leader_only_for_the_hello_timeout(cap
 
 def test_default_hello_timeout_is_short(monkeypatch):
     monkeypatch.delenv("DS4_TP_HELLO_TIMEOUT_SEC", raising=False)
-    assert 0 < tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).hello_timeout <= 10.0
+    assert 0 < tr.LinkSettings.of("leader", listen=("127.0.0.1", 1)).hello_timeout <= 10.0
     monkeypatch.setenv("DS4_TP_HELLO_TIMEOUT_SEC", "0.25")
-    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).hello_timeout == 0.25
+    assert tr.LinkSettings.of("leader", listen=("127.0.0.1", 1)).hello_timeout == 0.25
     monkeypatch.setenv("DS4_TP_HELLO_TIMEOUT_SEC", "never")
     with pytest.raises(ValueError, match="DS4_TP_HELLO_TIMEOUT_SEC='never' is not a number"):
-        tr.PairConfig(role="leader", listen=("127.0.0.1", 1))
+        tr.LinkSettings.of("leader", listen=("127.0.0.1", 1))

@@ -4,7 +4,7 @@ engine, behaving as Apple's Thunderbolt RDMA device (UC only, 16 KiB
 messages, rdma_enN names, the IPv4-mapped GID at index 1, a post past 63
 outstanding refused with -ENOMEM, DS4_TP_UCSIM_FAULTS).
 
-The provider is pointed at the fake with DS4_TP_VERBS_LIBRARY (PairConfig
+The provider is pointed at the fake with DS4_TP_VERBS_LIBRARY (LinkSettings.resolved()
 passes it to lib.tp_set_verbs_library before every probe and open; the tests
 of the bare C API call that directly); the fake reads its own configuration
 from DS4_TP_FAKE_IBV_* (see fake_ibverbs.c).

@@ -221,8 +221,8 @@ def test_transport_choice():
 
 def _connect_both(leader_kw, worker_kw, timeout=5.0):
     port = free_port()
-    lc = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=timeout, **leader_kw)
-    wc = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=timeout, **worker_kw)
+    lc = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=timeout, **leader_kw)
+    wc = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=timeout, **worker_kw)
     return run_both(lambda: tr.connect(lc), lambda: tr.connect(wc), timeout=30)
 
 
@@ -248,7 +248,7 @@ def test_both_claim_leader():
         finally:
             sock.close()
 
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=5.0)
+    cfg = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=5.0)
     (lp, le), (wv, we) = run_both(lambda: tr.connect(cfg), fake_worker)
     assert isinstance(le, HelloMismatchError) and "both sides claim role leader" in str(le)
     assert isinstance(we, TransportError) and "both sides claim role leader" in str(we)
@@ -256,8 +256,8 @@ def test_both_claim_leader():
 
 def test_leader_drops_garbage_connections_and_keeps_waiting():
     port = free_port()
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
-    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+    cfg = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=10.0)
+    wcfg = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=10.0)
 
     def scanners_then_worker():
         for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"", b"\x00" * 64):
@@ -274,8 +274,8 @@ def test_leader_drops_garbage_connections_and_keeps_waiting():
 
 def test_worker_retries_until_leader_appears():
     port = free_port()
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
-    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+    cfg = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=10.0)
+    wcfg = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=10.0)
     lp, wp = both_ok(lambda: (time.sleep(1.0), tr.connect(cfg))[1], lambda: tr.connect(wcfg))
     lp.close()
     wp.close()
@@ -287,8 +287,8 @@ def test_first_dial_retries_are_quiet_and_a_long_wait_says_one_calm_line(capfd, 
     from mlx_ds4tp.link import control
 
     port = free_port()
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
-    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+    cfg = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=10.0)
+    wcfg = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=10.0)
     lp, wp = both_ok(lambda: (time.sleep(1.0), tr.connect(cfg))[1], lambda: tr.connect(wcfg))
     lp.close()
     wp.close()
@@ -329,7 +329,7 @@ def test_rdma_advice_is_for_this_platform_and_said_once_per_process(capfd, monke
 
 def test_worker_gives_up_after_timeout():
     port = free_port()
-    wcfg = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=0.5)
+    wcfg = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(TransportTimeoutError, match=f"127.0.0.1:{port}"):
         tr.connect(wcfg)
@@ -337,7 +337,7 @@ def test_worker_gives_up_after_timeout():
 
 
 def test_leader_gives_up_after_timeout():
-    cfg = tr.PairConfig(role="leader", listen=("127.0.0.1", free_port()), timeout=0.5)
+    cfg = tr.LinkSettings.of("leader", listen=("127.0.0.1", free_port()), timeout=0.5)
     with pytest.raises(TransportTimeoutError, match="no worker connected"):
         tr.connect(cfg)
 
@@ -354,7 +354,7 @@ def test_leader_gives_up_after_timeout():
 )
 def test_bad_config_is_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        tr.PairConfig(**kwargs)
+        tr.LinkSettings.of(**kwargs)
 
 
 def test_pair_address_checks_the_triple_once():
@@ -654,8 +654,8 @@ def test_stranger_between_hello_and_data_connection_is_dropped(capfd):
                 stranger.close()
         return real_dial(host, p, deadline, what)
 
-    lc = tr.PairConfig(role="leader", listen=("127.0.0.1", port), timeout=10.0)
-    wc = tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), timeout=10.0)
+    lc = tr.LinkSettings.of("leader", listen=("127.0.0.1", port), timeout=10.0)
+    wc = tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), timeout=10.0)
     lp, wp = both_ok(lambda: tr.connect(lc), lambda: tr.connect(wc, dial=dial_with_a_stranger_first))
     lg, wg = groups_of(lp, wp)
     a, b = np.ones(16, np.float32), np.full(16, 2.0, np.float32)
@@ -755,20 +755,20 @@ def test_polling_is_capped_so_a_silent_peer_is_still_reported_in_time():
 def test_bad_tcp_spin_env_is_refused_before_connecting(monkeypatch, raw, why):
     monkeypatch.setenv("DS4_TP_TCP_SPIN_US", raw)
     with pytest.raises(ValueError, match=rf"DS4_TP_TCP_SPIN_US='{raw}' is {why}"):
-        tr.PairConfig(role="leader", listen=("127.0.0.1", 1))
+        tr.LinkSettings.of("leader", listen=("127.0.0.1", 1))
 
 
 @pytest.mark.parametrize("bad", [-1, 1_000_001, 2.5, True, "100"])
 def test_bad_tcp_spin_argument_is_refused(bad):
     with pytest.raises(ValueError, match=r"tcp_spin_us=.*give 0 \(never poll\) to 1000000"):
-        tr.PairConfig(role="leader", listen=("127.0.0.1", 1), tcp_spin_us=bad)
+        tr.LinkSettings.of("leader", listen=("127.0.0.1", 1), tcp_spin_us=bad)
 
 
 def test_tcp_spin_env_and_default(monkeypatch):
     monkeypatch.setenv("DS4_TP_TCP_SPIN_US", "250")
-    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == 250
+    assert tr.LinkSettings.of("leader", listen=("127.0.0.1", 1)).tcp_spin_us == 250
     monkeypatch.delenv("DS4_TP_TCP_SPIN_US")
     assert tr.tcp_spin_us({}, cpu_count=1) == tr.default_tcp_spin_us(1) == 0
     assert tr.tcp_spin_us({}, cpu_count=8) == tr.default_tcp_spin_us(8) == 5000
     assert tr.tcp_spin_us({}, cpu_count=2) == tr.default_tcp_spin_us(2) == 200
-    assert tr.PairConfig(role="leader", listen=("127.0.0.1", 1)).tcp_spin_us == tr.tcp_spin_us({})
+    assert tr.LinkSettings.of("leader", listen=("127.0.0.1", 1)).tcp_spin_us == tr.tcp_spin_us({})

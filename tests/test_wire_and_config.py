@@ -1,5 +1,5 @@
 """The wire format's one home (_wire.py, its table true to the code), every
-DS4_TP_* knob resolved once by PairConfig (made from the user's LinkSettings), and connect() handing out a
+DS4_TP_* knob resolved once by LinkSettings.resolved(), and connect() handing out a
 complete pair (its RDMA gates brought up, or TCP chosen)."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ KNOBS = ("DS4_TP_UCSIM_FAULTS", "DS4_TP_RDMA_NO_IMM", "DS4_TP_DISABLE_RDMA_WARMU
          "DS4_TP_TIMEOUT_SEC", "DS4_TP_TCP_SPIN_US", "DS4_TP_SECRET", "DS4_TP_VERBS_LIBRARY")
 
 
-def leader_config(**kw) -> tr.PairConfig:
-    return tr.PairConfig(role="leader", listen=("127.0.0.1", 1), **kw)
+def leader_config(**kw) -> tr.LinkSettings:
+    return tr.LinkSettings.of("leader", listen=("127.0.0.1", 1), **kw)
 
 
 # ============================================================================
@@ -86,7 +86,7 @@ def test_every_exception_is_defined_in_errors_and_exported():
 
 
 # ============================================================================
-# PairConfig: every knob once
+# LinkSettings.resolved(): every knob once
 # ============================================================================
 
 
@@ -174,18 +174,18 @@ def test_bad_link_settings_are_named(kw, message):
         link.check()
 
 
-def test_link_settings_make_the_pair_config(monkeypatch):
+def test_link_settings_resolve_for_the_pair(monkeypatch):
     monkeypatch.setenv("DS4_TP_TIMEOUT_SEC", "9")
     link = LinkSettings(LEADER_AT, "tcp", gid_index=1, secret="s", tcp_spin_us=0).check()
     identity = tr.ModelIdentity(layers=3)
-    config = link.pair_config(identity)
+    config = link.resolved(identity)
     assert (config.role, config.listen, config.coordinator) == ("leader", ("127.0.0.1", 9911), None)
     assert (config.transport, config.gid_index, config.secret, config.tcp_spin_us) == ("tcp", 1, b"s", 0)
     assert config.timeout == 9.0 and config.identity is identity  # None: the environment's
-    assert LinkSettings(LEADER_AT, timeout=2.5).pair_config().timeout == 2.5
+    assert LinkSettings(LEADER_AT, timeout=2.5).resolved().timeout == 2.5
     mlx = LinkSettings(tr.PairAddress(None, None, None), "mlx").check()  # MLX's rank decides
     with pytest.raises(ValueError, match="transport='mlx' is MLX's own group, not a pair"):
-        mlx.pair_config()
+        mlx.resolved()
 
 
 # ============================================================================
@@ -199,9 +199,9 @@ def connected_pairs(transport: str, bring_up=None):
     probe = (lambda: tr.rdma_probe("ucsim", "")) if transport in ("rdma", "auto") else None
     seam = {} if bring_up is None else {"bring_up": bring_up}
     return both_ok(
-        lambda: tr.connect(tr.PairConfig(role="leader", listen=("127.0.0.1", port),
+        lambda: tr.connect(tr.LinkSettings.of("leader", listen=("127.0.0.1", port),
                                          rdma_device="ucsim", **kw), rdma_probe=probe, **seam),
-        lambda: tr.connect(tr.PairConfig(role="worker", coordinator=("127.0.0.1", port),
+        lambda: tr.connect(tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port),
                                          rdma_device="ucsim", **kw), rdma_probe=probe, **seam),
     )
 
@@ -251,9 +251,9 @@ def test_a_bring_up_that_fails_hard_closes_both_connections():
     kw = {"transport": "rdma", "timeout": 10.0, "rdma_device": "ucsim"}
     probe = lambda: tr.rdma_probe("ucsim", "")  # noqa: E731
     (lv, le), (wv, we) = run_both(
-        lambda: tr.connect(tr.PairConfig(role="leader", listen=("127.0.0.1", port), **kw),
+        lambda: tr.connect(tr.LinkSettings.of("leader", listen=("127.0.0.1", port), **kw),
                            rdma_probe=probe, bring_up=bring_up_raises),
-        lambda: tr.connect(tr.PairConfig(role="worker", coordinator=("127.0.0.1", port), **kw),
+        lambda: tr.connect(tr.LinkSettings.of("worker", coordinator=("127.0.0.1", port), **kw),
                            rdma_probe=probe, bring_up=bring_up_raises),
     )
     assert lv is None and wv is None

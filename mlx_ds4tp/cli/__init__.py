@@ -18,7 +18,8 @@ from .. import transport as tr
 from ..base.log import log
 
 # Command name -> module (mlx_ds4tp.cli.<module>), in the order `ds4tp --help` lists them.
-COMMANDS = {"run": "run", "serve": "serve", "demo": "demo", "bench": "bench", "doctor": "doctor"}
+COMMANDS = {"run": "run", "serve": "serve", "pair": "pair", "demo": "demo", "bench": "bench",
+            "doctor": "doctor"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,7 +90,7 @@ def check_verbs() -> List[Tuple[str, str]]:
     built_with = bool(lib.tp_built_with_ibverbs())
     out.append(_line(OK, "C module", "mlx_ds4tp._verbs is built" + (
         "" if built_with else " (ucsim only: without the ibverbs provider)")))
-    # Resolved once here and passed to every probe, as PairConfig does for a pair.
+    # Resolved once here and passed to every probe, as LinkSettings.resolved() does for a pair.
     library = tr.verbs_library()
     if library:
         out.append(_line(OK, "verbs library", f"{library} (from {tr.VERBS_LIBRARY_ENV})"))

@@ -1,14 +1,24 @@
 """The flags that say how this process joins the pair, defined here once for every command that
 takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
---listen/--coordinator, --transport, --rdma-device, --rdma-gid-index and --secret; and their one
-check, which turns them into a PairAddress and a LinkSettings."""
+--listen/--coordinator, --interface, --transport, --rdma-device, --rdma-gid-index and --secret;
+and their one check, which turns them into a PairAddress and a LinkSettings (with
+DiscoverySettings when the rank finds its peer itself)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Optional, Sequence, Tuple
 
-from ..link.config import MLX, TRANSPORTS, LinkSettings, PairAddress, pair_address
+from ..link.config import (
+    MLX,
+    SECRET_ENV,
+    TRANSPORTS,
+    DiscoverySettings,
+    LinkSettings,
+    PairAddress,
+    pair_address,
+)
 
 TRANSPORT_HELP = ("gates over 'rdma' (error if either machine lacks a device), 'tcp', 'auto': "
                   "RDMA when both ranks have a usable device, else TCP (default auto), or 'mlx': "
@@ -28,6 +38,14 @@ def add_pair_args(p: argparse.ArgumentParser, role_help: str) -> None:
                    help="leader: the address it listens on for the worker (e.g. 10.99.0.1 9911)")
     p.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"),
                    help="worker: the leader's --listen address")
+
+
+def add_interface_arg(p: argparse.ArgumentParser) -> None:
+    """--interface, for the commands that find their peer by themselves."""
+    p.add_argument("--interface", action="append", default=None, metavar="NAME",
+                   help="without --listen/--coordinator: find the other rank by multicast DNS on "
+                        "this interface (repeat for several; default on a Mac: the members of the "
+                        "Thunderbolt Bridge; required on Linux; lo for both ranks on this machine)")
 
 
 def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPORT_HELP,
@@ -53,12 +71,22 @@ def refuse_mlx(args: argparse.Namespace, command: str, why: str) -> None:
 
 
 def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
-                   transport: Optional[str] = None) -> LinkSettings:
+                   transport: Optional[str] = None,
+                   discovery: Optional[DiscoverySettings] = None) -> LinkSettings:
     """The checked LinkSettings of add_transport_args' flags for this rank's `address`
-    (`transport`: what the command made of its own --transport value); a bad value exits
-    naming it and the fix."""
+    (`transport`: what the command made of its own --transport value; `discovery`: how it finds
+    its peer, when it does); a bad value exits naming it and the fix. A discovering rank without
+    --secret or DS4_TP_SECRET proves the secret `ds4tp pair` stored."""
+    secret = args.secret
+    if discovery is not None and secret is None and not os.environ.get(SECRET_ENV):
+        from ..link.pair_secret import stored_code
+
+        try:
+            secret = stored_code()
+        except ValueError as exc:
+            raise SystemExit(f"ds4tp {command}: {exc}") from None
     link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
-                        gid_index=args.rdma_gid_index, secret=args.secret)
+                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery)
     try:
         return link.check()
     except ValueError as exc:
@@ -89,6 +117,26 @@ def address_from_args(args: argparse.Namespace, command: str) -> Optional[PairAd
         return pair_address(args.role, listen, coordinator)
     except ValueError as exc:
         raise SystemExit(f"ds4tp {command}: {exc}") from None
+
+
+def discovering(args: argparse.Namespace) -> bool:
+    """Whether this rank finds its peer itself: neither --listen nor --coordinator given."""
+    return args.listen is None and args.coordinator is None
+
+
+def discovery_from_args(args: argparse.Namespace, command: str, want: str,
+                        http_url: str = "") -> DiscoverySettings:
+    """The interfaces to look on (--interface, else the Thunderbolt Bridge's members on a Mac)
+    and what this rank wants to be; exits saying what to give when there is no interface."""
+    from ..link.discovery import thunderbolt_members
+
+    names = tuple(args.interface or ()) or tuple(thunderbolt_members())
+    if not names:
+        raise SystemExit(f"ds4tp {command}: give --interface NAME, the link to find the other rank "
+                         "on (e.g. the Thunderbolt interface, or lo for both ranks on this machine; "
+                         "on a Mac the Thunderbolt Bridge's members are the default, and there are "
+                         "none: enable Thunderbolt Bridge), or --role with --listen/--coordinator")
+    return DiscoverySettings(names, want, http_url)
 
 
 def one_rank_address(args: argparse.Namespace, command: str, what: str) -> PairAddress:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import argparse
 from typing import Tuple
 
-from ..link.config import LinkSettings
+from ..link.config import LinkSettings, PairAddress
 from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, model_path
 from .pair_args import (
     LOCKSTEP_NEEDS_PAIR,
+    add_interface_arg,
     add_pair_args,
     add_transport_args,
     check_at_least,
+    discovering,
+    discovery_from_args,
     link_from_args,
     one_rank_address,
     refuse_mlx,
@@ -24,8 +27,9 @@ from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
 HELP = "one rank of a two-machine generation"
-ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen, --prompt; prints the "
-             "text) or 'worker' (rank 1: --coordinator); run the other rank on the other machine")
+ROLE_HELP = ("this process's rank, 'leader' (rank 0: --prompt; prints the text) or 'worker' "
+             "(rank 1); without --listen/--coordinator the rank with --prompt leads and the other "
+             "finds it (--interface); run the other rank on the other machine")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -43,14 +47,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as raw text (default: the model's chat template, when it has one)")
     add_draft_args(p, "the pair verifies its drafts in one forward a round")
     add_pair_args(p, ROLE_HELP)
+    add_interface_arg(p)
 
 
 def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings]:
     """The flags of one `ds4tp run` rank checked once and resolved: the rank's link settings,
     the model's directory and what the leader generates. Bad flags exit naming the flag."""
-    address = one_rank_address(args, "run", " --prompt TEXT")
+    discovery = None
+    if discovering(args):
+        # The rank with the prompt leads; the other works for the first such leader it finds.
+        want = "lead" if args.role == "leader" or (args.prompt and args.role != "worker") else "work"
+        discovery = discovery_from_args(args, "run", want)
+        address = PairAddress(args.role, None, None)
+    else:
+        address = one_rank_address(args, "run", " --prompt TEXT")
     refuse_mlx(args, "run", LOCKSTEP_NEEDS_PAIR)
-    if address.role == "leader" and not args.prompt:
+    if (address.role == "leader" or (discovery and discovery.want == "lead")) and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
     check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))
     check_draft_args("run", args)
@@ -58,7 +70,7 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     if (args.draft_model or args.prompt_lookup) and sampling.processed:
         raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
                          "--repetition-penalty here: leave it out")
-    link = link_from_args(args, address, "run")
+    link = link_from_args(args, address, "run", discovery=discovery)
     draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
     settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
                            chat=not args.no_chat_template, sampling=sampling,

@@ -1,6 +1,8 @@
 """`ds4tp serve`: an OpenAI-compatible HTTP server on the pair. The leader serves HTTP on
 --host/--port and drives the generation; the worker runs the same forward passes. Each machine
-runs its own rank; on one machine, run both on 127.0.0.1 (Ctrl-C on the leader stops both):
+runs its own rank; the two find each other on the Thunderbolt link (--interface), the first
+to wait for a worker leads, and the worker prints the leader's URL. Scripts may name the roles
+and addresses instead; on one machine, both on 127.0.0.1 (Ctrl-C on the leader stops both):
 
     ds4tp serve --model demo --role worker --coordinator 127.0.0.1 9911 &
     ds4tp serve --model demo --role leader --listen 127.0.0.1 9911
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..link.config import PairAddress
 from ..link.wire import MAX_PREFILL_ROWS, MAX_VERIFY_WIDTH
 from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings
@@ -19,9 +22,12 @@ from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, default_served_name, model_path
 from .pair_args import (
     LOCKSTEP_NEEDS_PAIR,
+    add_interface_arg,
     add_pair_args,
     add_transport_args,
     check_at_least,
+    discovering,
+    discovery_from_args,
     link_from_args,
     one_rank_address,
     refuse_mlx,
@@ -30,9 +36,9 @@ from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
 HELP = "an OpenAI-compatible HTTP server on the pair"
-ROLE_HELP = ("required: this process's rank, 'leader' (rank 0: --listen; serves HTTP on "
-             "--host/--port) or 'worker' (rank 1: --coordinator); run both, one per machine or "
-             "both on 127.0.0.1")
+ROLE_HELP = ("this process's rank, 'leader' (rank 0; serves HTTP on --host/--port) or 'worker' "
+             "(rank 1); without --listen/--coordinator the two find each other (--interface) and "
+             "the first to wait for a worker leads, unless --role says")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -101,6 +107,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_split_arg(p)
     add_sampling_args(p)
     add_pair_args(p, ROLE_HELP)
+    add_interface_arg(p)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
                 "Both ranks take the same --model.")
 
@@ -131,12 +138,18 @@ def main(args: argparse.Namespace) -> int:
 def check_args(args: argparse.Namespace) -> ServeSettings:
     """The flags of one `ds4tp serve` rank checked once, as the settings it runs with; bad
     flags exit naming the flag."""
-    address = one_rank_address(args, "serve", " (it serves HTTP on --host/--port)")
+    discovery = None
+    if discovering(args):
+        want = {"leader": "lead", "worker": "work", None: "any"}[args.role]
+        discovery = discovery_from_args(args, "serve", want, f"http://{args.host}:{args.port}/v1")
+        address = PairAddress(args.role, None, None)
+    else:
+        address = one_rank_address(args, "serve", " (it serves HTTP on --host/--port)")
     refuse_mlx(args, "serve", LOCKSTEP_NEEDS_PAIR)
-    link = link_from_args(args, address, "serve")
+    link = link_from_args(args, address, "serve", discovery=discovery)
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0)))
-    if args.rejoin and address.role != "worker":
+    if args.rejoin and address.role != "worker" and discovery is None:
         raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
                          "takes a restarted worker back")
     if args.port > 65535:
@@ -152,7 +165,8 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
                          prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
     http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling)
     return ServeSettings(link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
-                         rejoin=args.rejoin, split=split_from_args(args, "serve"))
+                         rejoin=args.rejoin or (discovery is not None and address.role != "leader"),
+                         split=split_from_args(args, "serve"))
 
 
 def _limits(args: argparse.Namespace) -> ServeLimits:

@@ -139,7 +139,7 @@ void tp_set_fds(tp_dev *dev, int control_fd, int barrier_fd);
 
 /* no_imm 1: hot-path messages go out untagged (plain SEND, no sequence tag;
  * see "Sequence tags" below), for a driver that mangles immediate data.
- * Python sets it from PairConfig (DS4_TP_RDMA_NO_IMM). Logged once. */
+ * Python sets it from LinkSettings (DS4_TP_RDMA_NO_IMM). Logged once. */
 void tp_set_no_imm(tp_dev *dev, int no_imm);
 
 /* Extra memory registrations: tp_gate / tp_bulk send straight out of (and

@@ -1,7 +1,6 @@
 """How this rank joins the pair: ``LinkSettings``, as the user gives it (tp.init's keywords,
-the command line's flags, made once in cli/), and ``PairConfig``, what the link layer runs
-on: the same with every ``DS4_TP_*`` knob resolved once, at construction, and passed down
-explicitly from here (``LinkSettings.pair_config`` makes one from the other).
+the command line's flags, made once in cli/), and, once ``resolved()``, what the link layer
+runs on: the same with every ``DS4_TP_*`` knob resolved once and passed down explicitly.
 
 A field left as None takes its environment variable, else its default; a
 field given a value ignores the environment. A bad value (argument or
@@ -190,12 +189,48 @@ TRANSPORTS = (*TRANSPORT_CODES, MLX)
 
 
 @dataclasses.dataclass(frozen=True)
+class DiscoverySettings:
+    """How a rank finds its peer by itself (link/meet.py): on these interfaces (names), wanting
+    to lead ("lead": `run --prompt`, --role leader), to work ("work": `run` without a prompt,
+    --role worker, a worker rejoining) or either ("any": `serve`); http_url: what a serving
+    leader tells its worker to print."""
+
+    interfaces: Tuple[str, ...]
+    want: str = "any"
+    http_url: str = ""
+
+    def check(self) -> "DiscoverySettings":
+        if not self.interfaces or not all(isinstance(n, str) and n for n in self.interfaces):
+            raise ValueError(f"interfaces={self.interfaces!r}: name at least one interface "
+                             "(--interface NAME, e.g. en1, or lo for both ranks on this machine)")
+        if self.want not in ("lead", "work", "any"):
+            raise ValueError(f"want={self.want!r}: use 'lead', 'work' or 'any'")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
 class LinkSettings:
-    """How this rank joins the pair, as a user gives it (tp.init's keywords, the command line's
-    --transport/--rdma-device/--rdma-gid-index/--secret): None takes the DS4_TP_* variable or
-    the default when the link is made (pair_config). check() refuses a bad value by name.
-    With transport "mlx" only address.role counts (None: MLX's rank decides). figures: what
-    this rank measured at start (split.measure), carried by its hello for `--split auto`."""
+    """How this rank joins the pair: made once, from tp.init's keywords or the command line's
+    --transport/--rdma-device/--rdma-gid-index/--secret (in cli/), and what the link layer runs
+    on once resolved(). A field left as None takes its DS4_TP_* variable, else its default, when
+    resolved() makes the pair's copy; a field given a value ignores the environment. check()
+    refuses a bad value by name. With transport "mlx" only address.role counts (None: MLX's
+    rank decides).
+
+    address: role and listen/coordinator (pair_address). transport: "auto" (RDMA when both have
+    it, else TCP), "tcp", "rdma" or "mlx". timeout: connect and gate waits (DS4_TP_TIMEOUT_SEC,
+    300 s). hello_timeout: the leader's wait for a fresh connection's hello
+    (DS4_TP_HELLO_TIMEOUT_SEC, 10 s). secret: both ranks prove they hold it (DS4_TP_SECRET;
+    bytes once resolved). tcp_spin_us: TCP gate polling (DS4_TP_TCP_SPIN_US). ucsim_faults:
+    faults of the emulated device (DS4_TP_UCSIM_FAULTS). rdma_no_imm: RDMA gates without the
+    immediate-data tag (DS4_TP_RDMA_NO_IMM). disable_warmup: skip the RDMA warm-up
+    (DS4_TP_DISABLE_RDMA_WARMUP). verbs_library: the library the ibverbs provider loads ("" =
+    the system one; DS4_TP_VERBS_LIBRARY). figures: what this rank measured at start
+    (split.measure), carried by its hello for `--split auto`. identity: the model the hello
+    checks (resolved(identity) sets it). (The bring-up's test-only switches are seams in
+    link/bringup.py, not fields.)
+    discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator.
+    """
 
     address: PairAddress
     transport: str = "auto"
@@ -205,6 +240,35 @@ class LinkSettings:
     timeout: Optional[float] = None
     tcp_spin_us: Optional[int] = None
     figures: RankFigures = RankFigures()
+    identity: ModelIdentity = ModelIdentity()
+    hello_timeout: Optional[float] = None
+    ucsim_faults: Optional[str] = None
+    rdma_no_imm: Optional[bool] = None
+    disable_warmup: Optional[bool] = None
+    verbs_library: Optional[str] = None
+    discovery: Optional[DiscoverySettings] = None
+
+    @classmethod
+    def of(cls, role: Optional[str], listen=None, coordinator=None, **fields) -> "LinkSettings":
+        """The resolved settings of a pair rank given as role/listen/coordinator and fields."""
+        return cls(pair_address(role, listen, coordinator), **fields).resolved()
+
+    @property
+    def role(self) -> Optional[str]:
+        return self.address.role
+
+    @property
+    def listen(self) -> Optional[Tuple[str, int]]:
+        return self.address.listen
+
+    @property
+    def coordinator(self) -> Optional[Tuple[str, int]]:
+        return self.address.coordinator
+
+    @property
+    def rank(self) -> int:
+        """0 for the leader, 1 for the worker."""
+        return self.address.rank
 
     def check(self) -> "LinkSettings":
         """self, once every field is one a pair can be made with; else a ValueError naming the
@@ -215,7 +279,12 @@ class LinkSettings:
         if not isinstance(self.address, PairAddress):
             raise ValueError(f"address={self.address!r}: make it with pair_address(role, listen, "
                              "coordinator)")
-        if self.transport == MLX:
+        if self.discovery is not None:
+            self.discovery.check()
+            if self.transport == MLX or self.address.listen or self.address.coordinator:
+                raise ValueError("discovery finds the peer itself: give no listen/coordinator and "
+                                 "not transport 'mlx' (--listen/--coordinator are for scripts)")
+        if self.transport == MLX or self.discovery is not None:
             if self.address.role not in (None, "leader", "worker"):
                 raise ValueError(f"role={self.address.role!r}: use 'leader' (rank 0), 'worker' "
                                  "(rank 1), or None to take MLX's rank (--role leader|worker)")
@@ -227,20 +296,43 @@ class LinkSettings:
         check_gid_index(self.gid_index)
         if self.timeout is not None:
             _positive(self.timeout, "timeout", None)
+        if self.hello_timeout is not None:
+            _positive(self.hello_timeout, "hello_timeout", None)
         check_tcp_spin_us(self.tcp_spin_us)
         secret_bytes(self.secret, {})
+        if self.verbs_library is not None and not isinstance(self.verbs_library, str):
+            raise ValueError(
+                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
+                f"library, or None for {VERBS_LIBRARY_ENV}"
+            )
         return self
 
-    def pair_config(self, identity: Optional[ModelIdentity] = None) -> "PairConfig":
-        """The pair's configuration: these settings with every DS4_TP_* knob resolved."""
+    def resolved(self, identity: Optional[ModelIdentity] = None) -> "LinkSettings":
+        """What the pair runs on: these settings checked, with every DS4_TP_* knob resolved
+        once (here, and passed down explicitly from here), the secret as bytes, and the model
+        `identity` the hello checks (None: keep this one's)."""
+        self.check()
         if self.transport == MLX:
             raise ValueError("transport='mlx' is MLX's own group, not a pair: it has no pair "
                              "configuration (mx.distributed.init makes it)")
-        return PairConfig(role=self.address.role, listen=self.address.listen,
-                          coordinator=self.address.coordinator, transport=self.transport,
-                          rdma_device=self.rdma_device, gid_index=self.gid_index,
-                          timeout=self.timeout, identity=identity or ModelIdentity(),
-                          secret=self.secret, tcp_spin_us=self.tcp_spin_us, figures=self.figures)
+        if self.discovery is not None:
+            raise ValueError("discovering settings have no address yet: link.meet finds the peer, "
+                             "then resolves the settings with its address")
+        env = os.environ
+        return dataclasses.replace(
+            self,
+            identity=self.identity if identity is None else identity,
+            secret=secret_bytes(self.secret, env),
+            timeout=_positive(self.timeout, "timeout", lambda: default_timeout(env)),
+            hello_timeout=_positive(self.hello_timeout, "hello_timeout",
+                                    lambda: default_hello_timeout(env)),
+            tcp_spin_us=tcp_spin_us(env) if self.tcp_spin_us is None else self.tcp_spin_us,
+            ucsim_faults=env.get(UCSIM_FAULTS_ENV, "") if self.ucsim_faults is None else self.ucsim_faults,
+            rdma_no_imm=_switch(env, RDMA_NO_IMM_ENV) if self.rdma_no_imm is None else self.rdma_no_imm,
+            disable_warmup=(_switch(env, DISABLE_WARMUP_ENV) if self.disable_warmup is None
+                            else self.disable_warmup),
+            verbs_library=verbs_library(env) if self.verbs_library is None else self.verbs_library,
+        )
 
 
 def check_gid_index(gid_index: Optional[int]) -> None:
@@ -259,76 +351,6 @@ def check_tcp_spin_us(value: Optional[int]) -> None:
             f"tcp_spin_us={value!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
             f"microseconds, or None for DS4_TP_TCP_SPIN_US / the default"
         )
-
-
-@dataclasses.dataclass
-class PairConfig:
-    """How this rank joins the pair; every None field is resolved from its
-    ``DS4_TP_*`` variable (or the default) when the config is made.
-
-    role: "leader" (rank 0, needs listen=(host, port)) or "worker" (rank 1,
-    needs coordinator=(host, port)). transport: "auto", "tcp" or "rdma".
-    timeout: connect and gate waits (DS4_TP_TIMEOUT_SEC, 300 s). hello_timeout:
-    the leader's wait for a fresh connection's hello (DS4_TP_HELLO_TIMEOUT_SEC,
-    10 s). secret: both ranks prove they hold it (DS4_TP_SECRET). tcp_spin_us:
-    TCP gate polling (DS4_TP_TCP_SPIN_US). ucsim_faults: faults of the emulated
-    device (DS4_TP_UCSIM_FAULTS). rdma_no_imm: RDMA gates without the
-    immediate-data tag (DS4_TP_RDMA_NO_IMM). disable_warmup: skip the RDMA
-    warm-up (DS4_TP_DISABLE_RDMA_WARMUP). verbs_library: the library the
-    ibverbs provider loads ("" = the system one; DS4_TP_VERBS_LIBRARY). figures: what the
-    hello reports this rank measured (LinkSettings.figures).
-    (The bring-up's test-only switches are seams in link/bringup.py, not fields.)
-    """
-
-    role: str
-    listen: Optional[Tuple[str, int]] = None
-    coordinator: Optional[Tuple[str, int]] = None
-    transport: str = "auto"
-    rdma_device: Optional[str] = None
-    gid_index: Optional[int] = None
-    timeout: Optional[float] = None
-    identity: ModelIdentity = dataclasses.field(default_factory=ModelIdentity)
-    secret: Optional[bytes] = None
-    tcp_spin_us: Optional[int] = None
-    hello_timeout: Optional[float] = None
-    ucsim_faults: Optional[str] = None
-    rdma_no_imm: Optional[bool] = None
-    disable_warmup: Optional[bool] = None
-    verbs_library: Optional[str] = None
-    figures: RankFigures = RankFigures()
-
-    def __post_init__(self) -> None:
-        env = os.environ
-        self.secret = secret_bytes(self.secret, env)
-        address = pair_address(self.role, self.listen, self.coordinator)
-        self.listen, self.coordinator = address.listen, address.coordinator
-        if self.transport not in TRANSPORT_CODES:
-            raise ValueError(f"transport={self.transport!r}: a pair takes 'auto', 'tcp' or 'rdma'")
-        self.timeout = _positive(self.timeout, "timeout", lambda: default_timeout(env))
-        self.hello_timeout = _positive(self.hello_timeout, "hello_timeout",
-                                       lambda: default_hello_timeout(env))
-        check_gid_index(self.gid_index)
-        check_tcp_spin_us(self.tcp_spin_us)
-        if self.tcp_spin_us is None:
-            self.tcp_spin_us = tcp_spin_us(env)
-        if self.ucsim_faults is None:
-            self.ucsim_faults = env.get(UCSIM_FAULTS_ENV, "")
-        if self.rdma_no_imm is None:
-            self.rdma_no_imm = _switch(env, RDMA_NO_IMM_ENV)
-        if self.disable_warmup is None:
-            self.disable_warmup = _switch(env, DISABLE_WARMUP_ENV)
-        if self.verbs_library is None:
-            self.verbs_library = verbs_library(env)
-        elif not isinstance(self.verbs_library, str):
-            raise ValueError(
-                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
-                f"library, or None for {VERBS_LIBRARY_ENV}"
-            )
-
-    @property
-    def rank(self) -> int:
-        """0 for the leader, 1 for the worker."""
-        return LEADER if self.role == "leader" else WORKER
 
 
 def _positive(value: Optional[float], name: str, default) -> float:

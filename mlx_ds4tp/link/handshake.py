@@ -16,7 +16,7 @@ from ..base.log import log
 from ..errors import AuthenticationError, FrameError, HelloMismatchError, PeerClosedError, TransportError
 from .advice import advise_once, short_reason
 from .bringup import bring_up_rdma
-from .config import PairConfig
+from .config import LinkSettings
 from .control import (
     ControlChannel,
     accept,
@@ -38,7 +38,7 @@ BringUp = Callable[[Joined], Optional[RdmaDevice]]
 NO_PROBE_REASON = "no RDMA provider given"  # connect() without rdma_probe: no device to advise on
 
 
-def connect(config: PairConfig, rdma_probe: Optional[Callable[[], Tuple[bool, str]]] = None,
+def connect(config: LinkSettings, rdma_probe: Optional[Callable[[], Tuple[bool, str]]] = None,
             *, dial: Dial = dial, bring_up: BringUp = bring_up_rdma) -> Pair:
     """Bring the pair up, complete: hello, authentication, the transport choice,
     the gate data connection and, when both sides agreed on RDMA, the queue
@@ -92,7 +92,7 @@ def _exchange_hello(control: ControlChannel, mine: Hello, timeout: float) -> Hel
     return Hello.unpack(payload)
 
 
-def _agree(control: ControlChannel, config: PairConfig, mine: Hello, theirs: Hello) -> str:
+def _agree(control: ControlChannel, config: LinkSettings, mine: Hello, theirs: Hello) -> str:
     """Check identities and choose the transport; on failure tell the peer
     first so both ranks print the same cause."""
     try:
@@ -106,7 +106,7 @@ def _agree(control: ControlChannel, config: PairConfig, mine: Hello, theirs: Hel
         raise
 
 
-def _connect_leader(config: PairConfig, mine: Hello, deadline: float) -> Joined:
+def _connect_leader(config: LinkSettings, mine: Hello, deadline: float) -> Joined:
     host, port = config.listen
     listener = listen_socket(host, port)
     hello_timeout = min(config.hello_timeout, config.timeout)
@@ -177,7 +177,7 @@ def _accept_data(listener: socket.socket, deadline: float, control: ControlChann
         return data
 
 
-def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial) -> Joined:
+def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Dial) -> Joined:
     host, port = config.coordinator
     sock = dial(host, port, deadline, "control")
     tune_socket(sock)
@@ -207,7 +207,7 @@ def _connect_worker(config: PairConfig, mine: Hello, deadline: float, dial: Dial
     return Joined(config, control, data, mine, theirs, transport)
 
 
-def _choice_note(config: PairConfig, mine: Hello, theirs: Hello, transport: str) -> str:
+def _choice_note(config: LinkSettings, mine: Hello, theirs: Hello, transport: str) -> str:
     """Why auto chose TCP, in the same log line (both ranks say it): each side's cause,
     short; this side's advice, for this platform, follows once per process."""
     if config.transport != "auto" or transport != "tcp":
@@ -221,7 +221,7 @@ def _choice_note(config: PairConfig, mine: Hello, theirs: Hello, transport: str)
     return " (auto: RDMA unavailable on " + "; ".join(why) + ")"
 
 
-def _advise(config: PairConfig, mine: Hello, transport: str) -> None:
+def _advise(config: LinkSettings, mine: Hello, transport: str) -> None:
     """After the choice line: what this side's user can do about its missing RDMA."""
     if (config.transport == "auto" and transport == "tcp" and not mine.rdma_ok
             and mine.rdma_reason != NO_PROBE_REASON):

@@ -231,12 +231,12 @@ def authenticate(control: ControlChannel, mine: Hello, theirs: Hello, secret: Op
     if mine.auth and not theirs.auth:
         raise AuthenticationError(
             f"authentication failed: this side has a secret but the {peer} sent none; give both "
-            "machines the same --secret / DS4_TP_SECRET"
+            "machines the same --secret / DS4_TP_SECRET (or the code of `ds4tp pair`)"
         )
     if theirs.auth and not mine.auth:
         raise AuthenticationError(
             f"authentication failed: the {peer} requires a secret and this side has none; give "
-            "both machines the same --secret / DS4_TP_SECRET"
+            "both machines the same --secret / DS4_TP_SECRET (or the code of `ds4tp pair`)"
         )
     control.send(FrameType.AUTH, auth_proof(secret, mine.role, theirs.nonce, mine.nonce))
     _, proof = control.recv(FrameType.AUTH)
@@ -244,7 +244,7 @@ def authenticate(control: ControlChannel, mine: Hello, theirs: Hello, secret: Op
     if not hmac.compare_digest(proof, expected):
         raise AuthenticationError(
             f"authentication failed: the {peer}'s proof does not match this side's secret; "
-            "the two machines have different --secret / DS4_TP_SECRET values"
+            "the two machines have different --secret / DS4_TP_SECRET values (or `ds4tp pair` codes)"
         )
 
 

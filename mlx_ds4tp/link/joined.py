@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from .config import PairConfig
+from .config import LinkSettings
 from .control import ControlChannel
 from .hello import Hello
 from .rdma import RdmaDevice
@@ -24,7 +24,7 @@ class Joined:
     transport: the agreed one, "tcp" or "rdma" (the bring-up may still fall
     back from "rdma" to TCP under transport=auto)."""
 
-    config: PairConfig
+    config: LinkSettings
     control: ControlChannel
     data: socket.socket
     mine: Hello

@@ -34,7 +34,7 @@ def use_verbs_library(ffi, lib, path: str) -> None:
 def rdma_probe(device: Optional[str], verbs_library: str) -> Tuple[bool, str]:
     """(usable, reason): does this side have the RDMA device it would use?
     verbs_library: the library the ibverbs provider loads ("" = the system
-    one; PairConfig.verbs_library)."""
+    one; LinkSettings.verbs_library)."""
     try:
         ffi, lib = load_verbs()
         use_verbs_library(ffi, lib, verbs_library)
@@ -54,9 +54,9 @@ class RdmaDevice:
     data_fd: the pair's sockets, watched by the hot loops so a dead peer is an
     error, never a hang. timeout: every wait, in seconds. faults: the emulated
     device's faults (DS4_TP_UCSIM_FAULTS syntax). no_imm: send without the
-    immediate-data sequence tag (PairConfig.rdma_no_imm, DS4_TP_RDMA_NO_IMM).
+    immediate-data sequence tag (LinkSettings.rdma_no_imm, DS4_TP_RDMA_NO_IMM).
     verbs_library: the library the ibverbs provider loads ("" = the system one;
-    PairConfig.verbs_library, DS4_TP_VERBS_LIBRARY)."""
+    LinkSettings.verbs_library, DS4_TP_VERBS_LIBRARY)."""
 
     def __init__(self, *, device: Optional[str], gid_index: Optional[int], rank: int,
                  bind_ip: str, control_fd: int, data_fd: int, timeout: float,

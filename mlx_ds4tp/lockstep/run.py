@@ -33,7 +33,6 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
     then the closing stats line (GenerationStats.line)."""
     from ..model_split import load_split
 
-    address = link.address
     group = gate_ops.init_pair(with_figures(link, settings.split), model_identity(model_path))
     with group:
         # A token is at least one character of the prompt; the chat template adds its own.
@@ -42,7 +41,7 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
         t0 = time.perf_counter()
         model, tokenizer = load_split(model_path, group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
-        if address.role != "leader":
+        if group.rank() != 0:  # the role named, or the one discovery elected
             table = serve_worker(group, model)
             log(f"worker done: served {table.ended} prompt(s), leader said stop")
             if settings.tokens_out:

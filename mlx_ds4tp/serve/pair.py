@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
@@ -93,23 +93,32 @@ def run(settings: ServeSettings) -> int:
     """One rank of `ds4tp serve`, as cli.serve resolved it; returns the exit code."""
     from .http import make_server
 
-    leader = settings.link.address.role == "leader"
-    server = make_server(settings.http.host, settings.http.port) if leader else None
+    servers: List[ThreadingHTTPServer] = []
+
+    def serve_http() -> ThreadingHTTPServer:
+        servers.append(make_server(settings.http.host, settings.http.port))
+        return servers[-1]
+
+    # A leader named on the command line takes its HTTP port before it waits for a worker; a
+    # rank that discovery makes the leader takes it once it knows.
+    if settings.link.address.role == "leader":
+        serve_http()
     try:
-        return _run_rank(settings, model_identity(str(settings.model.path)), server)
+        return _run_rank(settings, model_identity(str(settings.model.path)), servers, serve_http)
     finally:
-        if server is not None:
+        for server in servers:
             server.server_close()
 
 
-def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity,
-              server: Optional[ThreadingHTTPServer]) -> int:
+def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List[ThreadingHTTPServer],
+              serve_http: Callable[[], ThreadingHTTPServer]) -> int:
     from ..model_split import load_split
 
     served = settings.model
     link = with_figures(settings.link, settings.split)
     group = _join_first(link, identity) if settings.rejoin else gate_ops.init_pair(link, identity)
     with group:
+        server = servers[0] if servers else serve_http() if group.rank() == 0 else None
         share = agree_share(group, settings.split, model_need(served.path, kv_tokens_needed(settings)))
         t0 = time.perf_counter()
         model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())
@@ -194,11 +203,12 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
     from ..lockstep.sessions import LeaderSessions
 
     model, share = split_model
-    host, port = settings.link.address.listen
+    listen = settings.link.address.listen
+    where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
     while True:
         while not engine.wait_down(1.0):
             pass
-        log(f"serve: HTTP answers 503 until a worker joins again on {host}:{port} (start "
+        log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
                "`ds4tp serve --role worker` again, with the same --model and secret)")
         while True:
             try:
@@ -243,7 +253,8 @@ def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitS
     from ..lockstep.table import release_memory
 
     rejoin = settings.rejoin
-    host, port = settings.link.address.coordinator
+    coordinator = settings.link.address.coordinator
+    where = f"at {coordinator[0]}:{coordinator[1]}" if coordinator else "(discovery)"
     while True:
         try:
             table = serve_worker(group, model)  # tells the leader why if it fails
@@ -258,7 +269,7 @@ def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitS
         group.close()
         drain_failed_work()
         release_memory()  # the failed pair's table, its caches and its failed steps
-        log(f"serve: waiting for a leader at {host}:{port} (--rejoin) ...")
+        log(f"serve: waiting for a leader {where} (--rejoin) ...")
         while True:
             try:
                 gate_ops.reconnect(group)

@@ -99,7 +99,7 @@ def gate_times(role: str, port: int, device: str, iters: int) -> dict:
 
 def main() -> None:
     role, port, library, device, mode = sys.argv[1:6]
-    os.environ["DS4_TP_VERBS_LIBRARY"] = library  # read by tp.init's PairConfig
+    os.environ["DS4_TP_VERBS_LIBRARY"] = library  # read by tp.init's LinkSettings
     if mode == "sums":
         out = sums(role, int(port), device)
     elif mode.startswith("lossy:"):

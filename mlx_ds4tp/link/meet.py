@@ -1,0 +1,224 @@
+"""Pairing without addresses: advertise, hear the peers, elect who leads (discovery.elect), then
+make the pair as the explicit flags would (the leader listens on the interface where it was
+found, on a port it picked; the worker dials the address it found the leader at), with the
+same hello, secret and model checks. A peer that refuses us (another secret) or that cannot be
+reached (a stale record) is left out of the next elections, and the search goes on until the
+link's timeout. Discovery runs before the pair exists: the gates never see it."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import socket
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from ..base.log import log
+from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
+from . import discovery as dsc
+from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeout, secret_bytes
+from .control import dial as control_dial
+from .hello import ModelIdentity
+from .pair import Pair
+from .rdma import rdma_probe
+
+# How long a worker keeps dialing a leader it heard of: a leader listens a moment after its
+# advert says so; one that never answers is a stale record (a leader killed without goodbye).
+JOIN_DIAL_SEC = 3.0
+POLL_SEC = 0.05
+
+Connect = Callable[..., Pair]
+_WANTS = {"lead": "this rank leads", "work": "this rank works for a leader",
+          "any": "the first to wait for a worker leads"}
+
+_lock = threading.Lock()
+_finders: Dict[Tuple, dsc.Finder] = {}
+
+
+def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
+    """The pair `link.discovery` finds: connect(resolved settings, dial=...) makes it once the
+    roles and the address are known. A ValueError before anything is advertised when the link
+    needs a secret and there is none."""
+    disc = link.discovery
+    interfaces = [dsc.interface(name) for name in disc.interfaces]
+    _check_secret(link, interfaces)
+    finder = _finder(disc, interfaces, identity, link)
+    finder.publish(state=dsc.SEEK, port=0, want=disc.want, http=disc.http_url, figures=link.figures)
+    log(f"discovery: looking on {', '.join(disc.interfaces)} for a rank with this model "
+        f"({_WANTS[disc.want]})")
+    started = time.monotonic()
+    deadline = started + (link.timeout or default_timeout())
+    refused = finder.refused  # kept for the rejoins: a peer that refused us once is not asked again
+    settle_at: Optional[float] = None
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            raise TransportError(_nobody(finder, refused, disc))
+        if settle_at is None and finder.registered(0):
+            settle_at = now + dsc.SETTLE_SEC
+        peers = [p for p in finder.peers() if p.instance not in refused]
+        what, peer = dsc.elect(finder.me, peers, settled=settle_at is not None and now >= settle_at)
+        if what == "lead":
+            return _paired(_lead(link, identity, connect, finder, interfaces), started)
+        if what == "join":
+            try:
+                return _paired(_join(link, identity, connect, finder, interfaces, peer), started)
+            except (AuthenticationError, HelloMismatchError) as exc:
+                log(f"discovery: refused by / refusing {_who(peer)}: {exc}")
+                refused.add(peer.instance)
+            except TransportError as exc:
+                log(f"discovery: could not pair with {_who(peer)} ({exc}); looking on")
+                refused.add(peer.instance)
+            finder.publish(state=dsc.SEEK, port=0)
+            continue
+        time.sleep(POLL_SEC)
+
+
+def _paired(pair: Pair, started: float) -> Pair:
+    log(f"discovery: paired {time.monotonic() - started:.2f} s after this rank began looking")
+    return pair
+
+
+def _check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
+    if secret_bytes(link.secret) is not None:
+        return
+    thunderbolt = dsc.thunderbolt_members()
+    open_links = [i.name for i in interfaces if not dsc.local_link(i, thunderbolt)]
+    if open_links:
+        raise ValueError(
+            f"discovery on {', '.join(open_links)} needs a pair secret (that link is not loopback "
+            "or a Thunderbolt cable, so others may be on it): run `ds4tp pair` on one machine and "
+            "`ds4tp pair CODE` with the code it prints on the other (or give both --secret / "
+            "DS4_TP_SECRET)")
+
+
+def _finder(disc: DiscoverySettings, interfaces: List[dsc.Interface], identity: ModelIdentity,
+            link: LinkSettings) -> dsc.Finder:
+    """This process's advert on these interfaces, for this model (kept for its rejoins)."""
+    digest = dsc.model_digest(identity.fingerprint.summary() if identity.fingerprint is not None
+                              else repr(identity).encode())
+    key = (disc.interfaces, digest)
+    with _lock:
+        finder = _finders.get(key)
+        if finder is None:
+            me = dsc.Advert(instance=dsc.new_instance(), digest=digest, want=disc.want,
+                            rdma=_device_of(link, interfaces[0], quiet=True) or "",
+                            figures=link.figures, host=socket.gethostname(), http=disc.http_url)
+            finder = _finders[key] = dsc.Finder(interfaces, me)
+            if len(_finders) == 1:
+                atexit.register(close_all)
+    return finder
+
+
+def close_all() -> None:
+    """Every advert of this process withdrawn (the peers hear the goodbye)."""
+    with _lock:
+        finders = list(_finders.values())
+        _finders.clear()
+    for f in finders:
+        f.close()
+
+
+def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder: dsc.Finder,
+          interfaces: List[dsc.Interface]) -> Pair:
+    iface = interfaces[0]
+    host = iface.listen_host()
+    port = _free_port(host)
+    device = _device_of(link, iface)
+    finder.publish(state=dsc.LEAD, port=port)
+    log(f"discovery: this machine ({socket.gethostname()}) leads; waiting for its worker on "
+        f"{iface.name} ({host} port {port})")
+    settings = dataclasses.replace(link, address=PairAddress("leader", (host, port), None),
+                                   rdma_device=device, discovery=None)
+    try:
+        pair = connect(settings.resolved(identity))
+    except TransportTimeoutError as exc:
+        # The handshake's advice names --coordinator; a discovering worker needs none.
+        cause = str(exc).split("; start the worker with --coordinator")[0]
+        raise TransportTimeoutError(
+            f"discovery: this leader on {iface.name}: {cause}; start the other rank with the same "
+            "--model (and secret) on the other end of the link (DS4_TP_TIMEOUT_SEC sets how long "
+            "to wait)") from None
+    finder.publish(state=dsc.PAIRED, port=0)
+    return pair
+
+
+def _join(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder: dsc.Finder,
+          interfaces: List[dsc.Interface], leader: dsc.Advert) -> Pair:
+    host = dsc.dial_address(leader, interfaces)
+    iface = _interface_of(host, interfaces)
+    http = f"; it serves {leader.http}" if leader.http else ""
+    log(f"discovery: {_who(leader)} leads (found on {iface.name} at {host} port {leader.port}); "
+        f"this machine ({socket.gethostname()}) works for it{http}")
+    settings = dataclasses.replace(link, address=PairAddress("worker", None, (host, leader.port)),
+                                   rdma_device=_device_of(link, iface), discovery=None)
+
+    def dial(h: str, p: int, deadline: float, what: str) -> socket.socket:
+        return control_dial(h, p, min(deadline, time.monotonic() + JOIN_DIAL_SEC), what)
+
+    pair = connect(settings.resolved(identity), dial=dial)
+    finder.publish(state=dsc.PAIRED, port=0, want="work")
+    return pair
+
+
+def _interface_of(host: str, interfaces: List[dsc.Interface]) -> dsc.Interface:
+    """The interface the leader's address is on (the one its record was heard on)."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(host.split("%")[0])
+    for iface in interfaces:
+        if "%" in host and host.split("%")[1] == iface.name:
+            return iface
+        for mine, prefix in iface.ipv4:
+            if ip.version == 4 and ip in ipaddress.ip_network(f"{mine}/{prefix}", strict=False):
+                return iface
+    return interfaces[0]
+
+
+def _device_of(link: LinkSettings, iface: dsc.Interface, quiet: bool = False) -> Optional[str]:
+    """The RDMA device of the interface the peer is on: as given, else on macOS the interface's
+    own (rdma_enN for enN), else None (the provider's first active device). Says why when auto
+    falls back to TCP on this interface, and what to do when RDMA lacks the IPv4 it needs."""
+    if link.rdma_device is not None or link.transport == "tcp" or sys.platform != "darwin":
+        return link.rdma_device
+    device = f"rdma_{iface.name}"
+    ok, reason = rdma_probe(device, link.verbs_library or "")
+    if quiet:
+        return device if ok else None
+    if not ok:
+        log(f"discovery: transport {link.transport}: no RDMA device {device} for {iface.name} "
+            f"({reason}); the gates use TCP on {iface.name}")
+        return None
+    if not iface.ipv4:
+        log(f"discovery: RDMA over {device} needs an IPv4 address on {iface.name}, which has none; "
+            f"add one with: {dsc.ipv4_advice(iface.name, True)} (10.99.0.2 on the other Mac)")
+    log(f"discovery: RDMA device {device}, the one of {iface.name} where the peer is")
+    return device
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0) if family == socket.AF_INET else socket.getaddrinfo(host, 0, family)[0][4])
+        return s.getsockname()[1]
+
+
+def _who(peer: dsc.Advert) -> str:
+    return f"{peer.host or 'a peer'} (instance {peer.instance})"
+
+
+def _nobody(finder: dsc.Finder, refused: Set[str], disc: DiscoverySettings) -> str:
+    heard = finder.peers()
+    other = [p for p in heard if p.digest != finder.me.digest or p.version != finder.me.version]
+    why = []
+    if not heard:
+        why.append("no other ds4tp rank was heard")
+    if other:
+        why.append(f"{len(other)} rank(s) heard serve another model or protocol")
+    if refused:
+        why.append(f"{len(refused)} refused (another secret, or gone)")
+    return (f"discovery on {', '.join(disc.interfaces)} found no peer to pair with before the "
+            f"timeout ({'; '.join(why) or 'none was free'}); start the other rank with the same "
+            "--model on the other end of the link (DS4_TP_TIMEOUT_SEC sets how long to look)")
