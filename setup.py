@@ -77,5 +77,7 @@ setup(
         "cffi>=1.16",
         # ds4tp serve's GET /metrics (the Prometheus text format)
         "prometheus_client>=0.17",
+        # constrained decoding (JSON Schema, strict tool calls): lockstep/grammar.py says why this engine
+        "llguidance>=1.0",
     ],
 )
