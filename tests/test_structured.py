@@ -107,6 +107,63 @@ def pair(model_dir, tmp_path_factory):
         served.close()
 
 
+# ---------------------------------------------------------------------------------------------
+# The grammar and the sampler on their own
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_ds4tp.lockstep.grammar import Grammars
+
+    return Grammars(load_tokenizer(model_dir))
+
+
+def test_grammars_are_cached_and_refused_keywords_named(grammars):
+    from mlx_ds4tp.lockstep.grammar import GrammarError, json_schema_grammar
+
+    grammar = json_schema_grammar(to_strict_json_schema(MODELS[19]))
+    assert grammars.compile(grammar) > 0.0
+    assert grammars.compile(grammar) == 0.0  # the second time, from the cache
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        grammars.compile(json_schema_grammar({"type": "array", "uniqueItems": True}))
+
+
+def test_masked_draws_follow_the_schema_with_penalties_and_logprobs(grammars):
+    """A seeded, penalised sampler with logprobs, drawing from random logits: its text validates,
+    and the log-probabilities it reports give the disallowed tokens nothing. Its SAMPLER frame
+    carries the grammar to the other rank, whose sampler draws the same tokens."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_ds4tp.lockstep.grammar import json_schema_grammar
+    from mlx_ds4tp.lockstep.row_sampling import RowSampler, pack_sampler, unpack_sampler
+    from mlx_ds4tp.lockstep.sampling import SamplingOptions
+
+    options = SamplingOptions(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=7,
+                              grammar=json_schema_grammar(to_strict_json_schema(MODELS[11])))
+    _, options_there, context, seed = unpack_sampler(pack_sampler(1, options, [5, 6], 7))
+    assert options_there == options
+    vocab = 512
+    here = RowSampler(options, [5, 6], 7, vocab, keep_logprobs=True, grammar=grammars.row(options.grammar, vocab))
+    there = RowSampler(options_there, context, seed, vocab, grammar=grammars.row(options.grammar, vocab))
+    rng = np.random.default_rng(0)
+    tokens, eos = [], 1
+    for _ in range(400):
+        logits = mx.array(rng.normal(size=(1, vocab)).astype(np.float32) * 4)
+        token = here.draw(logits)
+        assert there.draw(logits).item() == token.item()
+        assert bool(mx.isinf(here.last_logprobs).any())  # the mask at work
+        if token.item() == eos:
+            break
+        tokens.append(token.item())
+    else:
+        pytest.fail("the grammar never let the row end")
+    MODELS[11].model_validate_json(grammars._hf.decode(tokens))
+
+
 def _schema_format(model) -> dict:
     return {"type": "json_schema", "json_schema": {"name": model.__name__, "schema": to_strict_json_schema(model),
                                                    "strict": True}}
