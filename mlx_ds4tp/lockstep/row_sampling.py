@@ -113,7 +113,14 @@ class RowSampler:
         if bool(options.grammar) != (grammar is not None):
             raise ValueError("a constrained sampler needs its grammar's matcher, and only it has one")
         self.grammar = grammar
-        self._unmatched: Optional[mx.array] = None  # the last token drawn, not yet in the matcher
+        self._unmatched: Optional[mx.array] = None  # the last token drawn, not yet read
+        self._unread: Optional[int] = None  # its value, not yet in the matcher
+
+    def catch_up(self) -> None:
+        """Read the last token a constrained sampler drew (waiting for its step): outside the
+        draw, so a failed step's error is the step's, not this row's sampling error."""
+        if self._unmatched is not None:
+            self._unread, self._unmatched = int(self._unmatched.item()), None
 
     def draw(self, logits: mx.array) -> mx.array:
         """Tokens ([rows] int32, lazy) from rows of logits ([rows, vocab]): a session's next
@@ -129,8 +136,9 @@ class RowSampler:
         if self.grammar is not None:
             if logits.shape[0] != 1:
                 raise ValueError(f"a constrained sampler draws one row at a time, not {logits.shape[0]}")
-            if self._unmatched is not None:
-                token, self._unmatched = int(self._unmatched.item()), None
+            self.catch_up()
+            if self._unread is not None:
+                token, self._unread = self._unread, None
                 self.grammar.consume(token)
             logits = mx.where(self.grammar.allowed(), logits, -mx.inf)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
