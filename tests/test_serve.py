@@ -342,9 +342,13 @@ def test_bench_serve_prints_each_client_count(pair, capsys):
     assert main(["bench", "--serve", "--url", pair.base, "--api-key", API_KEY, "--max-tokens", "4",
                  "--rounds", "1", "--json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["clients"] for r in records] == [1, 2, 4, 8]
-    for r in records:
+    *counts, constrained = records
+    assert [r["clients"] for r in counts] == [1, 2, 4, 8]
+    for r in counts:
         assert 0 < r["tokens"] <= 4 * r["clients"] and r["tok_s"] > 0 and r["ttft_p50_ms"] > 0
+    # Structured output's figures (bench/structured.py): constrained against plain decode.
+    assert constrained["name"] == "serve-json" and constrained["constrained_decode_tok_s"] > 0
+    assert constrained["constrained_over_plain"] > 0
 
 
 def test_run_takes_the_same_sampling_options(model_dir, tmp_path, procs):

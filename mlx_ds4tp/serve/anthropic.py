@@ -22,6 +22,7 @@ from .errors import ApiError
 from .requests import Request
 from .sse import EventStream, stream_answer
 from .state import ServeState
+from .structured import strict_marker
 
 # Every field of Anthropic's request: acted on (translated), or refused naming it.
 _FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
@@ -99,7 +100,7 @@ def to_chat_body(body: dict) -> dict:
             raise ApiError(400, "'tools' must be a list of {name, description, input_schema}", "tools",
                            "invalid_type")
         chat["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), "strict": t.get("strict") is True,
+            "name": t["name"], "description": t.get("description", ""), **strict_marker(t),
             "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
     choice = body.get("tool_choice")
     if choice is not None:

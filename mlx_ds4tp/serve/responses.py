@@ -23,6 +23,7 @@ from .errors import ApiError
 from .requests import Request
 from .sse import EventStream, stream_answer
 from .state import ResponseStore, ServeState
+from .structured import strict_marker
 
 # Every field of the Responses request: acted on, accepted at its neutral value, or refused.
 _ACTED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
@@ -95,7 +96,7 @@ def to_chat_body(body: dict, store: ResponseStore) -> tuple:
         # A tool is strict only when it says so (the Responses API's default is strict; here an
         # unmarked tool keeps the model's free text, as before structured output).
         chat["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), "strict": t.get("strict") is True,
+            "name": t["name"], "description": t.get("description", ""), **strict_marker(t),
             "parameters": t.get("parameters", {"type": "object"})}} for t in tools]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:

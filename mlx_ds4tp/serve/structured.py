@@ -51,6 +51,12 @@ def _schema_of(response_format: Any) -> Optional[dict]:
                    "response_format", "invalid_value")
 
 
+def strict_marker(tool: dict) -> dict:
+    """What a Responses or Messages tool adds to its chat tool: {"strict": true} when it says so
+    (its calls are constrained), else nothing, so the template renders it as before."""
+    return {"strict": True} if tool.get("strict") is True else {}
+
+
 def _forced(choice: Any, tools: List[dict]) -> Tuple[bool, List[dict]]:
     """(whether `tool_choice` forces a call, the tools it may call)."""
     if choice in (None, "auto"):
