@@ -80,5 +80,7 @@ setup(
         # finding the peer: DNS-SD over multicast DNS (link/discovery.py)
         "zeroconf>=0.131",
         "ifaddr>=0.2",  # the interfaces' addresses (zeroconf's own dependency, used directly)
+        # constrained decoding (JSON Schema, strict tool calls): lockstep/grammar.py says why this engine
+        "llguidance>=1.0",
     ],
 )

@@ -110,6 +110,27 @@ def test_bad_run_flags_exit_naming_the_flag(model_dir, flags, says):
     assert says in msg, msg
 
 
+def test_run_json_schema_is_the_sampling_options_grammar(model_dir, tmp_path):
+    pytest.importorskip("llguidance", reason="the llguidance package (pip install llguidance)")
+    import json
+
+    from mlx_ds4tp.cli import run
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}))
+    _, _, settings = run.check_args(parse("run", "--model", str(model_dir), "--prompt", "p", *LEADER,
+                                          "--json-schema", str(schema)))
+    assert '"ok"' in settings.sampling.grammar and settings.sampling.processed
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for bad, says in ((tmp_path / "none.json", "No such file"), (tmp_path / "list.json", "must be an object")):
+        msg = exit_message(run.check_args, parse("run", "--model", str(model_dir), "--prompt", "p", *LEADER,
+                                                 "--json-schema", str(bad)))
+        assert f"--json-schema {bad}" in msg and says in msg, msg
+    msg = exit_message(run.check_args, parse("run", "--model", str(model_dir), "--prompt", "p", *LEADER,
+                                             "--json-schema", str(schema), "--prompt-lookup", "2"))
+    assert "--json-schema" in msg, msg
+
+
 def test_run_model_demo_is_the_demo_model(monkeypatch, tmp_path):
     import mlx_ds4tp.testing.demo_model as demo_model
     from mlx_ds4tp.cli import run

@@ -100,15 +100,20 @@ def test_a_streamed_tool_call_arrives_as_deltas(pair):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
-def test_tool_choice_none_hides_the_tools_and_forcing_a_call_is_refused(pair, mlx_lm_server):
+def test_tool_choice_none_hides_the_tools_and_forcing_a_call_constrains_it(pair, mlx_lm_server):
     c = client(pair)
     hidden = c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="none",
                                        max_tokens=2, temperature=0)
     plain = c.chat.completions.create(model="scripted", messages=ASK, max_tokens=2, temperature=0)
     assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens
+    # A forced call is a grammar (serve.structured; tests/test_structured.py): the answer opens
+    # with the call marker, whatever the script says first.
+    forced = c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=1, temperature=0, logprobs=True)
+    assert [t.token for t in forced.choices[0].logprobs.content] == ["<tool_call>"]
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="required",
-                                  max_tokens=2)
+        c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, max_tokens=1,
+                                  tool_choice={"type": "function", "function": {"name": "no_such_tool"}})
 
 
 def test_the_follow_up_renders_as_mlx_lm_server_renders_it(pair, mlx_lm_server):

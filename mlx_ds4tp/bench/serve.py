@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..base.log import log
+from . import structured
 
 PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime numbers:",
            "The weather today", "In the beginning", "Dear diary,", "Rules of the road:",
@@ -33,9 +34,10 @@ PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime n
 CONNECT_RETRIES = 5
 
 
-def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str]) -> Dict[str, float]:
+def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str],
+                extra: Optional[dict] = None) -> Dict[str, float]:
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -166,6 +168,8 @@ def measure_all(base: str, max_tokens: int, clients: Sequence[int] = (1, 2, 4, 8
                       key=lambda r: r["decode_tok_s"])
         records.append(runs[len(runs) // 2])
         log(f"serve bench: {n} client(s) done")
+    records.append(structured.measure_constrained(
+        lambda extra: _stream_one(base, PROMPTS[0], max_tokens, api_key, extra), rounds))
     return records
 
 
@@ -175,6 +179,9 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
     for rec in records:
         if as_json:
             print(json.dumps(rec), flush=True)
+            continue
+        if rec["name"] == "serve-json":
+            print(structured.line(rec), flush=True)
             continue
         ratio = ""
         if one and one["decode_tok_s"]:
@@ -196,7 +203,9 @@ def serve_report(url: Optional[str], model: Optional[Path], transport: str,
     else:
         from ..testing.demo_model import demo_model_dir
 
-        records = serve_bench(model or demo_model_dir(), transport, rdma_device, max_tokens,
-                              rounds=rounds)
+        model = model or demo_model_dir()
+        records = serve_bench(model, transport, rdma_device, max_tokens, rounds=rounds)
+    if model is not None:
+        records[-1].update(structured.compile_figures(model))
     print_records(records, as_json)
     return 0

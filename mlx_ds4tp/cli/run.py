@@ -5,6 +5,8 @@ machine runs its own rank (`ds4tp demo` runs both on this one)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from typing import Tuple
 
 from ..link.config import LinkSettings, PairAddress
@@ -45,6 +47,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "divergence (default 0: off)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="feed the prompt as raw text (default: the model's chat template, when it has one)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="leader: the answer is JSON that validates against this JSON Schema file "
+                        "(constrained decoding on both ranks; compact JSON)")
     add_draft_args(p, "the pair verifies its drafts in one forward a round")
     add_pair_args(p, ROLE_HELP)
     add_interface_arg(p)
@@ -67,15 +72,30 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))
     check_draft_args("run", args)
     sampling = options_from_args(args)
+    if args.json_schema:
+        sampling = dataclasses.replace(sampling, grammar=_schema_grammar(args.json_schema))
     if (args.draft_model or args.prompt_lookup) and sampling.processed:
         raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
-                         "--repetition-penalty here: leave it out")
+                         "--repetition-penalty or --json-schema here: leave it out")
     link = link_from_args(args, address, "run", discovery=discovery)
     draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
     settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
                            chat=not args.no_chat_template, sampling=sampling,
                            debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run"))
     return link, str(model_path(args.model)), settings
+
+
+def _schema_grammar(path: str) -> str:
+    """The grammar of a --json-schema file; exits naming the file and what is wrong."""
+    from ..lockstep.grammar import GrammarError, json_schema_grammar
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+        return json_schema_grammar(schema)
+    except (OSError, ValueError, GrammarError) as exc:
+        raise SystemExit(f"ds4tp run: --json-schema {path}: {exc}; give a file holding one JSON Schema "
+                         "object") from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -102,6 +102,13 @@ class DecodeBatch:
         self.last_logits = logits
         samplers = [self.samplers.get(s) for s in sessions]
         if all(samplers):
+            constrained = [s for s in samplers if s.grammar is not None]
+            if constrained:
+                # A constrained row's mask needs its last token on the host (RowSampler.draw):
+                # the forward is queued first, so that wait overlaps it.
+                mx.async_eval(logits)
+                for sampler in constrained:
+                    sampler.catch_up()
             errors: Dict[int, str] = {}
             drawn = sample_batch(logits, samplers, errors)
             for i, session in enumerate(sessions):

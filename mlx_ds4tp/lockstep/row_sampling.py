@@ -19,6 +19,13 @@ rows are draws of one stream). The processors see the token history and the raw 
 filters (top_p, min_p, top_k, mlx-lm's own functions in make_sampler's order) the normalised
 log-probabilities (logits - logsumexp), as in mlx_lm.generate; only the draw with an explicit
 key is written here.
+
+A constrained session (options.grammar) also masks its row: every token outside what its
+grammar allows next is -inf after the processors, before the log-probabilities, on both ranks
+alike (lockstep.grammar: each rank's own matcher, advanced with the tokens it drew itself).
+The mask of a draw needs the row's last token on the host, so a constrained row reads its last
+token at its next draw: the step's forward is queued first (DecodeBatch.step), so the wait
+overlaps the forward, and the other rows stay pipelined.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import numpy as np
 
 from .. import transport as tr
 from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME, SAMPLER_HEADER
+from .grammar import RowGrammar
 from .sampling import SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context
 
 
@@ -78,10 +86,10 @@ def seed_of_key(key: mx.array) -> int:
 class RowSampler:
     """One session's sampler, lazy, identical on both ranks (see the module docstring).
     keep_logprobs: keep the normalised log-probabilities of the last draw (a request that
-    asked for logprobs)."""
+    asked for logprobs). grammar: the matcher of options.grammar (Grammars.row), at its start."""
 
     def __init__(self, options: SamplingOptions, context: Sequence[int], seed: int, vocab: int,
-                 keep_logprobs: bool = False):
+                 keep_logprobs: bool = False, grammar: Optional[RowGrammar] = None):
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         self.options = options
@@ -102,6 +110,17 @@ class RowSampler:
             self.filters.append(lambda x: apply_top_k(x, o.top_k))
         self.keep_logprobs = keep_logprobs
         self.last_logprobs: Optional[mx.array] = None
+        if bool(options.grammar) != (grammar is not None):
+            raise ValueError("a constrained sampler needs its grammar's matcher, and only it has one")
+        self.grammar = grammar
+        self._unmatched: Optional[mx.array] = None  # the last token drawn, not yet read
+        self._unread: Optional[int] = None  # its value, not yet in the matcher
+
+    def catch_up(self) -> None:
+        """Read the last token a constrained sampler drew (waiting for its step): outside the
+        draw, so a failed step's error is the step's, not this row's sampling error."""
+        if self._unmatched is not None:
+            self._unread, self._unmatched = int(self._unmatched.item()), None
 
     def draw(self, logits: mx.array) -> mx.array:
         """Tokens ([rows] int32, lazy) from rows of logits ([rows, vocab]): a session's next
@@ -114,6 +133,14 @@ class RowSampler:
                                  f"{logits.shape[0]}: speculative decoding takes no penalties or bias")
             for processor in self.processors:
                 logits = processor(self.history, logits)
+        if self.grammar is not None:
+            if logits.shape[0] != 1:
+                raise ValueError(f"a constrained sampler draws one row at a time, not {logits.shape[0]}")
+            self.catch_up()
+            if self._unread is not None:
+                token, self._unread = self._unread, None
+                self.grammar.consume(token)
+            logits = mx.where(self.grammar.allowed(), logits, -mx.inf)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.keep_logprobs:
             self.last_logprobs = logprobs[-1]
@@ -127,6 +154,8 @@ class RowSampler:
         token = token.reshape(-1).astype(mx.int32)
         if self.processors:
             self.history = mx.concatenate([self.history, token])[-self.keep:]
+        if self.grammar is not None:
+            self._unmatched = token
         return token
 
 

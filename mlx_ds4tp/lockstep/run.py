@@ -19,6 +19,7 @@ from ..split.agree import agree_share, with_figures
 from ..split.auto import model_need
 from ..split.progress import LoadingBar
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
+from .grammar import GrammarError, Grammars
 from .sessions import LeaderSessions, serve_worker
 from .settings import RunSettings
 
@@ -42,12 +43,18 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
         model, tokenizer = load_split(model_path, group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if group.rank() != 0:  # the role named, or the one discovery elected
-            table = serve_worker(group, model)
+            table = serve_worker(group, model, Grammars(tokenizer))
             log(f"worker done: served {table.ended} prompt(s), leader said stop")
             if settings.tokens_out:
                 Path(settings.tokens_out).write_text(json.dumps({"split": str(share), "peak_rss_bytes": peak_rss()}))
             return 0
-        sessions = LeaderSessions(group, model)
+        grammars = Grammars(tokenizer)
+        if settings.sampling.grammar:
+            try:
+                grammars.compile(settings.sampling.grammar)  # a schema it refuses fails here, named
+            except GrammarError as exc:
+                raise SystemExit(f"ds4tp run: --json-schema cannot be enforced: {exc}") from None
+        sessions = LeaderSessions(group, model, grammars)
         try:
             if settings.prompt_tokens > 0:
                 prompt_ids = bench_prompt(tokenizer, settings.prompt, settings.prompt_tokens)

@@ -28,6 +28,8 @@ class SamplingOptions:
     frequency_context_size: int = 20
     logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, bias) pairs
     seed: Optional[int] = None
+    # Constrained decoding: a grammar the draws must follow (lockstep.grammar; "" for none).
+    grammar: str = ""
 
     def check(self) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -54,12 +56,15 @@ class SamplingOptions:
                 raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
+        if not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be a grammar's text, not {type(self.grammar).__name__}")
 
     @property
     def processed(self) -> bool:
-        """True when a logits processor (penalty, bias) changes the logits before sampling."""
+        """True when a logits processor (penalty, bias, a grammar's mask) changes the logits
+        before sampling."""
         return bool(self.repetition_penalty or self.presence_penalty or self.frequency_penalty
-                    or self.logit_bias)
+                    or self.logit_bias or self.grammar)
 
     @property
     def greedy(self) -> bool:

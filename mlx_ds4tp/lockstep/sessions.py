@@ -44,6 +44,7 @@ from ..errors import LockstepDivergence, TransportError
 from ..link.wire import HASH_PAYLOAD as HASH
 from .batch_verify import pack_commit, pack_verify_batch
 from .frames import pack_batch, pack_prefill_batch, unpack
+from .grammar import Grammars
 from .prompt_cache import FRESH
 from .row_sampling import pack_sampler
 from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, release_memory
@@ -101,10 +102,10 @@ class LeaderSessions:
     """The leader's side: every command is sent to the worker, then applied here, in that
     order, so the worker's forward starts as early as the leader's."""
 
-    def __init__(self, group: gate_ops.Group, model):
+    def __init__(self, group: gate_ops.Group, model, grammars: Optional[Grammars] = None):
         self.group = group
         self.control = group.pair.control
-        self.table = SessionTable(model)
+        self.table = SessionTable(model, grammars)
 
     def _command(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Send, then apply; when the gates fail, prefer the worker's own explanation (an
@@ -227,13 +228,16 @@ class LeaderSessions:
 # ============================================================================
 
 
-def serve_worker(group: gate_ops.Group, model, *, tell_leader: bool = True) -> SessionTable:
+def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = None, *,
+                 tell_leader: bool = True) -> SessionTable:
     """The worker's one command loop: execute the leader's commands until STOP; returns the
-    table (its batch.step_count: decode steps run; ended: sessions served). Raises on any failure,
+    table (its batch.step_count: decode steps run; ended: sessions served). grammars: what
+    constrained sessions are masked with (the leader's SAMPLER carries their grammar's text;
+    None refuses them). Raises on any failure,
     after telling the leader why (an ERROR frame, so its error names the cause, not just
     'peer closed') unless tell_leader is False."""
     control = group.pair.control
-    table = SessionTable(model)
+    table = SessionTable(model, grammars)
     try:
         while True:
             ftype, payload = _next_command(control, table.busy)

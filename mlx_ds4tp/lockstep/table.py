@@ -26,6 +26,7 @@ from ..link.wire import (
 from . import batch_verify
 from .decode_batch import DecodeBatch
 from .frames import check_tokens, unpack, unpack_batch, unpack_prefill_batch
+from .grammar import GrammarError, Grammars, RowGrammar
 from .row_sampling import RowSampler, unpack_sampler
 from .session_caches import SessionCaches
 
@@ -61,8 +62,9 @@ def _malloc_trim():
 class SessionTable:
     """The session caches and decode batch of one rank; see the module docstring."""
 
-    def __init__(self, model):
+    def __init__(self, model, grammars: Optional[Grammars] = None):
         self.model = model
+        self.grammars = grammars  # constrained sessions' grammars (None: this rank has no tokenizer)
         # Every token id from the wire is checked against it (frames.check_tokens).
         self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
         self.caches = SessionCaches(model, self.vocab)
@@ -108,13 +110,27 @@ class SessionTable:
             session, options, context, seed = unpack_sampler(payload)
             caches.session(session)
             check_tokens(np.asarray(context), self.vocab)
-            batch.samplers[session] = RowSampler(options, context, seed, self.vocab)
+            batch.samplers[session] = RowSampler(options, context, seed, self.vocab,
+                                                 grammar=self.row_grammar(options.grammar))
         elif ftype == F.INVALIDATE:
             (cache_id,) = unpack(INVALIDATE, payload, ftype)
             caches.invalidate(cache_id)
         else:
             raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
         return None
+
+    def row_grammar(self, grammar: str) -> Optional[RowGrammar]:
+        """The matcher of a session's grammar (None: it has none); FrameError when this rank
+        cannot build it."""
+        if not grammar:
+            return None
+        if self.grammars is None:
+            raise tr.FrameError("SAMPLER carries a grammar, but this rank was started without its "
+                                "tokenizer's grammars (lockstep.grammar.Grammars)")
+        try:
+            return self.grammars.row(grammar, self.vocab)
+        except GrammarError as exc:
+            raise tr.FrameError(f"SAMPLER's grammar does not compile on this rank: {exc}") from None
 
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over (session, token) rows (DecodeBatch.step); sessions not in

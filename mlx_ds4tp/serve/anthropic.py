@@ -22,6 +22,7 @@ from .errors import ApiError
 from .requests import Request
 from .sse import EventStream, stream_answer
 from .state import ServeState
+from .structured import strict_marker
 
 # Every field of Anthropic's request: acted on (translated), or refused naming it.
 _FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
@@ -99,15 +100,20 @@ def to_chat_body(body: dict) -> dict:
             raise ApiError(400, "'tools' must be a list of {name, description, input_schema}", "tools",
                            "invalid_type")
         chat["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
+            "name": t["name"], "description": t.get("description", ""), **strict_marker(t),
             "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in ("auto", "none"):
-            raise ApiError(400, f"'tool_choice' type {kind!r} is not supported: a call cannot be forced here; "
-                           "use \"auto\" or \"none\"", "tool_choice", "unsupported_parameter")
-        chat["tool_choice"] = kind
+        # "any" and "tool" force a call: a grammar (serve.structured), as the chat shapes do.
+        forced = {"auto": "auto", "none": "none", "any": "required"}.get(kind)
+        if kind == "tool" and isinstance(choice.get("name"), str):
+            forced = {"type": "function", "function": {"name": choice["name"]}}
+        if forced is None:
+            raise ApiError(400, f"'tool_choice' {json.dumps(choice)[:80]} is not supported: use {{\"type\": "
+                           "\"auto\" | \"none\" | \"any\"} or {\"type\": \"tool\", \"name\": ...}",
+                           "tool_choice", "unsupported_parameter")
+        chat["tool_choice"] = forced
     return chat
 
 

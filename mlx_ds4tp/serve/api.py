@@ -19,6 +19,7 @@ from .errors import ApiError
 from .requests import Request
 from .sse import EventStream, stream_answer
 from .state import ServeState
+from .structured import request_grammar
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ _ACTED = {
     "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "seed",
     "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "tools", "tool_choice",
     "num_draft_tokens",  # mlx_lm.server's: drafted tokens a round (0: this request decodes plainly)
+    "response_format",  # structured output (serve.structured)
     # Descriptive fields that change no output, accepted as OpenAI accepts them.
     "user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
 }
@@ -56,7 +58,6 @@ _NEUTRAL = {
     "echo": ((False,), "the prompt is not echoed back"),
     "suffix": (("",), "no text after the completion (insertion) is supported"),
     "modalities": ((["text"],), "text output only"),
-    "response_format": (({"type": "text"},), "constrained (JSON) output is not supported"),
     "store": ((False,), "nothing is stored for later retrieval"),
     "parallel_tool_calls": ((True,), "every call the model makes is returned (it cannot be held to one)"),
 }
@@ -203,11 +204,13 @@ def parse_request(body: dict, kind: str, tokenizer, *, model_ids: List[str], def
             raise ApiError(400, "'messages' is required", "messages", "missing_field")
         tools = chat_tools(body, tokenizer)
         prompt = chat_prompt(tokenizer, body["messages"], tools)
+        options = dataclasses.replace(options, grammar=request_grammar(body, tokenizer, tools))
         where = "messages"
     else:
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", "prompt", "missing_field")
         prompt = text_prompt(tokenizer, body["prompt"], vocab_size)
+        options = dataclasses.replace(options, grammar=request_grammar(body, tokenizer, None))
         where = "prompt"
     if not prompt:
         raise ApiError(400, f"'{where}' encodes to zero tokens", where, "invalid_value")

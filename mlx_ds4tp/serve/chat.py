@@ -74,7 +74,8 @@ def _template_messages(messages: Any) -> List[dict]:
 
 
 def chat_tools(body: dict, tokenizer) -> Optional[list]:
-    """The tools the template gets (None: none), from `tools` and `tool_choice`."""
+    """The tools the template gets (None: none), from `tools` and `tool_choice` (a forced call
+    is a grammar: serve.structured)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
@@ -88,10 +89,6 @@ def chat_tools(body: dict, tokenizer) -> Optional[list]:
                        "tools", "invalid_type")
     if choice == "none":
         return None  # the model is not told about them, so it calls none
-    if choice not in (None, "auto"):
-        raise ApiError(400, f"'tool_choice'={json.dumps(choice)[:80]} is not supported: a call cannot be "
-                       "forced here (no constrained decoding); use \"auto\" or \"none\"", "tool_choice",
-                       "unsupported_parameter")
     if not getattr(tokenizer, "has_tool_calling", False):
         raise ApiError(400, "'tools' given, but this model's tokenizer has no tool-call format "
                        "mlx-lm knows (no tool parser): its calls could not be returned", "tools",

@@ -64,7 +64,9 @@ class DecodeStepper:
             self.sessions.sampler(session.sid, request.options, request.prompt, seed)
             session.sampler = self.sessions.table.batch.samplers[session.sid]
         else:
-            session.sampler = RowSampler(request.options, request.prompt, seed, self.sessions.table.vocab)
+            table = self.sessions.table
+            session.sampler = RowSampler(request.options, request.prompt, seed, table.vocab,
+                                         grammar=table.row_grammar(request.options.grammar))
         session.sampler.keep_logprobs = request.logprobs is not None
         if self.speculation is not None:
             session.drafter = self.speculation.drafter(request)

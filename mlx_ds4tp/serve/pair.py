@@ -15,6 +15,7 @@ from .. import gate_ops, transport as tr
 from ..base.log import log
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
+from ..lockstep.grammar import Grammars
 from ..split.agree import agree_share, with_figures
 from ..split.auto import ModelNeed, model_need
 from ..split.progress import LoadingBar
@@ -124,7 +125,7 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List
         model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         if server is None:
-            return _worker(group, model, settings, share)
+            return _worker(group, model, Grammars(tokenizer), settings, share)
         engine = _leader_engine(settings, group, model, tokenizer)
         _serve_http(settings, engine, group, (model, share), server)
     return 0
@@ -161,7 +162,7 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
         budget, how = default_kv_budget(model, limits.kv_bits, limits.kv_group_size)
         log(f"serve: {how}")
         limits = dataclasses.replace(limits, kv_budget=budget)
-    return Engine(LeaderSessions(group, model), tokenizer, limits, speculation=speculation)
+    return Engine(LeaderSessions(group, model, Grammars(tokenizer)), tokenizer, limits, speculation=speculation)
 
 
 def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
@@ -221,7 +222,7 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
                 log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
                 group.close()
                 time.sleep(0.5)
-        sessions = LeaderSessions(group, model)
+        sessions = LeaderSessions(group, model, engine.sessions.table.grammars)
         try:
             sessions.wait_ready()  # the worker loads its weights after joining
         except Exception as exc:  # noqa: BLE001 - it died loading: listen again
@@ -245,7 +246,7 @@ def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Grou
             time.sleep(0.5)
 
 
-def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare) -> int:
+def _worker(group: gate_ops.Group, model, grammars, settings: ServeSettings, share: SplitShare) -> int:
     """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
     dies it waits for a leader on the same address and serves it (the same checks as a first
     join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
@@ -257,7 +258,7 @@ def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitS
     where = f"at {coordinator[0]}:{coordinator[1]}" if coordinator else "(discovery)"
     while True:
         try:
-            table = serve_worker(group, model)  # tells the leader why if it fails
+            table = serve_worker(group, model, grammars)  # tells the leader why if it fails
             log(f"worker done after {table.batch.step_count} decode steps: the leader said stop")
             if not rejoin:
                 return 0

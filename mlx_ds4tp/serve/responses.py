@@ -23,12 +23,13 @@ from .errors import ApiError
 from .requests import Request
 from .sse import EventStream, stream_answer
 from .state import ResponseStore, ServeState
+from .structured import strict_marker
 
 # Every field of the Responses request: acted on, accepted at its neutral value, or refused.
 _ACTED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
           "tools", "tool_choice", "previous_response_id", "metadata", "user", "safety_identifier",
-          "prompt_cache_key", "parallel_tool_calls", "store", "service_tier"}
-_NEUTRAL = {"text": ({"format": {"type": "text"}},), "truncation": ("disabled",), "include": ([],),
+          "prompt_cache_key", "parallel_tool_calls", "store", "service_tier", "text"}
+_NEUTRAL = {"truncation": ("disabled",), "include": ([],),
             "background": (False,)}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -92,12 +93,38 @@ def to_chat_body(body: dict, store: ResponseStore) -> tuple:
                    for t in tools):
             raise ApiError(400, "'tools' must be function tools ({\"type\": \"function\", \"name\": ...}); "
                            "built-in tools are not available here", "tools", "unsupported_parameter")
+        # A tool is strict only when it says so (the Responses API's default is strict; here an
+        # unmarked tool keeps the model's free text, as before structured output).
         chat["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
+            "name": t["name"], "description": t.get("description", ""), **strict_marker(t),
             "parameters": t.get("parameters", {"type": "object"})}} for t in tools]
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = body["tool_choice"]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}  # the chat shape
+    if choice is not None:
+        chat["tool_choice"] = choice
+    response_format = _response_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
     return chat, messages
+
+
+def _response_format(text: Any) -> Optional[dict]:
+    """`text.format` as chat completions' response_format (serve.structured)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or \
+            text.get("verbosity") not in (None, "medium"):
+        raise ApiError(400, "'text' must be {\"format\": {...}} (verbosity is not adjustable here)", "text",
+                       "unsupported_parameter")
+    form = text.get("format")
+    if form is None:
+        return None
+    if not isinstance(form, dict):
+        raise ApiError(400, "'text.format' must be an object with a 'type'", "text.format", "invalid_type")
+    if form.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
+    return form
 
 
 class ResponseShape:

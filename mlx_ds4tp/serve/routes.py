@@ -10,7 +10,7 @@ import json
 import urllib.parse
 from typing import Optional, Tuple
 
-from . import anthropic, api, responses
+from . import anthropic, api, responses, structured
 from .connection import Connection
 from .errors import ApiError, PairUnavailable, unavailable
 from .requests import Request
@@ -105,7 +105,9 @@ def _parse(raw: bytes, kind: str, state: ServeState) -> Tuple[api.ParsedRequest,
     elif kind == "responses":
         chat, messages = responses.to_chat_body(body, state.responses)
         body, kind, asked = chat, "chat", (body, messages)
-    return api.parse_request(body, kind, state.tokenizer, model_ids=state.model_ids,
-                             default_max_tokens=state.http.default_max_tokens,
-                             context_length=state.context_length, vocab_size=state.vocab_size,
-                             defaults=state.http.sampling), asked
+    parsed = api.parse_request(body, kind, state.tokenizer, model_ids=state.model_ids,
+                               default_max_tokens=state.http.default_max_tokens,
+                               context_length=state.context_length, vocab_size=state.vocab_size,
+                               defaults=state.http.sampling)
+    structured.check(state.grammars, parsed.options.grammar)
+    return parsed, asked

@@ -53,5 +53,7 @@ class ServeState:
         self.model_ids = list(served.ids)
         self.context_length, self.vocab_size = context_length, vocab_size
         self.responses = ResponseStore()
+        # Constrained requests' grammars, compiled and cached once for both the check and the rows.
+        self.grammars = getattr(getattr(engine.sessions, "table", None), "grammars", None)
         self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
         self.created = int(time.time())

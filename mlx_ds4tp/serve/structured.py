@@ -1,0 +1,129 @@
+"""Structured output: what a request's `response_format`, strict tools and forced `tool_choice`
+ask of the model's output, as the grammar its sampler is masked with (lockstep.grammar).
+
+- `response_format`: `{"type": "json_schema", "json_schema": {"schema": ...}}` (the openai
+  SDK's `parse()`), `{"type": "json_object"}` (any JSON object), `{"type": "text"}` (nothing).
+  The schema is enforced whether or not `strict` is set (as vLLM does): a best effort that is
+  always met is still met.
+- Tools: a call the model makes of a tool declared `strict: true` has arguments that validate
+  against its parameters; `tool_choice: "required"` or a named function makes the output one
+  call (of any tool, or of that one). Calls are written in the json_tools format
+  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen-style templates'), so a
+  model whose tool parser is another one is refused with a 400 when a call is constrained.
+- A schema the engine cannot compile is a 400 naming the keyword it refused (`check`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, List, Optional, Tuple
+
+from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES
+from ..lockstep.grammar import GrammarError, Grammars, json_object_grammar, json_schema_grammar, tool_call_grammar
+from .errors import ApiError
+
+# The grammar travels in the SAMPLER command's options (at most MAX_SAMPLER_OPTIONS_BYTES of
+# JSON, the other options included).
+MAX_GRAMMAR_BYTES = MAX_SAMPLER_OPTIONS_BYTES - 4096
+
+
+def _schema_of(response_format: Any) -> Optional[dict]:
+    """The JSON Schema `response_format` asks for ({} for JSON mode), None for plain text."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise ApiError(400, "'response_format' must be an object with a 'type' (\"text\", \"json_object\" or "
+                       "\"json_schema\")", "response_format", "invalid_type")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON Schema object "
+                           "({\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}})",
+                           "response_format", "invalid_value")
+        return schema
+    raise ApiError(400, f"'response_format.type' is {kind!r}; use \"text\", \"json_object\" or \"json_schema\"",
+                   "response_format", "invalid_value")
+
+
+def strict_marker(tool: dict) -> dict:
+    """What a Responses or Messages tool adds to its chat tool: {"strict": true} when it says so
+    (its calls are constrained), else nothing, so the template renders it as before."""
+    return {"strict": True} if tool.get("strict") is True else {}
+
+
+def _forced(choice: Any, tools: List[dict]) -> Tuple[bool, List[dict]]:
+    """(whether `tool_choice` forces a call, the tools it may call)."""
+    if choice in (None, "auto"):
+        return False, tools
+    if choice == "required":
+        return True, tools
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, f"'tool_choice'={json.dumps(choice)[:80]}: use \"none\", \"auto\", \"required\" or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice", "invalid_value")
+    named = [t for t in tools if t["function"].get("name") == name]
+    if not named:
+        raise ApiError(400, f"'tool_choice' names the function {name!r}, which is not in 'tools'", "tool_choice",
+                       "invalid_value")
+    return True, named
+
+
+def _call_format(tokenizer) -> Tuple[str, str]:
+    """The model's tool-call markers, when its calls are json_tools' JSON; ApiError otherwise."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
+    if parser is None or not str(getattr(parser, "__module__", "")).endswith("json_tools") or not start or not end:
+        raise ApiError(400, "a constrained tool call ('strict' tools, or 'tool_choice' \"required\" or named) needs "
+                       "a model whose tool calls are JSON between markers (mlx-lm's json_tools parser, "
+                       "Qwen-style templates); this model's are not", "tools", "unsupported_parameter")
+    return start, end
+
+
+def request_grammar(body: dict, tokenizer, tools: Optional[List[dict]]) -> str:
+    """The grammar a chat or completions request's output must follow ("" for none): its
+    response_format, and (chat) its strict tools and tool_choice; ApiError naming the field."""
+    schema = _schema_of(body.get("response_format"))
+    grammar = ""
+    if tools:
+        required, callable_tools = _forced(body.get("tool_choice"), tools)
+        if required or any(t["function"].get("strict") for t in callable_tools):
+            start, end = _call_format(tokenizer)
+            calls = [(t["function"]["name"], (t["function"].get("parameters") or {"type": "object"})
+                      if t["function"].get("strict") else {"type": "object"}) for t in callable_tools]
+            grammar = _compiled_text(lambda: tool_call_grammar(calls, start, end, required, schema), "tools")
+    if not grammar and schema is not None:
+        grammar = _compiled_text(lambda: json_schema_grammar(schema) if schema else json_object_grammar(),
+                                 "response_format")
+    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise ApiError(400, f"the request's schema makes a grammar of {len(grammar.encode())} bytes; at most "
+                       f"{MAX_GRAMMAR_BYTES} fit: send a smaller schema", "response_format", "invalid_value")
+    return grammar
+
+
+def _compiled_text(make, param: str) -> str:
+    try:
+        return make()
+    except (GrammarError, ValueError, TypeError) as exc:
+        raise ApiError(400, f"'{param}' cannot be turned into a grammar: {exc}", param, "invalid_value") from None
+
+
+def check(grammars: Optional[Grammars], grammar: str) -> None:
+    """Compile a request's grammar (cached for its session): a 400 naming what the engine
+    refused, such as an unsupported JSON Schema keyword."""
+    if not grammar:
+        return
+    if grammars is None:
+        raise ApiError(400, "constrained output is not available on this server (no grammars for its "
+                       "tokenizer)", "response_format", "unsupported_parameter")
+    try:
+        grammars.compile(grammar)
+    except GrammarError as exc:
+        raise ApiError(400, f"the requested schema cannot be enforced: {exc}; leave that keyword out of the "
+                       "schema", "response_format", "invalid_value") from None
