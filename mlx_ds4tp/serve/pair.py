@@ -8,8 +8,7 @@ import json
 import signal
 import threading
 import time
-from http.server import ThreadingHTTPServer
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
@@ -20,6 +19,9 @@ from ..split.auto import ModelNeed, model_need
 from ..split.progress import LoadingBar
 from ..split.share import SplitShare
 from .settings import ServedModel, ServeSettings
+
+if TYPE_CHECKING:
+    from .http_server import HttpServer
 
 
 def context_length(model: Any, config: Dict[str, Any]) -> int:
@@ -91,19 +93,20 @@ def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
 
 def run(settings: ServeSettings) -> int:
     """One rank of `ds4tp serve`, as cli.serve resolved it; returns the exit code."""
-    from .http import make_server
+    from .http_server import HttpServer
 
+    http = settings.http
     leader = settings.link.address.role == "leader"
-    server = make_server(settings.http.host, settings.http.port) if leader else None
+    server = HttpServer(http.host, http.port, http.header_timeout_sec, http.keep_alive_timeout_sec) if leader else None
     try:
         return _run_rank(settings, model_identity(str(settings.model.path)), server)
     finally:
         if server is not None:
-            server.server_close()
+            server.close()
 
 
 def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity,
-              server: Optional[ThreadingHTTPServer]) -> int:
+              server: Optional["HttpServer"]) -> int:
     from ..model_split import load_split
 
     served = settings.model
@@ -156,7 +159,7 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
 
 
 def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                server: ThreadingHTTPServer) -> None:
+                server: "HttpServer") -> None:
     """The leader's HTTP front over `engine` (split_model: the model and the share it is split
     by), until Ctrl-C or SIGTERM."""
     from .state import ServeState
@@ -167,17 +170,16 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
     state = ServeState(engine, tokenizer=engine.tokenizer, served=served, http=settings.http,
                        context_length=context_length(model, config),
                        vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]))
-    server.RequestHandlerClass.state = state
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     engine.start()
     threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings),
                      name="ds4tp-rejoin", daemon=True).start()
     log(f"serving {served.name} ({served.path}) on "
-           f"http://{settings.http.host}:{server.server_address[1]}/v1 (transport {group.transport})")
+           f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
     # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.serve_forever(poll_interval=0.5)
+        server.serve(state)
     except KeyboardInterrupt:
         log("serve: stopping; the worker is told to stop too")
     finally:
