@@ -86,10 +86,17 @@ class HttpServer:
         if not header_timeout > 0 or not keep_alive_timeout > 0:
             raise ValueError(f"--header-timeout-sec {header_timeout} / --keep-alive-timeout-sec "
                              f"{keep_alive_timeout}: give positive numbers of seconds")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+        # without it each answer after a kept-alive connection's first waited 40 ms (Nagle's
+        # algorithm against the client's delayed ACK).
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                    socket.IPPROTO_TCP)
         try:
-            self.socket = socket.create_server((host, port), family=family, backlog=BACKLOG)
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind((host, port))
+            self.socket.listen(BACKLOG)
         except OSError as exc:
+            self.socket.close()
             raise RuntimeError(f"cannot serve HTTP on {host}:{port} ({exc}); pick another --port or "
                                "--host") from None
         self.host, self.port = host, self.socket.getsockname()[1]
