@@ -77,5 +77,8 @@ setup(
         "cffi>=1.16",
         # ds4tp serve's GET /metrics (the Prometheus text format)
         "prometheus_client>=0.17",
+        # ds4tp serve's HTTP face: an ASGI application on one event loop (h11 comes with uvicorn)
+        "starlette>=0.37",
+        "uvicorn>=0.30",
     ],
 )

@@ -65,7 +65,7 @@ class RunningSession:
 
 def cancelled_out(sessions: List[RunningSession]) -> Tuple[List[RunningSession], List[RunningSession]]:
     """(the sessions that go on, those whose requests were cancelled): each request's flag read
-    once, since the HTTP threads may set it meanwhile."""
+    once, since the HTTP face may set it meanwhile."""
     cancelled = [s for s in sessions if s.request.cancelled]
     return [s for s in sessions if s not in cancelled], cancelled
 
