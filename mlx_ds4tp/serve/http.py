@@ -22,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..base.log import log
 from . import anthropic, routes
 from .errors import ApiError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -146,6 +147,11 @@ async def _route(route: Callable[..., Awaitable[None]], conn: HttpConnection, st
         headers = {"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else None
         await conn.send_json(err.status, anthropic.error_body(err) if path.startswith("/v1/messages")
                              else err.body(), headers)
+    except Exception as exc:
+        if not isinstance(conn.response, StreamingResponse):
+            raise  # Starlette answers 500 and uvicorn logs it
+        # The status line is out: the stream ends short (no [DONE]) and the fault is logged.
+        log(f"serve: a streamed answer to {path} failed: {type(exc).__name__}: {exc}")
     finally:
         conn.finish()
 
