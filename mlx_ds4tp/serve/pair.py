@@ -93,8 +93,10 @@ def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
 
 def run(settings: ServeSettings) -> int:
     """One rank of `ds4tp serve`, as cli.serve resolved it; returns the exit code."""
+    from ..lockstep.table import fix_heap_thresholds
     from .http_server import HttpServer
 
+    fix_heap_thresholds()  # before the weights and the caches are allocated
     http = settings.http
     leader = settings.link.address.role == "leader"
     server = HttpServer(http.host, http.port, http.header_timeout_sec, http.keep_alive_timeout_sec) if leader else None
