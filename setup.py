@@ -82,5 +82,8 @@ setup(
         "ifaddr>=0.2",  # the interfaces' addresses (zeroconf's own dependency, used directly)
         # constrained decoding (JSON Schema, strict tool calls): lockstep/grammar.py says why this engine
         "llguidance>=1.0",
+        # ds4tp serve's HTTP face: an ASGI application on one event loop (h11 comes with uvicorn)
+        "starlette>=0.37",
+        "uvicorn>=0.30",
     ],
 )

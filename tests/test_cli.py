@@ -332,32 +332,6 @@ def test_http_errors_live_with_the_server_and_stay_importable():
     assert ApiError(404, "gone", "model", "model_not_found").body()["error"]["param"] == "model"
 
 
-def test_serve_restarts_itself_once_with_a_bounded_glibc_heap():
-    from mlx_ds4tp.cli.heap import HEAP_ENV, bounded_heap_argv, bounded_heap_environ, exec_with_bounded_heap
-
-    linux = dict(system="Linux", libc="glibc", executable="/usr/bin/python3")
-    orig = ["python3", "-m", "mlx_ds4tp", "serve", "--model", "demo"]
-    assert bounded_heap_argv(["serve", "--model", "demo"], {}, orig_argv=orig, **linux) == \
-        ["/usr/bin/python3", "-m", "mlx_ds4tp", "serve", "--model", "demo"]
-    # Once: the exec'd process has every variable; values the user set are kept, and one the
-    # user left out is still added.
-    assert bounded_heap_argv(["serve"], dict(HEAP_ENV), orig_argv=orig, **linux) is None
-    assert bounded_heap_argv(["serve"], {"MALLOC_ARENA_MAX": "8"}, orig_argv=orig, **linux) == \
-        ["/usr/bin/python3", "-m", "mlx_ds4tp", "serve", "--model", "demo"]
-    assert bounded_heap_environ({"MALLOC_ARENA_MAX": "8", "PATH": "/bin"}) == \
-        {"MALLOC_ARENA_MAX": "8", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-         "MALLOC_TRIM_THRESHOLD_": str(1 << 20), "PATH": "/bin"}
-    # Only the long-running server, only glibc (a Mac's allocator has no such arenas).
-    assert bounded_heap_argv(["run", "--model", "demo"], {}, orig_argv=orig, **linux) is None
-    assert bounded_heap_argv(["serve"], {}, orig_argv=orig, system="Darwin", libc="",
-                             executable="/usr/bin/python3") is None
-    assert bounded_heap_argv(["serve"], {}, orig_argv=orig, system="Linux", libc="musl",
-                             executable="/usr/bin/python3") is None
-    calls = []
-    exec_with_bounded_heap(["demo"], execve=lambda *a: calls.append(a))
-    assert calls == []
-
-
 # -- the shared flags and --transport mlx -------------------------------------------------
 
 

@@ -1,8 +1,10 @@
 """serve/routes.py, serve/answer.py and serve/sse.py over a recording Connection and a scripted
-engine: the routes' answers, statuses and streamed framing without any HTTP stack."""
+engine: the routes' answers, statuses and streamed framing without any HTTP stack (each route a
+coroutine, run here on an event loop of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -59,16 +61,16 @@ class Recorder:
     def header(self, name):
         return self.headers.get(name, "")
 
-    def read_body(self):
+    async def read_body(self):
         return self.raw
 
-    def send_json(self, status, body, headers=None):
+    async def send_json(self, status, body, headers=None):
         self.sent.append((status, body))
 
-    def send_metrics(self, data):
+    async def send_metrics(self, data):
         self.sent.append((200, data))
 
-    def start_events(self):
+    async def start_events(self):
         self.sent.append((200, "events"))
 
     def write(self, data):
@@ -93,11 +95,11 @@ def test_unknown_endpoints_and_a_missing_key_are_refused():
     for route, path, status in [(routes.get, "/nope", 404), (routes.post, "/v1/nope", 404),
                                 (routes.get, "/v1/models", 401), (routes.post, "/v1/completions", 401)]:
         with pytest.raises(ApiError) as info:
-            route(Recorder(), s, path)
+            asyncio.run(route(Recorder(), s, path))
         assert info.value.status == status
     for headers in ({"Authorization": "Bearer k"}, {"x-api-key": "k"}):
         conn = Recorder(headers=headers)
-        routes.get(conn, s, "/v1/models")
+        asyncio.run(routes.get(conn, s, "/v1/models"))
         assert conn.sent == [(200, {"object": "list", "data": [
             {"id": "m", "object": "model", "created": s.created, "owned_by": "mlx_ds4tp"}]})]
 
@@ -105,7 +107,7 @@ def test_unknown_endpoints_and_a_missing_key_are_refused():
 def test_a_whole_completion_and_its_usage():
     engine = ScriptedEngine([("text", "ab", []), ("text", "c", []), ("done", "stop")])
     conn = Recorder({"prompt": "hi", "max_tokens": 4})
-    routes.post(conn, state(engine), "/v1/completions")
+    asyncio.run(routes.post(conn, state(engine), "/v1/completions"))
     ((status, body),) = conn.sent
     assert status == 200 and body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "abc" and body["choices"][0]["finish_reason"] == "stop"
@@ -115,7 +117,7 @@ def test_a_whole_completion_and_its_usage():
 def test_a_streamed_completion_is_framed_as_server_sent_events():
     engine = ScriptedEngine([("text", "ab", []), ("done", "length")])
     conn = Recorder({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}})
-    routes.post(conn, state(engine), "/v1/completions")
+    asyncio.run(routes.post(conn, state(engine), "/v1/completions"))
     chunks = events_of(conn.streamed)
     assert conn.sent == [(200, "events")] and chunks[-1] == "[DONE]"
     assert [c["choices"][0]["text"] for c in chunks[:2]] == ["ab", ""]
@@ -124,11 +126,12 @@ def test_a_streamed_completion_is_framed_as_server_sent_events():
 
 def test_an_error_before_the_first_event_is_raised_and_after_it_is_an_event():
     with pytest.raises(ApiError) as info:
-        routes.post(Recorder({"prompt": "hi", "stream": True}), state(ScriptedEngine([("busy", "full")])),
-                    "/v1/completions")
+        asyncio.run(routes.post(Recorder({"prompt": "hi", "stream": True}), state(ScriptedEngine([("busy", "full")])),
+                                "/v1/completions"))
     assert info.value.status == 429
     conn = Recorder({"prompt": "hi", "stream": True})
-    routes.post(conn, state(ScriptedEngine([("text", "a", []), ("later", ("failed", "boom"))])), "/v1/completions")
+    asyncio.run(routes.post(conn, state(ScriptedEngine([("text", "a", []), ("later", ("failed", "boom"))])),
+                            "/v1/completions"))
     chunks = events_of(conn.streamed)
     assert chunks[0]["choices"][0]["text"] == "a" and chunks[-1]["error"]["code"] == "generation_failed"
     assert "[DONE]" not in chunks
@@ -137,13 +140,13 @@ def test_an_error_before_the_first_event_is_raised_and_after_it_is_an_event():
 def test_a_client_gone_cancels_its_request_and_nothing_is_sent():
     engine = ScriptedEngine([])  # no event ever comes
     conn = Recorder({"prompt": "hi"}, gone=True)
-    routes.post(conn, state(engine, keepalive_sec=0.05), "/v1/completions")
+    asyncio.run(routes.post(conn, state(engine, keepalive_sec=0.05), "/v1/completions"))
     assert conn.sent == [] and engine.submitted[0].cancelled
 
 
 def test_count_tokens_answers_without_generating():
     engine = ScriptedEngine()
     conn = Recorder({"model": "m", "messages": [{"role": "user", "content": "hello"}]})
-    routes.post(conn, state(engine), "/v1/messages/count_tokens")
+    asyncio.run(routes.post(conn, state(engine), "/v1/messages/count_tokens"))
     ((status, body),) = conn.sent
     assert status == 200 and body["input_tokens"] > 0 and engine.submitted == []

@@ -51,11 +51,6 @@ def report_errors(fn: Callable[[], int]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `ds4tp` command: parse argv (default sys.argv) and run the subcommand."""
-    if argv is None:
-        from .heap import exec_with_bounded_heap
-
-        # Before anything is parsed or loaded: the exec starts the same command afresh.
-        exec_with_bounded_heap(sys.argv[1:])
     args = build_parser().parse_args(argv)
     return report_errors(lambda: args.func(args))
 

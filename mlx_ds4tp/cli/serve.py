@@ -83,6 +83,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a streamed answer that has not started after SEC seconds (a long prefill, "
                         "a full batch) starts with its status line and an SSE comment, repeated "
                         "every SEC seconds, so proxies and clients do not time out (default 10)")
+    p.add_argument("--header-timeout-sec", type=float, default=10.0, metavar="SEC",
+                   help="leader: a connection whose request line and headers have not all arrived SEC "
+                        "seconds after it opened (or after its last answer) is closed (default 10)")
+    p.add_argument("--keep-alive-timeout-sec", type=float, default=5.0, metavar="SEC",
+                   help="leader: a kept-alive connection idle for SEC seconds after its last answer is "
+                        "closed (default 5)")
     p.add_argument("--kv-bits", type=int, default=0, metavar="BITS",
                    help="leader: quantize the KV caches to BITS (mlx-lm's QuantizedKVCache: 2, 3, 4, 5, "
                         "6 or 8; default 0: float); batching stays on (the leader tells the worker)")
@@ -163,7 +169,13 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     served = ServedModel(path, args.served_model_name or default_served_name(args.model),
                          aliases=(args.model, str(path)), draft_model=args.draft_model,
                          prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
-    http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling)
+    for flag, value in (("--header-timeout-sec", args.header_timeout_sec),
+                        ("--keep-alive-timeout-sec", args.keep_alive_timeout_sec)):
+        if not value > 0:
+            raise SystemExit(f"ds4tp serve: {flag} {value}: give a positive number of seconds")
+    http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling,
+                        header_timeout_sec=args.header_timeout_sec,
+                        keep_alive_timeout_sec=args.keep_alive_timeout_sec)
     return ServeSettings(link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
                          rejoin=args.rejoin or (discovery is not None and address.role != "leader"),
                          split=split_from_args(args, "serve"))

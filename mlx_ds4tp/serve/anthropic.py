@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from .answer import Answer, send_whole
 from .api import ParsedRequest
@@ -205,18 +205,18 @@ class MessageStream:
         self.send("message_stop", {"type": "message_stop"})
 
 
-def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
+async def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
     """POST /v1/messages's answer to a submitted request."""
     shape = MessageShape(parsed.model, len(parsed.prompt))
     chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream)
     if not parsed.stream:
-        send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
+        await send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
         return
 
-    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
+    async def write_events(pieces: AsyncIterator[tuple], stream: EventStream) -> None:
         message = MessageStream(shape, stream.event)
         message.start(request.cached_tokens)
-        for kind, piece, extra in pieces:
+        async for kind, piece, extra in pieces:
             if kind == "idle":
                 stream.event("ping", {"type": "ping"})
             else:
@@ -224,4 +224,5 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
                 if kind == "done":
                     message.finish(extra, request.completion_tokens)
 
-    stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.event("error", error_body(err)))
+    await stream_answer(conn, state, request, chat, write_events,
+                        lambda stream, err: stream.event("error", error_body(err)))

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ..lockstep.sampling import SamplingOptions
 from .answer import Answer, send_whole
@@ -302,18 +302,18 @@ def usage(request: Request) -> Dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
 
 
-def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
+async def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
     """POST /v1/chat/completions's or /v1/completions's answer to a submitted request."""
     shape = ResponseShape(parsed.kind, parsed.model)
     chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream) if parsed.kind == "chat" else None
     if not parsed.stream:
-        send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
+        await send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
         return
 
-    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
+    async def write_events(pieces: AsyncIterator[tuple], stream: EventStream) -> None:
         if chat is not None:
             stream.data(shape.chunk("", None, first=True))
-        for kind, piece, extra in pieces:
+        async for kind, piece, extra in pieces:
             logprobs = extra if kind == "text" and request.logprobs is not None else None
             if kind == "idle":
                 stream.keep_alive()
@@ -330,4 +330,4 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
             stream.data(shape.usage_chunk(request))
         stream.write(b"data: [DONE]\n\n")
 
-    stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.data(err.body()))
+    await stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.data(err.body()))

@@ -1,7 +1,8 @@
 """The leader's scheduler for `ds4tp serve`: continuous batching over the pair.
 
-One thread owns the model and the control channel. HTTP threads hand it requests through the
-inbox and read events back from a queue per request. Each turn of its loop:
+One thread owns the model and the control channel. Its narrow, thread-safe face to the HTTP
+event loop: `submit` a request (the inbox), cancel it (its `cancelled` flag, read at the next
+turn), and its events (a queue per request the loop awaits, serve/events.py). Each turn of its loop:
   1. admits waiting requests (serve.admission: the KV budget, the stored prefix of each
      prompt, the session created on both ranks from that cache);
   2. prefills one chunk of the oldest prompts in one padded forward (serve.prefill), unless
@@ -57,7 +58,7 @@ class Engine:
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
 
-    # -- the HTTP threads' side ---------------------------------------------
+    # -- the HTTP face's side (any thread) ------------------------------------
     @property
     def error(self) -> Optional[str]:
         """Why the pair is down, or None while it is up."""

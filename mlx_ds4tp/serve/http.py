@@ -1,16 +1,28 @@
-"""The HTTP face of `ds4tp serve` on the leader: the standard library's threading server, each
-connection a Connection (serve/connection.py) that serve/routes.py answers over the Engine. The
-worker runs no HTTP: it executes the leader's commands (mlx_ds4tp.lockstep.sessions) until STOP.
+"""The HTTP face of `ds4tp serve` on the leader: an ASGI application (Starlette) that answers
+every request through serve/routes.py over a Connection, on one event loop (uvicorn runs it:
+serve/http_server.py). The worker runs no HTTP: it executes the leader's commands
+(mlx_ds4tp.lockstep.sessions) until STOP.
+
+Each request's route runs as a task of its own: a whole answer is sent once the route is done,
+a streamed one as Starlette's StreamingResponse while the route goes on writing its events. A
+client that closes its connection cancels that task (uvicorn tells at once), which cancels the
+request: the engine frees its row at its next turn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import select
-import socket
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..base.log import log
 from . import anthropic, routes
 from .errors import ApiError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -21,129 +33,196 @@ MAX_BODY_BYTES = 16 << 20
 RETRY_AFTER_SEC = 2
 
 
-class Handler(BaseHTTPRequestHandler):
-    """One HTTP connection, as the Connection the routes answer through. `state` is a class
-    attribute of the subclass make_server makes, set once the pair is up (serve/pair.py)."""
+class HttpConnection:
+    """One request as the Connection the routes answer through (serve/connection.py)."""
 
-    state: ServeState
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt: str, *args: Any) -> None:  # noqa: D102 - quiet access log
-        return
-
-    def _path(self) -> str:
-        return self.path.split("?", 1)[0]
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._route(routes.get)
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._route(routes.post)
-
-    def _route(self, route: Callable[[Handler, ServeState, str], None]) -> None:
-        path = self._path()
-        try:
-            route(self, self.state, path)
-        except ApiError as err:
-            # The body may be unread (a refused key, an unknown path): it must not be taken for
-            # the next request on this connection.
-            self.close_connection = True
-            headers = {"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else None
-            self.send_json(err.status, anthropic.error_body(err) if path.startswith("/v1/messages") else err.body(),
-                           headers)
-
-    def do_OPTIONS(self) -> None:  # noqa: N802
-        self.send_response(204)
-        self._cors()
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+    def __init__(self, request: HttpRequest, state: ServeState, path: str):
+        self._request, self._state, self._path = request, state, path
+        self.response: Optional[Response] = None  # set once the answer starts
+        self.decided = asyncio.Event()  # the response is known (or the route ended without one)
+        self.closing = False  # the answer says Connection: close
+        self.task: Optional[asyncio.Task] = None  # the route's, cancelled when the client goes
+        self._chunks: Optional[asyncio.Queue] = None  # a stream's events, None: its end
+        self._gone = False
+        self._watcher: Optional[asyncio.Task] = None
 
     # -- Connection -----------------------------------------------------------------
     def header(self, name: str) -> str:
-        return self.headers.get(name, "")
+        return self._request.headers.get(name, "")
 
-    def read_body(self) -> bytes:
+    async def read_body(self) -> bytes:
         try:
-            length = int(self.headers.get("Content-Length", ""))
+            length = int(self.header("Content-Length"))
         except ValueError:
             raise ApiError(411, "a Content-Length header with the body's size is required") from None
         if not 0 <= length <= MAX_BODY_BYTES:
             raise ApiError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are accepted")
-        return self.rfile.read(length)
+        body = await self._request.body()
+        # The body read, the next thing the client can say is that it left.
+        self._watcher = asyncio.ensure_future(self._watch())
+        return body
 
-    def send_json(self, status: int, body: Dict[str, Any], headers: Optional[Dict[str, str]] = None) -> None:
-        data = json.dumps(body).encode()
+    async def send_json(self, status: int, body: Dict[str, Any], headers: Optional[Dict[str, str]] = None) -> None:
         # Connection: close said, so a client that keeps connections alive opens a new one for
         # its next request instead of writing into a socket this side has closed.
-        closing = [("Connection", "close")] if self.close_connection else []
-        self._send(status, [("Content-Type", "application/json"), *(headers or {}).items(),
-                            ("Content-Length", str(len(data))), *closing], data)
+        closing = {"Connection": "close"} if self.closing else {}
+        self._answer(Response(json.dumps(body).encode(), status, {**(headers or {}), **closing},
+                              media_type="application/json"))
 
-    def send_metrics(self, data: bytes) -> None:
-        self._send(200, [("Content-Type", METRICS_CONTENT_TYPE), ("Content-Length", str(len(data)))], data, cors=False)
+    async def send_metrics(self, data: bytes) -> None:
+        self._answer(Response(data, 200, media_type=METRICS_CONTENT_TYPE))
 
-    def start_events(self) -> None:
-        # No Content-Length: the stream ends when the connection closes.
-        self._send(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("Connection", "close")])
-        self.close_connection = True
+    async def start_events(self) -> None:
+        self._chunks = asyncio.Queue()
+        self._answer(StreamingResponse(self._events(), 200, {"Cache-Control": "no-cache"},
+                                       media_type="text/event-stream"))
 
     def write(self, data: bytes) -> None:
-        self.wfile.write(data)
-        self.wfile.flush()
+        if self._gone:
+            raise ConnectionResetError("the client closed the connection")
+        self._chunks.put_nowait(data)
 
     def client_gone(self) -> bool:
-        # Readable with nothing to read: the client closed its side.
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            gone = bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            gone = True
-        self.close_connection = self.close_connection or gone
-        return gone
+        return self._gone
 
     # -- plumbing -------------------------------------------------------------------
-    def _send(self, status: int, headers: List[Tuple[str, str]], data: bytes = b"", cors: bool = True) -> None:
-        """The status line (counted in /metrics) and headers, then `data`."""
-        state = getattr(self, "state", None)
-        if state is not None:
-            state.metrics.answered(routes.endpoint(self._path()), status)
-        self.send_response(status)
-        for name, value in headers:
-            self.send_header(name, value)
-        if cors:
-            self._cors()
-        self.end_headers()
-        self.wfile.write(data)
+    def _answer(self, response: Response) -> None:
+        self._state.metrics.answered(routes.endpoint(self._path), response.status_code)
+        self.response = response
+        self.decided.set()
 
-    def _cors(self) -> None:
-        self.send_header("Access-Control-Allow-Origin", "*")
-        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        # Browser SDKs send headers of their own (the openai SDK's x-stainless-*): a preflight
-        # gets back every header it asks for; "*" does not cover Authorization, so it is named.
-        asked = self.headers.get("Access-Control-Request-Headers", "")
-        names = [h.strip() for h in asked.split(",") if h.strip()] if asked else ["*", "Content-Type"]
-        if not any(h.lower() == "authorization" for h in names):
-            names.append("Authorization")
-        self.send_header("Access-Control-Allow-Headers", ", ".join(names))
-        self.send_header("Access-Control-Max-Age", "600")
+    def finish(self) -> None:
+        """The route is done: a stream ends after what it wrote."""
+        if self._chunks is not None:
+            self._chunks.put_nowait(None)
+        self.decided.set()
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._request.receive()
+            if message["type"] == "http.disconnect":
+                self._gone = True
+                if self.task is not None:
+                    self.task.cancel()
+                return
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                chunks = [await self._chunks.get()]
+                # What piled up while the loop was busy goes out in one write.
+                while chunks[-1] is not None and not self._chunks.empty():
+                    chunks.append(self._chunks.get_nowait())
+                data = b"".join(c for c in chunks if c is not None)
+                if data:
+                    yield data
+                if chunks[-1] is None:
+                    return
+        finally:
+            # Written whole, or the client left (Starlette cancels the stream when it sees the
+            # disconnect): either way nothing more is to be answered.
+            self._gone = True
+            if self.task is not None:
+                self.task.cancel()
+            self.stop_watching()
 
 
-class _Server(ThreadingHTTPServer):
-    # The standard library's backlog is 5: many clients connecting at once (a burst of agent
-    # calls) while the accepting thread waits for the interpreter lock overflow it, and the
-    # kernel then resets some of them.
-    request_queue_size = 256
+def _raw_path(request: HttpRequest) -> str:
+    """The path as the client sent it (still %-encoded: the routes decode a model id once)."""
+    raw = request.scope.get("raw_path")
+    return raw.decode("latin-1") if raw else request.url.path
 
 
-def make_server(host: str, port: int) -> ThreadingHTTPServer:
-    """The HTTP server, bound but not serving yet: its handlers read `state`, which the
-    caller sets (server.RequestHandlerClass.state) before serve_forever. Binding first lets
-    a taken port fail before the pair is joined and the weights are loaded."""
-    handler = type("BoundHandler", (Handler,), {})
+async def _route(route: Callable[..., Awaitable[None]], conn: HttpConnection, state: ServeState, path: str) -> None:
     try:
-        server = _Server((host, port), handler)
-    except OSError as exc:
-        raise RuntimeError(f"cannot serve HTTP on {host}:{port} ({exc}); pick another --port or "
-                           "--host") from None
-    server.daemon_threads = True
-    return server
+        await route(conn, state, path)
+    except ApiError as err:
+        # The body may be unread (a refused key, an unknown path): the connection closes
+        # rather than read it.
+        conn.closing = True
+        headers = {"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else None
+        await conn.send_json(err.status, anthropic.error_body(err) if path.startswith("/v1/messages")
+                             else err.body(), headers)
+    except Exception as exc:
+        if not isinstance(conn.response, StreamingResponse):
+            raise  # Starlette answers 500 and uvicorn logs it
+        # The status line is out: the stream ends short (no [DONE]) and the fault is logged.
+        log(f"serve: a streamed answer to {path} failed: {type(exc).__name__}: {exc}")
+    finally:
+        conn.finish()
+
+
+async def _endpoint(request: HttpRequest) -> Response:
+    state: ServeState = request.app.state.serve
+    path = _raw_path(request)
+    conn = HttpConnection(request, state, path)
+    route = routes.post if request.method == "POST" else routes.get
+    conn.task = asyncio.ensure_future(_route(route, conn, state, path))
+    try:
+        await conn.decided.wait()
+        if isinstance(conn.response, StreamingResponse):
+            return conn.response  # the route goes on writing its events
+        await asyncio.wait([conn.task])
+    except asyncio.CancelledError:
+        conn.task.cancel()
+        raise
+    finally:
+        if not isinstance(conn.response, StreamingResponse):
+            conn.stop_watching()
+    if conn.response is not None:
+        return conn.response
+    if not conn.task.cancelled() and conn.task.exception() is not None:
+        raise conn.task.exception()  # a fault of ours: Starlette answers 500
+    return Response(status_code=204)  # the client left before its answer: nobody reads this
+
+
+def cors_headers(asked: str) -> List[tuple]:
+    """The CORS headers every answer carries: any origin; a preflight gets back every header
+    it asks for (browser SDKs send their own, the openai SDK's x-stainless-*), and "*" does
+    not cover Authorization, so it is named."""
+    names = [h.strip() for h in asked.split(",") if h.strip()] if asked else ["*", "Content-Type"]
+    if not any(h.lower() == "authorization" for h in names):
+        names.append("Authorization")
+    return [(b"access-control-allow-origin", b"*"), (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            (b"access-control-allow-headers", ", ".join(names).encode("latin-1")),
+            (b"access-control-max-age", b"600")]
+
+
+class Cors:
+    """CORS as middleware: our own, not Starlette's CORSMiddleware, because the answers
+    browsers and clients already rely on are these: every answer carries the headers, Origin
+    or not, and a preflight (any OPTIONS) is a 204 whatever it names."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        asked = next((v.decode("latin-1") for k, v in scope["headers"]
+                      if k == b"access-control-request-headers"), "")
+        headers = cors_headers(asked)
+        if scope["method"] == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def make_app(state: ServeState) -> Starlette:
+    """The application answering every request over `state`."""
+    app = Starlette(routes=[Route("/{path:path}", _endpoint, methods=["GET", "POST"])],
+                    middleware=[Middleware(Cors)])
+    app.state.serve = state
+    return app

@@ -8,8 +8,7 @@ import json
 import signal
 import threading
 import time
-from http.server import ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
@@ -21,6 +20,9 @@ from ..split.auto import ModelNeed, model_need
 from ..split.progress import LoadingBar
 from ..split.share import SplitShare
 from .settings import ServedModel, ServeSettings
+
+if TYPE_CHECKING:
+    from .http_server import HttpServer
 
 
 def context_length(model: Any, config: Dict[str, Any]) -> int:
@@ -92,12 +94,15 @@ def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
 
 def run(settings: ServeSettings) -> int:
     """One rank of `ds4tp serve`, as cli.serve resolved it; returns the exit code."""
-    from .http import make_server
+    from ..lockstep.table import fix_heap_thresholds
+    from .http_server import HttpServer
 
-    servers: List[ThreadingHTTPServer] = []
+    fix_heap_thresholds()  # before the weights and the caches are allocated
+    servers: List["HttpServer"] = []
 
-    def serve_http() -> ThreadingHTTPServer:
-        servers.append(make_server(settings.http.host, settings.http.port))
+    def serve_http() -> "HttpServer":
+        http = settings.http
+        servers.append(HttpServer(http.host, http.port, http.header_timeout_sec, http.keep_alive_timeout_sec))
         return servers[-1]
 
     # A leader named on the command line takes its HTTP port before it waits for a worker; a
@@ -108,11 +113,11 @@ def run(settings: ServeSettings) -> int:
         return _run_rank(settings, model_identity(str(settings.model.path)), servers, serve_http)
     finally:
         for server in servers:
-            server.server_close()
+            server.close()
 
 
-def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List[ThreadingHTTPServer],
-              serve_http: Callable[[], ThreadingHTTPServer]) -> int:
+def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List["HttpServer"],
+              serve_http: Callable[[], "HttpServer"]) -> int:
     from ..model_split import load_split
 
     served = settings.model
@@ -166,7 +171,7 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
 
 
 def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                server: ThreadingHTTPServer) -> None:
+                server: "HttpServer") -> None:
     """The leader's HTTP front over `engine` (split_model: the model and the share it is split
     by), until Ctrl-C or SIGTERM."""
     from .state import ServeState
@@ -177,17 +182,16 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
     state = ServeState(engine, tokenizer=engine.tokenizer, served=served, http=settings.http,
                        context_length=context_length(model, config),
                        vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]))
-    server.RequestHandlerClass.state = state
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     engine.start()
     threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings),
                      name="ds4tp-rejoin", daemon=True).start()
     log(f"serving {served.name} ({served.path}) on "
-           f"http://{settings.http.host}:{server.server_address[1]}/v1 (transport {group.transport})")
+           f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
     # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.serve_forever(poll_interval=0.5)
+        server.serve(state)
     except KeyboardInterrupt:
         log("serve: stopping; the worker is told to stop too")
     finally:

@@ -12,6 +12,7 @@ import mlx.core as mx
 from ..lockstep.prompt_cache import Reuse
 from ..lockstep.row_sampling import RowSampler
 from ..lockstep.sampling import SamplingOptions
+from .events import EventQueue
 from .text_stream import TextStream
 
 
@@ -27,7 +28,7 @@ class Request:
     max_tokens: int
     options: SamplingOptions = SamplingOptions()
     stop: List[str] = dataclasses.field(default_factory=list)
-    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
+    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=EventQueue)
     cached_tokens: int = 0
     completion_tokens: int = 0
     cancelled: bool = False
@@ -64,7 +65,7 @@ class RunningSession:
 
 def cancelled_out(sessions: List[RunningSession]) -> Tuple[List[RunningSession], List[RunningSession]]:
     """(the sessions that go on, those whose requests were cancelled): each request's flag read
-    once, since the HTTP threads may set it meanwhile."""
+    once, since the HTTP face may set it meanwhile."""
     cancelled = [s for s in sessions if s.request.cancelled]
     return [s for s in sessions if s not in cancelled], cancelled
 

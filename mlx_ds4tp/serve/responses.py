@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from .answer import Answer, send_whole
 from .api import ParsedRequest
@@ -268,7 +268,7 @@ class ResponseStream:
                   response=self.shape.obj(status, finish, output_tokens, cached))
 
 
-def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request, body: dict,
+async def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request, body: dict,
            messages: List[dict]) -> None:
     """POST /v1/responses's answer to a submitted request (body: the Responses request,
     messages: the conversation it continues, as to_chat_body made them)."""
@@ -279,14 +279,14 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
             state.responses.put(shape.id, conversation(messages, answer.text, answer.calls))
             return shape.whole(answer, request)
 
-        send_whole(conn, state, request, chat, whole)
+        await send_whole(conn, state, request, chat, whole)
         return
 
-    def write_events(pieces: Iterator[tuple], stream: EventStream) -> None:
+    async def write_events(pieces: AsyncIterator[tuple], stream: EventStream) -> None:
         response = ResponseStream(shape, stream.event)
         text, calls = [], []
         response.start()
-        for kind, piece, extra in pieces:
+        async for kind, piece, extra in pieces:
             if kind == "idle":
                 stream.keep_alive()
                 continue
@@ -297,5 +297,5 @@ def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: 
                 state.responses.put(shape.id, conversation(messages, "".join(text), calls))
                 response.finish(extra, request.completion_tokens, request.cached_tokens)
 
-    stream_answer(conn, state, request, chat, write_events,
-                  lambda stream, err: stream.event("error", {"type": "error", **err.body()}))
+    await stream_answer(conn, state, request, chat, write_events,
+                        lambda stream, err: stream.event("error", {"type": "error", **err.body()}))

@@ -38,41 +38,41 @@ def _authorize(conn: Connection, state: ServeState) -> None:
                    "`ds4tp serve --api-key` (or 'x-api-key: KEY')", None, "invalid_api_key", "authentication_error")
 
 
-def get(conn: Connection, state: ServeState, path: str) -> None:
+async def get(conn: Connection, state: ServeState, path: str) -> None:
     """GET /health, /metrics, /v1/models and /v1/models/{id}."""
     model = {"object": "model", "created": state.created, "owned_by": "mlx_ds4tp"}
     if path == "/health":
         error = state.engine.error
         body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts()}
-        conn.send_json(200 if error is None else 503, body if error is None else {**body, "error": error})
+        await conn.send_json(200 if error is None else 503, body if error is None else {**body, "error": error})
     elif path == "/metrics":
         _authorize(conn, state)
-        conn.send_metrics(state.metrics.render())
+        await conn.send_metrics(state.metrics.render())
     elif path in ("/v1/models", "/models"):
         _authorize(conn, state)
-        conn.send_json(200, {"object": "list", "data": [{"id": state.model_ids[0], **model}]})
+        await conn.send_json(200, {"object": "list", "data": [{"id": state.model_ids[0], **model}]})
     elif path.startswith(("/v1/models/", "/models/")):
         _authorize(conn, state)
         name = urllib.parse.unquote(path.split("/models/", 1)[1])
         if name not in state.model_ids:
             raise ApiError(404, f"model '{name}' is not served here", "model", "model_not_found")
-        conn.send_json(200, {"id": name, **model})
+        await conn.send_json(200, {"id": name, **model})
     else:
         raise ApiError(404, f"no endpoint {path}; see GET /v1/models, POST /v1/chat/completions, "
                        "POST /v1/completions, POST /v1/messages", None, "not_found")
 
 
-def post(conn: Connection, state: ServeState, path: str) -> None:
+async def post(conn: Connection, state: ServeState, path: str) -> None:
     """POST to the chat, completions, messages (and count_tokens) and responses endpoints."""
     kind = POST_KINDS.get(path)
     if kind is None:
         raise ApiError(404, f"no endpoint POST {path}", None, "not_found")
     _authorize(conn, state)
-    parsed, asked = _parse(conn.read_body(), kind, state)
+    parsed, asked = _parse(await conn.read_body(), kind, state)
     if state.engine.error is not None:
         raise unavailable(state.engine.error)
     if kind == "count_tokens":
-        conn.send_json(200, {"input_tokens": len(parsed.prompt)})
+        await conn.send_json(200, {"input_tokens": len(parsed.prompt)})
         return
     request = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens, options=parsed.options,
                       stop=parsed.stop, logprobs=parsed.logprobs, num_draft_tokens=parsed.num_draft_tokens)
@@ -83,11 +83,11 @@ def post(conn: Connection, state: ServeState, path: str) -> None:
     except ValueError as exc:
         raise ApiError(400, str(exc), "max_tokens", "kv_budget_exceeded") from None
     if kind == "messages":
-        anthropic.answer(conn, state, parsed, request)
+        await anthropic.answer(conn, state, parsed, request)
     elif kind == "responses":
-        responses.answer(conn, state, parsed, request, *asked)
+        await responses.answer(conn, state, parsed, request, *asked)
     else:
-        api.answer(conn, state, parsed, request)
+        await api.answer(conn, state, parsed, request)
 
 
 def _parse(raw: bytes, kind: str, state: ServeState) -> Tuple[api.ParsedRequest, Optional[tuple]]:

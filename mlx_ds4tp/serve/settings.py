@@ -33,8 +33,9 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class HttpSettings:
-    """The leader's HTTP front: where it listens, who may call, and what a request that names
-    no max_tokens or sampling gets."""
+    """The leader's HTTP front: where it listens, who may call, how long a client may take to
+    send its request's headers or keep an idle connection, and what a request that names no
+    max_tokens or sampling gets."""
 
     host: str = "127.0.0.1"
     port: int = 8080
@@ -42,6 +43,8 @@ class HttpSettings:
     keepalive_sec: float = 10.0       # a stream not started after this gets an SSE comment
     default_max_tokens: int = 512
     sampling: SamplingOptions = SamplingOptions()
+    header_timeout_sec: float = 10.0  # a connection whose request headers are not in by then closes
+    keep_alive_timeout_sec: float = 5.0  # a connection idle this long after an answer closes
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,8 @@ answer's first event, an error after that sent as an event, a client gone cancel
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
 from .answer import answer_pieces
 from .chat import ChatText
@@ -33,21 +32,27 @@ class EventStream:
         self.write(b": keep-alive\n\n")
 
 
-def stream_answer(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
-                  write_events: Callable[[Iterator[tuple], EventStream], None],
-                  write_error: Callable[[EventStream, ApiError], None]) -> None:
+async def stream_answer(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
+                        write_events: Callable[[AsyncIterator[tuple], EventStream], Awaitable[None]],
+                        write_error: Callable[[EventStream, ApiError], None]) -> None:
     """Stream the answer's pieces (serve/answer.py) through write_events; write_error frames an error
     once the stream is open (each API has its own). One before is raised: the status line waits for
     the first piece, so a pair that is already down is a plain 503, as for an answer not streamed."""
     pieces = answer_pieces(conn, state, request, chat)
     try:
-        first = next(pieces)
+        first = await pieces.__anext__()
     except ClientGone:
         return
-    conn.start_events()
+    await conn.start_events()
     stream = EventStream(conn.write)
+
+    async def all_pieces() -> AsyncIterator[tuple]:
+        yield first
+        async for piece in pieces:
+            yield piece
+
     try:
-        write_events(itertools.chain([first], pieces), stream)
+        await write_events(all_pieces(), stream)
     except ApiError as err:
         # The status line is already out: the error travels as an event.
         with contextlib.suppress(OSError):

@@ -1,4 +1,4 @@
-"""What the HTTP threads of `ds4tp serve` share: the engine, the server's fixed answers, its
+"""What the requests of `ds4tp serve` share: the engine, the server's fixed answers, its
 metrics, and the conversations kept for the Responses API's previous_response_id."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class ResponseStore:
 
 
 class ServeState:
-    """What every request reads: set once the pair is up (serve/pair.py), shared by the threads."""
+    """What every request reads: set once the pair is up (serve/pair.py), shared by the requests."""
 
     def __init__(self, engine: Engine, tokenizer, served: ServedModel, http: HttpSettings,
                  context_length: int, vocab_size: int):
