@@ -25,7 +25,8 @@ from ..link.wire import (
 )
 from . import batch_verify
 from .decode_batch import DecodeBatch
-from .frames import check_tokens, unpack, unpack_batch, unpack_prefill_batch
+from .disk_cache import DiskCache
+from .frames import check_tokens, unpack, unpack_batch, unpack_disk_save, unpack_prefill_batch
 from .row_sampling import RowSampler, unpack_sampler
 from .session_caches import SessionCaches
 
@@ -61,11 +62,11 @@ def _malloc_trim():
 class SessionTable:
     """The session caches and decode batch of one rank; see the module docstring."""
 
-    def __init__(self, model):
+    def __init__(self, model, disk: Optional[DiskCache] = None):
         self.model = model
         # Every token id from the wire is checked against it (frames.check_tokens).
         self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
-        self.caches = SessionCaches(model, self.vocab)
+        self.caches = SessionCaches(model, self.vocab, disk)
         self.batch = DecodeBatch(model, self.vocab)
         self.ended = 0  # sessions destroyed: the prompts served
 
@@ -112,6 +113,9 @@ class SessionTable:
         elif ftype == F.INVALIDATE:
             (cache_id,) = unpack(INVALIDATE, payload, ftype)
             caches.invalidate(cache_id)
+        elif ftype == F.DISK_SAVE:
+            cache_id, tokens, drop = unpack_disk_save(payload, self.vocab)
+            caches.save(cache_id, tokens, drop)
         else:
             raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
         return None
