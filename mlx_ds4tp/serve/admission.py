@@ -51,8 +51,9 @@ class Admission:
         self.reserved = 0
         self._owned: Dict[int, Request] = {}
         self._ids = itertools.count(1)
-        self.stats = {"requests": 0, "cached_tokens": 0, "disk_hits": 0, "disk_tokens": 0,
-                      "disk_load_ms": 0, "disk_load_failures": 0}
+        self.stats = {"requests": 0, "cached_tokens": 0}
+        if self.disk is not None:
+            self.stats.update(disk_hits=0, disk_tokens=0, disk_load_ms=0, disk_load_failures=0)
 
     def check(self, request: Request) -> None:
         """ValueError when the request could never fit the budget, however long it waited."""
