@@ -6,6 +6,7 @@ two-machine gate bench (the other machine runs the same line with the other role
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .. import transport as tr
 from .draft_args import add_draft_args
@@ -172,14 +173,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _disk_cache(args: argparse.Namespace) -> int:
     from ..bench import disk_cache
-    from .model_arg import model_path
 
     if args.url:
         raise SystemExit("ds4tp bench: --disk-cache restarts a pair it starts itself; not with --url")
     check_at_least("bench", (("--prompt-tokens", args.prompt_tokens, 2), ("--max-tokens", args.max_tokens, 1),
                              ("--disk-soak", args.disk_soak, 0), ("--disk-bytes", args.disk_bytes, 1)))
     transport = "tcp" if args.transport in (ALL, "auto") else args.transport
-    return disk_cache.report(model_path(args.model or "demo"), transport, args.prompt_tokens, args.max_tokens,
+    return disk_cache.report(Path(_model_dir("--model", args.model or "demo")), transport, args.prompt_tokens,
+                             args.max_tokens,
                              args.disk_soak, args.disk_bytes, args.json)
 
 

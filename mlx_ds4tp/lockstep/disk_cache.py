@@ -131,8 +131,12 @@ class DiskCache:
                 best, best_keep = entry.tokens, common
         return best, best_keep
 
-    def holds(self, tokens: Sequence[int]) -> bool:
-        return self.name(tokens_digest(tokens)) in self._entries
+    def discard(self, tokens: Sequence[int]) -> None:
+        """Remove the file of `tokens`: the other rank could not load its half, so it would
+        never be used again."""
+        name = self.name(tokens_digest(tokens))
+        if self._entries.pop(name, None) is not None:
+            _remove(self.directory / name)
 
     # -- writing --------------------------------------------------------------------
     def save(self, tokens: Sequence[int], cache: list) -> bool:
@@ -150,7 +154,9 @@ class DiskCache:
         try:
             metadata = {"format": _FORMAT, "key": self.key, "count": str(len(tokens)),
                         "tokens": base64.b64encode(np.asarray(tokens, dtype="<i4").tobytes()).decode(),
-                        "crc": str(_crc(cache))}
+                        # Fixed width: both ranks' files of an even split are the same size, so
+                        # their bounds evict the same files.
+                        "crc": f"{_crc(cache):010d}"}
             with _as_mlx_classes(cache):
                 save_prompt_cache(str(tmp), cache, metadata)
             size = tmp.stat().st_size
@@ -196,7 +202,7 @@ class DiskCache:
             tokens = self._check(meta, path)
             if len(tokens) != count or tokens_digest(tokens) != digest:
                 raise ValueError(f"it holds another prefix ({len(tokens)} tokens, not {count})")
-            if str(_crc(cache)) != meta.get("crc"):
+            if f"{_crc(cache):010d}" != meta.get("crc"):
                 raise ValueError("its arrays fail their CRC: the file is damaged")
         except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises, it is not used
             self._skip(path, exc)

@@ -146,6 +146,7 @@ class Admission:
         self._drop(evicted)
         if not self.sessions.disk_load(cache_id, key):
             self.index.remove(cache_id)
+            disk.discard(key)  # useless without the worker's half: never chosen again
             self.stats["disk_load_failures"] += 1
             return
         self._drop(self.index.charge(cache_id, self.sessions.table.caches.stored_bytes(cache_id)))
