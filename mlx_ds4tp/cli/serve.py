@@ -196,7 +196,7 @@ def _limits(args: argparse.Namespace) -> ServeLimits:
     return ServeLimits(prompt_cache_size=args.prompt_cache_size,
                        prompt_cache_bytes=args.prompt_cache_bytes, prefill_step=args.prefill_step_size,
                        prompt_cache_dir=args.prompt_cache_dir,
-                       prompt_cache_disk_bytes=disk_bytes or DEFAULT_DISK_BYTES,
+                       prompt_cache_disk_bytes=(disk_bytes or DEFAULT_DISK_BYTES) if args.prompt_cache_dir else 0,
                        prompt_concurrency=args.prompt_concurrency, max_batch=args.max_batch,
                        kv_budget=args.max_kv_tokens or 0, max_queued=args.max_queued,
                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
