@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 
 def records(out: str):
     return {r["name"]: r for r in map(json.loads, (ln for ln in out.splitlines() if ln.startswith("{")))}
@@ -78,6 +80,21 @@ def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceil
     assert re.search(r"tp2-tcp  decode = [0-9.]+x the compute ceiling \([+-][0-9.]+ ms/token; the leader "
                      r"spent [0-9.]+ ms/token in exchanges", out), out
     assert re.search(r"tp2-tcp  prefill .* decode .* exchanges [0-9.]+ ms/token", out), out
+
+
+def test_ranks_run_on_the_cpus_they_are_placed_on():
+    import os
+    import sys
+
+    from mlx_ds4tp.testing import localpair
+
+    if not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1 (this process may use "
+                    f"{sorted(os.sched_getaffinity(0))})")
+    show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with localpair.busy_core(1):
+        outs = localpair.run_ranks([show, show], cpus=localpair.SLOW_WORKER.cpus, timeout=60)
+    assert [o.strip() for o in outs] == ["[0]", "[1]"]
 
 
 def test_bench_rejects_zero_rounds(procs, tmp_path):

@@ -63,6 +63,40 @@ def test_a_model_that_fits_no_share_is_refused_naming_the_sizes():
     assert "19.56 GiB" in text and "7.45 GiB" in text and "5.59 GiB" in text, text
 
 
+def test_auto_picks_among_the_shares_the_models_counts_allow():
+    # Speeds 2:1 want 2/3; counts that cut into quarters give 3/4 (nearest), never 2:1.
+    fast, slow = figures(BIG, 200 * GB), figures(BIG, 100 * GB)
+    assert choose_share(fast, slow, ModelNeed(GB), granules=4) == SplitShare((3, 1))
+    assert choose_share(fast, slow, ModelNeed(GB), granules=1) == EVEN
+
+
+def test_auto_checks_the_memory_of_the_share_the_load_takes():
+    # The worker holds at most a third: 3:1 fits, but a plan that only splits evenly would
+    # take 1:1, which does not fit: refused before loading rather than loaded over the memory.
+    need = ModelNeed(40 * GB)
+    worker = figures(int(0.34 * need.total * 1.1) + RESERVE_BYTES, 100 * GB)
+    assert choose_share(figures(BIG, 100 * GB), worker, need, granules=4) == SplitShare((3, 1))
+    with pytest.raises(ShareRefused, match="no share fits"):
+        choose_share(figures(BIG, 100 * GB), worker, need, granules=4, taken=lambda share: EVEN)
+
+
+def test_model_cuts_reads_the_shares_off_the_model(tmp_path):
+    from mlx_ds4tp.split.apply import ModelCuts
+    from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama, save_qwen3_moe
+
+    # Two KV heads: only 1:1 keeps whole KV-head groups on both ranks.
+    two = save_qwen3_moe(tmp_path / "kv2", "moe-tiny", seed=1)
+    cuts = ModelCuts(two)
+    assert cuts.granules == 2 and cuts.taken(SplitShare((3, 1))) == EVEN
+    fast, slow = figures(BIG, 300 * GB), figures(BIG, 100 * GB)
+    assert choose_share(fast, slow, model_need(two, 0), granules=cuts.granules, taken=cuts.taken) == EVEN
+    # Four KV heads, 128 MLP columns (four groups of 32): quarters, so 2:1 is taken as 3:1.
+    four = save_llama(tmp_path / "kv4", LlamaSizes(layers=1, hidden=64, heads=4, kv_heads=4,
+                                                   intermediate=128, vocab=512), seed=1)
+    cuts = ModelCuts(four)
+    assert cuts.granules == 4 and cuts.taken(SplitShare((2, 1))) == SplitShare((3, 1))
+
+
 def test_unmeasured_figures_are_refused():
     with pytest.raises(ValueError, match="worker reported no figures"):
         choose_share(figures(BIG, 100), RankFigures(), ModelNeed(GB))
@@ -220,6 +254,44 @@ def test_run_auto_over_a_memory_cap_is_refused_before_loading(procs, model_dir):
     for err in (lerr, werr):
         assert "no share fits" in err and "the leader may use 0.00 GiB and the worker 0.00 GiB" in err, err
         assert "holds its part" not in err and "weights loaded" not in err
+
+
+def test_run_auto_over_ucsim_on_a_moe_model_gives_a_share_that_fits_and_the_unsplit_tokens(procs, tmp_path):
+    """The leader's memory capped at a third of the model: auto gives the worker the larger
+    part (the nearest share the model's counts allow), both ranks load it and the tokens are
+    the unsplit model's, over the emulated Thunderbolt device."""
+    import os
+
+    from mlx_ds4tp.split.auto import MARGIN_SHARE
+    from mlx_ds4tp.testing.tiny_model import MoeSizes, save_qwen3_moe
+
+    sizes = MoeSizes(layers=2, hidden=128, heads=8, kv_heads=4, head_dim=16, experts=4,
+                     experts_per_token=2, expert_intermediate=128, vocab=512)
+    model = save_qwen3_moe(tmp_path / "moe-kv4", sizes, seed=3)
+    # The run reserves KV room for under 1000 tokens here, so the leader may hold at most a
+    # third of what it needs with 1000: the share must favour the worker.
+    cap = RESERVE_BYTES + int(model_need(model, 1000).total * (1 + MARGIN_SHARE) / 3)
+    port = free_port()
+    ucsim = ["--transport", "rdma", "--rdma-device", "ucsim"]
+    common = ["-m", "mlx_ds4tp", "run", "--model", str(model), "--max-tokens", "12", "--no-chat-template", *ucsim]
+    leader = procs.spawn([*common, "--split", "auto", "--role", "leader", "--listen", "127.0.0.1", str(port),
+                          "--prompt", "Two different Macs"], env={**os.environ, "DS4_TP_MEMORY_LIMIT_BYTES": str(cap)})
+    worker = procs.spawn([*common, "--role", "worker", "--coordinator", "127.0.0.1", str(port)])
+    lout, lerr = leader.communicate(timeout=180)
+    _, werr = worker.communicate(timeout=60)
+    assert leader.returncode == 0, lerr
+    assert worker.returncode == 0, werr
+    text, _ = reference_text(model, "Two different Macs", 12)
+    assert lout.rsplit("\n", 2)[0] == text
+    picked = [line for line in lerr.splitlines() if "split auto:" in line and "sent to the worker" in line]
+    assert len(picked) == 1, lerr
+    share = SplitShare.parse(picked[0].split("split auto: ")[1].split(" ")[0])
+    assert share.parts and share.parts[0] < share.parts[1], picked
+    assert f"split {share}: the leader's share" in werr
+    units = sum(share.parts)
+    assert f"rank 0 keeps {share.parts[0]} of {units} units" in lerr
+    assert f"rank 1 keeps {share.parts[1]} of {units} units" in werr
+    assert "rdma" in lerr
 
 
 def test_split_flag_is_checked(procs, model_dir):

@@ -12,7 +12,10 @@ prompt's tokens over the time to the first generated token's logits (mlx-lm's pr
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -144,15 +147,34 @@ def spawn_ceiling(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMP
     return _localpair.json_records(outs[0])[0]
 
 
-def spawn_tp2(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-              prompt_tokens: int = DEFAULT_PROMPT_TOKENS, timeout: float = 1200.0, split: str = "even") -> Dict:
+@dataclass(frozen=True)
+class ModelBench:
+    """`ds4tp bench --model`'s settings. split other than "even": our tcp pair runs split so
+    too, beside the even one. slow_worker: our tcp pairs run with the worker on a core shared
+    with a busy process and the leader alone on another (two different Macs' stand-in)."""
+
+    path: str
+    transport: str = "all"
+    rdma_device: Optional[str] = None
+    max_tokens: int = 64
+    rounds: int = 3
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    split: str = "even"
+    slow_worker: bool = False
+
+
+def spawn_tp2(bench: ModelBench, transport: str, rdma_device: Optional[str] = None, split: str = "even",
+              timeout: float = 1200.0) -> Dict:
     """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1, split by `split` (--split); the
     record names the share used and each rank's peak resident memory."""
     from ..testing.local_run import run_local_pair
 
-    result = run_local_pair(Path(path), BENCH_PROMPT, max_tokens, transport, rdma_device,
-                            stop_at_eos=False, quiet=True, timeout=timeout, prompt_tokens=prompt_tokens,
-                            extra=("--split", split))
+    slow = bench.slow_worker and transport == "tcp"
+    with _localpair.busy_core(1) if slow else contextlib.nullcontext():
+        result = run_local_pair(Path(bench.path), BENCH_PROMPT, bench.max_tokens, transport, rdma_device,
+                                stop_at_eos=False, quiet=True, timeout=timeout,
+                                prompt_tokens=bench.prompt_tokens, extra=("--split", split),
+                                placement=_localpair.SLOW_WORKER if slow else _localpair.ANYWHERE)
     if result is None:
         raise RuntimeError(f"the tp2-{transport} pair failed (its errors are above)")
     name = "tp2-tcp" if transport == "tcp" else f"tp2-rdma-{rdma_device or 'ibverbs'}"
@@ -192,18 +214,20 @@ def mlx_lm_can_shard(path: str) -> bool:
     return callable(getattr(model_class, "shard", None))
 
 
-def _model_contenders(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-                      prompt_tokens: int, split: str) -> Dict[str, Callable[[], Dict]]:
-    n = prompt_tokens
+def _model_contenders(bench: ModelBench) -> Dict[str, Callable[[], Dict]]:
+    path, transport, rdma_device = bench.path, bench.transport, bench.rdma_device
+    max_tokens, n, split = bench.max_tokens, bench.prompt_tokens, bench.split
     contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens, n)}
     if transport in ("tcp", "all"):
-        contenders["tp2-tcp"] = lambda: spawn_tp2(path, "tcp", None, max_tokens, n)
+        contenders["tp2-tcp"] = lambda: spawn_tp2(bench, "tcp")
         if split != "even":  # the chosen share beside the even split, in the same rounds
-            contenders[f"tp2-tcp-split-{split}"] = lambda: spawn_tp2(path, "tcp", None, max_tokens, n,
-                                                                      split=split)
+            contenders[f"tp2-tcp-split-{split}"] = lambda: spawn_tp2(bench, "tcp", split=split)
+    if bench.slow_worker:
+        # Only our tcp pairs are placed so: the other contenders would be slowed unevenly.
+        return contenders
     if transport in ("rdma", "all"):
         device = rdma_device or "ucsim"
-        contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(path, "rdma", device, max_tokens, n)
+        contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(bench, "rdma", device)
     if mlx_lm_can_shard(path):
         # mlx-lm's own plan and loading, over MLX's ring and over our pair.
         contenders["mlx-lm-ring"] = lambda: spawn_shard_model(path, max_tokens, n)
@@ -220,18 +244,17 @@ def _model_contenders(path: str, transport: str, rdma_device: Optional[str], max
     return contenders
 
 
-def model_bench(path: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-                rounds: int = 3, prompt_tokens: int = DEFAULT_PROMPT_TOKENS, split: str = "even") -> List[Dict]:
-    """Prompt and decode tok/s of every contender, run `rounds` times in rotating order so a
-    slow spell of the machine falls on all of them alike; each record gives the medians and
-    every round. split other than "even": our tcp pair runs split so too, beside the even one."""
-    if prompt_tokens < 1:
-        raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1")
-    path = bench_model_dir(path)
-    contenders = _model_contenders(path, transport, rdma_device, max_tokens, prompt_tokens, split)
+def model_bench(bench: ModelBench) -> List[Dict]:
+    """Prompt and decode tok/s of every contender, run `bench.rounds` times in rotating order so
+    a slow spell of the machine falls on all of them alike; each record gives the medians and
+    every round."""
+    if bench.prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens={bench.prompt_tokens} must be >= 1")
+    bench = dataclasses.replace(bench, path=bench_model_dir(bench.path))
+    contenders = _model_contenders(bench)
     names = list(contenders)
     runs: Dict[str, List[Dict]] = {name: [] for name in names}
-    for r in range(rounds):
+    for r in range(bench.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             runs[name].append(contenders[name]())
     reference = runs["single"][0]["token_ids"]

@@ -13,14 +13,13 @@ from ..base.log import log
 from ..link.config import LinkSettings
 
 
-def model_report(model: str, transport: str, rdma_device: Optional[str], max_tokens: int,
-                 rounds: int, prompt_tokens: int, as_json: bool, split: str = "even") -> int:
-    """`ds4tp bench --model`: decode and prefill tok/s of every contender (with --split, our
-    tcp pair split so beside the even split, each rank's peak resident memory), then the ratios."""
+def model_report(bench, as_json: bool) -> int:
+    """`ds4tp bench --model` (bench: a bench.model.ModelBench): decode and prefill tok/s of every
+    contender (with --split, our tcp pair split so beside the even split, each rank's peak
+    resident memory), then the ratios."""
     from . import model as bench_model
 
-    records = bench_model.model_bench(model, transport, rdma_device, max_tokens,
-                                      rounds=rounds, prompt_tokens=prompt_tokens, split=split)
+    records = bench_model.model_bench(bench)
     print_records(records, as_json)
     if not as_json:
         _print_model_ratios(records)

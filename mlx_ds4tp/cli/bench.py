@@ -6,6 +6,7 @@ two-machine gate bench (the other machine runs the same line with the other role
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from .. import transport as tr
@@ -57,6 +58,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="--model: run every contender this many times, in rotating order, and "
                         "report the median; --serve: rounds per client count (default 3)")
+    p.add_argument("--slow-worker", action="store_true",
+                   help="--model: two different Macs stood in for on this Linux machine: our tcp "
+                        "pairs run with the leader alone on CPU 0 and the worker on CPU 1 beside a "
+                        "busy process (with --split auto|A:B: the share against even)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="latency histogram per transport (needs matplotlib)")
     p.add_argument("--serve", action="store_true",
@@ -148,9 +153,17 @@ def _model(args: argparse.Namespace, report) -> int:
         draft = _model_dir("--draft-model", args.draft_model) if args.draft_model else None
         return speculative_report(model, draft, args.prompt_lookup, args.num_draft_tokens, args.max_tokens,
                                   args.rounds, args.prompt_tokens, args.json)
+    from ..bench.model import ModelBench
+
     split = split_from_args(args, "bench")
-    return report.model_report(model, args.transport, args.rdma_device, args.max_tokens,
-                               args.rounds, args.prompt_tokens, args.json, str(split.share))
+    if args.slow_worker and args.transport not in ("tcp", ALL):
+        raise SystemExit("ds4tp bench: --slow-worker places our tcp pairs; give --transport tcp")
+    if args.slow_worker and not {0, 1} <= set(getattr(os, "sched_getaffinity", lambda _: ())(0)):
+        raise SystemExit("ds4tp bench: --slow-worker pins the ranks to CPUs 0 and 1, which this "
+                         "process cannot use (it needs Linux and two CPUs)")
+    bench = ModelBench(model, args.transport, args.rdma_device, args.max_tokens, args.rounds,
+                       args.prompt_tokens, str(split.share), args.slow_worker)
+    return report.model_report(bench, args.json)
 
 
 def _serve(args: argparse.Namespace) -> int:

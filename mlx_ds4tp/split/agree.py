@@ -14,6 +14,7 @@ from ..collectives.backend import PairGroup
 from ..errors import HelloMismatchError
 from ..link.config import LinkSettings
 from ..link.hello import hear_share, tell_share
+from .apply import ModelCuts
 from .auto import ModelNeed, choose_share, figures_line
 from .measure import measure_rank
 from .share import EVEN, SplitSettings, SplitShare
@@ -58,12 +59,20 @@ def _leader_share(pair: Any, split: SplitSettings, need: ModelNeed) -> SplitShar
     mine, theirs = pair.mine.figures, pair.peer_hello.figures
     log(f"split auto: {figures_line('leader', mine)}; {figures_line('worker', theirs)}")
     try:
-        share = choose_share(mine, theirs, need)
+        share = choose_share(mine, theirs, need, **model_cuts(need))
     except ValueError as exc:
         pair.control.send_error(f"split auto: {exc}")
         raise
     log(f"split auto: {share} (rank 0's part first), sent to the worker")
     return share
+
+
+def model_cuts(need: ModelNeed) -> dict:
+    """choose_share's view of what the model's counts allow (none without the model's path)."""
+    if need.path is None:
+        return {}
+    cuts = ModelCuts(need.path)
+    return {"granules": cuts.granules, "taken": cuts.taken}
 
 
 def with_figures(link: LinkSettings, split: SplitSettings) -> LinkSettings:
@@ -74,4 +83,4 @@ def with_figures(link: LinkSettings, split: SplitSettings) -> LinkSettings:
     return dataclasses.replace(link, figures=measure_rank(split.memory_limit))
 
 
-__all__ = ["agree_share", "with_figures"]
+__all__ = ["agree_share", "model_cuts", "with_figures"]

@@ -45,7 +45,7 @@ from .layers import (
 )
 from .plans import OWN_PLANS, plan_of, saved_layout, summed_blocks
 from .share import EVEN, SplitShare
-from .units import choose_layout, part_shape, run_plan, take_runs
+from .units import choose_layout, part_shape, run_plan, share_granules, take_runs
 
 _VOCAB_LAYERS = {"embed_tokens": ((nn.Embedding, nn.QuantizedEmbedding), VocabParallelEmbedding),
                  "lm_head": ((nn.Linear, nn.QuantizedLinear), VocabParallelHead)}
@@ -191,6 +191,28 @@ def split_model(
             f"selection of the saved tensor, or the saved layout differs): {', '.join(in_memory[:4])}"
             f"{', ...' if len(in_memory) > 4 else ''}")
     return model
+
+
+class ModelCuts:
+    """The shares a model's counts let a load take, read off the model built lazily (no weight
+    read): `--split auto` picks among them, so the memory it checks is that of the share the
+    load will take, not of one the load would round."""
+
+    def __init__(self, path: Union[str, Path]):
+        from mlx_lm.utils import load_model
+
+        self._model, _ = load_model(Path(path), lazy=True)
+        self._shard = plan_of(self._model)
+        self._label = _label(self._model)
+        self.granules = share_granules(self._model, self._shard, self._label)
+
+    def taken(self, share: SplitShare) -> SplitShare:
+        """The share a load asked for `share` takes (choose_layout's, on rank 0's twin)."""
+        if share.is_even:
+            return EVEN
+        layout = choose_layout(self._model, cut_only_group(0, 2), self._shard, share, trace=False,
+                               label=self._label)
+        return EVEN if layout.cut.is_even else SplitShare(layout.cut.counts)
 
 
 def agree_model(model_path: Path, group: Any) -> None:

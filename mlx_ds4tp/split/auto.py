@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Tuple
+from typing import Callable, Optional, Tuple
 
 from ..link.hello import RankFigures
 from .share import EVEN, SplitShare, nearest_cuts
@@ -28,6 +28,8 @@ RESERVE_BYTES = 512 << 20
 # The shares auto picks from: every A:B of up to 63 units whose count divides this (2 to 10,
 # 12, 15, 16, 18, 20, ...); the load then takes the nearest the model's counts allow.
 CANDIDATE_GRANULES = 5040
+# The candidate shares choose_share asks the model's plan about before it gives up.
+TAKEN_TRIES = 4
 _GIB = 1 << 30
 
 
@@ -37,10 +39,12 @@ class ShareRefused(ValueError):
 
 @dataclass(frozen=True)
 class ModelNeed:
-    """What the two ranks hold together: the weights and the KV cache the command needs."""
+    """What the two ranks hold together: the weights and the KV cache the command needs; the
+    model's directory, whose plan says which shares a load can take (split/apply.ModelCuts)."""
 
     weight_bytes: int
     kv_bytes: int = 0
+    path: Optional[Path] = None
 
     @property
     def total(self) -> int:
@@ -63,7 +67,7 @@ def model_need(path: Path, kv_tokens: int) -> ModelNeed:
     head_dim = int(text.get("head_dim") or (int(text.get("hidden_size", 0)) // heads if heads else 0))
     layers = int(text.get("num_hidden_layers", 0) or 0)
     width = 4 if str(config.get("torch_dtype", "")) == "float32" else 2
-    return ModelNeed(weights, max(kv_tokens, 0) * layers * kv_heads * head_dim * 2 * width)
+    return ModelNeed(weights, max(kv_tokens, 0) * layers * kv_heads * head_dim * 2 * width, path)
 
 
 def speed_fraction(leader: RankFigures, worker: RankFigures) -> Fraction:
@@ -92,9 +96,15 @@ def _refusal(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> Share
         f"a smaller (more quantized) model")
 
 
-def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed) -> SplitShare:
+def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
+                 granules: int = CANDIDATE_GRANULES,
+                 taken: Callable[[SplitShare], SplitShare] = lambda share: share) -> SplitShare:
     """The share nearest speed_fraction among those both memories hold; ShareRefused naming
-    both memories and the model's size when none does."""
+    both memories and the model's size when none does.
+
+    granules, taken: what the model's counts allow (split/apply.ModelCuts): the candidates are
+    the shares u/n with n dividing `granules`, and `taken(share)` is the share a load asked for
+    it takes; the memory is checked on that one."""
     for name, figures in (("leader", leader), ("worker", worker)):
         if not figures.measured:
             raise ValueError(f"split auto: the {name} reported no figures (memory "
@@ -105,9 +115,14 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed) -> S
         raise _refusal(need, leader, worker)
     wanted = speed_fraction(leader, worker)
     target = SplitShare((wanted.numerator, wanted.denominator - wanted.numerator))
-    for cut in nearest_cuts(target, 2, CANDIDATE_GRANULES):
-        if lowest <= cut.counts[0] / cut.units <= highest:
-            return EVEN if cut.is_even else SplitShare(cut.counts)
+    fitting = [cut for cut in nearest_cuts(target, 2, granules) if lowest <= cut.counts[0] / cut.units <= highest]
+    # Each `taken` runs the plan on twins; a model whose plan rounds every share the same way
+    # (one that only splits evenly) needs no more than a few to show it.
+    for cut in fitting[:TAKEN_TRIES]:
+        share = taken(EVEN if cut.is_even else SplitShare(cut.counts))
+        first = share.parts[0] / sum(share.parts) if share.parts else 0.5
+        if lowest <= first <= highest:
+            return share
     raise _refusal(need, leader, worker)
 
 

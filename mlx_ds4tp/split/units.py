@@ -153,6 +153,13 @@ def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitSha
     return Layout(even, rank, derive_plan(model, group, shard, trace=trace, label=label), group)
 
 
+def share_granules(model: nn.Module, shard: Callable, label: str) -> int:
+    """G: every count the plan cuts divides into G whole units, so a load takes any share u/n
+    with n dividing G as it is (the shares `--split auto` picks among, split/auto.py)."""
+    base = derive_plan(model, cut_only_group(0, 2), shard, trace=False, label=label)
+    return _granules(model, base)[0]
+
+
 def _limits(counts: list[tuple[int, str]], units: int) -> str:
     short = [name for whole, name in counts if whole % units]
     if not short:
@@ -195,4 +202,5 @@ def part_shape(cut: ArrayCut) -> tuple[int, ...]:
     return tuple(shape)
 
 
-__all__ = ["FLOAT_COLUMNS", "Layout", "choose_layout", "part_shape", "run_plan", "take_runs"]
+__all__ = ["FLOAT_COLUMNS", "Layout", "choose_layout", "part_shape", "run_plan", "share_granules",
+           "take_runs"]

@@ -14,13 +14,15 @@ from . import localpair as _localpair
 
 def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
                    rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
-                   timeout: float = 1200.0, prompt_tokens: int = 0, extra=()) -> Optional[dict]:
+                   timeout: float = 1200.0, prompt_tokens: int = 0, extra=(),
+                   placement: _localpair.Placement = _localpair.ANYWHERE) -> Optional[dict]:
     """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
     leader's tokens record (see run's tokens_out) with the worker's peak resident memory
     (worker_peak_rss_bytes), or None when either rank
     failed (both are killed on any failure, the reason is logged).
     prompt_tokens > 0: the prompt's tokens repeated to that many (see run). extra: more
-    `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N)."""
+    `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N). placement: each
+    rank's CPUs and environment (localpair.SLOW_WORKER)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = f.name
     base = _localpair.rank_command(
@@ -38,8 +40,9 @@ def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
     leader += ["--tokens-out", out_path]
     worker += ["--tokens-out", worker_path]
     try:
-        _localpair.run_ranks([leader, worker], timeout=timeout,
-                             stdout="discard" if quiet else "inherit")
+        env = _localpair.child_env(dict(placement.env))
+        _localpair.run_ranks([leader, worker], [env, env], timeout=timeout,
+                             stdout="discard" if quiet else "inherit", cpus=placement.cpus)
         record = json.loads(Path(out_path).read_text())
         record["worker_peak_rss_bytes"] = json.loads(Path(worker_path).read_text())["peak_rss_bytes"]
         return record

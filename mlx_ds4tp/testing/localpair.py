@@ -17,8 +17,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 from ..base.log import log
 
@@ -93,14 +94,49 @@ def pair_commands(base: Sequence[str], port: int, host: str = "127.0.0.1") -> Li
             list(base) + ["--role", "worker", "--coordinator", host, str(port)]]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each rank runs: the CPUs it may use (None: any) and what its environment adds."""
+
+    cpus: Tuple[Optional[FrozenSet[int]], ...] = (None, None)
+    env: Tuple[Tuple[str, str], ...] = ()
+
+
+ANYWHERE = Placement()
+# Two different Macs stood in for on one Linux machine of two cores or more: each rank alone on
+# a core, the worker's shared with a process that never sleeps, so the worker computes at about
+# half the leader's speed. Each rank then owns its core, as on two Macs, so both poll at a gate
+# as long as a Mac does (link/config.py's DEFAULT_TCP_SPIN_US), not the shared-core 200 us: a
+# worker that slept at a gate would wait for the busy process's time slice to end.
+SLOW_WORKER = Placement(cpus=(frozenset({0}), frozenset({1})), env=(("DS4_TP_TCP_SPIN_US", "5000"),))
+
+
+@contextlib.contextmanager
+def busy_core(cpu: int) -> Iterator[None]:
+    """A process that keeps `cpu` busy (a slower Mac's stand-in) while the block runs."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cpu not in allowed:
+        raise RuntimeError(f"cannot pin a process to CPU {cpu} here (this process may use "
+                           f"{allowed or 'no pinning'}); the slow-worker placement needs Linux and "
+                           f"CPUs 0 and 1")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        yield
+    finally:
+        _reap(busy)
+
+
 def run_ranks(cmds: Sequence[Sequence[str]], envs: Optional[Sequence[Dict[str, str]]] = None,
-              timeout: float = 600.0, stdout: str = "capture") -> List[str]:
+              timeout: float = 600.0, stdout: str = "capture",
+              cpus: Sequence[Optional[FrozenSet[int]]] = ()) -> List[str]:
     """Start every rank, wait for all of them, and return their stdout texts.
 
     stdout: "capture" (returned), "inherit" (this process's stdout; returned as
     "") or "discard". Stderr always goes to this process's stderr, so a rank's
     error is seen as it happens. The first rank to fail gets the others killed
     at once (a lone survivor would only wait for its peer); so does the timeout.
+    cpus: each rank's CPUs (Placement.cpus); none given: any.
     Raises RuntimeError naming the rank, its exit status and its command.
     """
     if stdout not in ("capture", "inherit", "discard"):
@@ -114,7 +150,9 @@ def run_ranks(cmds: Sequence[Sequence[str]], envs: Optional[Sequence[Dict[str, s
     readers: List[threading.Thread] = []
     try:
         for i, (cmd, env) in enumerate(zip(cmds, envs)):
-            p = subprocess.Popen(list(cmd), env=env, stdout=target, stderr=None, text=True)
+            pinned = cpus[i] if i < len(cpus) else None
+            p = subprocess.Popen(list(cmd), env=env, stdout=target, stderr=None, text=True,
+                                 preexec_fn=(lambda c=pinned: os.sched_setaffinity(0, c)) if pinned else None)
             procs.append(p)
             if target is subprocess.PIPE:
                 # One reader per rank: a rank blocked on a full pipe would
