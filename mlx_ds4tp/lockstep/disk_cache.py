@@ -97,6 +97,7 @@ class DiskCache:
         self.key = key
         self.directory.mkdir(parents=True, exist_ok=True)
         self._entries: "OrderedDict[str, _Entry]" = OrderedDict()  # least recently used first
+        self._total = 0
         self.stats = {"disk_writes": 0, "disk_write_failures": 0, "disk_skipped_files": 0}
         self._said_full = False
         self._scan()
@@ -107,7 +108,19 @@ class DiskCache:
         return hashlib.blake2b(self.key.encode() + digest, digest_size=16).hexdigest() + SUFFIX
 
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        """Bytes of this rank's files (kept as a total: /health reads it from another thread)."""
+        return self._total
+
+    def _add(self, name: str, entry: "_Entry") -> None:
+        self._entries[name] = entry
+        self._total += entry.nbytes
+
+    def _forget(self, name: str) -> None:
+        """Remove the file and its entry (none: nothing to do)."""
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            self._total -= entry.nbytes
+            _remove(self.directory / name)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -134,9 +147,7 @@ class DiskCache:
     def discard(self, tokens: Sequence[int]) -> None:
         """Remove the file of `tokens`: the other rank could not load its half, so it would
         never be used again."""
-        name = self.name(tokens_digest(tokens))
-        if self._entries.pop(name, None) is not None:
-            _remove(self.directory / name)
+        self._forget(self.name(tokens_digest(tokens)))
 
     # -- writing --------------------------------------------------------------------
     def save(self, tokens: Sequence[int], cache: list) -> bool:
@@ -176,14 +187,13 @@ class DiskCache:
                     f"{'the disk is full: ' if full else ''}serving goes on from memory")
             self._said_full = self._said_full or full
             return False
-        self._entries[name] = _Entry(np.asarray(tokens, dtype=np.int32), size)
+        self._add(name, _Entry(np.asarray(tokens, dtype=np.int32), size))
         self.stats["disk_writes"] += 1
         return True
 
     def _make_room(self, size: int) -> None:
         while self._entries and self.nbytes() + size > self.max_bytes:
-            old, _ = self._entries.popitem(last=False)
-            _remove(self.directory / old)
+            self._forget(next(iter(self._entries)))
 
     # -- reading --------------------------------------------------------------------
     def load(self, digest: bytes, count: int) -> Optional[list]:
@@ -206,7 +216,7 @@ class DiskCache:
                 raise ValueError("its arrays fail their CRC: the file is damaged")
         except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises, it is not used
             self._skip(path, exc)
-            self._entries.pop(name, None)
+            self._forget(name)
             _remove(path)
             return None
         self._entries.move_to_end(name)
@@ -254,7 +264,7 @@ class DiskCache:
             stat = path.stat()
             found.append((stat.st_mtime, path.name, _Entry(tokens, stat.st_size)))
         for _, name, entry in sorted(found, key=lambda f: f[0]):
-            self._entries[name] = entry
+            self._add(name, entry)
         self._make_room(0)
         for tmp in self.directory.glob(".*.tmp" + SUFFIX):  # a write a crash interrupted
             _remove(tmp)
