@@ -143,8 +143,11 @@ class Admission:
         began = time.perf_counter()
         key = tokens.tolist()
         cache_id, evicted = self.index.insert(key)
+        # Loaded before the evicted caches go to disk: writing them may make room by removing
+        # the very file this load is about to read.
+        loaded = self.sessions.disk_load(cache_id, key)
         self._drop(evicted)
-        if not self.sessions.disk_load(cache_id, key):
+        if not loaded:
             self.index.remove(cache_id)
             disk.discard(key)  # useless without the worker's half: never chosen again
             self.stats["disk_load_failures"] += 1
