@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,8 @@ def ttft(model: Path, transport: str, prompt_tokens: int, max_tokens: int) -> Di
         pair.dump()
         pair.kill()
         raise
+    sizes = {n: sum(p.stat().st_size for p in d.glob("*.safetensors")) for n, d in dirs.items()}
+    shutil.rmtree(root, ignore_errors=True)
     rec.update({"cold_ttft_ms": round(cold["ttft_ms"], 1), "memory_ttft_ms": round(memory["ttft_ms"], 1),
                 "disk_ttft_ms": round(disk["ttft_ms"], 1),
                 "cold_again_ttft_ms": round(reference["ttft_ms"], 1),
@@ -155,8 +158,7 @@ def ttft(model: Path, transport: str, prompt_tokens: int, max_tokens: int) -> Di
                 "disk_vs_cold": round(disk["ttft_ms"] / cold["ttft_ms"], 3),
                 "memory_vs_cold": round(memory["ttft_ms"] / cold["ttft_ms"], 3),
                 "disk_text_exact": disk["text"] == reference["text"],
-                "disk_bytes_per_rank": {n: sum(p.stat().st_size for p in d.glob("*.safetensors"))
-                                        for n, d in dirs.items()}})
+                "disk_bytes_per_rank": sizes})
     return rec
 
 
@@ -212,6 +214,8 @@ def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: 
         pair.dump()
         pair.kill()
         raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return {"name": "serve-disk-soak", "seconds": seconds, "clients": clients, **done,
             "disk_bound_bytes": disk_bytes, "largest_dir_bytes": largest,
             "within_bound": all(v <= disk_bytes for v in largest.values()),
