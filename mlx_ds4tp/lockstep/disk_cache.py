@@ -168,6 +168,9 @@ class DiskCache:
                         # Fixed width: both ranks' files of an even split are the same size, so
                         # their bounds evict the same files.
                         "crc": f"{_crc(cache):010d}"}
+            # Room first, for an upper bound of the file's size, so the directory holds no more
+            # than its bound even while the new file is being written.
+            self._make_room(_size_bound(cache, metadata))
             with _as_mlx_classes(cache):
                 save_prompt_cache(str(tmp), cache, metadata)
             size = tmp.stat().st_size
@@ -282,6 +285,16 @@ def _our_metadata(header_metadata: dict) -> dict:
     if not isinstance(ours, list) or not ours or not isinstance(ours[0], dict):
         raise ValueError("its metadata is not a prompt cache's")
     return ours[0]
+
+
+def _size_bound(cache: list, metadata: dict) -> int:
+    """At least the bytes save_prompt_cache writes for `cache`: the arrays, our metadata, and
+    a generous allowance per array for the header's JSON and the layers' classes."""
+    from mlx.utils import tree_flatten
+
+    leaves = tree_flatten([c.state for c in cache])
+    data = sum(v.nbytes for _, v in leaves if isinstance(v, mx.array))
+    return data + sum(len(k) + len(v) + 8 for k, v in metadata.items()) + 256 * (len(leaves) + len(cache)) + 1024
 
 
 def _crc(cache: list) -> int:
