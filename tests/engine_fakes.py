@@ -58,6 +58,7 @@ class FakeTokenizer:
 class _Caches:
     def __init__(self):
         self.stored, self.sessions = {}, {}
+        self.disk = None  # no --prompt-cache-dir
 
     def make_cache(self):
         return []  # no layers: trimmable, as a float KV cache is

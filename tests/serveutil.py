@@ -41,7 +41,7 @@ class ServedPair:
     what both ranks get as --model (a directory, or "demo")."""
 
     def __init__(self, model, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
-                 api_key: Optional[str] = API_KEY):
+                 api_key: Optional[str] = API_KEY, rank_extra: Optional[dict] = None):
         self.port = free_port()
         pair_port = free_port()
         self.logs = logs
@@ -58,6 +58,8 @@ class ServedPair:
                                       "--port", str(self.port)],
             "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)],
         }
+        for name, more in (rank_extra or {}).items():  # flags of one rank only
+            cmds[name] += list(more)
         self.cmds, self.env = cmds, full_env
         self.procs = {}
         for name in cmds:
@@ -95,6 +97,16 @@ class ServedPair:
                 return body
             time.sleep(0.2)
         raise AssertionError(f"the server was not healthy within {within} s:\n{self.log('leader')}")
+
+    def stop(self, within: float = 60.0) -> None:
+        """Stop the pair as Ctrl-C does (SIGTERM to the leader, which tells the worker) and wait
+        for both to exit; AssertionError naming a rank that does not."""
+        self.procs["leader"].send_signal(signal.SIGTERM)
+        for name, p in self.procs.items():
+            try:
+                p.wait(within)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the {name} did not stop within {within} s:\n{self.log(name)}") from None
 
     def kill(self, name: str) -> None:
         p = self.procs[name]

@@ -205,6 +205,20 @@ def test_serve_limits_come_from_the_flags(served, model_dir):
     assert served["settings"].rejoin and served["settings"].model.prompt_lookup == 2
 
 
+def test_the_prompt_cache_dir_and_its_bound(served, model_dir, tmp_path):
+    serve_main("serve", "--model", str(model_dir), "--prompt-cache-dir", str(tmp_path / "c"),
+               "--prompt-cache-disk-bytes", "2GB", *WORKER)
+    limits = served["settings"].limits
+    assert (limits.prompt_cache_dir, limits.prompt_cache_disk_bytes) == (str(tmp_path / "c"), 2 * 10**9)
+    serve_main("serve", "--model", str(model_dir), "--prompt-cache-dir", str(tmp_path / "c"), *LEADER)
+    assert served["settings"].limits.prompt_cache_disk_bytes == 20 * 10**9
+    with pytest.raises(SystemExit, match="give the directory too"):
+        serve_main("serve", "--model", str(model_dir), "--prompt-cache-disk-bytes", "1GB", *LEADER)
+    with pytest.raises(SystemExit, match="leaves no room"):
+        serve_main("serve", "--model", str(model_dir), "--prompt-cache-dir", "d",
+                   "--prompt-cache-disk-bytes", "0", *LEADER)
+
+
 def test_served_model_name_defaults_to_a_short_id(served, model_dir, monkeypatch, tmp_path):
     import mlx_ds4tp.checkpoint.source as source
     import mlx_ds4tp.testing.demo_model as demo_model

@@ -638,7 +638,8 @@ WORKER_ERRORS = {
 
 def run_worker_case(model, data: bytes, name: str) -> str:
     """Serve one script; returns the outcome. The worker's replies must be
-    well-formed HASH frames."""
+    well-formed HASH frames, or DISK_LOAD answers (this worker has no disk cache:
+    it never loaded)."""
     a, b = socket.socketpair()
     try:
         a.sendall(data)
@@ -659,8 +660,12 @@ def run_worker_case(model, data: bytes, name: str) -> str:
             except PeerClosedError as exc:
                 assert "EOF" in str(exc), f"the worker wrote a truncated reply: {exc}"
                 break
-            assert ftype == F.HASH, ftype
-            assert len(payload) == wire.HASH_PAYLOAD.size
+            assert ftype in (F.HASH, F.DISK_LOAD), ftype
+            if ftype == F.DISK_LOAD:
+                assert len(payload) == wire.DISK_LOAD_PAYLOAD.size
+                assert wire.DISK_LOAD_PAYLOAD.unpack(payload)[2] == 0, "loaded without a directory"
+            else:
+                assert len(payload) == wire.HASH_PAYLOAD.size
         if name == "none":
             assert outcome == "served 1", outcome
         return outcome

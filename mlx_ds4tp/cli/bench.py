@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from .. import transport as tr
 from .draft_args import add_draft_args
@@ -69,6 +70,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, metavar="http://HOST:PORT",
                    help="--serve: measure this running `ds4tp serve` instead of starting one")
     p.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
+    p.add_argument("--disk-cache", action="store_true",
+                   help="--serve: time to first token of a --prompt-tokens prompt cold, with its prefix "
+                        "in memory, and from --prompt-cache-dir after both ranks restart (checked "
+                        "against a cold server's answer)")
+    p.add_argument("--disk-soak", type=float, default=0.0, metavar="SECONDS",
+                   help="--disk-cache: then a load run of SECONDS over many distinct prefixes: the "
+                        "directories' largest size against --disk-bytes, the leader's memory")
+    p.add_argument("--disk-bytes", type=int, default=2 * 10**6, metavar="BYTES",
+                   help="--disk-soak: each rank's --prompt-cache-disk-bytes (default 2000000)")
     _add_soak_args(p)
     add_pair_args(p, ROLE_HELP)
 
@@ -162,12 +172,29 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.soak or args.restart_worker or args.client_counts:
         return _soak(args)
+    if args.disk_cache:
+        return _disk_cache(args)
+    if args.disk_soak:
+        raise SystemExit("ds4tp bench: --disk-soak goes with --serve --disk-cache")
     check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1)))
     transport = "tcp" if args.transport in (ALL, "auto") else args.transport
     device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
     model = model_path(args.model) if args.model and not args.url else None
     return serve_bench.serve_report(args.url, model, transport, device, args.max_tokens,
                                     args.rounds, args.api_key, args.json)
+
+
+def _disk_cache(args: argparse.Namespace) -> int:
+    from ..bench import disk_cache
+
+    if args.url:
+        raise SystemExit("ds4tp bench: --disk-cache restarts a pair it starts itself; not with --url")
+    check_at_least("bench", (("--prompt-tokens", args.prompt_tokens, 2), ("--max-tokens", args.max_tokens, 1),
+                             ("--disk-soak", args.disk_soak, 0), ("--disk-bytes", args.disk_bytes, 1)))
+    transport = "tcp" if args.transport in (ALL, "auto") else args.transport
+    return disk_cache.report(Path(_model_dir("--model", args.model or "demo")), transport, args.prompt_tokens,
+                             args.max_tokens,
+                             args.disk_soak, args.disk_bytes, args.json)
 
 
 def _add_soak_args(p: argparse.ArgumentParser) -> None:

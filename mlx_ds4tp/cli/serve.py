@@ -36,6 +36,7 @@ from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
 HELP = "an OpenAI-compatible HTTP server on the pair"
+DEFAULT_DISK_BYTES = 20 * 10**9
 ROLE_HELP = ("this process's rank, 'leader' (rank 0; serves HTTP on --host/--port) or 'worker' "
              "(rank 1); without --listen/--coordinator the two find each other (--interface) and "
              "the first to wait for a worker leads, unless --role says")
@@ -99,6 +100,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="leader: most bytes the stored prompt caches take on each machine, e.g. 4GB "
                         "or 512MB (least recently used dropped first; default 0: bounded by "
                         "--prompt-cache-size only)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="both ranks, each its own directory: a stored prompt cache evicted from memory, "
+                        "and every one at shutdown, is written there (this machine's half of it, in "
+                        "mlx-lm's prompt-cache files), and a later request or a restarted server loads "
+                        "its longest stored prefix from there instead of recomputing it (default: "
+                        "memory only)")
+    p.add_argument("--prompt-cache-disk-bytes", type=_size, default=None, metavar="SIZE",
+                   help="with --prompt-cache-dir: most bytes its files take, e.g. 50GB (least "
+                        f"recently used removed first; default {DEFAULT_DISK_BYTES // 10**9}GB)")
     add_draft_args(p, "greedy sessions verify their drafts in the decode batch (a request's "
                       "num_draft_tokens asks for fewer, 0 for none)")
     p.add_argument("--rejoin", action="store_true",
@@ -202,8 +212,17 @@ def _limits(args: argparse.Namespace) -> ServeLimits:
     if args.prompt_concurrency > MAX_PREFILL_ROWS:
         raise SystemExit(f"ds4tp serve: --prompt-concurrency {args.prompt_concurrency} must be <= "
                          f"{MAX_PREFILL_ROWS} (the rows one prefill command carries)")
+    disk_bytes = args.prompt_cache_disk_bytes
+    if disk_bytes is not None and not args.prompt_cache_dir:
+        raise SystemExit("ds4tp serve: --prompt-cache-disk-bytes bounds --prompt-cache-dir; give the "
+                         "directory too")
+    if disk_bytes == 0:
+        raise SystemExit("ds4tp serve: --prompt-cache-disk-bytes 0 leaves no room; give a size such "
+                         "as 20GB, or serve without --prompt-cache-dir")
     return ServeLimits(prompt_cache_size=args.prompt_cache_size,
                        prompt_cache_bytes=args.prompt_cache_bytes, prefill_step=args.prefill_step_size,
+                       prompt_cache_dir=args.prompt_cache_dir,
+                       prompt_cache_disk_bytes=(disk_bytes or DEFAULT_DISK_BYTES) if args.prompt_cache_dir else 0,
                        prompt_concurrency=args.prompt_concurrency, max_batch=args.max_batch,
                        kv_budget=args.max_kv_tokens or 0, max_queued=args.max_queued,
                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,

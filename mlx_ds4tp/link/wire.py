@@ -32,10 +32,12 @@ The bound is checked before anything is allocated.
 | PREFILL_BATCH    | PREFILL_BATCH_HEADER (rows) + rows x PREFILL_BATCH_ROW (session, count) + the rows' int32 tokens, row after row | 4198416 |
 | VERIFY_BATCH     | VERIFY_BATCH_HEADER (step, rows, width) + rows x VERIFY_BATCH_ROW (session, count) + rows x width int32 tokens, right-padded | 282640 |
 | COMMIT_BATCH     | COMMIT_BATCH_HEADER (step, rows) + rows x uint32 positions kept | 4112 |
+| DISK_SAVE        | DISK_SAVE_HEADER (stored cache id, drop it after, token count) + the int32 tokens it covers | 4194320 |
+| DISK_LOAD        | DISK_LOAD_PAYLOAD (cache id to store under, token count, loaded, tokens' digest); the worker answers with the same layout | 64 |
 | SAMPLER          | SAMPLER_HEADER (session, seed, context count, options bytes) + context int32s + JSON sampling options | 4259904 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
-VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, HASH, STOP) are one protocol,
+VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, HASH, STOP) are one protocol,
 mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Numbers
 of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE) are never
 reused: a peer of an older install that sent one gets "unknown frame type" at the header.
@@ -71,7 +73,9 @@ import struct
 # 8: the hello carries what each rank measured at start (the memory it may use, its speed on
 # a matrix-vector product), and the leader sends the split share (SPLIT) after it: two different
 # Macs split unevenly, and a rank of version 7 would load an even half the leader never meant.
-PROTOCOL_VERSION = 8
+# 9: stored prompt caches go to disk and come back (DISK_SAVE, DISK_LOAD), each rank its own
+# half; a rank of version 8 would refuse the frames mid-serve.
+PROTOCOL_VERSION = 9
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -119,6 +123,11 @@ class FrameType(enum.IntEnum):
     # The split share both ranks load with, the leader's (resolved from both hellos' figures
     # for --split auto), sent once a join before any weight is read (split.agree).
     SPLIT = 39
+    # A stored prompt cache written to this rank's --prompt-cache-dir (and dropped from memory
+    # when evicted), with the tokens it covers (lockstep.disk_cache) ...
+    DISK_SAVE = 40
+    # ... and one read back as a stored cache; the worker answers whether its half loaded.
+    DISK_LOAD = 41
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -172,6 +181,8 @@ FRAME_MAX_BYTES = {
     FrameType.COMMIT_BATCH: 16 + 4 * 1024,
     FrameType.SPLIT: 64,
     FrameType.SAMPLER: 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_SAMPLER_OPTIONS_BYTES,
+    FrameType.DISK_SAVE: 16 + 4 * MAX_TOKENS_PER_FRAME,
+    FrameType.DISK_LOAD: 64,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -226,4 +237,6 @@ SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, opt
 # 0: the last decode step's logits are hashed, else a session id: the tokens this rank sampled
 # for it (DecodeBatch.hash_of); then the decode step and the hash.
 HASH_PAYLOAD = struct.Struct("<QQQ")
+DISK_SAVE_HEADER = struct.Struct("<QII")  # stored cache id, 1: drop it from memory after, tokens; then the tokens
+DISK_LOAD_PAYLOAD = struct.Struct("<QII16s")  # cache id to store under, tokens, 1: loaded (the answer), digest
 SPLIT_PAYLOAD = struct.Struct("<II")  # rank 0's part, rank 1's part of every split count (1:1 even)

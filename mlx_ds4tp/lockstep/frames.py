@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import transport as tr
 from ..link.wire import (
+    DISK_SAVE_HEADER,
     EVAL_BATCH_HEADER as BATCH_HEADER,
     EVAL_BATCH_ROW,
     MAX_BATCH_ROWS,
@@ -94,6 +95,25 @@ def unpack_batch(payload: bytes) -> Tuple[int, List[int], np.ndarray]:
         raise tr.FrameError(f"EVAL_BATCH says {count} rows in a {len(payload)}-byte payload "
                             f"(1 to {MAX_BATCH_ROWS} rows of {BATCH_ROW.itemsize} bytes)")
     return step, items["session"].tolist(), items["token"]
+
+
+def pack_disk_save(cache_id: int, tokens: Sequence[int], drop: bool) -> bytes:
+    """A DISK_SAVE payload: the stored cache, whether it leaves memory, the tokens it covers."""
+    return DISK_SAVE_HEADER.pack(cache_id, int(drop), len(tokens)) + np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def unpack_disk_save(payload: bytes, vocab: int) -> Tuple[int, np.ndarray, bool]:
+    """(cache id, tokens, drop) of a DISK_SAVE; FrameError when malformed."""
+    if len(payload) < DISK_SAVE_HEADER.size:
+        raise tr.FrameError(f"DISK_SAVE payload of {len(payload)} bytes is shorter than its header")
+    cache_id, drop, count = DISK_SAVE_HEADER.unpack_from(payload)
+    if drop not in (0, 1) or not 0 < count <= MAX_TOKENS_PER_FRAME or \
+            len(payload) != DISK_SAVE_HEADER.size + 4 * count:
+        raise tr.FrameError(f"DISK_SAVE says {count} tokens (1 to {MAX_TOKENS_PER_FRAME}) and drop "
+                            f"{drop} (0 or 1) in a {len(payload)}-byte payload")
+    tokens = np.frombuffer(payload, dtype="<i4", offset=DISK_SAVE_HEADER.size)
+    check_tokens(tokens, vocab)
+    return cache_id, tokens, bool(drop)
 
 
 def check_tokens(tokens: np.ndarray, vocab: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 # How a session starts from a stored cache (the values travel in SESSION_CREATE).
 FRESH, MOVE, COPY = 0, 1, 2
@@ -54,6 +54,10 @@ class PromptCacheIndex:
         self._trie = PromptTrie()
         self._lru: "OrderedDict[int, Tuple[int, ...]]" = OrderedDict()
         self._next_id = 0
+        # The tokens of the caches evicted for room (least recently used), by id, until the
+        # caller takes them (take_evicted_keys): with --prompt-cache-dir they go to disk. A
+        # cache evicted because a longer stored one covers it is not among them.
+        self._evicted_keys: Dict[int, Tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -61,22 +65,33 @@ class PromptCacheIndex:
     def lookup(self, prompt: Sequence[int]) -> Reuse:
         """The longest stored prefix of `prompt` to start from. At least the prompt's last
         token is always left to compute: the session needs its logits."""
+        found = self._find(prompt)
+        return self._take(*found) if found is not None else Reuse()
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many of the prompt's tokens lookup would reuse, without taking anything."""
+        found = self._find(prompt)
+        if found is None or (found[2] == COPY and found[1] < len(found[0]) and not self.trimmable):
+            return 0
+        return found[1]
+
+    def _find(self, prompt: Sequence[int]) -> Optional[Tuple[Tuple[int, ...], int, int]]:
         if not self._lru or len(prompt) < 2:
-            return Reuse()
+            return None
         tokens = list(prompt)
         found = self._trie.search(_MODEL, tokens)
         shorter = len(found.shorter) if found.shorter is not None else 0
         if found.exact is not None:
-            return self._take(tuple(tokens), len(tokens) - 1, COPY)
+            return tuple(tokens), len(tokens) - 1, COPY
         if found.longer is not None and found.common_prefix > shorter and self.trimmable:
             keep = min(len(tokens) - 1, found.common_prefix)
-            return self._take(tuple(found.longer), keep, COPY)
+            return tuple(found.longer), keep, COPY
         if shorter > 0:
             # A stored prefix of the prompt: the new session extends it and stores the longer
             # sequence when it ends, which covers this one, so the cache moves instead of
             # being copied.
-            return self._take(tuple(found.shorter), shorter, MOVE)
-        return Reuse()
+            return tuple(found.shorter), shorter, MOVE
+        return None
 
     def _take(self, key: Tuple[int, ...], keep: int, mode: int) -> Reuse:
         if mode == COPY and keep < len(key) and not self.trimmable:
@@ -128,6 +143,12 @@ class PromptCacheIndex:
             evicted.append(gone)
         return evicted
 
+    def remove(self, cache_id: int) -> None:
+        """Forget stored cache `cache_id` (one whose load from disk failed)."""
+        key = self._lru.pop(cache_id)
+        self._trie.pop(_MODEL, list(key))
+        self._bytes.pop(cache_id, None)
+
     def nbytes(self) -> int:
         """Bytes the stored caches take (as charged)."""
         return sum(self._bytes.get(i, 0) for i in self._lru)
@@ -135,7 +156,17 @@ class PromptCacheIndex:
     def _evict_oldest(self) -> int:
         old_id, old_key = self._lru.popitem(last=False)
         self._trie.pop(_MODEL, list(old_key))
+        self._evicted_keys[old_id] = old_key
         return old_id
+
+    def take_evicted_keys(self) -> Dict[int, Tuple[int, ...]]:
+        """The tokens of the caches evicted for room since the last call, by id."""
+        keys, self._evicted_keys = self._evicted_keys, {}
+        return keys
+
+    def entries(self) -> List[Tuple[int, Tuple[int, ...]]]:
+        """(id, tokens) of every stored cache, least recently used first."""
+        return list(self._lru.items())
 
     def ids(self) -> List[int]:
         """The stored ids, least recently used first."""

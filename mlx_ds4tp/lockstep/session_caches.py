@@ -6,7 +6,7 @@ commands that change them."""
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 from .. import transport as tr
 from ..base.log import log
 from .compute import PREFILL_STEP, fill_cache, make_cache
+from .disk_cache import DiskCache
 from .frames import check_tokens
 from .prompt_cache import COPY, FRESH, MOVE
 
@@ -64,9 +65,11 @@ def owned(cache: list) -> list:
 class SessionCaches:
     """The caches of the sessions not yet decoding, and the stored caches, of one rank."""
 
-    def __init__(self, model, vocab: int):
+    def __init__(self, model, vocab: int, disk: Optional[DiskCache] = None):
         self.model = model
         self.vocab = vocab
+        self.disk = disk  # this rank's --prompt-cache-dir (None: stored caches live in memory only)
+        self._said_no_disk = False
         self.make_cache = lambda: make_cache(model)
         self.sessions: Dict[int, list] = {}  # prefilling, not yet in the batch
         self.stored: Dict[int, list] = {}
@@ -182,6 +185,36 @@ class SessionCaches:
         """Drop stored cache `cache_id`."""
         if self.stored.pop(cache_id, None) is None:
             raise tr.FrameError(f"INVALIDATE names stored cache {cache_id}, which does not exist")
+
+    def save(self, cache_id: int, tokens: Sequence[int], drop: bool) -> bool:
+        """Write stored cache `cache_id` (covering `tokens`) to this rank's directory, then drop
+        it from memory if `drop`; False when it was not written (no directory here, a full disk:
+        logged, the rank serves on)."""
+        cache = self.stored.get(cache_id)
+        if cache is None:
+            raise tr.FrameError(f"DISK_SAVE names stored cache {cache_id}, which does not exist")
+        written = self.disk.save(tokens, cache) if self.disk is not None else self._no_disk()
+        if drop:
+            del self.stored[cache_id]
+        return written
+
+    def load(self, cache_id: int, digest: bytes, count: int) -> bool:
+        """Read this rank's half of the cache of the `count` tokens of `digest` as stored cache
+        `cache_id`; False (logged) when this rank has no such file or it does not check out."""
+        if cache_id in self.stored:
+            raise tr.FrameError(f"DISK_LOAD stores under cache id {cache_id}, already taken")
+        cache = self.disk.load(digest, count) if self.disk is not None else self._no_disk()
+        if not cache:
+            return False
+        self.stored[cache_id] = cache
+        return True
+
+    def _no_disk(self) -> bool:
+        if not self._said_no_disk:
+            log("prompt cache: the leader keeps prompt caches on disk but this rank was started "
+                "without --prompt-cache-dir: its prefixes are recomputed (give both ranks the flag)")
+            self._said_no_disk = True
+        return False
 
     def stored_bytes(self, cache_id: int) -> int:
         """Bytes a stored cache's arrays take on this rank."""

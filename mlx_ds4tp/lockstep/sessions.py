@@ -20,6 +20,10 @@ frames, their layouts in link.wire):
   COMMIT_BATCH    step, positions kept per row                        the rejected drafts leave
   SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
   INVALIDATE      cache id                                            drop a stored cache
+  DISK_SAVE       cache id, drop it after, the tokens it covers        write this rank's half to its
+                                                                      --prompt-cache-dir
+  DISK_LOAD       cache id to store under, token count, their digest  read this rank's half back; the
+                                                                      worker answers whether it could
   HASH            0 or a session, step, hash of the last step's        the worker answers its own
                   logits or of the session's sampled tokens
   STOP                                                                the worker returns
@@ -41,9 +45,10 @@ import mlx.core as mx
 
 from .. import gate_ops, transport as tr
 from ..errors import LockstepDivergence, TransportError
-from ..link.wire import HASH_PAYLOAD as HASH
+from ..link.wire import DISK_LOAD_PAYLOAD as DISK_LOAD, HASH_PAYLOAD as HASH
 from .batch_verify import pack_commit, pack_verify_batch
-from .frames import pack_batch, pack_prefill_batch, unpack
+from .disk_cache import DiskCache, tokens_digest
+from .frames import pack_batch, pack_disk_save, pack_prefill_batch, unpack
 from .grammar import Grammars
 from .prompt_cache import FRESH
 from .row_sampling import pack_sampler
@@ -102,10 +107,11 @@ class LeaderSessions:
     """The leader's side: every command is sent to the worker, then applied here, in that
     order, so the worker's forward starts as early as the leader's."""
 
-    def __init__(self, group: gate_ops.Group, model, grammars: Optional[Grammars] = None):
+    def __init__(self, group: gate_ops.Group, model, grammars: Optional[Grammars] = None,
+                 disk: Optional[DiskCache] = None):
         self.group = group
         self.control = group.pair.control
-        self.table = SessionTable(model, grammars)
+        self.table = SessionTable(model, grammars, disk)
 
     def _command(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Send, then apply; when the gates fail, prefer the worker's own explanation (an
@@ -177,6 +183,34 @@ class LeaderSessions:
         """INVALIDATE (drop a stored cache) on both ranks."""
         self._command(F.INVALIDATE, INVALIDATE.pack(cache_id))
 
+    def disk_save(self, cache_id: int, tokens: Sequence[int], drop: bool) -> None:
+        """DISK_SAVE on both ranks: each writes its half of stored cache `cache_id` (a rank that
+        cannot just logs it: the other's file alone is never used, DISK_LOAD needs both)."""
+        self._command(F.DISK_SAVE, pack_disk_save(cache_id, tokens, drop))
+
+    def disk_load(self, cache_id: int, tokens: Sequence[int]) -> bool:
+        """DISK_LOAD: both ranks read their half of the cache of `tokens` as stored cache
+        `cache_id`, the worker first (it answers), the leader meanwhile. True when both did;
+        otherwise neither keeps it (the worker told to drop its half) and both recompute."""
+        digest = tokens_digest(tokens)
+        self.control.send(F.DISK_LOAD, DISK_LOAD.pack(cache_id, len(tokens), 0, digest))
+        mine = self._explained(lambda: self.table.caches.load(cache_id, digest, len(tokens)))
+        _, payload = self._explained(lambda: self.control.recv(F.DISK_LOAD))
+        peer_id, _, theirs, _ = unpack(DISK_LOAD, payload, F.DISK_LOAD)
+        if peer_id != cache_id:
+            raise LockstepDivergence(f"the worker answered DISK_LOAD of cache {peer_id}; the leader "
+                                     f"asked for {cache_id}")
+        if mine and not theirs:
+            self.table.caches.stored.pop(cache_id)
+        elif theirs and not mine:
+            self._command_worker_only(F.INVALIDATE, INVALIDATE.pack(cache_id))
+        return bool(mine and theirs)
+
+    def _command_worker_only(self, ftype, payload: bytes) -> None:
+        # The one command the leader does not apply to itself: the worker drops the half it
+        # loaded when the leader's own half failed, which the leader's table never held.
+        self.control.send(ftype, payload)
+
     def check_hash(self, session: int = 0) -> None:
         """Compare a hash with the worker's: of the last step's logits (session 0: --debug-hash),
         or of the tokens each rank sampled for `session` (a generation's end); LockstepDivergence
@@ -229,15 +263,15 @@ class LeaderSessions:
 
 
 def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = None, *,
-                 tell_leader: bool = True) -> SessionTable:
+                 tell_leader: bool = True, disk: Optional[DiskCache] = None) -> SessionTable:
     """The worker's one command loop: execute the leader's commands until STOP; returns the
     table (its batch.step_count: decode steps run; ended: sessions served). grammars: what
     constrained sessions are masked with (the leader's SAMPLER carries their grammar's text;
     None refuses them). Raises on any failure,
     after telling the leader why (an ERROR frame, so its error names the cause, not just
-    'peer closed') unless tell_leader is False."""
+    'peer closed') unless tell_leader is False. disk: this rank's --prompt-cache-dir."""
     control = group.pair.control
-    table = SessionTable(model, grammars)
+    table = SessionTable(model, grammars, disk)
     try:
         while True:
             ftype, payload = _next_command(control, table.busy)
@@ -248,6 +282,11 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
                 mine, what = table.batch.hash_of(session)
                 control.send(F.HASH, HASH.pack(session, table.batch.step_count, mine))
                 check_in_step(table.batch.step_count, mine, step, theirs, "leader", what)
+                continue
+            if ftype == F.DISK_LOAD:
+                cache_id, count, _, digest = unpack(DISK_LOAD, payload, ftype)
+                loaded = table.caches.load(cache_id, digest, count)
+                control.send(F.DISK_LOAD, DISK_LOAD.pack(cache_id, count, int(loaded), digest))
                 continue
             table.apply(ftype, payload)
     except Exception as exc:

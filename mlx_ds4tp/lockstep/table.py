@@ -25,7 +25,8 @@ from ..link.wire import (
 )
 from . import batch_verify
 from .decode_batch import DecodeBatch
-from .frames import check_tokens, unpack, unpack_batch, unpack_prefill_batch
+from .disk_cache import DiskCache
+from .frames import check_tokens, unpack, unpack_batch, unpack_disk_save, unpack_prefill_batch
 from .grammar import GrammarError, Grammars, RowGrammar
 from .row_sampling import RowSampler, unpack_sampler
 from .session_caches import SessionCaches
@@ -91,12 +92,12 @@ def _malloc_trim():
 class SessionTable:
     """The session caches and decode batch of one rank; see the module docstring."""
 
-    def __init__(self, model, grammars: Optional[Grammars] = None):
+    def __init__(self, model, grammars: Optional[Grammars] = None, disk: Optional[DiskCache] = None):
         self.model = model
         self.grammars = grammars  # constrained sessions' grammars (None: this rank has no tokenizer)
         # Every token id from the wire is checked against it (frames.check_tokens).
         self.vocab = int(getattr(getattr(model, "args", None), "vocab_size", 0) or 0)
-        self.caches = SessionCaches(model, self.vocab)
+        self.caches = SessionCaches(model, self.vocab, disk)
         self.batch = DecodeBatch(model, self.vocab)
         self.ended = 0  # sessions destroyed: the prompts served
 
@@ -144,6 +145,9 @@ class SessionTable:
         elif ftype == F.INVALIDATE:
             (cache_id,) = unpack(INVALIDATE, payload, ftype)
             caches.invalidate(cache_id)
+        elif ftype == F.DISK_SAVE:
+            cache_id, tokens, drop = unpack_disk_save(payload, self.vocab)
+            caches.save(cache_id, tokens, drop)
         else:
             raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
         return None

@@ -6,15 +6,20 @@ under way (prompt + max_tokens each) stay within the KV budget (0: no budget); t
 in arrival order, at most max_queued of them, and one more is refused as busy (the HTTP
 layer's 429). A starting session takes the longest stored prefix of its prompt (the index's
 lookup), and an ending one is stored for the next (the index's insert), the evicted caches
-dropped on both ranks. Every request between its start and its end is owned here, so the pair
-going down reaches each of them, whatever a step was doing with its session.
+dropped on both ranks. With --prompt-cache-dir a cache evicted for room, and every stored one
+at shutdown, is written to disk by both ranks (each its half), and a prompt whose longest stored
+prefix is on disk, longer than any in memory, has it loaded on both ranks first (both must load
+their half, or neither keeps it and the prompt is computed). Every request between its start
+and its end is owned here, so the pair going down reaches each of them, whatever a step was
+doing with its session.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from typing import Dict, List, Optional
+import time
+from typing import Dict, List, Optional, Sequence
 
 from ..lockstep.prompt_cache import PromptCacheIndex
 from ..lockstep.session_caches import kv_code
@@ -47,6 +52,8 @@ class Admission:
         self._owned: Dict[int, Request] = {}
         self._ids = itertools.count(1)
         self.stats = {"requests": 0, "cached_tokens": 0}
+        if self.disk is not None:
+            self.stats.update(disk_hits=0, disk_tokens=0, disk_load_ms=0, disk_load_failures=0)
 
     def check(self, request: Request) -> None:
         """ValueError when the request could never fit the budget, however long it waited."""
@@ -86,6 +93,7 @@ class Admission:
 
     def _start(self, request: Request) -> RunningSession:
         sid = next(self._ids)
+        self._from_disk(request.prompt)
         reuse = self.index.lookup(request.prompt)
         self.sessions.create(sid, reuse.cache_id, reuse.mode, self.kv)
         if reuse.needs_rewind:
@@ -105,10 +113,57 @@ class Admission:
             self.sessions.destroy(session.sid, cache_id)
             if cache_id:
                 evicted += self.index.charge(cache_id, self.sessions.table.caches.stored_bytes(cache_id))
-            for old in evicted:
-                self.sessions.invalidate(old)
+            self._drop(evicted)
         self.reserved -= session.reserved
         self._owned.pop(id(session.request), None)
+
+    @property
+    def disk(self):
+        """The leader's --prompt-cache-dir (lockstep.disk_cache.DiskCache), or None."""
+        return self.sessions.table.caches.disk
+
+    def _drop(self, evicted: List[int]) -> None:
+        """Drop evicted stored caches on both ranks; those evicted for room go to disk first."""
+        keys = self.index.take_evicted_keys()
+        for old in evicted:
+            if self.disk is not None and old in keys:
+                self.sessions.disk_save(old, keys[old], drop=True)
+            else:
+                self.sessions.invalidate(old)
+
+    def _from_disk(self, prompt: Sequence[int]) -> None:
+        """Load the longest prefix of `prompt` stored on disk as a stored cache on both ranks,
+        when it reuses more tokens than memory holds; lookup then takes it as any other."""
+        disk = self.disk
+        if disk is None or self.index.max_size == 0:
+            return
+        tokens, keep = disk.find(prompt, self.index.trimmable)
+        if tokens is None or keep <= self.index.reusable(prompt):
+            return
+        began = time.perf_counter()
+        key = tokens.tolist()
+        cache_id, evicted = self.index.insert(key)
+        # Loaded before the evicted caches go to disk: writing them may make room by removing
+        # the very file this load is about to read.
+        loaded = self.sessions.disk_load(cache_id, key)
+        self._drop(evicted)
+        if not loaded:
+            self.index.remove(cache_id)
+            disk.discard(key)  # useless without the worker's half: never chosen again
+            self.stats["disk_load_failures"] += 1
+            return
+        self._drop(self.index.charge(cache_id, self.sessions.table.caches.stored_bytes(cache_id)))
+        self.stats["disk_hits"] += 1
+        self.stats["disk_tokens"] += keep
+        self.stats["disk_load_ms"] += int(1000 * (time.perf_counter() - began))
+
+    def spill(self) -> None:
+        """Write every stored cache to disk on both ranks (at shutdown: the next server starts
+        from them), most recently used last."""
+        if self.disk is None:
+            return
+        for cache_id, key in self.index.entries():
+            self.sessions.disk_save(cache_id, key, drop=False)
 
     def fail(self, message: str) -> None:
         """The pair is down: every request under way or waiting gets ("error", message)."""

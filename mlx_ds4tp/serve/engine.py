@@ -92,7 +92,19 @@ class Engine:
                 # The leader's table (the worker's is the same): sessions, stored caches.
                 "table_sessions": len(table.caches.sessions) + len(table.batch.rows),
                 "table_stored": len(table.caches.stored),
+                **self._disk_figures(),
                 **(self.prefill.mixing.figures() if self.limits.mixed_prefill else {})}
+
+    def _disk_figures(self) -> Dict[str, float]:
+        """The leader's --prompt-cache-dir: its files, and the prefill time the prefixes loaded
+        from it saved (their tokens at the prefill rate measured here, less the loading)."""
+        disk = self.admission.disk
+        if disk is None:
+            return {}
+        stats, per_token = self.admission.stats, self.prefill.mixing.separate_per_token or 0.0
+        saved = stats["disk_tokens"] * per_token - stats["disk_load_ms"] / 1000
+        return {"prompt_cache_disk_entries": len(disk), "prompt_cache_disk_bytes": disk.nbytes(),
+                "prompt_cache_disk_seconds_saved": round(max(saved, 0.0), 3), **disk.stats}
 
     def queued(self) -> int:
         """Requests submitted and not started yet (waiting for room in the KV budget)."""
@@ -122,11 +134,17 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the loop and tell the worker to return."""
+        """Stop the loop, write the stored prompt caches to disk (--prompt-cache-dir) and tell
+        the worker to return."""
         self._stopping = True
         if self._thread is not None:
             self._thread.join(timeout)
         if self._error is None:
+            try:
+                if self._thread is None or not self._thread.is_alive():
+                    self.admission.spill()
+            except Exception as exc:  # noqa: BLE001 - the pair failed on the way out: stop anyway
+                log(f"serve: the stored prompt caches were not all written at shutdown: {exc}")
             self.sessions.stop()
 
     # -- the loop -------------------------------------------------------------

@@ -4,6 +4,7 @@ line (cli/serve.py) and handed to the engine as one object."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -12,6 +13,8 @@ class ServeLimits:
 
     prompt_cache_size: int = 10      # stored prompt caches kept for reuse
     prompt_cache_bytes: int = 0      # their bound in bytes (0: count only)
+    prompt_cache_dir: Optional[str] = None  # evicted and shut-down caches go here (None: memory only)
+    prompt_cache_disk_bytes: int = 0         # the directory's bound in bytes (> 0 with a directory)
     prefill_step: int = 2048         # prompt tokens a session prefills per turn
     prompt_concurrency: int = 8      # prompts prefilled together in one padded forward
     max_batch: int = 32              # sessions decoded together

@@ -51,6 +51,19 @@ class ServeMetrics:
               registry=r).set_function(lambda: counts()["kv_budget_tokens"])
         Gauge("ds4tp_prompt_cache_bytes", "Bytes the stored prompt caches take on each machine",
               registry=r).set_function(lambda: counts()["prompt_cache_bytes"])
+        if engine.admission.disk is not None:  # --prompt-cache-dir
+            for key, what in (("prompt_cache_disk_bytes", "Bytes the leader's prompt-cache files take"),
+                              ("prompt_cache_disk_entries", "Prompt caches stored on the leader's disk"),
+                              ("prompt_cache_disk_seconds_saved",
+                               "Prefill time the prefixes loaded from disk saved (at the measured prefill rate)"),
+                              ("disk_writes", "Prompt caches written to disk"),
+                              ("disk_write_failures", "Writes that failed (a full disk: served from memory)")):
+                name = key if key.startswith("prompt_cache") else f"prompt_cache_{key}"
+                Gauge(f"ds4tp_{name}", what, registry=r).set_function(lambda key=key: counts()[key])
+            for key, what in (("disk_hits", "Requests whose prefix was loaded from disk"),
+                              ("disk_tokens", "Prompt tokens loaded from disk instead of computed"),
+                              ("disk_load_failures", "Loads from disk a rank could not make (both recomputed)")):
+                Gauge(f"ds4tp_prompt_cache_{key}", what, registry=r).set_function(lambda key=key: engine.stats[key])
         # Totals since start, read from the engine (whose parts own them): gauges, not
         # counters, because prometheus_client counters cannot be read from a function.
         for key, what in (("prefill_batches", "Prefill forwards (each of up to --prompt-concurrency prompts)"),

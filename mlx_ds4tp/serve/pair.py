@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from .. import gate_ops, transport as tr
@@ -129,11 +130,36 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List
         t0 = time.perf_counter()
         model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
+        disk = make_disk_cache(settings, model, identity, (share, group.rank()))
         if server is None:
-            return _worker(group, model, Grammars(tokenizer), settings, share)
-        engine = _leader_engine(settings, group, model, tokenizer)
+            return _worker(group, model, settings, share, (Grammars(tokenizer), disk))
+        engine = _leader_engine(settings, group, model, tokenizer, disk)
         _serve_http(settings, engine, group, (model, share), server)
     return 0
+
+
+def make_disk_cache(settings: ServeSettings, model: Any, identity: tr.ModelIdentity,
+                    share_rank: Tuple[SplitShare, int]):
+    """This rank's --prompt-cache-dir (lockstep.disk_cache.DiskCache) or None; SystemExit
+    naming the model when its cache cannot be saved in mlx-lm's prompt-cache files."""
+    limits = settings.limits
+    if not limits.prompt_cache_dir:
+        return None
+    from ..lockstep.compute import make_cache
+    from ..lockstep.disk_cache import DiskCache, cache_blocker, rank_key
+
+    blocker = cache_blocker(make_cache(model))
+    if blocker:
+        raise SystemExit(f"ds4tp serve: --prompt-cache-dir: {settings.model.name} ({type(model).__module__}): "
+                         f"{blocker}; serve it without --prompt-cache-dir")
+    share, rank = share_rank
+    fingerprint = identity.fingerprint.digest.hex() if identity.fingerprint is not None else settings.model.name
+    try:
+        return DiskCache(Path(limits.prompt_cache_dir), limits.prompt_cache_disk_bytes,
+                         rank_key(fingerprint, str(share), rank))
+    except OSError as exc:
+        raise SystemExit(f"ds4tp serve: --prompt-cache-dir {limits.prompt_cache_dir}: {exc}; give a "
+                         "directory this user may create and write") from None
 
 
 def kv_tokens_needed(settings: ServeSettings) -> int:
@@ -144,7 +170,7 @@ def kv_tokens_needed(settings: ServeSettings) -> int:
     return limits.kv_budget or limits.prefill_step + settings.http.default_max_tokens
 
 
-def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokenizer):
+def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokenizer, disk=None):
     """The engine over this pair, with the limits checked against the model loaded."""
     from ..lockstep.sessions import LeaderSessions
     from .engine import Engine
@@ -167,7 +193,8 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
         budget, how = default_kv_budget(model, limits.kv_bits, limits.kv_group_size)
         log(f"serve: {how}")
         limits = dataclasses.replace(limits, kv_budget=budget)
-    return Engine(LeaderSessions(group, model, Grammars(tokenizer)), tokenizer, limits, speculation=speculation)
+    return Engine(LeaderSessions(group, model, Grammars(tokenizer), disk), tokenizer, limits,
+                  speculation=speculation)
 
 
 def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
@@ -226,7 +253,7 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
                 log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
                 group.close()
                 time.sleep(0.5)
-        sessions = LeaderSessions(group, model, engine.sessions.table.grammars)
+        sessions = LeaderSessions(group, model, engine.sessions.table.grammars, engine.admission.disk)
         try:
             sessions.wait_ready()  # the worker loads its weights after joining
         except Exception as exc:  # noqa: BLE001 - it died loading: listen again
@@ -250,19 +277,21 @@ def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Grou
             time.sleep(0.5)
 
 
-def _worker(group: gate_ops.Group, model, grammars, settings: ServeSettings, share: SplitShare) -> int:
+def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare,
+            grammars_disk: Tuple[Any, Any]) -> int:
     """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
     dies it waits for a leader on the same address and serves it (the same checks as a first
     join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
     from ..lockstep.sessions import drain_failed_work, serve_worker
     from ..lockstep.table import release_memory
 
+    grammars, disk = grammars_disk
     rejoin = settings.rejoin
     coordinator = settings.link.address.coordinator
     where = f"at {coordinator[0]}:{coordinator[1]}" if coordinator else "(discovery)"
     while True:
         try:
-            table = serve_worker(group, model, grammars)  # tells the leader why if it fails
+            table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
             log(f"worker done after {table.batch.step_count} decode steps: the leader said stop")
             if not rejoin:
                 return 0

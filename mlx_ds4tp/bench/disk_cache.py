@@ -1,0 +1,238 @@
+"""`ds4tp bench --serve --disk-cache`: the prompt cache on disk (`ds4tp serve --prompt-cache-dir`),
+both ranks on 127.0.0.1, each with its own directory.
+
+ttft: a long prompt's time to first token (streamed, from the client's side) cold, then the same
+prompt plus a new turn with its prefix in memory, then both ranks stopped (SIGTERM to the leader,
+as Ctrl-C), started again on the same directories, and the prompt plus another new turn with its
+prefix loaded from disk; that answer is checked against a cold server's (a third start, without
+the directories). soak (--disk-soak SECONDS): clients looping over many distinct prefixes, a few
+turns each and now and then an old one again, against a pair whose memory holds few caches and
+whose directories are bounded: the directories' largest size seen against the bound, the disk
+hits, and the leader's resident memory at the first minute and at the end (both idle readings).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..base.log import log
+from .serve import _wait_healthy
+from .soak_pair import rss_kib
+
+IDLE_SEC = 3.0  # the server hands memory back once idle: RSS is read there
+
+
+class _Pair:
+    """`ds4tp serve` leader and worker here, each rank with its own cache directory (or none)."""
+
+    def __init__(self, model: Path, transport: str, extra: List[str], dirs: Optional[Dict[str, Path]],
+                 disk_bytes: int):
+        from ..testing.localpair import free_port
+
+        self.pair_port, self.http_port = free_port(), free_port()
+        self.base = f"http://127.0.0.1:{self.http_port}"
+        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), "--transport",
+                  transport, "--max-kv-tokens", "0", *extra]
+        self.cmds = {"leader": common + ["--role", "leader", "--listen", "127.0.0.1", str(self.pair_port),
+                                         "--port", str(self.http_port)],
+                     "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(self.pair_port)]}
+        for name in self.cmds:
+            if dirs:
+                self.cmds[name] += ["--prompt-cache-dir", str(dirs[name]),
+                                    "--prompt-cache-disk-bytes", str(disk_bytes)]
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.log = tempfile.TemporaryFile()
+
+    def start(self) -> "_Pair":
+        from ..testing.localpair import child_env
+
+        self.procs = {n: subprocess.Popen(c, env=child_env(), stdout=self.log, stderr=self.log)
+                      for n, c in self.cmds.items()}
+        try:
+            _wait_healthy(self.base, list(self.procs.values()), 600.0)
+        except RuntimeError:
+            self.dump()
+            raise
+        return self
+
+    def dump(self) -> None:
+        self.log.seek(0)
+        sys.stderr.write(self.log.read().decode(errors="replace")[-20000:])
+
+    def stop(self) -> None:
+        """As Ctrl-C on the leader: it writes its stored caches and tells the worker to stop."""
+        self.procs["leader"].send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            p.wait(600)
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.base + "/health", timeout=30) as r:
+            return json.loads(r.read())
+
+
+def stream(base: str, prompt: List[int], max_tokens: int) -> Dict[str, object]:
+    """One greedy streamed completion of token ids: its time to first text (ms), text, usage."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, text, usage = None, [], {}
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for line in r:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the server failed the request: {event['error']['message']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            elif event["choices"] and event["choices"][0]["text"]:
+                first = first if first is not None else time.perf_counter()
+                text.append(event["choices"][0]["text"])
+    first = first if first is not None else time.perf_counter()
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft_ms": 1000.0 * (first - t0), "text": "".join(text), "cached_tokens": cached}
+
+
+def _vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def _tokens(rng: random.Random, vocab: int, count: int) -> List[int]:
+    return [rng.randrange(3, vocab) for _ in range(count)]
+
+
+def ttft(model: Path, transport: str, prompt_tokens: int, max_tokens: int) -> Dict[str, object]:
+    """The TTFT record of the module docstring."""
+    rng, vocab = random.Random(7), _vocab(model)
+    prefix, turn1, turn2 = (_tokens(rng, vocab, n) for n in (prompt_tokens, 16, 16))
+    warm = _tokens(rng, vocab, 32)
+    root = Path(tempfile.mkdtemp(prefix="ds4tp-disk-bench-"))
+    dirs = {"leader": root / "leader", "worker": root / "worker"}
+    rec: Dict[str, object] = {"name": "serve-disk-ttft", "prompt_tokens": prompt_tokens}
+    pair = _Pair(model, transport, [], dirs, 10**10).start()
+    try:
+        stream(pair.base, warm, 4)  # first-call compilation
+        cold = stream(pair.base, prefix, max_tokens)
+        memory = stream(pair.base, prefix + turn1, max_tokens)
+        pair.stop()
+        log("disk bench: cold and memory measured; restarting the pair on the same directories")
+        pair = _Pair(model, transport, [], dirs, 10**10).start()
+        stream(pair.base, warm, 4)
+        disk = stream(pair.base, prefix + turn2, max_tokens)
+        rec["disk_hits"] = pair.health().get("disk_hits")
+        pair.stop()
+        log("disk bench: disk measured; a cold server for the reference answer")
+        pair = _Pair(model, transport, [], None, 0).start()
+        stream(pair.base, warm, 4)
+        reference = stream(pair.base, prefix + turn2, max_tokens)
+        pair.stop()
+    except BaseException:
+        pair.dump()
+        pair.kill()
+        raise
+    sizes = {n: sum(p.stat().st_size for p in d.glob("*.safetensors")) for n, d in dirs.items()}
+    shutil.rmtree(root, ignore_errors=True)
+    rec.update({"cold_ttft_ms": round(cold["ttft_ms"], 1), "memory_ttft_ms": round(memory["ttft_ms"], 1),
+                "disk_ttft_ms": round(disk["ttft_ms"], 1),
+                "cold_again_ttft_ms": round(reference["ttft_ms"], 1),
+                "memory_cached_tokens": memory["cached_tokens"], "disk_cached_tokens": disk["cached_tokens"],
+                "disk_vs_cold": round(disk["ttft_ms"] / cold["ttft_ms"], 3),
+                "memory_vs_cold": round(memory["ttft_ms"] / cold["ttft_ms"], 3),
+                "disk_text_exact": disk["text"] == reference["text"],
+                "disk_bytes_per_rank": sizes})
+    return rec
+
+
+def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: int = 4,
+         prompt_tokens: int = 256) -> Dict[str, object]:
+    """The soak record of the module docstring."""
+    vocab = _vocab(model)
+    root = Path(tempfile.mkdtemp(prefix="ds4tp-disk-soak-"))
+    dirs = {"leader": root / "leader", "worker": root / "worker"}
+    pair = _Pair(model, transport, ["--prompt-cache-size", "4"], dirs, disk_bytes).start()
+    largest = {"leader": 0, "worker": 0}
+    done = {"requests": 0, "failures": 0}
+    stop_at = time.monotonic() + seconds
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        rng = random.Random(100 + i)
+        seen: List[List[int]] = []
+        while time.monotonic() < stop_at:
+            if seen and rng.random() < 0.3:
+                prompt = rng.choice(seen) + _tokens(rng, vocab, 8)  # an old prefix, a new turn
+            else:
+                prompt = _tokens(rng, vocab, rng.randrange(prompt_tokens // 2, prompt_tokens))
+                seen.append(prompt)
+            try:
+                stream(pair.base, prompt, 8)
+                with lock:
+                    done["requests"] += 1
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                log(f"disk soak: a request failed: {exc}")
+                with lock:
+                    done["failures"] += 1
+
+    pid = pair.procs["leader"].pid
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    t0 = time.monotonic()
+    rss_first = None
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            for name, d in dirs.items():
+                largest[name] = max(largest[name], sum(p.stat().st_size for p in d.glob("*.safetensors")
+                                                       if p.exists()))
+            if rss_first is None and time.monotonic() - t0 >= 60.0:
+                rss_first = rss_kib(pid)
+            time.sleep(0.5)
+        time.sleep(IDLE_SEC)
+        rss_end = rss_kib(pid)
+        health = pair.health()
+        pair.stop()
+    except BaseException:
+        pair.dump()
+        pair.kill()
+        raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"name": "serve-disk-soak", "seconds": seconds, "clients": clients, **done,
+            "disk_bound_bytes": disk_bytes, "largest_dir_bytes": largest,
+            "within_bound": all(v <= disk_bytes for v in largest.values()),
+            "disk_hits": health.get("disk_hits"), "disk_writes": health.get("disk_writes"),
+            "disk_load_failures": health.get("disk_load_failures"),
+            "leader_rss_first_minute_kib": rss_first, "leader_rss_end_kib": rss_end,
+            "leader_rss_end_vs_first_minute": round(rss_end / rss_first, 3) if rss_first and rss_end else None}
+
+
+def report(model: Path, transport: str, prompt_tokens: int, max_tokens: int, soak_seconds: float,
+           disk_bytes: int, as_json: bool) -> int:
+    """`ds4tp bench --serve --disk-cache`: the TTFT record, then the soak's when asked."""
+    records = [ttft(model, transport, prompt_tokens, max_tokens)]
+    if soak_seconds:
+        records.append(soak(model, transport, soak_seconds, disk_bytes))
+    for rec in records:
+        print(json.dumps(rec) if as_json else "  ".join(f"{k}={v}" for k, v in rec.items()), flush=True)
+    ok = records[0]["disk_text_exact"] and all(r.get("within_bound", True) and not r.get("failures")
+                                               for r in records)
+    return 0 if ok else 1
