@@ -288,7 +288,7 @@ def test_demo_and_doctor_flags_are_checked(tmp_path):
     assert "--peer 127.0.0.1 x: PORT must be an integer" in msg
     msg = exit_message(serve_main, "doctor", "--listen", "127.0.0.1", "70000")
     assert "ds4tp doctor: --listen:" in msg and "PORT 0-65535" in msg
-    assert "give --peer or --listen" in exit_message(serve_main, "doctor", "--model", str(tmp_path))
+    assert "give --peer, --listen or --interface" in exit_message(serve_main, "doctor", "--model", str(tmp_path))
     with pytest.raises(SystemExit) as info:  # argparse: not allowed with each other
         parse("doctor", "--peer", "h", "1", "--listen", "h", "2")
     assert info.value.code == 2

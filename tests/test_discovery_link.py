@@ -235,3 +235,50 @@ def test_two_pairs_of_two_models_on_one_link_each_find_their_own(procs, bridge, 
         assert re.search(rf"found on {bridge.dev[i + 2]} at {bridge.addr[i]} port", worker.err.text()), \
             worker.err.text()
     assert reference_text(models[0], PROMPT, MAX_TOKENS)[0] != reference_text(models[1], PROMPT, MAX_TOKENS)[0]
+
+
+@pytest.mark.parametrize("bridge", [1], indirect=True)
+def test_run_on_one_machine_pairs_over_loopback_worker_first_without_a_secret(procs, bridge, models, tmp_path):
+    """The README's one-machine recipe: `ds4tp run --model M --interface lo` and the same with
+    --prompt pair by themselves, the worker started first, no secret (loopback never leaves the
+    machine). Linux's loopback carries no multicast until told to, as the README says; the test
+    turns it on in its own namespace only."""
+    ns = bridge.ns[0]
+    ip("-n", ns, "link", "set", "lo", "multicast", "on")
+    model = models[0]
+    env = dict(os.environ, DS4_TP_TIMEOUT_SEC=str(TIMEOUT), PYTHONUNBUFFERED="1",
+               DS4_TP_CONFIG_DIR=str(tmp_path / "no-secret"),
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("DS4_TP_SECRET", None)
+
+    def start(command: List[str], name: str) -> Rank:
+        args = ["ip", "netns", "exec", ns, sys.executable, "-m", "mlx_ds4tp", *command, "--interface", "lo"]
+        p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.procs.append(p)
+        rank = Rank(p, f"{name} on {ns}'s loopback")
+        rank.started = time.monotonic()
+        return rank
+
+    worker = start(run_cmd(model, None), "worker")
+    wait_for([worker], "the worker looking", r"discovery: looking on lo")
+    leader = start(run_cmd(model), "leader")
+    after = paired_after(leader, worker)
+    print(f"pairing over loopback, worker first: 'worker connected' {after:.2f} s after the leader started")
+    assert finished_text(leader, [worker]) == reference_text(model, PROMPT, MAX_TOKENS)[0]
+    assert worker.wait_exit(60) is not None and worker.proc.returncode == 0, worker.describe()
+
+
+@pytest.mark.parametrize("bridge", [2], indirect=True)
+def test_doctor_on_both_finds_the_peer_and_times_the_exchange(procs, bridge, models, tmp_path):
+    """`ds4tp doctor --interface NAME --model M` on both machines, started together: they find
+    each other, compare the models and time the gates' exchange, with no address typed."""
+    model = models[0]
+    doctors = [spawn(procs, bridge, i, ["doctor", "--model", str(model)], SECRET, tmp_path) for i in (0, 1)]
+    for d in doctors:
+        if d.wait_exit(180) is None:
+            pytest.fail("doctor did not finish\n" + "\n".join(r.describe() for r in doctors))
+    for d in doctors:
+        out = d.out.text()
+        assert re.search(r"gate round trip with the peer discovery found.*transport tcp, 16 KiB p50", out), \
+            d.describe()
+        assert "model fingerprint" in out and "split auto" in out, d.describe()

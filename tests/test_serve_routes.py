@@ -28,6 +28,7 @@ class ScriptedEngine:
     def __init__(self, *scripts):
         self.scripts, self.error, self.sessions, self.submitted = list(scripts), None, None, []
         self.stats = {"decode_steps": 0}
+        self.disk_cache = None
 
     def counts(self):
         return {"decoding": 0}

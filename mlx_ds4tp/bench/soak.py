@@ -351,12 +351,12 @@ def _client_counts(base: str, model: Path, opts: SoakOptions, api_key: Optional[
     from . import serve
 
     counts = list(opts.client_counts)
-    ours = serve.measure_all(base, opts.max_tokens, counts, opts.rounds, api_key)
+    ours = serve.measure_all(base, opts.max_tokens, counts, opts.rounds, api_key, constrained=False)
     if pair is not None:
         pair.close()
     proc, mlx_base = soak_pair.mlx_lm_server(model, max(counts))
     try:
-        theirs = serve.measure_all(mlx_base, opts.max_tokens, counts, opts.rounds)
+        theirs = serve.measure_all(mlx_base, opts.max_tokens, counts, opts.rounds, constrained=False)
     finally:
         proc.kill()
         proc.wait(10)

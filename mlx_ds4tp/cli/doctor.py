@@ -19,10 +19,18 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .. import transport as tr
-from ..link.config import LinkSettings, pair_address
+from ..link.config import LinkSettings, PairAddress, pair_address
 from ..split.measure import measure_rank, memory_limit
 from .model_arg import add_model_arg
-from .pair_args import TRANSPORT_HELP, add_transport_args, link_from_args, parse_address, refuse_mlx
+from .pair_args import (
+    TRANSPORT_HELP,
+    add_interface_arg,
+    add_transport_args,
+    discovery_from_args,
+    link_from_args,
+    parse_address,
+    refuse_mlx,
+)
 
 HELP = "check what a pair needs and say what to fix"
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -191,7 +199,7 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[
     # when DS4_TP_TIMEOUT_SEC says so.
     limit = tr.default_timeout()
     identity = model_identity(args.model) if args.model else None
-    host, port = link.address.address
+    where = "{0}:{1}".format(*link.address.address) if link.discovery is None else "the peer discovery found"
     wait = min(30.0 if link.address.role == "worker" else 120.0, limit)
     g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait, figures=measure_rank(memory_limit())),
                            identity)
@@ -212,7 +220,7 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[
             samples.append(time.perf_counter_ns() - t0)
         good = bool(np.all(recv == 2.0 - g.rank()))
         p = percentiles(samples[200:])
-        return out + [_line(OK if good else FAIL, f"gate round trip with {host}:{port}",
+        return out + [_line(OK if good else FAIL, f"gate round trip with {where}",
                             f"transport {g.transport}, 16 KiB p50 {p['p50_us']} us p99 {p['p99_us']} us"
                             + ("" if good else ", WRONG DATA"))]
 
@@ -255,13 +263,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        "with --peer/--listen: verbs device (e.g. rdma_en1) or 'ucsim'")
     add_model_arg(p, "with --peer/--listen: compare this model directory's fingerprint with the "
                      "peer's at the hello and print both", required=False, metavar="PATH")
+    # Only when named: a plain `ds4tp doctor` checks this Mac alone and never waits for a peer.
+    add_interface_arg(p)
 
 
 def check_args(args: argparse.Namespace) -> Optional[LinkSettings]:
     """The round trip's link (the --peer side dials as the worker, the --listen side
     answers as the leader), or None without either; bad flags exit naming the flag."""
+    if args.interface and not (args.peer or args.listen):
+        # Both Macs run `ds4tp doctor --interface NAME`: they find each other as run and serve do.
+        refuse_mlx(args, "doctor", "its round trip times a pair's exchange, and MLX's own group is no pair")
+        discovery = discovery_from_args(args, "doctor", "any")
+        return link_from_args(args, PairAddress(None, None, None), "doctor", discovery=discovery)
     if args.model is not None and not (args.peer or args.listen):
-        raise SystemExit("ds4tp doctor: --model is compared with the peer's: give --peer or --listen")
+        raise SystemExit("ds4tp doctor: --model is compared with the peer's: give --peer, --listen "
+                         "or --interface")
     if not (args.peer or args.listen):
         return None
     if args.peer:

@@ -95,6 +95,11 @@ class Engine:
                 **self._disk_figures(),
                 **(self.prefill.mixing.figures() if self.limits.mixed_prefill else {})}
 
+    @property
+    def disk_cache(self):
+        """This leader's --prompt-cache-dir (lockstep.disk_cache.DiskCache), or None."""
+        return self.admission.disk
+
     def _disk_figures(self) -> Dict[str, float]:
         """The leader's --prompt-cache-dir: its files, and the prefill time the prefixes loaded
         from it saved (their tokens at the prefill rate measured here, less the loading)."""

@@ -51,7 +51,7 @@ class ServeMetrics:
               registry=r).set_function(lambda: counts()["kv_budget_tokens"])
         Gauge("ds4tp_prompt_cache_bytes", "Bytes the stored prompt caches take on each machine",
               registry=r).set_function(lambda: counts()["prompt_cache_bytes"])
-        if engine.admission.disk is not None:  # --prompt-cache-dir
+        if engine.disk_cache is not None:  # --prompt-cache-dir
             for key, what in (("prompt_cache_disk_bytes", "Bytes the leader's prompt-cache files take"),
                               ("prompt_cache_disk_entries", "Prompt caches stored on the leader's disk"),
                               ("prompt_cache_disk_seconds_saved",

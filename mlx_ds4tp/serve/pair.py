@@ -253,7 +253,7 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
                 log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
                 group.close()
                 time.sleep(0.5)
-        sessions = LeaderSessions(group, model, engine.sessions.table.grammars, engine.admission.disk)
+        sessions = LeaderSessions(group, model, engine.sessions.table.grammars, engine.disk_cache)
         try:
             sessions.wait_ready()  # the worker loads its weights after joining
         except Exception as exc:  # noqa: BLE001 - it died loading: listen again
