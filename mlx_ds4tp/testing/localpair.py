@@ -105,10 +105,8 @@ class Placement:
 ANYWHERE = Placement()
 # Two different Macs stood in for on one Linux machine of two cores or more: each rank alone on
 # a core, the worker's shared with a process that never sleeps, so the worker computes at about
-# half the leader's speed. Each rank then owns its core, as on two Macs, so both poll at a gate
-# as long as a Mac does (link/config.py's DEFAULT_TCP_SPIN_US), not the shared-core 200 us: a
-# worker that slept at a gate would wait for the busy process's time slice to end.
-SLOW_WORKER = Placement(cpus=(frozenset({0}), frozenset({1})), env=(("DS4_TP_TCP_SPIN_US", "5000"),))
+# half the leader's speed.
+SLOW_WORKER = Placement(cpus=(frozenset({0}), frozenset({1})))
 
 
 @contextlib.contextmanager
