@@ -1,6 +1,7 @@
 """The leader's HTTP face on one event loop (serve/http.py, serve/http_server.py), end to end on a
 served pair: idle connections hold no thread, a client that never finishes its headers is closed
-at the header timeout, and a streaming client that hangs up frees its batch row at once."""
+at the header timeout, one that stalls mid-body is answered 408 then, and a streaming client that
+hangs up frees its batch row at once."""
 
 from __future__ import annotations
 
@@ -39,13 +40,17 @@ def threads(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
+def completes(pair: ServedPair, model_dir, words: str):
+    """A check that a whole completion of `words` is answered as mlx-lm answers it."""
+    c, prompt = client(pair), text_ids(model_dir, words)
+    want = reference(model_dir, prompt, 4)
+    return lambda: c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=4).choices[0].text == want
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the leader's thread count from /proc (Linux)")
 def test_idle_connections_hold_no_thread_and_are_closed_at_the_header_timeout(pair, model_dir):
-    leader = pair.procs["leader"].pid
-    c = client(pair)
-    prompt = text_ids(model_dir, "idle")
-    want = reference(model_dir, prompt, 4)
-    assert c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=4).choices[0].text == want
+    leader, answered = pair.procs["leader"].pid, completes(pair, model_dir, "idle")
+    assert answered()
     idle = threads(leader)
     socks, opened = [], []
     try:
@@ -57,12 +62,12 @@ def test_idle_connections_hold_no_thread_and_are_closed_at_the_header_timeout(pa
             opened.append(time.monotonic())
         busy = threads(leader)
         t0 = time.monotonic()
-        got = c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=4).choices[0].text
+        right = answered()
         took = time.monotonic() - t0
         print(f"leader threads: {idle} idle, {busy} with {IDLE_CONNECTIONS} idle connections; "
               f"a request answered in {took * 1000:.0f} ms meanwhile")
         assert busy <= idle + 10, (idle, busy)
-        assert got == want and took < 5, took
+        assert right and took < 5, took
         # Every one of them is closed by the server once its headers are late, not before.
         for s, at in zip(socks, opened):
             s.settimeout(max(0.1, at + HEADER_TIMEOUT + 20 - time.monotonic()))
@@ -106,3 +111,43 @@ def test_a_streaming_client_that_hangs_up_frees_its_row_within_100_ms(pair):
     print("rows freed after the client hung up in " + ", ".join(f"{f * 1000:.1f}" for f in freed) + " ms")
     # The median of three: the time includes this test's own polling, on a shared machine.
     assert sorted(freed)[1] < 0.1, freed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the leader's thread count from /proc (Linux)")
+def test_a_body_that_stops_short_is_answered_408_at_the_timeout_holding_no_thread(pair, model_dir):
+    leader, answered = pair.procs["leader"].pid, completes(pair, model_dir, "slow body")
+    assert answered()
+    idle, timed_out = threads(leader), pair.log("leader").count("after its headers: answered 408")
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+            b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", pair.port), timeout=30) as s:
+        s.sendall(head + body[:len(body) // 2])  # one that hangs up mid-body instead: no fault logged
+    socks, opened = [], []
+    try:
+        for _ in range(20):
+            # Whole headers, then half the body Content-Length promises, and nothing more.
+            s = socket.create_connection(("127.0.0.1", pair.port), timeout=30)
+            s.sendall(head + body[:len(body) // 2])
+            socks.append(s)
+            opened.append(time.monotonic())
+        busy = threads(leader)
+        # The engine is not held: a whole request is answered while they stall.
+        assert answered()
+        assert busy <= idle + 10, (idle, busy)
+        for s, at in zip(socks, opened):
+            s.settimeout(max(0.1, at + HEADER_TIMEOUT + 20 - time.monotonic()))
+            answer = b""
+            while chunk := s.recv(65536):  # the answer, then the server closes
+                answer += chunk
+            top, _, rest = answer.partition(b"\r\n\r\n")
+            assert top.startswith(b"HTTP/1.1 408 ") and b"connection: close" in top.lower(), answer
+            assert json.loads(rest)["error"]["code"] == "request_timeout"
+        assert time.monotonic() - opened[-1] >= HEADER_TIMEOUT * 0.9
+    finally:
+        for s in socks:
+            s.close()
+    assert pair.log("leader").count("after its headers: answered 408") - timed_out == 20
+    assert "ClientDisconnect" not in pair.log("leader")
+    assert pair.health()[1]["decoding"] == 0 and threads(leader) <= idle + 10

@@ -1,6 +1,7 @@
 """serve/routes.py, serve/answer.py and serve/sse.py over a recording Connection and a scripted
 engine: the routes' answers, statuses and streamed framing without any HTTP stack (each route a
-coroutine, run here on an event loop of its own)."""
+coroutine, run here on an event loop of its own); and serve/http.py's API key middleware in front
+of them, in process (Starlette's TestClient)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from starlette.testclient import TestClient
 
 from mlx_ds4tp.serve import routes
 from mlx_ds4tp.serve.errors import ApiError
+from mlx_ds4tp.serve.http import make_app
 from mlx_ds4tp.serve.settings import HttpSettings, ServedModel
 from mlx_ds4tp.serve.state import ServeState
 
@@ -54,13 +57,10 @@ class ScriptedEngine:
 class Recorder:
     """A Connection that keeps what it was sent."""
 
-    def __init__(self, body=None, headers=None, gone=False):
+    def __init__(self, body=None, gone=False):
         self.raw = json.dumps(body).encode() if body is not None else b""
-        self.headers, self.gone = headers or {}, gone
+        self.gone = gone
         self.sent, self.streamed = [], b""
-
-    def header(self, name):
-        return self.headers.get(name, "")
 
     async def read_body(self):
         return self.raw
@@ -93,16 +93,25 @@ def events_of(streamed: bytes) -> list:
 
 def test_unknown_endpoints_and_a_missing_key_are_refused():
     s = state(ScriptedEngine(), api_key="k")
-    for route, path, status in [(routes.get, "/nope", 404), (routes.post, "/v1/nope", 404),
-                                (routes.get, "/v1/models", 401), (routes.post, "/v1/completions", 401)]:
+    for route, path in [(routes.get, "/nope"), (routes.post, "/v1/nope")]:
         with pytest.raises(ApiError) as info:
             asyncio.run(route(Recorder(), s, path))
-        assert info.value.status == status
+        assert info.value.status == 404
+    # The key is the middleware's: refused before any route, an unknown path too, in each API's
+    # error shape; /health and a CORS preflight need none.
+    app = TestClient(make_app(s))
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"), ("GET", "/nope")]:
+        r = app.request(method, path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.headers["Access-Control-Allow-Origin"] == "*"
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["type"] == "authentication_error"
+    r = app.post("/v1/messages", content=b"{}")
+    assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    assert app.get("/health").status_code == 200 and app.options("/v1/models").status_code == 204
+    assert app.get("/nope", headers={"Authorization": "Bearer k"}).status_code == 404
     for headers in ({"Authorization": "Bearer k"}, {"x-api-key": "k"}):
-        conn = Recorder(headers=headers)
-        asyncio.run(routes.get(conn, s, "/v1/models"))
-        assert conn.sent == [(200, {"object": "list", "data": [
-            {"id": "m", "object": "model", "created": s.created, "owned_by": "mlx_ds4tp"}]})]
+        r = app.get("/v1/models", headers=headers)
+        assert (r.status_code, r.json()) == (200, {"object": "list", "data": [
+            {"id": "m", "object": "model", "created": s.created, "owned_by": "mlx_ds4tp"}]})
 
 
 def test_a_whole_completion_and_its_usage():

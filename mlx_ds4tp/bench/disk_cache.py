@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..base.log import log
-from .serve import _wait_healthy
+from .serve import _wait_healthy, sse_events
 from .soak_pair import rss_kib
 
 IDLE_SEC = 3.0  # the server hands memory back once idle: RSS is read there
@@ -96,12 +96,7 @@ def stream(base: str, prompt: List[int], max_tokens: int) -> Dict[str, object]:
     t0 = time.perf_counter()
     first, text, usage = None, [], {}
     with urllib.request.urlopen(req, timeout=1800) as r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"the server failed the request: {event['error']['message']}")
+        for event in sse_events(r):
             if event.get("usage"):
                 usage = event["usage"]
             elif event["choices"] and event["choices"][0]["text"]:

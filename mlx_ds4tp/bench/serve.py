@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..base.log import log
 from . import structured
@@ -32,6 +32,18 @@ PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime n
 
 
 CONNECT_RETRIES = 5
+
+
+def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
+    """The events of a streamed answer's lines (its `data: {...}` ones, [DONE] left out);
+    RuntimeError with the server's message at an error event."""
+    for line in lines:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(f"the server failed the request: {event['error']['message']}")
+        yield event
 
 
 def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str],
@@ -46,12 +58,7 @@ def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str],
     first = last = None
     tokens = 0
     with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"the server failed the request: {event['error']['message']}")
+        for event in sse_events(r):
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             elif event["choices"] and event["choices"][0]["text"]:

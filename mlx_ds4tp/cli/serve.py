@@ -86,7 +86,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "every SEC seconds, so proxies and clients do not time out (default 10)")
     p.add_argument("--header-timeout-sec", type=float, default=10.0, metavar="SEC",
                    help="leader: a connection whose request line and headers have not all arrived SEC "
-                        "seconds after it opened (or after its last answer) is closed (default 10)")
+                        "seconds after it opened (or after its last answer) is closed, and a request "
+                        "whose body has not all arrived SEC seconds after its headers is answered 408 "
+                        "(default 10)")
     p.add_argument("--keep-alive-timeout-sec", type=float, default=5.0, metavar="SEC",
                    help="leader: a kept-alive connection idle for SEC seconds after its last answer is "
                         "closed (default 5)")

@@ -6,25 +6,29 @@ serve/http_server.py). The worker runs no HTTP: it executes the leader's command
 Each request's route runs as a task of its own: a whole answer is sent once the route is done,
 a streamed one as Starlette's StreamingResponse while the route goes on writing its events. A
 client that closes its connection cancels that task (uvicorn tells at once), which cancels the
-request: the engine frees its row at its next turn.
+request: the engine frees its row at its next turn. A body not all in within --header-timeout-sec
+of its headers is answered 408: a client that stalls mid-body holds a socket that long, no more.
+--api-key and CORS are middleware, in front of every route.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..base.log import log
 from . import anthropic, routes
-from .errors import ApiError
+from .errors import ApiError, ClientGone
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .state import ServeState
 
@@ -40,42 +44,43 @@ class HttpConnection:
         self._request, self._state, self._path = request, state, path
         self.response: Optional[Response] = None  # set once the answer starts
         self.decided = asyncio.Event()  # the response is known (or the route ended without one)
-        self.closing = False  # the answer says Connection: close
         self.task: Optional[asyncio.Task] = None  # the route's, cancelled when the client goes
         self._chunks: Optional[asyncio.Queue] = None  # a stream's events, None: its end
         self._gone = False
         self._watcher: Optional[asyncio.Task] = None
 
     # -- Connection -----------------------------------------------------------------
-    def header(self, name: str) -> str:
-        return self._request.headers.get(name, "")
-
     async def read_body(self) -> bytes:
         try:
-            length = int(self.header("Content-Length"))
+            length = int(self._request.headers.get("Content-Length", ""))
         except ValueError:
             raise ApiError(411, "a Content-Length header with the body's size is required") from None
         if not 0 <= length <= MAX_BODY_BYTES:
             raise ApiError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are accepted")
-        body = await self._request.body()
+        timeout = self._state.http.header_timeout_sec
+        try:
+            body = await asyncio.wait_for(self._request.body(), timeout)
+        except asyncio.TimeoutError:
+            log(f"serve: a {length}-byte body to {self._path} not in {timeout:g} s after its headers: answered 408")
+            raise ApiError(408, f"the request's {length}-byte body did not all arrive within {timeout:g} s of its "
+                           "headers; send the whole body at once (the server's --header-timeout-sec)", None,
+                           "request_timeout") from None
+        except ClientDisconnect:
+            raise ClientGone() from None  # it hung up mid-body: nobody to answer
         # The body read, the next thing the client can say is that it left.
         self._watcher = asyncio.ensure_future(self._watch())
         return body
 
     async def send_json(self, status: int, body: Dict[str, Any], headers: Optional[Dict[str, str]] = None) -> None:
-        # Connection: close said, so a client that keeps connections alive opens a new one for
-        # its next request instead of writing into a socket this side has closed.
-        closing = {"Connection": "close"} if self.closing else {}
-        self._answer(Response(json.dumps(body).encode(), status, {**(headers or {}), **closing},
-                              media_type="application/json"))
+        self.answer(Response(json.dumps(body).encode(), status, headers, media_type="application/json"))
 
     async def send_metrics(self, data: bytes) -> None:
-        self._answer(Response(data, 200, media_type=METRICS_CONTENT_TYPE))
+        self.answer(Response(data, 200, media_type=METRICS_CONTENT_TYPE))
 
     async def start_events(self) -> None:
         self._chunks = asyncio.Queue()
-        self._answer(StreamingResponse(self._events(), 200, {"Cache-Control": "no-cache"},
-                                       media_type="text/event-stream"))
+        self.answer(StreamingResponse(self._events(), 200, {"Cache-Control": "no-cache"},
+                                      media_type="text/event-stream"))
 
     def write(self, data: bytes) -> None:
         if self._gone:
@@ -86,7 +91,7 @@ class HttpConnection:
         return self._gone
 
     # -- plumbing -------------------------------------------------------------------
-    def _answer(self, response: Response) -> None:
+    def answer(self, response: Response) -> None:
         self._state.metrics.answered(routes.endpoint(self._path), response.status_code)
         self.response = response
         self.decided.set()
@@ -131,22 +136,28 @@ class HttpConnection:
             self.stop_watching()
 
 
-def _raw_path(request: HttpRequest) -> str:
+def _raw_path(scope: Scope) -> str:
     """The path as the client sent it (still %-encoded: the routes decode a model id once)."""
-    raw = request.scope.get("raw_path")
-    return raw.decode("latin-1") if raw else request.url.path
+    raw = scope.get("raw_path")
+    return raw.decode("latin-1") if raw else scope["path"]
+
+
+def error_response(err: ApiError, path: str) -> Response:
+    """A refused request's answer, in its API's error shape (Anthropic's under /v1/messages).
+    Connection: close, because its body may be unread (a refused key, an unknown path, a body
+    late): a kept-alive client opens a new connection rather than write into a closed one."""
+    headers = {"Connection": "close", **({"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else {})}
+    body = anthropic.error_body(err) if path.startswith("/v1/messages") else err.body()
+    return Response(json.dumps(body).encode(), err.status, headers, media_type="application/json")
 
 
 async def _route(route: Callable[..., Awaitable[None]], conn: HttpConnection, state: ServeState, path: str) -> None:
     try:
         await route(conn, state, path)
     except ApiError as err:
-        # The body may be unread (a refused key, an unknown path): the connection closes
-        # rather than read it.
-        conn.closing = True
-        headers = {"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else None
-        await conn.send_json(err.status, anthropic.error_body(err) if path.startswith("/v1/messages")
-                             else err.body(), headers)
+        conn.answer(error_response(err, path))
+    except ClientGone:
+        pass  # it left mid-body: nobody reads an answer
     except Exception as exc:
         if not isinstance(conn.response, StreamingResponse):
             raise  # Starlette answers 500 and uvicorn logs it
@@ -158,7 +169,7 @@ async def _route(route: Callable[..., Awaitable[None]], conn: HttpConnection, st
 
 async def _endpoint(request: HttpRequest) -> Response:
     state: ServeState = request.app.state.serve
-    path = _raw_path(request)
+    path = _raw_path(request.scope)
     conn = HttpConnection(request, state, path)
     route = routes.post if request.method == "POST" else routes.get
     conn.task = asyncio.ensure_future(_route(route, conn, state, path))
@@ -220,9 +231,37 @@ class Cors:
         await self.app(scope, receive, send_with_cors)
 
 
+def _key_given(scope: Scope, key: str) -> bool:
+    headers = Headers(scope=scope)
+    given, other = headers.get("Authorization", ""), headers.get("x-api-key", "")  # x-api-key: Anthropic's clients
+    return (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())) or \
+        bool(other) and hmac.compare_digest(other.encode(), key.encode())
+
+
+class ApiKey:
+    """--api-key as middleware: a request that does not name the key gets 401 before any route
+    sees it, an unknown path too. /health is open (load balancers and the pair's own
+    probes poll it keyless), and a CORS preflight is answered by Cors, in front of this."""
+
+    def __init__(self, app: ASGIApp, state: ServeState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.state.http.api_key
+        path = _raw_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] != "http" or not key or path == "/health" or _key_given(scope, key):
+            await self.app(scope, receive, send)
+            return
+        self.state.metrics.answered(routes.endpoint(path), 401)
+        err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the key given to "
+                       "`ds4tp serve --api-key` (or 'x-api-key: KEY')", None, "invalid_api_key", "authentication_error")
+        await error_response(err, path)(scope, receive, send)
+
+
 def make_app(state: ServeState) -> Starlette:
-    """The application answering every request over `state`."""
+    """The application answering every request over `state`: CORS outermost, so a refusal
+    carries its headers too."""
     app = Starlette(routes=[Route("/{path:path}", _endpoint, methods=["GET", "POST"])],
-                    middleware=[Middleware(Cors)])
+                    middleware=[Middleware(Cors), Middleware(ApiKey, state=state)])
     app.state.serve = state
     return app

@@ -1,11 +1,11 @@
-"""Which answer each request of `ds4tp serve` gets: its endpoint, the API key, the body checked
-into a ParsedRequest and submitted to the engine, then each API's answer (serve/api.py,
-anthropic.py, responses.py). Over a Connection (serve/connection.py): no HTTP stack here. A
-request refused before its answer starts raises ApiError; the stack answers it."""
+"""Which answer each request of `ds4tp serve` gets: its endpoint, the body checked into a
+ParsedRequest and submitted to the engine, then each API's answer (serve/api.py, anthropic.py,
+responses.py). Over a Connection (serve/connection.py): no HTTP stack here, and no API key
+(serve/http.py's middleware checked it). A request refused before its answer starts raises
+ApiError; the stack answers it."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import urllib.parse
 from typing import Optional, Tuple
@@ -28,16 +28,6 @@ def endpoint(path: str) -> str:
     return path if path in _COUNTED else ("/v1/models/{id}" if "/models/" in path else "other")
 
 
-def _authorize(conn: Connection, state: ServeState) -> None:
-    key = state.http.api_key
-    given, other = conn.header("Authorization"), conn.header("x-api-key")  # x-api-key: Anthropic's clients
-    if not key or (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())) or \
-            (other and hmac.compare_digest(other.encode(), key.encode())):
-        return
-    raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the key given to "
-                   "`ds4tp serve --api-key` (or 'x-api-key: KEY')", None, "invalid_api_key", "authentication_error")
-
-
 async def get(conn: Connection, state: ServeState, path: str) -> None:
     """GET /health, /metrics, /v1/models and /v1/models/{id}."""
     model = {"object": "model", "created": state.created, "owned_by": "mlx_ds4tp"}
@@ -46,13 +36,10 @@ async def get(conn: Connection, state: ServeState, path: str) -> None:
         body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts()}
         await conn.send_json(200 if error is None else 503, body if error is None else {**body, "error": error})
     elif path == "/metrics":
-        _authorize(conn, state)
         await conn.send_metrics(state.metrics.render())
     elif path in ("/v1/models", "/models"):
-        _authorize(conn, state)
         await conn.send_json(200, {"object": "list", "data": [{"id": state.model_ids[0], **model}]})
     elif path.startswith(("/v1/models/", "/models/")):
-        _authorize(conn, state)
         name = urllib.parse.unquote(path.split("/models/", 1)[1])
         if name not in state.model_ids:
             raise ApiError(404, f"model '{name}' is not served here", "model", "model_not_found")
@@ -67,7 +54,6 @@ async def post(conn: Connection, state: ServeState, path: str) -> None:
     kind = POST_KINDS.get(path)
     if kind is None:
         raise ApiError(404, f"no endpoint POST {path}", None, "not_found")
-    _authorize(conn, state)
     parsed, asked = _parse(await conn.read_body(), kind, state)
     if state.engine.error is not None:
         raise unavailable(state.engine.error)

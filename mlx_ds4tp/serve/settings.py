@@ -34,8 +34,8 @@ class ServedModel:
 @dataclass(frozen=True)
 class HttpSettings:
     """The leader's HTTP front: where it listens, who may call, how long a client may take to
-    send its request's headers or keep an idle connection, and what a request that names no
-    max_tokens or sampling gets."""
+    send its request's headers and then its body, or keep an idle connection, and what a request
+    that names no max_tokens or sampling gets."""
 
     host: str = "127.0.0.1"
     port: int = 8080
@@ -43,7 +43,7 @@ class HttpSettings:
     keepalive_sec: float = 10.0       # a stream not started after this gets an SSE comment
     default_max_tokens: int = 512
     sampling: SamplingOptions = SamplingOptions()
-    header_timeout_sec: float = 10.0  # a connection whose request headers are not in by then closes
+    header_timeout_sec: float = 10.0  # headers not in by then: closed; a body not in as long after: 408
     keep_alive_timeout_sec: float = 5.0  # a connection idle this long after an answer closes
 
 
