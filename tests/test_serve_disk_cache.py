@@ -303,3 +303,16 @@ def test_each_cache_kind_is_served_from_disk_after_a_restart_as_a_cold_server_an
         if run == "first":
             assert len(_files(root / "leader")) == len(_files(root / "worker")) == 1
     assert answers["restart"]["choices"][0]["text"] == answers["cold"]["choices"][0]["text"], answers
+
+
+def test_the_soak_reads_memory_as_minute_medians_and_counts_files_being_written(tmp_path):
+    from mlx_ds4tp.bench.disk_cache import _dir_bytes, _minute_medians
+
+    # 150 s: minutes 0-60 s and the run's last 60 s; a spike is no median.
+    samples = [(t / 2, 100 + (1000 if t == 10 else 0) + (t >= 180)) for t in range(300)]
+    assert _minute_medians(samples, 150.0) == [100, 101]
+    assert _minute_medians(samples, 30.0) == []
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 7)
+    (tmp_path / ".a.1.tmp.safetensors").write_bytes(b"x" * 5)
+    (tmp_path / "other").write_bytes(b"x" * 3)
+    assert _dir_bytes(tmp_path) == 12 and _dir_bytes(tmp_path / "gone") == 0
