@@ -1,6 +1,7 @@
 """`ds4tp serve --prompt-cache-dir`: prompt caches on disk, each rank its own half, a restart
 served from them exactly; damaged, foreign and missing files skipped and recomputed; the
-directory bounded; a full disk logged (lockstep/disk_cache.py, serve/admission.py)."""
+directory bounded; a full disk logged; a quantized, a rotating and a recurrent cache each served
+from disk as a cold server answers (lockstep/disk_cache.py, serve/admission.py)."""
 
 from __future__ import annotations
 
@@ -234,3 +235,84 @@ def test_cache_kinds_mlx_lm_cannot_rebuild_are_refused():
 
     assert cache_blocker([KVCache(), RotatingKVCache(max_size=8)]) is None
     assert "OwnCache" in cache_blocker([KVCache(), OwnCache()])
+
+
+# ---------------------------------------------------------------------------------------------
+# The other cache kinds, served: a quantized KV cache, a rotating window, recurrent state.
+# ---------------------------------------------------------------------------------------------
+
+
+def _family(tmp_path_factory, name):
+    import family_configs_a
+    import tiny_models
+    from mlx_ds4tp.testing.tiny_model import save_random_model
+
+    config, quantization = {**tiny_models.MOE_FAMILIES, **family_configs_a.CONFIGS}[name]
+    return save_random_model(tmp_path_factory.mktemp(name) / name, config, quantization=quantization)
+
+
+# kind -> (model, flags of every start, tokens answered before the restart). gpt_oss's sliding
+# layers keep RotatingKVCache windows of 8 tokens, qwen3_5's gated delta-net layers ArraysCache
+# state: neither can drop a token once the prompt is past them, so a stored cache is reused only
+# for a prompt that extends all of it, and the first answer is one token (the cache then holds
+# exactly the prompt). The quantized cache trims: its first answer is longer than the new turn
+# keeps, so the load from disk is trimmed back to the prompt.
+KINDS = {"kv8": ("llama", ["--kv-bits", "8", "--kv-group-size", "32"], 8),
+         "rotating": ("gpt_oss", [], 1),
+         "recurrent": ("qwen3_5", [], 1)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_cache_kind_is_served_from_disk_after_a_restart_as_a_cold_server_answers(
+        kind, model_dir, tmp_path_factory, tmp_path):
+    family, flags, first = KINDS[kind]
+    model = model_dir if family == "llama" else _family(tmp_path_factory, family)
+    root, prompt = tmp_path / "cache", PROMPTS[0]
+    longer = prompt + TURN
+
+    def pair(run, with_dirs=True):
+        (tmp_path / run).mkdir()
+        if not with_dirs:
+            return ServedPair(model, tmp_path / run, extra=flags)
+        return ServedPair(model, tmp_path / run, extra=["--prompt-cache-disk-bytes", "50MB", *flags],
+                          rank_extra={r: ["--prompt-cache-dir", str(root / r)] for r in ("leader", "worker")})
+
+    answers = {}
+    for run in ("first", "restart", "cold"):
+        served = pair(run, with_dirs=run != "cold")
+        try:
+            served.wait_healthy()
+            if run == "first":
+                # The same prompt again reuses the stored cache in memory where it trims (all but
+                # the prompt's last token kept), and is computed anew where it cannot.
+                again = [_complete(served, prompt, first) for _ in range(2)]
+                assert again[0]["choices"][0]["text"] == again[1]["choices"][0]["text"], again
+                cached = again[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached == (len(prompt) - 1 if kind == "kv8" else 0), cached
+            else:
+                answers[run] = _complete(served, longer)
+            if run == "restart":
+                health = served.health()[1]
+                assert health["disk_hits"] == 1 and health["disk_load_failures"] == 0, health
+                cached = answers[run]["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached == len(prompt), answers[run]
+                assert "ds4tp_prompt_cache_disk_hits 1.0" in _metrics(served)
+            served.stop()
+        finally:
+            served.close()
+        if run == "first":
+            assert len(_files(root / "leader")) == len(_files(root / "worker")) == 1
+    assert answers["restart"]["choices"][0]["text"] == answers["cold"]["choices"][0]["text"], answers
+
+
+def test_the_soak_reads_memory_as_minute_medians_and_counts_files_being_written(tmp_path):
+    from mlx_ds4tp.bench.disk_cache import _dir_bytes, _minute_medians
+
+    # 150 s: minutes 0-60 s and the run's last 60 s; a spike is no median.
+    samples = [(t / 2, 100 + (1000 if t == 10 else 0) + (t >= 180)) for t in range(300)]
+    assert _minute_medians(samples, 150.0) == [100, 101]
+    assert _minute_medians(samples, 30.0) == []
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 7)
+    (tmp_path / ".a.1.tmp.safetensors").write_bytes(b"x" * 5)
+    (tmp_path / "other").write_bytes(b"x" * 3)
+    assert _dir_bytes(tmp_path) == 12 and _dir_bytes(tmp_path / "gone") == 0

@@ -50,6 +50,19 @@ def test_untrimmable_caches_are_only_moved():
     assert index.lookup([1, 2, 3, 4, 5]).mode == MOVE
 
 
+def test_caches_that_forget_their_oldest_tokens_are_untrimmable():
+    # mlx-lm calls a fresh RotatingKVCache or ChunkedKVCache trimmable; once the prompt is past
+    # its window or chunk it cannot drop tokens, so the index must never plan to trim it.
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+
+    from mlx_ds4tp.lockstep.compute import trims_at_any_length
+
+    assert trims_at_any_length([KVCache(), CacheList(KVCache(), KVCache())])
+    for other in (RotatingKVCache(max_size=8), ChunkedKVCache(8), CacheList(KVCache(), ChunkedKVCache(8)),
+                  ArraysCache(2)):
+        assert not trims_at_any_length([KVCache(), other]), other
+
+
 def test_stop_strings_are_cut_and_never_half_sent():
     from mlx_ds4tp.serve.text_stream import TextStream
 

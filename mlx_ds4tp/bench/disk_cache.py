@@ -8,7 +8,9 @@ prefix loaded from disk; that answer is checked against a cold server's (a third
 the directories). soak (--disk-soak SECONDS): clients looping over many distinct prefixes, a few
 turns each and now and then an old one again, against a pair whose memory holds few caches and
 whose directories are bounded: the directories' largest size seen against the bound, the disk
-hits, and the leader's resident memory at the first minute and at the end (both idle readings).
+hits, and the leader's resident memory read every 0.5 s under load: each minute's median, the last
+minute's against the first (a reading at rest is no match for one under load: requests in flight
+hold their prefill and decode buffers), and one idle reading at the end, on its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +27,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..base.log import log
 from .serve import _wait_healthy, sse_events
@@ -190,19 +193,19 @@ def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: 
     pid = pair.procs["leader"].pid
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     t0 = time.monotonic()
-    rss_first = None
+    rss: List[Tuple[float, int]] = []  # (seconds in, leader KiB) every poll, under load
     try:
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
             for name, d in dirs.items():
-                largest[name] = max(largest[name], sum(p.stat().st_size for p in d.glob("*.safetensors")
-                                                       if p.exists()))
-            if rss_first is None and time.monotonic() - t0 >= 60.0:
-                rss_first = rss_kib(pid)
+                largest[name] = max(largest[name], _dir_bytes(d))
+            kib = rss_kib(pid)
+            if kib is not None:
+                rss.append((time.monotonic() - t0, kib))
             time.sleep(0.5)
         time.sleep(IDLE_SEC)
-        rss_end = rss_kib(pid)
+        rss_idle = rss_kib(pid)
         health = pair.health()
         pair.stop()
     except BaseException:
@@ -211,13 +214,42 @@ def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: 
         raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    minutes = _minute_medians(rss, seconds)
     return {"name": "serve-disk-soak", "seconds": seconds, "clients": clients, **done,
             "disk_bound_bytes": disk_bytes, "largest_dir_bytes": largest,
             "within_bound": all(v <= disk_bytes for v in largest.values()),
             "disk_hits": health.get("disk_hits"), "disk_writes": health.get("disk_writes"),
             "disk_load_failures": health.get("disk_load_failures"),
-            "leader_rss_first_minute_kib": rss_first, "leader_rss_end_kib": rss_end,
-            "leader_rss_end_vs_first_minute": round(rss_end / rss_first, 3) if rss_first and rss_end else None}
+            "leader_rss_sampled": "every 0.5 s under load, the median of each minute",
+            "leader_rss_minute_medians_kib": minutes,
+            "leader_rss_last_vs_first_minute": round(minutes[-1] / minutes[0], 3) if len(minutes) > 1 else None,
+            "leader_rss_idle_end_kib": rss_idle}
+
+
+def _dir_bytes(directory: Path) -> int:
+    """Bytes of the directory's cache files, those being written included (a file renamed or
+    removed while it is read counts as gone)."""
+    total = 0
+    for path in directory.glob("*.safetensors"):  # pathlib's * matches the dot-named temporaries
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def _minute_medians(samples: List[Tuple[float, int]], seconds: float) -> List[int]:
+    """The median reading of each whole minute of the run (the last minute: the run's last 60
+    s, however long the run)."""
+    windows = [(60.0 * m, 60.0 * (m + 1)) for m in range(int(seconds // 60))]
+    if windows and windows[-1][1] < seconds:
+        windows[-1] = (seconds - 60.0, seconds)
+    medians = []
+    for lo, hi in windows:
+        inside = [kib for t, kib in samples if lo <= t < hi]
+        if inside:
+            medians.append(int(statistics.median(inside)))
+    return medians
 
 
 def report(model: Path, transport: str, prompt_tokens: int, max_tokens: int, soak_seconds: float,

@@ -76,7 +76,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "against a cold server's answer)")
     p.add_argument("--disk-soak", type=float, default=0.0, metavar="SECONDS",
                    help="--disk-cache: then a load run of SECONDS over many distinct prefixes: the "
-                        "directories' largest size against --disk-bytes, the leader's memory")
+                        "directories' largest size against --disk-bytes, the leader's memory each minute")
     p.add_argument("--disk-bytes", type=int, default=2 * 10**6, metavar="BYTES",
                    help="--disk-soak: each rank's --prompt-cache-disk-bytes (default 2000000)")
     _add_soak_args(p)

@@ -30,6 +30,22 @@ def make_cache(model) -> list:
     return make_prompt_cache(model)
 
 
+def trims_at_any_length(cache: list) -> bool:
+    """Whether caches like this fresh one can drop their last tokens however many they hold (a
+    prompt cache reused for a prompt it only partly shares, rejected drafts). mlx-lm's
+    is_trimmable says so of a fresh cache, but a layer that forgets its oldest tokens (a
+    RotatingKVCache window, a ChunkedKVCache chunk) cannot once the prompt is past them: its
+    is_trimmable then turns False, or its trim stops short."""
+    from mlx_lm.models.cache import CacheList, ChunkedKVCache, RotatingKVCache, can_trim_prompt_cache
+
+    def forgets(layer) -> bool:
+        if isinstance(layer, CacheList):
+            return any(forgets(c) for c in layer.caches)
+        return isinstance(layer, (RotatingKVCache, ChunkedKVCache))
+
+    return can_trim_prompt_cache(cache) and not any(forgets(c) for c in cache)
+
+
 def forward(model, tokens: List[int], cache) -> mx.array:
     """Last position's logits (float32) for tokens appended to the cache."""
     logits = model(mx.array(tokens, dtype=mx.int32)[None], cache=cache)

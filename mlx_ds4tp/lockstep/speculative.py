@@ -85,15 +85,16 @@ class Recorded:
 def load_draft(path: str, target) -> object:
     """The draft model at `path`, loaded whole: ValueError naming the fix when it cannot draft
     for `target` (another vocabulary, or a cache that cannot drop rejected drafts)."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
     from mlx_lm.utils import load_model
+
+    from .compute import make_cache, trims_at_any_length
 
     draft, _ = load_model(Path(path))
     mine, theirs = (int(m.args.vocab_size) for m in (target, draft))
     if mine != theirs:
         raise ValueError(f"the draft model {path} has a vocabulary of {theirs} tokens, the model "
                          f"{mine}: a draft must share the model's tokenizer")
-    if not can_trim_prompt_cache(make_prompt_cache(draft)):
+    if not trims_at_any_length(make_cache(draft)):
         raise ValueError(f"the draft model {path}'s cache cannot drop rejected drafts; give a draft "
                          "model with plain attention layers")
     return draft

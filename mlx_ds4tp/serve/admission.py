@@ -29,9 +29,9 @@ from .requests import Request, RunningSession, reserved_tokens
 
 
 def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
-    from mlx_lm.models.cache import can_trim_prompt_cache
+    from ..lockstep.compute import trims_at_any_length
 
-    return PromptCacheIndex(limits.prompt_cache_size, can_trim_prompt_cache(sessions.table.caches.make_cache()),
+    return PromptCacheIndex(limits.prompt_cache_size, trims_at_any_length(sessions.table.caches.make_cache()),
                             limits.prompt_cache_bytes)
 
 
