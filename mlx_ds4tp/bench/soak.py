@@ -295,7 +295,8 @@ def _record(opts: SoakOptions, outcomes: List[Outcome], variants, refs: List[str
         served = [o.end for o in outcomes if o.kind == "ok" and restart.get("rejoined")
                   and o.start >= restart["killed_at"]]
         rec["restart"] = {"rejoined": restart.get("rejoined", False),
-                          "outage_s": restart.get("outage_s"), "why": restart.get("why"),
+                          "outage_s": restart.get("outage_s"), "down_seen_s": restart.get("down_seen_s"),
+                          "why": restart.get("why"),
                           "first_answer_after_kill_s":
                               round(min(served) - restart["killed_at"], 3) if served else None}
     rec["failures"], rec["ok"] = failures, not failures

@@ -155,13 +155,17 @@ class LocalPair:
         log(f"soak: worker killed and started again (pid {self.pid('worker')})")
         seen_down, why = False, ""
         while time.perf_counter() - t_kill < within:
+            sent = time.perf_counter()
             code = health(self.base)
             if code == 503:  # not 0: a probe lost under load says nothing of the pair
-                seen_down = True
+                seen_down, last_down = True, sent
             elif seen_down:
                 now = time.perf_counter()
+                # outage_s is when this poll saw 200 (up to one poll late); down_seen_s is when
+                # the last probe the leader answered 503 was sent: the pair was surely down then,
+                # so no answer can end before it.
                 return {"killed_at": t_kill, "rejoined_at": now, "rejoined": True,
-                        "outage_s": round(now - t_kill, 3)}
+                        "outage_s": round(now - t_kill, 3), "down_seen_s": round(last_down - t_kill, 3)}
             elif time.perf_counter() - t_kill > NOTICE_SEC:
                 why = f"/health stayed 200 for {NOTICE_SEC:g} s after the kill"
                 break
