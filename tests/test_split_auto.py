@@ -18,6 +18,7 @@ from mlx_ds4tp.split.auto import (
     fitting_range,
     model_need,
     speed_fraction,
+    step_time,
 )
 from mlx_ds4tp.split.share import EVEN, SplitSettings, SplitShare
 from pairutil import both_ok, free_port, reference_text
@@ -68,6 +69,19 @@ def test_auto_picks_among_the_shares_the_models_counts_allow():
     fast, slow = figures(BIG, 200 * GB), figures(BIG, 100 * GB)
     assert choose_share(fast, slow, ModelNeed(GB), granules=4) == SplitShare((3, 1))
     assert choose_share(fast, slow, ModelNeed(GB), granules=1) == EVEN
+
+
+def test_auto_takes_the_quicker_share_not_the_nearest():
+    # Speeds 2.1:1 want 0.68; eighths give 5:3 (0.625, nearer) and 3:1 (0.75). At 5:3 the slow
+    # worker sets the step (0.375 x 2.1 = 0.79 of the leader's whole step), at 3:1 the leader
+    # does (0.75): 3:1 is quicker. Stood in on this machine: 5.44 tok/s at 3:1, 5.14 at 5:3.
+    fast, slow = figures(BIG, 210 * GB), figures(BIG, 100 * GB)
+    assert step_time(0.75, fast, slow) < step_time(0.625, fast, slow)
+    assert choose_share(fast, slow, ModelNeed(GB), granules=8) == SplitShare((3, 1))
+    # The other way round: the worker faster, the leader's part the smaller.
+    assert choose_share(slow, fast, ModelNeed(GB), granules=8) == SplitShare((1, 3))
+    # Speeds 1.7:1 want 0.63: 5:3 is both nearer and quicker.
+    assert choose_share(figures(BIG, 170 * GB), slow, ModelNeed(GB), granules=8) == SplitShare((5, 3))
 
 
 def test_auto_checks_the_memory_of_the_share_the_load_takes():

@@ -269,6 +269,8 @@ def model_bench(bench: ModelBench) -> List[Dict]:
             rec["gate_p50_us"] = round(statistics.median(g["gate_p50_us"] for g in got), 1)
             rec["exchange_ms_per_token_rounds"] = [g["exchange_ms_per_token"] for g in got]
             rec["exchange_ms_per_token"] = round(statistics.median(rec["exchange_ms_per_token_rounds"]), 2)
+        if "split" in rec:  # auto measures afresh each round and may pick another share
+            rec["split_rounds"] = [g["split"] for g in got]
         if name != CEILING:
             rec["tokens_match"] = all(g["token_ids"] == reference for g in got)
         rec.pop("token_ids", None)

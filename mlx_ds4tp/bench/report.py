@@ -78,7 +78,8 @@ def print_records(records: List[dict], as_json: bool, keep_samples: bool = False
             exchanges = (f"  exchanges {rec['exchange_ms_per_token']:.2f} ms/token"
                          if "exchange_ms_per_token" in rec else "")
             if "split" in rec:
-                exchanges += (f"  split {rec['split']}: peak resident {rec['rank0_peak_rss_mib']:.0f} MiB "
+                shares = " ".join(rec.get("split_rounds") or [rec["split"]])
+                exchanges += (f"  split {shares}: peak resident {rec['rank0_peak_rss_mib']:.0f} MiB "
                               f"(rank 0) / {rec['rank1_peak_rss_mib']:.0f} MiB (rank 1)")
             print(f"{rec['name']:>22}  prefill {rec['prefill_tok_s']:8.1f} tok/s{_rounds(rec, 'prefill_tok_s')}"
                   f"  decode {rec['tok_s']:8.1f} tok/s{_rounds(rec, 'tok_s')}{exchanges}  {match}", flush=True)

@@ -99,8 +99,9 @@ def _refusal(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> Share
 def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
                  granules: int = CANDIDATE_GRANULES,
                  taken: Callable[[SplitShare], SplitShare] = lambda share: share) -> SplitShare:
-    """The share nearest speed_fraction among those both memories hold; ShareRefused naming
-    both memories and the model's size when none does.
+    """The share with the shortest predicted step among those both memories hold (the even one
+    when speed_fraction says even); ShareRefused naming both memories and the model's size when
+    none does.
 
     granules, taken: what the model's counts allow (split/apply.ModelCuts): the candidates are
     the shares u/n with n dividing `granules`, and `taken(share)` is the share a load asked for
@@ -116,6 +117,11 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
     wanted = speed_fraction(leader, worker)
     target = SplitShare((wanted.numerator, wanted.denominator - wanted.numerator))
     fitting = [cut for cut in nearest_cuts(target, 2, granules) if lowest <= cut.counts[0] / cut.units <= highest]
+    if wanted != Fraction(1, 2):
+        # Not the nearest share: the step waits for the slower rank, so of the two shares on
+        # either side of the wanted one, the one that overloads the faster rank costs less
+        # (speeds 2.1:1 cut in eighths: 3:1 steps in 0.36, 5:3 in 0.38 of one rank's whole step).
+        fitting.sort(key=lambda cut: step_time(cut.counts[0] / cut.units, leader, worker))
     # Each `taken` runs the plan on twins; a model whose plan rounds every share the same way
     # (one that only splits evenly) needs no more than a few to show it.
     for cut in fitting[:TAKEN_TRIES]:
@@ -126,6 +132,13 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
     raise _refusal(need, leader, worker)
 
 
+def step_time(fraction: float, leader: RankFigures, worker: RankFigures) -> float:
+    """The pair's predicted step at rank 0's `fraction`, in units of the faster rank's whole
+    step: the slower of the two ranks' parts (decode is bound by each rank's own speed)."""
+    fastest = max(leader.speed, worker.speed)
+    return max(fraction * fastest / leader.speed, (1 - fraction) * fastest / worker.speed)
+
+
 def figures_line(name: str, figures: RankFigures) -> str:
     """A rank's figures as the logs give them."""
     return (f"{name}: {figures.memory_bytes / _GIB:.2f} GiB usable, "
@@ -133,4 +146,4 @@ def figures_line(name: str, figures: RankFigures) -> str:
 
 
 __all__ = ["CANDIDATE_GRANULES", "EVEN_WITHIN", "ModelNeed", "ShareRefused", "choose_share",
-           "figures_line", "fitting_range", "model_need", "speed_fraction"]
+           "figures_line", "fitting_range", "model_need", "speed_fraction", "step_time"]
