@@ -120,7 +120,7 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
     if wanted != Fraction(1, 2):
         # Not the nearest share: the step waits for the slower rank, so of the two shares on
         # either side of the wanted one, the one that overloads the faster rank costs less
-        # (speeds 2.1:1 cut in eighths: 3:1 steps in 0.36, 5:3 in 0.38 of one rank's whole step).
+        # (speeds 2.1:1 cut in eighths: 3:1 steps in 0.75, 5:3 in 0.79 of the faster rank's whole step).
         fitting.sort(key=lambda cut: step_time(cut.counts[0] / cut.units, leader, worker))
     # Each `taken` runs the plan on twins; a model whose plan rounds every share the same way
     # (one that only splits evenly) needs no more than a few to show it.
