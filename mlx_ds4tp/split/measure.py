@@ -7,7 +7,8 @@ in all: an M-series Ultra's system cache is 96 MiB) are the same work, so their 
 stand for the rank's decode speed. They are computed as decode computes them: a vector times
 layer-sized weights transposed (what nn.Linear does), many in one graph evaluated once a pass
 (a token's gates are in its graph). One 128 MiB product instead measured 0.9 GB/s here against
-2.4 GB/s for this, nearer the rate at which the model's decode streams its weights. It runs for MEASURE_SEC, and at least MIN_PASSES passes, on MLX's default device.
+2.4 GB/s for this, nearer the rate at which the model's decode streams its weights. It runs
+for MEASURE_SEC, and at least MIN_PASSES passes, on MLX's default device.
 """
 
 from __future__ import annotations
