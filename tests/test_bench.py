@@ -97,6 +97,36 @@ def test_ranks_run_on_the_cpus_they_are_placed_on():
     assert [o.strip() for o in outs] == ["[0]", "[1]"]
 
 
+def test_the_busy_core_ends_with_a_bench_killed_by_a_signal(procs):
+    import os
+    import time
+
+    if 1 not in os.sched_getaffinity(0):
+        pytest.skip(f"needs CPU 1 (this process may use {sorted(os.sched_getaffinity(0))})")
+    # SIGKILL runs no finally: the busy process must notice its parent is gone by itself.
+    bench = procs.spawn(["-c", "import os, time\n"
+                               "from mlx_ds4tp.testing import localpair\n"
+                               "with localpair.busy_core(1):\n"
+                               "    print(open(f'/proc/self/task/{os.getpid()}/children').read().split()[0])\n"
+                               "    time.sleep(600)\n"])
+    busy = int(bench.stdout.readline())
+    bench.kill()
+    bench.wait(timeout=10)
+
+    def spinning() -> bool:
+        try:
+            return open(f"/proc/{busy}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while spinning() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if spinning():
+        os.kill(busy, 9)
+        pytest.fail(f"the busy process {busy} outlived its killed bench")
+
+
 def test_bench_rejects_zero_rounds(procs, tmp_path):
     from mlx_ds4tp.testing.tiny_model import save_llama
 

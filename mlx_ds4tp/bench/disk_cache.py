@@ -18,10 +18,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,64 +27,19 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..base.log import log
-from .serve import _wait_healthy, sse_events
+from .serve import sse_events
+from .served_pair import ServedPair
 from .soak_pair import rss_kib
 
 IDLE_SEC = 3.0  # the server hands memory back once idle: RSS is read there
 
 
-class _Pair:
-    """`ds4tp serve` leader and worker here, each rank with its own cache directory (or none)."""
-
-    def __init__(self, model: Path, transport: str, extra: List[str], dirs: Optional[Dict[str, Path]],
-                 disk_bytes: int):
-        from ..testing.localpair import free_port
-
-        self.pair_port, self.http_port = free_port(), free_port()
-        self.base = f"http://127.0.0.1:{self.http_port}"
-        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), "--transport",
-                  transport, "--max-kv-tokens", "0", *extra]
-        self.cmds = {"leader": common + ["--role", "leader", "--listen", "127.0.0.1", str(self.pair_port),
-                                         "--port", str(self.http_port)],
-                     "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(self.pair_port)]}
-        for name in self.cmds:
-            if dirs:
-                self.cmds[name] += ["--prompt-cache-dir", str(dirs[name]),
-                                    "--prompt-cache-disk-bytes", str(disk_bytes)]
-        self.procs: Dict[str, subprocess.Popen] = {}
-        self.log = tempfile.TemporaryFile()
-
-    def start(self) -> "_Pair":
-        from ..testing.localpair import child_env
-
-        self.procs = {n: subprocess.Popen(c, env=child_env(), stdout=self.log, stderr=self.log)
-                      for n, c in self.cmds.items()}
-        try:
-            _wait_healthy(self.base, list(self.procs.values()), 600.0)
-        except RuntimeError:
-            self.dump()
-            raise
-        return self
-
-    def dump(self) -> None:
-        self.log.seek(0)
-        sys.stderr.write(self.log.read().decode(errors="replace")[-20000:])
-
-    def stop(self) -> None:
-        """As Ctrl-C on the leader: it writes its stored caches and tells the worker to stop."""
-        self.procs["leader"].send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            p.wait(600)
-
-    def kill(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.base + "/health", timeout=30) as r:
-            return json.loads(r.read())
+def _pair(model: Path, transport: str, extra: List[str], dirs: Optional[Dict[str, Path]],
+          disk_bytes: int) -> ServedPair:
+    """A started pair, each rank with its own cache directory (or none)."""
+    per_rank = {name: ["--prompt-cache-dir", str(d), "--prompt-cache-disk-bytes", str(disk_bytes)]
+                for name, d in (dirs or {}).items()}
+    return ServedPair(model, transport, None, ["--max-kv-tokens", "0", *extra], per_rank).start(600.0)
 
 
 def stream(base: str, prompt: List[int], max_tokens: int) -> Dict[str, object]:
@@ -126,26 +78,26 @@ def ttft(model: Path, transport: str, prompt_tokens: int, max_tokens: int) -> Di
     root = Path(tempfile.mkdtemp(prefix="ds4tp-disk-bench-"))
     dirs = {"leader": root / "leader", "worker": root / "worker"}
     rec: Dict[str, object] = {"name": "serve-disk-ttft", "prompt_tokens": prompt_tokens}
-    pair = _Pair(model, transport, [], dirs, 10**10).start()
+    pair = _pair(model, transport, [], dirs, 10**10)
     try:
         stream(pair.base, warm, 4)  # first-call compilation
         cold = stream(pair.base, prefix, max_tokens)
         memory = stream(pair.base, prefix + turn1, max_tokens)
         pair.stop()
         log("disk bench: cold and memory measured; restarting the pair on the same directories")
-        pair = _Pair(model, transport, [], dirs, 10**10).start()
+        pair = _pair(model, transport, [], dirs, 10**10)
         stream(pair.base, warm, 4)
         disk = stream(pair.base, prefix + turn2, max_tokens)
         rec["disk_hits"] = pair.health().get("disk_hits")
         pair.stop()
         log("disk bench: disk measured; a cold server for the reference answer")
-        pair = _Pair(model, transport, [], None, 0).start()
+        pair = _pair(model, transport, [], None, 0)
         stream(pair.base, warm, 4)
         reference = stream(pair.base, prefix + turn2, max_tokens)
         pair.stop()
     except BaseException:
-        pair.dump()
-        pair.kill()
+        pair.dump_log()
+        pair.close()
         raise
     sizes = {n: sum(p.stat().st_size for p in d.glob("*.safetensors")) for n, d in dirs.items()}
     shutil.rmtree(root, ignore_errors=True)
@@ -166,7 +118,7 @@ def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: 
     vocab = _vocab(model)
     root = Path(tempfile.mkdtemp(prefix="ds4tp-disk-soak-"))
     dirs = {"leader": root / "leader", "worker": root / "worker"}
-    pair = _Pair(model, transport, ["--prompt-cache-size", "4"], dirs, disk_bytes).start()
+    pair = _pair(model, transport, ["--prompt-cache-size", "4"], dirs, disk_bytes)
     largest = {"leader": 0, "worker": 0}
     done = {"requests": 0, "failures": 0}
     stop_at = time.monotonic() + seconds
@@ -190,7 +142,7 @@ def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: 
                 with lock:
                     done["failures"] += 1
 
-    pid = pair.procs["leader"].pid
+    pid = pair.pid("leader")
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     t0 = time.monotonic()
     rss: List[Tuple[float, int]] = []  # (seconds in, leader KiB) every poll, under load
@@ -209,8 +161,8 @@ def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: 
         health = pair.health()
         pair.stop()
     except BaseException:
-        pair.dump()
-        pair.kill()
+        pair.dump_log()
+        pair.close()
         raise
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -25,6 +22,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..base.log import log
 from . import structured
+from .served_pair import ServedPair
 
 PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime numbers:",
            "The weather today", "In the beginning", "Dear diary,", "Rules of the road:",
@@ -116,52 +114,12 @@ def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = N
             "connections_reset": resets[0]}
 
 
-def _wait_healthy(base: str, procs: Sequence[subprocess.Popen], within: float) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a rank of the local `ds4tp serve` pair exited during start-up "
-                               "(its error is above)")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the local `ds4tp serve` pair was not healthy within {within:g} s")
-
-
 def serve_bench(model: Path, transport: str, rdma_device: Optional[str], max_tokens: int,
                 clients: Sequence[int] = (1, 2, 4, 8), rounds: int = 1) -> List[Dict[str, float]]:
     """Start both ranks of `ds4tp serve` here, measure each client count (the median round by
     decode tok/s), stop the pair; one record per client count."""
-    from ..testing.localpair import child_env, free_port
-
-    pair_port, http_port = free_port(), free_port()
-    common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), "--transport",
-              transport, "--max-batch", str(max(clients))]
-    if rdma_device:
-        common += ["--rdma-device", rdma_device]
-    cmds = [common + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port), "--port",
-                      str(http_port)],
-            common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)]]
-    with tempfile.TemporaryFile() as log:
-        procs = [subprocess.Popen(c, env=child_env(), stdout=log, stderr=log) for c in cmds]
-        try:
-            base = f"http://127.0.0.1:{http_port}"
-            try:
-                _wait_healthy(base, procs, 300.0)
-            except RuntimeError:
-                log.seek(0)
-                sys.stderr.write(log.read().decode(errors="replace"))
-                raise
-            return measure_all(base, max_tokens, clients, rounds)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait(10)
+    with ServedPair(model, transport, rdma_device, ["--max-batch", str(max(clients))]).start() as pair:
+        return measure_all(pair.base, max_tokens, clients, rounds)
 
 
 def measure_all(base: str, max_tokens: int, clients: Sequence[int] = (1, 2, 4, 8), rounds: int = 1,

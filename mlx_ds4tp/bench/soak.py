@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..base.log import log
 from . import soak_pair
+from .served_pair import ServedPair, health
 from .soak_client import BAD_KINDS, EXPECTED_KINDS, Outcome, Target, bad_body, bad_request, stream
 
 BUCKET_SEC = 60.0
@@ -157,7 +158,7 @@ def _rss(pids: Dict[str, Optional[int]]) -> Dict[str, Optional[int]]:
 
 
 def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
-             pair: Optional[soak_pair.LocalPair], pids: Dict[str, Optional[int]]) -> Dict[str, Any]:
+             pair: Optional[ServedPair], pids: Dict[str, Optional[int]]) -> Dict[str, Any]:
     """The soak against the healthy server at `base` (`pair`: the one the bench started; pids:
     the leader's and the worker's, None where unknown); its record."""
     vocab, config_ctx = soak_pair.model_limits(model)
@@ -346,7 +347,7 @@ def print_soak(rec: Dict[str, Any], as_json: bool) -> None:
 
 
 def _client_counts(base: str, model: Path, opts: SoakOptions, api_key: Optional[str],
-                   pair: Optional[soak_pair.LocalPair]) -> List[Dict[str, Any]]:
+                   pair: Optional[ServedPair]) -> List[Dict[str, Any]]:
     """bench.serve's client-count rounds against the pair, then against mlx_lm.server on the
     same model (the pair stopped first when the bench started it: one model in memory)."""
     from . import serve
@@ -376,7 +377,7 @@ def soak_report(url: Optional[str], model: Path, transport: str, rdma_device: Op
     if url:
         host, port = soak_pair.loopback_host(url)
         base = url.rstrip("/")
-        if soak_pair.health(base) != 200:
+        if health(base) != 200:
             raise RuntimeError(f"the server at {base} is not healthy (GET /health is not 200)")
         leader, worker = soak_pair.find_pair_pids(port)
         if leader is None or worker is None:
@@ -384,13 +385,11 @@ def soak_report(url: Optional[str], model: Path, transport: str, rdma_device: Op
                    "memory is not reported")
         pids = {"leader": leader, "worker": worker}
     else:
-        pair = soak_pair.LocalPair(model, transport, rdma_device,
-                                   max([opts.clients, *opts.client_counts]))
+        pair = ServedPair(model, transport, rdma_device,
+                          ["--max-batch", str(max([opts.clients, *opts.client_counts]))]).start()
         host, port, base = "127.0.0.1", pair.port, pair.base
         pids = {"leader": pair.pid("leader"), "worker": pair.pid("worker")}
     try:
-        if pair is not None:
-            pair.wait_healthy()
         rec = run_soak(Target(host, port, api_key, opts.request_timeout), base, opts, model, pair, pids)
         if pair is not None and not rec["ok"]:
             pair.dump_log(40)

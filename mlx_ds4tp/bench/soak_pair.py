@@ -1,6 +1,6 @@
-"""The processes around `ds4tp bench --serve --soak` (mlx_ds4tp.bench.soak): the served pair it
-starts on loopback (and kills a worker of), the resident memory of a process, the pair behind a
-running server's port, mlx_lm.server for the client-count comparison, and the references."""
+"""The processes around `ds4tp bench --serve --soak` (mlx_ds4tp.bench.soak): the resident memory
+of a process, the pair behind a running server's port, mlx_lm.server for the client-count
+comparison, and the references. The pair it starts on loopback: bench.served_pair."""
 
 from __future__ import annotations
 
@@ -12,25 +12,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..base.log import log
-from .serve import _wait_healthy
-
-# After the kill, how long /health may still say 200 before the leader is taken to have missed
-# the worker's death (a kill under load is seen within a gate exchange).
-NOTICE_SEC = 30.0
-
-
-def health(base: str) -> int:
-    """GET /health's status; 0 while nothing answers."""
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return 0
+from .served_pair import wait_healthy
 
 
 def get_json(base: str, path: str, api_key: Optional[str]) -> Optional[dict]:
@@ -106,88 +91,6 @@ def find_pair_pids(http_port: int) -> Tuple[Optional[int], Optional[int]]:
     return leader, worker
 
 
-class LocalPair:
-    """Both ranks of `ds4tp serve` on 127.0.0.1, both logs in one temporary file."""
-
-    def __init__(self, model: Path, transport: str, rdma_device: Optional[str], max_batch: int):
-        from ..testing.localpair import child_env, free_port
-
-        self.env = child_env()
-        pair_port, http_port = free_port(), free_port()
-        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), "--transport",
-                  transport, "--max-batch", str(max_batch)]
-        if rdma_device:
-            common += ["--rdma-device", rdma_device]
-        self.cmds = {"leader": common + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
-                                         "--port", str(http_port)],
-                     "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)]}
-        self.base = f"http://127.0.0.1:{http_port}"
-        self.port = http_port
-        self.log = tempfile.TemporaryFile()
-        self.procs = {name: self._spawn(name) for name in self.cmds}
-
-    def _spawn(self, name: str) -> subprocess.Popen:
-        return subprocess.Popen(self.cmds[name], env=self.env, stdout=self.log, stderr=self.log)
-
-    def pid(self, name: str) -> int:
-        return self.procs[name].pid
-
-    def wait_healthy(self, within: float = 300.0) -> None:
-        try:
-            _wait_healthy(self.base, list(self.procs.values()), within)
-        except RuntimeError:
-            self.dump_log()
-            raise
-
-    def dump_log(self, last: int = 80) -> None:
-        """The ranks' last lines, to stderr (after a failure)."""
-        self.log.seek(0)
-        lines = self.log.read().decode(errors="replace").splitlines()
-        sys.stderr.write("".join(line + "\n" for line in lines[-last:]))
-
-    def restart_worker(self, within: float) -> Dict[str, object]:
-        """SIGKILL the worker, start it again with the same command line and time the outage:
-        kill to the first /health 200 after the leader said 503."""
-        t_kill = time.perf_counter()
-        self.procs["worker"].kill()
-        self.procs["worker"].wait(10)
-        self.procs["worker"] = self._spawn("worker")
-        log(f"soak: worker killed and started again (pid {self.pid('worker')})")
-        seen_down, why = False, ""
-        while time.perf_counter() - t_kill < within:
-            sent = time.perf_counter()
-            code = health(self.base)
-            if code == 503:  # not 0: a probe lost under load says nothing of the pair
-                seen_down, last_down = True, sent
-            elif seen_down:
-                now = time.perf_counter()
-                # outage_s is when this poll saw 200 (up to one poll late); down_seen_s is when
-                # the last probe the leader answered 503 was sent: the pair was surely down then,
-                # so no answer can end before it.
-                return {"killed_at": t_kill, "rejoined_at": now, "rejoined": True,
-                        "outage_s": round(now - t_kill, 3), "down_seen_s": round(last_down - t_kill, 3)}
-            elif time.perf_counter() - t_kill > NOTICE_SEC:
-                why = f"/health stayed 200 for {NOTICE_SEC:g} s after the kill"
-                break
-            if self.procs["worker"].poll() is not None:
-                why = (f"the restarted worker exited with {self.procs['worker'].returncode}: the "
-                       "leader did not take it back")
-                break
-            if self.procs["leader"].poll() is not None:
-                why = f"the leader exited with {self.procs['leader'].returncode}"
-                break
-            time.sleep(0.05)
-        return {"killed_at": t_kill, "rejoined_at": None, "rejoined": False, "outage_s": None,
-                "why": why or f"/health was not 200 again within {within:g} s of the kill"}
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-        self.log.close()
-
-
 def mlx_lm_server(model: Path, concurrency: int) -> Tuple[subprocess.Popen, str]:
     """mlx_lm.server on 127.0.0.1 on the same model, healthy; (process, base URL)."""
     from ..testing.localpair import child_env, free_port
@@ -201,7 +104,7 @@ def mlx_lm_server(model: Path, concurrency: int) -> Tuple[subprocess.Popen, str]
                                 env=child_env(), stdout=log, stderr=log)
         base = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(base, [proc], 300.0)
+            wait_healthy(base, [proc], 300.0)
         except BaseException:
             proc.kill()
             proc.wait(10)

@@ -117,8 +117,11 @@ def busy_core(cpu: int) -> Iterator[None]:
         raise RuntimeError(f"cannot pin a process to CPU {cpu} here (this process may use "
                            f"{allowed or 'no pinning'}); the slow-worker placement needs Linux and "
                            f"CPUs 0 and 1")
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    # It spins only while its parent lives: a bench killed by a signal (no finally runs) must
+    # not leave a core busy for good behind it. The parent's pid is given, not read at start: a
+    # parent killed before the child's interpreter is up would otherwise be taken for pid 1.
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
     try:
         yield
     finally:
