@@ -22,12 +22,11 @@ import statistics
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..base.log import log
-from .serve import sse_events
+from .serve import stream_completion
 from .served_pair import ServedPair
 from .soak_pair import rss_kib
 
@@ -43,23 +42,9 @@ def _pair(model: Path, transport: str, extra: List[str], dirs: Optional[Dict[str
 
 
 def stream(base: str, prompt: List[int], max_tokens: int) -> Dict[str, object]:
-    """One greedy streamed completion of token ids: its time to first text (ms), text, usage."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    first, text, usage = None, [], {}
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        for event in sse_events(r):
-            if event.get("usage"):
-                usage = event["usage"]
-            elif event["choices"] and event["choices"][0]["text"]:
-                first = first if first is not None else time.perf_counter()
-                text.append(event["choices"][0]["text"])
-    first = first if first is not None else time.perf_counter()
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"ttft_ms": 1000.0 * (first - t0), "text": "".join(text), "cached_tokens": cached}
+    """One greedy streamed completion of token ids: its time to first text (ms), text, cached tokens."""
+    r = stream_completion(base, prompt, max_tokens)
+    return {"ttft_ms": 1000.0 * (r["first"] - r["start"]), "text": r["text"], "cached_tokens": r["cached_tokens"]}
 
 
 def _vocab(model: Path) -> int:

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 from ..base.log import log
 from . import structured
@@ -44,8 +44,11 @@ def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
         yield event
 
 
-def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str],
-                extra: Optional[dict] = None) -> Dict[str, float]:
+def stream_completion(base: str, prompt: Union[str, List[int]], max_tokens: int,
+                      api_key: Optional[str] = None, extra: Optional[dict] = None) -> Dict[str, Any]:
+    """One greedy streamed completion of a text or of token ids: when it was sent (start), its
+    first and last text, its end, the tokens the server counted, the text, and the prompt tokens
+    the server had cached."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     headers = {"Content-Type": "application/json"}
@@ -54,19 +57,21 @@ def _stream_one(base: str, prompt: str, max_tokens: int, api_key: Optional[str],
     req = urllib.request.Request(base + "/v1/completions", data=body, method="POST", headers=headers)
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
-    with urllib.request.urlopen(req, timeout=600) as r:
+    text, usage = [], {}
+    with urllib.request.urlopen(req, timeout=1800) as r:
         for event in sse_events(r):
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+                usage = event["usage"]
             elif event["choices"] and event["choices"][0]["text"]:
                 now = time.perf_counter()
                 first = first if first is not None else now
                 last = now
+                text.append(event["choices"][0]["text"])
     end = time.perf_counter()
-    first = first if first is not None else end
-    last = last if last is not None else end
-    return {"start": t0, "first": first, "last": last, "end": end, "tokens": tokens}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"start": t0, "first": first if first is not None else end,
+            "last": last if last is not None else end, "end": end,
+            "tokens": usage.get("completion_tokens", 0), "text": "".join(text), "cached_tokens": cached}
 
 
 def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = None) -> Dict[str, float]:
@@ -80,7 +85,7 @@ def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = N
         first_try = time.perf_counter()
         for attempt in range(CONNECT_RETRIES + 1):
             try:
-                results[i] = _stream_one(base, PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens, api_key)
+                results[i] = stream_completion(base, PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens, api_key)
                 results[i]["start"] = first_try
                 return
             except (ConnectionResetError, ConnectionRefusedError) as exc:
@@ -137,7 +142,7 @@ def measure_all(base: str, max_tokens: int, clients: Sequence[int] = (1, 2, 4, 8
     if not constrained:
         return records
     records.append(structured.measure_constrained(
-        lambda extra: _stream_one(base, PROMPTS[0], max_tokens, api_key, extra), rounds))
+        lambda extra: stream_completion(base, PROMPTS[0], max_tokens, api_key, extra), rounds))
     return records
 
 
