@@ -82,6 +82,13 @@ def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceil
     assert re.search(r"tp2-tcp  prefill .* decode .* exchanges [0-9.]+ ms/token", out), out
 
 
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 def test_ranks_run_on_the_cpus_they_are_placed_on():
     import os
     import sys
@@ -113,18 +120,38 @@ def test_the_busy_core_ends_with_a_bench_killed_by_a_signal(procs):
     bench.kill()
     bench.wait(timeout=10)
 
-    def spinning() -> bool:
-        try:
-            return open(f"/proc/{busy}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except FileNotFoundError:
-            return False
-
     deadline = time.monotonic() + 10
-    while spinning() and time.monotonic() < deadline:
+    while _running(busy) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if spinning():
+    if _running(busy):
         os.kill(busy, 9)
         pytest.fail(f"the busy process {busy} outlived its killed bench")
+
+
+def test_a_bench_killed_with_sigterm_stops_the_ranks_it_started(procs):
+    import os
+    import signal
+    import time
+
+    bench = procs.spawn(["-m", "mlx_ds4tp", "bench", "--serve", "--max-tokens", "256"])
+    children = f"/proc/{bench.pid}/task/{bench.pid}/children"
+    ranks: list = []
+    deadline = time.monotonic() + 120
+    while len(ranks) < 2 and bench.poll() is None and time.monotonic() < deadline:
+        ranks = [int(pid) for pid in open(children).read().split()]
+        time.sleep(0.05)
+    assert len(ranks) == 2, f"the bench did not start its two serve ranks: {bench.communicate()}"
+    try:
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in ranks if _running(pid)], f"ranks left running; the bench said: {err}"
+    finally:
+        for pid in ranks:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_bench_rejects_zero_rounds(procs, tmp_path):

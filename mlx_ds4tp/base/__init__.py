@@ -1,1 +1,1 @@
-"""Used by every layer: the one writer of diagnostics."""
+"""Used by every layer: the one writer of diagnostics, and SIGTERM taken as Ctrl-C."""

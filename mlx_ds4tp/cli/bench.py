@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from .. import transport as tr
+from ..base.stopping import stop_on_sigterm
 from .draft_args import add_draft_args
 from .model_arg import add_model_arg
 from .pair_args import (
@@ -87,6 +88,8 @@ def main(args: argparse.Namespace) -> int:
     """Check the flags once, then run the bench they ask for."""
     from ..bench import report
 
+    # Killed (SIGTERM), the bench stops as on Ctrl-C: the ranks and the busy core it started go too.
+    stop_on_sigterm()
     if args.bytes <= 0 or args.bytes % 4:
         raise SystemExit(f"ds4tp bench: --bytes {args.bytes} must be a positive multiple of 4")
     if args.bytes > tr.GATE_MAX_BYTES:

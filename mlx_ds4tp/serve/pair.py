@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 import threading
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
+from ..base.stopping import stop_on_sigterm
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
 from ..lockstep.grammar import Grammars
@@ -216,7 +216,7 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
     log(f"serving {served.name} ({served.path}) on "
            f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
     # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     try:
         server.serve(state)
     except KeyboardInterrupt:
@@ -317,5 +317,3 @@ def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitS
         log(f"serve: joined a leader again (transport {group.transport})")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
