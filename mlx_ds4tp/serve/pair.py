@@ -315,5 +315,3 @@ def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitS
                 group.close()  # joined but the share never came: the next try joins afresh
                 time.sleep(0.5)  # no leader yet (or one that went away during the join)
         log(f"serve: joined a leader again (transport {group.transport})")
-
-
