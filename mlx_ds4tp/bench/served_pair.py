@@ -37,8 +37,10 @@ def wait_healthy(base: str, procs: Sequence[subprocess.Popen], within: float) ->
     """Until GET /health answers 200; RuntimeError when a process exits first or `within` passes."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"the server at {base} exited during start-up (its error is above)")
+        exited = [p for p in procs if p.poll() is not None]
+        if exited:
+            raise RuntimeError(f"a process of the server at {base} exited during start-up with status "
+                               f"{exited[0].returncode} (its error is above)")
         if health(base) == 200:
             return
         time.sleep(0.2)
