@@ -83,7 +83,7 @@ def valid_payloads() -> dict:
         F.RDMA_READY: b"",
         F.SESSION_CREATE: wire.SESSION_CREATE_PAYLOAD.pack(1, 0, FRESH, 0),
         F.SESSION_DESTROY: wire.SESSION_DESTROY_PAYLOAD.pack(1, 0),
-        F.RDMA_WARM: wire.WARM_ROUND.pack(0, 1, 1, 0),
+        F.RDMA_WARM: wire.WARM_ROUND.pack(0, 1, 1, wire.WARM_PHASE_STATUS),
         F.RDMA_POSTED: struct.pack("<I", 1),
         F.HELLO: valid_hello().pack(),
         F.ERROR: b"model mismatch: hidden is 64 here and 128 on the worker",

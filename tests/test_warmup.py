@@ -195,3 +195,25 @@ def test_queue_depths_the_device_cuts_are_logged(monkeypatch, capfd):
     assert err.count("queue pair granted cq 512 send 1024 recv 256 (asked 512/1024/1024)") == 2
     # Any number of rounds: on a loaded machine a 100 ms warm-up round can be missed.
     assert len(re.findall(r"rdma warm-up ok \(\d+ attempts?\), queue depth recv 256 send 1024", err)) == 2
+
+
+def test_a_late_first_warm_message_is_not_sent_twice(monkeypatch, capfd):
+    """A sender that posts its first warm message after the receiver's round
+    ended (a rank descheduled between the barrier and its send) must not send
+    a second one: the first is late, not lost, and a second would reach a
+    queue pair whose one warm receive the first took, killing that direction
+    (ucsim's kill_unposted, as on Thunderbolt UC). The pair must warm up on
+    its first build and then carry its gates."""
+    barrier = bringup.posted_barrier
+
+    def late_worker(joined):
+        barrier(joined)
+        if joined.rank == 1:
+            time.sleep(3 * bringup.UC_ROUND_SEC)
+
+    monkeypatch.setattr(bringup, "posted_barrier", late_worker)
+    (leader, worker), = bring_up(1)
+    err = capfd.readouterr().err
+    assert leader == ("rdma", None) and worker == ("rdma", None), (leader, worker, err)
+    assert "no receive posted" not in err, err
+    assert "recreating the queue pair" not in err, err

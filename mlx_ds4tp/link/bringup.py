@@ -35,6 +35,8 @@ from .wire import (
     ROLE_NAMES,
     STATUS,
     WARM_MAGIC,
+    WARM_PHASE_SENT,
+    WARM_PHASE_STATUS,
     WARM_ROUND,
     WARM_TAG,
     WARM_WR_ID,
@@ -103,6 +105,14 @@ def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec
     for round_no in range(1, rounds + 1):
         if not peer_received:
             rdma.post_send(rdma.warm_send, WARM_BYTES, WARM_WR_ID)
+        # The round's clock starts only once the peer's send is posted. Why: each side has one
+        # warm receive, and a message that missed the deadline is sent again. A peer that posts
+        # late (descheduled between the barrier and its send) would see "not received" and send
+        # a second message; the first, late but not lost, takes the one receive, and the second
+        # reaches a queue pair with none posted, which kills that direction on Thunderbolt UC
+        # for good, after a warm-up that passed. A dropped UC message never arrives late, so a
+        # message missing after the peer's word is a drop, and only a drop is sent again.
+        _exchange_round(joined, rdma, round_no, WARM_PHASE_SENT, False)
         deadline = time.monotonic() + round_sec
         while not received:
             left = deadline - time.monotonic()
@@ -115,19 +125,7 @@ def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec
                     received = True
             if left <= 0:
                 break
-        joined.control.send(
-            FrameType.RDMA_WARM, WARM_ROUND.pack(rdma.setup_attempt, round_no, int(received), 0)
-        )
-        _, payload = joined.control.recv(FrameType.RDMA_WARM)
-        if len(payload) != WARM_ROUND.size:
-            raise FrameError(f"RDMA_WARM payload is {len(payload)} bytes, expected {WARM_ROUND.size}")
-        p_attempt, p_round, p_received, _ = WARM_ROUND.unpack(payload)
-        if (p_attempt, p_round) != (rdma.setup_attempt, round_no):
-            raise DesyncError(
-                f"warm-up desync: the peer is at setup attempt {p_attempt} round {p_round}, "
-                f"this side at {rdma.setup_attempt} round {round_no}"
-            )
-        peer_received = bool(p_received)
+        peer_received = _exchange_round(joined, rdma, round_no, WARM_PHASE_STATUS, received)
         if received and peer_received:
             _reap_sends(rdma)
             return round_no
@@ -135,6 +133,24 @@ def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec
         f"tp rdma: warm-up failed after {rounds} attempts "
         f"(recv {int(received)}, peer {int(peer_received)})"
     )
+
+
+def _exchange_round(joined: Joined, rdma: RdmaDevice, round_no: int, phase: int, received: bool) -> bool:
+    """One RDMA_WARM each way for this round's phase; returns the peer's received flag."""
+    joined.control.send(
+        FrameType.RDMA_WARM, WARM_ROUND.pack(rdma.setup_attempt, round_no, int(received), phase)
+    )
+    _, payload = joined.control.recv(FrameType.RDMA_WARM)
+    if len(payload) != WARM_ROUND.size:
+        raise FrameError(f"RDMA_WARM payload is {len(payload)} bytes, expected {WARM_ROUND.size}")
+    p_attempt, p_round, p_received, p_phase = WARM_ROUND.unpack(payload)
+    if (p_attempt, p_round, p_phase) != (rdma.setup_attempt, round_no, phase):
+        raise DesyncError(
+            f"warm-up desync: the peer is at setup attempt {p_attempt} round {p_round} "
+            f"phase {p_phase}, this side at {rdma.setup_attempt} round {round_no} phase {phase} "
+            f"(phases: {WARM_PHASE_SENT} send posted, {WARM_PHASE_STATUS} received)"
+        )
+    return bool(p_received)
 
 
 def _reap_sends(rdma: RdmaDevice) -> None:

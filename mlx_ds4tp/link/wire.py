@@ -19,7 +19,7 @@ The bound is checked before anything is allocated.
 | RDMA_READY       | empty                                                          | 16          |
 | SESSION_CREATE   | SESSION_CREATE_PAYLOAD (session, stored cache id, mode)        | 4096        |
 | SESSION_DESTROY  | SESSION_DESTROY_PAYLOAD (session, cache id to store it under)  | 64          |
-| RDMA_WARM        | WARM_ROUND (setup attempt, round, received)                    | 64          |
+| RDMA_WARM        | WARM_ROUND (setup attempt, round, received, phase)             | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
 | HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
 | SPLIT            | SPLIT_PAYLOAD (rank 0's part, rank 1's part): the leader's share, before any weight | 64          |
@@ -75,7 +75,7 @@ import struct
 # Macs split unevenly, and a rank of version 7 would load an even half the leader never meant.
 # 9: stored prompt caches go to disk and come back (DISK_SAVE, DISK_LOAD), each rank its own
 # half; a rank of version 8 would refuse the frames mid-serve.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -214,7 +214,10 @@ DATA_HELLO = struct.Struct("<IIQ32s")  # DATA_MAGIC, version, session id, proof
 RDMA_INFO = struct.Struct("<IIIHB16s")  # qpn, psn, mtu, lid, link_layer, gid
 STATUS = struct.Struct("<II")  # ok, message length; then the message
 POSTED = struct.Struct("<I")  # always 1: "my receives are posted"
-WARM_ROUND = struct.Struct("<IIII")  # setup attempt, round, received, reserved
+WARM_ROUND = struct.Struct("<IIII")  # setup attempt, round, received, phase (below)
+# A warm-up round has two RDMA_WARM exchanges: "this round's send is posted" (received is 0),
+# then "this is what I received by the round's deadline" (link/bringup.py says why).
+WARM_PHASE_SENT, WARM_PHASE_STATUS = 1, 2
 WARM_TAG = struct.Struct("<IIII")  # WARM_MAGIC, rank, setup attempt, reserved
 
 # The lockstep commands (mlx_ds4tp.lockstep.sessions), one layout per frame type.
