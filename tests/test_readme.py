@@ -150,3 +150,13 @@ def test_the_architecture_has_a_row_for_every_module():
     rows = {r for r in rows if not r.startswith("examples/")}
     assert modules - rows == set(), f"modules without a README row: {sorted(modules - rows)}"
     assert rows - modules == set(), f"README rows for modules that do not exist: {sorted(rows - modules)}"
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run ends with the README's test command (the second of its first two), word for word."""
+    first = re.search(r"## First two commands\s*\n```sh\n(.*?)\n```", README.read_text(), re.S)
+    assert first, "README.md has no fenced sh block under '## First two commands'"
+    readme_test = first.group(1).splitlines()[1].split("#")[0].strip()
+    ci = (Path(REPO) / ".ci" / "run").read_text().strip().splitlines()
+    assert readme_test.startswith("python -m pytest"), readme_test
+    assert ci[-1].strip() == readme_test, (ci[-1], readme_test)

@@ -116,3 +116,22 @@ def test_soak_refuses_a_url_off_this_machine(procs):
                      "--url", "http://127.0.0.1:8080", "--model", "demo"])
     out, err = p.communicate(timeout=60)
     assert p.returncode != 0 and "not with --url" in err, err
+
+
+def test_the_pair_behind_a_port_is_found_whatever_the_terminal_width(procs, monkeypatch):
+    """Rank command lines far past 80 columns, with COLUMNS=80 set (as pytest-xdist's workers
+    and some shells set it): `ps` would cut them there without -ww, losing --port and --listen."""
+    import sys
+
+    from mlx_ds4tp.bench.soak_pair import find_pair_pids
+    from pairutil import free_port
+
+    http, pair = free_port(), free_port()
+    model = "/tmp/" + "a-long-model-directory/" * 8
+    sleeper = ["-c", "import time; time.sleep(60)", "ds4tp", "serve", "--model", model]
+    leader = procs.spawn(sleeper + ["--role", "leader", "--listen", "127.0.0.1", str(pair),
+                                    "--port", str(http)])
+    worker = procs.spawn(sleeper + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair)])
+    monkeypatch.setenv("COLUMNS", "80")
+    assert len(" ".join([sys.executable] + sleeper)) > 200
+    assert find_pair_pids(http) == (leader.pid, worker.pid)

@@ -68,7 +68,9 @@ def find_pair_pids(http_port: int) -> Tuple[Optional[int], Optional[int]]:
     """The pids of the `ds4tp serve` leader serving http_port here and of its worker, read off
     the command lines `ps` shows (None for one not found)."""
     try:
-        lines = subprocess.run(["ps", "-axo", "pid=,args="], capture_output=True, text=True,
+        # -ww: whole command lines. Without it ps cuts them at $COLUMNS where that is set (pytest-xdist's
+        # workers set 80), which drops the --port and --listen this matches on.
+        lines = subprocess.run(["ps", "-ww", "-axo", "pid=,args="], capture_output=True, text=True,
                                timeout=10).stdout.splitlines()
     except (OSError, subprocess.TimeoutExpired):
         return None, None
