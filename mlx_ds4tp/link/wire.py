@@ -75,6 +75,8 @@ import struct
 # Macs split unevenly, and a rank of version 7 would load an even half the leader never meant.
 # 9: stored prompt caches go to disk and come back (DISK_SAVE, DISK_LOAD), each rank its own
 # half; a rank of version 8 would refuse the frames mid-serve.
+# 10: a warm-up round exchanges RDMA_WARM twice (phase: send posted, then received); a rank of
+# version 9 would read the first as its round's status and desync.
 PROTOCOL_VERSION = 10
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
