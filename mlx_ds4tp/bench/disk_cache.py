@@ -73,7 +73,7 @@ def ttft(model: Path, transport: str, prompt_tokens: int, max_tokens: int) -> Di
         pair = _pair(model, transport, [], dirs, 10**10)
         stream(pair.base, warm, 4)
         disk = stream(pair.base, prefix + turn2, max_tokens)
-        rec["disk_hits"] = pair.health().get("disk_hits")
+        rec["disk_hits"] = pair.health_body().get("disk_hits")
         pair.stop()
         log("disk bench: disk measured; a cold server for the reference answer")
         pair = _pair(model, transport, [], None, 0)
@@ -143,7 +143,7 @@ def soak(model: Path, transport: str, seconds: float, disk_bytes: int, clients: 
             time.sleep(0.5)
         time.sleep(IDLE_SEC)
         rss_idle = rss_kib(pid)
-        health = pair.health()
+        health = pair.health_body()
         pair.stop()
     except BaseException:
         pair.dump_log()

@@ -91,7 +91,7 @@ class ServedPair:
     def pid(self, name: str) -> int:
         return self.procs[name].pid
 
-    def health(self) -> dict:
+    def health_body(self) -> dict:
         """/health's JSON body."""
         with urllib.request.urlopen(self.base + "/health", timeout=30) as r:
             return json.loads(r.read())
