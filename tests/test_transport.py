@@ -3,6 +3,7 @@ the emulated Thunderbolt UC device)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import struct
@@ -149,13 +150,48 @@ def test_control_recv_times_out():
 def test_poll_readable_watches_for_the_next_frame_within_its_limit():
     a, b = channel_pair(timeout=5.0)
     t0 = time.monotonic()
-    assert b.poll_readable(0.05) is False  # nothing sent: gives up after its limit
-    assert 0.05 <= time.monotonic() - t0 < 1.0
+    # Nothing sent: gives up after its limit (or sooner, when another task takes the core).
+    assert b.poll_readable(0.05) is False
+    assert time.monotonic() - t0 < 1.0
     assert b.poll_readable(0) is False
     assert b.poll_readable() is False  # its default (spin_s) is 0 here: no watch at all
     a.send(tr.FrameType.STOP)
     assert b.poll_readable(1.0) is True
     assert b.recv(tr.FrameType.STOP)[0] == tr.FrameType.STOP
+
+
+_CORE_TAKEN = """
+import os, subprocess, sys, time, socket
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})
+spin = subprocess.Popen([sys.executable, "-c", "import os\\nwhile os.getppid() == %d: pass" % os.getpid()],
+                        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+try:
+    from mlx_ds4tp.link.control import ControlChannel
+    from mlx_ds4tp.link.native import load_verbs
+    lib = load_verbs()[1]
+    deadline = time.monotonic() + 10
+    while spin.poll() is None and not lib.tp_yield_lost():  # until the spinner has the core once
+        assert time.monotonic() < deadline, "no yield ever gave the core away"
+    a, b = socket.socketpair()
+    start = time.monotonic()
+    watched = ControlChannel(b, 5.0).poll_readable(5.0)
+    print(watched, round(time.monotonic() - start, 3))
+finally:
+    spin.kill()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's sched_setaffinity")
+def test_a_watch_whose_core_another_task_takes_ends_for_a_blocking_read(procs):
+    # A yielding watcher is runnable, not asleep, so a frame arriving while another task holds
+    # the core does not wake it: it waits out that task's slice. Once a yield gives the core
+    # away, the watch ends and the caller's blocking read is woken by the frame.
+    child = procs.spawn(["-c", _CORE_TAKEN])
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    watched, seconds = out.split()
+    assert watched == "False" and float(seconds) < 2.5, out  # a 5 s watch, given up early
 
 
 def test_error_frame_is_raised_with_peer_text():

@@ -30,6 +30,10 @@
 /* Memory registrations per device, the slab's included: the Apple stack
  * allows about 100 in all and fails the next with a bare error. */
 #define TP_MAX_MRS 96
+/* A waiter's yield that took longer than this (ns) gave the core to another
+ * task: it blocks from then on (csrc/util.c tp_yield_lost; the control
+ * channel's watch in link/control.py reads it too). */
+#define TP_YIELD_LOST_NS 20000
 
 /* Return codes. */
 #define TP_OK 0
@@ -89,6 +93,10 @@ typedef struct tp_dev tp_dev;
  * infiniband/verbs.h), 0 when only ucsim exists (MLX_DS4TP_NO_IBVERBS=1 or
  * no header): tp_probe/tp_open then say how to get the header. */
 int tp_built_with_ibverbs(void);
+
+/* sched_yield, then 1 when another task held the core meanwhile (the yield took
+ * longer than TP_YIELD_LOST_NS): a waiter should stop spinning and block. */
+int tp_yield_lost(void);
 
 /* The verbs library the ibverbs provider loads for every later tp_probe and
  * tp_open: a path (Python passes DS4_TP_VERBS_LIBRARY), or NULL/"" for the

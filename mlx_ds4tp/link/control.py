@@ -4,6 +4,7 @@ one blocking TCP stream, every header checked before a payload byte is read)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import socket
@@ -13,6 +14,7 @@ from typing import Callable, Optional, Tuple
 
 from ..base.log import log
 from ..errors import FrameError, PeerClosedError, TransportError, TransportTimeoutError
+from .native import load_verbs
 from .wire import FRAME_HEADER, FRAME_MAX_BYTES, MAGIC, FrameType
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
@@ -125,6 +127,12 @@ def decode_frame_header(magic: int, ftype_raw: int, nbytes: int) -> FrameType:
 _yield_core = getattr(os, "sched_yield", lambda: None)
 
 
+@functools.cache
+def _yield_lost_s() -> float:
+    """Seconds past which a yield gave the core to another task (csrc/util.c tp_yield_lost)."""
+    return load_verbs()[1].TP_YIELD_LOST_NS / 1e9
+
+
 class ControlChannel:
     """Framed messages on a TCP stream: 12-byte header (magic, type, bytes).
 
@@ -160,9 +168,14 @@ class ControlChannel:
             readable, _, _ = select.select(sock, (), (), 0)
             if readable:
                 return True
-            if time.monotonic() >= until:
+            before = time.monotonic()
+            if before >= until:
                 return False
             _yield_core()
+            if time.monotonic() - before > _yield_lost_s():
+                # Another task took the core: a yielding watcher is not woken when the frame
+                # comes and waits out that task's slice; a blocking read is (tp_yield_lost).
+                return False
 
     def send(self, ftype: FrameType, payload: bytes = b"") -> None:
         """Send one frame; a payload over the type's bound is a FrameError."""

@@ -728,13 +728,11 @@ static int uc_poll(tp_dev *dev, tp_wc *wc, int max, char *err, size_t errlen) {
  * cores busy) the peer whose message we wait for can only run once we stop.
  * A bare spin held the core for all of UC_SPIN_NS on every gate, each way:
  * about 88 us a gate instead of about 10. sched_yield hands the core to the
- * peer at once when it is runnable here, and costs one syscall otherwise. */
+ * peer at once when it is runnable here, and costs one syscall otherwise; a
+ * yield that gave the core away blocks at once (tp_yield_lost, csrc/util.c). */
 static int uc_idle(tp_dev *dev, uint64_t deadline_ns, uint64_t waited_ns) {
     ucsim *u = UC(dev);
-    if (waited_ns < UC_SPIN_NS) {
-        sched_yield();
-        return TP_OK;
-    }
+    if (waited_ns < UC_SPIN_NS && !tp_yield_lost()) return TP_OK;
     const uint64_t now = tp_mono_ns();
     uint64_t slice = deadline_ns > now ? deadline_ns - now : 0;
     if (slice > 1000000u) slice = 1000000u;

@@ -12,7 +12,8 @@
  * idle state the wake-up must climb out of. The RDMA path spins on its
  * completion queue for the same reason. Each poll yields the core: when
  * other threads are runnable (both ranks and more on too few cores) they run
- * instead of the poll, which otherwise slowed such a machine 5x. */
+ * instead of the poll, which otherwise slowed such a machine 5x; and a yield
+ * that gave the core away ends the spin (tp_yield_lost, csrc/util.c). */
 
 #include <errno.h>
 #include <poll.h>
@@ -104,7 +105,7 @@ static ssize_t recv_spin_then_block(int fd, struct msghdr *msg, uint64_t spin_un
             ssize_t r = recvmsg(fd, msg, MSG_DONTWAIT);
             if (r >= 0) return r;
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return r;
-            sched_yield();
+            if (tp_yield_lost()) break;
         } while (tp_mono_ns() < spin_until);
     }
     ssize_t r;
@@ -222,7 +223,7 @@ int tp_tcp_duplex(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, c
     int header_checked = 0;
     const uint64_t timeout_ns = (uint64_t)(timeout_s * 1e9);
     uint64_t now = tp_mono_ns();
-    const uint64_t spin_until = now + spin_ns;
+    uint64_t spin_until = now + spin_ns;
     uint64_t last_progress = now;
     while (sent < total || got < total) {
         int progressed = 0;
@@ -275,8 +276,8 @@ int tp_tcp_duplex(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, c
             return TP_ETIMEOUT;
         }
         if (now < spin_until) {
-            sched_yield();
-            continue;
+            if (!tp_yield_lost()) continue;
+            spin_until = 0; /* another task has the core: block from now on */
         }
         struct pollfd pfd = {fd, (short)((got < total ? POLLIN : 0) | (sent < total ? POLLOUT : 0)), 0};
         uint64_t left_ms = (timeout_ns - (now - last_progress)) / 1000000u + 1;
