@@ -19,7 +19,6 @@ from mlx_ds4tp.split.auto import (
     model_need,
     speed_fraction,
     step_time,
-    trial_shares,
 )
 from mlx_ds4tp.split.share import EVEN, SplitSettings, SplitShare
 from pairutil import both_ok, free_port, reference_text
@@ -83,28 +82,6 @@ def test_auto_takes_the_quicker_share_not_the_nearest():
     assert choose_share(slow, fast, ModelNeed(GB), granules=8) == SplitShare((1, 3))
     # Speeds 1.7:1 want 0.63: 5:3 is both nearer and quicker.
     assert choose_share(figures(BIG, 170 * GB), slow, ModelNeed(GB), granules=8) == SplitShare((5, 3))
-
-
-def test_shares_the_prediction_cannot_tell_apart_go_to_a_trial():
-    slow = figures(BIG, 100 * GB)
-    # Speeds 1.71:1 want 0.63; eighths give 5:3 (predicted 0.64 of the leader's whole step) and
-    # 3:1 (0.75) on either side of it: both are tried, the predicted quicker first.
-    assert trial_shares(figures(BIG, 171 * GB), slow, ModelNeed(GB), granules=8) == [SplitShare((5, 3)),
-                                                                                     SplitShare((3, 1))]
-    # Fine counts: the two sides lie within 1/16 of each other, nothing to try.
-    assert trial_shares(figures(BIG, 171 * GB), slow, ModelNeed(GB)) == [choose_share(
-        figures(BIG, 171 * GB), slow, ModelNeed(GB))]
-    # Speeds 3:1 in eighths: 3:1 is exact, the next on the other side (5:3, 1.5x slower) too slow.
-    assert trial_shares(figures(BIG, 300 * GB), slow, ModelNeed(GB), granules=8) == [SplitShare((3, 1))]
-    # Within 10%: even, with no trial.
-    assert trial_shares(figures(BIG, 105 * GB), slow, ModelNeed(GB), granules=8) == [EVEN]
-    # The worker faster: its part the larger in both.
-    assert trial_shares(slow, figures(BIG, 171 * GB), ModelNeed(GB), granules=8) == [SplitShare((3, 5)),
-                                                                                     SplitShare((1, 3))]
-    # A share the memory does not hold is never tried: the worker holds at most 0.3 of the model.
-    need = ModelNeed(40 * GB)
-    small = figures(int(0.3 * need.total * 1.1) + RESERVE_BYTES, 100 * GB)
-    assert trial_shares(figures(BIG, 171 * GB), small, need, granules=8) == [SplitShare((3, 1))]
 
 
 def test_auto_checks_the_memory_of_the_share_the_load_takes():
@@ -237,18 +214,11 @@ def test_a_split_frame_leaving_a_rank_nothing_is_refused():
 
     class Control:
         def recv(self, expect):
-            return expect, SPLIT_PAYLOAD.pack(*self.parts)
+            return expect, SPLIT_PAYLOAD.pack(4, 0)
 
     assert FrameType.SPLIT == 39
-    control = Control()
-    control.parts = (4, 0, 0)
     with pytest.raises(FrameError, match="leaves a rank with nothing"):
-        hear_share(control)
-    control.parts = (3, 1, 2)
-    with pytest.raises(FrameError, match="trial flag 2, expected 0 or 1"):
-        hear_share(control)
-    control.parts = (3, 1, 1)
-    assert hear_share(control) == ((3, 1), True)
+        hear_share(Control())
 
 
 # ---- `ds4tp run` with a share -----------------------------------------------------------------

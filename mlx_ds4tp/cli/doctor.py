@@ -229,19 +229,17 @@ def _pair_share(pair, model: str) -> Tuple[str, str]:
     """The share `--split auto` would pick for this pair and model (both sides print the same:
     the same arithmetic on the same two hellos' figures)."""
     from ..split.agree import model_cuts
-    from ..split.auto import figures_line, model_need, trial_shares
+    from ..split.auto import choose_share, figures_line, model_need
 
     mine, theirs = pair.mine.figures, pair.peer_hello.figures
     leader, worker = (mine, theirs) if pair.rank == 0 else (theirs, mine)
     figures = f"{figures_line('leader', leader)}; {figures_line('worker', worker)}"
     try:
         need = model_need(Path(model), 0)
-        shares = trial_shares(leader, worker, need, **model_cuts(need))
+        share = choose_share(leader, worker, need, **model_cuts(need))
     except ValueError as exc:
         return _line(FAIL, "split auto", f"{exc} ({figures})")
-    picks = " or ".join(map(str, shares)) + (", whichever a lockstep trial at start finds quicker,"
-                                            if len(shares) > 1 else "")
-    return _line(OK, "split auto", f"would pick {picks} (rank 0's part first) with the peer: {figures}")
+    return _line(OK, "split auto", f"would pick {share} (rank 0's part first) with the peer: {figures}")
 
 
 def check_split() -> List[Tuple[str, str]]:

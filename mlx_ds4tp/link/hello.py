@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-from typing import Optional, Tuple
+from typing import Optional
 
 from ..errors import AuthenticationError, FrameError, HelloMismatchError, RdmaUnavailableError
 from .control import ControlChannel
@@ -255,22 +255,18 @@ def data_proof(secret: Optional[bytes], leader: Hello, worker: Hello) -> bytes:
     return hmac.new(secret, DATA_AUTH_TAG + leader.nonce + worker.nonce, hashlib.sha256).digest()
 
 
-def tell_share(control: ControlChannel, parts: tuple, trial: bool = False) -> None:
-    """The leader's share (rank 0's part, rank 1's part; 1:1 even) to the worker: one to time
-    in lockstep (trial), or the one both load, once a join."""
-    control.send(FrameType.SPLIT, SPLIT_PAYLOAD.pack(*parts, int(trial)))
+def tell_share(control: ControlChannel, parts: tuple) -> None:
+    """The leader's share (rank 0's part, rank 1's part; 1:1 even) to the worker, once a join."""
+    control.send(FrameType.SPLIT, SPLIT_PAYLOAD.pack(*parts))
 
 
-def hear_share(control: ControlChannel) -> Tuple[tuple, bool]:
-    """The worker's side of tell_share: ((rank 0's part, rank 1's part), trial), both parts
-    above zero. An ERROR the leader sent instead (a model that fits no share) raises
-    TransportError with it."""
+def hear_share(control: ControlChannel) -> tuple:
+    """The worker's side of tell_share: (rank 0's part, rank 1's part), both above zero. An
+    ERROR the leader sent instead (a model that fits no share) raises TransportError with it."""
     _, payload = control.recv(FrameType.SPLIT)
     if len(payload) != SPLIT_PAYLOAD.size:
         raise FrameError(f"SPLIT payload is {len(payload)} bytes, expected {SPLIT_PAYLOAD.size}")
-    first, second, trial = SPLIT_PAYLOAD.unpack(payload)
-    if min(first, second) == 0:
-        raise FrameError(f"the leader sent split {first}:{second}, which leaves a rank with nothing")
-    if trial > 1:
-        raise FrameError(f"the leader sent split {first}:{second} with trial flag {trial}, expected 0 or 1")
-    return (first, second), bool(trial)
+    parts = SPLIT_PAYLOAD.unpack(payload)
+    if min(parts) == 0:
+        raise FrameError(f"the leader sent split {parts[0]}:{parts[1]}, which leaves a rank with nothing")
+    return parts

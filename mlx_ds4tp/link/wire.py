@@ -22,7 +22,7 @@ The bound is checked before anything is allocated.
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received, phase)             | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
 | HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
-| SPLIT            | SPLIT_PAYLOAD (rank 0's part, rank 1's part, trial): a share to time, or the one to load | 64 |
+| SPLIT            | SPLIT_PAYLOAD (rank 0's part, rank 1's part): the leader's share, before any weight | 64          |
 | ERROR            | UTF-8 message                                                  | 4096        |
 | RDMA_STATUS      | STATUS (ok, message length) + UTF-8 message                    | 4096        |
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
@@ -77,9 +77,7 @@ import struct
 # half; a rank of version 8 would refuse the frames mid-serve.
 # 10: a warm-up round exchanges RDMA_WARM twice (phase: send posted, then received); a rank of
 # version 9 would read the first as its round's status and desync.
-# 11: SPLIT carries a trial flag: `--split auto` times the shares it cannot tell apart in
-# lockstep before the leader sends the one it loads; a rank of version 10 would load a trial's.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 10
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -246,6 +244,4 @@ SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, opt
 HASH_PAYLOAD = struct.Struct("<QQQ")
 DISK_SAVE_HEADER = struct.Struct("<QII")  # stored cache id, 1: drop it from memory after, tokens; then the tokens
 DISK_LOAD_PAYLOAD = struct.Struct("<QII16s")  # cache id to store under, tokens, 1: loaded (the answer), digest
-# Rank 0's part, rank 1's part of every split count (1:1 even); 1: a share to time in lockstep
-# (split/trial.py), 0: the share both ranks load.
-SPLIT_PAYLOAD = struct.Struct("<III")
+SPLIT_PAYLOAD = struct.Struct("<II")  # rank 0's part, rank 1's part of every split count (1:1 even)

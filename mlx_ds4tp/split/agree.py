@@ -1,6 +1,5 @@
 """Both ranks of a pair load with the same share: the leader's. Once a join, before any weight
-is read, the leader resolves its `--split` (auto: split/auto.py on both hellos' figures, and
-between two shares it cannot tell apart a lockstep trial both ranks run, split/trial.py), logs
+is read, the leader resolves its `--split` (auto: split/auto.py on both hellos' figures), logs
 it and sends it (SPLIT); the worker takes it. A worker started with a different share is told
 the leader's and logs both; one that already holds a split model (a --rejoin worker) refuses a
 leader whose share differs, since its weights cannot change under it."""
@@ -16,10 +15,9 @@ from ..errors import HelloMismatchError
 from ..link.config import LinkSettings
 from ..link.hello import hear_share, tell_share
 from .apply import ModelCuts
-from .auto import ModelNeed, figures_line, trial_shares
+from .auto import ModelNeed, choose_share, figures_line
 from .measure import measure_rank
 from .share import EVEN, SplitSettings, SplitShare
-from .trial import quickest_share, step_ms
 
 
 def agree_share(group: Any, split: SplitSettings, need: ModelNeed,
@@ -37,15 +35,11 @@ def agree_share(group: Any, split: SplitSettings, need: ModelNeed,
         return held or split.share
     pair = group.pair
     if pair.rank == 0:
-        share = held or _leader_share(group, split, need)
+        share = held or _leader_share(pair, split, need)
         tell_share(pair.control, share.parts or (1, 1))
         return share
-    while True:
-        parts, trial = hear_share(pair.control)
-        share = EVEN if parts[0] == parts[1] else SplitShare(tuple(parts))
-        if not trial:
-            break
-        step_ms(group, share)
+    parts = hear_share(pair.control)
+    share = EVEN if parts[0] == parts[1] else SplitShare(tuple(parts))
     leader, mine = pair.peer_hello.figures, pair.mine.figures
     figures = (f" ({figures_line('leader', leader)}; {figures_line('worker', mine)})"
                if leader.measured and mine.measured else "")
@@ -58,21 +52,17 @@ def agree_share(group: Any, split: SplitSettings, need: ModelNeed,
     return share
 
 
-def _leader_share(group: PairGroup, split: SplitSettings, need: ModelNeed) -> SplitShare:
-    pair = group.pair
+def _leader_share(pair: Any, split: SplitSettings, need: ModelNeed) -> SplitShare:
     if not split.share.auto:
         log(f"split {split.share}: the leader's share, sent to the worker")
         return split.share
     mine, theirs = pair.mine.figures, pair.peer_hello.figures
     log(f"split auto: {figures_line('leader', mine)}; {figures_line('worker', theirs)}")
     try:
-        shares = trial_shares(mine, theirs, need, **model_cuts(need))
+        share = choose_share(mine, theirs, need, **model_cuts(need))
     except ValueError as exc:
         pair.control.send_error(f"split auto: {exc}")
         raise
-    share = shares[0]
-    if len(shares) > 1:
-        share = quickest_share(group, shares, lambda tried: tell_share(pair.control, tried.parts or (1, 1), trial=True))
     log(f"split auto: {share} (rank 0's part first), sent to the worker")
     return share
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from ..link.hello import RankFigures
 from .share import EVEN, SplitShare, nearest_cuts
@@ -30,11 +30,6 @@ RESERVE_BYTES = 512 << 20
 CANDIDATE_GRANULES = 5040
 # The candidate shares choose_share asks the model's plan about before it gives up.
 TAKEN_TRIES = 4
-# Two shares on either side of the wanted fraction go to a lockstep trial (split/trial.py) when
-# they are this far apart and the second is predicted within this factor of the first: nearer
-# shares step alike within what a trial can tell, and one predicted slower by more is.
-TRIAL_GAP = 1 / 16
-TRIAL_WITHIN = 1.25
 _GIB = 1 << 30
 
 
@@ -101,12 +96,12 @@ def _refusal(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> Share
         f"a smaller (more quantized) model")
 
 
-def ranked_shares(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
-                  granules: int = CANDIDATE_GRANULES,
-                  taken: Callable[[SplitShare], SplitShare] = lambda share: share) -> List[SplitShare]:
-    """The shares a load would take that both memories hold, the shortest predicted step first
-    (only the even one when speed_fraction says even); ShareRefused naming both memories and the
-    model's size when none does.
+def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
+                 granules: int = CANDIDATE_GRANULES,
+                 taken: Callable[[SplitShare], SplitShare] = lambda share: share) -> SplitShare:
+    """The share with the shortest predicted step among those both memories hold (the even one
+    when speed_fraction says even); ShareRefused naming both memories and the model's size when
+    none does.
 
     granules, taken: what the model's counts allow (split/apply.ModelCuts): the candidates are
     the shares u/n with n dividing `granules`, and `taken(share)` is the share a load asked for
@@ -129,57 +124,12 @@ def ranked_shares(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
         fitting.sort(key=lambda cut: step_time(cut.counts[0] / cut.units, leader, worker))
     # Each `taken` runs the plan on twins; a model whose plan rounds every share the same way
     # (one that only splits evenly) needs no more than a few to show it.
-    ranked: List[SplitShare] = []
     for cut in fitting[:TAKEN_TRIES]:
         share = taken(EVEN if cut.is_even else SplitShare(cut.counts))
-        if lowest <= leader_part(share) <= highest and share not in ranked:
-            ranked.append(share)
-        if wanted == Fraction(1, 2) and ranked:
-            break
-    if not ranked:
-        raise _refusal(need, leader, worker)
-    return ranked
-
-
-def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
-                 granules: int = CANDIDATE_GRANULES,
-                 taken: Callable[[SplitShare], SplitShare] = lambda share: share) -> SplitShare:
-    """The share with the shortest predicted step among those both memories hold (ranked_shares'
-    first): what `ds4tp doctor` says auto would pick before any trial."""
-    return ranked_shares(leader, worker, need, granules=granules, taken=taken)[0]
-
-
-def trial_shares(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
-                 granules: int = CANDIDATE_GRANULES,
-                 taken: Callable[[SplitShare], SplitShare] = lambda share: share) -> List[SplitShare]:
-    """The shares a lockstep trial on the pair chooses between (split/trial.py): the predicted
-    quickest, and the quickest on the other side of the speed fraction when the model's counts
-    leave a gap of TRIAL_GAP or more between them and it is predicted within TRIAL_WITHIN of
-    the first. One share: nothing to try.
-
-    Why a trial: the prediction takes each rank's matrix-vector speed alone, but the pair steps
-    in lockstep, a gate every half layer, and a rank whose speed comes in bursts (a core shared
-    with another process, a Mac throttling) waits and is waited for in ways no figure of one
-    rank shows. Where the counts are coarse (a model with 8 KV heads cuts in eighths) the two
-    shares around the wanted one are far apart, and the prediction alone picked the slower of
-    them on this machine's slow-worker stand-in more often than not."""
-    ranked = ranked_shares(leader, worker, need, granules=granules, taken=taken)
-    first = ranked[0]
-    wanted = float(speed_fraction(leader, worker))
-    best = step_time(leader_part(first), leader, worker)
-    for other in ranked[1:]:
-        part = leader_part(other)
-        if (part - wanted) * (leader_part(first) - wanted) >= 0:
-            continue  # same side of the wanted fraction as the first
-        if abs(part - leader_part(first)) >= TRIAL_GAP and step_time(part, leader, worker) <= best * TRIAL_WITHIN:
-            return [first, other]
-        break
-    return [first]
-
-
-def leader_part(share: SplitShare) -> float:
-    """Rank 0's fraction of every split count under `share`."""
-    return share.parts[0] / sum(share.parts) if share.parts else 0.5
+        first = share.parts[0] / sum(share.parts) if share.parts else 0.5
+        if lowest <= first <= highest:
+            return share
+    raise _refusal(need, leader, worker)
 
 
 def step_time(fraction: float, leader: RankFigures, worker: RankFigures) -> float:
@@ -196,5 +146,4 @@ def figures_line(name: str, figures: RankFigures) -> str:
 
 
 __all__ = ["CANDIDATE_GRANULES", "EVEN_WITHIN", "ModelNeed", "ShareRefused", "choose_share",
-           "figures_line", "fitting_range", "leader_part", "model_need", "ranked_shares", "speed_fraction",
-           "step_time", "trial_shares"]
+           "figures_line", "fitting_range", "model_need", "speed_fraction", "step_time"]

@@ -21,7 +21,7 @@ from ..link.hello import RankFigures
 
 MEASURE_SEC = 0.3
 MIN_PASSES = 3
-PIECES, SIDE = 32, 1024  # float32: 32 pieces of 4 MiB, 128 MiB
+_PIECES, _SIDE = 32, 1024  # float32: 32 pieces of 4 MiB, 128 MiB
 MEMORY_LIMIT_ENV = "DS4_TP_MEMORY_LIMIT_BYTES"
 
 
@@ -29,8 +29,8 @@ def matvec_speed(seconds: float = MEASURE_SEC) -> int:
     """Bytes a second of float32 vector-times-weights products over 128 MiB, timed for `seconds`."""
     import mlx.core as mx
 
-    pieces = [mx.ones((SIDE, SIDE), dtype=mx.float32) for _ in range(PIECES)]
-    vector = mx.ones((1, SIDE), dtype=mx.float32)
+    pieces = [mx.ones((_SIDE, _SIDE), dtype=mx.float32) for _ in range(_PIECES)]
+    vector = mx.ones((1, _SIDE), dtype=mx.float32)
 
     def one_pass() -> None:
         mx.eval([vector @ piece.T for piece in pieces])
@@ -44,7 +44,7 @@ def matvec_speed(seconds: float = MEASURE_SEC) -> int:
         elapsed = time.perf_counter() - start
         if elapsed >= seconds and passes >= MIN_PASSES:
             break
-    return int(passes * PIECES * SIDE * SIDE * 4 / elapsed)
+    return int(passes * _PIECES * _SIDE * _SIDE * 4 / elapsed)
 
 
 def usable_memory() -> int:
