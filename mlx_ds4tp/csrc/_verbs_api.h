@@ -97,6 +97,9 @@ int tp_built_with_ibverbs(void);
 /* sched_yield, then 1 when another task held the core meanwhile (the yield took
  * longer than TP_YIELD_LOST_NS): a waiter should stop spinning and block. */
 int tp_yield_lost(void);
+/* How many yields in this process gave the core away (so how many waits gave
+ * up polling for it): what tells a poll cut short from one never made. */
+uint64_t tp_yields_lost(void);
 
 /* The verbs library the ibverbs provider loads for every later tp_probe and
  * tp_open: a path (Python passes DS4_TP_VERBS_LIBRARY), or NULL/"" for the

@@ -41,10 +41,18 @@ uint64_t tp_mono_ns(void) {
  * token's time at an even-paced split (5:3 decoded at 4.7 tok/s against 6.0
  * without spinning). A yield that took this long ran another task: the caller
  * blocks instead, and a sleeper is woken, promptly, when its data comes. */
+static uint64_t yields_lost;
+
 int tp_yield_lost(void) {
     const uint64_t before = tp_mono_ns();
     sched_yield();
-    return tp_mono_ns() - before > TP_YIELD_LOST_NS;
+    if (tp_mono_ns() - before <= TP_YIELD_LOST_NS) return 0;
+    __atomic_fetch_add(&yields_lost, 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
+uint64_t tp_yields_lost(void) {
+    return __atomic_load_n(&yields_lost, __ATOMIC_RELAXED);
 }
 
 uint64_t tp_real_ns(void) {
