@@ -31,8 +31,7 @@
  * allows about 100 in all and fails the next with a bare error. */
 #define TP_MAX_MRS 96
 /* A waiter's yield that took longer than this (ns) gave the core to another
- * task: it blocks from then on (csrc/util.c tp_yield_lost; the control
- * channel's watch in link/control.py reads it too). */
+ * task: it blocks from then on (tp_yield_lost below). */
 #define TP_YIELD_LOST_NS 20000
 
 /* Return codes. */

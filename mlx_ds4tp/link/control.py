@@ -5,7 +5,6 @@ one blocking TCP stream, every header checked before a payload byte is read)."""
 from __future__ import annotations
 
 import functools
-import os
 import select
 import socket
 import struct
@@ -124,13 +123,10 @@ def decode_frame_header(magic: int, ftype_raw: int, nbytes: int) -> FrameType:
 
 
 # Where the platform lacks sched_yield, the look goes on without it.
-_yield_core = getattr(os, "sched_yield", lambda: None)
-
-
 @functools.cache
-def _yield_lost_s() -> float:
-    """Seconds past which a yield gave the core to another task (csrc/util.c tp_yield_lost)."""
-    return load_verbs()[1].TP_YIELD_LOST_NS / 1e9
+def _yield_lost() -> Callable[[], int]:
+    """csrc/util.c's tp_yield_lost: yield the core, and whether another task took it."""
+    return load_verbs()[1].tp_yield_lost
 
 
 class ControlChannel:
@@ -168,13 +164,11 @@ class ControlChannel:
             readable, _, _ = select.select(sock, (), (), 0)
             if readable:
                 return True
-            before = time.monotonic()
-            if before >= until:
+            if time.monotonic() >= until:
                 return False
-            _yield_core()
-            if time.monotonic() - before > _yield_lost_s():
+            if _yield_lost()():
                 # Another task took the core: a yielding watcher is not woken when the frame
-                # comes and waits out that task's slice; a blocking read is (tp_yield_lost).
+                # comes and waits out that task's slice; a blocking read is.
                 return False
 
     def send(self, ftype: FrameType, payload: bytes = b"") -> None:
