@@ -91,7 +91,7 @@ def test_auto_checks_the_memory_of_the_share_the_load_takes():
     worker = figures(int(0.34 * need.total * 1.1) + RESERVE_BYTES, 100 * GB)
     assert choose_share(figures(BIG, 100 * GB), worker, need, granules=4) == SplitShare((3, 1))
     with pytest.raises(ShareRefused, match="no share fits"):
-        choose_share(figures(BIG, 100 * GB), worker, need, granules=4, taken=lambda share: EVEN)
+        choose_share(figures(BIG, 100 * GB), worker, need, granules=4, kept=lambda share: 0.5)
 
 
 def test_model_cuts_reads_the_shares_off_the_model(tmp_path):
@@ -101,14 +101,20 @@ def test_model_cuts_reads_the_shares_off_the_model(tmp_path):
     # Two KV heads: only 1:1 keeps whole KV-head groups on both ranks.
     two = save_qwen3_moe(tmp_path / "kv2", "moe-tiny", seed=1)
     cuts = ModelCuts(two)
-    assert cuts.granules == 2 and cuts.taken(SplitShare((3, 1))) == EVEN
+    assert cuts.granules == 2 and cuts.kept(SplitShare((3, 1))) == 0.5
     fast, slow = figures(BIG, 300 * GB), figures(BIG, 100 * GB)
-    assert choose_share(fast, slow, model_need(two, 0), granules=cuts.granules, taken=cuts.taken) == EVEN
-    # Four KV heads, 128 MLP columns (four groups of 32): quarters, so 2:1 is taken as 3:1.
+    assert choose_share(fast, slow, model_need(two, 0), granules=cuts.granules, kept=cuts.kept) == EVEN
+    # Four KV heads, 128 MLP columns (four groups of 32): quarters, so 2:1 keeps 3:1.
     four = save_llama(tmp_path / "kv4", LlamaSizes(layers=1, hidden=64, heads=4, kv_heads=4,
                                                    intermediate=128, vocab=512), seed=1)
     cuts = ModelCuts(four)
-    assert cuts.granules == 4 and cuts.taken(SplitShare((2, 1))) == SplitShare((3, 1))
+    assert cuts.granules == 4 and cuts.kept(SplitShare((2, 1))) == 0.75
+    # Four KV heads, 384 MLP columns (twelve groups): the attention keeps 3:1, the MLP's columns
+    # and the vocabulary 2:1, so rank 0 keeps between the two of the bytes.
+    mixed = save_llama(tmp_path / "kv4-mlp12", LlamaSizes(layers=1, hidden=64, heads=4, kv_heads=4,
+                                                          intermediate=384, vocab=512), seed=1)
+    cuts = ModelCuts(mixed)
+    assert cuts.granules == 12 and 2 / 3 < cuts.kept(SplitShare((2, 1))) < 0.75
 
 
 def test_unmeasured_figures_are_refused():

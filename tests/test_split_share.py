@@ -149,12 +149,23 @@ def test_each_rank_reads_its_share_from_the_file(model_dirs, family, rank, monke
 
 
 def test_counts_that_cannot_give_the_share_give_the_nearest_that_can(tmp_path, monkeypatch):
-    """tiny llama: 2 KV heads, so only 1:1 cuts them whole; logged naming the counts."""
+    """tiny llama: 2 KV heads, so only 1:1 cuts them whole, while its 256 MLP columns (8 groups
+    of 32) take 3:1 (split/columns.py); logged naming the counts. Where no count gives more than
+    1:1 (64 MLP columns), the whole model splits 1:1, logged."""
     path = tiny_models.build("llama", tmp_path)
     messages = []
     monkeypatch.setattr(_units, "log", messages.append)
-    model, _ = load_split(path, cut_only_group(0, 2), split="3:1")
-    assert model.model.layers[0].self_attn.n_kv_heads == 1
+    for rank, rows in enumerate((192, 64)):
+        model, _ = load_split(path, cut_only_group(rank, 2), split="3:1")
+        layer = model.model.layers[0]
+        assert layer.self_attn.n_kv_heads == 1 and layer.self_attn.k_proj.weight.shape[0] == 32
+        assert layer.mlp.gate_proj.weight.shape[0] == layer.mlp.down_proj.weight.shape[1] == rows
+    assert any("attention's counts take 1:1" in m and "n_kv_heads=2" in m and "vocabulary take 3:1" in m
+               for m in messages), messages
+    narrow = save_random_model(tmp_path / "narrow", {**tiny_models.FAMILIES["llama"][0], "intermediate_size": 64})
+    messages.clear()
+    model, _ = load_split(narrow, cut_only_group(0, 2), split="3:1")
+    assert model.model.layers[0].mlp.gate_proj.weight.shape[0] == 32
     assert any("split 3:1: no share but 1:1" in m and "n_kv_heads=2" in m for m in messages), messages
 
 
@@ -207,6 +218,36 @@ def test_each_rank_holds_weights_in_proportion_to_its_share(pair, family):
     ratio = (held[0] - replicated) / (held[1] - replicated)
     assert abs(ratio - first / second) < 0.02 * first / second, f"{family} at {split}: parts {held}"
     assert held[0] > held[1]
+
+
+# 4 KV heads (quarters) beside 12 groups of MLP and expert columns (thirds): at 2:1 the attention
+# takes 3:1, the MLP's and experts' columns and the vocabulary 2:1 (split/columns.py).
+MIXED = {"llama": {**CONFIGS["llama"], "num_key_value_heads": 4},
+         "qwen3_moe": {**CONFIGS["qwen3_moe"], "num_key_value_heads": 4},
+         "deepseek_v3": {**CONFIGS["deepseek_v3"], "num_attention_heads": 4}}
+
+
+def test_the_mlp_columns_take_a_finer_share_than_the_heads(tmp_path):
+    paths = {family: save_random_model(tmp_path / family, config) for family, config in MIXED.items()}
+    for rank, (kv_heads, columns, rows) in enumerate(((3, 256, 333), (1, 128, 167))):
+        model, _ = load_split(paths["llama"], cut_only_group(rank, 2), split="2:1")
+        layer = model.model.layers[0]
+        assert layer.self_attn.n_kv_heads == kv_heads and layer.self_attn.k_proj.weight.shape[0] == 16 * kv_heads
+        assert layer.mlp.gate_proj.weight.shape[0] == layer.mlp.down_proj.weight.shape[1] == columns
+        assert model.model.embed_tokens.embedding.weight.shape[0] == rows
+    refs = unsplit_references(paths)
+    out = tmp_path / "out"
+    out.mkdir()
+    results = run_ranks("tcp", paths, out, split="2:1")
+    for family in paths:
+        rank0, rank1 = results[family]
+        for rank, result in enumerate(results[family]):
+            assert result["tokens"].tolist() == refs[family]["tokens"], f"{family}: rank {rank}'s tokens differ"
+        assert np.array_equal(rank0["logits"], rank1["logits"]), f"{family}: the ranks' logits differ"
+        err = float(np.abs(rank0["logits"] - refs[family]["logits"]).max() / np.abs(refs[family]["logits"]).max())
+        assert err <= LOGITS_RTOL, f"{family} at 2:1 with 3:1 heads: logits differ by {err:.2e} relative"
+        held = [int(r["weight_bytes"]) for r in results[family]]
+        assert held[0] > 1.8 * held[1], f"{family}: parts {held}"
 
 
 # ---------------------------------------------------------------------------------------------

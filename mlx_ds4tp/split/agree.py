@@ -72,7 +72,7 @@ def model_cuts(need: ModelNeed) -> dict:
     if need.path is None:
         return {}
     cuts = ModelCuts(need.path)
-    return {"granules": cuts.granules, "taken": cuts.taken}
+    return {"granules": cuts.granules, "kept": cuts.kept}
 
 
 def with_figures(link: LinkSettings, split: SplitSettings) -> LinkSettings:

@@ -21,6 +21,7 @@ from mlx_ds4tp.init (TCP, Thunderbolt RDMA) or MLX's own (ring, JACCL).
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -154,17 +155,17 @@ def split_model(
     if share.is_even:
         _check_vocab(model, vocab, size)
     layout = choose_layout(model, group, shard, share, trace=read_part is not None, label=_label(model))
-    if layout.cut.is_even and not share.is_even:  # fell back to even: the rows must divide
+    if layout.vocab.is_even and not share.is_even:  # fell back to even: the rows must divide
         _check_vocab(model, vocab, size)
-    if not layout.cut.is_even:
-        log(f"rank {rank} keeps {layout.count} of {layout.cut.units} units of every split count (split {layout.cut})")
+    if not layout.is_even:
+        log(layout.describe())
     wholes = dict(tree_flatten(model.parameters()))  # lazily loaded: nothing read yet
     run_plan(layout, model, shard, group)
     for path, cls in vocab:
         parent, name = _parent(model, path)
         layer = parent[name]
         if type(layer) in _VOCAB_LAYERS[name][0]:  # not cut by the plan itself
-            bounds = layout.cut.bounds(layer["weight"].shape[0])
+            bounds = layout.vocab.bounds(layer["weight"].shape[0])
             rows = (bounds[rank], bounds[rank + 1])
             parent[name] = cls(cut_rows(layer, rows, path, read_part), collective, bounds)
     params = tree_flatten(model.parameters())
@@ -176,7 +177,7 @@ def split_model(
             if read_part is not None:
                 in_memory.append(path)
             # One unit's part is the plan's own cut; a rank of several units takes its runs.
-            part = take_runs(wholes[path], cut) if layout.count > 1 else None
+            part = take_runs(wholes[path], cut) if layout.takes_runs(path) else None
         if part is not None:
             mx.eval(part)
             set_array(model, path, part)
@@ -195,8 +196,8 @@ def split_model(
 
 class ModelCuts:
     """The shares a model's counts let a load take, read off the model built lazily (no weight
-    read): `--split auto` picks among them, so the memory it checks is that of the share the
-    load will take, not of one the load would round."""
+    read): `--split auto` picks among them, and checks the memory of the part a load would
+    keep, not of the share it asked for."""
 
     def __init__(self, path: Union[str, Path]):
         from mlx_lm.utils import load_model
@@ -206,13 +207,25 @@ class ModelCuts:
         self._label = _label(self._model)
         self.granules = share_granules(self._model, self._shard, self._label)
 
-    def taken(self, share: SplitShare) -> SplitShare:
-        """The share a load asked for `share` takes (choose_layout's, on rank 0's twin)."""
+    def kept(self, share: SplitShare) -> float:
+        """The part of the split weights' bytes rank 0 keeps when a load asks for `share`
+        (choose_layout's cuts, on rank 0's twin: the attention's, the columns' and the
+        vocabulary's each by its own share)."""
         if share.is_even:
-            return EVEN
+            return 0.5
         layout = choose_layout(self._model, cut_only_group(0, 2), self._shard, share, trace=False,
                                label=self._label)
-        return EVEN if layout.cut.is_even else SplitShare(layout.cut.counts)
+        vocab = [path for path, _ in _vocab_layers(self._model)]
+        held = whole = 0
+        for path, value in tree_flatten(self._model.parameters()):
+            if path in layout.plan.axes:
+                held += value.nbytes * layout.fraction(path)
+            elif any(path.startswith(v + ".") for v in vocab):
+                held += value.nbytes * Fraction(layout.vocab.counts[0], layout.vocab.units)
+            else:
+                continue
+            whole += value.nbytes
+        return float(held / whole) if whole else 0.5
 
 
 def agree_model(model_path: Path, group: Any) -> None:

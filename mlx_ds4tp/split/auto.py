@@ -29,7 +29,7 @@ RESERVE_BYTES = 512 << 20
 # 12, 15, 16, 18, 20, ...); the load then takes the nearest the model's counts allow.
 CANDIDATE_GRANULES = 5040
 # The candidate shares choose_share asks the model's plan about before it gives up.
-TAKEN_TRIES = 4
+KEPT_TRIES = 4
 _GIB = 1 << 30
 
 
@@ -98,14 +98,15 @@ def _refusal(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> Share
 
 def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
                  granules: int = CANDIDATE_GRANULES,
-                 taken: Callable[[SplitShare], SplitShare] = lambda share: share) -> SplitShare:
+                 kept: Callable[[SplitShare], float] = lambda share: share.fraction) -> SplitShare:
     """The share with the shortest predicted step among those both memories hold (the even one
     when speed_fraction says even); ShareRefused naming both memories and the model's size when
     none does.
 
-    granules, taken: what the model's counts allow (split/apply.ModelCuts): the candidates are
-    the shares u/n with n dividing `granules`, and `taken(share)` is the share a load asked for
-    it takes; the memory is checked on that one."""
+    granules, kept: what the model's counts allow (split/apply.ModelCuts): the candidates are
+    the shares u/n with n dividing `granules`, and `kept(share)` is the part of the weights
+    rank 0 keeps when a load asks for it (its counts round each class of them); the memory is
+    checked on that part."""
     for name, figures in (("leader", leader), ("worker", worker)):
         if not figures.measured:
             raise ValueError(f"split auto: the {name} reported no figures (memory "
@@ -122,12 +123,11 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
         # either side of the wanted one, the one that overloads the faster rank costs less
         # (speeds 2.1:1 cut in eighths: 3:1 steps in 0.75, 5:3 in 0.79 of the faster rank's whole step).
         fitting.sort(key=lambda cut: step_time(cut.counts[0] / cut.units, leader, worker))
-    # Each `taken` runs the plan on twins; a model whose plan rounds every share the same way
+    # Each `kept` runs the plan on twins; a model whose plan rounds every share the same way
     # (one that only splits evenly) needs no more than a few to show it.
-    for cut in fitting[:TAKEN_TRIES]:
-        share = taken(EVEN if cut.is_even else SplitShare(cut.counts))
-        first = share.parts[0] / sum(share.parts) if share.parts else 0.5
-        if lowest <= first <= highest:
+    for cut in fitting[:KEPT_TRIES]:
+        share = EVEN if cut.is_even else SplitShare(cut.counts)
+        if lowest <= kept(share) <= highest:
             return share
     raise _refusal(need, leader, worker)
 

@@ -66,6 +66,11 @@ class SplitShare:
     def is_even(self) -> bool:
         return not self.parts and not self.auto
 
+    @property
+    def fraction(self) -> float:
+        """Rank 0's part of the whole (1/2 for even)."""
+        return self.parts[0] / sum(self.parts) if self.parts else 0.5
+
     def check(self, size: int) -> None:
         """ValueError for a share the plan cannot take on `size` ranks as it is."""
         if self.auto:

@@ -10,7 +10,9 @@ ours, cut at any row in proportion (split/layers.py).
 
 The units must be whole: every head count divisible by the unit count, every MLP or expert width
 a whole number of quantization groups per unit (32 columns for float weights, so each rank's
-matrices keep the widths the kernels are fast at). Where the wanted share cannot be cut so, the
+matrices keep the widths the kernels are fast at). The MLP's columns (and the vocabulary) take a
+share of their own where their cuts allow (split/columns.py), so the attention's few KV heads do
+not coarsen the share of the most of the weights. Where the wanted share cannot be cut so, the
 nearest that can is used and logged. A plan that does more with the group than cut and sum (a
 norm that divides by the group's size, an array it derives from it) splits evenly, logged.
 """
@@ -18,8 +20,10 @@ norm that divides by the group's size, an array it derives from it) splits evenl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import gcd
-from typing import Any, Callable
+from fractions import Fraction
+from functools import reduce
+from math import gcd, lcm
+from typing import Any, Callable, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +31,7 @@ from mlx.utils import tree_flatten
 
 from ..base.log import log
 from ..collectives.backend import cut_only_group
+from .columns import column_paths, recut, segments
 from .derive import ArrayCut, ShardPlan, derive_plan, set_array
 from .share import SplitShare, UnitCut, nearest_cuts
 
@@ -36,52 +41,88 @@ FLOAT_COLUMNS = 32
 
 @dataclass(frozen=True)
 class Layout:
-    """How this rank splits the model: the cut, the plan as the twins showed it for this rank's
-    units (plan.cuts: this rank's indices), and the group the plan runs over (the real group for
-    an even cut, a cut-only group of cut.units ranks otherwise)."""
+    """How this rank splits the model: the heads' cut, the plan as the twins showed it for this
+    rank's units (plan.cuts: this rank's indices), the group the plan runs over (the real group
+    for an even cut, a cut-only group of cut.units ranks otherwise), and the columns' cut with
+    the arrays it applies to (split/columns.py; the heads' cut and none where they share it)."""
 
     cut: UnitCut
     rank: int
     plan: ShardPlan
     plan_group: Any
+    columns: Optional[UnitCut] = None
+    column_arrays: frozenset = frozenset()
 
     @property
     def count(self) -> int:
-        """The units this rank keeps (1: the plan's own cut is this rank's part)."""
+        """The units of the heads' cut this rank keeps (1: the plan's own cut is its part)."""
         return self.cut.counts[self.rank]
+
+    @property
+    def vocab(self) -> UnitCut:
+        """The cut of the vocabulary's rows: the columns' (the finer), or the heads'."""
+        return self.columns or self.cut
+
+    @property
+    def is_even(self) -> bool:
+        return self.cut.is_even and self.vocab.is_even
+
+    def fraction(self, path: str) -> Fraction:
+        """The part of the whole this rank keeps of the array at `path` (its class's share)."""
+        cut = self.columns if path in self.column_arrays else self.cut
+        return Fraction(cut.counts[self.rank], cut.units)
+
+    def takes_runs(self, path: str) -> bool:
+        """Whether the array's part must be taken by its runs (the plan's own cut is one unit
+        of the heads' cut)."""
+        return self.count > 1 or path in self.column_arrays
 
     @property
     def scaled(self) -> list[str]:
         """Arrays the plan divided by the unit count (a bias added once per unit)."""
         return [p for p, v in self.plan.replaced.items() if v is not None and abs(v * self.cut.units - 1) < 1e-6]
 
+    def describe(self) -> str:
+        """What this rank keeps, for the log."""
+        heads = f"{self.count} of {self.cut.units} units"
+        if self.columns is None:
+            return f"rank {self.rank} keeps {heads} of every split count (split {self.cut})"
+        return (f"rank {self.rank} keeps {heads} of the attention's counts (split {self.cut}) and "
+                f"{self.columns.counts[self.rank]} of {self.columns.units} of the MLP's columns and the "
+                f"vocabulary (split {self.columns})")
+
 
 class _ShareBound(Exception):
     """The plan does something only an even cut follows."""
 
 
-def _granules(model: nn.Module, base: ShardPlan) -> tuple[int, list[tuple[int, str]]]:
-    """(G, counts): every count the plan cuts divides into G whole units, and each count as
-    (its whole units, its name) for the log."""
+def _granule(path: str, shape: tuple[int, ...], axis: int, modules: dict, heads: set[str]) -> int:
+    """The indices of `path`'s cut axis a unit must keep whole: an MLP or expert weight's output
+    columns in quantization groups (FLOAT_COLUMNS for float weights), anything else by one."""
+    owner = path.rsplit(".", 1)[0]
+    intermediate = (path.endswith(".weight") and axis == len(shape) - 2
+                    and owner not in heads and owner.rsplit(".", 1)[0] not in heads)
+    return (getattr(modules.get(owner), "group_size", None) or FLOAT_COLUMNS) if intermediate else 1
+
+
+def _counts(model: nn.Module, base: ShardPlan) -> list[tuple[int, str, bool]]:
+    """Every count the plan cuts as (its whole units, its name for the log, whether it is one
+    of the columns' (split/columns.py) rather than the attention's)."""
     shapes = {p: v.shape for p, v in tree_flatten(model.parameters())}
     modules = dict(model.named_modules())
     heads = {path for path, _ in base.divided}
-    counts = [(value, f"{path}.{attr}={value}") for (path, attr), value in base.divided.items()]
+    columns = column_paths(base)
+    counts = [(value, f"{path}.{attr}={value}", False) for (path, attr), value in base.divided.items()]
     for path, axis in base.axes.items():
-        owner = path.rsplit(".", 1)[0]
-        n = shapes[path][axis]
-        intermediate = (path.endswith(".weight") and axis == len(shapes[path]) - 2
-                        and owner not in heads and owner.rsplit(".", 1)[0] not in heads)
-        if intermediate:
-            granule = getattr(modules.get(owner), "group_size", None) or FLOAT_COLUMNS
-            counts.append((n // granule if n % granule == 0 else 1,
-                           f"{owner}: {n} columns in groups of {granule}"))
-        else:
-            counts.append((n, f"{path}: {n} along axis {axis}"))
-    common = 0
-    for units, _ in counts:
-        common = gcd(common, units)
-    return common, counts
+        n, granule = shapes[path][axis], _granule(path, shapes[path], axis, modules, heads)
+        name = (f"{path.rsplit('.', 1)[0]}: {n} columns in groups of {granule}" if granule > 1
+                else f"{path}: {n} along axis {axis}")
+        counts.append((n // granule if n % granule == 0 else 1, name, path in columns))
+    return counts
+
+
+def _common(values: Iterable[int]) -> int:
+    return reduce(gcd, values, 0)
 
 
 def _checked_runs(path: str, per_unit: list[tuple[tuple[int, int], ...]]) -> None:
@@ -102,9 +143,9 @@ def _merged(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in out)
 
 
-def _unit_plan(model: nn.Module, shard: Callable, cut: UnitCut, rank: int, label: str) -> ShardPlan:
+def _unit_plan(model: nn.Module, shard: Callable, cut: UnitCut, rank: int, label: str) -> tuple[ShardPlan, list]:
     """The plan for this rank's units of `cut`, from every unit's trace (both ranks check the
-    same things, so both take the same cut)."""
+    same things, so both take the same cut), and the traces."""
     per_unit = [derive_plan(model, cut_only_group(u, cut.units), shard, trace=True, label=label)
                 for u in range(cut.units)]
     first = per_unit[0]
@@ -119,45 +160,102 @@ def _unit_plan(model: nn.Module, shard: Callable, cut: UnitCut, rank: int, label
         runs = [p.cuts[path].runs for p in per_unit]
         _checked_runs(path, runs)
         plan.cuts[path] = ArrayCut(path, first.cuts[path].shape, axis, _merged([r for u in mine for r in runs[u]]))
-    return plan
+    return plan, per_unit
+
+
+def _heads_cut(model: nn.Module, shard: Callable, share: SplitShare, size: int, rank: int, label: str,
+               granules: int, even: bool) -> Optional[tuple[UnitCut, ShardPlan, list]]:
+    """The nearest cut of `granules` units the plan runs for (the even one only if `even`)."""
+    for cut in nearest_cuts(share, size, granules):
+        if cut.is_even and not even:
+            return None
+        try:
+            return (cut, *_unit_plan(model, shard, cut, rank, label))
+        except ValueError:
+            continue
+    return None
+
+
+def _with_columns(model: nn.Module, shard: Callable, share: SplitShare, size: int, rank: int, label: str,
+                  base: ShardPlan, counts: list[tuple[int, str, bool]]) -> Optional[Layout]:
+    """The layout whose MLP columns take their own share (split/columns.py); None where the
+    columns' cuts cannot be recut, or neither class gives more than 1:1."""
+    columns = column_paths(base)
+    found = _heads_cut(model, shard, share, size, rank, label, _common(u for u, _, c in counts if not c), True)
+    if found is None:
+        return None
+    cut, plan, per_unit = found
+    shapes = {p: v.shape for p, v in tree_flatten(model.parameters())}
+    modules, heads = dict(model.named_modules()), {path for path, _ in base.divided}
+    spans = {}
+    for path in columns & plan.cuts.keys():
+        spans[path] = segments([p.cuts[path].runs for p in per_unit])
+        if spans[path] is None:
+            return None
+    for cols in nearest_cuts(share, size, _common(u for u, _, c in counts if c)):
+        recuts = {path: recut(plan.cuts[path], span, _granule(path, shapes[path], plan.axes[path], modules, heads),
+                              cols, rank) for path, span in spans.items()}
+        if all(recuts.values()):
+            break
+    else:
+        return None
+    if cut.is_even and cols.is_even:
+        return None
+    plan.cuts.update(recuts)
+    wanted = UnitCut(share.parts)
+    if cut != wanted or cols != wanted:
+        limits = _limits([(u, name) for u, name, c in counts if not c], wanted.units)
+        log(f"split {share}: the attention's counts take {cut}, the nearest they can ({limits}); the MLP's "
+            f"columns and the vocabulary take {cols}")
+    if cols == cut:
+        return Layout(cut, rank, plan, cut_only_group(cut.first(rank), cut.units))
+    return Layout(cut, rank, plan, cut_only_group(cut.first(rank), cut.units), cols, frozenset(columns))
+
+
+def _even(model: nn.Module, group: Any, shard: Callable, trace: bool, label: str) -> Layout:
+    size, rank = int(group.size()), int(group.rank())
+    return Layout(UnitCut((1,) * size), rank, derive_plan(model, group, shard, trace=trace, label=label), group)
 
 
 def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitShare, *,
                   trace: bool, label: str) -> Layout:
-    """The cut nearest `share` that this model's counts and plan allow, for group.rank(); the
-    plan's errors (ValueError naming the layer and the fix) as for an even split."""
+    """The cut nearest `share` that this model's counts and plan allow, for group.rank(), the
+    MLP's columns cut on their own where they can (split/columns.py); the plan's errors
+    (ValueError naming the layer and the fix) as for an even split."""
     size, rank = int(group.size()), int(group.rank())
     share.check(size)
-    even = UnitCut((1,) * size)
     if share.is_even:
-        return Layout(even, rank, derive_plan(model, group, shard, trace=trace, label=label), group)
+        return _even(model, group, shard, trace, label)
     base = derive_plan(model, group, shard, trace=False, label=label)
-    granules, counts = _granules(model, base)
+    counts = _counts(model, base)
     wanted = UnitCut(share.parts)
-    for cut in nearest_cuts(share, size, granules):
-        if cut.is_even:
-            break
-        try:
-            plan = _unit_plan(model, shard, cut, rank, label)
-        except _ShareBound as reason:
-            log(f"split {share}: {label} can only split evenly ({reason}); splitting 1:1")
-            return Layout(even, rank, derive_plan(model, group, shard, trace=trace, label=label), group)
-        except ValueError:
-            continue
-        if cut != wanted:
-            log(f"split {share} is not a whole number of units of every count; using {cut}, the nearest "
-                f"that is ({_limits(counts, wanted.units)})")
-        return Layout(cut, rank, plan, cut_only_group(cut.first(rank), cut.units))
-    log(f"split {share}: no share but 1:1 cuts every count into whole units "
-        f"({_limits(counts, wanted.units)}); splitting 1:1")
-    return Layout(even, rank, derive_plan(model, group, shard, trace=trace, label=label), group)
+    try:
+        layout = (_with_columns(model, shard, share, size, rank, label, base, counts)
+                  if {c for *_, c in counts} == {True, False} else None)
+        found = layout or _heads_cut(model, shard, share, size, rank, label, _common(u for u, *_ in counts), False)
+    except _ShareBound as reason:
+        log(f"split {share}: {label} can only split evenly ({reason}); splitting 1:1")
+        return _even(model, group, shard, trace, label)
+    if layout is not None:
+        return layout
+    if found is None:
+        log(f"split {share}: no share but 1:1 cuts every count into whole units "
+            f"({_limits([(u, name) for u, name, _ in counts], wanted.units)}); splitting 1:1")
+        return _even(model, group, shard, trace, label)
+    cut, plan, _ = found
+    if cut != wanted:
+        log(f"split {share} is not a whole number of units of every count; using {cut}, the nearest "
+            f"that is ({_limits([(u, name) for u, name, _ in counts], wanted.units)})")
+    return Layout(cut, rank, plan, cut_only_group(cut.first(rank), cut.units))
 
 
 def share_granules(model: nn.Module, shard: Callable, label: str) -> int:
-    """G: every count the plan cuts divides into G whole units, so a load takes any share u/n
-    with n dividing G as it is (the shares `--split auto` picks among, split/auto.py)."""
+    """G: every share u/n with n dividing G is one a load takes as it is, the attention's counts
+    and the MLP's columns each in their own units (the shares `--split auto` picks among,
+    split/auto.py)."""
     base = derive_plan(model, cut_only_group(0, 2), shard, trace=False, label=label)
-    return _granules(model, base)[0]
+    counts = _counts(model, base)
+    return lcm(*(_common(u for u, _, c in counts if c is kind) or 1 for kind in (False, True)))
 
 
 def _limits(counts: list[tuple[int, str]], units: int) -> str:
@@ -183,7 +281,10 @@ def run_plan(layout: Layout, model: nn.Module, shard: Callable, group: Any) -> N
                 setattr(module, attr, group)
     arrays = dict(tree_flatten(model.parameters()))
     for path in layout.scaled:
-        set_array(model, path, arrays[path] * count)
+        # The plan made it 1/units of the whole; this rank adds its class's part of it.
+        factor = layout.fraction(path) * units
+        if factor != 1:
+            set_array(model, path, arrays[path] * (int(factor) if factor.denominator == 1 else float(factor)))
 
 
 def take_runs(whole: mx.array, cut: ArrayCut) -> mx.array:
