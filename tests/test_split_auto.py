@@ -18,7 +18,6 @@ from mlx_ds4tp.split.auto import (
     fitting_range,
     model_need,
     speed_fraction,
-    step_time,
 )
 from mlx_ds4tp.split.share import EVEN, SplitSettings, SplitShare
 from pairutil import both_ok, free_port, reference_text
@@ -76,7 +75,6 @@ def test_auto_takes_the_quicker_share_not_the_nearest():
     # worker sets the step (0.375 x 2.1 = 0.79 of the leader's whole step), at 3:1 the leader
     # does (0.75): 3:1 is quicker. Stood in on this machine: 5.44 tok/s at 3:1, 5.14 at 5:3.
     fast, slow = figures(BIG, 210 * GB), figures(BIG, 100 * GB)
-    assert step_time(0.75, fast, slow) < step_time(0.625, fast, slow)
     assert choose_share(fast, slow, ModelNeed(GB), granules=8) == SplitShare((3, 1))
     # The other way round: the worker faster, the leader's part the smaller.
     assert choose_share(slow, fast, ModelNeed(GB), granules=8) == SplitShare((1, 3))

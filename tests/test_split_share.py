@@ -107,7 +107,12 @@ def test_the_vocabulary_is_cut_in_proportion_at_any_row():
 def test_the_nearest_cuts_come_first():
     share = SplitShare.parse("3:1")
     assert nearest_cuts(share, 2, 8)[0] == UnitCut((3, 1))
-    assert nearest_cuts(share, 2, 6)[:2] == [UnitCut((2, 1)), UnitCut((5, 1))]
+    # Nearest in step time: 5:1 overloads the faster rank by 1.11x, 2:1 the slower by 1.33x.
+    assert nearest_cuts(share, 2, 6)[:2] == [UnitCut((5, 1)), UnitCut((2, 1))]
+    # Equal steps (2:1 on eighths: 5:3 and 3:1 both 1.125x): the nearer first.
+    assert nearest_cuts(SplitShare.parse("2:1"), 2, 8)[:2] == [UnitCut((5, 3)), UnitCut((3, 1))]
+    # 15:7 on eighths: 3:1 (1.10x) before the nearer 5:3 (1.18x).
+    assert nearest_cuts(SplitShare.parse("15:7"), 2, 8)[0] == UnitCut((3, 1))
     assert nearest_cuts(share, 2, 2) == [UnitCut((1, 1))]
     assert nearest_cuts(SplitShare.parse("2:1"), 2, 12)[0] == UnitCut((2, 1))
 

@@ -117,12 +117,9 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
         raise _refusal(need, leader, worker)
     wanted = speed_fraction(leader, worker)
     target = SplitShare((wanted.numerator, wanted.denominator - wanted.numerator))
+    # Quickest first (nearest_cuts orders by step time: speeds 2.1:1 cut in eighths give 3:1,
+    # whose step is 0.75 of the faster rank's whole step, before the nearer 5:3 at 0.79).
     fitting = [cut for cut in nearest_cuts(target, 2, granules) if lowest <= cut.counts[0] / cut.units <= highest]
-    if wanted != Fraction(1, 2):
-        # Not the nearest share: the step waits for the slower rank, so of the two shares on
-        # either side of the wanted one, the one that overloads the faster rank costs less
-        # (speeds 2.1:1 cut in eighths: 3:1 steps in 0.75, 5:3 in 0.79 of the faster rank's whole step).
-        fitting.sort(key=lambda cut: step_time(cut.counts[0] / cut.units, leader, worker))
     # Each `kept` runs the plan on twins; a model whose plan rounds every share the same way
     # (one that only splits evenly) needs no more than a few to show it.
     for cut in fitting[:KEPT_TRIES]:
@@ -132,13 +129,6 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
     raise _refusal(need, leader, worker)
 
 
-def step_time(fraction: float, leader: RankFigures, worker: RankFigures) -> float:
-    """The pair's predicted step at rank 0's `fraction`, in units of the faster rank's whole
-    step: the slower of the two ranks' parts (decode is bound by each rank's own speed)."""
-    fastest = max(leader.speed, worker.speed)
-    return max(fraction * fastest / leader.speed, (1 - fraction) * fastest / worker.speed)
-
-
 def figures_line(name: str, figures: RankFigures) -> str:
     """A rank's figures as the logs give them."""
     return (f"{name}: {figures.memory_bytes / _GIB:.2f} GiB usable, "
@@ -146,4 +136,4 @@ def figures_line(name: str, figures: RankFigures) -> str:
 
 
 __all__ = ["CANDIDATE_GRANULES", "EVEN_WITHIN", "ModelNeed", "ShareRefused", "choose_share",
-           "figures_line", "fitting_range", "model_need", "speed_fraction", "step_time"]
+           "figures_line", "fitting_range", "model_need", "speed_fraction"]

@@ -131,8 +131,13 @@ class UnitCut:
 
 
 def nearest_cuts(share: SplitShare, size: int, granules: int) -> list[UnitCut]:
-    """The cuts a model whose counts all divide into `granules` units can take, nearest to `share`
-    first (then the coarser), the even cut among them; two ranks only (more split evenly)."""
+    """The cuts a model whose counts all divide into `granules` units can take, the one nearest
+    `share` first, the even cut among them; two ranks only (more split evenly).
+
+    Nearest in step time, taking the share for the ranks' speeds: a step waits for the slower
+    rank, so of the cuts on either side of the wanted one, the one that overloads the faster
+    rank is the nearer unless it is much further off (3:1 on sixths: 5:1, whose step is 1.11x
+    the wanted one's, before 2:1 at 1.33x); then by distance, then the coarser."""
     if not share.parts or size != 2:
         return [UnitCut((1,) * size)]
     wanted = Fraction(share.parts[0], sum(share.parts))
@@ -140,7 +145,11 @@ def nearest_cuts(share: SplitShare, size: int, granules: int) -> list[UnitCut]:
     for units in range(2, min(granules, MAX_UNITS) + 1):
         if granules % units == 0:
             found.update(Fraction(u, units) for u in range(1, units))
-    ordered = sorted(found, key=lambda f: (abs(f - wanted), f.denominator))
+
+    def step(f: Fraction) -> Fraction:
+        return max(f / wanted, (1 - f) / (1 - wanted))
+
+    ordered = sorted(found, key=lambda f: (step(f), abs(f - wanted), f.denominator))
     return [UnitCut((f.numerator, f.denominator - f.numerator)) for f in ordered]
 
 
