@@ -11,9 +11,12 @@ import pytest
 from serveutil import API_KEY, ServedPair, build_chat_model
 
 
-def soak_record(out: str) -> dict:
+def soak_record(out: str, err: str) -> dict:
+    """The bench's soak record; a failure names what the bench said on stderr."""
     recs = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-    return next(r for r in recs if r["name"] == "soak")
+    found = [r for r in recs if r["name"] == "soak"]
+    assert found, f"the bench printed no soak record; its stderr ends:\n{err[-4000:]}"
+    return found[0]
 
 
 def records(out: str) -> dict:
@@ -32,7 +35,7 @@ def test_soak_checks_answers_counts_bad_requests_and_reports_memory(procs, model
                      "--json"])
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err
-    rec = soak_record(out)
+    rec = soak_record(out, err)
     for key in ("requests", "completed", "cancelled", "bad_requests", "errors", "hung", "mismatches",
                 "first_mismatch", "ttft_p50_ms", "ttft_p99_ms", "tok_s", "tok_s_per_minute",
                 "rss_leader_start_kib", "rss_leader_end_kib", "rss_leader_ratio",
@@ -69,7 +72,7 @@ def test_soak_restart_worker_times_the_outage_and_counts_pair_down(procs, model_
                      "--restart-worker", "--request-timeout", "60", "--json"],
                     env={"DS4_TP_TIMEOUT_SEC": "20"})
     out, err = p.communicate(timeout=240)
-    rec = soak_record(out)
+    rec = soak_record(out, err)
     restart = rec["restart"]
     assert p.returncode == 0, (rec, err)
     assert rec["ok"] is True, rec
