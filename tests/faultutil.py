@@ -132,6 +132,30 @@ def wait_all_exit(ranks: List[Watched], timeout: float) -> List[Optional[float]]
     return seen
 
 
+def dials(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an IPv4 TCP socket connected, or connecting, to `port`
+    (read off /proc), so a test waits for its own rank's connection rather than anyone's."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+        with open(f"/proc/{pid}/net/tcp") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return False
+    for row in rows:
+        cols = row.split()
+        # remote address, state (01 established, 02 SYN sent), inode
+        if cols[9] in inodes and int(cols[2].split(":")[1], 16) == port and cols[3] in ("01", "02"):
+            return True
+    return False
+
+
 def tagged_processes(tag: str) -> List[int]:
     """Live processes (not zombies) whose environment carries TAG_ENV=tag."""
     needle = f"{TAG_ENV}={tag}".encode()

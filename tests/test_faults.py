@@ -34,7 +34,7 @@ import uuid
 
 import pytest
 
-from faultutil import DRIVER, HELLO_TIMEOUT_ENV, TAG_ENV, Watched, reap, tagged_processes
+from faultutil import DRIVER, HELLO_TIMEOUT_ENV, TAG_ENV, Watched, dials, reap, tagged_processes
 from pairutil import fake_verbs_library, free_port
 
 STOP_TIMEOUT = 3.0  # DS4_TP_TIMEOUT_SEC for SIGSTOP cases: detection is the timeout
@@ -229,6 +229,14 @@ def test_connect(procs, model_dir, transport, victim, sig):
         dead = c.driver("backlog", "leader")
         survivor = c.cli("worker")
         dead.out.wait_for("AT backlog", 30, dead.proc)
+        # Any connection makes the driver say AT backlog; on a busy machine another test's dial
+        # loop can reach this port before the worker does (it then hears the port refused after
+        # the kill and waits for a leader to come): wait for the worker's own connection.
+        deadline = time.monotonic() + 60
+        while not dials(survivor.proc.pid, c.port):
+            if time.monotonic() > deadline or not survivor.alive():
+                c.fail("the worker never connected to the leader's port")
+            time.sleep(0.05)
         t = dead.signal(SIGNALS[sig])
         c.expect_stop(survivor, t)
         c.wake_or_reap(dead, real=False)
