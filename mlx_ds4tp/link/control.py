@@ -122,7 +122,6 @@ def decode_frame_header(magic: int, ftype_raw: int, nbytes: int) -> FrameType:
     return ftype
 
 
-# Where the platform lacks sched_yield, the look goes on without it.
 @functools.cache
 def _yield_lost() -> Callable[[], int]:
     """csrc/util.c's tp_yield_lost: yield the core, and whether another task took it."""

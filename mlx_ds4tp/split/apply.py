@@ -34,6 +34,7 @@ from ..checkpoint.parts import SafetensorsParts
 from ..collectives.backend import PairGroup, cut_only_group
 from ..collectives.seam import as_collective
 from ..link.fingerprint import model_fingerprint
+from .columns import under
 from .derive import set_array
 from .layers import (
     SHARDED,
@@ -215,12 +216,12 @@ class ModelCuts:
             return 0.5
         layout = choose_layout(self._model, cut_only_group(0, 2), self._shard, share, trace=False,
                                label=self._label)
-        vocab = [path for path, _ in _vocab_layers(self._model)]
+        vocab = {path for path, _ in _vocab_layers(self._model)}
         held = whole = 0
         for path, value in tree_flatten(self._model.parameters()):
             if path in layout.plan.axes:
                 held += value.nbytes * layout.fraction(path)
-            elif any(path.startswith(v + ".") for v in vocab):
+            elif under(path, vocab):
                 held += value.nbytes * Fraction(layout.vocab.counts[0], layout.vocab.units)
             else:
                 continue

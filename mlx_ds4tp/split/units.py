@@ -230,14 +230,14 @@ def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitSha
     counts = _counts(model, base)
     wanted = UnitCut(share.parts)
     try:
-        layout = (_with_columns(model, shard, share, size, rank, label, base, counts)
-                  if {c for *_, c in counts} == {True, False} else None)
-        found = layout or _heads_cut(model, shard, share, size, rank, label, _common(u for u, *_ in counts), False)
+        if {c for *_, c in counts} == {True, False}:
+            layout = _with_columns(model, shard, share, size, rank, label, base, counts)
+            if layout is not None:
+                return layout
+        found = _heads_cut(model, shard, share, size, rank, label, _common(u for u, *_ in counts), False)
     except _ShareBound as reason:
         log(f"split {share}: {label} can only split evenly ({reason}); splitting 1:1")
         return _even(model, group, shard, trace, label)
-    if layout is not None:
-        return layout
     if found is None:
         log(f"split {share}: no share but 1:1 cuts every count into whole units "
             f"({_limits([(u, name) for u, name, _ in counts], wanted.units)}); splitting 1:1")
