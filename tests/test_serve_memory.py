@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_ds4tp.serve import memory
 
@@ -27,11 +28,8 @@ def _filled_bytes(model, tokens: int, bits: int = 0) -> float:
         cache = quantize_session_cache(cache, bits, 32)
     model(mx.arange(tokens, dtype=mx.int32)[None] % 50, cache=cache)
     mx.eval([c.state for c in cache])
-    total = 0
-    for c in cache:
-        for part in memory._arrays(c.state):
-            total += part.nbytes
-    return total / tokens
+    arrays = [a for c in cache for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    return sum(a.nbytes for a in arrays) / tokens
 
 
 @pytest.mark.parametrize("bits", [0, 8, 4])

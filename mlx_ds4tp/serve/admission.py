@@ -1,17 +1,8 @@
 """Which requests start, and the lifetime of their sessions on both ranks: the waiting queue,
-the KV budget, and the index of stored prompt caches.
-
-Memory-bounded admission: a session starts only while the tokens reserved by the sessions
-under way (prompt + max_tokens each) stay within the KV budget (0: no budget); the others wait
-in arrival order, at most max_queued of them, and one more is refused as busy (the HTTP
-layer's 429). A starting session takes the longest stored prefix of its prompt (the index's
-lookup), and an ending one is stored for the next (the index's insert), the evicted caches
-dropped on both ranks. With --prompt-cache-dir a cache evicted for room, and every stored one
-at shutdown, is written to disk by both ranks (each its half), and a prompt whose longest stored
-prefix is on disk, longer than any in memory, has it loaded on both ranks first (both must load
-their half, or neither keeps it and the prompt is computed). Every request between its start
-and its end is owned here, so the pair going down reaches each of them, whatever a step was
-doing with its session.
+the KV budget, and the index of stored prompt caches, in memory and with --prompt-cache-dir on
+disk (README's "Bounded memory", "Prompt cache" and "Prompt cache on disk" say what each
+does). Every request between its start and its end is owned here, so the pair going down
+reaches each of them, whatever a step was doing with its session.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import queue
 import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
@@ -44,13 +43,7 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
         while True:
             if conn.client_gone():
                 raise ClientGone()
-            if text:
-                try:
-                    event = request.events.get_nowait()
-                except queue.Empty:
-                    event = None
-            else:
-                event = await request.events.next(poll)
+            event = request.events.poll() if text else await request.events.next(poll)
             if event is None:
                 if text:
                     yield text_piece()

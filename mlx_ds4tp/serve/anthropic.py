@@ -1,11 +1,7 @@
-"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) over the same
-sessions, sampling and batching as the OpenAI endpoints.
-
-A Messages request is translated into the chat-completions request it means (system prompt,
-text / tool_use / tool_result content blocks, tools with their input schemas, stop sequences)
-and checked by the same parser, so both APIs render the same prompt and sample alike; the
-answer (content, reasoning, tool calls: serve/chat.py) goes back as Anthropic's content blocks
-(`thinking`, `text`, `tool_use`), whole or as its streamed events (`answer`).
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): a request is
+translated into the chat-completions request it means and checked by the same parser, so both
+APIs render the same prompt and sample alike; the answer (serve/chat.py) goes back as
+Anthropic's content blocks, whole or as its streamed events (README's table says which fields).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from .errors import ApiError
 from .requests import Request
 from .sse import EventStream, stream_answer
 from .state import ServeState
-from .structured import strict_marker
+from .structured import as_chat_tool
 
 # Every field of Anthropic's request: acted on (translated), or refused naming it.
 _FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
@@ -99,9 +95,7 @@ def to_chat_body(body: dict) -> dict:
                                                   for t in tools):
             raise ApiError(400, "'tools' must be a list of {name, description, input_schema}", "tools",
                            "invalid_type")
-        chat["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), **strict_marker(t),
-            "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
+        chat["tools"] = [as_chat_tool(t, "input_schema") for t in tools]
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
@@ -159,50 +153,48 @@ class MessageStream:
     arrives (thinking, text, each tool call), closed when another kind follows."""
 
     def __init__(self, shape: MessageShape, send: Callable[[str, Dict[str, Any]], None]):
-        self.shape, self.send = shape, send
+        self.shape, self._send = shape, send
         self.index = -1
         self.open: Optional[str] = None
 
+    def send(self, kind: str, **fields: Any) -> None:
+        self._send(kind, {"type": kind, **fields})
+
     def start(self, cached: int) -> None:
-        self.send("message_start", {"type": "message_start", "message": {
-            **self.shape._base(), "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": self.shape.usage(0, cached)}})
+        self.send("message_start", message={**self.shape._base(), "content": [], "stop_reason": None,
+                                            "stop_sequence": None, "usage": self.shape.usage(0, cached)})
 
     def _block(self, kind: str, block: dict) -> None:
         if self.open is not None:
-            self.send("content_block_stop", {"type": "content_block_stop", "index": self.index})
+            self.send("content_block_stop", index=self.index)
         self.index += 1
         self.open = kind
-        self.send("content_block_start", {"type": "content_block_start", "index": self.index,
-                                          "content_block": block})
+        self.send("content_block_start", index=self.index, content_block=block)
+
+    def _delta(self, delta: dict) -> None:
+        self.send("content_block_delta", index=self.index, delta=delta)
 
     def pieces(self, pieces: Dict[str, Any]) -> None:
         if pieces["reasoning"]:
             if self.open != "thinking":
                 self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            self.send("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                              "delta": {"type": "thinking_delta", "thinking": pieces["reasoning"]}})
+            self._delta({"type": "thinking_delta", "thinking": pieces["reasoning"]})
         if pieces["content"]:
             if self.open != "text":
                 self._block("text", {"type": "text", "text": ""})
-            self.send("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                              "delta": {"type": "text_delta", "text": pieces["content"]}})
+            self._delta({"type": "text_delta", "text": pieces["content"]})
         for call in pieces["tool_calls"]:
             use = _tool_use(call)
             self._block("tool_use", {**use, "input": {}})
-            self.send("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                              "delta": {"type": "input_json_delta",
-                                                        "partial_json": json.dumps(use["input"])}})
+            self._delta({"type": "input_json_delta", "partial_json": json.dumps(use["input"])})
 
     def finish(self, finish: str, output_tokens: int) -> None:
         if self.open is None:  # an empty answer is still one (empty) text block
             self._block("text", {"type": "text", "text": ""})
-        self.send("content_block_stop", {"type": "content_block_stop", "index": self.index})
-        self.send("message_delta", {"type": "message_delta",
-                                    "delta": {"stop_reason": _STOP_REASONS.get(finish, "end_turn"),
-                                              "stop_sequence": None},
-                                    "usage": {"output_tokens": output_tokens}})
-        self.send("message_stop", {"type": "message_stop"})
+        self.send("content_block_stop", index=self.index)
+        self.send("message_delta", delta={"stop_reason": _STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None},
+                  usage={"output_tokens": output_tokens})
+        self.send("message_stop")
 
 
 async def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:

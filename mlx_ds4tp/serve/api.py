@@ -198,20 +198,15 @@ def parse_request(body: dict, kind: str, tokenizer, *, model_ids: List[str], def
     stream = _field(body, "stream", bool, False)
     stream_options = _field(body, "stream_options", dict, {})
     include_usage = _field(stream_options, "include_usage", bool, False)
-    tools = None
+    where = "messages" if kind == "chat" else "prompt"
+    if where not in body:
+        raise ApiError(400, f"'{where}' is required", where, "missing_field")
     if kind == "chat":
-        if "messages" not in body:
-            raise ApiError(400, "'messages' is required", "messages", "missing_field")
         tools = chat_tools(body, tokenizer)
         prompt = chat_prompt(tokenizer, body["messages"], tools)
-        options = dataclasses.replace(options, grammar=request_grammar(body, tokenizer, tools))
-        where = "messages"
     else:
-        if "prompt" not in body:
-            raise ApiError(400, "'prompt' is required", "prompt", "missing_field")
-        prompt = text_prompt(tokenizer, body["prompt"], vocab_size)
-        options = dataclasses.replace(options, grammar=request_grammar(body, tokenizer, None))
-        where = "prompt"
+        tools, prompt = None, text_prompt(tokenizer, body["prompt"], vocab_size)
+    options = dataclasses.replace(options, grammar=request_grammar(body, tokenizer, tools))
     if not prompt:
         raise ApiError(400, f"'{where}' encodes to zero tokens", where, "invalid_value")
     if len(prompt) >= context_length:

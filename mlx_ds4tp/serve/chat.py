@@ -159,15 +159,10 @@ class ChatText:
     def finish(self, finish_reason: str) -> Dict[str, Any]:
         """What the end of the answer releases: text held back as a possible marker (kept at
         a length stop, dropped after a stop), and a call still open when it ended."""
+        held = ""
         if finish_reason == "length":
             self._state, held, state = self._sm.flush(self._state)
-            segments = [(state, held)]
         else:
             self._state, state = self._sm.discard(self._state)
-            segments = [(state, "")]
-        out = self._take(segments)
-        if self._tool_text:
-            out["tool_calls"] += self._format([self._tool_text])
-            self.made_tool_call |= bool(out["tool_calls"])
-            self._tool_text = ""
-        return out
+        # The end, a segment of no state, closes a call still open as any other state would.
+        return self._take([(state, held), (None, "")])

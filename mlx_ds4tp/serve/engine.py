@@ -16,6 +16,7 @@ joined anew (serve.pair takes a restarted worker back).
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from typing import Dict, Optional
@@ -68,11 +69,10 @@ class Engine:
     def stats(self) -> Dict[str, int]:
         """Totals since start, each part's own (prefilled tokens are counted by the prefill
         forwards and by the decode steps that take prompt tokens in)."""
-        total: Dict[str, int] = {}
+        total: "collections.Counter[str]" = collections.Counter()
         for part in (self.admission, self.prefill, self.stepper, self.finishing):
-            for key, value in part.stats.items():
-                total[key] = total.get(key, 0) + value
-        return total
+            total.update(part.stats)
+        return dict(total)
 
     def alive(self) -> bool:
         """True while the loop runs and the pair is up."""
@@ -118,15 +118,12 @@ class Engine:
     def kv_tokens(self) -> int:
         """Tokens the caches of the sessions under way hold (for /metrics; read from another
         thread, so a snapshot of the lists the engine thread owns)."""
-        total = 0
-        for session in list(self.prefill.queue) + list(self.stepper.ready) + list(self.stepper.running):
-            total += len(session.request.prompt) - len(session.todo) - 1 + len(session.generated)
-        return max(total, 0)
+        sessions = list(self.prefill.queue) + list(self.stepper.ready) + list(self.stepper.running)
+        return max(sum(len(s.request.prompt) - len(s.todo) - 1 + len(s.generated) for s in sessions), 0)
 
     def submit(self, request: Request) -> None:
         """Queue a request; PairUnavailable when the pair is down, ValueError when it could
-        never fit the budget. A request that must wait while max_queued others already wait
-        gets ("busy", reason) as its only event (the HTTP layer's 429)."""
+        never fit the budget (Admission.check; a full queue is Admission.offer's "busy")."""
         self.admission.check(request)
         with self._lock:
             if self._error is not None:

@@ -26,27 +26,26 @@ class EventQueue(queue.Queue):
             except RuntimeError:
                 pass  # the loop has closed (the server stopped): nobody waits any more
 
-    async def next(self, timeout: float) -> Optional[tuple]:
-        """The next event, or None when none came within `timeout` seconds."""
+    def poll(self) -> Optional[tuple]:
+        """The next event if one is there, else None (events are never None)."""
         try:
             return self.get_nowait()
         except queue.Empty:
-            pass
+            return None
+
+    async def next(self, timeout: float) -> Optional[tuple]:
+        """The next event, or None when none came within `timeout` seconds."""
         woken = asyncio.Event()
         self._waiter = (asyncio.get_running_loop(), woken)
         try:
-            # Put between the first look and the waiter's registration: seen here.
-            try:
-                return self.get_nowait()
-            except queue.Empty:
-                pass
+            # Looked for once the waiter is registered: a put before it is seen here, one after wakes it.
+            event = self.poll()
+            if event is not None:
+                return event
             try:
                 await asyncio.wait_for(woken.wait(), timeout)
             except asyncio.TimeoutError:
                 return None
         finally:
             self._waiter = None
-        try:
-            return self.get_nowait()
-        except queue.Empty:
-            return None
+        return self.poll()

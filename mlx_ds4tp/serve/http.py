@@ -1,14 +1,12 @@
 """The HTTP face of `ds4tp serve` on the leader: an ASGI application (Starlette) that answers
 every request through serve/routes.py over a Connection, on one event loop (uvicorn runs it:
-serve/http_server.py). The worker runs no HTTP: it executes the leader's commands
-(mlx_ds4tp.lockstep.sessions) until STOP.
+serve/http_server.py), with --api-key and CORS as middleware in front of every route.
 
 Each request's route runs as a task of its own: a whole answer is sent once the route is done,
 a streamed one as Starlette's StreamingResponse while the route goes on writing its events. A
 client that closes its connection cancels that task (uvicorn tells at once), which cancels the
 request: the engine frees its row at its next turn. A body not all in within --header-timeout-sec
 of its headers is answered 408: a client that stalls mid-body holds a socket that long, no more.
---api-key and CORS are middleware, in front of every route.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..base.log import log
 from .http import make_app
+from .settings import HttpSettings
 from .state import ServeState
 
 BACKLOG = 2048  # many agents connecting at once must not overflow the accept queue
@@ -84,10 +85,8 @@ class HttpServer:
     """The listening socket, bound at once (a taken port fails before the pair is joined and the
     weights are loaded), and the server that answers on it once the state is ready."""
 
-    def __init__(self, host: str, port: int, header_timeout: float, keep_alive_timeout: float):
-        if not header_timeout > 0 or not keep_alive_timeout > 0:
-            raise ValueError(f"--header-timeout-sec {header_timeout} / --keep-alive-timeout-sec "
-                             f"{keep_alive_timeout}: give positive numbers of seconds")
+    def __init__(self, http: HttpSettings):
+        host, port = http.host, http.port
         # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
         # without it each answer after a kept-alive connection's first waited 40 ms (Nagle's
         # algorithm against the client's delayed ACK).
@@ -101,20 +100,19 @@ class HttpServer:
             self.socket.close()
             raise RuntimeError(f"cannot serve HTTP on {host}:{port} ({exc}); pick another --port or "
                                "--host") from None
-        self.host, self.port = host, self.socket.getsockname()[1]
-        self.header_timeout, self.keep_alive_timeout = header_timeout, keep_alive_timeout
+        self.http, self.port = http, self.socket.getsockname()[1]
 
     def serve(self, state: ServeState) -> None:
         """Answer HTTP until SIGINT or SIGTERM (uvicorn catches them, lets the answers under way
         finish for GRACEFUL_STOP_SEC, then raises the signal again for the caller)."""
-        protocol = type("Protocol", (_HeaderTimeoutProtocol,), {"header_timeout": self.header_timeout})
+        protocol = type("Protocol", (_HeaderTimeoutProtocol,), {"header_timeout": self.http.header_timeout_sec})
         uvicorn_log = logging.getLogger("uvicorn")
         uvicorn_log.propagate = False
         uvicorn_log.setLevel(logging.WARNING)
         if not any(isinstance(h, _ToOurLog) for h in uvicorn_log.handlers):
             uvicorn_log.addHandler(_ToOurLog())
         config = uvicorn.Config(make_app(state), http=protocol, lifespan="off", log_config=None,
-                                access_log=False, timeout_keep_alive=self.keep_alive_timeout,
+                                access_log=False, timeout_keep_alive=self.http.keep_alive_timeout_sec,
                                 timeout_graceful_shutdown=GRACEFUL_STOP_SEC, backlog=BACKLOG)
         uvicorn.Server(config).run(sockets=[self.socket])
 

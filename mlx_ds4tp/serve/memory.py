@@ -53,6 +53,7 @@ def kv_bytes_per_token(model, kv_bits: int = 0, kv_group_size: int = 64, probe: 
     the probe, which over-counts it for long sessions: a bound, never an underestimate for
     the attention layers."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     from ..lockstep.compute import make_cache
 
@@ -62,21 +63,8 @@ def kv_bytes_per_token(model, kv_bits: int = 0, kv_group_size: int = 64, probe: 
 
         cache = quantize_session_cache(cache, kv_bits, kv_group_size)
     model(mx.zeros((1, probe), dtype=mx.int32), cache=cache)
-    total = 0
-    for layer in cache:
-        for part in _arrays(layer.state):
-            total += part.nbytes
-    return total / probe
-
-
-def _arrays(state):
-    import mlx.core as mx
-
-    if isinstance(state, mx.array):
-        yield state
-    elif isinstance(state, (list, tuple)):
-        for item in state:
-            yield from _arrays(item)
+    arrays = [a for layer in cache for _, a in tree_flatten(layer.state) if isinstance(a, mx.array)]
+    return sum(a.nbytes for a in arrays) / probe
 
 
 def default_kv_budget(model, kv_bits: int = 0, kv_group_size: int = 64,

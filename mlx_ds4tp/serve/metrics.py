@@ -1,10 +1,6 @@
-"""`GET /metrics`: the server's state in the Prometheus text format (prometheus_client).
-
-Requests by endpoint and status, tokens in and out (and reused from the prompt cache), time to
-first token and the time between streamed tokens, the sessions waiting and decoding, the tokens
-their caches hold, the pair's state and its gates' latency. One registry per server (not the
-process-wide default), so two servers in one process never mix their counts.
-"""
+"""`GET /metrics`: the server's state in the Prometheus text format (prometheus_client), what
+README's "Metrics" lists. One registry per server (not the process-wide default), so two
+servers in one process never mix their counts."""
 
 from __future__ import annotations
 
@@ -35,22 +31,21 @@ class ServeMetrics:
         self.itl = Histogram("ds4tp_inter_token_seconds", "Between a request's consecutive generated tokens",
                              buckets=_ITL_BUCKETS, registry=r)
         counts = engine.counts
-        Gauge("ds4tp_sessions_prefilling", "Sessions whose prompt is being prefilled",
-              registry=r).set_function(lambda: counts()["prefilling"])
-        Gauge("ds4tp_sessions_waiting", "Sessions prefilled and waiting to join the decode batch",
-              registry=r).set_function(lambda: counts()["waiting"])
-        Gauge("ds4tp_sessions_decoding", "Sessions in the decode batch",
-              registry=r).set_function(lambda: counts()["decoding"])
-        Gauge("ds4tp_requests_queued", "Requests submitted, not yet admitted by the engine",
-              registry=r).set_function(engine.queued)
-        Gauge("ds4tp_kv_tokens", "Tokens the active sessions' caches hold",
-              registry=r).set_function(engine.kv_tokens)
-        Gauge("ds4tp_kv_reserved_tokens", "Cache tokens the sessions under way reserve (prompt + max_tokens)",
-              registry=r).set_function(lambda: counts()["kv_reserved_tokens"])
-        Gauge("ds4tp_kv_budget_tokens", "The KV budget in tokens (0: none)",
-              registry=r).set_function(lambda: counts()["kv_budget_tokens"])
-        Gauge("ds4tp_prompt_cache_bytes", "Bytes the stored prompt caches take on each machine",
-              registry=r).set_function(lambda: counts()["prompt_cache_bytes"])
+
+        def gauge(name: str, what: str, read: Callable[[], float]) -> None:
+            Gauge(f"ds4tp_{name}", what, registry=r).set_function(read)
+
+        for name, key, what in (
+                ("sessions_prefilling", "prefilling", "Sessions whose prompt is being prefilled"),
+                ("sessions_waiting", "waiting", "Sessions prefilled and waiting to join the decode batch"),
+                ("sessions_decoding", "decoding", "Sessions in the decode batch"),
+                ("kv_reserved_tokens", "kv_reserved_tokens",
+                 "Cache tokens the sessions under way reserve (prompt + max_tokens)"),
+                ("kv_budget_tokens", "kv_budget_tokens", "The KV budget in tokens (0: none)"),
+                ("prompt_cache_bytes", "prompt_cache_bytes", "Bytes the stored prompt caches take on each machine")):
+            gauge(name, what, lambda key=key: counts()[key])
+        gauge("requests_queued", "Requests submitted, not yet admitted by the engine", engine.queued)
+        gauge("kv_tokens", "Tokens the active sessions' caches hold", engine.kv_tokens)
         if engine.disk_cache is not None:  # --prompt-cache-dir
             for key, what in (("prompt_cache_disk_bytes", "Bytes the leader's prompt-cache files take"),
                               ("prompt_cache_disk_entries", "Prompt caches stored on the leader's disk"),
@@ -59,25 +54,24 @@ class ServeMetrics:
                               ("disk_writes", "Prompt caches written to disk"),
                               ("disk_write_failures", "Writes that failed (a full disk: served from memory)")):
                 name = key if key.startswith("prompt_cache") else f"prompt_cache_{key}"
-                Gauge(f"ds4tp_{name}", what, registry=r).set_function(lambda key=key: counts()[key])
+                gauge(name, what, lambda key=key: counts()[key])
             for key, what in (("disk_hits", "Requests whose prefix was loaded from disk"),
                               ("disk_tokens", "Prompt tokens loaded from disk instead of computed"),
                               ("disk_load_failures", "Loads from disk a rank could not make (both recomputed)")):
-                Gauge(f"ds4tp_prompt_cache_{key}", what, registry=r).set_function(lambda key=key: engine.stats[key])
+                gauge(f"prompt_cache_{key}", what, lambda key=key: engine.stats[key])
         # Totals since start, read from the engine (whose parts own them): gauges, not
         # counters, because prometheus_client counters cannot be read from a function.
         for key, what in (("prefill_batches", "Prefill forwards (each of up to --prompt-concurrency prompts)"),
                           ("decode_steps", "Decode forwards (each over every running session)"),
                           ("drafted_tokens", "Tokens drafted for speculative sessions"),
                           ("accepted_tokens", "Drafted tokens the model accepted")):
-            Gauge(f"ds4tp_{key}", what, registry=r).set_function(lambda key=key: engine.stats[key])
-        Gauge("ds4tp_pair_up", "1 while the two-machine pair is up, else 0",
-              registry=r).set_function(lambda: 1.0 if engine.error is None else 0.0)
+            gauge(key, what, lambda key=key: engine.stats[key])
+        gauge("pair_up", "1 while the two-machine pair is up, else 0", lambda: 1.0 if engine.error is None else 0.0)
         if gate_latency_us is not None:
-            Gauge("ds4tp_gate_latency_p50_microseconds", "Median round trip of the recent decode gates",
-                  registry=r).set_function(lambda: gate_latency_us()[0])
-            Gauge("ds4tp_gate_latency_p99_microseconds", "99th percentile round trip of the recent decode gates",
-                  registry=r).set_function(lambda: gate_latency_us()[1])
+            gauge("gate_latency_p50_microseconds", "Median round trip of the recent decode gates",
+                  lambda: gate_latency_us()[0])
+            gauge("gate_latency_p99_microseconds", "99th percentile round trip of the recent decode gates",
+                  lambda: gate_latency_us()[1])
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -94,14 +88,14 @@ class ServeMetrics:
 class TokenClock:
     """One request's time to first token and the gaps between its tokens."""
 
-    def __init__(self, metrics: Optional[ServeMetrics]):
+    def __init__(self, metrics: ServeMetrics):
         self.metrics = metrics
         self.start = self.last = time.monotonic()
         self.first = True
 
     def tokens(self, count: int) -> None:
         """`count` tokens (one event's worth) have just arrived."""
-        if self.metrics is None or count <= 0:
+        if count <= 0:
             return
         now = time.monotonic()
         if self.first:
@@ -113,6 +107,3 @@ class TokenClock:
             for _ in range(count):
                 self.metrics.itl.observe(gap)
         self.last = now
-
-
-__all__ = ["CONTENT_TYPE", "ServeMetrics", "TokenClock"]

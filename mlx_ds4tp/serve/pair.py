@@ -8,7 +8,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
@@ -99,33 +99,27 @@ def run(settings: ServeSettings) -> int:
     from .http_server import HttpServer
 
     fix_heap_thresholds()  # before the weights and the caches are allocated
-    servers: List["HttpServer"] = []
-
-    def serve_http() -> "HttpServer":
-        http = settings.http
-        servers.append(HttpServer(http.host, http.port, http.header_timeout_sec, http.keep_alive_timeout_sec))
-        return servers[-1]
-
     # A leader named on the command line takes its HTTP port before it waits for a worker; a
-    # rank that discovery makes the leader takes it once it knows.
-    if settings.link.address.role == "leader":
-        serve_http()
+    # rank that discovery makes the leader takes it once it knows (_run_rank).
+    servers = [HttpServer(settings.http)] if settings.link.address.role == "leader" else []
     try:
-        return _run_rank(settings, model_identity(str(settings.model.path)), servers, serve_http)
+        return _run_rank(settings, model_identity(str(settings.model.path)), servers)
     finally:
         for server in servers:
             server.close()
 
 
-def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List["HttpServer"],
-              serve_http: Callable[[], "HttpServer"]) -> int:
+def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List["HttpServer"]) -> int:
     from ..model_split import load_split
+    from .http_server import HttpServer
 
     served = settings.model
     link = with_figures(settings.link, settings.split)
     group = _join_first(link, identity) if settings.rejoin else gate_ops.init_pair(link, identity)
     with group:
-        server = servers[0] if servers else serve_http() if group.rank() == 0 else None
+        if not servers and group.rank() == 0:
+            servers.append(HttpServer(settings.http))
+        server = servers[0] if servers else None
         share = agree_share(group, settings.split, model_need(served.path, kv_tokens_needed(settings)))
         t0 = time.perf_counter()
         model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())

@@ -32,10 +32,7 @@ class PrefillScheduler:
         # Prompts prefilled together in one padded forward (mlx_lm.server's --prompt-concurrency).
         self.concurrency = max(1, min(limits.prompt_concurrency, MAX_PREFILL_ROWS))
         # Prompt tokens a prefilling session carries in a decode step (0: prompts are prefilled
-        # in forwards of their own). On a Mac decode is bound by reading the weights, so a step
-        # that also carries some prompt tokens costs about one pass where two would cost two;
-        # on a compute-bound CPU every padded position costs, so it is off by default, and
-        # where it is on, the leader mixes where it measured mixing cheaper (serve.mixing).
+        # in forwards of their own); serve.mixing says why, and decides when.
         self.mixed_prefill = limits.mixed_prefill
         self.mixing = MixChoice(limits.mixed_when)
         self.queue: List[RunningSession] = []

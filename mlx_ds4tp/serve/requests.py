@@ -4,7 +4,6 @@ engine keeps for it while it runs, and what a decode step produced for each of i
 from __future__ import annotations
 
 import dataclasses
-import queue
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -28,7 +27,7 @@ class Request:
     max_tokens: int
     options: SamplingOptions = SamplingOptions()
     stop: List[str] = dataclasses.field(default_factory=list)
-    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=EventQueue)
+    events: EventQueue = dataclasses.field(default_factory=EventQueue)
     cached_tokens: int = 0
     completion_tokens: int = 0
     cancelled: bool = False
@@ -59,7 +58,7 @@ class RunningSession:
         # Pipelined decode: True while the step last sent takes in this session's token of the
         # step before (EVAL_PENDING): when that token is read, it is in the cache already, so
         # an ended session's cache holds every token generated. A token read before the next
-        # step is sent (engine._read_ahead) is not, and goes in as the next step's own input.
+        # step is sent (DecodeStepper.read_ahead) is not, and goes in as the next step's own input.
         self.fed_all = False
 
 

@@ -1,11 +1,8 @@
-"""OpenAI's Responses API (`POST /v1/responses`) over the same sessions as chat completions.
-
-A Responses request is translated into the chat-completions request it means: `instructions`
-as the system turn, `input` (a string, or message / function_call / function_call_output items)
-as the messages, after those of `previous_response_id`'s conversation, which this server keeps
-for its last responses (the prompt cache then reuses that conversation's prefix). The answer
-(content, reasoning, function calls: serve/chat.py) goes back as Responses output items, whole
-or as the API's streamed events (`answer`).
+"""OpenAI's Responses API (`POST /v1/responses`): a request is translated into the
+chat-completions request it means, its `input` after the messages of `previous_response_id`'s
+conversation, which this server keeps for its last responses (the prompt cache then reuses that
+conversation's prefix); the answer (serve/chat.py) goes back as Responses output items, whole or
+as the API's streamed events.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from .errors import ApiError
 from .requests import Request
 from .sse import EventStream, stream_answer
 from .state import ResponseStore, ServeState
-from .structured import strict_marker
+from .structured import as_chat_tool
 
 # Every field of the Responses request: acted on, accepted at its neutral value, or refused.
 _ACTED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
@@ -95,9 +92,7 @@ def to_chat_body(body: dict, store: ResponseStore) -> tuple:
                            "built-in tools are not available here", "tools", "unsupported_parameter")
         # A tool is strict only when it says so (the Responses API's default is strict; here an
         # unmarked tool keeps the model's free text, as before structured output).
-        chat["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), **strict_marker(t),
-            "parameters": t.get("parameters", {"type": "object"})}} for t in tools]
+        chat["tools"] = [as_chat_tool(t, "parameters") for t in tools]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         choice = {"type": "function", "function": {"name": choice.get("name")}}  # the chat shape
@@ -195,8 +190,7 @@ class ResponseStream:
     def __init__(self, shape: ResponseShape, send: Callable[[str, Dict[str, Any]], None]):
         self.shape, self._send = shape, send
         self.sequence = 0
-        self.text: Optional[dict] = None  # the message item being streamed
-        self.reasoning: Optional[dict] = None
+        self.open: Optional[dict] = None  # the reasoning or message item being streamed
 
     def send(self, kind: str, **fields: Any) -> None:
         self._send(kind, {"type": kind, "sequence_number": self.sequence, **fields})
@@ -206,54 +200,49 @@ class ResponseStream:
         self.send("response.created", response=self.shape.obj("in_progress"))
         self.send("response.in_progress", response=self.shape.obj("in_progress"))
 
-    def _close_text(self) -> None:
-        if self.text is not None:
-            item, index = self.text, len(self.shape.output) - 1
+    def _add(self, item: dict, shown: Optional[dict] = None) -> int:
+        """A new output item, announced (as `shown` where it is not complete yet); its index."""
+        self.shape.output.append(item)
+        self.send("response.output_item.added", output_index=len(self.shape.output) - 1, item=shown or item)
+        return len(self.shape.output) - 1
+
+    def _close(self) -> None:
+        item, index, self.open = self.open, len(self.shape.output) - 1, None
+        if item is None:
+            return
+        if item["type"] == "message":
             part = item["content"][0]
             self.send("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                       text=part["text"])
             self.send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                       part=part)
             item["status"] = "completed"
-            self.send("response.output_item.done", output_index=index, item=item)
-            self.text = None
+        self.send("response.output_item.done", output_index=index, item=item)
 
-    def _close_reasoning(self) -> None:
-        if self.reasoning is not None:
-            self.send("response.output_item.done", output_index=len(self.shape.output) - 1, item=self.reasoning)
-            self.reasoning = None
+    def _text(self, kind: str, text: str) -> None:
+        """`text` into the open item of `kind` ("reasoning" or "message"), which the other kind closes."""
+        if self.open is None or self.open["type"] != kind:
+            self._close()
+            if kind == "reasoning":
+                self.open = self.shape.reasoning_item("")
+                self._add(self.open)
+            else:
+                self.open = self.shape.message_item("", status="in_progress")
+                self.send("response.content_part.added", item_id=self.open["id"], output_index=self._add(self.open),
+                          content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        self.open["content"][0]["text"] += text
+        self.send("response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta",
+                  item_id=self.open["id"], output_index=len(self.shape.output) - 1, content_index=0, delta=text)
 
     def pieces(self, pieces: Dict[str, Any]) -> None:
         if pieces["reasoning"]:
-            self._close_text()
-            if self.reasoning is None:
-                self.reasoning = self.shape.reasoning_item("")
-                self.shape.output.append(self.reasoning)
-                self.send("response.output_item.added", output_index=len(self.shape.output) - 1,
-                          item=self.reasoning)
-            self.reasoning["content"][0]["text"] += pieces["reasoning"]
-            self.send("response.reasoning_text.delta", item_id=self.reasoning["id"],
-                      output_index=len(self.shape.output) - 1, content_index=0, delta=pieces["reasoning"])
+            self._text("reasoning", pieces["reasoning"])
         if pieces["content"]:
-            self._close_reasoning()
-            if self.text is None:
-                self.text = self.shape.message_item("", status="in_progress")
-                self.shape.output.append(self.text)
-                index = len(self.shape.output) - 1
-                self.send("response.output_item.added", output_index=index, item=self.text)
-                self.send("response.content_part.added", item_id=self.text["id"], output_index=index,
-                          content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-            self.text["content"][0]["text"] += pieces["content"]
-            self.send("response.output_text.delta", item_id=self.text["id"],
-                      output_index=len(self.shape.output) - 1, content_index=0, delta=pieces["content"])
+            self._text("message", pieces["content"])
         for call in pieces["tool_calls"]:
-            self._close_reasoning()
-            self._close_text()
+            self._close()
             item = self.shape.call_item(call)
-            self.shape.output.append(item)
-            index = len(self.shape.output) - 1
-            self.send("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                 "status": "in_progress"})
+            index = self._add(item, {**item, "arguments": "", "status": "in_progress"})
             self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                       delta=item["arguments"])
             self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
@@ -261,8 +250,7 @@ class ResponseStream:
             self.send("response.output_item.done", output_index=index, item=item)
 
     def finish(self, finish: str, output_tokens: int, cached: int) -> None:
-        self._close_reasoning()
-        self._close_text()
+        self._close()
         status = "incomplete" if finish == "length" else "completed"
         self.send("response.incomplete" if status == "incomplete" else "response.completed",
                   response=self.shape.obj(status, finish, output_tokens, cached))

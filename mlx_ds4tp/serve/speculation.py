@@ -1,15 +1,11 @@
-"""Speculative decoding in `ds4tp serve`'s batch: which sessions draft, with what, and what a
-verify round yields for each of them.
+"""Speculative decoding in `ds4tp serve`'s batch (README's "Speculative decoding in the batch"):
+which sessions draft, with what, and what a verify round yields for each of them.
 
-A session drafts when the server drafts (--draft-model or --prompt-lookup), the request did
-not turn it off (`num_draft_tokens: 0`, mlx_lm.server's field) and it decodes greedily with no
-logits processor, no grammar and no logprobs: then any draft leaves its text exactly the plain
-greedy text (a draft the target disagrees with is dropped, and the target's own token is taken).
-Sampled, penalised, constrained (JSON) or logprobs sessions decode one token a step in the
-same batch, as the rows of a VERIFY_BATCH that carry no drafts (a constrained row does not
-draft, so no draft is ever checked against a grammar). The drafts come from the leader alone (the
-worker never decides): a small model of the same vocabulary (lockstep.speculative.DraftModel,
-one cache per session) or prompt lookup.
+A session drafts only when it decodes greedily with no logits processor, no grammar and no
+logprobs: then any draft leaves its text exactly the plain greedy text (a draft the target
+disagrees with is dropped). The others decode one token a step as rows of the VERIFY_BATCH
+that carry no drafts, so no draft is ever checked against a grammar. The drafts come from the
+leader alone (the worker never decides).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Structured output: what a request's `response_format`, strict tools and forced `tool_choice`
-ask of the model's output, as the grammar its sampler is masked with (lockstep.grammar).
-
-- `response_format`: `{"type": "json_schema", "json_schema": {"schema": ...}}` (the openai
-  SDK's `parse()`), `{"type": "json_object"}` (any JSON object), `{"type": "text"}` (nothing).
-  The schema is enforced whether or not `strict` is set (as vLLM does): a best effort that is
-  always met is still met.
-- Tools: a call the model makes of a tool declared `strict: true` has arguments that validate
-  against its parameters; `tool_choice: "required"` or a named function makes the output one
-  call (of any tool, or of that one). Calls are written in the json_tools format
-  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen-style templates'), so a
-  model whose tool parser is another one is refused with a 400 when a call is constrained.
-- A schema the engine cannot compile is a 400 naming the keyword it refused (`check`).
+"""Structured output (README's "Structured output"): what a request's `response_format`, strict
+tools and forced `tool_choice` ask of the model's output, as the grammar its sampler is masked
+with (lockstep.grammar). A schema is enforced whether or not `strict` is set (as vLLM does): a
+best effort that is always met is still met. Constrained calls are written in the json_tools
+format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen-style templates'), so a
+model whose tool parser is another one is refused with a 400 when a call is constrained.
 """
 
 from __future__ import annotations
@@ -51,10 +44,12 @@ def _schema_of(response_format: Any) -> Optional[dict]:
                    "response_format", "invalid_value")
 
 
-def strict_marker(tool: dict) -> dict:
-    """What a Responses or Messages tool adds to its chat tool: {"strict": true} when it says so
-    (its calls are constrained), else nothing, so the template renders it as before."""
-    return {"strict": True} if tool.get("strict") is True else {}
+def as_chat_tool(tool: dict, schema_key: str) -> dict:
+    """A Responses or Messages tool (its parameters under `schema_key`) as the chat tool it means:
+    strict only when it says so (its calls are constrained), else rendered as before."""
+    strict = {"strict": True} if tool.get("strict") is True else {}
+    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""),
+                                             **strict, "parameters": tool.get(schema_key, {"type": "object"})}}
 
 
 def _forced(choice: Any, tools: List[dict]) -> Tuple[bool, List[dict]]:
