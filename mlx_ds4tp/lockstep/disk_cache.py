@@ -1,28 +1,21 @@
-"""One rank's stored prompt caches on disk (`ds4tp serve --prompt-cache-dir`): its own half of
-each KV cache, in mlx-lm's prompt-cache file format (save_prompt_cache / load_prompt_cache).
+"""One rank's stored prompt caches on disk (`ds4tp serve --prompt-cache-dir`, README "Prompt
+cache on disk"): its own half of each KV cache, in mlx-lm's prompt-cache file format.
 
-A file is named by this rank's key (the model's fingerprint, the split share and the rank: each
-rank holds its own part of the heads) and the tokens the cache covers; its metadata repeats
-both, the tokens themselves, and a CRC of the arrays' bytes, so a file that is cut short,
-overwritten, made for another model, another share or the other rank, or renamed, is skipped
-with one log line and recomputed, never used. Files are written under a temporary name and
-renamed, so a crash mid-write leaves no half file under a real name. The directory is bounded
-in bytes, least recently used first, and a full disk is logged once and otherwise ignored:
-serving goes on from memory.
-
-The leader decides which file both ranks load (DiskCache.find) and names it by the tokens'
-digest (rank-neutral); each rank finds its own file from that digest and confirms it by its own
-key (lockstep.session_caches).
+A file is named by this rank's key (rank_key: each rank holds its own part of the heads) and
+the tokens' digest; its metadata repeats both, the tokens themselves and a CRC of the arrays'
+bytes, so a file cut short, damaged, renamed or made for another model, share or rank is
+skipped with one log line, never used. The leader picks the file both ranks load
+(DiskCache.find) by the rank-neutral digest; each rank confirms its own by its own key.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import errno
 import hashlib
 import os
-import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -220,7 +213,6 @@ class DiskCache:
         except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises, it is not used
             self._skip(path, exc)
             self._forget(name)
-            _remove(path)
             return None
         self._entries.move_to_end(name)
         _touch(path)
@@ -287,21 +279,24 @@ def _our_metadata(header_metadata: dict) -> dict:
     return ours[0]
 
 
+def _arrays(cache: list) -> List[mx.array]:
+    """Every array of the cache's state, in order (what save_prompt_cache writes)."""
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
+
+
 def _size_bound(cache: list, metadata: dict) -> int:
     """At least the bytes save_prompt_cache writes for `cache`: the arrays, our metadata, and
     a generous allowance per array for the header's JSON and the layers' classes."""
-    from mlx.utils import tree_flatten
-
-    leaves = tree_flatten([c.state for c in cache])
-    data = sum(v.nbytes for _, v in leaves if isinstance(v, mx.array))
-    return data + sum(len(k) + len(v) + 8 for k, v in metadata.items()) + 256 * (len(leaves) + len(cache)) + 1024
+    arrays = _arrays(cache)
+    data = sum(a.nbytes for a in arrays)
+    return data + sum(len(k) + len(v) + 8 for k, v in metadata.items()) + 256 * (len(arrays) + len(cache)) + 1024
 
 
 def _crc(cache: list) -> int:
     """CRC-32 of every array of the cache's state, in order (raw bytes, any dtype)."""
-    from mlx.utils import tree_flatten
-
-    arrays = [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
+    arrays = _arrays(cache)
     mx.eval(arrays)
     crc = 0
     for a in arrays:
@@ -311,25 +306,21 @@ def _crc(cache: list) -> int:
     return crc
 
 
-class _as_mlx_classes:
+@contextlib.contextmanager
+def _as_mlx_classes(cache: list):
     """Our SessionQuantizedKVCache layers saved as mlx-lm's QuantizedKVCache (the same state;
     load_prompt_cache rebuilds a layer by its class name, which must be mlx-lm's)."""
+    from mlx_lm.models.cache import QuantizedKVCache
 
-    def __init__(self, cache: list):
-        from .quantized_cache import SessionQuantizedKVCache
+    from .quantized_cache import SessionQuantizedKVCache
 
-        self.layers = [c for c in cache if type(c) is SessionQuantizedKVCache]
-
-    def __enter__(self):
-        from mlx_lm.models.cache import QuantizedKVCache
-
-        for c in self.layers:
-            c.__class__ = QuantizedKVCache
-
-    def __exit__(self, *exc):
-        from .quantized_cache import SessionQuantizedKVCache
-
-        for c in self.layers:
+    layers = [c for c in cache if type(c) is SessionQuantizedKVCache]
+    for c in layers:
+        c.__class__ = QuantizedKVCache
+    try:
+        yield
+    finally:
+        for c in layers:
             c.__class__ = SessionQuantizedKVCache
 
 
@@ -355,8 +346,7 @@ def _remove(path: Path) -> None:
 def _touch(path: Path) -> None:
     """The file's time is its last use, so a restart keeps the LRU order."""
     try:
-        now = time.time()
-        os.utime(path, (now, now))
+        os.utime(path)  # no times: now
     except OSError:
         pass
 

@@ -1,18 +1,15 @@
 """One generation and what it measures: the single-process reference, and the pair's
-generation as one session of the lockstep protocol (what `ds4tp run` runs).
+generation as one session of the lockstep protocol (what `ds4tp run` runs): SESSION_CREATE,
+the prompt but its last token as PREFILL_BATCH chunks, SAMPLER, then one EVAL_BATCH a token
+(the prompt's last token is the first step's input, as in mlx_lm.generate), HASH of the tokens
+sampled, and SESSION_DESTROY. A batch of one row is the session's own cache
+(lockstep.decode_batch), so its tokens are the single process's, token for token.
 
-The pair's generation is one session of the serving protocol: SESSION_CREATE, the prompt but
-its last token as PREFILL_BATCH chunks, SAMPLER, then one EVAL_BATCH a token (the prompt's last
-token is the first step's input, as in mlx_lm.generate), HASH of the tokens sampled, and
-SESSION_DESTROY. A batch of one row is the session's own cache (lockstep.decode_batch), so its tokens
-are the single process's, token for token.
-
-Decode is pipelined, as mlx-lm's generate_step is: both ranks sample each step's token inside
-its graph (lockstep.row_sampling), so step n+1 is sent and queued, its input this rank's own
-sample of step n (EVAL_PENDING), before step n's token is read. The host meets the graph once a
-token and the queue (on a Mac, the GPU's) is never empty while it does. Both ranks stop at the
-same token because the leader stops sending steps; where the token read is an end of sequence,
-the step after it is already running on both, and is finished before the session ends.
+Decode is pipelined as mlx-lm's generate_step is (README, `ds4tp run`): step n+1 is queued, its
+input this rank's own sample of step n (EVAL_PENDING), before step n's token is read. Both ranks
+stop at the same token because the leader stops sending steps; where the token read is an end
+of sequence, the step after it is already running on both, and is finished before the session
+ends.
 """
 
 from __future__ import annotations

@@ -71,9 +71,7 @@ class PromptCacheIndex:
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's tokens lookup would reuse, without taking anything."""
         found = self._find(prompt)
-        if found is None or (found[2] == COPY and found[1] < len(found[0]) and not self.trimmable):
-            return 0
-        return found[1]
+        return found[1] if found is not None else 0
 
     def _find(self, prompt: Sequence[int]) -> Optional[Tuple[Tuple[int, ...], int, int]]:
         if not self._lru or len(prompt) < 2:
@@ -82,7 +80,8 @@ class PromptCacheIndex:
         found = self._trie.search(_MODEL, tokens)
         shorter = len(found.shorter) if found.shorter is not None else 0
         if found.exact is not None:
-            return tuple(tokens), len(tokens) - 1, COPY
+            # Its copy is trimmed by the prompt's last token, which an untrimmable cache cannot.
+            return (tuple(tokens), len(tokens) - 1, COPY) if self.trimmable else None
         if found.longer is not None and found.common_prefix > shorter and self.trimmable:
             keep = min(len(tokens) - 1, found.common_prefix)
             return tuple(found.longer), keep, COPY
@@ -94,13 +93,9 @@ class PromptCacheIndex:
         return None
 
     def _take(self, key: Tuple[int, ...], keep: int, mode: int) -> Reuse:
-        if mode == COPY and keep < len(key) and not self.trimmable:
-            return Reuse()
         cache_id = self._trie.get(_MODEL, list(key))
         if mode == MOVE:
-            self._trie.pop(_MODEL, list(key))
-            del self._lru[cache_id]
-            self._bytes.pop(cache_id, None)
+            self.remove(cache_id)
         else:
             self._lru.move_to_end(cache_id)
         return Reuse(cache_id=cache_id, mode=mode, keep=keep, stored_len=len(key))
@@ -138,13 +133,11 @@ class PromptCacheIndex:
         self._bytes[cache_id] = nbytes
         evicted: List[int] = []
         while self.max_bytes and self.nbytes() > self.max_bytes and self._lru:
-            gone = self._evict_oldest()
-            self._bytes.pop(gone, None)
-            evicted.append(gone)
+            evicted.append(self._evict_oldest())
         return evicted
 
     def remove(self, cache_id: int) -> None:
-        """Forget stored cache `cache_id` (one whose load from disk failed)."""
+        """Forget stored cache `cache_id` (one whose load from disk failed, or one a session moves)."""
         key = self._lru.pop(cache_id)
         self._trie.pop(_MODEL, list(key))
         self._bytes.pop(cache_id, None)
@@ -156,6 +149,7 @@ class PromptCacheIndex:
     def _evict_oldest(self) -> int:
         old_id, old_key = self._lru.popitem(last=False)
         self._trie.pop(_MODEL, list(old_key))
+        self._bytes.pop(old_id, None)
         self._evicted_keys[old_id] = old_key
         return old_id
 

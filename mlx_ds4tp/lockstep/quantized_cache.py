@@ -7,11 +7,10 @@ is built with `caches[0][i].merge(...)`, then `extend`, `filter` and `extract`
 
 - SessionQuantizedKVCache: mlx-lm's QuantizedKVCache (same update, same attention path) plus
   `size()` and `merge()`, the two calls made on a session's own cache.
-- BatchQuantizedKVCache: BatchKVCache's semantics (left padding, an offsets array, `_idx`,
-  256-step growth, right-padded prefill rolled left by `finalize`) where keys and values are
-  the (data, scales, biases) tuples of mx.quantize, every sequence-axis operation applied to
-  each component. Quantization is per position (groups run along the head dimension), so
-  copying quantized rows between caches is exact: a row decodes the same in the batch as alone.
+- BatchQuantizedKVCache: a BatchKVCache whose keys and values are the (data, scales, biases)
+  tuples of mx.quantize, every sequence-axis operation applied to each component. Quantization
+  is per position (groups run along the head dimension), so copying quantized rows between
+  caches is exact: a row decodes the same in the batch as alone.
 
 The `bits` attribute is what sends mlx-lm's scaled_dot_product_attention to its quantized path;
 the boolean (B, 1, N, K) causal mask with left padding that make_mask returns is one that path
@@ -24,8 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, dynamic_roll
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
 
 Quantized = tuple  # (data uint32, scales, biases), as mx.quantize returns them
 
@@ -49,18 +47,14 @@ def _check_same_quantization(caches: Sequence, group_size: int, bits: int) -> No
                              f"group_size={c.group_size} beside bits={bits}, group_size={group_size}")
 
 
-class BatchQuantizedKVCache(_BaseCache):
-    """mlx-lm's BatchKVCache over quantized keys and values; rows are left-padded."""
-
-    step = 256
+class BatchQuantizedKVCache(BatchKVCache):
+    """mlx-lm's BatchKVCache over quantized keys and values; rows are left-padded. What never
+    touches the keys' storage (prepare, trim, make_mask, size, ...) is BatchKVCache's own."""
 
     def __init__(self, left_padding: List[int], group_size: int = 64, bits: int = 8):
+        super().__init__(left_padding)
         self.keys: Optional[Quantized] = None
         self.values: Optional[Quantized] = None
-        self.left_padding = mx.array(left_padding)
-        self.offset = mx.array([-pad for pad in left_padding])
-        self._idx = 0
-        self._right_padding = None
         self.group_size = group_size
         self.bits = bits
 
@@ -97,16 +91,6 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values[i][..., prev:self._idx, :] = q_values[i]
         return tree_map(lambda x: x[..., :self._idx, :], (self.keys, self.values))
 
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("Left padding can only be added to an empty BatchQuantizedKVCache")
-            left_padding = mx.array(left_padding)
-            self.left_padding += left_padding
-            self.offset = self.offset - left_padding
-        if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(right_padding)
-
     def finalize(self) -> None:
         # A right-padded prefill leaves each row's padding after its tokens; decoding appends
         # at one shared _idx, so the padding must move to the left, in every component.
@@ -128,18 +112,6 @@ class BatchQuantizedKVCache(_BaseCache):
         (self.keys, self.values, self.offset, self.left_padding, self._idx,
          self.group_size, self.bits) = v
         self._right_padding = None
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self._idx, n)
-        self._idx -= n
-        self.offset = self.offset - n
-        return n
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
 
     def filter(self, batch_indices) -> None:
         """Keep only the rows `batch_indices`, in place; padding every row shares is dropped."""
@@ -230,12 +202,6 @@ class BatchQuantizedKVCache(_BaseCache):
         cache.offset += max_length
         cache._idx = max_length
         return cache
-
-    def size(self) -> int:
-        return self._idx
-
-    def empty(self) -> bool:
-        return self.keys is None
 
     @property
     def nbytes(self) -> int:

@@ -1,13 +1,10 @@
 """The one sampler of `ds4tp run` and `ds4tp serve`: mlx-lm's processors and filters, drawn
 lazily with an explicit random key, the same on both ranks.
 
-A decode batch is pipelined when both ranks sample: each session's sampler lives in both
-ranks' tables (the SAMPLER command), every row of a step is sampled on both ranks inside the
-step's graph, and the next step takes each row's token from this rank's own sample
-(EVAL_BATCH's PENDING) instead of waiting for the leader to read it and send it. The leader
-reads the tokens one step late, while the next step runs. Where the leader alone must see the
-tokens before the next step (a verify round, a mixed step), it draws from the logits with the
-same class.
+Each session's sampler lives in both ranks' tables (SAMPLER), so every row of a decode step is
+sampled on both inside the step's graph and the next step takes this rank's own sample
+(EVAL_PENDING): the pipelined decode of lockstep.generate and `ds4tp serve`. Where the leader
+alone must see the tokens first (a verify round, a mixed step), it draws with the same class.
 
 Both ranks hold the same logits bits, so the same sampler gives the same token if it draws
 the same random numbers. MLX has one global generator, and its state can be put back only

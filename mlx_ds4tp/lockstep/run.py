@@ -118,7 +118,7 @@ def _speculate(sessions: LeaderSessions, prompt_ids: List[int], settings: RunSet
     stats = speculative_generate(sessions, prompt_ids, settings.max_tokens, sampler, drafter,
                                  draft.num_draft_tokens, on_token=show, eos=eos)
     log(f"speculative: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
-           f"{stats.rounds} rounds ({len(stats.tokens) / max(stats.rounds, 1):.2f} tokens a round)")
+        f"{stats.rounds} rounds ({len(stats.tokens) / max(stats.rounds, 1):.2f} tokens a round)")
     return stats
 
 

@@ -108,15 +108,11 @@ class SessionCaches:
 
     def prefill_batch(self, sessions: List[int], chunks: List[np.ndarray]) -> None:
         """One prefill chunk of each of several sessions that are not decoding yet, in one padded
-        forward, as mlx-lm's PromptProcessingBatch.prompt processes prompts together: the
-        caches merged (left-padded to the longest history, so a reused cache joins as it is),
-        the chunks right-padded to the longest, prepare / forward / finalize (the right padding
-        rolled into left padding), then each row extracted back into its session's own cache,
+        forward, as mlx-lm's PromptProcessingBatch.prompt processes prompts together (a reused
+        cache joins the merge as it is); each row then goes back into its session's own cache,
         so joining the decode batch, destroying and storing a cache are unchanged. One row is
-        fill_cache itself, bit for bit (only the cache is evaluated, so neither the vocabulary
-        projection, its logits gather nor the last block's gates run); a cache family mlx-lm
-        cannot merge runs the rows one at a time (the same decision on both ranks: it depends
-        on the model alone)."""
+        fill_cache itself, bit for bit; a cache family mlx-lm cannot merge runs the rows one at
+        a time (the same decision on both ranks: it depends on the model alone)."""
         from mlx_lm.generate import _merge_caches, _right_pad_prompts
 
         if len(set(sessions)) != len(sessions) or len(sessions) != len(chunks) or not sessions:
@@ -171,9 +167,8 @@ class SessionCaches:
 
     def take(self, session: int) -> list:
         """The cache of a session that joins the decode batch, no longer held here."""
-        cache = self.session(session)
-        del self.sessions[session]
-        return cache
+        self.session(session)  # FrameError for a session not here
+        return self.sessions.pop(session)
 
     def store(self, cache_id: int, cache: list) -> None:
         """Keep a destroyed session's cache as stored cache `cache_id` (its own arrays)."""

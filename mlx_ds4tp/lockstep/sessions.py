@@ -4,29 +4,24 @@ step by step by the leader. `ds4tp serve` runs many sessions on it, `ds4tp run` 
 
 Each rank holds a SessionTable (lockstep.table). The table changes only through commands,
 and the leader applies every command it sends to its own table in the same order, so the two
-tables stay identical and every forward pairs its gates with the peer's. Commands (control
-frames, their layouts in link.wire):
+tables stay identical and every forward pairs its gates with the peer's. The commands (control
+frames; their payloads are link.wire's table):
 
-  SESSION_CREATE  session id, stored cache id, FRESH | MOVE | COPY,  a session's cache
-                  KV quantization (bits, group size) of a fresh one
-  REWIND          session id, tokens to keep                          trim a reused cache
-  PREFILL_BATCH   (session id, tokens) per row                        one prefill chunk of each row,
-                                                                      one padded forward
-  SAMPLER         session id, seed, sampling options, the prompt's     both ranks sample its rows alike
-                  latest tokens                                       (an EVAL_BATCH row's EVAL_PENDING
-                                                                      input: this rank's own sample)
-  EVAL_BATCH      step, then (session id, token) per row              one decode forward, all rows
-  VERIFY_BATCH    step, then (session id, input + drafts) per row     EVAL_BATCH with drafts, padded
-  COMMIT_BATCH    step, positions kept per row                        the rejected drafts leave
-  SESSION_DESTROY session id, cache id to store it under (0: drop)    leave the batch, free
-  INVALIDATE      cache id                                            drop a stored cache
-  DISK_SAVE       cache id, drop it after, the tokens it covers        write this rank's half to its
-                                                                      --prompt-cache-dir
-  DISK_LOAD       cache id to store under, token count, their digest  read this rank's half back; the
-                                                                      worker answers whether it could
-  HASH            0 or a session, step, hash of the last step's        the worker answers its own
-                  logits or of the session's sampled tokens
-  STOP                                                                the worker returns
+  SESSION_CREATE  a session's cache: a fresh one (its KV quantization), or a stored one moved or copied
+  REWIND          trim a reused cache to the tokens it keeps
+  PREFILL_BATCH   one prefill chunk of each row, one padded forward
+  SAMPLER         both ranks sample the session's rows alike from now on (an EVAL_BATCH row's
+                  EVAL_PENDING input: this rank's own sample)
+  EVAL_BATCH      one decode forward, all rows
+  VERIFY_BATCH    EVAL_BATCH with drafts, padded
+  COMMIT_BATCH    the positions each verified row keeps: the rejected drafts leave
+  SESSION_DESTROY leave the batch and free, or store the cache under an id
+  INVALIDATE      drop a stored cache
+  DISK_SAVE       write this rank's half of a stored cache to its --prompt-cache-dir
+  DISK_LOAD       read this rank's half back; the worker answers whether it could
+  HASH            the worker answers its own hash of the last step's logits or of a session's
+                  sampled tokens
+  STOP            the worker returns
 
 Rows of EVAL_BATCH: the sessions already in the batch, in row order, then the sessions that
 join at this step. The worker checks that the rows it is told match its own batch, so a
@@ -203,13 +198,10 @@ class LeaderSessions:
         if mine and not theirs:
             self.table.caches.stored.pop(cache_id)
         elif theirs and not mine:
-            self._command_worker_only(F.INVALIDATE, INVALIDATE.pack(cache_id))
+            # The one command the leader does not apply to itself: the worker drops the half it
+            # loaded when the leader's own half failed, which the leader's table never held.
+            self.control.send(F.INVALIDATE, INVALIDATE.pack(cache_id))
         return bool(mine and theirs)
-
-    def _command_worker_only(self, ftype, payload: bytes) -> None:
-        # The one command the leader does not apply to itself: the worker drops the half it
-        # loaded when the leader's own half failed, which the leader's table never held.
-        self.control.send(ftype, payload)
 
     def check_hash(self, session: int = 0) -> None:
         """Compare a hash with the worker's: of the last step's logits (session 0: --debug-hash),
@@ -267,9 +259,9 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
     """The worker's one command loop: execute the leader's commands until STOP; returns the
     table (its batch.step_count: decode steps run; ended: sessions served). grammars: what
     constrained sessions are masked with (the leader's SAMPLER carries their grammar's text;
-    None refuses them). Raises on any failure,
-    after telling the leader why (an ERROR frame, so its error names the cause, not just
-    'peer closed') unless tell_leader is False. disk: this rank's --prompt-cache-dir."""
+    None refuses them). Raises on any failure, after telling the leader why (an ERROR frame,
+    so its error names the cause, not just 'peer closed') unless tell_leader is False. disk:
+    this rank's --prompt-cache-dir."""
     control = group.pair.control
     table = SessionTable(model, grammars, disk)
     try:

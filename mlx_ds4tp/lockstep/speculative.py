@@ -1,25 +1,14 @@
-"""Speculative decoding on the pair: several tokens per round of gates.
-
-A drafter on the leader proposes k tokens; the split target verifies the input token and the k
-drafts in one forward on both ranks (VERIFY_BATCH, a batch of one row: the gates are paid once
-for k+1 positions, and decode of a big model is bound by memory bandwidth, so k+1 positions
-cost little more than one); the leader keeps the longest prefix of drafts the target agrees
-with, plus the target's own next token, and both ranks keep exactly that in their caches on its
-word (COMMIT_BATCH). The worker never decides. `ds4tp serve` verifies its sessions' drafts with
-the same two commands, several rows at once (lockstep.batch_verify).
+"""Speculative decoding on the pair (README "Speculative decoding"): several tokens per round
+of gates. A drafter on the leader proposes k tokens; both ranks verify the input token and the
+drafts in one VERIFY_BATCH of one row (lockstep.batch_verify, as `ds4tp serve` verifies its
+sessions'), and keep the accepted prefix and the target's own next token on the leader's word
+(COMMIT_BATCH). The worker never decides.
 
 Acceptance is mlx-lm's (`speculative_generate_step`): the target's tokens for all k+1 positions
 are drawn at once by the sampler and compared with the drafts; greedy output is then token for
 token the plain greedy output, whatever the drafter proposes, and a seeded sampled run with a
 draft model draws mlx-lm's numbers in mlx-lm's order (the draft tokens and the verify rows are
 draws of one RowSampler's stream).
-
-Drafters:
-- DraftModel: a small model of the same vocabulary, whole on the leader, with its own cache
-  (trimmed as mlx-lm trims it);
-- PromptLookup: the tokens that followed the last earlier occurrence of the history's final
-  n-gram (no model: strong on edits and retrieval-style prompts);
-- Recorded: a known continuation (the benchmark's ceiling: every draft accepted, drafting free).
 """
 
 from __future__ import annotations
@@ -43,11 +32,13 @@ class Drafter(Protocol):
         """Up to k tokens expected to follow `history` (prompt and generated tokens so far)."""
 
     def accepted(self, drafted: int, kept: int) -> None:
-        """The target kept `kept` of the `drafted` tokens last proposed."""
+        """The target kept `kept` of the `drafted` tokens last proposed (a drafter without a
+        state of its own inherits this, which ignores it)."""
 
 
-class PromptLookup:
-    """Draft by matching the history's last `ngram` tokens against earlier text."""
+class PromptLookup(Drafter):
+    """Draft the tokens that followed the last earlier occurrence of the history's final
+    `ngram` tokens (no model)."""
 
     def __init__(self, ngram: int):
         if ngram < 1:
@@ -64,12 +55,10 @@ class PromptLookup:
                 return list(history[start + n:start + n + k])
         return []
 
-    def accepted(self, drafted: int, kept: int) -> None:
-        pass
 
-
-class Recorded:
-    """Proposes a known continuation of the prompt (a plain run's tokens)."""
+class Recorded(Drafter):
+    """Proposes a known continuation of the prompt (a plain run's tokens: the benchmark's
+    ceiling, every draft accepted, drafting free)."""
 
     def __init__(self, prompt_len: int, continuation: Sequence[int]):
         self.prompt_len, self.continuation = prompt_len, list(continuation)
@@ -77,9 +66,6 @@ class Recorded:
     def propose(self, history: Sequence[int], k: int) -> List[int]:
         done = len(history) - self.prompt_len
         return self.continuation[done:done + k]
-
-    def accepted(self, drafted: int, kept: int) -> None:
-        pass
 
 
 def load_draft(path: str, target) -> object:
