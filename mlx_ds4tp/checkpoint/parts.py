@@ -109,8 +109,7 @@ class SafetensorsParts:
             if part is None:
                 return None
         out = mx.array(part)
-        mx_dtype = whole.dtype
-        out = mx.view(out, mx_dtype) if out.dtype != mx_dtype else out
+        out = mx.view(out, whole.dtype) if out.dtype != whole.dtype else out
         # Evaluated now: MLX copies the scratch buffer, which the next tensor overwrites.
         mx.eval(out)
         self._scratch = {k: v for k, v in self._scratch.items() if v.nbytes < DROP_SCRATCH_BYTES}

@@ -1,22 +1,12 @@
-"""Tensor-parallel split of mlx-lm models across 2 (or more) ranks, float or quantized, each
-rank reading only its bytes (behind the face mlx_ds4tp/model_split.py).
+"""split_model and load_split, behind the face mlx_ds4tp/model_split.py (README, "Using it from
+model code", says what is cut and how).
 
-The blocks are cut by a plan: the model's own mlx-lm `Model.shard(group)` where its module has
-one (about two dozen do), ours (split/plans.py) where it has none. What a plan leaves whole,
-and what we add on top:
-
-- the vocabulary: mlx-lm keeps the embedding and (in most modules) `lm_head` whole on every
-  rank, two copies of a 150k-vocabulary model's largest tensors per Mac. We cut both by rows
-  (split/layers.py): one all_sum after the lookup, one gather of the logits a token. An
-  `lm_head` the plan cuts itself is left to it.
-- the checks: the plan runs on a twin first (split/derive.py), so a count that does not divide
-  is refused naming the layer, the values and the fix before the model changes.
-- the reading: the twin shows which indices of each saved tensor this rank keeps, so load_split
-  reads only those bytes, where mlx-lm's own loader reads the whole checkpoint on every rank.
-
-Per generated token and rank: 2 * layers + 1 all_sums of one hidden vector each and one gather.
-The plans' layers call mx.distributed themselves, so the group is an mx.distributed.Group: ours
-from mlx_ds4tp.init (TCP, Thunderbolt RDMA) or MLX's own (ring, JACCL).
+The blocks are cut by a plan (split/plans.py picks mlx-lm's own or ours), run on twins first for
+the checks and the indices each rank keeps (split/derive.py). What a plan leaves whole we add on
+top: the vocabulary, which mlx-lm keeps whole on every rank (the embedding and, in most modules,
+`lm_head`: two copies of a 150k-vocabulary model's largest tensors per Mac), cut by rows
+(split/layers.py); an `lm_head` the plan cuts itself is left to it. And the reading: load_split
+reads only this rank's bytes, where mlx-lm's own loader reads the whole checkpoint on every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from ..collectives.backend import PairGroup, cut_only_group
 from ..collectives.seam import as_collective
 from ..link.fingerprint import model_fingerprint
 from .columns import under
-from .derive import set_array
+from .derive import MLX_SHARDED, set_array
 from .layers import (
     SHARDED,
     ReadPart,
@@ -51,8 +41,6 @@ from .units import choose_layout, part_shape, run_plan, share_granules, take_run
 
 _VOCAB_LAYERS = {"embed_tokens": ((nn.Embedding, nn.QuantizedEmbedding), VocabParallelEmbedding),
                  "lm_head": ((nn.Linear, nn.QuantizedLinear), VocabParallelHead)}
-_MLX_SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear,
-                nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
 
 
 def _vocab_layers(model: nn.Module) -> list[tuple[str, Any]]:
@@ -63,14 +51,6 @@ def _vocab_layers(model: nn.Module) -> list[tuple[str, Any]]:
         if kinds is not None and type(module) in kinds[0]:
             found.append((path, kinds[1]))
     return found
-
-
-def _parent(root: nn.Module, path: str) -> tuple[Any, str]:
-    *parents, name = path.split(".")
-    node: Any = root
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    return node, name
 
 
 def _shard_group(group: Any) -> "mx.distributed.Group":
@@ -92,9 +72,9 @@ def _shard_group(group: Any) -> "mx.distributed.Group":
 
 
 def _check_vocab(model: nn.Module, vocab: list[tuple[str, Any]], size: int) -> None:
+    modules = dict(model.named_modules())
     for path, _ in vocab:
-        parent, name = _parent(model, path)
-        check_rows(parent[name], size, path)
+        check_rows(modules[path], size, path)
 
 
 def _label(model: nn.Module) -> str:
@@ -105,7 +85,7 @@ def _label(model: nn.Module) -> str:
 
 def _refuse_split_twice(model: nn.Module) -> None:
     already = [type(m).__name__ for m in model.modules()
-               if isinstance(m, SHARDED + _MLX_SHARDED + summed_blocks())]
+               if isinstance(m, SHARDED + MLX_SHARDED + summed_blocks())]
     if already:
         raise ValueError(f"the model is already split (it holds {already[0]} layers); split a model once")
 
@@ -162,13 +142,13 @@ def split_model(
         log(layout.describe())
     wholes = dict(tree_flatten(model.parameters()))  # lazily loaded: nothing read yet
     run_plan(layout, model, shard, group)
+    modules = dict(model.named_modules())
     for path, cls in vocab:
-        parent, name = _parent(model, path)
-        layer = parent[name]
-        if type(layer) in _VOCAB_LAYERS[name][0]:  # not cut by the plan itself
+        layer = modules[path]
+        if type(layer) in _VOCAB_LAYERS[path.rsplit(".", 1)[-1]][0]:  # not cut by the plan itself
             bounds = layout.vocab.bounds(layer["weight"].shape[0])
             rows = (bounds[rank], bounds[rank + 1])
-            parent[name] = cls(cut_rows(layer, rows, path, read_part), collective, bounds)
+            set_array(model, path, cls(cut_rows(layer, rows, path, read_part), collective, bounds))
     params = tree_flatten(model.parameters())
     in_memory = list(layout.plan.underived) if read_part is not None else []
     for done, (path, value) in enumerate(params, 1):
@@ -230,18 +210,17 @@ class ModelCuts:
 
 
 def agree_model(model_path: Path, group: Any) -> None:
-    """For a pair of our own (transport tcp or rdma) whose hello carried no
-    model fingerprint (init without identity, or an identity of the user's own
-    without one): both ranks compare model_path's fingerprint before either
-    reads a weight, and a difference is HelloMismatchError on both, naming both
-    fingerprints. Both ranks reach this at the same point of load_split. A
-    hello that carried fingerprints already agreed on them (a difference stops
-    the hello), so nothing is read twice; MLX's groups have no channel for it."""
+    """For a pair of our own (transport tcp or rdma) whose hello carried no model fingerprint
+    (init without identity, or an identity of the user's own without one): both ranks, at the
+    same point of load_split, compare model_path's fingerprint before either reads a weight, and
+    a difference is HelloMismatchError on both, naming both fingerprints. A hello that carried
+    fingerprints already agreed on them (a difference stops the hello), so nothing is read
+    twice; MLX's groups have no channel for it."""
     if not isinstance(group, PairGroup):
         return
     pair = group.pair
-    # Both hellos carry one or neither (one without is refused at the hello), so
-    # both ranks take the same branch here.
+    # Both hellos carry one or neither (one without is refused at the hello), so both ranks
+    # take the same branch here.
     if pair.mine.fingerprint and pair.peer_hello.fingerprint:
         return
     pair.agree_fingerprint(model_fingerprint(model_path))

@@ -50,10 +50,6 @@ class ModelNeed:
     def total(self) -> int:
         return self.weight_bytes + self.kv_bytes
 
-    def on_rank(self, fraction: float) -> int:
-        """Bytes a rank keeping `fraction` of every split count needs, margin included."""
-        return int(fraction * self.total * (1 + MARGIN_SHARE)) + RESERVE_BYTES
-
 
 def model_need(path: Path, kv_tokens: int) -> ModelNeed:
     """The model's weights (its .safetensors files' sizes) and `kv_tokens` tokens of KV cache

@@ -77,8 +77,8 @@ def _twin(value: Any) -> Any:
     return value
 
 
-def set_array(root: nn.Module, path: str, value: mx.array) -> None:
-    """Put `value` at the dotted parameter path (list indices included)."""
+def set_array(root: nn.Module, path: str, value: mx.array | nn.Module) -> None:
+    """Put `value` (an array, or a module) at the dotted path (list indices included)."""
     *parents, name = path.split(".")
     node: Any = root
     for part in parents:
@@ -151,8 +151,8 @@ def _check_counts(model: nn.Module, twin: nn.Module, size: int, family: str, pla
 # linears: `group`; mlx-lm's MoE blocks: `sharding_group`; split/plans.py's sum_after:
 # `_sum_group`). Any other holder may compute with the group's size (minimax's q/k norm divides
 # by it), which a share other than 1/size would get wrong.
-_SUM_ONLY = (nn.AllToShardedLinear, nn.ShardedToAllLinear,
-             nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+MLX_SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear,
+               nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
 _SUM_ONLY_NAMES = {"sharding_group", "_sum_group"}
 
 
@@ -165,7 +165,7 @@ def _check_share_bound(twin: nn.Module, group: Any, private: dict, plan: ShardPl
     """What in the plan's result only a share of 1/size explains, into plan.share_bound."""
     for path, module in twin.named_modules():
         for attr, value in vars(module).items():
-            if value is group and not (isinstance(module, _SUM_ONLY) or attr in _SUM_ONLY_NAMES):
+            if value is group and not (isinstance(module, MLX_SHARDED) or attr in _SUM_ONLY_NAMES):
                 plan.share_bound.append(f"{type(module).__name__} at {path} keeps the group for its own arithmetic")
     for (path, key), ident in _private_arrays(twin).items():
         if private.get((path, key)) not in (None, ident):
@@ -272,4 +272,4 @@ def derive_plan(model: nn.Module, group: Any, shard: Callable[[nn.Module, Any], 
     return plan
 
 
-__all__ = ["ArrayCut", "ShardPlan", "derive_plan", "set_array"]
+__all__ = ["MLX_SHARDED", "ArrayCut", "ShardPlan", "derive_plan", "set_array"]

@@ -114,13 +114,12 @@ class VocabParallelEmbedding(nn.Module):
         self.bounds = tuple(bounds)
         self.first_id, self.rows = bounds[rank], bounds[rank + 1] - bounds[rank]
         self.group = as_collective(group)
-        self.gate = AllSumGate(group)
 
     def __call__(self, ids: mx.array) -> mx.array:
         local = ids - self.first_id
         mine = (local >= 0) & (local < self.rows)
         rows = self.embedding(mx.where(mine, local, 0))
-        return self.gate(mx.where(mine[..., None], rows, 0))
+        return self.group.all_sum(mx.where(mine[..., None], rows, 0))
 
     def as_linear(self, x: mx.array) -> mx.array:
         return _gather_last_axis(self.embedding.as_linear(x), self.group, self.bounds)

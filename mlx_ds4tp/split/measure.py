@@ -64,9 +64,9 @@ def usable_memory() -> int:
     return 0
 
 
-def memory_limit(env=None) -> int:
+def memory_limit() -> int:
     """DS4_TP_MEMORY_LIMIT_BYTES: a cap on what this rank reports it may use (0: none)."""
-    raw = (os.environ if env is None else env).get(MEMORY_LIMIT_ENV, "").strip()
+    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
     if not raw:
         return 0
     try:
@@ -79,14 +79,13 @@ def memory_limit(env=None) -> int:
     return value
 
 
-def measure_rank(limit: int = 0, seconds: float = MEASURE_SEC) -> RankFigures:
+def measure_rank(limit: int = 0) -> RankFigures:
     """This rank's figures: its usable memory (capped at `limit` when that is smaller, or when
     the machine's cannot be read) and matvec_speed."""
     memory = usable_memory()
     if limit and (not memory or limit < memory):
         memory = limit
-    return RankFigures(memory_bytes=memory, speed=matvec_speed(seconds))
+    return RankFigures(memory_bytes=memory, speed=matvec_speed())
 
 
-__all__ = ["MEASURE_SEC", "MEMORY_LIMIT_ENV", "MIN_PASSES", "matvec_speed", "measure_rank", "memory_limit",
-           "usable_memory"]
+__all__ = ["MEMORY_LIMIT_ENV", "matvec_speed", "measure_rank", "memory_limit", "usable_memory"]

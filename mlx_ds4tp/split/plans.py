@@ -1,18 +1,12 @@
 """Our own split plans, for the mlx-lm modules that have no `Model.shard(group)` of their own.
 
 Each plan is a short function in MLX's own vocabulary (`shard_linear`, `shard_inplace`), the
-one mlx-lm's plans use, so ours go through exactly the same path as theirs (split/apply.py):
-run first on a twin for the checks and the byte ranges (split/derive.py), then on the model,
-with our vocabulary split on top. Every block is cut the Megatron way: q/k/v and gate/up
-projections keep this rank's output features (its heads, its channels), o and down projections
-its input features and sum the ranks' partials; a mixture of experts cuts every expert (and
-shared expert) by its intermediate features in place, keeps the router whole, and sums once
-after the block. Per token: 2 * layers all_sums, plus the vocabulary's.
-
-The families mlx-lm's own plans cover (llama, qwen2/3, qwen3_moe, glm4_moe, deepseek_v3,
-gpt_oss, ...) had hand-written plans here; mlx-lm's plus our vocabulary split gives the same
-cuts and the same gate count, so they went. A new family mlx-lm gives a shard() works the day
-it lands.
+one mlx-lm's plans use, so ours go through exactly the same path as theirs (split/apply.py).
+Every block is cut the Megatron way: q/k/v and gate/up projections keep this rank's output
+features (its heads, its channels), o and down projections its input features and sum the ranks'
+partials; a mixture of experts cuts every expert (and shared expert) by its intermediate features
+in place, keeps the router whole, and sums once after the block. A family whose mlx-lm module
+has a shard() is split by it (our plans for those went: the same cuts, the same gate count).
 """
 
 from __future__ import annotations
@@ -35,30 +29,27 @@ def _divide(module: nn.Module, counts: tuple[str, ...], size: int) -> None:
 
 
 def _attention(attn: nn.Module, group: Any, counts: tuple[str, ...],
-               column: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"), row: str = "o_proj") -> None:
+               column: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")) -> None:
     for name in column:
         setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
-    setattr(attn, row, shard_linear(getattr(attn, row), "sharded-to-all", group=group))
+    attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
     _divide(attn, counts, group.size())
 
 
-def _dense(mlp: nn.Module, group: Any, names: tuple[str, str, str] = GLU) -> None:
-    gate, up, down = names
-    for name in (gate, up):
-        setattr(mlp, name, shard_linear(getattr(mlp, name), "all-to-sharded", group=group))
-    setattr(mlp, down, shard_linear(getattr(mlp, down), "sharded-to-all", group=group))
+def _dense(mlp: nn.Module, group: Any) -> None:
+    mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+    mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+    mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
 
 
-def _in_place(glu: nn.Module, group: Any, names: tuple[str, str, str] = GLU) -> None:
+def _in_place(glu: nn.Module, group: Any) -> None:
     """An expert stack or a shared expert cut by its intermediate features, no sum of its own."""
-    gate, up, down = names
-    shard_inplace(getattr(glu, gate), "all-to-sharded", group=group)
-    shard_inplace(getattr(glu, up), "all-to-sharded", group=group)
-    down_proj = getattr(glu, down)
-    shard_inplace(down_proj, "sharded-to-all", group=group)
-    if "bias" in down_proj:
+    shard_inplace(glu.gate_proj, "all-to-sharded", group=group)
+    shard_inplace(glu.up_proj, "all-to-sharded", group=group)
+    shard_inplace(glu.down_proj, "sharded-to-all", group=group)
+    if "bias" in glu.down_proj:
         # Added after each rank's partial product, so summed once per rank by the block's sum.
-        down_proj.bias = down_proj.bias / group.size()
+        glu.down_proj.bias = glu.down_proj.bias / group.size()
 
 
 _SUMMED: dict[type, type] = {}
@@ -113,7 +104,7 @@ def shard_llama4(model: nn.Module, group: Any) -> None:
 def shard_qwen3_next(model: nn.Module, group: Any) -> None:
     """Qwen3-Next: gated delta-net layers cut by key head beside gated full-attention layers;
     MoE blocks with a gated shared expert (they sum themselves: mlx-lm's sharding_group)."""
-    size, rank = group.size(), group.rank()
+    size = group.size()
     for layer in model.model.layers:
         if layer.is_linear:
             net = layer.linear_attn
@@ -125,8 +116,8 @@ def shard_qwen3_next(model: nn.Module, group: Any) -> None:
             key_dim = net.key_dim
             shard_inplace(net.conv1d, lambda path, w, key_dim=key_dim: (0, [key_dim, 2 * key_dim]), group=group)
             net.conv1d.groups //= size
-            net.dt_bias = mx.contiguous(mx.split(net.dt_bias, size)[rank])
-            net.A_log = mx.contiguous(mx.split(net.A_log, size)[rank])
+            net.dt_bias = _heads(net.dt_bias, group)
+            net.A_log = _heads(net.A_log, group)
             net.out_proj = shard_linear(net.out_proj, "sharded-to-all", group=group)
             _divide(net, ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"), size)
         else:
@@ -328,5 +319,4 @@ def plan_of(model: nn.Module) -> ShardFn:
     )
 
 
-__all__ = ["OWN_PLANS", "ShardFn", "mlx_lm_plan_modules", "plan_of", "saved_layout", "stacked_experts",
-           "sum_after", "summed_blocks", "supported"]
+__all__ = ["OWN_PLANS", "mlx_lm_plan_modules", "plan_of", "saved_layout", "summed_blocks", "supported"]

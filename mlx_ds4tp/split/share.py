@@ -5,12 +5,8 @@ holds weights in proportion to its bandwidth; and a model that fits two Macs tog
 half of the smaller one fits only a share that gives the larger Mac more. A share is written
 "even" or "A:B", rank 0's part first ("3:1": rank 0 keeps three quarters of the heads, the MLP
 columns, the experts' columns and the vocabulary). "auto" is resolved from what each rank measured
-at the hello, before the model is loaded.
-
-The plan cuts every count into `units` equal units (so 3:1 runs the plan as if for 4 ranks) and a
-rank keeps a run of whole units: its query heads with their KV heads, its MLP columns in whole
-quantization groups. A count that cannot be cut into that many units gives the nearest share that
-can (split/units.py chooses it).
+at the hello, before the model is loaded. split/units.py runs a share as the plan for its units
+(3:1 as if for 4 ranks), or the nearest share the model's counts can be cut into.
 """
 
 from __future__ import annotations
@@ -51,9 +47,7 @@ class SplitShare:
         if min(parts) <= 0:
             raise ValueError(f"split={text!r} leaves a rank with nothing; every rank needs a part above "
                              f"zero (e.g. 3:1), or run the model on one Mac")
-        common = 0
-        for p in parts:
-            common = gcd(common, p)
+        common = gcd(*parts)
         parts = tuple(p // common for p in parts)
         return cls() if len(set(parts)) == 1 else cls(parts=parts)
 

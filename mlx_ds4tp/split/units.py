@@ -10,10 +10,9 @@ ours, cut at any row in proportion (split/layers.py).
 
 The units must be whole: every head count divisible by the unit count, every MLP or expert width
 a whole number of quantization groups per unit (32 columns for float weights, so each rank's
-matrices keep the widths the kernels are fast at). The MLP's columns (and the vocabulary) take a
-share of their own where their cuts allow (split/columns.py), so the attention's few KV heads do
-not coarsen the share of the most of the weights. Where the wanted share cannot be cut so, the
-nearest that can is used and logged. A plan that does more with the group than cut and sum (a
+matrices keep the widths the kernels are fast at); the MLP's columns and the vocabulary take a
+share of their own where they can (split/columns.py). Where the wanted share cannot be cut so,
+the nearest that can is used and logged. A plan that does more with the group than cut and sum (a
 norm that divides by the group's size, an array it derives from it) splits evenly, logged.
 """
 
@@ -21,9 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import reduce
 from math import gcd, lcm
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -121,10 +119,6 @@ def _counts(model: nn.Module, base: ShardPlan) -> list[tuple[int, str, bool]]:
     return counts
 
 
-def _common(values: Iterable[int]) -> int:
-    return reduce(gcd, values, 0)
-
-
 def _checked_runs(path: str, per_unit: list[tuple[tuple[int, int], ...]]) -> None:
     """Each unit's indices in order and no index in two units, or _ShareBound."""
     spans = sorted(run for runs in per_unit for run in runs)
@@ -181,7 +175,7 @@ def _with_columns(model: nn.Module, shard: Callable, share: SplitShare, size: in
     """The layout whose MLP columns take their own share (split/columns.py); None where the
     columns' cuts cannot be recut, or neither class gives more than 1:1."""
     columns = column_paths(base)
-    found = _heads_cut(model, shard, share, size, rank, label, _common(u for u, _, c in counts if not c), True)
+    found = _heads_cut(model, shard, share, size, rank, label, gcd(*(u for u, _, c in counts if not c)), True)
     if found is None:
         return None
     cut, plan, per_unit = found
@@ -192,7 +186,7 @@ def _with_columns(model: nn.Module, shard: Callable, share: SplitShare, size: in
         spans[path] = segments([p.cuts[path].runs for p in per_unit])
         if spans[path] is None:
             return None
-    for cols in nearest_cuts(share, size, _common(u for u, _, c in counts if c)):
+    for cols in nearest_cuts(share, size, gcd(*(u for u, _, c in counts if c))):
         recuts = {path: recut(plan.cuts[path], span, _granule(path, shapes[path], plan.axes[path], modules, heads),
                               cols, rank) for path, span in spans.items()}
         if all(recuts.values()):
@@ -234,7 +228,7 @@ def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitSha
             layout = _with_columns(model, shard, share, size, rank, label, base, counts)
             if layout is not None:
                 return layout
-        found = _heads_cut(model, shard, share, size, rank, label, _common(u for u, *_ in counts), False)
+        found = _heads_cut(model, shard, share, size, rank, label, gcd(*(u for u, *_ in counts)), False)
     except _ShareBound as reason:
         log(f"split {share}: {label} can only split evenly ({reason}); splitting 1:1")
         return _even(model, group, shard, trace, label)
@@ -255,7 +249,7 @@ def share_granules(model: nn.Module, shard: Callable, label: str) -> int:
     split/auto.py)."""
     base = derive_plan(model, cut_only_group(0, 2), shard, trace=False, label=label)
     counts = _counts(model, base)
-    return lcm(*(_common(u for u, _, c in counts if c is kind) or 1 for kind in (False, True)))
+    return lcm(*(gcd(*(u for u, _, c in counts if c is kind)) or 1 for kind in (False, True)))
 
 
 def _limits(counts: list[tuple[int, str]], units: int) -> str:
@@ -303,5 +297,4 @@ def part_shape(cut: ArrayCut) -> tuple[int, ...]:
     return tuple(shape)
 
 
-__all__ = ["FLOAT_COLUMNS", "Layout", "choose_layout", "part_shape", "run_plan", "share_granules",
-           "take_runs"]
+__all__ = ["Layout", "choose_layout", "part_shape", "run_plan", "share_granules", "take_runs"]
