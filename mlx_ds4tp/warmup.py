@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from .link.bringup import (
     MAX_SETUP_ATTEMPT,
-    RC_ROUNDS,
     UC_ROUND_SEC,
     UC_ROUNDS,
     WARM_BYTES,
@@ -25,5 +24,5 @@ from .link.joined import Joined
 
 __all__ = [
     "bring_up_rdma", "connect_queue_pair", "exchange_status", "posted_barrier", "ready_barrier",
-    "warm_up", "Joined", "WARM_BYTES", "UC_ROUNDS", "UC_ROUND_SEC", "RC_ROUNDS", "MAX_SETUP_ATTEMPT",
+    "warm_up", "Joined", "WARM_BYTES", "UC_ROUNDS", "UC_ROUND_SEC", "MAX_SETUP_ATTEMPT",
 ]

@@ -99,9 +99,9 @@ def test_the_dial_address_is_the_one_on_our_link():
     lo = dsc.Interface("lo", 1, (("127.0.0.1", 8),), ())
     veth = dsc.Interface("v0", 7, (("10.232.0.2", 24),), ("fe80::2",))
     peer = advert("a", state=dsc.LEAD, port=1, addresses=("192.168.1.5", "10.232.0.1"))
-    assert dsc.dial_address(peer, [veth]) == "10.232.0.1"
+    assert dsc.dial_address(peer, [lo, veth]) == ("10.232.0.1", veth)
     v6 = advert("a", state=dsc.LEAD, port=1, addresses=("fe80::1",))
-    assert dsc.dial_address(v6, [veth]) == "fe80::1%v0"  # link-local: our interface's scope
+    assert dsc.dial_address(v6, [veth]) == ("fe80::1%v0", veth)  # link-local: our interface's scope
     with pytest.raises(ValueError, match="none on lo's subnet"):
         dsc.dial_address(peer, [lo])
     assert veth.listen_host() == "10.232.0.2" and lo.loopback and not veth.loopback

@@ -179,7 +179,7 @@ def test_link_settings_resolve_for_the_pair(monkeypatch):
     link = LinkSettings(LEADER_AT, "tcp", gid_index=1, secret="s", tcp_spin_us=0).check()
     identity = tr.ModelIdentity(layers=3)
     config = link.resolved(identity)
-    assert (config.role, config.listen, config.coordinator) == ("leader", ("127.0.0.1", 9911), None)
+    assert config.address == tr.PairAddress("leader", ("127.0.0.1", 9911), None)
     assert (config.transport, config.gid_index, config.secret, config.tcp_spin_us) == ("tcp", 1, b"s", 0)
     assert config.timeout == 9.0 and config.identity is identity  # None: the environment's
     assert LinkSettings(LEADER_AT, timeout=2.5).resolved().timeout == 2.5

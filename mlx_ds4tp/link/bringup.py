@@ -47,7 +47,6 @@ from .wire import (
 # direction while the first 16 KiB chunks are still dropped.
 WARM_BYTES = RDMA_MAX_MSG
 UC_ROUNDS, UC_ROUND_SEC = 20, 0.1
-RC_ROUNDS = 1
 MAX_SETUP_ATTEMPT = 3  # re-creations: at most four builds in all
 
 # Test seams (tests/README.md), set only by tests (monkeypatch): they show what the
@@ -127,7 +126,7 @@ def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec
                 break
         peer_received = _exchange_round(joined, rdma, round_no, WARM_PHASE_STATUS, received)
         if received and peer_received:
-            _reap_sends(rdma)
+            rdma.poll(64, 0.0)  # the sends' completions: the exchanges start on a clean queue
             return round_no
     raise WarmupFailed(
         f"tp rdma: warm-up failed after {rounds} attempts "
@@ -151,11 +150,6 @@ def _exchange_round(joined: Joined, rdma: RdmaDevice, round_no: int, phase: int,
             f"(phases: {WARM_PHASE_SENT} send posted, {WARM_PHASE_STATUS} received)"
         )
     return bool(p_received)
-
-
-def _reap_sends(rdma: RdmaDevice) -> None:
-    """Collect the warm-up's send completions so the exchanges start on a clean queue."""
-    rdma.poll(64, 0.0)
 
 
 # ============================================================================
@@ -194,7 +188,7 @@ def bring_up_rdma(joined: Joined) -> Optional[RdmaDevice]:
             if not ok:
                 failures.append(f"this side ({ROLE_NAMES[joined.rank]}): {message}")
             if not peer_ok:
-                failures.append(f"the {joined.peer_name}: {peer_message}")
+                failures.append(f"the {ROLE_NAMES[1 - joined.rank]}: {peer_message}")
             return _give_up(rdma, strict, "rdma device setup failed on " + "; ".join(failures))
         return _warm_loop(joined, rdma, strict)
     except BaseException:

@@ -1,10 +1,7 @@
 """How this rank joins the pair: ``LinkSettings``, as the user gives it (tp.init's keywords,
 the command line's flags, made once in cli/), and, once ``resolved()``, what the link layer
 runs on: the same with every ``DS4_TP_*`` knob resolved once and passed down explicitly.
-
-A field left as None takes its environment variable, else its default; a
-field given a value ignores the environment. A bad value (argument or
-environment) is a ValueError naming it, raised before any socket exists.
+A bad value (argument or environment) is a ValueError naming it, raised before any socket exists.
 """
 
 from __future__ import annotations
@@ -42,12 +39,20 @@ DISABLE_WARMUP_ENV = "DS4_TP_DISABLE_RDMA_WARMUP"
 VERBS_LIBRARY_ENV = "DS4_TP_VERBS_LIBRARY"
 
 
-def _raw(env: Mapping[str, str], name: str) -> Optional[str]:
-    value = env.get(name)
+def _raw(env: Optional[Mapping[str, str]], name: str) -> Optional[str]:
+    value = (os.environ if env is None else env).get(name)
     return None if value is None or value == "" else value
 
 
-def _seconds(raw: str, name: str) -> float:
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    """Set and not "0" means on."""
+    return _raw(env, name) not in (None, "0")
+
+
+def _env_seconds(env: Optional[Mapping[str, str]], name: str, default: float) -> float:
+    raw = _raw(env, name)
+    if raw is None:
+        return default
     try:
         value = float(raw)
     except ValueError:
@@ -57,22 +62,9 @@ def _seconds(raw: str, name: str) -> float:
     return value
 
 
-def _switch(env: Mapping[str, str], name: str) -> bool:
-    """Set and not "0" means on."""
-    return _raw(env, name) not in (None, "0")
-
-
 def default_timeout(env: Optional[Mapping[str, str]] = None) -> float:
     """DS4_TP_TIMEOUT_SEC, default 300 s: connect and command waits."""
-    raw = _raw(os.environ if env is None else env, TIMEOUT_ENV)
-    return DEFAULT_TIMEOUT_SEC if raw is None else _seconds(raw, TIMEOUT_ENV)
-
-
-def default_hello_timeout(env: Optional[Mapping[str, str]] = None) -> float:
-    """DS4_TP_HELLO_TIMEOUT_SEC, default 10 s: how long the leader waits for a
-    fresh connection's hello before it drops it and keeps listening."""
-    raw = _raw(os.environ if env is None else env, HELLO_TIMEOUT_ENV)
-    return DEFAULT_HELLO_TIMEOUT_SEC if raw is None else _seconds(raw, HELLO_TIMEOUT_ENV)
+    return _env_seconds(env, TIMEOUT_ENV, DEFAULT_TIMEOUT_SEC)
 
 
 def default_tcp_spin_us(cpu_count: Optional[int]) -> int:
@@ -85,7 +77,7 @@ def default_tcp_spin_us(cpu_count: Optional[int]) -> int:
 def tcp_spin_us(env: Optional[Mapping[str, str]] = None, cpu_count: Optional[int] = None) -> int:
     """DS4_TP_TCP_SPIN_US, default default_tcp_spin_us(cores): microseconds a TCP gate polls
     before it blocks."""
-    raw = _raw(os.environ if env is None else env, TCP_SPIN_ENV)
+    raw = _raw(env, TCP_SPIN_ENV)
     if raw is None:
         return default_tcp_spin_us(os.cpu_count() if cpu_count is None else cpu_count)
     try:
@@ -106,13 +98,13 @@ def tcp_spin_us(env: Optional[Mapping[str, str]] = None, cpu_count: Optional[int
 def verbs_library(env: Optional[Mapping[str, str]] = None) -> str:
     """DS4_TP_VERBS_LIBRARY: the verbs library the ibverbs provider loads instead of
     the system one (rdma-core installed elsewhere, or the tests' fake); "" when unset."""
-    return _raw(os.environ if env is None else env, VERBS_LIBRARY_ENV) or ""
+    return _raw(env, VERBS_LIBRARY_ENV) or ""
 
 
 def secret_bytes(secret, env: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
     """secret= (str or bytes) or DS4_TP_SECRET; None when neither is set."""
     if secret is None:
-        secret = _raw(os.environ if env is None else env, SECRET_ENV)
+        secret = _raw(env, SECRET_ENV)
     if secret is None:
         return None
     if isinstance(secret, str):
@@ -254,18 +246,6 @@ class LinkSettings:
         return cls(pair_address(role, listen, coordinator), **fields).resolved()
 
     @property
-    def role(self) -> Optional[str]:
-        return self.address.role
-
-    @property
-    def listen(self) -> Optional[Tuple[str, int]]:
-        return self.address.listen
-
-    @property
-    def coordinator(self) -> Optional[Tuple[str, int]]:
-        return self.address.coordinator
-
-    @property
     def rank(self) -> int:
         """0 for the leader, 1 for the worker."""
         return self.address.rank
@@ -293,12 +273,19 @@ class LinkSettings:
         if self.rdma_device is not None and (not isinstance(self.rdma_device, str) or not self.rdma_device):
             raise ValueError(f"rdma_device={self.rdma_device!r}: give a verbs device name (e.g. "
                              "'rdma_en1'), 'ucsim', or None for the first active one (--rdma-device)")
-        check_gid_index(self.gid_index)
-        if self.timeout is not None:
-            _positive(self.timeout, "timeout", None)
-        if self.hello_timeout is not None:
-            _positive(self.hello_timeout, "hello_timeout", None)
-        check_tcp_spin_us(self.tcp_spin_us)
+        gid = self.gid_index
+        if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool) or gid < 0):
+            raise ValueError(f"gid_index={gid!r} must be a non-negative integer or None (--rdma-gid-index N)")
+        for name in ("timeout", "hello_timeout"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise ValueError(f"{name}={value!r} must be > 0 seconds")
+        spin = self.tcp_spin_us
+        if spin is not None and (not isinstance(spin, int) or isinstance(spin, bool)
+                                 or not 0 <= spin <= MAX_TCP_SPIN_US):
+            raise ValueError(f"tcp_spin_us={spin!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
+                             "microseconds, or None for DS4_TP_TCP_SPIN_US / the default")
         secret_bytes(self.secret, {})
         if self.verbs_library is not None and not isinstance(self.verbs_library, str):
             raise ValueError(
@@ -323,9 +310,9 @@ class LinkSettings:
             self,
             identity=self.identity if identity is None else identity,
             secret=secret_bytes(self.secret, env),
-            timeout=_positive(self.timeout, "timeout", lambda: default_timeout(env)),
-            hello_timeout=_positive(self.hello_timeout, "hello_timeout",
-                                    lambda: default_hello_timeout(env)),
+            timeout=default_timeout(env) if self.timeout is None else float(self.timeout),
+            hello_timeout=(_env_seconds(env, HELLO_TIMEOUT_ENV, DEFAULT_HELLO_TIMEOUT_SEC)
+                           if self.hello_timeout is None else float(self.hello_timeout)),
             tcp_spin_us=tcp_spin_us(env) if self.tcp_spin_us is None else self.tcp_spin_us,
             ucsim_faults=env.get(UCSIM_FAULTS_ENV, "") if self.ucsim_faults is None else self.ucsim_faults,
             rdma_no_imm=_switch(env, RDMA_NO_IMM_ENV) if self.rdma_no_imm is None else self.rdma_no_imm,
@@ -333,29 +320,3 @@ class LinkSettings:
                             else self.disable_warmup),
             verbs_library=verbs_library(env) if self.verbs_library is None else self.verbs_library,
         )
-
-
-def check_gid_index(gid_index: Optional[int]) -> None:
-    """None (the device's IPv4-mapped GID) or a non-negative whole number."""
-    if gid_index is not None and (not isinstance(gid_index, int) or isinstance(gid_index, bool)
-                                  or gid_index < 0):
-        raise ValueError(f"gid_index={gid_index!r} must be a non-negative integer or None "
-                         "(--rdma-gid-index N)")
-
-
-def check_tcp_spin_us(value: Optional[int]) -> None:
-    """None (DS4_TP_TCP_SPIN_US / the default) or 0 to MAX_TCP_SPIN_US microseconds."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                              or not 0 <= value <= MAX_TCP_SPIN_US):
-        raise ValueError(
-            f"tcp_spin_us={value!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
-            f"microseconds, or None for DS4_TP_TCP_SPIN_US / the default"
-        )
-
-
-def _positive(value: Optional[float], name: str, default) -> float:
-    if value is None:
-        return default()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}={value!r} must be > 0 seconds")
-    return float(value)

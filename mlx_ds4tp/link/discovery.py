@@ -19,9 +19,9 @@ enough to hear the other (SETTLE_SEC after its own registration).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import re
-import secrets
 import socket
 import subprocess
 import sys
@@ -92,16 +92,9 @@ def _text(value) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
-def new_instance() -> str:
-    """A random instance id: what breaks the tie between two `any` ranks."""
-    return secrets.token_hex(8)
-
-
 def model_digest(summary: bytes) -> str:
     """The model's fingerprint as the advert carries it (hex of its hash): ranks with other
     models never try to pair."""
-    import hashlib
-
     return hashlib.sha256(summary).hexdigest()[:32]
 
 
@@ -198,12 +191,6 @@ def thunderbolt_members(platform: str = sys.platform) -> List[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return re.findall(r"member:\s+(\S+)", out)
-
-
-def local_link(iface: Interface, thunderbolt: Sequence[str]) -> bool:
-    """Whether only this machine, or the Mac at the other end of a Thunderbolt cable, can be on
-    this interface: there discovery may pair without a secret."""
-    return iface.loopback or iface.name in thunderbolt
 
 
 def ipv4_advice(name: str, leads: bool) -> str:
@@ -338,23 +325,23 @@ class Finder:
             pass
 
 
-def dial_address(peer: Advert, interfaces: Sequence[Interface]) -> str:
-    """The leader's address to dial: an IPv4 address on one of our interfaces' subnets, else its
-    IPv6 link-local address with our interface's scope; a ValueError naming the addresses
-    when none of them is on our link."""
+def dial_address(peer: Advert, interfaces: Sequence[Interface]) -> Tuple[str, Interface]:
+    """The leader's address to dial and our interface it is on: an IPv4 address on one of our
+    interfaces' subnets, else its IPv6 link-local address with our interface's scope; a
+    ValueError naming the addresses when none of them is on our link."""
     for addr in peer.addresses:
         ip = ipaddress.ip_address(addr.split("%")[0])
         for iface in interfaces:
             for mine, prefix in iface.ipv4:
                 if ip.version == 4 and ip in ipaddress.ip_network(f"{mine}/{prefix}", strict=False):
-                    return str(ip)
+                    return str(ip), iface
     for addr in peer.addresses:
         ip = ipaddress.ip_address(addr.split("%")[0])
         if ip.version == 6 and ip.is_link_local and len(interfaces) == 1:
-            return f"{ip}%{interfaces[0].name}"
+            return f"{ip}%{interfaces[0].name}", interfaces[0]
         if ip.version == 6 and ip.is_link_local and "%" in addr:
-            return addr
+            scope = addr.split("%")[1]
+            return addr, next((i for i in interfaces if i.name == scope), interfaces[0])
     raise ValueError(f"the leader {peer.host or peer.instance} advertises {list(peer.addresses)}, none "
                      f"on {', '.join(i.name for i in interfaces)}'s subnet: give both ends of the "
                      "link addresses on one subnet")
-

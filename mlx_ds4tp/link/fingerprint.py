@@ -11,7 +11,7 @@ SAMPLE_BYTES: its start, two inner points and its end). Files are found the
 way mlx-lm finds them (``model*.safetensors``); how the tensors are sharded
 over files does not enter, so the same weights saved in other shards match.
 
-The hello carries the 52-byte summary (FINGERPRINT_SUMMARY in _wire.py);
+The hello carries the 52-byte summary (FINGERPRINT_SUMMARY in wire.py);
 only when two summaries differ do the ranks swap the details (config and
 tensor table) to name the first difference.
 """
@@ -27,8 +27,7 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-# The one safetensors header reader, with its size bound (MAX_SAFETENSORS_HEADER_BYTES).
-from ..checkpoint.header import MAX_SAFETENSORS_HEADER_BYTES, read_header  # noqa: F401
+from ..checkpoint.header import read_header  # the one safetensors header reader, with its size bound
 from ..errors import FrameError
 from .wire import FINGERPRINT_DETAIL_VERSION, FINGERPRINT_SUMMARY, MAX_FINGERPRINT_DETAIL_EXPANDED
 

@@ -93,21 +93,16 @@ def _exchange_hello(control: ControlChannel, mine: Hello, timeout: float) -> Hel
 
 
 def _agree(control: ControlChannel, config: LinkSettings, mine: Hello, theirs: Hello) -> str:
-    """Check identities and choose the transport; on failure tell the peer
-    first so both ranks print the same cause."""
-    try:
-        check_hello(mine, theirs)
-        if mine.fingerprint != theirs.fingerprint:
-            raise fingerprint_mismatch(control, config.rank, config.identity.fingerprint,
-                                       theirs.fingerprint)
-        return choose_transport(mine, theirs)
-    except TransportError as exc:
-        control.send_error(str(exc))
-        raise
+    """Check identities and choose the transport. The callers tell the peer why it failed,
+    so both ranks print the same cause."""
+    check_hello(mine, theirs)
+    if mine.fingerprint != theirs.fingerprint:
+        raise fingerprint_mismatch(control, config.rank, config.identity.fingerprint, theirs.fingerprint)
+    return choose_transport(mine, theirs)
 
 
 def _connect_leader(config: LinkSettings, mine: Hello, deadline: float) -> Joined:
-    host, port = config.listen
+    host, port = config.address.listen
     listener = listen_socket(host, port)
     hello_timeout = min(config.hello_timeout, config.timeout)
     try:
@@ -146,11 +141,7 @@ def _connect_leader(config: LinkSettings, mine: Hello, deadline: float) -> Joine
             raise
     finally:
         listener.close()
-    log(f"worker connected from {peer}, transport={transport}"
-        f"{_choice_note(config, mine, theirs, transport)}")
-    _advise(config, mine, transport)
-    set_kernel_timeout(data, config.timeout)
-    return Joined(config, control, data, mine, theirs, transport)
+    return _joined(f"worker connected from {peer}", Joined(config, control, data, mine, theirs, transport))
 
 
 def _accept_data(listener: socket.socket, deadline: float, control: ControlChannel,
@@ -178,7 +169,7 @@ def _accept_data(listener: socket.socket, deadline: float, control: ControlChann
 
 
 def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Dial) -> Joined:
-    host, port = config.coordinator
+    host, port = config.address.coordinator
     sock = dial(host, port, deadline, "control")
     tune_socket(sock)
     control = ControlChannel(sock, config.timeout, spin_s=config.tcp_spin_us / 1e6)
@@ -200,11 +191,7 @@ def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Di
             control.send_error(str(exc))
         sock.close()
         raise
-    log(f"connected to leader {host}:{port}, transport={transport}"
-        f"{_choice_note(config, mine, theirs, transport)}")
-    _advise(config, mine, transport)
-    set_kernel_timeout(data, config.timeout)
-    return Joined(config, control, data, mine, theirs, transport)
+    return _joined(f"connected to leader {host}:{port}", Joined(config, control, data, mine, theirs, transport))
 
 
 def _choice_note(config: LinkSettings, mine: Hello, theirs: Hello, transport: str) -> str:
@@ -221,8 +208,13 @@ def _choice_note(config: LinkSettings, mine: Hello, theirs: Hello, transport: st
     return " (auto: RDMA unavailable on " + "; ".join(why) + ")"
 
 
-def _advise(config: LinkSettings, mine: Hello, transport: str) -> None:
-    """After the choice line: what this side's user can do about its missing RDMA."""
+def _joined(who: str, joined: Joined) -> Joined:
+    """Either side's end of the handshake: the transport choice in one log line, then what this
+    side's user can do about its missing RDMA, and the gate data socket's kernel deadline."""
+    config, mine, transport = joined.config, joined.mine, joined.transport
+    log(f"{who}, transport={transport}{_choice_note(config, mine, joined.theirs, transport)}")
     if (config.transport == "auto" and transport == "tcp" and not mine.rdma_ok
             and mine.rdma_reason != NO_PROBE_REASON):
         advise_once(mine.rdma_reason)
+    set_kernel_timeout(joined.data, config.timeout)
+    return joined

@@ -201,14 +201,11 @@ def choose_transport(mine: Hello, theirs: Hello) -> str:
                 "use the same --transport on both machines"
             )
         return "tcp"
-    both_ok = mine.rdma_ok and theirs.rdma_ok
-    if both_ok:
+    if mine.rdma_ok and theirs.rdma_ok:
         return "rdma"
     if "rdma" in wants:
-        missing = []
-        for hello in (mine, theirs):
-            if not hello.rdma_ok:
-                missing.append(f"the {ROLE_NAMES[hello.role]} ({hello.rdma_reason or 'no device'})")
+        missing = [f"the {ROLE_NAMES[h.role]} ({h.rdma_reason or 'no device'})" for h in (mine, theirs)
+                   if not h.rdma_ok]
         raise RdmaUnavailableError(
             "transport=rdma but RDMA is unavailable on " + " and on ".join(missing)
             + "; fix the device or use --transport auto/tcp"
@@ -228,16 +225,11 @@ def authenticate(control: ControlChannel, mine: Hello, theirs: Hello, secret: Op
     peer = ROLE_NAMES[theirs.role]
     if not mine.auth and not theirs.auth:
         return
-    if mine.auth and not theirs.auth:
-        raise AuthenticationError(
-            f"authentication failed: this side has a secret but the {peer} sent none; give both "
-            "machines the same --secret / DS4_TP_SECRET (or the code of `ds4tp pair`)"
-        )
-    if theirs.auth and not mine.auth:
-        raise AuthenticationError(
-            f"authentication failed: the {peer} requires a secret and this side has none; give "
-            "both machines the same --secret / DS4_TP_SECRET (or the code of `ds4tp pair`)"
-        )
+    if mine.auth != theirs.auth:
+        why = (f"this side has a secret but the {peer} sent none" if mine.auth
+               else f"the {peer} requires a secret and this side has none")
+        raise AuthenticationError(f"authentication failed: {why}; give both machines the same "
+                                  "--secret / DS4_TP_SECRET (or the code of `ds4tp pair`)")
     control.send(FrameType.AUTH, auth_proof(secret, mine.role, theirs.nonce, mine.nonce))
     _, proof = control.recv(FrameType.AUTH)
     expected = auth_proof(secret, theirs.role, mine.nonce, theirs.nonce)

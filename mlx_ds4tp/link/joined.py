@@ -15,7 +15,6 @@ from .config import LinkSettings
 from .control import ControlChannel
 from .hello import Hello
 from .rdma import RdmaDevice
-from .wire import ROLE_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +35,6 @@ class Joined:
         """0 for the leader, 1 for the worker."""
         return self.config.rank
 
-    @property
-    def peer_name(self) -> str:
-        """"leader" or "worker": the other rank's role."""
-        return ROLE_NAMES[1 - self.rank]
-
     def open_rdma(self) -> RdmaDevice:
         """Open this side's RDMA device for the pair (its queue pair not yet
         built, connected or warmed up: that is bringup.bring_up_rdma's work)."""
@@ -59,7 +53,7 @@ class Joined:
         )
 
     def close(self) -> None:
-        """Close both connections (a bring-up that failed hard)."""
+        """Close both connections (a bring-up that failed hard, or Pair.close)."""
         for sock in (self.data, self.control.sock):
             try:
                 sock.close()

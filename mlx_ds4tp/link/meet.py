@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import secrets
 import socket
 import sys
 import threading
@@ -84,8 +85,10 @@ def _paired(pair: Pair, started: float) -> Pair:
 def _check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
     if secret_bytes(link.secret) is not None:
         return
+    # Only this machine, or the Mac at the other end of a Thunderbolt cable, can be on loopback
+    # or a bridge member: there discovery may pair without a secret.
     thunderbolt = dsc.thunderbolt_members()
-    open_links = [i.name for i in interfaces if not dsc.local_link(i, thunderbolt)]
+    open_links = [i.name for i in interfaces if not (i.loopback or i.name in thunderbolt)]
     if open_links:
         raise ValueError(
             f"discovery on {', '.join(open_links)} needs a pair secret (that link is not loopback "
@@ -103,7 +106,8 @@ def _finder(disc: DiscoverySettings, interfaces: List[dsc.Interface], identity: 
     with _lock:
         finder = _finders.get(key)
         if finder is None:
-            me = dsc.Advert(instance=dsc.new_instance(), digest=digest, want=disc.want,
+            # A random instance id: what breaks the tie between two `any` ranks.
+            me = dsc.Advert(instance=secrets.token_hex(8), digest=digest, want=disc.want,
                             rdma=_device_of(link, interfaces[0], quiet=True) or "",
                             figures=link.figures, host=socket.gethostname(), http=disc.http_url)
             finder = _finders[key] = dsc.Finder(interfaces, me)
@@ -147,8 +151,7 @@ def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
 
 def _join(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder: dsc.Finder,
           interfaces: List[dsc.Interface], leader: dsc.Advert) -> Pair:
-    host = dsc.dial_address(leader, interfaces)
-    iface = _interface_of(host, interfaces)
+    host, iface = dsc.dial_address(leader, interfaces)
     http = f"; it serves {leader.http}" if leader.http else ""
     log(f"discovery: {_who(leader)} leads (found on {iface.name} at {host} port {leader.port}); "
         f"this machine ({socket.gethostname()}) works for it{http}")
@@ -161,20 +164,6 @@ def _join(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
     pair = connect(settings.resolved(identity), dial=dial)
     finder.publish(state=dsc.PAIRED, port=0, want="work")
     return pair
-
-
-def _interface_of(host: str, interfaces: List[dsc.Interface]) -> dsc.Interface:
-    """The interface the leader's address is on (the one its record was heard on)."""
-    import ipaddress
-
-    ip = ipaddress.ip_address(host.split("%")[0])
-    for iface in interfaces:
-        if "%" in host and host.split("%")[1] == iface.name:
-            return iface
-        for mine, prefix in iface.ipv4:
-            if ip.version == 4 and ip in ipaddress.ip_network(f"{mine}/{prefix}", strict=False):
-                return iface
-    return interfaces[0]
 
 
 def _device_of(link: LinkSettings, iface: dsc.Interface, quiet: bool = False) -> Optional[str]:

@@ -22,6 +22,7 @@ class Pair:
     link made of it (collectives/backend.py, link/exchange.py)."""
 
     def __init__(self, joined: Joined, rdma: Optional[RdmaDevice]):
+        self._joined = joined  # closes both connections
         config = joined.config
         self.config = config
         self.rank = config.rank
@@ -84,11 +85,7 @@ class Pair:
         if self.rdma is not None:
             self.rdma.close()
             self.rdma = None
-        for sock in (self.data, self.control.sock):
-            try:
-                sock.close()
-            except OSError:
-                pass
+        self._joined.close()
 
 
 def fingerprint_mismatch(control: ControlChannel, rank: int, mine: Optional[Fingerprint],
@@ -98,11 +95,9 @@ def fingerprint_mismatch(control: ControlChannel, rank: int, mine: Optional[Fing
     difference (both run this on the same two fingerprints)."""
     peer = ROLE_NAMES[1 - rank]
     here, there = summary_label(b"" if mine is None else mine.summary()), summary_label(their_summary)
-    if mine is None:
-        why = (f"this side joined without a model fingerprint and the {peer} with one; start both "
-               "ranks the same way, each with its model directory")
-    elif not their_summary:
-        why = (f"the {peer} joined without a model fingerprint and this side with one; start both "
+    if mine is None or not their_summary:
+        without, having = ("this side", f"the {peer}") if mine is None else (f"the {peer}", "this side")
+        why = (f"{without} joined without a model fingerprint and {having} with one; start both "
                "ranks the same way, each with its model directory")
     else:
         # One side at a time: a big model's details (megabytes) written by both

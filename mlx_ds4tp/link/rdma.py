@@ -65,8 +65,7 @@ class RdmaDevice:
         use_verbs_library(self.ffi, self.lib, verbs_library)
         self.timeout = timeout
         self.no_imm = no_imm
-        self._errlen = _ERR_BYTES
-        self._err = self.ffi.new("char[]", self._errlen)
+        self._err = self.ffi.new("char[]", _ERR_BYTES)
         self.device = device or ""
         if self.device == UCSIM and ":" in bind_ip:
             raise RdmaUnavailableError(
@@ -90,7 +89,7 @@ class RdmaDevice:
             self.slab,
             self.slab_bytes,
             self._err,
-            self._errlen,
+            _ERR_BYTES,
         )
         if self.dev == self.ffi.NULL:
             raise RdmaUnavailableError(self._error_text())
@@ -108,12 +107,8 @@ class RdmaDevice:
 
     def _check(self, rc: int) -> int:
         if rc < 0:
-            self.raise_error(rc, self._error_text())
+            raise rc_error(self.lib, rc, self._error_text(), rdma=True)
         return rc
-
-    def raise_error(self, rc: int, text: str) -> None:
-        """The error for a failed call's rc, text the C side's message."""
-        raise rc_error(self.lib, rc, text, rdma=True)
 
     def build(self, setup_attempt: int) -> Tuple[int, int, int]:
         """(Re)build CQ and QP; returns the granted (cq, send, recv) depths.
@@ -125,7 +120,7 @@ class RdmaDevice:
         cq, send, recv = asked
         while True:
             rc = self.lib.tp_build_qp(
-                self.dev, self.lib.TP_QPT_UC, setup_attempt, cq, send, recv, self._err, self._errlen
+                self.dev, self.lib.TP_QPT_UC, setup_attempt, cq, send, recv, self._err, _ERR_BYTES
             )
             if rc == self.lib.TP_ENOMEM and recv > 64:
                 log(f"queue pair depths cq {cq} send {send} recv {recv} refused; trying half")
@@ -158,7 +153,7 @@ class RdmaDevice:
         info = self.ffi.new("tp_info *")
         info.qpn, info.psn, info.mtu, info.lid, info.link_layer = qpn, psn, mtu, lid, link_layer
         self.ffi.memmove(info.gid, gid, 16)
-        self._check(self.lib.tp_connect(self.dev, info, self._err, self._errlen))
+        self._check(self.lib.tp_connect(self.dev, info, self._err, _ERR_BYTES))
 
     def stats(self):
         """The C module's counters (tp_stats)."""
@@ -169,20 +164,20 @@ class RdmaDevice:
     # -- raw work requests (warm-up) -------------------------------------------
     def post_recv(self, addr, nbytes: int, wr_id: int) -> None:
         """Post one receive of nbytes at addr (inside the slab)."""
-        self._check(self.lib.tp_post_recv(self.dev, addr, nbytes, wr_id, self._err, self._errlen))
+        self._check(self.lib.tp_post_recv(self.dev, addr, nbytes, wr_id, self._err, _ERR_BYTES))
 
     def post_send(self, addr, nbytes: int, wr_id: int) -> None:
         """Post one signalled SEND of nbytes from addr (inside the slab)."""
         self._check(
             self.lib.tp_post_send(
-                self.dev, addr, nbytes, wr_id, self.lib.TP_OP_SEND, 1, self._err, self._errlen
+                self.dev, addr, nbytes, wr_id, self.lib.TP_OP_SEND, 1, self._err, _ERR_BYTES
             )
         )
 
     def poll(self, max_wc: int, timeout: float):
         """Up to max_wc completions, waiting at most timeout seconds."""
         wc = self.ffi.new("tp_wc[]", max_wc)
-        n = self._check(self.lib.tp_poll(self.dev, wc, max_wc, timeout, self._err, self._errlen))
+        n = self._check(self.lib.tp_poll(self.dev, wc, max_wc, timeout, self._err, _ERR_BYTES))
         return [wc[i] for i in range(n)]
 
     def close(self) -> None:
