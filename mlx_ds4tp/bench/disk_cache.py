@@ -84,7 +84,7 @@ def ttft(model: Path, transport: str, prompt_tokens: int, max_tokens: int) -> Di
         pair.dump_log()
         pair.close()
         raise
-    sizes = {n: sum(p.stat().st_size for p in d.glob("*.safetensors")) for n, d in dirs.items()}
+    sizes = {n: _dir_bytes(d) for n, d in dirs.items()}
     shutil.rmtree(root, ignore_errors=True)
     rec.update({"cold_ttft_ms": round(cold["ttft_ms"], 1), "memory_ttft_ms": round(memory["ttft_ms"], 1),
                 "disk_ttft_ms": round(disk["ttft_ms"], 1),

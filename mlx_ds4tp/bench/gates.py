@@ -168,13 +168,10 @@ def spawn_transport(transport: str, rdma_device: Optional[str], nbytes: int, ite
                                    "--iters", str(iters))
     if rdma_device:
         base += ["--rdma-device", rdma_device]
-    outs = _localpair.run_ranks(_localpair.pair_commands(base, _localpair.free_port()), timeout=timeout)
-    return _localpair.json_records(outs[0])
+    return _localpair.pair_records(base, timeout)
 
 
 def spawn_ring(nbytes: int, iters: int, timeout: float = 600.0) -> List[Dict]:
     """Both ranks of the mx.distributed ring baseline on 127.0.0.1; rank 0's records."""
     cmd = _localpair.rank_command("ring-gate", "--bytes", str(nbytes), "--iters", str(iters))
-    with _localpair.ring_hostfile() as hostfile:
-        outs = _localpair.run_ranks([cmd, cmd], _localpair.ring_envs(hostfile), timeout=timeout)
-    return _localpair.json_records(outs[0])
+    return _localpair.ring_records(cmd, timeout)

@@ -104,12 +104,8 @@ def spawn_shard_model(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_P
     if rdma_device:
         base += ["--rdma-device", rdma_device]
     if transport == MLX:
-        with _localpair.ring_hostfile() as hostfile:
-            outs = _localpair.run_ranks([base, base], _localpair.ring_envs(hostfile), timeout=timeout)
-    else:
-        outs = _localpair.run_ranks(_localpair.pair_commands(base, _localpair.free_port()),
-                                    timeout=timeout)
-    return _localpair.json_records(outs[0])[0]
+        return _localpair.ring_records(base, timeout)[0]
+    return _localpair.pair_records(base, timeout)[0]
 
 
 def ceiling_rank(address: PairAddress, path: str, max_tokens: int,
@@ -143,8 +139,7 @@ def spawn_ceiling(path: str, max_tokens: int, prompt_tokens: int = DEFAULT_PROMP
     """Both ranks of the compute ceiling on 127.0.0.1."""
     base = _localpair.rank_command("ceiling", "--model", path, "--max-tokens", str(max_tokens),
                                    "--prompt-tokens", str(prompt_tokens))
-    outs = _localpair.run_ranks(_localpair.pair_commands(base, _localpair.free_port()), timeout=timeout)
-    return _localpair.json_records(outs[0])[0]
+    return _localpair.pair_records(base, timeout)[0]
 
 
 @dataclass(frozen=True)
@@ -191,19 +186,14 @@ def spawn_tp2(bench: ModelBench, transport: str, rdma_device: Optional[str] = No
 def bench_model_dir(model: str) -> str:
     """`model` itself when it is a directory; a tiny_model preset name ("150m", "moe-1g", ...)
     is written once with fixed random weights into the cache and that directory returned."""
-    import os
-
     from ..testing import tiny_model
+    from ..testing.demo_model import cached_model
 
     if Path(model).is_dir() or model not in {**tiny_model.PRESETS, **tiny_model.MOE_PRESETS}:
         return model
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp"
-    path = root / f"bench-{model}-seed0"
-    if not (path / "tokenizer_config.json").is_file():  # written last: a finished model
-        log(f"building the {model} bench model (synthetic random weights) in {path}")
-        save = tiny_model.save_qwen3_moe if model in tiny_model.MOE_PRESETS else tiny_model.save_llama
-        save(path, model, seed=0)
-    return str(path)
+    save = tiny_model.save_qwen3_moe if model in tiny_model.MOE_PRESETS else tiny_model.save_llama
+    return str(cached_model(f"bench-{model}-seed0", f"the {model} bench model",
+                            lambda path: save(path, model, seed=0)))
 
 
 def mlx_lm_can_shard(path: str) -> bool:
@@ -217,6 +207,7 @@ def mlx_lm_can_shard(path: str) -> bool:
 def _model_contenders(bench: ModelBench) -> Dict[str, Callable[[], Dict]]:
     path, transport, rdma_device = bench.path, bench.transport, bench.rdma_device
     max_tokens, n, split = bench.max_tokens, bench.prompt_tokens, bench.split
+    device = rdma_device or "ucsim"
     contenders: Dict[str, Callable[[], Dict]] = {"single": lambda: single_record(path, max_tokens, n)}
     if transport in ("tcp", "all"):
         contenders["tp2-tcp"] = lambda: spawn_tp2(bench, "tcp")
@@ -226,7 +217,6 @@ def _model_contenders(bench: ModelBench) -> Dict[str, Callable[[], Dict]]:
         # Only our tcp pairs are placed so: the other contenders would be slowed unevenly.
         return contenders
     if transport in ("rdma", "all"):
-        device = rdma_device or "ucsim"
         contenders[f"tp2-rdma-{device}"] = lambda: spawn_tp2(bench, "rdma", device)
     if mlx_lm_can_shard(path):
         # mlx-lm's own plan and loading, over MLX's ring and over our pair.
@@ -234,7 +224,6 @@ def _model_contenders(bench: ModelBench) -> Dict[str, Callable[[], Dict]]:
         if transport in ("tcp", "all"):
             contenders["mlx-lm-tcp"] = lambda: spawn_shard_model(path, max_tokens, n, "tcp")
         if transport in ("rdma", "all"):
-            device = rdma_device or "ucsim"
             contenders[f"mlx-lm-rdma-{device}"] = lambda: spawn_shard_model(
                 path, max_tokens, n, "rdma", device)
     else:
@@ -244,31 +233,34 @@ def _model_contenders(bench: ModelBench) -> Dict[str, Callable[[], Dict]]:
     return contenders
 
 
+def rotating_rounds(contenders: Dict[str, Callable[[], Dict]], rounds: int) -> Dict[str, List[Dict]]:
+    """Every contender's record of each round, the rounds in rotating order so a slow spell of
+    the machine falls on all of them alike."""
+    names = list(contenders)
+    runs: Dict[str, List[Dict]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            runs[name].append(contenders[name]())
+    return runs
+
+
 def model_bench(bench: ModelBench) -> List[Dict]:
-    """Prompt and decode tok/s of every contender, run `bench.rounds` times in rotating order so
-    a slow spell of the machine falls on all of them alike; each record gives the medians and
-    every round."""
+    """Prompt and decode tok/s of every contender, run `bench.rounds` times (rotating_rounds);
+    each record gives the medians and every round."""
     if bench.prompt_tokens < 1:
         raise ValueError(f"prompt_tokens={bench.prompt_tokens} must be >= 1")
     bench = dataclasses.replace(bench, path=bench_model_dir(bench.path))
-    contenders = _model_contenders(bench)
-    names = list(contenders)
-    runs: Dict[str, List[Dict]] = {name: [] for name in names}
-    for r in range(bench.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            runs[name].append(contenders[name]())
+    runs = rotating_rounds(_model_contenders(bench), bench.rounds)
     reference = runs["single"][0]["token_ids"]
     records = []
-    for name in names:
-        got = runs[name]
+    for name, got in runs.items():
         rec = dict(got[0])
-        for key in ("tok_s", "prefill_tok_s"):
-            rec[f"{key}_rounds"] = [g[key] for g in got]
-            rec[key] = round(statistics.median(rec[f"{key}_rounds"]), 2)
+        for key in ("tok_s", "prefill_tok_s", "exchange_ms_per_token"):
+            if key in rec:
+                rec[f"{key}_rounds"] = [g[key] for g in got]
+                rec[key] = round(statistics.median(rec[f"{key}_rounds"]), 2)
         if "gate_p50_us" in rec:
             rec["gate_p50_us"] = round(statistics.median(g["gate_p50_us"] for g in got), 1)
-            rec["exchange_ms_per_token_rounds"] = [g["exchange_ms_per_token"] for g in got]
-            rec["exchange_ms_per_token"] = round(statistics.median(rec["exchange_ms_per_token_rounds"]), 2)
         if "split" in rec:  # auto measures afresh each round and may pick another share
             rec["split_rounds"] = [g["split"] for g in got]
         if name != CEILING:

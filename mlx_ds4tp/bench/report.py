@@ -39,8 +39,7 @@ def gate_rank_report(link: LinkSettings, nbytes: int, iters: int, as_json: bool)
 def gates_report(transports: Sequence[str], rdma_device: Optional[str], nbytes: int, iters: int,
                  as_json: bool, plot: Optional[str] = None) -> int:
     """Both ranks here: each of `transports` ("tcp", "rdma"; "mlx": MLX's ring alone) and MLX's
-    ring, then the ratios
-    and (plot: a PNG path) the latency histogram."""
+    ring, then the ratios and (plot: a PNG path) the latency histogram."""
     from . import gates as bench_gates
 
     if plot:

@@ -23,12 +23,12 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Unio
 from ..base.log import log
 from . import structured
 from .served_pair import ServedPair
+from .soak_client import json_headers
 
 PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime numbers:",
            "The weather today", "In the beginning", "Dear diary,", "Rules of the road:",
            "The recipe calls for"]
-
-
+CLIENTS = (1, 2, 4, 8)
 CONNECT_RETRIES = 5
 
 
@@ -51,10 +51,8 @@ def stream_completion(base: str, prompt: Union[str, List[int]], max_tokens: int,
     the server had cached."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}).encode()
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(base + "/v1/completions", data=body, method="POST", headers=headers)
+    req = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
+                                 headers=json_headers(api_key))
     t0 = time.perf_counter()
     first = last = None
     text, usage = [], {}
@@ -119,15 +117,7 @@ def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = N
             "connections_reset": resets[0]}
 
 
-def serve_bench(model: Path, transport: str, rdma_device: Optional[str], max_tokens: int,
-                clients: Sequence[int] = (1, 2, 4, 8), rounds: int = 1) -> List[Dict[str, float]]:
-    """Start both ranks of `ds4tp serve` here, measure each client count (the median round by
-    decode tok/s), stop the pair; one record per client count."""
-    with ServedPair(model, transport, rdma_device, ["--max-batch", str(max(clients))]).start() as pair:
-        return measure_all(pair.base, max_tokens, clients, rounds)
-
-
-def measure_all(base: str, max_tokens: int, clients: Sequence[int] = (1, 2, 4, 8), rounds: int = 1,
+def measure_all(base: str, max_tokens: int, clients: Sequence[int] = CLIENTS, rounds: int = 1,
                 api_key: Optional[str] = None, constrained: bool = True) -> List[Dict[str, float]]:
     """Against a running server (http://HOST:PORT): one record per client count, the median
     round by decode tok/s, after one warm-up request; then (constrained) the serve-json record,
@@ -177,7 +167,8 @@ def serve_report(url: Optional[str], model: Optional[Path], transport: str,
         from ..testing.demo_model import demo_model_dir
 
         model = model or demo_model_dir()
-        records = serve_bench(model, transport, rdma_device, max_tokens, rounds=rounds)
+        with ServedPair(model, transport, rdma_device, ["--max-batch", str(max(CLIENTS))]).start() as pair:
+            records = measure_all(pair.base, max_tokens, rounds=rounds)
     if model is not None:
         records[-1].update(structured.compile_figures(model))
     print_records(records, as_json)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 from ..base.log import log
+from ..testing.localpair import child_env, free_port, reap
 
 # After the kill, how long /health may still say 200 before the leader is taken to have missed
 # the worker's death (a kill under load is seen within a gate exchange).
@@ -53,8 +54,6 @@ class ServedPair:
 
     def __init__(self, model: Path, transport: str, rdma_device: Optional[str] = None,
                  extra: Sequence[str] = (), rank_extra: Optional[Dict[str, Sequence[str]]] = None):
-        from ..testing.localpair import child_env, free_port
-
         self.env = child_env()
         pair_port, self.port = free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -108,8 +107,7 @@ class ServedPair:
         """SIGKILL the worker, start it again with the same command line and time the outage:
         kill to the first /health 200 after the leader said 503."""
         t_kill = time.perf_counter()
-        self.procs["worker"].kill()
-        self.procs["worker"].wait(10)
+        reap(self.procs["worker"])
         self.procs["worker"] = self._spawn("worker")
         log(f"soak: worker killed and started again (pid {self.pid('worker')})")
         seen_down, why = False, ""
@@ -149,10 +147,5 @@ class ServedPair:
     def close(self) -> None:
         """Both ranks killed (those still running) and reaped; the log closed."""
         for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+            reap(p)
         self.log.close()
-
-
-__all__ = ["NOTICE_SEC", "ServedPair", "health", "wait_healthy"]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..base.log import log
+from ..testing.localpair import reap
 from . import soak_pair
 from .served_pair import ServedPair, health
 from .soak_client import BAD_KINDS, EXPECTED_KINDS, Outcome, Target, bad_body, bad_request, stream
@@ -93,6 +94,17 @@ def _client(i: int, target: Target, opts: SoakOptions, variants, vocab: int, ser
         out.append(outcome)
         if outcome.kind in ("pair_down", "busy"):
             time.sleep(0.1)  # a client backs off from a refusal, as a real one would
+
+
+def _start_clients(target: Target, opts: SoakOptions, variants, vocab: int, server_ctx: int,
+                   stop_at: float, out: List[Outcome]) -> List[threading.Thread]:
+    """opts.clients _client threads, started, looping until stop_at."""
+    threads = [threading.Thread(target=_client, daemon=True,
+                                args=(i, target, opts, variants, vocab, server_ctx, stop_at, out))
+               for i in range(opts.clients)]
+    for t in threads:
+        t.start()
+    return threads
 
 
 IDLE_SEC = 2.0
@@ -175,12 +187,7 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     # filled at full width before the first memory reading.
     fill = min(60.0, max(10.0, opts.seconds / 10))
     filled: List[Outcome] = []
-    fillers = [threading.Thread(target=_client, args=(i, target, opts, variants, vocab, server_ctx,
-                                                      time.perf_counter() + fill, filled), daemon=True)
-               for i in range(opts.clients)]
-    for t in fillers:
-        t.start()
-    for t in fillers:
+    for t in _start_clients(target, opts, variants, vocab, server_ctx, time.perf_counter() + fill, filled):
         t.join(fill + 2 * target.timeout + 10)
     for outcome in filled:
         outcome.warmup = True
@@ -193,11 +200,7 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     t0 = time.perf_counter()
     stop_at = t0 + opts.seconds
     restart: Dict[str, Any] = {}
-    threads = [threading.Thread(target=_client, args=(i, target, opts, variants, vocab, server_ctx,
-                                                      stop_at, outcomes), daemon=True)
-               for i in range(opts.clients)]
-    for t in threads:
-        t.start()
+    threads = _start_clients(target, opts, variants, vocab, server_ctx, stop_at, outcomes)
     # Steady state: a quarter in, every client has been running and the prompt caches are
     # full; a leak shows as growth from here to the end (the warm-up ran one client at a
     # time, so memory after it is below what 32 clients at once need).
@@ -217,30 +220,27 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     time.sleep(IDLE_SEC)
     rss_end = _rss(pids)
     stored_end = _stored_bytes(base, target)
-    rec = _record(opts, list(outcomes), variants, refs, restart, stuck, t0, t1, rss_start,
-                  rss_end, reach)
+    rec = _record(opts, list(outcomes), variants, refs, restart, stuck, t0, t1, reach)
     # Stored prompt caches are memory the server keeps on purpose, up to its bounds, and each
     # rank holds the same share; which prompts they hold differs from start to end, so the
     # growth is also given without them.
     rec["stored_prompt_cache_start_kib"], rec["stored_prompt_cache_end_kib"] = stored_start, stored_end
     for name in ("leader", "worker"):
-        a, b = rss_start.get(name), rss_end.get(name)
+        a, steady, b = rss_start.get(name), rss_steady.get(name), rss_end.get(name)
+        # A restarted worker is another process: its end says nothing of the first one's growth.
         same = name == "leader" or not opts.restart_worker
+        rec[f"rss_{name}_start_kib"], rec[f"rss_{name}_end_kib"] = a, b
+        rec[f"rss_{name}_ratio"] = round(b / a, 3) if a and b else None
         rec[f"rss_{name}_ratio_less_stored"] = (
             round((b - stored_end) / (a - stored_start), 3)
             if a and b and same and stored_start is not None and stored_end is not None else None)
-    for name in ("leader", "worker"):
-        a, b = rss_steady.get(name), rss_end.get(name)
-        rec[f"rss_{name}_steady_kib"] = a
-        # A restarted worker is another process: its end says nothing of the first one's growth.
-        same = name == "leader" or not opts.restart_worker
-        rec[f"rss_{name}_end_vs_steady"] = round(b / a, 3) if a and b and same else None
+        rec[f"rss_{name}_steady_kib"] = steady
+        rec[f"rss_{name}_end_vs_steady"] = round(b / steady, 3) if steady and b and same else None
     return rec
 
 
 def _record(opts: SoakOptions, outcomes: List[Outcome], variants, refs: List[str],
-            restart: Dict[str, Any], stuck: int, t0: float, t1: float, rss_start, rss_end,
-            reach: int) -> Dict[str, Any]:
+            restart: Dict[str, Any], stuck: int, t0: float, t1: float, reach: int) -> Dict[str, Any]:
     kinds = collections.Counter(o.kind for o in outcomes)
     kinds["hung"] += stuck
     mismatches, first = 0, None
@@ -251,7 +251,6 @@ def _record(opts: SoakOptions, outcomes: List[Outcome], variants, refs: List[str
                 ids, n = variants[o.variant]
                 first = {"variant": o.variant, "prompt_tokens": len(ids), "max_tokens": n,
                          "got": o.text[:200], "want": refs[o.variant][:200]}
-    late_down = 0
     if restart:
         back = restart["rejoined_at"] if restart["rejoined"] else math.inf
         late_down = sum(1 for o in outcomes if o.kind == "pair_down" and not (
@@ -286,10 +285,6 @@ def _record(opts: SoakOptions, outcomes: List[Outcome], variants, refs: List[str
         "tokens": tokens, "tok_s": round(tokens / (t1 - t0), 1),
         "tok_s_per_minute": _per_minute(soak, t0, t1),
     }
-    for name in ("leader", "worker"):
-        a, b = rss_start.get(name), rss_end.get(name)
-        rec[f"rss_{name}_start_kib"], rec[f"rss_{name}_end_kib"] = a, b
-        rec[f"rss_{name}_ratio"] = round(b / a, 3) if a and b else None
     if opts.restart_worker:
         # /health says 200 once the worker has joined; a request answered in full says the
         # worker also has its weights again.
@@ -360,8 +355,7 @@ def _client_counts(base: str, model: Path, opts: SoakOptions, api_key: Optional[
     try:
         theirs = serve.measure_all(mlx_base, opts.max_tokens, counts, opts.rounds, constrained=False)
     finally:
-        proc.kill()
-        proc.wait(10)
+        reap(proc)
     for rec, other in zip(ours, theirs):
         other["name"] = f"mlx-lm-server-{other['clients']}"
         rec["tok_s_vs_mlx_lm_server"] = round(rec["tok_s"] / other["tok_s"], 3) if other["tok_s"] else None

@@ -53,11 +53,9 @@ class Target:
     timeout: float  # a request's whole time: past it, it is "hung"
 
 
-def _headers(target: Target) -> Dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    if target.api_key:
-        headers["Authorization"] = f"Bearer {target.api_key}"
-    return headers
+def json_headers(api_key: Optional[str]) -> Dict[str, str]:
+    """A JSON request's headers, with the API key when there is one."""
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
 def _error_code(payload: bytes) -> str:
@@ -90,7 +88,7 @@ def stream(target: Target, prompt: List[int], max_tokens: int,
     conn = http.client.HTTPConnection(target.host, target.port, timeout=target.timeout)
     resp = None
     try:
-        conn.request("POST", "/v1/completions", body=body, headers=_headers(target))
+        conn.request("POST", "/v1/completions", body=body, headers=json_headers(target.api_key))
         resp = conn.getresponse()
         if resp.status != 200:
             payload = resp.read()
@@ -164,7 +162,7 @@ def bad_request(target: Target, body: bytes, kind: str) -> Outcome:
     out = Outcome("connection", start, start, detail=kind)
     conn = http.client.HTTPConnection(target.host, target.port, timeout=target.timeout)
     try:
-        conn.request("POST", "/v1/completions", body=body, headers=_headers(target))
+        conn.request("POST", "/v1/completions", body=body, headers=json_headers(target.api_key))
         resp = conn.getresponse()
         payload = resp.read()
         if 400 <= resp.status < 500:

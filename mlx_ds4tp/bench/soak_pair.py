@@ -16,12 +16,12 @@ from typing import List, Optional, Sequence, Tuple
 
 from ..base.log import log
 from .served_pair import wait_healthy
+from .soak_client import json_headers
 
 
 def get_json(base: str, path: str, api_key: Optional[str]) -> Optional[dict]:
     """A GET's JSON body, or None when it fails."""
-    req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {api_key}"}
-                                 if api_key else {})
+    req = urllib.request.Request(base + path, headers=json_headers(api_key))
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
@@ -95,7 +95,7 @@ def find_pair_pids(http_port: int) -> Tuple[Optional[int], Optional[int]]:
 
 def mlx_lm_server(model: Path, concurrency: int) -> Tuple[subprocess.Popen, str]:
     """mlx_lm.server on 127.0.0.1 on the same model, healthy; (process, base URL)."""
-    from ..testing.localpair import child_env, free_port
+    from ..testing.localpair import child_env, free_port, reap
 
     port = free_port()
     # Its access log is a line per request: kept out of the way, shown when it fails to start.
@@ -108,8 +108,7 @@ def mlx_lm_server(model: Path, concurrency: int) -> Tuple[subprocess.Popen, str]
         try:
             wait_healthy(base, [proc], 300.0)
         except BaseException:
-            proc.kill()
-            proc.wait(10)
+            reap(proc)
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace")[-4000:])
             raise

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .model import BENCH_PROMPT, bench_model_dir
+from .model import BENCH_PROMPT, bench_model_dir, rotating_rounds
 
 
 def _pair(path: str, max_tokens: int, prompt_tokens: int, name: str, extra: List[str]) -> Dict:
@@ -63,30 +63,25 @@ def speculative_bench(model: str, draft: Optional[str], prompt_lookup: int, k: i
     plain = _pair(path, max_tokens, prompt_tokens, "tp2-tcp", [])
     recorded = Path(tempfile.mkdtemp()) / "recorded.json"
     recorded.write_text(json.dumps(plain["token_ids"]))
-    contenders: Dict[str, Callable[[], Dict]] = {
-        "tp2-tcp": lambda: _pair(path, max_tokens, prompt_tokens, "tp2-tcp", []),
-        f"tp2-tcp-recorded-{k}": lambda: _pair(path, max_tokens, prompt_tokens, f"tp2-tcp-recorded-{k}",
-                                               ["--recorded-draft", str(recorded), "--num-draft-tokens", str(k)]),
-        "mlx-lm-single": lambda: _mlx_lm_single(path, None, k, max_tokens, prompt_tokens, "mlx-lm-single"),
-    }
+    contenders: Dict[str, Callable[[], Dict]] = {}
+
+    def pair(name: str, flags: List[str]) -> None:
+        contenders[name] = lambda: _pair(path, max_tokens, prompt_tokens, name, flags)
+
+    def single(name: str, with_draft: Optional[str]) -> None:
+        contenders[name] = lambda: _mlx_lm_single(path, with_draft, k, max_tokens, prompt_tokens, name)
+
+    k_flags = ["--num-draft-tokens", str(k)]
+    pair("tp2-tcp", [])
+    pair(f"tp2-tcp-recorded-{k}", ["--recorded-draft", str(recorded), *k_flags])
+    single("mlx-lm-single", None)
     if draft:
-        contenders[f"tp2-tcp-draft-{k}"] = lambda: _pair(
-            path, max_tokens, prompt_tokens, f"tp2-tcp-draft-{k}",
-            ["--draft-model", draft, "--num-draft-tokens", str(k)])
-        contenders[f"mlx-lm-single-draft-{k}"] = lambda: _mlx_lm_single(
-            path, draft, k, max_tokens, prompt_tokens, f"mlx-lm-single-draft-{k}")
+        pair(f"tp2-tcp-draft-{k}", ["--draft-model", draft, *k_flags])
+        single(f"mlx-lm-single-draft-{k}", draft)
     if prompt_lookup:
-        name = f"tp2-tcp-lookup-{prompt_lookup}-{k}"
-        contenders[name] = lambda: _pair(path, max_tokens, prompt_tokens, name,
-                                         ["--prompt-lookup", str(prompt_lookup), "--num-draft-tokens", str(k)])
-    names = list(contenders)
-    runs: Dict[str, List[Dict]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            runs[name].append(contenders[name]())
+        pair(f"tp2-tcp-lookup-{prompt_lookup}-{k}", ["--prompt-lookup", str(prompt_lookup), *k_flags])
     records = []
-    for name in names:
-        got = runs[name]
+    for name, got in rotating_rounds(contenders, rounds).items():
         rec = {"name": name, "tok_s": round(statistics.median(g["tok_s"] for g in got), 2),
                "tok_s_rounds": [g["tok_s"] for g in got], "acceptance": got[0]["acceptance"],
                "tokens_match": all(g["token_ids"] == plain["token_ids"] for g in got)
@@ -114,5 +109,3 @@ def speculative_report(model: str, draft: Optional[str], prompt_lookup: int, k: 
               f"{' '.join(f'{v:.1f}' for v in rec['tok_s_rounds'])})  {ratio}{acceptance}{match}")
     return 0
 
-
-__all__ = ["speculative_bench", "speculative_report"]

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Optional, Tuple
 
 from .. import transport as tr
 from ..base.stopping import stop_on_sigterm
 from .draft_args import add_draft_args
-from .model_arg import add_model_arg
+from .model_arg import DEMO, add_model_arg, model_path
 from .pair_args import (
     LOCKSTEP_NEEDS_PAIR,
     add_pair_args,
@@ -130,7 +131,6 @@ def _model_dir(flag: str, value: str) -> str:
     from ..bench.model import bench_model_dir
     from ..link.identity import model_identity
     from ..testing import tiny_model
-    from .model_arg import DEMO, model_path
 
     model = str(model_path(value)) if value == DEMO else bench_model_dir(value)
     try:
@@ -169,9 +169,15 @@ def _model(args: argparse.Namespace, report) -> int:
     return report.model_report(bench, args.json)
 
 
+def _serve_transport(args: argparse.Namespace) -> Tuple[str, Optional[str]]:
+    """The serving benches' transport (tcp unless rdma is given) and its device (ucsim for rdma
+    unless --rdma-device names one)."""
+    transport = "tcp" if args.transport in (ALL, "auto") else args.transport
+    return transport, args.rdma_device or ("ucsim" if transport == "rdma" else None)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ..bench import serve as serve_bench
-    from .model_arg import model_path
 
     if args.soak or args.restart_worker or args.client_counts:
         return _soak(args)
@@ -180,8 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.disk_soak:
         raise SystemExit("ds4tp bench: --disk-soak goes with --serve --disk-cache")
     check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1)))
-    transport = "tcp" if args.transport in (ALL, "auto") else args.transport
-    device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
+    transport, device = _serve_transport(args)
     model = model_path(args.model) if args.model and not args.url else None
     return serve_bench.serve_report(args.url, model, transport, device, args.max_tokens,
                                     args.rounds, args.api_key, args.json)
@@ -194,10 +199,8 @@ def _disk_cache(args: argparse.Namespace) -> int:
         raise SystemExit("ds4tp bench: --disk-cache restarts a pair it starts itself; not with --url")
     check_at_least("bench", (("--prompt-tokens", args.prompt_tokens, 2), ("--max-tokens", args.max_tokens, 1),
                              ("--disk-soak", args.disk_soak, 0), ("--disk-bytes", args.disk_bytes, 1)))
-    transport = "tcp" if args.transport in (ALL, "auto") else args.transport
-    return disk_cache.report(Path(_model_dir("--model", args.model or "demo")), transport, args.prompt_tokens,
-                             args.max_tokens,
-                             args.disk_soak, args.disk_bytes, args.json)
+    return disk_cache.report(Path(_model_dir("--model", args.model or DEMO)), _serve_transport(args)[0],
+                             args.prompt_tokens, args.max_tokens, args.disk_soak, args.disk_bytes, args.json)
 
 
 def _add_soak_args(p: argparse.ArgumentParser) -> None:
@@ -230,7 +233,6 @@ def _add_soak_args(p: argparse.ArgumentParser) -> None:
 
 def _soak(args: argparse.Namespace) -> int:
     from ..bench import soak, soak_pair
-    from .model_arg import model_path
 
     if not args.soak:
         raise SystemExit("ds4tp bench: --restart-worker and --client-counts go with --soak SECONDS")
@@ -251,8 +253,7 @@ def _soak(args: argparse.Namespace) -> int:
                              ("--variants", args.variants, 1), ("--rounds", args.rounds, 1),
                              ("--context-length", args.context_length, 0),
                              *(("--client-counts", c, 1) for c in counts)))
-    transport = "tcp" if args.transport in (ALL, "auto") else args.transport
-    device = args.rdma_device or ("ucsim" if transport == "rdma" else None)
+    transport, device = _serve_transport(args)
     opts = soak.SoakOptions(args.soak, args.clients, args.max_tokens, args.cancel_share,
                             args.bad_share, args.restart_worker, args.seed, args.variants,
                             args.request_timeout, args.context_length or None,
@@ -262,5 +263,5 @@ def _soak(args: argparse.Namespace) -> int:
             soak_pair.loopback_host(args.url)
         except ValueError as exc:
             raise SystemExit(f"ds4tp bench: {exc}") from None
-    return soak.soak_report(args.url, model_path(args.model or "demo"), transport, device,
+    return soak.soak_report(args.url, model_path(args.model or DEMO), transport, device,
                             args.api_key, opts, args.json)

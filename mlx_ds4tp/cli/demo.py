@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List
 
 from ..testing.demo_model import demo_model_dir
 from ..testing.local_run import run_local_pair
@@ -34,30 +34,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Check the flags, then run the demo."""
+    """Check the flags, then both ranks here on the demo model and the same generation unsplit;
+    0 when they match."""
     check_at_least("demo", (("--max-tokens", args.max_tokens, 1),))
     refuse_mlx(args, "demo", f"its two ranks are a `ds4tp run` pair, and {LOCKSTEP_NEEDS_PAIR}")
+    # The rest of the link flags, for both ranks' `ds4tp run`.
     extra = [*(("--rdma-gid-index", str(args.rdma_gid_index)) if args.rdma_gid_index is not None else ()),
              *(("--secret", args.secret) if args.secret else ())]
-    return demo(args.prompt, args.max_tokens, args.transport, args.rdma_device, extra)
-
-
-def demo(prompt: str, max_tokens: int, transport: str, rdma_device: Optional[str],
-         extra: Sequence[str] = ()) -> int:
-    """Both ranks here on the demo model, then the same generation unsplit; 0 when they match.
-    extra: more flags of both ranks' `ds4tp run` (the GID index, the secret)."""
     path = demo_model_dir()
     print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
           "noise), split 50/50 across two local processes.", flush=True)
     # Both ranks write here: the leader's text on stdout, both ranks' `ds4-tp:` logs on stderr.
-    print(f"prompt: {prompt!r}\n--- the two ranks (stdout: the leader's text; stderr: both "
+    print(f"prompt: {args.prompt!r}\n--- the two ranks (stdout: the leader's text; stderr: both "
           f"ranks' logs) ---", flush=True)
-    result = run_local_pair(path, prompt, max_tokens, transport, rdma_device, timeout=600.0,
-                            extra=extra)
+    result = run_local_pair(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
+                            timeout=600.0, extra=extra)
     if result is None:
         print("ds4tp demo: FAILED (see the ranks' errors above)", flush=True)
         return 1
-    reference = single_process_tokens(path, result["prompt_tokens"], max_tokens)
+    reference = single_process_tokens(path, result["prompt_tokens"], args.max_tokens)
     match = reference == result["tokens"]
     print("--- summary ---")
     print(f"tokens (pair):   {result['tokens']}")

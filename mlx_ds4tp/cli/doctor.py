@@ -153,13 +153,10 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
 
     def rank(i: int) -> None:
         try:
-            if i == 0:
-                groups[0] = gate_ops.init(role="leader", listen=("127.0.0.1", port), transport="rdma",
+            here = ("127.0.0.1", port)
+            g = groups[i] = gate_ops.init(role=("leader", "worker")[i], listen=here if i == 0 else None,
+                                          coordinator=None if i == 0 else here, transport="rdma",
                                           rdma_device=tr.UCSIM, timeout=10.0)
-            else:
-                groups[1] = gate_ops.init(role="worker", coordinator=("127.0.0.1", port),
-                                          transport="rdma", rdma_device=tr.UCSIM, timeout=10.0)
-            g = groups[i]
             send = np.full(4096, i + 1.0, np.float32)
             recv = np.empty_like(send)
             exchange = Exchange(g.link, send)
@@ -270,27 +267,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> Optional[LinkSettings]:
     """The round trip's link (the --peer side dials as the worker, the --listen side
     answers as the leader), or None without either; bad flags exit naming the flag."""
-    if args.interface and not (args.peer or args.listen):
-        # Both Macs run `ds4tp doctor --interface NAME`: they find each other as run and serve do.
-        refuse_mlx(args, "doctor", "its round trip times a pair's exchange, and MLX's own group is no pair")
-        discovery = discovery_from_args(args, "doctor", "any")
-        return link_from_args(args, PairAddress(None, None, None), "doctor", discovery=discovery)
-    if args.model is not None and not (args.peer or args.listen):
-        raise SystemExit("ds4tp doctor: --model is compared with the peer's: give --peer, --listen "
-                         "or --interface")
+    no_mlx = ("its round trip times a pair's exchange, and MLX's own group is no pair (`ds4tp bench "
+              "--transport mlx` times MLX's ring)")
     if not (args.peer or args.listen):
+        if args.interface:
+            # Both Macs run `ds4tp doctor --interface NAME`: they find each other as run and serve do.
+            refuse_mlx(args, "doctor", no_mlx)
+            discovery = discovery_from_args(args, "doctor", "any")
+            return link_from_args(args, PairAddress(None, None, None), "doctor", discovery=discovery)
+        if args.model is not None:
+            raise SystemExit("ds4tp doctor: --model is compared with the peer's: give --peer, --listen "
+                             "or --interface")
         return None
-    if args.peer:
-        role, listen, coordinator = "worker", None, parse_address(args.peer, "--peer")
-    else:
-        role, listen, coordinator = "leader", parse_address(args.listen, "--listen"), None
+    flag = "--peer" if args.peer else "--listen"
+    here = parse_address(args.peer or args.listen, flag)
     try:
-        address = pair_address(role, listen, coordinator)
+        address = pair_address("worker", None, here) if args.peer else pair_address("leader", here, None)
     except ValueError as exc:
-        flag = "--peer" if args.peer else "--listen"
         raise SystemExit(f"ds4tp doctor: {flag}: {exc}") from None
-    refuse_mlx(args, "doctor", "its round trip times a pair's exchange, and MLX's own group is no "
-               "pair (`ds4tp bench --transport mlx` times MLX's ring)")
+    refuse_mlx(args, "doctor", no_mlx)
     return link_from_args(args, address, "doctor")
 
 

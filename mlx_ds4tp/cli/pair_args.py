@@ -150,6 +150,20 @@ def one_rank_address(args: argparse.Namespace, command: str, what: str) -> PairA
     return address
 
 
+def lockstep_address(args: argparse.Namespace, command: str, want: str, what: str,
+                     http_url: str = "") -> Tuple[PairAddress, Optional[DiscoverySettings]]:
+    """The address of a `ds4tp run` or `serve` rank and, without --listen/--coordinator, how it
+    finds its peer (`want`: what it wants to be); one_rank_address's `what` otherwise. Refuses
+    --transport mlx: the lockstep needs the pair's control channel."""
+    if discovering(args):
+        address = PairAddress(args.role, None, None)
+        discovery: Optional[DiscoverySettings] = discovery_from_args(args, command, want, http_url)
+    else:
+        address, discovery = one_rank_address(args, command, what), None
+    refuse_mlx(args, command, LOCKSTEP_NEEDS_PAIR)
+    return address, discovery
+
+
 def check_at_least(command: str, checks: Sequence[Tuple[str, int, int]]) -> None:
     """Each (flag, value, low): exit naming the first flag whose value is under its low."""
     for flag, value, low in checks:

@@ -26,24 +26,24 @@ from .model_arg import add_model_arg
 from .pair_args import MLX, add_pair_args, add_transport_args, link_from_args, one_rank_address
 
 
-def _print_json(records: List[Dict]) -> None:
+def _print_json(records: List[Dict]) -> int:
+    """The records as JSON lines (what the parent reads); exit code 0."""
     for rec in records:
         print(json.dumps(rec), flush=True)
+    return 0
 
 
 def _gate(args) -> int:
     from ..bench import gates as bench_gates
 
-    _print_json(bench_gates.run_rank(one_rank_address(args, "gate", ""), args.transport,
-                                     args.rdma_device, args.bytes, args.iters))
-    return 0
+    return _print_json(bench_gates.run_rank(one_rank_address(args, "gate", ""), args.transport,
+                                            args.rdma_device, args.bytes, args.iters))
 
 
 def _ring_gate(args) -> int:
     from ..bench import gates as bench_gates
 
-    _print_json(bench_gates.ring_rank(args.bytes, args.iters))
-    return 0
+    return _print_json(bench_gates.ring_rank(args.bytes, args.iters))
 
 
 def _shard_model(args) -> int:
@@ -51,16 +51,14 @@ def _shard_model(args) -> int:
 
     link = None if args.transport == MLX else \
         link_from_args(args, one_rank_address(args, "shard-model", ""), "shard-model")
-    _print_json(bench_model.shard_model_rank(args.model, args.max_tokens, args.prompt_tokens, link))
-    return 0
+    return _print_json(bench_model.shard_model_rank(args.model, args.max_tokens, args.prompt_tokens, link))
 
 
 def _ceiling(args) -> int:
     from ..bench import model as bench_model
 
-    _print_json(bench_model.ceiling_rank(one_rank_address(args, "ceiling", ""), args.model,
-                                         args.max_tokens, args.prompt_tokens))
-    return 0
+    return _print_json(bench_model.ceiling_rank(one_rank_address(args, "ceiling", ""), args.model,
+                                                args.max_tokens, args.prompt_tokens))
 
 
 def _run(args) -> int:
@@ -82,17 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kind", required=True)
 
-    gate = sub.add_parser("gate")
-    add_transport_args(gate)
-    gate.add_argument("--bytes", type=int, required=True)
-    gate.add_argument("--iters", type=int, required=True)
-    add_pair_args(gate, ROLE_HELP)
-    gate.set_defaults(func=_gate)
-
-    ring_gate = sub.add_parser("ring-gate")
-    ring_gate.add_argument("--bytes", type=int, required=True)
-    ring_gate.add_argument("--iters", type=int, required=True)
-    ring_gate.set_defaults(func=_ring_gate)
+    for kind, func in (("gate", _gate), ("ring-gate", _ring_gate)):
+        p = sub.add_parser(kind)
+        p.add_argument("--bytes", type=int, required=True)
+        p.add_argument("--iters", type=int, required=True)
+        if kind == "gate":
+            add_transport_args(p)
+            add_pair_args(p, ROLE_HELP)
+        p.set_defaults(func=func)
 
     for kind, func in (("shard-model", _shard_model), ("ceiling", _ceiling)):
         p = sub.add_parser(kind)

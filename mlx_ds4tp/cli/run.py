@@ -9,21 +9,17 @@ import dataclasses
 import json
 from typing import Tuple
 
-from ..link.config import LinkSettings, PairAddress
+from ..link.config import LinkSettings
 from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, model_path
 from .pair_args import (
-    LOCKSTEP_NEEDS_PAIR,
     add_interface_arg,
     add_pair_args,
     add_transport_args,
     check_at_least,
-    discovering,
-    discovery_from_args,
     link_from_args,
-    one_rank_address,
-    refuse_mlx,
+    lockstep_address,
 )
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
@@ -58,15 +54,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings]:
     """The flags of one `ds4tp run` rank checked once and resolved: the rank's link settings,
     the model's directory and what the leader generates. Bad flags exit naming the flag."""
-    discovery = None
-    if discovering(args):
-        # The rank with the prompt leads; the other works for the first such leader it finds.
-        want = "lead" if args.role == "leader" or (args.prompt and args.role != "worker") else "work"
-        discovery = discovery_from_args(args, "run", want)
-        address = PairAddress(args.role, None, None)
-    else:
-        address = one_rank_address(args, "run", " --prompt TEXT")
-    refuse_mlx(args, "run", LOCKSTEP_NEEDS_PAIR)
+    # Finding its peer, the rank with the prompt leads; the other works for the first such leader.
+    want = "lead" if args.role == "leader" or (args.prompt and args.role != "worker") else "work"
+    address, discovery = lockstep_address(args, "run", want, " --prompt TEXT")
     if (address.role == "leader" or (discovery and discovery.want == "lead")) and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
     check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))

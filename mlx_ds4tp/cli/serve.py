@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import argparse
 
-from ..link.config import PairAddress
 from ..link.wire import MAX_PREFILL_ROWS, MAX_VERIFY_WIDTH
 from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, default_served_name, model_path
 from .pair_args import (
-    LOCKSTEP_NEEDS_PAIR,
     add_interface_arg,
     add_pair_args,
     add_transport_args,
     check_at_least,
-    discovering,
-    discovery_from_args,
     link_from_args,
-    one_rank_address,
-    refuse_mlx,
+    lockstep_address,
 )
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
@@ -132,12 +127,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _size(text: str) -> int:
     """A byte count as mlx_lm.server takes it: 123, 1.5GB, 512MB, 2G, 800M (powers of ten)."""
-    units = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
-    number = text.strip().rstrip("bB") if text.strip().upper().endswith(("KB", "MB", "GB")) else text.strip()
-    digits = number.rstrip("kKmMgG")
-    unit = number[len(digits):].upper()
+    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
+    number = text.strip().upper()
+    number = number[:-1] if number.endswith(("KB", "MB", "GB")) else number
+    digits = number.rstrip("KMG")
     try:
-        value = float(digits) * units[unit]
+        value = float(digits) * units[number[len(digits):]]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with "
                                          "KB, MB or GB (e.g. 4GB)") from None
@@ -156,14 +151,9 @@ def main(args: argparse.Namespace) -> int:
 def check_args(args: argparse.Namespace) -> ServeSettings:
     """The flags of one `ds4tp serve` rank checked once, as the settings it runs with; bad
     flags exit naming the flag."""
-    discovery = None
-    if discovering(args):
-        want = {"leader": "lead", "worker": "work", None: "any"}[args.role]
-        discovery = discovery_from_args(args, "serve", want, f"http://{args.host}:{args.port}/v1")
-        address = PairAddress(args.role, None, None)
-    else:
-        address = one_rank_address(args, "serve", " (it serves HTTP on --host/--port)")
-    refuse_mlx(args, "serve", LOCKSTEP_NEEDS_PAIR)
+    want = {"leader": "lead", "worker": "work", None: "any"}[args.role]
+    address, discovery = lockstep_address(args, "serve", want, " (it serves HTTP on --host/--port)",
+                                          f"http://{args.host}:{args.port}/v1")
     link = link_from_args(args, address, "serve", discovery=discovery)
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0)))

@@ -1,11 +1,14 @@
-"""The demo's model: a small llama with fixed random weights, built once into the cache."""
+"""The demo's model: a small llama with fixed random weights, built once into the cache (the
+bench's preset models are built the same way)."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from ..base.log import log
 
@@ -14,34 +17,34 @@ DEMO_SEED = 0
 
 
 def demo_model_dir() -> Path:
-    """Built once with fixed random weights, then reused from the cache. Safe to call from
-    both ranks at once (`ds4tp serve --model demo` twice): the first builds, under a lock,
-    while the other waits, so neither reads a directory the other is replacing."""
+    """Built once with fixed random weights, then reused from the cache."""
+    from .tiny_model import save_llama
+
+    return cached_model(f"demo-llama-{DEMO_PRESET}-seed{DEMO_SEED}", "the demo model",
+                        lambda path: save_llama(path, DEMO_PRESET, seed=DEMO_SEED))
+
+
+def cached_model(name: str, what: str, save: Callable[[Path], object]) -> Path:
+    """~/.cache/mlx_ds4tp/NAME (or under $XDG_CACHE_HOME), written by save(directory) once, then
+    reused. Safe to call from both ranks at once (`ds4tp serve --model demo` twice): the first
+    builds, under a lock, while the other waits, so neither reads a directory the other is
+    replacing."""
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp"
-    path = root / f"demo-llama-{DEMO_PRESET}-seed{DEMO_SEED}"
+    path = root / name
     if _built(path):
         return path
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{path.name}.lock", "w") as lock:
+    with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _build(root, path)
+        if not _built(path):
+            log(f"building {what} (synthetic random weights) in {path}")
+            tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+            save(tmp)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
     return path
 
 
 def _built(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
-
-
-def _build(root: Path, path: Path) -> None:
-    from .tiny_model import save_llama
-
-    if not _built(path):
-        log(f"building the demo model (synthetic random weights) in {path}")
-        tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=root))
-        save_llama(tmp, DEMO_PRESET, seed=DEMO_SEED)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            import shutil
-
-            shutil.rmtree(path)
-        os.replace(tmp, path)

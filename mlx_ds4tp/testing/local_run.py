@@ -16,10 +16,9 @@ def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
                    rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
                    timeout: float = 1200.0, prompt_tokens: int = 0, extra=(),
                    placement: _localpair.Placement = _localpair.ANYWHERE) -> Optional[dict]:
-    """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the
-    leader's tokens record (see run's tokens_out) with the worker's peak resident memory
-    (worker_peak_rss_bytes), or None when either rank
-    failed (both are killed on any failure, the reason is logged).
+    """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the leader's tokens
+    record (see run's tokens_out) with the worker's peak resident memory (worker_peak_rss_bytes),
+    or None when either rank failed (both are killed on any failure, the reason is logged).
     prompt_tokens > 0: the prompt's tokens repeated to that many (see run). extra: more
     `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N). placement: each
     rank's CPUs and environment (localpair.SLOW_WORKER)."""

@@ -1,6 +1,6 @@
 """Both ranks on this machine: a free port, the child environment, two rank
-processes started and waited for together, and the hostfile MLX's ring
-backend reads. The bench, the demo, doctor and the tests share these.
+processes started and waited for together (a pair, or MLX's ring with its
+hostfile). The bench, the demo, doctor and the tests share these.
 
 Only the standard library: this sits beside the tools, below nothing.
 """
@@ -88,10 +88,10 @@ def rank_command(*args: str) -> List[str]:
     return [sys.executable, "-m", RANK_MODULE, *args]
 
 
-def pair_commands(base: Sequence[str], port: int, host: str = "127.0.0.1") -> List[List[str]]:
-    """`base` for the leader (listening on host:port) and for the worker (dialing it)."""
-    return [list(base) + ["--role", "leader", "--listen", host, str(port)],
-            list(base) + ["--role", "worker", "--coordinator", host, str(port)]]
+def pair_commands(base: Sequence[str], port: int) -> List[List[str]]:
+    """`base` for the leader (listening on 127.0.0.1:port) and for the worker (dialing it)."""
+    return [list(base) + ["--role", "leader", "--listen", "127.0.0.1", str(port)],
+            list(base) + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]]
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def busy_core(cpu: int) -> Iterator[None]:
     try:
         yield
     finally:
-        _reap(busy)
+        reap(busy)
 
 
 def run_ranks(cmds: Sequence[Sequence[str]], envs: Optional[Sequence[Dict[str, str]]] = None,
@@ -165,7 +165,7 @@ def run_ranks(cmds: Sequence[Sequence[str]], envs: Optional[Sequence[Dict[str, s
         _wait_all(procs, timeout)
     finally:
         for p in procs:
-            _reap(p)
+            reap(p)
         for t in readers:
             t.join(_REAP_SEC)
     return ["".join(t) for t in texts]
@@ -187,13 +187,14 @@ def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> None:
         time.sleep(0.02)
 
 
-def _reap(p: subprocess.Popen) -> None:
+def reap(p: subprocess.Popen) -> None:
+    """The process killed (when still running) and waited for, up to _REAP_SEC."""
     if p.poll() is None:
         p.kill()
     try:
         p.wait(timeout=_REAP_SEC)
     except subprocess.TimeoutExpired:
-        log(f"rank process {p.pid} did not exit {_REAP_SEC:.0f} s after SIGKILL")
+        log(f"process {p.pid} did not exit {_REAP_SEC:.0f} s after SIGKILL")
 
 
 def json_records(text: str) -> List[Dict]:
@@ -201,20 +202,19 @@ def json_records(text: str) -> List[Dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-@contextlib.contextmanager
-def ring_hostfile(size: int = 2, host: str = "127.0.0.1") -> Iterator[str]:
-    """A hostfile for mx.distributed's ring backend, one free port per rank on
-    `host`; removed when the block ends."""
-    ports = [free_port(host) for _ in range(size)]
+def pair_records(base: Sequence[str], timeout: float) -> List[Dict]:
+    """Both ranks of `base` here (pair_commands on a free port); the leader's JSON records."""
+    return json_records(run_ranks(pair_commands(base, free_port()), timeout=timeout)[0])
+
+
+def ring_records(cmd: Sequence[str], timeout: float) -> List[Dict]:
+    """Both ranks of `cmd` on mx.distributed's ring backend here (a hostfile of one free port per
+    rank, removed after; MLX_HOSTFILE and MLX_RANK set); rank 0's JSON records."""
+    ports = [free_port() for _ in range(2)]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([[f"{host}:{port}"] for port in ports], f)
-        path = f.name
+        json.dump([[f"127.0.0.1:{port}"] for port in ports], f)
     try:
-        yield path
+        envs = [child_env({"MLX_HOSTFILE": f.name, "MLX_RANK": str(rank)}) for rank in range(2)]
+        return json_records(run_ranks([cmd, cmd], envs, timeout=timeout)[0])
     finally:
-        os.unlink(path)
-
-
-def ring_envs(hostfile: str, size: int = 2) -> List[Dict[str, str]]:
-    """The child environment of each ring rank: MLX_HOSTFILE and MLX_RANK set."""
-    return [child_env({"MLX_HOSTFILE": hostfile, "MLX_RANK": str(rank)}) for rank in range(size)]
+        os.unlink(f.name)

@@ -293,9 +293,3 @@ def save_qwen3_moe(
             raise ValueError(f"unknown mixture-of-experts preset {sizes!r}; choose one of {sorted(MOE_PRESETS)}")
         sizes = MOE_PRESETS[sizes]
     return save_random_model(path, qwen3_moe_config(sizes), seed=seed, dtype=dtype, quantization=quantization)
-
-
-__all__ = [
-    "LlamaSizes", "MOE_PRESETS", "MoeSizes", "PRESETS", "llama_config", "qwen3_moe_config",
-    "save_llama", "save_qwen3_moe", "save_random_model", "save_tokenizer",
-]
