@@ -41,7 +41,8 @@ class ServedPair:
     what both ranks get as --model (a directory, or "demo")."""
 
     def __init__(self, model, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
-                 api_key: Optional[str] = API_KEY, rank_extra: Optional[dict] = None):
+                 api_key: Optional[str] = API_KEY, rank_extra: Optional[dict] = None,
+                 rank_env: Optional[dict] = None):
         self.port = free_port()
         pair_port = free_port()
         self.logs = logs
@@ -60,7 +61,9 @@ class ServedPair:
         }
         for name, more in (rank_extra or {}).items():  # flags of one rank only
             cmds[name] += list(more)
-        self.cmds, self.env = cmds, full_env
+        # The environment of each rank: the common one, plus `rank_env`'s for that rank only.
+        self.envs = {name: {**full_env, **(rank_env or {}).get(name, {})} for name in cmds}
+        self.cmds = cmds
         self.procs = {}
         for name in cmds:
             self.start(name)
@@ -70,7 +73,7 @@ class ServedPair:
         """Start rank `name` ("leader" or "worker") with its command line (plus `extra`), its
         output appended to its log: a first start, or a restart after kill()."""
         out = open(self.logs / f"{name}.log", "a")
-        self.procs[name] = subprocess.Popen(self.cmds[name] + list(extra), env=self.env, stdout=out,
+        self.procs[name] = subprocess.Popen(self.cmds[name] + list(extra), env=self.envs[name], stdout=out,
                                             stderr=subprocess.STDOUT)
 
     def log(self, name: str) -> str:

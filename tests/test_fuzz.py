@@ -638,8 +638,8 @@ WORKER_ERRORS = {
 
 def run_worker_case(model, data: bytes, name: str) -> str:
     """Serve one script; returns the outcome. The worker's replies must be
-    well-formed HASH frames, or DISK_LOAD answers (this worker has no disk cache:
-    it never loaded)."""
+    well-formed HASH frames, DISK_LOAD answers (this worker has no disk cache:
+    it never loaded) or KV_ROOM answers."""
     a, b = socket.socketpair()
     try:
         a.sendall(data)
@@ -660,10 +660,13 @@ def run_worker_case(model, data: bytes, name: str) -> str:
             except PeerClosedError as exc:
                 assert "EOF" in str(exc), f"the worker wrote a truncated reply: {exc}"
                 break
-            assert ftype in (F.HASH, F.DISK_LOAD), ftype
+            assert ftype in (F.HASH, F.DISK_LOAD, F.KV_ROOM), ftype
             if ftype == F.DISK_LOAD:
                 assert len(payload) == wire.DISK_LOAD_PAYLOAD.size
                 assert wire.DISK_LOAD_PAYLOAD.unpack(payload)[2] == 0, "loaded without a directory"
+            elif ftype == F.KV_ROOM:
+                assert len(payload) == wire.KV_ROOM_PAYLOAD.size
+                assert wire.KV_ROOM_PAYLOAD.unpack(payload)[2] in (0, 1), "measured is a flag"
             else:
                 assert len(payload) == wire.HASH_PAYLOAD.size
         if name == "none":

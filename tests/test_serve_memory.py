@@ -1,4 +1,4 @@
-"""The default KV budget (serve/memory.py): bytes a cache token takes, read off a forward that
+"""The default KV budget (lockstep/memory.py): bytes a cache token takes, read off a forward that
 is built and never run, and the machine's memory less the weights and a headroom."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_ds4tp.serve import memory
+from mlx_ds4tp.lockstep import memory
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,37 @@ def test_the_budget_is_the_memory_left_after_the_weights_and_the_headroom(model)
     # runs the machine out of memory.
     assert memory.default_kv_budget(model, total=8 * gib, resident=7 * gib)[0] == 0
     assert memory.default_kv_budget(model, total=0, resident=0) == (
-        0, "no KV budget: this machine's memory could not be read")
+        None, "no KV budget: this machine's memory could not be read")
 
 
 def test_this_machines_memory_is_read():
     assert memory.total_memory() > memory.resident_memory() > 0
+
+
+def test_a_memory_limit_caps_the_machines_figure(model, monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setenv("DS4_TP_MEMORY_LIMIT_BYTES", str(3 * gib))
+    tokens, how = memory.default_kv_budget(model, resident=gib // 2)
+    assert "3.0 GiB of memory" in how
+    assert tokens == int((3 * gib - gib // 2 - 2 * gib) // memory.kv_bytes_per_token(model))
+
+
+def test_the_served_budget_is_the_smaller_of_the_two_machines(tmp_path):
+    # Two different Macs: the worker's machine holds fewer cache tokens than the leader's (here
+    # a cap on what the worker may use), so the leader admits no more than the worker holds.
+    import re
+
+    from serveutil import ServedPair, build_chat_model
+
+    model_dir = build_chat_model(tmp_path / "model")
+    served = ServedPair(model_dir, tmp_path, rank_env={"worker": {"DS4_TP_MEMORY_LIMIT_BYTES": str(3 << 30)}})
+    try:
+        body = served.wait_healthy()
+        leader, worker = served.log("leader"), served.log("worker")
+        own = int(re.search(r"on the leader, KV budget (\d+) tokens", leader).group(1))
+        room = int(re.search(r"on the worker, KV budget (\d+) tokens .*3\.0 GiB of memory", worker).group(1))
+        assert 0 < room < own, (own, room)
+        assert f"KV budget {room} tokens, the smaller of the leader's ({own}) and the worker's ({room})" in leader
+        assert body["kv_budget_tokens"] == room
+    finally:
+        served.close()

@@ -1,8 +1,8 @@
 """The wire format between the two ranks: every frame type, struct layout,
 magic and size bound, in this one module (a protocol change is reviewed here).
 
-Both ranks are identical machines by definition, so every layout is
-little-endian and the magic in each header doubles as the byte-order check.
+Every machine a rank runs on (Apple Silicon, x86 Linux here) is little-endian, so every layout
+is, and the magic in each header doubles as the byte-order check.
 Three streams carry bytes: the control connection (framed messages), the gate
 data connection (TCP gates and small swaps), and, with RDMA, the queue pair.
 
@@ -35,9 +35,10 @@ The bound is checked before anything is allocated.
 | DISK_SAVE        | DISK_SAVE_HEADER (stored cache id, drop it after, token count) + the int32 tokens it covers | 4194320 |
 | DISK_LOAD        | DISK_LOAD_PAYLOAD (cache id to store under, token count, loaded, tokens' digest); the worker answers with the same layout | 64 |
 | SAMPLER          | SAMPLER_HEADER (session, seed, context count, options bytes) + context int32s + JSON sampling options | 4259904 |
+| KV_ROOM          | KV_ROOM_PAYLOAD (KV bits, group size, measured, tokens); the worker answers with the same layout | 64 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
-VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, HASH, STOP) are one protocol,
+VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
 mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Numbers
 of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE) are never
 reused: a peer of an older install that sent one gets "unknown frame type" at the header.
@@ -77,7 +78,10 @@ import struct
 # half; a rank of version 8 would refuse the frames mid-serve.
 # 10: a warm-up round exchanges RDMA_WARM twice (phase: send posted, then received); a rank of
 # version 9 would read the first as its round's status and desync.
-PROTOCOL_VERSION = 10
+# 12 (11 was a reverted trial's SPLIT): the leader asks the worker how many KV cache tokens its
+# machine holds (KV_ROOM), so two different Macs' serving budget is the smaller; a rank of
+# version 10 would refuse the frame at the start of serving.
+PROTOCOL_VERSION = 12
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -130,6 +134,9 @@ class FrameType(enum.IntEnum):
     DISK_SAVE = 40
     # ... and one read back as a stored cache; the worker answers whether its half loaded.
     DISK_LOAD = 41
+    # How many KV cache tokens the worker's machine holds beside its part of the weights
+    # (lockstep.memory): the leader's default budget is the smaller of the two ranks'.
+    KV_ROOM = 42
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -185,6 +192,7 @@ FRAME_MAX_BYTES = {
     FrameType.SAMPLER: 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_SAMPLER_OPTIONS_BYTES,
     FrameType.DISK_SAVE: 16 + 4 * MAX_TOKENS_PER_FRAME,
     FrameType.DISK_LOAD: 64,
+    FrameType.KV_ROOM: 64,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -244,4 +252,5 @@ SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, opt
 HASH_PAYLOAD = struct.Struct("<QQQ")
 DISK_SAVE_HEADER = struct.Struct("<QII")  # stored cache id, 1: drop it from memory after, tokens; then the tokens
 DISK_LOAD_PAYLOAD = struct.Struct("<QII16s")  # cache id to store under, tokens, 1: loaded (the answer), digest
+KV_ROOM_PAYLOAD = struct.Struct("<HHIQ")  # KV bits (0: float), group size, 1: measured (the answer), tokens
 SPLIT_PAYLOAD = struct.Struct("<II")  # rank 0's part, rank 1's part of every split count (1:1 even)

@@ -19,6 +19,7 @@ frames; their payloads are link.wire's table):
   INVALIDATE      drop a stored cache
   DISK_SAVE       write this rank's half of a stored cache to its --prompt-cache-dir
   DISK_LOAD       read this rank's half back; the worker answers whether it could
+  KV_ROOM         the worker answers how many KV cache tokens its machine holds (lockstep.memory)
   HASH            the worker answers its own hash of the last step's logits or of a session's
                   sampled tokens
   STOP            the worker returns
@@ -39,14 +40,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .. import gate_ops, transport as tr
+from ..base.log import log
 from ..errors import LockstepDivergence, TransportError
-from ..link.wire import DISK_LOAD_PAYLOAD as DISK_LOAD, HASH_PAYLOAD as HASH
+from ..link.wire import DISK_LOAD_PAYLOAD as DISK_LOAD, HASH_PAYLOAD as HASH, KV_ROOM_PAYLOAD as KV_ROOM
 from .batch_verify import pack_commit, pack_verify_batch
 from .disk_cache import DiskCache, tokens_digest
 from .frames import pack_batch, pack_disk_save, pack_prefill_batch, unpack
 from .grammar import Grammars
 from .prompt_cache import FRESH
 from .row_sampling import pack_sampler
+from .session_caches import KV_BITS, KV_GROUP_SIZES
 from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, release_memory
 
 F = tr.FrameType
@@ -203,6 +206,14 @@ class LeaderSessions:
             self.control.send(F.INVALIDATE, INVALIDATE.pack(cache_id))
         return bool(mine and theirs)
 
+    def worker_kv_room(self, kv_bits: int, kv_group_size: int) -> Optional[int]:
+        """KV_ROOM: the KV cache tokens the worker's machine holds beside its part of the
+        weights, with caches of `kv_bits` (0: float); None when it could not read its memory."""
+        self.control.send(F.KV_ROOM, KV_ROOM.pack(kv_bits, kv_group_size, 0, 0))
+        _, payload = self._explained(lambda: self.control.recv(F.KV_ROOM))
+        _, _, measured, tokens = unpack(KV_ROOM, payload, F.KV_ROOM)
+        return tokens if measured else None
+
     def check_hash(self, session: int = 0) -> None:
         """Compare a hash with the worker's: of the last step's logits (session 0: --debug-hash),
         or of the tokens each rank sampled for `session` (a generation's end); LockstepDivergence
@@ -280,11 +291,27 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
                 loaded = table.caches.load(cache_id, digest, count)
                 control.send(F.DISK_LOAD, DISK_LOAD.pack(cache_id, count, int(loaded), digest))
                 continue
+            if ftype == F.KV_ROOM:
+                control.send(F.KV_ROOM, _kv_room(model, payload))
+                continue
             table.apply(ftype, payload)
     except Exception as exc:
         if tell_leader:
             control.send_error(f"{type(exc).__name__}: {exc}")
         raise
+
+
+def _kv_room(model, payload: bytes) -> bytes:
+    """The worker's answer to KV_ROOM: its machine's KV budget for the leader's cache kind."""
+    from .memory import default_kv_budget
+
+    bits, group_size, _, _ = unpack(KV_ROOM, payload, F.KV_ROOM)
+    if bits and (bits not in KV_BITS or group_size not in KV_GROUP_SIZES):
+        raise tr.FrameError(f"KV_ROOM asks about a KV cache of {bits} bits in groups of {group_size} "
+                            f"(bits 0 or {KV_BITS}, groups {KV_GROUP_SIZES})")
+    tokens, how = default_kv_budget(model, bits, group_size)
+    log(f"serve: on the worker, {how}")
+    return KV_ROOM.pack(bits, group_size, int(tokens is not None), tokens or 0)
 
 
 def _next_command(control: tr.ControlChannel, busy: bool) -> tuple:

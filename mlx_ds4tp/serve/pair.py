@@ -8,7 +8,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
@@ -128,7 +128,9 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List
         if server is None:
             return _worker(group, model, settings, share, (Grammars(tokenizer), disk))
         engine = _leader_engine(settings, group, model, tokenizer, disk)
-        _serve_http(settings, engine, group, (model, share), server)
+        # The leader's own room, before the worker's is known (None: --max-kv-tokens decides).
+        own_room = engine.admission.kv_budget if settings.kv_budget_from_memory else None
+        _serve_http(settings, engine, group, (model, share), server, own_room)
     return 0
 
 
@@ -182,19 +184,20 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
         if blocker:
             raise SystemExit(f"ds4tp serve: {blocker}")
     if settings.kv_budget_from_memory:
-        from .memory import default_kv_budget
+        from ..lockstep.memory import default_kv_budget
 
         budget, how = default_kv_budget(model, limits.kv_bits, limits.kv_group_size)
-        log(f"serve: {how}")
-        limits = dataclasses.replace(limits, kv_budget=budget)
+        log(f"serve: on the leader, {how}")
+        # A full machine's 0 is a budget of nothing, not "no budget" (0 to the admission).
+        limits = dataclasses.replace(limits, kv_budget=0 if budget is None else max(budget, 1))
     return Engine(LeaderSessions(group, model, Grammars(tokenizer), disk), tokenizer, limits,
                   speculation=speculation)
 
 
 def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                server: "HttpServer") -> None:
+                server: "HttpServer", own_room: Optional[int]) -> None:
     """The leader's HTTP front over `engine` (split_model: the model and the share it is split
-    by), until Ctrl-C or SIGTERM."""
+    by; own_room: the leader's KV budget from memory), until Ctrl-C or SIGTERM."""
     from .state import ServeState
 
     model = split_model[0]
@@ -204,8 +207,9 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
                        context_length=context_length(model, config),
                        vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]))
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
+    _fit_worker_room(engine, engine.sessions, settings, own_room)
     engine.start()
-    threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings),
+    threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings, own_room),
                      name="ds4tp-rejoin", daemon=True).start()
     log(f"serving {served.name} ({served.path}) on "
            f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
@@ -219,8 +223,29 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
         engine.stop()
 
 
+def _fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Optional[int]) -> None:
+    """The KV budget within the worker's machine too: two different Macs split unevenly hold
+    different parts of every cache in different memories, so the budget from memory is the
+    smaller of the two ranks' (own_room: the leader's; None when --max-kv-tokens gave it, which
+    is kept and only warned about when the worker holds less)."""
+    limits = settings.limits
+    room = sessions.worker_kv_room(limits.kv_bits, limits.kv_group_size)
+    if room is None:
+        log("serve: the worker could not read its memory; the KV budget is the leader's alone")
+    elif own_room is None:
+        if limits.kv_budget > room:
+            log(f"serve: --max-kv-tokens {limits.kv_budget} is more than the worker's machine holds "
+                f"({room} tokens): it may run out of memory under load; give --max-kv-tokens {room} or less")
+    else:
+        budget = min(own_room, max(room, 1)) if own_room else max(room, 1)
+        if budget != engine.admission.kv_budget:
+            log(f"serve: KV budget {budget} tokens, the smaller of the leader's ({own_room or 'unknown'}) "
+                f"and the worker's ({room})")
+            engine.admission.kv_budget = budget
+
+
 def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                       settings: ServeSettings) -> None:
+                       settings: ServeSettings, own_room: Optional[int]) -> None:
     """The leader's side of a worker that comes back: whenever the pair goes down (the worker
     died, the link dropped), keep serving HTTP (503 and /health 503 meanwhile), listen again on
     the pair's address, and resume serving once a worker with the same model fingerprint and
@@ -250,6 +275,7 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
         sessions = LeaderSessions(group, model, engine.sessions.table.grammars, engine.disk_cache)
         try:
             sessions.wait_ready()  # the worker loads its weights after joining
+            _fit_worker_room(engine, sessions, settings, own_room)  # its machine may hold less
         except Exception as exc:  # noqa: BLE001 - it died loading: listen again
             log(f"serve: the worker joined but failed before serving: {exc}")
             group.close()

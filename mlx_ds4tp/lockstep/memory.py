@@ -1,9 +1,12 @@
-"""How many KV cache tokens a Mac can hold: the default of `ds4tp serve`'s --max-kv-tokens.
+"""How many KV cache tokens a rank's machine can hold: the default of `ds4tp serve`'s
+--max-kv-tokens.
 
-Both Macs are identical and hold the same share of every cache, so the leader's own figures
-stand for both: the machine's memory, less what this process holds once the weights are
-loaded (its resident memory), less a headroom for MLX's buffers, the activations of a
-forward and the system, divided by the bytes one cache token takes on a rank.
+Each rank reckons its own: the machine's memory (capped by DS4_TP_MEMORY_LIMIT_BYTES), less what
+this process holds once its part of the weights is loaded (its resident memory), less a headroom
+for MLX's buffers, the activations of a forward and the system, divided by the bytes one cache
+token takes on this rank. Two different Macs split unevenly hold different parts of every cache
+in different memories, so the leader asks the worker for its figure (KV_ROOM) and admits no more
+than the smaller of the two.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import os
 import subprocess
 import sys
 from typing import Optional
+
+from ..split.measure import memory_limit
 
 # What stays free besides the caches: a share of the machine (macOS starts compressing and
 # swapping well before memory is full) and a floor for a prefill chunk's activations.
@@ -69,16 +74,19 @@ def kv_bytes_per_token(model, kv_bits: int = 0, kv_group_size: int = 64, probe: 
 
 def default_kv_budget(model, kv_bits: int = 0, kv_group_size: int = 64,
                       total: Optional[int] = None, resident: Optional[int] = None) -> tuple:
-    """(tokens, explanation): the KV budget this machine affords, and how it was reckoned."""
-    total = total_memory() if total is None else total
+    """(tokens, explanation): the KV budget this rank's machine affords (None when its memory
+    cannot be read; 0 when it is full), and how it was reckoned."""
+    if total is None:
+        total, limit = total_memory(), memory_limit()
+        total = min(total, limit) if total and limit else (total or limit)
     resident = resident_memory() if resident is None else resident
     per_token = kv_bytes_per_token(model, kv_bits, kv_group_size)
     if not total or per_token <= 0:
-        return 0, "no KV budget: this machine's memory could not be read"
+        return None, "no KV budget: this machine's memory could not be read"
     headroom = max(int(total * HEADROOM_SHARE), HEADROOM_MIN_BYTES)
     free = total - resident - headroom
     tokens = max(int(free // per_token), 0)
     gib = 1 << 30
-    return tokens, (f"KV budget {tokens} tokens ({per_token / 1024:.1f} KiB a token on each machine): "
+    return tokens, (f"KV budget {tokens} tokens ({per_token / 1024:.1f} KiB a token on this machine): "
                     f"{total / gib:.1f} GiB of memory, {resident / gib:.1f} GiB held with the weights, "
                     f"{headroom / gib:.1f} GiB kept free; set --max-kv-tokens to change it")
