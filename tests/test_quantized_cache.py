@@ -177,6 +177,9 @@ def test_filter_extend_extract_trim(model):
     size = batch[0].size()
     assert [c.trim(1) for c in batch] == [1, 1]
     assert batch[0].size() == size - 1
+    # What a cache-sharing layer reads: each component up to the trimmed size.
+    keys, values = batch[0].keys_and_values()
+    assert [k.shape[2] for k in keys] == [v.shape[2] for v in values] == [size - 1] * 3
     for s in seqs:
         rows.pos[s] -= 1
     rows.run(model, batch, seqs, 2)

@@ -89,6 +89,10 @@ class BatchQuantizedKVCache(BatchKVCache):
         for i in range(len(self.keys)):
             self.keys[i][..., prev:self._idx, :] = q_keys[i]
             self.values[i][..., prev:self._idx, :] = q_values[i]
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        # BatchKVCache's own slices one array; here each is a (data, scales, biases) tuple.
         return tree_map(lambda x: x[..., :self._idx, :], (self.keys, self.values))
 
     def finalize(self) -> None:
