@@ -27,6 +27,7 @@ import pytest
 from pairutil import REPO, free_port
 
 README = Path(REPO) / "README.md"
+ARCHITECTURE = Path(REPO) / "docs" / "architecture.md"
 RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->\s*\n```[\w-]*\n(.*?)\n```", re.S)
 
 
@@ -140,16 +141,16 @@ def test_serve_recipe(tmp_path):
 
 
 def test_the_architecture_has_a_row_for_every_module():
-    """Each module of a room (mlx_ds4tp/<room>/<module>.py) has its line in the README's
-    Architecture block, and no line names a module that is gone."""
+    """Each module of a room (mlx_ds4tp/<room>/<module>.py) has its line in the module map of
+    docs/architecture.md, and no line names a module that is gone."""
     package = Path(REPO) / "mlx_ds4tp"
     # cli/__init__.py is the ds4tp command itself, so it has a row; other __init__.py are empty.
     modules = {f"{p.parent.name}/{p.name}" for p in package.glob("*/*.py")
                if p.name != "__init__.py" or p.parent.name == "cli"}
-    rows = set(re.findall(r"^([a-z_]+/[a-z_0-9]+\.py) ", README.read_text(), re.M))
+    rows = set(re.findall(r"^([a-z_]+/[a-z_0-9]+\.py) ", ARCHITECTURE.read_text(), re.M))
     rows = {r for r in rows if not r.startswith("examples/")}
-    assert modules - rows == set(), f"modules without a README row: {sorted(modules - rows)}"
-    assert rows - modules == set(), f"README rows for modules that do not exist: {sorted(rows - modules)}"
+    assert modules - rows == set(), f"modules without a row in docs/architecture.md: {sorted(modules - rows)}"
+    assert rows - modules == set(), f"docs/architecture.md rows for modules that do not exist: {sorted(rows - modules)}"
 
 
 def test_ci_runs_the_readmes_test_command():
@@ -160,3 +161,38 @@ def test_ci_runs_the_readmes_test_command():
     ci = (Path(REPO) / ".ci" / "run").read_text().strip().splitlines()
     assert readme_test.startswith("python -m pytest"), readme_test
     assert ci[-1].strip() == readme_test, (ci[-1], readme_test)
+
+
+def test_the_readme_is_short_and_starts_with_the_two_commands():
+    """A newcomer's page: at most 300 lines, its first section the two commands; the rest
+    lives in docs/."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300, f"README.md has {len(text.splitlines())} lines (at most 300: move detail to docs/)"
+    first = re.search(r"^## (.*)$", text, re.M)
+    assert first and first.group(1) == "First two commands", first and first.group(1)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_documents_links_resolve():
+    """Every relative link of README.md, docs/*.md and tests/README.md names a file that exists,
+    and its #anchor a heading of that file."""
+    pages = [README, Path(REPO) / "tests" / "README.md", *sorted((Path(REPO) / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not ours to check
+            path, _, anchor = target.partition("#")
+            where = (page.parent / path).resolve() if path else page
+            if not where.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and where.suffix == ".md":
+                headings = {_slug(h) for h in re.findall(r"^#+ (.*)$", where.read_text(), re.M)}
+                if anchor not in headings:
+                    broken.append(f"{page.name}: {target} (no heading #{anchor} in {where.name})")
+    assert not broken, "\n".join(broken)

@@ -5,7 +5,7 @@ the prompt but its last token as PREFILL_BATCH chunks, SAMPLER, then one EVAL_BA
 sampled, and SESSION_DESTROY. A batch of one row is the session's own cache
 (lockstep.decode_batch), so its tokens are the single process's, token for token.
 
-Decode is pipelined as mlx-lm's generate_step is (README, `ds4tp run`): step n+1 is queued, its
+Decode is pipelined as mlx-lm's generate_step is (docs/two-macs.md, `ds4tp run`): step n+1 is queued, its
 input this rank's own sample of step n (EVAL_PENDING), before step n's token is read. Both ranks
 stop at the same token because the leader stops sending steps; where the token read is an end
 of sequence, the step after it is already running on both, and is finished before the session

@@ -1,4 +1,4 @@
-"""Speculative decoding on the pair (README "Speculative decoding"): several tokens per round
+"""Speculative decoding on the pair (docs/two-macs.md, "Speculative decoding"): several tokens per round
 of gates. A drafter on the leader proposes k tokens; both ranks verify the input token and the
 drafts in one VERIFY_BATCH of one row (lockstep.batch_verify, as `ds4tp serve` verifies its
 sessions'), and keep the accepted prefix and the target's own next token on the leader's word

@@ -1,6 +1,6 @@
 """Which requests start, and the lifetime of their sessions on both ranks: the waiting queue,
 the KV budget, and the index of stored prompt caches, in memory and with --prompt-cache-dir on
-disk (README's "Bounded memory", "Prompt cache" and "Prompt cache on disk" say what each
+disk (docs/serving.md's "Bounded memory", "Prompt cache" and "Prompt cache on disk" say what each
 does). Every request between its start and its end is owned here, so the pair going down
 reaches each of them, whatever a step was doing with its session.
 """

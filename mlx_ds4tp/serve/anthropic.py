@@ -1,7 +1,7 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): a request is
 translated into the chat-completions request it means and checked by the same parser, so both
 APIs render the same prompt and sample alike; the answer (serve/chat.py) goes back as
-Anthropic's content blocks, whole or as its streamed events (README's table says which fields).
+Anthropic's content blocks, whole or as its streamed events (docs/serving.md's table says which fields).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`GET /metrics`: the server's state in the Prometheus text format (prometheus_client), what
-README's "Metrics" lists. One registry per server (not the process-wide default), so two
+docs/serving.md's "Metrics" lists. One registry per server (not the process-wide default), so two
 servers in one process never mix their counts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Speculative decoding in `ds4tp serve`'s batch (README's "Speculative decoding in the batch"):
+"""Speculative decoding in `ds4tp serve`'s batch (docs/serving.md, "Speculative decoding in the batch"):
 which sessions draft, with what, and what a verify round yields for each of them.
 
 A session drafts only when it decodes greedily with no logits processor, no grammar and no

@@ -1,5 +1,5 @@
-"""split_model and load_split, behind the face mlx_ds4tp/model_split.py (README, "Using it from
-model code", says what is cut and how).
+"""split_model and load_split, behind the face mlx_ds4tp/model_split.py (docs/families.md says
+what is cut and how).
 
 The blocks are cut by a plan (split/plans.py picks mlx-lm's own or ours), run on twins first for
 the checks and the indices each rank keeps (split/derive.py). What a plan leaves whole we add on

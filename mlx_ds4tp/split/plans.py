@@ -300,7 +300,7 @@ def mlx_lm_plan_modules() -> list[str]:
 
 
 def supported() -> str:
-    """The supported model modules, for error messages and the README."""
+    """The supported model modules, for error messages and docs/families.md."""
     ours = ", ".join(m.rsplit(".", 1)[-1] for m in OWN_PLANS)
     return f"{', '.join(mlx_lm_plan_modules())} (mlx-lm's plans); {ours} (ours)"
 

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Layout check for mlx_ds4tp: import cycles inside the package and files that have grown too big.
+
+Run from anywhere: python tools/layout_check.py (it checks the checkout it lives in; .ci/run
+runs it on every build).
+Subpackages count: every .py below mlx_ds4tp/ is a module named by its dotted path.
+Prints what it finds; exits 1 when there is a cycle or an oversized file, or when it finds no
+package to check (a check that passes on nothing would hide a moved tree), else 0.
+"""
+import ast
+import os
+import sys
+
+PKG = "mlx_ds4tp"
+# The checkout this file belongs to (tools/ sits at its root).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_PY, MAX_C = 500, 900
+
+
+def modules() -> dict:
+    """Dotted module name -> path, for every .py below PKG (a package is named by its __init__)."""
+    found = {}
+    for root, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                parts = os.path.relpath(os.path.join(root, f), ".")[:-3].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                found[".".join(parts)] = os.path.join(root, f)
+    return found
+
+
+def imports_of(name: str, path: str, known: dict) -> set:
+    """Package modules that `name` imports, at module level or inside functions."""
+    is_pkg = path.endswith("__init__.py")
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    out = set()
+
+    def add(target: str):
+        # the longest known prefix: `from .a.b import c` may name module a.b.c or a name in a.b
+        parts = target.split(".")
+        for k in range(len(parts), 0, -1):
+            cand = ".".join(parts[:k])
+            if cand in known:
+                out.add(cand)
+                return
+
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith(PKG):
+                continue
+            for a in node.names:
+                add(f"{mod}.{a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith(PKG + "."):
+                    add(a.name)
+    out.discard(name)
+    # importing a package's submodule also runs the package's __init__: not a cycle of ours
+    return {m for m in out if not name.startswith(m + ".")}
+
+
+def main() -> int:
+    os.chdir(ROOT)
+    if not os.path.isdir(PKG):
+        print(f"layout check: no {PKG}/ in {ROOT}: nothing to check")
+        return 1
+    known = modules()
+    edges = {m: imports_of(m, p, known) for m, p in known.items()}
+    cycles = set()
+
+    def walk(node, stack):
+        for nxt in edges.get(node, ()):
+            if nxt in stack:
+                cycles.add(tuple(sorted(stack[stack.index(nxt):])))
+            elif len(stack) < 14:
+                walk(nxt, stack + [nxt])
+
+    for m in known:
+        walk(m, [m])
+    problems = [f"import cycle: {' <-> '.join(c)}" for c in sorted(cycles)]
+    for root, _, files in os.walk(PKG):
+        for f in sorted(files):
+            path = os.path.join(root, f)
+            limit = MAX_PY if f.endswith(".py") else MAX_C if f.endswith((".c", ".h", ".cpp", ".hpp", ".cc")) else None
+            if limit and (n := sum(1 for _ in open(path, errors="replace"))) > limit:
+                problems.append(f"{path}: {n} lines (over {limit}: which second idea lives in it?)")
+    for p in problems:
+        print(p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
