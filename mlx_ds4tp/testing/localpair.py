@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 from ..base.log import log
 
@@ -113,7 +113,7 @@ SLOW_WORKER = Placement(cpus=(frozenset({0}), frozenset({1})))
 def busy_core(cpu: int) -> Iterator[None]:
     """A process that keeps `cpu` busy (a slower Mac's stand-in) while the block runs."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if cpu not in allowed:
+    if not hasattr(os, "sched_setaffinity") or cpu not in allowed:
         raise RuntimeError(f"cannot pin a process to CPU {cpu} here (this process may use "
                            f"{allowed or 'no pinning'}); the slow-worker placement needs Linux and "
                            f"CPUs 0 and 1")
@@ -126,6 +126,16 @@ def busy_core(cpu: int) -> Iterator[None]:
         yield
     finally:
         reap(busy)
+
+
+def _pinner(cpus: Optional[FrozenSet[int]]) -> Optional[Callable[[], None]]:
+    """A child's preexec_fn that pins it to `cpus` (None when it runs anywhere)."""
+    if not cpus:
+        return None
+    if not hasattr(os, "sched_setaffinity"):  # macOS: no CPU pinning to ask for
+        raise ValueError(f"cpus={sorted(cpus)}: pinning a rank to CPUs needs Linux "
+                         "(os.sched_setaffinity); run it with Placement() (ANYWHERE) here")
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def run_ranks(cmds: Sequence[Sequence[str]], envs: Optional[Sequence[Dict[str, str]]] = None,
@@ -149,11 +159,12 @@ def run_ranks(cmds: Sequence[Sequence[str]], envs: Optional[Sequence[Dict[str, s
     procs: List[subprocess.Popen] = []
     texts: List[List[str]] = [[] for _ in cmds]
     readers: List[threading.Thread] = []
+    # Before any rank starts: a placement this OS cannot pin is refused with none left running.
+    pinners = [_pinner(cpus[i] if i < len(cpus) else None) for i in range(len(cmds))]
     try:
         for i, (cmd, env) in enumerate(zip(cmds, envs)):
-            pinned = cpus[i] if i < len(cpus) else None
             p = subprocess.Popen(list(cmd), env=env, stdout=target, stderr=None, text=True,
-                                 preexec_fn=(lambda c=pinned: os.sched_setaffinity(0, c)) if pinned else None)
+                                 preexec_fn=pinners[i])
             procs.append(p)
             if target is subprocess.PIPE:
                 # One reader per rank: a rank blocked on a full pipe would
