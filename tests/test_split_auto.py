@@ -13,12 +13,12 @@ from mlx_ds4tp.link.hello import Hello, ModelIdentity, RankFigures
 from mlx_ds4tp.split.auto import (
     RESERVE_BYTES,
     ModelNeed,
-    ShareRefused,
     choose_share,
     fitting_range,
     model_need,
     speed_fraction,
 )
+from mlx_ds4tp.split.errors import ShareRefusedError
 from mlx_ds4tp.split.share import EVEN, SplitSettings, SplitShare
 from pairutil import both_ok, free_port, reference_text
 
@@ -56,7 +56,7 @@ def test_memory_bounds_the_share():
 
 
 def test_a_model_that_fits_no_share_is_refused_naming_the_sizes():
-    with pytest.raises(ShareRefused) as err:
+    with pytest.raises(ShareRefusedError) as err:
         choose_share(figures(8 * GB, 100 * GB), figures(6 * GB, 100 * GB), ModelNeed(20 * GB, GB))
     text = str(err.value)
     assert "21.00 GiB" not in text  # sizes are in GiB of 2^30
@@ -88,7 +88,7 @@ def test_auto_checks_the_memory_of_the_share_the_load_takes():
     need = ModelNeed(40 * GB)
     worker = figures(int(0.34 * need.total * 1.1) + RESERVE_BYTES, 100 * GB)
     assert choose_share(figures(BIG, 100 * GB), worker, need, granules=4) == SplitShare((3, 1))
-    with pytest.raises(ShareRefused, match="no share fits"):
+    with pytest.raises(ShareRefusedError, match="no share fits"):
         choose_share(figures(BIG, 100 * GB), worker, need, granules=4, kept=lambda share: 0.5)
 
 

@@ -25,7 +25,7 @@ def agree_share(group: Any, split: SplitSettings, need: ModelNeed,
     """The share this rank loads with, the same on both ranks (resolved, never "auto").
 
     held: the share this rank's model is already split by (a leader taking a worker back sends
-    it as it is; a --rejoin worker refuses any other). ShareRefused (leader) or TransportError
+    it as it is; a --rejoin worker refuses any other). ShareRefusedError (leader) or TransportError
     (worker, with the leader's message) when the model fits no share, before any weight is read.
     """
     if not isinstance(group, PairGroup):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 from ..link.hello import RankFigures
+from .errors import ShareRefusedError
 from .share import EVEN, SplitShare, nearest_cuts
 
 # Two ranks whose speeds differ by at most this factor split evenly.
@@ -31,10 +32,6 @@ CANDIDATE_GRANULES = 5040
 # The candidate shares choose_share asks the model's plan about before it gives up.
 KEPT_TRIES = 4
 _GIB = 1 << 30
-
-
-class ShareRefused(ValueError):
-    """No share fits both ranks' memories: named with both memories and the model's size."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +79,8 @@ def fitting_range(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> 
     return max(lowest, 0.0), min(highest, 1.0)
 
 
-def _refusal(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> ShareRefused:
-    return ShareRefused(
+def _refusal(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> ShareRefusedError:
+    return ShareRefusedError(
         f"the model needs {need.total / _GIB:.2f} GiB ({need.weight_bytes / _GIB:.2f} GiB of weights, "
         f"{need.kv_bytes / _GIB:.2f} GiB of KV cache) plus {MARGIN_SHARE:.0%} and "
         f"{RESERVE_BYTES / _GIB:.1f} GiB a rank, and no share fits: the leader may use "
@@ -96,7 +93,7 @@ def choose_share(leader: RankFigures, worker: RankFigures, need: ModelNeed, *,
                  granules: int = CANDIDATE_GRANULES,
                  kept: Callable[[SplitShare], float] = lambda share: share.fraction) -> SplitShare:
     """The share with the shortest predicted step among those both memories hold (the even one
-    when speed_fraction says even); ShareRefused naming both memories and the model's size when
+    when speed_fraction says even); ShareRefusedError naming both memories and the model's size when
     none does.
 
     granules, kept: what the model's counts allow (split/apply.ModelCuts): the candidates are
@@ -131,5 +128,5 @@ def figures_line(name: str, figures: RankFigures) -> str:
             f"{figures.speed / 1e9:.2f} GB/s on a matrix-vector product")
 
 
-__all__ = ["CANDIDATE_GRANULES", "EVEN_WITHIN", "ModelNeed", "ShareRefused", "choose_share",
+__all__ = ["CANDIDATE_GRANULES", "EVEN_WITHIN", "ModelNeed", "choose_share",
            "figures_line", "fitting_range", "model_need", "speed_fraction"]

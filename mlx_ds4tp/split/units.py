@@ -31,6 +31,7 @@ from ..base.log import log
 from ..collectives.backend import cut_only_group
 from .columns import column_paths, recut, segments
 from .derive import ArrayCut, ShardPlan, derive_plan, set_array
+from .errors import EvenCutOnlyError
 from .share import SplitShare, UnitCut, nearest_cuts
 
 # MLP and expert columns per unit of a float model: a multiple of the kernels' tile width.
@@ -90,10 +91,6 @@ class Layout:
                 f"vocabulary (split {self.columns})")
 
 
-class _ShareBound(Exception):
-    """The plan does something only an even cut follows."""
-
-
 def _granule(path: str, shape: tuple[int, ...], axis: int, modules: dict, heads: set[str]) -> int:
     """The indices of `path`'s cut axis a unit must keep whole: an MLP or expert weight's output
     columns in quantization groups (FLOAT_COLUMNS for float weights), anything else by one."""
@@ -120,11 +117,11 @@ def _counts(model: nn.Module, base: ShardPlan) -> list[tuple[int, str, bool]]:
 
 
 def _checked_runs(path: str, per_unit: list[tuple[tuple[int, int], ...]]) -> None:
-    """Each unit's indices in order and no index in two units, or _ShareBound."""
+    """Each unit's indices in order and no index in two units, or EvenCutOnlyError."""
     spans = sorted(run for runs in per_unit for run in runs)
     ordered = all(a[1] <= b[0] for runs in per_unit for a, b in zip(runs, runs[1:]))
     if not ordered or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-        raise _ShareBound(f"its cut of {path} repeats or reorders indices between ranks")
+        raise EvenCutOnlyError(f"its cut of {path} repeats or reorders indices between ranks")
 
 
 def _merged(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -147,7 +144,7 @@ def _unit_plan(model: nn.Module, shard: Callable, cut: UnitCut, rank: int, label
     reasons += [f"it changes the values of {p}" for p, v in first.replaced.items()
                 if v is None or not (abs(v - 1) < 1e-6 or abs(v * cut.units - 1) < 1e-6)]
     if reasons:
-        raise _ShareBound(reasons[0])
+        raise EvenCutOnlyError(reasons[0])
     mine = range(cut.first(rank), cut.first(rank) + cut.counts[rank])
     plan = ShardPlan(axes=first.axes, divided=first.divided, replaced=first.replaced)
     for path, axis in first.axes.items():
@@ -229,7 +226,7 @@ def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitSha
             if layout is not None:
                 return layout
         found = _heads_cut(model, shard, share, size, rank, label, gcd(*(u for u, *_ in counts)), False)
-    except _ShareBound as reason:
+    except EvenCutOnlyError as reason:
         log(f"split {share}: {label} can only split evenly ({reason}); splitting 1:1")
         return _even(model, group, shard, trace, label)
     if found is None:
