@@ -182,15 +182,14 @@ def _disk_size(model, tmp_path) -> int:
 
 
 def test_a_full_disk_is_logged_once_and_the_cache_stays_in_memory(tiny, tmp_path, monkeypatch, capfd):
-    import mlx_lm.models.cache as mlx_cache
-
+    from mlx_ds4tp.lockstep import disk_cache
     from mlx_ds4tp.lockstep.disk_cache import DiskCache
 
-    def full(name, *args, **kwargs):
-        open(name, "wb").write(b"x" * 10)
+    def full(snap, path):
+        open(path, "wb").write(b"x" * 10)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(mlx_cache, "save_prompt_cache", full)
+    monkeypatch.setattr(disk_cache, "write_snapshot", full)
     store = DiskCache(tmp_path / "d", 10**8, "k")
     assert not store.save([4] * 10, _filled(tiny, [4] * 10))
     assert not store.save([5] * 10, _filled(tiny, [5] * 10))

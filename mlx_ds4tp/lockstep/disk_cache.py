@@ -16,19 +16,26 @@ import dataclasses
 import errno
 import hashlib
 import os
-import zlib
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 import numpy as np
 
 from ..base.log import log
 from ..checkpoint.header import read_header_file
+from .cache_file import Snapshot, data_crc, snapshot, sync_directory, write_snapshot
+from .disk_writer import DiskWriter
+from .errors import ForeignFileError
 
 SUFFIX = ".safetensors"
-_FORMAT = "ds4tp-prompt-cache-1"
+# 2: the CRC covers the file's whole data section (1: the state's arrays only, read through
+# MLX); a file of format 1 is skipped and removed, its prefix recomputed once.
+_FORMAT = "ds4tp-prompt-cache-2"
+# How long the owner waits for the writer: for room in its queue, for a file a load is about
+# to read, for the files left at a stop.
+WAIT_SEC = 60.0
 
 
 def tokens_digest(tokens: Sequence[int]) -> bytes:
@@ -69,10 +76,6 @@ def _own_attrs(kind: type) -> set:
     return names
 
 
-class ForeignFile(ValueError):
-    """A sound file made for another model, share or rank: left alone, never used."""
-
-
 @dataclasses.dataclass
 class _Entry:
     tokens: np.ndarray  # int32
@@ -80,19 +83,30 @@ class _Entry:
 
 
 class DiskCache:
-    """The files of one rank in one directory, bounded in bytes (see the module docstring)."""
+    """The files of one rank in one directory, bounded in bytes (see the module docstring).
+    Written through: save_later hands a stored cache to a writer thread at once, so a stop of
+    any kind (Ctrl-C, kill -9, a crash) loses at most the files still being written; each is
+    written under a temporary name and renamed into place, so a kill leaves the old file or
+    the new one, never a torn one. `trimmable`: the model's caches trim to any length, so a
+    file whose tokens a newer file's extend is covered by it and removed."""
 
-    def __init__(self, directory: Path, max_bytes: int, key: str):
+    def __init__(self, directory: Path, max_bytes: int, key: str, trimmable: bool = False):
         if max_bytes <= 0:
             raise ValueError(f"prompt cache disk bytes {max_bytes} must be > 0")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.key = key
+        self.trimmable = trimmable
         self.directory.mkdir(parents=True, exist_ok=True)
+        # The entries change on the owner's thread (find, load, discard) and on the writer's:
+        # one lock. /health reads nbytes() and the stats without it (one int each).
+        self._lock = threading.RLock()
         self._entries: "OrderedDict[str, _Entry]" = OrderedDict()  # least recently used first
         self._total = 0
+        self._writing = 0  # bytes of the file being written, counted against the bound
         self.stats = {"disk_writes": 0, "disk_write_failures": 0, "disk_skipped_files": 0}
         self._said_full = False
+        self._writer = DiskWriter(self._write)
         self._scan()
 
     # -- names ----------------------------------------------------------------
@@ -105,15 +119,17 @@ class DiskCache:
         return self._total
 
     def _add(self, name: str, entry: "_Entry") -> None:
+        self._forget(name, remove=False)
         self._entries[name] = entry
         self._total += entry.nbytes
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, name: str, remove: bool = True) -> None:
         """Remove the file and its entry (none: nothing to do)."""
         entry = self._entries.pop(name, None)
         if entry is not None:
             self._total -= entry.nbytes
-            _remove(self.directory / name)
+            if remove:
+                _remove(self.directory / name)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -122,58 +138,115 @@ class DiskCache:
     def find(self, prompt: Sequence[int], trimmable: bool) -> Tuple[Optional[np.ndarray], int]:
         """The stored tokens to load for `prompt` and how many of them it reuses (at most all
         but its last token: the session needs that token's logits); (None, 0) when none.
-        Without trimming only a file whose tokens all prefix the prompt will do."""
+        Without trimming only a file whose tokens all prefix the prompt will do. A file still
+        being written counts (its load waits for it); of two that reuse as much, the newer."""
         want = np.asarray(prompt, dtype=np.int32)
         best, best_keep = None, 0
-        for entry in self._entries.values():
-            n = min(len(entry.tokens), len(want) - 1)
-            if n <= best_keep:
+        with self._lock:
+            stored = [e.tokens for e in self._entries.values()]
+        stored += [job[0] for _, job in self._writer.jobs()]
+        for tokens in stored:
+            n = min(len(tokens), len(want) - 1)
+            if n < best_keep or n <= 0:
                 continue
-            differ = np.flatnonzero(entry.tokens[:n] != want[:n])
+            differ = np.flatnonzero(tokens[:n] != want[:n])
             common = int(differ[0]) if len(differ) else n
-            if not trimmable and common < len(entry.tokens):
+            if not trimmable and common < len(tokens):
                 continue
-            if common > best_keep:
-                best, best_keep = entry.tokens, common
+            if common and common >= best_keep:
+                best, best_keep = tokens, common
         return best, best_keep
 
     def discard(self, tokens: Sequence[int]) -> None:
         """Remove the file of `tokens`: the other rank could not load its half, so it would
         never be used again."""
-        self._forget(self.name(tokens_digest(tokens)))
+        name = self.name(tokens_digest(tokens))
+        self._writer.wait_for(name, WAIT_SEC)
+        with self._lock:
+            self._forget(name)
 
     # -- writing --------------------------------------------------------------------
     def save(self, tokens: Sequence[int], cache: list) -> bool:
-        """Write this rank's half of `cache` (covering `tokens`) unless a file holds it already;
-        False when it could not be written (logged; serving goes on from memory)."""
-        from mlx_lm.models.cache import save_prompt_cache
-
+        """Write this rank's half of `cache` (covering `tokens`) now, unless a file holds it
+        already; False when it could not be written (logged; serving goes on from memory)."""
         name = self.name(tokens_digest(tokens))
-        if name in self._entries:
-            self._entries.move_to_end(name)
+        if self._known(name):
             return True
-        path = self.directory / name
-        # A leading dot keeps it out of the scan; mx.save_safetensors wants the suffix.
-        tmp = self.directory / f".{name}.{os.getpid()}.tmp{SUFFIX}"
+        job = self._snapshot(name, tokens, cache)
+        return job is not None and self._write(name, job)
+
+    def save_later(self, tokens: Sequence[int], cache: list) -> bool:
+        """save, by the writer thread: the cache is seen now, on the caller's thread (the one
+        that owns it), and written soon after; False when it cannot be (logged)."""
+        name = self.name(tokens_digest(tokens))
+        if self._known(name) or self._writer.pending(name):
+            return True
+        job = self._snapshot(name, tokens, cache)
+        if job is None:
+            return False
+        if not self._writer.put(name, job, WAIT_SEC):
+            self.stats["disk_write_failures"] += 1
+            log(f"prompt cache: the disk writer of {self.directory} is {WAIT_SEC:g} s behind; "
+                f"a {len(tokens)}-token cache is kept in memory only")
+            return False
+        return True
+
+    def flush(self, timeout: float = WAIT_SEC) -> bool:
+        """Until every file handed to the writer is written; False when `timeout` passed first."""
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float = WAIT_SEC) -> int:
+        """Write what is left (for at most `timeout` seconds) and end the writer; how many files
+        were left unwritten (0: none)."""
+        return self._writer.close(timeout)
+
+    def _known(self, name: str) -> bool:
+        with self._lock:
+            if name in self._entries:
+                self._entries.move_to_end(name)
+                return True
+        return False
+
+    def _snapshot(self, name: str, tokens: Sequence[int], cache: list) -> Optional[Tuple[np.ndarray, Snapshot]]:
+        """The job the writer takes: the tokens and the cache's file-to-be (cache_file.snapshot,
+        on this thread: it calls MLX); None when the cache cannot be saved (logged)."""
+        metadata = {"format": _FORMAT, "key": self.key, "count": str(len(tokens)),
+                    "tokens": base64.b64encode(np.asarray(tokens, dtype="<i4").tobytes()).decode()}
         try:
-            metadata = {"format": _FORMAT, "key": self.key, "count": str(len(tokens)),
-                        "tokens": base64.b64encode(np.asarray(tokens, dtype="<i4").tobytes()).decode(),
-                        # Fixed width: both ranks' files of an even split are the same size, so
-                        # their bounds evict the same files.
-                        "crc": f"{_crc(cache):010d}"}
-            # Room first, for an upper bound of the file's size, so the directory holds no more
-            # than its bound even while the new file is being written.
-            self._make_room(_size_bound(cache, metadata))
             with _as_mlx_classes(cache):
-                save_prompt_cache(str(tmp), cache, metadata)
-            size = tmp.stat().st_size
-            if size > self.max_bytes:
-                tmp.unlink()
-                log(f"prompt cache: a {len(tokens)}-token cache takes {size} bytes on disk, more than "
-                    f"--prompt-cache-disk-bytes {self.max_bytes}; kept in memory only")
-                return False
-            self._make_room(size)
-            os.replace(tmp, path)
+                snap = snapshot(cache, metadata)
+        except (ValueError, RuntimeError) as exc:
+            self.stats["disk_write_failures"] += 1
+            log(f"prompt cache: could not save {self.directory / name}: {exc}; serving goes on from memory")
+            return None
+        return np.array(tokens, dtype=np.int32), snap
+
+    def _write(self, name: str, job: Tuple[np.ndarray, Snapshot]) -> bool:
+        """Write one file (any thread: no MLX): room first, for its exact size, so the directory
+        holds no more than its bound even while the file is being written; then the bytes
+        under a temporary name, synced, renamed into place."""
+        tokens, snap = job
+        path = self.directory / name
+        # A leading dot keeps it out of the scan; the suffix as mlx-lm's files have it.
+        tmp = self.directory / f".{name}.{os.getpid()}-{threading.get_ident()}.tmp{SUFFIX}"
+        size = snap.size()
+        if size > self.max_bytes:
+            self.stats["disk_write_failures"] += 1
+            log(f"prompt cache: a {len(tokens)}-token cache takes {size} bytes on disk, more than "
+                f"--prompt-cache-disk-bytes {self.max_bytes}; kept in memory only")
+            return False
+        try:
+            with self._lock:
+                self._forget(name)  # a file of the same name written meanwhile is replaced
+                self._make_room(size)
+                self._writing += size
+            try:
+                write_snapshot(snap, tmp)
+                os.replace(tmp, path)
+            finally:
+                with self._lock:
+                    self._writing -= size
+            sync_directory(self.directory)
         except (OSError, ValueError, RuntimeError) as exc:
             _remove(tmp)
             self.stats["disk_write_failures"] += 1
@@ -183,38 +256,58 @@ class DiskCache:
                     f"{'the disk is full: ' if full else ''}serving goes on from memory")
             self._said_full = self._said_full or full
             return False
-        self._add(name, _Entry(np.asarray(tokens, dtype=np.int32), size))
+        with self._lock:
+            self._add(name, _Entry(tokens, size))
+            if self.trimmable:
+                self._forget_covered(name, tokens)
         self.stats["disk_writes"] += 1
         return True
 
+    def _forget_covered(self, name: str, tokens: np.ndarray) -> None:
+        """Remove the files whose tokens `tokens` extend: a trimmable cache of the longer
+        sequence serves every prompt theirs would."""
+        for other, entry in list(self._entries.items()):
+            n = len(entry.tokens)
+            if other != name and n < len(tokens) and np.array_equal(entry.tokens, tokens[:n]):
+                self._forget(other)
+
     def _make_room(self, size: int) -> None:
-        while self._entries and self.nbytes() + size > self.max_bytes:
+        while self._entries and self._total + self._writing + size > self.max_bytes:
             self._forget(next(iter(self._entries)))
 
     # -- reading --------------------------------------------------------------------
     def load(self, digest: bytes, count: int) -> Optional[list]:
         """This rank's half of the cache of the `count` tokens of `digest`, checked against its
         own key, the tokens and the CRC; None (one log line, a bad file removed) when it has no
-        such file or the file does not check out."""
+        such file or the file does not check out. A file the writer still has is waited for."""
         from mlx_lm.models.cache import load_prompt_cache
 
         name = self.name(digest)
         path = self.directory / name
-        if name not in self._entries:
-            log(f"prompt cache: no file {path} on this rank for the {count}-token prefix; both recompute")
+        if not self._writer.wait_for(name, WAIT_SEC):
+            log(f"prompt cache: {path} was not written within {WAIT_SEC:g} s; both recompute the "
+                f"{count}-token prefix")
             return None
-        try:
-            cache, meta = load_prompt_cache(str(path), return_metadata=True)
-            tokens = self._check(meta, path)
-            if len(tokens) != count or tokens_digest(tokens) != digest:
-                raise ValueError(f"it holds another prefix ({len(tokens)} tokens, not {count})")
-            if f"{_crc(cache):010d}" != meta.get("crc"):
-                raise ValueError("its arrays fail their CRC: the file is damaged")
-        except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises, it is not used
-            self._skip(path, exc)
-            self._forget(name)
-            return None
-        self._entries.move_to_end(name)
+        # Under the lock: the writer makes room by removing the least recently used files,
+        # never this one while it is read.
+        with self._lock:
+            if name not in self._entries:
+                log(f"prompt cache: no file {path} on this rank for the {count}-token prefix; both recompute")
+                return None
+            try:
+                header, start = read_header_file(path)
+                meta = _our_metadata(header.get("__metadata__") or {})
+                if f"{data_crc(path, start):010d}" != meta.get("crc"):
+                    raise ValueError("its arrays fail their CRC: the file is damaged")
+                cache, meta = load_prompt_cache(str(path), return_metadata=True)
+                tokens = self._check(meta, path)
+                if len(tokens) != count or tokens_digest(tokens) != digest:
+                    raise ValueError(f"it holds another prefix ({len(tokens)} tokens, not {count})")
+            except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises, it is not used
+                self._skip(path, exc)
+                self._forget(name)
+                return None
+            self._entries.move_to_end(name)
         _touch(path)
         return _as_session_classes(cache)
 
@@ -222,7 +315,7 @@ class DiskCache:
         if meta.get("format") != _FORMAT:
             raise ValueError("it is not a ds4tp prompt-cache file")
         if meta.get("key") != self.key:
-            raise ForeignFile(f"it was made for another model, share or rank ({meta.get('key')}, "
+            raise ForeignFileError(f"it was made for another model, share or rank ({meta.get('key')}, "
                              f"this rank is {self.key})")
         tokens = np.frombuffer(base64.b64decode(meta.get("tokens", "")), dtype="<i4")
         if str(len(tokens)) != meta.get("count"):
@@ -253,7 +346,7 @@ class DiskCache:
                 tokens = self._check(_our_metadata(meta), path)
             except Exception as exc:  # noqa: BLE001 - an unreadable file is skipped, never used
                 self._skip(path, exc)
-                if not isinstance(exc, ForeignFile):
+                if not isinstance(exc, ForeignFileError):
                     _remove(path)
                 continue
             stat = path.stat()
@@ -277,33 +370,6 @@ def _our_metadata(header_metadata: dict) -> dict:
     if not isinstance(ours, list) or not ours or not isinstance(ours[0], dict):
         raise ValueError("its metadata is not a prompt cache's")
     return ours[0]
-
-
-def _arrays(cache: list) -> List[mx.array]:
-    """Every array of the cache's state, in order (what save_prompt_cache writes)."""
-    from mlx.utils import tree_flatten
-
-    return [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
-
-
-def _size_bound(cache: list, metadata: dict) -> int:
-    """At least the bytes save_prompt_cache writes for `cache`: the arrays, our metadata, and
-    a generous allowance per array for the header's JSON and the layers' classes."""
-    arrays = _arrays(cache)
-    data = sum(a.nbytes for a in arrays)
-    return data + sum(len(k) + len(v) + 8 for k, v in metadata.items()) + 256 * (len(arrays) + len(cache)) + 1024
-
-
-def _crc(cache: list) -> int:
-    """CRC-32 of every array of the cache's state, in order (raw bytes, any dtype)."""
-    arrays = _arrays(cache)
-    mx.eval(arrays)
-    crc = 0
-    for a in arrays:
-        # bfloat16 has no numpy twin: the bytes are read through an integer view of the same size.
-        raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-        crc = zlib.crc32(np.asarray(raw).tobytes(), crc)
-    return crc
 
 
 @contextlib.contextmanager

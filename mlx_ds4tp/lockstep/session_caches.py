@@ -182,13 +182,14 @@ class SessionCaches:
             raise tr.FrameError(f"INVALIDATE names stored cache {cache_id}, which does not exist")
 
     def save(self, cache_id: int, tokens: Sequence[int], drop: bool) -> bool:
-        """Write stored cache `cache_id` (covering `tokens`) to this rank's directory, then drop
-        it from memory if `drop`; False when it was not written (no directory here, a full disk:
-        logged, the rank serves on)."""
+        """Hand stored cache `cache_id` (covering `tokens`) to this rank's directory's writer
+        (it is written in the background, soon: DiskCache.save_later), then drop it from memory
+        if `drop` (the writer holds what it writes); False when it will not be written (no
+        directory here, a writer far behind: logged, the rank serves on)."""
         cache = self.stored.get(cache_id)
         if cache is None:
             raise tr.FrameError(f"DISK_SAVE names stored cache {cache_id}, which does not exist")
-        written = self.disk.save(tokens, cache) if self.disk is not None else self._no_disk()
+        written = self.disk.save_later(tokens, cache) if self.disk is not None else self._no_disk()
         if drop:
             del self.stored[cache_id]
         return written

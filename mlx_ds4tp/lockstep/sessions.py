@@ -246,12 +246,13 @@ class LeaderSessions:
             return None
         return _peer_error(self.control) or "the worker closed the connection"
 
-    def stop(self) -> None:
-        """Tell the worker to return (best effort: it may be gone)."""
+    def stop(self) -> bool:
+        """Tell the worker to return (best effort: it may be gone); whether STOP was sent."""
         try:
             self.control.send(F.STOP)
-        except TransportError:
-            pass
+        except (TransportError, OSError):
+            return False
+        return True
 
     def abort(self, reason: str) -> None:
         """The leader gives up on the pair: tell the worker why (best effort) and close the

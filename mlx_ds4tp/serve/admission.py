@@ -102,6 +102,10 @@ class Admission:
         else:
             cache_id, evicted = self.index.insert(fed)
             self.sessions.destroy(session.sid, cache_id)
+            if cache_id and self.disk is not None:
+                # Written through: both ranks' writers have it on disk moments from now, so a
+                # stop of any kind (a kill -9 too) keeps it; eviction then only drops it.
+                self.sessions.disk_save(cache_id, fed, drop=False)
             if cache_id:
                 evicted += self.index.charge(cache_id, self.sessions.table.caches.stored_bytes(cache_id))
             self._drop(evicted)

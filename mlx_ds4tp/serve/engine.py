@@ -135,19 +135,30 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="ds4tp-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop the loop, write the stored prompt caches to disk (--prompt-cache-dir) and tell
-        the worker to return."""
+    def begin_stop(self) -> None:
+        """Take no more requests and end those under way ("the server is stopping"), so their
+        answers end before the HTTP server's graceful stop does: safe from a signal handler."""
         self._stopping = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self._error is None:
-            try:
-                if self._thread is None or not self._thread.is_alive():
-                    self.admission.spill()
-            except Exception as exc:  # noqa: BLE001 - the pair failed on the way out: stop anyway
-                log(f"serve: the stored prompt caches were not all written at shutdown: {exc}")
-            self.sessions.stop()
+
+    def stop(self, timeout: float = 30.0) -> str:
+        """Stop the loop and tell the worker to return; what became of the worker, for the
+        leader's last line. The loop's thread is always ended before this returns (a step
+        stuck at a gate fails at once when the pair is closed): a thread left inside MLX while
+        the interpreter exits aborts the process ("terminate called without an active
+        exception")."""
+        self._stopping = True
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log(f"serve: the engine did not stop within {timeout:g} s; closing the pair to end its step")
+                self.sessions.group.close()
+                thread.join(timeout)
+        if self._down.is_set():
+            return f"the worker was gone already ({self._error})"
+        if thread is None or thread.is_alive() or not self.sessions.stop():
+            return "the worker could not be told to stop"
+        return "the worker was told to stop"
 
     # -- the loop -------------------------------------------------------------
     def _run(self) -> None:
@@ -156,6 +167,8 @@ class Engine:
                 self._turn()
         except Exception as exc:  # noqa: BLE001 - every failure ends the pair, reported to all
             self._fail(f"{type(exc).__name__}: {exc}")
+            return
+        self._end_all("the server is stopping")
 
     def _turn(self) -> None:
         self._admit()
@@ -248,6 +261,12 @@ class Engine:
         log(f"serve: the pair is down: {message}")
         self.sessions.abort(message)
         drain_failed_work()
+        self._end_all(message)
+
+    def _end_all(self, message: str) -> None:
+        """Every request under way or waiting gets ("error", message); new ones are refused."""
+        with self._lock:
+            self._error = self._error or message
         self.prefill.clear()
         self.stepper.clear()
         self.admission.fail(message)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import h11
 import uvicorn
@@ -81,6 +81,17 @@ class _ToOurLog(logging.Handler):
         log(f"serve: http: {text}")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling `on_stop` first when a signal stops it."""
+
+    on_stop: Optional[Callable[[], None]] = None
+
+    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
+        if self.on_stop is not None:
+            self.on_stop()
+        super().handle_exit(sig, frame)
+
+
 class HttpServer:
     """The listening socket, bound at once (a taken port fails before the pair is joined and the
     weights are loaded), and the server that answers on it once the state is ready."""
@@ -102,9 +113,10 @@ class HttpServer:
                                "--host") from None
         self.http, self.port = http, self.socket.getsockname()[1]
 
-    def serve(self, state: ServeState) -> None:
+    def serve(self, state: ServeState, on_stop: Optional[Callable[[], None]] = None) -> None:
         """Answer HTTP until SIGINT or SIGTERM (uvicorn catches them, lets the answers under way
-        finish for GRACEFUL_STOP_SEC, then raises the signal again for the caller)."""
+        finish for GRACEFUL_STOP_SEC, then raises the signal again for the caller); on_stop is
+        called as the signal arrives (in its handler: it must only set a flag)."""
         protocol = type("Protocol", (_HeaderTimeoutProtocol,), {"header_timeout": self.http.header_timeout_sec})
         uvicorn_log = logging.getLogger("uvicorn")
         uvicorn_log.propagate = False
@@ -114,7 +126,9 @@ class HttpServer:
         config = uvicorn.Config(make_app(state), http=protocol, lifespan="off", log_config=None,
                                 access_log=False, timeout_keep_alive=self.http.keep_alive_timeout_sec,
                                 timeout_graceful_shutdown=GRACEFUL_STOP_SEC, backlog=BACKLOG)
-        uvicorn.Server(config).run(sockets=[self.socket])
+        server = _Server(config)
+        server.on_stop = on_stop
+        server.run(sockets=[self.socket])
 
     def close(self) -> None:
         self.socket.close()

@@ -3,16 +3,17 @@ worker's command loop (worker) or the engine and the HTTP server (leader)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
-from ..base.stopping import stop_on_sigterm
+from ..base.stopping import shielded, stop_on_signals, stop_reason
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
 from ..lockstep.grammar import Grammars
@@ -99,11 +100,17 @@ def run(settings: ServeSettings) -> int:
     from .http_server import HttpServer
 
     fix_heap_thresholds()  # before the weights and the caches are allocated
+    # Ctrl-C and `kill` (SIGTERM) stop either rank cleanly, whichever is stopped first: its
+    # files written, its peer told, one line saying why, exit code 0.
+    stop_on_signals()
     # A leader named on the command line takes its HTTP port before it waits for a worker; a
     # rank that discovery makes the leader takes it once it knows (_run_rank).
     servers = [HttpServer(settings.http)] if settings.link.address.role == "leader" else []
     try:
         return _run_rank(settings, model_identity(str(settings.model.path)), servers)
+    except KeyboardInterrupt:
+        log(f"serve: stopped by {stop_reason()} before it served (joining the pair or loading the weights)")
+        return 0
     finally:
         for server in servers:
             server.close()
@@ -125,13 +132,30 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List
         model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         disk = make_disk_cache(settings, model, identity, (share, group.rank()))
-        if server is None:
-            return _worker(group, model, settings, share, (Grammars(tokenizer), disk))
-        engine = _leader_engine(settings, group, model, tokenizer, disk)
-        # The leader's own room, before the worker's is known (None: --max-kv-tokens decides).
-        own_room = engine.admission.kv_budget if settings.kv_budget_from_memory else None
-        _serve_http(settings, engine, group, (model, share), server, own_room)
+        try:
+            if server is None:
+                how = _worker(group, model, settings, share, (Grammars(tokenizer), disk))
+            else:
+                engine = _leader_engine(settings, group, model, tokenizer, disk)
+                # The leader's own room, before the worker's is known (None: --max-kv-tokens decides).
+                own_room = engine.admission.kv_budget if settings.kv_budget_from_memory else None
+                how = _serve_http(settings, engine, group, (model, share), server, own_room)
+        finally:
+            with shielded():
+                written = _close_disk(disk)
+    log(f"serve: {how}{written}")
     return 0
+
+
+def _close_disk(disk) -> str:
+    """Write what this rank's --prompt-cache-dir writer has left (DiskCache.close, bounded); how
+    it ended, for the rank's last line."""
+    if disk is None:
+        return ""
+    left = disk.close()
+    if left:
+        return f"; {left} prompt cache file(s) were not written in time to {disk.directory}"
+    return f"; {len(disk)} prompt cache file(s) in {disk.directory}"
 
 
 def make_disk_cache(settings: ServeSettings, model: Any, identity: tr.ModelIdentity,
@@ -150,9 +174,11 @@ def make_disk_cache(settings: ServeSettings, model: Any, identity: tr.ModelIdent
                          f"{blocker}; serve it without --prompt-cache-dir")
     share, rank = share_rank
     fingerprint = identity.fingerprint.digest.hex() if identity.fingerprint is not None else settings.model.name
+    from ..lockstep.compute import trims_at_any_length
+
     try:
         return DiskCache(Path(limits.prompt_cache_dir), limits.prompt_cache_disk_bytes,
-                         rank_key(fingerprint, str(share), rank))
+                         rank_key(fingerprint, str(share), rank), trimmable=trims_at_any_length(make_cache(model)))
     except OSError as exc:
         raise SystemExit(f"ds4tp serve: --prompt-cache-dir {limits.prompt_cache_dir}: {exc}; give a "
                          "directory this user may create and write") from None
@@ -195,9 +221,9 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
 
 
 def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                server: "HttpServer", own_room: Optional[int]) -> None:
+                server: "HttpServer", own_room: Optional[int]) -> str:
     """The leader's HTTP front over `engine` (split_model: the model and the share it is split
-    by; own_room: the leader's KV budget from memory), until Ctrl-C or SIGTERM."""
+    by; own_room: the leader's KV budget from memory), until Ctrl-C or SIGTERM; how it ended."""
     from .state import ServeState
 
     model = split_model[0]
@@ -209,18 +235,45 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     _fit_worker_room(engine, engine.sessions, settings, own_room)
     engine.start()
-    threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings, own_room),
+    quit_ = _Quit()
+    threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings, own_room, quit_),
                      name="ds4tp-rejoin", daemon=True).start()
     log(f"serving {served.name} ({served.path}) on "
            f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
-    # `kill` (SIGTERM) stops the pair as Ctrl-C does: the worker is told, not orphaned.
-    stop_on_sigterm()
+    how = "the HTTP server ended"
     try:
-        server.serve(state)
+        # The signal ends the answers under way at once (engine.begin_stop), so the HTTP
+        # server's graceful stop has nothing left to cut.
+        server.serve(state, on_stop=engine.begin_stop)
     except KeyboardInterrupt:
-        log("serve: stopping; the worker is told to stop too")
+        how = f"stopped by {stop_reason()}"
     finally:
-        engine.stop()
+        with shielded():
+            quit_.begin()
+            told = engine.stop()
+    return f"{how}: {told}"
+
+
+@dataclasses.dataclass
+class _Quit:
+    """The leader's stop as its rejoin thread sees it: `event` is set when the stop begins, and
+    `lock` is held around the thread's native work (closing a pair, resuming the engine); the
+    stop takes the lock and keeps it, so none is under way or begins while the interpreter
+    exits (a thread inside native code then aborts the process: "terminate called without an
+    active exception"). The thread's waits (for a worker to connect) are Python's own."""
+
+    event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def begin(self, timeout: float = 30.0) -> None:
+        self.event.set()
+        self.lock.acquire(timeout=timeout)
+
+    @contextlib.contextmanager
+    def native(self) -> Iterator[bool]:
+        """The lock held; yields False (do nothing) once the stop has begun."""
+        with self.lock:
+            yield not self.event.is_set()
 
 
 def _fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Optional[int]) -> None:
@@ -245,23 +298,23 @@ def _fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Option
 
 
 def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                       settings: ServeSettings, own_room: Optional[int]) -> None:
+                       settings: ServeSettings, own_room: Optional[int], quit_: _Quit) -> None:
     """The leader's side of a worker that comes back: whenever the pair goes down (the worker
-    died, the link dropped), keep serving HTTP (503 and /health 503 meanwhile), listen again on
-    the pair's address, and resume serving once a worker with the same model fingerprint and
-    secret has joined; it gets the share the leader's model is split by. A daemon thread:
-    Ctrl-C on the leader ends it with the process."""
+    died or was stopped, the link dropped), keep serving HTTP (503 and /health 503 meanwhile),
+    listen again on the pair's address, and resume serving once a worker with the same model
+    fingerprint and secret has joined; it gets the share the leader's model is split by. A
+    daemon thread, ended by the leader's stop (_Quit)."""
     from ..lockstep.sessions import LeaderSessions
 
     model, share = split_model
     listen = settings.link.address.listen
     where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
-    while True:
-        while not engine.wait_down(1.0):
-            pass
+    while not quit_.event.is_set():
+        if not engine.wait_down(1.0):
+            continue
         log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
                "`ds4tp serve --role worker` again, with the same --model and secret)")
-        while True:
+        while not quit_.event.is_set():
             try:
                 gate_ops.reconnect(group)
                 agree_share(group, settings.split, ModelNeed(0), held=share)
@@ -270,17 +323,26 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
                 continue  # nobody came within the connect timeout: keep listening
             except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
                 log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
-                group.close()
+                with quit_.native() as go:
+                    if go:
+                        group.close()
                 time.sleep(0.5)
+        if quit_.event.is_set():
+            return
         sessions = LeaderSessions(group, model, engine.sessions.table.grammars, engine.disk_cache)
         try:
             sessions.wait_ready()  # the worker loads its weights after joining
             _fit_worker_room(engine, sessions, settings, own_room)  # its machine may hold less
         except Exception as exc:  # noqa: BLE001 - it died loading: listen again
             log(f"serve: the worker joined but failed before serving: {exc}")
-            group.close()
+            with quit_.native() as go:
+                if go:
+                    group.close()
             continue
-        engine.resume(sessions)
+        with quit_.native() as go:
+            if not go:
+                return
+            engine.resume(sessions)
         log(f"serve: a worker rejoined (transport {group.transport}); serving again")
 
 
@@ -298,10 +360,11 @@ def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Grou
 
 
 def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare,
-            grammars_disk: Tuple[Any, Any]) -> int:
+            grammars_disk: Tuple[Any, Any]) -> str:
     """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
     dies it waits for a leader on the same address and serves it (the same checks as a first
-    join). Without it, a leader gone is this process's end: an error naming it, never a hang."""
+    join). Without it, a leader gone is this process's end: an error naming it, never a hang.
+    Ctrl-C or SIGTERM stops it cleanly, the leader told why. Returns how it ended."""
     from ..lockstep.sessions import drain_failed_work, serve_worker
     from ..lockstep.table import release_memory
 
@@ -309,29 +372,54 @@ def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitS
     rejoin = settings.rejoin
     coordinator = settings.link.address.coordinator
     where = f"at {coordinator[0]}:{coordinator[1]}" if coordinator else "(discovery)"
-    while True:
-        try:
-            table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
-            log(f"worker done after {table.batch.step_count} decode steps: the leader said stop")
-            if not rejoin:
-                return 0
-        except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
-            if not rejoin:
-                raise tr.TransportError(f"{exc}; the worker stops (run it with --rejoin to wait "
-                                        "for a leader instead)") from None
-            log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
-        group.close()
-        drain_failed_work()
-        release_memory()  # the failed pair's table, its caches and its failed steps
-        log(f"serve: waiting for a leader {where} (--rejoin) ...")
+    try:
         while True:
             try:
-                gate_ops.reconnect(group)
-                agree_share(group, settings.split, ModelNeed(0), held=share)
-                break
-            except (tr.HelloMismatchError, tr.AuthenticationError):
-                raise  # another model, secret or share: waiting would not change it
-            except tr.TransportError:
-                group.close()  # joined but the share never came: the next try joins afresh
-                time.sleep(0.5)  # no leader yet (or one that went away during the join)
-        log(f"serve: joined a leader again (transport {group.transport})")
+                table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
+                said = f"the leader said stop after {table.batch.step_count} decode steps"
+                if not rejoin:
+                    return f"the worker stopped: {said}"
+                log(f"serve: {said}")
+            except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
+                if not rejoin:
+                    raise tr.TransportError(f"{exc}; the worker stops (run it with --rejoin to wait "
+                                            "for a leader instead)") from None
+                log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
+            group.close()
+            drain_failed_work()
+            release_memory()  # the failed pair's table, its caches and its failed steps
+            log(f"serve: waiting for a leader {where} (--rejoin) ...")
+            _rejoin_leader(group, settings, share)
+            log(f"serve: joined a leader again (transport {group.transport})")
+    except KeyboardInterrupt:
+        with shielded():
+            told = _tell_leader(group, drain_failed_work)
+        return f"the worker stopped by {stop_reason()}{told}"
+
+
+def _rejoin_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitShare) -> None:
+    """Join a leader again on the same address, however long that takes."""
+    while True:
+        try:
+            gate_ops.reconnect(group)
+            agree_share(group, settings.split, ModelNeed(0), held=share)
+            return
+        except (tr.HelloMismatchError, tr.AuthenticationError):
+            raise  # another model, secret or share: waiting would not change it
+        except tr.TransportError:
+            group.close()  # joined but the share never came: the next try joins afresh
+            time.sleep(0.5)  # no leader yet (or one that went away during the join)
+
+
+def _tell_leader(group: gate_ops.Group, drain) -> str:
+    """A stopped worker's goodbye: the leader told why (an ERROR frame, which its failing step or
+    idle check reports), the pair closed (a step in flight fails at once) and its queued work
+    drained, so no MLX work is left running as the process exits."""
+    try:
+        control = group.pair.control
+    except tr.TransportError:
+        return " (no leader was joined)"
+    control.send_error(f"the worker was stopped by {stop_reason()}; start it again and it rejoins")
+    group.close()
+    drain()
+    return "; the leader was told"
