@@ -106,44 +106,45 @@ def default_group(rank: int, report: Report) -> None:
 def gradients(g, rank: int) -> dict:
     """mx.grad through split layers against the unsplit computation."""
     rng = np.random.default_rng(42)
-    X, W1, W2, W, C, D = (mx.array(rng.standard_normal(s).astype(np.float32))
-                          for s in [(4, 8), (8, 16), (16, 8), (8, 5), (4, 5), (4, 3)])
-    A = [mx.array(rng.standard_normal((4, 3)).astype(np.float32)) for _ in (0, 1)]
+    inputs, up, down, proj, gather_weight, scatter_weight = (
+        mx.array(rng.standard_normal(s).astype(np.float32))
+        for s in [(4, 8), (8, 16), (16, 8), (8, 5), (4, 5), (4, 3)])
+    partials = [mx.array(rng.standard_normal((4, 3)).astype(np.float32)) for _ in (0, 1)]
     cols, rows = slice(8 * rank, 8 * rank + 8), slice(2 * rank, 2 * rank + 2)
     out = {}
 
     # all_sum: a column- then row-parallel MLP, the gate after the row-parallel matmul.
     def mlp_split(w1, w2):
-        return (tp.all_sum(mx.tanh(X @ w1) @ w2, group=g) ** 2).sum()
+        return (tp.all_sum(mx.tanh(inputs @ w1) @ w2, group=g) ** 2).sum()
 
     def mlp(w1, w2):
-        return ((mx.tanh(X @ w1) @ w2) ** 2).sum()
+        return ((mx.tanh(inputs @ w1) @ w2) ** 2).sum()
 
-    g1, g2 = mx.grad(mlp_split, argnums=(0, 1))(W1[:, cols], W2[cols])
-    u1, u2 = mx.grad(mlp, argnums=(0, 1))(W1, W2)
+    g1, g2 = mx.grad(mlp_split, argnums=(0, 1))(up[:, cols], down[cols])
+    u1, u2 = mx.grad(mlp, argnums=(0, 1))(up, down)
     out["all_sum"] = bool(mx.allclose(g1, u1[:, cols], rtol=1e-5, atol=1e-5)
                           and mx.allclose(g2, u2[cols], rtol=1e-5, atol=1e-5)
                           and mx.abs(g1).max().item() > 0)
 
     # all_gather: rows of a batch on each rank, the weight replicated (data parallel).
     def gather_split(w, x):
-        return (tp.all_gather(x @ w, group=g) * C).sum()
+        return (tp.all_gather(x @ w, group=g) * gather_weight).sum()
 
     def gather(w, x):
-        return ((x @ w) * C).sum()
+        return ((x @ w) * gather_weight).sum()
 
-    gw, gx = mx.grad(gather_split, argnums=(0, 1))(W, X[rows])
-    uw, ux = mx.grad(gather, argnums=(0, 1))(W, X)
+    gw, gx = mx.grad(gather_split, argnums=(0, 1))(proj, inputs[rows])
+    uw, ux = mx.grad(gather, argnums=(0, 1))(proj, inputs)
     # Each rank's weight gradient covers its rows of the batch: summed, the whole.
     out["all_gather"] = bool(mx.allclose(gx, ux[rows], rtol=1e-5, atol=1e-5)
                              and mx.allclose(tp.all_sum(gw, group=g), uw, rtol=1e-5, atol=1e-5))
 
     # sum_scatter: the loss of each rank's rows, summed over the ranks.
     def scatter_split(a):
-        return tp.all_sum((tp.sum_scatter(a, group=g) * D[rows]).sum(), group=g)
+        return tp.all_sum((tp.sum_scatter(a, group=g) * scatter_weight[rows]).sum(), group=g)
 
-    ga = mx.grad(scatter_split)(A[rank])
-    ua = mx.grad(lambda a: ((a + A[1 - rank]) * D).sum())(A[rank])
+    ga = mx.grad(scatter_split)(partials[rank])
+    ua = mx.grad(lambda a: ((a + partials[1 - rank]) * scatter_weight).sum())(partials[rank])
     out["sum_scatter"] = bool(mx.allclose(ga, ua, rtol=1e-5, atol=1e-5))
     return out
 

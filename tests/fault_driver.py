@@ -44,18 +44,13 @@ def at(phase: str) -> None:
     print(f"AT {phase}", flush=True)
 
 
-def main(argv) -> int:
-    phase, role, host, port, transport, model = argv[:6]
-    port = int(port)
+def before_pair(phase: str, host: str, port: int, transport: str, identity) -> None:
+    """The phases before a pair exists: a leader that never listens, never accepts or never
+    says hello; a worker that dials and never says hello, or never opens the data connection.
+    Blocks there."""
     from mlx_ds4tp import transport as tr
-    from mlx_ds4tp.link.identity import model_identity
 
-    identity = model_identity(model)
-    device = "ucsim" if transport == "rdma" else None
-    if transport == "rdma-fake":
-        transport = "rdma"
     deadline = time.monotonic() + tr.default_timeout()
-
     if phase == "before-listen":
         at(phase)
         block()
@@ -68,93 +63,123 @@ def main(argv) -> int:
             conn, _ = listener.accept()
         at(phase)
         block()
-    if phase in ("dialed", "hello-sent"):
-        sock = tr.dial(host, port, deadline, "control")
-        if phase == "hello-sent":
-            hello = tr.Hello(role=tr.WORKER, transport=transport, rdma_ok=transport == "rdma",
-                             rdma_reason="", session_id=0, identity=identity,
-                             fingerprint=identity.fingerprint.summary())
-            tr.ControlChannel(sock, 10.0).send(tr.FrameType.HELLO, hello.pack())
-            time.sleep(0.3)  # the leader reads it and moves on to the data connection
+    sock = tr.dial(host, port, deadline, "control")
+    if phase == "hello-sent":
+        hello = tr.Hello(role=tr.WORKER, transport=transport, rdma_ok=transport == "rdma",
+                         rdma_reason="", session_id=0, identity=identity,
+                         fingerprint=identity.fingerprint.summary())
+        tr.ControlChannel(sock, 10.0).send(tr.FrameType.HELLO, hello.pack())
+        time.sleep(0.3)  # the leader reads it and moves on to the data connection
+    at(phase)
+    block()
+
+
+def in_bring_up(phase: str, role: str, address: tuple, transport: str, device, identity) -> None:
+    """The RDMA bring-up's phases: connect() with a bring-up seam that runs the shipped steps
+    up to the phase, then blocks."""
+    from mlx_ds4tp import transport as tr, warmup
+
+    def bring_up_to_phase(joined):
+        rdma = joined.open_rdma()
+        rdma.build(0)
+        warmup.exchange_status(joined, True, "")
+        if phase == "rdma-info":
+            at(phase)
+            block()
+        joined.control.send(tr.FrameType.RDMA_INFO, rdma.local_info())
+        if phase == "rdma-info-sent":
+            at(phase)
+            block()
+        _, payload = joined.control.recv(tr.FrameType.RDMA_INFO)
+        rdma.connect_peer(payload)
+        warmup.ready_barrier(joined)
+        rdma.post_recv(rdma.warm_recv, warmup.WARM_BYTES, tr.WARM_WR_ID)
+        warmup.posted_barrier(joined)
         at(phase)
         block()
 
     leader = role == "leader"
-    address = (host, port)
-    if phase in ("rdma-info", "rdma-info-sent", "warmup"):
-        from mlx_ds4tp import warmup
+    config = tr.LinkSettings.of(role, listen=address if leader else None,
+                                coordinator=None if leader else address, transport=transport,
+                                rdma_device=device, identity=identity)
+    pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library),
+                      bring_up=bring_up_to_phase)
+    raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
 
-        def bring_up_to_phase(joined):
-            """connect()'s bring-up seam: the shipped steps up to the phase, then block."""
-            rdma = joined.open_rdma()
-            rdma.build(0)
-            warmup.exchange_status(joined, True, "")
-            if phase == "rdma-info":
-                at(phase)
-                block()
-            joined.control.send(tr.FrameType.RDMA_INFO, rdma.local_info())
-            if phase == "rdma-info-sent":
-                at(phase)
-                block()
-            _, payload = joined.control.recv(tr.FrameType.RDMA_INFO)
-            rdma.connect_peer(payload)
-            warmup.ready_barrier(joined)
-            rdma.post_recv(rdma.warm_recv, warmup.WARM_BYTES, tr.WARM_WR_ID)
-            warmup.posted_barrier(joined)
-            at(phase)
-            block()
 
-        config = tr.LinkSettings.of(role, listen=address if leader else None,
-                                    coordinator=None if leader else address, transport=transport,
-                                    rdma_device=device, identity=identity)
-        pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library),
-                          bring_up=bring_up_to_phase)
-        raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
-
+def gate_loop(group, phase: str) -> int:
+    """all_sum of 1 MiB partials (bulk) or of one 16 KiB vector (gates) until killed, every sum
+    checked: 2 on a wrong sum."""
     import mlx.core as mx
     import numpy as np
 
     from mlx_ds4tp import gate_ops
 
+    shape = (64, 4096) if phase == "bulk" else (4096,)
+    rank = group.rank()
+    for k in range(1 << 62):
+        y = gate_ops.all_sum(mx.full(shape, float(rank + 1)) + k, group=group)
+        mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
+        if not np.array_equal(np.array(y), np.full(shape, 3.0 + 2 * k, np.float32)):
+            print(f"fault_driver: wrong sum at exchange {k}", file=sys.stderr, flush=True)
+            return 2
+        if k == 0:
+            at(phase)
+    return 0
+
+
+def between_prompts(group, model: str, phase: str) -> int:
+    """The leader of a `ds4tp run` pair: one generation, then a line on stdin, then another."""
+    from pathlib import Path
+
+    from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.model_split import load_split
+    from mlx_ds4tp.split.agree import agree_share
+    from mlx_ds4tp.split.auto import model_need
+    from mlx_ds4tp.split.share import SplitSettings
+
+    # The `ds4tp run` worker loads with the share its leader sends before any weight is read.
+    share = agree_share(group, SplitSettings(), model_need(Path(model), 64))
+    split, tokenizer = load_split(model, group, split=share)
+    sessions = LeaderSessions(group, split)
+    prompt = encode_prompt(tokenizer, "two machines", chat=False)
+    try:
+        pair_generate(sessions, prompt, 4)
+        at(phase)
+        sys.stdin.readline()
+        pair_generate(sessions, prompt, 4)
+    finally:
+        sessions.stop()
+    group.close()
+    print("DONE", flush=True)
+    return 0
+
+
+def main(argv) -> int:
+    phase, role, host, port, transport, model = argv[:6]
+    port = int(port)
+    from mlx_ds4tp import gate_ops
+    from mlx_ds4tp.link.identity import model_identity
+
+    identity = model_identity(model)
+    device = "ucsim" if transport == "rdma" else None
+    if transport == "rdma-fake":
+        transport = "rdma"
+    if phase in ("before-listen", "backlog", "accepted", "dialed", "hello-sent"):
+        before_pair(phase, host, port, transport, identity)
+    leader = role == "leader"
+    address = (host, port)
+    if phase in ("rdma-info", "rdma-info-sent", "warmup"):
+        in_bring_up(phase, role, address, transport, device, identity)
+
     group = gate_ops.init(role=role, listen=address if leader else None,
                           coordinator=None if leader else address, transport=transport,
                           rdma_device=device, identity=identity)
     if phase in ("bulk", "gates"):
-        shape = (64, 4096) if phase == "bulk" else (4096,)
-        rank = group.rank()
-        for k in range(1 << 62):
-            y = gate_ops.all_sum(mx.full(shape, float(rank + 1)) + k, group=group)
-            mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
-            if not np.array_equal(np.array(y), np.full(shape, 3.0 + 2 * k, np.float32)):
-                print(f"fault_driver: wrong sum at exchange {k}", file=sys.stderr, flush=True)
-                return 2
-            if k == 0:
-                at(phase)
+        return gate_loop(group, phase)
     if phase == "between-prompts" and leader:
-        from pathlib import Path
-
-        from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
-        from mlx_ds4tp.lockstep.sessions import LeaderSessions
-        from mlx_ds4tp.model_split import load_split
-        from mlx_ds4tp.split.agree import agree_share
-        from mlx_ds4tp.split.auto import model_need
-        from mlx_ds4tp.split.share import SplitSettings
-
-        # The `ds4tp run` worker loads with the share its leader sends before any weight is read.
-        share = agree_share(group, SplitSettings(), model_need(Path(model), 64))
-        split, tokenizer = load_split(model, group, split=share)
-        sessions = LeaderSessions(group, split)
-        prompt = encode_prompt(tokenizer, "two machines", chat=False)
-        try:
-            pair_generate(sessions, prompt, 4)
-            at(phase)
-            sys.stdin.readline()
-            pair_generate(sessions, prompt, 4)
-        finally:
-            sessions.stop()
-        group.close()
-        print("DONE", flush=True)
-        return 0
+        return between_prompts(group, model, phase)
     raise SystemExit(f"fault_driver: unknown phase {phase!r} for role {role}")
 
 

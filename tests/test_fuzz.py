@@ -523,7 +523,7 @@ def test_every_type_claiming_over_its_bound_is_refused_before_reading(alloc_spy,
 # ============================================================================
 
 
-class ModelMisuse(AssertionError):
+class ModelMisuseError(AssertionError):
     """The worker handed the model something it must have refused."""
 
 
@@ -545,9 +545,9 @@ class StubModel:
     def __call__(self, inputs, cache=None):
         ids = np.array(inputs)
         if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
-            raise ModelMisuse(f"model called with ids of shape {ids.shape}")
+            raise ModelMisuseError(f"model called with ids of shape {ids.shape}")
         if ids.min() < 0 or ids.max() >= self.args.vocab_size:
-            raise ModelMisuse(f"model called with ids outside [0, {self.args.vocab_size}): {ids}")
+            raise ModelMisuseError(f"model called with ids outside [0, {self.args.vocab_size}): {ids}")
         self.calls += 1
         return mx.zeros((1, ids.shape[1], 16)) + float(ids.sum() % 13)
 
@@ -687,7 +687,7 @@ def fuzz_worker(model, cases: int, seed: int) -> dict:
             arm()
             try:
                 outcome = run_worker_case(model, data, name)
-            except ModelMisuse as exc:
+            except ModelMisuseError as exc:
                 raise AssertionError(f"case {name} {data.hex()}: {exc}") from None
             except AssertionError:
                 raise

@@ -83,6 +83,53 @@ def _health(port: int) -> int:
         return 0
 
 
+class _Ranks:
+    """The recipe's two `ds4tp serve` processes, each logging to a file under tmp_path."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self.logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("worker", "leader")}
+        self.procs: dict = {}
+
+    def start(self, name: str, cmd: list) -> None:
+        self.procs[name] = subprocess.Popen(cmd, env=child_env(), cwd=self.tmp_path, stdout=self.logs[name],
+                                            stderr=subprocess.STDOUT, text=True)
+
+    def log(self, name: str) -> str:
+        self.logs[name].flush()
+        return (self.tmp_path / f"{name}.log").read_text()
+
+    def describe(self) -> str:
+        return "\n".join(f"--- {n} (rc {p.poll()}) ---\n{self.log(n)[-4000:]}" for n, p in self.procs.items())
+
+    def wait_healthy(self, port: int, timeout: float) -> None:
+        """Until GET /health answers 200; fails naming a rank that exited, or the timeout."""
+        deadline = time.monotonic() + timeout
+        while _health(port) != 200:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    pytest.fail(f"the {name} exited ({p.returncode}) before the server was up\n{self.describe()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not healthy within {timeout:g} s\n{self.describe()}")
+            time.sleep(0.2)
+
+    def wait_all(self, timeout: float, after: str) -> None:
+        for name, p in self.procs.items():
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {name} still runs {timeout:g} s after {after}\n{self.describe()}")
+
+    def close(self) -> None:
+        """Kill what still runs (a failed test's ranks), close the logs."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for f in self.logs.values():
+            f.close()
+
+
 def test_serve_recipe(tmp_path):
     pytest.importorskip("openai", reason="the client snippet needs the `openai` package (the test extra)")
     pair_port, http_port = free_port(), free_port()
@@ -95,49 +142,24 @@ def test_serve_recipe(tmp_path):
     client = re.sub(r"\b8080\b", str(http_port), recipe("serve-client"))
     assert f"127.0.0.1:{http_port}/v1" in client, client
 
-    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("worker", "leader")}
-    procs = {}
-
-    def log(name: str) -> str:
-        logs[name].flush()
-        return (tmp_path / f"{name}.log").read_text()
-
-    def describe() -> str:
-        return "\n".join(f"--- {n} (rc {p.poll()}) ---\n{log(n)[-4000:]}" for n, p in procs.items())
-
+    ranks = _Ranks(tmp_path)
     try:
         # In the README's order: terminal 1 the worker, terminal 2 the leader.
-        for name, cmd in (("worker", worker_cmd), ("leader", leader_cmd)):
-            procs[name] = subprocess.Popen(cmd, env=child_env(), cwd=tmp_path, stdout=logs[name],
-                                           stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 300
-        while _health(http_port) != 200:
-            for name, p in procs.items():
-                if p.poll() is not None:
-                    pytest.fail(f"the {name} exited ({p.returncode}) before the server was up\n{describe()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server was not healthy within 300 s\n{describe()}")
-            time.sleep(0.2)
-        assert "serving demo" in log("leader"), describe()
+        ranks.start("worker", worker_cmd)
+        ranks.start("leader", leader_cmd)
+        ranks.wait_healthy(http_port, 300)
+        assert "serving demo" in ranks.log("leader"), ranks.describe()
 
         res = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True,
                              timeout=300, env=child_env(), cwd=tmp_path)
-        assert res.returncode == 0, f"the README's client snippet failed:\n{res.stdout}\n{res.stderr}\n{describe()}"
+        assert res.returncode == 0, \
+            f"the README's client snippet failed:\n{res.stdout}\n{res.stderr}\n{ranks.describe()}"
 
         # "Ctrl-C on the leader stops both ranks."
-        procs["leader"].send_signal(signal.SIGINT)
-        for name, p in procs.items():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the {name} still runs 60 s after Ctrl-C on the leader\n{describe()}")
+        ranks.procs["leader"].send_signal(signal.SIGINT)
+        ranks.wait_all(60, "Ctrl-C on the leader")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        for f in logs.values():
-            f.close()
+        ranks.close()
 
 
 def test_the_architecture_has_a_row_for_every_module():
@@ -167,7 +189,8 @@ def test_the_readme_is_short_and_starts_with_the_two_commands():
     """A newcomer's page: at most 300 lines, its first section the two commands; the rest
     lives in docs/."""
     text = README.read_text()
-    assert len(text.splitlines()) <= 300, f"README.md has {len(text.splitlines())} lines (at most 300: move detail to docs/)"
+    lines = len(text.splitlines())
+    assert lines <= 300, f"README.md has {lines} lines (at most 300: move detail to docs/)"
     first = re.search(r"^## (.*)$", text, re.M)
     assert first and first.group(1) == "First two commands", first and first.group(1)
 

@@ -241,14 +241,53 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
         leader_group.close()
 
 
+class _CheckedModel:
+    """A model that checks every input it is handed: ids inside the vocabulary."""
+
+    def __init__(self, inner, vocab: int):
+        self.inner, self.args, self.layers, self.vocab = inner, inner.args, inner.layers, vocab
+        # The prefill calls the inner model (embedding and blocks): checked alike.
+        self.model = _CheckedModel(inner.model, vocab) if hasattr(inner, "model") else None
+
+    def __call__(self, x, cache=None):
+        import numpy as np
+
+        ids = np.array(x)
+        assert ids.size and ids.min() >= 0 and ids.max() < self.vocab, ids
+        return self.inner(x, cache=cache)
+
+
+def _damaged(rng, frames: list) -> list:
+    """The script with one frame dropped, repeated, swapped, a payload bit flipped, or a
+    payload cut short and padded."""
+    frames = list(frames)
+    kind = rng.randrange(5)
+    i = rng.randrange(len(frames))
+    if kind == 0:
+        del frames[i]
+    elif kind == 1:
+        frames.insert(i, frames[rng.randrange(len(frames))])
+    elif kind == 2:
+        j = rng.randrange(len(frames))
+        frames[i], frames[j] = frames[j], frames[i]
+    elif kind == 3:
+        ftype, payload = frames[i]
+        if payload:
+            b = bytearray(payload)
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            frames[i] = (ftype, bytes(b))
+    else:
+        ftype, payload = frames[i]
+        frames[i] = (ftype, payload[: rng.randrange(len(payload) + 1)] + b"\0" * rng.randrange(3))
+    return frames
+
+
 def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     """A serving rank fed a leader's script with a frame dropped, repeated, swapped or with a
     payload byte changed either runs it or stops with a TransportError: never another
     exception, never an out-of-vocabulary token handed to the model."""
-    import os
     import random
 
-    import numpy as np
     from mlx_lm import load
 
     import mlx_ds4tp.transport as tr
@@ -257,68 +296,33 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     from mlx_ds4tp.lockstep.table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable
     from mlx_ds4tp.testing.tiny_model import save_llama
 
-    F = tr.FrameType
+    frame = tr.FrameType
     model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=1)))
-    vocab = model.args.vocab_size
+    checked = _CheckedModel(model, model.args.vocab_size)
 
     def sync(session, tokens):
-        return F.PREFILL_BATCH, pack_prefill_batch([(session, tokens)])
+        return frame.PREFILL_BATCH, pack_prefill_batch([(session, tokens)])
 
     script = [
-        (F.SESSION_CREATE, CREATE.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),
-        (F.SESSION_CREATE, CREATE.pack(2, 0, FRESH, 0)),
-        (F.EVAL_BATCH, pack_batch(1, [(1, 8), (2, 9)])), (F.EVAL_BATCH, pack_batch(2, [(1, 10), (2, 11)])),
-        (F.SESSION_DESTROY, DESTROY.pack(1, 4)), (F.SESSION_CREATE, CREATE.pack(3, 4, COPY, 0)),
-        (F.REWIND, REWIND.pack(3, 2, 0)), sync(3, [12]),
-        (F.EVAL_BATCH, pack_batch(3, [(2, 13), (3, 14)])), (F.SESSION_DESTROY, DESTROY.pack(2, 0)),
-        (F.SESSION_DESTROY, DESTROY.pack(3, 0)), (F.INVALIDATE, INVALIDATE.pack(4)),
+        (frame.SESSION_CREATE, CREATE.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),
+        (frame.SESSION_CREATE, CREATE.pack(2, 0, FRESH, 0)),
+        (frame.EVAL_BATCH, pack_batch(1, [(1, 8), (2, 9)])), (frame.EVAL_BATCH, pack_batch(2, [(1, 10), (2, 11)])),
+        (frame.SESSION_DESTROY, DESTROY.pack(1, 4)), (frame.SESSION_CREATE, CREATE.pack(3, 4, COPY, 0)),
+        (frame.REWIND, REWIND.pack(3, 2, 0)), sync(3, [12]),
+        (frame.EVAL_BATCH, pack_batch(3, [(2, 13), (3, 14)])), (frame.SESSION_DESTROY, DESTROY.pack(2, 0)),
+        (frame.SESSION_DESTROY, DESTROY.pack(3, 0)), (frame.INVALIDATE, INVALIDATE.pack(4)),
     ]
 
-    class Guard:
-        """The model, checking every input it is handed."""
-
-        def __init__(self, inner):
-            self.inner, self.args, self.layers = inner, inner.args, inner.layers
-            # The prefill calls the inner model (embedding and blocks): checked alike.
-            self.model = Guard(inner.model) if hasattr(inner, "model") else None
-
-        def __call__(self, x, cache=None):
-            ids = np.array(x)
-            assert ids.size and ids.min() >= 0 and ids.max() < vocab, ids
-            return self.inner(x, cache=cache)
-
-    def damage(rng, frames):
-        frames = list(frames)
-        kind = rng.randrange(5)
-        i = rng.randrange(len(frames))
-        if kind == 0:
-            del frames[i]
-        elif kind == 1:
-            frames.insert(i, frames[rng.randrange(len(frames))])
-        elif kind == 2:
-            j = rng.randrange(len(frames))
-            frames[i], frames[j] = frames[j], frames[i]
-        elif kind == 3:
-            ftype, payload = frames[i]
-            if payload:
-                b = bytearray(payload)
-                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
-                frames[i] = (ftype, bytes(b))
-        else:
-            ftype, payload = frames[i]
-            frames[i] = (ftype, payload[: rng.randrange(len(payload) + 1)] + b"\0" * rng.randrange(3))
-        return frames
-
-    clean = SessionTable(Guard(model))
+    clean = SessionTable(checked)
     for ftype, payload in script:
         clean.apply(ftype, payload)
     assert not clean.busy and not clean.caches.stored
     rng = random.Random(int(os.environ.get("DS4_TP_FUZZ_SEED", "12")))
     failures = 0
     for _ in range(150):
-        table = SessionTable(Guard(model))
+        table = SessionTable(checked)
         try:
-            for ftype, payload in damage(rng, script):
+            for ftype, payload in _damaged(rng, script):
                 table.apply(ftype, payload)
         except TransportError:
             failures += 1

@@ -15,7 +15,7 @@ from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import LeaderSessions
 from mlx_ds4tp.lockstep.speculative import DraftModel, PromptLookup, Recorded, load_draft, speculative_generate
 from mlx_ds4tp.lockstep.table import SessionTable
-from mlx_ds4tp.testing.local_run import run_local_pair
+from mlx_ds4tp.testing.local_run import LocalRun, run_local_pair
 from mlx_ds4tp.testing.tiny_model import save_llama
 
 PROMPT = "the quick brown fox jumps over the lazy dog and the quick brown fox"
@@ -91,11 +91,12 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both(models, tmp_path):
 @pytest.mark.parametrize("transport,device", [("tcp", None), ("rdma", "ucsim")])
 def test_the_pair_decodes_speculatively_with_the_plain_tokens(models, transport, device):
     target, other = models
-    plain = run_local_pair(target, PROMPT, 20, transport, device, stop_at_eos=False, quiet=True)
+    plain = run_local_pair(LocalRun(target, PROMPT, 20, transport, device, stop_at_eos=False), quiet=True)
     assert plain is not None
     for extra in (["--prompt-lookup", "2"], ["--draft-model", str(target)],
                   ["--draft-model", str(other), "--num-draft-tokens", "4"]):
-        got = run_local_pair(target, PROMPT, 20, transport, device, stop_at_eos=False, quiet=True, extra=extra)
+        got = run_local_pair(LocalRun(target, PROMPT, 20, transport, device, stop_at_eos=False, extra=extra),
+                             quiet=True)
         assert got is not None, extra
         assert got["tokens"] == plain["tokens"], extra
         assert got["rounds"] > 0 and got["accepted"] <= got["drafted"]
@@ -145,8 +146,8 @@ def test_a_seeded_sampled_run_follows_mlx_lms_speculative_sampler(models):
     from mlx_lm.sample_utils import make_sampler
 
     target, other = models
-    got = run_local_pair(target, PROMPT, 16, "tcp", None, stop_at_eos=False, quiet=True,
-                         extra=["--draft-model", str(other), "--temp", "0.8", "--seed", "7"])
+    got = run_local_pair(LocalRun(target, PROMPT, 16, stop_at_eos=False,
+                                  extra=("--draft-model", str(other), "--temp", "0.8", "--seed", "7")), quiet=True)
     assert got is not None
     model, tokenizer = load(str(target))
     mx.random.seed(7)

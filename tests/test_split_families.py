@@ -149,7 +149,7 @@ def test_four_ranks_of_mlx_ring(tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_token_costs_at_most_2L_plus_1_sums_and_one_gather(model_dirs, family, counted):
+def test_a_token_costs_at_most_two_sums_a_layer_plus_one_and_one_gather(model_dirs, family, counted):
     from mlx_lm.models.cache import make_prompt_cache
 
     if not _runs_here(family, model_dirs):

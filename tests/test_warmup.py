@@ -21,67 +21,83 @@ from pairutil import free_port
 GATING_PAIRS = 2  # pairs running their gates at once in bring_up (see there)
 
 
+def _join(role: int, port: int, transport: str, timeout: float):
+    """One rank of a pair on 127.0.0.1 over ucsim."""
+    if role == 0:
+        return tp.init(role="leader", listen=("127.0.0.1", port), transport=transport,
+                       rdma_device="ucsim", timeout=timeout)
+    return tp.init(role="worker", coordinator=("127.0.0.1", port), transport=transport,
+                   rdma_device="ucsim", timeout=timeout)
+
+
+def _check_gates(g, pair: int, role: int, gates: int) -> None:
+    """`gates` all_sums over the group, each sum checked."""
+    base = mx.arange(4096, dtype=mx.float32)
+    for k in range(gates):
+        y = tp.all_sum(base * (role + 1) + k, group=g)
+        mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
+        expect = np.arange(4096, dtype=np.float32) * 3 + 2 * k
+        if not np.array_equal(np.array(y), expect):
+            raise AssertionError(f"pair {pair} rank {role}: wrong sum at gate {k}")
+
+
+class _Crowd:
+    """Pairs brought up at once in this process, then gating a few pairs at a time.
+
+    The bring-ups (what these tests stress) run all at once; the gates after them run a few
+    pairs at a time. A gate is a task of MLX's scheduler, which keeps only a few tasks in
+    flight per process: a rank blocked in a gate holds its slot while its peer waits for one,
+    so dozens of pairs gating at once in one process wait on each other until the gate
+    timeout, the more so on a loaded machine. That is the test's crowd, not the bring-up."""
+
+    def __init__(self, n_pairs: int, transport: str, timeout: float, start_delay_ms: int, gates: int):
+        self.transport, self.timeout, self.start_delay_ms, self.gates = transport, timeout, start_delay_ms, gates
+        self.outcomes = [[None, None] for _ in range(n_pairs)]
+        self.gating = threading.Semaphore(GATING_PAIRS)
+        self.go = [threading.Event() for _ in range(n_pairs)]
+        self.done = [threading.Event() for _ in range(n_pairs)]
+
+    def rank(self, i: int, role: int, port: int) -> None:
+        try:
+            if self.start_delay_ms:
+                time.sleep(random.uniform(0, self.start_delay_ms) / 1000.0)
+            with _join(role, port, self.transport, self.timeout) as g:
+                if role == 0:
+                    self.gating.acquire()
+                    self.go[i].set()
+                elif not self.go[i].wait(100):
+                    raise AssertionError(f"pair {i}: the leader never came to its gates")
+                try:
+                    _check_gates(g, i, role, self.gates)
+                finally:
+                    if role == 0:
+                        self.done[i].wait(60)
+                        self.gating.release()
+                self.outcomes[i][role] = (g.transport, None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            self.outcomes[i][role] = (None, exc)
+        finally:  # whatever happened, the peer's thread is not left waiting
+            (self.go if role == 0 else self.done)[i].set()
+
+
 def bring_up(n_pairs: int, transport: str = "rdma", timeout: float = 10.0, start_delay_ms: int = 0,
              gates: int = 20):
     """n pairs brought up concurrently in this process; each then runs `gates`
     all_sums and checks the sums. Returns [(leader_outcome, worker_outcome)]
     where an outcome is (transport, None) or (None, exception)."""
-    outcomes = [[None, None] for _ in range(n_pairs)]
-    # The bring-ups (what these tests stress) run all at once; the gates after them run a few
-    # pairs at a time. A gate is a task of MLX's scheduler, which keeps only a few tasks in
-    # flight per process: a rank blocked in a gate holds its slot while its peer waits for one,
-    # so dozens of pairs gating at once in one process wait on each other until the gate
-    # timeout, the more so on a loaded machine. That is the test's crowd, not the bring-up.
-    gating = threading.Semaphore(GATING_PAIRS)
-    go = [threading.Event() for _ in range(n_pairs)]
-    done = [threading.Event() for _ in range(n_pairs)]
-
-    def rank(i: int, role: int, port: int) -> None:
-        try:
-            if start_delay_ms:
-                time.sleep(random.uniform(0, start_delay_ms) / 1000.0)
-            if role == 0:
-                g = tp.init(role="leader", listen=("127.0.0.1", port), transport=transport,
-                            rdma_device="ucsim", timeout=timeout)
-            else:
-                g = tp.init(role="worker", coordinator=("127.0.0.1", port), transport=transport,
-                            rdma_device="ucsim", timeout=timeout)
-            with g:
-                if role == 0:
-                    gating.acquire()
-                    go[i].set()
-                elif not go[i].wait(100):
-                    raise AssertionError(f"pair {i}: the leader never came to its gates")
-                try:
-                    base = mx.arange(4096, dtype=mx.float32)
-                    for k in range(gates):
-                        y = tp.all_sum(base * (role + 1) + k, group=g)
-                        mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
-                        expect = np.arange(4096, dtype=np.float32) * 3 + 2 * k
-                        if not np.array_equal(np.array(y), expect):
-                            raise AssertionError(f"pair {i} rank {role}: wrong sum at gate {k}")
-                finally:
-                    if role == 0:
-                        done[i].wait(60)
-                        gating.release()
-                outcomes[i][role] = (g.transport, None)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            outcomes[i][role] = (None, exc)
-        finally:  # whatever happened, the peer's thread is not left waiting
-            (go if role == 0 else done)[i].set()
-
+    crowd = _Crowd(n_pairs, transport, timeout, start_delay_ms, gates)
     threads = []
     for i in range(n_pairs):
         port = free_port()
         for role in (0, 1):
-            threads.append(threading.Thread(target=rank, args=(i, role, port), daemon=True))
+            threads.append(threading.Thread(target=crowd.rank, args=(i, role, port), daemon=True))
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a bring-up hung"
-    return outcomes
+    return crowd.outcomes
 
 
 @pytest.mark.parametrize("direction", ["l2w", "w2l"])

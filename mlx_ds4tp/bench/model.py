@@ -162,13 +162,13 @@ def spawn_tp2(bench: ModelBench, transport: str, rdma_device: Optional[str] = No
               timeout: float = 1200.0) -> Dict:
     """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1, split by `split` (--split); the
     record names the share used and each rank's peak resident memory."""
-    from ..testing.local_run import run_local_pair
+    from ..testing.local_run import LocalRun, run_local_pair
 
     slow = bench.slow_worker and transport == "tcp"
     with _localpair.busy_core(1) if slow else contextlib.nullcontext():
-        result = run_local_pair(Path(bench.path), BENCH_PROMPT, bench.max_tokens, transport, rdma_device,
-                                stop_at_eos=False, quiet=True, timeout=timeout,
-                                prompt_tokens=bench.prompt_tokens, extra=("--split", split),
+        run = LocalRun(Path(bench.path), BENCH_PROMPT, bench.max_tokens, transport, rdma_device,
+                       stop_at_eos=False, prompt_tokens=bench.prompt_tokens, extra=("--split", split))
+        result = run_local_pair(run, quiet=True, timeout=timeout,
                                 placement=_localpair.SLOW_WORKER if slow else _localpair.ANYWHERE)
     if result is None:
         raise RuntimeError(f"the tp2-{transport} pair failed (its errors are above)")

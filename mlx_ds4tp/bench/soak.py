@@ -220,7 +220,7 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     time.sleep(IDLE_SEC)
     rss_end = _rss(pids)
     stored_end = _stored_bytes(base, target)
-    rec = _record(opts, list(outcomes), variants, refs, restart, stuck, t0, t1, reach)
+    rec = _record(opts, SoakRun(list(outcomes), variants, refs, restart, stuck, t0, t1, reach))
     # Stored prompt caches are memory the server keeps on purpose, up to its bounds, and each
     # rank holds the same share; which prompts they hold differs from start to end, so the
     # growth is also given without them.
@@ -239,8 +239,23 @@ def run_soak(target: Target, base: str, opts: SoakOptions, model: Path,
     return rec
 
 
-def _record(opts: SoakOptions, outcomes: List[Outcome], variants, refs: List[str],
-            restart: Dict[str, Any], stuck: int, t0: float, t1: float, reach: int) -> Dict[str, Any]:
+@dataclasses.dataclass
+class SoakRun:
+    """What one soak produced, for its record."""
+
+    outcomes: List[Outcome]
+    variants: list  # (prompt ids, max_tokens) of each variant
+    refs: List[str]  # mlx-lm's greedy text of each variant
+    restart: Dict[str, Any]  # the worker restart's figures ({} without --restart-worker)
+    stuck: int  # client threads still running well past the deadline
+    t0: float  # the soak's start and end (time.perf_counter() clock)
+    t1: float
+    reach: int  # the context the variants reach (the server's, or --context-length)
+
+
+def _record(opts: SoakOptions, run: SoakRun) -> Dict[str, Any]:
+    outcomes, variants, refs, restart = run.outcomes, run.variants, run.refs, run.restart
+    stuck, t0, t1, reach = run.stuck, run.t0, run.t1, run.reach
     kinds = collections.Counter(o.kind for o in outcomes)
     kinds["hung"] += stuck
     mismatches, first = 0, None

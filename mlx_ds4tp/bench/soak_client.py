@@ -94,37 +94,7 @@ def stream(target: Target, prompt: List[int], max_tokens: int,
             payload = resp.read()
             out.kind, out.detail = _refused(resp.status, payload), f"{resp.status} {payload[:200]!r}"
             return out
-        text, chunks, done = [], 0, False
-        while True:
-            if time.perf_counter() > deadline:
-                out.kind, out.detail = "hung", f"no end after {target.timeout:g} s ({chunks} chunks)"
-                return out
-            line = resp.readline()
-            if not line:
-                break
-            if not line.startswith(b"data: "):
-                continue
-            if line.startswith(b"data: [DONE]"):
-                done = True
-                break
-            event = json.loads(line[6:])
-            if "error" in event:
-                code = event["error"].get("code")
-                out.kind = "pair_down" if code == "pair_unavailable" else "http_5xx"
-                out.detail = f"SSE error: {event['error'].get('message')}"
-                return out
-            if event.get("usage"):
-                out.tokens = event["usage"]["completion_tokens"]
-            elif event.get("choices") and event["choices"][0].get("text"):
-                out.first = out.first if out.first is not None else time.perf_counter()
-                text.append(event["choices"][0]["text"])
-                chunks += 1
-                if cancel_after is not None and chunks >= cancel_after:
-                    out.kind = "cancelled"
-                    return out
-        out.text = "".join(text)
-        out.kind = "ok" if done else "stream_cut"
-        return out
+        return _read_stream(resp, out, deadline, target.timeout, cancel_after)
     except socket.timeout:
         out.kind, out.detail = "hung", f"no byte for {target.timeout:g} s"
         return out
@@ -137,6 +107,40 @@ def stream(target: Target, prompt: List[int], max_tokens: int,
         if resp is not None:
             resp.close()
         conn.close()
+
+
+def _read_stream(resp, out: Outcome, deadline: float, timeout: float, cancel_after: Optional[int]) -> Outcome:
+    """The server-sent events of a 200 answer into `out`: its text, first chunk and token count,
+    or why it ended early (hung past the deadline, an SSE error, cut, cancelled by us)."""
+    text, chunks, done = [], 0, False
+    while True:
+        if time.perf_counter() > deadline:
+            out.kind, out.detail = "hung", f"no end after {timeout:g} s ({chunks} chunks)"
+            return out
+        line = resp.readline()
+        if not line or line.startswith(b"data: [DONE]"):
+            done = bool(line)
+            break
+        if not line.startswith(b"data: "):
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            code = event["error"].get("code")
+            out.kind = "pair_down" if code == "pair_unavailable" else "http_5xx"
+            out.detail = f"SSE error: {event['error'].get('message')}"
+            return out
+        if event.get("usage"):
+            out.tokens = event["usage"]["completion_tokens"]
+        elif event.get("choices") and event["choices"][0].get("text"):
+            out.first = out.first if out.first is not None else time.perf_counter()
+            text.append(event["choices"][0]["text"])
+            chunks += 1
+            if cancel_after is not None and chunks >= cancel_after:
+                out.kind = "cancelled"
+                return out
+    out.text = "".join(text)
+    out.kind = "ok" if done else "stream_cut"
+    return out
 
 
 def bad_body(kind: str, rng: random.Random, vocab: int, context: int) -> bytes:

@@ -25,10 +25,10 @@ from .model import BENCH_PROMPT, bench_model_dir, rotating_rounds
 
 
 def _pair(path: str, max_tokens: int, prompt_tokens: int, name: str, extra: List[str]) -> Dict:
-    from ..testing.local_run import run_local_pair
+    from ..testing.local_run import LocalRun, run_local_pair
 
-    result = run_local_pair(Path(path), BENCH_PROMPT, max_tokens, "tcp", None, stop_at_eos=False,
-                            quiet=True, prompt_tokens=prompt_tokens, extra=extra)
+    result = run_local_pair(LocalRun(Path(path), BENCH_PROMPT, max_tokens, stop_at_eos=False,
+                                     prompt_tokens=prompt_tokens, extra=extra), quiet=True)
     if result is None:
         raise RuntimeError(f"the {name} pair failed (its errors are above)")
     drafted = result.get("drafted", 0)

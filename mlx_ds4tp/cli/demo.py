@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import List
 
 from ..testing.demo_model import demo_model_dir
-from ..testing.local_run import run_local_pair
+from ..testing.local_run import LocalRun, run_local_pair
 from .pair_args import LOCKSTEP_NEEDS_PAIR, add_transport_args, check_at_least, refuse_mlx
 
 HELP = "both ranks on 127.0.0.1 with a small synthetic model, checked against the unsplit model"
@@ -47,8 +47,8 @@ def main(args: argparse.Namespace) -> int:
     # Both ranks write here: the leader's text on stdout, both ranks' `ds4-tp:` logs on stderr.
     print(f"prompt: {args.prompt!r}\n--- the two ranks (stdout: the leader's text; stderr: both "
           f"ranks' logs) ---", flush=True)
-    result = run_local_pair(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
-                            timeout=600.0, extra=extra)
+    result = run_local_pair(LocalRun(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
+                                     extra=extra), timeout=600.0)
     if result is None:
         print("ds4tp demo: FAILED (see the ranks' errors above)", flush=True)
         return 1

@@ -59,13 +59,13 @@ class BatchQuantizedKVCache(BatchKVCache):
         self.bits = bits
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        B, n_kv_heads, num_steps, k_head_dim = keys.shape
+        batch, n_kv_heads, num_steps, k_head_dim = keys.shape
         v_head_dim = values.shape[-1]
         prev = self._idx
         if self.keys is None or prev + num_steps > self.keys[0].shape[2]:
             el_per_int = 8 * mx.uint32.size // self.bits
             new_steps = (self.step + num_steps - 1) // self.step * self.step
-            shape = (B, n_kv_heads, new_steps)
+            shape = (batch, n_kv_heads, new_steps)
 
             def init_quant(dim):
                 return (mx.zeros((*shape, dim // el_per_int), dtype=mx.uint32),
@@ -189,10 +189,10 @@ class BatchQuantizedKVCache(BatchKVCache):
 
         padding = [max_length - n for n in lengths]
         filled = [c for c in caches if c.keys is not None]
-        B = len(caches)
+        batch = len(caches)
 
         def zeros_like_rows(parts):
-            return tuple(mx.zeros((B, t.shape[1], max_length, t.shape[3]), dtype=t.dtype) for t in parts)
+            return tuple(mx.zeros((batch, t.shape[1], max_length, t.shape[3]), dtype=t.dtype) for t in parts)
 
         keys, values = zeros_like_rows(filled[0].keys), zeros_like_rows(filled[0].values)
         for i, (p, c) in enumerate(zip(padding, caches)):

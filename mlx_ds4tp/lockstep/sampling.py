@@ -33,24 +33,10 @@ class SamplingOptions:
 
     def check(self) -> None:
         """Raise ValueError naming the first out-of-range field."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 keeps every token)")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.repetition_penalty < 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be >= 0 (0 is off)")
-        if self.repetition_context_size < 1:
-            raise ValueError(f"repetition_context_size={self.repetition_context_size} must be >= 1")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2] (0 is off)")
-        for name in ("presence_context_size", "frequency_context_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name, within, rule in _BOUNDS:
+            value = getattr(self, name)
+            if not within(value):
+                raise ValueError(f"{name}={value} {rule}")
         for token, bias in self.logit_bias:
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
@@ -70,6 +56,21 @@ class SamplingOptions:
     def greedy(self) -> bool:
         """Argmax of the raw distribution: no temperature, no processor."""
         return self.temperature == 0 and not self.processed
+
+
+# Each numeric field's range, as SamplingOptions.check names it: (field, in range?, the rule).
+_BOUNDS = (
+    ("temperature", lambda v: v >= 0, "must be >= 0 (0 is greedy)"),
+    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("top_k", lambda v: v >= 0, "must be >= 0 (0 keeps every token)"),
+    ("min_p", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    ("repetition_penalty", lambda v: v >= 0, "must be >= 0 (0 is off)"),
+    ("repetition_context_size", lambda v: v >= 1, "must be >= 1"),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 is off)"),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2] (0 is off)"),
+    ("presence_context_size", lambda v: v >= 1, "must be >= 1"),
+    ("frequency_context_size", lambda v: v >= 1, "must be >= 1"),
+)
 
 
 def mlx_processors(options: SamplingOptions) -> list:

@@ -47,30 +47,38 @@ def _messages(body: dict) -> List[dict]:
         content = m.get("content")
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
-            continue
-        if not isinstance(content, list):
+        elif isinstance(content, list):
+            out.extend(_blocks(m["role"], content, where))
+        else:
             raise ApiError(400, f"'{where}.content' must be a string or a list of content blocks",
                            f"{where}.content", "invalid_type")
-        text, calls = [], []
-        for j, block in enumerate(content):
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text" and isinstance(block.get("text"), str):
-                text.append(block["text"])
-            elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append({"id": block.get("id"), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
-            elif kind == "tool_result" and m["role"] == "user":
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": text_content(block.get("content", ""), f"{where}.content[{j}].content")})
-            else:
-                raise ApiError(400, f"'{where}.content[{j}]' is a {kind!r} block; this server reads text, "
-                               "tool_use (assistant) and tool_result (user) blocks", f"{where}.content",
-                               "invalid_type")
-        if text or calls:
-            message: Dict[str, Any] = {"role": m["role"], "content": "".join(text)}
-            if calls:
-                message["tool_calls"] = calls
-            out.append(message)
+    return out
+
+
+def _blocks(role: str, content: list, where: str) -> List[dict]:
+    """One message's content blocks as chat messages: each tool_result its own tool message, then
+    the text and tool_use blocks as one message of `role` (none when there are neither)."""
+    out: List[dict] = []
+    text, calls = [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": block.get("id"), "type": "function", "function": {
+                "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
+        elif kind == "tool_result" and role == "user":
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                        "content": text_content(block.get("content", ""), f"{where}.content[{j}].content")})
+        else:
+            raise ApiError(400, f"'{where}.content[{j}]' is a {kind!r} block; this server reads text, "
+                           "tool_use (assistant) and tool_result (user) blocks", f"{where}.content",
+                           "invalid_type")
+    if text or calls:
+        message: Dict[str, Any] = {"role": role, "content": "".join(text)}
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
     return out
 
 

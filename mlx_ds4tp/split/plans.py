@@ -57,10 +57,10 @@ _SUMMED: dict[type, type] = {}
 
 def _summed_class(cls: type) -> type:
     if cls not in _SUMMED:
-        def __call__(self, *args, **kwargs):
+        def call_and_sum(self, *args, **kwargs):
             return mx.distributed.all_sum(cls.__call__(self, *args, **kwargs), group=self.__dict__["_sum_group"])
 
-        _SUMMED[cls] = type(f"Summed{cls.__name__}", (cls,), {"__call__": __call__, "__module__": __name__})
+        _SUMMED[cls] = type(f"Summed{cls.__name__}", (cls,), {"__call__": call_and_sum, "__module__": __name__})
     return _SUMMED[cls]
 
 

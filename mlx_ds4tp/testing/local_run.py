@@ -2,38 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..base.log import log
 from . import localpair as _localpair
 
 
-def run_local_pair(model: Path, prompt: str, max_tokens: int, transport: str,
-                   rdma_device: Optional[str], stop_at_eos: bool = True, quiet: bool = False,
-                   timeout: float = 1200.0, prompt_tokens: int = 0, extra=(),
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+    """What both ranks of a local `ds4tp run` generate: the flags they share."""
+
+    model: Path
+    prompt: str
+    max_tokens: int
+    transport: str = "tcp"
+    rdma_device: Optional[str] = None  # "ucsim", or None: the transport's own choice
+    stop_at_eos: bool = True
+    prompt_tokens: int = 0  # > 0: the prompt's tokens repeated to that many (see run)
+    extra: Sequence[str] = ()  # more `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N)
+
+    def command(self) -> list:
+        """The `ds4tp run` command line both ranks share (pair_commands adds each one's role)."""
+        base = _localpair.rank_command(
+            "run", "--model", str(self.model), "--transport", self.transport, "--max-tokens",
+            str(self.max_tokens), "--no-chat-template", "--prompt", self.prompt)
+        if self.rdma_device:
+            base += ["--rdma-device", self.rdma_device]
+        if not self.stop_at_eos:
+            base += ["--no-eos"]
+        if self.prompt_tokens > 0:
+            base += ["--prompt-tokens", str(self.prompt_tokens)]
+        return base + list(self.extra)
+
+
+def run_local_pair(run: LocalRun, quiet: bool = False, timeout: float = 1200.0,
                    placement: _localpair.Placement = _localpair.ANYWHERE) -> Optional[dict]:
     """Both ranks of `ds4tp run` on 127.0.0.1 as two processes; returns the leader's tokens
     record (see run's tokens_out) with the worker's peak resident memory (worker_peak_rss_bytes),
     or None when either rank failed (both are killed on any failure, the reason is logged).
-    prompt_tokens > 0: the prompt's tokens repeated to that many (see run). extra: more
-    `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N). placement: each
-    rank's CPUs and environment (localpair.SLOW_WORKER)."""
+    placement: each rank's CPUs and environment (localpair.SLOW_WORKER)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = f.name
-    base = _localpair.rank_command(
-        "run", "--model", str(model), "--transport", transport, "--max-tokens", str(max_tokens),
-        "--no-chat-template", "--prompt", prompt)
-    if rdma_device:
-        base += ["--rdma-device", rdma_device]
-    if not stop_at_eos:
-        base += ["--no-eos"]
-    if prompt_tokens > 0:
-        base += ["--prompt-tokens", str(prompt_tokens)]
-    base += list(extra)
+    base = run.command()
     leader, worker = _localpair.pair_commands(base, _localpair.free_port())
     worker_path = out_path + ".worker"
     leader += ["--tokens-out", out_path]
