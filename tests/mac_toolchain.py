@@ -39,7 +39,10 @@ DOWNLOAD_TIMEOUT = 600.0
 
 def zig() -> Optional[List[str]]:
     """The command that runs zig's compiler driver, or None without the ziglang package."""
-    if importlib.util.find_spec("ziglang") is None:
+    try:
+        if importlib.util.find_spec("ziglang") is None:
+            return None
+    except (ImportError, ValueError):  # a broken or blocked install: as good as none
         return None
     return [sys.executable, "-m", "ziglang"]
 
