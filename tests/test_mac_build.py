@@ -85,7 +85,6 @@ class MacBuild:
                           "-I", str(nb_inc), "-I", str(nb_inc.parent / "ext" / "robin_map" / "include"),
                           "-I", sysconfig.get_paths()["include"]]
         self.nb_combined = Path(nanobind.source_dir()) / "nb_combined.cpp"
-        self.objects = {}
         self.outcomes = mt.run_steps(self._compile_steps())
         self.outcomes.update(mt.run_steps(self._link_steps()))
 
