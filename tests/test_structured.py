@@ -122,7 +122,8 @@ def grammars(model_dir):
 
 
 def test_grammars_are_cached_and_refused_keywords_named(grammars):
-    from mlx_ds4tp.lockstep.grammar import GrammarError, json_schema_grammar
+    from mlx_ds4tp.lockstep.errors import GrammarError
+    from mlx_ds4tp.lockstep.grammar import json_schema_grammar
 
     grammar = json_schema_grammar(to_strict_json_schema(MODELS[19]))
     assert grammars.compile(grammar) > 0.0

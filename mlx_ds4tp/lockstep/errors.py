@@ -8,4 +8,9 @@ class ForeignFileError(ValueError):
     (lockstep.disk_cache)."""
 
 
-__all__ = ["ForeignFileError"]
+class GrammarError(ValueError):
+    """Constrained decoding (lockstep.grammar): a grammar or schema the engine cannot compile,
+    or a drawn token its matcher refuses; the message (one line) names what it refused."""
+
+
+__all__ = ["ForeignFileError", "GrammarError"]

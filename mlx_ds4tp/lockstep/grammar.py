@@ -21,28 +21,34 @@ The grammar text travels with the session's sampling options (SAMPLER), and each
 its own matcher from it and advances it with the tokens it drew itself, which are the same
 tokens on both ranks (the lockstep token hash checks them): so both ranks mask the same logits
 alike and draw the same token, with no mask on the wire.
+
+A tool call is written in the model's own format (mlx-lm's tool parser: json_tools, mistral,
+kimi_k2), its markers as the tokenizer holds them: a marker that is one added or special token
+(Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) is that token in the grammar (`<[id]>`), since
+the engine never reads such a token as the bytes it spells; a marker in ordinary tokens is text.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
+
+from .errors import GrammarError
 
 # JSON written compactly: no free whitespace between tokens, so the model cannot spend its
 # budget on blanks and a schema's bounds bound the text.
 COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 # Compiled grammars kept (by grammar text) per tokenizer.
 CACHE_GRAMMARS = 64
-
-
-class GrammarError(ValueError):
-    """A grammar or schema the engine cannot compile; the message names what it refused."""
+# The longest cause a GrammarError quotes from the engine (its first line).
+MAX_CAUSE_CHARS = 300
 
 
 def _with_compact(schema: Dict[str, Any]) -> Dict[str, Any]:
@@ -65,32 +71,118 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
-def tool_call_grammar(calls: Sequence[Tuple[str, Dict[str, Any]]], start: str, end: str,
-                      required: bool, text_schema: Optional[Dict[str, Any]] = None) -> str:
-    """A tool call in the json_tools format (`start`{"name": ..., "arguments": {...}}`end`, as
-    Qwen-style templates write them) whose arguments follow the tool's parameters schema, for
-    each (name, schema) of `calls`; unless `required`, an answer without a call instead: plain
-    text, or JSON that follows `text_schema` ({}: any object) when one is given."""
-    if not calls:
-        raise GrammarError("a tool call grammar needs at least one tool")
+# ---------------------------------------------------------------------------------------------
+# Tool calls
+# ---------------------------------------------------------------------------------------------
+
+
+def marker(tokenizer, text: str) -> str:
+    """`text` (a tool-call marker) as a Lark expression for this tokenizer: each part of it that
+    is one added token (Qwen's `<tool_call>`, Mistral's special `[TOOL_CALLS]`, ...) as that
+    token (`<[id]>`), the rest as text. The engine sees an added token as one token of its own,
+    never as the bytes it spells, so a marker written as text could not match the token the
+    model draws for it; a marker spelled in ordinary tokens is text, which any of its
+    tokenizations matches. Added tokens are matched first and longest, as the tokenizer does."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds HF's
+    added = {content: i for content, i in hf.get_added_vocab().items() if content and content in text}
+    parts: List[str] = []
+    plain, at = "", 0
+    while at < len(text):
+        hit = max((c for c in added if text.startswith(c, at)), key=len, default="")
+        if hit:
+            if plain:
+                parts.append(json.dumps(plain))
+                plain = ""
+            parts.append(f"<[{added[hit]}]>")
+            at += len(hit)
+        else:
+            plain += text[at]
+            at += 1
+    if plain:
+        parts.append(json.dumps(plain))
+    return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallFormat:
+    """How one tokenizer writes a tool call: mlx-lm's tool parser (`parser`, the module's name),
+    the markers as Lark expressions (marker(); `end` "" where the format has none, as Mistral's)
+    and the opening marker as text (plain text must never contain it)."""
+
+    parser: str
+    start: str
+    end: str
+    start_text: str
+    inner: Tuple[str, ...] = ()  # further markers a format writes inside a call (kimi_k2's)
+
+
+# The formats whose calls constrain (the body of each is JSON): mlx-lm's parser name -> the
+# markers inside a call. Others (XML-like arguments, Python calls) are refused with a 400.
+KIMI_K2_INNER = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+CONSTRAINED_FORMATS = {"json_tools": (), "mistral": (), "kimi_k2": KIMI_K2_INNER}
+
+
+def call_format(tokenizer, parser: str, start: str, end: str) -> CallFormat:
+    """The CallFormat of mlx-lm's tool parser `parser` with its markers on this tokenizer;
+    GrammarError when its calls cannot be constrained."""
+    if parser not in CONSTRAINED_FORMATS:
+        raise GrammarError(f"this model's tool calls are in mlx-lm's {parser!r} format; constrained calls "
+                           f"support the JSON-bodied formats {sorted(CONSTRAINED_FORMATS)}")
+    if not start:
+        raise GrammarError(f"mlx-lm's {parser!r} tool format names no opening marker")
+    return CallFormat(parser, marker(tokenizer, start), marker(tokenizer, end) if end else "", start,
+                      tuple(marker(tokenizer, m) for m in CONSTRAINED_FORMATS[parser]))
+
+
+def _call_rules(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat) -> List[str]:
+    """The rules of `call`: one call, in `fmt`, to one of `calls` with its arguments' schema."""
+    if fmt.parser == "kimi_k2":
+        # <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{args}<|tool_call_end|>
+        begin, args, close = fmt.inner
+        names = [f"call_{i}" for i in range(len(calls))]
+        rules = [f"call: {fmt.start} ({' | '.join(names)}) {fmt.end}".rstrip()]
+        rules += [f"{rule}: {begin} {json.dumps(f'functions.{name}:0')} {args} "
+                  f"%json {json.dumps(_with_compact(params))} {close}"
+                  for rule, (name, params) in zip(names, calls)]
+        return rules
     options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": name}, "arguments": params}} for name, params in calls]
-    body = _with_compact(options[0] if len(options) == 1 else {"anyOf": options})
+    body = f"body: %json {json.dumps(_with_compact(options[0] if len(options) == 1 else {'anyOf': options}))}"
+    if fmt.parser == "mistral":
+        # [TOOL_CALLS] [{"name": ..., "arguments": {...}}] (no closing marker: EOS ends it)
+        return [f'call: {fmt.start} " "? "[" body "]"', body]
+    # json_tools: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (Qwen's newlines optional)
+    return [f'call: {fmt.start} "\\n"? body "\\n"? {fmt.end}', body]
+
+
+def tool_call_grammar(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat, required: bool,
+                      text_schema: Optional[Dict[str, Any]] = None) -> str:
+    """A tool call in the tokenizer's format `fmt` whose arguments follow the tool's parameters
+    schema, for each (name, schema) of `calls`; unless `required`, an answer without a call
+    instead: plain text, or JSON that follows `text_schema` ({}: any object) when one is given."""
+    if not calls:
+        raise GrammarError("a tool call grammar needs at least one tool")
     text = "TEXT" if text_schema is None else "text"
-    rules = [f"start: {'call' if required else text + ' | call'}",
-             f"call: {json.dumps(start)} body {json.dumps(end)}",
-             f"body: %json {json.dumps(body)}"]
+    rules = [f"start: {'call' if required else text + ' | call'}", *_call_rules(calls, fmt)]
     if not required and text_schema is not None:
         rules.append(f"text: %json {json.dumps(_with_compact(text_schema or {'type': 'object'}))}")
     elif not required:
-        # Text that never opens a call: a call the model begins is always a schema's call.
-        rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex_literal(start)}.*)/")
+        # Text that never opens a call: a call the model begins is always a schema's call. (An
+        # added-token marker cannot occur in text at all; its spelling in ordinary tokens would
+        # open a call as mlx-lm reads the text, so that is excluded too.)
+        rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex_literal(fmt.start_text)}.*)/")
     return "\n".join(rules) + "\n"
 
 
 def _regex_literal(text: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "\\" + c if c in r"\^$.|?*+()[]{}/" else c
                    for c in text)
+
+
+def _cause(error: str) -> str:
+    """The engine's error in one line: its first, without the matcher's state dump after it."""
+    line = (error or "").strip().split("\n", 1)[0].strip()
+    return line[:MAX_CAUSE_CHARS] + ("..." if len(line) > MAX_CAUSE_CHARS else "")
 
 
 class RowGrammar:
@@ -112,13 +204,13 @@ class RowGrammar:
         if len(bits) < self.vocab:
             bits = np.concatenate([bits, np.zeros(self.vocab - len(bits), dtype=bits.dtype)])
         if not bits.any():
-            raise GrammarError(f"the grammar allows no token: {self.matcher.get_error() or 'it is stopped'}")
+            raise GrammarError(f"the grammar allows no token: {_cause(self.matcher.get_error()) or 'it is stopped'}")
         return mx.array(bits.astype(np.bool_))
 
     def consume(self, token: int) -> None:
         """Advance past a drawn token; GrammarError when the grammar does not allow it."""
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"token {token} does not fit the grammar: {self.matcher.get_error()}")
+            raise GrammarError(f"token {token} does not fit the grammar: {_cause(self.matcher.get_error())}")
 
 
 class Grammars:
@@ -160,7 +252,12 @@ class Grammars:
                 raise GrammarError("; ".join(messages) or "the grammar does not compile")
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if matcher.is_error():
-                raise GrammarError(matcher.get_error())
+                raise GrammarError(_cause(matcher.get_error()))
+            # A grammar that allows no first token (a token id the tokenizer lacks, ...) is
+            # refused here, before the request has any token, not at its first draw.
+            if not any(matcher.deep_copy().compute_bitmask()):
+                raise GrammarError("the grammar allows no token at its start: "
+                                   f"{_cause(matcher.get_error()) or 'nothing this tokenizer spells fits it'}")
             took = time.perf_counter() - began
             self._compiled[grammar] = matcher
             while len(self._compiled) > CACHE_GRAMMARS:

@@ -18,8 +18,9 @@ from ..link.identity import model_identity
 from ..split.agree import agree_share, with_figures
 from ..split.auto import model_need
 from ..split.progress import LoadingBar
+from .errors import GrammarError
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
-from .grammar import GrammarError, Grammars
+from .grammar import Grammars
 from .sessions import LeaderSessions, serve_worker
 from .settings import RunSettings
 

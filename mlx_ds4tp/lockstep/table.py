@@ -26,8 +26,9 @@ from ..link.wire import (
 from . import batch_verify
 from .decode_batch import DecodeBatch
 from .disk_cache import DiskCache
+from .errors import GrammarError
 from .frames import check_tokens, unpack, unpack_batch, unpack_disk_save, unpack_prefill_batch
-from .grammar import GrammarError, Grammars, RowGrammar
+from .grammar import Grammars, RowGrammar
 from .row_sampling import RowSampler, unpack_sampler
 from .session_caches import SessionCaches
 

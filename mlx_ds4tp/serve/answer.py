@@ -62,8 +62,8 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
             if event[0] == "busy":
                 raise ApiError(429, event[1], None, "server_busy", "rate_limit_error")
             if event[0] == "failed":
-                raise ApiError(500, f"generating this answer failed ({event[1]}); the server goes on "
-                               "serving", None, "generation_failed", "server_error")
+                raise ApiError(500, f"generating this answer failed ({_one_line(event[1])}); the server goes "
+                               "on serving", None, "generation_failed", "server_error")
             if event[0] == "text":
                 text.append(event[1])
                 items.extend(event[2])
@@ -82,6 +82,12 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
         # Nobody will read the rest of the answer: free the session on both ranks.
         request.cancelled = True
         raise
+
+
+def _one_line(cause: str, limit: int = 300) -> str:
+    """A failure's cause as the client sees it: its first line (no engine state dump), bounded."""
+    line = str(cause).strip().split("\n", 1)[0]
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _plain(text: str) -> Dict[str, Any]:

@@ -15,6 +15,7 @@ import copy
 import json
 from typing import Any, Dict, List, Optional
 
+from ..base.log import log
 from .errors import ApiError
 
 
@@ -147,9 +148,20 @@ class ChatText:
                 calls.append(self._tool_text)
                 self._tool_text = ""
             self._previous = state
-        out["tool_calls"] = self._format(calls)
+        for call in calls:
+            out["tool_calls"].extend(self._read_call(call))
         self.made_tool_call |= bool(out["tool_calls"])
         return out
+
+    def _read_call(self, text: str) -> List[dict]:
+        """One call's text through the tokenizer's parser: the calls it holds. mlx-lm drops a
+        call its parser refuses (cut short); one that breaks it otherwise (JSON that is not an
+        object, ...) is dropped alike, named in the log, rather than failing the answer."""
+        try:
+            return self._format([text])
+        except Exception as exc:  # noqa: BLE001 - the model's text, whatever a parser makes of it
+            log(f"a tool call could not be read ({type(exc).__name__}: {exc}); dropped: {text[:200]!r}")
+            return []
 
     def add(self, text: str) -> Dict[str, Any]:
         """This piece of the answer's text: {"content", "reasoning", "tool_calls"}."""

@@ -1,9 +1,11 @@
 """Structured output (README's "Structured output"): what a request's `response_format`, strict
 tools and forced `tool_choice` ask of the model's output, as the grammar its sampler is masked
 with (lockstep.grammar). A schema is enforced whether or not `strict` is set (as vLLM does): a
-best effort that is always met is still met. Constrained calls are written in the json_tools
-format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen-style templates'), so a
-model whose tool parser is another one is refused with a 400 when a call is constrained.
+best effort that is always met is still met. Constrained calls are written in the model's own
+tool-call format, its markers as its tokenizer holds them (one added or special token, or text):
+json_tools (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen's), mistral
+(`[TOOL_CALLS][{...}]`) and kimi_k2; a model whose calls are in another of mlx-lm's formats is
+refused with a 400 naming it when a call is constrained.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import json
 from typing import Any, List, Optional, Tuple
 
 from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES
-from ..lockstep.grammar import GrammarError, Grammars, json_object_grammar, json_schema_grammar, tool_call_grammar
+from ..lockstep.errors import GrammarError
+from ..lockstep.grammar import (
+    CallFormat,
+    Grammars,
+    call_format,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from .errors import ApiError
 
 # The grammar travels in the SAMPLER command's options (at most MAX_SAMPLER_OPTIONS_BYTES of
@@ -70,15 +80,21 @@ def _forced(choice: Any, tools: List[dict]) -> Tuple[bool, List[dict]]:
     return True, named
 
 
-def _call_format(tokenizer) -> Tuple[str, str]:
-    """The model's tool-call markers, when its calls are json_tools' JSON; ApiError otherwise."""
+def _call_format(tokenizer) -> CallFormat:
+    """The model's tool-call format with its markers as its tokenizer holds them; ApiError (400)
+    naming why when its calls cannot be constrained."""
     parser = getattr(tokenizer, "tool_parser", None)
     start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
-    if parser is None or not str(getattr(parser, "__module__", "")).endswith("json_tools") or not start or not end:
-        raise ApiError(400, "a constrained tool call ('strict' tools, or 'tool_choice' \"required\" or named) needs "
-                       "a model whose tool calls are JSON between markers (mlx-lm's json_tools parser, "
-                       "Qwen-style templates); this model's are not", "tools", "unsupported_parameter")
-    return start, end
+    name = str(getattr(parser, "__module__", "")).rsplit(".", 1)[-1]
+    why = "this model's tokenizer has no tool-call format mlx-lm knows" if parser is None else None
+    if why is None:
+        try:
+            return call_format(tokenizer, name, start or "", end or "")
+        except GrammarError as exc:
+            why = str(exc)
+    raise ApiError(400, f"a constrained tool call ('strict' tools, or 'tool_choice' \"required\" or named) cannot "
+                   f"be made: {why}; send 'tool_choice' \"auto\" with tools that are not strict instead", "tools",
+                   "unsupported_parameter")
 
 
 def request_grammar(body: dict, tokenizer, tools: Optional[List[dict]]) -> str:
@@ -89,10 +105,10 @@ def request_grammar(body: dict, tokenizer, tools: Optional[List[dict]]) -> str:
     if tools:
         required, callable_tools = _forced(body.get("tool_choice"), tools)
         if required or any(t["function"].get("strict") for t in callable_tools):
-            start, end = _call_format(tokenizer)
+            fmt = _call_format(tokenizer)
             calls = [(t["function"]["name"], (t["function"].get("parameters") or {"type": "object"})
                       if t["function"].get("strict") else {"type": "object"}) for t in callable_tools]
-            grammar = _compiled_text(lambda: tool_call_grammar(calls, start, end, required, schema), "tools")
+            grammar = _compiled_text(lambda: tool_call_grammar(calls, fmt, required, schema), "tools")
     if not grammar and schema is not None:
         grammar = _compiled_text(lambda: json_schema_grammar(schema) if schema else json_object_grammar(),
                                  "response_format")
