@@ -19,7 +19,8 @@ the model draws for it, so these tests need the real vocabularies:
 
 Each is paired with a model of mlx-lm's own class for that family (qwen3, mistral) with random
 weights and the tokenizer's vocabulary, and a chat template in the family's tool-call format, so
-mlx-lm's tokenizer wrapper picks the same tool parser (json_tools, mistral) as for the real model.
+mlx-lm's tokenizer wrapper picks the same tool parser (json_tools, mistral) as for the real model;
+"qwen3_coder" is Qwen3's tokenizer with a Qwen3-Coder template (mlx-lm's qwen3_coder parser).
 """
 
 from __future__ import annotations
@@ -62,6 +63,28 @@ QWEN_TEMPLATE = (
     "{%- for tool_call in m.tool_calls or [] %}{% set tool_call = tool_call.function %}"
     "\n<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}"
     "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+# A Qwen3-Coder-style template: the same tokenizer, calls as <tool_call>\n<function=NAME>\n
+# <parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>, which names mlx-lm's
+# qwen3_coder parser.
+QWEN3_CODER_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou have access to the following functions:\n\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "If you choose to call a function ONLY reply in the following format:\n\n<tool_call>\n"
+    "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "</function>\n</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or m.role == 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for tool_call in m.tool_calls or [] %}{% set tool_call = tool_call.function %}"
+    "\n<tool_call>\n<function={{ tool_call.name }}>\n"
+    "{%- for key, value in tool_call.arguments.items() %}<parameter={{ key }}>\n"
+    "{{ value if value is string else value | tojson }}\n</parameter>\n{%- endfor %}"
+    "</function>\n</tool_call>{% endfor %}<|im_end|>\n"
     "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
     "<|im_end|>\n{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
@@ -259,6 +282,9 @@ FAMILIES = {
                    {**_SMALL, "model_type": "mistral", "tie_word_embeddings": False, "vocab_size": 32768,
                     "bos_token_id": 1, "eos_token_id": 2}),
 }
+
+FAMILIES["qwen3_coder"] = (qwen3_tokenizer_json, {**FAMILIES["qwen3"][1], "chat_template": QWEN3_CODER_TEMPLATE},
+                           FAMILIES["qwen3"][2])
 
 
 def save_tokenizer(directory: Path, family: str) -> Path:

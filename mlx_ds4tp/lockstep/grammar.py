@@ -22,20 +22,16 @@ its own matcher from it and advances it with the tokens it drew itself, which ar
 tokens on both ranks (the lockstep token hash checks them): so both ranks mask the same logits
 alike and draw the same token, with no mask on the wire.
 
-A tool call is written in the model's own format (mlx-lm's tool parser: json_tools, mistral,
-kimi_k2), its markers as the tokenizer holds them: a marker that is one added or special token
-(Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) is that token in the grammar (`<[id]>`), since
-the engine never reads such a token as the bytes it spells; a marker in ordinary tokens is text.
+A tool call's grammar (in the model's own format, its markers as its tokenizer holds them) is
+lockstep.call_grammar's.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -51,7 +47,7 @@ CACHE_GRAMMARS = 64
 MAX_CAUSE_CHARS = 300
 
 
-def _with_compact(schema: Dict[str, Any]) -> Dict[str, Any]:
+def with_compact(schema: Dict[str, Any]) -> Dict[str, Any]:
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON Schema must be an object, not {type(schema).__name__}")
     schema = dict(schema)
@@ -63,120 +59,12 @@ def json_schema_grammar(schema: Dict[str, Any]) -> str:
     """The grammar of JSON text that validates against `schema` (written compactly)."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(_with_compact(schema))
+    return llguidance.LLMatcher.grammar_from_json_schema(with_compact(schema))
 
 
 def json_object_grammar() -> str:
     """JSON mode: any JSON object."""
     return json_schema_grammar({"type": "object"})
-
-
-# ---------------------------------------------------------------------------------------------
-# Tool calls
-# ---------------------------------------------------------------------------------------------
-
-
-def marker(tokenizer, text: str) -> str:
-    """`text` (a tool-call marker) as a Lark expression for this tokenizer: each part of it that
-    is one added token (Qwen's `<tool_call>`, Mistral's special `[TOOL_CALLS]`, ...) as that
-    token (`<[id]>`), the rest as text. The engine sees an added token as one token of its own,
-    never as the bytes it spells, so a marker written as text could not match the token the
-    model draws for it; a marker spelled in ordinary tokens is text, which any of its
-    tokenizations matches. Added tokens are matched first and longest, as the tokenizer does."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds HF's
-    added = {content: i for content, i in hf.get_added_vocab().items() if content and content in text}
-    parts: List[str] = []
-    plain, at = "", 0
-    while at < len(text):
-        hit = max((c for c in added if text.startswith(c, at)), key=len, default="")
-        if hit:
-            if plain:
-                parts.append(json.dumps(plain))
-                plain = ""
-            parts.append(f"<[{added[hit]}]>")
-            at += len(hit)
-        else:
-            plain += text[at]
-            at += 1
-    if plain:
-        parts.append(json.dumps(plain))
-    return " ".join(parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class CallFormat:
-    """How one tokenizer writes a tool call: mlx-lm's tool parser (`parser`, the module's name),
-    the markers as Lark expressions (marker(); `end` "" where the format has none, as Mistral's)
-    and the opening marker as text (plain text must never contain it)."""
-
-    parser: str
-    start: str
-    end: str
-    start_text: str
-    inner: Tuple[str, ...] = ()  # further markers a format writes inside a call (kimi_k2's)
-
-
-# The formats whose calls constrain (the body of each is JSON): mlx-lm's parser name -> the
-# markers inside a call. Others (XML-like arguments, Python calls) are refused with a 400.
-KIMI_K2_INNER = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
-CONSTRAINED_FORMATS = {"json_tools": (), "mistral": (), "kimi_k2": KIMI_K2_INNER}
-
-
-def call_format(tokenizer, parser: str, start: str, end: str) -> CallFormat:
-    """The CallFormat of mlx-lm's tool parser `parser` with its markers on this tokenizer;
-    GrammarError when its calls cannot be constrained."""
-    if parser not in CONSTRAINED_FORMATS:
-        raise GrammarError(f"this model's tool calls are in mlx-lm's {parser!r} format; constrained calls "
-                           f"support the JSON-bodied formats {sorted(CONSTRAINED_FORMATS)}")
-    if not start:
-        raise GrammarError(f"mlx-lm's {parser!r} tool format names no opening marker")
-    return CallFormat(parser, marker(tokenizer, start), marker(tokenizer, end) if end else "", start,
-                      tuple(marker(tokenizer, m) for m in CONSTRAINED_FORMATS[parser]))
-
-
-def _call_rules(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat) -> List[str]:
-    """The rules of `call`: one call, in `fmt`, to one of `calls` with its arguments' schema."""
-    if fmt.parser == "kimi_k2":
-        # <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{args}<|tool_call_end|>
-        begin, args, close = fmt.inner
-        names = [f"call_{i}" for i in range(len(calls))]
-        rules = [f"call: {fmt.start} ({' | '.join(names)}) {fmt.end}".rstrip()]
-        rules += [f"{rule}: {begin} {json.dumps(f'functions.{name}:0')} {args} "
-                  f"%json {json.dumps(_with_compact(params))} {close}"
-                  for rule, (name, params) in zip(names, calls)]
-        return rules
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": name}, "arguments": params}} for name, params in calls]
-    body = f"body: %json {json.dumps(_with_compact(options[0] if len(options) == 1 else {'anyOf': options}))}"
-    if fmt.parser == "mistral":
-        # [TOOL_CALLS] [{"name": ..., "arguments": {...}}] (no closing marker: EOS ends it)
-        return [f'call: {fmt.start} " "? "[" body "]"', body]
-    # json_tools: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (Qwen's newlines optional)
-    return [f'call: {fmt.start} "\\n"? body "\\n"? {fmt.end}', body]
-
-
-def tool_call_grammar(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat, required: bool,
-                      text_schema: Optional[Dict[str, Any]] = None) -> str:
-    """A tool call in the tokenizer's format `fmt` whose arguments follow the tool's parameters
-    schema, for each (name, schema) of `calls`; unless `required`, an answer without a call
-    instead: plain text, or JSON that follows `text_schema` ({}: any object) when one is given."""
-    if not calls:
-        raise GrammarError("a tool call grammar needs at least one tool")
-    text = "TEXT" if text_schema is None else "text"
-    rules = [f"start: {'call' if required else text + ' | call'}", *_call_rules(calls, fmt)]
-    if not required and text_schema is not None:
-        rules.append(f"text: %json {json.dumps(_with_compact(text_schema or {'type': 'object'}))}")
-    elif not required:
-        # Text that never opens a call: a call the model begins is always a schema's call. (An
-        # added-token marker cannot occur in text at all; its spelling in ordinary tokens would
-        # open a call as mlx-lm reads the text, so that is excluded too.)
-        rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex_literal(fmt.start_text)}.*)/")
-    return "\n".join(rules) + "\n"
-
-
-def _regex_literal(text: str) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "\\" + c if c in r"\^$.|?*+()[]{}/" else c
-                   for c in text)
 
 
 def _cause(error: str) -> str:

@@ -4,8 +4,8 @@ with (lockstep.grammar). A schema is enforced whether or not `strict` is set (as
 best effort that is always met is still met. Constrained calls are written in the model's own
 tool-call format, its markers as its tokenizer holds them (one added or special token, or text):
 json_tools (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen's), mistral
-(`[TOOL_CALLS][{...}]`) and kimi_k2; a model whose calls are in another of mlx-lm's formats is
-refused with a 400 naming it when a call is constrained.
+(`[TOOL_CALLS][{...}]`), kimi_k2 and qwen3_coder (lockstep.call_grammar); a model whose calls are
+in another of mlx-lm's formats is refused with a 400 naming it when a call is constrained.
 """
 
 from __future__ import annotations
@@ -14,15 +14,9 @@ import json
 from typing import Any, List, Optional, Tuple
 
 from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES
+from ..lockstep.call_grammar import CallFormat, call_format, tool_call_grammar
 from ..lockstep.errors import GrammarError
-from ..lockstep.grammar import (
-    CallFormat,
-    Grammars,
-    call_format,
-    json_object_grammar,
-    json_schema_grammar,
-    tool_call_grammar,
-)
+from ..lockstep.grammar import Grammars, json_object_grammar, json_schema_grammar
 from .errors import ApiError
 
 # The grammar travels in the SAMPLER command's options (at most MAX_SAMPLER_OPTIONS_BYTES of
