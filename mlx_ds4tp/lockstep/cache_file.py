@@ -9,18 +9,19 @@ on a background thread (lockstep.disk_writer):
     (data_crc reads it back), to a file, synced.
 
 Why the split: MLX is not made to be driven from two threads at once (streams are per thread,
-evaluation and the graph are the owner's), so every MLX call (the state's slices, their
-evaluation, the bfloat16 views) stays on the owner. What the writer holds is NumPy views:
-each keeps its own reference to the MLX array it shows (MLX's NumPy conversion makes the view's
-owner a second handle on the array), so the buffer stays alive and MLX never reuses it in
-place (it donates a buffer to a later operation only when nothing else holds it), even when
-the session that reuses the cache writes past it at once. Reading those bytes and writing them
+evaluation and the graph are the owner's), so every MLX call (the state's arrays, their
+evaluation, the bfloat16 views) stays on the owner. What the writer holds is NumPy views, each
+of an mx.array handle of its own on the cache's buffer, so the buffer stays alive and MLX never
+reuses it in place (it donates a buffer to a later operation only when no other array holds
+it), even when the session that reuses the cache writes into it at once (snapshot says how;
+tests/test_disk_writer.py holds it to that). Reading those bytes and writing them
 out calls no MLX at all; dropping a view frees through MLX's allocator, which takes its own
 lock (MLX frees buffers from its stream threads the same way).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -103,7 +104,12 @@ def snapshot(cache: list, metadata: Dict[str, str]) -> Snapshot:
     for _, value in arrays:
         if value.dtype not in _DTYPES:
             raise ValueError(f"a cache array of dtype {value.dtype} cannot be saved")
-    views = [v.view(mx.uint16) if v.dtype == mx.bfloat16 else v for _, v in arrays]
+    # Each view through a handle of its own (copy.copy: a second mx.array on the same
+    # buffer, no copy of the data): NumPy's view keeps the Python object it was made from,
+    # and the cache's own object is rebound in place when the cache is written to
+    # (KVCache's `keys[...] = ...`), which would leave the old buffer with no other holder,
+    # free for MLX to update in place under the writer.
+    views = [v.view(mx.uint16) if v.dtype == mx.bfloat16 else copy.copy(v) for _, v in arrays]
     mx.eval(views)
     ours = {**metadata, "crc": "0" * _CRC_WIDTH}
     flat = dict(tree_flatten([ours, [type(c).__name__ for c in cache], scalars]))

@@ -234,14 +234,14 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
                        vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]))
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     _fit_worker_room(engine, engine.sessions, settings, own_room)
-    engine.start()
     quit_ = _Quit()
-    threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings, own_room, quit_),
-                     name="ds4tp-rejoin", daemon=True).start()
-    log(f"serving {served.name} ({served.path}) on "
-           f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
     how = "the HTTP server ended"
     try:
+        engine.start()
+        threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings, own_room, quit_),
+                         name="ds4tp-rejoin", daemon=True).start()
+        log(f"serving {served.name} ({served.path}) on "
+            f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
         # The signal ends the answers under way at once (engine.begin_stop), so the HTTP
         # server's graceful stop has nothing left to cut.
         server.serve(state, on_stop=engine.begin_stop)
