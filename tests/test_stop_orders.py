@@ -45,6 +45,11 @@ def _complete(served: ServedPair, prompt, max_tokens: int = 8) -> dict:
     return answer
 
 
+def _files(directory) -> list:
+    """The prompt-cache files written (not the temporary one being written)."""
+    return [p for p in directory.glob("*.safetensors") if not p.name.startswith(".")]
+
+
 def _wait_for(what: str, ready, within: float, served: ServedPair) -> None:
     deadline = time.monotonic() + within
     while not ready():
@@ -66,7 +71,7 @@ def test_every_stop_order_keeps_the_cache_and_the_restart_serves_from_it(order, 
         _complete(served, PROMPT)
         answered = time.monotonic()
         # Written through while the pair serves: both halves are on disk before any stop.
-        on_disk = lambda: all(list((root / r).glob("*.safetensors")) for r in ("leader", "worker"))  # noqa: E731
+        on_disk = lambda: all(_files(root / r) for r in ("leader", "worker"))  # noqa: E731
         _wait_for("both ranks' files", on_disk, 30, served)
         time.sleep(max(0.0, 2.0 - (time.monotonic() - answered)))
 
