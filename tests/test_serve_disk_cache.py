@@ -54,7 +54,7 @@ def test_a_restart_serves_the_stored_prefixes_from_disk_and_skips_bad_files(mode
     finally:
         served.close()
     leader_files, worker_files = _files(root / "leader"), _files(root / "worker")
-    # Every stored prefix written at shutdown, by each rank: its own half, under its own names.
+    # Every stored prefix written through, by each rank: its own half, under its own names.
     assert len(leader_files) == len(worker_files) == 5, (leader_files, worker_files)
     assert not {p.name for p in leader_files} & {p.name for p in worker_files}
     by_prompt = _files_by_prompt(root / "leader")

@@ -1,8 +1,10 @@
 """`ds4tp serve`: an OpenAI-compatible HTTP server on the pair. The leader serves HTTP on
 --host/--port and drives the generation; the worker runs the same forward passes. Each machine
 runs its own rank; the two find each other on the Thunderbolt link (--interface), the first
-to wait for a worker leads, and the worker prints the leader's URL. Scripts may name the roles
-and addresses instead; on one machine, both on 127.0.0.1 (Ctrl-C on the leader stops both):
+to wait for a worker leads, and the worker prints the leader's URL. Ctrl-C or SIGTERM stops
+either rank cleanly (exit 0, one line saying why); the other says so and waits for it to come
+back, except a worker started with --role and no --rejoin, which stops with its leader. Scripts
+may name the roles and addresses instead; on one machine, both on 127.0.0.1:
 
     ds4tp serve --model demo --role worker --coordinator 127.0.0.1 9911 &
     ds4tp serve --model demo --role leader --listen 127.0.0.1 9911
@@ -98,11 +100,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "or 512MB (least recently used dropped first; default 0: bounded by "
                         "--prompt-cache-size only)")
     p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
-                   help="both ranks, each its own directory: a stored prompt cache evicted from memory, "
-                        "and every one at shutdown, is written there (this machine's half of it, in "
-                        "mlx-lm's prompt-cache files), and a later request or a restarted server loads "
-                        "its longest stored prefix from there instead of recomputing it (default: "
-                        "memory only)")
+                   help="both ranks, each its own directory: every stored prompt cache is written there "
+                        "as soon as it is stored, in the background (this machine's half of it, in "
+                        "mlx-lm's prompt-cache files; a stop of any kind, kill -9 too, keeps what was "
+                        "written), and a later request or a restarted server loads its longest stored "
+                        "prefix from there instead of recomputing it (default: memory only)")
     p.add_argument("--prompt-cache-disk-bytes", type=_size, default=None, metavar="SIZE",
                    help="with --prompt-cache-dir: most bytes its files take, e.g. 50GB (least "
                         f"recently used removed first; default {DEFAULT_DISK_BYTES // 10**9}GB)")

@@ -152,14 +152,6 @@ class Admission:
         self.stats["disk_tokens"] += keep
         self.stats["disk_load_ms"] += int(1000 * (time.perf_counter() - began))
 
-    def spill(self) -> None:
-        """Write every stored cache to disk on both ranks (at shutdown: the next server starts
-        from them), most recently used last."""
-        if self.disk is None:
-            return
-        for cache_id, key in self.index.entries():
-            self.sessions.disk_save(cache_id, key, drop=False)
-
     def fail(self, message: str) -> None:
         """The pair is down: every request under way or waiting gets ("error", message)."""
         owned = list(self._owned.values())
