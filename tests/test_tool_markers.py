@@ -239,25 +239,25 @@ class Parcel(BaseModel):
     tags: Annotated[list[int], Field(max_length=2)]
 
 
-def test_qwen3_coder_values_follow_the_schema_under_random_draws(qwen3_tokenizer):
+@pytest.mark.parametrize("parser", ["qwen3_coder", "pythonic"])
+def test_calls_follow_the_schema_under_random_draws(qwen3_tokenizer, parser):
     """qwen3_coder's parameters (raw strings bounded in length and by a pattern, an enum, JSON
-    numbers, booleans and arrays), drawn from random logits through the grammar, parse back with
-    mlx-lm's parser into arguments that validate; a parameter the format cannot hold to its
-    schema (anyOf) is refused naming it."""
+    numbers, booleans and arrays) and pythonic's keyword arguments (JSON values as Python
+    literals), drawn from random logits through the grammar, parse back with mlx-lm's parser
+    into arguments that validate."""
     import importlib
 
     import mlx.core as mx
     import numpy as np
 
     from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
-    from mlx_ds4tp.lockstep.errors import GrammarError
     from mlx_ds4tp.lockstep.grammar import Grammars
     from mlx_ds4tp.lockstep.row_sampling import RowSampler
     from mlx_ds4tp.lockstep.sampling import SamplingOptions
 
     tok = qwen3_tokenizer
-    coder = importlib.import_module("mlx_lm.tool_parsers.qwen3_coder")
-    fmt = call_format(tok, "qwen3_coder", coder.tool_call_start, coder.tool_call_end)
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
+    fmt = call_format(tok, parser, module.tool_call_start, module.tool_call_end)
     schema = Parcel.model_json_schema()
     tools = [{"type": "function", "function": {"name": "send", "parameters": schema}}]
     grammar = tool_call_grammar([("send", schema)], fmt, required=True)
@@ -274,13 +274,49 @@ def test_qwen3_coder_values_follow_the_schema_under_random_draws(qwen3_tokenizer
         else:
             pytest.fail("the call never ended")
         text = tok.decode(drawn)
-        assert text.startswith(coder.tool_call_start) and text.endswith(coder.tool_call_end)
-        call = coder.parse_tool_call(text[len(coder.tool_call_start):-len(coder.tool_call_end)], tools)
+        assert text.startswith(module.tool_call_start) and text.endswith(module.tool_call_end)
+        call = module.parse_tool_call(text[len(module.tool_call_start):-len(module.tool_call_end)], tools)
         assert call["name"] == "send"
         Parcel.model_validate(call["arguments"])
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "pythonic"])
+def test_a_tool_that_is_not_strict_takes_any_arguments(qwen3_tokenizer, parser):
+    """A forced call to a tool that is not strict: any keys and values in the format, which the
+    parser reads back."""
+    import importlib
+
+    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
+    from mlx_ds4tp.lockstep.grammar import Grammars
+
+    tok = qwen3_tokenizer
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
+    fmt = call_format(tok, parser, module.tool_call_start, module.tool_call_end)
+    row = Grammars(tok).row(tool_call_grammar([("note", {"type": "object"})], fmt, required=True), 0)
+    inner = {"pythonic": '[note(text="a <b> c", n=[1,2], ok=true)]',  # values compact JSON
+             "qwen3_coder": "\n<function=note>\n<parameter=text>\na <b> c\n</parameter>\n"
+                            "<parameter=n>\n[1, 2]\n</parameter>\n</function>\n"}[parser]
+    for token in tok.encode(module.tool_call_start + inner + module.tool_call_end, add_special_tokens=False):
+        row.consume(token)
+    assert row.allowed().tolist().index(True) in tok.eos_token_ids
+    call = module.parse_tool_call(inner, [{"type": "function", "function": {"name": "note", "parameters": {}}}])
+    assert call["name"] == "note" and call["arguments"]["text"] == "a <b> c"
+
+
+def test_a_parameter_qwen3_coder_cannot_hold_to_its_schema_is_refused(qwen3_tokenizer):
+    import importlib
+
+    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
+    from mlx_ds4tp.lockstep.errors import GrammarError
+
+    coder = importlib.import_module("mlx_lm.tool_parsers.qwen3_coder")
+    fmt = call_format(qwen3_tokenizer, "qwen3_coder", coder.tool_call_start, coder.tool_call_end)
     loose = {"type": "object", "properties": {"note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
     with pytest.raises(GrammarError, match="'note'"):
         tool_call_grammar([("send", loose)], fmt, required=True)
+    dated = {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}}
+    with pytest.raises(GrammarError, match="format"):
+        tool_call_grammar([("send", dated)], fmt, required=True)
 
 
 def test_a_call_no_parser_can_read_is_dropped_not_a_failure(qwen3_tokenizer):

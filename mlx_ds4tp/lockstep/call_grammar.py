@@ -10,8 +10,9 @@ its tokenizations matches.
 The formats are mlx-lm's tool parsers whose arguments a JSON Schema can bound: json_tools
 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5/Qwen3), mistral
 (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`), kimi_k2 (JSON arguments after a
-`functions.NAME:0` header) and qwen3_coder (`<function=NAME>` with one `<parameter=KEY>` block a
-property, Qwen3-Coder's): their calls are constrained, the others' refused by name.
+`functions.NAME:0` header), qwen3_coder (`<function=NAME>` with one `<parameter=KEY>` block a
+property, Qwen3-Coder's) and pythonic (`[NAME(key=value, ...)]`, LFM2's, the values JSON, which
+its parser reads as Python literals): their calls are constrained, the others' refused by name.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class CallFormat:
 
 # mlx-lm's parsers whose calls constrain -> the markers inside a call.
 KIMI_K2_INNER = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
-CONSTRAINED_FORMATS = {"json_tools": (), "mistral": (), "kimi_k2": KIMI_K2_INNER, "qwen3_coder": ()}
+CONSTRAINED_FORMATS = {"json_tools": (), "mistral": (), "kimi_k2": KIMI_K2_INNER, "qwen3_coder": (), "pythonic": ()}
 
 
 def call_format(tokenizer, parser: str, start: str, end: str) -> CallFormat:
@@ -85,7 +86,7 @@ def _json(schema: Dict[str, Any]) -> str:
 
 def _call_rules(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat) -> List[str]:
     """The rules of `call`: one call, in `fmt`, to one of `calls` with its arguments' schema."""
-    if fmt.parser in ("kimi_k2", "qwen3_coder"):
+    if fmt.parser in ("kimi_k2", "qwen3_coder", "pythonic"):
         names = [f"call_{i}" for i in range(len(calls))]
         rules = [f"call: {fmt.start} ({' | '.join(names)}) {fmt.end}".rstrip()]
         for i, (rule, (name, params)) in enumerate(zip(names, calls)):
@@ -93,6 +94,8 @@ def _call_rules(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat) ->
                 # <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{args}<|tool_call_end|>
                 begin, args, close = fmt.inner
                 rules.append(f"{rule}: {begin} {json.dumps(f'functions.{name}:0')} {args} {_json(params)} {close}")
+            elif fmt.parser == "pythonic":
+                rules += _pythonic_rules(rule, f"c{i}", name, params)
             else:
                 rules += _coder_rules(rule, f"c{i}", name, params)
         return rules
@@ -104,6 +107,27 @@ def _call_rules(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat) ->
         return [f'call: {fmt.start} " "? "[" body "]"', body]
     # json_tools: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (Qwen's newlines optional)
     return [f'call: {fmt.start} "\\n"? body "\\n"? {fmt.end}', body]
+
+
+def _pythonic_rules(rule: str, tag: str, name: str, params: Dict[str, Any]) -> List[str]:
+    """pythonic's call to `name`: `[NAME(key=value, ...)]`, each value the JSON of its property's
+    schema (a Python literal as the parser reads it, true/false/null included); the required
+    keys first, in the schema's order, then each optional one or not."""
+    properties = params.get("properties")
+    if not isinstance(properties, dict) or not properties:
+        # Any keyword arguments (a tool that is not strict).
+        item = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" {_json({})}'
+        return [f'{rule}: {json.dumps("[" + name + "(")} (args_{tag})? ")]"',
+                f'args_{tag}: {item} (", " {item})*']
+    required = set(params.get("required") or [])
+    items = {key: f"{json.dumps(key + '=')} {_json(schema)}" for key, schema in properties.items()}
+    first = [items[k] for k in properties if k in required]
+    rest = [items[k] for k in properties if k not in required]
+    if first:
+        body = ' ", " '.join(first) + "".join(f' (", " {item})?' for item in rest)
+    else:
+        body = "(" + rest[0] + "".join(f' (", " {item})?' for item in rest[1:]) + ")?"
+    return [f'{rule}: {json.dumps("[" + name + "(")} {body} ")]"']
 
 
 # qwen3_coder: what a parameter's value may be, as mlx-lm's parser reads it back (a string
