@@ -239,6 +239,32 @@ class Parcel(BaseModel):
     tags: Annotated[list[int], Field(max_length=2)]
 
 
+def test_a_thinking_model_may_reason_before_an_unforced_answer(qwen3_tokenizer):
+    """Qwen3 holds <think> and </think> as tokens of their own, which plain text cannot hold:
+    unforced (tool_choice auto), its answer may open with a reasoning block, then text or a
+    call; a forced call starts at once."""
+    from mlx_ds4tp.lockstep.errors import GrammarError
+    from mlx_ds4tp.lockstep.grammar import Grammars
+
+    tok, grammars = qwen3_tokenizer, Grammars(qwen3_tokenizer)
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius","days":2}}\n</tool_call>'
+    auto = _request_grammar(tok, tools=[_weather_tool()])
+    for text in (f"<think>\nThe user asks.\n</think>\n\n{call}", "<think></think>Sunny.", call, "Sunny.",
+                 f"<think>x</think>{call}"):
+        row = grammars.row(auto, 0)
+        for token in tok.encode(text, add_special_tokens=False):
+            row.consume(token)
+        assert tok.eos_token_ids & {i for i, ok in enumerate(row.allowed().tolist()) if ok}, text
+    forced = grammars.row(_request_grammar(tok, tools=[_weather_tool()], tool_choice="required"), 0)
+    with pytest.raises(GrammarError):
+        forced.consume(tok.encode("<think>", add_special_tokens=False)[0])
+    again = grammars.row(auto, 0)
+    for token in tok.encode("<think>a</think>Sunny.", add_special_tokens=False):
+        again.consume(token)
+    with pytest.raises(GrammarError):  # one reasoning block, at the start
+        again.consume(tok.encode("<think>", add_special_tokens=False)[0])
+
+
 @pytest.mark.parametrize("parser", ["qwen3_coder", "pythonic"])
 def test_calls_follow_the_schema_under_random_draws(qwen3_tokenizer, parser):
     """qwen3_coder's parameters (raw strings bounded in length and by a pattern, an enum, JSON

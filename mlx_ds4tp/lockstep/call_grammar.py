@@ -53,14 +53,16 @@ def marker(tokenizer, text: str) -> str:
 class CallFormat:
     """How one tokenizer writes a tool call: mlx-lm's tool parser (`parser`, the module's name),
     the markers as Lark expressions (marker(); `end` "" where the format has none, as Mistral's),
-    the opening marker as text (plain text must never contain it), and the markers a format
-    writes inside a call (kimi_k2's)."""
+    the opening marker as text (plain text must never contain it), the markers a format writes
+    inside a call (kimi_k2's), and the tokenizer's reasoning markers where each is one token
+    (Qwen3's `<think>`, `</think>`; () otherwise)."""
 
     parser: str
     start: str
     end: str
     start_text: str
     inner: Tuple[str, ...] = ()
+    think: Tuple[str, ...] = ()
 
 
 # mlx-lm's parsers whose calls constrain -> the markers inside a call.
@@ -76,8 +78,15 @@ def call_format(tokenizer, parser: str, start: str, end: str) -> CallFormat:
                            f"support the formats {sorted(CONSTRAINED_FORMATS)}")
     if not start:
         raise GrammarError(f"mlx-lm's {parser!r} tool format names no opening marker")
+    think = [marker(tokenizer, m) for m in (getattr(tokenizer, "think_start", None),
+                                              getattr(tokenizer, "think_end", None)) if m] \
+        if getattr(tokenizer, "has_thinking", False) else []
+    # Reasoning markers that are one token each (Qwen3's) only: the engine cannot end a lexeme
+    # of free text at a marker spelled in text when a token of its own follows.
+    single = len(think) == 2 and all(m.startswith("<[") and " " not in m for m in think)
     return CallFormat(parser, marker(tokenizer, start), marker(tokenizer, end) if end else "", start,
-                      tuple(marker(tokenizer, m) for m in CONSTRAINED_FORMATS[parser]))
+                      tuple(marker(tokenizer, m) for m in CONSTRAINED_FORMATS[parser]),
+                      tuple(think) if single else ())
 
 
 def _json(schema: Dict[str, Any]) -> str:
@@ -222,7 +231,9 @@ def tool_call_grammar(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallForm
     if not calls:
         raise GrammarError("a tool call grammar needs at least one tool")
     text = "TEXT" if text_schema is None else "text"
-    rules = [f"start: {'call' if required else text + ' | call'}", *_call_rules(calls, fmt)]
+    rules = [f"start: {'call' if required else _unforced(fmt, text)}", *_call_rules(calls, fmt)]
+    if not required and fmt.think:
+        rules += _think_rules(fmt.think)
     if not required and text_schema is not None:
         rules.append(f"text: {_json(text_schema or {'type': 'object'})}")
     elif not required:
@@ -231,6 +242,21 @@ def tool_call_grammar(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallForm
         # open a call as mlx-lm reads the text, so that is excluded too.)
         rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex_literal(fmt.start_text)}.*)/")
     return "\n".join(rules) + "\n"
+
+
+def _unforced(fmt: CallFormat, text: str) -> str:
+    """What an unforced answer may be: text or a call; after a reasoning block first where the
+    tokenizer has one (a thinking model's reasoning is free; blanks may part it from a call)."""
+    if not fmt.think:
+        return f"{text} | call"
+    return f"think? ({text} | CALL_WS? call)"
+
+
+def _think_rules(think: Tuple[str, ...]) -> List[str]:
+    """The reasoning block: its opening token, free text (which cannot hold a token of its own,
+    so it ends at the closing one), its closing token."""
+    begin, close = think
+    return ["CALL_WS: /[ \\t\\r\\n]+/", f"think: {begin} THINK_TEXT? {close}", "THINK_TEXT: /(?s:.+)/"]
 
 
 def _regex_literal(text: str) -> str:
