@@ -4,10 +4,14 @@ Qwen3's `<tool_call>` is an *added* token (151657, not special), Mistral v3's `[
 *special* one (5). The grammar must name such a marker as that token: written as text it never
 matches the one token the model draws for it (the engine sees an added token as a token of its
 own, not as the bytes it spells), and the request failed with a 500 and the matcher's state.
-Here, on the served pair with random-weight models of each family: strict tools with
-tool_choice "required" and named give a call to the named tool whose arguments validate,
-whole and streamed; "auto" gives text or a valid call (a call when the marker is favoured);
-non-strict tools too; a model whose format cannot be constrained gets a 400 naming it.
+Here, on the served pair with random-weight models of each family (Qwen3 with its json_tools
+template and with a Qwen3-Coder one, Mistral v3): strict tools with tool_choice "required" and
+named give a call to the named tool whose arguments validate, whole and streamed; "auto" gives
+text or a valid call (a call when the marker is favoured); non-strict tools too; no request gets
+a 5xx. In-process: the grammar names the marker token, takes each family's call (and kimi_k2's,
+qwen3_coder's and pythonic's, also under random draws) and mlx-lm's parser reads it back; a
+refused token is one line; a JSON string spelling an added token is written in ordinary tokens;
+Qwen3 may reason before an unforced answer; a format that cannot be constrained gets a 400.
 """
 
 from __future__ import annotations
