@@ -132,11 +132,19 @@ def test_request_checks_name_the_field():
               defaults=SamplingOptions())
     ok = parse_request({"prompt": "abc", "max_tokens": 100}, "text", Tok(), **kw)
     assert ok.max_tokens == 13 and ok.prompt == [47, 48, 49]
+    # The server's sampling defaults under the request's fields; 0 draft tokens: none.
+    served = dict(kw, defaults=SamplingOptions(temperature=0.5, top_k=4))
+    asked = parse_request({"prompt": "a", "top_k": 2, "num_draft_tokens": 0}, "text", Tok(), **served)
+    assert (asked.options.temperature, asked.options.top_k, asked.num_draft_tokens) == (0.5, 2, 0)
     for body, param in [({"prompt": "x" * 20}, "prompt"), ({"prompt": "a", "top_k": 1.5}, "top_k"),
                         ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "n": 2}, "n"),
                         ({"prompt": "a", "max_tokens": True}, "max_tokens"), ({}, "prompt"),
                         ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": [3, 50]}, "prompt"),
-                        ({"prompt": [-1]}, "prompt"), ({"prompt": []}, "prompt")]:
+                        ({"prompt": [-1]}, "prompt"), ({"prompt": []}, "prompt"),
+                        ({"prompt": "a", "top_p": 0}, "top_p"), ({"prompt": "a", "min_p": 1.5}, "min_p"),
+                        ({"prompt": "a", "logit_bias": {"3": 101}}, "logit_bias"),
+                        ({"prompt": "a", "num_draft_tokens": 65}, "num_draft_tokens"),
+                        ({"prompt": "a", "num_draft_tokens": -1}, "num_draft_tokens")]:
         with pytest.raises(ApiError) as info:
             parse_request(body, "text", Tok(), **kw)
         assert info.value.param == param and 400 <= info.value.status < 500

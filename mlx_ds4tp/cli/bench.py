@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 from .. import transport as tr
 from ..base.stopping import stop_on_sigterm
-from .draft_args import add_draft_args
+from .draft_args import add_draft_args, check_num_draft_tokens
 from .model_arg import DEMO, add_model_arg, model_path
 from .pair_args import (
     LOCKSTEP_NEEDS_PAIR,
@@ -149,8 +149,8 @@ def _model(args: argparse.Namespace, report) -> int:
     if args.draft_model or args.prompt_lookup:
         from ..bench.speculative import speculative_report
 
-        check_at_least("bench", (("--num-draft-tokens", args.num_draft_tokens, 1),
-                                 ("--prompt-lookup", args.prompt_lookup, 0)))
+        check_at_least("bench", (("--prompt-lookup", args.prompt_lookup, 0),))
+        check_num_draft_tokens("bench", args.num_draft_tokens)
         if args.transport not in ("tcp", ALL):
             raise SystemExit("ds4tp bench: the speculative bench runs the pair over tcp; give --transport tcp")
         draft = _model_dir("--draft-model", args.draft_model) if args.draft_model else None

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..lockstep.settings import draft_tokens_problem
 from .model_arg import model_path
 from .pair_args import check_at_least
-
-MAX_DRAFT_TOKENS = 64
 
 
 def add_draft_args(p: argparse.ArgumentParser, where: str) -> None:
@@ -24,14 +23,18 @@ def add_draft_args(p: argparse.ArgumentParser, where: str) -> None:
                         "mlx-lm's)")
 
 
+def check_num_draft_tokens(command: str, k: int) -> None:
+    """Exit naming --num-draft-tokens when `k` is out of the one range (lockstep/settings.py)."""
+    problem = draft_tokens_problem(k)
+    if problem:
+        raise SystemExit(f"ds4tp {command}: --num-draft-tokens {problem}")
+
+
 def check_draft_args(command: str, args: argparse.Namespace) -> None:
     """Exit naming the flag when the drafting flags are out of range or contradict; the draft
     model's path resolved as --model is."""
-    check_at_least(command, (("--prompt-lookup", args.prompt_lookup, 0),
-                             ("--num-draft-tokens", args.num_draft_tokens, 1)))
-    if args.num_draft_tokens > MAX_DRAFT_TOKENS:
-        raise SystemExit(f"ds4tp {command}: --num-draft-tokens {args.num_draft_tokens} must be "
-                         f"<= {MAX_DRAFT_TOKENS}")
+    check_at_least(command, (("--prompt-lookup", args.prompt_lookup, 0),))
+    check_num_draft_tokens(command, args.num_draft_tokens)
     if args.draft_model and args.prompt_lookup:
         raise SystemExit(f"ds4tp {command}: --draft-model and --prompt-lookup are two ways to draft; "
                          "give one")

@@ -9,6 +9,21 @@ from typing import Optional
 from ..split.share import SplitSettings
 from .sampling import SamplingOptions
 
+# Tokens drafted a round, at most: a VERIFY_BATCH row holds the input token and this many drafts
+# (link/wire.py's MAX_VERIFY_WIDTH). The one bound every door checks (the flags, a request's
+# num_draft_tokens, the speculative generation).
+MAX_DRAFT_TOKENS = 64
+
+
+def draft_tokens_problem(k: int, least: int = 1) -> str:
+    """What is wrong with drafting `k` tokens a round ("" when nothing): `least` is 1 for a
+    setting that drafts, 0 where 0 means "no drafts" (a request's num_draft_tokens)."""
+    if k < least:
+        return f"{k} must be >= {least}"
+    if k > MAX_DRAFT_TOKENS:
+        return f"{k} must be <= {MAX_DRAFT_TOKENS}"
+    return ""
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftSettings:

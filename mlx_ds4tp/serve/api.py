@@ -12,6 +12,7 @@ import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ..lockstep.sampling import SamplingOptions
+from ..lockstep.settings import draft_tokens_problem
 from .answer import Answer, send_whole
 from .chat import ChatText, chat_prompt, chat_tools
 from .connection import Connection
@@ -105,9 +106,9 @@ def _logit_bias(body: dict, vocab_size: int) -> tuple:
         if not 0 <= token < vocab_size:
             raise ApiError(400, f"'logit_bias' key {token} is outside the model's vocabulary "
                            f"[0, {vocab_size})", "logit_bias", "invalid_value")
-        if isinstance(bias, bool) or not isinstance(bias, _NUMBER) or not -100 <= bias <= 100:
-            raise ApiError(400, f"'logit_bias[{key}]' is {bias!r}; it must be a number in [-100, 100]",
-                           "logit_bias", "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, _NUMBER):  # its range: SamplingOptions.check
+            raise ApiError(400, f"'logit_bias[{key}]' is {bias!r}; it must be a number", "logit_bias",
+                           "invalid_type")
         pairs.append((token, float(bias)))
     return tuple(pairs)
 
@@ -172,21 +173,7 @@ def parse_request(body: dict, kind: str, tokenizer, *, model_ids: List[str], def
     max_tokens = _field(body, "max_completion_tokens", int, None, low=1)
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", int, default_max_tokens, low=1)
-    options = SamplingOptions(
-        temperature=float(_field(body, "temperature", _NUMBER, defaults.temperature, low=0)),
-        top_p=float(_field(body, "top_p", _NUMBER, defaults.top_p, low=0, high=1, low_open=True)),
-        top_k=_field(body, "top_k", int, defaults.top_k, low=0),
-        min_p=float(_field(body, "min_p", _NUMBER, defaults.min_p, low=0, high=1)),
-        repetition_penalty=float(_field(body, "repetition_penalty", _NUMBER,
-                                        defaults.repetition_penalty, low=0)),
-        repetition_context_size=_field(body, "repetition_context_size", int, 20, low=1),
-        presence_penalty=float(_field(body, "presence_penalty", _NUMBER, 0.0, low=-2, high=2)),
-        presence_context_size=_field(body, "presence_context_size", int, 20, low=1),
-        frequency_penalty=float(_field(body, "frequency_penalty", _NUMBER, 0.0, low=-2, high=2)),
-        frequency_context_size=_field(body, "frequency_context_size", int, 20, low=1),
-        logit_bias=_logit_bias(body, vocab_size),
-        seed=_field(body, "seed", int, defaults.seed, low=0, high=(1 << 63) - 1),
-    )
+    options = _sampling(body, vocab_size, defaults)
     logprobs = _logprobs(body, kind)
     stop = body.get("stop")
     if stop is None:
@@ -215,7 +202,41 @@ def parse_request(body: dict, kind: str, tokenizer, *, model_ids: List[str], def
                        where, "context_length_exceeded")
     max_tokens = min(max_tokens, context_length - len(prompt))
     return ParsedRequest(kind, prompt, max_tokens, options, stop, stream, include_usage, model, logprobs,
-                         tools, _field(body, "num_draft_tokens", int, None, low=0, high=64))
+                         tools, _num_draft_tokens(body))
+
+
+def _num_draft_tokens(body: dict) -> Optional[int]:
+    """mlx_lm.server's num_draft_tokens, in the one range the flags have too (0: no drafts)."""
+    k = _field(body, "num_draft_tokens", int, None)
+    problem = "" if k is None else draft_tokens_problem(k, least=0)
+    if problem:
+        raise ApiError(400, f"'num_draft_tokens' is {problem}", "num_draft_tokens", "invalid_value")
+    return k
+
+
+# The sampling fields' names and types as a request gives them; their ranges are
+# SamplingOptions.check's, the one place they are written.
+_SAMPLING_FIELDS = (("temperature", _NUMBER), ("top_p", _NUMBER), ("top_k", int), ("min_p", _NUMBER),
+                    ("repetition_penalty", _NUMBER), ("repetition_context_size", int),
+                    ("presence_penalty", _NUMBER), ("presence_context_size", int),
+                    ("frequency_penalty", _NUMBER), ("frequency_context_size", int), ("seed", int))
+
+
+def _sampling(body: dict, vocab_size: int, defaults: SamplingOptions) -> SamplingOptions:
+    """The request's sampling fields over the server's defaults (its --temp, --top-p, ...):
+    each field's type checked here, its range by SamplingOptions.check (a 400 naming it)."""
+    given = {}
+    for name, types in _SAMPLING_FIELDS:
+        value = _field(body, name, types, None)
+        if value is not None:
+            given[name] = float(value) if types is _NUMBER else value
+    options = dataclasses.replace(defaults, logit_bias=_logit_bias(body, vocab_size), **given)
+    try:
+        options.check()
+    except ValueError as exc:
+        name = str(exc).split("=", 1)[0].split("[", 1)[0]
+        raise ApiError(400, f"'{name}': {exc}", name, "invalid_value") from None
+    return options
 
 
 # ============================================================================
