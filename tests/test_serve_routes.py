@@ -147,6 +147,22 @@ def test_an_error_before_the_first_event_is_raised_and_after_it_is_an_event():
     assert "[DONE]" not in chunks
 
 
+def test_a_failure_on_the_first_token_of_a_stream_is_an_event_not_a_500():
+    """A grammar or sampling failure before any text: the stream opens (200) and ends with one
+    error event naming the cause in one line; never a 5xx status (the pair down stays a 503)."""
+    conn = Recorder({"prompt": "hi", "stream": True})
+    engine = ScriptedEngine([("failed", "grammar refused token 7\nstate dump")])
+    asyncio.run(routes.post(conn, state(engine), "/v1/completions"))
+    assert conn.sent == [(200, "events")]
+    (event,) = events_of(conn.streamed)
+    assert event["error"]["code"] == "generation_failed" and "grammar refused token 7" in event["error"]["message"]
+    assert "state dump" not in event["error"]["message"]
+    with pytest.raises(ApiError) as info:
+        asyncio.run(routes.post(Recorder({"prompt": "hi", "stream": True}),
+                                state(ScriptedEngine([("error", "worker gone")])), "/v1/completions"))
+    assert info.value.status == 503
+
+
 def test_a_client_gone_cancels_its_request_and_nothing_is_sent():
     engine = ScriptedEngine([])  # no event ever comes
     conn = Recorder({"prompt": "hi"}, gone=True)

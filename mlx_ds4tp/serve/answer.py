@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from .chat import ChatText
 from .connection import Connection
-from .errors import ApiError, ClientGone, unavailable
+from .errors import GENERATION_FAILED, ApiError, ClientGone, unavailable
 from .metrics import TokenClock
 from .requests import Request
 from .state import ServeState
@@ -63,7 +63,7 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
                 raise ApiError(429, event[1], None, "server_busy", "rate_limit_error")
             if event[0] == "failed":
                 raise ApiError(500, f"generating this answer failed ({_one_line(event[1])}); the server goes "
-                               "on serving", None, "generation_failed", "server_error")
+                               "on serving", None, GENERATION_FAILED, "server_error")
             if event[0] == "text":
                 text.append(event[1])
                 items.extend(event[2])

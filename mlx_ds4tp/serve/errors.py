@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+# The code of the error a request gets when its own generation failed (its sampling or grammar
+# on a token), the server going on: a streamed answer ends with it as an event, first token too.
+GENERATION_FAILED = "generation_failed"
+
 
 class PairUnavailable(RuntimeError):
     """`ds4tp serve`: the pair is down (worker dead, link dropped): the server answers 503."""

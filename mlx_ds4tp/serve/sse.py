@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 from .answer import answer_pieces
 from .chat import ChatText
 from .connection import Connection
-from .errors import ApiError, ClientGone
+from .errors import GENERATION_FAILED, ApiError, ClientGone
 from .requests import Request
 from .state import ServeState
 
@@ -42,6 +42,15 @@ async def stream_answer(conn: Connection, state: ServeState, request: Request, c
     try:
         first = await pieces.__anext__()
     except ClientGone:
+        return
+    except ApiError as err:
+        if err.code != GENERATION_FAILED:
+            raise  # the pair down (503), the queue full (429): a status the client retries on
+        # This request's own sampling or grammar failed on its first token: the stream opens
+        # and ends with the error event naming the cause, as it would on any later token.
+        await conn.start_events()
+        with contextlib.suppress(OSError):
+            write_error(EventStream(conn.write), err)
         return
     await conn.start_events()
     stream = EventStream(conn.write)
