@@ -40,8 +40,8 @@ def test_the_writer_writes_in_order_and_is_waited_for():
     assert writer.put("a", 1, 1.0) and writer.put("b", 2, 1.0)
     assert writer.pending("a") and writer.pending("b") and not writer.pending("c")
     assert not writer.wait_for("b", 0.2) and not writer.flush(0.2)  # held at the gate
-    # "a" is being written and "b" waits: one more fits (max_pending counts the queue), then full.
-    assert writer.put("c", 3, 1.0)
+    # Once "a" is being written and "b" waits, one more fits (max_pending counts the queue); then full.
+    assert writer.put("c", 3, 10.0)
     assert not writer.put("d", 4, 0.2)
     gate.set()
     assert writer.wait_for("b", 10) and writer.flush(10)
@@ -166,3 +166,33 @@ def test_a_write_cut_short_leaves_the_old_files_and_no_torn_one(tiny, tmp_path, 
     again = DiskCache(tmp_path / "d", 10**8, "k")
     assert len(again) == 1 and again.load(tokens_digest(old), len(old)) is not None
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == names
+
+
+def test_a_writer_behind_puts_off_a_cache_that_stays_in_memory_and_waits_for_one_leaving(
+        tiny, tmp_path, monkeypatch, capfd):
+    from mlx_ds4tp.lockstep import disk_cache
+    from mlx_ds4tp.lockstep.disk_cache import DiskCache
+
+    gate, writing = threading.Event(), threading.Event()
+    real = disk_cache.write_snapshot
+
+    def held(snap, path):
+        writing.set()
+        gate.wait(10)
+        return real(snap, path)
+
+    monkeypatch.setattr(disk_cache, "write_snapshot", held)
+    store = DiskCache(tmp_path / "d", 10**8, "k")
+    store._writer.max_pending = 1
+    prompts = [[40 + i] * 12 for i in range(3)]
+    cache = _filled(tiny, prompts[0])
+    assert store.save_later(prompts[0], cache, wait=False)
+    assert writing.wait(10)  # being written, held at the gate
+    assert store.save_later(prompts[1], cache, wait=False)  # queued
+    assert not store.save_later(prompts[2], cache, wait=False)  # no room: put off, never waited for
+    assert store.stats["disk_writes_put_off"] == 1
+    assert "caches it has no room for are written when they leave memory" in capfd.readouterr().err
+    threading.Timer(0.3, gate.set).start()
+    assert store.save_later(prompts[2], cache, wait=True)  # leaving memory: waits for room
+    assert store.flush(10) and len(store) == 3
+    store.close()

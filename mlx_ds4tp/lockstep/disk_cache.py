@@ -104,8 +104,9 @@ class DiskCache:
         self._entries: "OrderedDict[str, _Entry]" = OrderedDict()  # least recently used first
         self._total = 0
         self._writing = 0  # bytes of the file being written, counted against the bound
-        self.stats = {"disk_writes": 0, "disk_write_failures": 0, "disk_skipped_files": 0}
-        self._said_full = False
+        self.stats = {"disk_writes": 0, "disk_write_failures": 0, "disk_skipped_files": 0,
+                      "disk_writes_put_off": 0}
+        self._said_full = self._said_behind = False
         self._writer = DiskWriter(self._write)
         self._scan()
 
@@ -175,21 +176,31 @@ class DiskCache:
         job = self._snapshot(name, tokens, cache)
         return job is not None and self._write(name, job)
 
-    def save_later(self, tokens: Sequence[int], cache: list) -> bool:
+    def save_later(self, tokens: Sequence[int], cache: list, wait: bool = True) -> bool:
         """save, by the writer thread: the cache is seen now, on the caller's thread (the one
-        that owns it), and written soon after; False when it cannot be (logged)."""
+        that owns it), and written soon after; False when it will not be (logged). With the
+        writer's queue full (a disk slower than the stores), `wait` waits for room (a cache
+        about to leave memory); without it the write is put off (a cache that stays in memory:
+        its eviction writes it), so a slow disk never holds up the decode steps."""
         name = self.name(tokens_digest(tokens))
         if self._known(name) or self._writer.pending(name):
             return True
         job = self._snapshot(name, tokens, cache)
         if job is None:
             return False
-        if not self._writer.put(name, job, WAIT_SEC):
-            self.stats["disk_write_failures"] += 1
-            log(f"prompt cache: the disk writer of {self.directory} is {WAIT_SEC:g} s behind; "
-                f"a {len(tokens)}-token cache is kept in memory only")
+        if self._writer.put(name, job, WAIT_SEC if wait else 0.0):
+            return True
+        if not wait:
+            self.stats["disk_writes_put_off"] += 1
+            if not self._said_behind:
+                log(f"prompt cache: the disk writer of {self.directory} is {self._writer.max_pending} "
+                    "files behind; caches it has no room for are written when they leave memory")
+                self._said_behind = True
             return False
-        return True
+        self.stats["disk_write_failures"] += 1
+        log(f"prompt cache: the disk writer of {self.directory} is {WAIT_SEC:g} s behind; "
+            f"a {len(tokens)}-token cache is kept in memory only")
+        return False
 
     def flush(self, timeout: float = WAIT_SEC) -> bool:
         """Until every file handed to the writer is written; False when `timeout` passed first."""

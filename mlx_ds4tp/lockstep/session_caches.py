@@ -185,11 +185,12 @@ class SessionCaches:
         """Hand stored cache `cache_id` (covering `tokens`) to this rank's directory's writer
         (it is written in the background, soon: DiskCache.save_later), then drop it from memory
         if `drop` (the writer holds what it writes); False when it will not be written (no
-        directory here, a writer far behind: logged, the rank serves on)."""
+        directory here, a writer far behind: logged, the rank serves on). Only a cache leaving
+        memory waits for room in the writer's queue; one that stays is written when it leaves."""
         cache = self.stored.get(cache_id)
         if cache is None:
             raise tr.FrameError(f"DISK_SAVE names stored cache {cache_id}, which does not exist")
-        written = self.disk.save_later(tokens, cache) if self.disk is not None else self._no_disk()
+        written = self.disk.save_later(tokens, cache, wait=drop) if self.disk is not None else self._no_disk()
         if drop:
             del self.stored[cache_id]
         return written
