@@ -7,8 +7,8 @@ import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer
 from mlx_ds4tp.serve.admission import Admission
+from mlx_ds4tp.serve.generation import Request
 from mlx_ds4tp.serve.limits import ServeLimits
-from mlx_ds4tp.serve.requests import Request
 
 
 def _admission(**limits):

@@ -9,9 +9,9 @@ from mlx_ds4tp.link.wire import EVAL_PENDING
 from mlx_ds4tp.lockstep.prompt_cache import Reuse
 from mlx_ds4tp.lockstep.row_sampling import RowSampler
 from mlx_ds4tp.serve.decoding import DecodeStepper
+from mlx_ds4tp.serve.generation import Request, RunningSession
 from mlx_ds4tp.serve.limits import ServeLimits
 from mlx_ds4tp.serve.mixing import MixChoice
-from mlx_ds4tp.serve.requests import Request, RunningSession
 from mlx_ds4tp.serve.speculation import Speculation
 
 

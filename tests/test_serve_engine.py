@@ -9,8 +9,8 @@ import pytest
 from engine_fakes import FakeSessions, FakeTokenizer, letters
 from mlx_ds4tp.serve.engine import Engine
 from mlx_ds4tp.serve.errors import PairUnavailable
+from mlx_ds4tp.serve.generation import Request
 from mlx_ds4tp.serve.limits import ServeLimits
-from mlx_ds4tp.serve.requests import Request
 
 
 def _events(request) -> list:

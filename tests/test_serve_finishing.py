@@ -6,8 +6,8 @@ from __future__ import annotations
 from engine_fakes import EOS, FakeSessions, FakeTokenizer
 from mlx_ds4tp.serve.admission import Admission
 from mlx_ds4tp.serve.finishing import Finishing
+from mlx_ds4tp.serve.generation import Request, RowResult, StepOutput
 from mlx_ds4tp.serve.limits import ServeLimits
-from mlx_ds4tp.serve.requests import Request, RowResult, StepOutput
 
 
 def _setup(*requests):

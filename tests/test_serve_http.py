@@ -1,4 +1,4 @@
-"""The leader's HTTP face on one event loop (serve/http.py, serve/http_server.py), end to end on a
+"""The leader's HTTP face on one event loop (serve/http/app.py, serve/http/server.py), end to end on a
 served pair: idle connections hold no thread, a client that never finishes its headers is closed
 at the header timeout, one that stalls mid-body is answered 408 then, and a streaming client that
 hangs up frees its batch row at once."""

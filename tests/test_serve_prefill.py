@@ -7,9 +7,9 @@ import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer
 from mlx_ds4tp.lockstep.prompt_cache import Reuse
+from mlx_ds4tp.serve.generation import Request, RunningSession
 from mlx_ds4tp.serve.limits import ServeLimits
 from mlx_ds4tp.serve.prefill import PrefillScheduler
-from mlx_ds4tp.serve.requests import Request, RunningSession
 
 
 def _session(sid: int, prompt_len: int) -> RunningSession:

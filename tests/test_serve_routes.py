@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_ds4tp.serve import routes
 from mlx_ds4tp.serve.errors import ApiError
-from mlx_ds4tp.serve.http import make_app
+from mlx_ds4tp.serve.http import routes
+from mlx_ds4tp.serve.http.app import make_app
 from mlx_ds4tp.serve.settings import HttpSettings, ServedModel
 from mlx_ds4tp.serve.state import ServeState
 

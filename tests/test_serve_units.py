@@ -122,7 +122,7 @@ def test_sampling_options_name_the_bad_field(field, value):
 
 
 def test_request_checks_name_the_field():
-    from mlx_ds4tp.serve.api import ApiError, parse_request
+    from mlx_ds4tp.serve.dialects.openai import ApiError, parse_request
 
     class Tok:
         def encode(self, text):

@@ -119,7 +119,7 @@ def _weather_tool(strict: bool = True) -> dict:
 
 
 def _request_grammar(tok, **body) -> str:
-    from mlx_ds4tp.serve.structured import request_grammar
+    from mlx_ds4tp.serve.dialects.structured import request_grammar
 
     tools = body.pop("tools")
     return request_grammar({"messages": ASK, "tools": tools, **body}, tok, tools)
@@ -204,8 +204,8 @@ def test_kimi_k2_calls_and_unconstrainable_formats(qwen3_tokenizer):
 
     from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
     from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.serve.dialects.structured import _call_format
     from mlx_ds4tp.serve.errors import ApiError
-    from mlx_ds4tp.serve.structured import _call_format
 
     tok = qwen3_tokenizer
     kimi = importlib.import_module("mlx_lm.tool_parsers.kimi_k2")
@@ -352,7 +352,7 @@ def test_a_parameter_qwen3_coder_cannot_hold_to_its_schema_is_refused(qwen3_toke
 def test_a_call_no_parser_can_read_is_dropped_not_a_failure(qwen3_tokenizer):
     """Unconstrained text that opens a call the parser cannot read (JSON that is not an object)
     is dropped, as mlx-lm drops a call cut short; the answer goes on."""
-    from mlx_ds4tp.serve.chat import ChatText
+    from mlx_ds4tp.serve.dialects.chat import ChatText
 
     tok = qwen3_tokenizer
     prompt = tok.apply_chat_template(ASK, tools=[_weather_tool()], add_generation_prompt=True)

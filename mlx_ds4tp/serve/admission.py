@@ -15,8 +15,8 @@ from typing import Dict, List, Optional, Sequence
 from ..lockstep.prompt_cache import PromptCacheIndex
 from ..lockstep.session_caches import kv_code
 from ..lockstep.sessions import LeaderSessions
+from .generation import Request, RunningSession, reserved_tokens
 from .limits import ServeLimits
-from .requests import Request, RunningSession, reserved_tokens
 
 
 def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:

@@ -21,9 +21,9 @@ import mlx.core as mx
 from ..link.wire import EVAL_PENDING
 from ..lockstep.row_sampling import RowSampler, sample_batch, stream_seed
 from ..lockstep.sessions import LeaderSessions, SampledStep
+from .generation import RowResult, RunningSession, StepOutput, cancelled_out
 from .limits import ServeLimits
 from .mixing import MixChoice
-from .requests import RowResult, RunningSession, StepOutput, cancelled_out
 from .speculation import Speculation, verified_tokens
 
 

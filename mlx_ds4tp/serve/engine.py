@@ -33,7 +33,7 @@ from .errors import PairUnavailable
 from .finishing import Finishing
 from .limits import ServeLimits
 from .prefill import PrefillScheduler
-from .requests import Request, RunningSession, StepOutput
+from .generation import Request, RunningSession, StepOutput
 from .speculation import Speculation
 
 IDLE_POLL_SEC = 0.25

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..lockstep.sampling import logprob_item
 from .admission import Admission
-from .requests import RowResult, RunningSession, StepOutput
+from .generation import RowResult, RunningSession, StepOutput
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from ..split.share import SplitShare
 from .settings import ServedModel, ServeSettings
 
 if TYPE_CHECKING:
-    from .http_server import HttpServer
+    from .http.server import HttpServer
 
 
 def context_length(model: Any, config: Dict[str, Any]) -> int:
@@ -97,7 +97,7 @@ def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
 def run(settings: ServeSettings) -> int:
     """One rank of `ds4tp serve`, as cli.serve resolved it; returns the exit code."""
     from ..lockstep.table import fix_heap_thresholds
-    from .http_server import HttpServer
+    from .http.server import HttpServer
 
     fix_heap_thresholds()  # before the weights and the caches are allocated
     # Ctrl-C and `kill` (SIGTERM) stop either rank cleanly, whichever is stopped first: its
@@ -118,7 +118,7 @@ def run(settings: ServeSettings) -> int:
 
 def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List["HttpServer"]) -> int:
     from ..model_split import load_split
-    from .http_server import HttpServer
+    from .http.server import HttpServer
 
     served = settings.model
     link = with_figures(settings.link, settings.split)

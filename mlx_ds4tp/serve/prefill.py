@@ -15,9 +15,9 @@ from typing import List
 
 from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 from ..lockstep.sessions import LeaderSessions
+from .generation import RunningSession, cancelled_out
 from .limits import ServeLimits
 from .mixing import MixChoice
-from .requests import RunningSession, cancelled_out
 
 
 class PrefillScheduler:

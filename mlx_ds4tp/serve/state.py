@@ -10,7 +10,7 @@ from typing import List
 
 from .engine import Engine
 from .errors import ApiError
-from .metrics import ServeMetrics
+from .http.metrics import ServeMetrics
 from .settings import HttpSettings, ServedModel
 
 KEPT_RESPONSES = 64  # conversations kept for previous_response_id

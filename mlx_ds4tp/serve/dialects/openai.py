@@ -11,15 +11,15 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional
 
-from ..lockstep.sampling import SamplingOptions
-from ..lockstep.settings import draft_tokens_problem
+from ...lockstep.sampling import SamplingOptions
+from ...lockstep.settings import draft_tokens_problem
+from ..connection import Connection
+from ..errors import ApiError
+from ..generation import Request
+from ..http.sse import EventStream, stream_answer
+from ..state import ServeState
 from .answer import Answer, send_whole
 from .chat import ChatText, chat_prompt, chat_tools
-from .connection import Connection
-from .errors import ApiError
-from .requests import Request
-from .sse import EventStream, stream_answer
-from .state import ServeState
 from .structured import request_grammar
 
 

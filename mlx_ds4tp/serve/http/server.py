@@ -1,11 +1,11 @@
-"""The leader's HTTP server: uvicorn running serve/http.py's application on one event loop in
+"""The leader's HTTP server: uvicorn running serve/http/app.py's application on one event loop in
 the leader's main thread, HTTP/1.1 parsed by h11. No thread per connection: an idle or slow
 client costs a socket and a few objects, and is closed by a timeout:
   - keep-alive: a connection idle this long after its last answer (uvicorn's own timer);
   - headers: a connection whose request line and headers are not all in this long after it
     opened (or after its last answer). uvicorn has no such timer (its h11 protocol waits for
     headers forever), so _HeaderTimeoutProtocol adds one;
-  - body: as long again for a request's body once its headers are in (serve/http.py's
+  - body: as long again for a request's body once its headers are in (serve/http/app.py's
     read_body, which answers 408).
 """
 
@@ -20,10 +20,10 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..base.log import log
-from .http import make_app
-from .settings import HttpSettings
-from .state import ServeState
+from ...base.log import log
+from ..settings import HttpSettings
+from ..state import ServeState
+from .app import make_app
 
 BACKLOG = 2048  # many agents connecting at once must not overflow the accept queue
 # Ctrl-C: answers under way get this long to finish before they are cut.

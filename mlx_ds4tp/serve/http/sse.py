@@ -7,12 +7,12 @@ import contextlib
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
 
-from .answer import answer_pieces
-from .chat import ChatText
-from .connection import Connection
-from .errors import GENERATION_FAILED, ApiError, ClientGone
-from .requests import Request
-from .state import ServeState
+from ..connection import Connection
+from ..dialects.answer import answer_pieces
+from ..dialects.chat import ChatText
+from ..errors import GENERATION_FAILED, ApiError, ClientGone
+from ..generation import Request
+from ..state import ServeState
 
 
 class EventStream:
@@ -35,7 +35,7 @@ class EventStream:
 async def stream_answer(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
                         write_events: Callable[[AsyncIterator[tuple], EventStream], Awaitable[None]],
                         write_error: Callable[[EventStream, ApiError], None]) -> None:
-    """Stream the answer's pieces (serve/answer.py) through write_events; write_error frames an error
+    """Stream the answer's pieces (serve/dialects/answer.py) through write_events; write_error frames an error
     once the stream is open (each API has its own). One before is raised: the status line waits for
     the first piece, so a pair that is already down is a plain 503, as for an answer not streamed."""
     pieces = answer_pieces(conn, state, request, chat)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any, List, Optional, Tuple
 
-from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES
-from ..lockstep.call_grammar import CallFormat, call_format, tool_call_grammar
-from ..lockstep.errors import GrammarError
-from ..lockstep.grammar import Grammars, json_object_grammar, json_schema_grammar
-from .errors import ApiError
+from ...link.wire import MAX_SAMPLER_OPTIONS_BYTES
+from ...lockstep.call_grammar import CallFormat, call_format, tool_call_grammar
+from ...lockstep.errors import GrammarError
+from ...lockstep.grammar import Grammars, json_object_grammar, json_schema_grammar
+from ..errors import ApiError
 
 # The grammar travels in the SAMPLER command's options (at most MAX_SAMPLER_OPTIONS_BYTES of
 # JSON, the other options included).

@@ -15,8 +15,8 @@ import copy
 import json
 from typing import Any, Dict, List, Optional
 
-from ..base.log import log
-from .errors import ApiError
+from ...base.log import log
+from ..errors import ApiError
 
 
 def text_content(content: Any, where: str, part_types: tuple = ("text",)) -> str:

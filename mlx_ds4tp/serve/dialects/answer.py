@@ -8,12 +8,12 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
+from ..connection import Connection
+from ..errors import GENERATION_FAILED, ApiError, ClientGone, unavailable
+from ..generation import Request
+from ..http.metrics import TokenClock
+from ..state import ServeState
 from .chat import ChatText
-from .connection import Connection
-from .errors import GENERATION_FAILED, ApiError, ClientGone, unavailable
-from .metrics import TokenClock
-from .requests import Request
-from .state import ServeState
 
 # How often a request waiting for its next token checks that the engine is still alive. The
 # engine itself never waits on the worker past the gate timeout: it fails the pair instead,
@@ -57,13 +57,7 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
                     yield "idle", None, None
                 continue
             last = time.monotonic()
-            if event[0] == "error":
-                raise unavailable(event[1])
-            if event[0] == "busy":
-                raise ApiError(429, event[1], None, "server_busy", "rate_limit_error")
-            if event[0] == "failed":
-                raise ApiError(500, f"generating this answer failed ({_one_line(event[1])}); the server goes "
-                               "on serving", None, GENERATION_FAILED, "server_error")
+            _raise_if_failed(event)
             if event[0] == "text":
                 text.append(event[1])
                 items.extend(event[2])
@@ -82,6 +76,18 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
         # Nobody will read the rest of the answer: free the session on both ranks.
         request.cancelled = True
         raise
+
+
+def _raise_if_failed(event: tuple) -> None:
+    """The ApiError of an event that ends the answer short: the pair down, the queue full, this
+    request's own failure (its cause in one line)."""
+    if event[0] == "error":
+        raise unavailable(event[1])
+    if event[0] == "busy":
+        raise ApiError(429, event[1], None, "server_busy", "rate_limit_error")
+    if event[0] == "failed":
+        raise ApiError(500, f"generating this answer failed ({_one_line(event[1])}); the server goes "
+                       "on serving", None, GENERATION_FAILED, "server_error")
 
 
 def _one_line(cause: str, limit: int = 300) -> str:

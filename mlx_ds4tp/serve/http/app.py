@@ -24,11 +24,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..base.log import log
-from . import anthropic, routes
-from .errors import ApiError, ClientGone
+from ...base.log import log
+from ..dialects import anthropic
+from ..errors import ApiError, ClientGone
+from ..state import ServeState
+from . import routes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .state import ServeState
 
 MAX_BODY_BYTES = 16 << 20
 # What a 429 (every queue place taken) tells the client to wait before it retries.

@@ -10,11 +10,11 @@ import json
 import urllib.parse
 from typing import Optional, Tuple
 
-from . import anthropic, api, responses, structured
-from .connection import Connection
-from .errors import ApiError, PairUnavailable, unavailable
-from .requests import Request
-from .state import ServeState
+from ..connection import Connection
+from ..dialects import anthropic, openai as api, responses, structured
+from ..errors import ApiError, PairUnavailable, unavailable
+from ..generation import Request
+from ..state import ServeState
 
 POST_KINDS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
               "/v1/completions": "text", "/completions": "text",

@@ -1,6 +1,6 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): a request is
 translated into the chat-completions request it means and checked by the same parser, so both
-APIs render the same prompt and sample alike; the answer (serve/chat.py) goes back as
+APIs render the same prompt and sample alike; the answer (serve/dialects/chat.py) goes back as
 Anthropic's content blocks, whole or as its streamed events (docs/serving.md's table says which fields).
 """
 
@@ -10,14 +10,14 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
+from ..connection import Connection
+from ..errors import ApiError
+from ..generation import Request
+from ..http.sse import EventStream, stream_answer
+from ..state import ServeState
 from .answer import Answer, send_whole
-from .api import ParsedRequest
 from .chat import ChatText, text_content
-from .connection import Connection
-from .errors import ApiError
-from .requests import Request
-from .sse import EventStream, stream_answer
-from .state import ServeState
+from .openai import ParsedRequest
 from .structured import as_chat_tool
 
 # Every field of Anthropic's request: acted on (translated), or refused naming it.

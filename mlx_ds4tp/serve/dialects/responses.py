@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`): a request is translated into the
 chat-completions request it means, its `input` after the messages of `previous_response_id`'s
 conversation, which this server keeps for its last responses (the prompt cache then reuses that
-conversation's prefix); the answer (serve/chat.py) goes back as Responses output items, whole or
+conversation's prefix); the answer (serve/dialects/chat.py) goes back as Responses output items, whole or
 as the API's streamed events.
 """
 
@@ -12,14 +12,14 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
+from ..connection import Connection
+from ..errors import ApiError
+from ..generation import Request
+from ..http.sse import EventStream, stream_answer
+from ..state import ResponseStore, ServeState
 from .answer import Answer, send_whole
-from .api import ParsedRequest
 from .chat import ChatText, text_content
-from .connection import Connection
-from .errors import ApiError
-from .requests import Request
-from .sse import EventStream, stream_answer
-from .state import ResponseStore, ServeState
+from .openai import ParsedRequest
 from .structured import as_chat_tool
 
 # Every field of the Responses request: acted on, accepted at its neutral value, or refused.

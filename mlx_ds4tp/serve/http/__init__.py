@@ -1,0 +1,1 @@
+"""The HTTP face of `ds4tp serve`: the Starlette app and its routes, uvicorn, server-sent events, /metrics."""
