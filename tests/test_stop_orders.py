@@ -115,3 +115,34 @@ def test_every_stop_order_keeps_the_cache_and_the_restart_serves_from_it(order, 
             assert "terminate called" not in log and "Traceback" not in log, (name, log[-3000:])
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("stopped", ["leader", "worker"])
+def test_a_stop_in_the_middle_of_an_answer_ends_it_with_an_error_event(stopped, model_dir, tmp_path):
+    """The answer under way ends with an error event that says why, the stopped rank exits 0
+    with its one line, and nothing is cut off with a traceback."""
+    from serveutil import open_stream
+
+    served = ServedPair(model_dir, tmp_path, rank_extra={"worker": ["--rejoin"]})
+    try:
+        served.wait_healthy()
+        sock = open_stream(served, json.dumps({"prompt": PROMPT[:50], "max_tokens": 100000,
+                                               "stream": True}).encode())
+        served.procs[stopped].send_signal(signal.SIGINT)
+        received = b""
+        sock.settimeout(60)
+        while b"[DONE]" not in received:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        sock.close()
+        why = "the server is stopping" if stopped == "leader" else "the worker was stopped by SIGINT"
+        assert b'"error"' in received and why.encode() in received, received[-2000:]
+        assert served.procs[stopped].wait(60) == 0
+        log = served.log(stopped)
+        assert sum(STOPPED_LINE[stopped] in line for line in log.splitlines()) == 1, log[-3000:]
+        for name in ("leader", "worker"):
+            assert "Traceback" not in served.log(name) and "terminate called" not in served.log(name)
+    finally:
+        served.close()

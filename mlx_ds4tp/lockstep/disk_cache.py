@@ -6,6 +6,8 @@ the tokens' digest; its metadata repeats both, the tokens themselves and a CRC o
 bytes, so a file cut short, damaged, renamed or made for another model, share or rank is
 skipped with one log line, never used. The leader picks the file both ranks load
 (DiskCache.find) by the rank-neutral digest; each rank confirms its own by its own key.
+Every stored cache is written through (save_later: a writer thread, lockstep.disk_writer;
+the file's bytes, lockstep.cache_file), so a stop of any kind keeps what was written.
 """
 
 from __future__ import annotations

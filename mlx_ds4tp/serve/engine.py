@@ -31,9 +31,9 @@ from .admission import Admission
 from .decoding import DecodeStepper
 from .errors import PairUnavailable
 from .finishing import Finishing
+from .generation import Request, RunningSession, StepOutput
 from .limits import ServeLimits
 from .prefill import PrefillScheduler
-from .generation import Request, RunningSession, StepOutput
 from .speculation import Speculation
 
 IDLE_POLL_SEC = 0.25
@@ -77,6 +77,10 @@ class Engine:
     def alive(self) -> bool:
         """True while the loop runs and the pair is up."""
         return self._error is None and self._thread is not None and self._thread.is_alive()
+
+    def ended(self) -> bool:
+        """True once the loop's thread has ended (or never started)."""
+        return self._thread is None or not self._thread.is_alive()
 
     def counts(self) -> Dict[str, int]:
         """Sessions prefilling, waiting to join the batch, decoding (for /health)."""

@@ -116,6 +116,22 @@ def run(settings: ServeSettings) -> int:
             server.close()
 
 
+def _exit_if_stuck(engine) -> None:
+    """The last resort of the leader's stop: an engine thread that did not end (Engine.stop
+    waits for it twice, the pair closed between) may be inside MLX, and a thread inside native
+    code when the interpreter shuts down aborts the process ("terminate called without an
+    active exception": CPython ends such a thread as it takes the GIL back, unwinding through
+    C++ that may not unwind). Everything of ours is written and closed by now: leave at once."""
+    import os
+    import sys
+
+    if engine is not None and not engine.ended():
+        log("serve: the engine thread is still inside a step; exiting without the interpreter's shutdown")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List["HttpServer"]) -> int:
     from ..model_split import load_split
     from .http.server import HttpServer
@@ -132,6 +148,7 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List
         model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         disk = make_disk_cache(settings, model, identity, (share, group.rank()))
+        engine = None
         try:
             if server is None:
                 how = _worker(group, model, settings, share, (Grammars(tokenizer), disk))
@@ -144,6 +161,7 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List
             with shielded():
                 written = _close_disk(disk)
     log(f"serve: {how}{written}")
+    _exit_if_stuck(engine)
     return 0
 
 
