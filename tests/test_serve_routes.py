@@ -10,11 +10,8 @@ import json
 import threading
 from pathlib import Path
 
-import pytest
 from starlette.testclient import TestClient
 
-from mlx_ds4tp.serve.errors import ApiError
-from mlx_ds4tp.serve.http import routes
 from mlx_ds4tp.serve.http.app import make_app
 from mlx_ds4tp.serve.settings import HttpSettings, ServedModel
 from mlx_ds4tp.serve.state import ServeState
@@ -54,33 +51,6 @@ class ScriptedEngine:
                 request.events.put(event)
 
 
-class Recorder:
-    """A Connection that keeps what it was sent."""
-
-    def __init__(self, body=None, gone=False):
-        self.raw = json.dumps(body).encode() if body is not None else b""
-        self.gone = gone
-        self.sent, self.streamed = [], b""
-
-    async def read_body(self):
-        return self.raw
-
-    async def send_json(self, status, body, headers=None):
-        self.sent.append((status, body))
-
-    async def send_metrics(self, data):
-        self.sent.append((200, data))
-
-    async def start_events(self):
-        self.sent.append((200, "events"))
-
-    def write(self, data):
-        self.streamed += data
-
-    def client_gone(self):
-        return self.gone
-
-
 def state(engine, **http):
     return ServeState(engine, Tok(), ServedModel(Path("."), "m"), HttpSettings(**http),
                       context_length=64, vocab_size=50)
@@ -91,12 +61,17 @@ def events_of(streamed: bytes) -> list:
             for line in streamed.decode().split("\n\n") if line.startswith("data: ")]
 
 
+def client(engine, **http) -> TestClient:
+    return TestClient(make_app(state(engine, **http)))
+
+
 def test_unknown_endpoints_and_a_missing_key_are_refused():
+    app = client(ScriptedEngine())
+    for method, path in [("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v1/chat/completions"),
+                         ("POST", "/v1/models")]:
+        r = app.request(method, path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, path)
     s = state(ScriptedEngine(), api_key="k")
-    for route, path in [(routes.get, "/nope"), (routes.post, "/v1/nope")]:
-        with pytest.raises(ApiError) as info:
-            asyncio.run(route(Recorder(), s, path))
-        assert info.value.status == 404
     # The key is the middleware's: refused before any route, an unknown path too, in each API's
     # error shape; /health and a CORS preflight need none.
     app = TestClient(make_app(s))
@@ -112,37 +87,37 @@ def test_unknown_endpoints_and_a_missing_key_are_refused():
         r = app.get("/v1/models", headers=headers)
         assert (r.status_code, r.json()) == (200, {"object": "list", "data": [
             {"id": "m", "object": "model", "created": s.created, "owned_by": "mlx_ds4tp"}]})
+    r = app.get("/models/m", headers={"x-api-key": "k"})
+    assert r.status_code == 200 and r.json()["id"] == "m"
+    r = app.get("/v1/models/other", headers={"x-api-key": "k"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_a_whole_completion_and_its_usage():
     engine = ScriptedEngine([("text", "ab", []), ("text", "c", []), ("done", "stop")])
-    conn = Recorder({"prompt": "hi", "max_tokens": 4})
-    asyncio.run(routes.post(conn, state(engine), "/v1/completions"))
-    ((status, body),) = conn.sent
-    assert status == 200 and body["object"] == "text_completion"
-    assert body["choices"][0]["text"] == "abc" and body["choices"][0]["finish_reason"] == "stop"
+    r = client(engine).post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    body = r.json()
+    assert r.status_code == 200 and body["choices"][0]["text"] == "abc"
+    assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["prompt_tokens"] == 2 and engine.submitted[0].max_tokens == 4
 
 
 def test_a_streamed_completion_is_framed_as_server_sent_events():
     engine = ScriptedEngine([("text", "ab", []), ("done", "length")])
-    conn = Recorder({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}})
-    asyncio.run(routes.post(conn, state(engine), "/v1/completions"))
-    chunks = events_of(conn.streamed)
-    assert conn.sent == [(200, "events")] and chunks[-1] == "[DONE]"
-    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["ab", ""]
+    r = client(engine).post("/completions", json={"prompt": "hi", "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    chunks = events_of(r.content)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert chunks[-1] == "[DONE]" and [c["choices"][0]["text"] for c in chunks[:2]] == ["ab", ""]
     assert chunks[1]["choices"][0]["finish_reason"] == "length" and chunks[2]["choices"] == []
 
 
-def test_an_error_before_the_first_event_is_raised_and_after_it_is_an_event():
-    with pytest.raises(ApiError) as info:
-        asyncio.run(routes.post(Recorder({"prompt": "hi", "stream": True}), state(ScriptedEngine([("busy", "full")])),
-                                "/v1/completions"))
-    assert info.value.status == 429
-    conn = Recorder({"prompt": "hi", "stream": True})
-    asyncio.run(routes.post(conn, state(ScriptedEngine([("text", "a", []), ("later", ("failed", "boom"))])),
-                            "/v1/completions"))
-    chunks = events_of(conn.streamed)
+def test_an_error_before_the_first_event_is_a_status_and_after_it_an_event():
+    r = client(ScriptedEngine([("busy", "full")])).post("/v1/completions", json={"prompt": "hi", "stream": True})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "2"
+    r = client(ScriptedEngine([("text", "a", []), ("later", ("failed", "boom"))])).post(
+        "/v1/completions", json={"prompt": "hi", "stream": True})
+    chunks = events_of(r.content)
     assert chunks[0]["choices"][0]["text"] == "a" and chunks[-1]["error"]["code"] == "generation_failed"
     assert "[DONE]" not in chunks
 
@@ -150,29 +125,64 @@ def test_an_error_before_the_first_event_is_raised_and_after_it_is_an_event():
 def test_a_failure_on_the_first_token_of_a_stream_is_an_event_not_a_500():
     """A grammar or sampling failure before any text: the stream opens (200) and ends with one
     error event naming the cause in one line; never a 5xx status (the pair down stays a 503)."""
-    conn = Recorder({"prompt": "hi", "stream": True})
     engine = ScriptedEngine([("failed", "grammar refused token 7\nstate dump")])
-    asyncio.run(routes.post(conn, state(engine), "/v1/completions"))
-    assert conn.sent == [(200, "events")]
-    (event,) = events_of(conn.streamed)
+    r = client(engine).post("/v1/completions", json={"prompt": "hi", "stream": True})
+    assert r.status_code == 200
+    (event,) = events_of(r.content)
     assert event["error"]["code"] == "generation_failed" and "grammar refused token 7" in event["error"]["message"]
     assert "state dump" not in event["error"]["message"]
-    with pytest.raises(ApiError) as info:
-        asyncio.run(routes.post(Recorder({"prompt": "hi", "stream": True}),
-                                state(ScriptedEngine([("error", "worker gone")])), "/v1/completions"))
-    assert info.value.status == 503
+    r = client(ScriptedEngine([("error", "worker gone")])).post("/v1/completions",
+                                                                json={"prompt": "hi", "stream": True})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "pair_unavailable"
 
 
-def test_a_client_gone_cancels_its_request_and_nothing_is_sent():
+def test_bodies_that_cannot_be_read_are_refused():
+    app = client(ScriptedEngine())
+    assert app.post("/v1/completions", content=b"{nope").json()["error"]["code"] == "invalid_json"
+    assert app.post("/v1/completions", content=b"[1]").status_code == 400
+    r = app.post("/v1/completions", content=b"x" * 10, headers={"Content-Length": str(32 << 20)})
+    assert r.status_code == 413
+
+
+def test_a_client_gone_cancels_its_request_and_nothing_is_answered():
+    """The ASGI app called directly: the body, then the client hangs up while the engine has not
+    answered; the request is cancelled at once and no answer is started."""
     engine = ScriptedEngine([])  # no event ever comes
-    conn = Recorder({"prompt": "hi"}, gone=True)
-    asyncio.run(routes.post(conn, state(engine, keepalive_sec=0.05), "/v1/completions"))
-    assert conn.sent == [] and engine.submitted[0].cancelled
+    app = make_app(state(engine, keepalive_sec=30))
+    body = json.dumps({"prompt": "hi"}).encode()
+    sent = []
+
+    async def run():
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+                 "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]}
+        task = asyncio.ensure_future(app(scope, receive, send))
+        while not engine.submitted:
+            await asyncio.sleep(0.01)
+        assert not engine.submitted[0].cancelled
+        gone.set()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(run())
+    assert engine.submitted[0].cancelled
+    assert [m.get("status") for m in sent if m["type"] == "http.response.start"] in ([], [204])
 
 
 def test_count_tokens_answers_without_generating():
     engine = ScriptedEngine()
-    conn = Recorder({"model": "m", "messages": [{"role": "user", "content": "hello"}]})
-    asyncio.run(routes.post(conn, state(engine), "/v1/messages/count_tokens"))
-    ((status, body),) = conn.sent
-    assert status == 200 and body["input_tokens"] > 0 and engine.submitted == []
+    r = client(engine).post("/v1/messages/count_tokens",
+                            json={"model": "m", "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0 and engine.submitted == []

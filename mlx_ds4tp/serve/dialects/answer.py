@@ -1,15 +1,16 @@
-"""One request's answer as the engine produces it: its pieces (text gathered, keep-alives, the
-pair's failure as an ApiError), and the whole answer of a request that does not stream."""
+"""One request's answer as the engine produces it, in what every dialect renders: its pieces
+(text gathered, keep-alives, the pair's failure as an ApiError), the whole answer of a request
+that does not stream, and the server-sent events a dialect writes for a streamed one (the HTTP
+face frames and sends them: serve/http/sse.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
-from ..connection import Connection
-from ..errors import GENERATION_FAILED, ApiError, ClientGone, unavailable
+from ..errors import GENERATION_FAILED, ApiError, unavailable
 from ..generation import Request
 from ..http.metrics import TokenClock
 from ..state import ServeState
@@ -21,28 +22,62 @@ from .chat import ChatText
 EVENT_POLL_SEC = 1.0
 
 
-async def answer_pieces(conn: Connection, state: ServeState, request: Request,
-                        chat: Optional[ChatText]) -> AsyncIterator[tuple]:
-    """The answer as the engine produces it, in pieces ({"content", "reasoning", "tool_calls"},
-    split by `chat`; plain text when None): ("text", pieces, logprobs entries), ("idle", None,
-    None) after keepalive_sec of silence, and last ("done", pieces, finish reason), where "stop"
-    after a tool call is "tool_calls"; ApiError(503) when the pair fails. Text that piled up
-    while the event loop was busy goes out as one piece: fewer writes. A client gone (the
-    connection says so, or the answer's task is cancelled because the stack saw it close)
-    cancels the request: the engine frees its row at its next turn."""
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece of an answer as a dialect renders it: `said` ({"content", "reasoning",
+    "tool_calls"}, split by the request's ChatText; plain text without one), the logprobs
+    entries of its tokens, and on the last piece the finish reason ("" before)."""
+
+    said: Dict[str, Any]
+    items: List[dict] = dataclasses.field(default_factory=list)
+    finish: str = ""
+
+
+# What answer_pieces yields after keepalive_sec of silence: a dialect writes its keep-alive.
+IDLE = Piece({"content": "", "reasoning": "", "tool_calls": []})
+
+
+@dataclasses.dataclass(frozen=True)
+class SseEvent:
+    """One server-sent event a dialect writes: `data` (an object, or a string such as "[DONE]")
+    under the event `name` (None: a data-only event); data None is a keep-alive comment."""
+
+    data: Any
+    name: Optional[str] = None
+
+
+KEEP_ALIVE = SseEvent(None)
+
+
+class Answering(Protocol):
+    """A dialect's answer to one submitted request: the whole answer's body, or the events of a
+    stream (a list for each piece, written at once), and an error once the stream is open."""
+
+    chat: Optional[ChatText]
+
+    def whole(self, answer: "Answer") -> Dict[str, Any]: ...
+    def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[List[SseEvent]]: ...
+    def error_event(self, err: ApiError) -> SseEvent: ...
+
+
+async def answer_pieces(state: ServeState, request: Request, chat: Optional[ChatText]) -> AsyncIterator[Piece]:
+    """The answer as the engine produces it, in Pieces: text as it comes, IDLE after
+    keepalive_sec of silence, and last the piece with the finish reason, where "stop" after a
+    tool call is "tool_calls"; ApiError(503) when the pair fails. Text that piled up while the
+    event loop was busy goes out as one piece: fewer writes. A client gone (the HTTP face
+    cancels the task reading this, or closes it) cancels the request: the engine frees its row
+    at its next turn."""
     text, items = [], []
     clock, counted = TokenClock(state.metrics), 0
     last = time.monotonic()
     keepalive = state.http.keepalive_sec
     poll = min(EVENT_POLL_SEC, keepalive)
 
-    def text_piece() -> tuple:
-        return "text", chat.add("".join(text)) if chat else _plain("".join(text)), items
+    def text_piece() -> Piece:
+        return Piece(chat.add("".join(text)) if chat else _plain("".join(text)), items)
 
     try:
         while True:
-            if conn.client_gone():
-                raise ClientGone()
             event = request.events.poll() if text else await request.events.next(poll)
             if event is None:
                 if text:
@@ -54,7 +89,7 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
                     raise unavailable(state.engine.error or "the engine thread stopped") from None
                 elif time.monotonic() - last >= keepalive:
                     last = time.monotonic()
-                    yield "idle", None, None
+                    yield IDLE
                 continue
             last = time.monotonic()
             _raise_if_failed(event)
@@ -68,11 +103,10 @@ async def answer_pieces(conn: Connection, state: ServeState, request: Request,
             state.metrics.finished(len(request.prompt), request.completion_tokens, request.cached_tokens)
             if text:
                 yield text_piece()
-            pieces = chat.finish(event[1]) if chat else _plain("")
             called = chat is not None and chat.made_tool_call and event[1] == "stop"
-            yield "done", pieces, "tool_calls" if called else event[1]
+            yield Piece(chat.finish(event[1]) if chat else _plain(""), [], "tool_calls" if called else event[1])
             return
-    except (ClientGone, asyncio.CancelledError, GeneratorExit):
+    except (asyncio.CancelledError, GeneratorExit):
         # Nobody will read the rest of the answer: free the session on both ranks.
         request.cancelled = True
         raise
@@ -111,22 +145,14 @@ class Answer:
     finish: str
 
 
-async def send_whole(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
-                     body: Callable[[Answer], Dict[str, Any]]) -> None:
-    """The answer of a request that does not stream, once the engine is done with it: `body`
-    (each API's shape of the Answer) with 200; nothing when the client left; ApiError raised."""
+async def whole_answer(state: ServeState, request: Request, chat: Optional[ChatText]) -> Answer:
+    """The answer of a request that does not stream, once the engine is done with it; ApiError
+    raised."""
     text, reasoning, calls, items, finish = [], [], [], [], "stop"
-    try:
-        async for kind, piece, extra in answer_pieces(conn, state, request, chat):
-            if kind != "idle":
-                text.append(piece["content"])
-                reasoning.append(piece["reasoning"])
-                calls.extend(piece["tool_calls"])
-                if kind == "text":
-                    items.extend(extra)
-                else:
-                    finish = extra
-    except ClientGone:
-        return
-    await conn.send_json(200, body(Answer("".join(text), "".join(reasoning), calls,
-                                          items if request.logprobs is not None else None, finish)))
+    async for piece in answer_pieces(state, request, chat):
+        text.append(piece.said["content"])
+        reasoning.append(piece.said["reasoning"])
+        calls.extend(piece.said["tool_calls"])
+        items.extend(piece.items)
+        finish = piece.finish or finish
+    return Answer("".join(text), "".join(reasoning), calls, items if request.logprobs is not None else None, finish)

@@ -10,12 +10,11 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
-from ..connection import Connection
 from ..errors import ApiError
 from ..generation import Request
-from ..http.sse import EventStream, stream_answer
 from ..state import ServeState
-from .answer import Answer, send_whole
+from . import openai
+from .answer import IDLE, Answer, Piece, SseEvent
 from .chat import ChatText, text_content
 from .openai import ParsedRequest
 from .structured import as_chat_tool
@@ -205,24 +204,40 @@ class MessageStream:
         self.send("message_stop")
 
 
-async def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
+def parse(body: dict, state: ServeState) -> ParsedRequest:
+    """POST /v1/messages's request, checked as the chat request it means."""
+    return openai.parse(to_chat_body(body), state, "chat")
+
+
+def count_tokens(body: dict, state: ServeState) -> Dict[str, Any]:
+    """POST /v1/messages/count_tokens's answer: the prompt's tokens, nothing generated."""
+    return {"input_tokens": len(openai.parse(to_chat_body({**body, "max_tokens": 1}), state, "chat").prompt)}
+
+
+class MessagesAnswer:
     """POST /v1/messages's answer to a submitted request."""
-    shape = MessageShape(parsed.model, len(parsed.prompt))
-    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream)
-    if not parsed.stream:
-        await send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
-        return
 
-    async def write_events(pieces: AsyncIterator[tuple], stream: EventStream) -> None:
-        message = MessageStream(shape, stream.event)
-        message.start(request.cached_tokens)
-        async for kind, piece, extra in pieces:
-            if kind == "idle":
-                stream.event("ping", {"type": "ping"})
+    def __init__(self, state: ServeState, parsed: ParsedRequest, request: Request):
+        self.request = request
+        self.shape = MessageShape(parsed.model, len(parsed.prompt))
+        self.chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream)
+
+    def whole(self, answer: Answer) -> Dict[str, Any]:
+        return self.shape.whole(answer, self.request)
+
+    def error_event(self, err: ApiError) -> SseEvent:
+        return SseEvent(error_body(err), "error")
+
+    async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[List[SseEvent]]:
+        out: List[SseEvent] = []
+        message = MessageStream(self.shape, lambda name, obj: out.append(SseEvent(obj, name)))
+        message.start(self.request.cached_tokens)
+        async for piece in pieces:
+            if piece is IDLE:
+                out.append(SseEvent({"type": "ping"}, "ping"))
             else:
-                message.pieces(piece)
-                if kind == "done":
-                    message.finish(extra, request.completion_tokens)
-
-    await stream_answer(conn, state, request, chat, write_events,
-                        lambda stream, err: stream.event("error", error_body(err)))
+                message.pieces(piece.said)
+                if piece.finish:
+                    message.finish(piece.finish, self.request.completion_tokens)
+            yield list(out)
+            out.clear()

@@ -13,18 +13,19 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ...lockstep.sampling import SamplingOptions
 from ...lockstep.settings import draft_tokens_problem
-from ..connection import Connection
 from ..errors import ApiError
 from ..generation import Request
-from ..http.sse import EventStream, stream_answer
 from ..state import ServeState
-from .answer import Answer, send_whole
+from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent
 from .chat import ChatText, chat_prompt, chat_tools
-from .structured import request_grammar
+from .structured import check as check_grammar, request_grammar
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ParsedRequest:
+    """A request as its dialect's parser checked it: what to generate (the engine's Request is
+    made of it) and what its answer needs (stream, model, tools)."""
+
     kind: str  # "chat" | "text"
     prompt: List[int]
     max_tokens: int
@@ -318,32 +319,52 @@ def usage(request: Request) -> Dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
 
 
-async def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request) -> None:
+class OpenAiAnswer:
     """POST /v1/chat/completions's or /v1/completions's answer to a submitted request."""
-    shape = ResponseShape(parsed.kind, parsed.model)
-    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream) if parsed.kind == "chat" else None
-    if not parsed.stream:
-        await send_whole(conn, state, request, chat, lambda whole: shape.whole(whole, request))
-        return
 
-    async def write_events(pieces: AsyncIterator[tuple], stream: EventStream) -> None:
+    def __init__(self, state: ServeState, parsed: ParsedRequest, request: Request):
+        self.parsed, self.request = parsed, request
+        self.shape = ResponseShape(parsed.kind, parsed.model)
+        self.chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream) \
+            if parsed.kind == "chat" else None
+
+    def whole(self, answer: Answer) -> Dict[str, Any]:
+        return self.shape.whole(answer, self.request)
+
+    def error_event(self, err: ApiError) -> SseEvent:
+        return SseEvent(err.body())
+
+    async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[List[SseEvent]]:
+        shape, chat, logprobs_asked = self.shape, self.chat, self.request.logprobs is not None
         if chat is not None:
-            stream.data(shape.chunk("", None, first=True))
-        async for kind, piece, extra in pieces:
-            logprobs = extra if kind == "text" and request.logprobs is not None else None
-            if kind == "idle":
-                stream.keep_alive()
-            elif chat is None:
-                stream.data(shape.chunk(piece["content"], None, logprobs=logprobs) if kind == "text"
-                            else shape.chunk("", extra))
-            else:
-                if piece["content"] or piece["reasoning"] or piece["tool_calls"] or logprobs:
-                    stream.data(shape.chunk(piece["content"] or None, None, logprobs=logprobs,
-                                            reasoning=piece["reasoning"], tool_calls=piece["tool_calls"]))
-                if kind == "done":
-                    stream.data(shape.chunk(None, extra))
-        if parsed.include_usage:
-            stream.data(shape.usage_chunk(request))
-        stream.write(b"data: [DONE]\n\n")
+            yield [SseEvent(shape.chunk("", None, first=True))]
+        async for piece in pieces:
+            if piece is IDLE:
+                yield [KEEP_ALIVE]
+                continue
+            logprobs = piece.items if logprobs_asked and not piece.finish else None
+            said = piece.said
+            if chat is None:
+                yield [SseEvent(shape.chunk(said["content"], None, logprobs=logprobs) if not piece.finish
+                                else shape.chunk("", piece.finish))]
+                continue
+            out = []
+            if said["content"] or said["reasoning"] or said["tool_calls"] or logprobs:
+                out.append(SseEvent(shape.chunk(said["content"] or None, None, logprobs=logprobs,
+                                                reasoning=said["reasoning"], tool_calls=said["tool_calls"])))
+            if piece.finish:
+                out.append(SseEvent(shape.chunk(None, piece.finish)))
+            yield out
+        tail = [SseEvent(shape.usage_chunk(self.request))] if self.parsed.include_usage else []
+        yield tail + [SseEvent("[DONE]")]
 
-    await stream_answer(conn, state, request, chat, write_events, lambda stream, err: stream.data(err.body()))
+
+def parse(body: dict, state: ServeState, kind: str) -> ParsedRequest:
+    """A chat ("chat") or completions ("text") request checked against this server: every field,
+    the model named, the prompt's length, its grammar compiled."""
+    parsed = parse_request(body, kind, state.tokenizer, model_ids=state.model_ids,
+                           default_max_tokens=state.http.default_max_tokens,
+                           context_length=state.context_length, vocab_size=state.vocab_size,
+                           defaults=state.http.sampling)
+    check_grammar(state.grammars, parsed.options.grammar)
+    return parsed

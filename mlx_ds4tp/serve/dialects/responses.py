@@ -7,17 +7,17 @@ as the API's streamed events.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
-from ..connection import Connection
 from ..errors import ApiError
 from ..generation import Request
-from ..http.sse import EventStream, stream_answer
 from ..state import ResponseStore, ServeState
-from .answer import Answer, send_whole
+from . import openai
+from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent
 from .chat import ChatText, text_content
 from .openai import ParsedRequest
 from .structured import as_chat_tool
@@ -256,34 +256,53 @@ class ResponseStream:
                   response=self.shape.obj(status, finish, output_tokens, cached))
 
 
-async def answer(conn: Connection, state: ServeState, parsed: ParsedRequest, request: Request, body: dict,
-           messages: List[dict]) -> None:
-    """POST /v1/responses's answer to a submitted request (body: the Responses request,
-    messages: the conversation it continues, as to_chat_body made them)."""
-    shape = ResponseShape(body, parsed.model, len(parsed.prompt))
-    chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, streaming=False)
-    if not parsed.stream:
-        def whole(answer: Answer) -> Dict[str, Any]:
-            state.responses.put(shape.id, conversation(messages, answer.text, answer.calls))
-            return shape.whole(answer, request)
+@dataclasses.dataclass(frozen=True)
+class ResponsesRequest(ParsedRequest):
+    """A Responses request as parsed: the chat request it means, its own body (the answer echoes
+    its fields) and the conversation it continues (kept with the answer for the next turn)."""
 
-        await send_whole(conn, state, request, chat, whole)
-        return
+    body: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    messages: Tuple[dict, ...] = ()
 
-    async def write_events(pieces: AsyncIterator[tuple], stream: EventStream) -> None:
-        response = ResponseStream(shape, stream.event)
+
+def parse(body: dict, state: ServeState) -> ResponsesRequest:
+    """POST /v1/responses's request, checked as the chat request it means."""
+    chat, messages = to_chat_body(body, state.responses)
+    parsed = openai.parse(chat, state, "chat")
+    fields = {f.name: getattr(parsed, f.name) for f in dataclasses.fields(ParsedRequest)}
+    return ResponsesRequest(**fields, body=body, messages=tuple(messages))
+
+
+class ResponsesAnswer:
+    """POST /v1/responses's answer to a submitted request; the conversation it leaves is kept
+    for previous_response_id once the answer is whole."""
+
+    def __init__(self, state: ServeState, parsed: ResponsesRequest, request: Request):
+        self.store, self.messages, self.request = state.responses, list(parsed.messages), request
+        self.shape = ResponseShape(parsed.body, parsed.model, len(parsed.prompt))
+        self.chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, streaming=False)
+
+    def whole(self, answer: Answer) -> Dict[str, Any]:
+        self.store.put(self.shape.id, conversation(self.messages, answer.text, answer.calls))
+        return self.shape.whole(answer, self.request)
+
+    def error_event(self, err: ApiError) -> SseEvent:
+        return SseEvent({"type": "error", **err.body()}, "error")
+
+    async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[List[SseEvent]]:
+        out: List[SseEvent] = []
+        response = ResponseStream(self.shape, lambda name, obj: out.append(SseEvent(obj, name)))
         text, calls = [], []
         response.start()
-        async for kind, piece, extra in pieces:
-            if kind == "idle":
-                stream.keep_alive()
-                continue
-            text.append(piece["content"])
-            calls.extend(piece["tool_calls"])
-            response.pieces(piece)
-            if kind == "done":
-                state.responses.put(shape.id, conversation(messages, "".join(text), calls))
-                response.finish(extra, request.completion_tokens, request.cached_tokens)
-
-    await stream_answer(conn, state, request, chat, write_events,
-                        lambda stream, err: stream.event("error", {"type": "error", **err.body()}))
+        async for piece in pieces:
+            if piece is IDLE:
+                out.append(KEEP_ALIVE)
+            else:
+                text.append(piece.said["content"])
+                calls.extend(piece.said["tool_calls"])
+                response.pieces(piece.said)
+                if piece.finish:
+                    self.store.put(self.shape.id, conversation(self.messages, "".join(text), calls))
+                    response.finish(piece.finish, self.request.completion_tokens, self.request.cached_tokens)
+            yield list(out)
+            out.clear()

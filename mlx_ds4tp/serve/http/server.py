@@ -5,7 +5,7 @@ client costs a socket and a few objects, and is closed by a timeout:
   - headers: a connection whose request line and headers are not all in this long after it
     opened (or after its last answer). uvicorn has no such timer (its h11 protocol waits for
     headers forever), so _HeaderTimeoutProtocol adds one;
-  - body: as long again for a request's body once its headers are in (serve/http/app.py's
+  - body: as long again for a request's body once its headers are in (serve/http/routes.py's
     read_body, which answers 408).
 """
 

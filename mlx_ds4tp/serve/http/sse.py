@@ -1,72 +1,48 @@
-"""Streamed answers as server-sent events: the framing, and a stream's life (opened on the
-answer's first event, an error after that sent as an event, a client gone cancels the request)."""
+"""Streamed answers as server-sent events: a dialect's events (serve/dialects/answer.py's
+SseEvent) framed into the bytes of the stream, an error once the stream is open sent as the
+dialect's error event."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional
+from typing import AsyncIterator
 
-from ..connection import Connection
-from ..dialects.answer import answer_pieces
-from ..dialects.chat import ChatText
-from ..errors import GENERATION_FAILED, ApiError, ClientGone
-from ..generation import Request
-from ..state import ServeState
+from ...base.log import log
+from ..dialects.answer import Answering, Piece, SseEvent
+from ..errors import ApiError
 
 
-class EventStream:
-    """One answer's events, written once the status line is out."""
-
-    def __init__(self, write: Callable[[bytes], None]):
-        self.write = write
-
-    def data(self, obj: Dict[str, Any]) -> None:
-        self.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-    def event(self, name: str, obj: Dict[str, Any]) -> None:
-        self.write(f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode())
-
-    def keep_alive(self) -> None:
-        # An SSE comment: clients skip it; proxies and timeouts see the stream alive.
-        self.write(b": keep-alive\n\n")
+def frame(event: SseEvent) -> bytes:
+    """One event as the stream carries it; data None is an SSE comment (clients skip it; proxies
+    and timeouts see the stream alive)."""
+    if event.data is None:
+        return b": keep-alive\n\n"
+    data = event.data if isinstance(event.data, str) else json.dumps(event.data)
+    return ((f"event: {event.name}\n" if event.name else "") + f"data: {data}\n\n").encode()
 
 
-async def stream_answer(conn: Connection, state: ServeState, request: Request, chat: Optional[ChatText],
-                        write_events: Callable[[AsyncIterator[tuple], EventStream], Awaitable[None]],
-                        write_error: Callable[[EventStream, ApiError], None]) -> None:
-    """Stream the answer's pieces (serve/dialects/answer.py) through write_events; write_error frames an error
-    once the stream is open (each API has its own). One before is raised: the status line waits for
-    the first piece, so a pair that is already down is a plain 503, as for an answer not streamed."""
-    pieces = answer_pieces(conn, state, request, chat)
-    try:
-        first = await pieces.__anext__()
-    except ClientGone:
-        return
-    except ApiError as err:
-        if err.code != GENERATION_FAILED:
-            raise  # the pair down (503), the queue full (429): a status the client retries on
-        # This request's own sampling or grammar failed on its first token: the stream opens
-        # and ends with the error event naming the cause, as it would on any later token.
-        await conn.start_events()
-        with contextlib.suppress(OSError):
-            write_error(EventStream(conn.write), err)
-        return
-    await conn.start_events()
-    stream = EventStream(conn.write)
+async def stream_bytes(answering: Answering, first: Piece, pieces: AsyncIterator[Piece],
+                       path: str) -> AsyncIterator[bytes]:
+    """The stream's bytes, one write per piece, from the answer's first piece (already read: the
+    status line waited for it) and the rest. The status line is out: an ApiError ends the stream
+    with the dialect's error event; a fault of ours ends it short (no [DONE]), logged."""
 
-    async def all_pieces() -> AsyncIterator[tuple]:
+    async def all_pieces() -> AsyncIterator[Piece]:
         yield first
         async for piece in pieces:
             yield piece
 
     try:
-        await write_events(all_pieces(), stream)
+        async for events in answering.events(all_pieces()):
+            data = b"".join(frame(e) for e in events)
+            if data:
+                yield data
     except ApiError as err:
-        # The status line is already out: the error travels as an event.
-        with contextlib.suppress(OSError):
-            write_error(stream, err)
-    except (OSError, ClientGone):
-        # The client went away (broken pipe, reset, closed): the engine frees its
-        # session on both ranks at its next step.
-        request.cancelled = True
+        yield frame(answering.error_event(err))
+    except Exception as exc:  # noqa: BLE001 - logged: the client sees the stream end short
+        log(f"serve: a streamed answer to {path} failed: {type(exc).__name__}: {exc}")
+
+
+async def failed_stream(answering: Answering, err: ApiError) -> AsyncIterator[bytes]:
+    """The stream of an answer that failed before its first piece: only its error event."""
+    yield frame(answering.error_event(err))
