@@ -103,8 +103,11 @@ async def answer_pieces(state: ServeState, request: Request, chat: Optional[Chat
             state.metrics.finished(len(request.prompt), request.completion_tokens, request.cached_tokens)
             if text:
                 yield text_piece()
+            # The end's text first: a format whose call ends at EOS (Mistral's [TOOL_CALLS]) has
+            # its call read only there.
+            said = chat.finish(event[1]) if chat else _plain("")
             called = chat is not None and chat.made_tool_call and event[1] == "stop"
-            yield Piece(chat.finish(event[1]) if chat else _plain(""), [], "tool_calls" if called else event[1])
+            yield Piece(said, [], "tool_calls" if called else event[1])
             return
     except (asyncio.CancelledError, GeneratorExit):
         # Nobody will read the rest of the answer: free the session on both ranks.
