@@ -22,8 +22,10 @@ import mlx.core as mx
 
 from . import transport as tr
 from .collectives.backend import SUPPORTED_DTYPES, MlxGroup, PairGroup
+from .collectives.mesh import MeshGroup
 from .errors import TransportError
 from .link.config import MLX, LinkSettings, PairAddress, pair_address
+from .link.mesh import form_mesh
 
 # The public name of a pair's group.
 Group = PairGroup
@@ -41,8 +43,15 @@ def init(
     secret=None,
     identity: Optional[tr.ModelIdentity] = None,
     tcp_spin_us: Optional[int] = None,
+    size: int = 2,
+    rank: Optional[int] = None,
 ):
-    """Join the pair. The leader (rank 0) listens, the worker (rank 1) dials.
+    """Join the pair, or a mesh of `size` ranks. The leader (rank 0) listens, the workers dial it.
+
+    size: 2 (a pair, the default) to 8. With size > 2 the leader listens with size=N, each
+    worker dials it and is given a rank: the one it asks for with rank= (1 .. N-1), else the
+    lowest free one in the order the workers joined; every pair of ranks then makes its own
+    link as a pair does (docs/nranks.md), and a MeshGroup comes back (split(color, key) too).
 
     transport: "auto" (RDMA when both sides have it, else TCP), "rdma" (error
     if either side lacks it), "tcp", or "mlx" (mx.distributed: ring or jaccl
@@ -58,7 +67,8 @@ def init(
     """
     address = PairAddress(role, None, None) if transport == MLX else pair_address(role, listen, coordinator)
     link = LinkSettings(address, transport, rdma_device=rdma_device, gid_index=gid_index,
-                        secret=secret, timeout=timeout, tcp_spin_us=tcp_spin_us)
+                        secret=secret, timeout=timeout, tcp_spin_us=tcp_spin_us, size=size,
+                        ask_rank=rank)
     return init_pair(link, identity)
 
 
@@ -69,6 +79,9 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     link.check()
     if link.transport == MLX:
         _LAST_GROUP = _init_mlx(link.address.role)
+        return _LAST_GROUP
+    if link.size > 2:
+        _LAST_GROUP = _init_mesh(link, identity)
         return _LAST_GROUP
     pair = _join(link, identity)
     try:
@@ -86,6 +99,9 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
     the same hello, secret and model fingerprint checks, then the group runs over the new
     pair. A model split over the group keeps working, so a rank that lost its peer serves on
     once the peer (restarted) is back; nothing of the old pair's state is carried over."""
+    if isinstance(group, MeshGroup):
+        raise TypeError(f"group={group!r}: a mesh of {group.size()} ranks is not rejoined; close it "
+                        "and make a new one with mlx_ds4tp.init(..., size=N) on every rank")
     if not isinstance(group, PairGroup):
         raise TypeError(f"group={group!r}: reconnect() takes a group mlx_ds4tp.init(...) returned")
     made_with, identity = _JOINED_WITH.get(group, (None, None))
@@ -112,6 +128,16 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
 # What each pair's group was joined with, for reconnect(); weak, so a dropped group goes.
 _JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
     weakref.WeakKeyDictionary()
+
+
+def _init_mesh(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> MeshGroup:
+    """A mesh of link.size ranks (link/mesh.py), each link a pair made by _connect."""
+    mesh = form_mesh(link.resolved(identity), _connect)
+    try:
+        return MeshGroup(mesh)
+    except BaseException:
+        mesh.close()
+        raise
 
 
 def _join(link: LinkSettings, identity: Optional[tr.ModelIdentity]):
@@ -201,7 +227,7 @@ def sum_scatter(x: mx.array, *, group=None, stream=None) -> mx.array:
     if x.ndim == 0 or x.shape[0] % size:
         raise ValueError(f"sum_scatter: x.shape[0] must be divisible by the group size {size}, "
                          f"got shape {tuple(x.shape)}")
-    if isinstance(group, PairGroup):
+    if isinstance(group, (PairGroup, MeshGroup)):
         # MLX's ReduceScatter has no vjp: the transpose of a reduce-scatter is an all-gather
         # of the cotangents, wired in here (off the decode path: no split model scatters).
         scatter = mx.custom_function(lambda a: mx.distributed.sum_scatter(a, group=group, stream=stream))
@@ -217,6 +243,9 @@ def _peer_rank(group, rank: int, what: str) -> None:
     if group.size() == 2 and rank != 1 - group.rank():
         raise ValueError(f"{what}={rank!r}: in a group of 2 this rank ({group.rank()}) can only "
                          f"talk to rank {1 - group.rank()}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < group.size() or rank == group.rank():
+        raise ValueError(f"{what}={rank!r}: give another rank of this group of {group.size()} "
+                         f"(0 .. {group.size() - 1}, not this rank {group.rank()})")
 
 
 def send(x: mx.array, dst: int, *, group=None, stream=None) -> mx.array:

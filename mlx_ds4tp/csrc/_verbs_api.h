@@ -286,6 +286,15 @@ int tp_tcp_duplex(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, c
 /* The floor the TCP exchange is measured against: write bytes, read bytes. */
 int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,
                size_t errlen);
+/* tp_tcp_gate in two halves, the same bytes on the wire: post (header and
+ * payload out) to every peer first, then collect (the peer's header checked,
+ * then its payload) from each, so a rank with several peers overlaps their
+ * round trips (csrc/exchange.c's mesh). The payload must fit the socket
+ * buffers (the mesh posts at most TP_MESH_SMALL_BYTES). */
+int tp_tcp_post(int fd, const void *hdr_out, uint32_t hdr_len, const void *src, uint64_t bytes,
+                uint64_t seq, char *err, size_t errlen);
+int tp_tcp_collect(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, void *dst,
+                   uint64_t bytes, uint64_t seq, uint64_t spin_ns, char *err, size_t errlen);
 
 
 /* ---- The gate's sum (csrc/sum.c) ---- */
@@ -355,3 +364,40 @@ void tp_link_close(tp_link *l);
 void *tp_link_exchange_address(void);
 void *tp_sum2_address(void);
 void *tp_link_close_address(void);
+
+
+/* ---- A mesh of N ranks (csrc/exchange.c): one link per pair of ranks ---- */
+
+/* The most ranks a mesh holds. */
+#define TP_MESH_MAX 8
+/* An exchange up to this size posts to every TCP peer before it collects;
+ * larger ones (and every RDMA link) go pairwise, round by round. */
+#define TP_MESH_SMALL_BYTES 65536
+
+/* The mesh as the MLX backend holds it: filled by Python once every link is
+ * complete (link/mesh.py), read and written only by tp_mesh_exchange after.
+ * The first failure on any link fails them all: every link's data socket is
+ * shut down, so each peer, possibly waiting on this rank, fails at once too
+ * and does the same to its own links. */
+typedef struct tp_mesh {
+    int rank;                    /* this rank in the mesh */
+    int size;
+    tp_link *links[8];           /* links[r]: the link to rank r (TP_MESH_MAX); NULL for this rank */
+    int failed;
+    int closed;
+    char failure[512];
+} tp_mesh;
+
+/* One step of any collective among members[0..n) (mesh ranks in the group's
+ * rank order; this rank is members[me]): srcs[k] (sig->bytes) goes to member
+ * k, member k's block lands in dsts[k] (k != me; entries at me unused). The
+ * peers' exchanges run on their own links, each with its header and
+ * sequence as a pair's: small ones posted to every TCP peer then collected,
+ * the rest as a round-robin tournament of pairwise exchanges that every
+ * member walks in the same order. */
+int tp_mesh_exchange(tp_mesh *m, const int *members, int n, int me, const tp_xsig *sig,
+                     const void **srcs, void **dsts, char *err, size_t errlen);
+/* Mark the mesh closed and wake an exchange blocked on any of its links. */
+void tp_mesh_close(tp_mesh *m);
+void *tp_mesh_exchange_address(void);
+void *tp_mesh_close_address(void);

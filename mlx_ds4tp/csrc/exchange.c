@@ -40,10 +40,14 @@ static const char *op_name(int op) {
     case TP_XOP_MAX: return "all_max";
     case TP_XOP_MIN: return "all_min";
     case TP_XOP_SCATTER: return "sum_scatter";
-    case TP_XOP_P2P_FROM: return "send/recv from rank 0";
-    case TP_XOP_P2P_FROM + 1: return "send/recv from rank 1";
-    default: return "collective";
+    default: break;
     }
+    static const char *p2p[TP_MESH_MAX] = {
+        "send/recv from rank 0", "send/recv from rank 1", "send/recv from rank 2",
+        "send/recv from rank 3", "send/recv from rank 4", "send/recv from rank 5",
+        "send/recv from rank 6", "send/recv from rank 7"};
+    if (op >= TP_XOP_P2P_FROM && op < TP_XOP_P2P_FROM + TP_MESH_MAX) return p2p[op - TP_XOP_P2P_FROM];
+    return "collective";
 }
 
 static const char *dtype_name(int code) {
@@ -223,6 +227,137 @@ void tp_link_close(tp_link *l) {
     l->pair->closed = 1;
 }
 
+/* ==== A mesh of N ranks ====
+ * Every pair of ranks has its own link, built as a pair's (hello, secret,
+ * model check, transport, RDMA bring-up: link/mesh.py), so each peer's block
+ * travels exactly as a pair's exchange does, header, sequence and checks
+ * included. What the mesh adds is the order: a rank posts its small blocks
+ * to every TCP peer before it waits for any (a write that fits the socket
+ * buffers never blocks, so no order of posts can deadlock), and meets its
+ * RDMA peers, and every peer for large blocks, in the rounds of a
+ * round-robin tournament (the circle method): in each round every member has
+ * at most one partner, and every member walks the rounds in the same order,
+ * so each pairwise exchange finds its partner there. */
+
+static void mesh_fail(tp_mesh *m, const char *why) {
+    if (!m->failed) {
+        m->failed = 1;
+        snprintf(m->failure, sizeof(m->failure), "%s", why && *why ? why : "unknown error");
+    }
+    /* Every link dies with the first: the peers waiting on this rank see an
+     * EOF at once and fail theirs the same way, so no rank waits out its timeout. */
+    for (int r = 0; r < m->size && r < TP_MESH_MAX; r++) {
+        tp_link *l = m->links[r];
+        if (!l) continue;
+        if (!l->failed) {
+            l->failed = 1;
+            snprintf(l->failure, sizeof(l->failure), "another link of the mesh failed: %.470s", m->failure);
+        }
+        shutdown(l->fd, SHUT_RDWR);
+    }
+}
+
+/* Member i's partner in round r of n members (n if i sits the round out). */
+static int partner(int i, int r, int n) {
+    const int m = n + (n & 1); /* odd n: a phantom member; its partner sits out */
+    if (i == m - 1) return r % (m - 1);
+    int p = ((2 * r - i) % (m - 1) + (m - 1)) % (m - 1);
+    return p == i ? m - 1 : p;
+}
+
+static int link_usable(tp_mesh *m, tp_link *l, const tp_xsig *sig, char *err, size_t errlen) {
+    if (!l->failed && !l->pair->closed && !m->closed) return TP_OK;
+    const char *why = m->failed ? m->failure : l->failed ? l->failure : "";
+    tp_errf(err, errlen, "%s %s: this group is closed%s%s; create a new one with "
+            "mlx_ds4tp.init(...)", op_name(sig->op), dtype_name(sig->dtype),
+            *why ? " since an earlier collective failed: " : "", why);
+    return TP_ECLOSED;
+}
+
+/* The peer's rank named in a failure, so the message says which link broke. */
+static int mesh_error(tp_mesh *m, int rc, int peer, char *err, size_t errlen) {
+    char text[512];
+    snprintf(text, sizeof(text), "link rank %d <-> rank %d: %.470s", m->rank, peer, err ? err : "");
+    if (err && errlen) snprintf(err, errlen, "%s", text);
+    mesh_fail(m, text);
+    return rc;
+}
+
+static int mesh_pairwise(tp_mesh *m, const int *members, int n, int me, const tp_xsig *sig,
+                         const void **srcs, void **dsts, int rdma_only, char *err, size_t errlen) {
+    for (int r = 0; r < n + (n & 1) - 1; r++) {
+        const int k = partner(me, r, n);
+        if (k >= n) continue;
+        tp_link *l = m->links[members[k]];
+        if (rdma_only && !l->dev) continue;
+        int rc = tp_link_exchange(l, sig, srcs[k], dsts[k], err, errlen);
+        if (rc != TP_OK) return mesh_error(m, rc, members[k], err, errlen);
+    }
+    return TP_OK;
+}
+
+int tp_mesh_exchange(tp_mesh *m, const int *members, int n, int me, const tp_xsig *sig,
+                     const void **srcs, void **dsts, char *err, size_t errlen) {
+    if (n < 2 || n > TP_MESH_MAX || me < 0 || me >= n) {
+        tp_errf(err, errlen, "mesh exchange among %d members (this one at %d): give 2..%d",
+                n, me, TP_MESH_MAX);
+        return TP_EINVAL;
+    }
+    for (int k = 0; k < n; k++) {
+        if (k == me) continue;
+        tp_link *l = members[k] >= 0 && members[k] < TP_MESH_MAX ? m->links[members[k]] : NULL;
+        if (!l) {
+            tp_errf(err, errlen, "mesh exchange: no link to rank %d", members[k]);
+            return TP_EINVAL;
+        }
+        int rc = link_usable(m, l, sig, err, errlen);
+        if (rc != TP_OK) return rc;
+    }
+    if (n == 2 || sig->bytes > TP_MESH_SMALL_BYTES)
+        return mesh_pairwise(m, members, n, me, sig, srcs, dsts, 0, err, errlen);
+    /* Small: post to every TCP peer, meet the RDMA peers round by round, then
+     * collect the TCP peers' blocks. */
+    uint64_t seqs[TP_MESH_MAX];
+    for (int k = 0; k < n; k++) {
+        tp_link *l = m->links[members[k]];
+        if (k == me || l->dev) continue;
+        seqs[k] = ++l->pair->seq;
+        pack_header(l->hdr_out, sig, seqs[k]);
+        int rc = tp_tcp_post(l->fd, l->hdr_out, TP_EXCHANGE_HEADER, srcs[k], sig->bytes, seqs[k],
+                             err, errlen);
+        if (rc != TP_OK) return mesh_error(m, rc, members[k], err, errlen);
+    }
+    int rc = mesh_pairwise(m, members, n, me, sig, srcs, dsts, 1, err, errlen);
+    if (rc != TP_OK) return rc;
+    for (int k = 0; k < n; k++) {
+        tp_link *l = m->links[members[k]];
+        if (k == me || l->dev) continue;
+        const uint64_t t0 = tp_mono_ns();
+        rc = tp_tcp_collect(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER, dsts[k], sig->bytes,
+                            seqs[k], l->spin_ns, err, errlen);
+        if (rc == TP_EDESYNC) name_desync(l->hdr_in, sig, seqs[k], err, errlen);
+        if (rc != TP_OK) {
+            l->failed = 1;
+            snprintf(l->failure, sizeof(l->failure), "%s", err && errlen ? err : "unknown error");
+            return mesh_error(m, rc, members[k], err, errlen);
+        }
+        record(l, sig->bytes, tp_mono_ns() - t0);
+    }
+    return TP_OK;
+}
+
+void tp_mesh_close(tp_mesh *m) {
+    if (!m->failed && !m->closed) {
+        for (int r = 0; r < m->size && r < TP_MESH_MAX; r++)
+            if (m->links[r]) shutdown(m->links[r]->fd, SHUT_RDWR);
+    }
+    m->closed = 1;
+    for (int r = 0; r < m->size && r < TP_MESH_MAX; r++)
+        if (m->links[r]) m->links[r]->pair->closed = 1;
+}
+
+void *tp_mesh_exchange_address(void) { return (void *)&tp_mesh_exchange; }
+void *tp_mesh_close_address(void) { return (void *)&tp_mesh_close; }
 void *tp_link_exchange_address(void) { return (void *)&tp_link_exchange; }
 void *tp_sum2_address(void) { return (void *)&tp_sum2; }
 void *tp_link_close_address(void) { return (void *)&tp_link_close; }

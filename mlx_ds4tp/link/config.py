@@ -37,6 +37,8 @@ UCSIM_FAULTS_ENV = "DS4_TP_UCSIM_FAULTS"
 RDMA_NO_IMM_ENV = "DS4_TP_RDMA_NO_IMM"
 DISABLE_WARMUP_ENV = "DS4_TP_DISABLE_RDMA_WARMUP"
 VERBS_LIBRARY_ENV = "DS4_TP_VERBS_LIBRARY"
+UCSIM_FAULT_LINKS_ENV = "DS4_TP_UCSIM_FAULT_LINKS"
+MAX_MESH_SIZE = 8
 
 
 def _raw(env: Optional[Mapping[str, str]], name: str) -> Optional[str]:
@@ -222,6 +224,12 @@ class LinkSettings:
     checks (resolved(identity) sets it). (The bring-up's test-only switches are seams in
     link/bringup.py, not fields.)
     discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator.
+    size: ranks in the group (2: a pair, as always; 3..8: a mesh, link/mesh.py: the leader
+    listens with size=N, the workers dial it). ask_rank: the rank a worker asks the leader for
+    (None: any; the leader gives asked ranks first, the rest in the order the workers joined).
+    rdma_devices: a mesh rank's device per peer rank ({peer: "rdma_en3"}; a peer not named uses
+    rdma_device). ucsim_fault_links: the mesh links the emulated device's faults apply to,
+    "0-1,2-3" (DS4_TP_UCSIM_FAULT_LINKS; "" or unset: every link).
     """
 
     address: PairAddress
@@ -239,6 +247,10 @@ class LinkSettings:
     disable_warmup: Optional[bool] = None
     verbs_library: Optional[str] = None
     discovery: Optional[DiscoverySettings] = None
+    size: int = 2
+    ask_rank: Optional[int] = None
+    rdma_devices: Optional[Mapping[int, str]] = None
+    ucsim_fault_links: Optional[str] = None
 
     @classmethod
     def of(cls, role: Optional[str], listen=None, coordinator=None, **fields) -> "LinkSettings":
@@ -287,12 +299,36 @@ class LinkSettings:
             raise ValueError(f"tcp_spin_us={spin!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
                              "microseconds, or None for DS4_TP_TCP_SPIN_US / the default")
         secret_bytes(self.secret, {})
+        self._check_mesh()
         if self.verbs_library is not None and not isinstance(self.verbs_library, str):
             raise ValueError(
                 f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
                 f"library, or None for {VERBS_LIBRARY_ENV}"
             )
         return self
+
+    def _check_mesh(self) -> None:
+        size = self.size
+        if isinstance(size, bool) or not isinstance(size, int) or not 2 <= size <= MAX_MESH_SIZE:
+            raise ValueError(f"size={size!r}: give the number of ranks, 2 to {MAX_MESH_SIZE} (--ranks N)")
+        ask = self.ask_rank
+        if ask is not None:
+            if isinstance(ask, bool) or not isinstance(ask, int) or not 0 <= ask < size:
+                raise ValueError(f"rank={ask!r}: give a rank 0 .. {size - 1} of the {size}, or None to "
+                                 "take the next free one (--rank N)")
+            if (ask == 0) != (self.address.role == "leader"):
+                raise ValueError(f"rank={ask!r} with role {self.address.role!r}: rank 0 is the leader, "
+                                 "which listens; a worker dials it and asks for 1 .. "
+                                 f"{size - 1} (or None)")
+        if size > 2 and (self.transport == MLX or self.discovery is not None):
+            raise ValueError(f"size={size}: a mesh of more than two ranks is made at an address "
+                             "(listen/coordinator), not over transport 'mlx' or by discovery")
+        for peer, device in (self.rdma_devices or {}).items():
+            if (isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size
+                    or not isinstance(device, str) or not device):
+                raise ValueError(f"rdma_devices={dict(self.rdma_devices)!r}: map each peer rank "
+                                 f"(0 .. {size - 1}) to a verbs device name, e.g. {{1: 'rdma_en3'}}")
+        parse_fault_links(self.ucsim_fault_links or "")
 
     def resolved(self, identity: Optional[ModelIdentity] = None) -> "LinkSettings":
         """What the pair runs on: these settings checked, with every DS4_TP_* knob resolved
@@ -319,4 +355,24 @@ class LinkSettings:
             disable_warmup=(_switch(env, DISABLE_WARMUP_ENV) if self.disable_warmup is None
                             else self.disable_warmup),
             verbs_library=verbs_library(env) if self.verbs_library is None else self.verbs_library,
+            ucsim_fault_links=(env.get(UCSIM_FAULT_LINKS_ENV, "") if self.ucsim_fault_links is None
+                               else self.ucsim_fault_links),
         )
+
+
+def parse_fault_links(text: str) -> frozenset:
+    """DS4_TP_UCSIM_FAULT_LINKS: "0-1,2-3" as {(0, 1), (2, 3)} (each pair lower rank first);
+    "" is every link (the empty set)."""
+    links = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        ends = item.split("-")
+        try:
+            a, b = (int(e) for e in ends)
+        except ValueError:
+            raise ValueError(f"{UCSIM_FAULT_LINKS_ENV}={text!r}: give links as RANK-RANK, comma "
+                             "separated, e.g. 0-1,2-3") from None
+        if a == b or not (0 <= a < MAX_MESH_SIZE and 0 <= b < MAX_MESH_SIZE):
+            raise ValueError(f"{UCSIM_FAULT_LINKS_ENV}={text!r}: {item!r} is not a link between two "
+                             f"ranks 0 .. {MAX_MESH_SIZE - 1}")
+        links.add((min(a, b), max(a, b)))
+    return frozenset(links)

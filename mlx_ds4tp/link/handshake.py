@@ -10,7 +10,7 @@ import hmac
 import secrets
 import socket
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Protocol, Tuple
 
 from ..base.log import log
 from ..errors import AuthenticationError, FrameError, HelloMismatchError, PeerClosedError, TransportError
@@ -35,11 +35,24 @@ from .wire import DATA_HELLO, DATA_MAGIC, LEADER, NONCE_BYTES, PROTOCOL_VERSION,
 
 Dial = Callable[[str, int, float, str], socket.socket]
 BringUp = Callable[[Joined], Optional[RdmaDevice]]
+
+
+class Door(Protocol):
+    """Where a leader side takes its connections when it does not listen itself: a mesh
+    rank's one listener (link/door.py), shared by its links and sorting what comes in."""
+
+    port: int
+
+    def accept(self, deadline: float, what: str,
+               watch: Optional[ControlChannel] = None) -> Tuple[socket.socket, str]:
+        """The next connection for this link's `what` ("control" or "gate data")."""
+
 NO_PROBE_REASON = "no RDMA provider given"  # connect() without rdma_probe: no device to advise on
 
 
 def connect(config: LinkSettings, rdma_probe: Optional[Callable[[], Tuple[bool, str]]] = None,
-            *, dial: Dial = dial, bring_up: BringUp = bring_up_rdma) -> Pair:
+            *, dial: Dial = dial, bring_up: BringUp = bring_up_rdma,
+            door: Optional[Door] = None) -> Pair:
     """Bring the pair up, complete: hello, authentication, the transport choice,
     the gate data connection and, when both sides agreed on RDMA, the queue
     pair's bring-up (barriers, warm-up, re-creation). The Pair returned holds
@@ -49,7 +62,8 @@ def connect(config: LinkSettings, rdma_probe: Optional[Callable[[], Tuple[bool, 
     rdma_probe() -> (ok, reason) says whether this side has RDMA.
     dial(host, port, deadline, what) opens the worker's connections and
     bring_up(joined) -> RdmaDevice or None proves the queue pair: seams for the
-    tests, which stop or fault a rank at a chosen point."""
+    tests, which stop or fault a rank at a chosen point. door: the leader side takes its
+    connections there instead of listening at config's address (a mesh's links)."""
     if config.transport == "tcp":
         rdma_ok, reason = False, "transport=tcp requested"
     elif rdma_probe is None:
@@ -71,7 +85,7 @@ def connect(config: LinkSettings, rdma_probe: Optional[Callable[[], Tuple[bool, 
         figures=config.figures,
     )
     if config.rank == LEADER:
-        joined = _connect_leader(config, mine, deadline)
+        joined = _connect_leader(config, mine, deadline, door)
     else:
         joined = _connect_worker(config, mine, deadline, dial)
     rdma = None
@@ -101,14 +115,20 @@ def _agree(control: ControlChannel, config: LinkSettings, mine: Hello, theirs: H
     return choose_transport(mine, theirs)
 
 
-def _connect_leader(config: LinkSettings, mine: Hello, deadline: float) -> Joined:
+def _connect_leader(config: LinkSettings, mine: Hello, deadline: float, door: Optional[Door]) -> Joined:
     host, port = config.address.listen
-    listener = listen_socket(host, port)
+    listener = listen_socket(host, port) if door is None else None
+
+    def take(what: str, watch: Optional[ControlChannel] = None) -> Tuple[socket.socket, str]:
+        if door is not None:
+            return door.accept(deadline, what, watch)
+        return accept(listener, deadline, what, watch=watch)
+
     hello_timeout = min(config.hello_timeout, config.timeout)
     try:
-        log(f"waiting for worker on {host}:{listener.getsockname()[1]} ...")
+        log(f"waiting for worker on {host}:{door.port if door else listener.getsockname()[1]} ...")
         while True:
-            sock, peer = accept(listener, deadline, "control")
+            sock, peer = take("control")
             tune_socket(sock)
             control = ControlChannel(sock, config.timeout, spin_s=config.tcp_spin_us / 1e6)
             try:
@@ -133,25 +153,27 @@ def _connect_leader(config: LinkSettings, mine: Hello, deadline: float) -> Joine
             break
         try:
             transport = _agree(control, config, mine, theirs)
-            data = _accept_data(listener, deadline, control, data_proof(config.secret, mine, theirs),
+            data = _accept_data(take, deadline, control, data_proof(config.secret, mine, theirs),
                                 mine.session_id, hello_timeout)
         except TransportError as exc:
             control.send_error(str(exc))
             sock.close()
             raise
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
     return _joined(f"worker connected from {peer}", Joined(config, control, data, mine, theirs, transport))
 
 
-def _accept_data(listener: socket.socket, deadline: float, control: ControlChannel,
-                 proof: bytes, session_id: int, hello_timeout: float) -> socket.socket:
+def _accept_data(take: Callable[..., Tuple[socket.socket, str]], deadline: float,
+                 control: ControlChannel, proof: bytes, session_id: int,
+                 hello_timeout: float) -> socket.socket:
     """The worker's gate data connection: the first that presents this session
     (and, with a secret, the proof). A stranger that races in between the
     hello and the worker's second dial is logged and dropped, like at the
     control door."""
     while True:
-        data, peer = accept(listener, deadline, "gate data", watch=control)
+        data, peer = take("gate data", control)
         tune_socket(data)
         hello = bytearray(DATA_HELLO.size)
         try:

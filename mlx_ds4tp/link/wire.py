@@ -36,6 +36,9 @@ The bound is checked before anything is allocated.
 | DISK_LOAD        | DISK_LOAD_PAYLOAD (cache id to store under, token count, loaded, tokens' digest); the worker answers with the same layout | 64 |
 | SAMPLER          | SAMPLER_HEADER (session, seed, context count, options bytes) + context int32s + JSON sampling options | 4259904 |
 | KV_ROOM          | KV_ROOM_PAYLOAD (KV bits, group size, measured, tokens); the worker answers with the same layout | 64 |
+| JOIN             | JOIN_PAYLOAD (version, size, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a mesh of N ranks (link/mesh.py) | 128 |
+| ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
+| MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, and first on every mesh link's control connection | 64 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
@@ -137,6 +140,12 @@ class FrameType(enum.IntEnum):
     # How many KV cache tokens the worker's machine holds beside its part of the weights
     # (lockstep.memory): the leader's default budget is the smaller of the two ranks'.
     KV_ROOM = 42
+    # A mesh of N > 2 ranks (link/mesh.py, link/door.py): a worker's request for a rank at rank 0's
+    # door, the leader's answer with every rank's address, and the mesh's id, which also opens
+    # every link's control connection so a link from a stale mesh is refused at the door.
+    JOIN = 43
+    ROSTER = 44
+    MESH_ID = 45
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -193,6 +202,9 @@ FRAME_MAX_BYTES = {
     FrameType.DISK_SAVE: 16 + 4 * MAX_TOKENS_PER_FRAME,
     FrameType.DISK_LOAD: 64,
     FrameType.KV_ROOM: 64,
+    FrameType.JOIN: 128,
+    FrameType.ROSTER: 4096,
+    FrameType.MESH_ID: 64,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -254,3 +266,12 @@ DISK_SAVE_HEADER = struct.Struct("<QII")  # stored cache id, 1: drop it from mem
 DISK_LOAD_PAYLOAD = struct.Struct("<QII16s")  # cache id to store under, tokens, 1: loaded (the answer), digest
 KV_ROOM_PAYLOAD = struct.Struct("<HHIQ")  # KV bits (0: float), group size, 1: measured (the answer), tokens
 SPLIT_PAYLOAD = struct.Struct("<II")  # rank 0's part, rank 1's part of every split count (1:1 even)
+# A mesh (link/mesh.py). JOIN: protocol version, the mesh size the worker expects, the rank
+# it asks for (-1: any), the port its own door listens on, a fresh nonce, and the HMAC proof
+# of the pair secret over the rest (zeros without a secret).
+JOIN_PAYLOAD = struct.Struct(f"<IIiI{NONCE_BYTES}s32s")
+JOIN_TAG = b"ds4tp-join-v1"
+ROSTER_HEADER = struct.Struct("<II")  # size, the receiving rank; then size entries
+ROSTER_ENTRY = struct.Struct("<HH")  # port, host length; then the UTF-8 host
+MESH_ID_PAYLOAD = struct.Struct("<16sI")  # the mesh's id, the sending rank
+MAX_MESH_SIZE = 8

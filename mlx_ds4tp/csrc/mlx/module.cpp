@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 
 #include "mlx/version.h"
+#include "mesh_group.h"
 #include "pair_group.h"
 
 namespace nb = nanobind;
@@ -61,6 +62,42 @@ NB_MODULE(_pairgroup, m) {
           },
           nb::arg("link"),
           "Run the collectives of this closed group over a new link.");
+
+  nb::class_<MeshGroup, mx::distributed::Group>(
+      m, "MeshGroup",
+      "An mlx.core.distributed.Group of N ranks over an mlx_ds4tp mesh (one link per pair of "
+      "ranks); split(color, key) makes subgroups over the same links.")
+      .def(
+          "__init__",
+          [](MeshGroup* self, int rank, int size, uintptr_t mesh, uintptr_t exchange,
+             uintptr_t sum2, uintptr_t close) {
+            if (size < 2 || size > TP_MESH_MAX || rank < 0 || rank >= size) {
+              throw std::invalid_argument("MeshGroup: rank " + std::to_string(rank) + " of size " +
+                                          std::to_string(size) + ": give 2 <= size <= " +
+                                          std::to_string(TP_MESH_MAX) + " and 0 <= rank < size");
+            }
+            if (!mesh || !exchange || !sum2 || !close) {
+              throw std::invalid_argument("MeshGroup: a null mesh or entry point");
+            }
+            auto core = std::make_shared<MeshCore>();
+            core->mesh = reinterpret_cast<tp_mesh*>(mesh);
+            core->exchange = reinterpret_cast<MeshExchangeFn>(exchange);
+            core->sum2 = reinterpret_cast<Sum2Fn>(sum2);
+            core->close = reinterpret_cast<MeshCloseFn>(close);
+            std::vector<int> members(size);
+            for (int r = 0; r < size; r++) members[r] = r;
+            new (self) MeshGroup(std::make_shared<MeshGroupImpl>(core, std::move(members), rank));
+          },
+          nb::arg("rank"), nb::arg("size"), nb::arg("mesh"), nb::arg("exchange"), nb::arg("sum2"),
+          nb::arg("close"))
+      .def(
+          "_close_backend",
+          [](MeshGroup& self) {
+            nb::gil_scoped_release released;  // may wait for an exchange in flight
+            self.impl_->close();
+          },
+          "Stop the collectives of the mesh and its subgroups: wake an exchange in flight, wait "
+          "for it, refuse the rest.");
 
   // MLX's own group (ring, JACCL) under a type Python can extend, so the group
   // init(transport="mlx") returns carries the same extras as a pair's.

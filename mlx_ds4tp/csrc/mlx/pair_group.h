@@ -16,10 +16,7 @@
 #include "mlx/distributed/distributed_impl.h"
 #include "mlx/stream.h"
 
-extern "C" {
-#include "exchange_codes.h"
-#include "_verbs_api.h"
-}
+#include "dtypes.h"
 
 namespace mlx_ds4tp {
 
@@ -28,7 +25,6 @@ namespace mx = mlx::core;
 // The C module's entry points, handed over as addresses: _verbs is another
 // shared object, loaded by Python with its symbols local to it.
 using ExchangeFn = int (*)(tp_link*, const tp_xsig*, const void*, void*, char*, size_t);
-using Sum2Fn = int (*)(int, const void*, const void*, void*, uint64_t);
 using CloseFn = void (*)(tp_link*);
 
 class PairGroupImpl : public mx::distributed::detail::GroupImpl,
@@ -127,8 +123,6 @@ struct LocalGroup : public mx::distributed::Group {
 // The CPU stream a collective runs on: the one named, else the thread's default.
 mx::Stream cpu_communication_stream(mx::StreamOrDevice s);
 
-// The exchange's code of an MLX dtype (TP_DTYPE_*, exchange_codes.h); 0 if none.
-int dtype_code(mx::Dtype dtype);
 // Every dtype the collectives take, with its code, in code order.
 std::vector<std::pair<mx::Dtype, int>> dtype_codes();
 

@@ -1,0 +1,302 @@
+"""A group of N ranks (3 to 8): rank 0 listens with size=N at its door (link/door.py), the
+workers dial it and JOIN, the leader gives out the ranks and tells every rank where the others
+listen (ROSTER) and the mesh's id (MESH_ID); then every pair of ranks makes its own link, a
+full pair of its own through connect() exactly as two ranks do (hello, secret, model check,
+the transport chosen per link, RDMA bring-up with its warm-up, receives-posted barrier, post
+cap and re-creation), so the mesh has no second handshake.
+
+Ranks: a worker may ask for one (JOIN's rank); the leader gives the asked ranks first (a rank
+asked twice is refused to the later asker) and the others, lowest free first, in the order
+the workers joined. Two ranks (size 2) never come here: they are today's pair.
+
+Links come up one at a time in one order every rank walks, (0, 1), (0, 2) .. (1, 2) ..: the
+lower rank listens at its door, the higher dials it. The smallest link not yet made always
+has both its ranks at it, so the walk never deadlocks, and only one peer at a time dials a
+door. A link that fails names both ranks and the device; the whole mesh fails with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import secrets
+import socket
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..base.log import log
+from ..errors import FrameError, TransportError
+from .config import LinkSettings, PairAddress, parse_fault_links
+from .control import ControlChannel, dial, tune_socket
+from .door import Door
+from .pair import Pair
+from .wire import (
+    JOIN_PAYLOAD,
+    JOIN_TAG,
+    MESH_ID_PAYLOAD,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    ROSTER_ENTRY,
+    ROSTER_HEADER,
+    FrameType,
+)
+
+Connect = Callable[..., Pair]
+ANY_RANK = -1
+
+
+@dataclasses.dataclass
+class Mesh:
+    """This rank's end of a formed mesh: its rank, the size, one complete Pair per peer rank
+    (each a pair's own link: in it this rank is pair rank 0 towards higher ranks, 1 towards
+    lower ones), the mesh's id, and what stays open until close()."""
+
+    rank: int
+    size: int
+    pairs: Dict[int, Pair]
+    mesh_id: bytes
+    door: Door
+    keep: List[socket.socket]
+    closed: bool = False
+
+    def transports(self) -> Dict[int, str]:
+        """{peer rank: "tcp" | "rdma"}: what each link runs on."""
+        return {peer: pair.transport for peer, pair in sorted(self.pairs.items())}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for pair in self.pairs.values():
+            pair.close()
+        self.door.close()
+        for sock in self.keep:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+def form_mesh(link: LinkSettings, connect: Connect) -> Mesh:
+    """This rank's end of the mesh `link` (resolved, size > 2) describes; connect(settings,
+    dial=..., door=...) makes each link's pair."""
+    started = time.monotonic()
+    deadline = started + link.timeout
+    if link.address.role == "leader":
+        rank, roster, mesh_id, door, keep = _gather(link, deadline)
+    else:
+        rank, roster, mesh_id, door, keep = _join(link, deadline)
+    pairs: Dict[int, Pair] = {}
+    try:
+        for low, high in _link_order(link.size):
+            if rank in (low, high):
+                peer = high if rank == low else low
+                pairs[peer] = _make_link(link, rank, peer, roster, mesh_id, door, connect)
+    except BaseException:
+        for pair in pairs.values():
+            pair.close()
+        door.close()
+        for sock in keep:
+            sock.close()
+        raise
+    mesh = Mesh(rank, link.size, pairs, mesh_id, door, keep)
+    kinds = ", ".join(f"{rank}<->{p} {t}" for p, t in mesh.transports().items())
+    log(f"mesh: rank {rank} of {link.size} linked to every peer in "
+        f"{time.monotonic() - started:.2f} s ({kinds})")
+    return mesh
+
+
+def _link_order(size: int) -> List[Tuple[int, int]]:
+    return [(low, high) for low in range(size) for high in range(low + 1, size)]
+
+
+# ============================================================================
+# Membership
+# ============================================================================
+
+
+def join_proof(secret: Optional[bytes], fields: bytes) -> bytes:
+    """JOIN's proof: HMAC-SHA256 of the pair secret over the JOIN's other fields (zeros
+    without a secret). It keeps strangers out of the rank count; every link's hello then
+    authenticates as a pair's does (challenge-response), so a replayed JOIN links nothing."""
+    if secret is None:
+        return bytes(32)
+    return hmac.new(secret, JOIN_TAG + fields, hashlib.sha256).digest()
+
+
+def _join_fields(size: int, ask: int, port: int, nonce: bytes) -> bytes:
+    return JOIN_PAYLOAD.pack(PROTOCOL_VERSION, size, ask, port, nonce, bytes(32))[:-32]
+
+
+def _gather(link: LinkSettings, deadline: float):
+    """Rank 0: the workers' JOINs at the door, their ranks, ROSTER and MESH_ID out."""
+    host, port = link.address.listen
+    door = Door(host, port, link.size, min(link.hello_timeout, link.timeout))
+    log(f"mesh: rank 0 of {link.size} waiting for {link.size - 1} workers on {host}:{door.port} ...")
+    members: List[Tuple[ControlChannel, int, str, int]] = []  # channel, asked, host, door port
+    try:
+        while len(members) < link.size - 1:
+            channel, payload, peer = door.next_join(deadline)
+            refusal, asked, their_port = _check_join(link, payload, members)
+            if refusal:
+                log(f"mesh: refused a JOIN from {peer}: {refusal}")
+                channel.send_error(refusal)
+                channel.sock.close()
+                continue
+            members.append((channel, asked, peer.rsplit(":", 1)[0], their_port))
+            log(f"mesh: {peer} joined ({len(members)} of {link.size - 1} workers"
+                f"{'' if asked == ANY_RANK else f', asks for rank {asked}'})")
+        ranks = assign_ranks([m[1] for m in members], link.size)
+        roster = [("", door.port)] + [("", 0)] * (link.size - 1)
+        for (_, _, peer_host, peer_port), rank in zip(members, ranks):
+            roster[rank] = (peer_host, peer_port)
+        mesh_id = secrets.token_bytes(16)
+        for (channel, *_), rank in zip(members, ranks):
+            channel.send(FrameType.ROSTER, pack_roster(roster, rank))
+            channel.send(FrameType.MESH_ID, MESH_ID_PAYLOAD.pack(mesh_id, 0))
+    except BaseException:
+        door.close()
+        for channel, *_ in members:
+            channel.sock.close()
+        raise
+    door.mesh_id = mesh_id
+    return 0, roster, mesh_id, door, [m[0].sock for m in members]
+
+
+def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, int]:
+    """(why the JOIN is refused or "", the rank it asks for, its door's port)."""
+    version, size, asked, port, nonce, proof = JOIN_PAYLOAD.unpack(payload)
+    if version != PROTOCOL_VERSION:
+        return (f"protocol version {version}, this leader speaks {PROTOCOL_VERSION}: run the same "
+                "mlx_ds4tp on every rank"), asked, port
+    if not hmac.compare_digest(proof, join_proof(link.secret, _join_fields(size, asked, port, nonce))):
+        return ("authentication failed: the JOIN's proof does not match this leader's pair secret; "
+                "give every rank the same --secret / DS4_TP_SECRET"), asked, port
+    if size != link.size:
+        return (f"this leader forms a mesh of {link.size} ranks and the worker expects {size}; "
+                f"start every rank with size {link.size}"), asked, port
+    if asked != ANY_RANK and not 1 <= asked < link.size:
+        return f"rank {asked} is not a worker's rank of {link.size} (1 .. {link.size - 1})", asked, port
+    if asked != ANY_RANK and asked in [m[1] for m in members]:
+        return (f"rank {asked} was asked for by a worker that joined first; ask for another rank "
+                "or none"), asked, port
+    return "", asked, port
+
+
+def assign_ranks(asked: List[int], size: int) -> List[int]:
+    """The rank of each worker, in join order: asked ranks first, then the lowest free rank to
+    each of the others in the order they joined."""
+    free = [r for r in range(1, size) if r not in asked]
+    out = []
+    for want in asked:
+        out.append(want if want != ANY_RANK else free.pop(0))
+    return out
+
+
+def pack_roster(roster: List[Tuple[str, int]], rank: int) -> bytes:
+    out = ROSTER_HEADER.pack(len(roster), rank)
+    for host, port in roster:
+        name = host.encode("utf-8")
+        out += ROSTER_ENTRY.pack(port, len(name)) + name
+    return out
+
+
+def unpack_roster(payload: bytes) -> Tuple[List[Tuple[str, int]], int]:
+    """(every rank's (host, port), the receiving rank); host "" is the address the receiver
+    dialed the leader at."""
+    if len(payload) < ROSTER_HEADER.size:
+        raise FrameError(f"ROSTER payload is {len(payload)} bytes, need {ROSTER_HEADER.size}")
+    size, rank = ROSTER_HEADER.unpack_from(payload)
+    at, roster = ROSTER_HEADER.size, []
+    for _ in range(size):
+        if at + ROSTER_ENTRY.size > len(payload):
+            raise FrameError("ROSTER payload ends inside an entry")
+        port, n = ROSTER_ENTRY.unpack_from(payload, at)
+        at += ROSTER_ENTRY.size
+        roster.append((payload[at:at + n].decode("utf-8"), port))
+        at += n
+    if not 0 < rank < size:
+        raise FrameError(f"ROSTER gives this worker rank {rank} of {size}")
+    return roster, rank
+
+
+def _join(link: LinkSettings, deadline: float):
+    """A worker: dial the leader's door, JOIN, learn the rank, the roster and the mesh id."""
+    host, port = link.address.coordinator
+    sock = dial(host, port, deadline, "mesh JOIN")
+    tune_socket(sock)
+    channel = ControlChannel(sock, link.timeout)
+    try:
+        # Every interface: a peer worker may reach this one by another route than the leader
+        # did. The roster names the address the leader saw this rank at.
+        anywhere = "::" if ":" in sock.getsockname()[0] else "0.0.0.0"
+        door = Door(anywhere, 0, link.size, min(link.hello_timeout, link.timeout))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        ask = ANY_RANK if link.ask_rank is None else link.ask_rank
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        fields = _join_fields(link.size, ask, door.port, nonce)
+        channel.send(FrameType.JOIN, fields + join_proof(link.secret, fields))
+        left = max(0.01, deadline - time.monotonic())
+        _, payload = channel.recv(FrameType.ROSTER, timeout=left)
+        roster, rank = unpack_roster(payload)
+        _, payload = channel.recv(FrameType.MESH_ID)
+        if len(payload) != MESH_ID_PAYLOAD.size:
+            raise FrameError(f"MESH_ID payload is {len(payload)} bytes, expected {MESH_ID_PAYLOAD.size}")
+        mesh_id, _ = MESH_ID_PAYLOAD.unpack(payload)
+    except BaseException:
+        door.close()
+        sock.close()
+        raise
+    roster[0] = (host, roster[0][1])
+    door.mesh_id = mesh_id
+    door.abort_on = [sock]
+    log(f"mesh: rank {rank} of {link.size} (leader {host}:{port}); links come up next")
+    return rank, roster, mesh_id, door, [sock]
+
+
+# ============================================================================
+# Links
+# ============================================================================
+
+
+def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes, door: Door,
+               connect: Connect) -> Pair:
+    """This rank's link to `peer`: a pair made by connect(), the lower rank on its door."""
+    device = (link.rdma_devices or {}).get(peer, link.rdma_device)
+    faulted = parse_fault_links(link.ucsim_fault_links or "")
+    faults = link.ucsim_faults if not faulted or (min(rank, peer), max(rank, peer)) in faulted else ""
+    if rank < peer:
+        address = PairAddress("leader", (door.host, door.port), None)
+    else:
+        address = PairAddress("worker", None, roster[peer])
+    settings = dataclasses.replace(link, address=address, rdma_device=device, ucsim_faults=faults,
+                                   size=2, ask_rank=None, rdma_devices=None)
+
+    def dial_link(host: str, port: int, deadline: float, what: str) -> socket.socket:
+        sock = dial(host, port, deadline, what)
+        if what == "control":
+            # The mesh's id opens the link's control connection: the peer's door refuses a
+            # link of another mesh before any hello.
+            ControlChannel(sock, link.timeout).send(FrameType.MESH_ID, MESH_ID_PAYLOAD.pack(mesh_id, rank))
+        return sock
+
+    try:
+        if rank < peer:
+            pair = connect(settings, door=door.for_peer(peer))
+        else:
+            pair = connect(settings, dial=dial_link)
+    except TransportError as exc:
+        where = f"device {device or 'the first active one'}" if link.transport != "tcp" else "tcp"
+        message = f"mesh link rank {min(rank, peer)} <-> rank {max(rank, peer)} ({where}): {exc}"
+        try:
+            error = type(exc)(message)
+        except TypeError:
+            error = TransportError(message)
+        raise error from exc
+    log(f"mesh: link rank {min(rank, peer)} <-> rank {max(rank, peer)} up, transport "
+        f"{pair.transport}" + (f", device {device}" if pair.transport == "rdma" and device else ""))
+    return pair
