@@ -21,6 +21,7 @@ from .errors import (
 )
 from .gate_ops import (
     Group,
+    MeshGroup,
     all_gather,
     all_max,
     all_min,
@@ -51,6 +52,7 @@ __all__ = [
     "recv",
     "recv_like",
     "Group",
+    "MeshGroup",
     "ModelIdentity",
     "model_fingerprint",
     "TransportError",

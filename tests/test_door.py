@@ -1,0 +1,202 @@
+"""A mesh rank's door (link/door.py) and the mesh's membership (link/mesh.py): what the one
+listener lets in and what it refuses, how ranks are given out, and the errors for bad size
+and rank values. The ranks run as threads of this process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+import mlx_ds4tp as tp
+from mlx_ds4tp.errors import TransportError, TransportTimeoutError
+from mlx_ds4tp.link.control import ControlChannel
+from mlx_ds4tp.link.door import Door
+from mlx_ds4tp.link.mesh import assign_ranks
+from mlx_ds4tp.link.wire import FRAME_HEADER, MAGIC, MESH_ID_PAYLOAD, FrameType
+from pairutil import dial_when_listening, free_port
+
+
+class Ranks:
+    """tp.init calls in threads; each one's group or exception, by name."""
+
+    def __init__(self) -> None:
+        self.out: Dict[str, object] = {}
+        self.threads: List[threading.Thread] = []
+
+    def start(self, name: str, **kw) -> None:
+        def run() -> None:
+            try:
+                self.out[name] = tp.init(timeout=20.0, **kw)
+            except BaseException as exc:  # noqa: BLE001 - reported to the test
+                self.out[name] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, within: float = 60.0) -> Dict[str, object]:
+        deadline = time.monotonic() + within
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a rank hung"
+        return self.out
+
+    def close(self) -> None:
+        for value in self.out.values():
+            if hasattr(value, "close"):
+                value.close()
+
+
+def leader(port: int, size: int, **kw) -> dict:
+    return dict(role="leader", listen=("127.0.0.1", port), transport="tcp", size=size, **kw)
+
+
+def worker(port: int, size: int, rank: Optional[int] = None, **kw) -> dict:
+    return dict(role="worker", coordinator=("127.0.0.1", port), transport="tcp", size=size, rank=rank, **kw)
+
+
+def test_ranks_asked_come_first_the_rest_in_join_order():
+    assert assign_ranks([-1, 3, -1], 4) == [1, 3, 2]
+    assert assign_ranks([2, -1, -1], 4) == [2, 1, 3]
+    assert assign_ranks([-1, -1], 3) == [1, 2]
+
+
+def test_a_stranger_and_a_bad_secret_are_refused_and_the_mesh_still_forms():
+    port = free_port()
+    ranks = Ranks()
+    try:
+        ranks.start("leader", **leader(port, 3, secret="s3cret"))
+        # A stranger (not our frames) and a worker with another secret knock first.
+        stranger = dial_when_listening(port)
+        stranger.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        ranks.start("intruder", **worker(port, 3, secret="wrong"))
+        ranks.threads[-1].join(20)
+        assert isinstance(ranks.out["intruder"], TransportError), ranks.out["intruder"]
+        assert "authentication failed" in str(ranks.out["intruder"])
+        ranks.start("w1", **worker(port, 3, secret="s3cret"))
+        ranks.start("w2", **worker(port, 3, secret="s3cret"))
+        out = ranks.join()
+        groups = [out[n] for n in ("leader", "w1", "w2")]
+        assert all(isinstance(g, tp.MeshGroup) for g in groups), groups
+        assert sorted(g.rank() for g in groups) == [0, 1, 2]
+        stranger.close()
+    finally:
+        ranks.close()
+
+
+def test_an_asked_rank_is_given_and_a_second_ask_for_it_refused():
+    port = free_port()
+    ranks = Ranks()
+    try:
+        ranks.start("leader", **leader(port, 3))
+        dial_when_listening(port).close()
+        ranks.start("first", **worker(port, 3, rank=1))
+        time.sleep(1.0)  # the first joins first (the JOIN is its first word)
+        ranks.start("again", **worker(port, 3, rank=1))
+        ranks.threads[-1].join(20)
+        assert isinstance(ranks.out["again"], TransportError), ranks.out["again"]
+        assert "rank 1 was asked for by a worker that joined first" in str(ranks.out["again"])
+        ranks.start("any", **worker(port, 3))
+        out = ranks.join()
+        assert out["first"].rank() == 1 and out["any"].rank() == 2 and out["leader"].rank() == 0
+    finally:
+        ranks.close()
+
+
+def test_a_worker_expecting_another_size_or_a_pair_is_refused_naming_the_size():
+    port = free_port()
+    ranks = Ranks()
+    try:
+        ranks.start("leader", **leader(port, 3))
+        dial_when_listening(port).close()
+        ranks.start("four", **worker(port, 4))
+        ranks.threads[-1].join(20)
+        assert "forms a mesh of 3 ranks and the worker expects 4" in str(ranks.out["four"])
+        ranks.start("pair", role="worker", coordinator=("127.0.0.1", port), transport="tcp")
+        ranks.threads[-1].join(20)
+        assert isinstance(ranks.out["pair"], TransportError), ranks.out["pair"]
+        assert "start that rank with the same size (3)" in str(ranks.out["pair"])
+        ranks.start("w1", **worker(port, 3))
+        ranks.start("w2", **worker(port, 3))
+        out = ranks.join()
+        assert out["leader"].size() == 3
+    finally:
+        ranks.close()
+
+
+def test_a_link_from_a_stale_mesh_is_refused_at_the_door():
+    door = Door("127.0.0.1", 0, 3, hello_timeout=2.0)
+    door.mesh_id = b"A" * 16
+    try:
+        result: dict = {}
+
+        def wait() -> None:
+            try:
+                door.accept(time.monotonic() + 3.0, "control", None, 1)
+            except BaseException as exc:  # noqa: BLE001
+                result["exc"] = exc
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        sock = socket.create_connection(("127.0.0.1", door.port), timeout=5)
+        channel = ControlChannel(sock, 5.0)
+        channel.send(FrameType.MESH_ID, MESH_ID_PAYLOAD.pack(b"B" * 16, 1))
+        with pytest.raises(TransportError, match="earlier mesh"):
+            channel.recv(FrameType.HELLO)
+        sock.close()
+        t.join(10)
+        assert isinstance(result.get("exc"), TransportTimeoutError), result
+    finally:
+        door.close()
+
+
+def test_a_join_once_the_mesh_is_formed_is_refused():
+    door = Door("127.0.0.1", 0, 3, hello_timeout=2.0)
+    door.mesh_id = b"A" * 16
+    try:
+        threading.Thread(target=lambda: _swallow(door), daemon=True).start()
+        sock = socket.create_connection(("127.0.0.1", door.port), timeout=5)
+        sock.sendall(FRAME_HEADER.pack(MAGIC, int(FrameType.JOIN), 0))
+        channel = ControlChannel(sock, 5.0)
+        with pytest.raises(TransportError):
+            channel.recv(FrameType.ROSTER)
+        sock.close()
+    finally:
+        door.close()
+
+
+def _swallow(door: Door) -> None:
+    try:
+        door.accept(time.monotonic() + 3.0, "control", None, 1)
+    except (TransportError, OSError):
+        pass
+
+
+@pytest.mark.parametrize("kw,text", [
+    (dict(size=1), "size=1: give the number of ranks, 2 to 8"),
+    (dict(size=9), "size=9"),
+    (dict(size="3"), "size='3'"),
+    (dict(size=3, rank=3), "rank=3: give a rank 0 .. 2"),
+    (dict(size=3, rank=0), "rank 0 is the leader"),
+    (dict(size=3, rank=True), "rank=True"),
+])
+def test_bad_size_and_rank_values_are_named(kw, text):
+    with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(".", r"\.")):
+        tp.init(role="worker", coordinator=("127.0.0.1", 1), transport="tcp", **kw)
+
+
+def test_a_leader_asking_for_a_worker_rank_is_named():
+    with pytest.raises(ValueError, match="rank 0 is the leader"):
+        tp.init(role="leader", listen=("127.0.0.1", 0), transport="tcp", size=3, rank=2)
+
+
+def test_fault_links_are_checked():
+    from mlx_ds4tp.link.config import parse_fault_links
+
+    assert parse_fault_links("2-1, 0-3") == {(1, 2), (0, 3)}
+    with pytest.raises(ValueError, match="DS4_TP_UCSIM_FAULT_LINKS"):
+        parse_fault_links("1-1")
