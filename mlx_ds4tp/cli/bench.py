@@ -44,7 +44,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes", type=int, default=16384,
                    help=f"bytes per gate exchange, a multiple of 4 up to {tr.GATE_MAX_BYTES} "
                         "(default 16384)")
-    p.add_argument("--iters", type=int, default=5000, help="timed exchanges per contender (default 5000)")
+    p.add_argument("--iters", type=int, default=5000, help="timed exchanges per contender (default 5000; "
+                   "--ranks: 16 KiB all_sums per group, default 1000, a tenth of them at 1 MiB)")
+    p.add_argument("--ranks", default=None, metavar="N[,N...]",
+                   help="all_sum p50/p99 at 16 KiB and 1 MiB over groups of N ranks here (e.g. "
+                        "2,3,4): ours over tcp and rdma (ucsim) and MLX's ring at the same N")
     p.add_argument("--json", action="store_true", help="one JSON record per line")
     add_model_arg(p, "time decode tok/s of this mlx-lm model instead (a directory, `demo`, or a "
                   "preset built once: 150m, moe-1g): single process, our pair (tcp, rdma) and "
@@ -107,6 +111,8 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and (args.serve or args.model or address is not None):
         raise SystemExit("ds4tp bench: --plot draws the gate bench run with both ranks here "
                          "(no --model, --serve or --role)")
+    if args.ranks is not None:
+        return _ranks(args, address)
     if args.serve:
         refuse_mlx(args, "bench --serve", LOCKSTEP_NEEDS_PAIR)
         return _serve(args)
@@ -123,6 +129,23 @@ def main(args: argparse.Namespace) -> int:
     transports = ("tcp", "rdma") if args.transport == ALL else (args.transport,)
     return report.gates_report(transports, args.rdma_device, args.bytes, args.iters, args.json,
                                args.plot)
+
+
+def _ranks(args: argparse.Namespace, address) -> int:
+    from ..bench import ranks as bench_ranks
+
+    try:
+        sizes = bench_ranks.check_sizes(args.ranks)
+    except ValueError as exc:
+        raise SystemExit(f"ds4tp bench: {exc}") from None
+    if address is not None or args.serve or args.model:
+        raise SystemExit("ds4tp bench: --ranks runs every rank here; not with --role, --model or --serve")
+    if args.transport not in (ALL, "tcp", "rdma"):
+        raise SystemExit(f"ds4tp bench: --ranks with --transport {args.transport}: give tcp, rdma or "
+                         "all (MLX's ring runs beside them anyway)")
+    transports = ("tcp", "rdma") if args.transport == ALL else (args.transport,)
+    iters = 1000 if args.iters == 5000 else args.iters
+    return bench_ranks.ranks_report(sizes, transports, args.rdma_device, iters, args.json)
 
 
 def _model_dir(flag: str, value: str) -> str:

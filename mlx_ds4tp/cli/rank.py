@@ -7,6 +7,8 @@ stdout (rank 0's are the ones the parent reads).
 
     gate        one rank of the transport gate bench (--role, --listen/--coordinator)
     ring-gate   one rank of mx.distributed's ring all_sum (MLX_HOSTFILE, MLX_RANK)
+    mesh-gate   one rank of `ds4tp bench --ranks`: our group of --size ranks (rank --rank)
+    ring-ranks  one rank of `ds4tp bench --ranks`: MLX's ring at the hostfile's size
     shard-model one rank of mlx-lm's model.shard() over MLX's ring (--transport mlx;
                 MLX_HOSTFILE, MLX_RANK) or our pair (--transport tcp|rdma, --role, --listen/--coordinator)
     ceiling     one rank of the compute ceiling (half the model, gates skipped)
@@ -44,6 +46,19 @@ def _ring_gate(args) -> int:
     from ..bench import gates as bench_gates
 
     return _print_json(bench_gates.ring_rank(args.bytes, args.iters))
+
+
+def _mesh_gate(args) -> int:
+    from ..bench import ranks as bench_ranks
+
+    return _print_json(bench_ranks.mesh_rank(args.rank, args.size, args.port, args.transport,
+                                             args.rdma_device, args.iters))
+
+
+def _ring_ranks(args) -> int:
+    from ..bench import ranks as bench_ranks
+
+    return _print_json(bench_ranks.ring_rank(args.iters))
 
 
 def _shard_model(args) -> int:
@@ -88,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
             add_transport_args(p)
             add_pair_args(p, ROLE_HELP)
         p.set_defaults(func=func)
+
+    mesh = sub.add_parser("mesh-gate")
+    mesh.add_argument("--rank", type=int, required=True)
+    mesh.add_argument("--size", type=int, required=True)
+    mesh.add_argument("--port", type=int, required=True)
+    mesh.add_argument("--iters", type=int, required=True)
+    add_transport_args(mesh)
+    mesh.set_defaults(func=_mesh_gate)
+    ring = sub.add_parser("ring-ranks")
+    ring.add_argument("--iters", type=int, required=True)
+    ring.set_defaults(func=_ring_ranks)
 
     for kind, func in (("shard-model", _shard_model), ("ceiling", _ceiling)):
         p = sub.add_parser(kind)
