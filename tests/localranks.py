@@ -23,7 +23,7 @@ import pytest
 WAIT_S = 120.0
 
 
-class RanksFailed(RuntimeError):
+class RanksFailedError(RuntimeError):
     """A rank raised, or the ranks stopped meeting at their collectives."""
 
 
@@ -44,9 +44,9 @@ class LocalRanks:
     def _wait_turn(self, rank: int) -> None:
         ok = self._cond.wait_for(lambda: self._turn == rank or self._error is not None, timeout=WAIT_S)
         if self._error is not None:
-            raise RanksFailed(f"rank {rank} stopped: another rank failed") from self._error
+            raise RanksFailedError(f"rank {rank} stopped: another rank failed") from self._error
         if not ok:
-            raise RanksFailed(f"rank {rank} waited {WAIT_S:.0f} s for its turn: the ranks' collectives differ")
+            raise RanksFailedError(f"rank {rank} waited {WAIT_S:.0f} s for its turn: the ranks' collectives differ")
 
     def _pass_turn(self, rank: int) -> None:
         self._turn = (rank + 1) % self.size
@@ -85,7 +85,7 @@ class LocalRanks:
         with self._cond:
             try:
                 self._wait_turn(rank)
-            except RanksFailed as exc:
+            except RanksFailedError as exc:
                 out[rank] = exc
                 return
         try:
@@ -109,7 +109,7 @@ class LocalRanks:
             out = self._run_threads(fns)
         errors = [o for o in out if isinstance(o, BaseException)]
         if errors:
-            raise next((e for e in errors if not isinstance(e, RanksFailed)), errors[0])
+            raise next((e for e in errors if not isinstance(e, RanksFailedError)), errors[0])
         return out
 
     def _run_threads(self, fns: Sequence[Callable[[], Any]]) -> list:
@@ -122,7 +122,7 @@ class LocalRanks:
             thread.join(timeout=WAIT_S * 4)
             if thread.is_alive():
                 with self._cond:
-                    self._error = self._error or RanksFailed(f"rank {rank} did not finish")
+                    self._error = self._error or RanksFailedError(f"rank {rank} did not finish")
                     self._cond.notify_all()
-                raise RanksFailed(f"rank {rank} did not finish within {WAIT_S * 4:.0f} s")
+                raise RanksFailedError(f"rank {rank} did not finish within {WAIT_S * 4:.0f} s")
         return out

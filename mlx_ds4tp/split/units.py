@@ -251,7 +251,7 @@ def _base_plan(model: nn.Module, group: Any, shard: Callable, label: str, fall_b
 
 def _fewer_ranks(counts: list[tuple[int, str, bool]], size: int) -> str:
     """Why no cut gives every one of `size` ranks a part of every count, and the fix."""
-    short = [name for whole, name, _ in counts if whole < size]
+    short = sorted((name for whole, name, _ in counts if whole < size), key=_natural)
     granules = gcd(*(u for u, *_ in counts))
     most = max((n for n in range(1, min(granules, MAX_UNITS) + 1) if granules % n == 0), default=1)
     fix = (f"use at most {most} ranks, or a model whose counts divide among {size}" if most > 1
@@ -328,6 +328,11 @@ def share_granules(model: nn.Module, shard: Callable, label: str) -> int:
     base = _base_plan(model, cut_only_group(0, 2), shard, label, True)
     counts = _counts(model, base)
     return lcm(*(gcd(*(u for u, _, c in counts if c is kind)) or 1 for kind in (False, True)))
+
+
+def _natural(name: str) -> tuple:
+    """Layer 2 before layer 10 (the names' numbers as numbers)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.replace("=", ".").split("."))
 
 
 def _limits(counts: list[tuple[int, str]], units: int) -> str:
