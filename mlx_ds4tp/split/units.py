@@ -32,7 +32,7 @@ from ..collectives.backend import cut_only_group
 from .columns import column_paths, recut, segments
 from .derive import ArrayCut, ShardPlan, derive_plan, set_array
 from .errors import EvenCutOnlyError
-from .share import MAX_UNITS, SplitShare, UnitCut, nearest_cuts
+from .share import MAX_RANKS, MAX_UNITS, SplitShare, UnitCut, nearest_cuts
 
 # MLP and expert columns per unit of a float model: a multiple of the kernels' tile width.
 FLOAT_COLUMNS = 32
@@ -249,14 +249,38 @@ def _base_plan(model: nn.Module, group: Any, shard: Callable, label: str, fall_b
     raise first
 
 
-def _fewer_ranks(counts: list[tuple[int, str, bool]], size: int) -> str:
-    """Why no cut gives every one of `size` ranks a part of every count, and the fix."""
+def _sizes_that_fit(ask: _Ask, counts: list[tuple[int, str, bool]]) -> list[int]:
+    """The group sizes other than ask.size this model's counts allow: those every count divides
+    by (the plan's own even cut), and those each class of counts (the attention's, the columns')
+    has a cut into at least as many whole units for."""
+    def units_for(n: int, kind: Optional[bool]) -> bool:
+        granules = gcd(*(u for u, _, c in counts if kind is None or c is kind))
+        return any(granules % d == 0 for d in range(n, min(granules, MAX_UNITS) + 1))
+
+    kinds = [None] if len({c for *_, c in counts}) == 1 else [False, True]
+    fits = []
+    for n in range(2, MAX_RANKS + 1):
+        if n == ask.size:
+            continue
+        if all(units_for(n, kind) for kind in kinds):
+            fits.append(n)
+            continue
+        try:
+            derive_plan(ask.model, cut_only_group(0, n), ask.shard, trace=False, label=ask.label)
+            fits.append(n)
+        except ValueError:
+            continue
+    return fits
+
+
+def _fewer_ranks(ask: _Ask, counts: list[tuple[int, str, bool]]) -> str:
+    """Why no cut gives every one of ask.size ranks a part of every count, and the fix."""
+    size = ask.size
     short = sorted((name for whole, name, _ in counts if whole < size), key=_natural)
-    granules = gcd(*(u for u, *_ in counts))
-    most = max((n for n in range(1, min(granules, MAX_UNITS) + 1) if granules % n == 0), default=1)
-    fix = (f"use at most {most} ranks, or a model whose counts divide among {size}" if most > 1
-           else f"this model's counts share no divisor, so it runs on one Mac, or give a model whose "
-                f"counts divide among {size}")
+    fits = _sizes_that_fit(ask, counts)
+    fix = (f"run it on {' or '.join(map(str, fits))} ranks, which its counts allow, or use a model whose "
+           f"counts divide among {size}" if fits else
+           f"its counts allow no group of 2 to {MAX_RANKS} ranks: run it on one Mac")
     if short:
         return (f"{len(short)} count(s) have fewer whole units than the {size} ranks, each of which needs "
                 f"at least one: {', '.join(short[:3])}; {fix}")
@@ -284,7 +308,7 @@ def _uneven(ask: _Ask, group: Any, trace: bool) -> Layout:
                              f"counts do not divide among {size} ranks ({exc})") from None
     if found is None and size > 2:
         raise ValueError(f"split {ask.name}: no cut of every count into whole units gives each of the "
-                         f"{size} ranks a part ({_fewer_ranks(counts, size)})")
+                         f"{size} ranks a part ({_fewer_ranks(ask, counts)})")
     if found is None:
         log(f"split {ask.name}: no share but 1:1 cuts every count into whole units "
             f"({_limits([(u, name) for u, name, _ in counts], wanted.units)}); splitting 1:1")
@@ -331,12 +355,13 @@ def share_granules(model: nn.Module, shard: Callable, label: str) -> int:
 
 
 def _natural(name: str) -> tuple:
-    """Layer 2 before layer 10 (the names' numbers as numbers)."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.replace("=", ".").split("."))
+    """The counts the plan divides (heads: "path.attr=value") before the arrays' ("path: ..."),
+    layer 2 before layer 10 (the names' numbers as numbers)."""
+    return (":" in name, *((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.replace("=", ".").split(".")))
 
 
 def _limits(counts: list[tuple[int, str]], units: int) -> str:
-    short = [name for whole, name in counts if whole % units]
+    short = sorted((name for whole, name in counts if whole % units), key=_natural)
     if not short:
         return "the plan refused it"
     return f"{len(short)} count(s) do not divide into {units}: " + ", ".join(short[:3])
