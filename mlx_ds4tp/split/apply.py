@@ -106,9 +106,10 @@ def split_model(
         float or quantized.
       group: an mx.distributed.Group: the one mlx_ds4tp.init(...) returns, or MLX's own.
         An object with only rank() and size() is enough to cut (its gates fail if run).
-      split: the share each rank keeps: "even" (default) or "A:B" (rank 0's part first, two
-        ranks), or a SplitShare. Where the model's counts cannot give it, the nearest share
-        that can is used and logged (split/units.py); "auto" must be resolved first.
+      split: the share each rank keeps: "even" (default) or "A:B[:C...]" (one part per rank of
+        the group, rank 0's first), or a SplitShare. Where the model's counts cannot give it,
+        the nearest share that can is used and logged (split/units.py); from three ranks that
+        holds for "even" too (8 KV heads on 3 ranks: 3:3:2). "auto" must be resolved first.
       read_part: (load_split passes one) reads a part straight from the model's files instead
         of cutting the loaded array; default None cuts in memory. A cut it cannot read (the
         plan's cut is not a selection of the saved tensor, or the saved layout differs) is
@@ -121,9 +122,11 @@ def split_model(
 
     Raises:
       ValueError: the family is not supported (the message lists the supported ones), a count
-        does not divide by the number of ranks (heads, KV heads, expert or MLP width, vocabulary,
-        quantization group: the message names the layer, the values and the fix), the share is
-        not one (or is "auto"), or the model is already split.
+        does not divide by two ranks' even split (heads, KV heads, expert or MLP width, vocabulary,
+        quantization group: the message names the layer, the values and the fix), a count has
+        fewer whole units than the group has ranks (the message names it and the group sizes
+        the model allows), the share is not one (or is "auto", or its parts do not match the
+        ranks), or the model is already split.
       TypeError: `group` is neither an mx.distributed.Group nor an object with rank()/size().
     """
     shard = plan_of(model)

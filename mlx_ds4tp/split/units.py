@@ -14,6 +14,11 @@ matrices keep the widths the kernels are fast at); the MLP's columns and the voc
 share of their own where they can (split/columns.py). Where the wanted share cannot be cut so,
 the nearest that can is used and logged. A plan that does more with the group than cut and sum (a
 norm that divides by the group's size, an array it derives from it) splits evenly, logged.
+
+The same runs for N ranks: a rank's units are a run of the cut, however many ranks share it. On
+three or more ranks an even share whose counts do not divide by N (8 KV heads on 3) is the
+nearest cut too (3:3:2), logged; every rank keeps at least one unit, and a model with fewer
+units of a count than ranks is refused naming the count and the group sizes it allows.
 """
 
 from __future__ import annotations
