@@ -4,7 +4,7 @@
         join the pair (N ranks over the ring), load_split every model (share S, default even), decode
         greedily, write DIR/rank{R}-{name}.npz (with the bytes of weights the rank holds),
         then pass a partial through AllSumGate and write DIR/rank{R}-gate.npz
-    split_child.py rss --mode whole|split [--rank R] [--split S] MODEL_DIR
+    split_child.py rss --mode whole|split [--rank R] [--size N] [--split S] MODEL_DIR
         load the model (whole with mlx_lm.load, or rank R's part with load_split) and print
         {"baseline_kb": ..., "peak_kb": ...} (peak RSS after the imports, and at the end)
 """
@@ -89,7 +89,8 @@ def run_rss(args) -> None:
     if args.mode == "whole":
         model, _ = mlx_lm.load(args.model)
     else:
-        model, _ = load_split(args.model, RankOnly(args.rank), split=args.split)  # loading never calls a collective
+        # loading never calls a collective
+        model, _ = load_split(args.model, RankOnly(args.rank, args.size), split=args.split)
     print(json.dumps({"baseline_kb": baseline, "peak_kb": peak_rss_kb()}))
 
 
@@ -107,6 +108,7 @@ def main() -> None:
     rss = sub.add_parser("rss")
     rss.add_argument("--mode", choices=("whole", "split"), required=True)
     rss.add_argument("--rank", type=int, default=0)
+    rss.add_argument("--size", type=int, default=2)
     rss.add_argument("--split", default="even")
     rss.add_argument("model")
     args = parser.parse_args()

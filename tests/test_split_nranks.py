@@ -355,3 +355,34 @@ def test_four_ranks_each_hold_about_a_quarter(tmp_path):
           + ", ".join(f"{f:.3f}" for f in fractions), file=sys.stderr)
     assert max(fractions) <= 0.40, fractions
     assert sum(held) >= whole  # nothing lost: the parts and the whole-on-every-rank norms
+
+
+def _peak(mode: str, path: Path, rank: int = 0, size: int = 2) -> dict:
+    import json
+    import os
+    import subprocess
+
+    from splitutil import CHILD
+
+    run = subprocess.run([sys.executable, str(CHILD), "rss", "--mode", mode, "--rank", str(rank), "--size", str(size),
+                          str(path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_four_ranks_of_the_156m_llama_each_peak_near_a_quarter(tmp_path):
+    """The 156M llama in float32 (640 MB) at N = 4 even, each rank loading its part in its own
+    process: its peak resident memory above the import baseline at most 0.40x the whole model's
+    (mlx_lm.load) above its baseline."""
+    path = save_random_model(tmp_path / "llama-150m", llama_config(PRESETS["150m"]))
+    whole = _peak("whole", path)
+    whole_kb = whole["peak_kb"] - whole["baseline_kb"]
+    parts = [_peak("split", path, rank, 4) for rank in range(4)]
+    ratios = [(p["peak_kb"] - p["baseline_kb"]) / whole_kb for p in parts]
+    print(f"\n156M llama at N=4 even: whole {whole_kb / 1024:.0f} MiB above the baseline "
+          f"({whole['peak_kb'] / 1024:.0f} MiB peak); each rank "
+          + ", ".join(f"{r:.3f}" for r in ratios)
+          + f" of it ({', '.join(str(p['peak_kb'] // 1024) for p in parts)} MiB peak)", file=sys.stderr)
+    assert max(ratios) <= 0.40, ratios
