@@ -5,10 +5,11 @@ In one process, with no transport: each rank's part is loaded with load_split(..
 N)) and the N parts decode together in tests/localranks.py, which reduces every all_sum and
 all_gather in rank order. A dense llama with 8 KV heads (3:3:2 at N = 3 even), qwen3_moe and
 deepseek_v3 (MLA heads, routed and shared experts) with 8 heads and 8 groups of 32 expert columns,
-and our own plans (qwen3_next's gated delta-net, mixtral) with counts in quarters: the unsplit
-model's greedy tokens, logits within 1e-4 relative, identical on every rank. Each rank reads its
-parts from the safetensors file, equal to its parts cut in memory. The 156M llama's proportions
-at N = 4 even: each rank holds at most 0.40x of the whole model's bytes.
+4-bit llama and qwen3_moe (in whole quantization groups), and our own plans (qwen3_next's gated
+delta-net, mixtral) with counts in quarters: the unsplit model's greedy tokens, logits within 1e-4
+relative, identical on every rank. Each rank reads its parts from the safetensors file, equal to
+its parts cut in memory. The 156M llama's proportions at N = 4 even: each rank holds at most 0.40x
+of the whole model's bytes (and, marked slow, of its peak resident memory above the baseline).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ OWN = {
                    "intermediate_size": 128, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
     "mixtral": {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128},
 }
+# 4-bit, group size 32: o_proj's 256 inputs and the experts' 256 columns are 8 groups.
+QUANTIZED = {"llama-q4": {**CONFIGS["llama"], "hidden_size": 256, "head_dim": 32},
+             "qwen3_moe-q4": {**CONFIGS["qwen3_moe"], "hidden_size": 256, "head_dim": 32}}
 # (ranks, --split, the cut every count takes)
 CASES = [(3, "even", (3, 3, 2)), (3, "2:1:1", (2, 1, 1)), (4, "even", (1, 1, 1, 1)), (4, "1:2:3:2", (1, 2, 3, 2))]
 # (quarters cannot give 2:1:2:3 on four ranks: one unit each is the nearest)
@@ -75,6 +79,8 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     dirs = {name: save_random_model(root / name, config) for name, config in CONFIGS.items()}
     for name, counts in OWN.items():
         dirs[name] = save_random_model(root / name, {**family_configs_own.CONFIGS[name][0], **counts})
+    for name, config in QUANTIZED.items():
+        dirs[name] = save_random_model(root / name, config, quantization={"group_size": 32, "bits": 4})
     return dirs
 
 
@@ -141,6 +147,17 @@ def test_our_own_plans_on_n_ranks(model_dirs, references, family, size, split, c
     _check_ranks(_decode_together(models, prompt), references[family], f"{family} on {size} ranks at {split}")
 
 
+@pytest.mark.parametrize("size, split, cut", CASES[:3], ids=[f"{n}-{s}" for n, s, _ in CASES[:3]])
+@pytest.mark.parametrize("family", QUANTIZED)
+def test_quantized_models_on_n_ranks(model_dirs, references, family, size, split, cut):
+    path = model_dirs[family]
+    models = _parts(path, size, split)
+    # o_proj's packed inputs and their scales in whole groups of 32 (one group a head here)
+    assert [m.model.layers[0].self_attn.o_proj.scales.shape[1] for m in models] == [8 * c // sum(cut) for c in cut]
+    prompt = mlx_lm.load(str(path))[1].encode(tiny_models.PROMPT)
+    _check_ranks(_decode_together(models, prompt), references[family], f"{family} on {size} ranks at {split}")
+
+
 def test_the_experts_split_n_ways(model_dirs):
     """qwen3_moe at 3:3:2: every expert's columns (and deepseek_v3's shared expert's) in whole
     groups of 32, each rank its run; the router whole on every rank."""
@@ -184,7 +201,7 @@ def test_even_on_four_ranks_that_divide_is_the_plans_own(model_dirs, monkeypatch
 
 
 @pytest.mark.parametrize("split", ["even", "2:1:1"])
-@pytest.mark.parametrize("family", [*CONFIGS, *OWN])
+@pytest.mark.parametrize("family", [*CONFIGS, *OWN, *QUANTIZED])
 def test_each_rank_reads_its_parts_from_the_file_at_three_ranks(model_dirs, family, split, monkeypatch):
     path = model_dirs[family]
     for rank in range(3):
