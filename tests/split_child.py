@@ -28,20 +28,25 @@ from mlx_ds4tp.model_split import AllSumGate, load_split  # noqa: E402
 from tiny_models import PROMPT, RankOnly, greedy_decode, stream_tokens  # noqa: E402
 
 
-def make_group(transport: str, rank: int, port: int):
+def make_group(transport: str, rank: int, port: int, size: int = 2):
     if transport == "ring":
         # MLX_RANK and MLX_HOSTFILE come from the parent.
         return mx.distributed.init(backend="ring", strict=True)
     from mlx_ds4tp import gate_ops
 
     extra = {"rdma_device": "ucsim"} if transport == "rdma" else {}
+    if size != 2:
+        # A mesh of our own (init's size=N): each worker asks for its rank.
+        extra["size"] = size
+        if rank:
+            extra["rank"] = rank
     if rank == 0:
         return gate_ops.init(role="leader", listen=("127.0.0.1", port), transport=transport, **extra)
     return gate_ops.init(role="worker", coordinator=("127.0.0.1", port), transport=transport, **extra)
 
 
 def run_pair(args) -> None:
-    group = make_group(args.transport, args.rank, args.port)
+    group = make_group(args.transport, args.rank, args.port, args.size)
     if group.rank() != args.rank or group.size() != args.size:
         raise SystemExit(f"group says rank {group.rank()} of {group.size()}, expected {args.rank} of {args.size}")
     out = Path(args.out)

@@ -37,6 +37,7 @@ from mlx_ds4tp.split.auto import ModelNeed, choose_share, choose_share_among
 from mlx_ds4tp.split.errors import ShareRefusedError
 from mlx_ds4tp.split.share import EVEN, SplitShare, UnitCut, nearest_cuts
 from mlx_ds4tp.testing.tiny_model import PRESETS, LlamaSizes, llama_config, save_random_model
+from splitutil import our_meshes, run_ranks, transports
 
 LOGITS_RTOL = 1e-4
 TOKENS = 16
@@ -403,3 +404,29 @@ def test_four_ranks_of_the_156m_llama_each_peak_near_a_quarter(tmp_path):
           + ", ".join(f"{r:.3f}" for r in ratios)
           + f" of it ({', '.join(str(p['peak_kb'] // 1024) for p in parts)} MiB peak)", file=sys.stderr)
     assert max(ratios) <= 0.40, ratios
+
+
+# ---------------------------------------------------------------------------------------------
+# Over a real group of N processes (our mesh, where this tree has it: tp.init(size=N))
+# ---------------------------------------------------------------------------------------------
+
+
+MESH_TRANSPORTS = [t for t in ("tcp", "rdma") if t in transports()]
+
+
+@pytest.mark.skipif(not our_meshes(), reason="our groups take two ranks here (no init(size=N))")
+@pytest.mark.parametrize("size, split", [(3, "even"), (3, "2:1:1"), (4, "even")])
+@pytest.mark.parametrize("transport", MESH_TRANSPORTS)
+def test_n_processes_over_our_mesh(model_dirs, references, transport, size, split, tmp_path):
+    """Each rank its own process over tcp or the emulated RDMA device: the unsplit tokens, logits
+    within 1e-4, identical on every rank, each rank's weights in proportion to its share."""
+    dirs = {family: model_dirs[family] for family in CONFIGS}
+    results = run_ranks(transport, dirs, tmp_path, ranks=size, split=split)
+    for family in dirs:
+        tokens, logits = references[family]
+        parts = results[family]
+        for rank, part in enumerate(parts):
+            assert part["tokens"].tolist()[:TOKENS] == tokens, f"{family} over {transport}: rank {rank}'s tokens"
+            assert np.array_equal(part["logits"], parts[0]["logits"]), f"{family}: rank {rank}'s logits differ"
+        err = float(np.abs(parts[0]["logits"][:TOKENS] - logits).max() / np.abs(logits).max())
+        assert err <= LOGITS_RTOL, f"{family} on {size} ranks at {split} over {transport}: {err:.2e}"
