@@ -4,7 +4,7 @@
         join the pair (N ranks over the ring), load_split every model (share S, default even), decode
         greedily, write DIR/rank{R}-{name}.npz (with the bytes of weights the rank holds),
         then pass a partial through AllSumGate and write DIR/rank{R}-gate.npz
-    split_child.py rss --mode whole|split [--rank R] [--split S] MODEL_DIR
+    split_child.py rss --mode whole|split [--rank R] [--size N] [--split S] MODEL_DIR
         load the model (whole with mlx_lm.load, or rank R's part with load_split) and print
         {"baseline_kb": ..., "peak_kb": ...} (peak RSS after the imports, and at the end)
 """
@@ -28,20 +28,25 @@ from mlx_ds4tp.model_split import AllSumGate, load_split  # noqa: E402
 from tiny_models import PROMPT, RankOnly, greedy_decode, stream_tokens  # noqa: E402
 
 
-def make_group(transport: str, rank: int, port: int):
+def make_group(transport: str, rank: int, port: int, size: int = 2):
     if transport == "ring":
         # MLX_RANK and MLX_HOSTFILE come from the parent.
         return mx.distributed.init(backend="ring", strict=True)
     from mlx_ds4tp import gate_ops
 
     extra = {"rdma_device": "ucsim"} if transport == "rdma" else {}
+    if size != 2:
+        # A mesh of our own (init's size=N): each worker asks for its rank.
+        extra["size"] = size
+        if rank:
+            extra["rank"] = rank
     if rank == 0:
         return gate_ops.init(role="leader", listen=("127.0.0.1", port), transport=transport, **extra)
     return gate_ops.init(role="worker", coordinator=("127.0.0.1", port), transport=transport, **extra)
 
 
 def run_pair(args) -> None:
-    group = make_group(args.transport, args.rank, args.port)
+    group = make_group(args.transport, args.rank, args.port, args.size)
     if group.rank() != args.rank or group.size() != args.size:
         raise SystemExit(f"group says rank {group.rank()} of {group.size()}, expected {args.rank} of {args.size}")
     out = Path(args.out)
@@ -89,7 +94,8 @@ def run_rss(args) -> None:
     if args.mode == "whole":
         model, _ = mlx_lm.load(args.model)
     else:
-        model, _ = load_split(args.model, RankOnly(args.rank), split=args.split)  # loading never calls a collective
+        # loading never calls a collective
+        model, _ = load_split(args.model, RankOnly(args.rank, args.size), split=args.split)
     print(json.dumps({"baseline_kb": baseline, "peak_kb": peak_rss_kb()}))
 
 
@@ -107,6 +113,7 @@ def main() -> None:
     rss = sub.add_parser("rss")
     rss.add_argument("--mode", choices=("whole", "split"), required=True)
     rss.add_argument("--rank", type=int, default=0)
+    rss.add_argument("--size", type=int, default=2)
     rss.add_argument("--split", default="even")
     rss.add_argument("model")
     args = parser.parse_args()

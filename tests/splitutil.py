@@ -36,12 +36,21 @@ def transports() -> list[str]:
     return found
 
 
+def our_meshes() -> bool:
+    """Whether our own groups take more than two ranks (init's size=N, the mesh)."""
+    try:
+        from mlx_ds4tp import gate_ops
+    except ImportError:
+        return False
+    return "size" in inspect.signature(gate_ops.init).parameters
+
+
 def run_ranks(transport: str, model_dirs: dict[str, Path], out: Path, ranks: int = 2,
               split: str = "even") -> dict[str, list]:
     """All ranks in their own processes, each loading its `split` share; {family: [rank0 npz,
     rank1 npz, ...]}. Never hangs.
 
-    More than 2 ranks only over MLX's ring (our own groups are pairs)."""
+    More than 2 ranks over MLX's ring, and over ours where our_meshes()."""
     port = free_port()
     env = {"HF_HUB_OFFLINE": "1", "DS4_TP_TIMEOUT_SEC": "60"}
     if transport == "ring":

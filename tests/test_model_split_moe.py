@@ -334,10 +334,12 @@ def test_expert_quantization_group_that_straddles_the_cut_is_refused():
     _assert_whole(model)
 
 
-def test_three_ranks_are_refused_naming_the_count():
+def test_more_ranks_than_kv_heads_are_refused_naming_the_count():
+    # Three ranks split even as the nearest cut the counts allow (the vocabulary at any row:
+    # its 512 rows need not divide by 3), but 2 KV heads cannot give each of 3 ranks one.
     model = _qwen3_moe()
-    with pytest.raises(ValueError, match=r"512 output features cannot be split evenly across 3 ranks; use a "
-                                         r"model whose sizes are a multiple of 3"):
+    with pytest.raises(ValueError, match=r"split even across 3 ranks: .* fewer whole units than the 3 ranks.*"
+                                         r"model.layers.0.self_attn.n_kv_heads=2.*run it on 2 ranks"):
         split_model(model, RankOnly(0, size=3))
     _assert_whole(model)
 

@@ -15,7 +15,7 @@ from ..errors import HelloMismatchError
 from ..link.config import LinkSettings
 from ..link.hello import hear_share, tell_share
 from .apply import ModelCuts
-from .auto import ModelNeed, choose_share, figures_line
+from .auto import ModelNeed, choose_share_among, figures_line
 from .measure import measure_rank
 from .share import EVEN, SplitSettings, SplitShare
 
@@ -39,7 +39,7 @@ def agree_share(group: Any, split: SplitSettings, need: ModelNeed,
         tell_share(pair.control, share.parts or (1, 1))
         return share
     parts = hear_share(pair.control)
-    share = EVEN if parts[0] == parts[1] else SplitShare(tuple(parts))
+    share = EVEN if len(set(parts)) == 1 else SplitShare(tuple(parts))
     leader, mine = pair.peer_hello.figures, pair.mine.figures
     figures = (f" ({figures_line('leader', leader)}; {figures_line('worker', mine)})"
                if leader.measured and mine.measured else "")
@@ -59,7 +59,7 @@ def _leader_share(pair: Any, split: SplitSettings, need: ModelNeed) -> SplitShar
     mine, theirs = pair.mine.figures, pair.peer_hello.figures
     log(f"split auto: {figures_line('leader', mine)}; {figures_line('worker', theirs)}")
     try:
-        share = choose_share(mine, theirs, need, **model_cuts(need))
+        share = choose_share_among([mine, theirs], need, **model_parts(need, 2))
     except ValueError as exc:
         pair.control.send_error(f"split auto: {exc}")
         raise
@@ -75,6 +75,15 @@ def model_cuts(need: ModelNeed) -> dict:
     return {"granules": cuts.granules, "kept": cuts.kept}
 
 
+def model_parts(need: ModelNeed, size: int) -> dict:
+    """choose_share_among's view, for `size` ranks, of what the model's counts allow (none
+    without the model's path): the granules, and each rank's part of the weights a share keeps."""
+    if need.path is None:
+        return {}
+    cuts = ModelCuts(need.path)
+    return {"granules": cuts.granules, "parts": lambda share: cuts.parts(share, size)}
+
+
 def with_figures(link: LinkSettings, split: SplitSettings) -> LinkSettings:
     """`link` with this rank's figures measured, when it measures them (SplitSettings.measures),
     so its hello carries them."""
@@ -83,4 +92,4 @@ def with_figures(link: LinkSettings, split: SplitSettings) -> LinkSettings:
     return dataclasses.replace(link, figures=measure_rank(split.memory_limit))
 
 
-__all__ = ["agree_share", "model_cuts", "with_figures"]
+__all__ = ["agree_share", "model_cuts", "model_parts", "with_figures"]

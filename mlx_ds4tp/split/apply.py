@@ -106,9 +106,10 @@ def split_model(
         float or quantized.
       group: an mx.distributed.Group: the one mlx_ds4tp.init(...) returns, or MLX's own.
         An object with only rank() and size() is enough to cut (its gates fail if run).
-      split: the share each rank keeps: "even" (default) or "A:B" (rank 0's part first, two
-        ranks), or a SplitShare. Where the model's counts cannot give it, the nearest share
-        that can is used and logged (split/units.py); "auto" must be resolved first.
+      split: the share each rank keeps: "even" (default) or "A:B[:C...]" (one part per rank of
+        the group, rank 0's first), or a SplitShare. Where the model's counts cannot give it,
+        the nearest share that can is used and logged (split/units.py); from three ranks that
+        holds for "even" too (8 KV heads on 3 ranks: 3:3:2). "auto" must be resolved first.
       read_part: (load_split passes one) reads a part straight from the model's files instead
         of cutting the loaded array; default None cuts in memory. A cut it cannot read (the
         plan's cut is not a selection of the saved tensor, or the saved layout differs) is
@@ -121,9 +122,11 @@ def split_model(
 
     Raises:
       ValueError: the family is not supported (the message lists the supported ones), a count
-        does not divide by the number of ranks (heads, KV heads, expert or MLP width, vocabulary,
-        quantization group: the message names the layer, the values and the fix), the share is
-        not one (or is "auto"), or the model is already split.
+        does not divide by two ranks' even split (heads, KV heads, expert or MLP width, vocabulary,
+        quantization group: the message names the layer, the values and the fix), a count has
+        fewer whole units than the group has ranks (the message names it and the group sizes
+        the model allows), the share is not one (or is "auto", or its parts do not match the
+        ranks), or the model is already split.
       TypeError: `group` is neither an mx.distributed.Group nor an object with rank()/size().
     """
     shard = plan_of(model)
@@ -133,10 +136,12 @@ def split_model(
     group = _shard_group(group)
     size, rank = int(group.size()), int(group.rank())
     vocab = _vocab_layers(model)
-    if share.is_even:
+    # A pair's even split keeps 1:1 exactly, as it always has, so its rows must divide by two;
+    # from three ranks the vocabulary is cut in proportion at any row, as an uneven share's is.
+    if share.is_even and size == 2:
         _check_vocab(model, vocab, size)
     layout = choose_layout(model, group, shard, share, trace=read_part is not None, label=_label(model))
-    if layout.vocab.is_even and not share.is_even:  # fell back to even: the rows must divide
+    if layout.vocab.is_even and not share.is_even and size == 2:  # fell back to even: the rows must divide
         _check_vocab(model, vocab, size)
     if not layout.is_even:
         log(layout.describe())
@@ -189,24 +194,30 @@ class ModelCuts:
         self.granules = share_granules(self._model, self._shard, self._label)
 
     def kept(self, share: SplitShare) -> float:
-        """The part of the split weights' bytes rank 0 keeps when a load asks for `share`
-        (choose_layout's cuts, on rank 0's twin: the attention's, the columns' and the
-        vocabulary's each by its own share)."""
-        if share.is_even:
-            return 0.5
-        layout = choose_layout(self._model, cut_only_group(0, 2), self._shard, share, trace=False,
+        """The part of the split weights' bytes rank 0 of a pair keeps when a load asks for
+        `share`."""
+        return self.parts(share, 2)[0]
+
+    def parts(self, share: SplitShare, size: int) -> tuple[float, ...]:
+        """The part of the split weights' bytes each of `size` ranks keeps when a load asks for
+        `share` (choose_layout's cuts, on rank 0's twin, the same for every rank: the
+        attention's, the columns' and the vocabulary's each by its own share)."""
+        if share.is_even and size == 2:
+            return (0.5, 0.5)
+        layout = choose_layout(self._model, cut_only_group(0, size), self._shard, share, trace=False,
                                label=self._label)
         vocab = {path for path, _ in _vocab_layers(self._model)}
-        held = whole = 0
+        held, whole = [Fraction(0)] * size, 0
         for path, value in tree_flatten(self._model.parameters()):
             if path in layout.plan.axes:
-                held += value.nbytes * layout.fraction(path)
+                held = [h + value.nbytes * layout.fraction_of(path, r) for r, h in enumerate(held)]
             elif under(path, vocab):
-                held += value.nbytes * Fraction(layout.vocab.counts[0], layout.vocab.units)
+                held = [h + value.nbytes * Fraction(layout.vocab.counts[r], layout.vocab.units)
+                        for r, h in enumerate(held)]
             else:
                 continue
             whole += value.nbytes
-        return float(held / whole) if whole else 0.5
+        return tuple(float(h / whole) if whole else 1 / size for h in held)
 
 
 def agree_model(model_path: Path, group: Any) -> None:

@@ -14,6 +14,11 @@ matrices keep the widths the kernels are fast at); the MLP's columns and the voc
 share of their own where they can (split/columns.py). Where the wanted share cannot be cut so,
 the nearest that can is used and logged. A plan that does more with the group than cut and sum (a
 norm that divides by the group's size, an array it derives from it) splits evenly, logged.
+
+The same runs for N ranks: a rank's units are a run of the cut, however many ranks share it. On
+three or more ranks an even share whose counts do not divide by N (8 KV heads on 3) is the
+nearest cut too (3:3:2), logged; every rank keeps at least one unit, and a model with fewer
+units of a count than ranks is refused naming the count and the group sizes it allows.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from ..collectives.backend import cut_only_group
 from .columns import column_paths, recut, segments
 from .derive import ArrayCut, ShardPlan, derive_plan, set_array
 from .errors import EvenCutOnlyError
-from .share import SplitShare, UnitCut, nearest_cuts
+from .share import MAX_RANKS, MAX_UNITS, SplitShare, UnitCut, nearest_cuts
 
 # MLP and expert columns per unit of a float model: a multiple of the kernels' tile width.
 FLOAT_COLUMNS = 32
@@ -68,8 +73,12 @@ class Layout:
 
     def fraction(self, path: str) -> Fraction:
         """The part of the whole this rank keeps of the array at `path` (its class's share)."""
+        return self.fraction_of(path, self.rank)
+
+    def fraction_of(self, path: str, rank: int) -> Fraction:
+        """The part of the whole `rank` keeps of the array at `path` (the cut is every rank's)."""
         cut = self.columns if path in self.column_arrays else self.cut
-        return Fraction(cut.counts[self.rank], cut.units)
+        return Fraction(cut.counts[rank], cut.units)
 
     def takes_runs(self, path: str) -> bool:
         """Whether the array's part must be taken by its runs (the plan's own cut is one unit
@@ -154,25 +163,39 @@ def _unit_plan(model: nn.Module, shard: Callable, cut: UnitCut, rank: int, label
     return plan, per_unit
 
 
-def _heads_cut(model: nn.Module, shard: Callable, share: SplitShare, size: int, rank: int, label: str,
-               granules: int, even: bool) -> Optional[tuple[UnitCut, ShardPlan, list]]:
+@dataclass(frozen=True)
+class _Ask:
+    """What choose_layout was asked for: the model, its plan and the plan's label, the share
+    with one part per rank (an even share on three or more ranks as 1:1:1...), the group's
+    size and this rank, and the share's name in the logs."""
+
+    model: nn.Module
+    shard: Callable
+    share: SplitShare
+    size: int
+    rank: int
+    label: str
+    name: str
+
+
+def _heads_cut(ask: _Ask, granules: int, even: bool) -> Optional[tuple[UnitCut, ShardPlan, list]]:
     """The nearest cut of `granules` units the plan runs for (the even one only if `even`)."""
-    for cut in nearest_cuts(share, size, granules):
+    for cut in nearest_cuts(ask.share, ask.size, granules):
         if cut.is_even and not even:
             return None
         try:
-            return (cut, *_unit_plan(model, shard, cut, rank, label))
+            return (cut, *_unit_plan(ask.model, ask.shard, cut, ask.rank, ask.label))
         except ValueError:
             continue
     return None
 
 
-def _with_columns(model: nn.Module, shard: Callable, share: SplitShare, size: int, rank: int, label: str,
-                  base: ShardPlan, counts: list[tuple[int, str, bool]]) -> Optional[Layout]:
+def _with_columns(ask: _Ask, base: ShardPlan, counts: list[tuple[int, str, bool]]) -> Optional[Layout]:
     """The layout whose MLP columns take their own share (split/columns.py); None where the
-    columns' cuts cannot be recut, or neither class gives more than 1:1."""
+    columns' cuts cannot be recut, or neither class gives more than an even cut."""
+    model, rank = ask.model, ask.rank
     columns = column_paths(base)
-    found = _heads_cut(model, shard, share, size, rank, label, gcd(*(u for u, _, c in counts if not c)), True)
+    found = _heads_cut(ask, gcd(*(u for u, _, c in counts if not c)), True)
     if found is None:
         return None
     cut, plan, per_unit = found
@@ -183,7 +206,7 @@ def _with_columns(model: nn.Module, shard: Callable, share: SplitShare, size: in
         spans[path] = segments([p.cuts[path].runs for p in per_unit])
         if spans[path] is None:
             return None
-    for cols in nearest_cuts(share, size, gcd(*(u for u, _, c in counts if c))):
+    for cols in nearest_cuts(ask.share, ask.size, gcd(*(u for u, _, c in counts if c))):
         recuts = {path: recut(plan.cuts[path], span, _granule(path, shapes[path], plan.axes[path], modules, heads),
                               cols, rank) for path, span in spans.items()}
         if all(recuts.values()):
@@ -193,10 +216,13 @@ def _with_columns(model: nn.Module, shard: Callable, share: SplitShare, size: in
     if cut.is_even and cols.is_even:
         return None
     plan.cuts.update(recuts)
-    wanted = UnitCut(share.parts)
-    if cut != wanted or cols != wanted:
+    wanted = UnitCut(ask.share.parts)
+    if cols == cut != wanted:
+        limits = _limits([(u, name) for u, name, _ in counts], wanted.units)
+        log(f"split {ask.name}: using {cut} (rank 0's part first), the nearest every count allows ({limits})")
+    elif cut != wanted or cols != wanted:
         limits = _limits([(u, name) for u, name, c in counts if not c], wanted.units)
-        log(f"split {share}: the attention's counts take {cut}, the nearest they can ({limits}); the MLP's "
+        log(f"split {ask.name}: the attention's counts take {cut}, the nearest they can ({limits}); the MLP's "
             f"columns and the vocabulary take {cols}")
     if cols == cut:
         return Layout(cut, rank, plan, cut_only_group(cut.first(rank), cut.units))
@@ -208,49 +234,139 @@ def _even(model: nn.Module, group: Any, shard: Callable, trace: bool, label: str
     return Layout(UnitCut((1,) * size), rank, derive_plan(model, group, shard, trace=trace, label=label), group)
 
 
+def _base_plan(model: nn.Module, group: Any, shard: Callable, label: str, fall_back: bool) -> ShardPlan:
+    """What the plan cuts and divides (no indices yet), from a twin cut for the group's size;
+    with `fall_back` (three or more ranks, whose number may not divide the counts: 8 KV heads
+    on 3), from the first unit count that does where it does not: the counts and cut axes are
+    the same, only their units differ. The group's own refusal (naming the layer and the fix)
+    where none does."""
+    try:
+        return derive_plan(model, group, shard, trace=False, label=label)
+    except ValueError as refusal:
+        if not fall_back:
+            raise
+        first = refusal
+    for units in range(2, MAX_UNITS + 1):
+        try:
+            return derive_plan(model, cut_only_group(0, units), shard, trace=False, label=label)
+        except ValueError:
+            continue
+    raise first
+
+
+def _sizes_that_fit(ask: _Ask, counts: list[tuple[int, str, bool]]) -> list[int]:
+    """The group sizes other than ask.size this model's counts allow: those every count divides
+    by (the plan's own even cut), and those each class of counts (the attention's, the columns')
+    has a cut into at least as many whole units for."""
+    def units_for(n: int, kind: Optional[bool]) -> bool:
+        granules = gcd(*(u for u, _, c in counts if kind is None or c is kind))
+        return any(granules % d == 0 for d in range(n, min(granules, MAX_UNITS) + 1))
+
+    kinds = [None] if len({c for *_, c in counts}) == 1 else [False, True]
+    fits = []
+    for n in range(2, MAX_RANKS + 1):
+        if n == ask.size:
+            continue
+        if all(units_for(n, kind) for kind in kinds):
+            fits.append(n)
+            continue
+        try:
+            derive_plan(ask.model, cut_only_group(0, n), ask.shard, trace=False, label=ask.label)
+            fits.append(n)
+        except ValueError:
+            continue
+    return fits
+
+
+def _fewer_ranks(ask: _Ask, counts: list[tuple[int, str, bool]]) -> str:
+    """Why no cut gives every one of ask.size ranks a part of every count, and the fix."""
+    size = ask.size
+    short = sorted((name for whole, name, _ in counts if whole < size), key=_natural)
+    fits = _sizes_that_fit(ask, counts)
+    fix = (f"run it on {' or '.join(map(str, fits))} ranks, which its counts allow, or use a model whose "
+           f"counts divide among {size}" if fits else
+           f"its counts allow no group of 2 to {MAX_RANKS} ranks: run it on one Mac")
+    if short:
+        return (f"{len(short)} count(s) have fewer whole units than the {size} ranks, each of which needs "
+                f"at least one: {', '.join(short[:3])}; {fix}")
+    return f"{_limits([(u, name) for u, name, _ in counts], size)}; {fix}"
+
+
+def _uneven(ask: _Ask, group: Any, trace: bool) -> Layout:
+    """The layout of the cut nearest ask.share (its parts one per rank) the counts allow."""
+    size = ask.size
+    base = _base_plan(ask.model, group, ask.shard, ask.label, size > 2)
+    counts = _counts(ask.model, base)
+    wanted = UnitCut(ask.share.parts)
+    try:
+        if {c for *_, c in counts} == {True, False}:
+            layout = _with_columns(ask, base, counts)
+            if layout is not None:
+                return layout
+        found = _heads_cut(ask, gcd(*(u for u, *_ in counts)), size > 2)
+    except EvenCutOnlyError as reason:
+        log(f"split {ask.name}: {ask.label} can only split evenly ({reason}); splitting {UnitCut((1,) * size)}")
+        try:
+            return _even(ask.model, group, ask.shard, trace, ask.label)
+        except ValueError as exc:
+            raise ValueError(f"split {ask.name}: {ask.label} can only split evenly ({reason}), and its "
+                             f"counts do not divide among {size} ranks ({exc})") from None
+    if found is None and size > 2:
+        raise ValueError(f"split {ask.name}: no cut of every count into whole units gives each of the "
+                         f"{size} ranks a part ({_fewer_ranks(ask, counts)})")
+    if found is None:
+        log(f"split {ask.name}: no share but 1:1 cuts every count into whole units "
+            f"({_limits([(u, name) for u, name, _ in counts], wanted.units)}); splitting 1:1")
+        return _even(ask.model, group, ask.shard, trace, ask.label)
+    cut, plan, _ = found
+    if cut != wanted:
+        log(f"split {ask.name} is not a whole number of units of every count; using {cut} (rank 0's part "
+            f"first), the nearest that is ({_limits([(u, name) for u, name, _ in counts], wanted.units)})")
+    if cut.is_even:
+        return _even(ask.model, group, ask.shard, trace, ask.label)
+    return Layout(cut, ask.rank, plan, cut_only_group(cut.first(ask.rank), cut.units))
+
+
 def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitShare, *,
                   trace: bool, label: str) -> Layout:
-    """The cut nearest `share` that this model's counts and plan allow, for group.rank(), the
-    MLP's columns cut on their own where they can (split/columns.py); the plan's errors
-    (ValueError naming the layer and the fix) as for an even split."""
+    """The cut nearest `share` that this model's counts and plan allow, for group.rank() of
+    group.size(), the MLP's columns cut on their own where they can (split/columns.py); the
+    plan's errors (ValueError naming the layer and the fix) as for an even split.
+
+    Even is 1:1 as it is on two ranks (a count that does not divide by 2 is refused); on three
+    or more, where the counts do not divide by the ranks, it is the nearest cut they allow
+    (8 KV heads on 3 ranks: 3:3:2), logged naming the counts. ValueError naming the counts and
+    the fix where no cut gives every rank a part (more ranks than KV heads)."""
     size, rank = int(group.size()), int(group.rank())
     share.check(size)
     if share.is_even:
-        return _even(model, group, shard, trace, label)
-    base = derive_plan(model, group, shard, trace=False, label=label)
-    counts = _counts(model, base)
-    wanted = UnitCut(share.parts)
-    try:
-        if {c for *_, c in counts} == {True, False}:
-            layout = _with_columns(model, shard, share, size, rank, label, base, counts)
-            if layout is not None:
-                return layout
-        found = _heads_cut(model, shard, share, size, rank, label, gcd(*(u for u, *_ in counts)), False)
-    except EvenCutOnlyError as reason:
-        log(f"split {share}: {label} can only split evenly ({reason}); splitting 1:1")
-        return _even(model, group, shard, trace, label)
-    if found is None:
-        log(f"split {share}: no share but 1:1 cuts every count into whole units "
-            f"({_limits([(u, name) for u, name, _ in counts], wanted.units)}); splitting 1:1")
-        return _even(model, group, shard, trace, label)
-    cut, plan, _ = found
-    if cut != wanted:
-        log(f"split {share} is not a whole number of units of every count; using {cut}, the nearest "
-            f"that is ({_limits([(u, name) for u, name, _ in counts], wanted.units)})")
-    return Layout(cut, rank, plan, cut_only_group(cut.first(rank), cut.units))
+        if size <= 2:
+            return _even(model, group, shard, trace, label)
+        try:
+            return _even(model, group, shard, trace, label)
+        except ValueError:
+            ask = _Ask(model, shard, SplitShare(share.wanted(size)), size, rank, label, f"even across {size} ranks")
+            return _uneven(ask, group, trace)
+    return _uneven(_Ask(model, shard, share, size, rank, label, str(share)), group, trace)
 
 
 def share_granules(model: nn.Module, shard: Callable, label: str) -> int:
     """G: every share u/n with n dividing G is one a load takes as it is, the attention's counts
     and the MLP's columns each in their own units (the shares `--split auto` picks among,
     split/auto.py)."""
-    base = derive_plan(model, cut_only_group(0, 2), shard, trace=False, label=label)
+    base = _base_plan(model, cut_only_group(0, 2), shard, label, True)
     counts = _counts(model, base)
     return lcm(*(gcd(*(u for u, _, c in counts if c is kind)) or 1 for kind in (False, True)))
 
 
+def _natural(name: str) -> tuple:
+    """The counts the plan divides (heads: "path.attr=value") before the arrays' ("path: ..."),
+    layer 2 before layer 10 (the names' numbers as numbers)."""
+    return (":" in name, *((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.replace("=", ".").split(".")))
+
+
 def _limits(counts: list[tuple[int, str]], units: int) -> str:
-    short = [name for whole, name in counts if whole % units]
+    short = sorted((name for whole, name in counts if whole % units), key=_natural)
     if not short:
         return "the plan refused it"
     return f"{len(short)} count(s) do not divide into {units}: " + ", ".join(short[:3])
