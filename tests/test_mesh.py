@@ -93,3 +93,32 @@ def test_a_one_direction_drop_on_one_link_recreates_only_that_link():
     # Only ranks 1 and 2 rebuilt a queue pair.
     assert not re.search(r"recreating the queue pair", errs[0]), errs[0]
     assert all(re.search(r"recreating the queue pair \(setup attempt 1\)", errs[r]) for r in (1, 2))
+
+
+def test_split_releases_the_interpreter_so_ranks_in_threads_split_together():
+    import threading
+
+    import mlx.core as mx
+
+    import mlx_ds4tp as tp
+
+    port, size, out = free_port(), 3, {}
+
+    def rank(r: int) -> None:
+        where = ({"role": "leader", "listen": ("127.0.0.1", port)} if r == 0
+                 else {"role": "worker", "coordinator": ("127.0.0.1", port), "rank": r})
+        try:
+            with tp.init(transport="tcp", timeout=20.0, size=size, **where) as g:
+                sub = g.split(0 if r < 2 else 1)
+                y = tp.all_sum(mx.full((5,), float(r + 1)), group=sub) if sub.size() > 1 else None
+                out[r] = (sub.rank(), sub.size(), None if y is None else float(y[0].item()))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung in split"
+    assert out == {0: (0, 2, 3.0), 1: (1, 2, 3.0), 2: (0, 1, None)}, out
