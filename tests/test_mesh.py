@@ -71,10 +71,11 @@ def test_mlx_lm_shard_over_four_ranks_gives_the_unsplit_tokens_and_logits():
         assert report["identical_on_all"] and report["tokens_equal"], report
 
 
-@pytest.mark.parametrize("size,victim", [(3, 0), (3, 2), (4, 1), (4, 3)])
-def test_a_killed_rank_makes_every_other_rank_raise_within_a_second(tmp_path, size, victim):
+@pytest.mark.parametrize("size,victim,transport", [(3, 0, "tcp"), (3, 2, "tcp"), (4, 1, "tcp"), (4, 3, "tcp"),
+                                                   (3, 1, "rdma"), (4, 0, "rdma")])
+def test_a_killed_rank_makes_every_other_rank_raise_within_a_second(tmp_path, size, victim, transport):
     survivors = [r for r in range(size) if r != victim]
-    reports, _ = run_mesh(size, "tcp", "die", str(victim), cwd=str(tmp_path), ok=survivors, timeout=60)
+    reports, _ = run_mesh(size, transport, "die", str(victim), cwd=str(tmp_path), ok=survivors, timeout=60)
     died = float((tmp_path / "died.txt").read_text())
     for r in survivors:
         report = reports[r]
