@@ -38,7 +38,7 @@ The bound is checked before anything is allocated.
 | KV_ROOM          | KV_ROOM_PAYLOAD (KV bits, group size, measured, tokens); the worker answers with the same layout | 64 |
 | JOIN             | JOIN_PAYLOAD (version, size, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a mesh of N ranks (link/mesh.py) | 128 |
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
-| MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, and first on every mesh link's control connection | 64 |
+| MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
