@@ -159,7 +159,6 @@ def _draw(tok, grammar: str, seed: int, limit: int = 400) -> str:
     import mlx.core as mx
     import numpy as np
 
-    from mlx_ds4tp.lockstep.grammar import Grammars
     from mlx_ds4tp.lockstep.row_sampling import RowSampler
     from mlx_ds4tp.lockstep.sampling import SamplingOptions
 
