@@ -275,7 +275,8 @@ def test_a_tool_that_is_not_strict_takes_any_arguments(parser):
     assert _consume(tok, grammar, text), text
     tools = [_tool("note", {"type": "object"}, strict=False)]
     ((name, arguments),) = _calls(tok, tools, text)
-    assert name == "note" and arguments["text"] == "a <b> c" and arguments["n"] in ([1, 2], 2)
+    # A parser that types values by the schema reads those of a tool without properties as text.
+    assert name == "note" and arguments["text"] == "a <b> c" and arguments["n"] in ([1, 2], 2, "[1, 2]")
 
 
 @pytest.mark.parametrize("parser", sorted(ADDED))
