@@ -336,3 +336,37 @@ def test_every_parser_mlx_lm_ships_has_a_grammar():
     shipped = {f[:-3] for f in os.listdir(os.path.dirname(parsers.__file__))
                if f.endswith(".py") and f != "__init__.py"}
     assert shipped == set(FORMATS) == set(ADDED)
+
+
+# parser -> (a string parameter "x"'s call with a value holding a marker that would cut the
+# call short as mlx-lm reads it, the same call with a value that holds none).
+CUT = {
+    "minicpm5": ('<function name="send"><param name="x">a</function>b</param></function>',
+                 '<function name="send"><param name="x">a b</param></function>'),
+    "qwen3_coder": ("<tool_call>\n<function=send>\n<parameter=x>\nnull\n</parameter>\nb\n</parameter>\n</function>\n"
+                    "</tool_call>", "<tool_call>\n<function=send>\n<parameter=x>\nnull b\n</parameter>\n</function>\n"
+                                    "</tool_call>"),
+    "glm47": ("<tool_call>send<arg_key>x</arg_key><arg_value>a</tool_call></arg_value></tool_call>",
+              "<tool_call>send<arg_key>x</arg_key><arg_value>a b</arg_value></tool_call>"),
+    "gemma4": ('<|tool_call>call:send{x:<|"|>a<tool_call|><|"|>}<tool_call|>',
+               '<|tool_call>call:send{x:<|"|>a<|"|>}<tool_call|>'),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(CUT))
+def test_a_raw_value_never_holds_a_marker_that_ends_it(parser):
+    """A raw string value cannot hold its block's close (past which the parser would not read
+    it) nor the call's closing marker (where mlx-lm's reading ends the call), whether the
+    marker is a token or its spelling in text."""
+    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+    from mlx_ds4tp.lockstep.errors import GrammarError
+
+    tok = format_tokenizer(parser)
+    params = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    grammar = tool_call_grammar([("send", params)], _fmt(tok, parser), required=True)
+    cut, whole = CUT[parser]
+    assert _consume(tok, grammar, whole)
+    with pytest.raises(GrammarError):
+        _consume(tok, grammar, cut)
+    ((name, arguments),) = _calls(tok, [_tool("send", params)], whole)
+    assert name == "send" and arguments["x"] in ("a b", "null b", "a")

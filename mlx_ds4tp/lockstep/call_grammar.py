@@ -40,7 +40,7 @@ def call_format(tokenizer, parser: str, start: str, end: str) -> CallFormat:
     single = len(think) == 2 and all(m.startswith("<[") and " " not in m for m in think)
     marks = tuple((m, marker(tokenizer, m)) for m in FORMATS[parser][0])
     return CallFormat(parser, marker(tokenizer, start), marker(tokenizer, end) if end else "", start, marks,
-                      tuple(think) if single else ())
+                      tuple(think) if single else (), end or "")
 
 
 def tool_call_grammar(calls: Sequence[Tuple[str, Dict[str, Any]]], fmt: CallFormat, required: bool,

@@ -45,8 +45,9 @@ class CallFormat:
     """How one tokenizer writes a tool call: mlx-lm's tool parser (`parser`, the module's name),
     the markers as Lark expressions (marker(); `end` "" where the format has none, as Mistral's),
     the opening marker as text (plain text must never contain it), the markers a format writes
-    inside a call (`marks`: (text, Lark expression)), and the tokenizer's reasoning markers where
-    each is one token (Qwen3's `<think>`, `</think>`; () otherwise)."""
+    inside a call (`marks`: (text, Lark expression)), the tokenizer's reasoning markers where
+    each is one token (Qwen3's `<think>`, `</think>`; () otherwise), and the closing marker as
+    text (a raw value must never hold it: mlx-lm's reading ends the call at its first)."""
 
     parser: str
     start: str
@@ -54,6 +55,7 @@ class CallFormat:
     start_text: str
     marks: Tuple[Tuple[str, str], ...] = ()
     think: Tuple[str, ...] = ()
+    end_text: str = ""
 
     def mark(self, text: str) -> str:
         """The Lark expression of `text`: a marker of the format's as the tokenizer holds it,
@@ -116,7 +118,7 @@ def raw_string(fmt: CallFormat, tag: str, where: str, schema: Dict[str, Any], ra
     close = fmt.mark(raw.close)
     if "enum" in schema or "const" in schema:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
-        kept = [v for v in values if isinstance(v, str) and _fits(v, raw)]
+        kept = [v for v in values if isinstance(v, str) and _fits(v, raw) and not (fmt.end_text and fmt.end_text in v)]
         if not kept:
             raise GrammarError(f"{where}: none of its values {json.dumps(values)[:80]} can be written raw in a "
                                f"{fmt.parser} call")
@@ -135,7 +137,7 @@ def closed_text(fmt: CallFormat, tag: str, regexes: Sequence[str], raw: RawText)
     The value never holds the close (the parser's value ends at its first), nor `raw.forbid`."""
     close = fmt.mark(raw.close)
     end = regex_literal(raw.close)
-    forbid = "|".join(regex_literal(f) for f in raw.forbid)
+    forbid = "|".join(regex_literal(f) for f in (*raw.forbid, fmt.end_text) if f)
     term = f"v_{tag.lower()}"  # a rule of one lexeme: [lazy] is a rule's attribute
     if "<[" not in close:
         # The close is text: one lexeme up to it, ended lazily at its first occurrence (and
