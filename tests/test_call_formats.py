@@ -348,6 +348,10 @@ CUT = {
                                     "</tool_call>"),
     "glm47": ("<tool_call>send<arg_key>x</arg_key><arg_value>a</tool_call></arg_value></tool_call>",
               "<tool_call>send<arg_key>x</arg_key><arg_value>a b</arg_value></tool_call>"),
+    "muse_spark": ('<atem:function_calls><atem:invoke name="send"><atem:parameter name="x">a</atem:function_calls>b'
+                   '</atem:parameter></atem:invoke></atem:function_calls>',
+                   '<atem:function_calls><atem:invoke name="send"><atem:parameter name="x">a b</atem:parameter>'
+                   '</atem:invoke></atem:function_calls>'),
     "gemma4": ('<|tool_call>call:send{x:<|"|>a<tool_call|><|"|>}<tool_call|>',
                '<|tool_call>call:send{x:<|"|>a<|"|>}<tool_call|>'),
 }

@@ -95,12 +95,14 @@ def regex_literal(text: str) -> str:
 class RawText:
     """A value written as raw text up to a closing marker, as a parser reads it back: `strip`
     where the parser strips the value (no blank at either end), `never` the regexes the whole
-    value must not match (a parser's null, a CDATA block), `forbid` text it must not hold."""
+    value must not match (a parser's null, a CDATA block), `forbid` text it must not hold,
+    `shape` regexes it must match besides its schema's."""
 
     close: str
     strip: bool = False
     never: Tuple[str, ...] = ()
     forbid: Tuple[str, ...] = ()
+    shape: Tuple[str, ...] = ()
 
 
 # The keywords a raw string value is held to (the rest describe it).
@@ -129,7 +131,7 @@ def raw_string(fmt: CallFormat, tag: str, where: str, schema: Dict[str, Any], ra
         regexes.append(r"(\S((?s:.*)\S)?)?")
     if "pattern" in schema:
         regexes.append(pattern_regex(where, schema["pattern"]))
-    return closed_text(fmt, tag, regexes, raw)
+    return closed_text(fmt, tag, regexes + list(raw.shape), raw)
 
 
 def closed_text(fmt: CallFormat, tag: str, regexes: Sequence[str], raw: RawText) -> Tuple[str, List[str]]:
@@ -168,7 +170,8 @@ def _fits(value: str, raw: RawText) -> bool:
     import re
 
     return (not raw.strip or value == value.strip()) and raw.close not in value and \
-        not any(f in value for f in raw.forbid) and not any(re.fullmatch(n, value) for n in raw.never)
+        not any(f in value for f in raw.forbid) and not any(re.fullmatch(n, value) for n in raw.never) and \
+        all(re.fullmatch(r, value) for r in raw.shape)
 
 
 def pattern_regex(where: str, pattern: Any) -> str:

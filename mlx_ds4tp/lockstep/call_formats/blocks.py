@@ -82,6 +82,10 @@ FORMATS["laguna"] = FORMATS["glm47"]
 MARKS = {"glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
          "longcat": ("<longcat_arg_key>", "</longcat_arg_key>", "<longcat_arg_value>", "</longcat_arg_value>")}
 MARKS["laguna"] = MARKS["glm47"]
+# muse_spark's raw string: its parser reads JSON first, so the text must not be JSON (a string,
+# number, array, object, or one of the words json.loads takes).
+NOT_JSON = RawText("</atem:parameter>", strip=True, never=("(true|false|null|NaN|Infinity)",),
+                   shape=(r'([^\s"\[{\-0-9](?s:.*))?',))
 # A name or key is written bare or between double quotes: it cannot hold blanks, quotes or <>.
 PLAIN_NAME = re.compile(r"[^\s<>\"'&]+")
 
@@ -158,30 +162,33 @@ def _value(fmt: CallFormat, tag: str, where: str, schema: Any, spec: Blocks,
     close = f" {fmt.spell(spec.close)}{_after(fmt, spec)}"
     as_json = f"{json_value(_resolved(where, schema, params))}{close}"
     if spec.typing == "json":
-        return as_json, []
+        if schema.get("type") != "string":
+            return as_json, []
+        # A string as JSON, or raw where its text is not JSON (which the parser would read as such).
+        value, rules = raw_string(fmt, tag, where, schema, NOT_JSON)
+        return f"({value}{_after(fmt, spec)} | {as_json})", rules
     if spec.typing == "string_raw":
         # Its parser reads a parameter raw when the schema's type is "string", else as JSON.
         if schema.get("type") != "string":
             return as_json, []
-    elif _one_type(where, schema, spec.typing) in JSON_TYPES:
+    elif _one_type(where, schema, fmt.parser) in JSON_TYPES:
         return as_json, []
     value, rules = raw_string(fmt, tag, where, schema, spec.raw)
     return value + _after(fmt, spec), rules
 
 
-def _one_type(where: str, schema: Dict[str, Any], typing: str) -> str:
+def _one_type(where: str, schema: Dict[str, Any], parser: str) -> str:
     """The one type a "coder" or "typed" parser converts the value by; GrammarError otherwise."""
     kind = schema.get("type")
     values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
     if kind is None and values and all(isinstance(v, str) for v in values):
         kind = "string"
     several = [k for k in ("anyOf", "oneOf", "allOf") if k in schema]
-    if several or not isinstance(kind, str) or (kind != "string" and values is not None and typing == "typed"
+    if several or not isinstance(kind, str) or (kind != "string" and values is not None and parser != "qwen3_coder"
                                                 and len({_json_type(v) for v in values} | {kind}) > 1):
-        raise GrammarError(f"{where}: a {('qwen3_coder' if typing == 'coder' else 'minimax_m2/minicpm5')} call "
-                           f"reads a parameter by one 'type' (string, integer, number, boolean, object, array), "
-                           f"not {json.dumps(schema)[:80]}")
-    if kind not in JSON_TYPES | {"string"} or (typing == "coder" and kind == "null"):
+        raise GrammarError(f"{where}: a {parser} call reads a parameter by one 'type' (string, integer, number, "
+                           f"boolean, object, array), not {json.dumps(schema)[:80]}")
+    if kind not in JSON_TYPES | {"string"} or (parser == "qwen3_coder" and kind == "null"):
         raise GrammarError(f"{where}: its type {kind!r} is not one this format reads back")
     return kind
 
