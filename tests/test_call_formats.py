@@ -374,3 +374,30 @@ def test_a_raw_value_never_holds_a_marker_that_ends_it(parser):
         _consume(tok, grammar, cut)
     ((name, arguments),) = _calls(tok, [_tool("send", params)], whole)
     assert name == "send" and arguments["x"] in ("a b", "null b", "a")
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("longcat", '<longcat_tool_call>{"name":"send","arguments":{}}</longcat_tool_call>'),
+    ("glm47", "<tool_call>send</tool_call>"),
+    ("gemma4", "<|tool_call>call:send{}<tool_call|>"),
+    ("pythonic", "<|tool_call_start|>[send()]<|tool_call_end|>"),
+])
+def test_a_call_may_leave_every_optional_key_out(parser, text):
+    """A tool whose keys are all optional may be called without any, as its parser reads such a
+    call (longcat's cannot read a name alone: that call is its JSON form); or with only a later
+    key."""
+    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+
+    tok = format_tokenizer(parser)
+    params = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "additionalProperties": False}
+    grammar = tool_call_grammar([("send", params)], _fmt(tok, parser), required=True)
+    assert _consume(tok, grammar, text)
+    assert _calls(tok, [_tool("send", params)], text) == [("send", {})]
+    only_b = {"longcat": "<longcat_tool_call>send<longcat_arg_key>b</longcat_arg_key><longcat_arg_value>true"
+                         "</longcat_arg_value></longcat_tool_call>",
+              "glm47": "<tool_call>send<arg_key>b</arg_key><arg_value>true</arg_value></tool_call>",
+              "gemma4": "<|tool_call>call:send{b:true}<tool_call|>",
+              "pythonic": "<|tool_call_start|>[send(b=true)]<|tool_call_end|>"}[parser]
+    assert _consume(tok, grammar, only_b)
+    assert _calls(tok, [_tool("send", params)], only_b) == [("send", {"b": True})]

@@ -104,7 +104,7 @@ def block_call(fmt: CallFormat, rule: str, tag: str, name: str, params: Dict[str
         value, rules = _free_value(fmt, tag, spec)
         param = f"param_{tag}"
         rules.append(f"{param}: {before} {key} {after_key} {value}")
-        return [_call_line(rule, opening, f"{param}*", ending, spec, name), *rules]
+        return [_call_line(rule, (opening, f"{param}*", ending), spec, name, True), *rules]
     required, optional = ordered_keys(properties, params)
     parts, rules = {}, []
     for j, key in enumerate(properties):
@@ -116,14 +116,15 @@ def block_call(fmt: CallFormat, rule: str, tag: str, name: str, params: Dict[str
         rules += value_rules
         parts[key] = part
     body = sequence([parts[k] for k in required], [parts[k] for k in optional], "")
-    return [_call_line(rule, opening, body, ending, spec, name), *rules]
+    return [_call_line(rule, (opening, body, ending), spec, name, not required), *rules]
 
 
-def _call_line(rule: str, opening: str, body: str, ending: str, spec: Blocks, name: str) -> str:
-    """`rule`'s line. Where every block may be left out (`body` ends in ? or *) and the format
-    writes a call without arguments otherwise (longcat's parser cannot read a name alone): one
-    block or more, or that text."""
-    if not spec.empty or body[-1:] not in ("?", "*"):
+def _call_line(rule: str, parts: Tuple[str, str, str], spec: Blocks, name: str, may_be_empty: bool) -> str:
+    """`rule`'s line: the opening, the blocks (`body`), the ending. Where every block may be
+    left out (`body` ends in ? or *) and the format writes a call without arguments otherwise
+    (longcat's parser cannot read a name alone): one block or more, or that text."""
+    opening, body, ending = parts
+    if not spec.empty or not may_be_empty:
         return f"{rule}: {opening} {body} {ending}"
     some = body[:-1] if body.endswith("?") else body[:-1] + "+"
     return f"{rule}: {opening} {some} {ending} | {json.dumps(spec.empty.format(quoted=json.dumps(name)))}"
