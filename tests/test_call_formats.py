@@ -401,3 +401,21 @@ def test_a_call_may_leave_every_optional_key_out(parser, text):
               "pythonic": "<|tool_call_start|>[send(b=true)]<|tool_call_end|>"}[parser]
     assert _consume(tok, grammar, only_b)
     assert _calls(tok, [_tool("send", params)], only_b) == [("send", {"b": True})]
+
+
+@pytest.mark.parametrize("parser", ["minicpm5", "minimax_m2", "qwen3_coder"])
+def test_numbers_without_bounds_come_back_as_written(parser):
+    """Parsers that convert a number through float(): one without bounds is written so that it
+    never overflows (an exponent such as 1e999 made int() raise, and the call was lost) and an
+    integer comes back exact."""
+    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+
+    tok = format_tokenizer(parser)
+    params = {"type": "object", "properties": {"n": {"type": "number"}, "i": {"type": "integer"}},
+              "required": ["n", "i"], "additionalProperties": False}
+    grammar = tool_call_grammar([("send", params)], _fmt(tok, parser), required=True)
+    for seed in range(3):
+        text = _draw(tok, grammar, seed)
+        ((name, arguments),) = _calls(tok, [_tool("send", params)], text)
+        assert name == "send" and isinstance(arguments["n"], (int, float)) and type(arguments["i"]) is int
+        assert str(arguments["i"]) in text

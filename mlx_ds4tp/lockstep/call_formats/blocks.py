@@ -42,6 +42,7 @@ from .base import (
 
 # Values a format reads as one JSON type (its parser converts by the schema's type).
 JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
+NUMBER_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"}
 NULL = "(?i:null)"
 
 
@@ -172,8 +173,16 @@ def _value(fmt: CallFormat, tag: str, where: str, schema: Any, spec: Blocks,
         # Its parser reads a parameter raw when the schema's type is "string", else as JSON.
         if schema.get("type") != "string":
             return as_json, []
-    elif _one_type(where, schema, fmt.parser) in JSON_TYPES:
-        return as_json, []
+    else:
+        kind = _one_type(where, schema, fmt.parser)
+        if kind in ("integer", "number") and not set(schema) & NUMBER_BOUNDS:
+            # Their parsers convert through float(): a number of no bounds is written without
+            # an exponent and at most 15 digits a side, so it never overflows to inf (whose
+            # int() raises, and the call was lost) and an integer comes back exact.
+            fraction = r"(\.[0-9]{1,15})?" if kind == "number" else ""
+            return f"/-?(0|[1-9][0-9]{{0,14}}){fraction}/{close}", []
+        if kind in JSON_TYPES:
+            return as_json, []
     value, rules = raw_string(fmt, tag, where, schema, spec.raw)
     return value + _after(fmt, spec), rules
 
