@@ -222,6 +222,16 @@ int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t
 int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t seq,
             double timeout_s, char *err, size_t errlen);
 
+/* tp_gate in two halves, for a rank with several peers (the mesh): post
+ * this gate's sends, then (after posting to the other peers) wait for the
+ * peer's, copy it to dst and refill the window. Only on a window armed for
+ * `bytes` already (a gate's steady state, no barrier due): otherwise
+ * tp_gate_post is TP_ENOTSUP with nothing done, and the caller runs tp_gate. */
+int tp_gate_post(tp_dev *dev, const void *src, uint32_t bytes, uint64_t seq, double timeout_s,
+                 char *err, size_t errlen);
+int tp_gate_wait(tp_dev *dev, void *dst, uint32_t bytes, uint64_t seq, double timeout_s,
+                 char *err, size_t errlen);
+
 /* Consume the decode window on both sides (dummy sends matching the peer's
  * posted receives) so the queue pair is empty. No-op when not armed. Starts
  * with a barrier over barrier_fd: the peer may still be inside its last gate
