@@ -229,8 +229,8 @@ def test_a_link_that_fails_its_bring_up_names_both_ranks_and_the_device():
     assert not any(t.is_alive() for t in threads), "a rank hung"
     for r in (1, 2):
         assert isinstance(out[r], TransportError), out[r]
-    assert "mesh link rank 1 <-> rank 2 (device no-such-device)" in str(out[1]), out[1]
-    assert "mesh link rank 1 <-> rank 2 (device ucsim)" in str(out[2]), out[2]
+    assert "rank 1 <-> rank 2 (device no-such-device; on this link the leader is rank 1" in str(out[1]), out[1]
+    assert "mesh link rank 1 <-> rank 2 (device ucsim; " in str(out[2]), out[2]
     assert "RDMA is unavailable" in str(out[2]), out[2]  # the peer's cause, as a pair's hello says it
     assert isinstance(out[0], TransportError), out[0]  # the leader's mesh fails with it
     for value in out.values():

@@ -316,7 +316,10 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
             pair = connect(settings, dial=dial_link)
     except TransportError as exc:
         where = f"device {device or 'the first active one'}" if link.transport != "tcp" else "tcp"
-        message = f"mesh link rank {min(rank, peer)} <-> rank {max(rank, peer)} ({where}): {exc}"
+        low, high = min(rank, peer), max(rank, peer)
+        # The pair's own messages say "leader" and "worker": on this link, the lower rank and the higher.
+        message = (f"mesh link rank {low} <-> rank {high} ({where}; on this link the leader is rank "
+                   f"{low}, the worker rank {high}): {exc}")
         try:
             error = type(exc)(message)
         except TypeError:
