@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_ds4tp.link.wire import EVAL_PENDING
+from mlx_ds4tp.lockstep.commands import EVAL_PENDING
 from mlx_ds4tp.lockstep.sessions import SampledStep
 
 VOCAB = 26

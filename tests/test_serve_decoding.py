@@ -5,7 +5,7 @@ and what each returns for its rows, over recorded sessions whose model continues
 from __future__ import annotations
 
 from engine_fakes import FakeSessions, FakeTokenizer, next_token
-from mlx_ds4tp.link.wire import EVAL_PENDING
+from mlx_ds4tp.lockstep.commands import EVAL_PENDING
 from mlx_ds4tp.lockstep.prompt_cache import Reuse
 from mlx_ds4tp.lockstep.row_sampling import RowSampler
 from mlx_ds4tp.serve.decoding import DecodeStepper

@@ -156,29 +156,29 @@ def test_each_row_after_a_commit_continues_as_its_session_alone(model_dir):
 def test_verify_and_commit_frames_are_checked(model_dir):
     from mlx_ds4tp.errors import FrameError
     from mlx_ds4tp.link.wire import FrameType as F
-    from mlx_ds4tp.lockstep import batch_verify as bv
+    from mlx_ds4tp.lockstep.commands import CommitBatch, VerifyBatch
     from mlx_ds4tp.lockstep.table import SessionTable
     from serveutil import _load
 
-    step, sessions, rows = bv.unpack_verify_batch(bv.pack_verify_batch(7, [(1, [3, 4, 5]), (2, [9])]))
+    step, sessions, rows = VerifyBatch.unpack(VerifyBatch.pack(7, [(1, [3, 4, 5]), (2, [9])]))
     assert (step, sessions, [r.tolist() for r in rows]) == (7, [1, 2], [[3, 4, 5], [9]])
-    good = bv.pack_verify_batch(1, [(1, [3, 4])])
+    good = VerifyBatch.pack(1, [(1, [3, 4])])
     for payload, match in ((good[:10], "shorter than its header"), (good[:-4], "expected"),
-                           (bv.pack_verify_batch(1, [(1, list(range(66)))]), "width 66")):
+                           (VerifyBatch.pack(1, [(1, list(range(66)))]), "width 66")):
         with pytest.raises(FrameError, match=match):
-            bv.unpack_verify_batch(payload)
+            VerifyBatch.unpack(payload)
     with pytest.raises(FrameError, match="shorter than its header"):
-        bv.unpack_commit(bv.pack_commit(1, [1])[:8])
+        CommitBatch.unpack(CommitBatch.pack(1, [1])[:8])
     with pytest.raises(FrameError, match="says 2 rows"):
-        bv.unpack_commit(bv.pack_commit(1, [1, 1])[:-4])
+        CommitBatch.unpack(CommitBatch.pack(1, [1, 1])[:-4])
     table = SessionTable(_load(model_dir)[0])
     table.caches.create(1, 0, 0)
-    table.apply(F.VERIFY_BATCH, bv.pack_verify_batch(1, [(1, [3, 4, 5])]))
+    table.apply(F.VERIFY_BATCH, VerifyBatch.pack(1, [(1, [3, 4, 5])]))
     with pytest.raises(FrameError, match="before the COMMIT_BATCH"):
         table.apply(F.EVAL_BATCH, b"")
     with pytest.raises(FrameError, match="keeps 4 positions of row 0, which carried 3"):
-        table.apply(F.COMMIT_BATCH, bv.pack_commit(1, [4]))
+        table.apply(F.COMMIT_BATCH, CommitBatch.pack(1, [4]))
     with pytest.raises(FrameError, match="for step 2 after step 1"):
-        table.apply(F.COMMIT_BATCH, bv.pack_commit(2, [1]))
-    table.apply(F.COMMIT_BATCH, bv.pack_commit(1, [2]))
+        table.apply(F.COMMIT_BATCH, CommitBatch.pack(2, [1]))
+    table.apply(F.COMMIT_BATCH, CommitBatch.pack(1, [2]))
     assert table.batch.batch_cache[0].size() == 2  # the lone row's own cache, cut back to 2

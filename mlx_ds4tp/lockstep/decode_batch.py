@@ -21,10 +21,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import transport as tr
-from ..link.wire import EVAL_PENDING
 from . import batch_verify
+from .commands import EVAL_PENDING, check_tokens, pad_rows
 from .compute import logits_hash
-from .frames import check_tokens
 from .row_sampling import RowSampler, sample_batch
 
 # Decode steps between releases of MLX's buffer cache, for `ds4tp run` and `ds4tp serve`
@@ -145,7 +144,7 @@ class DecodeBatch:
         for row in rows:
             check_tokens(row, self.vocab)
         self.step_count += 1
-        logits = self.model(mx.array(batch_verify.pad_rows(rows)), cache=self.batch_cache)
+        logits = self.model(mx.array(pad_rows(rows)), cache=self.batch_cache)
         mx.eval(logits)  # the gates of every layer run once for all rows and positions
         self.last_logits = logits
         self.verifying = [len(r) for r in rows]

@@ -21,7 +21,7 @@ from typing import Callable, Collection, List, Optional, Sequence
 import mlx.core as mx
 
 from .. import gate_ops
-from ..link.wire import EVAL_PENDING
+from .commands import EVAL_PENDING
 from .compute import PREFILL_STEP, fill_cache, forward, make_cache
 from .row_sampling import stream_seed
 from .sampling import SamplingOptions

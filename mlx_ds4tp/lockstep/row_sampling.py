@@ -28,44 +28,12 @@ overlaps the forward, and the other rows stay pipelined.
 from __future__ import annotations
 
 import secrets
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from .. import transport as tr
-from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME, SAMPLER_HEADER
 from .grammar import RowGrammar
-from .sampling import SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context
-
-
-def pack_sampler(session: int, options: SamplingOptions, prompt: Sequence[int], seed: int) -> bytes:
-    """A SAMPLER payload: the session's options, random seed and the prompt's latest tokens (as
-    many as its penalties look at, at least one)."""
-    keep = max(1, processor_context(options))
-    context = np.asarray(list(prompt)[-keep:], dtype="<i4")
-    body = options_to_json(options)
-    return SAMPLER_HEADER.pack(session, seed, len(context), len(body)) + context.tobytes() + body
-
-
-def unpack_sampler(payload: bytes) -> Tuple[int, SamplingOptions, List[int], int]:
-    """(session, options, context tokens, seed) of a SAMPLER payload; FrameError naming what is
-    wrong."""
-    if len(payload) < SAMPLER_HEADER.size:
-        raise tr.FrameError(f"SAMPLER payload of {len(payload)} bytes is shorter than its "
-                            f"{SAMPLER_HEADER.size}-byte header")
-    session, seed, count, nbytes = SAMPLER_HEADER.unpack_from(payload)
-    if not 0 < count <= MAX_TOKENS_PER_FRAME or nbytes > MAX_SAMPLER_OPTIONS_BYTES \
-            or len(payload) != SAMPLER_HEADER.size + 4 * count + nbytes:
-        raise tr.FrameError(f"SAMPLER says {count} context tokens (1 to {MAX_TOKENS_PER_FRAME}) and "
-                            f"{nbytes} option bytes (at most {MAX_SAMPLER_OPTIONS_BYTES}) in a "
-                            f"{len(payload)}-byte payload")
-    context = np.frombuffer(payload, dtype="<i4", count=count, offset=SAMPLER_HEADER.size).tolist()
-    try:
-        options = options_from_json(payload[SAMPLER_HEADER.size + 4 * count:])
-    except ValueError as exc:
-        raise tr.FrameError(f"SAMPLER: {exc}") from None
-    return session, options, context, seed
+from .sampling import SamplingOptions, mlx_processors, processor_context
 
 
 def stream_seed(options: SamplingOptions) -> int:

@@ -13,9 +13,9 @@ import numpy as np
 
 from .. import transport as tr
 from ..base.log import log
+from .commands.base import check_tokens
 from .compute import PREFILL_STEP, fill_cache, make_cache
 from .disk_cache import DiskCache
-from .frames import check_tokens
 from .prompt_cache import COPY, FRESH, MOVE
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..link.wire import EVAL_PENDING
+from ..lockstep.commands import EVAL_PENDING
 from ..lockstep.row_sampling import RowSampler, sample_batch, stream_seed
 from ..lockstep.sessions import LeaderSessions, SampledStep
 from .generation import RowResult, RunningSession, StepOutput, cancelled_out
