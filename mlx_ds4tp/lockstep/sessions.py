@@ -115,6 +115,53 @@ class LeaderSessions:
         self.control = group.pair.control
         self.table = SessionTable(model, grammars, disk)
 
+    # -- what the leader's own table says (the worker's is the same) ------------------
+    @property
+    def model(self):
+        return self.table.model
+
+    @property
+    def vocab(self) -> int:
+        return self.table.vocab
+
+    @property
+    def grammars(self) -> Optional[Grammars]:
+        return self.table.grammars
+
+    @property
+    def disk(self) -> Optional[DiskCache]:
+        """This rank's --prompt-cache-dir, or None."""
+        return self.table.caches.disk
+
+    @property
+    def step_count(self) -> int:
+        """Decode steps run (EVAL_BATCH and VERIFY_BATCH)."""
+        return self.table.batch.step_count
+
+    def counts(self) -> Tuple[int, int]:
+        """(sessions, stored prompt caches) in the table."""
+        table = self.table
+        return len(table.caches.sessions) + len(table.batch.rows), len(table.caches.stored)
+
+    def stored_bytes(self, cache_id: int) -> int:
+        """Bytes a stored cache's arrays take on this rank."""
+        return self.table.caches.stored_bytes(cache_id)
+
+    def caches_trim(self) -> bool:
+        """Whether this model's session caches can be cut back to any length (a stored prefix
+        then serves any prompt that shares part of it)."""
+        from .compute import trims_at_any_length
+
+        return trims_at_any_length(self.table.caches.make_cache())
+
+    def row_sampler(self, session: int):
+        """The sampler SAMPLER gave a session on this rank (lockstep.row_sampling.RowSampler)."""
+        return self.table.batch.samplers[session]
+
+    def row_grammar(self, grammar: str):
+        """The matcher of a grammar on this rank (SessionTable.row_grammar)."""
+        return self.table.row_grammar(grammar)
+
     def _command(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Send, then apply; when the gates fail, prefer the worker's own explanation (an
         ERROR frame) over our 'peer closed'."""
@@ -167,8 +214,7 @@ class LeaderSessions:
         have samplers (SAMPLER): queued, not waited for; what this rank drew for each row."""
         self.step(rows)
         batch, sids = self.table.batch, [sid for sid, _ in rows]
-        drawn = [batch.pending[sid] for sid in sids]
-        return SampledStep(drawn[0] if len(drawn) == 1 else mx.concatenate(drawn),
+        return SampledStep(batch.drawn,
                            {i: batch.row_errors.pop(sid) for i, sid in enumerate(sids) if sid in batch.row_errors},
                            [batch.samplers[sid].last_logprobs for sid in sids])
 
