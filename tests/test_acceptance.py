@@ -18,11 +18,11 @@ import pytest
 
 from mlx_ds4tp.lockstep.acceptance import sampled_round
 from mlx_ds4tp.lockstep.generate import pair_generate
+from mlx_ds4tp.lockstep.one_rank import OneRank
 from mlx_ds4tp.lockstep.row_sampling import RowSampler
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.settings import DraftSettings
 from mlx_ds4tp.lockstep.speculative import Speculation
-from mlx_ds4tp.testing.one_rank import OneRank
 
 
 def _distance(counts: np.ndarray, exact: np.ndarray) -> float:

@@ -297,6 +297,8 @@ class Batch:
         self._sample_plain(rows, chunks, drafts, logits, multi, results)
         self._verify_drafted(rows, drafts, logits, results)
         prompt_tokens = sum(len(c) for c in chunks if c is not None)
+        if prompt_tokens:
+            self.stats["mixed_steps"] += 1
         width = max([len(i) for i, c in zip(inputs, chunks) if c is None], default=1)
         return StepOutput(rows, results, verify=multi, seconds=seconds, prompt_tokens=prompt_tokens, width=width)
 

@@ -19,7 +19,7 @@ refused speculation when the server starts (speculation_blocker).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -72,12 +72,3 @@ def check_commit(keep: Sequence[int], lengths: Sequence[int]) -> None:
     for i, (k, n) in enumerate(zip(keep, lengths)):
         if not 1 <= k <= n:
             raise FrameError(f"COMMIT_BATCH keeps {k} positions of row {i}, which carried {n} (1 to {n})")
-
-
-def accepted_prefix(targets: Sequence[int], drafts: Sequence[int]) -> List[int]:
-    """The tokens a greedy round yields: the drafts the target agrees with, then the target's
-    own next token (targets[j] is its choice after the input and the first j drafts)."""
-    kept = 0
-    while kept < len(drafts) and targets[kept] == drafts[kept]:
-        kept += 1
-    return list(targets[: kept + 1])

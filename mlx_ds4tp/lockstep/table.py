@@ -96,6 +96,11 @@ class SessionTable:
         self.ended = 0  # sessions destroyed: the prompts served
 
     @property
+    def step_count(self) -> int:
+        """Decode steps run on this rank."""
+        return self.batch.step_count
+
+    @property
     def busy(self) -> bool:
         """True while a generation is under way (the leader's next command is imminent)."""
         return bool(self.caches.sessions or self.batch.rows)

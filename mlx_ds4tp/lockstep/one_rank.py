@@ -4,8 +4,8 @@ commands in one process: tests and the statistics of the sampler."""
 
 from __future__ import annotations
 
-from ..lockstep.sessions import LeaderSessions
-from ..lockstep.table import SessionTable
+from .sessions import LeaderSessions
+from .table import SessionTable
 
 
 class _NoGroup:
