@@ -12,7 +12,7 @@ one of these modules (and its number in the wire's table).
 (STOP, which carries nothing, ends the worker's loop in lockstep.sessions.)
 """
 
-from .base import COMMANDS, Command, check_tokens, lookup
+from .base import COMMANDS, Command, check_tokens
 from .lifecycle import Create, Destroy, Invalidate, Rewind
 from .queries import Hash, KvRoom, check_in_step
 from .sampler import Sampler
@@ -21,4 +21,4 @@ from .stored import DiskLoad, DiskSave
 
 __all__ = ["COMMANDS", "Command", "CommitBatch", "Create", "Destroy", "DiskLoad", "DiskSave", "EVAL_PENDING",
            "EvalBatch", "Hash", "Invalidate", "KvRoom", "MAX_BATCH_ROWS",
-           "PrefillBatch", "Rewind", "Sampler", "VerifyBatch", "check_in_step", "check_tokens", "lookup", "pad_rows"]
+           "PrefillBatch", "Rewind", "Sampler", "VerifyBatch", "check_in_step", "check_tokens", "pad_rows"]

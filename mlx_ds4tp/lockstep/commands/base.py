@@ -8,7 +8,7 @@ looking its type up in COMMANDS.
 from __future__ import annotations
 
 import struct
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, Type
 
 import numpy as np
 
@@ -71,11 +71,6 @@ def command(cls: Type[Command]) -> Type[Command]:
         raise ImportError(f"two lockstep commands for {cls.frame.name}: {COMMANDS[cls.frame].__name__}, {cls.__name__}")
     COMMANDS[cls.frame] = cls
     return cls
-
-
-def lookup(ftype) -> Optional[Type[Command]]:
-    """The command of a frame type (None: not a lockstep command)."""
-    return COMMANDS.get(ftype)
 
 
 def check_tokens(tokens: np.ndarray, vocab: int) -> None:
