@@ -1,4 +1,4 @@
-"""Speculative sessions in `ds4tp serve`'s decode batch (serve/speculation.py,
+"""Speculative sessions in `ds4tp serve`'s decode batch (lockstep/speculative.py, lockstep/batch.py,
 lockstep/batch_verify.py): rows of different lengths verified in one forward, each row's cache
 cut back to what its session kept. Greedy text is the plain greedy text whatever drafts."""
 
