@@ -11,6 +11,7 @@ import os
 from typing import Optional, Sequence, Tuple
 
 from ..link.config import (
+    MAX_MESH_SIZE,
     MLX,
     SECRET_ENV,
     TRANSPORTS,
@@ -38,6 +39,23 @@ def add_pair_args(p: argparse.ArgumentParser, role_help: str) -> None:
                    help="leader: the address it listens on for the worker (e.g. 10.99.0.1 9911)")
     p.add_argument("--coordinator", nargs=2, metavar=("HOST", "PORT"),
                    help="worker: the leader's --listen address")
+
+
+def add_ranks_arg(p: argparse.ArgumentParser) -> None:
+    """--ranks N: how many ranks (Macs) the group has, 2 (a pair, the default) to 8; every rank
+    of one group gives the same N."""
+    p.add_argument("--ranks", type=int, default=2, metavar="N",
+                   help="the number of ranks (Macs) in the group, 2 to 8 (default 2: a pair); "
+                        "give every rank the same N: the leader waits for N-1 workers")
+
+
+def ranks_from_args(args: argparse.Namespace, command: str = "run") -> int:
+    """The checked --ranks: exits naming the value and the range when it is outside 2..8."""
+    ranks = getattr(args, "ranks", 2)
+    if not 2 <= ranks <= MAX_MESH_SIZE:
+        raise SystemExit(f"ds4tp {command}: --ranks {ranks}: give the number of ranks in the group, "
+                         f"2 to {MAX_MESH_SIZE} (2: a pair)")
+    return ranks
 
 
 def add_interface_arg(p: argparse.ArgumentParser) -> None:
@@ -86,7 +104,8 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
         except ValueError as exc:
             raise SystemExit(f"ds4tp {command}: {exc}") from None
     link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
-                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery)
+                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery,
+                        size=ranks_from_args(args, command))
     try:
         return link.check()
     except ValueError as exc:

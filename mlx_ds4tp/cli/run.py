@@ -16,6 +16,7 @@ from .model_arg import add_model_arg, model_path
 from .pair_args import (
     add_interface_arg,
     add_pair_args,
+    add_ranks_arg,
     add_transport_args,
     check_at_least,
     link_from_args,
@@ -48,6 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(constrained decoding on both ranks; compact JSON)")
     add_draft_args(p, "the pair verifies its drafts in one forward a round")
     add_pair_args(p, ROLE_HELP)
+    add_ranks_arg(p)
     add_interface_arg(p)
 
 

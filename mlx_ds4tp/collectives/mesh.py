@@ -6,7 +6,7 @@ subgroups over the same links."""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 from ..errors import TransportError
 from ..link.native import load_verbs
@@ -78,6 +78,17 @@ class MeshGroup(_pairgroup.MeshGroup):
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
             pass
+
+    # -- statistics: the mesh keeps no gate latency ring (the pair's does), so its figures say
+    # nothing was measured, as MLX's own groups do (collectives.backend.MlxGroup).
+    def gate_latency_us(self) -> Tuple[float, float]:
+        return 0.0, 0.0
+
+    def exchange_seconds(self) -> float:
+        return 0.0
+
+    def gates(self) -> int:
+        return 0
 
     def __repr__(self) -> str:
         return f"<mlx_ds4tp MeshGroup rank={self.rank()} size={self.size()} transport={self.transport}>"

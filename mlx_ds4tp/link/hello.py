@@ -24,10 +24,10 @@ from .wire import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     ROLE_NAMES,
-    SPLIT_PAYLOAD,
     TRANSPORT_CODES,
     TRANSPORT_NAMES,
     FrameType,
+    split_payload,
 )
 
 
@@ -248,17 +248,20 @@ def data_proof(secret: Optional[bytes], leader: Hello, worker: Hello) -> bytes:
 
 
 def tell_share(control: ControlChannel, parts: tuple) -> None:
-    """The leader's share (rank 0's part, rank 1's part; 1:1 even) to the worker, once a join."""
-    control.send(FrameType.SPLIT, SPLIT_PAYLOAD.pack(*parts))
+    """The leader's share (each rank's part, rank 0's first; 1:1 even) to a worker, once a join."""
+    control.send(FrameType.SPLIT, split_payload(len(parts)).pack(*parts))
 
 
-def hear_share(control: ControlChannel) -> tuple:
-    """The worker's side of tell_share: (rank 0's part, rank 1's part), both above zero. An
-    ERROR the leader sent instead (a model that fits no share) raises TransportError with it."""
+def hear_share(control: ControlChannel, size: int = 2) -> tuple:
+    """A worker's side of tell_share in a group of `size` ranks: each rank's part, all above
+    zero. An ERROR the leader sent instead (a model that fits no share) raises TransportError
+    with it."""
     _, payload = control.recv(FrameType.SPLIT)
-    if len(payload) != SPLIT_PAYLOAD.size:
-        raise FrameError(f"SPLIT payload is {len(payload)} bytes, expected {SPLIT_PAYLOAD.size}")
-    parts = SPLIT_PAYLOAD.unpack(payload)
+    layout = split_payload(size)
+    if len(payload) != layout.size:
+        raise FrameError(f"SPLIT payload is {len(payload)} bytes, expected {layout.size} (a share of "
+                         f"{size} ranks): the leader runs another --ranks; give every rank the same")
+    parts = layout.unpack(payload)
     if min(parts) == 0:
-        raise FrameError(f"the leader sent split {parts[0]}:{parts[1]}, which leaves a rank with nothing")
+        raise FrameError(f"the leader sent split {':'.join(map(str, parts))}, which leaves a rank with nothing")
     return parts

@@ -245,6 +245,14 @@ WARM_PHASE_SENT, WARM_PHASE_STATUS = 1, 2
 WARM_TAG = struct.Struct("<IIII")  # WARM_MAGIC, rank, setup attempt, reserved
 
 SPLIT_PAYLOAD = struct.Struct("<II")  # rank 0's part, rank 1's part of every split count (1:1 even)
+
+
+def split_payload(size: int) -> struct.Struct:
+    """SPLIT's layout for a group of `size` ranks: each rank's part, rank 0's first (a pair's
+    is SPLIT_PAYLOAD; a mesh's leader sends it on each worker's link)."""
+    return SPLIT_PAYLOAD if size == 2 else struct.Struct("<" + "I" * size)
+
+
 # A mesh (link/mesh.py). JOIN: protocol version, the mesh size the worker expects, the rank
 # it asks for (-1: any), the port its own door listens on, a fresh nonce, and the HMAC proof
 # of the pair secret over the rest (zeros without a secret).

@@ -19,7 +19,7 @@ class OneRank(LeaderSessions):
     """LeaderSessions over one rank's table; a hash is compared with itself (always equal)."""
 
     def __init__(self, model, grammars=None):
-        self.table, self.group, self.control = SessionTable(model, grammars), _NoGroup(), None
+        self.table, self.group, self.controls = SessionTable(model, grammars), _NoGroup(), []
 
     def _command(self, ftype, payload: bytes):
         return self.table.apply(ftype, payload)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import List
 
@@ -15,9 +14,7 @@ from .. import gate_ops
 from ..base.log import log
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
-from ..split.agree import agree_share, with_figures
-from ..split.auto import model_need
-from ..split.progress import LoadingBar
+from .bringup import BringUp, bring_up
 from .errors import GrammarError
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
 from .grammar import Grammars
@@ -31,19 +28,14 @@ TEMPLATE_TOKENS = 256
 
 
 def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
-    """One rank of `ds4tp run`; returns the exit code. The leader streams the text on stdout,
-    then the closing stats line (GenerationStats.line)."""
-    from ..model_split import load_split
-
-    group = gate_ops.init_pair(with_figures(link, settings.split), model_identity(model_path))
+    """One rank of `ds4tp run` (of link.size ranks); returns the exit code. The leader streams
+    the text on stdout, then the closing stats line (GenerationStats.line)."""
+    # A token is at least one character of the prompt; the chat template adds its own.
+    kv_tokens = len(settings.prompt) + TEMPLATE_TOKENS + settings.prompt_tokens + settings.max_tokens
+    joined = bring_up(BringUp(link, Path(model_path), model_identity(model_path), settings.split, kv_tokens))
+    group, model, tokenizer, share = joined.group, joined.model, joined.tokenizer, joined.share
     with group:
-        # A token is at least one character of the prompt; the chat template adds its own.
-        kv_tokens = len(settings.prompt) + TEMPLATE_TOKENS + settings.prompt_tokens + settings.max_tokens
-        share = agree_share(group, settings.split, model_need(Path(model_path), kv_tokens))
-        t0 = time.perf_counter()
-        model, tokenizer = load_split(model_path, group, split=share, progress=LoadingBar())
-        log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
-        if group.rank() != 0:  # the role named, or the one discovery elected
+        if not joined.leads:  # the role named, or the one discovery elected
             table = serve_worker(group, model, Grammars(tokenizer))
             log(f"worker done: served {table.ended} prompt(s), leader said stop")
             if settings.tokens_out:

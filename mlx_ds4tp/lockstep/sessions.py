@@ -76,6 +76,21 @@ def drain_failed_work() -> None:
         pass
 
 
+def worker_channels(group: gate_ops.Group) -> List[tr.ControlChannel]:
+    """The leader's control channel to each worker, in rank order: the pair's one, or a mesh's
+    link to each of its N-1 workers (collectives.mesh.MeshGroup)."""
+    mesh = getattr(group, "mesh", None)
+    if mesh is not None:
+        return [mesh.pairs[peer].control for peer in range(1, group.size())]
+    return [group.pair.control]
+
+
+def leader_channel(group: gate_ops.Group) -> tr.ControlChannel:
+    """A worker's control channel to the leader (rank 0): the pair's, or a mesh's link to rank 0."""
+    mesh = getattr(group, "mesh", None)
+    return mesh.pairs[0].control if mesh is not None else group.pair.control
+
+
 def _peer_error(control: tr.ControlChannel) -> Optional[str]:
     """The worker's ERROR text if one arrives within half a second (its own explanation of a
     failure that reached us as 'peer closed'), else None."""
@@ -106,13 +121,14 @@ class SampledStep:
 
 
 class LeaderSessions:
-    """The leader's side: every command is sent to the worker, then applied here, in that
-    order, so the worker's forward starts as early as the leader's."""
+    """The leader's side: every command is sent to each worker (one in a pair, N-1 in a mesh),
+    then applied here, in that order, so the workers' forwards start as early as the leader's.
+    A query (HASH, DISK_LOAD, KV_ROOM) is asked of every worker and their answers combined."""
 
     def __init__(self, group: gate_ops.Group, model, grammars: Optional[Grammars] = None,
                  disk: Optional[DiskCache] = None):
         self.group = group
-        self.control = group.pair.control
+        self.controls = worker_channels(group)
         self.table = SessionTable(model, grammars, disk)
 
     # -- what the leader's own table says (the worker's is the same) ------------------
@@ -165,7 +181,8 @@ class LeaderSessions:
     def _command(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Send, then apply; when the gates fail, prefer the worker's own explanation (an
         ERROR frame) over our 'peer closed'."""
-        self.control.send(ftype, payload)
+        for control in self.controls:
+            control.send(ftype, payload)
         return self._explained(lambda: self.table.apply(ftype, payload))
 
     def _send(self, command, *fields) -> Optional[mx.array]:
@@ -183,10 +200,15 @@ class LeaderSessions:
         except LockstepDivergence:
             raise
         except RuntimeError as exc:  # TransportError, or a gate's failure out of MLX's evaluation
-            reason = _peer_error(self.control)
-            if reason:
-                raise TransportError(f"{exc}; the worker reported: {reason}") from None
+            for rank, control in enumerate(self.controls, 1):
+                reason = _peer_error(control)
+                if reason:
+                    raise TransportError(f"{exc}; the worker{self._named(rank)} reported: {reason}") from None
             raise
+
+    def _named(self, rank: int) -> str:
+        """' (rank r)' in a mesh, '' in a pair: which worker a message is about."""
+        return f" (rank {rank})" if len(self.controls) > 1 else ""
 
     def create(self, session: int, cache_id: int = 0, mode: int = FRESH, kv: int = 0) -> None:
         """SESSION_CREATE on both ranks; kv: a fresh cache's quantization (session_caches.kv_code)."""
@@ -245,28 +267,40 @@ class LeaderSessions:
         `cache_id`, the worker first (it answers), the leader meanwhile. True when both did;
         otherwise neither keeps it (the worker told to drop its half) and both recompute."""
         digest = tokens_digest(tokens)
-        self.control.send(F.DISK_LOAD, DiskLoad.pack(cache_id, len(tokens), 0, digest))
+        for control in self.controls:
+            control.send(F.DISK_LOAD, DiskLoad.pack(cache_id, len(tokens), 0, digest))
         mine = self._explained(lambda: self.table.caches.load(cache_id, digest, len(tokens)))
-        _, payload = self._explained(lambda: self.control.recv(F.DISK_LOAD))
-        peer_id, _, theirs, _ = DiskLoad.unpack(payload)
-        if peer_id != cache_id:
-            raise LockstepDivergence(f"the worker answered DISK_LOAD of cache {peer_id}; the leader "
-                                     f"asked for {cache_id}")
-        if mine and not theirs:
+        loaded = []
+        for rank, control in enumerate(self.controls, 1):
+            _, payload = self._explained(lambda c=control: c.recv(F.DISK_LOAD))
+            peer_id, _, theirs, _ = DiskLoad.unpack(payload)
+            if peer_id != cache_id:
+                raise LockstepDivergence(f"the worker{self._named(rank)} answered DISK_LOAD of cache "
+                                         f"{peer_id}; the leader asked for {cache_id}")
+            loaded.append(bool(theirs))
+        if mine and all(loaded):
+            return True
+        if mine:
             self.table.caches.stored.pop(cache_id)
-        elif theirs and not mine:
-            # The one command the leader does not apply to itself: the worker drops the half it
-            # loaded when the leader's own half failed, which the leader's table never held.
-            self.control.send(F.INVALIDATE, Invalidate.pack(cache_id))
-        return bool(mine and theirs)
+        # The one command the leader does not apply to itself: a worker drops the part it
+        # loaded when another rank's part failed, which the leader's table never held.
+        for control, theirs in zip(self.controls, loaded):
+            if theirs:
+                control.send(F.INVALIDATE, Invalidate.pack(cache_id))
+        return False
 
     def worker_kv_room(self, kv_bits: int, kv_group_size: int) -> Optional[int]:
-        """KV_ROOM: the KV cache tokens the worker's machine holds beside its part of the
-        weights, with caches of `kv_bits` (0: float); None when it could not read its memory."""
-        self.control.send(F.KV_ROOM, KvRoom.pack(kv_bits, kv_group_size, 0, 0))
-        _, payload = self._explained(lambda: self.control.recv(F.KV_ROOM))
-        _, _, measured, tokens = KvRoom.unpack(payload)
-        return tokens if measured else None
+        """KV_ROOM: the KV cache tokens the workers' machines hold beside their parts of the
+        weights, with caches of `kv_bits` (0: float): the smallest worker's; None when one
+        could not read its memory."""
+        for control in self.controls:
+            control.send(F.KV_ROOM, KvRoom.pack(kv_bits, kv_group_size, 0, 0))
+        rooms = []
+        for control in self.controls:
+            _, payload = self._explained(lambda c=control: c.recv(F.KV_ROOM))
+            _, _, measured, tokens = KvRoom.unpack(payload)
+            rooms.append(tokens if measured else None)
+        return None if None in rooms else min(rooms)
 
     def check_hash(self, session: int = 0) -> None:
         """Compare a hash with the worker's: of the last step's logits (session 0: --debug-hash),
@@ -282,36 +316,41 @@ class LeaderSessions:
 
     def _swap_hash(self, session: int, poll_sec: Optional[float]) -> None:
         step, (mine, what) = self.table.batch.step_count, self.table.batch.hash_of(session)
-        self.control.send(F.HASH, Hash.pack(session, step, mine))
-        while poll_sec is not None and not select.select([self.control.sock], [], [], poll_sec)[0]:
-            pass
-        _, payload = self.control.recv(F.HASH)
-        _, peer_step, theirs = Hash.unpack(payload)
-        check_in_step(step, mine, peer_step, theirs, "worker", what)
+        for control in self.controls:
+            control.send(F.HASH, Hash.pack(session, step, mine))
+        for rank, control in enumerate(self.controls, 1):
+            while poll_sec is not None and not select.select([control.sock], [], [], poll_sec)[0]:
+                pass
+            _, payload = control.recv(F.HASH)
+            _, peer_step, theirs = Hash.unpack(payload)
+            check_in_step(step, mine, peer_step, theirs, f"worker{self._named(rank)}", what)
 
     def peer_gone(self) -> Optional[str]:
-        """Between commands: why the worker is gone (it sent ERROR or closed), or None."""
-        sock = self.control.sock
+        """Between commands: why a worker is gone (it sent ERROR or closed), or None."""
         try:
-            readable, _, _ = select.select([sock], [], [], 0)
+            readable, _, _ = select.select([c.sock for c in self.controls], [], [], 0)
         except (OSError, ValueError) as exc:
             return f"the control socket failed: {exc}"
-        if not readable:
-            return None
-        return _peer_error(self.control) or "the worker closed the connection"
+        for rank, control in enumerate(self.controls, 1):
+            if control.sock in readable:
+                return _peer_error(control) or f"the worker{self._named(rank)} closed the connection"
+        return None
 
     def stop(self) -> bool:
-        """Tell the worker to return (best effort: it may be gone); whether STOP was sent."""
-        try:
-            self.control.send(F.STOP)
-        except (TransportError, OSError):
-            return False
-        return True
+        """Tell the workers to return (best effort: one may be gone); whether STOP was sent to all."""
+        sent = True
+        for control in self.controls:
+            try:
+                control.send(F.STOP)
+            except (TransportError, OSError):
+                sent = False
+        return sent
 
     def abort(self, reason: str) -> None:
         """The leader gives up on the pair: tell the worker why (best effort) and close the
         connection, so the worker stops with that reason instead of waiting for commands."""
-        self.control.send_error(f"the leader stopped serving: {reason}")
+        for control in self.controls:
+            control.send_error(f"the leader stopped serving: {reason}")
         self.group.close()
 
 
@@ -328,7 +367,7 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
     None refuses them). Raises on any failure, after telling the leader why (an ERROR frame,
     so its error names the cause, not just 'peer closed') unless tell_leader is False. disk:
     this rank's --prompt-cache-dir."""
-    control = group.pair.control
+    control = leader_channel(group)
     table = SessionTable(model, grammars, disk)
     try:
         while True:

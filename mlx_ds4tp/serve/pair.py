@@ -14,12 +14,9 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 from .. import gate_ops, transport as tr
 from ..base.log import log
 from ..base.stopping import shielded, stop_on_signals, stop_reason
-from ..link.config import LinkSettings
 from ..link.identity import model_identity
+from ..lockstep.bringup import BringUp, bring_up, rejoin
 from ..lockstep.grammar import Grammars
-from ..split.agree import agree_share, with_figures
-from ..split.auto import ModelNeed, model_need
-from ..split.progress import LoadingBar
 from ..split.share import SplitShare
 from .settings import ServedModel, ServeSettings
 
@@ -134,20 +131,18 @@ def _exit_if_stuck(engine) -> None:
 
 
 def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List["HttpServer"]) -> int:
-    from ..model_split import load_split
     from .http.server import HttpServer
 
-    served = settings.model
-    link = with_figures(settings.link, settings.split)
-    group = _join_first(link, identity) if settings.rejoin else gate_ops.init_pair(link, identity)
-    with group:
+    def take_http_port(group) -> None:
         if not servers and group.rank() == 0:
             servers.append(HttpServer(settings.http))
+
+    plan = BringUp(settings.link, settings.model.path, identity, settings.split, kv_tokens_needed(settings),
+                   wait_for_leader=settings.rejoin)
+    joined = bring_up(plan, on_joined=take_http_port)
+    group, model, tokenizer, share = joined.group, joined.model, joined.tokenizer, joined.share
+    with group:
         server = servers[0] if servers else None
-        share = agree_share(group, settings.split, model_need(served.path, kv_tokens_needed(settings)))
-        t0 = time.perf_counter()
-        model, tokenizer = load_split(str(served.path), group, split=share, progress=LoadingBar())
-        log(f"weights loaded in {time.perf_counter() - t0:.1f} s")
         disk = make_disk_cache(settings, model, identity, (share, group.rank()))
         engine = None
         try:
@@ -335,8 +330,7 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
                "`ds4tp serve --role worker` again, with the same --model and secret)")
         while not quit_.event.is_set():
             try:
-                gate_ops.reconnect(group)
-                agree_share(group, settings.split, ModelNeed(0), held=share)
+                rejoin(group, settings.split, share)
                 break
             except tr.TransportTimeoutError:
                 continue  # nobody came within the connect timeout: keep listening
@@ -363,19 +357,6 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
                 return
             engine.resume(sessions)
         log(f"serve: a worker rejoined (transport {group.transport}); serving again")
-
-
-def _join_first(link: LinkSettings, identity: tr.ModelIdentity) -> gate_ops.Group:
-    """A --rejoin worker's first join: it waits for its leader however long that takes (a
-    supervisor may start it first), as it does for every later one."""
-    while True:
-        try:
-            return gate_ops.init_pair(link, identity)
-        except (tr.HelloMismatchError, tr.AuthenticationError):
-            raise
-        except tr.TransportError as exc:
-            log(f"serve: no leader yet ({exc}); still waiting (--rejoin)")
-            time.sleep(0.5)
 
 
 def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare,
@@ -420,8 +401,7 @@ def _rejoin_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitS
     """Join a leader again on the same address, however long that takes."""
     while True:
         try:
-            gate_ops.reconnect(group)
-            agree_share(group, settings.split, ModelNeed(0), held=share)
+            rejoin(group, settings.split, share)
             return
         except (tr.HelloMismatchError, tr.AuthenticationError):
             raise  # another model, secret or share: waiting would not change it
@@ -435,7 +415,9 @@ def _tell_leader(group: gate_ops.Group, drain) -> str:
     idle check reports), the pair closed (a step in flight fails at once) and its queued work
     drained, so no MLX work is left running as the process exits."""
     try:
-        control = group.pair.control
+        from ..lockstep.sessions import leader_channel
+
+        control = leader_channel(group)
     except tr.TransportError:
         return " (no leader was joined)"
     control.send_error(f"the worker was stopped by {stop_reason()}; start it again and it rejoins")

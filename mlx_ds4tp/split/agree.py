@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from ..base.log import log
 from ..collectives.backend import PairGroup
+from ..collectives.mesh import MeshGroup
 from ..errors import HelloMismatchError
 from ..link.config import LinkSettings
 from ..link.hello import hear_share, tell_share
@@ -28,6 +29,8 @@ def agree_share(group: Any, split: SplitSettings, need: ModelNeed,
     it as it is; a --rejoin worker refuses any other). ShareRefusedError (leader) or TransportError
     (worker, with the leader's message) when the model fits no share, before any weight is read.
     """
+    if isinstance(group, MeshGroup):
+        return _agree_in_mesh(group, split, need, held)
     if not isinstance(group, PairGroup):
         if split.share.auto:
             raise ValueError("--split auto needs a pair of our own (--transport auto, tcp or rdma): "
@@ -49,6 +52,44 @@ def agree_share(group: Any, split: SplitSettings, need: ModelNeed,
                                  f"{share}; start the leader with --split {held}, or restart the worker")
     if split.given and split.share != share and not split.share.auto:
         log(f"split: this side asked for {split.share}; the leader's share ({share}) decides")
+    return share
+
+
+def _agree_in_mesh(group: MeshGroup, split: SplitSettings, need: ModelNeed,
+                   held: Optional[SplitShare]) -> SplitShare:
+    """agree_share over a mesh of N ranks: the leader resolves its share and sends it (SPLIT,
+    one part per rank) on each worker's link, in rank order; each worker takes it."""
+    size, pairs = group.size(), group.mesh.pairs
+    if group.rank() == 0:
+        share = held or _mesh_leader_share(group, split, need)
+        for peer in range(1, size):
+            tell_share(pairs[peer].control, share.parts or (1,) * size)
+        return share
+    parts = hear_share(pairs[0].control, size)
+    share = EVEN if len(set(parts)) == 1 else SplitShare(tuple(parts))
+    log(f"split {share}: the leader's share, rank {group.rank()} of {size}")
+    if held is not None and held != share:
+        raise HelloMismatchError(f"this worker's model is split {held} and the leader's share is "
+                                 f"{share}; start the leader with --split {held}, or restart the worker")
+    if split.given and split.share != share and not split.share.auto:
+        log(f"split: this side asked for {split.share}; the leader's share ({share}) decides")
+    return share
+
+
+def _mesh_leader_share(group: MeshGroup, split: SplitSettings, need: ModelNeed) -> SplitShare:
+    size, pairs = group.size(), group.mesh.pairs
+    if not split.share.auto:
+        log(f"split {split.share}: the leader's share, sent to the {size - 1} workers")
+        return split.share
+    figures = [pairs[1].mine.figures] + [pairs[peer].peer_hello.figures for peer in range(1, size)]
+    log("split auto: " + "; ".join(figures_line(f"rank {r}", f) for r, f in enumerate(figures)))
+    try:
+        share = choose_share_among(figures, need, **model_parts(need, size))
+    except ValueError as exc:
+        for peer in range(1, size):
+            pairs[peer].control.send_error(f"split auto: {exc}")
+        raise
+    log(f"split auto: {share} (rank 0's part first), sent to the {size - 1} workers")
     return share
 
 
