@@ -1,4 +1,4 @@
-"""`ds4tp demo`: both ranks on 127.0.0.1 with a small synthetic model, checked
+"""`ds4tp demo`: both ranks (or --ranks N) on 127.0.0.1 with a small synthetic model, checked
 against the same model run unsplit in one process."""
 
 from __future__ import annotations
@@ -9,9 +9,16 @@ from typing import List
 
 from ..testing.demo_model import demo_model_dir
 from ..testing.local_run import LocalRun, run_local_pair
-from .pair_args import LOCKSTEP_NEEDS_PAIR, add_transport_args, check_at_least, refuse_mlx
+from .pair_args import (
+    LOCKSTEP_NEEDS_PAIR,
+    add_ranks_arg,
+    add_transport_args,
+    check_at_least,
+    ranks_from_args,
+    refuse_mlx,
+)
 
-HELP = "both ranks on 127.0.0.1 with a small synthetic model, checked against the unsplit model"
+HELP = "both ranks (or --ranks N) on 127.0.0.1 with a small synthetic model, checked against the unsplit model"
 
 
 def single_process_tokens(path: Path, prompt_tokens: List[int], max_tokens: int) -> List[int]:
@@ -31,6 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--prompt", default="The two machines agree that",
                    help="the prompt, fed as raw text (default %(default)r)")
+    add_ranks_arg(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -41,21 +49,24 @@ def main(args: argparse.Namespace) -> int:
     # The rest of the link flags, for both ranks' `ds4tp run`.
     extra = [*(("--rdma-gid-index", str(args.rdma_gid_index)) if args.rdma_gid_index is not None else ()),
              *(("--secret", args.secret) if args.secret else ())]
-    path = demo_model_dir()
+    ranks = ranks_from_args(args, "demo")
+    path = demo_model_dir(ranks)
+    how = "split 50/50 across two local processes" if ranks == 2 else f"split across {ranks} local processes"
     print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
-          "noise), split 50/50 across two local processes.", flush=True)
-    # Both ranks write here: the leader's text on stdout, both ranks' `ds4-tp:` logs on stderr.
-    print(f"prompt: {args.prompt!r}\n--- the two ranks (stdout: the leader's text; stderr: both "
-          f"ranks' logs) ---", flush=True)
+          f"noise), {how}.", flush=True)
+    # Every rank writes here: the leader's text on stdout, every rank's `ds4-tp:` logs on stderr.
+    what = "the two ranks" if ranks == 2 else f"the {ranks} ranks"
+    print(f"prompt: {args.prompt!r}\n--- {what} (stdout: the leader's text; stderr: every "
+          f"rank's logs) ---", flush=True)
     result = run_local_pair(LocalRun(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
-                                     extra=extra), timeout=600.0)
+                                     extra=extra, ranks=ranks), timeout=600.0)
     if result is None:
         print("ds4tp demo: FAILED (see the ranks' errors above)", flush=True)
         return 1
     reference = single_process_tokens(path, result["prompt_tokens"], args.max_tokens)
     match = reference == result["tokens"]
     print("--- summary ---")
-    print(f"tokens (pair):   {result['tokens']}")
+    print(f"tokens ({'pair' if ranks == 2 else f'{ranks} ranks'}):   {result['tokens']}")
     print(f"tokens (single): {reference}")
     print(f"transport {result['transport']} | decode {result['decode_tok_s']:.1f} tok/s | gate p50 "
           f"{result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us")

@@ -14,14 +14,17 @@ from ..base.log import log
 
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
+DEMO_PRESET_N = "tiny8"  # the demo over 3 to 8 ranks: 8 KV heads
 
 
-def demo_model_dir() -> Path:
-    """Built once with fixed random weights, then reused from the cache."""
+def demo_model_dir(ranks: int = 2) -> Path:
+    """Built once with fixed random weights, then reused from the cache. More than two ranks
+    take the same small llama with 8 KV heads (DEMO_PRESET_N): the demo's 2 cannot be cut in 3."""
     from .tiny_model import save_llama
 
-    return cached_model(f"demo-llama-{DEMO_PRESET}-seed{DEMO_SEED}", "the demo model",
-                        lambda path: save_llama(path, DEMO_PRESET, seed=DEMO_SEED))
+    preset = DEMO_PRESET if ranks <= 2 else DEMO_PRESET_N
+    return cached_model(f"demo-llama-{preset}-seed{DEMO_SEED}", "the demo model",
+                        lambda path: save_llama(path, preset, seed=DEMO_SEED))
 
 
 def cached_model(name: str, what: str, save: Callable[[Path], object]) -> Path:

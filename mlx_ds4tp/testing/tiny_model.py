@@ -47,6 +47,8 @@ class LlamaSizes:
 PRESETS = {
     # Seconds to build, fast to run: the demo's default and the CI's model.
     "tiny": LlamaSizes(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512),
+    # tiny with 8 KV heads: what the demo splits over 3 to 8 ranks (3:3:2 at three).
+    "tiny8": LlamaSizes(layers=2, hidden=128, heads=8, kv_heads=8, intermediate=256, vocab=512),
     # About 160M float32 parameters (640 MB): big enough that a decode step costs something.
     "150m": LlamaSizes(layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=32000),
 }
