@@ -82,6 +82,7 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
         return _LAST_GROUP
     if link.size > 2:
         _LAST_GROUP = _init_mesh(link, identity)
+        _JOINED_WITH[_LAST_GROUP] = (link, identity)
         return _LAST_GROUP
     pair = _join(link, identity)
     try:
@@ -95,14 +96,12 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
 
 
 def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairGroup":
-    """Join the pair again on a closed group, with the settings it was made with (or `link`):
-    the same hello, secret and model fingerprint checks, then the group runs over the new
-    pair. A model split over the group keeps working, so a rank that lost its peer serves on
+    """Join the pair (or the mesh) again on a closed group, with the settings it was made with
+    (or `link`): the same hello, secret and model fingerprint checks, then the group runs over
+    the new pair (a mesh: every rank forms it again, each keeping its rank). A model split over
+    the group keeps working, so a rank that lost its peer serves on
     once the peer (restarted) is back; nothing of the old pair's state is carried over."""
-    if isinstance(group, MeshGroup):
-        raise TypeError(f"group={group!r}: a mesh of {group.size()} ranks is not rejoined; close it "
-                        "and make a new one with mlx_ds4tp.init(..., size=N) on every rank")
-    if not isinstance(group, PairGroup):
+    if not isinstance(group, (PairGroup, MeshGroup)):
         raise TypeError(f"group={group!r}: reconnect() takes a group mlx_ds4tp.init(...) returned")
     made_with, identity = _JOINED_WITH.get(group, (None, None))
     link = link or made_with
@@ -111,6 +110,8 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
                          "link=LinkSettings(...) to say how to join again")
     if link.check().transport == MLX:
         raise ValueError("transport='mlx': MLX's own groups cannot be rejoined; relaunch them")
+    if isinstance(group, MeshGroup):
+        return _rejoin_mesh(group, link, identity)
     if link.discovery is not None:
         # The rank keeps the role its share of the model was loaded for; it finds a new peer.
         want = "lead" if group.rank() == 0 else "work"
@@ -125,9 +126,24 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
     return group
 
 
-# What each pair's group was joined with, for reconnect(); weak, so a dropped group goes.
+# What each group of ours was joined with, for reconnect(); weak, so a dropped group goes.
 _JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
     weakref.WeakKeyDictionary()
+
+
+def _rejoin_mesh(group: MeshGroup, link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> MeshGroup:
+    """reconnect() of a mesh: every rank forms the mesh again (the leader at its address, each
+    worker asking for the rank it had, so a restarted worker, asking for none, gets the one
+    left free), and the group runs over the new mesh."""
+    if group.rank() != 0:
+        link = dataclasses.replace(link, ask_rank=group.rank())
+    mesh = form_mesh(link.resolved(identity), _connect)
+    try:
+        group.reattach(mesh)
+    except BaseException:
+        mesh.close()
+        raise
+    return group
 
 
 def _init_mesh(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> MeshGroup:

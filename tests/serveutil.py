@@ -24,11 +24,12 @@ CHAT_TEMPLATE = (
 API_KEY = "test-key"
 
 
-def build_chat_model(directory: Path, seed: int = 3) -> Path:
-    """The tiny llama with a chat template in its tokenizer config."""
+def build_chat_model(directory: Path, seed: int = 3, preset: str = "tiny") -> Path:
+    """The tiny llama (or another preset: tiny8 for more than two ranks) with a chat template
+    in its tokenizer config."""
     from mlx_ds4tp.testing.tiny_model import save_llama
 
-    path = save_llama(directory / "chat-llama", "tiny", seed=seed)
+    path = save_llama(directory / "chat-llama", preset, seed=seed)
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE
@@ -38,11 +39,12 @@ def build_chat_model(directory: Path, seed: int = 3) -> Path:
 
 class ServedPair:
     """`ds4tp serve` leader and worker on 127.0.0.1, logs in files under `logs`; `model` is
-    what both ranks get as --model (a directory, or "demo")."""
+    what both ranks get as --model (a directory, or "demo"). ranks > 2: --ranks N to every
+    rank, the workers named "worker", "worker2", ..."""
 
     def __init__(self, model, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
                  api_key: Optional[str] = API_KEY, rank_extra: Optional[dict] = None,
-                 rank_env: Optional[dict] = None):
+                 rank_env: Optional[dict] = None, ranks: int = 2):
         self.port = free_port()
         pair_port = free_port()
         self.logs = logs
@@ -52,13 +54,15 @@ class ServedPair:
         full_env.update(env or {})
         transport = ["--transport", "tcp"] if "--transport" not in extra else []
         common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), *transport,
-                  *extra]
+                  *(["--ranks", str(ranks)] if ranks != 2 else []), *extra]
         key = ["--api-key", api_key] if api_key else []
         cmds = {
             "leader": common + key + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
                                       "--port", str(self.port)],
             "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)],
         }
+        for n in range(2, ranks):
+            cmds[f"worker{n}"] = list(cmds["worker"])
         for name, more in (rank_extra or {}).items():  # flags of one rank only
             cmds[name] += list(more)
         # The environment of each rank: the common one, plus `rank_env`'s for that rank only.

@@ -25,6 +25,7 @@ from .model_arg import add_model_arg, default_served_name, model_path
 from .pair_args import (
     add_interface_arg,
     add_pair_args,
+    add_ranks_arg,
     add_transport_args,
     check_at_least,
     link_from_args,
@@ -123,6 +124,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_split_arg(p)
     add_sampling_args(p)
     add_pair_args(p, ROLE_HELP)
+    add_ranks_arg(p)
     add_interface_arg(p)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
                 "Both ranks take the same --model.")

@@ -13,6 +13,25 @@ from ..link.native import load_verbs
 from .backend import _address, _pairgroup
 
 
+def _c_mesh(ffi, mesh):
+    """The C mesh (tp_mesh) over `mesh`'s pairs, and its links: C memory the caller keeps."""
+    cmesh = ffi.new("tp_mesh *")
+    cmesh.rank = mesh.rank
+    cmesh.size = mesh.size
+    links = {}
+    for peer, pair in mesh.pairs.items():
+        link = ffi.new("tp_link *")
+        link.pair = pair.state
+        link.dev = pair.rdma.dev if pair.rdma is not None else ffi.NULL
+        link.fd = pair.data.fileno()
+        link.rank = pair.rank
+        link.spin_ns = pair.spin_ns
+        link.timeout_s = pair.timeout
+        cmesh.links[peer] = link
+        links[peer] = link
+    return cmesh, links
+
+
 class MeshGroup(_pairgroup.MeshGroup):
     """The N ranks of a mesh (rank 0 the leader). Beside MLX's surface: ``transport`` ("tcp",
     "rdma", or "mixed" when the links differ), ``links()`` (each link's transport and RDMA
@@ -20,28 +39,32 @@ class MeshGroup(_pairgroup.MeshGroup):
 
     def __init__(self, mesh):
         ffi, lib = load_verbs()
-        cmesh = ffi.new("tp_mesh *")
-        cmesh.rank = mesh.rank
-        cmesh.size = mesh.size
-        links = {}
-        for peer, pair in mesh.pairs.items():
-            link = ffi.new("tp_link *")
-            link.pair = pair.state
-            link.dev = pair.rdma.dev if pair.rdma is not None else ffi.NULL
-            link.fd = pair.data.fileno()
-            link.rank = pair.rank
-            link.spin_ns = pair.spin_ns
-            link.timeout_s = pair.timeout
-            cmesh.links[peer] = link
-            links[peer] = link
+        cmesh, links = _c_mesh(ffi, mesh)
         super().__init__(mesh.rank, mesh.size, _address(ffi, cmesh),
                          _address(ffi, lib.tp_mesh_exchange_address()),
                          _address(ffi, lib.tp_sum2_address()),
                          _address(ffi, lib.tp_mesh_close_address()))
+        self._take(cmesh, links, mesh)
+
+    def _take(self, cmesh, links, mesh) -> None:
         self._cmesh, self._links = cmesh, links  # C memory the backend reads: kept with the group
         self._mesh = mesh
         kinds = set(mesh.transports().values())
         self.transport = kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def reattach(self, mesh) -> None:
+        """Run this closed group over a new mesh of the same ranks, this rank at its place
+        (`ds4tp serve` taking a restarted rank back): a model split over this group, whose
+        layers hold it, works on unchanged; nothing of the old mesh is carried over."""
+        if self._mesh is not None:
+            raise TransportError("this mesh is still open; close() it before reattach()")
+        if (mesh.rank, mesh.size) != (self.rank(), self.size()):
+            raise ValueError(f"the new mesh makes this process rank {mesh.rank} of {mesh.size}; the group "
+                             f"is rank {self.rank()} of {self.size()}: a group keeps its rank and size")
+        ffi, _ = load_verbs()
+        cmesh, links = _c_mesh(ffi, mesh)
+        self._attach_backend(_address(ffi, cmesh))
+        self._take(cmesh, links, mesh)
 
     @property
     def mesh(self):

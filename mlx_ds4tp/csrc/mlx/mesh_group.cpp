@@ -73,6 +73,15 @@ void MeshGroupImpl::close() {
   core_->mesh = nullptr;
 }
 
+void MeshGroupImpl::attach(tp_mesh* mesh) {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  if (core_->mesh != nullptr) throw std::runtime_error("mlx_ds4tp: this mesh is still open; close it first");
+  if (mesh == nullptr || mesh->rank != members_[me_] || mesh->size < size()) {
+    throw std::invalid_argument("mlx_ds4tp: the new mesh must keep this rank and the ranks");
+  }
+  core_->mesh = mesh;
+}
+
 std::shared_ptr<mx::distributed::detail::GroupImpl> MeshGroupImpl::split(int color, int key) {
   // Every rank learns every rank's (color, key): a blocking all-gather now, as
   // MLX's split is called outside any graph.

@@ -53,6 +53,9 @@ class MeshGroupImpl : public mx::distributed::detail::GroupImpl,
 
   // Every collective of this mesh (subgroups included) fails from now on.
   void close();
+  // Run this closed mesh's collectives (subgroups included) over a new mesh of the same
+  // ranks (`ds4tp serve` taking a restarted rank back); refused while it is open.
+  void attach(tp_mesh* mesh);
 
  private:
   void reduce(int op, const mx::array& input, mx::array& output, mx::Stream stream);

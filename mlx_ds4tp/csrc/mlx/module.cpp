@@ -99,6 +99,13 @@ NB_MODULE(_pairgroup, m) {
           "Stop the collectives of the mesh and its subgroups: wake an exchange in flight, wait "
           "for it, refuse the rest.")
       .def(
+          "_attach_backend",
+          [](MeshGroup& self, uintptr_t mesh) {
+            if (!mesh) throw std::invalid_argument("MeshGroup: a null mesh");
+            self.impl_->attach(reinterpret_cast<tp_mesh*>(mesh));
+          },
+          nb::arg("mesh"), "Run the collectives of this closed mesh over a new mesh of the same ranks.")
+      .def(
           "split",
           [](MeshGroup& self, int color, int key) {
             // The ranks swap (color, key) over the links before the subgroup exists: the

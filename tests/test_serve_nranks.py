@@ -1,0 +1,70 @@
+"""`ds4tp serve --ranks 3` (a mesh of three ranks on 127.0.0.1): the openai client gets the
+single process's text; a killed worker (either of the two) makes the server answer 503 within
+about a second; started again, it re-joins with its rank and share, the other worker (--rejoin)
+with it, the leader never restarted, and the answers are exact again."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
+
+from serveutil import ServedPair, build_chat_model, client, reference, text_ids  # noqa: E402
+
+RANKS = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_chat_model(tmp_path_factory.mktemp("nranks-serve"), preset="tiny8")
+
+
+def _served(model_dir, tmp_path) -> ServedPair:
+    # Every worker outlives its leader's mesh: a mesh that loses one rank is formed again by all.
+    return ServedPair(model_dir, tmp_path, ranks=RANKS, env={"DS4_TP_TIMEOUT_SEC": "8"},
+                      rank_extra={"worker": ["--rejoin"], "worker2": ["--rejoin"]})
+
+
+def _wait_status(served: ServedPair, code: int, within: float) -> float:
+    """Seconds until /health answers `code`; AssertionError past `within`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        if served.health()[0] == code:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"/health did not turn {code} within {within} s: {served.health()}\n"
+                         f"{served.log('leader')[-3000:]}")
+
+
+def _exact(c, model_dir, prompts) -> None:
+    for prompt in prompts:
+        got = c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=8)
+        assert got.choices[0].text == reference(model_dir, text_ids(model_dir, prompt), 8), prompt
+
+
+@pytest.mark.parametrize("victim", ["worker", "worker2"])
+def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_dir, tmp_path, victim):
+    served = _served(model_dir, tmp_path)
+    try:
+        served.wait_healthy(within=180)
+        c = client(served, timeout=120)
+        _exact(c, model_dir, ["three Macs", "one model"])
+        chat = c.chat.completions.create(model=str(model_dir), max_tokens=6,
+                                         messages=[{"role": "user", "content": "hi"}])
+        assert chat.choices[0].message.content is not None
+        served.kill(victim)
+        down = _wait_status(served, 503, 10)
+        with pytest.raises(openai.InternalServerError):
+            c.completions.create(model=str(model_dir), prompt="meanwhile", max_tokens=3)
+        served.start(victim)  # the same command: it is given the rank left free, and the share
+        back = _wait_status(served, 200, 180)
+        assert served.procs["leader"].poll() is None
+        _exact(c, model_dir, ["after", "three Macs"])
+        log = served.log("leader")
+        assert "a worker rejoined" in log, log[-3000:]
+        print(f"\n{victim} killed: 503 after {down:.2f} s; re-joined (healthy) {back:.1f} s after its restart")
+        assert down < 3.0, f"503 took {down:.2f} s"
+    finally:
+        served.close()
