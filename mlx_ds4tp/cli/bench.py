@@ -48,7 +48,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "--ranks: 16 KiB all_sums per group, default 1000, a tenth of them at 1 MiB)")
     p.add_argument("--ranks", default=None, metavar="N[,N...]",
                    help="all_sum p50/p99 at 16 KiB and 1 MiB over groups of N ranks here (e.g. "
-                        "2,3,4): ours over tcp and rdma (ucsim) and MLX's ring at the same N")
+                        "2,3,4): ours over tcp and rdma (ucsim) and MLX's ring at the same N; with "
+                        "--model: decode tok/s of the model over N ranks, ours (tcp) beside mlx-lm's "
+                        "shard() on MLX's ring")
     p.add_argument("--json", action="store_true", help="one JSON record per line")
     add_model_arg(p, "time decode tok/s of this mlx-lm model instead (a directory, `demo`, or a "
                   "preset built once: 150m, moe-1g): single process, our pair (tcp, rdma) and "
@@ -138,8 +140,18 @@ def _ranks(args: argparse.Namespace, address) -> int:
         sizes = bench_ranks.check_sizes(args.ranks)
     except ValueError as exc:
         raise SystemExit(f"ds4tp bench: {exc}") from None
-    if address is not None or args.serve or args.model:
-        raise SystemExit("ds4tp bench: --ranks runs every rank here; not with --role, --model or --serve")
+    if address is not None or args.serve:
+        raise SystemExit("ds4tp bench: --ranks runs every rank here; not with --role or --serve")
+    if args.model:
+        from ..bench.model_ranks import model_ranks_report
+
+        check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1),
+                                 ("--prompt-tokens", args.prompt_tokens, 1)))
+        if args.transport not in (ALL, "tcp"):
+            raise SystemExit(f"ds4tp bench: --model with --ranks runs our ranks over tcp; --transport "
+                             f"{args.transport} is not taken here: give tcp (or leave it out)")
+        return model_ranks_report(_model_dir("--model", args.model), sizes, args.max_tokens,
+                                  args.prompt_tokens, args.rounds, args.json)
     if args.transport not in (ALL, "tcp", "rdma"):
         raise SystemExit(f"ds4tp bench: --ranks with --transport {args.transport}: give tcp, rdma or "
                          "all (MLX's ring runs beside them anyway)")

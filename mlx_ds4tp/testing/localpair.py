@@ -220,14 +220,14 @@ def pair_records(base: Sequence[str], timeout: float) -> List[Dict]:
     return json_records(run_ranks(pair_commands(base, free_port()), timeout=timeout)[0])
 
 
-def ring_records(cmd: Sequence[str], timeout: float) -> List[Dict]:
-    """Both ranks of `cmd` on mx.distributed's ring backend here (a hostfile of one free port per
-    rank, removed after; MLX_HOSTFILE and MLX_RANK set); rank 0's JSON records."""
-    ports = [free_port() for _ in range(2)]
+def ring_records(cmd: Sequence[str], timeout: float, ranks: int = 2) -> List[Dict]:
+    """Every rank (two, or `ranks`) of `cmd` on mx.distributed's ring backend here (a hostfile of
+    one free port per rank, removed after; MLX_HOSTFILE and MLX_RANK set); rank 0's JSON records."""
+    ports = [free_port() for _ in range(ranks)]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([[f"127.0.0.1:{port}"] for port in ports], f)
     try:
-        envs = [child_env({"MLX_HOSTFILE": f.name, "MLX_RANK": str(rank)}) for rank in range(2)]
-        return json_records(run_ranks([cmd, cmd], envs, timeout=timeout)[0])
+        envs = [child_env({"MLX_HOSTFILE": f.name, "MLX_RANK": str(rank)}) for rank in range(ranks)]
+        return json_records(run_ranks([cmd] * ranks, envs, timeout=timeout)[0])
     finally:
         os.unlink(f.name)
