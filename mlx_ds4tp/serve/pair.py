@@ -326,8 +326,10 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
     while not quit_.event.is_set():
         if not engine.wait_down(1.0):
             continue
+        others = (f"; over {group.size()} ranks the other workers, started with --rejoin, join again by "
+                  "themselves" if group.size() > 2 else "")
         log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
-               "`ds4tp serve --role worker` again, with the same --model and secret)")
+            f"`ds4tp serve --role worker` again, with the same --model and secret{others})")
         while not quit_.event.is_set():
             try:
                 rejoin(group, settings.split, share)
