@@ -90,6 +90,11 @@ def test_an_uneven_share_on_three_ranks(procs, models, tmp_path):
     assert record["split"] == "2:1:1"
 
 
+def test_speculation_on_three_ranks_keeps_the_unsplit_tokens(procs, models, tmp_path):
+    """Prompt-lookup drafts verified by all three ranks in one forward a round: the same tokens."""
+    _run_and_check(procs, models["llama"], 3, "tcp", tmp_path, extra=["--prompt-lookup", "2"])
+
+
 @pytest.mark.parametrize("family, transport", [("qwen3_moe", "tcp"), ("deepseek_v3", "ucsim")])
 def test_moe_on_three_ranks_gives_the_unsplit_tokens(procs, models, tmp_path, family, transport):
     _run_and_check(procs, models[family], 3, transport, tmp_path)
@@ -138,3 +143,17 @@ def test_bad_ranks_are_refused_naming_the_value(procs, models, flags, message):
                        "--role", "leader", *flags])
     _, err = run.communicate(timeout=60)
     assert run.returncode not in (0, None) and message in err, err
+
+
+def test_bench_model_over_n_ranks_beside_the_ring(procs):
+    """`ds4tp bench --model M --ranks 2,3`: ours at each N with the unsplit tokens; mlx-lm's ring
+    at N = 2, and at N = 3 its shard() cannot cut the tiny llama's 128 columns in three: said."""
+    bench = procs.spawn(["-m", "mlx_ds4tp", "bench", "--model", "tiny8", "--ranks", "2,3", "--max-tokens", "4",
+                         "--prompt-tokens", "8", "--rounds", "1", "--json"])
+    out, err = bench.communicate(timeout=RUN_TIMEOUT)
+    assert bench.returncode == 0, err
+    records = {(r["name"], r["ranks"]): r for r in map(json.loads, out.strip().splitlines())}
+    for n in (2, 3):
+        assert records[("ours-tcp", n)]["tokens_match"] is True and records[("ours-tcp", n)]["tok_s"] > 0
+    assert records[("mlx-lm-ring", 2)]["tokens_match"] is True
+    assert "failed" in records[("mlx-lm-ring", 3)]["error"], records

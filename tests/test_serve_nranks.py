@@ -6,6 +6,7 @@ with it, the leader never restarted, and the answers are exact again."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -54,6 +55,10 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
         chat = c.chat.completions.create(model=str(model_dir), max_tokens=6,
                                          messages=[{"role": "user", "content": "hi"}])
         assert chat.choices[0].message.content is not None
+        # Several requests at once: one batch over the three ranks, each answer exact.
+        prompts = ["a batch", "of three", "requests"]
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda p: _exact(c, model_dir, [p]), prompts))
         served.kill(victim)
         down = _wait_status(served, 503, 10)
         with pytest.raises(openai.InternalServerError):
