@@ -5,6 +5,7 @@ with it, the leader never restarted, and the answers are exact again."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -59,6 +60,13 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
         prompts = ["a batch", "of three", "requests"]
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: _exact(c, model_dir, [p]), prompts))
+        # Structured output: every rank masks its part of the vocabulary by the same grammar.
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        shaped = c.chat.completions.create(
+            model=str(model_dir), max_tokens=40, messages=[{"role": "user", "content": "json"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}})
+        assert isinstance(json.loads(shaped.choices[0].message.content)["ok"], bool), shaped
         served.kill(victim)
         down = _wait_status(served, 503, 10)
         with pytest.raises(openai.InternalServerError):
