@@ -81,3 +81,41 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
         assert down < 3.0, f"503 took {down:.2f} s"
     finally:
         served.close()
+
+
+def _complete(served: ServedPair, prompt, max_tokens: int = 8) -> dict:
+    from serveutil import post_raw
+
+    code, answer = post_raw(served, "/v1/completions",
+                            json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode())
+    assert code == 200, answer
+    return answer
+
+
+def test_three_ranks_store_their_parts_on_disk_and_a_restart_serves_from_them(model_dir, tmp_path):
+    """--prompt-cache-dir over three ranks: each rank writes its own part of every stored prefix
+    (files named by its rank's key, so the three ranks here share one directory and whichever
+    process holds a rank finds that rank's files), and after every rank restarts, the next turn of
+    each conversation starts from the prefix all three loaded (DISK_LOAD asked of both workers)."""
+    prompts = [[20 + i] + list(range(30 + 7 * i, 70 + 7 * i)) for i in range(3)]
+    cache = tmp_path / "cache"
+    flags = ["--prompt-cache-dir", str(cache), "--prompt-cache-disk-bytes", "50MB"]
+    for run in ("run1", "run2"):
+        (tmp_path / run).mkdir()
+        served = ServedPair(model_dir, tmp_path / run, ranks=RANKS, extra=flags)
+        try:
+            served.wait_healthy(within=180)
+            for prompt in prompts:
+                asked = prompt if run == "run1" else prompt + [5, 6, 7, 8]
+                answer = _complete(served, asked)
+                assert answer["choices"][0]["text"] == reference(model_dir, asked, 8), (run, answer)
+                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert (cached > 0) == (run == "run2"), (run, cached)
+            if run == "run2":
+                health = served.health()[1]
+                assert health["disk_hits"] == 3 and health["disk_load_failures"] == 0, health
+            served.stop()
+        finally:
+            served.close()
+        if run == "run1":
+            assert len(list(cache.glob("*.safetensors"))) == 3 * RANKS, sorted(cache.iterdir())
