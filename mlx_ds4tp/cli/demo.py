@@ -68,8 +68,9 @@ def main(args: argparse.Namespace) -> int:
     print("--- summary ---")
     print(f"tokens ({'pair' if ranks == 2 else f'{ranks} ranks'}):   {result['tokens']}")
     print(f"tokens (single): {reference}")
-    print(f"transport {result['transport']} | decode {result['decode_tok_s']:.1f} tok/s | gate p50 "
-          f"{result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us")
+    gates = (f" | gate p50 {result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us" if ranks == 2
+             else f" | {ranks} ranks")  # a mesh times no gates
+    print(f"transport {result['transport']} | decode {result['decode_tok_s']:.1f} tok/s{gates}")
     print(f"match with the unsplit model in one process: {match}")
     print("\nServe this model here (an OpenAI-compatible API on http://127.0.0.1:8080/v1, "
           "model id 'demo'), both ranks on 127.0.0.1:\n"

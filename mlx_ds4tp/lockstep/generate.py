@@ -52,9 +52,12 @@ class GenerationStats:
         prompt_tps = self.prompt_tokens / self.prompt_sec if self.prompt_sec else 0.0
         decode_tps = self.decode_tokens / self.decode_sec if self.decode_sec else 0.0
         share = self.decode_exchange_sec / self.decode_sec * 100 if self.decode_sec else 0.0
+        head = (f"prompt {self.prompt_tokens} tokens {prompt_tps:.1f} tok/s | decode {self.decode_tokens} "
+                f"tokens {decode_tps:.1f} tok/s | transport {group.transport}")
+        if group.size() > 2:  # a mesh times no gates (collectives.mesh.MeshGroup): none to print
+            return f"{head} | {group.size()} ranks (gate and exchange times are the pair's only)"
         return (
-            f"prompt {self.prompt_tokens} tokens {prompt_tps:.1f} tok/s | decode {self.decode_tokens} "
-            f"tokens {decode_tps:.1f} tok/s | transport {group.transport} | gate p50 {p50:.1f} us "
+            f"{head} | gate p50 {p50:.1f} us "
             f"p99 {p99:.1f} us | exchanges {self.exchange_ms_per_token():.2f} ms/token "
             f"({share:.0f}% of decode, waits for the peer included)"
         )
