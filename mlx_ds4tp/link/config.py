@@ -223,7 +223,8 @@ class LinkSettings:
     (split.measure), carried by its hello for `--split auto`. identity: the model the hello
     checks (resolved(identity) sets it). (The bring-up's test-only switches are seams in
     link/bringup.py, not fields.)
-    discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator.
+    discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator;
+    with size > 2, the group (link/findgroup.py: the ranks and the leader's address, then the mesh).
     size: ranks in the group (2: a pair, as always; 3..8: a mesh, link/mesh.py: the leader
     listens with size=N, the workers dial it). ask_rank: the rank a worker asks the leader for
     (None: any; the leader gives asked ranks first, the rest in the order the workers joined).
@@ -320,9 +321,9 @@ class LinkSettings:
                 raise ValueError(f"rank={ask!r} with role {self.address.role!r}: rank 0 is the leader, "
                                  "which listens; a worker dials it and asks for 1 .. "
                                  f"{size - 1} (or None)")
-        if size > 2 and (self.transport == MLX or self.discovery is not None):
+        if size > 2 and self.transport == MLX:
             raise ValueError(f"size={size}: a mesh of more than two ranks is made at an address "
-                             "(listen/coordinator), not over transport 'mlx' or by discovery")
+                             "(listen/coordinator) or by discovery, not over transport 'mlx'")
         for peer, device in (self.rdma_devices or {}).items():
             if (isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size
                     or not isinstance(device, str) or not device):
@@ -339,8 +340,9 @@ class LinkSettings:
             raise ValueError("transport='mlx' is MLX's own group, not a pair: it has no pair "
                              "configuration (mx.distributed.init makes it)")
         if self.discovery is not None:
-            raise ValueError("discovering settings have no address yet: link.meet finds the peer, "
-                             "then resolves the settings with its address")
+            raise ValueError("discovering settings have no address yet: link.meet finds the peer "
+                             "(link.findgroup.find_group the group of N), then resolves the settings "
+                             "with its address")
         env = os.environ
         return dataclasses.replace(
             self,

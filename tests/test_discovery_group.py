@@ -1,0 +1,165 @@
+"""A group of N ranks that finds itself: network namespaces joined by one bridge stand in for
+Macs on one link, each rank (tests/group_child.py) given only its interface, the group size
+and its secret (DS4_TP_SECRET). Three ranks with one secret and a fourth with another, all
+with the same model, started together: the three form a group of 3 (ranks 0, 1, 2 once each,
+one leader; the mesh made with what discovery found carries an exact all_sum) within the
+10 s discovery timeout, and the stranger never joins (it gives up naming what it saw). A rank
+that joined and was killed is not waited for: the group forms with the next one.
+
+Needs root and `ip netns`, as tests/test_discovery_link.py (whose Bridge it uses): where
+namespaces cannot be made the tests FAIL with the reason. Multicast and addresses live only
+inside the namespaces the tests create and delete. Each test prints the time it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from faultutil import Watched, wait_all_exit
+from pairutil import REPO
+from test_discovery_link import Bridge
+
+HERE = Path(__file__).resolve().parent
+SECRET, OTHER_SECRET = "group-secret", "a-strangers-secret"
+FIND_SEC = 10.0  # the Done-when's bound: discovery's own timeout, so a slower start fails
+
+
+@pytest.fixture
+def bridge(request):
+    link = Bridge(request.param)
+    try:
+        link.up()
+        yield link
+    finally:
+        link.down()
+
+
+def spawn(procs, bridge: Bridge, i: int, secret: str, go: Path, size: int = 3,
+          timeout: float = FIND_SEC) -> Watched:
+    env = dict(os.environ, DS4_TP_SECRET=secret, PYTHONUNBUFFERED="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["ip", "netns", "exec", bridge.ns[i], sys.executable, str(HERE / "group_child.py"),
+            bridge.dev[i], str(size), str(go), str(timeout)]
+    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.procs.append(p)
+    return Watched(p, f"rank in {bridge.ns[i]} ({bridge.addr[i]})")
+
+
+def ready(ranks: List[Watched], within: float = 120.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if all("ready" in r.out.text() for r in ranks):
+            return
+        if any(not r.alive() for r in ranks):
+            break
+        time.sleep(0.02)
+    pytest.fail("the ranks did not get ready\n" + "\n".join(r.describe() for r in ranks))
+
+
+def result(rank: Watched) -> dict:
+    lines = rank.out.text().strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        pytest.fail(f"no result\n{rank.describe()}")
+
+
+def finish(ranks: List[Watched], within: float = 120.0) -> List[dict]:
+    if None in wait_all_exit(ranks, within):
+        pytest.fail("a rank did not finish\n" + "\n".join(r.describe() for r in ranks))
+    return [result(r) for r in ranks]
+
+
+def check_group(results: List[dict], size: int) -> None:
+    """One group: ranks 0 .. size-1 once each, one leader, the same roster everywhere, and the
+    mesh's collectives right on every rank."""
+    assert sorted(r["rank"] for r in results) == list(range(size)), results
+    assert [r["role"] for r in results].count("leader") == 1, results
+    assert all(r["rank"] == r["found_rank"] and r["size"] == size for r in results), results
+    assert all(r["sum"] == size * (size + 1) / 2 and r["ranks"] == list(range(size)) for r in results), results
+    assert len({json.dumps(r["roster"]) for r in results}) == 1, results
+    assert sorted(i for _, _, i in results[0]["roster"]) == sorted(r["instance"] for r in results)
+
+
+@pytest.mark.parametrize("bridge", [4], indirect=True)
+def test_three_ranks_form_a_group_and_a_stranger_with_another_secret_never_joins(procs, bridge, tmp_path):
+    go = tmp_path / "go"
+    ranks = [spawn(procs, bridge, i, SECRET, go) for i in range(3)]
+    stranger = spawn(procs, bridge, 3, OTHER_SECRET, go)
+    ready([*ranks, stranger])
+    go.write_text("go")
+    results = finish(ranks)
+    for r, w in zip(results, ranks):
+        assert "error" not in r, w.describe()
+    check_group(results, 3)
+    formed = max(r["found_at"] for r in results) - min(r["began"] for r in results)
+    meshed = max(r["formed_at"] for r in results) - min(r["began"] for r in results)
+    print(f"group of 3 found {formed:.2f} s after the ranks began looking (mesh formed and "
+          f"all_sum checked at {meshed:.2f} s)")
+
+    gone = finish([stranger], FIND_SEC + 60)[0]
+    assert gone.get("kind") == "not found", stranger.describe()
+    assert re.search(r"could not gather a group of 3 ranks .*missing \d of the 3 ranks", gone["error"]), gone
+    assert re.search(r"\(instance [0-9a-f]+\) at [0-9a-f.:, ]+: refused \(authentication failed", gone["error"]), \
+        gone["error"]
+    # None of the three ever took the stranger in: not in a roster, never joined a lobby.
+    assert all(gone["instance"] not in {i for _, _, i in r["roster"]} for r in results)
+    for w in ranks:
+        joined = re.findall(r"discovery: (.*) joined this group", w.err.text())
+        assert not any(gone["instance"] in j or bridge.addr[3] in j for j in joined), w.err.text()
+    refusals = "".join(w.err.text() for w in ranks)
+    assert re.search(r"authentication failed", refusals), refusals
+
+
+@pytest.mark.parametrize("bridge", [4], indirect=True)
+def test_a_rank_that_left_is_not_waited_for_and_a_short_group_names_the_missing(procs, bridge, tmp_path):
+    # Two ranks of a group of 3: one leads, the other joins its lobby; the one that joined is
+    # killed (no goodbye), then two more start: the group forms with them, not waiting for it.
+    go = tmp_path / "go"
+    first = [spawn(procs, bridge, i, SECRET, go, timeout=60.0) for i in (0, 1)]
+    ready(first)
+    go.write_text("go")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(re.search(r"joined this group \(1 of 2", w.err.text())
+                                                  for w in first):
+        time.sleep(0.02)
+    lead_i = next((i for i, w in enumerate(first) if "joined this group (1 of 2" in w.err.text()), None)
+    assert lead_i is not None, "\n".join(w.describe() for w in first)
+    leader, member = first[lead_i], first[1 - lead_i]
+    member.signal(signal.SIGKILL)
+    assert member.wait_exit(10) is not None
+    left = time.monotonic()
+    while time.monotonic() < left + 10 and "left this group" not in leader.err.text():
+        time.sleep(0.02)
+    assert re.search(r"left this group \(its connection closed\); not waiting for it", leader.err.text()), \
+        leader.describe()
+    go2 = tmp_path / "go2"
+    later = [spawn(procs, bridge, i, SECRET, go2, timeout=60.0) for i in (2, 3)]
+    ready(later)
+    go2.write_text("go")
+    results = finish([leader, *later])
+    check_group(results, 3)
+    assert results[0]["role"] == "leader"
+
+    # A group of 3 with only two ranks on the link: both give up at their timeout, naming
+    # what they saw and how many were missing (the leader may outlive its member by a moment:
+    # then it names that one as left and two missing).
+    go3 = tmp_path / "go3"
+    short = [spawn(procs, bridge, i, SECRET, go3, timeout=4.0) for i in (0, 1)]
+    ready(short)
+    go3.write_text("go")
+    for r in finish(short):
+        assert r.get("kind") == "not found", r
+        assert re.search(r"could not gather a group of 3 ranks with this model before the timeout "
+                         r"\(4 s\): .*missing [12] of the 3 ranks; heard .*\(instance [0-9a-f]+\)", r["error"]), \
+            r["error"]
