@@ -109,7 +109,8 @@ def test_the_lobby_admits_who_proves_the_secret_refuses_strangers_and_gives_out_
     at.admit_until(lambda: len(at.lobby.refused) == 4)
     for t in strangers:
         t.join(5)
-    assert isinstance(at.results["s1"], AuthenticationError) and "leader's proof does not match" in str(at.results["s1"])
+    assert isinstance(at.results["s1"], AuthenticationError)
+    assert "leader's proof does not match" in str(at.results["s1"])
     assert isinstance(at.results["s2"], HelloMismatchError) and "another model" in str(at.results["s2"])
     assert isinstance(at.results["s3"], HelloMismatchError) and "--ranks" in str(at.results["s3"])
     assert isinstance(at.results["s4"], AuthenticationError)
@@ -147,13 +148,15 @@ def test_a_wrong_proof_from_a_member_is_refused_by_the_leader():
     at.lobby.admit()
     t.join(5)
     assert not at.lobby.members
-    assert at.results["x"]["t"] == "error" and "authentication failed: its proof does not match" in at.results["x"]["why"]
+    assert at.results["x"]["t"] == "error"
+    assert "authentication failed: its proof does not match" in at.results["x"]["why"]
 
 
 def test_a_second_asker_of_a_rank_is_refused_and_a_member_that_left_is_dropped():
     at = LobbyAt(size=4)
     first = socket.create_connection(("127.0.0.1", at.lobby.port), timeout=5)
-    t = threading.Thread(target=lambda: at.results.update(a=lb.enter(first, knock("a", ask=2, size=4), SECRET)), daemon=True)
+    t = threading.Thread(target=lambda: at.results.update(a=lb.enter(first, knock("a", ask=2, size=4), SECRET)),
+                         daemon=True)
     t.start()
     at.admit_until(lambda: "a" in at.lobby.members)
     t.join(5)
