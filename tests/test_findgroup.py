@@ -280,3 +280,21 @@ def test_find_group_refuses_a_pair_and_settings_without_discovery():
         findgroup.find_group(LinkSettings(PairAddress("leader", ("h", 1), None), size=3), ModelIdentity())
     with pytest.raises(ValueError, match="not over transport 'mlx'"):
         LinkSettings(PairAddress(None, None, None), "mlx", size=3).check()
+
+
+def test_the_ranks_flag_makes_a_discovering_groups_settings():
+    import argparse
+
+    from mlx_ds4tp.cli.pair_args import add_ranks_arg, add_transport_args, link_from_args, ranks_from_args
+
+    p = argparse.ArgumentParser()
+    add_ranks_arg(p)
+    add_transport_args(p)
+    assert ranks_from_args(p.parse_args([]), "serve") == 2
+    args = p.parse_args(["--ranks", "3", "--secret", "s", "--transport", "tcp"])
+    size = ranks_from_args(args, "serve")
+    link = link_from_args(args, PairAddress(None, None, None), "serve", discovery=DiscoverySettings(("tb0",)),
+                          size=size)
+    assert (link.size, link.discovery.interfaces, link.secret) == (3, ("tb0",), "s")
+    with pytest.raises(SystemExit, match=r"ds4tp serve: --ranks 9: give the number of machines, 2 to 8"):
+        ranks_from_args(p.parse_args(["--ranks", "9"]), "serve")

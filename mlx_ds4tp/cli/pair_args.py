@@ -1,6 +1,7 @@
 """The flags that say how this process joins the pair, defined here once for every command that
 takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
---listen/--coordinator, --interface, --transport, --rdma-device, --rdma-gid-index and --secret;
+--listen/--coordinator, --interface, --ranks (for the commands that run on N machines: the
+group size discovery looks for), --transport, --rdma-device, --rdma-gid-index and --secret;
 and their one check, which turns them into a PairAddress and a LinkSettings (with
 DiscoverySettings when the rank finds its peer itself)."""
 
@@ -11,6 +12,7 @@ import os
 from typing import Optional, Sequence, Tuple
 
 from ..link.config import (
+    MAX_MESH_SIZE,
     MLX,
     SECRET_ENV,
     TRANSPORTS,
@@ -48,6 +50,24 @@ def add_interface_arg(p: argparse.ArgumentParser) -> None:
                         "Thunderbolt Bridge; required on Linux; lo for both ranks on this machine)")
 
 
+def add_ranks_arg(p: argparse.ArgumentParser) -> None:
+    """--ranks N (default 2): how many machines the model runs on. With --interface (no
+    --listen/--coordinator) each rank looks for the other N-1 with the same model and secret
+    (link/findgroup.py for N > 2, link/meet.py for a pair)."""
+    p.add_argument("--ranks", type=int, default=2, metavar="N",
+                   help=f"how many machines (ranks) the model runs on, 2 to {MAX_MESH_SIZE} (default 2); "
+                        "start the same command on each: they find each other on --interface, elect one "
+                        "leader (rank 0) and number the others")
+
+
+def ranks_from_args(args: argparse.Namespace, command: str) -> int:
+    """--ranks checked: 2 .. MAX_MESH_SIZE, else exit naming the value and the range."""
+    n = args.ranks
+    if not 2 <= n <= MAX_MESH_SIZE:
+        raise SystemExit(f"ds4tp {command}: --ranks {n}: give the number of machines, 2 to {MAX_MESH_SIZE}")
+    return n
+
+
 def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPORT_HELP,
                        rdma_device_help: str = RDMA_DEVICE_HELP, extra_choice: Optional[str] = None,
                        default: str = "auto") -> None:
@@ -72,11 +92,12 @@ def refuse_mlx(args: argparse.Namespace, command: str, why: str) -> None:
 
 def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
                    transport: Optional[str] = None,
-                   discovery: Optional[DiscoverySettings] = None) -> LinkSettings:
+                   discovery: Optional[DiscoverySettings] = None, size: int = 2) -> LinkSettings:
     """The checked LinkSettings of add_transport_args' flags for this rank's `address`
     (`transport`: what the command made of its own --transport value; `discovery`: how it finds
-    its peer, when it does); a bad value exits naming it and the fix. A discovering rank without
-    --secret or DS4_TP_SECRET proves the secret `ds4tp pair` stored."""
+    its peer, when it does; `size`: ranks_from_args' group size); a bad value exits naming it and
+    the fix. A discovering rank without --secret or DS4_TP_SECRET proves the secret `ds4tp pair`
+    stored."""
     secret = args.secret
     if discovery is not None and secret is None and not os.environ.get(SECRET_ENV):
         from ..link.pair_secret import stored_code
@@ -86,7 +107,7 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
         except ValueError as exc:
             raise SystemExit(f"ds4tp {command}: {exc}") from None
     link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
-                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery)
+                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery, size=size)
     try:
         return link.check()
     except ValueError as exc:
