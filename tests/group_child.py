@@ -1,14 +1,16 @@
 """One rank of a group of N found by discovery (tests/test_discovery_group.py runs these in
 network namespaces), run as a script:
 
-    group_child.py INTERFACE SIZE GO_FILE TIMEOUT
+    group_child.py INTERFACE SIZE GO_FILE TIMEOUT [init_pair]
 
 The secret is the environment's DS4_TP_SECRET. The rank imports everything, prints "ready",
 waits for GO_FILE (so the ranks start looking together, not when their interpreters happen to
 finish loading), then finds the group (link.findgroup.find_group, TIMEOUT seconds), inits the
 mesh with what it found (mlx_ds4tp.init(**found.init_kwargs())), and checks it with an
 all_sum (each rank adds rank + 1: every rank must hold N(N+1)/2) and an all_gather of the
-ranks (0 .. N-1, once each). Prints one JSON object as its last stdout line.
+ranks (0 .. N-1, once each). With `init_pair` it makes the group in one call instead,
+mlx_ds4tp.init_pair(discovering settings of size N), as `ds4tp run|serve` will. Prints one JSON
+object as its last stdout line.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main() -> int:
             return 2
         time.sleep(0.01)
     began = time.time()
+    if sys.argv[5:] == ["init_pair"]:
+        return _in_one_call(link, identity, began)
     try:
         found = find_group(link, identity)
     except GroupNotFoundError as exc:
@@ -60,6 +64,17 @@ def main() -> int:
               "address": list(found.address), "instance": _instance()}
     g.close()
     print(json.dumps(result), flush=True)
+    return 0
+
+
+def _in_one_call(link: LinkSettings, identity: ModelIdentity, began: float) -> int:
+    g = tp.init_pair(link, identity)
+    total = tp.all_sum(mx.array([float(g.rank() + 1)]), group=g)
+    ranks = tp.all_gather(mx.array([g.rank()], dtype=mx.int32), group=g)
+    mx.eval(total, ranks)
+    print(json.dumps({"rank": g.rank(), "size": g.size(), "sum": total.item(), "ranks": ranks.tolist(),
+                      "began": began, "formed_at": time.time(), "instance": _instance()}), flush=True)
+    g.close()
     return 0
 
 
