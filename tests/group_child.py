@@ -9,8 +9,8 @@ finish loading), then finds the group (link.findgroup.find_group, TIMEOUT second
 mesh with what it found (mlx_ds4tp.init(**found.init_kwargs())), and checks it with an
 all_sum (each rank adds rank + 1: every rank must hold N(N+1)/2) and an all_gather of the
 ranks (0 .. N-1, once each). With `init_pair` it makes the group in one call instead,
-mlx_ds4tp.init_pair(discovering settings of size N), as `ds4tp run|serve` will. Prints one JSON
-object as its last stdout line.
+mlx_ds4tp.gate_ops.init_pair(discovering settings of size N), as `ds4tp run|serve` will.
+Prints one JSON object as its last stdout line.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ def main() -> int:
 
 
 def _in_one_call(link: LinkSettings, identity: ModelIdentity, began: float) -> int:
-    g = tp.init_pair(link, identity)
+    from mlx_ds4tp.gate_ops import init_pair
+
+    g = init_pair(link, identity)
     total = tp.all_sum(mx.array([float(g.rank() + 1)]), group=g)
     ranks = tp.all_gather(mx.array([g.rank()], dtype=mx.int32), group=g)
     mx.eval(total, ranks)

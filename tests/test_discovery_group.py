@@ -170,7 +170,7 @@ def test_a_rank_that_left_is_not_waited_for_and_a_short_group_names_the_missing(
     assert re.search(r"left this group \(its connection closed\); not waiting for it", leader.err.text()), \
         leader.describe()
     go2 = tmp_path / "go2"
-    # These two make the group in one call, mlx_ds4tp.init_pair with discovering settings.
+    # These two make the group in one call: gate_ops.init_pair with discovering settings.
     later = [spawn(procs, bridge, i, SECRET, go2, 3, 60.0, "init_pair") for i in (2, 3)]
     ready(later)
     go2.write_text("go")
