@@ -220,6 +220,7 @@ def search(me: dsc.Advert, peers, size: int = 3) -> findgroup._Search:
     s.finder, s.size, s.timeout = FakeFinder(me, peers), size, 10.0
     s.interfaces = [dsc.Interface("tb0", 3, (("10.233.0.1", 24),), ())]
     s.refused, s.why, s.seen, s.lobby, s.entered = s.finder.refused, {}, {}, None, None
+    s.unreachable = set()
     return s
 
 
@@ -231,6 +232,17 @@ def test_a_leader_steps_down_for_a_lower_leader_of_its_group_but_not_for_a_refus
     s.refuse(low, "authentication failed")
     assert s.lower_leader() is None
     assert search(dataclasses.replace(me, want="lead"), [low]).lower_leader() is None  # must lead
+
+
+def test_a_closed_lobby_is_passed_over_but_its_rank_may_lead_again_on_another_port():
+    me = advert("5555")
+    old = advert("1111", state=dsc.LEAD, port=7)
+    s = search(me, [old])
+    s.pass_over(old, "could not be reached (connection refused)")
+    assert s.peers() == []
+    again = dataclasses.replace(old, port=8)  # it stepped down, then led again
+    s.finder._peers = [again]
+    assert s.peers() == [again] and dsc.elect(me, s.peers(), settled=True) == ("join", again)
 
 
 def test_the_give_up_message_names_who_was_seen_and_how_many_were_missing():

@@ -96,7 +96,8 @@ class _Search:
         me = self.finder.me
         self.knock = lb.Knock(me.instance, me.host, me.digest, self.size, me.version,
                               lb.NO_RANK if not link.ask_rank else link.ask_rank, self.secret is not None)
-        self.refused: Set[str] = self.finder.refused
+        self.refused: Set[str] = self.finder.refused  # another secret, model or size: for good
+        self.unreachable: Set[Tuple[str, int]] = set()  # (instance, lobby port): a closed lobby
         self.why: Dict[str, str] = {}
         self.seen: Dict[str, dsc.Advert] = {}  # every rank of this group heard, its latest advert
         self.lobby: Optional[lb.Lobby] = None
@@ -126,7 +127,8 @@ class _Search:
         """The adverts heard now, less the refused ones (every one heard is remembered)."""
         heard = self.finder.peers()
         self.seen.update((p.instance, p) for p in heard if self.mate(p))
-        return [p for p in heard if p.instance not in self.refused]
+        return [p for p in heard if p.instance not in self.refused
+                and (p.instance, p.port) not in self.unreachable]
 
     def heard(self, instance: str) -> bool:
         """Whether `instance` is still advertised (one never heard yet counts as there)."""
@@ -138,6 +140,12 @@ class _Search:
 
     def refuse(self, peer: dsc.Advert, why: str) -> None:
         self.refused.add(peer.instance)
+        self.why[peer.instance] = why
+
+    def pass_over(self, peer: dsc.Advert, why: str) -> None:
+        """Leave out this lobby of `peer` (it closed, or its leader went): not the rank itself,
+        which may lead again, on another port, once it stepped down or its advert is fresh."""
+        self.unreachable.add((peer.instance, peer.port))
         self.why[peer.instance] = why
 
     # -- leading -------------------------------------------------------------------------------
@@ -202,7 +210,7 @@ class _Search:
             return None
         except TransportError as exc:
             log(f"discovery: could not join {_who(leader)} ({exc}); looking on")
-            self.refuse(leader, f"could not be reached ({exc})")
+            self.pass_over(leader, f"could not be reached ({exc})")
             return None
         self.entered = entered
         self.finder.publish(state=dsc.PAIRED, port=0)
@@ -210,7 +218,7 @@ class _Search:
             message = lb.wait_for_rank(entered, self.deadline, lambda: self.heard(leader.instance))
         except TransportError as exc:
             log(f"discovery: {exc}; looking on")
-            self.refuse(leader, f"left ({exc})")
+            self.pass_over(leader, f"left ({exc})")
             message = {"t": "left"}
         finally:
             entered.sock.close()
@@ -246,7 +254,8 @@ class _Search:
             stood = (f"this rank joined {self.entered.leader.host}'s group, which had {have} of the {n} "
                      f"ranks ({', '.join(self.entered.have)})")
         else:
-            have = 1 + len([p for p in mates if p.instance not in self.refused and p.instance in now])
+            have = 1 + len([p for p in mates if p.instance not in self.refused and p.instance in now
+                            and (p.instance, p.port) not in self.unreachable])
             stood = "no rank led a group this rank could join"
         saw = [f"{_who(p)} at {', '.join(p.addresses) or '?'}: {self.state_of(p, p.instance in now)}"
                for p in mates]
@@ -262,6 +271,8 @@ class _Search:
     def state_of(self, p: dsc.Advert, heard: bool) -> str:
         if p.instance in self.refused:
             return f"refused ({self.why.get(p.instance, 'another secret, or gone')})"
+        if (p.instance, p.port) in self.unreachable:
+            return f"its lobby {self.why.get(p.instance, 'could not be reached')}"
         if not heard:
             return "left (its advert is gone)"
         return {dsc.SEEK: "looking", dsc.LEAD: "leading a group", dsc.PAIRED: "in a group"}[p.state]
