@@ -271,6 +271,15 @@ def test_the_give_up_message_names_who_was_seen_and_how_many_were_missing():
 # -- what the bring-up takes -------------------------------------------------------------------
 
 
+def test_a_leader_on_several_interfaces_listens_on_all_of_them():
+    en1 = dsc.Interface("en1", 5, (("10.99.0.1", 30),), ("fe80::1",))
+    en2 = dsc.Interface("en2", 6, (("10.99.1.1", 30),), ())
+    en3 = dsc.Interface("en3", 7, (), ("fe80::3",))
+    assert findgroup.listen_host([en1]) == "10.99.0.1"
+    assert findgroup.listen_host([en1, en2]) == "0.0.0.0"
+    assert findgroup.listen_host([en1, en3]) == "::"
+
+
 def test_found_makes_the_meshs_settings_and_inits_keywords():
     disc = LinkSettings(PairAddress(None, None, None), "tcp", secret="s",
                         discovery=DiscoverySettings(("tb0",)), size=3).check()

@@ -151,7 +151,7 @@ class _Search:
     # -- leading -------------------------------------------------------------------------------
     def lead(self) -> Optional[Found]:
         iface = self.interfaces[0]
-        host = iface.listen_host()
+        host = listen_host(self.interfaces)
         lobby = self.lobby = lb.Lobby(host, self.knock, self.secret)
         self.finder.publish(state=dsc.LEAD, port=lobby.port)
         log(f"discovery: this machine ({socket.gethostname()}) leads a group of {self.size}; waiting for "
@@ -276,6 +276,15 @@ class _Search:
         if not heard:
             return "left (its advert is gone)"
         return {dsc.SEEK: "looking", dsc.LEAD: "leading a group", dsc.PAIRED: "in a group"}[p.state]
+
+
+def listen_host(interfaces: List[dsc.Interface]) -> str:
+    """Where a leader's lobby and mesh listen: on its one interface's address; on several (a
+    Mac with a cable to each other Mac), every address, so a rank found on any of them can
+    reach it (IPv6's wildcard, which takes IPv4 too, where one has only a link-local address)."""
+    if len(interfaces) == 1:
+        return interfaces[0].listen_host()
+    return "0.0.0.0" if all(i.ipv4 for i in interfaces) else "::"
 
 
 def _who(peer: dsc.Advert) -> str:
