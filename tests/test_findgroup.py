@@ -214,6 +214,9 @@ class FakeFinder:
     def peers(self):
         return list(self._peers)
 
+    def publish(self, **changes) -> None:
+        self.me = dataclasses.replace(self.me, **changes)
+
 
 def search(me: dsc.Advert, peers, size: int = 3) -> findgroup._Search:
     s = findgroup._Search.__new__(findgroup._Search)
@@ -221,6 +224,8 @@ def search(me: dsc.Advert, peers, size: int = 3) -> findgroup._Search:
     s.interfaces = [dsc.Interface("tb0", 3, (("10.233.0.1", 24),), ())]
     s.refused, s.why, s.seen, s.lobby, s.entered = s.finder.refused, {}, {}, None, None
     s.unreachable = set()
+    s.knock, s.secret = knock(me.instance, me.host or "me", size=size), SECRET
+    s.started, s.deadline = time.monotonic(), time.monotonic() + 10
     return s
 
 
@@ -232,6 +237,24 @@ def test_a_leader_steps_down_for_a_lower_leader_of_its_group_but_not_for_a_refus
     s.refuse(low, "authentication failed")
     assert s.lower_leader() is None
     assert search(dataclasses.replace(me, want="lead"), [low]).lower_leader() is None  # must lead
+
+
+def test_a_leader_that_hears_a_lower_leader_closes_its_lobby_and_tells_its_members():
+    s = search(advert("5555"), [])
+    s.interfaces = [dsc.Interface("lo", 1, (("127.0.0.1", 8),), ())]
+    out: dict = {}
+    leading = threading.Thread(target=lambda: out.update(found=s.lead()), daemon=True)
+    leading.start()
+    deadline = time.monotonic() + 5
+    while s.finder.me.state != dsc.LEAD and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sock = socket.create_connection(("127.0.0.1", s.finder.me.port), timeout=5)
+    entered = lb.enter(sock, knock("m1"), SECRET)
+    s.finder._peers = [advert("1111", host="mac-a", state=dsc.LEAD, port=7)]  # heard now
+    leading.join(5)
+    assert out == {"found": None} and s.finder.me.state == dsc.SEEK and s.lobby is None
+    message = lb.wait_for_rank(entered, time.monotonic() + 5, lambda: True)
+    assert message == {"t": "gone", "why": "mac-a (instance 1111) leads this group instead"}
 
 
 def test_a_closed_lobby_is_passed_over_but_its_rank_may_lead_again_on_another_port():
