@@ -3,7 +3,8 @@ Macs on one link, each rank (tests/group_child.py) given only its interface, the
 and its secret (DS4_TP_SECRET). Three ranks with one secret and a fourth with another, all
 with the same model, started together: the three form a group of 3 (ranks 0, 1, 2 once each,
 one leader; the mesh made with what discovery found carries an exact all_sum) within the
-10 s discovery timeout, and the stranger never joins (it gives up naming what it saw). A rank
+10 s discovery timeout, and the stranger never joins (it gives up naming what it saw); the
+same with the stranger already leading when the three start, and with four ranks. A rank
 that joined and was killed is not waited for: the group forms with the next one.
 
 Needs root and `ip netns`, as tests/test_discovery_link.py (whose Bridge it uses): where
@@ -94,56 +95,57 @@ def check_group(results: List[dict], size: int) -> None:
         assert sorted(i for _, _, i in found[0]["roster"]) == sorted(r["instance"] for r in results)
 
 
-@pytest.mark.parametrize("bridge", [4], indirect=True)
-@pytest.mark.parametrize("stranger_first", [False, True], ids=["together", "stranger-leads-first"])
-def test_three_ranks_form_a_group_and_a_stranger_with_another_secret_never_joins(procs, bridge, tmp_path,
-                                                                                stranger_first):
-    # Together: all four start looking at once. Stranger first: it already leads a group of 3
-    # when the three start, so each of them tries it first and the secret's proof must turn
-    # them away, by name, before they find each other.
+@pytest.mark.parametrize("bridge, stranger_first", [(4, False), (4, True), (5, False)], indirect=["bridge"],
+                         ids=["3-together", "3-stranger-leads-first", "4-together"])
+def test_ranks_form_a_group_and_a_stranger_with_another_secret_never_joins(procs, bridge, tmp_path, stranger_first):
+    # N ranks (3, and 4) and a stranger with the same model and another secret, on one link.
+    # Together: all start looking at once. Stranger first: it already leads a group of 3 when
+    # the three start, so each of them tries it first and the secret's proof must turn them
+    # away, by name, before they find each other.
+    size = len(bridge.ns) - 1
     go, go_stranger = tmp_path / "go", tmp_path / ("go-stranger" if stranger_first else "go")
-    ranks = [spawn(procs, bridge, i, SECRET, go) for i in range(3)]
-    stranger = spawn(procs, bridge, 3, OTHER_SECRET, go_stranger, 3, FIND_SEC + (10 if stranger_first else 0))
+    ranks = [spawn(procs, bridge, i, SECRET, go, size) for i in range(size)]
+    stranger = spawn(procs, bridge, size, OTHER_SECRET, go_stranger, size, FIND_SEC + (10 if stranger_first else 0))
     ready([*ranks, stranger])
     if stranger_first:
         go_stranger.write_text("go")
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and "leads a group of 3" not in stranger.err.text():
+        while time.monotonic() < deadline and f"leads a group of {size}" not in stranger.err.text():
             time.sleep(0.02)
-        assert "leads a group of 3" in stranger.err.text(), stranger.describe()
+        assert f"leads a group of {size}" in stranger.err.text(), stranger.describe()
         time.sleep(0.5)  # its advert in state lead is on the link
     go.write_text("go")
     results = finish(ranks)
     for r, w in zip(results, ranks):
         assert "error" not in r, w.describe()
-    check_group(results, 3)
+    check_group(results, size)
     formed = max(r["found_at"] for r in results) - min(r["began"] for r in results)
     meshed = max(r["formed_at"] for r in results) - min(r["began"] for r in results)
-    print(f"group of 3 found {formed:.2f} s after the ranks began looking (mesh formed and "
+    print(f"group of {size} found {formed:.2f} s after the ranks began looking (mesh formed and "
           f"all_sum checked at {meshed:.2f} s)")
 
     gone = finish([stranger], FIND_SEC + 60)[0]
     assert gone.get("kind") == "not found", stranger.describe()
-    assert re.search(r"could not gather a group of 3 ranks .*missing \d of the 3 ranks", gone["error"]), gone
-    # It heard the three (the message names each), and where it proved a secret to one of them
-    # it was refused by name (whether it got that far is the start's timing: the three may have
-    # formed their group before it tried any of them).
+    assert re.search(rf"could not gather a group of {size} ranks .*missing \d of the {size} ranks", gone["error"]), \
+        gone
+    # It heard the others (the message names each), and where it proved a secret to one of them
+    # it was refused by name (whether it got that far is the start's timing: the others may
+    # have formed their group before it tried any of them).
     assert all(f"(instance {r['instance']}) at " in gone["error"] for r in results), gone["error"]
     tried = re.findall(r"refused by / refusing .*?\(instance [0-9a-f]+\): (.*)", stranger.err.text())
     assert all("authentication failed" in t for t in tried), stranger.err.text()
-    # None of the three ever took the stranger in: not in a roster, never joined a lobby.
+    # None of the group ever took the stranger in: not in a roster, never joined a lobby.
     assert all(gone["instance"] not in {i for _, _, i in r["roster"]} for r in results)
     for w in ranks:
         joined = re.findall(r"discovery: (.*) joined this group", w.err.text())
-        assert not any(gone["instance"] in j or bridge.addr[3] in j for j in joined), w.err.text()
-    for w in ranks:
+        assert not any(gone["instance"] in j or bridge.addr[size] in j for j in joined), w.err.text()
         assert all("authentication failed" in t for t in re.findall(r"this leader refused .*", w.err.text())
-                   if bridge.addr[3] in t), w.err.text()
+                   if bridge.addr[size] in t), w.err.text()
         if stranger_first:
             assert re.search(rf"refused by / refusing .* \(instance {gone['instance']}\): authentication failed: "
                              "the leader's proof does not match", w.err.text()), w.err.text()
     if stranger_first:
-        assert len(re.findall(r"this leader refused .*authentication failed", stranger.err.text())) == 3, \
+        assert len(re.findall(r"this leader refused .*authentication failed", stranger.err.text())) == size, \
             stranger.err.text()
 
 
