@@ -239,22 +239,60 @@ def test_a_leader_steps_down_for_a_lower_leader_of_its_group_but_not_for_a_refus
     assert search(dataclasses.replace(me, want="lead"), [low]).lower_leader() is None  # must lead
 
 
-def test_a_leader_that_hears_a_lower_leader_closes_its_lobby_and_tells_its_members():
-    s = search(advert("5555"), [])
+def leading(s: findgroup._Search, out: dict) -> lb.Entered:
+    """s leading in a thread on 127.0.0.1, with one member in its lobby (returned)."""
     s.interfaces = [dsc.Interface("lo", 1, (("127.0.0.1", 8),), ())]
-    out: dict = {}
-    leading = threading.Thread(target=lambda: out.update(found=s.lead()), daemon=True)
-    leading.start()
+
+    def lead() -> None:
+        try:
+            out["found"] = s.lead()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out["found"] = exc
+
+    threading.Thread(target=lead, daemon=True).start()
     deadline = time.monotonic() + 5
     while s.finder.me.state != dsc.LEAD and time.monotonic() < deadline:
         time.sleep(0.01)
-    sock = socket.create_connection(("127.0.0.1", s.finder.me.port), timeout=5)
-    entered = lb.enter(sock, knock("m1"), SECRET)
-    s.finder._peers = [advert("1111", host="mac-a", state=dsc.LEAD, port=7)]  # heard now
-    leading.join(5)
-    assert out == {"found": None} and s.finder.me.state == dsc.SEEK and s.lobby is None
-    message = lb.wait_for_rank(entered, time.monotonic() + 5, lambda: True)
-    assert message == {"t": "gone", "why": "mac-a (instance 1111) leads this group instead"}
+    return lb.enter(socket.create_connection(("127.0.0.1", s.finder.me.port), timeout=5), knock("m1"), SECRET)
+
+
+def test_a_leader_steps_down_into_a_lower_leaders_lobby_and_tells_its_members():
+    s, out = search(advert("5555"), []), {}
+    member = leading(s, out)
+    lower = LobbyAt()  # instance 0000, host lead-mac
+    s.finder._peers = [advert("0000", host="lead-mac", state=dsc.LEAD, port=lower.lobby.port,
+                              addresses=("127.0.0.1",))]
+    lower.admit_until(lambda: "5555" in lower.lobby.members)
+    assert lb.wait_for_rank(member, time.monotonic() + 5, lambda: True) == \
+        {"t": "gone", "why": "lead-mac (instance 0000) leads this group instead"}
+    lower.lobby.release(mesh_port=4242)
+    deadline = time.monotonic() + 5
+    while "found" not in out and time.monotonic() < deadline:
+        time.sleep(0.01)
+    found = out["found"]
+    assert (found.role, found.rank, found.address) == ("worker", 1, ("127.0.0.1", 4242)), found
+    assert s.lobby is None
+
+
+def test_a_leader_keeps_its_lobby_when_the_lower_leader_is_a_stranger():
+    s, out = search(advert("5555"), []), {}
+    member = leading(s, out)
+    stranger = LobbyAt(secret=b"another-secret")
+    s.finder._peers = [advert("0000", host="lead-mac", state=dsc.LEAD, port=stranger.lobby.port,
+                              addresses=("127.0.0.1",))]
+    stranger.admit_until(lambda: stranger.lobby.refused)
+    deadline = time.monotonic() + 5
+    while "0000" not in s.refused and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "authentication failed" in s.why["0000"] and list(s.lobby.members) == ["m1"]
+    s.deadline = time.monotonic()  # now it gives up: its member hears why
+    message = lb.wait_for_rank(member, time.monotonic() + 5, lambda: True)
+    assert message["t"] == "gone" and message["why"].startswith("the leader gave up: discovery on lo could not")
+    assert "missing 1 of the 3 ranks" in message["why"] and "refused (authentication failed" in message["why"]
+    deadline = time.monotonic() + 5
+    while "found" not in out and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert type(out["found"]).__name__ == "GroupNotFoundError"
 
 
 def test_a_closed_lobby_is_passed_over_but_its_rank_may_lead_again_on_another_port():

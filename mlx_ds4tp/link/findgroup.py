@@ -163,13 +163,15 @@ class _Search:
                     lobby.close(why=f"the leader gave up: {message}")
                     raise GroupNotFoundError(message)
                 lower = self.lower_leader()
-                if lower is not None:
-                    log(f"discovery: {_who(lower)} leads this group too, with a lower id; this machine "
-                        "steps down and joins it")
+                entered = self.enter(lower) if lower is not None else None
+                if entered is not None:
+                    # It took this rank in: only now does this lobby close (a stranger that
+                    # leads is refused by its proof and this rank's members stay).
+                    log(f"discovery: this machine steps down for {_who(lower)}, a leader of this group "
+                        "with a lower id")
                     lobby.close(why=f"{_who(lower)} leads this group instead")
-                    self.finder.publish(state=dsc.SEEK, port=0)
                     self.lobby = None
-                    return None
+                    return self.wait_in(lower, *entered)
                 lobby.wait(POLL_SEC)
                 lobby.admit()
                 self.peers()
@@ -197,6 +199,13 @@ class _Search:
 
     # -- joining -------------------------------------------------------------------------------
     def join(self, leader: dsc.Advert) -> Optional[Found]:
+        entered = self.enter(leader)
+        return None if entered is None else self.wait_in(leader, *entered)
+
+    def enter(self, leader: dsc.Advert) -> Optional[Tuple[lb.Entered, str, dsc.Interface]]:
+        """This rank in `leader`'s lobby, the secret proven both ways: (the lobby, the address it
+        was reached at, our interface); None when it refused us or we it (left out for good),
+        or it could not be reached (that lobby passed over)."""
         host, iface = dsc.dial_address(leader, self.interfaces)
         log(f"discovery: {_who(leader)} leads a group of {self.size} (found on {iface.name} at {host} "
             f"port {leader.port}); this machine ({socket.gethostname()}) joins it")
@@ -212,6 +221,11 @@ class _Search:
             log(f"discovery: could not join {_who(leader)} ({exc}); looking on")
             self.pass_over(leader, f"could not be reached ({exc})")
             return None
+        return entered, host, iface
+
+    def wait_in(self, leader: dsc.Advert, entered: lb.Entered, host: str, iface: dsc.Interface) -> Optional[Found]:
+        """Wait in `leader`'s lobby for this rank's rank; None when the leader closed it or left
+        (this rank looks again), GroupNotFoundError at the deadline."""
         self.entered = entered
         self.finder.publish(state=dsc.PAIRED, port=0)
         try:
