@@ -1,7 +1,7 @@
 """The transport between the ranks: control channel, hello, the RDMA device, and the
 exchange the collectives run; a mesh of N ranks is one such pair per two ranks (form_mesh).
 This module is the public face of the transport package,
-``link/``, where each idea lives in its own module (README.md's module table names them).
+``link/``, where each idea lives in its own module (docs/architecture.md's module map names them).
 
 The transport never sees MLX: an exchange moves bytes between buffers the caller owns.
 """
