@@ -1,6 +1,7 @@
-"""The transport between the two ranks: control channel, hello, the RDMA device, and the
-exchange the collectives run. This module is the public face of the transport package,
-``link/``, where each idea lives in its own module (README.md's module table names them).
+"""The transport between the ranks: control channel, hello, the RDMA device, and the
+exchange the collectives run; a mesh of N ranks is one such pair per two ranks (form_mesh).
+This module is the public face of the transport package,
+``link/``, where each idea lives in its own module (docs/architecture.md's module map names them).
 
 The transport never sees MLX: an exchange moves bytes between buffers the caller owns.
 """
@@ -29,10 +30,12 @@ from .link.config import (
     verbs_library,
 )
 from .link.control import ControlChannel, decode_frame_header, dial, listen_socket, set_kernel_timeout
+from .link.door import Door
 from .link.exchange import raw_floor
 from .link.fingerprint import model_fingerprint
 from .link.handshake import connect
 from .link.hello import Hello, ModelIdentity, auth_proof, check_hello, choose_transport
+from .link.mesh import Mesh, form_mesh
 from .link.native import load_verbs
 from .link.pair import Pair
 from .link.rdma import UCSIM, RdmaDevice, rdma_probe
@@ -58,7 +61,8 @@ __all__ = [
     "LinkSettings", "PairAddress", "pair_address", "default_timeout", "tcp_spin_us", "default_tcp_spin_us",
     "verbs_library", "VERBS_LIBRARY_ENV",
     # connection
-    "Pair", "connect", "ControlChannel", "decode_frame_header", "listen_socket", "dial", "set_kernel_timeout",
+    "Pair", "connect", "Mesh", "form_mesh", "Door",
+    "ControlChannel", "decode_frame_header", "listen_socket", "dial", "set_kernel_timeout",
     # hello
     "Hello", "ModelIdentity", "check_hello", "choose_transport", "auth_proof", "model_fingerprint",
     # exchange and device

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_ds4tp.link.wire import EVAL_PENDING
+from mlx_ds4tp.lockstep.commands import EVAL_PENDING
 from mlx_ds4tp.lockstep.sessions import SampledStep
 
 VOCAB = 26
@@ -147,6 +147,31 @@ class FakeSessions:
     def check_hash(self):
         self.commands.append(("hash",))
 
+    # -- what LeaderSessions answers from its table ----------------------------------------
+    vocab = VOCAB
+
+    @property
+    def disk(self):
+        return self.table.caches.disk
+
+    def caches_trim(self):
+        return True  # no layers: trimmable, as a float KV cache is
+
+    def stored_bytes(self, cache_id):
+        return self.table.caches.stored_bytes(cache_id)
+
+    def counts(self):
+        return len(self.table.caches.sessions), len(self.table.caches.stored)
+
+    def row_sampler(self, session):
+        return self.table.batch.samplers[session]
+
+    def row_grammar(self, grammar):
+        return self.table.row_grammar(grammar)
+
+    def read(self, tokens):
+        return tokens.tolist()
+
     def kinds(self):
         return [c[0] for c in self.commands]
 
@@ -160,3 +185,11 @@ class FakeSessions:
 
     def stop(self):
         self.commands.append(("stop",))
+
+
+def fake_batch(speculation=None, **settings):
+    """The leader's batch (lockstep.batch.Batch) over recorded sessions; settings: BatchSettings'."""
+    from mlx_ds4tp.lockstep.batch import Batch, BatchSettings
+
+    sessions = FakeSessions()
+    return Batch(sessions, BatchSettings(**settings), speculation), sessions

@@ -120,6 +120,11 @@ def exact(g) -> dict:
                          same(tp.all_max(parts[g.rank()], group=g), in_order(mx.maximum, parts)))
             report.check(f"all_gather {case}",
                          same(tp.all_gather(parts[g.rank()], group=g), mx.concatenate(parts)))
+    # A decode step's gates: the same signature again and again (over RDMA the window stays
+    # armed and every peer's block is posted before any is awaited), new values each time.
+    for salt in range(10, 30):
+        parts = [partial(r, mx.float32, (4096,), salt) for r in range(g.size())]
+        report.check(f"steady all_sum {salt}", same(tp.all_sum(parts[g.rank()], group=g), in_order(mx.add, parts)))
     return {"cases": report.cases, "failed": report.failed}
 
 

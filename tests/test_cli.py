@@ -202,7 +202,7 @@ def test_serve_limits_come_from_the_flags(served, model_dir):
     serve_main("serve", "--model", str(model_dir), "--max-kv-tokens", "0", *LEADER)
     assert served["settings"].limits.kv_budget == 0 and not served["settings"].kv_budget_from_memory
     serve_main("serve", "--model", str(model_dir), "--rejoin", "--prompt-lookup", "2", *WORKER)
-    assert served["settings"].rejoin and served["settings"].model.prompt_lookup == 2
+    assert served["settings"].rejoin and served["settings"].model.draft.prompt_lookup == 2
 
 
 def test_the_prompt_cache_dir_and_its_bound(served, model_dir, tmp_path):

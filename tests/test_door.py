@@ -200,3 +200,39 @@ def test_fault_links_are_checked():
     assert parse_fault_links("2-1, 0-3") == {(1, 2), (0, 3)}
     with pytest.raises(ValueError, match="DS4_TP_UCSIM_FAULT_LINKS"):
         parse_fault_links("1-1")
+
+
+def test_a_link_that_fails_its_bring_up_names_both_ranks_and_the_device():
+    import dataclasses
+
+    from mlx_ds4tp.gate_ops import init_pair
+    from mlx_ds4tp.link.config import LinkSettings
+
+    port, out = free_port(), {}
+
+    def rank(r: int) -> None:
+        base = LinkSettings.of("leader", listen=("127.0.0.1", port)) if r == 0 else \
+            LinkSettings.of("worker", coordinator=("127.0.0.1", port))
+        devices = {2: "no-such-device"} if r == 1 else None
+        link = dataclasses.replace(base, transport="rdma", rdma_device="ucsim", size=3, timeout=20.0,
+                                   ask_rank=None if r == 0 else r, rdma_devices=devices)
+        try:
+            out[r] = init_pair(link)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for r in (1, 2):
+        assert isinstance(out[r], TransportError), out[r]
+    assert "rank 1 <-> rank 2 (device no-such-device; on this link the leader is rank 1" in str(out[1]), out[1]
+    assert "mesh link rank 1 <-> rank 2 (device ucsim; " in str(out[2]), out[2]
+    assert "RDMA is unavailable" in str(out[2]), out[2]  # the peer's cause, as a pair's hello says it
+    assert isinstance(out[0], TransportError), out[0]  # the leader's mesh fails with it
+    for value in out.values():
+        if hasattr(value, "close"):
+            value.close()

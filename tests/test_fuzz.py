@@ -40,9 +40,20 @@ from mlx_ds4tp.errors import (
     TransportError,
 )
 from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep.frames import check_tokens, pack_batch, pack_prefill_batch
+from mlx_ds4tp.lockstep.commands import (
+    Create,
+    Destroy,
+    DiskLoad,
+    EvalBatch,
+    Hash,
+    Invalidate,
+    KvRoom,
+    PrefillBatch,
+    Rewind,
+    Sampler,
+    check_tokens,
+)
 from mlx_ds4tp.lockstep.prompt_cache import FRESH
-from mlx_ds4tp.lockstep.row_sampling import pack_sampler
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import serve_worker
 from mlx_ds4tp.lockstep.table import SessionTable
@@ -72,17 +83,17 @@ def valid_hello(role: int = 1) -> tr.Hello:
 def valid_payloads() -> dict:
     """A well-formed payload for each frame type, as the code that sends it builds it."""
     known = {
-        F.PREFILL_BATCH: pack_prefill_batch([(1, [5, 6, 7])]),
-        F.SAMPLER: pack_sampler(1, SamplingOptions(temperature=0.5), [5, 6, 7], 9),
-        F.EVAL_BATCH: pack_batch(1, [(1, 42)]),
-        F.REWIND: wire.REWIND_PAYLOAD.pack(1, 4, 0),
-        F.INVALIDATE: wire.INVALIDATE_PAYLOAD.pack(1),
+        F.PREFILL_BATCH: PrefillBatch.pack([(1, [5, 6, 7])]),
+        F.SAMPLER: Sampler.pack(1, SamplingOptions(temperature=0.5), [5, 6, 7], 9),
+        F.EVAL_BATCH: EvalBatch.pack(1, [(1, 42)]),
+        F.REWIND: Rewind.pack(1, 4, 0),
+        F.INVALIDATE: Invalidate.pack(1),
         F.STOP: b"",
-        F.HASH: wire.HASH_PAYLOAD.pack(0, 2, 0x1234),
+        F.HASH: Hash.pack(0, 2, 0x1234),
         F.RDMA_INFO: wire.RDMA_INFO.pack(0x11, 0x22, 1024, 0, 1, bytes(10) + b"\xff\xff\x7f\x00\x00\x01"),
         F.RDMA_READY: b"",
-        F.SESSION_CREATE: wire.SESSION_CREATE_PAYLOAD.pack(1, 0, FRESH, 0),
-        F.SESSION_DESTROY: wire.SESSION_DESTROY_PAYLOAD.pack(1, 0),
+        F.SESSION_CREATE: Create.pack(1, 0, FRESH, 0),
+        F.SESSION_DESTROY: Destroy.pack(1, 0),
         F.RDMA_WARM: wire.WARM_ROUND.pack(0, 1, 1, wire.WARM_PHASE_STATUS),
         F.RDMA_POSTED: struct.pack("<I", 1),
         F.HELLO: valid_hello().pack(),
@@ -565,11 +576,11 @@ def worker_script(r) -> Tuple[bytes, str, int]:
     s = r.randrange(1, 1 << 16)
     toks = [r.randrange(VOCAB) for _ in range(r.randint(1, 8))]
     frames = [
-        frame(F.SESSION_CREATE, wire.SESSION_CREATE_PAYLOAD.pack(s, 0, FRESH, 0)),
-        frame(F.PREFILL_BATCH, pack_prefill_batch([(s, toks)])),
-        frame(F.EVAL_BATCH, pack_batch(1, [(s, r.randrange(VOCAB))])),
-        frame(F.EVAL_BATCH, pack_batch(2, [(s, r.randrange(VOCAB))])),
-        frame(F.SESSION_DESTROY, wire.SESSION_DESTROY_PAYLOAD.pack(s, 0)),
+        frame(F.SESSION_CREATE, Create.pack(s, 0, FRESH, 0)),
+        frame(F.PREFILL_BATCH, PrefillBatch.pack([(s, toks)])),
+        frame(F.EVAL_BATCH, EvalBatch.pack(1, [(s, r.randrange(VOCAB))])),
+        frame(F.EVAL_BATCH, EvalBatch.pack(2, [(s, r.randrange(VOCAB))])),
+        frame(F.SESSION_DESTROY, Destroy.pack(s, 0)),
         frame(F.STOP),
     ]
     bad_token = r.choice([VOCAB, VOCAB + 1, -1, -(2**31), 2**31 - 1, r.randrange(VOCAB, 2**31)])
@@ -581,17 +592,17 @@ def worker_script(r) -> Tuple[bytes, str, int]:
         "insert-random": lambda: frames.insert(r.randrange(len(frames) + 1), mutated_stream(r)),
         "delete": lambda: frames.pop(r.randrange(len(frames))),
         "swap": lambda: _swap(r, frames),
-        "eval-bad-token": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, pack_batch(1, [(s, bad_token)]))),
-        "prefill-bad-token": lambda: frames.__setitem__(1, frame(F.PREFILL_BATCH, pack_prefill_batch(
+        "eval-bad-token": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, EvalBatch.pack(1, [(s, bad_token)]))),
+        "prefill-bad-token": lambda: frames.__setitem__(1, frame(F.PREFILL_BATCH, PrefillBatch.pack(
             [(s, [3, bad_token])]))),
         "prefill-empty": lambda: frames.__setitem__(1, frame(F.PREFILL_BATCH, _prefill_claiming(s, 0, []))),
         "prefill-count": lambda: frames.__setitem__(1, frame(F.PREFILL_BATCH, _prefill_claiming(
             s, r.choice([len(toks) + 1, 2**32 - 1]), toks))),
-        "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, pack_batch(1, [(s + 1, 7)]))),
-        "sampler-bad-token": lambda: frames.insert(2, frame(F.SAMPLER, pack_sampler(
+        "unknown-session": lambda: frames.__setitem__(2, frame(F.EVAL_BATCH, EvalBatch.pack(1, [(s + 1, 7)]))),
+        "sampler-bad-token": lambda: frames.insert(2, frame(F.SAMPLER, Sampler.pack(
             s, SamplingOptions(), [bad_token], 0))),
         "sampler-cut": lambda: frames.insert(2, frame(F.SAMPLER, _cut_sampler(r, s))),
-        "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, wire.HASH_PAYLOAD.pack(0, 1, _u32(r)))),
+        "hash": lambda: frames.insert(r.randint(0, 4), frame(F.HASH, Hash.pack(0, 1, _u32(r)))),
         "cut": lambda: None,
     }
     name = r.choice(list(ops) + ["mutate"] * 4)
@@ -604,12 +615,12 @@ def worker_script(r) -> Tuple[bytes, str, int]:
 
 def _prefill_claiming(session: int, count: int, tokens: list) -> bytes:
     """A PREFILL_BATCH of one row whose count says `count` tokens, carrying `tokens`."""
-    return (wire.PREFILL_BATCH_HEADER.pack(1, 0, 0) + wire.PREFILL_BATCH_ROW.pack(session, count, 0)
+    return (PrefillBatch.header.pack(1, 0, 0) + np.array([(session, count, 0)], dtype=PrefillBatch.row).tobytes()
             + np.array(tokens, "<i4").tobytes())
 
 
 def _cut_sampler(r, session: int) -> bytes:
-    payload = pack_sampler(session, SamplingOptions(temperature=0.5), [3, 4], 9)
+    payload = Sampler.pack(session, SamplingOptions(temperature=0.5), [3, 4], 9)
     return payload[: r.randrange(len(payload))]
 
 
@@ -662,13 +673,13 @@ def run_worker_case(model, data: bytes, name: str) -> str:
                 break
             assert ftype in (F.HASH, F.DISK_LOAD, F.KV_ROOM), ftype
             if ftype == F.DISK_LOAD:
-                assert len(payload) == wire.DISK_LOAD_PAYLOAD.size
-                assert wire.DISK_LOAD_PAYLOAD.unpack(payload)[2] == 0, "loaded without a directory"
+                assert len(payload) == DiskLoad.layout.size
+                assert DiskLoad.unpack(payload)[2] == 0, "loaded without a directory"
             elif ftype == F.KV_ROOM:
-                assert len(payload) == wire.KV_ROOM_PAYLOAD.size
-                assert wire.KV_ROOM_PAYLOAD.unpack(payload)[2] in (0, 1), "measured is a flag"
+                assert len(payload) == KvRoom.layout.size
+                assert KvRoom.unpack(payload)[2] in (0, 1), "measured is a flag"
             else:
-                assert len(payload) == wire.HASH_PAYLOAD.size
+                assert len(payload) == Hash.layout.size
         if name == "none":
             assert outcome == "served 1", outcome
         return outcome

@@ -53,7 +53,7 @@ def test_every_collective_is_exact_and_identical_on_every_rank(size, transport):
     for rank, report in enumerate(reports):
         assert report["rank"] == rank
         assert report["failed"] == [], report["failed"]
-        assert report["cases"] == 3 * 7 * 3
+        assert report["cases"] == 3 * 7 * 3 + 20
 
 
 @pytest.mark.parametrize("size,transport", MESHES)
@@ -71,10 +71,11 @@ def test_mlx_lm_shard_over_four_ranks_gives_the_unsplit_tokens_and_logits():
         assert report["identical_on_all"] and report["tokens_equal"], report
 
 
-@pytest.mark.parametrize("size,victim", [(3, 0), (3, 2), (4, 1), (4, 3)])
-def test_a_killed_rank_makes_every_other_rank_raise_within_a_second(tmp_path, size, victim):
+@pytest.mark.parametrize("size,victim,transport", [(3, 0, "tcp"), (3, 2, "tcp"), (4, 1, "tcp"), (4, 3, "tcp"),
+                                                   (3, 1, "rdma"), (4, 0, "rdma")])
+def test_a_killed_rank_makes_every_other_rank_raise_within_a_second(tmp_path, size, victim, transport):
     survivors = [r for r in range(size) if r != victim]
-    reports, _ = run_mesh(size, "tcp", "die", str(victim), cwd=str(tmp_path), ok=survivors, timeout=60)
+    reports, _ = run_mesh(size, transport, "die", str(victim), cwd=str(tmp_path), ok=survivors, timeout=60)
     died = float((tmp_path / "died.txt").read_text())
     for r in survivors:
         report = reports[r]
@@ -93,3 +94,32 @@ def test_a_one_direction_drop_on_one_link_recreates_only_that_link():
     # Only ranks 1 and 2 rebuilt a queue pair.
     assert not re.search(r"recreating the queue pair", errs[0]), errs[0]
     assert all(re.search(r"recreating the queue pair \(setup attempt 1\)", errs[r]) for r in (1, 2))
+
+
+def test_split_releases_the_interpreter_so_ranks_in_threads_split_together():
+    import threading
+
+    import mlx.core as mx
+
+    import mlx_ds4tp as tp
+
+    port, size, out = free_port(), 3, {}
+
+    def rank(r: int) -> None:
+        where = ({"role": "leader", "listen": ("127.0.0.1", port)} if r == 0
+                 else {"role": "worker", "coordinator": ("127.0.0.1", port), "rank": r})
+        try:
+            with tp.init(transport="tcp", timeout=20.0, size=size, **where) as g:
+                sub = g.split(0 if r < 2 else 1)
+                y = tp.all_sum(mx.full((5,), float(r + 1)), group=sub) if sub.size() > 1 else None
+                out[r] = (sub.rank(), sub.size(), None if y is None else float(y[0].item()))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung in split"
+    assert out == {0: (0, 2, 3.0), 1: (1, 2, 3.0), 2: (0, 1, None)}, out

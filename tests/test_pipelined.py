@@ -100,8 +100,8 @@ def test_a_generation_leaves_nothing_behind_in_either_table():
     assert le is None and we is None, (le, we)
     for table in (lt, wt):
         batch = table.batch
-        assert (batch.rows, table.caches.sessions, batch.batch_cache, batch.samplers, batch.pending) == \
-            ([], {}, None, {}, {})
+        assert (batch.rows, table.caches.sessions, batch.batch_cache, batch.samplers, batch.drawn) == \
+            ([], {}, None, {}, None)
 
 
 def test_the_next_step_is_built_before_this_token_is_read():
@@ -144,7 +144,7 @@ def test_debug_hash_catches_logits_that_differ_with_the_same_tokens():
     stats, le, we, _, _ = _pair(Successor(peak=10.0), Successor(peak=9.0),
                                 lambda s: pair_generate(s, [3], 6, debug_hash=2))
     for exc in (le, we):
-        assert isinstance(exc, LockstepDivergence) and "LOCKSTEP DIVERGENCE at seq 3: the logits differ" \
+        assert isinstance(exc, LockstepDivergence) and "LOCKSTEP DIVERGENCE at seq 2: the logits differ" \
             in str(exc), exc
     # Without the per-token check the tokens agree, so the pair finishes.
     stats, le, we, _, _ = _pair(Successor(peak=10.0), Successor(peak=9.0), lambda s: pair_generate(s, [3], 6))

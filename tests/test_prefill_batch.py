@@ -21,8 +21,8 @@ import mlx_ds4tp.transport as tr
 from mlx_ds4tp.errors import FrameError, TransportError
 from mlx_ds4tp.link import wire
 from mlx_ds4tp.lockstep import session_caches as caches_mod
+from mlx_ds4tp.lockstep.commands import PrefillBatch
 from mlx_ds4tp.lockstep.compute import fill_cache, forward
-from mlx_ds4tp.lockstep.frames import pack_prefill_batch
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH
 from mlx_ds4tp.lockstep.table import SessionTable
 
@@ -199,7 +199,7 @@ def test_batched_rows_give_the_logits_of_each_session_alone(model, monkeypatch, 
 def test_a_batch_of_one_is_the_single_session_prefill_bit_for_bit(model, monkeypatch):
     batched, alone = _tables(model)
     singles = _count_single_prefills(monkeypatch)
-    batched.apply(F.PREFILL_BATCH, pack_prefill_batch([(3, CHUNKS[0])]))
+    batched.apply(F.PREFILL_BATCH, PrefillBatch.pack([(3, CHUNKS[0])]))
     assert singles == [len(CHUNKS[0])]
     _prefill_alone(alone, 3, CHUNKS[0])
     for mine, theirs in zip(batched.caches.sessions[3], alone.caches.sessions[3]):
@@ -230,11 +230,11 @@ def test_a_cache_mlx_lm_cannot_merge_is_prefilled_one_session_at_a_time(model, m
 # Malformed PREFILL_BATCH payloads
 # ---------------------------------------------------------------------------------------------
 
-HEADER, ROW = wire.PREFILL_BATCH_HEADER, wire.PREFILL_BATCH_ROW
+HEADER, ROW = PrefillBatch.header, PrefillBatch.row
 
 
 def _rows(*rows) -> bytes:
-    return b"".join(ROW.pack(s, n, 0) for s, n in rows)
+    return np.array([(s, n, 0) for s, n in rows], dtype=ROW).tobytes()
 
 
 def _tokens(*ids) -> bytes:
@@ -268,7 +268,7 @@ def test_a_malformed_prefill_batch_is_a_frame_error_naming_it(model, payload, sa
 
 
 def test_a_damaged_prefill_batch_runs_or_is_refused_never_another_error(model):
-    good = pack_prefill_batch([(1, [5, 6, 7]), (2, [8, 9])])
+    good = PrefillBatch.pack([(1, [5, 6, 7]), (2, [8, 9])])
     rng = random.Random(7)
     refused = 0
     for _ in range(200):
@@ -287,7 +287,7 @@ def test_a_damaged_prefill_batch_runs_or_is_refused_never_another_error(model):
 
 
 def test_the_frame_bound_holds_the_largest_batch_the_table_accepts():
-    assert tr.FRAME_MAX_BYTES[F.PREFILL_BATCH] == (HEADER.size + ROW.size * wire.MAX_PREFILL_ROWS
+    assert tr.FRAME_MAX_BYTES[F.PREFILL_BATCH] == (HEADER.size + ROW.itemsize * wire.MAX_PREFILL_ROWS
                                                   + 4 * wire.MAX_TOKENS_PER_FRAME)
 
 

@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_ds4tp.errors import FrameError
-from mlx_ds4tp.link.wire import SAMPLER_HEADER
-from mlx_ds4tp.lockstep.row_sampling import RowSampler, pack_sampler, sample_batch, seed_of_key, unpack_sampler
+from mlx_ds4tp.lockstep.commands import Sampler
+from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch, seed_of_key
 from mlx_ds4tp.lockstep.sampling import SamplingOptions, mlx_processors
 
 VOCAB = 64
@@ -90,17 +90,17 @@ def test_a_batch_shares_one_argmax_and_a_failing_row_gets_token_0_and_its_error(
 
 def test_the_sampler_frame_travels_whole_and_a_bad_one_is_named():
     options = SamplingOptions(temperature=0.5, presence_penalty=0.5, presence_context_size=3, seed=1)
-    payload = pack_sampler(7, options, [9, 8, 7, 6, 5], 1234)
-    assert unpack_sampler(payload) == (7, options, [7, 6, 5], 1234)  # the penalty's context only
+    payload = Sampler.pack(7, options, [9, 8, 7, 6, 5], 1234)
+    assert Sampler.unpack(payload) == (7, options, [7, 6, 5], 1234)  # the penalty's context only
     every = SamplingOptions(temperature=0.7, top_p=0.9, top_k=5, repetition_penalty=1.3, repetition_context_size=4,
                             logit_bias=((3, -2.5), (7, 1.0)), seed=11)
-    assert unpack_sampler(pack_sampler(9, every, list(range(20)), 12345)) == (9, every, [16, 17, 18, 19], 12345)
-    assert unpack_sampler(pack_sampler(7, SamplingOptions(), [9, 8], 0))[2] == [8]
+    assert Sampler.unpack(Sampler.pack(9, every, list(range(20)), 12345)) == (9, every, [16, 17, 18, 19], 12345)
+    assert Sampler.unpack(Sampler.pack(7, SamplingOptions(), [9, 8], 0))[2] == [8]
     with pytest.raises(FrameError, match="shorter than its"):
-        unpack_sampler(payload[:5])
+        Sampler.unpack(payload[:5])
     with pytest.raises(FrameError, match="context tokens"):
-        unpack_sampler(payload + b"!")
+        Sampler.unpack(payload + b"!")
     with pytest.raises(FrameError, match="SAMPLER: sampling options"):
-        unpack_sampler(SAMPLER_HEADER.pack(1, 0, 1, 2) + b"\x01\x00\x00\x00" + b"[]")
+        Sampler.unpack(Sampler.header.pack(1, 0, 1, 2) + b"\x01\x00\x00\x00" + b"[]")
     with pytest.raises(FrameError, match="top_p=2.0"):
-        unpack_sampler(SAMPLER_HEADER.pack(1, 0, 1, 14) + b"\x01\x00\x00\x00" + b'{"top_p": 2.0}')
+        Sampler.unpack(Sampler.header.pack(1, 0, 1, 14) + b"\x01\x00\x00\x00" + b'{"top_p": 2.0}')

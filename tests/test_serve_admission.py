@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fakes import FakeSessions, FakeTokenizer
+from engine_fakes import FakeSessions, FakeTokenizer, fake_batch
 from mlx_ds4tp.serve.admission import Admission
 from mlx_ds4tp.serve.generation import Request
 from mlx_ds4tp.serve.limits import ServeLimits
 
 
 def _admission(**limits):
-    sessions = FakeSessions()
-    return Admission(sessions, FakeTokenizer(), ServeLimits(**limits)), sessions
+    batch, sessions = fake_batch()
+    return Admission(batch, FakeTokenizer(), ServeLimits(**limits)), sessions
+
+
+def _kinds(sessions) -> list:
+    """The commands sent, less the samplers each new session's comes with (lockstep.batch)."""
+    return [c[0] for c in sessions.commands if c[0] != "sampler"]
 
 
 def _events(request) -> list:
@@ -32,12 +37,12 @@ def test_requests_start_in_order_while_the_budget_has_room():
     assert admission.offer(third) == []  # it would fit, but waits behind the head
     assert list(admission.waiting) == [second, third]
     assert admission.start_waiting() == []  # nothing ended: still no room
-    assert [c[0] for c in sessions.commands] == ["create"]
+    assert _kinds(sessions) == ["create"]
     # The first ends: its reservation goes back, and both waiting ones start, in order.
     admission.close(running, None)
     assert [s.request for s in admission.start_waiting()] == [second, third]
     assert admission.reserved == 21 + 2 and not admission.waiting
-    assert [c[0] for c in sessions.commands] == ["create", "destroy", "create", "create"]
+    assert _kinds(sessions) == ["create", "destroy", "create", "create"]
 
 
 def test_a_request_past_the_whole_budget_is_refused_by_name():
@@ -73,7 +78,7 @@ def test_an_ended_sessions_cache_is_stored_and_a_longer_prompt_reuses_it():
     again = Request([1, 2, 3, 4, 5, 6, 7, 8], 2)
     (reused,) = admission.offer(again)
     assert again.cached_tokens == 6 and reused.todo == [7]
-    assert sessions.commands[-1][:3] == ("create", reused.sid, 1)
+    assert [c for c in sessions.commands if c[0] == "create"][-1][:3] == ("create", reused.sid, 1)
     assert admission.stats == {"requests": 2, "cached_tokens": 6}
 
 
@@ -104,7 +109,8 @@ def test_renewed_admission_starts_from_an_empty_index():
     (running,) = admission.offer(Request([1, 2, 3], 2))
     admission.close(running, [1, 2, 3, 4])
     fresh = FakeSessions()
-    admission.renew(fresh)
+    admission.batch.clear(fresh)  # as Engine.resume does
+    admission.renew()
     request = Request([1, 2, 3, 4, 5], 2)
     admission.offer(request)
     assert request.cached_tokens == 0 and fresh.commands[0][2:] == (0, 0)

@@ -3,7 +3,7 @@ positions used) and the finished sessions ended, their caches stored, over recor
 
 from __future__ import annotations
 
-from engine_fakes import EOS, FakeSessions, FakeTokenizer
+from engine_fakes import EOS, FakeTokenizer, fake_batch
 from mlx_ds4tp.serve.admission import Admission
 from mlx_ds4tp.serve.finishing import Finishing
 from mlx_ds4tp.serve.generation import Request, RowResult, StepOutput
@@ -11,8 +11,8 @@ from mlx_ds4tp.serve.limits import ServeLimits
 
 
 def _setup(*requests):
-    sessions = FakeSessions()
-    admission = Admission(sessions, FakeTokenizer(), ServeLimits())
+    batch, sessions = fake_batch()
+    admission = Admission(batch, FakeTokenizer(), ServeLimits())
     running = [s for r in requests for s in admission.offer(r)]
     return Finishing(admission, FakeTokenizer()), admission, sessions, running
 
@@ -35,7 +35,7 @@ def test_eos_length_and_running_rows():
     out = StepOutput(rows, [RowResult([4, EOS, 6]), RowResult([7, 8, 9]), RowResult([10])])
     outcomes, ended = _settle(finishing, out)
     assert [(o.finish, o.used) for o in outcomes] == [("stop", 2), ("length", 2), (None, 1)]
-    assert ended == rows[:2] and rows[2].next_input == 10
+    assert ended == rows[:2]
     assert _events(stopping) == [("text", "e", []), ("done", "stop")]
     assert _events(long) == [("text", "h", []), ("text", "i", []), ("done", "length")]
     assert _events(running) == [("text", "k", [])]
@@ -50,7 +50,7 @@ def test_eos_length_and_running_rows():
 def test_a_pipelined_sessions_cache_holds_its_last_token_too():
     request = Request([1, 2], 1)
     finishing, admission, _, rows = _setup(request)
-    rows[0].fed_all = True
+    rows[0].row.fed_all = True  # as the batch leaves a row a pipelined step took its token in
     _settle(finishing, StepOutput(rows, [RowResult([3])]))
     assert admission.index.lookup([1, 2, 3, 4]).keep == 3
 

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fakes import FakeSessions, FakeTokenizer
+from engine_fakes import FakeTokenizer, fake_batch
 from mlx_ds4tp.lockstep.prompt_cache import Reuse
-from mlx_ds4tp.serve.generation import Request, RunningSession
+from mlx_ds4tp.serve.generation import Request, RunningSession, batch_request
 from mlx_ds4tp.serve.limits import ServeLimits
 from mlx_ds4tp.serve.prefill import PrefillScheduler
 
 
-def _session(sid: int, prompt_len: int) -> RunningSession:
-    return RunningSession(sid, Request(list(range(1, prompt_len + 1)), 4), Reuse(), FakeTokenizer())
-
-
 def _scheduler(*lengths, **limits):
-    sessions = FakeSessions()
-    scheduler = PrefillScheduler(sessions, ServeLimits(**limits))
-    for sid, n in enumerate(lengths, 1):
-        scheduler.add(_session(sid, n))
+    batch, sessions = fake_batch()
+    scheduler = PrefillScheduler(batch, ServeLimits(**limits))
+    for n in lengths:
+        request = Request(list(range(1, n + 1)), 4)
+        scheduler.add(RunningSession(batch.row(batch.insert(batch_request(request, Reuse(), 0))), request,
+                                     FakeTokenizer()))
+    sessions.commands.clear()  # the sessions made; the prefill's commands follow
     return scheduler, sessions
 
 
@@ -60,4 +59,4 @@ def test_without_mixed_prefill_no_turn_mixes_and_a_bad_policy_is_named():
     scheduler, _ = _scheduler(5, mixed_when="always")
     assert not scheduler.mixes(batch_has_room=True)
     with pytest.raises(ValueError, match="'sometimes'"):
-        PrefillScheduler(FakeSessions(), ServeLimits(mixed_prefill=4, mixed_when="sometimes"))
+        PrefillScheduler(fake_batch()[0], ServeLimits(mixed_prefill=4, mixed_when="sometimes"))

@@ -1,4 +1,4 @@
-"""Speculative sessions in `ds4tp serve`'s decode batch (serve/speculation.py,
+"""Speculative sessions in `ds4tp serve`'s decode batch (lockstep/speculative.py, lockstep/batch.py,
 lockstep/batch_verify.py): rows of different lengths verified in one forward, each row's cache
 cut back to what its session kept. Greedy text is the plain greedy text whatever drafts."""
 
@@ -70,8 +70,8 @@ def test_four_speculative_clients_each_get_their_plain_greedy_text(model_dir, tm
 
 
 def test_requests_that_cannot_or_will_not_draft_share_the_batch(model_dir, tmp_path):
-    """A seeded sampled request, a logprobs request and one that asks num_draft_tokens 0 decode
-    a token a step in the same verify forwards as a drafting one, each with its own text."""
+    """A logprobs request and one that asks num_draft_tokens 0 decode a token a step in the
+    same verify forwards as drafting ones (a greedy and a sampled one), each with its own text."""
     pytest.importorskip("openai", reason="the openai package (pip install openai)")
     served = ServedPair(model_dir, tmp_path, extra=["--draft-model", str(model_dir), "--debug-hash", "1"])
     try:
@@ -94,7 +94,10 @@ def test_requests_that_cannot_or_will_not_draft_share_the_batch(model_dir, tmp_p
         assert results["greedy"].choices[0].text == want
         assert results["plain"].choices[0].text == want
         assert results["logprobs"].choices[0].text == want
-        assert results["sampled"].choices[0].text == reference(model_dir, ids, 30, temp=0.8, seed=7)
+        # The sampled one drafts too: its draws are plain sampling's in distribution, not draw
+        # for draw (test_a_sampled_request_speculates checks it on its own, tests/test_acceptance
+        # the distribution).
+        assert results["sampled"].usage.completion_tokens == 30
         assert served.health()[1]["verify_steps"] > 0
         bad = c.with_options(max_retries=0)
         import openai
@@ -102,6 +105,25 @@ def test_requests_that_cannot_or_will_not_draft_share_the_batch(model_dir, tmp_p
         with pytest.raises(openai.BadRequestError, match="num_draft_tokens"):
             bad.completions.create(model=str(model_dir), prompt="x", max_tokens=3,
                                    extra_body={"num_draft_tokens": 65})
+    finally:
+        served.close()
+
+
+def test_a_sampled_request_speculates(model_dir, tmp_path):
+    """temperature > 0 with a draft model: its drafts are verified and kept (the target
+    drafting for itself: p and q agree, so nearly all), and the seed gives the same text again."""
+    pytest.importorskip("openai", reason="the openai package (pip install openai)")
+    served = ServedPair(model_dir, tmp_path, extra=["--draft-model", str(model_dir), "--num-draft-tokens", "4"])
+    try:
+        served.wait_healthy()
+        c = client(served, timeout=120)
+        texts = [c.completions.create(model=str(model_dir), prompt=PROMPTS[1], max_tokens=32, temperature=0.8,
+                                      seed=11) for _ in range(2)]
+        assert texts[0].choices[0].text == texts[1].choices[0].text
+        assert texts[0].usage.completion_tokens == 32
+        health = served.health()[1]
+        assert health["verify_steps"] > 0 and health["accepted_tokens"] >= 0.8 * health["drafted_tokens"] > 0, health
+        assert health["decode_steps"] < 2 * 32 / 2, health  # several tokens a round
     finally:
         served.close()
 
@@ -156,29 +178,29 @@ def test_each_row_after_a_commit_continues_as_its_session_alone(model_dir):
 def test_verify_and_commit_frames_are_checked(model_dir):
     from mlx_ds4tp.errors import FrameError
     from mlx_ds4tp.link.wire import FrameType as F
-    from mlx_ds4tp.lockstep import batch_verify as bv
+    from mlx_ds4tp.lockstep.commands import CommitBatch, VerifyBatch
     from mlx_ds4tp.lockstep.table import SessionTable
     from serveutil import _load
 
-    step, sessions, rows = bv.unpack_verify_batch(bv.pack_verify_batch(7, [(1, [3, 4, 5]), (2, [9])]))
+    step, sessions, rows = VerifyBatch.unpack(VerifyBatch.pack(7, [(1, [3, 4, 5]), (2, [9])]))
     assert (step, sessions, [r.tolist() for r in rows]) == (7, [1, 2], [[3, 4, 5], [9]])
-    good = bv.pack_verify_batch(1, [(1, [3, 4])])
+    good = VerifyBatch.pack(1, [(1, [3, 4])])
     for payload, match in ((good[:10], "shorter than its header"), (good[:-4], "expected"),
-                           (bv.pack_verify_batch(1, [(1, list(range(66)))]), "width 66")):
+                           (VerifyBatch.pack(1, [(1, list(range(66)))]), "width 66")):
         with pytest.raises(FrameError, match=match):
-            bv.unpack_verify_batch(payload)
+            VerifyBatch.unpack(payload)
     with pytest.raises(FrameError, match="shorter than its header"):
-        bv.unpack_commit(bv.pack_commit(1, [1])[:8])
+        CommitBatch.unpack(CommitBatch.pack(1, [1])[:8])
     with pytest.raises(FrameError, match="says 2 rows"):
-        bv.unpack_commit(bv.pack_commit(1, [1, 1])[:-4])
+        CommitBatch.unpack(CommitBatch.pack(1, [1, 1])[:-4])
     table = SessionTable(_load(model_dir)[0])
     table.caches.create(1, 0, 0)
-    table.apply(F.VERIFY_BATCH, bv.pack_verify_batch(1, [(1, [3, 4, 5])]))
+    table.apply(F.VERIFY_BATCH, VerifyBatch.pack(1, [(1, [3, 4, 5])]))
     with pytest.raises(FrameError, match="before the COMMIT_BATCH"):
         table.apply(F.EVAL_BATCH, b"")
     with pytest.raises(FrameError, match="keeps 4 positions of row 0, which carried 3"):
-        table.apply(F.COMMIT_BATCH, bv.pack_commit(1, [4]))
+        table.apply(F.COMMIT_BATCH, CommitBatch.pack(1, [4]))
     with pytest.raises(FrameError, match="for step 2 after step 1"):
-        table.apply(F.COMMIT_BATCH, bv.pack_commit(2, [1]))
-    table.apply(F.COMMIT_BATCH, bv.pack_commit(1, [2]))
+        table.apply(F.COMMIT_BATCH, CommitBatch.pack(2, [1]))
+    table.apply(F.COMMIT_BATCH, CommitBatch.pack(1, [2]))
     assert table.batch.batch_cache[0].size() == 2  # the lone row's own cache, cut back to 2

@@ -300,8 +300,8 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
 
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
-    from mlx_ds4tp.lockstep.frames import pack_batch, pack_prefill_batch
-    from mlx_ds4tp.lockstep.table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable
+    from mlx_ds4tp.lockstep.commands import Create, Destroy, EvalBatch, Invalidate, PrefillBatch, Rewind
+    from mlx_ds4tp.lockstep.table import SessionTable
     from mlx_ds4tp.testing.tiny_model import save_llama
 
     frame = tr.FrameType
@@ -309,16 +309,17 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     checked = _CheckedModel(model, model.args.vocab_size)
 
     def sync(session, tokens):
-        return frame.PREFILL_BATCH, pack_prefill_batch([(session, tokens)])
+        return frame.PREFILL_BATCH, PrefillBatch.pack([(session, tokens)])
 
     script = [
-        (frame.SESSION_CREATE, CREATE.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),
-        (frame.SESSION_CREATE, CREATE.pack(2, 0, FRESH, 0)),
-        (frame.EVAL_BATCH, pack_batch(1, [(1, 8), (2, 9)])), (frame.EVAL_BATCH, pack_batch(2, [(1, 10), (2, 11)])),
-        (frame.SESSION_DESTROY, DESTROY.pack(1, 4)), (frame.SESSION_CREATE, CREATE.pack(3, 4, COPY, 0)),
-        (frame.REWIND, REWIND.pack(3, 2, 0)), sync(3, [12]),
-        (frame.EVAL_BATCH, pack_batch(3, [(2, 13), (3, 14)])), (frame.SESSION_DESTROY, DESTROY.pack(2, 0)),
-        (frame.SESSION_DESTROY, DESTROY.pack(3, 0)), (frame.INVALIDATE, INVALIDATE.pack(4)),
+        (frame.SESSION_CREATE, Create.pack(1, 0, FRESH, 0)), sync(1, [5, 6, 7]),
+        (frame.SESSION_CREATE, Create.pack(2, 0, FRESH, 0)),
+        (frame.EVAL_BATCH, EvalBatch.pack(1, [(1, 8), (2, 9)])),
+        (frame.EVAL_BATCH, EvalBatch.pack(2, [(1, 10), (2, 11)])),
+        (frame.SESSION_DESTROY, Destroy.pack(1, 4)), (frame.SESSION_CREATE, Create.pack(3, 4, COPY, 0)),
+        (frame.REWIND, Rewind.pack(3, 2, 0)), sync(3, [12]),
+        (frame.EVAL_BATCH, EvalBatch.pack(3, [(2, 13), (3, 14)])), (frame.SESSION_DESTROY, Destroy.pack(2, 0)),
+        (frame.SESSION_DESTROY, Destroy.pack(3, 0)), (frame.INVALIDATE, Invalidate.pack(4)),
     ]
 
     clean = SessionTable(checked)

@@ -1,6 +1,7 @@
-"""Speculative decoding on the pair (lockstep/speculative.py, VERIFY_BATCH + COMMIT_BATCH):
-greedy output with any drafter is token for token the plain greedy output, over tcp and the
-emulated RDMA device, and a seeded sampled run draws what mlx-lm's speculative decoding draws."""
+"""Speculative decoding on the pair (lockstep/speculative.py, lockstep/batch.py, VERIFY_BATCH +
+COMMIT_BATCH): greedy output with any drafter is token for token the plain greedy output, over
+tcp and the emulated RDMA device, and a sampled run with a draft model draws as plain sampling
+draws (lockstep/acceptance.py: tests/test_acceptance.py measures the distributions)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ import sys
 
 import pytest
 
-from mlx_ds4tp.lockstep.generate import greedy_generate
-from mlx_ds4tp.lockstep.row_sampling import RowSampler
-from mlx_ds4tp.lockstep.sampling import SamplingOptions
-from mlx_ds4tp.lockstep.sessions import LeaderSessions
-from mlx_ds4tp.lockstep.speculative import DraftModel, PromptLookup, Recorded, load_draft, speculative_generate
-from mlx_ds4tp.lockstep.table import SessionTable
+from mlx_ds4tp.lockstep.generate import greedy_generate, pair_generate
+from mlx_ds4tp.lockstep.one_rank import OneRank
+from mlx_ds4tp.lockstep.settings import DraftSettings
+from mlx_ds4tp.lockstep.speculative import PromptLookup, Speculation, load_draft
 from mlx_ds4tp.testing.local_run import LocalRun, run_local_pair
 from mlx_ds4tp.testing.tiny_model import save_llama
 
@@ -26,25 +25,6 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     # The target, and an unrelated draft of the same vocabulary (other weights).
     return save_llama(root / "target", "tiny", seed=3), save_llama(root / "other", "tiny", seed=11)
-
-
-class OneRank(LeaderSessions):
-    """LeaderSessions with no peer: each command packed and applied to this rank's table alone
-    (the drafting logic and the frames, without a pair)."""
-
-    class _Group:
-        def exchange_seconds(self) -> float:
-            return 0.0
-
-    def __init__(self, model):
-        self.table, self.group, self.control = SessionTable(model), self._Group(), None
-
-    def _command(self, ftype, payload: bytes):
-        return self.table.apply(ftype, payload)
-
-
-def greedy() -> RowSampler:
-    return RowSampler(SamplingOptions(), [0], 0, 0)
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_match():
@@ -64,15 +44,17 @@ def test_every_drafter_gives_the_plain_greedy_tokens(models, k):
     model = load_model(target_path)[0]
     prompt = list(range(5, 40)) + list(range(5, 20))
     plain = greedy_generate(model, prompt, 24).tokens
-    drafters = {"lookup": PromptLookup(2), "recorded": Recorded(len(prompt), plain),
-                "self": DraftModel(load_model(target_path)[0], prompt),
-                "unrelated": DraftModel(load_model(other_path)[0], prompt)}
-    for name, drafter in drafters.items():
-        stats = speculative_generate(OneRank(model), prompt, 24, greedy(), drafter, k)
+    settings = DraftSettings(num_draft_tokens=k)
+    drafters = {"lookup": Speculation(DraftSettings(prompt_lookup=2, num_draft_tokens=k)),
+                "recorded": Speculation(settings, recorded=plain),
+                "self": Speculation(settings, draft_model=load_model(target_path)[0]),
+                "unrelated": Speculation(settings, draft_model=load_model(other_path)[0])}
+    for name, speculation in drafters.items():
+        stats = pair_generate(OneRank(model), prompt, 24, speculation=speculation)
         assert stats.tokens == plain, name
         assert stats.accepted <= stats.drafted
     # A drafter that knows the continuation has every draft accepted: k + 1 tokens a round.
-    recorded = speculative_generate(OneRank(model), prompt, 24, greedy(), Recorded(len(prompt), plain), k)
+    recorded = pair_generate(OneRank(model), prompt, 24, speculation=Speculation(settings, recorded=plain))
     assert recorded.accepted == recorded.drafted and recorded.rounds == -(-24 // (k + 1))
 
 
@@ -138,20 +120,13 @@ def test_the_speculative_bench_prints_every_contender(models):
     assert got["tp2-tcp-recorded-3"]["rounds_of_gates"] == 2  # 8 tokens, 4 a round
 
 
-def test_a_seeded_sampled_run_follows_mlx_lms_speculative_sampler(models):
-    """The pair with a draft model draws what mlx-lm's own speculative decoding draws for the
-    same seed, target and draft."""
-    import mlx.core as mx
-    from mlx_lm import load, stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    target, other = models
-    got = run_local_pair(LocalRun(target, PROMPT, 16, stop_at_eos=False,
-                                  extra=("--draft-model", str(other), "--temp", "0.8", "--seed", "7")), quiet=True)
-    assert got is not None
-    model, tokenizer = load(str(target))
-    mx.random.seed(7)
-    want = [r.token for r in stream_generate(model, tokenizer, got["prompt_tokens"], max_tokens=16,
-                                             draft_model=load(str(other))[0], num_draft_tokens=3,
-                                             sampler=make_sampler(0.8))]
-    assert got["tokens"] == want
+def test_a_sampled_run_with_a_draft_model_speculates(models):
+    """`ds4tp run --temp 0.8 --draft-model`: the target drafting for itself has nearly every
+    draft kept (p and q agree), and a seed gives the same tokens again."""
+    target, _ = models
+    runs = [run_local_pair(LocalRun(target, PROMPT, 16, stop_at_eos=False,
+                                    extra=("--draft-model", str(target), "--temp", "0.8", "--seed", "7")), quiet=True)
+            for _ in range(2)]
+    assert runs[0] is not None and runs[1] is not None
+    assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 16
+    assert runs[0]["rounds"] > 0 and runs[0]["accepted"] >= 0.8 * runs[0]["drafted"] > 0, runs[0]

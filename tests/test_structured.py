@@ -139,13 +139,14 @@ def test_masked_draws_follow_the_schema_with_penalties_and_logprobs(grammars):
     import mlx.core as mx
     import numpy as np
 
+    from mlx_ds4tp.lockstep.commands import Sampler
     from mlx_ds4tp.lockstep.grammar import json_schema_grammar
-    from mlx_ds4tp.lockstep.row_sampling import RowSampler, pack_sampler, unpack_sampler
+    from mlx_ds4tp.lockstep.row_sampling import RowSampler
     from mlx_ds4tp.lockstep.sampling import SamplingOptions
 
     options = SamplingOptions(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=7,
                               grammar=json_schema_grammar(to_strict_json_schema(MODELS[11])))
-    _, options_there, context, seed = unpack_sampler(pack_sampler(1, options, [5, 6], 7))
+    _, options_there, context, seed = Sampler.unpack(Sampler.pack(1, options, [5, 6], 7))
     assert options_there == options
     vocab = 512
     here = RowSampler(options, [5, 6], 7, vocab, keep_logprobs=True, grammar=grammars.row(options.grammar, vocab))

@@ -198,8 +198,8 @@ def qwen3_tokenizer(tmp_path_factory):
 
 def test_kimi_k2_calls_and_unconstrainable_formats(qwen3_tokenizer):
     """kimi_k2's calls (JSON arguments after a header; its markers are text in Qwen's byte-level
-    vocabulary) follow the grammar and parse back; a format whose calls are not constrained
-    (minimax_m2's) is refused with a 400 naming it."""
+    vocabulary) follow the grammar and parse back; a parser with no grammar here (one mlx-lm
+    might add) is refused with a 400 naming it."""
     import importlib
 
     from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
@@ -222,16 +222,19 @@ def test_kimi_k2_calls_and_unconstrainable_formats(qwen3_tokenizer):
     (call,) = kimi.parse_tool_call(inner)
     assert (call["name"], call["arguments"]) == ("get_weather", args)
 
-    minimax = importlib.import_module("mlx_lm.tool_parsers.minimax_m2")
+    def parse_tool_call(text, tools=None):  # a parser mlx-lm might add, with no grammar here
+        return {"name": text, "arguments": {}}
 
-    class MiniMax:  # a tokenizer wrapper's tool-call surface: its parser and markers
-        tool_parser = minimax.parse_tool_call
-        tool_call_start, tool_call_end = minimax.tool_call_start, minimax.tool_call_end
+    parse_tool_call.__module__ = "mlx_lm.tool_parsers.future_format"
+
+    class Future:  # a tokenizer wrapper's tool-call surface: its parser and markers
+        tool_parser = parse_tool_call
+        tool_call_start, tool_call_end = "<call>", "</call>"
         _tokenizer = tok._tokenizer
 
     with pytest.raises(ApiError) as caught:
-        _call_format(MiniMax())
-    assert caught.value.status == 400 and "'minimax_m2' format" in caught.value.message
+        _call_format(Future())
+    assert caught.value.status == 400 and "'future_format' format" in caught.value.message
 
 
 class Parcel(BaseModel):

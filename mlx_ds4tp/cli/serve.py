@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from ..link.wire import MAX_PREFILL_ROWS, MAX_VERIFY_WIDTH
+from ..lockstep.settings import DraftSettings
 from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings
 from .draft_args import add_draft_args, check_draft_args
@@ -171,8 +172,8 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     sampling = options_from_args(args)
     path = model_path(args.model)
     served = ServedModel(path, args.served_model_name or default_served_name(args.model),
-                         aliases=(args.model, str(path)), draft_model=args.draft_model,
-                         prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+                         aliases=(args.model, str(path)),
+                         draft=DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens))
     for flag, value in (("--header-timeout-sec", args.header_timeout_sec),
                         ("--keep-alive-timeout-sec", args.keep_alive_timeout_sec)):
         if not value > 0:

@@ -122,7 +122,7 @@ int tp_probe(const char *device, char *err, size_t errlen);
  * drop=l2w|w2l:K, drop_nth=l2w|w2l:N (on every build, the sender's N-th
  * hot-path message over 64 bytes is lost, counted from 1: gate and bulk
  * chunks, never the warm-up's plain sends), kill_unposted=0|1, loss=P,
- * seed=S, max_msg=N, max_recv=N, post_cap=N, delay_us=N (README's table). */
+ * seed=S, max_msg=N, max_recv=N, post_cap=N, delay_us=N (docs/design.md's table). */
 tp_dev *tp_open(const char *device, int gid_index, const char *bind_ipv4, int role,
                 const char *faults, void *slab, uint64_t slab_bytes,
                 char *err, size_t errlen);
@@ -221,6 +221,16 @@ int tp_poll(tp_dev *dev, tp_wc *wc, int max, double timeout_s, char *err, size_t
  * labels may skip (a bulk exchange taking a seq) or jump. */
 int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t seq,
             double timeout_s, char *err, size_t errlen);
+
+/* tp_gate in two halves, for a rank with several peers (the mesh): post
+ * this gate's sends, then (after posting to the other peers) wait for the
+ * peer's, copy it to dst and refill the window. Only on a window armed for
+ * `bytes` already (a gate's steady state, no barrier due): otherwise
+ * tp_gate_post is TP_ENOTSUP with nothing done, and the caller runs tp_gate. */
+int tp_gate_post(tp_dev *dev, const void *src, uint32_t bytes, uint64_t seq, double timeout_s,
+                 char *err, size_t errlen);
+int tp_gate_wait(tp_dev *dev, void *dst, uint32_t bytes, uint64_t seq, double timeout_s,
+                 char *err, size_t errlen);
 
 /* Consume the decode window on both sides (dummy sends matching the peer's
  * posted receives) so the queue pair is empty. No-op when not armed. Starts

@@ -284,15 +284,64 @@ static int mesh_error(tp_mesh *m, int rc, int peer, char *err, size_t errlen) {
 }
 
 static int mesh_pairwise(tp_mesh *m, const int *members, int n, int me, const tp_xsig *sig,
-                         const void **srcs, void **dsts, int rdma_only, char *err, size_t errlen) {
+                         const void **srcs, void **dsts, const int *skip, char *err, size_t errlen) {
     for (int r = 0; r < n + (n & 1) - 1; r++) {
         const int k = partner(me, r, n);
-        if (k >= n) continue;
+        if (k >= n || (skip && skip[k])) continue;
         tp_link *l = m->links[members[k]];
-        if (rdma_only && !l->dev) continue;
         int rc = tp_link_exchange(l, sig, srcs[k], dsts[k], err, errlen);
         if (rc != TP_OK) return mesh_error(m, rc, members[k], err, errlen);
     }
+    return TP_OK;
+}
+
+/* A posted link that failed: dead from now on, as tp_link_exchange leaves one. */
+static int link_lost(tp_mesh *m, tp_link *l, int rc, int peer, char *err, size_t errlen) {
+    l->failed = 1;
+    snprintf(l->failure, sizeof(l->failure), "%s", err && errlen ? err : "unknown error");
+    return mesh_error(m, rc, peer, err, errlen);
+}
+
+enum { MESH_PAIRWISE = 0, MESH_POSTED_TCP, MESH_POSTED_GATE };
+
+/* Post this rank's block to member k's link when it can go ahead of the wait:
+ * always over TCP (it fits the socket buffers), over RDMA only as a gate on a
+ * window armed for it with the signature already agreed (both ends of a link
+ * see the same window and signature, so both decide alike). */
+static int mesh_post(tp_mesh *m, tp_link *l, int peer, const tp_xsig *sig, const void *src,
+                     uint64_t *seq, int *how, char *err, size_t errlen) {
+    *how = MESH_PAIRWISE;
+    if (!l->dev) {
+        *seq = ++l->pair->seq;
+        pack_header(l->hdr_out, sig, *seq);
+        int rc = tp_tcp_post(l->fd, l->hdr_out, TP_EXCHANGE_HEADER, src, sig->bytes, *seq, err, errlen);
+        if (rc != TP_OK) return link_lost(m, l, rc, peer, err, errlen);
+        *how = MESH_POSTED_TCP;
+        return TP_OK;
+    }
+    if (sig->bytes > TP_GATE_BYTES || !l->sig_valid || !same_sig(&l->sig, sig)) return TP_OK;
+    const uint64_t next = l->pair->seq + 1;
+    int rc = tp_gate_post(l->dev, src, (uint32_t)sig->bytes, next, l->timeout_s, err, errlen);
+    if (rc == TP_ENOTSUP) return TP_OK;
+    if (rc != TP_OK) return link_lost(m, l, rc, peer, err, errlen);
+    *seq = l->pair->seq = next;
+    *how = MESH_POSTED_GATE;
+    return TP_OK;
+}
+
+static int mesh_collect(tp_mesh *m, tp_link *l, int peer, const tp_xsig *sig, void *dst,
+                        uint64_t seq, int how, char *err, size_t errlen) {
+    const uint64_t t0 = tp_mono_ns();
+    int rc;
+    if (how == MESH_POSTED_TCP) {
+        rc = tp_tcp_collect(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER, dst, sig->bytes, seq,
+                            l->spin_ns, err, errlen);
+        if (rc == TP_EDESYNC) name_desync(l->hdr_in, sig, seq, err, errlen);
+    } else {
+        rc = tp_gate_wait(l->dev, dst, (uint32_t)sig->bytes, seq, l->timeout_s, err, errlen);
+    }
+    if (rc != TP_OK) return link_lost(m, l, rc, peer, err, errlen);
+    record(l, sig->bytes, tp_mono_ns() - t0);
     return TP_OK;
 }
 
@@ -314,34 +363,27 @@ int tp_mesh_exchange(tp_mesh *m, const int *members, int n, int me, const tp_xsi
         if (rc != TP_OK) return rc;
     }
     if (n == 2 || sig->bytes > TP_MESH_SMALL_BYTES)
-        return mesh_pairwise(m, members, n, me, sig, srcs, dsts, 0, err, errlen);
-    /* Small: post to every TCP peer, meet the RDMA peers round by round, then
-     * collect the TCP peers' blocks. */
+        return mesh_pairwise(m, members, n, me, sig, srcs, dsts, NULL, err, errlen);
+    /* Small: post to every peer that can take it ahead (every TCP peer, an
+     * RDMA peer in a gate's steady state), meet the others round by round,
+     * then collect what was posted. No rank blocks before it has posted, so
+     * the rounds of the ranks that meet pairwise always find their partner. */
     uint64_t seqs[TP_MESH_MAX];
+    int how[TP_MESH_MAX] = {0};
     for (int k = 0; k < n; k++) {
-        tp_link *l = m->links[members[k]];
-        if (k == me || l->dev) continue;
-        seqs[k] = ++l->pair->seq;
-        pack_header(l->hdr_out, sig, seqs[k]);
-        int rc = tp_tcp_post(l->fd, l->hdr_out, TP_EXCHANGE_HEADER, srcs[k], sig->bytes, seqs[k],
-                             err, errlen);
-        if (rc != TP_OK) return mesh_error(m, rc, members[k], err, errlen);
+        if (k == me) continue;
+        int rc = mesh_post(m, m->links[members[k]], members[k], sig, srcs[k], &seqs[k], &how[k],
+                           err, errlen);
+        if (rc != TP_OK) return rc;
     }
-    int rc = mesh_pairwise(m, members, n, me, sig, srcs, dsts, 1, err, errlen);
+    how[me] = MESH_POSTED_TCP; /* never met: not a peer */
+    int rc = mesh_pairwise(m, members, n, me, sig, srcs, dsts, how, err, errlen);
     if (rc != TP_OK) return rc;
     for (int k = 0; k < n; k++) {
-        tp_link *l = m->links[members[k]];
-        if (k == me || l->dev) continue;
-        const uint64_t t0 = tp_mono_ns();
-        rc = tp_tcp_collect(l->fd, l->hdr_out, l->hdr_in, TP_EXCHANGE_HEADER, dsts[k], sig->bytes,
-                            seqs[k], l->spin_ns, err, errlen);
-        if (rc == TP_EDESYNC) name_desync(l->hdr_in, sig, seqs[k], err, errlen);
-        if (rc != TP_OK) {
-            l->failed = 1;
-            snprintf(l->failure, sizeof(l->failure), "%s", err && errlen ? err : "unknown error");
-            return mesh_error(m, rc, members[k], err, errlen);
-        }
-        record(l, sig->bytes, tp_mono_ns() - t0);
+        if (k == me || how[k] == MESH_PAIRWISE) continue;
+        rc = mesh_collect(m, m->links[members[k]], members[k], sig, dsts[k], seqs[k], how[k], err,
+                          errlen);
+        if (rc != TP_OK) return rc;
     }
     return TP_OK;
 }

@@ -272,6 +272,20 @@ class LinkSettings:
         if not isinstance(self.address, PairAddress):
             raise ValueError(f"address={self.address!r}: make it with pair_address(role, listen, "
                              "coordinator)")
+        self._check_how_met()
+        self._check_rdma()
+        self._check_numbers()
+        secret_bytes(self.secret, {})
+        self._check_mesh()
+        if self.verbs_library is not None and not isinstance(self.verbs_library, str):
+            raise ValueError(
+                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
+                f"library, or None for {VERBS_LIBRARY_ENV}"
+            )
+        return self
+
+    def _check_how_met(self) -> None:
+        """The address or discovery: one way of meeting the peer, and a role that fits it."""
         if self.discovery is not None:
             self.discovery.check()
             if self.transport == MLX or self.address.listen or self.address.coordinator:
@@ -283,12 +297,16 @@ class LinkSettings:
                                  "(rank 1), or None to take MLX's rank (--role leader|worker)")
         else:
             pair_address(self.address.role, self.address.listen, self.address.coordinator)
+
+    def _check_rdma(self) -> None:
         if self.rdma_device is not None and (not isinstance(self.rdma_device, str) or not self.rdma_device):
             raise ValueError(f"rdma_device={self.rdma_device!r}: give a verbs device name (e.g. "
                              "'rdma_en1'), 'ucsim', or None for the first active one (--rdma-device)")
         gid = self.gid_index
         if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool) or gid < 0):
             raise ValueError(f"gid_index={gid!r} must be a non-negative integer or None (--rdma-gid-index N)")
+
+    def _check_numbers(self) -> None:
         for name in ("timeout", "hello_timeout"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -299,14 +317,6 @@ class LinkSettings:
                                  or not 0 <= spin <= MAX_TCP_SPIN_US):
             raise ValueError(f"tcp_spin_us={spin!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
                              "microseconds, or None for DS4_TP_TCP_SPIN_US / the default")
-        secret_bytes(self.secret, {})
-        self._check_mesh()
-        if self.verbs_library is not None and not isinstance(self.verbs_library, str):
-            raise ValueError(
-                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
-                f"library, or None for {VERBS_LIBRARY_ENV}"
-            )
-        return self
 
     def _check_mesh(self) -> None:
         size = self.size

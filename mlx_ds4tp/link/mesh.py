@@ -93,6 +93,7 @@ def form_mesh(link: LinkSettings, connect: Connect) -> Mesh:
             if rank in (low, high):
                 peer = high if rank == low else low
                 pairs[peer] = _make_link(link, rank, peer, roster, mesh_id, door, connect)
+        _formed(link, rank, mesh_id, keep, deadline)
     except BaseException:
         for pair in pairs.values():
             pair.close()
@@ -105,6 +106,30 @@ def form_mesh(link: LinkSettings, connect: Connect) -> Mesh:
     log(f"mesh: rank {rank} of {link.size} linked to every peer in "
         f"{time.monotonic() - started:.2f} s ({kinds})")
     return mesh
+
+
+def _formed(link: LinkSettings, rank: int, mesh_id: bytes, joins: List[socket.socket],
+            deadline: float) -> None:
+    """The mesh is formed on every rank before any rank's init returns: each worker says its
+    links are up (MESH_ID again on its JOIN connection), and the leader, once all have, says so
+    to all. So no rank closes a formed mesh (its JOIN connection: to the workers still at their
+    doors, "the leader gave up") while another is still linking."""
+    ready = MESH_ID_PAYLOAD.pack(mesh_id, rank)
+    channels = [ControlChannel(sock, link.timeout) for sock in joins]
+    if rank == 0:
+        for channel in channels:
+            _expect_ready(channel, mesh_id, deadline)
+        for channel in channels:
+            channel.send(FrameType.MESH_ID, ready)
+    else:
+        channels[0].send(FrameType.MESH_ID, ready)
+        _expect_ready(channels[0], mesh_id, deadline)
+
+
+def _expect_ready(channel: ControlChannel, mesh_id: bytes, deadline: float) -> None:
+    _, payload = channel.recv(FrameType.MESH_ID, timeout=max(0.01, deadline - time.monotonic()))
+    if len(payload) != MESH_ID_PAYLOAD.size or MESH_ID_PAYLOAD.unpack(payload)[0] != mesh_id:
+        raise FrameError("a rank said the mesh is formed with another mesh's id")
 
 
 def _link_order(size: int) -> List[Tuple[int, int]]:
@@ -291,7 +316,10 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
             pair = connect(settings, dial=dial_link)
     except TransportError as exc:
         where = f"device {device or 'the first active one'}" if link.transport != "tcp" else "tcp"
-        message = f"mesh link rank {min(rank, peer)} <-> rank {max(rank, peer)} ({where}): {exc}"
+        low, high = min(rank, peer), max(rank, peer)
+        # The pair's own messages say "leader" and "worker": on this link, the lower rank and the higher.
+        message = (f"mesh link rank {low} <-> rank {high} ({where}; on this link the leader is rank "
+                   f"{low}, the worker rank {high}): {exc}")
         try:
             error = type(exc)(message)
         except TypeError:

@@ -38,11 +38,13 @@ The bound is checked before anything is allocated.
 | KV_ROOM          | KV_ROOM_PAYLOAD (KV bits, group size, measured, tokens); the worker answers with the same layout | 64 |
 | JOIN             | JOIN_PAYLOAD (version, size, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a mesh of N ranks (link/mesh.py) | 128 |
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
-| MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, and first on every mesh link's control connection | 64 |
+| MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
-mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Numbers
+mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Their
+numbers and bounds are here (the transport checks a frame's bound before reading it); each
+one's payload layout, packing, unpacking and application is its class in mlx_ds4tp.lockstep.commands. Numbers
 of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE) are never
 reused: a peer of an older install that sent one gets "unknown frame type" at the header.
 
@@ -242,29 +244,6 @@ WARM_ROUND = struct.Struct("<IIII")  # setup attempt, round, received, phase (be
 WARM_PHASE_SENT, WARM_PHASE_STATUS = 1, 2
 WARM_TAG = struct.Struct("<IIII")  # WARM_MAGIC, rank, setup attempt, reserved
 
-# The lockstep commands (mlx_ds4tp.lockstep.sessions), one layout per frame type.
-SESSION_CREATE_PAYLOAD = struct.Struct("<QQII")  # session id, stored cache id, mode, reserved
-SESSION_DESTROY_PAYLOAD = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
-REWIND_PAYLOAD = struct.Struct("<QII")  # session id, tokens to keep, reserved
-INVALIDATE_PAYLOAD = struct.Struct("<Q")  # stored cache id
-EVAL_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then the rows
-EVAL_BATCH_ROW = struct.Struct("<QiI")  # session id, input token (or EVAL_PENDING), reserved
-# An EVAL_BATCH row's input token that says: the token this rank sampled for the session at
-# the last step (lockstep.row_sampling), which the leader has not read yet.
-EVAL_PENDING = -1
-MAX_BATCH_ROWS = 1024
-VERIFY_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, width; then rows, then tokens
-VERIFY_BATCH_ROW = struct.Struct("<QII")  # session id, tokens in the row, reserved
-COMMIT_BATCH_HEADER = struct.Struct("<QII")  # decode step, rows, reserved; then uint32 per row
-PREFILL_BATCH_HEADER = struct.Struct("<IIQ")  # rows, reserved, reserved; then the rows
-PREFILL_BATCH_ROW = struct.Struct("<QII")  # session id, token count, reserved; tokens follow all rows
-SAMPLER_HEADER = struct.Struct("<QQII")  # session id, seed, context tokens, options bytes; then both
-# 0: the last decode step's logits are hashed, else a session id: the tokens this rank sampled
-# for it (DecodeBatch.hash_of); then the decode step and the hash.
-HASH_PAYLOAD = struct.Struct("<QQQ")
-DISK_SAVE_HEADER = struct.Struct("<QII")  # stored cache id, 1: drop it from memory after, tokens; then the tokens
-DISK_LOAD_PAYLOAD = struct.Struct("<QII16s")  # cache id to store under, tokens, 1: loaded (the answer), digest
-KV_ROOM_PAYLOAD = struct.Struct("<HHIQ")  # KV bits (0: float), group size, 1: measured (the answer), tokens
 SPLIT_PAYLOAD = struct.Struct("<II")  # rank 0's part, rank 1's part of every split count (1:1 even)
 # A mesh (link/mesh.py). JOIN: protocol version, the mesh size the worker expects, the rank
 # it asks for (-1: any), the port its own door listens on, a fresh nonce, and the HMAC proof

@@ -21,10 +21,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import transport as tr
-from ..link.wire import EVAL_PENDING
 from . import batch_verify
+from .commands import EVAL_PENDING, check_tokens, pad_rows
 from .compute import logits_hash
-from .frames import check_tokens
 from .row_sampling import RowSampler, sample_batch
 
 # Decode steps between releases of MLX's buffer cache, for `ds4tp run` and `ds4tp serve`
@@ -48,11 +47,12 @@ class DecodeBatch:
         self.verifying: Optional[List[int]] = None  # the last VERIFY_BATCH's row lengths, until its commit
         self.step_count = 0
         self.last_logits: Optional[mx.array] = None
-        # Pipelined decode (lockstep.row_sampling): each session's sampler, the token this rank
-        # sampled for it at the last step (an EVAL_PENDING row's input), and, by session, why
-        # its sampler failed there.
+        # Pipelined decode (lockstep.row_sampling): each session's sampler, the tokens this rank
+        # sampled at the last sampled step ([rows], lazy: an EVAL_PENDING row's input) and that
+        # step's sessions in row order, and, by session, why its sampler failed there.
         self.samplers: Dict[int, RowSampler] = {}
-        self.pending: Dict[int, mx.array] = {}
+        self.drawn: Optional[mx.array] = None
+        self.drawn_rows: List[int] = []
         self.row_errors: Dict[int, str] = {}
         self._drawn_hash: Optional[mx.array] = None  # [rows] uint32: see the module docstring
 
@@ -111,8 +111,7 @@ class DecodeBatch:
                     sampler.catch_up()
             errors: Dict[int, str] = {}
             drawn = sample_batch(logits, samplers, errors)
-            for i, session in enumerate(sessions):
-                self.pending[session] = drawn[i:i + 1]
+            self.drawn, self.drawn_rows = drawn, list(sessions)
             self.row_errors.update({sessions[i]: why for i, why in errors.items()})
             self._drawn_hash = self._hash_rows(len(sessions)) * TOKEN_HASH_MULT + drawn.astype(mx.uint32)
             # The hash is evaluated with the tokens, so its graph never outgrows one step's.
@@ -130,14 +129,18 @@ class DecodeBatch:
         check_tokens(tokens[~pending], self.vocab)
         if not pending.any():
             return mx.array(tokens, dtype=mx.int32)
-        parts = []
-        for session, token, mine in zip(self.rows, tokens.tolist(), pending.tolist()):
-            if mine and session not in self.pending:
+        if pending.all() and self.rows == self.drawn_rows:
+            return self.drawn  # the steady pipelined batch: the last step's tokens as they are
+        at = {session: i for i, session in enumerate(self.drawn_rows)}
+        source = np.zeros(len(self.rows), dtype=np.int32)
+        for row, (session, mine) in enumerate(zip(self.rows, pending.tolist())):
+            if mine and session not in at:
                 raise tr.FrameError(f"EVAL_BATCH asks for session {session}'s own sampled token (id "
-                                    f"{token}), but this rank has none pending: an id outside the "
-                                    "model's vocabulary otherwise; the ranks are out of step")
-            parts.append(self.pending[session] if mine else mx.array([token], dtype=mx.int32))
-        return mx.concatenate(parts)
+                                    f"{int(tokens[row])}), but this rank has none pending: an id outside "
+                                    "the model's vocabulary otherwise; the ranks are out of step")
+            source[row] = at.get(session, 0)
+        # One gather and one select: each pending row takes its own sample of the last step.
+        return mx.where(mx.array(pending), self.drawn[mx.array(source)], mx.array(tokens, dtype=mx.int32))
 
     def verify(self, rows: List[np.ndarray]) -> mx.array:
         """One decode forward whose rows carry an input token and drafts (batch_verify):
@@ -145,7 +148,7 @@ class DecodeBatch:
         for row in rows:
             check_tokens(row, self.vocab)
         self.step_count += 1
-        logits = self.model(mx.array(batch_verify.pad_rows(rows)), cache=self.batch_cache)
+        logits = self.model(mx.array(pad_rows(rows)), cache=self.batch_cache)
         mx.eval(logits)  # the gates of every layer run once for all rows and positions
         self.last_logits = logits
         self.verifying = [len(r) for r in rows]
@@ -168,6 +171,8 @@ class DecodeBatch:
         if idx < held:
             kept = [i for i in range(held) if i != idx]
             self._drawn_hash = self._drawn_hash[mx.array(kept)] if kept else None
+        if not self.rows:  # the last row's sample goes with it
+            self.drawn, self.drawn_rows = None, []
         if not self.merged:
             cache, self.batch_cache = self.batch_cache, None
             return cache
@@ -182,8 +187,10 @@ class DecodeBatch:
 
     def forget(self, session: int) -> None:
         """Drop what a destroyed session's rows sampled with (its sampler may predate its rows)."""
-        for kept in (self.samplers, self.pending, self.row_errors):
+        for kept in (self.samplers, self.row_errors):
             kept.pop(session, None)
+        # Its last sample is no one's pending token now (a later session may take its id).
+        self.drawn_rows = [s if s != session else None for s in self.drawn_rows]
 
     def _hash_rows(self, rows: int) -> mx.array:
         """The rows' token hashes, a fresh 0 for each row that joined since the last fold."""

@@ -1,15 +1,15 @@
 """One generation and what it measures: the single-process reference, and the pair's
-generation as one session of the lockstep protocol (what `ds4tp run` runs): SESSION_CREATE,
-the prompt but its last token as PREFILL_BATCH chunks, SAMPLER, then one EVAL_BATCH a token
-(the prompt's last token is the first step's input, as in mlx_lm.generate), HASH of the tokens
-sampled, and SESSION_DESTROY. A batch of one row is the session's own cache
-(lockstep.decode_batch), so its tokens are the single process's, token for token.
+generation as a batch of one (lockstep.batch, what `ds4tp run` runs): SESSION_CREATE, the
+prompt but its last token as PREFILL_BATCH chunks, then the batch's steps (pipelined, or
+speculative rounds when it drafts), HASH of the tokens sampled, and SESSION_DESTROY. A batch
+of one row is the session's own cache (lockstep.decode_batch), so its tokens are the single
+process's, token for token.
 
-Decode is pipelined as mlx-lm's generate_step is (docs/two-macs.md, `ds4tp run`): step n+1 is queued, its
-input this rank's own sample of step n (EVAL_PENDING), before step n's token is read. Both ranks
-stop at the same token because the leader stops sending steps; where the token read is an end
-of sequence, the step after it is already running on both, and is finished before the session
-ends.
+Decode is pipelined as mlx-lm's generate_step is (docs/two-macs.md, `ds4tp run`): step n+1 is
+queued, its input this rank's own sample of step n (EVAL_PENDING), before step n's token is
+read. Both ranks stop at the same token because the leader stops sending steps; where the
+token read is an end of sequence, the step after it is already running on both, and is
+finished before the session ends.
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ from typing import Callable, Collection, List, Optional, Sequence
 import mlx.core as mx
 
 from .. import gate_ops
-from ..link.wire import EVAL_PENDING
+from .batch import Batch, BatchRequest, BatchSettings
 from .compute import PREFILL_STEP, fill_cache, forward, make_cache
-from .row_sampling import stream_seed
 from .sampling import SamplingOptions
 from .sessions import LeaderSessions
-
-# The session id a generation on its own runs as (it is destroyed at the end, so the next one
-# takes it again).
-SESSION = 1
+from .speculative import Speculation
 
 
 @dataclasses.dataclass
@@ -42,6 +38,10 @@ class GenerationStats:
     # waiting for the peer included (gate_ops.Group.exchange_seconds).
     decode_exchange_sec: float = 0.0
     tokens: List[int] = dataclasses.field(default_factory=list)
+    # Speculative decoding: tokens drafted, drafts accepted, verify rounds (0 when it did not draft).
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
 
     def exchange_ms_per_token(self) -> float:
         return self.decode_exchange_sec / self.decode_tokens * 1e3 if self.decode_tokens else 0.0
@@ -98,56 +98,52 @@ def greedy_generate(model, prompt_tokens: List[int], max_tokens: int, eos=frozen
     return stats
 
 
-def open_session(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int) -> None:
-    """SESSION_CREATE and the prompt but its last token prefilled (PREFILL_BATCH chunks of
-    PREFILL_STEP tokens) on both ranks: the start of every generation on the pair."""
-    if not prompt:
-        raise ValueError("the prompt encodes to zero tokens; give a non-empty prompt")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
-    sessions.create(SESSION)
-    head = list(prompt[:-1])
-    for start in range(0, len(head), PREFILL_STEP):
-        sessions.prefill_batch([(SESSION, head[start:start + PREFILL_STEP])])
-
-
 def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int,
                   sampling: SamplingOptions = SamplingOptions(), *,
                   on_token: Optional[Callable[[int], None]] = None, eos: Collection[int] = frozenset(),
-                  debug_hash: int = 0) -> GenerationStats:
-    """The leader's side of one generation on the pair, as one session (see the module
+                  debug_hash: int = 0, speculation: Optional[Speculation] = None) -> GenerationStats:
+    """The leader's side of one generation on the pair, a batch of one (see the module
     docstring), sampled as mlx-lm samples with `sampling` (options without a seed draw from a
-    fresh one). Every `debug_hash` decode tokens the logits' hashes are compared with the
-    worker's, and the sampled tokens' at the end (LockstepDivergence stops both)."""
-    prompt = list(prompt)
+    fresh one); `speculation`: it drafts (its stats then count the drafts and rounds). Every
+    `debug_hash` decode steps the logits' hashes are compared with the worker's, and the
+    sampled tokens' at the end (LockstepDivergence stops both)."""
     stats = GenerationStats(prompt_tokens=len(prompt))
     t0 = time.perf_counter()
-    open_session(sessions, prompt, max_tokens)
-    sessions.sampler(SESSION, sampling, prompt, stream_seed(sampling))
-    sessions.step([(SESSION, prompt[-1])])
-    first_step = sessions.table.batch.step_count
-    while True:
-        drawn = sessions.table.batch.pending[SESSION]
-        ahead = len(stats.tokens) + 1 < max_tokens
-        if ahead:
-            sessions.step([(SESSION, EVAL_PENDING)])  # queued before `drawn` is read
-            decoded = sessions.table.batch.step_count - first_step  # the token this step makes
-            if debug_hash and decoded % debug_hash == 0:
-                sessions.check_hash()
-        (token,) = sessions.read(drawn)
-        if not stats.tokens:  # the prompt's last token went through with the first step
+    batch = Batch(sessions, BatchSettings(debug_hash=debug_hash), speculation)
+    rid = batch.insert(BatchRequest(tuple(prompt), max_tokens, sampling))
+    while batch.row(rid).todo:
+        batch.prefill([(rid, PREFILL_STEP)])
+    batch.join([rid])
+    first_at = first_exchanged = None
+    if speculation is not None:  # every round is a decode round, the first one too
+        first_at, first_exchanged = time.perf_counter(), sessions.group.exchange_seconds()
+    done = False
+    while not done:
+        out = batch.step()
+        if out is None:
+            continue  # the first pipelined step: sent, nothing read yet
+        result = out.results[0]
+        if result.tokens is None:
+            raise RuntimeError(f"the generation's sampler failed: {result.error}")
+        if first_at is None:
             first_at, first_exchanged = time.perf_counter(), sessions.group.exchange_seconds()
-        stats.tokens.append(token)
-        if on_token is not None:
-            on_token(token)
-        if not ahead or token in eos:
-            break
-    if ahead:  # the step after the end of sequence: both ranks queued it, both finish it
-        sessions.read(sessions.table.batch.pending[SESSION])
-    sessions.check_hash(SESSION)
+        used = 0
+        for token in result.tokens:
+            used += 1
+            stats.tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in eos or len(stats.tokens) >= max_tokens:
+                done = True
+                break
+        batch.commit(out, [used])
+    sessions.check_hash(rid)
     stats.prompt_sec = first_at - t0
-    stats.decode_tokens = len(stats.tokens) - 1
+    # The first token came with the prompt; a speculative round's all count as decoded.
+    stats.decode_tokens = len(stats.tokens) - (1 if speculation is None else 0)
     stats.decode_sec = time.perf_counter() - first_at
     stats.decode_exchange_sec = sessions.group.exchange_seconds() - first_exchanged
-    sessions.destroy(SESSION)
+    stats.drafted, stats.accepted = batch.stats["drafted_tokens"], batch.stats["accepted_tokens"]
+    stats.rounds = batch.stats["decode_steps"] if speculation is not None else 0
+    batch.remove(rid)
     return stats

@@ -28,44 +28,12 @@ overlaps the forward, and the other rows stay pipelined.
 from __future__ import annotations
 
 import secrets
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from .. import transport as tr
-from ..link.wire import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME, SAMPLER_HEADER
 from .grammar import RowGrammar
-from .sampling import SamplingOptions, mlx_processors, options_from_json, options_to_json, processor_context
-
-
-def pack_sampler(session: int, options: SamplingOptions, prompt: Sequence[int], seed: int) -> bytes:
-    """A SAMPLER payload: the session's options, random seed and the prompt's latest tokens (as
-    many as its penalties look at, at least one)."""
-    keep = max(1, processor_context(options))
-    context = np.asarray(list(prompt)[-keep:], dtype="<i4")
-    body = options_to_json(options)
-    return SAMPLER_HEADER.pack(session, seed, len(context), len(body)) + context.tobytes() + body
-
-
-def unpack_sampler(payload: bytes) -> Tuple[int, SamplingOptions, List[int], int]:
-    """(session, options, context tokens, seed) of a SAMPLER payload; FrameError naming what is
-    wrong."""
-    if len(payload) < SAMPLER_HEADER.size:
-        raise tr.FrameError(f"SAMPLER payload of {len(payload)} bytes is shorter than its "
-                            f"{SAMPLER_HEADER.size}-byte header")
-    session, seed, count, nbytes = SAMPLER_HEADER.unpack_from(payload)
-    if not 0 < count <= MAX_TOKENS_PER_FRAME or nbytes > MAX_SAMPLER_OPTIONS_BYTES \
-            or len(payload) != SAMPLER_HEADER.size + 4 * count + nbytes:
-        raise tr.FrameError(f"SAMPLER says {count} context tokens (1 to {MAX_TOKENS_PER_FRAME}) and "
-                            f"{nbytes} option bytes (at most {MAX_SAMPLER_OPTIONS_BYTES}) in a "
-                            f"{len(payload)}-byte payload")
-    context = np.frombuffer(payload, dtype="<i4", count=count, offset=SAMPLER_HEADER.size).tolist()
-    try:
-        options = options_from_json(payload[SAMPLER_HEADER.size + 4 * count:])
-    except ValueError as exc:
-        raise tr.FrameError(f"SAMPLER: {exc}") from None
-    return session, options, context, seed
+from .sampling import SamplingOptions, mlx_processors, processor_context
 
 
 def stream_seed(options: SamplingOptions) -> int:
@@ -119,6 +87,27 @@ class RowSampler:
         if self._unmatched is not None:
             self._unread, self._unmatched = int(self._unmatched.item()), None
 
+    def probabilities(self, logits: mx.array) -> mx.array:
+        """The distribution each row's token is drawn from ([rows, vocab] float32): the filters
+        over the normalised log-probabilities, at the temperature; for a sampler without
+        processors or a grammar (the rows a speculative round verifies, lockstep.acceptance)."""
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        for keep in self.filters:
+            logprobs = keep(logprobs)
+        return mx.softmax(logprobs * (1.0 / self.options.temperature), axis=-1)
+
+    def draw_from(self, probs: mx.array) -> mx.array:
+        """Tokens ([rows] int32, lazy) drawn from rows of probabilities, the next numbers of
+        this sampler's stream."""
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(mx.log(probs), key=sub).reshape(-1).astype(mx.int32)
+
+    def uniform(self, count: int) -> mx.array:
+        """`count` numbers uniform in [0, 1), the next of this sampler's stream."""
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.uniform(shape=(count,), key=sub)
+
     def draw(self, logits: mx.array) -> mx.array:
         """Tokens ([rows] int32, lazy) from rows of logits ([rows, vocab]): a session's next
         token from its one row, or a verify round's target at each of its positions, all in
@@ -162,24 +151,28 @@ def sample_batch(logits: mx.array, samplers: List[RowSampler], errors: Dict[int,
     fails gets token 0 (a valid id, since the next step may feed it) and its error in `errors`
     by row, on both ranks alike; the leader then fails that request alone."""
     logits = logits.astype(mx.float32)
-    parts: List[Optional[mx.array]] = [None] * len(samplers)
     plain = [i for i, s in enumerate(samplers) if s.options.greedy]
+    tokens = None
     if plain:
         # mlx-lm's greedy sampler over the normalised log-probabilities, one op for all the rows.
         picked = logits if len(plain) == logits.shape[0] else logits[mx.array(plain)]
         logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
         for j, i in enumerate(plain):
-            parts[i] = tokens[j:j + 1]
             if samplers[i].keep_logprobs:
                 samplers[i].last_logprobs = logprobs[j]
+        if len(plain) == len(samplers):
+            return tokens  # the steady greedy batch: one array, no row taken apart
+    drawn = {}
     for i, sampler in enumerate(samplers):
-        if parts[i] is not None:
+        if sampler.options.greedy:
             continue
         try:
-            parts[i] = sampler.draw(logits[i:i + 1])
+            drawn[i] = sampler.draw(logits[i:i + 1])
         except Exception as exc:  # noqa: BLE001 - one request's sampler, reported to it alone
             errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-            parts[i] = mx.zeros((1,), dtype=mx.int32)
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
-
+            drawn[i] = mx.zeros((1,), dtype=mx.int32)
+    if tokens is None:
+        return drawn[0] if len(drawn) == 1 else mx.concatenate([drawn[i] for i in range(len(samplers))])
+    at = {i: j for j, i in enumerate(plain)}
+    return mx.concatenate([tokens[at[i]:at[i] + 1] if i in at else drawn[i] for i in range(len(samplers))])

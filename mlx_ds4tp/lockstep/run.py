@@ -1,6 +1,6 @@
 """`ds4tp run`: one rank of a two-machine generation, one session of the lockstep protocol
-(the leader: lockstep.generate.pair_generate, or lockstep.speculative.speculative_generate when
-it drafts; the worker: lockstep.sessions.serve_worker). cli.run resolves the flags into the
+(the leader: lockstep.generate.pair_generate, a batch of one through lockstep.batch, drafting
+when asked; the worker: lockstep.sessions.serve_worker). cli.run resolves the flags into the
 settings objects it takes (lockstep.settings, link.config.LinkSettings)."""
 
 from __future__ import annotations
@@ -93,31 +93,18 @@ def _stream(sessions: LeaderSessions, tokenizer, prompt_ids: List[int], settings
 
 
 def _speculate(sessions: LeaderSessions, prompt_ids: List[int], settings: RunSettings, show, eos) -> GenerationStats:
-    """The speculative generation: one sampler, seeded as pair_generate seeds it, draws the
-    target's tokens and the draft model's."""
-    import mlx.core as mx
+    """The speculative generation: a batch of one that drafts (lockstep.speculative)."""
+    from .speculative import Speculation, load_draft
 
-    from .row_sampling import RowSampler, seed_of_key, stream_seed
-    from .speculative import DraftModel, PromptLookup, Recorded, load_draft, speculative_generate
-
-    draft, sampling = settings.draft, settings.sampling
-    seed, model = stream_seed(sampling), None
-    if draft.draft_model and not draft.recorded_draft:
-        # mlx-lm's own speculative run is seeded before its draft model loads, and the load
-        # initialises the model's layers from MLX's generator: its draws start where the load
-        # leaves the generator, and so do this sampler's.
-        mx.random.seed(seed)
-        model = load_draft(draft.draft_model, sessions.table.model)
-        seed = seed_of_key(mx.random.state[0])
-    sampler = RowSampler(sampling, prompt_ids, seed, sessions.table.vocab)
+    draft = settings.draft
     if draft.recorded_draft:
-        drafter = Recorded(len(prompt_ids), json.loads(Path(draft.recorded_draft).read_text()))
+        speculation = Speculation(draft, recorded=json.loads(Path(draft.recorded_draft).read_text()))
     elif draft.prompt_lookup:
-        drafter = PromptLookup(draft.prompt_lookup)
+        speculation = Speculation(draft)
     else:
-        drafter = DraftModel(model, prompt_ids, sampler)
-    stats = speculative_generate(sessions, prompt_ids, settings.max_tokens, sampler, drafter,
-                                 draft.num_draft_tokens, on_token=show, eos=eos)
+        speculation = Speculation(draft, draft_model=load_draft(draft.draft_model, sessions.model))
+    stats = pair_generate(sessions, prompt_ids, settings.max_tokens, settings.sampling, on_token=show, eos=eos,
+                          debug_hash=settings.debug_hash, speculation=speculation)
     log(f"speculative: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
         f"{stats.rounds} rounds ({len(stats.tokens) / max(stats.rounds, 1):.2f} tokens a round)")
     return stats
@@ -140,6 +127,5 @@ def _write_tokens(path: str, group: gate_ops.Group, prompt_ids, stats: Generatio
         "prompt_tok_s": stats.prompt_tokens / stats.prompt_sec if stats.prompt_sec else 0.0,
         "gate_p50_us": p50, "gate_p99_us": p99,
         "exchange_ms_per_token": stats.exchange_ms_per_token(),
-        "drafted": getattr(stats, "drafted", 0), "accepted": getattr(stats, "accepted", 0),
-        "rounds": getattr(stats, "rounds", 0),
+        "drafted": stats.drafted, "accepted": stats.accepted, "rounds": stats.rounds,
     }))

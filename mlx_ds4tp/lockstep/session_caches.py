@@ -13,9 +13,9 @@ import numpy as np
 
 from .. import transport as tr
 from ..base.log import log
+from .commands.base import check_tokens
 from .compute import PREFILL_STEP, fill_cache, make_cache
 from .disk_cache import DiskCache
-from .frames import check_tokens
 from .prompt_cache import COPY, FRESH, MOVE
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
@@ -113,8 +113,24 @@ class SessionCaches:
         so joining the decode batch, destroying and storing a cache are unchanged. One row is
         fill_cache itself, bit for bit; a cache family mlx-lm cannot merge runs the rows one at
         a time (the same decision on both ranks: it depends on the model alone)."""
-        from mlx_lm.generate import _merge_caches, _right_pad_prompts
+        caches = self._prefill_caches(sessions, chunks)
+        batch = self._merged(caches) if len(sessions) > 1 and caches[0] else None
+        if batch is None:
+            for tokens, cache in zip(chunks, caches):
+                fill_cache(self.model, tokens.tolist(), cache)
+            return
+        self._prefill_padded(batch, chunks)
+        # The rows' own copies (owned: an extracted row may be a view of the padded batch), so
+        # the padded batch's memory goes before the next forward.
+        for i, session in enumerate(sessions):
+            self.sessions[session] = owned([c.extract(i) for c in batch])
+        # As mlx-lm after each prompt chunk: MLX keeps freed buffers for reuse, and a padded
+        # forward's activations would otherwise stay held as the process's memory.
+        mx.clear_cache()
 
+    def _prefill_caches(self, sessions: List[int], chunks: List[np.ndarray]) -> List[list]:
+        """The caches of a PREFILL_BATCH's rows; FrameError unless each session is here once
+        with one non-empty chunk of ids in the vocabulary."""
         if len(set(sessions)) != len(sessions) or len(sessions) != len(chunks) or not sessions:
             raise tr.FrameError(f"PREFILL_BATCH sessions {sessions} with {len(chunks)} chunks: "
                                 "each session once, one non-empty chunk each")
@@ -123,18 +139,25 @@ class SessionCaches:
             check_tokens(tokens, self.vocab)
             if len(tokens) == 0:
                 raise tr.FrameError("PREFILL_BATCH carries an empty chunk")
-        batch = None
-        if len(sessions) > 1 and caches[0]:
-            try:
-                batch = _merge_caches(caches)
-            except ValueError as exc:
-                if not self._said_no_merge:
-                    log(f"prefill: prompts are prefilled one at a time ({exc})")
-                    self._said_no_merge = True
-        if batch is None:
-            for tokens, cache in zip(chunks, caches):
-                fill_cache(self.model, tokens.tolist(), cache)
-            return
+        return caches
+
+    def _merged(self, caches: List[list]) -> Optional[list]:
+        """The rows' caches merged as mlx-lm's batched prompt processing merges them, or None
+        when this cache family cannot merge (the rows then go one at a time; logged once)."""
+        from mlx_lm.generate import _merge_caches
+
+        try:
+            return _merge_caches(caches)
+        except ValueError as exc:
+            if not self._said_no_merge:
+                log(f"prefill: prompts are prefilled one at a time ({exc})")
+                self._said_no_merge = True
+            return None
+
+    def _prefill_padded(self, batch: list, chunks: List[np.ndarray]) -> None:
+        """The chunks right-padded to the longest through the merged cache."""
+        from mlx_lm.generate import _right_pad_prompts
+
         lengths = [len(t) for t in chunks]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
@@ -150,13 +173,6 @@ class SessionCaches:
                 for c in batch:
                     c.finalize()
             mx.eval([c.state for c in batch])
-        # The rows' own copies (owned: an extracted row may be a view of the padded batch), so
-        # the padded batch's memory goes before the next forward.
-        for i, session in enumerate(sessions):
-            self.sessions[session] = owned([c.extract(i) for c in batch])
-        # As mlx-lm after each prompt chunk: MLX keeps freed buffers for reuse, and a padded
-        # forward's activations would otherwise stay held as the process's memory.
-        mx.clear_cache()
 
     def session(self, session: int) -> list:
         """The cache of a session not yet decoding; FrameError for any other."""

@@ -5,7 +5,7 @@ step by step by the leader. `ds4tp serve` runs many sessions on it, `ds4tp run` 
 Each rank holds a SessionTable (lockstep.table). The table changes only through commands,
 and the leader applies every command it sends to its own table in the same order, so the two
 tables stay identical and every forward pairs its gates with the peer's. The commands (control
-frames; their payloads are link.wire's table):
+frames; each one's layout, packing, unpacking and application is its class in lockstep.commands):
 
   SESSION_CREATE  a session's cache: a fresh one (its KV quantization), or a stored one moved or copied
   REWIND          trim a reused cache to the tokens it keeps
@@ -40,26 +40,30 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .. import gate_ops, transport as tr
-from ..base.log import log
 from ..errors import LockstepDivergence, TransportError
-from ..link.wire import DISK_LOAD_PAYLOAD as DISK_LOAD, HASH_PAYLOAD as HASH, KV_ROOM_PAYLOAD as KV_ROOM
-from .batch_verify import pack_commit, pack_verify_batch
+from .commands import (
+    COMMANDS,
+    CommitBatch,
+    Create,
+    Destroy,
+    DiskLoad,
+    DiskSave,
+    EvalBatch,
+    Hash,
+    Invalidate,
+    KvRoom,
+    PrefillBatch,
+    Rewind,
+    Sampler,
+    VerifyBatch,
+    check_in_step,
+)
 from .disk_cache import DiskCache, tokens_digest
-from .frames import pack_batch, pack_disk_save, pack_prefill_batch, unpack
 from .grammar import Grammars
 from .prompt_cache import FRESH
-from .row_sampling import pack_sampler
-from .session_caches import KV_BITS, KV_GROUP_SIZES
-from .table import CREATE, DESTROY, INVALIDATE, REWIND, SessionTable, release_memory
+from .table import SessionTable, release_memory
 
 F = tr.FrameType
-
-
-def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str, what: str) -> None:
-    """Both ranks' decode step and hash (of `what`) must agree: LockstepDivergence otherwise."""
-    if (peer_step, theirs) != (step, mine):
-        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: the {what} differ: local {mine:016x}, "
-                                 f"{peer} {theirs:016x} at its seq {peer_step} (seq: the decode step)")
 
 
 def drain_failed_work() -> None:
@@ -111,11 +115,62 @@ class LeaderSessions:
         self.control = group.pair.control
         self.table = SessionTable(model, grammars, disk)
 
+    # -- what the leader's own table says (the worker's is the same) ------------------
+    @property
+    def model(self):
+        return self.table.model
+
+    @property
+    def vocab(self) -> int:
+        return self.table.vocab
+
+    @property
+    def grammars(self) -> Optional[Grammars]:
+        return self.table.grammars
+
+    @property
+    def disk(self) -> Optional[DiskCache]:
+        """This rank's --prompt-cache-dir, or None."""
+        return self.table.caches.disk
+
+    @property
+    def step_count(self) -> int:
+        """Decode steps run (EVAL_BATCH and VERIFY_BATCH)."""
+        return self.table.batch.step_count
+
+    def counts(self) -> Tuple[int, int]:
+        """(sessions, stored prompt caches) in the table."""
+        table = self.table
+        return len(table.caches.sessions) + len(table.batch.rows), len(table.caches.stored)
+
+    def stored_bytes(self, cache_id: int) -> int:
+        """Bytes a stored cache's arrays take on this rank."""
+        return self.table.caches.stored_bytes(cache_id)
+
+    def caches_trim(self) -> bool:
+        """Whether this model's session caches can be cut back to any length (a stored prefix
+        then serves any prompt that shares part of it)."""
+        from .compute import trims_at_any_length
+
+        return trims_at_any_length(self.table.caches.make_cache())
+
+    def row_sampler(self, session: int):
+        """The sampler SAMPLER gave a session on this rank (lockstep.row_sampling.RowSampler)."""
+        return self.table.batch.samplers[session]
+
+    def row_grammar(self, grammar: str):
+        """The matcher of a grammar on this rank (SessionTable.row_grammar)."""
+        return self.table.row_grammar(grammar)
+
     def _command(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Send, then apply; when the gates fail, prefer the worker's own explanation (an
         ERROR frame) over our 'peer closed'."""
         self.control.send(ftype, payload)
         return self._explained(lambda: self.table.apply(ftype, payload))
+
+    def _send(self, command, *fields) -> Optional[mx.array]:
+        """A command (lockstep.commands) on both ranks."""
+        return self._command(command.frame, command.pack(*fields))
 
     def read(self, tokens: mx.array) -> List[int]:
         """The values of tokens this rank sampled, once their step has run (a pipelined step's
@@ -135,66 +190,65 @@ class LeaderSessions:
 
     def create(self, session: int, cache_id: int = 0, mode: int = FRESH, kv: int = 0) -> None:
         """SESSION_CREATE on both ranks; kv: a fresh cache's quantization (session_caches.kv_code)."""
-        self._command(F.SESSION_CREATE, CREATE.pack(session, cache_id, mode, kv))
+        self._send(Create, session, cache_id, mode, kv)
 
     def sampler(self, session: int, options, prompt: Sequence[int], seed: int) -> None:
         """SAMPLER on both ranks: the session's rows are sampled alike on both from now on, and
         its EVAL_BATCH rows may take this rank's own sample (lockstep.row_sampling)."""
-        self._command(F.SAMPLER, pack_sampler(session, options, prompt, seed))
+        self._send(Sampler, session, options, prompt, seed)
 
     def rewind(self, session: int, keep: int) -> None:
         """REWIND on both ranks."""
-        self._command(F.REWIND, REWIND.pack(session, keep, 0))
+        self._send(Rewind, session, keep, 0)
 
     def prefill_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> None:
         """PREFILL_BATCH on both ranks: one prefill chunk of each (session, tokens) row."""
-        self._command(F.PREFILL_BATCH, pack_prefill_batch(rows))
+        self._send(PrefillBatch, rows)
 
     def step(self, rows: Sequence[Tuple[int, int]]) -> mx.array:
         """Logits [rows, vocab] of one decode step over (session, input token) rows."""
-        return self._command(F.EVAL_BATCH, pack_batch(self.table.batch.step_count + 1, rows))
+        return self._send(EvalBatch, self.table.batch.step_count + 1, rows)
 
     def sampled_step(self, rows: Sequence[Tuple[int, int]]) -> SampledStep:
         """One decode step over (session, input token or EVAL_PENDING) rows whose sessions all
         have samplers (SAMPLER): queued, not waited for; what this rank drew for each row."""
         self.step(rows)
         batch, sids = self.table.batch, [sid for sid, _ in rows]
-        drawn = [batch.pending[sid] for sid in sids]
-        return SampledStep(drawn[0] if len(drawn) == 1 else mx.concatenate(drawn),
+        return SampledStep(batch.drawn,
                            {i: batch.row_errors.pop(sid) for i, sid in enumerate(sids) if sid in batch.row_errors},
                            [batch.samplers[sid].last_logprobs for sid in sids])
 
     def verify_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> mx.array:
         """Logits [rows, width, vocab] of one decode step whose rows are (session, its input token
         and drafts); COMMIT_BATCH (commit_batch) must follow."""
-        return self._command(F.VERIFY_BATCH, pack_verify_batch(self.table.batch.step_count + 1, rows))
+        return self._send(VerifyBatch, self.table.batch.step_count + 1, rows)
 
     def commit_batch(self, keep: Sequence[int]) -> None:
         """COMMIT_BATCH on both ranks: the positions each row of the last verify keeps."""
-        self._command(F.COMMIT_BATCH, pack_commit(self.table.batch.step_count, keep))
+        self._send(CommitBatch, self.table.batch.step_count, keep)
 
     def destroy(self, session: int, store_as: int = 0) -> None:
         """SESSION_DESTROY on both ranks."""
-        self._command(F.SESSION_DESTROY, DESTROY.pack(session, store_as))
+        self._send(Destroy, session, store_as)
 
     def invalidate(self, cache_id: int) -> None:
         """INVALIDATE (drop a stored cache) on both ranks."""
-        self._command(F.INVALIDATE, INVALIDATE.pack(cache_id))
+        self._send(Invalidate, cache_id)
 
     def disk_save(self, cache_id: int, tokens: Sequence[int], drop: bool) -> None:
         """DISK_SAVE on both ranks: each writes its half of stored cache `cache_id` (a rank that
         cannot just logs it: the other's file alone is never used, DISK_LOAD needs both)."""
-        self._command(F.DISK_SAVE, pack_disk_save(cache_id, tokens, drop))
+        self._send(DiskSave, cache_id, tokens, drop)
 
     def disk_load(self, cache_id: int, tokens: Sequence[int]) -> bool:
         """DISK_LOAD: both ranks read their half of the cache of `tokens` as stored cache
         `cache_id`, the worker first (it answers), the leader meanwhile. True when both did;
         otherwise neither keeps it (the worker told to drop its half) and both recompute."""
         digest = tokens_digest(tokens)
-        self.control.send(F.DISK_LOAD, DISK_LOAD.pack(cache_id, len(tokens), 0, digest))
+        self.control.send(F.DISK_LOAD, DiskLoad.pack(cache_id, len(tokens), 0, digest))
         mine = self._explained(lambda: self.table.caches.load(cache_id, digest, len(tokens)))
         _, payload = self._explained(lambda: self.control.recv(F.DISK_LOAD))
-        peer_id, _, theirs, _ = unpack(DISK_LOAD, payload, F.DISK_LOAD)
+        peer_id, _, theirs, _ = DiskLoad.unpack(payload)
         if peer_id != cache_id:
             raise LockstepDivergence(f"the worker answered DISK_LOAD of cache {peer_id}; the leader "
                                      f"asked for {cache_id}")
@@ -203,15 +257,15 @@ class LeaderSessions:
         elif theirs and not mine:
             # The one command the leader does not apply to itself: the worker drops the half it
             # loaded when the leader's own half failed, which the leader's table never held.
-            self.control.send(F.INVALIDATE, INVALIDATE.pack(cache_id))
+            self.control.send(F.INVALIDATE, Invalidate.pack(cache_id))
         return bool(mine and theirs)
 
     def worker_kv_room(self, kv_bits: int, kv_group_size: int) -> Optional[int]:
         """KV_ROOM: the KV cache tokens the worker's machine holds beside its part of the
         weights, with caches of `kv_bits` (0: float); None when it could not read its memory."""
-        self.control.send(F.KV_ROOM, KV_ROOM.pack(kv_bits, kv_group_size, 0, 0))
+        self.control.send(F.KV_ROOM, KvRoom.pack(kv_bits, kv_group_size, 0, 0))
         _, payload = self._explained(lambda: self.control.recv(F.KV_ROOM))
-        _, _, measured, tokens = unpack(KV_ROOM, payload, F.KV_ROOM)
+        _, _, measured, tokens = KvRoom.unpack(payload)
         return tokens if measured else None
 
     def check_hash(self, session: int = 0) -> None:
@@ -228,11 +282,11 @@ class LeaderSessions:
 
     def _swap_hash(self, session: int, poll_sec: Optional[float]) -> None:
         step, (mine, what) = self.table.batch.step_count, self.table.batch.hash_of(session)
-        self.control.send(F.HASH, HASH.pack(session, step, mine))
+        self.control.send(F.HASH, Hash.pack(session, step, mine))
         while poll_sec is not None and not select.select([self.control.sock], [], [], poll_sec)[0]:
             pass
         _, payload = self.control.recv(F.HASH)
-        _, peer_step, theirs = unpack(HASH, payload, F.HASH)
+        _, peer_step, theirs = Hash.unpack(payload)
         check_in_step(step, mine, peer_step, theirs, "worker", what)
 
     def peer_gone(self) -> Optional[str]:
@@ -281,38 +335,18 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             ftype, payload = _next_command(control, table.busy)
             if ftype == F.STOP:
                 return table
-            if ftype == F.HASH:
-                session, step, theirs = unpack(HASH, payload, ftype)
-                mine, what = table.batch.hash_of(session)
-                control.send(F.HASH, HASH.pack(session, table.batch.step_count, mine))
-                check_in_step(table.batch.step_count, mine, step, theirs, "leader", what)
-                continue
-            if ftype == F.DISK_LOAD:
-                cache_id, count, _, digest = unpack(DISK_LOAD, payload, ftype)
-                loaded = table.caches.load(cache_id, digest, count)
-                control.send(F.DISK_LOAD, DISK_LOAD.pack(cache_id, count, int(loaded), digest))
-                continue
-            if ftype == F.KV_ROOM:
-                control.send(F.KV_ROOM, _kv_room(model, payload))
+            command = COMMANDS.get(ftype)
+            if command is not None and command.answers:  # a query: HASH, DISK_LOAD, KV_ROOM
+                fields = command.unpack(payload, table.vocab)
+                reply = command.answer(table, *fields)
+                control.send(ftype, reply)
+                command.check(reply, *fields)
                 continue
             table.apply(ftype, payload)
     except Exception as exc:
         if tell_leader:
             control.send_error(f"{type(exc).__name__}: {exc}")
         raise
-
-
-def _kv_room(model, payload: bytes) -> bytes:
-    """The worker's answer to KV_ROOM: its machine's KV budget for the leader's cache kind."""
-    from .memory import default_kv_budget
-
-    bits, group_size, _, _ = unpack(KV_ROOM, payload, F.KV_ROOM)
-    if bits and (bits not in KV_BITS or group_size not in KV_GROUP_SIZES):
-        raise tr.FrameError(f"KV_ROOM asks about a KV cache of {bits} bits in groups of {group_size} "
-                            f"(bits 0 or {KV_BITS}, groups {KV_GROUP_SIZES})")
-    tokens, how = default_kv_budget(model, bits, group_size)
-    log(f"serve: on the worker, {how}")
-    return KV_ROOM.pack(bits, group_size, int(tokens is not None), tokens or 0)
 
 
 def _next_command(control: tr.ControlChannel, busy: bool) -> tuple:

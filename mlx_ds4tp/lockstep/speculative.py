@@ -1,30 +1,26 @@
-"""Speculative decoding on the pair (docs/two-macs.md, "Speculative decoding"): several tokens per round
-of gates. A drafter on the leader proposes k tokens; both ranks verify the input token and the
-drafts in one VERIFY_BATCH of one row (lockstep.batch_verify, as `ds4tp serve` verifies its
-sessions'), and keep the accepted prefix and the target's own next token on the leader's word
-(COMMIT_BATCH). The worker never decides.
+"""Speculative decoding's drafting (docs/two-macs.md, "Speculative decoding"): several tokens
+per round of gates. A drafter on the leader proposes up to k tokens; both ranks verify the
+input token and the drafts in one VERIFY_BATCH row (lockstep.batch), and keep what the
+acceptance rule keeps (lockstep.acceptance) on the leader's word (COMMIT_BATCH). The worker
+never decides.
 
-Acceptance is mlx-lm's (`speculative_generate_step`): the target's tokens for all k+1 positions
-are drawn at once by the sampler and compared with the drafts; greedy output is then token for
-token the plain greedy output, whatever the drafter proposes, and a seeded sampled run with a
-draft model draws mlx-lm's numbers in mlx-lm's order (the draft tokens and the verify rows are
-draws of one RowSampler's stream).
+Which sessions draft (Speculation.drafter): those without logits processors, a grammar or
+logprobs, greedy or sampled. A greedy one yields the plain greedy tokens whatever is drafted;
+a sampled one draws as plain sampling draws, in distribution (a draft model drafts with the
+session's own sampler, and its distributions go to the acceptance rule). The others decode a
+token a step as rows of the VERIFY_BATCH that carry no drafts.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Callable, Collection, List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from .batch_verify import accepted_prefix
 from .compute import fill_cache
-from .generate import SESSION, GenerationStats, open_session
 from .row_sampling import RowSampler
-from .sampling import SamplingOptions
-from .sessions import LeaderSessions
+from .settings import DraftSettings, draft_tokens_problem
 
 
 class Drafter(Protocol):
@@ -34,6 +30,10 @@ class Drafter(Protocol):
     def accepted(self, drafted: int, kept: int) -> None:
         """The target kept `kept` of the `drafted` tokens last proposed (a drafter without a
         state of its own inherits this, which ignores it)."""
+
+    # The distributions the last proposal was drawn from ([drafts, vocab]), or None: a point
+    # mass at each proposed token (lockstep.acceptance).
+    probs: Optional[mx.array] = None
 
 
 class PromptLookup(Drafter):
@@ -86,30 +86,36 @@ def load_draft(path: str, target) -> object:
     return draft
 
 
-class DraftModel:
+class DraftModel(Drafter):
     """A small model with the target's vocabulary (load_draft), run whole on the leader, with
-    its own cache. `sampler` draws each draft token (greedy by default; a sampled run draws
-    with the target's own sampler, as mlx-lm's speculative decoding does)."""
+    its own cache. `sampler`: the session's own (a sampled one draws each draft from its
+    distribution, kept in `probs` for the acceptance rule); None or greedy: argmax drafts."""
 
     def __init__(self, model, prompt: Sequence[int], sampler: Optional[RowSampler] = None):
         from mlx_lm.models.cache import make_prompt_cache
 
         self.model = model
         self.cache = make_prompt_cache(model)
-        self.sampler = sampler or RowSampler(SamplingOptions(), prompt[-1:], 0, 0)
+        self.sampler = sampler if sampler is not None and sampler.key is not None else None
         head = list(prompt[:-1])
         fill_cache(model, head, self.cache)
         self.fed = len(head)  # history tokens the draft cache holds
+        self.probs = None
 
     def propose(self, history: Sequence[int], k: int) -> List[int]:
         pending = list(history[self.fed:])
-        drafts: List[int] = []
+        drafts, probs = [], []
         for _ in range(k):
-            logits = self.model(mx.array(pending)[None], cache=self.cache)[:, -1]
-            token = int(self.sampler.draw(logits).item())
+            logits = self.model(mx.array(pending)[None], cache=self.cache)[:, -1].astype(mx.float32)
+            if self.sampler is None:
+                token = int(mx.argmax(logits, axis=-1).item())
+            else:
+                probs.append(self.sampler.probabilities(logits))
+                token = int(self.sampler.draw_from(probs[-1]).item())
             self.fed += len(pending)
             drafts.append(token)
             pending = [token]
+        self.probs = mx.concatenate(probs) if probs else None
         return drafts
 
     def accepted(self, drafted: int, kept: int) -> None:
@@ -123,50 +129,42 @@ class DraftModel:
         self.fed -= drop
 
 
-def speculative_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: int,
-                         sampler: RowSampler, drafter: Drafter, k: int,
-                         on_token: Optional[Callable[[int], None]] = None,
-                         eos: Collection[int] = frozenset()) -> GenerationStats:
-    """The leader's side of one speculative generation on the pair, as one session; `sampler`
-    draws the target's token at every position of a round (a sampled DraftModel shares it)."""
-    if not 1 <= k <= 64:
-        raise ValueError(f"--num-draft-tokens {k}: give 1 to 64 drafted tokens a round")
-    history = list(prompt)
-    stats = GenerationStats(prompt_tokens=len(prompt))
-    stats.drafted = stats.accepted = stats.rounds = 0
-    t0 = time.perf_counter()
-    open_session(sessions, history, max_tokens)
-    stats.prompt_sec = time.perf_counter() - t0  # the first round is the first decode
-    t1 = time.perf_counter()
-    exchanged = sessions.group.exchange_seconds()
-    done = False
-    while not done:
-        # As mlx-lm: up to the tokens still wanted (a sampled run then draws its numbers in
-        # mlx-lm's order, round for round).
-        drafts = drafter.propose(history, min(k, max_tokens - len(stats.tokens)))
-        logits = sessions.verify_batch([(SESSION, [history[-1]] + drafts)])
-        new = accepted_prefix(sessions.read(sampler.draw(logits[0].astype(mx.float32))), drafts)
-        kept = len(new) - 1
-        stats.rounds += 1
-        stats.drafted += len(drafts)
-        stats.accepted += kept
-        drafter.accepted(len(drafts), kept)
-        # The cache holds the input token and every draft; keep the input and the accepted drafts.
-        sessions.commit_batch([kept + 1])
-        for token in new:
-            stats.tokens.append(token)
-            history.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in eos or len(stats.tokens) == max_tokens:
-                done = True
-                break
-    # Every token came out of a verify round (the first one too): all count as decoded.
-    stats.decode_tokens = len(stats.tokens)
-    stats.decode_sec = time.perf_counter() - t1
-    stats.decode_exchange_sec = sessions.group.exchange_seconds() - exchanged
-    sessions.destroy(SESSION)
-    return stats
+class Speculation:
+    """How the leader drafts for its sessions: `k` drafts a round unless a request asks for
+    fewer, from prompt lookup, a draft model (loaded: load_draft) or a recorded continuation
+    (the bench's ceiling: every draft right, drafting free)."""
+
+    def __init__(self, settings: DraftSettings, draft_model=None, recorded: Optional[Sequence[int]] = None):
+        k = settings.num_draft_tokens
+        problem = draft_tokens_problem(k)
+        if problem:
+            raise ValueError(f"--num-draft-tokens {problem}")
+        if sum(map(bool, (settings.prompt_lookup, draft_model is not None, recorded is not None))) != 1:
+            raise ValueError("give exactly one drafter: --draft-model, --prompt-lookup or a recorded draft")
+        self.k = k
+        self.lookup = PromptLookup(settings.prompt_lookup) if settings.prompt_lookup else None
+        self.draft_model = draft_model
+        self.recorded = None if recorded is None else list(recorded)
+
+    @staticmethod
+    def drafts_for(options, logprobs: bool, num_draft_tokens: Optional[int]) -> bool:
+        """Whether a session with these sampling options drafts: not one whose logits a
+        processor or grammar changes (its drafts would be checked against another distribution
+        than the one it samples), nor one that reports logprobs, nor one that asked for none."""
+        return num_draft_tokens != 0 and not logprobs and not options.processed
+
+    def drafter(self, prompt: Sequence[int], sampler: RowSampler) -> Drafter:
+        """The drafter of a new session that drafts (drafts_for)."""
+        if self.lookup is not None:
+            return self.lookup
+        if self.recorded is not None:
+            return Recorded(len(prompt), self.recorded)
+        return DraftModel(self.draft_model, prompt, sampler)
+
+    def round_size(self, asked: Optional[int], room: int) -> int:
+        """Drafts this round for a session with `room` tokens still to generate: at most
+        room - 1, since the round yields one more than it accepts."""
+        return max(min(self.k if asked is None else asked, room - 1), 0)
 
 
-__all__ = ["DraftModel", "Drafter", "PromptLookup", "Recorded", "load_draft", "speculative_generate"]
+__all__ = ["DraftModel", "Drafter", "PromptLookup", "Recorded", "Speculation", "load_draft"]

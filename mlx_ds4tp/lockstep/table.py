@@ -17,19 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from .. import transport as tr
-from ..link.wire import (
-    INVALIDATE_PAYLOAD as INVALIDATE,
-    REWIND_PAYLOAD as REWIND,
-    SESSION_CREATE_PAYLOAD as CREATE,
-    SESSION_DESTROY_PAYLOAD as DESTROY,
-)
-from . import batch_verify
+from .commands import COMMANDS
 from .decode_batch import DecodeBatch
 from .disk_cache import DiskCache
 from .errors import GrammarError
-from .frames import check_tokens, unpack, unpack_batch, unpack_disk_save, unpack_prefill_batch
 from .grammar import Grammars, RowGrammar
-from .row_sampling import RowSampler, unpack_sampler
+from .row_sampling import RowSampler
 from .session_caches import SessionCaches
 
 F = tr.FrameType
@@ -103,79 +96,31 @@ class SessionTable:
         self.ended = 0  # sessions destroyed: the prompts served
 
     @property
+    def step_count(self) -> int:
+        """Decode steps run on this rank."""
+        return self.batch.step_count
+
+    @property
     def busy(self) -> bool:
         """True while a generation is under way (the leader's next command is imminent)."""
         return bool(self.caches.sessions or self.batch.rows)
 
     def apply(self, ftype, payload: bytes) -> Optional[mx.array]:
-        """Execute one command; EVAL_BATCH returns the rows' logits [rows, vocab], VERIFY_BATCH
-        [rows, width, vocab]."""
+        """Execute one command (lockstep.commands); EVAL_BATCH returns the rows' logits
+        [rows, vocab], VERIFY_BATCH [rows, width, vocab]."""
         if self.batch.verifying is not None and ftype != F.COMMIT_BATCH:
             raise tr.FrameError(f"a {ftype.name} frame arrived before the COMMIT_BATCH of the last "
                                 "VERIFY_BATCH: the ranks are out of step")
-        run = self._commands.get(ftype)
-        if run is None:
+        command = COMMANDS.get(ftype)
+        if command is None or command.answers:
             raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
-        return run(self, payload)
+        return command.apply(self, *command.unpack(payload, self.vocab))
 
-    # -- the commands, one method each (apply dispatches by frame type) -------------------
-    def _create(self, payload: bytes) -> None:
-        session, cache_id, mode, kv = unpack(CREATE, payload, F.SESSION_CREATE)
-        if session in self.caches.sessions or session in self.batch.rows:
-            raise tr.FrameError(f"SESSION_CREATE for session {session}, which already exists")
-        self.caches.create(session, cache_id, mode, kv)
-
-    def _rewind(self, payload: bytes) -> None:
-        session, keep, _ = unpack(REWIND, payload, F.REWIND)
-        self.caches.rewind(session, keep)
-
-    def _prefill_batch(self, payload: bytes) -> None:
-        self.caches.prefill_batch(*unpack_prefill_batch(payload))
-
-    def _eval_batch(self, payload: bytes) -> mx.array:
-        step, sessions, tokens = unpack_batch(payload)
-        self.batch.check_step("EVAL_BATCH", step)
-        return self.step(sessions, tokens)
-
-    def _verify_batch(self, payload: bytes) -> mx.array:
-        step, sessions, rows = batch_verify.unpack_verify_batch(payload)
-        self.batch.check_step("VERIFY_BATCH", step)
-        self.batch.join("VERIFY_BATCH", sessions, self.caches.take)
-        return self.batch.verify(rows)
-
-    def _commit_batch(self, payload: bytes) -> None:
-        self.batch.commit(*batch_verify.unpack_commit(payload))
-
-    def _destroy(self, payload: bytes) -> None:
-        self.destroy(*unpack(DESTROY, payload, F.SESSION_DESTROY))
-
-    def _sampler(self, payload: bytes) -> None:
-        session, options, context, seed = unpack_sampler(payload)
+    def set_sampler(self, session: int, options, context: List[int], seed: int) -> None:
+        """SAMPLER: the session (not decoding yet) samples its rows with these on this rank."""
         self.caches.session(session)
-        check_tokens(np.asarray(context), self.vocab)
         self.batch.samplers[session] = RowSampler(options, context, seed, self.vocab,
                                                   grammar=self.row_grammar(options.grammar))
-
-    def _invalidate(self, payload: bytes) -> None:
-        (cache_id,) = unpack(INVALIDATE, payload, F.INVALIDATE)
-        self.caches.invalidate(cache_id)
-
-    def _disk_save(self, payload: bytes) -> None:
-        cache_id, tokens, drop = unpack_disk_save(payload, self.vocab)
-        self.caches.save(cache_id, tokens, drop)
-
-    _commands = {
-        F.SESSION_CREATE: _create,
-        F.REWIND: _rewind,
-        F.PREFILL_BATCH: _prefill_batch,
-        F.EVAL_BATCH: _eval_batch,
-        F.VERIFY_BATCH: _verify_batch,
-        F.COMMIT_BATCH: _commit_batch,
-        F.SESSION_DESTROY: _destroy,
-        F.SAMPLER: _sampler,
-        F.INVALIDATE: _invalidate,
-        F.DISK_SAVE: _disk_save,
-    }
 
     def row_grammar(self, grammar: str) -> Optional[RowGrammar]:
         """The matcher of a session's grammar (None: it has none); FrameError when this rank

@@ -8,40 +8,36 @@ reaches each of them, whatever a step was doing with its session.
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from typing import Dict, List, Optional, Sequence
 
+from ..lockstep.batch import Batch
 from ..lockstep.prompt_cache import PromptCacheIndex
 from ..lockstep.session_caches import kv_code
 from ..lockstep.sessions import LeaderSessions
-from .generation import Request, RunningSession, reserved_tokens
+from .generation import Request, RunningSession, batch_request, reserved_tokens
 from .limits import ServeLimits
 
 
 def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
-    from ..lockstep.compute import trims_at_any_length
-
-    return PromptCacheIndex(limits.prompt_cache_size, trims_at_any_length(sessions.table.caches.make_cache()),
-                            limits.prompt_cache_bytes)
+    return PromptCacheIndex(limits.prompt_cache_size, sessions.caches_trim(), limits.prompt_cache_bytes)
 
 
 class Admission:
     """The waiting queue, the KV budget and the prompt-cache index (see the module docstring)."""
 
-    def __init__(self, sessions: LeaderSessions, tokenizer, limits: ServeLimits):
-        self.sessions = sessions
+    def __init__(self, batch: Batch, tokenizer, limits: ServeLimits):
+        self.batch = batch
         self.tokenizer = tokenizer
         self.limits = limits
         self.kv_budget, self.max_queued = limits.kv_budget, limits.max_queued
         # Every fresh session's cache is quantized so (0: float): the same for all, so that
         # sessions merge into one decode batch.
         self.kv = kv_code(limits.kv_bits, limits.kv_group_size)
-        self.index = _index(sessions, limits)
+        self.index = _index(batch.sessions, limits)
         self.waiting: "collections.deque[Request]" = collections.deque()
         self.reserved = 0
         self._owned: Dict[int, Request] = {}
-        self._ids = itertools.count(1)
         self.stats = {"requests": 0, "cached_tokens": 0}
         if self.disk is not None:
             self.stats.update(disk_hits=0, disk_tokens=0, disk_load_ms=0, disk_load_failures=0)
@@ -83,39 +79,41 @@ class Admission:
         return started
 
     def _start(self, request: Request) -> RunningSession:
-        sid = next(self._ids)
         self._from_disk(request.prompt)
         reuse = self.index.lookup(request.prompt)
-        self.sessions.create(sid, reuse.cache_id, reuse.mode, self.kv)
-        if reuse.needs_rewind:
-            self.sessions.rewind(sid, reuse.keep)
+        sid = self.batch.insert(batch_request(request, reuse, self.kv))
         request.cached_tokens = reuse.keep
         self.stats["requests"] += 1
         self.stats["cached_tokens"] += reuse.keep
-        return RunningSession(sid, request, reuse, self.tokenizer)
+        return RunningSession(self.batch.row(sid), request, self.tokenizer)
 
     def close(self, session: RunningSession, fed: Optional[List[int]]) -> None:
         """End a session on both ranks and hand its reservation back; `fed`: the tokens its
         cache holds, to store it for reuse under, or None to drop it (an abandoned session)."""
         if fed is None:
-            self.sessions.destroy(session.sid, 0)
+            self.batch.remove(session.sid)
         else:
             cache_id, evicted = self.index.insert(fed)
-            self.sessions.destroy(session.sid, cache_id)
+            self.batch.remove(session.sid, cache_id)
             if cache_id and self.disk is not None:
                 # Written through: both ranks' writers have it on disk moments from now, so a
                 # stop of any kind (a kill -9 too) keeps it; eviction then only drops it.
                 self.sessions.disk_save(cache_id, fed, drop=False)
             if cache_id:
-                evicted += self.index.charge(cache_id, self.sessions.table.caches.stored_bytes(cache_id))
+                evicted += self.index.charge(cache_id, self.sessions.stored_bytes(cache_id))
             self._drop(evicted)
         self.reserved -= session.reserved
         self._owned.pop(id(session.request), None)
 
     @property
+    def sessions(self) -> LeaderSessions:
+        """The pair's sessions the batch drives (a pair joined anew: the new one's)."""
+        return self.batch.sessions
+
+    @property
     def disk(self):
         """The leader's --prompt-cache-dir (lockstep.disk_cache.DiskCache), or None."""
-        return self.sessions.table.caches.disk
+        return self.sessions.disk
 
     def _drop(self, evicted: List[int]) -> None:
         """Drop evicted stored caches on both ranks; those evicted for room go to disk first."""
@@ -147,7 +145,7 @@ class Admission:
             disk.discard(key)  # useless without the worker's half: never chosen again
             self.stats["disk_load_failures"] += 1
             return
-        self._drop(self.index.charge(cache_id, self.sessions.table.caches.stored_bytes(cache_id)))
+        self._drop(self.index.charge(cache_id, self.sessions.stored_bytes(cache_id)))
         self.stats["disk_hits"] += 1
         self.stats["disk_tokens"] += keep
         self.stats["disk_load_ms"] += int(1000 * (time.perf_counter() - began))
@@ -162,9 +160,8 @@ class Admission:
             self.waiting.popleft().events.put(("error", message))
         self.reserved = 0
 
-    def renew(self, sessions: LeaderSessions) -> None:
-        """Admit onto a pair joined anew: the stored caches went with the old worker, so the
-        index starts empty."""
-        self.sessions = sessions
-        self.index = _index(sessions, self.limits)
+    def renew(self) -> None:
+        """Admit onto a pair joined anew (the batch now drives it): the stored caches went with
+        the old worker, so the index starts empty."""
+        self.index = _index(self.sessions, self.limits)
         self.reserved = 0

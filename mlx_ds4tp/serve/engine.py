@@ -25,7 +25,9 @@ import mlx.core as mx
 
 from .. import transport as tr
 from ..base.log import log
+from ..lockstep.batch import Batch, BatchSettings
 from ..lockstep.sessions import LeaderSessions, drain_failed_work
+from ..lockstep.speculative import Speculation
 from ..lockstep.table import release_memory
 from .admission import Admission
 from .decoding import DecodeStepper
@@ -34,7 +36,6 @@ from .finishing import Finishing
 from .generation import Request, RunningSession, StepOutput
 from .limits import ServeLimits
 from .prefill import PrefillScheduler
-from .speculation import Speculation
 
 IDLE_POLL_SEC = 0.25
 
@@ -47,9 +48,11 @@ class Engine:
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.limits = limits
-        self.admission = Admission(sessions, tokenizer, limits)
-        self.prefill = PrefillScheduler(sessions, limits)
-        self.stepper = DecodeStepper(sessions, limits, self.prefill.mixing, speculation)
+        self.batch = Batch(sessions, BatchSettings(limits.max_batch, limits.mixed_prefill, limits.debug_hash),
+                           speculation)
+        self.admission = Admission(self.batch, tokenizer, limits)
+        self.prefill = PrefillScheduler(self.batch, limits)
+        self.stepper = DecodeStepper(self.batch, self.prefill.mixing)
         self.finishing = Finishing(self.admission, tokenizer)
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._released = False  # memory handed back since the last request (release_memory)
@@ -84,7 +87,7 @@ class Engine:
 
     def counts(self) -> Dict[str, int]:
         """Sessions prefilling, waiting to join the batch, decoding (for /health)."""
-        index, table = self.admission.index, self.sessions.table
+        index, (in_table, stored) = self.admission.index, self.sessions.counts()
         return {"prefilling": len(self.prefill.queue), "waiting": len(self.stepper.ready),
                 "decoding": len(self.stepper.running), "queued": self.queued(),
                 "kv_reserved_tokens": self.admission.reserved, "kv_budget_tokens": self.admission.kv_budget,
@@ -94,8 +97,7 @@ class Engine:
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
                 "mlx_peak_bytes": mx.get_peak_memory(),
                 # The leader's table (the worker's is the same): sessions, stored caches.
-                "table_sessions": len(table.caches.sessions) + len(table.batch.rows),
-                "table_stored": len(table.caches.stored),
+                "table_sessions": in_table, "table_stored": stored,
                 **self._disk_figures(),
                 **(self.prefill.mixing.figures() if self.limits.mixed_prefill else {})}
 
@@ -219,7 +221,6 @@ class Engine:
             self._place(session)
 
     def _place(self, session: RunningSession) -> None:
-        self.stepper.prepare(session)
         if session.todo:
             self.prefill.add(session)
         else:
@@ -250,9 +251,10 @@ class Engine:
             raise RuntimeError("resume() is for a server whose pair is down; this one is up")
         self.sessions = sessions
         release_memory()  # the old pair's table, its caches and its failed steps
-        self.admission.renew(sessions)
-        self.prefill.rebind(sessions)
-        self.stepper.rebind(sessions)
+        self.batch.clear(sessions)
+        self.admission.renew()
+        self.prefill.rebind()
+        self.stepper.clear()
         with self._lock:
             self._error = None
             self._down.clear()
@@ -273,6 +275,7 @@ class Engine:
             self._error = self._error or message
         self.prefill.clear()
         self.stepper.clear()
+        self.batch.clear()
         self.admission.fail(message)
         while True:
             try:

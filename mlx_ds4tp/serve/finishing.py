@@ -77,7 +77,6 @@ class Finishing:
             return "length", True
         if request.cancelled:
             return "cancelled", False
-        session.next_input = token
         return None, True
 
     def end(self, out: StepOutput, outcomes: List[Outcome]) -> List[RunningSession]:

@@ -6,10 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Tuple
 
-import mlx.core as mx
-
-from ..lockstep.prompt_cache import Reuse
-from ..lockstep.row_sampling import RowSampler
+from ..lockstep.batch import BatchRequest, Row, RowResult, StepOutput as BatchStep
 from ..lockstep.sampling import SamplingOptions
 from .events import EventQueue
 from .text_stream import TextStream
@@ -35,31 +32,40 @@ class Request:
     num_draft_tokens: Optional[int] = None  # drafts a round (None: the server's; 0: none)
 
 
+def batch_request(request: Request, reuse, kv: int) -> BatchRequest:
+    """The request as the leader's batch takes it, from stored prefix `reuse` with KV code `kv`."""
+    return BatchRequest(tuple(request.prompt), request.max_tokens, request.options,
+                        logprobs=request.logprobs is not None, num_draft_tokens=request.num_draft_tokens,
+                        reuse=reuse, kv=kv)
+
+
 def reserved_tokens(request: Request) -> int:
     """The cache tokens a request may come to hold: its prompt and every token it may generate."""
     return len(request.prompt) + request.max_tokens
 
 
 class RunningSession:
-    """A request the engine has started: its cache's tokens still to prefill, its next input,
-    what it generated, its sampler and its text."""
+    """A request the engine has started: its row of the leader's batch (lockstep.batch.Row:
+    the prompt still to prefill, the sampler, the drafter), what it generated and its text."""
 
-    def __init__(self, sid: int, request: Request, reuse: Reuse, tokenizer):
-        self.sid = sid
+    def __init__(self, row: Row, request: Request, tokenizer):
+        self.row = row
+        self.sid = row.id
         self.request = request
-        self.todo = request.prompt[reuse.keep : -1]
-        self.next_input = request.prompt[-1]
-        self.generated: List[int] = []
-        self.sampler: Optional[RowSampler] = None  # set by the engine as the session starts
+        self.generated: List[int] = []  # the tokens taken (Finishing), up to its end
         self.text = TextStream(tokenizer.detokenizer, request.stop)
         self.items: List[dict] = []  # logprobs entries not sent yet
         self.reserved = reserved_tokens(request)
-        self.drafter = None  # set when this session drafts (serve.speculation)
-        # Pipelined decode: True while the step last sent takes in this session's token of the
-        # step before (EVAL_PENDING): when that token is read, it is in the cache already, so
-        # an ended session's cache holds every token generated. A token read before the next
-        # step is sent (DecodeStepper.read_ahead) is not, and goes in as the next step's own input.
-        self.fed_all = False
+
+    @property
+    def todo(self) -> List[int]:
+        """Prompt tokens still to prefill."""
+        return self.row.todo
+
+    @property
+    def fed_all(self) -> bool:
+        """Whether its cache holds every token it generated (lockstep.batch.Row.fed_all)."""
+        return self.row.fed_all
 
 
 def cancelled_out(sessions: List[RunningSession]) -> Tuple[List[RunningSession], List[RunningSession]]:
@@ -70,22 +76,11 @@ def cancelled_out(sessions: List[RunningSession]) -> Tuple[List[RunningSession],
 
 
 @dataclasses.dataclass
-class RowResult:
-    """What a decode step produced for one row: its new tokens (None: its sampling failed, for
-    `error`), the log-probabilities its token was drawn from (where the request asked), or,
-    for a prompt row of a mixed step, the `chunk` prompt tokens it took in and no token."""
-
-    tokens: Optional[List[int]]
-    error: str = ""
-    logprobs: Optional[mx.array] = None
-    chunk: int = 0
-
-
-@dataclasses.dataclass
 class StepOutput:
-    """A decode step's rows and what it produced for each; `verify`: a VERIFY_BATCH, whose
-    positions the rows did not use must be dropped (COMMIT_BATCH) before any session ends."""
+    """A decode step's rows (the sessions) and what it produced for each (lockstep.batch's
+    RowResult); `step`: the batch's own output, which commit() takes back."""
 
     rows: List[RunningSession]
     results: List[RowResult]
-    verify: bool = False
+    verify: bool = False  # a VERIFY_BATCH: the positions the rows did not use go before any ends
+    step: Optional[BatchStep] = None

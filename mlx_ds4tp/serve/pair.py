@@ -37,14 +37,15 @@ def context_length(model: Any, config: Dict[str, Any]) -> int:
 
 
 def make_speculation(served: ServedModel, model: Any):
-    """The server's drafting (serve.speculation.Speculation) as `served` asks, or None;
+    """The server's drafting (lockstep.speculative.Speculation) as `served` asks, or None;
     SystemExit naming why when this model or draft cannot speculate."""
-    draft_path, lookup, k = served.draft_model, served.prompt_lookup, served.num_draft_tokens
-    if not (draft_path or lookup):
+    settings = served.draft
+    draft_path, lookup, k = settings.draft_model, settings.prompt_lookup, settings.num_draft_tokens
+    if not settings.drafts:
         return None
     from ..lockstep.batch_verify import speculation_blocker
     from ..lockstep.compute import make_cache
-    from .speculation import Speculation
+    from ..lockstep.speculative import Speculation
 
     blocker = speculation_blocker(make_cache(model))
     if blocker:
@@ -60,7 +61,7 @@ def make_speculation(served: ServedModel, model: Any):
         log(f"serve: drafting with {draft_path}, {k} tokens a round")
     else:
         log(f"serve: drafting by prompt lookup ({lookup}-grams), {k} tokens a round")
-    return Speculation(k, lookup, draft)
+    return Speculation(settings, draft_model=draft)
 
 
 def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
@@ -249,7 +250,7 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
     config = json.loads((served.path / "config.json").read_text())
     state = ServeState(engine, tokenizer=engine.tokenizer, served=served, http=settings.http,
                        context_length=context_length(model, config),
-                       vocab_size=engine.sessions.table.vocab or int(config["vocab_size"]))
+                       vocab_size=engine.sessions.vocab or int(config["vocab_size"]))
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     _fit_worker_room(engine, engine.sessions, settings, own_room)
     quit_ = _Quit()
@@ -347,7 +348,7 @@ def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Sp
                 time.sleep(0.5)
         if quit_.event.is_set():
             return
-        sessions = LeaderSessions(group, model, engine.sessions.table.grammars, engine.disk_cache)
+        sessions = LeaderSessions(group, model, engine.sessions.grammars, engine.disk_cache)
         try:
             sessions.wait_ready()  # the worker loads its weights after joining
             _fit_worker_room(engine, sessions, settings, own_room)  # its machine may hold less
@@ -394,7 +395,7 @@ def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitS
         while True:
             try:
                 table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
-                said = f"the leader said stop after {table.batch.step_count} decode steps"
+                said = f"the leader said stop after {table.step_count} decode steps"
                 if not rejoin:
                     return f"the worker stopped: {said}"
                 log(f"serve: {said}")

@@ -14,7 +14,7 @@ import time
 from typing import List
 
 from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
-from ..lockstep.sessions import LeaderSessions
+from ..lockstep.batch import Batch
 from .generation import RunningSession, cancelled_out
 from .limits import ServeLimits
 from .mixing import MixChoice
@@ -23,8 +23,8 @@ from .mixing import MixChoice
 class PrefillScheduler:
     """The prefilling sessions, oldest first (see the module docstring)."""
 
-    def __init__(self, sessions: LeaderSessions, limits: ServeLimits):
-        self.sessions = sessions
+    def __init__(self, batch: Batch, limits: ServeLimits):
+        self.batch = batch
         # One forward takes at most prefill_step tokens in all, padding included, however many
         # rows share it: its activations (the attention scores above all) then never outgrow
         # those of one session's chunk; and no more than one PREFILL_BATCH frame carries.
@@ -54,22 +54,19 @@ class PrefillScheduler:
         # The rows share the chunk evenly; a short prompt takes only what it needs.
         width = min(max(len(s.todo) for s in waiting), max(self.step // len(waiting), 1))
         count = max(1, min(len(waiting), self.step // width))
-        rows = [(session, session.todo[:width]) for session in waiting[:count]]
-        total = sum(len(chunk) for _, chunk in rows)
+        rows = [(session, len(session.todo[:width])) for session in waiting[:count]]
+        total = sum(n for _, n in rows)
         began = time.perf_counter()
-        self.sessions.prefill_batch([(session.sid, chunk) for session, chunk in rows])
+        finished = self.batch.prefill([(session.sid, n) for session, n in rows])
         self.mixing.prefill_timed(time.perf_counter() - began, total)
         self.stats["prefilled_tokens"] += total
         self.stats["prefill_batches"] += 1
         self.stats["prefill_batch_rows"] = max(self.stats["prefill_batch_rows"], len(rows))
         self.stats["prefill_padded_tokens"] = max(self.stats["prefill_padded_tokens"],
-                                                  len(rows) * max(len(c) for _, c in rows))
-        done = []
-        for session, chunk in rows:
-            session.todo = session.todo[len(chunk):]
-            if not session.todo:
-                self.queue.remove(session)
-                done.append(session)
+                                                  len(rows) * max(n for _, n in rows))
+        done = [session for session, _ in rows if session.sid in finished]
+        for session in done:
+            self.queue.remove(session)
         return done
 
     def hand_over(self, count: int) -> List[RunningSession]:
@@ -85,6 +82,6 @@ class PrefillScheduler:
     def clear(self) -> None:
         self.queue = []
 
-    def rebind(self, sessions: LeaderSessions) -> None:
+    def rebind(self) -> None:
         """Prefill over a pair joined anew (the queue went with the old one)."""
-        self.sessions, self.queue = sessions, []
+        self.queue = []

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 from ..link.config import LinkSettings
 from ..lockstep.sampling import SamplingOptions
+from ..lockstep.settings import DraftSettings
 from ..split.share import SplitSettings
 from .limits import ServeLimits
 
@@ -16,14 +17,13 @@ from .limits import ServeLimits
 @dataclass(frozen=True)
 class ServedModel:
     """The model this rank loads its half of, the ids requests may name it by, and the
-    leader's drafting (a whole draft model, or prompt lookup N-grams; neither: no drafts)."""
+    leader's drafting (lockstep.settings.DraftSettings: a whole draft model, or prompt lookup
+    N-grams; neither: no drafts)."""
 
     path: Path
     name: str                         # the id /v1/models lists
     aliases: Tuple[str, ...] = ()     # other ids a request may give (--model as given, its path)
-    draft_model: Optional[str] = None
-    prompt_lookup: int = 0
-    num_draft_tokens: int = 3
+    draft: DraftSettings = DraftSettings()
 
     @property
     def ids(self) -> Tuple[str, ...]:

@@ -54,6 +54,6 @@ class ServeState:
         self.context_length, self.vocab_size = context_length, vocab_size
         self.responses = ResponseStore()
         # Constrained requests' grammars, compiled and cached once for both the check and the rows.
-        self.grammars = getattr(getattr(engine.sessions, "table", None), "grammars", None)
+        self.grammars = getattr(engine.sessions, "grammars", None)
         self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
         self.created = int(time.time())

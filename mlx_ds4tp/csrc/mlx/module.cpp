@@ -97,7 +97,23 @@ NB_MODULE(_pairgroup, m) {
             self.impl_->close();
           },
           "Stop the collectives of the mesh and its subgroups: wake an exchange in flight, wait "
-          "for it, refuse the rest.");
+          "for it, refuse the rest.")
+      .def(
+          "split",
+          [](MeshGroup& self, int color, int key) {
+            // The ranks swap (color, key) over the links before the subgroup exists: the
+            // interpreter is released meanwhile, so ranks in threads of one process (the
+            // tests) reach their own split.
+            std::shared_ptr<mx::distributed::detail::GroupImpl> impl;
+            {
+              nb::gil_scoped_release released;
+              impl = self.impl_->split(color, key);
+            }
+            return mx::distributed::Group(impl);
+          },
+          nb::arg("color"), nb::arg("key") = -1,
+          "The ranks of this color, ordered by key (default: their rank), as a group over the "
+          "same links.");
 
   // MLX's own group (ring, JACCL) under a type Python can extend, so the group
   // init(transport="mlx") returns carries the same extras as a pair's.

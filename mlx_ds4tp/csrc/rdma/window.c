@@ -250,6 +250,64 @@ int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t se
     return TP_OK;
 }
 
+/* tp_gate in two halves for a rank with several peers (csrc/exchange.c's
+ * mesh): only on a window already armed for this byte count (the steady
+ * state of a decode step's gates), where a gate needs no barrier; anything
+ * else is TP_ENOTSUP with nothing done, and the caller runs tp_gate. The
+ * halves keep tp_gate's order on the link: post, wait, refill. */
+int tp_gate_post(tp_dev *dev, const void *src, uint32_t bytes, uint64_t seq, double timeout_s,
+                 char *err, size_t errlen) {
+    int rc = hp_enter(dev, timeout_s, "tp_gate_post", err, errlen);
+    if (rc < 0) return rc;
+    if (!src || !dev->armed || bytes != dev->armed_bytes || dev->mode != TP_MODE_GATE)
+        return TP_ENOTSUP;
+    const uint64_t gate = dev->gate_count + 1;
+    dev->cur_seq = seq;
+    const uint64_t deadline = tp_deadline_after(timeout_s);
+    const tp_mr *mr = tp_find_mr(dev, src, bytes);
+    const uint8_t *from = src;
+    if (!mr) {
+        memcpy(dev->slab + TP_OFF_SEND, src, bytes);
+        from = dev->slab + TP_OFF_SEND;
+        mr = &dev->mrs[0];
+    }
+    for (uint32_t c = 0; c < dev->armed_chunks; c++) {
+        char what[48];
+        snprintf(what, sizeof(what), "gate seq %llu", (unsigned long long)seq);
+        rc = hp_post_send(dev, mr, from + (uint64_t)c * TP_MAX_MSG, chunk_len(dev, c),
+                          TP_TAG_GATE_SEND | gate, gate_imm(gate, c), deadline, timeout_s, what,
+                          err, errlen);
+        if (rc < 0) return rc;
+    }
+    return TP_OK;
+}
+
+int tp_gate_wait(tp_dev *dev, void *dst, uint32_t bytes, uint64_t seq, double timeout_s,
+                 char *err, size_t errlen) {
+    int rc = hp_enter(dev, timeout_s, "tp_gate_wait", err, errlen);
+    if (rc < 0) return rc;
+    const uint64_t gate = dev->gate_count + 1;
+    const uint64_t deadline = tp_deadline_after(timeout_s);
+    while (dev->recv_done < gate || dev->send_outstanding) {
+        const int missing = dev->recv_done < gate;
+        rc = hp_pump(dev, deadline, missing, err, errlen);
+        if (rc > 0) continue;
+        if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
+        char what[80];
+        snprintf(what, sizeof(what), "gate seq %llu (recv_done %llu)", (unsigned long long)seq,
+                 (unsigned long long)(missing ? dev->last_seq : seq));
+        return hp_stalled(dev, rc, timeout_s, what, missing ? "gate message" : NULL, err,
+                          errlen);
+    }
+    memcpy(dst, ring_slot(dev, gate), bytes);
+    rc = window_refill(dev, gate, deadline, timeout_s, err, errlen);
+    if (rc < 0) return rc;
+    dev->gate_count = gate;
+    dev->last_seq = seq;
+    dev->stats.recv_done = seq;
+    return TP_OK;
+}
+
 int tp_drain(tp_dev *dev, double timeout_s, char *err, size_t errlen) {
     if (dev && !dev->armed && !dev->wedged_code) return TP_OK;
     int rc = hp_enter(dev, timeout_s, "tp_drain", err, errlen);

@@ -1,11 +1,11 @@
-"""Structured output (README's "Structured output"): what a request's `response_format`, strict
+"""Structured output (docs/serving.md's "Structured output"): what a request's `response_format`, strict
 tools and forced `tool_choice` ask of the model's output, as the grammar its sampler is masked
 with (lockstep.grammar). A schema is enforced whether or not `strict` is set (as vLLM does): a
 best effort that is always met is still met. Constrained calls are written in the model's own
 tool-call format, its markers as its tokenizer holds them (one added or special token, or text):
-json_tools (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen's), mistral
-(`[TOOL_CALLS][{...}]`), kimi_k2 and qwen3_coder (lockstep.call_grammar); a model whose calls are
-in another of mlx-lm's formats is refused with a 400 naming it when a call is constrained.
+every one of mlx-lm's tool parsers has its grammar (lockstep.call_formats); a parameter schema a
+format cannot write so that its parser reads it back (a function_gemma array, a minimax_m2
+parameter of several types), or a parser mlx-lm adds later, is a 400 naming why.
 """
 
 from __future__ import annotations

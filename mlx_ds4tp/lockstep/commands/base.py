@@ -1,0 +1,90 @@
+"""What every lockstep command is: a frame type, a payload layout, its packing on the leader,
+its unpacking on both ranks (every count checked against the payload's size before anything
+is read) and its application to a rank's SessionTable. Each command is one class, written
+once (lockstep.commands' modules); `command` registers it, and the table applies a frame by
+looking its type up in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Dict, Type
+
+import numpy as np
+
+from ... import transport as tr
+
+F = tr.FrameType
+
+
+class Command:
+    """One lockstep command. `answers`: the worker replies with a frame of the same type (the
+    leader's queries: HASH, DISK_LOAD, KV_ROOM); the reply is `answer`'s, and the leader's
+    side of such a command lives in lockstep.sessions, which waits for it."""
+
+    frame: F
+    answers = False
+
+    @classmethod
+    def unpack(cls, payload: bytes, vocab: int = 0) -> tuple:
+        raise NotImplementedError(cls.__name__)
+
+    @classmethod
+    def apply(cls, table, *fields) -> Any:
+        """Change `table` (lockstep.table.SessionTable) as the command says; the logits of a
+        step command, else None."""
+        raise tr.FrameError(f"the worker cannot execute a {cls.frame.name} frame here")
+
+    @classmethod
+    def answer(cls, table, *fields) -> bytes:
+        """The worker's reply to a query (answers=True)."""
+        raise tr.FrameError(f"a {cls.frame.name} frame has no answer")
+
+    @classmethod
+    def check(cls, reply: bytes, *fields) -> None:
+        """What the worker checks once its reply went out (nothing, unless a query says)."""
+
+
+class Fixed(Command):
+    """A command whose payload is one fixed layout."""
+
+    layout: struct.Struct
+
+    @classmethod
+    def pack(cls, *fields) -> bytes:
+        return cls.layout.pack(*fields)
+
+    @classmethod
+    def unpack(cls, payload: bytes, vocab: int = 0) -> tuple:
+        """The payload's fields; FrameError naming the frame when its size is not the layout's."""
+        if len(payload) != cls.layout.size:
+            raise tr.FrameError(f"{cls.frame.name} payload is {len(payload)} bytes, expected {cls.layout.size}")
+        return cls.layout.unpack(payload)
+
+
+COMMANDS: Dict[F, Type[Command]] = {}
+
+
+def command(cls: Type[Command]) -> Type[Command]:
+    """Register a command class by its frame type (a class decorator)."""
+    if cls.frame in COMMANDS:
+        raise ImportError(f"two lockstep commands for {cls.frame.name}: {COMMANDS[cls.frame].__name__}, {cls.__name__}")
+    COMMANDS[cls.frame] = cls
+    return cls
+
+
+def check_tokens(tokens: np.ndarray, vocab: int) -> None:
+    """FrameError unless every id is in [0, vocab) (vocab 0: unknown, not checked). Token ids
+    index the embedding, which MLX does not bounds-check (an id past the table reads other
+    memory or crashes), so every id from the wire is checked before the model sees it."""
+    if vocab and len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab):
+        bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+        raise tr.FrameError(f"token id {bad}, outside the model's vocabulary [0, {vocab}): "
+                            "the leader runs another model or the frame is corrupt")
+
+
+def shorter_than_header(frame: F, payload: bytes, header: struct.Struct) -> None:
+    """FrameError when a payload cannot hold its header."""
+    if len(payload) < header.size:
+        raise tr.FrameError(f"{frame.name} payload of {len(payload)} bytes is shorter than its "
+                            f"{header.size}-byte header")

@@ -1,0 +1,28 @@
+"""A leader with no peer: every lockstep command packed and applied to this rank's own table
+(lockstep.sessions.LeaderSessions without a worker), for the batch, the drafting and the
+commands in one process: tests and the statistics of the sampler."""
+
+from __future__ import annotations
+
+from .sessions import LeaderSessions
+from .table import SessionTable
+
+
+class _NoGroup:
+    """The group's figures a generation reads: no exchanges, no waits."""
+
+    def exchange_seconds(self) -> float:
+        return 0.0
+
+
+class OneRank(LeaderSessions):
+    """LeaderSessions over one rank's table; a hash is compared with itself (always equal)."""
+
+    def __init__(self, model, grammars=None):
+        self.table, self.group, self.control = SessionTable(model, grammars), _NoGroup(), None
+
+    def _command(self, ftype, payload: bytes):
+        return self.table.apply(ftype, payload)
+
+    def check_hash(self, session: int = 0) -> None:
+        self.table.batch.hash_of(session)  # what a pair would compare, computed (and so checked)
