@@ -16,6 +16,7 @@ import mlx_ds4tp as tp
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
 from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
+from mlx_ds4tp.serve.events import ENDING_EVENTS, DoneEvent, FailedEvent, TextEvent
 
 
 def test_prompt_cache_decisions():
@@ -372,7 +373,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
 def _events(request) -> list:
     """A request's events, through its last one."""
     events = []
-    while not events or events[-1][0] not in ("done", "failed", "error"):
+    while not events or not isinstance(events[-1], ENDING_EVENTS):
         events.append(request.events.get(timeout=60))
     return events
 
@@ -422,12 +423,12 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
         good = Request(ids[1], 8)
         engine.submit(bad)
         engine.submit(good)
-        assert _events(bad)[-1][0] == "failed"
-        assert _events(good)[-1] == ("done", "length" if good.completion_tokens == 8 else "stop")
+        assert isinstance(_events(bad)[-1], FailedEvent)
+        assert _events(good)[-1] == DoneEvent("length" if good.completion_tokens == 8 else "stop")
         assert engine.error is None
         again = Request(ids[1], 8)
         engine.submit(again)
-        text = "".join(e[1] for e in _events(again) if e[0] == "text")
+        text = "".join(e.text for e in _events(again) if isinstance(e, TextEvent))
         assert text == _greedy_alone(model, tokenizer, ids[1], 8)[1] and again.cached_tokens > 0
 
 
@@ -512,15 +513,15 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
 
         ids = tokenizer.encode("one two three four")
         request, events = run(ids)
-        assert events[-1][0] == "done", events
+        assert isinstance(events[-1], DoneEvent), events
         # One prefill forward of the prompt's head and step 1: the first token is read at once
         # (its time to first token waits for no other step). Every later token is read with
         # the step after it already built and sent: token 2 after step 3, token 3 after 4.
         assert seen[:3] == [2, 4, 5], seen
         want, text = _greedy_alone(model, tokenizer, ids, 6)
-        assert "".join(e[1] for e in events if e[0] == "text") == text
+        assert "".join(e.text for e in events if isinstance(e, TextEvent)) == text
         again, events = run(ids + want)
-        assert events[-1][0] == "done" and again.cached_tokens == len(ids) + len(want) - 1, again
+        assert isinstance(events[-1], DoneEvent) and again.cached_tokens == len(ids) + len(want) - 1, again
         assert engine.error is None
 
 
@@ -538,7 +539,7 @@ def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(
         engine.start()  # both are admitted in its first turn
         for request in (short, long):
             events = _events(request)
-            assert events[-1] == ("done", "length"), events
+            assert events[-1] == DoneEvent("length"), events
         assert engine.error is None and short.completion_tokens == 2 and long.completion_tokens == 3
 
 
@@ -564,7 +565,7 @@ def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
             # A request ends the idle period the engine may already have released in.
             request = Request(tokenizer.encode("one two three"), 4)
             engine.submit(request)
-            assert _events(request)[-1][0] == "done"
+            assert isinstance(_events(request)[-1], DoneEvent)
             deadline = time.monotonic() + 30
             # The array is freed into the cache, which is emptied a moment later: wait for both.
             while time.monotonic() < deadline and (mx.get_active_memory() > held - (3 << 20)

@@ -32,6 +32,7 @@ from ..lockstep.table import release_memory
 from .admission import Admission
 from .decoding import DecodeStepper
 from .errors import PairUnavailable
+from .events import PairDownEvent
 from .finishing import Finishing
 from .generation import Request, RunningSession, StepOutput
 from .limits import ServeLimits
@@ -270,7 +271,7 @@ class Engine:
         self._end_all(message)
 
     def _end_all(self, message: str) -> None:
-        """Every request under way or waiting gets ("error", message); new ones are refused."""
+        """Every request under way or waiting gets PairDownEvent(message); new ones are refused."""
         with self._lock:
             self._error = self._error or message
         self.prefill.clear()
@@ -279,6 +280,6 @@ class Engine:
         self.admission.fail(message)
         while True:
             try:
-                self._inbox.get_nowait().events.put(("error", message))
+                self._inbox.get_nowait().events.put(PairDownEvent(message))
             except queue.Empty:
                 return
