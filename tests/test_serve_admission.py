@@ -1,4 +1,4 @@
-"""serve.admission on its own: the KV budget, the waiting queue and the prompt-cache index,
+"""serve.engine.admission on its own: the KV budget, the waiting queue and the prompt-cache index,
 over recorded sessions (no pair)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer, fake_batch
-from mlx_ds4tp.serve.admission import Admission
-from mlx_ds4tp.serve.events import BusyEvent, PairDownEvent
-from mlx_ds4tp.serve.generation import Request
+from mlx_ds4tp.serve.engine.admission import Admission
+from mlx_ds4tp.serve.engine.events import BusyEvent, PairDownEvent
+from mlx_ds4tp.serve.engine.generation import Request
 from mlx_ds4tp.serve.limits import ServeLimits
 
 

@@ -1,4 +1,4 @@
-"""serve.engine on its own: the thin loop that wires admission, prefill, decoding and
+"""serve.engine.loop on its own: the thin loop that wires admission, prefill, decoding and
 finishing, its thread, failure and resume, over recorded sessions whose model continues t
 with t + 1 (engine_fakes)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer, letters
-from mlx_ds4tp.serve.engine import Engine
+from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, TextEvent
+from mlx_ds4tp.serve.engine.generation import Request
+from mlx_ds4tp.serve.engine.loop import Engine
 from mlx_ds4tp.serve.errors import PairUnavailable
-from mlx_ds4tp.serve.events import ENDING_EVENTS, PairDownEvent, TextEvent
-from mlx_ds4tp.serve.generation import Request
 from mlx_ds4tp.serve.limits import ServeLimits
 
 

@@ -1,13 +1,13 @@
-"""serve.finishing on its own: a step's output into its sessions (text events, finish reasons,
+"""serve.engine.finishing on its own: a step's output into its sessions (text events, finish reasons,
 positions used) and the finished sessions ended, their caches stored, over recorded sessions."""
 
 from __future__ import annotations
 
 from engine_fakes import EOS, FakeTokenizer, fake_batch
-from mlx_ds4tp.serve.admission import Admission
-from mlx_ds4tp.serve.events import DoneEvent, FailedEvent, TextEvent
-from mlx_ds4tp.serve.finishing import Finishing
-from mlx_ds4tp.serve.generation import Request, RowResult, StepOutput
+from mlx_ds4tp.serve.engine.admission import Admission
+from mlx_ds4tp.serve.engine.events import DoneEvent, FailedEvent, TextEvent
+from mlx_ds4tp.serve.engine.finishing import Finishing
+from mlx_ds4tp.serve.engine.generation import Request, RowResult, StepOutput
 from mlx_ds4tp.serve.limits import ServeLimits
 
 

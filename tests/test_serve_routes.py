@@ -12,7 +12,7 @@ from pathlib import Path
 
 from starlette.testclient import TestClient
 
-from mlx_ds4tp.serve.events import BusyEvent, DoneEvent, FailedEvent, PairDownEvent, TextEvent
+from mlx_ds4tp.serve.engine.events import BusyEvent, DoneEvent, FailedEvent, PairDownEvent, TextEvent
 from mlx_ds4tp.serve.http.app import make_app
 from mlx_ds4tp.serve.settings import HttpSettings, ServedModel
 from mlx_ds4tp.serve.state import ServeState

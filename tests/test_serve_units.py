@@ -16,7 +16,7 @@ import mlx_ds4tp as tp
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
 from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
-from mlx_ds4tp.serve.events import ENDING_EVENTS, DoneEvent, FailedEvent, TextEvent
+from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, DoneEvent, FailedEvent, TextEvent
 
 
 def test_prompt_cache_decisions():
@@ -65,7 +65,7 @@ def test_caches_that_forget_their_oldest_tokens_are_untrimmable():
 
 
 def test_stop_strings_are_cut_and_never_half_sent():
-    from mlx_ds4tp.serve.text_stream import TextStream
+    from mlx_ds4tp.serve.engine.text_stream import TextStream
 
     class Pieces:
         """A detokenizer whose token i is the string pieces[i]."""
@@ -348,7 +348,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
 
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.serve.engine import Engine
+    from mlx_ds4tp.serve.engine.loop import Engine
     from mlx_ds4tp.serve.limits import ServeLimits
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
@@ -402,7 +402,7 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     (leader-only) sampling raises gets a "failed" event; the request decoding beside it, and
     the next one, get mlx-lm's tokens; the pair stays up."""
     from mlx_ds4tp.lockstep.row_sampling import RowSampler
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine.generation import Request
 
     # The leader's sampler of one request fails at its fourth draw (the engine's rows are
     # sampled by the tables' RowSamplers: the pipelined decode).
@@ -477,7 +477,7 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
     worker in its own process samples the same rows itself); the text is still mlx-lm's, and a
     second turn reuses the cache that holds every generated token."""
     from mlx_ds4tp.serve import finishing
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine.generation import Request
 
     class Counting:
         def __init__(self, inner):
@@ -529,7 +529,7 @@ def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(
     """Pipelined serving reads the last step's tokens before a prefill chunk; when that ends
     the only running session while another prompt is still prefilling, the turn runs the
     chunk and no decode step (an empty one would stop the pair), and both answers are whole."""
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine.generation import Request
 
     with _served_engine(tmp_path, procs, prefill_step=4) as (engine, _, _):
         short = Request([5], 2)  # nothing to prefill: it decodes from the first turn
@@ -551,7 +551,7 @@ def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
     import gc
     import time
 
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine.generation import Request
 
     with _served_engine(tmp_path, procs) as (engine, model, tokenizer):
         engine.start()

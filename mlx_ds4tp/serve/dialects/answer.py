@@ -10,9 +10,9 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
+from ..engine.events import BusyEvent, DoneEvent, EngineEvent, FailedEvent, PairDownEvent, TextEvent
+from ..engine.generation import Request
 from ..errors import GENERATION_FAILED, ApiError, unavailable
-from ..events import BusyEvent, DoneEvent, EngineEvent, FailedEvent, PairDownEvent, TextEvent
-from ..generation import Request
 from ..http.metrics import TokenClock
 from ..state import ServeState
 from .chat import ChatText

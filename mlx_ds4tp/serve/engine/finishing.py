@@ -1,6 +1,6 @@
 """What becomes of a step's tokens: each into its session (text out, logprobs, the finish
 reason: an eos, a stop string, max_tokens, a cancel), then the sessions that finished ended on
-both ranks, a completed one's cache stored for reuse (serve.admission). Every kind of step
+both ranks, a completed one's cache stored for reuse (serve.engine.admission). Every kind of step
 (pipelined, stepped, verified, mixed) ends here alike, from what it returned (StepOutput)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..lockstep.sampling import logprob_item
+from ...lockstep.sampling import logprob_item
 from .admission import Admission
 from .events import DoneEvent, FailedEvent, TextEvent
 from .generation import RowResult, RunningSession, StepOutput

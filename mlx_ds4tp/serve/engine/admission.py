@@ -11,13 +11,13 @@ import collections
 import time
 from typing import Dict, List, Optional, Sequence
 
-from ..lockstep.batch import Batch
-from ..lockstep.prompt_cache import PromptCacheIndex
-from ..lockstep.session_caches import kv_code
-from ..lockstep.sessions import LeaderSessions
+from ...lockstep.batch import Batch
+from ...lockstep.prompt_cache import PromptCacheIndex
+from ...lockstep.session_caches import kv_code
+from ...lockstep.sessions import LeaderSessions
+from ..limits import ServeLimits
 from .events import BusyEvent, PairDownEvent
 from .generation import Request, RunningSession, batch_request, reserved_tokens
-from .limits import ServeLimits
 
 
 def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
