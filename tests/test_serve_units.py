@@ -476,7 +476,7 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
     is read at once), the forward of the step after it has already been built and sent (the
     worker in its own process samples the same rows itself); the text is still mlx-lm's, and a
     second turn reuses the cache that holds every generated token."""
-    from mlx_ds4tp.serve import finishing
+    from mlx_ds4tp.serve.engine import finishing
     from mlx_ds4tp.serve.engine.generation import Request
 
     class Counting:
