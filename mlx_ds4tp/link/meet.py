@@ -20,9 +20,9 @@ from ..base.log import log
 from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
 from . import discovery as dsc
 from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeout, secret_bytes
+from .connection import Pair
 from .control import dial as control_dial
 from .hello import ModelIdentity
-from .pair import Pair
 from .rdma import rdma_probe
 
 # How long a worker keeps dialing a leader it heard of: a leader listens a moment after its
