@@ -19,6 +19,11 @@ class TransportTimeoutError(TransportError, TimeoutError):
     """A wait ran past its deadline (DS4_TP_TIMEOUT_SEC or the call's timeout)."""
 
 
+class GroupNotFoundError(TransportTimeoutError):
+    """Discovery could not gather the whole group of N ranks before its timeout; the message
+    names the ranks it saw, the ones refused or gone, and how many were missing."""
+
+
 class FrameError(TransportError):
     """A control frame was malformed, truncated, oversized or of an unknown type."""
 

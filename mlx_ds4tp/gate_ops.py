@@ -81,6 +81,11 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
         _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
     if link.size > 2:
+        if link.discovery is not None:
+            # Discovery finds the group (the ranks, the leader's address), then the mesh forms there.
+            from .link.findgroup import find_group
+
+            link = find_group(link, identity or tr.ModelIdentity()).settings(link)
         _LAST_GROUP = _init_mesh(link, identity)
         _JOINED_WITH[_LAST_GROUP] = (link, identity)
         return _LAST_GROUP

@@ -1,7 +1,7 @@
 """The transport between the ranks: control channel, hello, the RDMA device, and the
 exchange the collectives run; a mesh of N ranks is one such pair per two ranks (form_mesh).
 This module is the public face of the transport package,
-``link/``, where each idea lives in its own module (README.md's module table names them).
+``link/``, where each idea lives in its own module (docs/architecture.md's module map names them).
 
 The transport never sees MLX: an exchange moves bytes between buffers the caller owns.
 """
@@ -29,6 +29,7 @@ from .link.config import (
     tcp_spin_us,
     verbs_library,
 )
+from .link.connection import Pair
 from .link.control import ControlChannel, decode_frame_header, dial, listen_socket, set_kernel_timeout
 from .link.door import Door
 from .link.exchange import raw_floor
@@ -37,7 +38,6 @@ from .link.handshake import connect
 from .link.hello import Hello, ModelIdentity, auth_proof, check_hello, choose_transport
 from .link.mesh import Mesh, form_mesh
 from .link.native import load_verbs
-from .link.pair import Pair
 from .link.rdma import UCSIM, RdmaDevice, rdma_probe
 from .link.wire import (
     DATA_HELLO,

@@ -1,4 +1,4 @@
-"""serve.admission on its own: the KV budget, the waiting queue and the prompt-cache index,
+"""serve.engine.admission on its own: the KV budget, the waiting queue and the prompt-cache index,
 over recorded sessions (no pair)."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer, fake_batch
-from mlx_ds4tp.serve.admission import Admission
-from mlx_ds4tp.serve.generation import Request
+from mlx_ds4tp.serve.engine.admission import Admission
+from mlx_ds4tp.serve.engine.events import BusyEvent, PairDownEvent
+from mlx_ds4tp.serve.engine.generation import Request
 from mlx_ds4tp.serve.limits import ServeLimits
 
 
@@ -61,7 +62,7 @@ def test_past_max_queued_the_newest_is_busy_and_cancelled_waiters_are_skipped():
     late = Request([4], 5)
     assert admission.offer(late) == []
     (event,) = _events(late)
-    assert event[0] == "busy" and "--max-queued 2" in event[1]
+    assert isinstance(event, BusyEvent) and "--max-queued 2" in event.reason
     assert list(admission.waiting) == waiting
     waiting[0].cancelled = True
     admission.close(running, None)
@@ -98,7 +99,7 @@ def test_the_pair_going_down_reaches_every_request_under_way_or_waiting():
     admission.offer(waiting)
     admission.fail("the worker closed the connection")
     for request in (under_way, waiting):
-        assert _events(request) == [("error", "the worker closed the connection")]
+        assert _events(request) == [PairDownEvent("the worker closed the connection")]
     assert admission.reserved == 0 and not admission.waiting
     admission.fail("again")  # nobody is left to tell
     assert _events(under_way) == []

@@ -1,4 +1,4 @@
-"""The leader's batch (lockstep/batch.py) as the serving engine drives it (serve/decoding.py):
+"""The leader's batch (lockstep/batch.py) as the serving engine drives it (serve/engine/decoding.py):
 its steps (pipelined, stepped, speculative, mixed) and what each returns for its rows, over
 recorded sessions whose model continues t with t + 1 (engine_fakes)."""
 
@@ -9,9 +9,9 @@ from mlx_ds4tp.lockstep.commands import EVAL_PENDING
 from mlx_ds4tp.lockstep.prompt_cache import Reuse
 from mlx_ds4tp.lockstep.settings import DraftSettings
 from mlx_ds4tp.lockstep.speculative import Speculation
-from mlx_ds4tp.serve.decoding import DecodeStepper
-from mlx_ds4tp.serve.generation import Request, RunningSession, batch_request
-from mlx_ds4tp.serve.mixing import MixChoice
+from mlx_ds4tp.serve.engine.decoding import DecodeStepper
+from mlx_ds4tp.serve.engine.generation import Request, RunningSession, batch_request
+from mlx_ds4tp.serve.engine.mixing import MixChoice
 
 LOOKUP = Speculation(DraftSettings(prompt_lookup=1, num_draft_tokens=2))
 

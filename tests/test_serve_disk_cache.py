@@ -1,7 +1,7 @@
 """`ds4tp serve --prompt-cache-dir`: prompt caches on disk, each rank its own half, a restart
 served from them exactly; damaged, foreign and missing files skipped and recomputed; the
 directory bounded; a full disk logged; a quantized, a rotating and a recurrent cache each served
-from disk as a cold server answers (lockstep/disk_cache.py, serve/admission.py)."""
+from disk as a cold server answers (lockstep/disk_cache.py, serve/engine/admission.py)."""
 
 from __future__ import annotations
 

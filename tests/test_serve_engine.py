@@ -1,4 +1,4 @@
-"""serve.engine on its own: the thin loop that wires admission, prefill, decoding and
+"""serve.engine.loop on its own: the thin loop that wires admission, prefill, decoding and
 finishing, its thread, failure and resume, over recorded sessions whose model continues t
 with t + 1 (engine_fakes)."""
 
@@ -7,21 +7,22 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer, letters
-from mlx_ds4tp.serve.engine import Engine
+from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, TextEvent
+from mlx_ds4tp.serve.engine.generation import Request
+from mlx_ds4tp.serve.engine.loop import Engine
 from mlx_ds4tp.serve.errors import PairUnavailable
-from mlx_ds4tp.serve.generation import Request
 from mlx_ds4tp.serve.limits import ServeLimits
 
 
 def _events(request) -> list:
     events = []
-    while not events or events[-1][0] not in ("done", "failed", "error", "busy"):
+    while not events or not isinstance(events[-1], ENDING_EVENTS):
         events.append(request.events.get(timeout=30))
     return events
 
 
 def _text(events) -> str:
-    return "".join(e[1] for e in events if e[0] == "text")
+    return "".join(e.text for e in events if isinstance(e, TextEvent))
 
 
 @pytest.mark.parametrize("limits", [ServeLimits(prefill_step=4), ServeLimits(mixed_prefill=2, mixed_when="always")],
@@ -85,7 +86,7 @@ def test_a_step_that_fails_reaches_every_request_under_way():
     engine.start()
     try:
         for request in requests:
-            assert _events(request)[-1] == ("error", "ConnectionError: gates failed")
+            assert _events(request)[-1] == PairDownEvent("ConnectionError: gates failed")
     finally:
         engine.stop()
 

@@ -1,12 +1,13 @@
-"""serve.finishing on its own: a step's output into its sessions (text events, finish reasons,
+"""serve.engine.finishing on its own: a step's output into its sessions (text events, finish reasons,
 positions used) and the finished sessions ended, their caches stored, over recorded sessions."""
 
 from __future__ import annotations
 
 from engine_fakes import EOS, FakeTokenizer, fake_batch
-from mlx_ds4tp.serve.admission import Admission
-from mlx_ds4tp.serve.finishing import Finishing
-from mlx_ds4tp.serve.generation import Request, RowResult, StepOutput
+from mlx_ds4tp.serve.engine.admission import Admission
+from mlx_ds4tp.serve.engine.events import DoneEvent, FailedEvent, TextEvent
+from mlx_ds4tp.serve.engine.finishing import Finishing
+from mlx_ds4tp.serve.engine.generation import Request, RowResult, StepOutput
 from mlx_ds4tp.serve.limits import ServeLimits
 
 
@@ -36,9 +37,9 @@ def test_eos_length_and_running_rows():
     outcomes, ended = _settle(finishing, out)
     assert [(o.finish, o.used) for o in outcomes] == [("stop", 2), ("length", 2), (None, 1)]
     assert ended == rows[:2]
-    assert _events(stopping) == [("text", "e", []), ("done", "stop")]
-    assert _events(long) == [("text", "h", []), ("text", "i", []), ("done", "length")]
-    assert _events(running) == [("text", "k", [])]
+    assert _events(stopping) == [TextEvent("e"), DoneEvent("stop")]
+    assert _events(long) == [TextEvent("h"), TextEvent("i"), DoneEvent("length")]
+    assert _events(running) == [TextEvent("k")]
     # Each finished cache is stored under the tokens it holds: the prompt and every token but
     # the last, which was never fed in.
     stored = [c for c in sessions.commands if c[0] == "destroy"]
@@ -65,9 +66,9 @@ def test_stop_strings_failures_and_cancels_end_their_rows_alone():
     outcomes, ended = _settle(finishing, out)
     assert [(o.finish, o.used) for o in outcomes] == [("stop", 3), ("failed", 1), ("cancelled", 1), (None, 2)]
     assert ended == rows[:3]
-    assert _events(stopped) == [("text", "b", []), ("done", "stop")]  # "cd" is never sent
-    assert _events(failed) == [("failed", "sampling failed: boom")]
-    assert _events(cancelled) == [("text", "f", [])] and _events(chunk) == []
+    assert _events(stopped) == [TextEvent("b"), DoneEvent("stop")]  # "cd" is never sent
+    assert _events(failed) == [FailedEvent("sampling failed: boom")]
+    assert _events(cancelled) == [TextEvent("f")] and _events(chunk) == []
     # Failed and cancelled sessions are dropped, not stored.
     assert [c[2] for c in sessions.commands if c[0] == "destroy"] == [1, 0, 0]
     assert len(admission.index) == 1
@@ -87,4 +88,4 @@ def test_a_text_failure_fails_that_request_alone():
     outcomes, ended = _settle(finishing, StepOutput(rows, [RowResult([3], logprobs=drawn_from),
                                                            RowResult([4])]))
     assert outcomes[0].finish == "failed" and "no text for it" in outcomes[0].error
-    assert ended == [rows[0]] and _events(bad)[-1][0] == "failed" and _events(good) == [("text", "e", [])]
+    assert ended == [rows[0]] and isinstance(_events(bad)[-1], FailedEvent) and _events(good) == [TextEvent("e")]

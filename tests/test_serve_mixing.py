@@ -1,11 +1,11 @@
-"""serve.mixing: the leader's turn-by-turn choice between a mixed decode step and a prefill
+"""serve.engine.mixing: the leader's turn-by-turn choice between a mixed decode step and a prefill
 forward of its own, from the costs it measured (fed here by hand, so no timing luck)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlx_ds4tp.serve.mixing import PROBE_EVERY, MixChoice
+from mlx_ds4tp.serve.engine.mixing import PROBE_EVERY, MixChoice
 
 
 def _measured(separate_us: float, decode_ms: float, mixed_ms: float, tokens: int = 8) -> MixChoice:

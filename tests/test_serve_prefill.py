@@ -1,4 +1,4 @@
-"""serve.prefill on its own: which prompts share a padded forward, how the chunk is shared,
+"""serve.engine.prefill on its own: which prompts share a padded forward, how the chunk is shared,
 when a turn mixes, over recorded sessions (no pair)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from engine_fakes import FakeTokenizer, fake_batch
 from mlx_ds4tp.lockstep.prompt_cache import Reuse
-from mlx_ds4tp.serve.generation import Request, RunningSession, batch_request
+from mlx_ds4tp.serve.engine.generation import Request, RunningSession, batch_request
+from mlx_ds4tp.serve.engine.prefill import PrefillScheduler
 from mlx_ds4tp.serve.limits import ServeLimits
-from mlx_ds4tp.serve.prefill import PrefillScheduler
 
 
 def _scheduler(*lengths, **limits):

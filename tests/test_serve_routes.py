@@ -12,6 +12,7 @@ from pathlib import Path
 
 from starlette.testclient import TestClient
 
+from mlx_ds4tp.serve.engine.events import BusyEvent, DoneEvent, FailedEvent, PairDownEvent, TextEvent
 from mlx_ds4tp.serve.http.app import make_app
 from mlx_ds4tp.serve.settings import HttpSettings, ServedModel
 from mlx_ds4tp.serve.state import ServeState
@@ -20,6 +21,13 @@ from mlx_ds4tp.serve.state import ServeState
 class Tok:
     def encode(self, text):
         return [ord(c) % 50 for c in text]
+
+
+class Later:
+    """A script's event put once the events before it have been read (0.3 s on)."""
+
+    def __init__(self, event):
+        self.event = event
 
 
 class ScriptedEngine:
@@ -45,8 +53,8 @@ class ScriptedEngine:
     def submit(self, request):
         self.submitted.append(request)
         for event in self.scripts.pop(0):
-            if event[0] == "later":  # after the events before it have been read
-                threading.Timer(0.3, request.events.put, (event[1],)).start()
+            if isinstance(event, Later):
+                threading.Timer(0.3, request.events.put, (event.event,)).start()
             else:
                 request.events.put(event)
 
@@ -94,7 +102,7 @@ def test_unknown_endpoints_and_a_missing_key_are_refused():
 
 
 def test_a_whole_completion_and_its_usage():
-    engine = ScriptedEngine([("text", "ab", []), ("text", "c", []), ("done", "stop")])
+    engine = ScriptedEngine([TextEvent("ab"), TextEvent("c"), DoneEvent("stop")])
     r = client(engine).post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     body = r.json()
     assert r.status_code == 200 and body["choices"][0]["text"] == "abc"
@@ -103,7 +111,7 @@ def test_a_whole_completion_and_its_usage():
 
 
 def test_a_streamed_completion_is_framed_as_server_sent_events():
-    engine = ScriptedEngine([("text", "ab", []), ("done", "length")])
+    engine = ScriptedEngine([TextEvent("ab"), DoneEvent("length")])
     r = client(engine).post("/completions", json={"prompt": "hi", "stream": True,
                                                   "stream_options": {"include_usage": True}})
     chunks = events_of(r.content)
@@ -113,9 +121,9 @@ def test_a_streamed_completion_is_framed_as_server_sent_events():
 
 
 def test_an_error_before_the_first_event_is_a_status_and_after_it_an_event():
-    r = client(ScriptedEngine([("busy", "full")])).post("/v1/completions", json={"prompt": "hi", "stream": True})
+    r = client(ScriptedEngine([BusyEvent("full")])).post("/v1/completions", json={"prompt": "hi", "stream": True})
     assert r.status_code == 429 and r.headers["Retry-After"] == "2"
-    r = client(ScriptedEngine([("text", "a", []), ("later", ("failed", "boom"))])).post(
+    r = client(ScriptedEngine([TextEvent("a"), Later(FailedEvent("boom"))])).post(
         "/v1/completions", json={"prompt": "hi", "stream": True})
     chunks = events_of(r.content)
     assert chunks[0]["choices"][0]["text"] == "a" and chunks[-1]["error"]["code"] == "generation_failed"
@@ -125,13 +133,13 @@ def test_an_error_before_the_first_event_is_a_status_and_after_it_an_event():
 def test_a_failure_on_the_first_token_of_a_stream_is_an_event_not_a_500():
     """A grammar or sampling failure before any text: the stream opens (200) and ends with one
     error event naming the cause in one line; never a 5xx status (the pair down stays a 503)."""
-    engine = ScriptedEngine([("failed", "grammar refused token 7\nstate dump")])
+    engine = ScriptedEngine([FailedEvent("grammar refused token 7\nstate dump")])
     r = client(engine).post("/v1/completions", json={"prompt": "hi", "stream": True})
     assert r.status_code == 200
     (event,) = events_of(r.content)
     assert event["error"]["code"] == "generation_failed" and "grammar refused token 7" in event["error"]["message"]
     assert "state dump" not in event["error"]["message"]
-    r = client(ScriptedEngine([("error", "worker gone")])).post("/v1/completions",
+    r = client(ScriptedEngine([PairDownEvent("worker gone")])).post("/v1/completions",
                                                                 json={"prompt": "hi", "stream": True})
     assert r.status_code == 503 and r.json()["error"]["code"] == "pair_unavailable"
 

@@ -16,6 +16,7 @@ import mlx_ds4tp as tp
 from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
 from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
+from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, DoneEvent, FailedEvent, TextEvent
 
 
 def test_prompt_cache_decisions():
@@ -64,7 +65,7 @@ def test_caches_that_forget_their_oldest_tokens_are_untrimmable():
 
 
 def test_stop_strings_are_cut_and_never_half_sent():
-    from mlx_ds4tp.serve.text_stream import TextStream
+    from mlx_ds4tp.serve.engine.text_stream import TextStream
 
     class Pieces:
         """A detokenizer whose token i is the string pieces[i]."""
@@ -347,7 +348,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
 
     from mlx_ds4tp.lockstep.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.serve.engine import Engine
+    from mlx_ds4tp.serve.engine.loop import Engine
     from mlx_ds4tp.serve.limits import ServeLimits
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
@@ -372,7 +373,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
 def _events(request) -> list:
     """A request's events, through its last one."""
     events = []
-    while not events or events[-1][0] not in ("done", "failed", "error"):
+    while not events or not isinstance(events[-1], ENDING_EVENTS):
         events.append(request.events.get(timeout=60))
     return events
 
@@ -401,7 +402,7 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     (leader-only) sampling raises gets a "failed" event; the request decoding beside it, and
     the next one, get mlx-lm's tokens; the pair stays up."""
     from mlx_ds4tp.lockstep.row_sampling import RowSampler
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine.generation import Request
 
     # The leader's sampler of one request fails at its fourth draw (the engine's rows are
     # sampled by the tables' RowSamplers: the pipelined decode).
@@ -422,12 +423,12 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
         good = Request(ids[1], 8)
         engine.submit(bad)
         engine.submit(good)
-        assert _events(bad)[-1][0] == "failed"
-        assert _events(good)[-1] == ("done", "length" if good.completion_tokens == 8 else "stop")
+        assert isinstance(_events(bad)[-1], FailedEvent)
+        assert _events(good)[-1] == DoneEvent("length" if good.completion_tokens == 8 else "stop")
         assert engine.error is None
         again = Request(ids[1], 8)
         engine.submit(again)
-        text = "".join(e[1] for e in _events(again) if e[0] == "text")
+        text = "".join(e.text for e in _events(again) if isinstance(e, TextEvent))
         assert text == _greedy_alone(model, tokenizer, ids[1], 8)[1] and again.cached_tokens > 0
 
 
@@ -475,8 +476,8 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
     is read at once), the forward of the step after it has already been built and sent (the
     worker in its own process samples the same rows itself); the text is still mlx-lm's, and a
     second turn reuses the cache that holds every generated token."""
-    from mlx_ds4tp.serve import finishing
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine import finishing
+    from mlx_ds4tp.serve.engine.generation import Request
 
     class Counting:
         def __init__(self, inner):
@@ -512,15 +513,15 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
 
         ids = tokenizer.encode("one two three four")
         request, events = run(ids)
-        assert events[-1][0] == "done", events
+        assert isinstance(events[-1], DoneEvent), events
         # One prefill forward of the prompt's head and step 1: the first token is read at once
         # (its time to first token waits for no other step). Every later token is read with
         # the step after it already built and sent: token 2 after step 3, token 3 after 4.
         assert seen[:3] == [2, 4, 5], seen
         want, text = _greedy_alone(model, tokenizer, ids, 6)
-        assert "".join(e[1] for e in events if e[0] == "text") == text
+        assert "".join(e.text for e in events if isinstance(e, TextEvent)) == text
         again, events = run(ids + want)
-        assert events[-1][0] == "done" and again.cached_tokens == len(ids) + len(want) - 1, again
+        assert isinstance(events[-1], DoneEvent) and again.cached_tokens == len(ids) + len(want) - 1, again
         assert engine.error is None
 
 
@@ -528,7 +529,7 @@ def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(
     """Pipelined serving reads the last step's tokens before a prefill chunk; when that ends
     the only running session while another prompt is still prefilling, the turn runs the
     chunk and no decode step (an empty one would stop the pair), and both answers are whole."""
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine.generation import Request
 
     with _served_engine(tmp_path, procs, prefill_step=4) as (engine, _, _):
         short = Request([5], 2)  # nothing to prefill: it decodes from the first turn
@@ -538,7 +539,7 @@ def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(
         engine.start()  # both are admitted in its first turn
         for request in (short, long):
             events = _events(request)
-            assert events[-1] == ("done", "length"), events
+            assert events[-1] == DoneEvent("length"), events
         assert engine.error is None and short.completion_tokens == 2 and long.completion_tokens == 3
 
 
@@ -550,7 +551,7 @@ def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
     import gc
     import time
 
-    from mlx_ds4tp.serve.engine import Request
+    from mlx_ds4tp.serve.engine.generation import Request
 
     with _served_engine(tmp_path, procs) as (engine, model, tokenizer):
         engine.start()
@@ -564,7 +565,7 @@ def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
             # A request ends the idle period the engine may already have released in.
             request = Request(tokenizer.encode("one two three"), 4)
             engine.submit(request)
-            assert _events(request)[-1][0] == "done"
+            assert isinstance(_events(request)[-1], DoneEvent)
             deadline = time.monotonic() + 30
             # The array is freed into the cache, which is emptied a moment later: wait for both.
             while time.monotonic() < deadline and (mx.get_active_memory() > held - (3 << 20)

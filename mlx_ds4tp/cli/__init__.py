@@ -18,7 +18,7 @@ from .. import transport as tr
 from ..base.log import log
 
 # Command name -> module (mlx_ds4tp.cli.<module>), in the order `ds4tp --help` lists them.
-COMMANDS = {"run": "run", "serve": "serve", "pair": "pair", "demo": "demo", "bench": "bench",
+COMMANDS = {"run": "run", "serve": "serve", "pair": "pair_code", "demo": "demo", "bench": "bench",
             "doctor": "doctor"}
 
 

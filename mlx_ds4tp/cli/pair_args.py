@@ -1,6 +1,7 @@
 """The flags that say how this process joins the pair, defined here once for every command that
 takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
---listen/--coordinator, --interface, --transport, --rdma-device, --rdma-gid-index and --secret;
+--listen/--coordinator, --interface, --ranks (for the commands that run on N machines: the
+group size discovery looks for), --transport, --rdma-device, --rdma-gid-index and --secret;
 and their one check, which turns them into a PairAddress and a LinkSettings (with
 DiscoverySettings when the rank finds its peer itself)."""
 
@@ -41,29 +42,30 @@ def add_pair_args(p: argparse.ArgumentParser, role_help: str) -> None:
                    help="worker: the leader's --listen address")
 
 
-def add_ranks_arg(p: argparse.ArgumentParser) -> None:
-    """--ranks N: how many ranks (Macs) the group has, 2 (a pair, the default) to 8; every rank
-    of one group gives the same N."""
-    p.add_argument("--ranks", type=int, default=2, metavar="N",
-                   help="the number of ranks (Macs) in the group, 2 to 8 (default 2: a pair); "
-                        "give every rank the same N: the leader waits for N-1 workers")
-
-
-def ranks_from_args(args: argparse.Namespace, command: str = "run") -> int:
-    """The checked --ranks: exits naming the value and the range when it is outside 2..8."""
-    ranks = getattr(args, "ranks", 2)
-    if not 2 <= ranks <= MAX_MESH_SIZE:
-        raise SystemExit(f"ds4tp {command}: --ranks {ranks}: give the number of ranks in the group, "
-                         f"2 to {MAX_MESH_SIZE} (2: a pair)")
-    return ranks
-
-
 def add_interface_arg(p: argparse.ArgumentParser) -> None:
     """--interface, for the commands that find their peer by themselves."""
     p.add_argument("--interface", action="append", default=None, metavar="NAME",
                    help="without --listen/--coordinator: find the other rank by multicast DNS on "
                         "this interface (repeat for several; default on a Mac: the members of the "
                         "Thunderbolt Bridge; required on Linux; lo for both ranks on this machine)")
+
+
+def add_ranks_arg(p: argparse.ArgumentParser) -> None:
+    """--ranks N (default 2): how many machines the model runs on. With --interface (no
+    --listen/--coordinator) each rank looks for the other N-1 with the same model and secret
+    (link/findgroup.py for N > 2, link/meet.py for a pair)."""
+    p.add_argument("--ranks", type=int, default=2, metavar="N",
+                   help=f"how many machines (ranks) the model runs on, 2 to {MAX_MESH_SIZE} (default 2); "
+                        "start the same command on each: they find each other on --interface, elect one "
+                        "leader (rank 0) and number the others")
+
+
+def ranks_from_args(args: argparse.Namespace, command: str) -> int:
+    """--ranks checked: 2 .. MAX_MESH_SIZE, else exit naming the value and the range."""
+    n = args.ranks
+    if not 2 <= n <= MAX_MESH_SIZE:
+        raise SystemExit(f"ds4tp {command}: --ranks {n}: give the number of machines, 2 to {MAX_MESH_SIZE}")
+    return n
 
 
 def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPORT_HELP,
@@ -90,11 +92,12 @@ def refuse_mlx(args: argparse.Namespace, command: str, why: str) -> None:
 
 def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
                    transport: Optional[str] = None,
-                   discovery: Optional[DiscoverySettings] = None) -> LinkSettings:
+                   discovery: Optional[DiscoverySettings] = None, size: int = 2) -> LinkSettings:
     """The checked LinkSettings of add_transport_args' flags for this rank's `address`
     (`transport`: what the command made of its own --transport value; `discovery`: how it finds
-    its peer, when it does); a bad value exits naming it and the fix. A discovering rank without
-    --secret or DS4_TP_SECRET proves the secret `ds4tp pair` stored."""
+    its peer, when it does; `size`: ranks_from_args' group size); a bad value exits naming it and
+    the fix. A discovering rank without --secret or DS4_TP_SECRET proves the secret `ds4tp pair`
+    stored."""
     secret = args.secret
     if discovery is not None and secret is None and not os.environ.get(SECRET_ENV):
         from ..link.pair_secret import stored_code
@@ -104,8 +107,7 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
         except ValueError as exc:
             raise SystemExit(f"ds4tp {command}: {exc}") from None
     link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
-                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery,
-                        size=ranks_from_args(args, command))
+                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery, size=size)
     try:
         return link.check()
     except ValueError as exc:

@@ -21,6 +21,7 @@ from .pair_args import (
     check_at_least,
     link_from_args,
     lockstep_address,
+    ranks_from_args,
 )
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
@@ -69,7 +70,7 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     if (args.draft_model or args.prompt_lookup) and sampling.processed:
         raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
                          "--repetition-penalty or --json-schema here: leave it out")
-    link = link_from_args(args, address, "run", discovery=discovery)
+    link = link_from_args(args, address, "run", discovery=discovery, size=ranks_from_args(args, "run"))
     draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
     settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
                            chat=not args.no_chat_template, sampling=sampling,

@@ -30,6 +30,7 @@ from .pair_args import (
     check_at_least,
     link_from_args,
     lockstep_address,
+    ranks_from_args,
 )
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
@@ -159,7 +160,7 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     want = {"leader": "lead", "worker": "work", None: "any"}[args.role]
     address, discovery = lockstep_address(args, "serve", want, " (it serves HTTP on --host/--port)",
                                           f"http://{args.host}:{args.port}/v1")
-    link = link_from_args(args, address, "serve", discovery=discovery)
+    link = link_from_args(args, address, "serve", discovery=discovery, size=ranks_from_args(args, "serve"))
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0)))
     if args.rejoin and address.role != "worker" and discovery is None:

@@ -122,7 +122,7 @@ int tp_probe(const char *device, char *err, size_t errlen);
  * drop=l2w|w2l:K, drop_nth=l2w|w2l:N (on every build, the sender's N-th
  * hot-path message over 64 bytes is lost, counted from 1: gate and bulk
  * chunks, never the warm-up's plain sends), kill_unposted=0|1, loss=P,
- * seed=S, max_msg=N, max_recv=N, post_cap=N, delay_us=N (README's table). */
+ * seed=S, max_msg=N, max_recv=N, post_cap=N, delay_us=N (docs/design.md's table). */
 tp_dev *tp_open(const char *device, int gid_index, const char *bind_ipv4, int role,
                 const char *faults, void *slab, uint64_t slab_bytes,
                 char *err, size_t errlen);

@@ -223,7 +223,8 @@ class LinkSettings:
     (split.measure), carried by its hello for `--split auto`. identity: the model the hello
     checks (resolved(identity) sets it). (The bring-up's test-only switches are seams in
     link/bringup.py, not fields.)
-    discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator.
+    discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator;
+    with size > 2, the group (link/findgroup.py: the ranks and the leader's address, then the mesh).
     size: ranks in the group (2: a pair, as always; 3..8: a mesh, link/mesh.py: the leader
     listens with size=N, the workers dial it). ask_rank: the rank a worker asks the leader for
     (None: any; the leader gives asked ranks first, the rest in the order the workers joined).
@@ -271,6 +272,20 @@ class LinkSettings:
         if not isinstance(self.address, PairAddress):
             raise ValueError(f"address={self.address!r}: make it with pair_address(role, listen, "
                              "coordinator)")
+        self._check_how_met()
+        self._check_rdma()
+        self._check_numbers()
+        secret_bytes(self.secret, {})
+        self._check_mesh()
+        if self.verbs_library is not None and not isinstance(self.verbs_library, str):
+            raise ValueError(
+                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
+                f"library, or None for {VERBS_LIBRARY_ENV}"
+            )
+        return self
+
+    def _check_how_met(self) -> None:
+        """The address or discovery: one way of meeting the peer, and a role that fits it."""
         if self.discovery is not None:
             self.discovery.check()
             if self.transport == MLX or self.address.listen or self.address.coordinator:
@@ -282,12 +297,16 @@ class LinkSettings:
                                  "(rank 1), or None to take MLX's rank (--role leader|worker)")
         else:
             pair_address(self.address.role, self.address.listen, self.address.coordinator)
+
+    def _check_rdma(self) -> None:
         if self.rdma_device is not None and (not isinstance(self.rdma_device, str) or not self.rdma_device):
             raise ValueError(f"rdma_device={self.rdma_device!r}: give a verbs device name (e.g. "
                              "'rdma_en1'), 'ucsim', or None for the first active one (--rdma-device)")
         gid = self.gid_index
         if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool) or gid < 0):
             raise ValueError(f"gid_index={gid!r} must be a non-negative integer or None (--rdma-gid-index N)")
+
+    def _check_numbers(self) -> None:
         for name in ("timeout", "hello_timeout"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -298,14 +317,6 @@ class LinkSettings:
                                  or not 0 <= spin <= MAX_TCP_SPIN_US):
             raise ValueError(f"tcp_spin_us={spin!r}: give 0 (never poll) to {MAX_TCP_SPIN_US} "
                              "microseconds, or None for DS4_TP_TCP_SPIN_US / the default")
-        secret_bytes(self.secret, {})
-        self._check_mesh()
-        if self.verbs_library is not None and not isinstance(self.verbs_library, str):
-            raise ValueError(
-                f"verbs_library={self.verbs_library!r}: give a path (str), \"\" for the system "
-                f"library, or None for {VERBS_LIBRARY_ENV}"
-            )
-        return self
 
     def _check_mesh(self) -> None:
         size = self.size
@@ -320,9 +331,9 @@ class LinkSettings:
                 raise ValueError(f"rank={ask!r} with role {self.address.role!r}: rank 0 is the leader, "
                                  "which listens; a worker dials it and asks for 1 .. "
                                  f"{size - 1} (or None)")
-        if size > 2 and (self.transport == MLX or self.discovery is not None):
+        if size > 2 and self.transport == MLX:
             raise ValueError(f"size={size}: a mesh of more than two ranks is made at an address "
-                             "(listen/coordinator), not over transport 'mlx' or by discovery")
+                             "(listen/coordinator) or by discovery, not over transport 'mlx'")
         for peer, device in (self.rdma_devices or {}).items():
             if (isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size
                     or not isinstance(device, str) or not device):
@@ -339,8 +350,9 @@ class LinkSettings:
             raise ValueError("transport='mlx' is MLX's own group, not a pair: it has no pair "
                              "configuration (mx.distributed.init makes it)")
         if self.discovery is not None:
-            raise ValueError("discovering settings have no address yet: link.meet finds the peer, "
-                             "then resolves the settings with its address")
+            raise ValueError("discovering settings have no address yet: link.meet finds the peer "
+                             "(link.findgroup.find_group the group of N), then resolves the settings "
+                             "with its address")
         env = os.environ
         return dataclasses.replace(
             self,

@@ -4,8 +4,9 @@ and browses for the others'.
 
 An advert's TXT record says what a rank is and where it stands: the model's fingerprint digest
 and the protocol version (a rank pairs only with a peer equal in both), its RDMA device, its
-figures for `--split auto` (what its hello will carry), what it wants (lead: `run --prompt` or
---role leader; work: a worker, or a rank that already holds a worker's share; any: `serve`),
+figures for `--split auto` (what its hello will carry), the group's size when it is more than
+two ranks (n: a rank looks only for ranks of its own size; link/findgroup.py), what it wants
+(lead: `run --prompt` or --role leader; work: a worker, or a rank that already holds a worker's share; any: `serve`),
 its state (seek: unpaired; lead: a leader waiting for a worker, on the port in the record;
 paired), its host name and, for a serving leader, its HTTP URL. The secret is never in it: the
 hello's challenge-response proves that (link/hello.py).
@@ -60,13 +61,18 @@ class Advert:
     host: str = ""
     http: str = ""
     addresses: Tuple[str, ...] = ()
+    size: int = 2
 
     def txt(self) -> Dict[str, str]:
-        """The TXT record's items (each well under DNS-SD's 255 bytes)."""
-        return {"v": str(self.version), "id": self.instance, "m": self.digest, "w": self.want,
-                "st": self.state, "p": str(self.port), "rd": self.rdma,
-                "fig": f"{self.figures.memory_bytes},{self.figures.speed}",
-                "host": self.host[:63], "http": self.http[:200]}
+        """The TXT record's items (each well under DNS-SD's 255 bytes). A pair's record has no
+        size item (it is a pair's as it always was); a group's says its size."""
+        items = {"v": str(self.version), "id": self.instance, "m": self.digest, "w": self.want,
+                 "st": self.state, "p": str(self.port), "rd": self.rdma,
+                 "fig": f"{self.figures.memory_bytes},{self.figures.speed}",
+                 "host": self.host[:63], "http": self.http[:200]}
+        if self.size != 2:
+            items["n"] = str(self.size)
+        return items
 
     @classmethod
     def from_txt(cls, items: Dict, addresses: Sequence[str] = ()) -> Optional["Advert"]:
@@ -78,10 +84,12 @@ class Advert:
             advert = cls(instance=t["id"], digest=t["m"], want=t["w"], state=t["st"],
                          port=int(t.get("p") or 0), version=int(t["v"]), rdma=t.get("rd", ""),
                          figures=RankFigures(memory, speed), host=t.get("host", ""),
-                         http=t.get("http", ""), addresses=tuple(addresses))
+                         http=t.get("http", ""), addresses=tuple(addresses),
+                         size=int(t.get("n") or 2))
         except (KeyError, ValueError):
             return None
-        if advert.want not in WANTS or advert.state not in (SEEK, LEAD, PAIRED) or not advert.instance:
+        if (advert.want not in WANTS or advert.state not in (SEEK, LEAD, PAIRED) or not advert.instance
+                or not 2 <= advert.size <= 64):
             return None
         return advert
 
@@ -100,9 +108,10 @@ def model_digest(summary: bytes) -> str:
 
 def elect(me: Advert, peers: Sequence[Advert], settled: bool) -> Tuple[str, Optional[Advert]]:
     """The stable rule: ("join", leader), ("lead", None) or ("wait", None) for `me` among
-    `peers` (those not refused). Only peers of the same model digest and protocol count."""
+    `peers` (those not refused). Only peers of the same model digest, protocol and group size
+    count (a group of N ranks elects its leader by the same rule: link/findgroup.py)."""
     mates = [p for p in peers if p.instance != me.instance and p.digest == me.digest
-             and p.version == me.version and p.state != PAIRED]
+             and p.version == me.version and p.size == me.size and p.state != PAIRED]
     if me.want != "lead":
         leaders = sorted((p for p in mates if p.state == LEAD and p.port > 0), key=lambda p: p.instance)
         if leaders:

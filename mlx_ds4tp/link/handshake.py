@@ -17,6 +17,7 @@ from ..errors import AuthenticationError, FrameError, HelloMismatchError, PeerCl
 from .advice import advise_once, short_reason
 from .bringup import bring_up_rdma
 from .config import LinkSettings
+from .connection import Pair, fingerprint_mismatch
 from .control import (
     ControlChannel,
     accept,
@@ -29,7 +30,6 @@ from .control import (
 )
 from .hello import Hello, authenticate, check_hello, choose_transport, data_proof
 from .joined import Joined
-from .pair import Pair, fingerprint_mismatch
 from .rdma import RdmaDevice
 from .wire import DATA_HELLO, DATA_MAGIC, LEADER, NONCE_BYTES, PROTOCOL_VERSION, ROLE_NAMES, FrameType
 

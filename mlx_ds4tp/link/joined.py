@@ -14,7 +14,7 @@ import socket
 from .config import LinkSettings
 from .control import ControlChannel
 from .hello import Hello
-from .rdma import RdmaDevice
+from .rdma import RdmaDevice, RdmaOpening
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Joined:
         """Open this side's RDMA device for the pair (its queue pair not yet
         built, connected or warmed up: that is bringup.bring_up_rdma's work)."""
         cfg = self.config
-        return RdmaDevice(
+        return RdmaDevice(RdmaOpening(
             device=cfg.rdma_device,
             gid_index=cfg.gid_index,
             rank=self.rank,
@@ -50,7 +50,7 @@ class Joined:
             verbs_library=cfg.verbs_library,
             faults=cfg.ucsim_faults,
             no_imm=cfg.rdma_no_imm,
-        )
+        ))
 
     def close(self) -> None:
         """Close both connections (a bring-up that failed hard, or Pair.close)."""

@@ -20,9 +20,9 @@ from ..base.log import log
 from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
 from . import discovery as dsc
 from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeout, secret_bytes
+from .connection import Pair
 from .control import dial as control_dial
 from .hello import ModelIdentity
-from .pair import Pair
 from .rdma import rdma_probe
 
 # How long a worker keeps dialing a leader it heard of: a leader listens a moment after its
@@ -44,8 +44,8 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
     needs a secret and there is none."""
     disc = link.discovery
     interfaces = [dsc.interface(name) for name in disc.interfaces]
-    _check_secret(link, interfaces)
-    finder = _finder(disc, interfaces, identity, link)
+    check_secret(link, interfaces)
+    finder = finder_for(disc, interfaces, identity, link)
     finder.publish(state=dsc.SEEK, port=0, want=disc.want, http=disc.http_url, figures=link.figures)
     log(f"discovery: looking on {', '.join(disc.interfaces)} for a rank with this model "
         f"({_WANTS[disc.want]})")
@@ -82,7 +82,9 @@ def _paired(pair: Pair, started: float) -> Pair:
     return pair
 
 
-def _check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
+def check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
+    """A ValueError, before anything is advertised, when `link` has no secret and one of
+    `interfaces` is open to others (not loopback, not a Thunderbolt cable)."""
     if secret_bytes(link.secret) is not None:
         return
     # Only this machine, or the Mac at the other end of a Thunderbolt cable, can be on loopback
@@ -97,19 +99,21 @@ def _check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
             "DS4_TP_SECRET)")
 
 
-def _finder(disc: DiscoverySettings, interfaces: List[dsc.Interface], identity: ModelIdentity,
-            link: LinkSettings) -> dsc.Finder:
-    """This process's advert on these interfaces, for this model (kept for its rejoins)."""
+def finder_for(disc: DiscoverySettings, interfaces: List[dsc.Interface], identity: ModelIdentity,
+               link: LinkSettings) -> dsc.Finder:
+    """This process's advert on these interfaces, for this model and group size (kept for its
+    rejoins; a group of N ranks finds its members with it too, link/findgroup.py)."""
     digest = dsc.model_digest(identity.fingerprint.summary() if identity.fingerprint is not None
                               else repr(identity).encode())
-    key = (disc.interfaces, digest)
+    key = (disc.interfaces, digest, link.size)
     with _lock:
         finder = _finders.get(key)
         if finder is None:
             # A random instance id: what breaks the tie between two `any` ranks.
             me = dsc.Advert(instance=secrets.token_hex(8), digest=digest, want=disc.want,
                             rdma=_device_of(link, interfaces[0], quiet=True) or "",
-                            figures=link.figures, host=socket.gethostname(), http=disc.http_url)
+                            figures=link.figures, host=socket.gethostname(), http=disc.http_url,
+                            size=link.size)
             finder = _finders[key] = dsc.Finder(interfaces, me)
             if len(_finders) == 1:
                 atexit.register(close_all)
@@ -129,7 +133,7 @@ def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
           interfaces: List[dsc.Interface]) -> Pair:
     iface = interfaces[0]
     host = iface.listen_host()
-    port = _free_port(host)
+    port = free_port(host)
     device = _device_of(link, iface)
     finder.publish(state=dsc.LEAD, port=port)
     log(f"discovery: this machine ({socket.gethostname()}) leads; waiting for its worker on "
@@ -187,7 +191,8 @@ def _device_of(link: LinkSettings, iface: dsc.Interface, quiet: bool = False) ->
     return device
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A port free now on `host` (the leader listens there a moment later)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0) if family == socket.AF_INET else socket.getaddrinfo(host, 0, family)[0][4])
@@ -211,3 +216,7 @@ def _nobody(finder: dsc.Finder, refused: Set[str], disc: DiscoverySettings) -> s
     return (f"discovery on {', '.join(disc.interfaces)} found no peer to pair with before the "
             f"timeout ({'; '.join(why) or 'none was free'}); start the other rank with the same "
             "--model on the other end of the link (DS4_TP_TIMEOUT_SEC sets how long to look)")
+
+
+# The names tests/test_discovery.py has always called.
+_check_secret = check_secret

@@ -28,9 +28,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ..base.log import log
 from ..errors import FrameError, TransportError
 from .config import LinkSettings, PairAddress, parse_fault_links
+from .connection import Pair
 from .control import ControlChannel, dial, tune_socket
 from .door import Door
-from .pair import Pair
 from .wire import (
     JOIN_PAYLOAD,
     JOIN_TAG,

@@ -5,6 +5,7 @@ then runs its decode window and bulk rounds on it in C."""
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from typing import Optional, Tuple
 
@@ -45,8 +46,10 @@ def rdma_probe(device: Optional[str], verbs_library: str) -> Tuple[bool, str]:
     return bool(ok), ffi.string(err).decode("utf-8", "replace")
 
 
-class RdmaDevice:
-    """One registered slab and one UC queue pair on an open device.
+@dataclasses.dataclass(frozen=True)
+class RdmaOpening:
+    """What one side opens its RDMA device with (Joined.open_rdma makes it from the link's
+    settings and sockets).
 
     device: "ucsim" or an ibverbs device name (None: the first). gid_index:
     None lets the provider pick. rank: 0 leader, 1 worker. bind_ip: this
@@ -58,15 +61,29 @@ class RdmaDevice:
     verbs_library: the library the ibverbs provider loads ("" = the system one;
     LinkSettings.verbs_library, DS4_TP_VERBS_LIBRARY)."""
 
-    def __init__(self, *, device: Optional[str], gid_index: Optional[int], rank: int,
-                 bind_ip: str, control_fd: int, data_fd: int, timeout: float,
-                 verbs_library: str, faults: str = "", no_imm: bool = False):
+    device: Optional[str]
+    gid_index: Optional[int]
+    rank: int
+    bind_ip: str
+    control_fd: int
+    data_fd: int
+    timeout: float
+    verbs_library: str
+    faults: str = ""
+    no_imm: bool = False
+
+
+class RdmaDevice:
+    """One registered slab and one UC queue pair on an open device (RdmaOpening says which)."""
+
+    def __init__(self, opening: "RdmaOpening"):
         self.ffi, self.lib = load_verbs()
-        use_verbs_library(self.ffi, self.lib, verbs_library)
-        self.timeout = timeout
-        self.no_imm = no_imm
+        use_verbs_library(self.ffi, self.lib, opening.verbs_library)
+        self.timeout = opening.timeout
+        self.no_imm = opening.no_imm
         self._err = self.ffi.new("char[]", _ERR_BYTES)
-        self.device = device or ""
+        self.device = opening.device or ""
+        bind_ip = opening.bind_ip
         if self.device == UCSIM and ":" in bind_ip:
             raise RdmaUnavailableError(
                 f"ucsim needs an IPv4 control address, this side uses {bind_ip}; "
@@ -82,10 +99,10 @@ class RdmaDevice:
         self.slab = self.ffi.from_buffer(self._slab_map)
         self.dev = self.lib.tp_open(
             self.device.encode() if self.device else self.ffi.NULL,
-            -1 if gid_index is None else int(gid_index),
+            -1 if opening.gid_index is None else int(opening.gid_index),
             bind_ip.encode(),
-            rank,
-            faults.encode(),
+            opening.rank,
+            opening.faults.encode(),
             self.slab,
             self.slab_bytes,
             self._err,
@@ -93,8 +110,8 @@ class RdmaDevice:
         )
         if self.dev == self.ffi.NULL:
             raise RdmaUnavailableError(self._error_text())
-        self.lib.tp_set_fds(self.dev, control_fd, data_fd)
-        self.lib.tp_set_no_imm(self.dev, int(no_imm))
+        self.lib.tp_set_fds(self.dev, opening.control_fd, opening.data_fd)
+        self.lib.tp_set_no_imm(self.dev, int(opening.no_imm))
         self.warm_send = self.slab + self.hot_bytes
         self.warm_recv = self.slab + self.hot_bytes + RDMA_MAX_MSG
         self.setup_attempt = 0

@@ -1,4 +1,4 @@
-"""One rank's stored prompt caches on disk (`ds4tp serve --prompt-cache-dir`, README "Prompt
+"""One rank's stored prompt caches on disk (`ds4tp serve --prompt-cache-dir`, docs/serving.md's "Prompt
 cache on disk"): its own half of each KV cache, in mlx-lm's prompt-cache file format.
 
 A file is named by this rank's key (rank_key: each rank holds its own part of the heads) and

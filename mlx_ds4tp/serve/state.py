@@ -8,7 +8,7 @@ import threading
 import time
 from typing import List
 
-from .engine import Engine
+from .engine.loop import Engine
 from .errors import ApiError
 from .http.metrics import ServeMetrics
 from .settings import HttpSettings, ServedModel

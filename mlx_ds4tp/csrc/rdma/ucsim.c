@@ -1,7 +1,7 @@
 /* mlx_ds4tp._verbs provider "ucsim": an emulated Apple Thunderbolt RDMA UC
  * device, for machines without one. One UDP socket per device carries one
  * datagram per message; the device reproduces the Apple driver's behaviour
- * (the README's table of DS4_TP_UCSIM_FAULTS):
+ * (docs/design.md's table of DS4_TP_UCSIM_FAULTS):
  *   - UC queue pairs only (RC and UD refused);
  *   - messages above max_msg (16 KiB) are never delivered, yet the send
  *     completes with SUCCESS;

@@ -10,8 +10,9 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
+from ..engine.events import BusyEvent, DoneEvent, EngineEvent, FailedEvent, PairDownEvent, TextEvent
+from ..engine.generation import Request
 from ..errors import GENERATION_FAILED, ApiError, unavailable
-from ..generation import Request
 from ..http.metrics import TokenClock
 from ..state import ServeState
 from .chat import ChatText
@@ -92,22 +93,21 @@ async def answer_pieces(state: ServeState, request: Request, chat: Optional[Chat
                     yield IDLE
                 continue
             last = time.monotonic()
-            _raise_if_failed(event)
-            if event[0] == "text":
-                text.append(event[1])
-                items.extend(event[2])
+            if isinstance(event, TextEvent):
+                text.append(event.text)
+                items.extend(event.items)
                 clock.tokens(request.completion_tokens - counted)
                 counted = request.completion_tokens
                 continue
-            # "done", the last event there is.
+            finish = _finish_reason(event)  # the last event there is
             state.metrics.finished(len(request.prompt), request.completion_tokens, request.cached_tokens)
             if text:
                 yield text_piece()
             # The end's text first: a format whose call ends at EOS (Mistral's [TOOL_CALLS]) has
             # its call read only there.
-            said = chat.finish(event[1]) if chat else _plain("")
-            called = chat is not None and chat.made_tool_call and event[1] == "stop"
-            yield Piece(said, [], "tool_calls" if called else event[1])
+            said = chat.finish(finish) if chat else _plain("")
+            called = chat is not None and chat.made_tool_call and finish == "stop"
+            yield Piece(said, [], "tool_calls" if called else finish)
             return
     except (asyncio.CancelledError, GeneratorExit):
         # Nobody will read the rest of the answer: free the session on both ranks.
@@ -115,16 +115,19 @@ async def answer_pieces(state: ServeState, request: Request, chat: Optional[Chat
         raise
 
 
-def _raise_if_failed(event: tuple) -> None:
-    """The ApiError of an event that ends the answer short: the pair down, the queue full, this
-    request's own failure (its cause in one line)."""
-    if event[0] == "error":
-        raise unavailable(event[1])
-    if event[0] == "busy":
-        raise ApiError(429, event[1], None, "server_busy", "rate_limit_error")
-    if event[0] == "failed":
-        raise ApiError(500, f"generating this answer failed ({_one_line(event[1])}); the server goes "
+def _finish_reason(event: EngineEvent) -> str:
+    """The finish reason of the event that ends an answer; the ApiError of one that ends it
+    short: the pair down, the queue full, this request's own failure (its cause in one line)."""
+    if isinstance(event, DoneEvent):
+        return event.finish
+    if isinstance(event, PairDownEvent):
+        raise unavailable(event.cause)
+    if isinstance(event, BusyEvent):
+        raise ApiError(429, event.reason, None, "server_busy", "rate_limit_error")
+    if isinstance(event, FailedEvent):
+        raise ApiError(500, f"generating this answer failed ({_one_line(event.cause)}); the server goes "
                        "on serving", None, GENERATION_FAILED, "server_error")
+    raise TypeError(f"not an engine event: {event!r}")
 
 
 def _one_line(cause: str, limit: int = 300) -> str:

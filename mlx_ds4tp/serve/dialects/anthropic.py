@@ -10,8 +10,8 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
+from ..engine.generation import Request
 from ..errors import ApiError
-from ..generation import Request
 from ..state import ServeState
 from . import openai
 from .answer import IDLE, Answer, Piece, SseEvent

@@ -13,8 +13,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ...lockstep.sampling import SamplingOptions
 from ...lockstep.settings import draft_tokens_problem
+from ..engine.generation import Request
 from ..errors import ApiError
-from ..generation import Request
 from ..state import ServeState
 from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent
 from .chat import ChatText, chat_prompt, chat_tools

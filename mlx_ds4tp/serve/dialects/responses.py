@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
+from ..engine.generation import Request
 from ..errors import ApiError
-from ..generation import Request
 from ..state import ResponseStore, ServeState
 from . import openai
 from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent

@@ -1,4 +1,4 @@
-"""Structured output (README's "Structured output"): what a request's `response_format`, strict
+"""Structured output (docs/serving.md's "Structured output"): what a request's `response_format`, strict
 tools and forced `tool_choice` ask of the model's output, as the grammar its sampler is masked
 with (lockstep.grammar). A schema is enforced whether or not `strict` is set (as vLLM does): a
 best effort that is always met is still met. Constrained calls are written in the model's own

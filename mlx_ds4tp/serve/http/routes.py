@@ -18,8 +18,8 @@ from ...base.log import log
 from ..dialects import anthropic, openai, responses
 from ..dialects.answer import Answering, answer_pieces, whole_answer
 from ..dialects.openai import ParsedRequest
+from ..engine.generation import Request
 from ..errors import GENERATION_FAILED, ApiError, ClientGone, PairUnavailable, unavailable
-from ..generation import Request
 from ..state import ServeState
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .sse import failed_stream, stream_bytes

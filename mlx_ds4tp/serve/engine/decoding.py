@@ -1,6 +1,6 @@
 """The engine's view of the leader's batch (lockstep.batch.Batch): the sessions decoding and
 waiting to join, each step's output by session, and the step timings the mixed-prefill choice
-decides by (serve.mixing). The batch itself decodes, samples and speculates, for `ds4tp run`
+decides by (serve.engine.mixing). The batch itself decodes, samples and speculates, for `ds4tp run`
 and `ds4tp serve` alike; this module only maps its rows to the engine's sessions.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from ..lockstep.batch import Batch, StepOutput as BatchStep
+from ...lockstep.batch import Batch, StepOutput as BatchStep
 from .generation import RunningSession, StepOutput, cancelled_out
 from .mixing import MixChoice
 
@@ -18,7 +18,7 @@ class DecodeStepper:
 
     def __init__(self, batch: Batch, mixing: MixChoice):
         self.batch = batch
-        self.mixing = mixing  # the step timings it decides by (serve.mixing)
+        self.mixing = mixing  # the step timings it decides by (serve.engine.mixing)
         self._sessions: Dict[int, RunningSession] = {}  # by row id
 
     @property

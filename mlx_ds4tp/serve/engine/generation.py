@@ -6,19 +6,19 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Tuple
 
-from ..lockstep.batch import BatchRequest, Row, RowResult, StepOutput as BatchStep
-from ..lockstep.sampling import SamplingOptions
+from ...lockstep.batch import BatchRequest, Row, RowResult, StepOutput as BatchStep
+from ...lockstep.sampling import SamplingOptions
 from .events import EventQueue
 from .text_stream import TextStream
 
 
 @dataclasses.dataclass
 class Request:
-    """One generation as the HTTP layer hands it over; `events` receives ("text", str, items),
-    then ("done", finish_reason), ("failed", message) when this request alone failed, or
-    ("error", message) when the pair is down. `logprobs`: None, or how many most likely
-    tokens each generated token's logprobs entry lists (items: those entries, OpenAI's shape,
-    for the tokens since the last text event)."""
+    """One generation as the HTTP layer hands it over; `events` receives TextEvents, then
+    one that ends it: DoneEvent, FailedEvent when this request alone failed, PairDownEvent
+    when the pair is down, BusyEvent when it was refused for want of KV room (serve.engine.events).
+    `logprobs`: None, or how many most likely tokens each generated token's logprobs entry
+    lists (a TextEvent's items: those entries, OpenAI's shape, for its tokens)."""
 
     prompt: List[int]
     max_tokens: int

@@ -1,6 +1,6 @@
 """What becomes of a step's tokens: each into its session (text out, logprobs, the finish
 reason: an eos, a stop string, max_tokens, a cancel), then the sessions that finished ended on
-both ranks, a completed one's cache stored for reuse (serve.admission). Every kind of step
+both ranks, a completed one's cache stored for reuse (serve.engine.admission). Every kind of step
 (pipelined, stepped, verified, mixed) ends here alike, from what it returned (StepOutput)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..lockstep.sampling import logprob_item
+from ...lockstep.sampling import logprob_item
 from .admission import Admission
+from .events import DoneEvent, FailedEvent, TextEvent
 from .generation import RowResult, RunningSession, StepOutput
 
 
@@ -69,7 +70,7 @@ class Finishing:
             session.items.append(logprob_item(self.tokenizer, logprobs, token, request.logprobs))
         text, stopped = session.text.add(token)
         if text:
-            request.events.put(("text", text, session.items))
+            request.events.put(TextEvent(text, tuple(session.items)))
             session.items = []
         if stopped:
             return "stop", False  # whatever follows a stop string is never sent
@@ -89,7 +90,7 @@ class Finishing:
             if outcome.finish == "failed":
                 # Leader-only work failed for this request: the pair is fine, and the
                 # session ends on both ranks like an abandoned one.
-                session.request.events.put(("failed", outcome.error))
+                session.request.events.put(FailedEvent(outcome.error))
                 self.admission.close(session, None)
             elif outcome.finish == "cancelled":
                 self.admission.close(session, None)
@@ -105,5 +106,5 @@ class Finishing:
         self.admission.close(session, request.prompt + fed)
         tail = session.text.finish() if flush else ""
         if tail or session.items:
-            request.events.put(("text", tail, session.items))
-        request.events.put(("done", finish))
+            request.events.put(TextEvent(tail, tuple(session.items)))
+        request.events.put(DoneEvent(finish))

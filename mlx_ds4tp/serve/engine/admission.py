@@ -11,12 +11,13 @@ import collections
 import time
 from typing import Dict, List, Optional, Sequence
 
-from ..lockstep.batch import Batch
-from ..lockstep.prompt_cache import PromptCacheIndex
-from ..lockstep.session_caches import kv_code
-from ..lockstep.sessions import LeaderSessions
+from ...lockstep.batch import Batch
+from ...lockstep.prompt_cache import PromptCacheIndex
+from ...lockstep.session_caches import kv_code
+from ...lockstep.sessions import LeaderSessions
+from ..limits import ServeLimits
+from .events import BusyEvent, PairDownEvent
 from .generation import Request, RunningSession, batch_request, reserved_tokens
-from .limits import ServeLimits
 
 
 def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
@@ -52,12 +53,12 @@ class Admission:
 
     def offer(self, request: Request) -> List[RunningSession]:
         """Queue a request behind the waiting ones; the sessions that start now. A request that
-        must wait while max_queued others already wait gets ("busy", reason) and is dropped."""
+        must wait while max_queued others already wait gets a BusyEvent and is dropped."""
         self.waiting.append(request)
         started = self.start_waiting()
         if len(self.waiting) > self.max_queued:
-            self.waiting.pop().events.put((
-                "busy", f"{self.max_queued} requests already wait for room in the KV budget "
+            self.waiting.pop().events.put(BusyEvent(
+                f"{self.max_queued} requests already wait for room in the KV budget "
                 f"(--max-kv-tokens {self.kv_budget}, --max-queued {self.max_queued}); retry shortly"))
         return started
 
@@ -151,13 +152,13 @@ class Admission:
         self.stats["disk_load_ms"] += int(1000 * (time.perf_counter() - began))
 
     def fail(self, message: str) -> None:
-        """The pair is down: every request under way or waiting gets ("error", message)."""
+        """The pair is down: every request under way or waiting gets PairDownEvent(message)."""
         owned = list(self._owned.values())
         self._owned.clear()
         for request in owned:
-            request.events.put(("error", message))
+            request.events.put(PairDownEvent(message))
         while self.waiting:
-            self.waiting.popleft().events.put(("error", message))
+            self.waiting.popleft().events.put(PairDownEvent(message))
         self.reserved = 0
 
     def renew(self) -> None:

@@ -4,7 +4,7 @@ One chunk of each of the oldest of them (up to prompt_concurrency) goes in one p
 forward on both ranks (PREFILL_BATCH): prompts that arrive together cost one forward per
 chunk, not one each, and a long prompt delays the running sessions by one chunk per turn,
 not by its whole length. With --mixed-prefill the prompts may instead ride in the decode step
-(serve.mixing decides, turn by turn, from what it measured): they are then handed over to the
+(serve.engine.mixing decides, turn by turn, from what it measured): they are then handed over to the
 decode batch, which carries their chunks from there on.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import List
 
-from ..link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
-from ..lockstep.batch import Batch
+from ...link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
+from ...lockstep.batch import Batch
+from ..limits import ServeLimits
 from .generation import RunningSession, cancelled_out
-from .limits import ServeLimits
 from .mixing import MixChoice
 
 
@@ -32,7 +32,7 @@ class PrefillScheduler:
         # Prompts prefilled together in one padded forward (mlx_lm.server's --prompt-concurrency).
         self.concurrency = max(1, min(limits.prompt_concurrency, MAX_PREFILL_ROWS))
         # Prompt tokens a prefilling session carries in a decode step (0: prompts are prefilled
-        # in forwards of their own); serve.mixing says why, and decides when.
+        # in forwards of their own); serve.engine.mixing says why, and decides when.
         self.mixed_prefill = limits.mixed_prefill
         self.mixing = MixChoice(limits.mixed_when)
         self.queue: List[RunningSession] = []

@@ -1,12 +1,58 @@
 """A request's events, as the engine's one thread hands them to the HTTP face's event loop:
-put from the engine thread (a queue.Queue, so the engine and the tests use it as one), awaited
-on the loop without a thread per waiting request."""
+what happened (one frozen type per kind, matched by type), and the queue they travel in, put
+from the engine thread (a queue.Queue, so the engine and the tests use it as one), awaited on
+the loop without a thread per waiting request."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
+
+
+@dataclasses.dataclass(frozen=True)
+class TextEvent:
+    """Text the request generated, and the logprobs entries (OpenAI's shape) of its tokens
+    since the last text event (empty unless logprobs were asked for)."""
+
+    text: str
+    items: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DoneEvent:
+    """The request ended as asked: "stop" (EOS or a stop string) or "length"; the last event."""
+
+    finish: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedEvent:
+    """This request alone failed (its cause, perhaps with a state dump after the first line);
+    the server goes on serving the others. The last event."""
+
+    cause: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PairDownEvent:
+    """The pair is down (the worker gone, a gate failed): every request under way ends with
+    this. The last event."""
+
+    cause: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BusyEvent:
+    """The request was refused before it started: too many already wait for KV room. The last
+    event."""
+
+    reason: str
+
+
+EngineEvent = Union[TextEvent, DoneEvent, FailedEvent, PairDownEvent, BusyEvent]
+ENDING_EVENTS = (DoneEvent, FailedEvent, PairDownEvent, BusyEvent)
 
 
 class EventQueue(queue.Queue):
@@ -26,14 +72,14 @@ class EventQueue(queue.Queue):
             except RuntimeError:
                 pass  # the loop has closed (the server stopped): nobody waits any more
 
-    def poll(self) -> Optional[tuple]:
+    def poll(self) -> Optional[EngineEvent]:
         """The next event if one is there, else None (events are never None)."""
         try:
             return self.get_nowait()
         except queue.Empty:
             return None
 
-    async def next(self, timeout: float) -> Optional[tuple]:
+    async def next(self, timeout: float) -> Optional[EngineEvent]:
         """The next event, or None when none came within `timeout` seconds."""
         woken = asyncio.Event()
         self._waiter = (asyncio.get_running_loop(), woken)

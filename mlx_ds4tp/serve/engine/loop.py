@@ -2,14 +2,14 @@
 
 One thread owns the model and the control channel. Its narrow, thread-safe face to the HTTP
 event loop: `submit` a request (the inbox), cancel it (its `cancelled` flag, read at the next
-turn), and its events (a queue per request the loop awaits, serve/events.py). Each turn of its loop:
-  1. admits waiting requests (serve.admission: the KV budget, the stored prefix of each
+turn), and its events (a queue per request the loop awaits, serve/engine/events.py). Each turn of its loop:
+  1. admits waiting requests (serve.engine.admission: the KV budget, the stored prefix of each
      prompt, the session created on both ranks from that cache);
-  2. prefills one chunk of the oldest prompts in one padded forward (serve.prefill), unless
+  2. prefills one chunk of the oldest prompts in one padded forward (serve.engine.prefill), unless
      this turn's prompts ride in the decode step (mixed prefill);
-  3. runs one decode step over the batch and the sessions joining it (serve.decoding);
+  3. runs one decode step over the batch and the sessions joining it (serve.engine.decoding);
   4. takes what the step produced into the sessions, ending the finished ones on both ranks
-     and storing their caches for reuse (serve.finishing).
+     and storing their caches for reuse (serve.engine.finishing).
 When the pair goes down, every session fails with it; `resume` serves again over a pair
 joined anew (serve.pair takes a restarted worker back).
 """
@@ -23,18 +23,19 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from .. import transport as tr
-from ..base.log import log
-from ..lockstep.batch import Batch, BatchSettings
-from ..lockstep.sessions import LeaderSessions, drain_failed_work
-from ..lockstep.speculative import Speculation
-from ..lockstep.table import release_memory
+from ... import transport as tr
+from ...base.log import log
+from ...lockstep.batch import Batch, BatchSettings
+from ...lockstep.sessions import LeaderSessions, drain_failed_work
+from ...lockstep.speculative import Speculation
+from ...lockstep.table import release_memory
+from ..errors import PairUnavailable
+from ..limits import ServeLimits
 from .admission import Admission
 from .decoding import DecodeStepper
-from .errors import PairUnavailable
+from .events import PairDownEvent
 from .finishing import Finishing
 from .generation import Request, RunningSession, StepOutput
-from .limits import ServeLimits
 from .prefill import PrefillScheduler
 
 IDLE_POLL_SEC = 0.25
@@ -270,7 +271,7 @@ class Engine:
         self._end_all(message)
 
     def _end_all(self, message: str) -> None:
-        """Every request under way or waiting gets ("error", message); new ones are refused."""
+        """Every request under way or waiting gets PairDownEvent(message); new ones are refused."""
         with self._lock:
             self._error = self._error or message
         self.prefill.clear()
@@ -279,6 +280,6 @@ class Engine:
         self.admission.fail(message)
         while True:
             try:
-                self._inbox.get_nowait().events.put(("error", message))
+                self._inbox.get_nowait().events.put(PairDownEvent(message))
             except queue.Empty:
                 return
