@@ -12,13 +12,13 @@ from .errors import (
     FrameError,
     GroupNotFoundError,
     HelloMismatchError,
-    LockstepDivergence,
+    LockstepDivergenceError,
     PeerClosedError,
     RdmaError,
     RdmaUnavailableError,
     TransportError,
     TransportTimeoutError,
-    WarmupFailed,
+    WarmupFailedError,
 )
 from .gate_ops import (
     Group,
@@ -36,7 +36,7 @@ from .gate_ops import (
 )
 
 # `ds4tp serve`'s errors live with the server; the package still names them.
-from .serve.errors import ApiError, ClientGone, PairUnavailable
+from .serve.errors import ApiError, ClientGoneError, PairUnavailableError
 from .transport import ModelIdentity, model_fingerprint
 
 __version__ = "0.1.0"
@@ -66,9 +66,9 @@ __all__ = [
     "RdmaError",
     "AuthenticationError",
     "GroupNotFoundError",
-    "WarmupFailed",
-    "PairUnavailable",
+    "WarmupFailedError",
+    "PairUnavailableError",
     "ApiError",
-    "ClientGone",
-    "LockstepDivergence",
+    "ClientGoneError",
+    "LockstepDivergenceError",
 ]

@@ -52,9 +52,9 @@ class RdmaError(TransportError):
         self.code = code
 
 
-class WarmupFailed(TransportError):
+class WarmupFailedError(TransportError):
     """Both directions could not be proven on this build of the queue pair."""
 
 
-class LockstepDivergence(TransportError):
+class LockstepDivergenceError(TransportError):
     """The two ranks computed different logits: their states diverged."""

@@ -154,7 +154,7 @@ def test_run_model_that_is_not_there_names_it(tmp_path):
 @pytest.fixture
 def served(monkeypatch):
     """What cli.serve hands the serving layer, instead of serving."""
-    import mlx_ds4tp.serve.pair as serve_pair
+    import mlx_ds4tp.serve.serving_rank as serve_rank
 
     got = {}
 
@@ -162,7 +162,7 @@ def served(monkeypatch):
         got.update(settings=settings)
         return 0
 
-    monkeypatch.setattr(serve_pair, "run", run)
+    monkeypatch.setattr(serve_rank, "run", run)
     return got
 
 
@@ -338,11 +338,11 @@ def test_sampling_flags_live_in_the_cli_not_the_sampling_module():
 def test_http_errors_live_with_the_server_and_stay_importable():
     import mlx_ds4tp
     import mlx_ds4tp.errors as errors
-    from mlx_ds4tp.serve.errors import ApiError, ClientGone, PairUnavailable
+    from mlx_ds4tp.serve.errors import ApiError, ClientGoneError, PairUnavailableError
 
-    assert mlx_ds4tp.ApiError is ApiError and mlx_ds4tp.ClientGone is ClientGone
-    assert mlx_ds4tp.PairUnavailable is PairUnavailable
-    assert not hasattr(errors, "ApiError") and not hasattr(errors, "ClientGone")
+    assert mlx_ds4tp.ApiError is ApiError and mlx_ds4tp.ClientGoneError is ClientGoneError
+    assert mlx_ds4tp.PairUnavailableError is PairUnavailableError
+    assert not hasattr(errors, "ApiError") and not hasattr(errors, "ClientGoneError")
     assert ApiError(404, "gone", "model", "model_not_found").body()["error"]["param"] == "model"
 
 

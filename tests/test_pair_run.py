@@ -86,7 +86,7 @@ def test_divergence_is_detected():
     the hash check, both with the LOCKSTEP DIVERGENCE message."""
     import mlx.core as mx
 
-    from mlx_ds4tp.errors import LockstepDivergence
+    from mlx_ds4tp.errors import LockstepDivergenceError
     from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
     from pairutil import make_groups, run_both
 
@@ -116,7 +116,7 @@ def test_divergence_is_detected():
         lg.close()
         wg.close()
     for exc in (le, we):
-        assert isinstance(exc, LockstepDivergence) and \
+        assert isinstance(exc, LockstepDivergenceError) and \
             "LOCKSTEP DIVERGENCE at seq 2: the logits differ: local" in str(exc), exc
 
 

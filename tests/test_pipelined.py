@@ -10,7 +10,7 @@ import types
 
 import mlx.core as mx
 
-from mlx_ds4tp.errors import LockstepDivergence
+from mlx_ds4tp.errors import LockstepDivergenceError
 from mlx_ds4tp.lockstep.generate import pair_generate
 from mlx_ds4tp.lockstep.sampling import SamplingOptions
 from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
@@ -137,14 +137,14 @@ def test_seeded_sampling_draws_the_same_tokens_on_both_ranks_and_repeats():
 def test_ranks_that_draw_different_tokens_both_fail_naming_the_divergence():
     stats, le, we, _, _ = _pair(Successor(shift=1), Successor(shift=2), lambda s: pair_generate(s, [3], 6))
     for exc in (le, we):
-        assert isinstance(exc, LockstepDivergence) and "the tokens decoded differ" in str(exc), exc
+        assert isinstance(exc, LockstepDivergenceError) and "the tokens decoded differ" in str(exc), exc
 
 
 def test_debug_hash_catches_logits_that_differ_with_the_same_tokens():
     stats, le, we, _, _ = _pair(Successor(peak=10.0), Successor(peak=9.0),
                                 lambda s: pair_generate(s, [3], 6, debug_hash=2))
     for exc in (le, we):
-        assert isinstance(exc, LockstepDivergence) and "LOCKSTEP DIVERGENCE at seq 2: the logits differ" \
+        assert isinstance(exc, LockstepDivergenceError) and "LOCKSTEP DIVERGENCE at seq 2: the logits differ" \
             in str(exc), exc
     # Without the per-token check the tokens agree, so the pair finishes.
     stats, le, we, _, _ = _pair(Successor(peak=10.0), Successor(peak=9.0), lambda s: pair_generate(s, [3], 6))

@@ -299,11 +299,11 @@ def test_the_frame_bound_holds_the_largest_batch_the_table_accepts():
 @pytest.mark.parametrize("value, says", [("0", "--prompt-concurrency 0 must be >= 1"),
                                          ("257", "--prompt-concurrency 257 must be <= 256")])
 def test_prompt_concurrency_is_checked_and_passed_down(tmp_path, monkeypatch, value, says):
-    import mlx_ds4tp.serve.pair as serve_pair
+    import mlx_ds4tp.serve.serving_rank as serve_rank
     from mlx_ds4tp.cli import build_parser
 
     got = {}
-    monkeypatch.setattr(serve_pair, "run", lambda args, *rest: got.update(args=args) or 0)
+    monkeypatch.setattr(serve_rank, "run", lambda args, *rest: got.update(args=args) or 0)
     (tmp_path / "config.json").write_text("{}")
     leader = ["serve", "--model", str(tmp_path), "--role", "leader", "--listen", "127.0.0.1", "9911"]
     args = build_parser().parse_args(leader)

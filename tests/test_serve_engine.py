@@ -10,7 +10,7 @@ from engine_fakes import FakeSessions, FakeTokenizer, letters
 from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, TextEvent
 from mlx_ds4tp.serve.engine.generation import Request
 from mlx_ds4tp.serve.engine.loop import Engine
-from mlx_ds4tp.serve.errors import PairUnavailable
+from mlx_ds4tp.serve.errors import PairUnavailableError
 from mlx_ds4tp.serve.limits import ServeLimits
 
 
@@ -59,7 +59,7 @@ def test_the_pair_going_down_fails_everyone_and_resume_serves_again():
     assert engine.wait_down(10)
     assert "the worker closed the connection" in engine.error and not engine.alive()
     assert sessions.commands[-1][0] == "abort"
-    with pytest.raises(PairUnavailable):
+    with pytest.raises(PairUnavailableError):
         engine.submit(Request([1], 2))
     fresh = FakeSessions()
     engine.resume(fresh)

@@ -1,4 +1,4 @@
-"""`ds4tp serve` outliving a rank (serve/pair.py): a worker that dies is taken back by the
+"""`ds4tp serve` outliving a rank (serve/serving_rank.py): a worker that dies is taken back by the
 leader, which never restarts; a leader that dies ends the worker within the timeout, or, with
 --rejoin, the worker waits and serves the next leader."""
 

@@ -118,7 +118,7 @@ def mlx_lm_server(model: Path, concurrency: int) -> Tuple[subprocess.Popen, str]
 def model_limits(model: Path) -> Tuple[int, int]:
     """(vocabulary size, context length) as the model's config states them (what the server
     computes them from)."""
-    from ..serve.pair import context_length
+    from ..serve.serving_rank import context_length
 
     config = json.loads((model / "config.json").read_text())
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")

@@ -149,9 +149,9 @@ def _size(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Check the flags once, then run this rank of `ds4tp serve`."""
-    from ..serve import pair as serve_pair
+    from ..serve import serving_rank as serve_rank
 
-    return serve_pair.run(check_args(args))
+    return serve_rank.run(check_args(args))
 
 
 def check_args(args: argparse.Namespace) -> ServeSettings:

@@ -24,7 +24,7 @@ from ..errors import (
     PeerClosedError,
     RdmaUnavailableError,
     TransportError,
-    WarmupFailed,
+    WarmupFailedError,
 )
 from .joined import Joined
 from .rdma import RdmaDevice
@@ -93,7 +93,7 @@ def exchange_status(joined: Joined, ok: bool, message: str) -> tuple:
 
 
 def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
-    """Prove both directions; returns the rounds used. Raises WarmupFailed."""
+    """Prove both directions; returns the rounds used. Raises WarmupFailedError."""
     if WARMUP_DELAY_MS:
         time.sleep(random.uniform(0.0, WARMUP_DELAY_MS) / 1000.0)
     rdma.post_recv(rdma.warm_recv, WARM_BYTES, WARM_WR_ID)
@@ -118,7 +118,7 @@ def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec
             for wc in rdma.poll(8, max(0.0, left)):
                 if wc.opcode == rdma.lib.TP_WC_RECV and wc.wr_id == WARM_WR_ID:
                     if wc.status != rdma.lib.TP_WC_SUCCESS:
-                        raise WarmupFailed(
+                        raise WarmupFailedError(
                             f"tp rdma: warm-up receive completed with status {wc.status}"
                         )
                     received = True
@@ -128,7 +128,7 @@ def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec
         if received and peer_received:
             rdma.poll(64, 0.0)  # the sends' completions: the exchanges start on a clean queue
             return round_no
-    raise WarmupFailed(
+    raise WarmupFailedError(
         f"tp rdma: warm-up failed after {rounds} attempts "
         f"(recv {int(received)}, peer {int(peer_received)})"
     )
@@ -209,7 +209,7 @@ def _warm_loop(joined: Joined, rdma: RdmaDevice, strict: bool) -> Optional[RdmaD
         warm_started = time.monotonic()
         try:
             used = warm_up(joined, rdma)
-        except WarmupFailed as exc:
+        except WarmupFailedError as exc:
             if setup_attempt >= MAX_SETUP_ATTEMPT:
                 return _give_up(rdma, strict, f"{exc} on all {setup_attempt + 1} queue pair builds")
             setup_attempt += 1

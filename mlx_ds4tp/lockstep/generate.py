@@ -109,7 +109,7 @@ def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: i
     docstring), sampled as mlx-lm samples with `sampling` (options without a seed draw from a
     fresh one); `speculation`: it drafts (its stats then count the drafts and rounds). Every
     `debug_hash` decode steps the logits' hashes are compared with the worker's, and the
-    sampled tokens' at the end (LockstepDivergence stops both)."""
+    sampled tokens' at the end (LockstepDivergenceError stops both)."""
     stats = GenerationStats(prompt_tokens=len(prompt))
     t0 = time.perf_counter()
     batch = Batch(sessions, BatchSettings(debug_hash=debug_hash), speculation)

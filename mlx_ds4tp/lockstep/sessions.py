@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .. import gate_ops, transport as tr
-from ..errors import LockstepDivergence, TransportError
+from ..errors import LockstepDivergenceError, TransportError
 from .commands import (
     COMMANDS,
     CommitBatch,
@@ -197,7 +197,7 @@ class LeaderSessions:
     def _explained(self, work: Callable[[], Any]) -> Any:
         try:
             return work()
-        except LockstepDivergence:
+        except LockstepDivergenceError:
             raise
         except RuntimeError as exc:  # TransportError, or a gate's failure out of MLX's evaluation
             for rank, control in enumerate(self.controls, 1):
@@ -275,7 +275,7 @@ class LeaderSessions:
             _, payload = self._explained(lambda c=control: c.recv(F.DISK_LOAD))
             peer_id, _, theirs, _ = DiskLoad.unpack(payload)
             if peer_id != cache_id:
-                raise LockstepDivergence(f"the worker{self._named(rank)} answered DISK_LOAD of cache "
+                raise LockstepDivergenceError(f"the worker{self._named(rank)} answered DISK_LOAD of cache "
                                          f"{peer_id}; the leader asked for {cache_id}")
             loaded.append(bool(theirs))
         if mine and all(loaded):
@@ -304,7 +304,7 @@ class LeaderSessions:
 
     def check_hash(self, session: int = 0) -> None:
         """Compare a hash with the worker's: of the last step's logits (session 0: --debug-hash),
-        or of the tokens each rank sampled for `session` (a generation's end); LockstepDivergence
+        or of the tokens each rank sampled for `session` (a generation's end); LockstepDivergenceError
         when they differ (the worker stops with it too)."""
         self._swap_hash(session, None)
 

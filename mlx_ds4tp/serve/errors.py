@@ -10,11 +10,11 @@ from typing import Any, Dict, Optional
 GENERATION_FAILED = "generation_failed"
 
 
-class PairUnavailable(RuntimeError):
+class PairUnavailableError(RuntimeError):
     """`ds4tp serve`: the pair is down (worker dead, link dropped): the server answers 503."""
 
 
-class ClientGone(Exception):
+class ClientGoneError(Exception):
     """`ds4tp serve`: the client closed its connection before its answer was complete."""
 
 

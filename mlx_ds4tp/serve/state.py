@@ -41,7 +41,7 @@ class ResponseStore:
 
 
 class ServeState:
-    """What every request reads: set once the pair is up (serve/pair.py), shared by the requests."""
+    """What every request reads: set once the pair is up (serve/serving_rank.py), shared by the requests."""
 
     def __init__(self, engine: Engine, tokenizer, served: ServedModel, http: HttpSettings,
                  context_length: int, vocab_size: int):

@@ -8,14 +8,14 @@ import struct
 
 from ... import transport as tr
 from ...base.log import log
-from ...errors import LockstepDivergence
+from ...errors import LockstepDivergenceError
 from .base import F, Fixed, command
 
 
 def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str, what: str) -> None:
-    """Both ranks' decode step and hash (of `what`) must agree: LockstepDivergence otherwise."""
+    """Both ranks' decode step and hash (of `what`) must agree: LockstepDivergenceError otherwise."""
     if (peer_step, theirs) != (step, mine):
-        raise LockstepDivergence(f"LOCKSTEP DIVERGENCE at seq {step}: the {what} differ: local {mine:016x}, "
+        raise LockstepDivergenceError(f"LOCKSTEP DIVERGENCE at seq {step}: the {what} differ: local {mine:016x}, "
                                  f"{peer} {theirs:016x} at its seq {peer_step} (seq: the decode step)")
 
 
@@ -23,7 +23,7 @@ def check_in_step(step: int, mine: int, peer_step: int, theirs: int, peer: str, 
 class Hash(Fixed):
     """0: the last decode step's logits are hashed, else a session id: the tokens this rank
     sampled for it (DecodeBatch.hash_of); then the decode step and the hash. The worker
-    answers with its own and stops with LockstepDivergence when they differ."""
+    answers with its own and stops with LockstepDivergenceError when they differ."""
 
     frame = F.HASH
     answers = True
@@ -35,7 +35,7 @@ class Hash(Fixed):
 
     @classmethod
     def check(cls, reply: bytes, session: int, step: int, theirs: int) -> None:
-        """After the reply went out (the leader then sees both hashes): LockstepDivergence
+        """After the reply went out (the leader then sees both hashes): LockstepDivergenceError
         when the leader's hash is not this rank's."""
         _, my_step, mine = cls.unpack(reply)
         what = "logits" if session == 0 else "tokens decoded"

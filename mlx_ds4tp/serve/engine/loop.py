@@ -11,7 +11,7 @@ turn), and its events (a queue per request the loop awaits, serve/engine/events.
   4. takes what the step produced into the sessions, ending the finished ones on both ranks
      and storing their caches for reuse (serve.engine.finishing).
 When the pair goes down, every session fails with it; `resume` serves again over a pair
-joined anew (serve.pair takes a restarted worker back).
+joined anew (serve.serving_rank takes a restarted worker back).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ...lockstep.batch import Batch, BatchSettings
 from ...lockstep.sessions import LeaderSessions, drain_failed_work
 from ...lockstep.speculative import Speculation
 from ...lockstep.table import release_memory
-from ..errors import PairUnavailable
+from ..errors import PairUnavailableError
 from ..limits import ServeLimits
 from .admission import Admission
 from .decoding import DecodeStepper
@@ -129,12 +129,12 @@ class Engine:
         return max(sum(len(s.request.prompt) - len(s.todo) - 1 + len(s.generated) for s in sessions), 0)
 
     def submit(self, request: Request) -> None:
-        """Queue a request; PairUnavailable when the pair is down, ValueError when it could
+        """Queue a request; PairUnavailableError when the pair is down, ValueError when it could
         never fit the budget (Admission.check; a full queue is Admission.offer's "busy")."""
         self.admission.check(request)
         with self._lock:
             if self._error is not None:
-                raise PairUnavailable(self._error)
+                raise PairUnavailableError(self._error)
             self._inbox.put(request)
 
     def start(self) -> None:

@@ -19,7 +19,7 @@ from ..dialects import anthropic, openai, responses
 from ..dialects.answer import Answering, answer_pieces, whole_answer
 from ..dialects.openai import ParsedRequest
 from ..engine.generation import Request
-from ..errors import GENERATION_FAILED, ApiError, ClientGone, PairUnavailable, unavailable
+from ..errors import GENERATION_FAILED, ApiError, ClientGoneError, PairUnavailableError, unavailable
 from ..state import ServeState
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .sse import failed_stream, stream_bytes
@@ -73,11 +73,11 @@ async def read_body(http: HttpRequest, state: ServeState) -> bytes:
                        "headers; send the whole body at once (the server's --header-timeout-sec)", None,
                        "request_timeout") from None
     except ClientDisconnect:
-        raise ClientGone() from None  # it hung up mid-body: nobody to answer
+        raise ClientGoneError() from None  # it hung up mid-body: nobody to answer
 
 
 async def unless_gone(http: HttpRequest, work: Awaitable[_T]) -> _T:
-    """`work`'s result, or ClientGone as soon as the client closes its connection (uvicorn tells
+    """`work`'s result, or ClientGoneError as soon as the client closes its connection (uvicorn tells
     at once), `work` cancelled then: what it was waiting for is nobody's any more."""
     task = asyncio.ensure_future(work)
 
@@ -94,7 +94,7 @@ async def unless_gone(http: HttpRequest, work: Awaitable[_T]) -> _T:
         watcher.cancel()
     if not task.done() or task.cancelled():
         await asyncio.wait([task])
-        raise ClientGone()
+        raise ClientGoneError()
     return task.result()
 
 
@@ -116,7 +116,7 @@ def _submit(state: ServeState, parsed: ParsedRequest) -> Request:
                       stop=parsed.stop, logprobs=parsed.logprobs, num_draft_tokens=parsed.num_draft_tokens)
     try:
         state.engine.submit(request)
-    except PairUnavailable as exc:
+    except PairUnavailableError as exc:
         raise unavailable(str(exc)) from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "max_tokens", "kv_budget_exceeded") from None
@@ -154,7 +154,7 @@ def _counted(make: Callable[[HttpRequest, ServeState], Awaitable[Response]]) -> 
             response = await make(http, state)
         except ApiError as err:
             response = error_response(err, http.url.path)
-        except ClientGone:
+        except ClientGoneError:
             return Response(status_code=204)
         state.metrics.answered(endpoint_label(http.url.path), response.status_code)
         return response
