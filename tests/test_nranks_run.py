@@ -47,23 +47,25 @@ def models(tmp_path_factory):
     return dirs
 
 
-def spawn_ranks(procs, model_dir, ranks: int, transport: str, extra=(), tokens_out=None):
-    """The leader and its ranks-1 workers of one `ds4tp run --ranks N`: (leader, [workers])."""
+def spawn_ranks(procs, model_dir, ranks: int, transport: str, extra=(), tokens_out=None,
+                worker_extra=()):
+    """The leader and its ranks-1 workers of one `ds4tp run --ranks N`: (leader, [workers]). Only
+    the leader is given --ranks: the workers learn N from it (`worker_extra`: their own flags)."""
     port = free_port()
     # The spawned rank's entry point: `ds4tp run` plus --tokens-out (testing.local_run's too).
     common = ["-m", "mlx_ds4tp.cli.rank", "run", "--model", str(model_dir), "--max-tokens", str(TOKENS),
-              "--no-chat-template", "--ranks", str(ranks), "--debug-hash", "4", *TRANSPORTS[transport], *extra]
+              "--no-chat-template", "--debug-hash", "4", *TRANSPORTS[transport], *extra]
     out = ["--tokens-out", str(tokens_out)] if tokens_out else []
-    leader = procs.spawn(common + ["--prompt", PROMPT, "--role", "leader", "--listen", "127.0.0.1", str(port),
-                                   *out])
-    workers = [procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)])
+    leader = procs.spawn(common + ["--ranks", str(ranks), "--prompt", PROMPT, "--role", "leader", "--listen",
+                                   "127.0.0.1", str(port), *out])
+    workers = [procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port), *worker_extra])
                for _ in range(ranks - 1)]
     return leader, workers
 
 
-def _run_and_check(procs, model_dir, ranks, transport, tmp_path, extra=()) -> dict:
+def _run_and_check(procs, model_dir, ranks, transport, tmp_path, extra=(), worker_extra=()) -> dict:
     tokens_out = tmp_path / "tokens.json"
-    leader, workers = spawn_ranks(procs, model_dir, ranks, transport, extra, tokens_out)
+    leader, workers = spawn_ranks(procs, model_dir, ranks, transport, extra, tokens_out, worker_extra)
     lout, lerr = leader.communicate(timeout=RUN_TIMEOUT)
     assert leader.returncode == 0, lerr
     for worker in workers:
