@@ -186,6 +186,45 @@ def test_a_worker_without_a_size_joins_a_pair_leader_as_its_pair():
         ranks.close()
 
 
+def test_a_pair_joined_by_a_worker_without_a_size_is_the_pairs_own_join_on_the_wire(monkeypatch):
+    """No extra round trip for a pair: the same frames each way and the same connections
+    accepted as a worker given size 2 makes."""
+    from collections import Counter
+
+    import mlx_ds4tp.link.handshake as handshake
+
+    sent: List[str] = []
+    accepted: List[str] = []
+    send, accept = ControlChannel.send, handshake.accept
+
+    def recording_send(self, ftype, payload=b""):
+        sent.append(FrameType(ftype).name)
+        return send(self, ftype, payload)
+
+    def recording_accept(listener, deadline, what, watch=None):
+        accepted.append(what)
+        return accept(listener, deadline, what, watch=watch)
+
+    monkeypatch.setattr(ControlChannel, "send", recording_send)
+    monkeypatch.setattr(handshake, "accept", recording_accept)
+    seen = {}
+    for size in (2, None):
+        sent.clear()
+        accepted.clear()
+        port = free_port()
+        ranks = Ranks()
+        try:
+            ranks.start("leader", role="leader", listen=("127.0.0.1", port), transport="tcp")
+            ranks.start("worker", **worker(port, size))
+            out = ranks.join()
+            assert out["worker"].size() == 2, out
+        finally:
+            ranks.close()
+        seen[size] = (Counter(sent), list(accepted))
+    assert seen[2][0]["HELLO"] == 2 and seen[2][1] == ["control", "gate data"], seen  # one each way
+    assert seen[None] == seen[2], seen
+
+
 def test_a_mesh_worker_dialing_a_pair_leader_is_told_both_sizes_and_the_leader_waits_on():
     port = free_port()
     ranks = Ranks()

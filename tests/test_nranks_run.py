@@ -87,6 +87,31 @@ def test_llama_on_n_ranks_gives_the_unsplit_tokens(procs, models, tmp_path, rank
     assert record["transport"] == ("tcp" if transport == "tcp" else "rdma")
 
 
+def test_workers_given_ranks_explicitly_join_as_before(procs, models, tmp_path):
+    """Workers may still be given --ranks N (the leader's): they JOIN at once, no size learned."""
+    _run_and_check(procs, models["llama"], 3, "tcp", tmp_path, worker_extra=["--ranks", "3"])
+
+
+@pytest.mark.parametrize("ranks, says", [
+    ("4", "this leader forms a mesh of 3 ranks and the worker expects 4"),
+    ("2", "gathers a mesh of 3 ranks and this worker was started for a pair (2 ranks); give it --ranks 3"),
+])
+def test_a_worker_given_other_ranks_than_the_leader_stops_naming_both(procs, models, ranks, says):
+    """A worker whose --ranks is not the leader's stops with both sizes named, at its join (no
+    hang, no weight read); the leader keeps waiting for its workers."""
+    port = free_port()
+    common = ["-m", "mlx_ds4tp.cli.rank", "run", "--model", str(models["llama"]), "--no-chat-template",
+              "--transport", "tcp"]
+    leader = procs.spawn(common + ["--ranks", "3", "--prompt", PROMPT, "--role", "leader", "--listen",
+                                   "127.0.0.1", str(port)])
+    worker = procs.spawn(common + ["--ranks", ranks, "--role", "worker", "--coordinator", "127.0.0.1", str(port)],
+                         env={"DS4_TP_TIMEOUT_SEC": "600"})
+    _, err = worker.communicate(timeout=60)  # well inside its own 600 s timeout: refused, not timed out
+    assert worker.returncode not in (0, None) and says in err, err
+    assert "weights loaded" not in err, err
+    assert leader.poll() is None  # still gathering
+
+
 @pytest.mark.parametrize("split", ["2:1:1", "auto"])
 def test_an_uneven_share_on_three_ranks(procs, models, tmp_path, split):
     """A share given, or the leader's from every rank's measured figures (auto): the workers
