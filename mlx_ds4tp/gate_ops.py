@@ -21,9 +21,10 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 
 from . import transport as tr
+from .base.log import log
 from .collectives.backend import SUPPORTED_DTYPES, MlxGroup, PairGroup
 from .collectives.mesh import MeshGroup
-from .errors import TransportError
+from .errors import HelloMismatchError, MeshSizeError, TransportError
 from .link.config import MLX, LinkSettings, PairAddress, pair_address
 from .link.mesh import form_mesh
 
@@ -43,15 +44,17 @@ def init(
     secret=None,
     identity: Optional[tr.ModelIdentity] = None,
     tcp_spin_us: Optional[int] = None,
-    size: int = 2,
+    size: Optional[int] = None,
     rank: Optional[int] = None,
 ):
     """Join the pair, or a mesh of `size` ranks. The leader (rank 0) listens, the workers dial it.
 
-    size: 2 (a pair, the default) to 8. With size > 2 the leader listens with size=N, each
-    worker dials it and is given a rank: the one it asks for with rank= (1 .. N-1), else the
-    lowest free one in the order the workers joined; every pair of ranks then makes its own
-    link as a pair does (docs/nranks.md), and a MeshGroup comes back (split(color, key) too).
+    size: 2 (a pair) to 8; None (the default): 2 on the leader, the leader's on a worker. With
+    size > 2 the leader listens with size=N, each worker dials it and is given a rank: the one
+    it asks for with rank= (1 .. N-1), else the lowest free one in the order the workers joined;
+    every pair of ranks then makes its own link as a pair does (docs/nranks.md), and a
+    MeshGroup comes back (split(color, key) too). A worker given a size other than the
+    leader's is refused naming both (MeshSizeError when it gave 2 to a mesh's leader).
 
     transport: "auto" (RDMA when both sides have it, else TCP), "rdma" (error
     if either side lacks it), "tcp", or "mlx" (mx.distributed: ring or jaccl
@@ -66,6 +69,8 @@ def init(
     as mx.distributed.init sets the global group. The keywords' one path is init_pair.
     """
     address = PairAddress(role, None, None) if transport == MLX else pair_address(role, listen, coordinator)
+    if size is None and (address.role != "worker" or transport == MLX):
+        size = 2  # a leader (or MLX's own group) is a pair unless told otherwise
     link = LinkSettings(address, transport, rdma_device=rdma_device, gid_index=gid_index,
                         secret=secret, timeout=timeout, tcp_spin_us=tcp_spin_us, size=size,
                         ask_rank=rank)
@@ -80,6 +85,9 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     if link.transport == MLX:
         _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
+    if link.size is None:
+        _LAST_GROUP = _join_leaders_size(link, identity)
+        return _LAST_GROUP
     if link.size > 2:
         if link.discovery is not None:
             # Discovery finds the group (the ranks, the leader's address), then the mesh forms there.
@@ -89,6 +97,11 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
         _LAST_GROUP = _init_mesh(link, identity)
         _JOINED_WITH[_LAST_GROUP] = (link, identity)
         return _LAST_GROUP
+    _LAST_GROUP = _pair_group(link, identity)
+    return _LAST_GROUP
+
+
+def _pair_group(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> "PairGroup":
     pair = _join(link, identity)
     try:
         group = PairGroup(pair)
@@ -96,7 +109,28 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
         pair.close()
         raise
     _JOINED_WITH[group] = (link, identity)
-    _LAST_GROUP = group
+    return group
+
+
+def _join_leaders_size(link: LinkSettings, identity: Optional[tr.ModelIdentity]):
+    """A worker that takes its leader's size (link.size None): it says a pair's hello, as a
+    pair's worker always has, so a pair's leader takes it with nothing more on the wire; a
+    mesh's rank 0 answers with its size (MeshSizeError), and the worker JOINs a mesh of that
+    size. The group remembers the size it joined with, so reconnect() joins the same group."""
+    try:
+        group = _pair_group(dataclasses.replace(link, size=2, ask_rank=None), identity)
+    except MeshSizeError as exc:
+        host, port = link.address.coordinator
+        log(f"the leader at {host}:{port} gathers a mesh of {exc.size} ranks: joining it")
+        sized = dataclasses.replace(link, size=exc.size)
+        group = _init_mesh(sized, identity)
+        _JOINED_WITH[group] = (sized, identity)
+        return group
+    if link.ask_rank not in (None, 1):
+        group.close()
+        raise HelloMismatchError(f"rank={link.ask_rank}: the leader at {link.address.coordinator[0]}:"
+                                 f"{link.address.coordinator[1]} leads a pair, whose worker is rank 1; "
+                                 "ask for rank 1 or none")
     return group
 
 
@@ -115,6 +149,8 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
                          "link=LinkSettings(...) to say how to join again")
     if link.check().transport == MLX:
         raise ValueError("transport='mlx': MLX's own groups cannot be rejoined; relaunch them")
+    if link.size is None:  # a link given here that takes the leader's size: the group's is it
+        link = dataclasses.replace(link, size=group.size())
     if isinstance(group, MeshGroup):
         return _rejoin_mesh(group, link, identity)
     if link.discovery is not None:

@@ -39,8 +39,9 @@ def build_chat_model(directory: Path, seed: int = 3, preset: str = "tiny") -> Pa
 
 class ServedPair:
     """`ds4tp serve` leader and worker on 127.0.0.1, logs in files under `logs`; `model` is
-    what both ranks get as --model (a directory, or "demo"). ranks > 2: --ranks N to every
-    rank, the workers named "worker", "worker2", ..."""
+    what both ranks get as --model (a directory, or "demo"). ranks > 2: --ranks N to the
+    leader (the workers learn N from it; rank_extra gives a worker its own), the workers named
+    "worker", "worker2", ..."""
 
     def __init__(self, model, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
                  api_key: Optional[str] = API_KEY, rank_extra: Optional[dict] = None,
@@ -53,12 +54,12 @@ class ServedPair:
         full_env.setdefault("DS4_TP_TIMEOUT_SEC", "20")
         full_env.update(env or {})
         transport = ["--transport", "tcp"] if "--transport" not in extra else []
-        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), *transport,
-                  *(["--ranks", str(ranks)] if ranks != 2 else []), *extra]
+        common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), *transport, *extra]
         key = ["--api-key", api_key] if api_key else []
+        sized = ["--ranks", str(ranks)] if ranks != 2 else []
         cmds = {
-            "leader": common + key + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
-                                      "--port", str(self.port)],
+            "leader": common + key + sized + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
+                                              "--port", str(self.port)],
             "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)],
         }
         for n in range(2, ranks):

@@ -84,6 +84,29 @@ def test_run_and_serve_without_addresses_find_the_peer(model_dir, monkeypatch, t
     assert settings.rejoin
 
 
+def test_ranks_are_the_leaders_and_a_worker_that_dials_it_without_ranks_learns_them(model_dir):
+    """--ranks N: the leader's (default 2); a worker with --coordinator and no --ranks takes the
+    leader's (size None, its --split not checked against a count it does not know yet); a worker
+    given --ranks keeps it; ranks that find each other (--interface) all give N (default 2)."""
+    from mlx_ds4tp.cli import run, serve
+
+    def run_link(*flags):
+        return run.check_args(parse("run", "--model", str(model_dir), *flags))[0]
+
+    assert run_link(*LEADER, "--prompt", "p").size == 2
+    assert run_link(*LEADER, "--prompt", "p", "--ranks", "3").size == 3
+    assert run_link(*WORKER).size is None
+    assert run_link(*WORKER, "--ranks", "3").size == 3
+    assert run_link("--interface", "lo", "--secret", "s").size == 2
+    assert run_link("--role", "worker", "--interface", "lo", "--secret", "s").size == 2
+    worker = serve.check_args(parse("serve", "--model", str(model_dir), *WORKER, "--split", "2:1:1"))
+    assert worker.link.size is None and worker.split.share.parts == (2, 1, 1)
+    says = exit_message(serve.check_args, parse("serve", "--model", str(model_dir), *LEADER, "--split", "2:1:1"))
+    assert "--split 2:1:1 names 3 parts for 2 ranks" in says, says
+    for command in ("run", "serve"):
+        assert "a worker started with --coordinator takes the leader's without it" in help_of(command)
+
+
 @pytest.mark.parametrize("flags, says", [
     ((), "ds4tp run: give --interface NAME, the link to find the other rank on"),
     (("--role", "leader", "--prompt", "x"), "give --interface NAME"),

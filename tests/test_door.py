@@ -7,16 +7,25 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.errors import TransportError, TransportTimeoutError
+from mlx_ds4tp.errors import HelloMismatchError, MeshSizeError, TransportError, TransportTimeoutError
 from mlx_ds4tp.link.control import ControlChannel
 from mlx_ds4tp.link.door import Door
+from mlx_ds4tp.link.hello import Hello
 from mlx_ds4tp.link.mesh import assign_ranks
-from mlx_ds4tp.link.wire import FRAME_HEADER, MAGIC, MESH_ID_PAYLOAD, FrameType
+from mlx_ds4tp.link.wire import (
+    FRAME_HEADER,
+    MAGIC,
+    MESH_ID_PAYLOAD,
+    MESH_SIZE_PAYLOAD,
+    PROTOCOL_VERSION,
+    WORKER,
+    FrameType,
+)
 from pairutil import dial_when_listening, free_port
 
 
@@ -55,7 +64,7 @@ def leader(port: int, size: int, **kw) -> dict:
     return dict(role="leader", listen=("127.0.0.1", port), transport="tcp", size=size, **kw)
 
 
-def worker(port: int, size: int, rank: Optional[int] = None, **kw) -> dict:
+def worker(port: int, size: Optional[int], rank: Optional[int] = None, **kw) -> dict:
     return dict(role="worker", coordinator=("127.0.0.1", port), transport="tcp", size=size, rank=rank, **kw)
 
 
@@ -107,7 +116,7 @@ def test_an_asked_rank_is_given_and_a_second_ask_for_it_refused():
         ranks.close()
 
 
-def test_a_worker_expecting_another_size_or_a_pair_is_refused_naming_the_size():
+def test_a_worker_given_another_size_or_a_pair_is_refused_naming_both_sizes():
     port = free_port()
     ranks = Ranks()
     try:
@@ -116,16 +125,171 @@ def test_a_worker_expecting_another_size_or_a_pair_is_refused_naming_the_size():
         ranks.start("four", **worker(port, 4))
         ranks.threads[-1].join(20)
         assert "forms a mesh of 3 ranks and the worker expects 4" in str(ranks.out["four"])
-        ranks.start("pair", role="worker", coordinator=("127.0.0.1", port), transport="tcp")
+        ranks.start("pair", **worker(port, 2))  # given a pair's size: told the mesh's, and stops
         ranks.threads[-1].join(20)
-        assert isinstance(ranks.out["pair"], TransportError), ranks.out["pair"]
-        assert "start that rank with the same size (3)" in str(ranks.out["pair"])
+        assert isinstance(ranks.out["pair"], MeshSizeError), ranks.out["pair"]
+        assert ranks.out["pair"].size == 3
+        assert "gathers a mesh of 3 ranks and this worker was started for a pair (2 ranks)" in str(ranks.out["pair"])
         ranks.start("w1", **worker(port, 3))
         ranks.start("w2", **worker(port, 3))
         out = ranks.join()
         assert out["leader"].size() == 3
     finally:
         ranks.close()
+
+
+def test_workers_without_a_size_join_a_mesh_of_three_and_rejoin_it_with_that_size():
+    port = free_port()
+    ranks = Ranks()
+    try:
+        ranks.start("leader", **leader(port, 3))
+        ranks.start("w1", **worker(port, None))
+        ranks.start("w2", **worker(port, None, rank=2))
+        out = ranks.join()
+        groups = [out[n] for n in ("leader", "w1", "w2")]
+        assert all(isinstance(g, tp.MeshGroup) for g in groups), groups
+        assert [(g.rank(), g.size()) for g in groups] == [(0, 3), (1, 3), (2, 3)]
+        # The group keeps the size it learned: every rank re-forms the mesh with it.
+        for g in groups:
+            g.close()
+        again: Dict[str, object] = {}
+        threads = [threading.Thread(target=_reconnect, args=(g, name, again), daemon=True)
+                   for name, g in zip(("leader", "w1", "w2"), groups)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a rank hung re-forming the mesh"
+        assert [(g.rank(), g.size()) for g in (again[n] for n in ("leader", "w1", "w2"))] == \
+            [(0, 3), (1, 3), (2, 3)], again
+    finally:
+        ranks.close()
+
+
+def _reconnect(group, name: str, out: Dict[str, object]) -> None:
+    try:
+        out[name] = tp.reconnect(group)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out[name] = exc
+
+
+def test_a_worker_without_a_size_joins_a_pair_leader_as_its_pair():
+    port = free_port()
+    ranks = Ranks()
+    try:
+        ranks.start("leader", role="leader", listen=("127.0.0.1", port), transport="tcp")
+        ranks.start("worker", **worker(port, None))
+        out = ranks.join()
+        assert all(isinstance(out[n], tp.Group) for n in ("leader", "worker")), out
+        assert (out["leader"].rank(), out["worker"].rank(), out["worker"].size()) == (0, 1, 2)
+    finally:
+        ranks.close()
+
+
+def test_a_pair_joined_by_a_worker_without_a_size_is_the_pairs_own_join_on_the_wire(monkeypatch):
+    """No extra round trip for a pair: the same frames each way and the same connections
+    accepted as a worker given size 2 makes."""
+    from collections import Counter
+
+    import mlx_ds4tp.link.handshake as handshake
+
+    sent: List[str] = []
+    accepted: List[str] = []
+    send, accept = ControlChannel.send, handshake.accept
+
+    def recording_send(self, ftype, payload=b""):
+        sent.append(FrameType(ftype).name)
+        return send(self, ftype, payload)
+
+    def recording_accept(listener, deadline, what, watch=None):
+        accepted.append(what)
+        return accept(listener, deadline, what, watch=watch)
+
+    monkeypatch.setattr(ControlChannel, "send", recording_send)
+    monkeypatch.setattr(handshake, "accept", recording_accept)
+    seen = {}
+    for size in (2, None):
+        sent.clear()
+        accepted.clear()
+        port = free_port()
+        ranks = Ranks()
+        try:
+            ranks.start("leader", role="leader", listen=("127.0.0.1", port), transport="tcp")
+            ranks.start("worker", **worker(port, size))
+            out = ranks.join()
+            assert out["worker"].size() == 2, out
+        finally:
+            ranks.close()
+        seen[size] = (Counter(sent), list(accepted))
+    assert seen[2][0]["HELLO"] == 2 and seen[2][1] == ["control", "gate data"], seen  # one each way
+    assert seen[None] == seen[2], seen
+
+
+def test_a_mesh_worker_dialing_a_pair_leader_is_told_both_sizes_and_the_leader_waits_on():
+    port = free_port()
+    ranks = Ranks()
+    try:
+        ranks.start("leader", role="leader", listen=("127.0.0.1", port), transport="tcp")
+        ranks.start("three", **worker(port, 3))
+        ranks.threads[-1].join(20)
+        assert isinstance(ranks.out["three"], HelloMismatchError), ranks.out["three"]
+        assert "leads a pair (2 ranks) and this worker was started for a mesh of 3" in str(ranks.out["three"])
+        ranks.start("pair", **worker(port, None))
+        out = ranks.join()
+        assert out["leader"].size() == 2 and out["pair"].rank() == 1
+    finally:
+        ranks.close()
+
+
+def _door_answer(door: Door, hello: Hello) -> Tuple[FrameType, bytes]:
+    """What a gathering door answers to `hello` (a worker dialing as a pair's)."""
+    threading.Thread(target=lambda: _swallow_join(door), daemon=True).start()
+    sock = socket.create_connection(("127.0.0.1", door.port), timeout=5)
+    try:
+        channel = ControlChannel(sock, 5.0)
+        channel.send(FrameType.HELLO, hello.pack())
+        return channel.recv(timeout=5.0)
+    finally:
+        sock.close()
+
+
+def _swallow_join(door: Door) -> None:
+    try:
+        door.next_join(time.monotonic() + 3.0)
+    except (TransportError, OSError):
+        pass
+
+
+def _hello(**kw) -> Hello:
+    return Hello(role=WORKER, transport="tcp", rdma_ok=False, rdma_reason="", session_id=0,
+                 identity=tp.ModelIdentity(), **kw)
+
+
+def test_a_gathering_door_answers_a_pairs_hello_with_its_size_and_an_old_one_with_the_versions():
+    door = Door("127.0.0.1", 0, 4, hello_timeout=2.0)
+    try:
+        ftype, payload = _door_answer(door, _hello())
+        assert ftype == FrameType.MESH_SIZE and MESH_SIZE_PAYLOAD.unpack(payload) == (4,)
+        # A worker of the protocol before MESH_SIZE is told the versions, not sent a frame it lacks.
+        with pytest.raises(TransportError, match=f"the worker speaks 12, this mesh rank {PROTOCOL_VERSION}"):
+            _door_answer(door, _hello(version=12))
+    finally:
+        door.close()
+
+
+def test_a_pairs_hello_once_the_mesh_has_its_workers_is_refused():
+    door = Door("127.0.0.1", 0, 3, hello_timeout=2.0)
+    door.mesh_id = b"A" * 16
+    try:
+        threading.Thread(target=lambda: _swallow(door), daemon=True).start()
+        sock = socket.create_connection(("127.0.0.1", door.port), timeout=5)
+        channel = ControlChannel(sock, 5.0)
+        channel.send(FrameType.HELLO, _hello().pack())
+        with pytest.raises(TransportError, match="already has all its workers"):
+            channel.recv(FrameType.HELLO)
+        sock.close()
+    finally:
+        door.close()
 
 
 def test_a_link_from_a_stale_mesh_is_refused_at_the_door():

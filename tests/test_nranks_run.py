@@ -47,23 +47,25 @@ def models(tmp_path_factory):
     return dirs
 
 
-def spawn_ranks(procs, model_dir, ranks: int, transport: str, extra=(), tokens_out=None):
-    """The leader and its ranks-1 workers of one `ds4tp run --ranks N`: (leader, [workers])."""
+def spawn_ranks(procs, model_dir, ranks: int, transport: str, extra=(), tokens_out=None,
+                worker_extra=()):
+    """The leader and its ranks-1 workers of one `ds4tp run --ranks N`: (leader, [workers]). Only
+    the leader is given --ranks: the workers learn N from it (`worker_extra`: their own flags)."""
     port = free_port()
     # The spawned rank's entry point: `ds4tp run` plus --tokens-out (testing.local_run's too).
     common = ["-m", "mlx_ds4tp.cli.rank", "run", "--model", str(model_dir), "--max-tokens", str(TOKENS),
-              "--no-chat-template", "--ranks", str(ranks), "--debug-hash", "4", *TRANSPORTS[transport], *extra]
+              "--no-chat-template", "--debug-hash", "4", *TRANSPORTS[transport], *extra]
     out = ["--tokens-out", str(tokens_out)] if tokens_out else []
-    leader = procs.spawn(common + ["--prompt", PROMPT, "--role", "leader", "--listen", "127.0.0.1", str(port),
-                                   *out])
-    workers = [procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)])
+    leader = procs.spawn(common + ["--ranks", str(ranks), "--prompt", PROMPT, "--role", "leader", "--listen",
+                                   "127.0.0.1", str(port), *out])
+    workers = [procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port), *worker_extra])
                for _ in range(ranks - 1)]
     return leader, workers
 
 
-def _run_and_check(procs, model_dir, ranks, transport, tmp_path, extra=()) -> dict:
+def _run_and_check(procs, model_dir, ranks, transport, tmp_path, extra=(), worker_extra=()) -> dict:
     tokens_out = tmp_path / "tokens.json"
-    leader, workers = spawn_ranks(procs, model_dir, ranks, transport, extra, tokens_out)
+    leader, workers = spawn_ranks(procs, model_dir, ranks, transport, extra, tokens_out, worker_extra)
     lout, lerr = leader.communicate(timeout=RUN_TIMEOUT)
     assert leader.returncode == 0, lerr
     for worker in workers:
@@ -83,6 +85,31 @@ def _run_and_check(procs, model_dir, ranks, transport, tmp_path, extra=()) -> di
 def test_llama_on_n_ranks_gives_the_unsplit_tokens(procs, models, tmp_path, ranks, transport):
     record = _run_and_check(procs, models["llama"], ranks, transport, tmp_path)
     assert record["transport"] == ("tcp" if transport == "tcp" else "rdma")
+
+
+def test_workers_given_ranks_explicitly_join_as_before(procs, models, tmp_path):
+    """Workers may still be given --ranks N (the leader's): they JOIN at once, no size learned."""
+    _run_and_check(procs, models["llama"], 3, "tcp", tmp_path, worker_extra=["--ranks", "3"])
+
+
+@pytest.mark.parametrize("ranks, says", [
+    ("4", "this leader forms a mesh of 3 ranks and the worker expects 4"),
+    ("2", "gathers a mesh of 3 ranks and this worker was started for a pair (2 ranks); give it --ranks 3"),
+])
+def test_a_worker_given_other_ranks_than_the_leader_stops_naming_both(procs, models, ranks, says):
+    """A worker whose --ranks is not the leader's stops with both sizes named, at its join (no
+    hang, no weight read); the leader keeps waiting for its workers."""
+    port = free_port()
+    common = ["-m", "mlx_ds4tp.cli.rank", "run", "--model", str(models["llama"]), "--no-chat-template",
+              "--transport", "tcp"]
+    leader = procs.spawn(common + ["--ranks", "3", "--prompt", PROMPT, "--role", "leader", "--listen",
+                                   "127.0.0.1", str(port)])
+    worker = procs.spawn(common + ["--ranks", ranks, "--role", "worker", "--coordinator", "127.0.0.1", str(port)],
+                         env={"DS4_TP_TIMEOUT_SEC": "600"})
+    _, err = worker.communicate(timeout=60)  # well inside its own 600 s timeout: refused, not timed out
+    assert worker.returncode not in (0, None) and says in err, err
+    assert "weights loaded" not in err, err
+    assert leader.poll() is None  # still gathering
 
 
 @pytest.mark.parametrize("split", ["2:1:1", "auto"])

@@ -284,11 +284,11 @@ def test_the_cli_checks_the_parts_against_the_ranks():
                                          r"per rank, rank 0's first \(e\.g\. 2:1\)"):
         split_from_args(parser.parse_args(["--split", "2:1:1"]), "run")
     args = parser.parse_args(["--split", "2:1:1"])
-    args.ranks = 3
-    assert split_from_args(args, "run").share == SplitShare((2, 1, 1))
-    args.ranks = 4
+    assert split_from_args(args, "run", 3).share == SplitShare((2, 1, 1))
     with pytest.raises(SystemExit, match=r"names 3 parts for 4 ranks.*e\.g\. 2:1:1:1"):
-        split_from_args(args, "run")
+        split_from_args(args, "run", 4)
+    # A worker that takes its leader's size (no --ranks) cannot check its parts: the leader's decide.
+    assert split_from_args(args, "run", None).share == SplitShare((2, 1, 1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import mlx_ds4tp
 from mlx_ds4tp import transport as tr
 from mlx_ds4tp.link import wire
-from mlx_ds4tp.link.config import LinkSettings
+from mlx_ds4tp.link.config import DiscoverySettings, LinkSettings
 from pairutil import both_ok, exchange, free_port, groups_of, run_both
 
 PKG = os.path.dirname(mlx_ds4tp.__file__)
@@ -186,6 +186,25 @@ def test_link_settings_resolve_for_the_pair(monkeypatch):
     mlx = LinkSettings(tr.PairAddress(None, None, None), "mlx").check()  # MLX's rank decides
     with pytest.raises(ValueError, match="transport='mlx' is MLX's own group, not a pair"):
         mlx.resolved()
+
+
+WORKER_AT = tr.PairAddress("worker", None, ("127.0.0.1", 9911))
+
+
+def test_the_leaders_size_is_a_worker_that_dials_its_leader_and_is_learned_at_the_join():
+    worker = LinkSettings(WORKER_AT, "tcp", size=None, ask_rank=2).check()  # asks for rank 2 of whatever N
+    with pytest.raises(ValueError, match=r"size=None \(the leader's\) is learned at the join"):
+        worker.resolved()
+    refused = [LinkSettings(LEADER_AT, size=None),
+               LinkSettings(tr.PairAddress("worker", None, None), size=None, discovery=DiscoverySettings(("lo",)))]
+    for link in refused:
+        with pytest.raises(ValueError, match=r"size=None \(the leader's size\) is for a worker that dials its "
+                                             r"leader .*every rank that finds its group by discovery, gives the size"):
+            link.check()
+    with pytest.raises(ValueError, match=r"rank=8: give a rank 0 \.\. 7 of the 8"):
+        LinkSettings(WORKER_AT, size=None, ask_rank=8).check()
+    with pytest.raises(ValueError, match=r"size=1: give the number of ranks, 2 to 8 \(--ranks N\), or None"):
+        LinkSettings(WORKER_AT, size=1).check()
 
 
 # ============================================================================

@@ -1,9 +1,10 @@
 """The flags that say how this process joins the pair, defined here once for every command that
 takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
 --listen/--coordinator, --interface, --ranks (for the commands that run on N machines: the
-group size discovery looks for), --transport, --rdma-device, --rdma-gid-index and --secret;
-and their one check, which turns them into a PairAddress and a LinkSettings (with
-DiscoverySettings when the rank finds its peer itself)."""
+leader's group size, which a worker that dials it learns, and the size discovery looks for),
+--transport, --rdma-device, --rdma-gid-index and --secret; and their one check, which turns
+them into a PairAddress and a LinkSettings (with DiscoverySettings when the rank finds its peer
+itself)."""
 
 from __future__ import annotations
 
@@ -51,21 +52,34 @@ def add_interface_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_ranks_arg(p: argparse.ArgumentParser) -> None:
-    """--ranks N (default 2): how many machines the model runs on. With --interface (no
+    """--ranks N: how many machines the model runs on (the leader's: default 2; a worker that
+    dials its leader with --coordinator takes the leader's without it). With --interface (no
     --listen/--coordinator) each rank looks for the other N-1 with the same model and secret
     (link/findgroup.py for N > 2, link/meet.py for a pair)."""
-    p.add_argument("--ranks", type=int, default=2, metavar="N",
-                   help=f"how many machines (ranks) the model runs on, 2 to {MAX_MESH_SIZE} (default 2); "
-                        "start the same command on each: they find each other on --interface, elect one "
-                        "leader (rank 0) and number the others")
+    p.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help=f"how many machines (ranks) the model runs on, 2 to {MAX_MESH_SIZE}: the leader's "
+                        "(default 2); a worker started with --coordinator takes the leader's without it "
+                        "(with it, the two must agree). Found by discovery (--interface), every rank "
+                        "gives the same N (default 2): they find each other, elect one leader (rank 0) "
+                        "and number the others")
 
 
-def ranks_from_args(args: argparse.Namespace, command: str) -> int:
-    """--ranks checked: 2 .. MAX_MESH_SIZE, else exit naming the value and the range."""
+def ranks_from_args(args: argparse.Namespace, command: str) -> Optional[int]:
+    """--ranks checked: 2 .. MAX_MESH_SIZE, else exit naming the value and the range. Without it:
+    None (the leader's) for a worker that dials its leader (--role worker --coordinator), else 2."""
     n = args.ranks
+    if n is None:
+        return None if takes_leaders_size(args) else 2
     if not 2 <= n <= MAX_MESH_SIZE:
         raise SystemExit(f"ds4tp {command}: --ranks {n}: give the number of machines, 2 to {MAX_MESH_SIZE}")
     return n
+
+
+def takes_leaders_size(args: argparse.Namespace) -> bool:
+    """Whether this rank learns the group's size from its leader: a worker that dials it at an
+    address (--role worker --coordinator) without --ranks."""
+    return (getattr(args, "ranks", None) is None and getattr(args, "role", None) == "worker"
+            and getattr(args, "coordinator", None) is not None)
 
 
 def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPORT_HELP,
@@ -92,10 +106,11 @@ def refuse_mlx(args: argparse.Namespace, command: str, why: str) -> None:
 
 def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
                    transport: Optional[str] = None,
-                   discovery: Optional[DiscoverySettings] = None, size: int = 2) -> LinkSettings:
+                   discovery: Optional[DiscoverySettings] = None,
+                   size: Optional[int] = 2) -> LinkSettings:
     """The checked LinkSettings of add_transport_args' flags for this rank's `address`
     (`transport`: what the command made of its own --transport value; `discovery`: how it finds
-    its peer, when it does; `size`: ranks_from_args' group size); a bad value exits naming it and
+    its peer, when it does; `size`: ranks_from_args' group size, None: the leader's); a bad value exits naming it and
     the fix. A discovering rank without --secret or DS4_TP_SECRET proves the secret `ds4tp pair`
     stored."""
     secret = args.secret

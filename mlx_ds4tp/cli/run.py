@@ -70,11 +70,12 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     if (args.draft_model or args.prompt_lookup) and sampling.processed:
         raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
                          "--repetition-penalty or --json-schema here: leave it out")
-    link = link_from_args(args, address, "run", discovery=discovery, size=ranks_from_args(args, "run"))
+    ranks = ranks_from_args(args, "run")  # None: a worker that takes its leader's
+    link = link_from_args(args, address, "run", discovery=discovery, size=ranks)
     draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
     settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
                            chat=not args.no_chat_template, sampling=sampling,
-                           debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run"))
+                           debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run", ranks))
     return link, str(model_path(args.model)), settings
 
 

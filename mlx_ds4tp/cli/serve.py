@@ -160,7 +160,8 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     want = {"leader": "lead", "worker": "work", None: "any"}[args.role]
     address, discovery = lockstep_address(args, "serve", want, " (it serves HTTP on --host/--port)",
                                           f"http://{args.host}:{args.port}/v1")
-    link = link_from_args(args, address, "serve", discovery=discovery, size=ranks_from_args(args, "serve"))
+    ranks = ranks_from_args(args, "serve")  # None: a worker that takes its leader's
+    link = link_from_args(args, address, "serve", discovery=discovery, size=ranks)
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0)))
     if args.rejoin and address.role != "worker" and discovery is None:
@@ -186,7 +187,7 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
                         keep_alive_timeout_sec=args.keep_alive_timeout_sec)
     return ServeSettings(link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
                          rejoin=args.rejoin or (discovery is not None and address.role != "leader"),
-                         split=split_from_args(args, "serve"))
+                         split=split_from_args(args, "serve", ranks))
 
 
 def _limits(args: argparse.Namespace) -> ServeLimits:

@@ -4,6 +4,7 @@ one check, which turns it (and DS4_TP_MEMORY_LIMIT_BYTES) into a SplitSettings."
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from ..split.measure import MEMORY_LIMIT_ENV, memory_limit
 from ..split.share import SplitSettings, SplitShare
@@ -26,14 +27,13 @@ def add_split_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=None, metavar="even|auto|A:B[:C...]", help=SPLIT_HELP)
 
 
-def split_from_args(args: argparse.Namespace, command: str) -> SplitSettings:
-    """The checked SplitSettings of --split and DS4_TP_MEMORY_LIMIT_BYTES; a bad value exits
-    naming it and the fix."""
+def split_from_args(args: argparse.Namespace, command: str, ranks: Optional[int] = 2) -> SplitSettings:
+    """The checked SplitSettings of --split and DS4_TP_MEMORY_LIMIT_BYTES for a group of `ranks`
+    (ranks_from_args'; None: the leader's, which a worker cannot check its parts against: the
+    leader's share decides anyway); a bad value exits naming it and the fix."""
     try:
         share = SplitShare.parse(args.split) if args.split is not None else SplitShare()
-        # The group's size: --ranks where the command has it, else a pair.
-        ranks = int(getattr(args, "ranks", None) or 2)
-        if share.parts and len(share.parts) != ranks:
+        if share.parts and ranks is not None and len(share.parts) != ranks:
             example = ":".join(["2"] + ["1"] * (ranks - 1))
             raise ValueError(f"--split {args.split} names {len(share.parts)} parts for {ranks} ranks; "
                              f"give one part per rank, rank 0's first (e.g. {example})")

@@ -226,7 +226,9 @@ class LinkSettings:
     discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator;
     with size > 2, the group (link/findgroup.py: the ranks and the leader's address, then the mesh).
     size: ranks in the group (2: a pair, as always; 3..8: a mesh, link/mesh.py: the leader
-    listens with size=N, the workers dial it). ask_rank: the rank a worker asks the leader for
+    listens with size=N, the workers dial it; None: the leader's, for a worker that dials its
+    leader at an address: gate_ops.init_pair learns it at the join, and a rank that finds its
+    group by discovery, or leads, always gives it). ask_rank: the rank a worker asks the leader for
     (None: any; the leader gives asked ranks first, the rest in the order the workers joined).
     rdma_devices: a mesh rank's device per peer rank ({peer: "rdma_en3"}; a peer not named uses
     rdma_device). ucsim_fault_links: the mesh links the emulated device's faults apply to,
@@ -248,7 +250,7 @@ class LinkSettings:
     disable_warmup: Optional[bool] = None
     verbs_library: Optional[str] = None
     discovery: Optional[DiscoverySettings] = None
-    size: int = 2
+    size: Optional[int] = 2
     ask_rank: Optional[int] = None
     rdma_devices: Optional[Mapping[int, str]] = None
     ucsim_fault_links: Optional[str] = None
@@ -320,26 +322,41 @@ class LinkSettings:
 
     def _check_mesh(self) -> None:
         size = self.size
-        if isinstance(size, bool) or not isinstance(size, int) or not 2 <= size <= MAX_MESH_SIZE:
-            raise ValueError(f"size={size!r}: give the number of ranks, 2 to {MAX_MESH_SIZE} (--ranks N)")
+        if size is None:
+            self._check_leaders_size()
+        elif isinstance(size, bool) or not isinstance(size, int) or not 2 <= size <= MAX_MESH_SIZE:
+            raise ValueError(f"size={size!r}: give the number of ranks, 2 to {MAX_MESH_SIZE} (--ranks N)"
+                             + (", or None for the leader's" if self.address.role == "worker" else ""))
+        # The ranks a group of this size has (the largest a mesh may have while the size is the leader's).
+        most = MAX_MESH_SIZE if size is None else size
         ask = self.ask_rank
         if ask is not None:
-            if isinstance(ask, bool) or not isinstance(ask, int) or not 0 <= ask < size:
-                raise ValueError(f"rank={ask!r}: give a rank 0 .. {size - 1} of the {size}, or None to "
+            if isinstance(ask, bool) or not isinstance(ask, int) or not 0 <= ask < most:
+                raise ValueError(f"rank={ask!r}: give a rank 0 .. {most - 1} of the {most}, or None to "
                                  "take the next free one (--rank N)")
             if (ask == 0) != (self.address.role == "leader"):
                 raise ValueError(f"rank={ask!r} with role {self.address.role!r}: rank 0 is the leader, "
                                  "which listens; a worker dials it and asks for 1 .. "
-                                 f"{size - 1} (or None)")
-        if size > 2 and self.transport == MLX:
+                                 f"{most - 1} (or None)")
+        if size is not None and size > 2 and self.transport == MLX:
             raise ValueError(f"size={size}: a mesh of more than two ranks is made at an address "
                              "(listen/coordinator) or by discovery, not over transport 'mlx'")
         for peer, device in (self.rdma_devices or {}).items():
-            if (isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size
+            if (isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < most
                     or not isinstance(device, str) or not device):
                 raise ValueError(f"rdma_devices={dict(self.rdma_devices)!r}: map each peer rank "
-                                 f"(0 .. {size - 1}) to a verbs device name, e.g. {{1: 'rdma_en3'}}")
+                                 f"(0 .. {most - 1}) to a verbs device name, e.g. {{1: 'rdma_en3'}}")
         parse_fault_links(self.ucsim_fault_links or "")
+
+    def _check_leaders_size(self) -> None:
+        """size=None is a worker's that dials its leader: the leader says the size at the join. A
+        leader decides it, and discovery must know how many ranks to find."""
+        if (self.address.role != "worker" or self.address.coordinator is None
+                or self.discovery is not None or self.transport == MLX):
+            raise ValueError("size=None (the leader's size) is for a worker that dials its leader "
+                             "(role='worker' with coordinator=(host, port)); a leader, and every rank "
+                             f"that finds its group by discovery, gives the size, 2 to {MAX_MESH_SIZE} "
+                             "(--ranks N)")
 
     def resolved(self, identity: Optional[ModelIdentity] = None) -> "LinkSettings":
         """What the pair runs on: these settings checked, with every DS4_TP_* knob resolved
@@ -353,6 +370,9 @@ class LinkSettings:
             raise ValueError("discovering settings have no address yet: link.meet finds the peer "
                              "(link.findgroup.find_group the group of N), then resolves the settings "
                              "with its address")
+        if self.size is None:
+            raise ValueError("size=None (the leader's) is learned at the join: gate_ops.init_pair "
+                             "joins, then resolves the settings with the leader's size")
         env = os.environ
         return dataclasses.replace(
             self,

@@ -208,10 +208,14 @@ class ControlChannel:
 
     def send_error(self, message: str) -> None:
         """Best effort: tell the peer why we stop, so both sides print the cause."""
+        self.send_best_effort(FrameType.ERROR, message.encode("utf-8", "replace")[: FRAME_MAX_BYTES[FrameType.ERROR]])
+
+    def send_best_effort(self, ftype: FrameType, payload: bytes) -> None:
+        """One last frame (within its bound) to a peer this side is about to drop: a second at
+        most, and a peer already gone is no error."""
         try:
-            data = message.encode("utf-8", "replace")[: FRAME_MAX_BYTES[FrameType.ERROR]]
             self.sock.settimeout(1.0)
-            self.sock.sendall(FRAME_HEADER.pack(MAGIC, int(FrameType.ERROR), len(data)) + data)
+            self.sock.sendall(FRAME_HEADER.pack(MAGIC, int(ftype), len(payload)) + payload)
         except OSError:
             pass
 

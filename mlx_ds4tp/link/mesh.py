@@ -26,7 +26,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..base.log import log
-from ..errors import FrameError, TransportError
+from ..errors import FrameError, HelloMismatchError, TransportError
 from .config import LinkSettings, PairAddress, parse_fault_links
 from .connection import Pair
 from .control import ControlChannel, dial, tune_socket
@@ -200,7 +200,8 @@ def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, 
                 "give every rank the same --secret / DS4_TP_SECRET"), asked, port
     if size != link.size:
         return (f"this leader forms a mesh of {link.size} ranks and the worker expects {size}; "
-                f"start every rank with size {link.size}"), asked, port
+                f"give every rank --ranks {link.size} (size={link.size}), or start the workers "
+                "without --ranks to take the leader's"), asked, port
     if asked != ANY_RANK and not 1 <= asked < link.size:
         return f"rank {asked} is not a worker's rank of {link.size} (1 .. {link.size - 1})", asked, port
     if asked != ANY_RANK and asked in [m[1] for m in members]:
@@ -266,7 +267,14 @@ def _join(link: LinkSettings, deadline: float):
         fields = _join_fields(link.size, ask, door.port, nonce)
         channel.send(FrameType.JOIN, fields + join_proof(link.secret, fields))
         left = max(0.01, deadline - time.monotonic())
-        _, payload = channel.recv(FrameType.ROSTER, timeout=left)
+        ftype, payload = channel.recv(timeout=left)
+        if ftype == FrameType.HELLO:  # a pair's leader says hello first: it takes one worker
+            raise HelloMismatchError(
+                f"the leader at {host}:{port} leads a pair (2 ranks) and this worker was started for "
+                f"a mesh of {link.size}; give every rank the same --ranks (size=), or start the "
+                "workers without --ranks to take the leader's")
+        if ftype != FrameType.ROSTER:
+            raise FrameError(f"expected a ROSTER frame, got {ftype.name} ({len(payload)} bytes)")
         roster, rank = unpack_roster(payload)
         _, payload = channel.recv(FrameType.MESH_ID)
         if len(payload) != MESH_ID_PAYLOAD.size:

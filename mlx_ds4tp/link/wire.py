@@ -39,6 +39,7 @@ The bound is checked before anything is allocated.
 | JOIN             | JOIN_PAYLOAD (version, size, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a mesh of N ranks (link/mesh.py) | 128 |
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
+| MESH_SIZE        | MESH_SIZE_PAYLOAD (the mesh's size): rank 0's door answers a pair's HELLO with it while the mesh gathers, then closes; a worker started without a size JOINs a mesh of that size | 64 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
@@ -86,7 +87,11 @@ import struct
 # 12 (11 was a reverted trial's SPLIT): the leader asks the worker how many KV cache tokens its
 # machine holds (KV_ROOM), so two different Macs' serving budget is the smaller; a rank of
 # version 10 would refuse the frame at the start of serving.
-PROTOCOL_VERSION = 12
+# 13: a worker started without a size (no --ranks) learns the leader's: its pair HELLO at a
+# gathering mesh's door is answered with MESH_SIZE, and it JOINs a mesh of that size. The door
+# answers only a HELLO of its own version, so a worker of version 12 is told the versions
+# instead of meeting a frame type it does not know; a pair's wire is otherwise unchanged.
+PROTOCOL_VERSION = 13
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -148,6 +153,9 @@ class FrameType(enum.IntEnum):
     JOIN = 43
     ROSTER = 44
     MESH_ID = 45
+    # The mesh's size, rank 0's answer to a worker that dialed its door as a pair's (it was
+    # started without a size): the worker then JOINs as one of that many ranks.
+    MESH_SIZE = 46
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -207,6 +215,7 @@ FRAME_MAX_BYTES = {
     FrameType.JOIN: 128,
     FrameType.ROSTER: 4096,
     FrameType.MESH_ID: 64,
+    FrameType.MESH_SIZE: 64,
 }
 
 # ---- layouts ------------------------------------------------------------------
@@ -219,6 +228,9 @@ FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count
 # its matrix-vector product; 0: not measured); then the reason, then the
 # fingerprint summary (or nothing).
 MODEL_IDENTITY_FIELDS = ("layers", "hidden", "vocab", "quant_bits", "gates_per_token")
+# The first words of every version's hello (magic, version, role): a mesh's door reads these
+# before it answers a pair's hello, whatever version sent it.
+HELLO_HEAD = struct.Struct("<III")
 HELLO_FIXED = struct.Struct(f"<IIIIIIIQI{NONCE_BYTES}s" + "I" * len(MODEL_IDENTITY_FIELDS) + "QQ")
 # Model fingerprint (_fingerprint.py): digest of the three parts, then the
 # digests of the config, of the tensor table (names, dtypes, shapes, sizes)
@@ -261,4 +273,5 @@ JOIN_TAG = b"ds4tp-join-v1"
 ROSTER_HEADER = struct.Struct("<II")  # size, the receiving rank; then size entries
 ROSTER_ENTRY = struct.Struct("<HH")  # port, host length; then the UTF-8 host
 MESH_ID_PAYLOAD = struct.Struct("<16sI")  # the mesh's id, the sending rank
+MESH_SIZE_PAYLOAD = struct.Struct("<I")  # the number of ranks of the mesh rank 0 gathers
 MAX_MESH_SIZE = 8

@@ -90,10 +90,11 @@ def rank_command(*args: str) -> List[str]:
 
 def pair_commands(base: Sequence[str], port: int, ranks: int = 2) -> List[List[str]]:
     """`base` for the leader (listening on 127.0.0.1:port) and for each of its ranks-1 workers
-    (dialing it); more than two ranks add --ranks N to every command."""
-    base = list(base) + (["--ranks", str(ranks)] if ranks != 2 else [])
-    return [base + ["--role", "leader", "--listen", "127.0.0.1", str(port)]] + \
-        [base + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)] for _ in range(ranks - 1)]
+    (dialing it); more than two ranks add --ranks N to the leader's, and the workers learn N
+    from it, as a user's do."""
+    sized = list(base) + (["--ranks", str(ranks)] if ranks != 2 else [])
+    return [sized + ["--role", "leader", "--listen", "127.0.0.1", str(port)]] + \
+        [list(base) + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)] for _ in range(ranks - 1)]
 
 
 @dataclass(frozen=True)
