@@ -131,6 +131,23 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
     return group
 
 
+def rejoin_address(group) -> Optional[Tuple[str, int]]:
+    """Where reconnect() joins `group` again: the leader's door (a worker's coordinator, the
+    leader's own listen address), found by discovery or given; None for a group not made here."""
+    link = _JOINED_WITH.get(group, (None, None))[0]
+    if link is None:
+        return None
+    return link.address.coordinator or link.address.listen
+
+
+def rejoin_timeout(group) -> float:
+    """The connect timeout reconnect() joins `group` again with (DS4_TP_TIMEOUT_SEC's when unset)."""
+    from .link.config import default_timeout
+
+    link = _JOINED_WITH.get(group, (None, None))[0]
+    return float(link.timeout) if link is not None and link.timeout else float(default_timeout())
+
+
 # What each group of ours was joined with, for reconnect(); weak, so a dropped group goes.
 _JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
     weakref.WeakKeyDictionary()

@@ -1,11 +1,14 @@
 """`ds4tp serve --ranks 3` (a mesh of three ranks on 127.0.0.1): the openai client gets the
 single process's text; a killed worker (either of the two) makes the server answer 503 within
-about a second; started again, it re-joins with its rank and share, the other worker (--rejoin)
-with it, the leader never restarted, and the answers are exact again."""
+about a second; started again, it re-joins with its rank and share, the other worker with it
+(started without --rejoin: the leader tells it the mesh forms again, and the same process
+joins it), the leader never restarted, and the answers are exact again. A killed leader ends
+each worker without --rejoin within seconds, with an error naming the leader."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,9 +27,8 @@ def model_dir(tmp_path_factory):
 
 
 def _served(model_dir, tmp_path) -> ServedPair:
-    # Every worker outlives its leader's mesh: a mesh that loses one rank is formed again by all.
-    return ServedPair(model_dir, tmp_path, ranks=RANKS, env={"DS4_TP_TIMEOUT_SEC": "8"},
-                      rank_extra={"worker": ["--rejoin"], "worker2": ["--rejoin"]})
+    # No --rejoin: a worker still alive follows its leader's REFORM into the new mesh by itself.
+    return ServedPair(model_dir, tmp_path, ranks=RANKS, env={"DS4_TP_TIMEOUT_SEC": "8"})
 
 
 def _wait_status(served: ServedPair, code: int, within: float) -> float:
@@ -67,6 +69,8 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
             model=str(model_dir), max_tokens=40, messages=[{"role": "user", "content": "json"}],
             response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}})
         assert isinstance(json.loads(shaped.choices[0].message.content)["ok"], bool), shaped
+        survivor = "worker2" if victim == "worker" else "worker"
+        survivor_pid = served.procs[survivor].pid
         served.kill(victim)
         down = _wait_status(served, 503, 10)
         with pytest.raises(openai.InternalServerError):
@@ -77,6 +81,11 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
         _exact(c, model_dir, ["after", "three Macs"])
         log = served.log("leader")
         assert "a worker rejoined" in log, log[-3000:]
+        assert "the workers still alive were told the mesh forms again" in log, log[-3000:]
+        # The survivor is the same process, which followed the leader into the new mesh.
+        assert served.procs[survivor].pid == survivor_pid and served.procs[survivor].poll() is None
+        assert re.search(r"rank \d joins it", served.log(survivor)), served.log(survivor)[-3000:]
+        assert "joined a leader again" in served.log(survivor), served.log(survivor)[-3000:]
         print(f"\n{victim} killed: 503 after {down:.2f} s; re-joined (healthy) {back:.1f} s after its restart")
         assert down < 3.0, f"503 took {down:.2f} s"
     finally:
@@ -119,3 +128,23 @@ def test_three_ranks_store_their_parts_on_disk_and_a_restart_serves_from_them(mo
             served.close()
         if run == "run1":
             assert len(list(cache.glob("*.safetensors"))) == 3 * RANKS, sorted(cache.iterdir())
+
+
+def test_a_killed_leader_ends_each_worker_without_rejoin_naming_it(model_dir, tmp_path):
+    """The leader gone (killed: it told nobody) is no REFORM: each worker without --rejoin ends
+    within seconds with an error naming its leader, never waiting for it."""
+    served = _served(model_dir, tmp_path)
+    try:
+        served.wait_healthy(within=180)
+        served.kill("leader")
+        t0 = time.monotonic()
+        for name in ("worker", "worker2"):
+            code = served.procs[name].wait(30)
+            log = served.log(name)
+            assert code != 0, log[-3000:]
+            assert re.search(r"the leader at 127\.0\.0\.1:\d+ is gone", log), log[-3000:]
+        ended = time.monotonic() - t0
+        print(f"\nleader killed: both workers ended {ended:.2f} s after")
+        assert ended < 10.0, f"the workers took {ended:.2f} s to end"
+    finally:
+        served.close()

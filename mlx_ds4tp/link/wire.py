@@ -39,6 +39,7 @@ The bound is checked before anything is allocated.
 | JOIN             | JOIN_PAYLOAD (version, size, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a mesh of N ranks (link/mesh.py) | 128 |
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
+| REFORM           | UTF-8 text, the leader's reason: a serving leader whose mesh of N > 2 ranks broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
@@ -148,6 +149,9 @@ class FrameType(enum.IntEnum):
     JOIN = 43
     ROSTER = 44
     MESH_ID = 45
+    # A serving leader whose mesh broke (a worker died) and that forms it again: each worker
+    # still alive joins the new mesh at the same door with its rank and share (serve/rejoin.py).
+    REFORM = 46
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -207,6 +211,7 @@ FRAME_MAX_BYTES = {
     FrameType.JOIN: 128,
     FrameType.ROSTER: 4096,
     FrameType.MESH_ID: 64,
+    FrameType.REFORM: 4096,
 }
 
 # ---- layouts ------------------------------------------------------------------
