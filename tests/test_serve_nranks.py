@@ -16,7 +16,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
 
-from serveutil import ServedPair, build_chat_model, client, reference, text_ids  # noqa: E402
+from serveutil import ServedPair, build_chat_model, client, open_stream, reference, text_ids  # noqa: E402
 
 RANKS = 3
 
@@ -26,9 +26,10 @@ def model_dir(tmp_path_factory):
     return build_chat_model(tmp_path_factory.mktemp("nranks-serve"), preset="tiny8")
 
 
-def _served(model_dir, tmp_path) -> ServedPair:
+def _served(model_dir, tmp_path, rejoin: bool = False) -> ServedPair:
     # No --rejoin: a worker still alive follows its leader's REFORM into the new mesh by itself.
-    return ServedPair(model_dir, tmp_path, ranks=RANKS, env={"DS4_TP_TIMEOUT_SEC": "8"})
+    extra = {"worker": ["--rejoin"], "worker2": ["--rejoin"]} if rejoin else None
+    return ServedPair(model_dir, tmp_path, ranks=RANKS, env={"DS4_TP_TIMEOUT_SEC": "8"}, rank_extra=extra)
 
 
 def _wait_status(served: ServedPair, code: int, within: float) -> float:
@@ -48,9 +49,13 @@ def _exact(c, model_dir, prompts) -> None:
         assert got.choices[0].text == reference(model_dir, text_ids(model_dir, prompt), 8), prompt
 
 
-@pytest.mark.parametrize("victim", ["worker", "worker2"])
-def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_dir, tmp_path, victim):
-    served = _served(model_dir, tmp_path)
+# idle: killed between requests; streaming: killed while a request decodes, so the survivor's
+# own step fails with the mesh and it waits for its leader's word (REFORM); --rejoin: the
+# survivors were started with it, which changes nothing here.
+@pytest.mark.parametrize("victim,when", [("worker", "idle"), ("worker2", "idle"), ("worker2", "streaming"),
+                                         ("worker", "--rejoin")])
+def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_dir, tmp_path, victim, when):
+    served = _served(model_dir, tmp_path, rejoin=when == "--rejoin")
     try:
         served.wait_healthy(within=180)
         c = client(served, timeout=120)
@@ -71,8 +76,14 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
         assert isinstance(json.loads(shaped.choices[0].message.content)["ok"], bool), shaped
         survivor = "worker2" if victim == "worker" else "worker"
         survivor_pid = served.procs[survivor].pid
+        stream = None
+        if when == "streaming":
+            body = json.dumps({"prompt": "a long answer", "max_tokens": 1000, "stream": True}).encode()
+            stream = open_stream(served, body)  # its first event came: the three ranks decode
         served.kill(victim)
         down = _wait_status(served, 503, 10)
+        if stream is not None:
+            stream.close()
         with pytest.raises(openai.InternalServerError):
             c.completions.create(model=str(model_dir), prompt="meanwhile", max_tokens=3)
         served.start(victim)  # the same command: it is given the rank left free, and the share
@@ -86,7 +97,7 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
         assert served.procs[survivor].pid == survivor_pid and served.procs[survivor].poll() is None
         assert re.search(r"rank \d joins it", served.log(survivor)), served.log(survivor)[-3000:]
         assert "joined a leader again" in served.log(survivor), served.log(survivor)[-3000:]
-        print(f"\n{victim} killed: 503 after {down:.2f} s; re-joined (healthy) {back:.1f} s after its restart")
+        print(f"\n{victim} killed ({when}): 503 after {down:.2f} s; re-joined (healthy) {back:.1f} s after its restart")
         assert down < 3.0, f"503 took {down:.2f} s"
     finally:
         served.close()
