@@ -159,3 +159,31 @@ def test_a_killed_leader_ends_each_worker_without_rejoin_naming_it(model_dir, tm
         assert ended < 10.0, f"the workers took {ended:.2f} s to end"
     finally:
         served.close()
+
+
+def test_a_leader_killed_while_it_waits_for_a_worker_ends_the_survivor(model_dir, tmp_path):
+    """The leader dies while its mesh forms again (a worker gone, the other following REFORM):
+    the survivor without --rejoin is never left waiting, it ends once the leader's door no
+    longer answers (serve.rejoin.DOOR_GRACE_SEC, or DS4_TP_TIMEOUT_SEC when shorter: 8 s
+    here), naming the leader."""
+    served = _served(model_dir, tmp_path)
+    try:
+        served.wait_healthy(within=180)
+        served.kill("worker2")
+        _wait_status(served, 503, 10)
+        # The survivor is in the leader's new wait (its JOIN taken, asking for its rank 1).
+        deadline = time.monotonic() + 30
+        while "asks for rank 1" not in served.log("leader").split("HTTP answers 503", 1)[-1]:
+            assert time.monotonic() < deadline, served.log("leader")[-3000:]
+            time.sleep(0.05)
+        served.kill("leader")
+        t0 = time.monotonic()
+        code = served.procs["worker"].wait(60)
+        ended = time.monotonic() - t0
+        log = served.log("worker")
+        assert code != 0, log[-3000:]
+        assert re.search(r"the leader at 127\.0\.0\.1:\d+ is gone", log), log[-3000:]
+        print(f"\nleader killed during the re-form: the survivor ended {ended:.1f} s after")
+        assert ended < 8 + 10, f"the survivor took {ended:.1f} s to end"
+    finally:
+        served.close()

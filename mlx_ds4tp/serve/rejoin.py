@@ -31,6 +31,10 @@ from .settings import ServeSettings
 
 F = tr.FrameType
 _DRAIN_BYTES = 1 << 20
+# How long a following worker lets its leader's door stay closed before it calls the leader
+# gone: the door is closed only while the leader's thread goes from one wait to the next (a
+# few Python statements), so this is a bound for a gone leader, not a race with a live one.
+DOOR_GRACE_SEC = 10.0
 
 
 # ============================================================================
@@ -270,11 +274,18 @@ def leader_reforms(group: gate_ops.Group) -> bool:
 def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitShare) -> None:
     """A worker without --rejoin told REFORM: join the leader's new mesh, with this rank and
     share, for as long as the leader waits for the restarted worker. The leader's door closes
-    only between two of its waits, for a moment, so a try that timed out looks at the door
-    once more (for the timeout): open, this worker tries again; closed, the leader is gone and
-    this worker stops with an error naming it."""
+    only between two of its waits (each DS4_TP_TIMEOUT_SEC long), and opens again at once, so
+    before each try after the first this worker looks at the door for up to DOOR_GRACE_SEC:
+    open, it tries again; closed all that while, the leader is gone (killed or stopped during
+    the wait) and this worker stops with an error naming it."""
     address = gate_ops.rejoin_address(group)
+    where = f"{address[0]}:{address[1]}" if address else "(unknown)"
+    last: Optional[Exception] = None
     while True:
+        if last is not None and not _door_open(address, group):
+            raise tr.TransportError(
+                f"the leader at {where} is gone: its door no longer answers (the last try: {last}); "
+                "the worker stops (run it with --rejoin to wait for a leader instead)") from None
         try:
             rejoin(group, settings.split, share)
             return
@@ -282,19 +293,18 @@ def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitSh
             raise  # another model, secret or share: waiting would not change it
         except tr.TransportError as exc:
             group.close()  # joined but the share never came: the next try joins afresh
-            if isinstance(exc, tr.TransportTimeoutError) and not _door_open(address, group):
-                raise tr.TransportError(
-                    f"the leader at {address[0]}:{address[1]} is gone: its door no longer answers "
-                    f"({exc}); the worker stops (run it with --rejoin to wait for a leader instead)") from None
+            last = exc
             time.sleep(0.2)  # the leader closed its wait (it waits again at once) or refused this try
 
 
 def _door_open(address: Optional[Tuple[str, int]], group: gate_ops.Group) -> bool:
+    """Whether the leader's door takes a connection within DOOR_GRACE_SEC (or the connect
+    timeout, if shorter). The connection is closed at once; the door drops it."""
     if address is None:
         return False
-    timeout = gate_ops.rejoin_timeout(group)
+    grace = min(DOOR_GRACE_SEC, gate_ops.rejoin_timeout(group))
     try:
-        sock = tr.dial(address[0], address[1], time.monotonic() + timeout, "the leader's door")
+        sock = tr.dial(address[0], address[1], time.monotonic() + grace, "the leader's door")
     except tr.TransportError:
         return False
     sock.close()
