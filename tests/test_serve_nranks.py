@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -161,8 +162,10 @@ def test_a_killed_leader_ends_each_worker_without_rejoin_naming_it(model_dir, tm
         served.close()
 
 
-def test_a_leader_killed_while_it_waits_for_a_worker_ends_the_survivor(model_dir, tmp_path):
-    """The leader dies while its mesh forms again (a worker gone, the other following REFORM):
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_leader_gone_while_it_waits_for_a_worker_ends_the_survivor(model_dir, tmp_path, how):
+    """The leader dies, or is stopped (SIGTERM: it exits 0), while its mesh forms again (a
+    worker gone, the other following REFORM; no mesh to send STOP on):
     the survivor without --rejoin is never left waiting, it ends once the leader's door no
     longer answers (serve.rejoin.DOOR_GRACE_SEC, or DS4_TP_TIMEOUT_SEC when shorter: 8 s
     here), naming the leader."""
@@ -171,19 +174,23 @@ def test_a_leader_killed_while_it_waits_for_a_worker_ends_the_survivor(model_dir
         served.wait_healthy(within=180)
         served.kill("worker2")
         _wait_status(served, 503, 10)
-        # The survivor is in the leader's new wait (its JOIN taken, asking for its rank 1).
+        # The survivor is in the leader's new wait (its JOIN taken, asking for the rank it had).
         deadline = time.monotonic() + 30
-        while "asks for rank 1" not in served.log("leader").split("HTTP answers 503", 1)[-1]:
+        while "asks for rank" not in served.log("leader").split("HTTP answers 503", 1)[-1]:
             assert time.monotonic() < deadline, served.log("leader")[-3000:]
             time.sleep(0.05)
-        served.kill("leader")
+        if how == "killed":
+            served.kill("leader")
+        else:
+            served.procs["leader"].send_signal(signal.SIGTERM)
+            assert served.procs["leader"].wait(30) == 0, served.log("leader")[-3000:]
         t0 = time.monotonic()
         code = served.procs["worker"].wait(60)
         ended = time.monotonic() - t0
         log = served.log("worker")
         assert code != 0, log[-3000:]
         assert re.search(r"the leader at 127\.0\.0\.1:\d+ is gone", log), log[-3000:]
-        print(f"\nleader killed during the re-form: the survivor ended {ended:.1f} s after")
+        print(f"\nleader {how} during the re-form: the survivor ended {ended:.1f} s after")
         assert ended < 8 + 10, f"the survivor took {ended:.1f} s to end"
     finally:
         served.close()
