@@ -1,5 +1,6 @@
-"""`ds4tp serve`, both ranks: join the pair, load this rank's half of the model, then run the
-worker's command loop (worker) or the engine and the HTTP server (leader)."""
+"""`ds4tp serve`, every rank: join the pair (or mesh), load this rank's part of the model, then
+run the worker's command loop (worker) or the engine and the HTTP server (leader); taking a
+worker back, and a worker joining again, are serve/rejoin.py's."""
 
 from __future__ import annotations
 
@@ -264,5 +265,3 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
             quit_.begin()
             told = engine.stop()
     return f"{how}: {told}"
-
-
