@@ -89,13 +89,16 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
         _LAST_GROUP = _join_leaders_size(link, identity)
         return _LAST_GROUP
     if link.size > 2:
-        if link.discovery is not None:
+        found_by = link if link.discovery is not None else None
+        if found_by is not None:
             # Discovery finds the group (the ranks, the leader's address), then the mesh forms there.
             from .link.findgroup import find_group
 
             link = find_group(link, identity or tr.ModelIdentity()).settings(link)
         _LAST_GROUP = _init_mesh(link, identity)
         _JOINED_WITH[_LAST_GROUP] = (link, identity)
+        if found_by is not None:
+            _FOUND_BY[_LAST_GROUP] = found_by  # its leader re-opens the lobby to take a rank back
         return _LAST_GROUP
     _LAST_GROUP = _pair_group(link, identity)
     return _LAST_GROUP
@@ -167,6 +170,26 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
     return group
 
 
+def rejoin_address(group) -> Optional[Tuple[str, int]]:
+    """Where reconnect() joins `group` again: the leader's door (a worker's coordinator, the
+    leader's own listen address), found by discovery or given; None for a group not made here."""
+    link = _JOINED_WITH.get(group, (None, None))[0]
+    if link is None:
+        return None
+    return link.address.coordinator or link.address.listen
+
+
+def rejoin_timeout(group) -> float:
+    """The connect timeout reconnect() joins `group` again with (DS4_TP_TIMEOUT_SEC's when unset)."""
+    from .link.config import default_timeout
+
+    link = _JOINED_WITH.get(group, (None, None))[0]
+    return float(link.timeout) if link is not None and link.timeout else float(default_timeout())
+
+
+# The discovering settings of a mesh discovery found (its leader's lobby opens again on reconnect).
+_FOUND_BY: "weakref.WeakKeyDictionary[MeshGroup, LinkSettings]" = weakref.WeakKeyDictionary()
+
 # What each group of ours was joined with, for reconnect(); weak, so a dropped group goes.
 _JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
     weakref.WeakKeyDictionary()
@@ -175,10 +198,23 @@ _JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional
 def _rejoin_mesh(group: MeshGroup, link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> MeshGroup:
     """reconnect() of a mesh: every rank forms the mesh again (the leader at its address, each
     worker asking for the rank it had, so a restarted worker, asking for none, gets the one
-    left free), and the group runs over the new mesh."""
+    left free), and the group runs over the new mesh. The leader of a group discovery found
+    leads a lobby again meanwhile (link.findgroup.Reopened): a restarted rank, which runs
+    discovery again, finds it there and is sent to the mesh's door; the ranks still in the
+    group dial that door directly (the address discovery found first)."""
     if group.rank() != 0:
         link = dataclasses.replace(link, ask_rank=group.rank())
-    mesh = form_mesh(link.resolved(identity), _connect)
+    found_by = _FOUND_BY.get(group)
+    reopened = None
+    if group.rank() == 0 and found_by is not None:
+        from .link.findgroup import Reopened
+
+        reopened = Reopened(found_by, identity or tr.ModelIdentity(), link.address.listen)
+    try:
+        mesh = form_mesh(link.resolved(identity), _connect)
+    finally:
+        if reopened is not None:
+            reopened.close()
     try:
         group.reattach(mesh)
     except BaseException:

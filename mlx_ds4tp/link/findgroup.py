@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -52,14 +53,16 @@ class Found:
         if self.role == "leader":
             address, ask = PairAddress("leader", self.address, None), None
         else:
-            address, ask = PairAddress("worker", None, self.address), self.rank
+            # A rank re-joining a group that lost one is given none: the mesh gives it the free one.
+            address, ask = PairAddress("worker", None, self.address), (self.rank if self.rank > 0 else None)
         return dataclasses.replace(link, address=address, discovery=None, size=self.size, ask_rank=ask)
 
     def init_kwargs(self) -> Dict:
         """mlx_ds4tp.init's keywords for this rank: role, listen or coordinator, size, rank."""
         if self.role == "leader":
             return {"role": "leader", "listen": self.address, "size": self.size}
-        return {"role": "worker", "coordinator": self.address, "size": self.size, "rank": self.rank}
+        return {"role": "worker", "coordinator": self.address, "size": self.size,
+                "rank": self.rank if self.rank > 0 else None}
 
 
 def find_group(link: LinkSettings, identity: ModelIdentity) -> Found:
@@ -117,8 +120,12 @@ class _Search:
             what, peer = dsc.elect(self.finder.me, peers, settled=settle_at is not None and now >= settle_at)
             found = self.lead() if what == "lead" else self.join(peer) if what == "join" else None
             if found is not None:
-                log(f"discovery: a group of {self.size} in {found.elapsed:.2f} s: this machine is rank "
-                    f"{found.rank} ({', '.join(f'{r}: {h}' for r, h, _ in found.roster)})")
+                if found.rank < 0:
+                    log(f"discovery: a group of {self.size} that lost a rank, found in {found.elapsed:.2f} s: "
+                        f"this machine re-joins it with the rank left free (leader {found.roster[0][1]})")
+                else:
+                    log(f"discovery: a group of {self.size} in {found.elapsed:.2f} s: this machine is rank "
+                        f"{found.rank} ({', '.join(f'{r}: {h}' for r, h, _ in found.roster)})")
                 return found
             if what == "wait":
                 time.sleep(POLL_SEC)
@@ -188,13 +195,16 @@ class _Search:
                      time.monotonic() - self.started)
 
     def lower_leader(self) -> Optional[dsc.Advert]:
-        """A leader of this group with a lower instance id, not refused: two ranks that began
-        leading at once settle on that one (a rank that must lead, `want` lead, never yields)."""
+        """A leader of this group with a lower instance id (or one that must lead), not refused:
+        two ranks that began leading at once settle on that one (a rank that must lead, `want`
+        lead, never yields)."""
         me = self.finder.me
         if me.want == "lead":
             return None
+        # A leader that must lead (want "lead": also a formed group's leader taking a rank
+        # back, Reopened) is yielded to whatever its id.
         lower = [p for p in self.peers() if self.mate(p) and p.state == dsc.LEAD and p.port > 0
-                 and p.instance < me.instance]
+                 and (p.instance < me.instance or p.want == "lead")]
         return min(lower, key=lambda p: p.instance, default=None)
 
     # -- joining -------------------------------------------------------------------------------
@@ -290,6 +300,56 @@ class _Search:
         if not heard:
             return "left (its advert is gone)"
         return {dsc.SEEK: "looking", dsc.LEAD: "leading a group", dsc.PAIRED: "in a group"}[p.state]
+
+
+class Reopened:
+    """A formed group's leader taking a rank back (gate_ops.reconnect of a mesh that discovery
+    found): while its mesh forms again it leads a lobby once more (advert `lead`, want "lead",
+    so a restarted rank that runs discovery again joins it, even one already leading a lobby of
+    its own), and each rank that enters and proves the secret is sent at once the mesh's port
+    and no rank (lobby.NO_RANK: the mesh's door gives it the one left free). The ranks still in
+    the group dial the mesh's door themselves. close() withdraws the lobby (advert `paired`)."""
+
+    def __init__(self, link: LinkSettings, identity: ModelIdentity, mesh_address: Tuple[str, int]) -> None:
+        disc = link.check().discovery
+        interfaces = [dsc.interface(name) for name in disc.interfaces]
+        self.finder = meet.finder_for(disc, interfaces, identity, link)
+        me = self.finder.me
+        self.want = me.want
+        secret = secret_bytes(link.secret)
+        knock = lb.Knock(me.instance, me.host, me.digest, link.size, me.version, lb.NO_RANK, secret is not None)
+        self.lobby = lb.Lobby(listen_host(interfaces), knock, secret)
+        self.mesh_port = int(mesh_address[1])
+        self.finder.publish(state=dsc.LEAD, port=self.lobby.port, want="lead")
+        log(f"discovery: this machine leads its group again (port {self.lobby.port}) for the rank that "
+            f"left: one started again with the same --model, --ranks {link.size} and secret re-joins it")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._welcome, name="ds4tp-reopened", daemon=True)
+        self._thread.start()
+
+    def _welcome(self) -> None:
+        lobby = self.lobby
+        while not self._stop.is_set():
+            lobby.wait(POLL_SEC)
+            if self._stop.is_set():
+                return
+            member = lobby.admit()
+            if member is None:
+                continue
+            roster = [[0, lobby.me.host, "", lobby.me.instance]]
+            try:
+                lb.send(member.sock, {"t": "ranks", "rank": lb.NO_RANK, "port": self.mesh_port, "roster": roster})
+                log(f"discovery: {member.name()} re-joins this group at its mesh's door (port {self.mesh_port})")
+            except TransportError as exc:
+                log(f"discovery: {member.name()} left before it was told where to join ({exc})")
+            lobby.members.pop(member.knock.instance, None)
+            member.sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self.lobby.close()
+        self.finder.publish(state=dsc.PAIRED, port=0, want=self.want)
 
 
 def listen_host(interfaces: List[dsc.Interface]) -> str:

@@ -40,6 +40,7 @@ The bound is checked before anything is allocated.
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 | MESH_SIZE        | MESH_SIZE_PAYLOAD (the mesh's size): rank 0's door answers a pair's HELLO with it while the mesh gathers, then closes; a worker started without a size JOINs a mesh of that size | 64 |
+| REFORM           | UTF-8 text, the leader's reason: a serving leader whose mesh of N > 2 ranks broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
@@ -156,6 +157,9 @@ class FrameType(enum.IntEnum):
     # The mesh's size, rank 0's answer to a worker that dialed its door as a pair's (it was
     # started without a size): the worker then JOINs as one of that many ranks.
     MESH_SIZE = 46
+    # A serving leader whose mesh broke (a worker died) and that forms it again: each worker
+    # still alive joins the new mesh at the same door with its rank and share (serve/rejoin.py).
+    REFORM = 47
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -216,6 +220,7 @@ FRAME_MAX_BYTES = {
     FrameType.ROSTER: 4096,
     FrameType.MESH_ID: 64,
     FrameType.MESH_SIZE: 64,
+    FrameType.REFORM: 4096,
 }
 
 # ---- layouts ------------------------------------------------------------------

@@ -13,4 +13,10 @@ class GrammarError(ValueError):
     or a drawn token its matcher refuses; the message (one line) names what it refused."""
 
 
-__all__ = ["ForeignFileError", "GrammarError"]
+class MeshReformingError(Exception):
+    """A serving leader's REFORM to a worker of its mesh (N > 2): one worker died, the leader
+    lives and forms the mesh again at its door; the worker still alive joins it again with its
+    rank and share (serve.rejoin). The message is the leader's reason."""
+
+
+__all__ = ["ForeignFileError", "GrammarError", "MeshReformingError"]

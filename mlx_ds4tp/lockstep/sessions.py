@@ -23,6 +23,8 @@ frames; each one's layout, packing, unpacking and application is its class in lo
   HASH            the worker answers its own hash of the last step's logits or of a session's
                   sampled tokens
   STOP            the worker returns
+  REFORM          (serve over N > 2) a worker died and the leader forms the mesh again: the
+                  worker raises MeshReformingError and joins the new mesh (serve.rejoin)
 
 Rows of EVAL_BATCH: the sessions already in the batch, in row order, then the sessions that
 join at this step. The worker checks that the rows it is told match its own batch, so a
@@ -59,6 +61,7 @@ from .commands import (
     check_in_step,
 )
 from .disk_cache import DiskCache, tokens_digest
+from .errors import MeshReformingError
 from .grammar import Grammars
 from .prompt_cache import FRESH
 from .table import SessionTable, release_memory
@@ -374,6 +377,8 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             ftype, payload = _next_command(control, table.busy)
             if ftype == F.STOP:
                 return table
+            if ftype == F.REFORM:  # the leader lives and forms the mesh again: not a failure
+                raise MeshReformingError(payload.decode("utf-8", "replace"))
             command = COMMANDS.get(ftype)
             if command is not None and command.answers:  # a query: HASH, DISK_LOAD, KV_ROOM
                 fields = command.unpack(payload, table.vocab)
@@ -382,6 +387,8 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
                 command.check(reply, *fields)
                 continue
             table.apply(ftype, payload)
+    except MeshReformingError:
+        raise
     except Exception as exc:
         if tell_leader:
             control.send_error(f"{type(exc).__name__}: {exc}")

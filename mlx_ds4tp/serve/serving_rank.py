@@ -1,23 +1,23 @@
-"""`ds4tp serve`, both ranks: join the pair, load this rank's half of the model, then run the
-worker's command loop (worker) or the engine and the HTTP server (leader)."""
+"""`ds4tp serve`, every rank: join the pair (or mesh), load this rank's part of the model, then
+run the worker's command loop (worker) or the engine and the HTTP server (leader); taking a
+worker back, and a worker joining again, are serve/rejoin.py's."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .. import gate_ops, transport as tr
 from ..base.log import log
 from ..base.stopping import shielded, stop_on_signals, stop_reason
 from ..link.identity import model_identity
-from ..lockstep.bringup import BringUp, bring_up, rejoin
+from ..lockstep.bringup import BringUp, bring_up
 from ..lockstep.grammar import Grammars
 from ..split.share import SplitShare
+from .rejoin import Quit, ServingSessions, fit_worker_room, serve_as_worker, take_back_workers
 from .settings import ServedModel, ServeSettings
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List
         engine = None
         try:
             if server is None:
-                how = _worker(group, model, settings, share, (Grammars(tokenizer), disk))
+                how = serve_as_worker(group, model, settings, share, (Grammars(tokenizer), disk))
             else:
                 engine = _leader_engine(settings, group, model, tokenizer, disk)
                 # The leader's own room, before the worker's is known (None: --max-kv-tokens decides).
@@ -208,7 +208,6 @@ def kv_tokens_needed(settings: ServeSettings) -> int:
 
 def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokenizer, disk=None):
     """The engine over this pair, with the limits checked against the model loaded."""
-    from ..lockstep.sessions import LeaderSessions
     from .engine import Engine
 
     limits = settings.limits
@@ -230,7 +229,7 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
         log(f"serve: on the leader, {how}")
         # A full machine's 0 is a budget of nothing, not "no budget" (0 to the admission).
         limits = dataclasses.replace(limits, kv_budget=0 if budget is None else max(budget, 1))
-    return Engine(LeaderSessions(group, model, Grammars(tokenizer), disk), tokenizer, limits,
+    return Engine(ServingSessions(group, model, Grammars(tokenizer), disk), tokenizer, limits,
                   speculation=speculation)
 
 
@@ -247,12 +246,12 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
                        context_length=context_length(model, config),
                        vocab_size=engine.sessions.vocab or int(config["vocab_size"]))
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
-    _fit_worker_room(engine, engine.sessions, settings, own_room)
-    quit_ = _Quit()
+    fit_worker_room(engine, engine.sessions, settings, own_room)
+    quit_ = Quit()
     how = "the HTTP server ended"
     try:
         engine.start()
-        threading.Thread(target=_take_back_workers, args=(engine, group, split_model, settings, own_room, quit_),
+        threading.Thread(target=take_back_workers, args=(engine, group, split_model, settings, own_room, quit_),
                          name="ds4tp-rejoin", daemon=True).start()
         log(f"serving {served.name} ({served.path}) on "
             f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
@@ -266,163 +265,3 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
             quit_.begin()
             told = engine.stop()
     return f"{how}: {told}"
-
-
-@dataclasses.dataclass
-class _Quit:
-    """The leader's stop as its rejoin thread sees it: `event` is set when the stop begins, and
-    `lock` is held around the thread's native work (closing a pair, resuming the engine); the
-    stop takes the lock and keeps it, so none is under way or begins while the interpreter
-    exits (a thread inside native code then aborts the process: "terminate called without an
-    active exception"). The thread's waits (for a worker to connect) are Python's own."""
-
-    event: threading.Event = dataclasses.field(default_factory=threading.Event)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    def begin(self, timeout: float = 30.0) -> None:
-        self.event.set()
-        self.lock.acquire(timeout=timeout)
-
-    @contextlib.contextmanager
-    def native(self) -> Iterator[bool]:
-        """The lock held; yields False (do nothing) once the stop has begun."""
-        with self.lock:
-            yield not self.event.is_set()
-
-
-def _fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Optional[int]) -> None:
-    """The KV budget within the worker's machine too: two different Macs split unevenly hold
-    different parts of every cache in different memories, so the budget from memory is the
-    smaller of the two ranks' (own_room: the leader's; None when --max-kv-tokens gave it, which
-    is kept and only warned about when the worker holds less)."""
-    limits = settings.limits
-    room = sessions.worker_kv_room(limits.kv_bits, limits.kv_group_size)
-    if room is None:
-        log("serve: the worker could not read its memory; the KV budget is the leader's alone")
-    elif own_room is None:
-        if limits.kv_budget > room:
-            log(f"serve: --max-kv-tokens {limits.kv_budget} is more than the worker's machine holds "
-                f"({room} tokens): it may run out of memory under load; give --max-kv-tokens {room} or less")
-    else:
-        budget = min(own_room, max(room, 1)) if own_room else max(room, 1)
-        if budget != engine.admission.kv_budget:
-            log(f"serve: KV budget {budget} tokens, the smaller of the leader's ({own_room or 'unknown'}) "
-                f"and the worker's ({room})")
-            engine.admission.kv_budget = budget
-
-
-def _take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                       settings: ServeSettings, own_room: Optional[int], quit_: _Quit) -> None:
-    """The leader's side of a worker that comes back: whenever the pair goes down (the worker
-    died or was stopped, the link dropped), keep serving HTTP (503 and /health 503 meanwhile),
-    listen again on the pair's address, and resume serving once a worker with the same model
-    fingerprint and secret has joined; it gets the share the leader's model is split by. A
-    daemon thread, ended by the leader's stop (_Quit)."""
-    from ..lockstep.sessions import LeaderSessions
-
-    model, share = split_model
-    listen = settings.link.address.listen
-    where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
-    while not quit_.event.is_set():
-        if not engine.wait_down(1.0):
-            continue
-        others = (f"; over {group.size()} ranks the other workers, started with --rejoin, join again by "
-                  "themselves" if group.size() > 2 else "")
-        log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
-            f"`ds4tp serve --role worker` again, with the same --model and secret{others})")
-        while not quit_.event.is_set():
-            try:
-                rejoin(group, settings.split, share)
-                break
-            except tr.TransportTimeoutError:
-                continue  # nobody came within the connect timeout: keep listening
-            except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
-                log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
-                with quit_.native() as go:
-                    if go:
-                        group.close()
-                time.sleep(0.5)
-        if quit_.event.is_set():
-            return
-        sessions = LeaderSessions(group, model, engine.sessions.grammars, engine.disk_cache)
-        try:
-            sessions.wait_ready()  # the worker loads its weights after joining
-            _fit_worker_room(engine, sessions, settings, own_room)  # its machine may hold less
-        except Exception as exc:  # noqa: BLE001 - it died loading: listen again
-            log(f"serve: the worker joined but failed before serving: {exc}")
-            with quit_.native() as go:
-                if go:
-                    group.close()
-            continue
-        with quit_.native() as go:
-            if not go:
-                return
-            engine.resume(sessions)
-        log(f"serve: a worker rejoined (transport {group.transport}); serving again")
-
-
-def _worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare,
-            grammars_disk: Tuple[Any, Any]) -> str:
-    """The worker's command loop; with --rejoin it outlives its leader: when the leader stops or
-    dies it waits for a leader on the same address and serves it (the same checks as a first
-    join). Without it, a leader gone is this process's end: an error naming it, never a hang.
-    Ctrl-C or SIGTERM stops it cleanly, the leader told why. Returns how it ended."""
-    from ..lockstep.sessions import drain_failed_work, serve_worker
-    from ..lockstep.table import release_memory
-
-    grammars, disk = grammars_disk
-    rejoin = settings.rejoin
-    coordinator = settings.link.address.coordinator
-    where = f"at {coordinator[0]}:{coordinator[1]}" if coordinator else "(discovery)"
-    try:
-        while True:
-            try:
-                table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
-                said = f"the leader said stop after {table.step_count} decode steps"
-                if not rejoin:
-                    return f"the worker stopped: {said}"
-                log(f"serve: {said}")
-            except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
-                if not rejoin:
-                    raise tr.TransportError(f"{exc}; the worker stops (run it with --rejoin to wait "
-                                            "for a leader instead)") from None
-                log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
-            group.close()
-            drain_failed_work()
-            release_memory()  # the failed pair's table, its caches and its failed steps
-            log(f"serve: waiting for a leader {where} (--rejoin) ...")
-            _rejoin_leader(group, settings, share)
-            log(f"serve: joined a leader again (transport {group.transport})")
-    except KeyboardInterrupt:
-        with shielded():
-            told = _tell_leader(group, drain_failed_work)
-        return f"the worker stopped by {stop_reason()}{told}"
-
-
-def _rejoin_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitShare) -> None:
-    """Join a leader again on the same address, however long that takes."""
-    while True:
-        try:
-            rejoin(group, settings.split, share)
-            return
-        except (tr.HelloMismatchError, tr.AuthenticationError):
-            raise  # another model, secret or share: waiting would not change it
-        except tr.TransportError:
-            group.close()  # joined but the share never came: the next try joins afresh
-            time.sleep(0.5)  # no leader yet (or one that went away during the join)
-
-
-def _tell_leader(group: gate_ops.Group, drain) -> str:
-    """A stopped worker's goodbye: the leader told why (an ERROR frame, which its failing step or
-    idle check reports), the pair closed (a step in flight fails at once) and its queued work
-    drained, so no MLX work is left running as the process exits."""
-    try:
-        from ..lockstep.sessions import leader_channel
-
-        control = leader_channel(group)
-    except tr.TransportError:
-        return " (no leader was joined)"
-    control.send_error(f"the worker was stopped by {stop_reason()}; start it again and it rejoins")
-    group.close()
-    drain()
-    return "; the leader was told"

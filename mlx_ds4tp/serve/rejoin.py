@@ -1,0 +1,342 @@
+"""`ds4tp serve`'s re-join, both sides: the leader that keeps serving HTTP (503 meanwhile) while
+it takes a restarted worker back, and the worker that joins its leader again.
+
+Over a mesh of N > 2 ranks one worker's death breaks the whole mesh, so every rank forms it
+again (gate_ops.reconnect, each keeping its rank and share). The leader says so: before it
+closes a broken mesh it sends each worker REFORM on its control channel (ServingSessions.abort,
+tell_reform), and a worker still alive that reads it joins the new mesh by itself, without
+--rejoin, for as long as the leader's door answers (follow_leader). A worker whose own step
+failed with the mesh waits for the leader's word on that channel (leader_reforms): REFORM, or
+the channel closing, an ERROR or STOP (the leader is gone or stopping). So "leader alive" is
+what the leader said, never a guess from timing. A two-rank pair keeps its old behaviour (its
+worker without --rejoin stops when the pair breaks)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+from typing import Any, Iterator, Optional, Tuple
+
+from .. import gate_ops, transport as tr
+from ..base.log import log
+from ..base.stopping import shielded, stop_reason
+from ..lockstep.bringup import rejoin
+from ..lockstep.errors import MeshReformingError
+from ..lockstep.sessions import LeaderSessions, drain_failed_work, leader_channel, worker_channels
+from ..split.share import SplitShare
+from .settings import ServeSettings
+
+F = tr.FrameType
+_DRAIN_BYTES = 1 << 20
+# How long a following worker lets its leader's door stay closed before it calls the leader
+# gone: the door is closed only while the leader's thread goes from one wait to the next (a
+# few Python statements), so this is a bound for a gone leader, not a race with a live one.
+DOOR_GRACE_SEC = 10.0
+
+
+# ============================================================================
+# The leader
+# ============================================================================
+
+
+class ServingSessions(LeaderSessions):
+    """The serving leader's sessions: over a mesh (N > 2) a failure tells every worker REFORM,
+    not ERROR (the leader lives and takes a restarted worker back: the others join again by
+    themselves); over a pair, as LeaderSessions."""
+
+    def abort(self, reason: str) -> None:
+        if self.group.size() > 2:
+            tell_reform(self.group, reason)
+        else:
+            super().abort(reason)
+
+
+def tell_reform(group: gate_ops.Group, reason: str) -> None:
+    """Close a broken mesh, each worker told first (REFORM with `reason`, best effort: the dead
+    one takes nothing) that the leader forms it again. What the workers sent that nobody read
+    (a failed worker's ERROR) is read off first, so the close is an orderly one and the REFORM
+    already sent is not cut off by a reset."""
+    try:
+        controls = worker_channels(group)
+    except tr.TransportError:  # closed already: there is nobody left to tell
+        controls = []
+    text = reason.encode("utf-8", "replace")[:4000]
+    for control in controls:
+        try:
+            control.send(F.REFORM, text)
+        except (tr.TransportError, OSError):
+            pass  # the worker that died
+    for control in controls:
+        _drain(control.sock)
+    group.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    taken = 0
+    try:
+        while taken < _DRAIN_BYTES:
+            chunk = sock.recv(65536, socket.MSG_DONTWAIT)
+            if not chunk:
+                return
+            taken += len(chunk)
+    except OSError:  # nothing more to read now, or the socket is gone
+        return
+
+
+@dataclasses.dataclass
+class Quit:
+    """The leader's stop as its rejoin thread sees it: `event` is set when the stop begins, and
+    `lock` is held around the thread's native work (closing a pair, resuming the engine); the
+    stop takes the lock and keeps it, so none is under way or begins while the interpreter
+    exits (a thread inside native code then aborts the process: "terminate called without an
+    active exception"). The thread's waits (for a worker to connect) are Python's own."""
+
+    event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def begin(self, timeout: float = 30.0) -> None:
+        self.event.set()
+        self.lock.acquire(timeout=timeout)
+
+    @contextlib.contextmanager
+    def native(self) -> Iterator[bool]:
+        """The lock held; yields False (do nothing) once the stop has begun."""
+        with self.lock:
+            yield not self.event.is_set()
+
+
+def fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Optional[int]) -> None:
+    """The KV budget within the worker's machine too: two different Macs split unevenly hold
+    different parts of every cache in different memories, so the budget from memory is the
+    smaller of the two ranks' (own_room: the leader's; None when --max-kv-tokens gave it, which
+    is kept and only warned about when the worker holds less)."""
+    limits = settings.limits
+    room = sessions.worker_kv_room(limits.kv_bits, limits.kv_group_size)
+    if room is None:
+        log("serve: the worker could not read its memory; the KV budget is the leader's alone")
+    elif own_room is None:
+        if limits.kv_budget > room:
+            log(f"serve: --max-kv-tokens {limits.kv_budget} is more than the worker's machine holds "
+                f"({room} tokens): it may run out of memory under load; give --max-kv-tokens {room} or less")
+    else:
+        budget = min(own_room, max(room, 1)) if own_room else max(room, 1)
+        if budget != engine.admission.kv_budget:
+            log(f"serve: KV budget {budget} tokens, the smaller of the leader's ({own_room or 'unknown'}) "
+                f"and the worker's ({room})")
+            engine.admission.kv_budget = budget
+
+
+def _give_up_on(group: gate_ops.Group, quit_: Quit, why: str) -> None:
+    """A re-join that failed on the leader: the mesh's workers told it forms again (they are in
+    it, or on the way), the group closed for the next try."""
+    with quit_.native() as go:
+        if go:
+            if group.size() > 2:
+                tell_reform(group, why)
+            else:
+                group.close()
+
+
+def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
+                      settings: ServeSettings, own_room: Optional[int], quit_: Quit) -> None:
+    """The leader's side of a worker that comes back: whenever the pair or mesh goes down (a
+    worker died or was stopped, a link dropped), keep serving HTTP (503 and /health 503
+    meanwhile), listen again on the same address, and resume serving once a worker with the
+    same model fingerprint and secret has joined; it gets the share the leader's model is split
+    by. Over a mesh the workers still alive were told REFORM and join the new mesh with it. A
+    daemon thread, ended by the leader's stop (Quit)."""
+    model, share = split_model
+    listen = settings.link.address.listen
+    where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
+    while not quit_.event.is_set():
+        if not engine.wait_down(1.0):
+            continue
+        others = (f"; over {group.size()} ranks the workers still alive were told the mesh forms "
+                  "again and join it by themselves" if group.size() > 2 else "")
+        log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
+            f"`ds4tp serve --role worker` again, with the same --model and secret{others})")
+        while not quit_.event.is_set():
+            try:
+                rejoin(group, settings.split, share)
+                break
+            except tr.TransportTimeoutError:
+                continue  # nobody came within the connect timeout: keep listening
+            except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
+                log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
+                _give_up_on(group, quit_, f"a worker could not rejoin: {exc}")
+                time.sleep(0.5)
+        if quit_.event.is_set():
+            return
+        sessions = ServingSessions(group, model, engine.sessions.grammars, engine.disk_cache)
+        try:
+            sessions.wait_ready()  # the worker loads its weights after joining
+            fit_worker_room(engine, sessions, settings, own_room)  # its machine may hold less
+        except Exception as exc:  # noqa: BLE001 - it died loading: listen again
+            log(f"serve: the worker joined but failed before serving: {exc}")
+            _give_up_on(group, quit_, f"a worker failed before serving: {exc}")
+            continue
+        with quit_.native() as go:
+            if not go:
+                return
+            engine.resume(sessions)
+        log(f"serve: a worker rejoined (transport {group.transport}); serving again")
+
+
+# ============================================================================
+# The worker
+# ============================================================================
+
+
+def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare,
+                    grammars_disk: Tuple[Any, Any]) -> str:
+    """The worker's command loop. Over a mesh, a leader that forms the mesh again (REFORM) is
+    followed: this rank joins the new mesh with its rank and share, with or without --rejoin.
+    With --rejoin the worker also outlives its leader: when the leader stops or dies it waits
+    for a leader on the same address and serves it (the same checks as a first join). Without
+    it, a leader gone is this process's end: an error naming it, never a hang. Ctrl-C or
+    SIGTERM stops it cleanly, the leader told why. Returns how it ended."""
+    from ..lockstep.sessions import serve_worker
+    from ..lockstep.table import release_memory
+
+    grammars, disk = grammars_disk
+    wait_for_any = settings.rejoin
+    where = _leader_at(group, settings)
+    try:
+        while True:
+            follow = False
+            try:
+                table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
+                said = f"the leader said stop after {table.step_count} decode steps"
+                if not wait_for_any:
+                    return f"the worker stopped: {said}"
+                log(f"serve: {said}")
+            except MeshReformingError as exc:
+                follow = True
+                log(f"serve: the leader forms the mesh again ({exc}); rank {group.rank()} joins it")
+            except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
+                follow = group.size() > 2 and leader_reforms(group)
+                if follow:
+                    log(f"serve: the mesh broke ({type(exc).__name__}: {exc}); the leader forms it again "
+                        f"and rank {group.rank()} joins it")
+                elif not wait_for_any:
+                    gone = f"the leader {where} is gone: " if group.size() > 2 else ""
+                    raise tr.TransportError(f"{gone}{exc}; the worker stops (run it with --rejoin to wait "
+                                            "for a leader instead)") from None
+                else:
+                    log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
+            group.close()
+            drain_failed_work()
+            release_memory()  # the failed pair's table, its caches and its failed steps
+            if follow and not wait_for_any:
+                follow_leader(group, settings, share)
+            else:
+                log(f"serve: waiting for a leader {where} (--rejoin) ...")
+                _rejoin_leader(group, settings, share)
+            log(f"serve: joined a leader again (transport {group.transport})")
+    except KeyboardInterrupt:
+        with shielded():
+            told = _tell_leader(group, drain_failed_work)
+        return f"the worker stopped by {stop_reason()}{told}"
+
+
+def _leader_at(group: gate_ops.Group, settings: ServeSettings) -> str:
+    address = gate_ops.rejoin_address(group) or settings.link.address.coordinator
+    return f"at {address[0]}:{address[1]}" if address else "(discovery)"
+
+
+def leader_reforms(group: gate_ops.Group) -> bool:
+    """After this worker's own step failed with the mesh: whether the leader forms the mesh
+    again (its REFORM comes), or is gone or stopping (its channel closes, or ERROR or STOP
+    comes, or nothing within the timeout, DS4_TP_TIMEOUT_SEC). Commands the leader sent
+    before it knew are passed over."""
+    try:
+        control = leader_channel(group)
+    except tr.TransportError:
+        return False
+    deadline = time.monotonic() + control.timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            ftype, _ = control.recv(timeout=left)
+        except (tr.TransportError, OSError, ValueError):
+            return False
+        if ftype == F.REFORM:
+            return True
+        if ftype == F.STOP:
+            return False
+
+
+def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitShare) -> None:
+    """A worker without --rejoin told REFORM: join the leader's new mesh, with this rank and
+    share, for as long as the leader waits for the restarted worker. The leader's door closes
+    only between two of its waits (each DS4_TP_TIMEOUT_SEC long), and opens again at once, so
+    before each try after the first this worker looks at the door for up to DOOR_GRACE_SEC:
+    open, it tries again; closed all that while, the leader is gone (killed or stopped during
+    the wait) and this worker stops with an error naming it."""
+    address = gate_ops.rejoin_address(group)
+    where = f"{address[0]}:{address[1]}" if address else "(unknown)"
+    last: Optional[Exception] = None
+    while True:
+        if last is not None and not _door_open(address, group):
+            raise tr.TransportError(
+                f"the leader at {where} is gone: its door no longer answers (the last try: {last}); "
+                "the worker stops (run it with --rejoin to wait for a leader instead)") from None
+        try:
+            rejoin(group, settings.split, share)
+            return
+        except (tr.HelloMismatchError, tr.AuthenticationError):
+            raise  # another model, secret or share: waiting would not change it
+        except tr.TransportError as exc:
+            group.close()  # joined but the share never came: the next try joins afresh
+            last = exc
+            time.sleep(0.2)  # the leader closed its wait (it waits again at once) or refused this try
+
+
+def _door_open(address: Optional[Tuple[str, int]], group: gate_ops.Group) -> bool:
+    """Whether the leader's door takes a connection within DOOR_GRACE_SEC (or the connect
+    timeout, if shorter). The connection is closed at once; the door drops it."""
+    if address is None:
+        return False
+    grace = min(DOOR_GRACE_SEC, gate_ops.rejoin_timeout(group))
+    try:
+        sock = tr.dial(address[0], address[1], time.monotonic() + grace, "the leader's door")
+    except tr.TransportError:
+        return False
+    sock.close()
+    return True
+
+
+def _rejoin_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitShare) -> None:
+    """Join a leader again on the same address, however long that takes."""
+    while True:
+        try:
+            rejoin(group, settings.split, share)
+            return
+        except (tr.HelloMismatchError, tr.AuthenticationError):
+            raise  # another model, secret or share: waiting would not change it
+        except tr.TransportError:
+            group.close()  # joined but the share never came: the next try joins afresh
+            time.sleep(0.5)  # no leader yet (or one that went away during the join)
+
+
+def _tell_leader(group: gate_ops.Group, drain) -> str:
+    """A stopped worker's goodbye: the leader told why (an ERROR frame, which its failing step or
+    idle check reports), the pair closed (a step in flight fails at once) and its queued work
+    drained, so no MLX work is left running as the process exits."""
+    try:
+        control = leader_channel(group)
+    except tr.TransportError:
+        return " (no leader was joined)"
+    control.send_error(f"the worker was stopped by {stop_reason()}; start it again and it rejoins")
+    group.close()
+    drain()
+    return "; the leader was told"
+
+
+__all__ = ["Quit", "ServingSessions", "fit_worker_room", "follow_leader", "leader_reforms",
+           "serve_as_worker", "take_back_workers", "tell_reform"]
