@@ -1,7 +1,8 @@
 """`ds4tp doctor --ranks N` (mlx_ds4tp/cli/doctor_mesh.py): alone, a mesh of N over ucsim in
 one process; `--listen ... --ranks 3` and two `--peer`s on 127.0.0.1, each printing its links,
 an exact all_sum round trip and, with --model (a llama of 8 KV heads), the share auto would pick
-for the 3 and even's nearest (3:3:2, uneven); the same found by discovery (`--interface --ranks
+for the 3 and even's nearest (3:3:2, uneven), and a peer with other weights stops the group
+naming both fingerprints; the same found by discovery (`--interface --ranks
 3` in three network namespaces); bad --ranks values refused naming the value.
 
 Every doctor is a child process, killed when the test ends (the procs fixture); every wait has
@@ -97,6 +98,32 @@ def test_doctor_listen_ranks_3_and_two_peers_round_trip_exactly(procs, llama8):
         assert p.returncode == 0, out + err
         outs.append(out)
     check_group_lines(outs, 3, f"127.0.0.1:{port}")
+
+
+def test_a_peer_with_other_weights_stops_the_group_naming_both_fingerprints(procs, llama8, tmp_path):
+    from mlx_ds4tp import model_fingerprint
+    from mlx_ds4tp.cli.doctor_mesh import leader_tells_size
+    from mlx_ds4tp.testing.tiny_model import save_llama
+
+    other = save_llama(tmp_path / "other", "tiny8", seed=1)
+    mine, theirs = model_fingerprint(llama8).label, model_fingerprint(other).label
+    port = free_port()
+    told = [] if leader_tells_size() else ["--ranks", "3"]
+    env = {"DS4_TP_TIMEOUT_SEC": "30"}  # the peer the mismatch leaves waiting gives up within 30 s
+    leader = procs.spawn(["-m", "mlx_ds4tp", "doctor", "--listen", "127.0.0.1", str(port), "--ranks", "3",
+                          "--transport", "tcp", "--model", str(llama8)], env=env)
+    peers = [procs.spawn(["-m", "mlx_ds4tp", "doctor", "--peer", "127.0.0.1", str(port), *told,
+                          "--transport", "tcp", "--model", str(model)], env=env) for model in (llama8, other)]
+    outs = []
+    for p in (leader, *peers):
+        out, err = p.communicate(timeout=WAIT_SEC)
+        assert p.returncode == 1, out + err
+        assert "[FAIL] all_sum round trip: " in out, out
+        outs.append(out)
+    # The leader's link to the other model, and that peer, name both fingerprints; the third rank
+    # fails with the mesh, whatever its link saw.
+    for out in (outs[0], outs[2]):
+        assert "model mismatch" in out and mine in out and theirs in out, out
 
 
 @pytest.mark.parametrize("bridge", [3], indirect=True)
