@@ -1,7 +1,8 @@
-"""`ds4tp doctor`: check what a pair needs and say what to fix.
+"""`ds4tp doctor`: check what a pair (or a group of N ranks, --ranks N) needs and say what to fix.
 
 Each check prints one line: ok, warn (works, but slower or degraded) or FAIL
 (a pair cannot run), with the fix. The exit code is 1 when anything FAILs.
+The checks of N ranks (3 to 8) are doctor_mesh.py's.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from .. import transport as tr
 from ..link.config import LinkSettings, PairAddress, pair_address
 from ..split.measure import measure_rank, memory_limit
+from .doctor_lines import FAIL, OK, WARN, Check, line as _line
+from .doctor_mesh import add_ranks_arg, check_ucsim_mesh, group_size, mesh_checks
 from .model_arg import add_model_arg
 from .pair_args import (
     TRANSPORT_HELP,
@@ -32,18 +35,12 @@ from .pair_args import (
     refuse_mlx,
 )
 
-HELP = "check what a pair needs and say what to fix"
-OK, WARN, FAIL = "ok", "warn", "FAIL"
+HELP = "check what a pair (or --ranks N machines) needs and say what to fix"
 # The build switch of _verbs_build.py: the C module without the ibverbs provider.
 NO_IBVERBS_ENV = "MLX_DS4TP_NO_IBVERBS"
 
 
-def _line(status: str, what: str, detail: str) -> Tuple[str, str]:
-    print(f"[{status:>4}] {what}: {detail}", flush=True)
-    return status, what
-
-
-def check_python() -> List[Tuple[str, str]]:
+def check_python() -> List[Check]:
     out = [_line(OK, "python", f"{platform.python_version()} on {platform.system()} {platform.machine()}")]
     try:
         import mlx.core as mx
@@ -89,7 +86,7 @@ def no_provider_cause(reason: str) -> str:
             f"without it: `env -u {NO_IBVERBS_ENV} pip install -e .`")
 
 
-def check_verbs() -> List[Tuple[str, str]]:
+def check_verbs() -> List[Check]:
     out = []
     try:
         _, lib = tr.load_verbs()
@@ -114,7 +111,7 @@ def check_verbs() -> List[Tuple[str, str]]:
     return out
 
 
-def check_macos() -> List[Tuple[str, str]]:
+def check_macos() -> List[Check]:
     if sys.platform != "darwin":
         return [_line(OK, "macOS checks", "skipped (not macOS)")]
     out = []
@@ -137,7 +134,7 @@ def check_macos() -> List[Tuple[str, str]]:
     return out
 
 
-def check_ucsim_pair() -> List[Tuple[str, str]]:
+def check_ucsim_pair() -> List[Check]:
     """Both ranks in this process over the emulated device: proves the whole
     RDMA path (bring-up, warm-up, the exchange the model's gates run) works on
     this machine."""
@@ -181,48 +178,60 @@ def check_ucsim_pair() -> List[Tuple[str, str]]:
     return [_line(OK, "ucsim pair", f"bring-up, warm-up and 200 gates in {time.perf_counter() - t0:.2f} s")]
 
 
-def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Tuple[str, str]]:
+def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Check]:
     """A short run of the model's exchange (the one its gates call) against the
     other machine's `ds4tp doctor --listen`; with --model, both sides' model
-    fingerprints are compared at the hello."""
-    import numpy as np
-
+    fingerprints are compared at the hello. A group of N ranks (the leader's
+    --ranks N) runs doctor_mesh.mesh_checks instead."""
     from .. import gate_ops
-    from ..bench.gates import percentiles
-    from ..link.exchange import Exchange
+    from ..collectives.mesh import MeshGroup
     from ..link.identity import model_identity
 
-    # A doctor should answer soon: at most 30 s (dial) / 120 s (listen), less
-    # when DS4_TP_TIMEOUT_SEC says so.
+    # A doctor should answer soon: at most 30 s (a pair's worker dialing) / 120 s (listening,
+    # or a group's, which waits for all N), less when DS4_TP_TIMEOUT_SEC says so.
     limit = tr.default_timeout()
     identity = model_identity(args.model) if args.model else None
-    where = "{0}:{1}".format(*link.address.address) if link.discovery is None else "the peer discovery found"
-    wait = min(30.0 if link.address.role == "worker" else 120.0, limit)
+    found = "the peer" if (link.size or 2) == 2 else "the group"
+    where = "{0}:{1}".format(*link.address.address) if link.discovery is None else f"{found} discovery found"
+    short = link.address.role == "worker" and (link.size or 2) == 2
+    wait = min(30.0 if short else 120.0, limit)
     g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait, figures=measure_rank(memory_limit())),
                            identity)
     with g:
-        out = []
-        if identity is not None:
-            here, there = g.pair.fingerprint_labels()
-            out.append(_line(OK, "model fingerprint", f"{here} here, {there} on the {g.pair.peer_name} "
-                             f"({args.model})"))
-            out.append(_pair_share(g.pair, args.model))
-        send = np.full(4096, g.rank() + 1.0, np.float32)
-        recv = np.empty_like(send)
-        exchange = Exchange(g.link, send)
-        samples = []
-        for _ in range(2000):
-            t0 = time.perf_counter_ns()
-            exchange(send, recv)
-            samples.append(time.perf_counter_ns() - t0)
-        good = bool(np.all(recv == 2.0 - g.rank()))
-        p = percentiles(samples[200:])
-        return out + [_line(OK if good else FAIL, f"gate round trip with {where}",
-                            f"transport {g.transport}, 16 KiB p50 {p['p50_us']} us p99 {p['p99_us']} us"
-                            + ("" if good else ", WRONG DATA"))]
+        if isinstance(g, MeshGroup):
+            return mesh_checks(g, args.model, where)
+        return _pair_checks(args, g, where)
 
 
-def _pair_share(pair, model: str) -> Tuple[str, str]:
+def _pair_checks(args: argparse.Namespace, g, where: str) -> List[Check]:
+    """peer_round_trip's checks over a pair."""
+    import numpy as np
+
+    from ..bench.gates import percentiles
+    from ..link.exchange import Exchange
+
+    out = []
+    if args.model is not None:
+        here, there = g.pair.fingerprint_labels()
+        out.append(_line(OK, "model fingerprint", f"{here} here, {there} on the {g.pair.peer_name} "
+                         f"({args.model})"))
+        out.append(_pair_share(g.pair, args.model))
+    send = np.full(4096, g.rank() + 1.0, np.float32)
+    recv = np.empty_like(send)
+    exchange = Exchange(g.link, send)
+    samples = []
+    for _ in range(2000):
+        t0 = time.perf_counter_ns()
+        exchange(send, recv)
+        samples.append(time.perf_counter_ns() - t0)
+    good = bool(np.all(recv == 2.0 - g.rank()))
+    p = percentiles(samples[200:])
+    return out + [_line(OK if good else FAIL, f"gate round trip with {where}",
+                        f"transport {g.transport}, 16 KiB p50 {p['p50_us']} us p99 {p['p99_us']} us"
+                        + ("" if good else ", WRONG DATA"))]
+
+
+def _pair_share(pair, model: str) -> Check:
     """The share `--split auto` would pick for this pair and model (both sides print the same:
     the same arithmetic on the same two hellos' figures)."""
     from ..split.agree import model_cuts
@@ -239,14 +248,15 @@ def _pair_share(pair, model: str) -> Tuple[str, str]:
     return _line(OK, "split auto", f"would pick {share} (rank 0's part first) with the peer: {figures}")
 
 
-def check_split() -> List[Tuple[str, str]]:
+def check_split(size: int = 2) -> List[Check]:
     """This Mac's figures for `--split auto`, alone (no peer to pick a share with)."""
     from ..split.auto import figures_line
 
     figures = measure_rank(memory_limit())
+    group = "a pair" if size == 2 else f"the {size} ranks"
     return [_line(OK, "split auto", f"local figures only, no peer ({figures_line('this Mac', figures)}): "
                   "beside a Mac within 10% of it, auto splits evenly; `--peer`/`--listen` with --model "
-                  "prints the share for a pair")]
+                  f"prints the share for {group}")]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -262,19 +272,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
                      "peer's at the hello and print both", required=False, metavar="PATH")
     # Only when named: a plain `ds4tp doctor` checks this Mac alone and never waits for a peer.
     add_interface_arg(p)
+    add_ranks_arg(p)
 
 
 def check_args(args: argparse.Namespace) -> Optional[LinkSettings]:
     """The round trip's link (the --peer side dials as the worker, the --listen side
-    answers as the leader), or None without either; bad flags exit naming the flag."""
+    answers as the leader, with --ranks N the group's size), or None without either; bad
+    flags exit naming the flag."""
     no_mlx = ("its round trip times a pair's exchange, and MLX's own group is no pair (`ds4tp bench "
               "--transport mlx` times MLX's ring)")
     if not (args.peer or args.listen):
+        size = group_size(args)
         if args.interface:
-            # Both Macs run `ds4tp doctor --interface NAME`: they find each other as run and serve do.
+            # Every Mac runs `ds4tp doctor --interface NAME [--ranks N]`: they find each other as
+            # run and serve do.
             refuse_mlx(args, "doctor", no_mlx)
             discovery = discovery_from_args(args, "doctor", "any")
-            return link_from_args(args, PairAddress(None, None, None), "doctor", discovery=discovery)
+            return link_from_args(args, PairAddress(None, None, None), "doctor", discovery=discovery,
+                                  size=size)
         if args.model is not None:
             raise SystemExit("ds4tp doctor: --model is compared with the peer's: give --peer, --listen "
                              "or --interface")
@@ -285,23 +300,27 @@ def check_args(args: argparse.Namespace) -> Optional[LinkSettings]:
         address = pair_address("worker", None, here) if args.peer else pair_address("leader", here, None)
     except ValueError as exc:
         raise SystemExit(f"ds4tp doctor: {flag}: {exc}") from None
+    # The --peer side takes the leader's group size where a worker can (doctor_mesh.group_size).
+    size = group_size(args, peer=bool(args.peer))
     refuse_mlx(args, "doctor", no_mlx)
-    return link_from_args(args, address, "doctor")
+    return link_from_args(args, address, "doctor", size=size)
 
 
 def main(args: argparse.Namespace) -> int:
     """Every check, one line each; 1 when any FAILs."""
     link = check_args(args)
+    # A --peer that takes the leader's size (None) checks a pair here: it knows no N yet.
+    size = (group_size(args) if link is None else link.size) or 2
     results = check_python() + check_verbs() + check_macos()
     if not any(s == FAIL and w == "C module" for s, w in results):
-        results += check_ucsim_pair()
+        results += check_ucsim_pair() if size == 2 else check_ucsim_mesh(size)
     if link is None:
-        results += check_split()
+        results += check_split(size)
     else:
         try:
             results += peer_round_trip(args, link)
         except (tr.TransportError, ValueError, FileNotFoundError) as exc:
-            results.append(_line(FAIL, "gate round trip", str(exc)))
+            results.append(_line(FAIL, "gate round trip" if size == 2 else "all_sum round trip", str(exc)))
     failed = [w for s, w in results if s == FAIL]
     print(f"doctor: {len(results)} checks, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -37,7 +37,7 @@ from .layers import (
 )
 from .plans import OWN_PLANS, plan_of, saved_layout, summed_blocks
 from .share import EVEN, SplitShare
-from .units import choose_layout, part_shape, run_plan, share_granules, take_runs
+from .units import Layout, choose_layout, part_shape, run_plan, share_granules, take_runs
 
 _VOCAB_LAYERS = {"embed_tokens": ((nn.Embedding, nn.QuantizedEmbedding), VocabParallelEmbedding),
                  "lm_head": ((nn.Linear, nn.QuantizedLinear), VocabParallelHead)}
@@ -198,14 +198,21 @@ class ModelCuts:
         `share`."""
         return self.parts(share, 2)[0]
 
+    def layout(self, share: SplitShare, size: int) -> Layout:
+        """The cut a load of `size` ranks takes when it asks for `share` (choose_layout's, on rank
+        0's twin, the same for every rank): `ds4tp doctor --ranks N` names even's nearest with it
+        (8 KV heads on 3 ranks: 3:3:2). ValueError naming the counts where no cut gives every
+        rank a part."""
+        return choose_layout(self._model, cut_only_group(0, size), self._shard, share, trace=False,
+                             label=self._label)
+
     def parts(self, share: SplitShare, size: int) -> tuple[float, ...]:
         """The part of the split weights' bytes each of `size` ranks keeps when a load asks for
         `share` (choose_layout's cuts, on rank 0's twin, the same for every rank: the
         attention's, the columns' and the vocabulary's each by its own share)."""
         if share.is_even and size == 2:
             return (0.5, 0.5)
-        layout = choose_layout(self._model, cut_only_group(0, size), self._shard, share, trace=False,
-                               label=self._label)
+        layout = self.layout(share, size)
         vocab = {path for path, _ in _vocab_layers(self._model)}
         held, whole = [Fraction(0)] * size, 0
         for path, value in tree_flatten(self._model.parameters()):
