@@ -81,7 +81,6 @@ def check_group_lines(outs: List[str], size: int, where: str) -> None:
 
 
 def test_doctor_listen_ranks_3_and_two_peers_round_trip_exactly(procs, llama8):
-    from mlx_ds4tp.cli.doctor_mesh import leader_tells_size
 
     port = free_port()
     common = ["--transport", "tcp", "--model", str(llama8)]
@@ -89,7 +88,7 @@ def test_doctor_listen_ranks_3_and_two_peers_round_trip_exactly(procs, llama8):
                           *common])
     # A peer takes the leader's size where a worker can (LinkSettings(size=None)); until then it
     # is told --ranks too.
-    told = [] if leader_tells_size() else ["--ranks", "3"]
+    told: list = []
     peers = [procs.spawn(["-m", "mlx_ds4tp", "doctor", "--peer", "127.0.0.1", str(port), *told, *common])
              for _ in range(2)]
     outs = []
@@ -102,13 +101,12 @@ def test_doctor_listen_ranks_3_and_two_peers_round_trip_exactly(procs, llama8):
 
 def test_a_peer_with_other_weights_stops_the_group_naming_both_fingerprints(procs, llama8, tmp_path):
     from mlx_ds4tp import model_fingerprint
-    from mlx_ds4tp.cli.doctor_mesh import leader_tells_size
     from mlx_ds4tp.testing.tiny_model import save_llama
 
     other = save_llama(tmp_path / "other", "tiny8", seed=1)
     mine, theirs = model_fingerprint(llama8).label, model_fingerprint(other).label
     port = free_port()
-    told = [] if leader_tells_size() else ["--ranks", "3"]
+    told: list = []
     env = {"DS4_TP_TIMEOUT_SEC": "30"}  # the peer the mismatch leaves waiting gives up within 30 s
     leader = procs.spawn(["-m", "mlx_ds4tp", "doctor", "--listen", "127.0.0.1", str(port), "--ranks", "3",
                           "--transport", "tcp", "--model", str(llama8)], env=env)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from .. import transport as tr
-from ..link.config import MAX_MESH_SIZE, MLX, LinkSettings, PairAddress
+from ..link.config import MAX_MESH_SIZE, MLX
 from .doctor_lines import FAIL, OK, Check, line
 from .pair_args import ranks_from_args
 
@@ -43,22 +43,12 @@ def add_ranks_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=None, metavar="N", help=RANKS_HELP)
 
 
-def leader_tells_size() -> bool:
-    """Whether a worker's LinkSettings may leave the group's size to the leader (size=None):
-    then `--peer` without --ranks joins a group of any N; else it dials as a pair's worker."""
-    try:
-        LinkSettings(PairAddress("worker", None, ("127.0.0.1", 1)), size=None).check()
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
 def group_size(args: argparse.Namespace, peer: bool = False) -> Optional[int]:
     """The group size this doctor checks: --ranks (checked: 2 .. 8, else exit naming the value),
-    else 2, or for a --peer the leader's (None) where a worker can take it. --ranks 3 or more
+    else 2, or for a --peer the leader's (None: it learns N from the leader). --ranks 3 or more
     with --transport mlx exits saying why and what to give."""
     if args.ranks is None:
-        return None if peer and leader_tells_size() else 2
+        return None if peer else 2
     size = ranks_from_args(args, "doctor")
     if size > 2 and args.transport == MLX:
         raise SystemExit(f"ds4tp doctor: --ranks {size} with --transport mlx: a group of more than two "
