@@ -36,3 +36,17 @@ def counted(monkeypatch):
     monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
     monkeypatch.setattr(mx.distributed, "all_gather", all_gather)
     return calls
+
+
+@pytest.fixture
+def bridge(request):
+    """Network namespaces on one bridge (test_discovery_link.Bridge; request.param: how many),
+    taken down after the test: the discovery, group and doctor tests' machines."""
+    from test_discovery_link import Bridge
+
+    link = Bridge(request.param)
+    try:
+        link.up()
+        yield link
+    finally:
+        link.down()

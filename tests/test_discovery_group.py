@@ -35,16 +35,6 @@ SECRET, OTHER_SECRET = "group-secret", "a-strangers-secret"
 FIND_SEC = 10.0  # the Done-when's bound: discovery's own timeout, so a slower start fails
 
 
-@pytest.fixture
-def bridge(request):
-    link = Bridge(request.param)
-    try:
-        link.up()
-        yield link
-    finally:
-        link.down()
-
-
 def spawn(procs, bridge: Bridge, i: int, secret: str, go: Path, size: int = 3,
           timeout: float = FIND_SEC, *more: str) -> Watched:
     env = dict(os.environ, DS4_TP_SECRET=secret, PYTHONUNBUFFERED="1",

@@ -85,16 +85,6 @@ class Bridge:
         self.created = []
 
 
-@pytest.fixture
-def bridge(request):
-    link = Bridge(request.param)
-    try:
-        link.up()
-        yield link
-    finally:
-        link.down()
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from mlx_ds4tp.testing.tiny_model import save_llama

@@ -28,7 +28,7 @@ import pytest
 
 from faultutil import Watched
 from pairutil import REPO, reference_text
-from test_discovery_link import Bridge, ip
+from test_discovery_link import Bridge, ip, wait_for
 
 RANKS = 3
 SECRET = "group-secret"
@@ -81,16 +81,6 @@ def spawn(procs, ns: str, command: List[str], tmp_path: Path, name: str) -> Rank
     rank = Rank(p, f"{name} ({command[0]} on {ns}'s loopback)")
     rank.started, rank.args = time.monotonic(), args
     return rank
-
-
-def wait_for(ranks: List[Rank], what: str, pattern: str, within: float = 180.0) -> float:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        for r in ranks:
-            if re.search(pattern, r.err.text()):
-                return time.monotonic()
-        time.sleep(0.02)
-    pytest.fail(f"{what}: not within {within:.0f} s\n" + "\n".join(r.describe() for r in ranks))
 
 
 def test_run_on_three_ranks_found_by_discovery_gives_the_unsplit_tokens(procs, loop_ns, model, tmp_path):
@@ -165,7 +155,7 @@ def test_serve_on_three_ranks_found_by_discovery_takes_a_restarted_worker_back(p
     wait_for(ranks, "the group serving", r"serving .* on http://", within=300)
     by_rank = {}
     for r in ranks:
-        wait_for([r], f"{r.name}'s rank", r"this machine is rank \d")
+        wait_for([r], f"{r.name}'s rank", r"this machine is rank \d", within=180)
         by_rank[_rank_of(r)] = r
     assert sorted(by_rank) == [0, 1, 2], "\n".join(r.describe() for r in ranks)
     leader, victim = by_rank[0], by_rank[victim_rank]
@@ -184,7 +174,7 @@ def test_serve_on_three_ranks_found_by_discovery_takes_a_restarted_worker_back(p
     code, _ = _http(loop_ns, "/v1/completions", {"prompt": "meanwhile", "max_tokens": 3})
     assert code == 503
     # The leader re-opens its lobby for the rank that went (discovery's restarted worker finds it).
-    wait_for([leader], "the leader's lobby re-opened", r"discovery: this machine leads its group again")
+    wait_for([leader], "the leader's lobby re-opened", r"discovery: this machine leads its group again", within=180)
 
     again = spawn(procs, loop_ns, cmd, tmp_path, f"rank{victim_rank}-again")
     procs_back = time.monotonic()

@@ -17,21 +17,10 @@ from typing import List
 import pytest
 
 from pairutil import free_port
-from test_discovery_link import Bridge, spawn
+from test_discovery_link import spawn
 
 SECRET = "doctor-group-secret"
 WAIT_SEC = 240  # three doctors, each measuring this Mac and tracing the model, on two cores
-
-
-@pytest.fixture
-def bridge(request):
-    """Network namespaces on one bridge (tests/test_discovery_link.py's), one a doctor."""
-    link = Bridge(request.param)
-    try:
-        link.up()
-        yield link
-    finally:
-        link.down()
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,14 @@ F = tr.FrameType
 
 
 class Command:
-    """One lockstep command. `answers`: the worker replies with a frame of the same type (the
-    leader's queries: HASH, DISK_LOAD, KV_ROOM); the reply is `answer`'s, and the leader's
+    """One lockstep command: its class method `unpack(payload, vocab=0) -> fields` (each
+    command has its own layout, so there is no default; `command` refuses a class without
+    one). `answers`: the worker replies with a frame of the same type (the leader's queries:
+    HASH, DISK_LOAD, KV_ROOM); the reply is `answer`'s, and the leader's
     side of such a command lives in lockstep.sessions, which waits for it."""
 
     frame: F
     answers = False
-
-    @classmethod
-    def unpack(cls, payload: bytes, vocab: int = 0) -> tuple:
-        raise NotImplementedError(cls.__name__)
 
     @classmethod
     def apply(cls, table, *fields) -> Any:
@@ -67,6 +65,9 @@ COMMANDS: Dict[F, Type[Command]] = {}
 
 def command(cls: Type[Command]) -> Type[Command]:
     """Register a command class by its frame type (a class decorator)."""
+    if not callable(getattr(cls, "unpack", None)):
+        raise ImportError(f"lockstep command {cls.__name__} ({cls.frame.name}) has no unpack: give it its "
+                          "payload's layout (a Fixed layout, or its own unpack)")
     if cls.frame in COMMANDS:
         raise ImportError(f"two lockstep commands for {cls.frame.name}: {COMMANDS[cls.frame].__name__}, {cls.__name__}")
     COMMANDS[cls.frame] = cls
