@@ -84,23 +84,10 @@ def test_peer_killed_mid_generation(procs, model_dir, transport, targs, victim):
 def test_divergence_is_detected():
     """Ranks whose logits differ (as a corrupted gate would make them) stop at
     the hash check, both with the LOCKSTEP DIVERGENCE message."""
-    import mlx.core as mx
 
     from mlx_ds4tp.errors import LockstepDivergenceError
     from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
     from pairutil import make_groups, run_both
-
-    class Fixed:
-        """A model whose logits are one fixed row, whatever it is fed."""
-
-        def __init__(self, row):
-            self.row = row
-
-        def make_cache(self):
-            return []
-
-        def __call__(self, ids, cache=None):
-            return mx.array([[self.row]] * ids.shape[0])
 
     def lead():
         leader.create(1)
@@ -109,15 +96,62 @@ def test_divergence_is_detected():
         leader.check_hash()  # at seq (decode step) 2
 
     lg, wg = make_groups("tcp")
-    leader = LeaderSessions(lg, Fixed([1.0, 2.5]))
+    leader = LeaderSessions(lg, _FixedLogits([1.0, 2.5]))
     try:
-        (_, le), (_, we) = run_both(lead, lambda: serve_worker(wg, Fixed([1.0, 2.0])))
+        (_, le), (_, we) = run_both(lead, lambda: serve_worker(wg, _FixedLogits([1.0, 2.0])))
     finally:
         lg.close()
         wg.close()
     for exc in (le, we):
         assert isinstance(exc, LockstepDivergenceError) and \
             "LOCKSTEP DIVERGENCE at seq 2: the logits differ: local" in str(exc), exc
+
+
+class _FixedLogits:
+    """A model whose logits are one fixed row, whatever it is fed."""
+
+    def __init__(self, row):
+        self.row = row
+
+    def make_cache(self):
+        return []
+
+    def __call__(self, ids, cache=None):
+        import mlx.core as mx
+
+        return mx.array([[self.row]] * ids.shape[0])
+
+
+def test_a_stopped_worker_s_reason_reaches_the_leader_whatever_it_was_doing():
+    """A worker stopped by Ctrl-C sends its reason (an ERROR frame) and closes with the leader's
+    commands unread, so the connection is reset: the leader's next send fails, and a frame the
+    worker answered earlier may still sit ahead of the ERROR. Both times the leader's error names
+    the worker's reason, not just a reset (the CI run that found it: a stream cut by a worker's
+    SIGINT ended with 'connection reset' instead of 'the worker was stopped by SIGINT')."""
+    from mlx_ds4tp.errors import TransportError
+    from mlx_ds4tp.link.wire import FrameType
+    from mlx_ds4tp.lockstep.commands import Hash
+    from mlx_ds4tp.lockstep.sessions import LeaderSessions, leader_channel
+    from pairutil import make_groups
+
+    for what in ("send", "between commands"):
+        lg, wg = make_groups("tcp")
+        try:
+            leader = LeaderSessions(lg, _FixedLogits([1.0, 2.5]))
+            leader.create(1)  # left unread by the worker: its close resets the connection
+            control = leader_channel(wg)
+            control.send(FrameType.HASH, Hash.pack(0, 0, 7))  # an answer the leader never read
+            control.send_error("the worker was stopped by SIGINT (Ctrl-C); start it again and it rejoins")
+            wg.close()
+            time.sleep(0.2)  # the reset reaches the leader's socket
+            if what == "send":
+                with pytest.raises(TransportError, match="reported: the worker was stopped by SIGINT"):
+                    leader.create(2)
+            else:
+                assert leader.peer_gone().startswith("the worker was stopped by SIGINT")
+        finally:
+            lg.close()
+            wg.close()
 
 
 def test_demo_prints_a_match(procs, tmp_path):

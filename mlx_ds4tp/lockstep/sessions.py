@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import select
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -96,13 +97,19 @@ def leader_channel(group: gate_ops.Group) -> tr.ControlChannel:
 
 def _peer_error(control: tr.ControlChannel) -> Optional[str]:
     """The worker's ERROR text if one arrives within half a second (its own explanation of a
-    failure that reached us as 'peer closed'), else None."""
+    failure that reached us as 'peer closed'), else None. An answer it sent before it failed
+    (a HASH this side had not read yet) is passed over."""
+    deadline = time.monotonic() + 0.5
     try:
-        readable, _, _ = select.select([control.sock], [], [], 0.5)
-        if not readable:
-            return None
-        _, payload = control.recv(F.ERROR, timeout=0.5)
-        return payload.decode("utf-8", "replace")
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([control.sock], [], [], left)[0]:
+                return None
+            try:
+                _, payload = control.recv(F.ERROR, timeout=left)
+            except tr.FrameError:
+                continue  # a frame of another type, read past (the deadline bounds the search)
+            return payload.decode("utf-8", "replace")
     except (TransportError, OSError, ValueError):
         return None
 
@@ -184,9 +191,17 @@ class LeaderSessions:
     def _command(self, ftype, payload: bytes) -> Optional[mx.array]:
         """Send, then apply; when the gates fail, prefer the worker's own explanation (an
         ERROR frame) over our 'peer closed'."""
-        for control in self.controls:
-            control.send(ftype, payload)
+        self._broadcast(ftype, payload)
         return self._explained(lambda: self.table.apply(ftype, payload))
+
+    def _broadcast(self, ftype, payload: bytes = b"") -> None:
+        """One frame to every worker. A worker that stopped may have closed its end with our
+        commands unread, which resets the connection: our send then fails, while its ERROR
+        (sent before it closed) is still there to read, so the failure is explained too."""
+        def send_all() -> None:
+            for control in self.controls:
+                control.send(ftype, payload)
+        self._explained(send_all)
 
     def _send(self, command, *fields) -> Optional[mx.array]:
         """A command (lockstep.commands) on both ranks."""
@@ -270,8 +285,7 @@ class LeaderSessions:
         `cache_id`, the worker first (it answers), the leader meanwhile. True when both did;
         otherwise neither keeps it (the worker told to drop its half) and both recompute."""
         digest = tokens_digest(tokens)
-        for control in self.controls:
-            control.send(F.DISK_LOAD, DiskLoad.pack(cache_id, len(tokens), 0, digest))
+        self._broadcast(F.DISK_LOAD, DiskLoad.pack(cache_id, len(tokens), 0, digest))
         mine = self._explained(lambda: self.table.caches.load(cache_id, digest, len(tokens)))
         loaded = []
         for rank, control in enumerate(self.controls, 1):
@@ -289,15 +303,14 @@ class LeaderSessions:
         # loaded when another rank's part failed, which the leader's table never held.
         for control, theirs in zip(self.controls, loaded):
             if theirs:
-                control.send(F.INVALIDATE, Invalidate.pack(cache_id))
+                self._explained(lambda c=control: c.send(F.INVALIDATE, Invalidate.pack(cache_id)))
         return False
 
     def worker_kv_room(self, kv_bits: int, kv_group_size: int) -> Optional[int]:
         """KV_ROOM: the KV cache tokens the workers' machines hold beside their parts of the
         weights, with caches of `kv_bits` (0: float): the smallest worker's; None when one
         could not read its memory."""
-        for control in self.controls:
-            control.send(F.KV_ROOM, KvRoom.pack(kv_bits, kv_group_size, 0, 0))
+        self._broadcast(F.KV_ROOM, KvRoom.pack(kv_bits, kv_group_size, 0, 0))
         rooms = []
         for control in self.controls:
             _, payload = self._explained(lambda c=control: c.recv(F.KV_ROOM))
@@ -319,8 +332,7 @@ class LeaderSessions:
 
     def _swap_hash(self, session: int, poll_sec: Optional[float]) -> None:
         step, (mine, what) = self.table.batch.step_count, self.table.batch.hash_of(session)
-        for control in self.controls:
-            control.send(F.HASH, Hash.pack(session, step, mine))
+        self._broadcast(F.HASH, Hash.pack(session, step, mine))
         for rank, control in enumerate(self.controls, 1):
             while poll_sec is not None and not select.select([control.sock], [], [], poll_sec)[0]:
                 pass
