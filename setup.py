@@ -82,7 +82,7 @@ setup(
         # finding the peer: DNS-SD over multicast DNS (link/discovery.py)
         "zeroconf>=0.131",
         "ifaddr>=0.2",  # the interfaces' addresses (zeroconf's own dependency, used directly)
-        # constrained decoding (JSON Schema, strict tool calls): lockstep/grammar.py says why this engine
+        # constrained decoding (JSON Schema, strict tool calls): lockstep/sampling/grammar.py says why this engine
         "llguidance>=1.0",
         # ds4tp serve's HTTP face: an ASGI application on one event loop (h11 comes with uvicorn)
         "starlette>=0.37",

@@ -30,7 +30,7 @@ from mlx_ds4tp.cli.run import add_args as add_run_args, check_args as check_run_
 from mlx_ds4tp.gate_ops import init_pair
 from mlx_ds4tp.link.identity import model_identity
 from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
-from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
+from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions, serve_worker
 from mlx_ds4tp.model_split import load_split
 
 

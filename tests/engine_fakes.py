@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_ds4tp.lockstep.commands import EVAL_PENDING
-from mlx_ds4tp.lockstep.sessions import SampledStep
+from mlx_ds4tp.lockstep.protocol.commands import EVAL_PENDING
+from mlx_ds4tp.lockstep.protocol.sessions import SampledStep
 
 VOCAB = 26
 EOS = 25

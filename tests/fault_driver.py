@@ -133,7 +133,7 @@ def between_prompts(group, model: str, phase: str) -> int:
     from pathlib import Path
 
     from mlx_ds4tp.lockstep.generate import encode_prompt, pair_generate
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.split.agree import agree_share
     from mlx_ds4tp.split.auto import model_need

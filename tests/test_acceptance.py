@@ -1,4 +1,4 @@
-"""Speculative sampling keeps the target's distribution (lockstep/acceptance.py): the tokens a
+"""Speculative sampling keeps the target's distribution (lockstep/sampling/acceptance.py): the tokens a
 sampled round yields are distributed as plain sampling's, measured over many seeds against the
 exact distribution, for the rule on its own and for a batch of one with a draft model.
 
@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_ds4tp.lockstep.acceptance import sampled_round
 from mlx_ds4tp.lockstep.generate import pair_generate
 from mlx_ds4tp.lockstep.one_rank import OneRank
-from mlx_ds4tp.lockstep.row_sampling import RowSampler
-from mlx_ds4tp.lockstep.sampling import SamplingOptions
+from mlx_ds4tp.lockstep.sampling.acceptance import sampled_round
+from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
+from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler
 from mlx_ds4tp.lockstep.settings import DraftSettings
 from mlx_ds4tp.lockstep.speculative import Speculation
 

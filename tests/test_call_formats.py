@@ -159,8 +159,8 @@ def _draw(tok, grammar: str, seed: int, limit: int = 400) -> str:
     import mlx.core as mx
     import numpy as np
 
-    from mlx_ds4tp.lockstep.row_sampling import RowSampler
-    from mlx_ds4tp.lockstep.sampling import SamplingOptions
+    from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
+    from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler
 
     options = SamplingOptions(temperature=1.0, seed=seed, grammar=grammar)
     sampler = RowSampler(options, [1], seed, VOCAB, grammar=_grammars(tok).row(grammar, VOCAB))
@@ -175,7 +175,7 @@ def _draw(tok, grammar: str, seed: int, limit: int = 400) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _grammars(tok):
-    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
 
     return Grammars(tok)
 
@@ -210,7 +210,7 @@ def test_the_tokenizer_picks_the_parser_and_holds_its_markers(parser):
 def test_random_calls_parse_back_and_validate(parser):
     """Forced calls (tool_choice required, any of the tools; named, each) drawn at random parse
     back, through the server's reading, into the tool's name and arguments that validate."""
-    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import tool_call_grammar
 
     tok = format_tokenizer(parser)
     fmt = _fmt(tok, parser)
@@ -267,7 +267,7 @@ LOOSE["laguna"] = LOOSE["glm47"]
 def test_a_tool_that_is_not_strict_takes_any_arguments(parser):
     """A forced call to a tool that is not strict: any keys and values in the format, which the
     server reads back as that tool's call."""
-    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import tool_call_grammar
 
     tok = format_tokenizer(parser)
     grammar = tool_call_grammar([("note", {"type": "object"})], _fmt(tok, parser), required=True)
@@ -282,7 +282,7 @@ def test_a_tool_that_is_not_strict_takes_any_arguments(parser):
 @pytest.mark.parametrize("parser", sorted(ADDED))
 def test_an_unforced_answer_may_be_text_or_a_call(parser):
     """tool_choice auto with a strict tool: text that never opens a call, or the call."""
-    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import tool_call_grammar
 
     tok = format_tokenizer(parser)
     grammar = tool_call_grammar([("note", {"type": "object"})], _fmt(tok, parser), required=False)
@@ -318,8 +318,8 @@ def test_a_schema_the_format_cannot_write_is_refused_naming_why(parser):
 
 
 def test_a_parser_without_a_grammar_is_refused_by_name():
-    from mlx_ds4tp.lockstep.call_grammar import call_format
     from mlx_ds4tp.lockstep.errors import GrammarError
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import call_format
 
     with pytest.raises(GrammarError, match="'hermes_future' format"):
         call_format(format_tokenizer("json_tools"), "hermes_future", "<call>", "</call>")
@@ -331,7 +331,7 @@ def test_every_parser_mlx_lm_ships_has_a_grammar():
 
     import mlx_lm.tool_parsers as parsers
 
-    from mlx_ds4tp.lockstep.call_formats import FORMATS
+    from mlx_ds4tp.serve.dialects.tool_calls import FORMATS
 
     shipped = {f[:-3] for f in os.listdir(os.path.dirname(parsers.__file__))
                if f.endswith(".py") and f != "__init__.py"}
@@ -362,8 +362,8 @@ def test_a_raw_value_never_holds_a_marker_that_ends_it(parser):
     """A raw string value cannot hold its block's close (past which the parser would not read
     it) nor the call's closing marker (where mlx-lm's reading ends the call), whether the
     marker is a token or its spelling in text."""
-    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
     from mlx_ds4tp.lockstep.errors import GrammarError
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import tool_call_grammar
 
     tok = format_tokenizer(parser)
     params = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
@@ -386,7 +386,7 @@ def test_a_call_may_leave_every_optional_key_out(parser, text):
     """A tool whose keys are all optional may be called without any, as its parser reads such a
     call (longcat's cannot read a name alone: that call is its JSON form); or with only a later
     key."""
-    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import tool_call_grammar
 
     tok = format_tokenizer(parser)
     params = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
@@ -408,7 +408,7 @@ def test_numbers_without_bounds_come_back_as_written(parser):
     """Parsers that convert a number through float(): one without bounds is written so that it
     never overflows (an exponent such as 1e999 made int() raise, and the call was lost) and an
     integer comes back exact."""
-    from mlx_ds4tp.lockstep.call_grammar import tool_call_grammar
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import tool_call_grammar
 
     tok = format_tokenizer(parser)
     params = {"type": "object", "properties": {"n": {"type": "number"}, "i": {"type": "integer"}},

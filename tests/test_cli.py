@@ -10,7 +10,7 @@ import pytest
 
 from mlx_ds4tp.cli import COMMANDS, build_parser
 from mlx_ds4tp.link.config import PairAddress
-from mlx_ds4tp.lockstep.sampling import SamplingOptions
+from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
 
 
 def parse(*argv: str):
@@ -352,7 +352,7 @@ def test_help_says_what_role_does():
 
 
 def test_sampling_flags_live_in_the_cli_not_the_sampling_module():
-    import mlx_ds4tp.lockstep.sampling as sampling
+    import mlx_ds4tp.lockstep.sampling.options as sampling
 
     assert not hasattr(sampling, "add_sampling_args") and not hasattr(sampling, "options_from_args")
     assert "argparse" not in Path(sampling.__file__).read_text()

@@ -1,4 +1,4 @@
-"""The prompt cache written through (lockstep/disk_writer.py, lockstep/cache_file.py,
+"""The prompt cache written through (lockstep/caches/disk_writer.py, lockstep/caches/cache_file.py,
 DiskCache.save_later): files written by a thread in the order handed over, waited for by a
 load and by a stop; a cache seen on its own thread and changed right after is written as it
 was seen; mlx-lm reads the files; a file a newer one extends is removed when caches trim."""
@@ -28,7 +28,7 @@ def _filled(model, tokens):
 
 
 def test_the_writer_writes_in_order_and_is_waited_for():
-    from mlx_ds4tp.lockstep.disk_writer import DiskWriter
+    from mlx_ds4tp.lockstep.caches.disk_writer import DiskWriter
 
     gate, written = threading.Event(), []
 
@@ -50,7 +50,7 @@ def test_the_writer_writes_in_order_and_is_waited_for():
 
 
 def test_a_write_that_fails_is_logged_and_the_writer_goes_on(capfd):
-    from mlx_ds4tp.lockstep.disk_writer import DiskWriter
+    from mlx_ds4tp.lockstep.caches.disk_writer import DiskWriter
 
     done = []
 
@@ -74,7 +74,7 @@ def test_a_cache_changed_after_it_was_handed_over_is_written_as_it_was(tiny, tmp
     import mlx.core as mx
 
     from mlx_ds4tp.lockstep import disk_cache
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
 
     gate = threading.Event()
     real = disk_cache.write_snapshot
@@ -112,7 +112,7 @@ def test_a_cache_changed_after_it_was_handed_over_is_written_as_it_was(tiny, tmp
 
 def test_a_load_waits_for_its_file_and_find_counts_files_being_written(tiny, tmp_path, monkeypatch):
     from mlx_ds4tp.lockstep import disk_cache
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
 
     gate = threading.Event()
     real = disk_cache.write_snapshot
@@ -129,7 +129,7 @@ def test_a_load_waits_for_its_file_and_find_counts_files_being_written(tiny, tmp
 
 @pytest.mark.parametrize("trimmable", [True, False])
 def test_a_file_a_newer_one_extends_goes_when_caches_trim(tiny, tmp_path, trimmable):
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
 
     first = list(range(60, 80))
     second = first + [3, 4, 5, 6]
@@ -146,7 +146,7 @@ def test_a_write_cut_short_leaves_the_old_files_and_no_torn_one(tiny, tmp_path, 
     """A kill in the middle of a write: the temporary file is all it touched; the next start
     finds the files written before it, whole, and removes the temporary one."""
     from mlx_ds4tp.lockstep import disk_cache
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
 
     store = DiskCache(tmp_path / "d", 10**8, "k")
     old = list(range(90, 110))
@@ -171,7 +171,7 @@ def test_a_write_cut_short_leaves_the_old_files_and_no_torn_one(tiny, tmp_path, 
 def test_a_writer_behind_puts_off_a_cache_that_stays_in_memory_and_waits_for_one_leaving(
         tiny, tmp_path, monkeypatch, capfd):
     from mlx_ds4tp.lockstep import disk_cache
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
 
     gate, writing = threading.Event(), threading.Event()
     real = disk_cache.write_snapshot

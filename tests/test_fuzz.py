@@ -1,6 +1,6 @@
 """Frame fuzzing: random and mutated frames of every type fed to the control
 channel's decoder (decode_frame_header, ControlChannel.recv over a socketpair,
-Hello.unpack) and to the worker's command loop (lockstep.sessions.serve_worker), and
+Hello.unpack) and to the worker's command loop (lockstep.protocol.sessions.serve_worker), and
 strangers (scanners, curl, garbage, half hellos) knocking on a waiting leader.
 
 Every case is checked against a small reference model of the wire format, not
@@ -40,7 +40,8 @@ from mlx_ds4tp.errors import (
     TransportError,
 )
 from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep.commands import (
+from mlx_ds4tp.lockstep.caches.prompt_cache import FRESH
+from mlx_ds4tp.lockstep.protocol.commands import (
     Create,
     Destroy,
     DiskLoad,
@@ -53,10 +54,9 @@ from mlx_ds4tp.lockstep.commands import (
     Sampler,
     check_tokens,
 )
-from mlx_ds4tp.lockstep.prompt_cache import FRESH
-from mlx_ds4tp.lockstep.sampling import SamplingOptions
-from mlx_ds4tp.lockstep.sessions import serve_worker
-from mlx_ds4tp.lockstep.table import SessionTable
+from mlx_ds4tp.lockstep.protocol.sessions import serve_worker
+from mlx_ds4tp.lockstep.protocol.table import SessionTable
+from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
 from pairutil import dial_when_listening, free_port
 
 F = tr.FrameType

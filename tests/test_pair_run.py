@@ -86,7 +86,7 @@ def test_divergence_is_detected():
     the hash check, both with the LOCKSTEP DIVERGENCE message."""
 
     from mlx_ds4tp.errors import LockstepDivergenceError
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
+    from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions, serve_worker
     from pairutil import make_groups, run_both
 
     def lead():
@@ -130,8 +130,8 @@ def test_a_stopped_worker_s_reason_reaches_the_leader_whatever_it_was_doing():
     SIGINT ended with 'connection reset' instead of 'the worker was stopped by SIGINT')."""
     from mlx_ds4tp.errors import TransportError
     from mlx_ds4tp.link.wire import FrameType
-    from mlx_ds4tp.lockstep.commands import Hash
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions, leader_channel
+    from mlx_ds4tp.lockstep.protocol.commands import Hash
+    from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions, leader_channel
     from pairutil import make_groups
 
     for what in ("send", "between commands"):

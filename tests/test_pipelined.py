@@ -12,8 +12,8 @@ import mlx.core as mx
 
 from mlx_ds4tp.errors import LockstepDivergenceError
 from mlx_ds4tp.lockstep.generate import pair_generate
-from mlx_ds4tp.lockstep.sampling import SamplingOptions
-from mlx_ds4tp.lockstep.sessions import LeaderSessions, serve_worker
+from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions, serve_worker
+from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
 from pairutil import make_groups, run_both
 
 VOCAB = 16

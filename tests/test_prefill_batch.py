@@ -21,10 +21,10 @@ import mlx_ds4tp.transport as tr
 from mlx_ds4tp.errors import FrameError, TransportError
 from mlx_ds4tp.link import wire
 from mlx_ds4tp.lockstep import session_caches as caches_mod
-from mlx_ds4tp.lockstep.commands import PrefillBatch
+from mlx_ds4tp.lockstep.caches.prompt_cache import COPY, FRESH
 from mlx_ds4tp.lockstep.compute import fill_cache, forward
-from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH
-from mlx_ds4tp.lockstep.table import SessionTable
+from mlx_ds4tp.lockstep.protocol.commands import PrefillBatch
+from mlx_ds4tp.lockstep.protocol.table import SessionTable
 
 F = tr.FrameType
 

@@ -1,4 +1,4 @@
-"""The batched quantized KV cache (mlx_ds4tp.lockstep.quantized_cache) against mlx-lm's own
+"""The batched quantized KV cache (mlx_ds4tp.lockstep.caches.quantized_cache) against mlx-lm's own
 QuantizedKVCache: every row of a batch decodes the tokens (and, within float noise, the logits)
 that its sequence decodes alone, through merge, filter, extend, extract, trim and a padded
 batched prefill; the session table batches quantized sessions unchanged.
@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from mlx_ds4tp.lockstep.quantized_cache import (
+from mlx_ds4tp.lockstep.caches.quantized_cache import (
     BatchQuantizedKVCache,
     SessionQuantizedKVCache,
     describe_unquantizable,
@@ -279,9 +279,9 @@ def test_quantize_session_cache_leaves_other_layers(model):
 
 
 def test_session_table_batches_quantized_sessions(model):
+    from mlx_ds4tp.lockstep.caches.prompt_cache import COPY, FRESH
     from mlx_ds4tp.lockstep.compute import make_cache
-    from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH
-    from mlx_ds4tp.lockstep.table import SessionTable
+    from mlx_ds4tp.lockstep.protocol.table import SessionTable
 
     bits, seqs = 8, [0, 1, 2]
     rows = Rows({s: reference(model, PROMPTS[s], bits, "quantized", 6) for s in seqs})

@@ -1,4 +1,4 @@
-"""lockstep.row_sampling: the one sampler, which both ranks run alike inside a step and the
+"""lockstep.sampling.row_sampling: the one sampler, which both ranks run alike inside a step and the
 leader alone runs on a verify round's rows. Its draws equal mlx-lm's samplers and processors
 after mx.random.seed, lazily, row by row of a batch and all rows of a round at once; its
 frame travels whole and a bad one is refused naming what is wrong."""
@@ -9,9 +9,9 @@ import mlx.core as mx
 import pytest
 
 from mlx_ds4tp.errors import FrameError
-from mlx_ds4tp.lockstep.commands import Sampler
-from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch, seed_of_key
-from mlx_ds4tp.lockstep.sampling import SamplingOptions, mlx_processors
+from mlx_ds4tp.lockstep.protocol.commands import Sampler
+from mlx_ds4tp.lockstep.sampling.options import SamplingOptions, mlx_processors
+from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler, sample_batch, seed_of_key
 
 VOCAB = 64
 

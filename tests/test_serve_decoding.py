@@ -5,8 +5,8 @@ recorded sessions whose model continues t with t + 1 (engine_fakes)."""
 from __future__ import annotations
 
 from engine_fakes import FakeTokenizer, fake_batch, next_token
-from mlx_ds4tp.lockstep.commands import EVAL_PENDING
-from mlx_ds4tp.lockstep.prompt_cache import Reuse
+from mlx_ds4tp.lockstep.caches.prompt_cache import Reuse
+from mlx_ds4tp.lockstep.protocol.commands import EVAL_PENDING
 from mlx_ds4tp.lockstep.settings import DraftSettings
 from mlx_ds4tp.lockstep.speculative import Speculation
 from mlx_ds4tp.serve.engine.decoding import DecodeStepper
@@ -109,9 +109,9 @@ def test_a_verify_step_returns_each_rows_accepted_drafts_and_the_targets_next():
 
 
 def test_a_sampled_request_drafts_too():
-    """Speculation takes sampled sessions (lockstep/acceptance.py keeps their distribution);
+    """Speculation takes sampled sessions (lockstep/sampling/acceptance.py keeps their distribution);
     a logprobs request and one that asks for no drafts decode a token a step."""
-    from mlx_ds4tp.lockstep.sampling import SamplingOptions
+    from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
 
     _, batch, _ = _stepper(LOOKUP, max_batch=8)
     sampled = batch.insert(batch_request(Request([1, 2, 1], 8, SamplingOptions(temperature=0.8, seed=3)),

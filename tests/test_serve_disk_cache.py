@@ -1,7 +1,7 @@
 """`ds4tp serve --prompt-cache-dir`: prompt caches on disk, each rank its own half, a restart
 served from them exactly; damaged, foreign and missing files skipped and recomputed; the
 directory bounded; a full disk logged; a quantized, a rotating and a recurrent cache each served
-from disk as a cold server answers (lockstep/disk_cache.py, serve/engine/admission.py)."""
+from disk as a cold server answers (lockstep/caches/disk_cache.py, serve/engine/admission.py)."""
 
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def _foreign_file(model_dir, tmp_path, tokens, target):
     """Another model's cache of the same tokens, put where this model's leader file was."""
     from mlx_lm import load
 
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, rank_key
     from mlx_ds4tp.lockstep.compute import fill_cache, make_cache
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache, rank_key
 
     other_dir = build_chat_model(tmp_path / "other", seed=11)
     model, _ = load(str(other_dir))
@@ -143,8 +143,8 @@ def tiny(tmp_path_factory):
 
 
 def _filled(model, tokens, bits=0):
+    from mlx_ds4tp.lockstep.caches.quantized_cache import quantize_session_cache
     from mlx_ds4tp.lockstep.compute import fill_cache, make_cache
-    from mlx_ds4tp.lockstep.quantized_cache import quantize_session_cache
 
     cache = make_cache(model)
     if bits:
@@ -154,7 +154,7 @@ def _filled(model, tokens, bits=0):
 
 
 def test_the_directory_stays_within_its_bound_least_recently_used_first(tiny, tmp_path):
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
 
     one = _disk_size(tiny, tmp_path)
     bound = int(3.5 * one)
@@ -174,7 +174,7 @@ def test_the_directory_stays_within_its_bound_least_recently_used_first(tiny, tm
 
 
 def _disk_size(model, tmp_path) -> int:
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
 
     probe = DiskCache(tmp_path / "probe", 10**9, "k")
     assert probe.save([3] * 12, _filled(model, [3] * 12))
@@ -183,7 +183,7 @@ def _disk_size(model, tmp_path) -> int:
 
 def test_a_full_disk_is_logged_once_and_the_cache_stays_in_memory(tiny, tmp_path, monkeypatch, capfd):
     from mlx_ds4tp.lockstep import disk_cache
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
 
     def full(snap, path):
         open(path, "wb").write(b"x" * 10)
@@ -203,8 +203,8 @@ def test_a_full_disk_is_logged_once_and_the_cache_stays_in_memory(tiny, tmp_path
 def test_a_stored_cache_loads_back_exactly_and_damaged_arrays_are_refused(tiny, tmp_path, bits, capfd):
     import mlx.core as mx
 
-    from mlx_ds4tp.lockstep.disk_cache import DiskCache, tokens_digest
-    from mlx_ds4tp.lockstep.quantized_cache import SessionQuantizedKVCache
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.quantized_cache import SessionQuantizedKVCache
 
     tokens = list(range(5, 25))
     cache = _filled(tiny, tokens, bits)
@@ -227,7 +227,7 @@ def test_a_stored_cache_loads_back_exactly_and_damaged_arrays_are_refused(tiny, 
 def test_cache_kinds_mlx_lm_cannot_rebuild_are_refused():
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from mlx_ds4tp.lockstep.disk_cache import cache_blocker
+    from mlx_ds4tp.lockstep.caches.disk_cache import cache_blocker
 
     class OwnCache(KVCache):
         pass

@@ -1,5 +1,5 @@
 """`ds4tp serve --kv-bits`: mlx-lm's quantized KV cache with batching kept on (the batched
-quantized cache, lockstep/quantized_cache.py), and the prompt cache bounded in bytes."""
+quantized cache, lockstep/caches/quantized_cache.py), and the prompt cache bounded in bytes."""
 
 from __future__ import annotations
 

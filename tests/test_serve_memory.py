@@ -1,4 +1,4 @@
-"""The default KV budget (lockstep/memory.py): bytes a cache token takes, read off a forward that
+"""The default KV budget (lockstep/caches/memory.py): bytes a cache token takes, read off a forward that
 is built and never run, and the machine's memory less the weights and a headroom."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def model(tmp_path_factory):
 
 
 def _filled_bytes(model, tokens: int, bits: int = 0) -> float:
+    from mlx_ds4tp.lockstep.caches.quantized_cache import quantize_session_cache
     from mlx_ds4tp.lockstep.compute import make_cache
-    from mlx_ds4tp.lockstep.quantized_cache import quantize_session_cache
 
     cache = make_cache(model)
     if bits:

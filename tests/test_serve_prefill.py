@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import FakeTokenizer, fake_batch
-from mlx_ds4tp.lockstep.prompt_cache import Reuse
+from mlx_ds4tp.lockstep.caches.prompt_cache import Reuse
 from mlx_ds4tp.serve.engine.generation import Request, RunningSession, batch_request
 from mlx_ds4tp.serve.engine.prefill import PrefillScheduler
 from mlx_ds4tp.serve.limits import ServeLimits

@@ -149,7 +149,7 @@ def test_each_row_after_a_commit_continues_as_its_session_alone(model_dir):
     import mlx.core as mx
 
     from mlx_ds4tp.lockstep.compute import fill_cache, make_cache
-    from mlx_ds4tp.lockstep.table import SessionTable
+    from mlx_ds4tp.lockstep.protocol.table import SessionTable
     from serveutil import _load
 
     model = _load(model_dir)[0]
@@ -178,8 +178,8 @@ def test_each_row_after_a_commit_continues_as_its_session_alone(model_dir):
 def test_verify_and_commit_frames_are_checked(model_dir):
     from mlx_ds4tp.errors import FrameError
     from mlx_ds4tp.link.wire import FrameType as F
-    from mlx_ds4tp.lockstep.commands import CommitBatch, VerifyBatch
-    from mlx_ds4tp.lockstep.table import SessionTable
+    from mlx_ds4tp.lockstep.protocol.commands import CommitBatch, VerifyBatch
+    from mlx_ds4tp.lockstep.protocol.table import SessionTable
     from serveutil import _load
 
     step, sessions, rows = VerifyBatch.unpack(VerifyBatch.pack(7, [(1, [3, 4, 5]), (2, [9])]))

@@ -13,9 +13,9 @@ import mlx.core as mx
 import pytest
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.lockstep.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
-from mlx_ds4tp.lockstep.row_sampling import RowSampler, sample_batch
-from mlx_ds4tp.lockstep.sampling import SamplingOptions
+from mlx_ds4tp.lockstep.caches.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
+from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
+from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler, sample_batch
 from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, DoneEvent, FailedEvent, TextEvent
 
 
@@ -177,7 +177,7 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.testing.tiny_model import save_llama
     from pairutil import free_port
@@ -301,8 +301,8 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
 
     import mlx_ds4tp.transport as tr
     from mlx_ds4tp.errors import TransportError
-    from mlx_ds4tp.lockstep.commands import Create, Destroy, EvalBatch, Invalidate, PrefillBatch, Rewind
-    from mlx_ds4tp.lockstep.table import SessionTable
+    from mlx_ds4tp.lockstep.protocol.commands import Create, Destroy, EvalBatch, Invalidate, PrefillBatch, Rewind
+    from mlx_ds4tp.lockstep.protocol.table import SessionTable
     from mlx_ds4tp.testing.tiny_model import save_llama
 
     frame = tr.FrameType
@@ -346,7 +346,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
     wrap: what the leader's table gets in place of its split model."""
     from mlx_lm import load
 
-    from mlx_ds4tp.lockstep.sessions import LeaderSessions
+    from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve.engine.loop import Engine
     from mlx_ds4tp.serve.limits import ServeLimits
@@ -401,7 +401,7 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     """The engine here over a pair whose worker is its own process: a request whose
     (leader-only) sampling raises gets a "failed" event; the request decoding beside it, and
     the next one, get mlx-lm's tokens; the pair stays up."""
-    from mlx_ds4tp.lockstep.row_sampling import RowSampler
+    from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler
     from mlx_ds4tp.serve.engine.generation import Request
 
     # The leader's sampler of one request fails at its fourth draw (the engine's rows are
@@ -443,7 +443,7 @@ def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
     import numpy as np
     from mlx_lm import load
 
-    from mlx_ds4tp.lockstep.table import SessionTable
+    from mlx_ds4tp.lockstep.protocol.table import SessionTable
     from mlx_ds4tp.testing.tiny_model import save_llama
 
     model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=2)))

@@ -1,7 +1,7 @@
 """Speculative decoding on the pair (lockstep/speculative.py, lockstep/batch.py, VERIFY_BATCH +
 COMMIT_BATCH): greedy output with any drafter is token for token the plain greedy output, over
 tcp and the emulated RDMA device, and a sampled run with a draft model draws as plain sampling
-draws (lockstep/acceptance.py: tests/test_acceptance.py measures the distributions)."""
+draws (lockstep/sampling/acceptance.py: tests/test_acceptance.py measures the distributions)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`ds4tp serve --prompt-cache-dir` stopped in every order (issue 51; serve/serving_rank.py,
-lockstep/disk_cache.py): the leader first, the worker first, both at once, kill -9 of the
+lockstep/caches/disk_cache.py): the leader first, the worker first, both at once, kill -9 of the
 worker, kill -9 of both. A long prompt is served, written through to both ranks' directories
 while the pair runs, and a moment later the stop: a requested stop (SIGINT, SIGTERM) exits 0
 with one line saying why, nothing ends by a signal it did not ask for or aborts ("terminate

@@ -116,14 +116,14 @@ def pair(model_dir, tmp_path_factory):
 def grammars(model_dir):
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
 
     return Grammars(load_tokenizer(model_dir))
 
 
 def test_grammars_are_cached_and_refused_keywords_named(grammars):
     from mlx_ds4tp.lockstep.errors import GrammarError
-    from mlx_ds4tp.lockstep.grammar import json_schema_grammar
+    from mlx_ds4tp.lockstep.sampling.grammar import json_schema_grammar
 
     grammar = json_schema_grammar(to_strict_json_schema(MODELS[19]))
     assert grammars.compile(grammar) > 0.0
@@ -139,10 +139,10 @@ def test_masked_draws_follow_the_schema_with_penalties_and_logprobs(grammars):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_ds4tp.lockstep.commands import Sampler
-    from mlx_ds4tp.lockstep.grammar import json_schema_grammar
-    from mlx_ds4tp.lockstep.row_sampling import RowSampler
-    from mlx_ds4tp.lockstep.sampling import SamplingOptions
+    from mlx_ds4tp.lockstep.protocol.commands import Sampler
+    from mlx_ds4tp.lockstep.sampling.grammar import json_schema_grammar
+    from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
+    from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler
 
     options = SamplingOptions(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=7,
                               grammar=json_schema_grammar(to_strict_json_schema(MODELS[11])))

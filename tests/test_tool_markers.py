@@ -128,8 +128,8 @@ def _request_grammar(tok, **body) -> str:
 def test_the_grammar_names_the_marker_token_and_takes_the_familys_call(tokenizer):
     """A forced call's grammar allows the marker token alone first, and takes the call as the
     family writes it (tokenized by the real tokenizer), which mlx-lm's parser reads back."""
-    from mlx_ds4tp.lockstep.call_grammar import marker
-    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import marker
 
     family, tok = tokenizer
     _, token, _ = MARKERS[family]
@@ -156,7 +156,7 @@ def test_the_grammar_names_the_marker_token_and_takes_the_familys_call(tokenizer
 
 def test_a_refused_token_is_one_line_naming_it(tokenizer):
     from mlx_ds4tp.lockstep.errors import GrammarError
-    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
 
     family, tok = tokenizer
     row = Grammars(tok).row(_request_grammar(tok, tools=[_weather_tool()], tool_choice="required"), 0)
@@ -172,7 +172,7 @@ def test_a_schema_string_that_spells_an_added_token_is_written_in_ordinary_token
     """JSON whose string must spell an added token (the marker, EOS) as text: the engine's mask
     would offer the added token itself there, which its matcher then refuses (the original
     failure, in another place); the row writes the text in ordinary tokens instead."""
-    from mlx_ds4tp.lockstep.grammar import Grammars, json_schema_grammar
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars, json_schema_grammar
 
     family, tok = tokenizer
     spelled = f"{tok.tool_call_start}{tok.eos_token}!"
@@ -202,9 +202,9 @@ def test_kimi_k2_calls_and_unconstrainable_formats(qwen3_tokenizer):
     might add) is refused with a 400 naming it."""
     import importlib
 
-    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
-    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
     from mlx_ds4tp.serve.dialects.structured import _call_format
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import call_format, tool_call_grammar
     from mlx_ds4tp.serve.errors import ApiError
 
     tok = qwen3_tokenizer
@@ -251,7 +251,7 @@ def test_a_thinking_model_may_reason_before_an_unforced_answer(qwen3_tokenizer):
     unforced (tool_choice auto), its answer may open with a reasoning block, then text or a
     call; a forced call starts at once."""
     from mlx_ds4tp.lockstep.errors import GrammarError
-    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
 
     tok, grammars = qwen3_tokenizer, Grammars(qwen3_tokenizer)
     call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius","days":2}}\n</tool_call>'
@@ -283,10 +283,10 @@ def test_calls_follow_the_schema_under_random_draws(qwen3_tokenizer, parser):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
-    from mlx_ds4tp.lockstep.grammar import Grammars
-    from mlx_ds4tp.lockstep.row_sampling import RowSampler
-    from mlx_ds4tp.lockstep.sampling import SamplingOptions
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
+    from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import call_format, tool_call_grammar
 
     tok = qwen3_tokenizer
     module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
@@ -319,8 +319,8 @@ def test_a_tool_that_is_not_strict_takes_any_arguments(qwen3_tokenizer, parser):
     parser reads back."""
     import importlib
 
-    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
-    from mlx_ds4tp.lockstep.grammar import Grammars
+    from mlx_ds4tp.lockstep.sampling.grammar import Grammars
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import call_format, tool_call_grammar
 
     tok = qwen3_tokenizer
     module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
@@ -339,8 +339,8 @@ def test_a_tool_that_is_not_strict_takes_any_arguments(qwen3_tokenizer, parser):
 def test_a_parameter_qwen3_coder_cannot_hold_to_its_schema_is_refused(qwen3_tokenizer):
     import importlib
 
-    from mlx_ds4tp.lockstep.call_grammar import call_format, tool_call_grammar
     from mlx_ds4tp.lockstep.errors import GrammarError
+    from mlx_ds4tp.serve.dialects.tool_calls.call_grammar import call_format, tool_call_grammar
 
     coder = importlib.import_module("mlx_lm.tool_parsers.qwen3_coder")
     fmt = call_format(qwen3_tokenizer, "qwen3_coder", coder.tool_call_start, coder.tool_call_end)

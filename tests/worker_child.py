@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mlx_ds4tp as tp  # noqa: E402
-from mlx_ds4tp.lockstep.sessions import serve_worker  # noqa: E402
+from mlx_ds4tp.lockstep.protocol.sessions import serve_worker  # noqa: E402
 from mlx_ds4tp.model_split import load_split  # noqa: E402
 
 

@@ -43,7 +43,7 @@ def compile_figures(model: Path) -> Dict[str, float]:
     (after the engine's tokenizer is built) and the second, from the cache."""
     from mlx_lm.utils import load_tokenizer
 
-    from ..lockstep.grammar import Grammars, json_schema_grammar
+    from ..lockstep.sampling.grammar import Grammars, json_schema_grammar
 
     grammars = Grammars(load_tokenizer(Path(model)))
     grammars.compile(json_schema_grammar({"type": "object"}))  # builds the engine's tokenizer

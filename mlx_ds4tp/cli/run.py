@@ -82,7 +82,7 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
 def _schema_grammar(path: str) -> str:
     """The grammar of a --json-schema file; exits naming the file and what is wrong."""
     from ..lockstep.errors import GrammarError
-    from ..lockstep.grammar import json_schema_grammar
+    from ..lockstep.sampling.grammar import json_schema_grammar
 
     try:
         with open(path, encoding="utf-8") as f:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from ..lockstep.sampling import SamplingOptions
+from ..lockstep.sampling.options import SamplingOptions
 
 
 def add_sampling_args(p: argparse.ArgumentParser, seed_default: Optional[int] = None) -> None:

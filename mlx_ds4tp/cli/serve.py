@@ -192,7 +192,7 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
 
 def _limits(args: argparse.Namespace) -> ServeLimits:
     """The engine's limits from the flags; exits naming a flag out of range."""
-    from ..lockstep.session_caches import KV_BITS, KV_GROUP_SIZES
+    from ..lockstep.caches.session_caches import KV_BITS, KV_GROUP_SIZES
 
     check_at_least("serve", (("--max-batch", args.max_batch, 1),
                              ("--prefill-step-size", args.prefill_step_size, 1),

@@ -44,9 +44,9 @@ The bound is checked before anything is allocated.
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
-mlx_ds4tp.lockstep.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Their
+mlx_ds4tp.lockstep.protocol.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Their
 numbers and bounds are here (the transport checks a frame's bound before reading it); each
-one's payload layout, packing, unpacking and application is its class in mlx_ds4tp.lockstep.commands. Numbers
+one's payload layout, packing, unpacking and application is its class in mlx_ds4tp.lockstep.protocol.commands. Numbers
 of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE) are never
 reused: a peer of an older install that sent one gets "unknown frame type" at the header.
 
@@ -124,10 +124,10 @@ class FrameType(enum.IntEnum):
     AUTH = 24
     FINGERPRINT = 25
     FINGERPRINT_DETAIL = 26
-    # One decode step over the rows of every active session (mlx_ds4tp.lockstep.sessions).
+    # One decode step over the rows of every active session (mlx_ds4tp.lockstep.protocol.sessions).
     EVAL_BATCH = 32
     # One prefill chunk of several sessions in one right-padded forward (mlx-lm's batched
-    # prompt processing: mlx_ds4tp.lockstep.session_caches.SessionCaches.prefill_batch).
+    # prompt processing: mlx_ds4tp.lockstep.caches.session_caches.SessionCaches.prefill_batch).
     PREFILL_BATCH = 34
     # One decode step whose rows carry an input token and their drafts, right-padded to the
     # longest (`ds4tp serve`'s speculative sessions in the batch: lockstep.batch_verify) ...
@@ -135,18 +135,18 @@ class FrameType(enum.IntEnum):
     # ... then the positions of each row its session keeps; the rest leave the caches.
     COMMIT_BATCH = 36
     # A session's sampler, on both ranks: its options, random seed and the prompt's latest
-    # tokens, so both sample its rows alike (lockstep.row_sampling).
+    # tokens, so both sample its rows alike (lockstep.sampling.row_sampling).
     SAMPLER = 38
     # The split share both ranks load with, the leader's (resolved from both hellos' figures
     # for --split auto), sent once a join before any weight is read (split.agree).
     SPLIT = 39
     # A stored prompt cache written to this rank's --prompt-cache-dir (and dropped from memory
-    # when evicted), with the tokens it covers (lockstep.disk_cache) ...
+    # when evicted), with the tokens it covers (lockstep.caches.disk_cache) ...
     DISK_SAVE = 40
     # ... and one read back as a stored cache; the worker answers whether its half loaded.
     DISK_LOAD = 41
     # How many KV cache tokens the worker's machine holds beside its part of the weights
-    # (lockstep.memory): the leader's default budget is the smaller of the two ranks'.
+    # (lockstep.caches.memory): the leader's default budget is the smaller of the two ranks'.
     KV_ROOM = 42
     # A mesh of N > 2 ranks (link/mesh.py, link/door.py): a worker's request for a rank at rank 0's
     # door, the leader's answer with every rank's address, and the mesh's id, which also opens

@@ -4,7 +4,7 @@
 
 It owns what the leader keeps of each session (Row): the tokens still to prefill, the next
 input, the tokens it produced, its sampler and drafter; the command order on the pair
-(lockstep.sessions: SESSION_CREATE, REWIND, SAMPLER, PREFILL_BATCH, EVAL_BATCH,
+(lockstep.protocol.sessions: SESSION_CREATE, REWIND, SAMPLER, PREFILL_BATCH, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY); and the kind of step:
 
 - pipelined (no drafts, no mixed prefill): both ranks sample every row inside the step's
@@ -13,11 +13,11 @@ VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY); and the kind of step:
   step N's tokens while step N+1 runs. A step is not sent when every row already has all the
   tokens it may generate in flight (a batch of one then stops as mlx-lm's generate does).
 - stepped (drafts, or mixed prefill): the leader reads the logits, samples on its own sampler
-  or verifies the drafts (lockstep.acceptance), and sends the next inputs.
+  or verifies the drafts (lockstep.sampling.acceptance), and sends the next inputs.
 
 As in mlx_lm.generate, a prompt's last token is the first decode input: the prefill covers
 the others, so each session's tokens are what mlx-lm generates for it alone. The ranks are a
-value here (the session table's commands go to every worker alike, lockstep.sessions), not a
+value here (the session table's commands go to every worker alike, lockstep.protocol.sessions), not a
 constant two.
 """
 
@@ -30,12 +30,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .acceptance import greedy_rounds, sampled_round
-from .commands import EVAL_PENDING
-from .prompt_cache import Reuse
-from .row_sampling import RowSampler, sample_batch, stream_seed
-from .sampling import SamplingOptions
-from .sessions import LeaderSessions, SampledStep
+from .caches.prompt_cache import Reuse
+from .protocol.commands import EVAL_PENDING
+from .protocol.sessions import LeaderSessions, SampledStep
+from .sampling.acceptance import greedy_rounds, sampled_round
+from .sampling.options import SamplingOptions
+from .sampling.row_sampling import RowSampler, sample_batch, stream_seed
 from .speculative import Drafter, Speculation
 
 
@@ -44,7 +44,7 @@ class BatchRequest:
     """One generation as the batch takes it: the prompt's tokens, how many it may generate,
     how it samples; logprobs: keep the distribution each token was drawn from;
     num_draft_tokens: drafts a round (None: the batch's; 0: none); reuse: the stored prompt
-    cache it starts from (lockstep.prompt_cache); kv: a fresh cache's quantization (the
+    cache it starts from (lockstep.caches.prompt_cache); kv: a fresh cache's quantization (the
     SESSION_CREATE code)."""
 
     prompt: Tuple[int, ...]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 class ForeignFileError(ValueError):
     """A sound prompt-cache file made for another model, share or rank: left alone, never used
-    (lockstep.disk_cache)."""
+    (lockstep.caches.disk_cache)."""
 
 
 class GrammarError(ValueError):
-    """Constrained decoding (lockstep.grammar): a grammar or schema the engine cannot compile,
+    """Constrained decoding (lockstep.sampling.grammar): a grammar or schema the engine cannot compile,
     or a drawn token its matcher refuses; the message (one line) names what it refused."""
 
 

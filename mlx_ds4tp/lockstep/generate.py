@@ -2,7 +2,7 @@
 generation as a batch of one (lockstep.batch, what `ds4tp run` runs): SESSION_CREATE, the
 prompt but its last token as PREFILL_BATCH chunks, then the batch's steps (pipelined, or
 speculative rounds when it drafts), HASH of the tokens sampled, and SESSION_DESTROY. A batch
-of one row is the session's own cache (lockstep.decode_batch), so its tokens are the single
+of one row is the session's own cache (lockstep.protocol.decode_batch), so its tokens are the single
 process's, token for token.
 
 Decode is pipelined as mlx-lm's generate_step is (docs/two-macs.md, `ds4tp run`): step n+1 is
@@ -23,8 +23,8 @@ import mlx.core as mx
 from .. import gate_ops
 from .batch import Batch, BatchRequest, BatchSettings
 from .compute import PREFILL_STEP, fill_cache, forward, make_cache
-from .sampling import SamplingOptions
-from .sessions import LeaderSessions
+from .protocol.sessions import LeaderSessions
+from .sampling.options import SamplingOptions
 from .speculative import Speculation
 
 

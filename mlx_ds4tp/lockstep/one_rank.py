@@ -1,11 +1,11 @@
 """A leader with no peer: every lockstep command packed and applied to this rank's own table
-(lockstep.sessions.LeaderSessions without a worker), for the batch, the drafting and the
+(lockstep.protocol.sessions.LeaderSessions without a worker), for the batch, the drafting and the
 commands in one process: tests and the statistics of the sampler."""
 
 from __future__ import annotations
 
-from .sessions import LeaderSessions
-from .table import SessionTable
+from .protocol.sessions import LeaderSessions
+from .protocol.table import SessionTable
 
 
 class _NoGroup:

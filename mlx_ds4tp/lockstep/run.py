@@ -1,6 +1,6 @@
 """`ds4tp run`: one rank of a two-machine generation, one session of the lockstep protocol
 (the leader: lockstep.generate.pair_generate, a batch of one through lockstep.batch, drafting
-when asked; the worker: lockstep.sessions.serve_worker). cli.run resolves the flags into the
+when asked; the worker: lockstep.protocol.sessions.serve_worker). cli.run resolves the flags into the
 settings objects it takes (lockstep.settings, link.config.LinkSettings)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from .. import gate_ops
 from ..base.log import log
 from ..link.config import LinkSettings
 from ..link.identity import model_identity
-from .bringup import BringUp, bring_up
 from .errors import GrammarError
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
-from .grammar import Grammars
-from .sessions import LeaderSessions, serve_worker
+from .join_and_load import BringUp, bring_up
+from .protocol.sessions import LeaderSessions, serve_worker
+from .sampling.grammar import Grammars
 from .settings import RunSettings
 
 # The bench's contenders all warm up on the prompt's first tokens before the timed

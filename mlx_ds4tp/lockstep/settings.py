@@ -7,7 +7,7 @@ import dataclasses
 from typing import Optional
 
 from ..split.share import SplitSettings
-from .sampling import SamplingOptions
+from .sampling.options import SamplingOptions
 
 # Tokens drafted a round, at most: a VERIFY_BATCH row holds the input token and this many drafts
 # (link/wire.py's MAX_VERIFY_WIDTH). The one bound every door checks (the flags, a request's

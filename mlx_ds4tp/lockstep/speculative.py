@@ -1,7 +1,7 @@
 """Speculative decoding's drafting (docs/two-macs.md, "Speculative decoding"): several tokens
 per round of gates. A drafter on the leader proposes up to k tokens; both ranks verify the
 input token and the drafts in one VERIFY_BATCH row (lockstep.batch), and keep what the
-acceptance rule keeps (lockstep.acceptance) on the leader's word (COMMIT_BATCH). The worker
+acceptance rule keeps (lockstep.sampling.acceptance) on the leader's word (COMMIT_BATCH). The worker
 never decides.
 
 Which sessions draft (Speculation.drafter): those without logits processors, a grammar or
@@ -19,7 +19,7 @@ from typing import List, Optional, Protocol, Sequence
 import mlx.core as mx
 
 from .compute import fill_cache
-from .row_sampling import RowSampler
+from .sampling.row_sampling import RowSampler
 from .settings import DraftSettings, draft_tokens_problem
 
 
@@ -32,7 +32,7 @@ class Drafter(Protocol):
         state of its own inherits this, which ignores it)."""
 
     # The distributions the last proposal was drawn from ([drafts, vocab]), or None: a point
-    # mass at each proposed token (lockstep.acceptance).
+    # mass at each proposed token (lockstep.sampling.acceptance).
     probs: Optional[mx.array] = None
 
 

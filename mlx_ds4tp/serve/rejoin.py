@@ -23,9 +23,9 @@ from typing import Any, Iterator, Optional, Tuple
 from .. import gate_ops, transport as tr
 from ..base.log import log
 from ..base.stopping import shielded, stop_reason
-from ..lockstep.bringup import rejoin
 from ..lockstep.errors import MeshReformingError
-from ..lockstep.sessions import LeaderSessions, drain_failed_work, leader_channel, worker_channels
+from ..lockstep.join_and_load import rejoin
+from ..lockstep.protocol.sessions import LeaderSessions, drain_failed_work, leader_channel, worker_channels
 from ..split.share import SplitShare
 from .settings import ServeSettings
 
@@ -198,8 +198,8 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
     for a leader on the same address and serves it (the same checks as a first join). Without
     it, a leader gone is this process's end: an error naming it, never a hang. Ctrl-C or
     SIGTERM stops it cleanly, the leader told why. Returns how it ended."""
-    from ..lockstep.sessions import serve_worker
-    from ..lockstep.table import release_memory
+    from ..lockstep.protocol.sessions import serve_worker
+    from ..lockstep.protocol.table import release_memory
 
     grammars, disk = grammars_disk
     wait_for_any = settings.rejoin

@@ -14,8 +14,8 @@ from .. import gate_ops, transport as tr
 from ..base.log import log
 from ..base.stopping import shielded, stop_on_signals, stop_reason
 from ..link.identity import model_identity
-from ..lockstep.bringup import BringUp, bring_up
-from ..lockstep.grammar import Grammars
+from ..lockstep.join_and_load import BringUp, bring_up
+from ..lockstep.sampling.grammar import Grammars
 from ..split.share import SplitShare
 from .rejoin import Quit, ServingSessions, fit_worker_room, serve_as_worker, take_back_workers
 from .settings import ServedModel, ServeSettings
@@ -64,8 +64,8 @@ def make_speculation(served: ServedModel, model: Any):
 def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
     """Refuse --kv-bits for a model it would fail on at its first request (SystemExit naming
     why), and log the layers it leaves in float."""
+    from ..lockstep.caches.quantized_cache import describe_unquantizable, quantize_session_cache
     from ..lockstep.compute import make_cache
-    from ..lockstep.quantized_cache import describe_unquantizable, quantize_session_cache
 
     cache = make_cache(model)
     quantized = quantize_session_cache(cache, bits, group_size)
@@ -94,7 +94,7 @@ def check_kv_quantization(model: Any, bits: int, group_size: int) -> None:
 
 def run(settings: ServeSettings) -> int:
     """One rank of `ds4tp serve`, as cli.serve resolved it; returns the exit code."""
-    from ..lockstep.table import fix_heap_thresholds
+    from ..lockstep.protocol.table import fix_heap_thresholds
     from .http.server import HttpServer
 
     fix_heap_thresholds()  # before the weights and the caches are allocated
@@ -174,13 +174,13 @@ def _close_disk(disk) -> str:
 
 def make_disk_cache(settings: ServeSettings, model: Any, identity: tr.ModelIdentity,
                     share_rank: Tuple[SplitShare, int]):
-    """This rank's --prompt-cache-dir (lockstep.disk_cache.DiskCache) or None; SystemExit
+    """This rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache) or None; SystemExit
     naming the model when its cache cannot be saved in mlx-lm's prompt-cache files."""
     limits = settings.limits
     if not limits.prompt_cache_dir:
         return None
+    from ..lockstep.caches.disk_cache import DiskCache, cache_blocker, rank_key
     from ..lockstep.compute import make_cache
-    from ..lockstep.disk_cache import DiskCache, cache_blocker, rank_key
 
     blocker = cache_blocker(make_cache(model))
     if blocker:
@@ -223,7 +223,7 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
         if blocker:
             raise SystemExit(f"ds4tp serve: {blocker}")
     if settings.kv_budget_from_memory:
-        from ..lockstep.memory import default_kv_budget
+        from ..lockstep.caches.memory import default_kv_budget
 
         budget, how = default_kv_budget(model, limits.kv_bits, limits.kv_group_size)
         log(f"serve: on the leader, {how}")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from ..link.config import LinkSettings
-from ..lockstep.sampling import SamplingOptions
+from ..lockstep.sampling.options import SamplingOptions
 from ..lockstep.settings import DraftSettings
 from ..split.share import SplitSettings
 from .limits import ServeLimits

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional
 
-from ...lockstep.sampling import SamplingOptions
+from ...lockstep.sampling.options import SamplingOptions
 from ...lockstep.settings import draft_tokens_problem
 from ..engine.generation import Request
 from ..errors import ApiError

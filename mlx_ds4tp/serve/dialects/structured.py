@@ -1,9 +1,9 @@
 """Structured output (docs/serving.md's "Structured output"): what a request's `response_format`, strict
 tools and forced `tool_choice` ask of the model's output, as the grammar its sampler is masked
-with (lockstep.grammar). A schema is enforced whether or not `strict` is set (as vLLM does): a
+with (lockstep.sampling.grammar). A schema is enforced whether or not `strict` is set (as vLLM does): a
 best effort that is always met is still met. Constrained calls are written in the model's own
 tool-call format, its markers as its tokenizer holds them (one added or special token, or text):
-every one of mlx-lm's tool parsers has its grammar (lockstep.call_formats); a parameter schema a
+every one of mlx-lm's tool parsers has its grammar (serve.dialects.tool_calls); a parameter schema a
 format cannot write so that its parser reads it back (a function_gemma array, a minimax_m2
 parameter of several types), or a parser mlx-lm adds later, is a 400 naming why.
 """
@@ -14,10 +14,10 @@ import json
 from typing import Any, List, Optional, Tuple
 
 from ...link.wire import MAX_SAMPLER_OPTIONS_BYTES
-from ...lockstep.call_grammar import CallFormat, call_format, tool_call_grammar
 from ...lockstep.errors import GrammarError
-from ...lockstep.grammar import Grammars, json_object_grammar, json_schema_grammar
+from ...lockstep.sampling.grammar import Grammars, json_object_grammar, json_schema_grammar
 from ..errors import ApiError
+from .tool_calls.call_grammar import CallFormat, call_format, tool_call_grammar
 
 # The grammar travels in the SAMPLER command's options (at most MAX_SAMPLER_OPTIONS_BYTES of
 # JSON, the other options included).

@@ -12,9 +12,9 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from ...lockstep.batch import Batch
-from ...lockstep.prompt_cache import PromptCacheIndex
-from ...lockstep.session_caches import kv_code
-from ...lockstep.sessions import LeaderSessions
+from ...lockstep.caches.prompt_cache import PromptCacheIndex
+from ...lockstep.caches.session_caches import kv_code
+from ...lockstep.protocol.sessions import LeaderSessions
 from ..limits import ServeLimits
 from .events import BusyEvent, PairDownEvent
 from .generation import Request, RunningSession, batch_request, reserved_tokens
@@ -113,7 +113,7 @@ class Admission:
 
     @property
     def disk(self):
-        """The leader's --prompt-cache-dir (lockstep.disk_cache.DiskCache), or None."""
+        """The leader's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache), or None."""
         return self.sessions.disk
 
     def _drop(self, evicted: List[int]) -> None:

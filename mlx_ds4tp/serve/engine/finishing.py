@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ...lockstep.sampling import logprob_item
+from ...lockstep.sampling.options import logprob_item
 from .admission import Admission
 from .events import DoneEvent, FailedEvent, TextEvent
 from .generation import RowResult, RunningSession, StepOutput

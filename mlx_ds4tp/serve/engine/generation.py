@@ -7,7 +7,7 @@ import dataclasses
 from typing import List, Optional, Tuple
 
 from ...lockstep.batch import BatchRequest, Row, RowResult, StepOutput as BatchStep
-from ...lockstep.sampling import SamplingOptions
+from ...lockstep.sampling.options import SamplingOptions
 from .events import EventQueue
 from .text_stream import TextStream
 

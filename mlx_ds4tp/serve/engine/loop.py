@@ -26,9 +26,9 @@ import mlx.core as mx
 from ... import transport as tr
 from ...base.log import log
 from ...lockstep.batch import Batch, BatchSettings
-from ...lockstep.sessions import LeaderSessions, drain_failed_work
+from ...lockstep.protocol.sessions import LeaderSessions, drain_failed_work
+from ...lockstep.protocol.table import release_memory
 from ...lockstep.speculative import Speculation
-from ...lockstep.table import release_memory
 from ..errors import PairUnavailableError
 from ..limits import ServeLimits
 from .admission import Admission
@@ -104,7 +104,7 @@ class Engine:
 
     @property
     def disk_cache(self):
-        """This leader's --prompt-cache-dir (lockstep.disk_cache.DiskCache), or None."""
+        """This leader's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache), or None."""
         return self.admission.disk
 
     def _disk_figures(self) -> Dict[str, float]:

@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Set
 
-from ..errors import GrammarError
+from ....lockstep.errors import GrammarError
 from .base import (
     CallFormat,
     RawText,

@@ -1,8 +1,8 @@
-"""The background writer of one rank's prompt-cache files (lockstep.disk_cache's write-through):
+"""The background writer of one rank's prompt-cache files (lockstep.caches.disk_cache's write-through):
 one thread writes them in the order they were handed over, off the path of the engine and of
 the worker's command loop. The owner may wait for one file (a load about to read it), for all
 of them (a stop), or close the writer. The jobs hold NumPy views, never MLX calls
-(lockstep.cache_file says why)."""
+(lockstep.caches.cache_file says why)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
-from ..base.log import log
+from ...base.log import log
 
 # Files handed over and not written yet, at most: past them the owner waits for the writer
 # (a disk far slower than the stores), so the views it holds stay bounded.

@@ -1,5 +1,5 @@
 """The lockstep commands, each defined once: its frame type, payload layout, packing, unpacking
-and application (lockstep.commands.base says what a command is). The frame numbers and the
+and application (lockstep.protocol.commands.base says what a command is). The frame numbers and the
 transport's byte bound of each are link/wire.py's (the transport checks a bound before it reads
 a frame); everything else about a command is its class here, so a new command is one class in
 one of these modules (and its number in the wire's table).
@@ -9,7 +9,7 @@ one of these modules (and its number in the wire's table).
   sampler    SAMPLER
   stored     DISK_SAVE, DISK_LOAD
   queries    HASH, KV_ROOM
-(STOP, which carries nothing, ends the worker's loop in lockstep.sessions.)
+(STOP, which carries nothing, ends the worker's loop in lockstep.protocol.sessions.)
 """
 
 from .base import COMMANDS, Command, check_tokens

@@ -1,6 +1,6 @@
 """One stored prompt cache as a file in mlx-lm's prompt-cache format (a safetensors file that
 mlx_lm.models.cache.load_prompt_cache reads back), made in two halves so the slow one can run
-on a background thread (lockstep.disk_writer):
+on a background thread (lockstep.caches.disk_writer):
 
   - `snapshot`, on the thread that owns the cache (the rank's engine or command loop): the
     cache's state laid out as mlx-lm's save_prompt_cache lays it out, each array evaluated and

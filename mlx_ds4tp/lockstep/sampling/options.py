@@ -1,6 +1,6 @@
 """Sampling options shared by `ds4tp run` and `ds4tp serve` (the flags that make them are
 mlx_ds4tp.cli.sampling_args), mlx-lm's logits processors for them, and OpenAI's logprobs entry.
-The one sampler that draws with them is lockstep.row_sampling.RowSampler.
+The one sampler that draws with them is lockstep.sampling.row_sampling.RowSampler.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class SamplingOptions:
     frequency_context_size: int = 20
     logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, bias) pairs
     seed: Optional[int] = None
-    # Constrained decoding: a grammar the draws must follow (lockstep.grammar; "" for none).
+    # Constrained decoding: a grammar the draws must follow (lockstep.sampling.grammar; "" for none).
     grammar: str = ""
 
     def check(self) -> None:

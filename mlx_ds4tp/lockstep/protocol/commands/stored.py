@@ -9,8 +9,8 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from ... import transport as tr
-from ...link.wire import MAX_TOKENS_PER_FRAME
+from .... import transport as tr
+from ....link.wire import MAX_TOKENS_PER_FRAME
 from .base import Command, F, Fixed, check_tokens, command
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import struct
 
-from ... import transport as tr
+from .... import transport as tr
 from .base import F, Fixed, command
 
 
 @command
 class Create(Fixed):
     """A session's cache: a fresh one (its KV quantization, session_caches.kv_code), or stored
-    cache `cache_id` moved or copied (lockstep.prompt_cache's FRESH, MOVE, COPY)."""
+    cache `cache_id` moved or copied (lockstep.caches.prompt_cache's FRESH, MOVE, COPY)."""
 
     frame = F.SESSION_CREATE
     layout = struct.Struct("<QQII")  # session id, stored cache id, mode, KV code

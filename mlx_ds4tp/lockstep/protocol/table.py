@@ -1,7 +1,7 @@
 """One rank's lockstep state, changed only by the lockstep commands (see
-mlx_ds4tp.lockstep.sessions for the protocol): the caches of the sessions not yet decoding
-and the stored prompt caches (lockstep.session_caches), and the decode batch
-(lockstep.decode_batch). The table dispatches each command to the part it changes, and moves
+mlx_ds4tp.lockstep.protocol.sessions for the protocol): the caches of the sessions not yet decoding
+and the stored prompt caches (lockstep.caches.session_caches), and the decode batch
+(lockstep.protocol.decode_batch). The table dispatches each command to the part it changes, and moves
 a session's cache from one to the other when it joins the batch or leaves it.
 """
 
@@ -16,14 +16,14 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import transport as tr
+from ... import transport as tr
+from ..caches.disk_cache import DiskCache
+from ..caches.session_caches import SessionCaches
+from ..errors import GrammarError
+from ..sampling.grammar import Grammars, RowGrammar
+from ..sampling.row_sampling import RowSampler
 from .commands import COMMANDS
 from .decode_batch import DecodeBatch
-from .disk_cache import DiskCache
-from .errors import GrammarError
-from .grammar import Grammars, RowGrammar
-from .row_sampling import RowSampler
-from .session_caches import SessionCaches
 
 F = tr.FrameType
 
@@ -106,7 +106,7 @@ class SessionTable:
         return bool(self.caches.sessions or self.batch.rows)
 
     def apply(self, ftype, payload: bytes) -> Optional[mx.array]:
-        """Execute one command (lockstep.commands); EVAL_BATCH returns the rows' logits
+        """Execute one command (lockstep.protocol.commands); EVAL_BATCH returns the rows' logits
         [rows, vocab], VERIFY_BATCH [rows, width, vocab]."""
         if self.batch.verifying is not None and ftype != F.COMMIT_BATCH:
             raise tr.FrameError(f"a {ftype.name} frame arrived before the COMMIT_BATCH of the last "
@@ -129,7 +129,7 @@ class SessionTable:
             return None
         if self.grammars is None:
             raise tr.FrameError("SAMPLER carries a grammar, but this rank was started without its "
-                                "tokenizer's grammars (lockstep.grammar.Grammars)")
+                                "tokenizer's grammars (lockstep.sampling.grammar.Grammars)")
         try:
             return self.grammars.row(grammar, self.vocab)
         except GrammarError as exc:

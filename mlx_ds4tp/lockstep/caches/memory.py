@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Optional
 
-from ..split.measure import memory_limit
+from ...split.measure import memory_limit
 
 # What stays free besides the caches: a share of the machine (macOS starts compressing and
 # swapping well before memory is full) and a floor for a prefill chunk's activations.
@@ -60,11 +60,11 @@ def kv_bytes_per_token(model, kv_bits: int = 0, kv_group_size: int = 64, probe: 
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from ..lockstep.compute import make_cache
+    from ..compute import make_cache
 
     cache = make_cache(model)
     if kv_bits:
-        from ..lockstep.quantized_cache import quantize_session_cache
+        from .quantized_cache import quantize_session_cache
 
         cache = quantize_session_cache(cache, kv_bits, kv_group_size)
     model(mx.zeros((1, probe), dtype=mx.int32), cache=cache)

@@ -23,7 +23,7 @@ tokens on both ranks (the lockstep token hash checks them): so both ranks mask t
 alike and draw the same token, with no mask on the wire.
 
 A tool call's grammar (in the model's own format, its markers as its tokenizer holds them) is
-lockstep.call_grammar's.
+serve.dialects.tool_calls.call_grammar's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Dict, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .errors import GrammarError
+from ..errors import GrammarError
 
 # JSON written compactly: no free whitespace between tokens, so the model cannot spend its
 # budget on blanks and a schema's bounds bound the text.

@@ -27,7 +27,7 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import GrammarError
+from ....lockstep.errors import GrammarError
 from .base import (
     CallFormat,
     RawText,

@@ -1,5 +1,5 @@
 """One rank's decode batch: the sessions decoding together, their cache, their samplers and
-what they last drew, changed only by the lockstep commands (lockstep.table applies them).
+what they last drew, changed only by the lockstep commands (lockstep.protocol.table applies them).
 
 The batch cache is mlx-lm's BatchKVCache: rows left-padded, merged when sessions join,
 filtered when they leave, exactly as mlx-lm's BatchGenerator does. A batch of one row is the
@@ -20,11 +20,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import transport as tr
-from . import batch_verify
+from ... import transport as tr
+from .. import batch_verify
+from ..compute import logits_hash
+from ..sampling.row_sampling import RowSampler, sample_batch
 from .commands import EVAL_PENDING, check_tokens, pad_rows
-from .compute import logits_hash
-from .row_sampling import RowSampler, sample_batch
 
 # Decode steps between releases of MLX's buffer cache, for `ds4tp run` and `ds4tp serve`
 # alike (mlx-lm's BatchGenerator: 512, its generate_step 256; a serving batch changes shape
@@ -47,7 +47,7 @@ class DecodeBatch:
         self.verifying: Optional[List[int]] = None  # the last VERIFY_BATCH's row lengths, until its commit
         self.step_count = 0
         self.last_logits: Optional[mx.array] = None
-        # Pipelined decode (lockstep.row_sampling): each session's sampler, the tokens this rank
+        # Pipelined decode (lockstep.sampling.row_sampling): each session's sampler, the tokens this rank
         # sampled at the last sampled step ([rows], lazy: an EVAL_PENDING row's input) and that
         # step's sessions in row order, and, by session, why its sampler failed there.
         self.samplers: Dict[int, RowSampler] = {}

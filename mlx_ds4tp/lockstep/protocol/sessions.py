@@ -2,10 +2,10 @@
 step by step by the leader. `ds4tp serve` runs many sessions on it, `ds4tp run` one
 (lockstep.generate.pair_generate).
 
-Each rank holds a SessionTable (lockstep.table). The table changes only through commands,
+Each rank holds a SessionTable (lockstep.protocol.table). The table changes only through commands,
 and the leader applies every command it sends to its own table in the same order, so the two
 tables stay identical and every forward pairs its gates with the peer's. The commands (control
-frames; each one's layout, packing, unpacking and application is its class in lockstep.commands):
+frames; each one's layout, packing, unpacking and application is its class in lockstep.protocol.commands):
 
   SESSION_CREATE  a session's cache: a fresh one (its KV quantization), or a stored one moved or copied
   REWIND          trim a reused cache to the tokens it keeps
@@ -19,7 +19,7 @@ frames; each one's layout, packing, unpacking and application is its class in lo
   INVALIDATE      drop a stored cache
   DISK_SAVE       write this rank's half of a stored cache to its --prompt-cache-dir
   DISK_LOAD       read this rank's half back; the worker answers whether it could
-  KV_ROOM         the worker answers how many KV cache tokens its machine holds (lockstep.memory)
+  KV_ROOM         the worker answers how many KV cache tokens its machine holds (lockstep.caches.memory)
   HASH            the worker answers its own hash of the last step's logits or of a session's
                   sampled tokens
   STOP            the worker returns
@@ -42,8 +42,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import gate_ops, transport as tr
-from ..errors import LockstepDivergenceError, TransportError
+from ... import gate_ops, transport as tr
+from ...errors import LockstepDivergenceError, TransportError
+from ..caches.disk_cache import DiskCache, tokens_digest
+from ..caches.prompt_cache import FRESH
+from ..errors import MeshReformingError
+from ..sampling.grammar import Grammars
 from .commands import (
     COMMANDS,
     CommitBatch,
@@ -61,10 +65,6 @@ from .commands import (
     VerifyBatch,
     check_in_step,
 )
-from .disk_cache import DiskCache, tokens_digest
-from .errors import MeshReformingError
-from .grammar import Grammars
-from .prompt_cache import FRESH
 from .table import SessionTable, release_memory
 
 F = tr.FrameType
@@ -176,12 +176,12 @@ class LeaderSessions:
     def caches_trim(self) -> bool:
         """Whether this model's session caches can be cut back to any length (a stored prefix
         then serves any prompt that shares part of it)."""
-        from .compute import trims_at_any_length
+        from ..compute import trims_at_any_length
 
         return trims_at_any_length(self.table.caches.make_cache())
 
     def row_sampler(self, session: int):
-        """The sampler SAMPLER gave a session on this rank (lockstep.row_sampling.RowSampler)."""
+        """The sampler SAMPLER gave a session on this rank (lockstep.sampling.row_sampling.RowSampler)."""
         return self.table.batch.samplers[session]
 
     def row_grammar(self, grammar: str):
@@ -204,7 +204,7 @@ class LeaderSessions:
         self._explained(send_all)
 
     def _send(self, command, *fields) -> Optional[mx.array]:
-        """A command (lockstep.commands) on both ranks."""
+        """A command (lockstep.protocol.commands) on both ranks."""
         return self._command(command.frame, command.pack(*fields))
 
     def read(self, tokens: mx.array) -> List[int]:
@@ -234,7 +234,7 @@ class LeaderSessions:
 
     def sampler(self, session: int, options, prompt: Sequence[int], seed: int) -> None:
         """SAMPLER on both ranks: the session's rows are sampled alike on both from now on, and
-        its EVAL_BATCH rows may take this rank's own sample (lockstep.row_sampling)."""
+        its EVAL_BATCH rows may take this rank's own sample (lockstep.sampling.row_sampling)."""
         self._send(Sampler, session, options, prompt, seed)
 
     def rewind(self, session: int, keep: int) -> None:

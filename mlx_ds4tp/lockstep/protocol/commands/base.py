@@ -1,7 +1,7 @@
 """What every lockstep command is: a frame type, a payload layout, its packing on the leader,
 its unpacking on both ranks (every count checked against the payload's size before anything
 is read) and its application to a rank's SessionTable. Each command is one class, written
-once (lockstep.commands' modules); `command` registers it, and the table applies a frame by
+once (lockstep.protocol.commands' modules); `command` registers it, and the table applies a frame by
 looking its type up in COMMANDS.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Dict, Type
 
 import numpy as np
 
-from ... import transport as tr
+from .... import transport as tr
 
 F = tr.FrameType
 
@@ -22,14 +22,14 @@ class Command:
     command has its own layout, so there is no default; `command` refuses a class without
     one). `answers`: the worker replies with a frame of the same type (the leader's queries:
     HASH, DISK_LOAD, KV_ROOM); the reply is `answer`'s, and the leader's
-    side of such a command lives in lockstep.sessions, which waits for it."""
+    side of such a command lives in lockstep.protocol.sessions, which waits for it."""
 
     frame: F
     answers = False
 
     @classmethod
     def apply(cls, table, *fields) -> Any:
-        """Change `table` (lockstep.table.SessionTable) as the command says; the logits of a
+        """Change `table` (lockstep.protocol.table.SessionTable) as the command says; the logits of a
         step command, else None."""
         raise tr.FrameError(f"the worker cannot execute a {cls.frame.name} frame here")
 

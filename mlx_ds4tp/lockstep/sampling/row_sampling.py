@@ -19,7 +19,7 @@ key is written here.
 
 A constrained session (options.grammar) also masks its row: every token outside what its
 grammar allows next is -inf after the processors, before the log-probabilities, on both ranks
-alike (lockstep.grammar: each rank's own matcher, advanced with the tokens it drew itself).
+alike (lockstep.sampling.grammar: each rank's own matcher, advanced with the tokens it drew itself).
 The mask of a draw needs the row's last token on the host, so a constrained row reads its last
 token at its next draw: the step's forward is queued first (DecodeBatch.step), so the wait
 overlaps the forward, and the other rows stay pipelined.
@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from .grammar import RowGrammar
-from .sampling import SamplingOptions, mlx_processors, processor_context
+from .options import SamplingOptions, mlx_processors, processor_context
 
 
 def stream_seed(options: SamplingOptions) -> int:
@@ -90,7 +90,7 @@ class RowSampler:
     def probabilities(self, logits: mx.array) -> mx.array:
         """The distribution each row's token is drawn from ([rows, vocab] float32): the filters
         over the normalised log-probabilities, at the temperature; for a sampler without
-        processors or a grammar (the rows a speculative round verifies, lockstep.acceptance)."""
+        processors or a grammar (the rows a speculative round verifies, lockstep.sampling.acceptance)."""
         logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         for keep in self.filters:

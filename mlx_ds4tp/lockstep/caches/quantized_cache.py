@@ -3,7 +3,7 @@
 mlx-lm quantizes a session's KV cache with QuantizedKVCache, but that class has no batched
 twin (no `merge`), so mlx_lm.server turns batching off under --kv-bits. The decode batch
 is built with `caches[0][i].merge(...)`, then `extend`, `filter` and `extract`
-(lockstep.decode_batch), so a quantized layer needs exactly BatchKVCache's API over quantized storage:
+(lockstep.protocol.decode_batch), so a quantized layer needs exactly BatchKVCache's API over quantized storage:
 
 - SessionQuantizedKVCache: mlx-lm's QuantizedKVCache (same update, same attention path) plus
   `size()` and `merge()`, the two calls made on a session's own cache.

@@ -1,4 +1,4 @@
-"""SAMPLER: both ranks sample a session's rows alike from now on (lockstep.row_sampling), so an
+"""SAMPLER: both ranks sample a session's rows alike from now on (lockstep.sampling.row_sampling), so an
 EVAL_BATCH row may take this rank's own sample (EVAL_PENDING)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ... import transport as tr
-from ...link.wire import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME
-from ..sampling import SamplingOptions, options_from_json, options_to_json, processor_context
+from .... import transport as tr
+from ....link.wire import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME
+from ...sampling.options import SamplingOptions, options_from_json, options_to_json, processor_context
 from .base import Command, F, check_tokens, command, shorter_than_header
 
 

@@ -12,8 +12,8 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import GrammarError
-from ..grammar import with_compact
+from ....lockstep.errors import GrammarError
+from ....lockstep.sampling.grammar import with_compact
 
 
 def marker(tokenizer, text: str) -> str:

@@ -1,6 +1,6 @@
 """One rank's caches of the sessions not decoding yet (from SESSION_CREATE until they join
-lockstep.decode_batch) and its stored prompt caches (a destroyed session's, which a later one
-moves or copies as the leader's lockstep.prompt_cache decides); lockstep.table applies the
+lockstep.protocol.decode_batch) and its stored prompt caches (a destroyed session's, which a later one
+moves or copies as the leader's lockstep.caches.prompt_cache decides); lockstep.protocol.table applies the
 commands that change them."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import transport as tr
-from ..base.log import log
-from .commands.base import check_tokens
-from .compute import PREFILL_STEP, fill_cache, make_cache
+from ... import transport as tr
+from ...base.log import log
+from ..compute import PREFILL_STEP, fill_cache, make_cache
+from ..protocol.commands.base import check_tokens
 from .disk_cache import DiskCache
 from .prompt_cache import COPY, FRESH, MOVE
 

@@ -6,8 +6,8 @@ the tokens' digest; its metadata repeats both, the tokens themselves and a CRC o
 bytes, so a file cut short, damaged, renamed or made for another model, share or rank is
 skipped with one log line, never used. The leader picks the file both ranks load
 (DiskCache.find) by the rank-neutral digest; each rank confirms its own by its own key.
-Every stored cache is written through (save_later: a writer thread, lockstep.disk_writer;
-the file's bytes, lockstep.cache_file), so a stop of any kind keeps what was written.
+Every stored cache is written through (save_later: a writer thread, lockstep.caches.disk_writer;
+the file's bytes, lockstep.caches.cache_file), so a stop of any kind keeps what was written.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..base.log import log
-from ..checkpoint.header import read_header_file
+from ...base.log import log
+from ...checkpoint.header import read_header_file
+from ..errors import ForeignFileError
 from .cache_file import Snapshot, data_crc, snapshot, sync_directory, write_snapshot
 from .disk_writer import DiskWriter
-from .errors import ForeignFileError
 
 SUFFIX = ".safetensors"
 # 2: the CRC covers the file's whole data section (1: the state's arrays only, read through

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import struct
 
-from ... import transport as tr
-from ...base.log import log
-from ...errors import LockstepDivergenceError
+from .... import transport as tr
+from ....base.log import log
+from ....errors import LockstepDivergenceError
 from .base import F, Fixed, command
 
 
@@ -53,8 +53,8 @@ class KvRoom(Fixed):
 
     @classmethod
     def answer(cls, table, bits: int, group_size: int, _measured: int, _tokens: int) -> bytes:
-        from ..memory import default_kv_budget
-        from ..session_caches import KV_BITS, KV_GROUP_SIZES
+        from ...caches.memory import default_kv_budget
+        from ...caches.session_caches import KV_BITS, KV_GROUP_SIZES
 
         if bits and (bits not in KV_BITS or group_size not in KV_GROUP_SIZES):
             raise tr.FrameError(f"KV_ROOM asks about a KV cache of {bits} bits in groups of {group_size} "

@@ -9,12 +9,12 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ... import transport as tr
-from ...link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME, MAX_VERIFY_WIDTH
+from .... import transport as tr
+from ....link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME, MAX_VERIFY_WIDTH
 from .base import Command, F, command, shorter_than_header
 
 # An EVAL_BATCH row's input token that says: the token this rank sampled for the session at
-# the last step (lockstep.row_sampling), which the leader has not read yet.
+# the last step (lockstep.sampling.row_sampling), which the leader has not read yet.
 EVAL_PENDING = -1
 MAX_BATCH_ROWS = 1024  # rows of one decode step (link/wire.py's bounds assume it)
 

@@ -1,4 +1,4 @@
-"""A tool call's grammar (lockstep.grammar's engine, Lark): the call in the model's own format,
+"""A tool call's grammar (lockstep.sampling.grammar's engine, Lark): the call in the model's own format,
 written between its markers as its tokenizer holds them.
 
 A marker that is one added or special token (Qwen's `<tool_call>`, id 151657 in Qwen2.5 and
@@ -7,7 +7,7 @@ engine never reads such a token as the bytes it spells, so the marker written as
 match the one token the model draws for it. A marker in ordinary tokens is text, which any of
 its tokenizations matches.
 
-Every one of mlx-lm's tool parsers has its grammar (lockstep.call_formats): json_tools, mistral,
+Every one of mlx-lm's tool parsers has its grammar (serve.dialects.tool_calls): json_tools, mistral,
 kimi_k2, kimi_k3, pythonic, function_gemma, gemma4, qwen3_coder, glm47, laguna, longcat,
 minimax_m2, minicpm5 and muse_spark. A parameter schema a format cannot write so that its parser
 reads it back as valid (a function_gemma array, a minimax_m2 parameter of several types) is
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .call_formats import FORMATS, call_rules
-from .call_formats.base import CallFormat, json_value, marker, regex_literal
-from .errors import GrammarError
+from ....lockstep.errors import GrammarError
+from . import FORMATS, call_rules
+from .base import CallFormat, json_value, marker, regex_literal
 
 __all__ = ["CallFormat", "call_format", "marker", "tool_call_grammar"]
 
