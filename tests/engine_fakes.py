@@ -100,25 +100,37 @@ class FakeSessions:
         self.commands = []
         self.pending = {}  # session -> this "rank's" last sampled token
 
-    def create(self, session, cache_id=0, mode=0, kv=0):
+    def send(self, command, *fields):
+        """LeaderSessions.send: the command recorded and played on the fake table."""
+        return getattr(self, "_" + command.__name__.lower())(*fields)
+
+    @property
+    def step_count(self):
+        return self.steps
+
+    steps = 0  # decode steps sent (EVAL_BATCH, VERIFY_BATCH)
+
+    def _create(self, session, cache_id, mode, kv):
         self.commands.append(("create", session, cache_id, mode))
         self.table.caches.sessions[session] = cache_id
 
-    def rewind(self, session, keep):
+    def _rewind(self, session, keep, _reserved):
         self.commands.append(("rewind", session, keep))
 
-    def sampler(self, session, options, prompt, seed):
+    def _sampler(self, session, options, prompt, seed):
         self.commands.append(("sampler", session))
         self.table.batch.samplers[session] = _Sampler()
 
-    def prefill_batch(self, rows):
+    def _prefillbatch(self, rows):
         self.commands.append(("prefill", [(s, list(t)) for s, t in rows]))
 
-    def step(self, rows):
+    def _evalbatch(self, step, rows):
+        self._stepped(step)
         self.commands.append(("step", list(rows)))
         return _logits([t for _, t in rows])
 
     def sampled_step(self, rows):
+        self._stepped(self.steps + 1)
         self.commands.append(("sampled_step", list(rows)))
         drawn = []
         for session, token in rows:
@@ -127,20 +139,26 @@ class FakeSessions:
             drawn.append(self.pending[session])
         return SampledStep(mx.array(drawn, dtype=mx.int32), {}, [None] * len(rows))
 
-    def verify_batch(self, rows):
+    def _verifybatch(self, step, rows):
+        self._stepped(step)
         self.commands.append(("verify", [(s, list(t)) for s, t in rows]))
         width = max(len(t) for _, t in rows)
         return mx.stack([_logits(list(t) + [t[-1]] * (width - len(t))) for _, t in rows])
 
-    def commit_batch(self, keep):
+    def _commitbatch(self, step, keep):
+        assert step == self.steps, f"COMMIT_BATCH of step {step} after step {self.steps}"
         self.commands.append(("commit", list(keep)))
 
-    def destroy(self, session, store_as=0):
+    def _stepped(self, step):
+        assert step == self.steps + 1, f"decode step {step} sent after step {self.steps}"
+        self.steps = step
+
+    def _destroy(self, session, store_as):
         self.commands.append(("destroy", session, store_as))
         if store_as:
             self.table.caches.stored[store_as] = session
 
-    def invalidate(self, cache_id):
+    def _invalidate(self, cache_id):
         self.commands.append(("invalidate", cache_id))
         del self.table.caches.stored[cache_id]
 

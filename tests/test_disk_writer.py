@@ -73,7 +73,7 @@ def test_a_cache_changed_after_it_was_handed_over_is_written_as_it_was(tiny, tmp
     holds them): the file must still hold the cache as it was handed over."""
     import mlx.core as mx
 
-    from mlx_ds4tp.lockstep import disk_cache
+    from mlx_ds4tp.lockstep.caches import disk_cache
     from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
 
     gate = threading.Event()
@@ -111,7 +111,7 @@ def test_a_cache_changed_after_it_was_handed_over_is_written_as_it_was(tiny, tmp
 
 
 def test_a_load_waits_for_its_file_and_find_counts_files_being_written(tiny, tmp_path, monkeypatch):
-    from mlx_ds4tp.lockstep import disk_cache
+    from mlx_ds4tp.lockstep.caches import disk_cache
     from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
 
     gate = threading.Event()
@@ -145,7 +145,7 @@ def test_a_file_a_newer_one_extends_goes_when_caches_trim(tiny, tmp_path, trimma
 def test_a_write_cut_short_leaves_the_old_files_and_no_torn_one(tiny, tmp_path, monkeypatch):
     """A kill in the middle of a write: the temporary file is all it touched; the next start
     finds the files written before it, whole, and removes the temporary one."""
-    from mlx_ds4tp.lockstep import disk_cache
+    from mlx_ds4tp.lockstep.caches import disk_cache
     from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
 
     store = DiskCache(tmp_path / "d", 10**8, "k")
@@ -170,7 +170,7 @@ def test_a_write_cut_short_leaves_the_old_files_and_no_torn_one(tiny, tmp_path, 
 
 def test_a_writer_behind_puts_off_a_cache_that_stays_in_memory_and_waits_for_one_leaving(
         tiny, tmp_path, monkeypatch, capfd):
-    from mlx_ds4tp.lockstep import disk_cache
+    from mlx_ds4tp.lockstep.caches import disk_cache
     from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
 
     gate, writing = threading.Event(), threading.Event()

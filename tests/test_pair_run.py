@@ -86,13 +86,14 @@ def test_divergence_is_detected():
     the hash check, both with the LOCKSTEP DIVERGENCE message."""
 
     from mlx_ds4tp.errors import LockstepDivergenceError
+    from mlx_ds4tp.lockstep.protocol.commands import Create, EvalBatch
     from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions, serve_worker
     from pairutil import make_groups, run_both
 
     def lead():
-        leader.create(1)
-        leader.step([(1, 0)])
-        leader.step([(1, 0)])
+        leader.send(Create, 1, 0, 0, 0)
+        leader.send(EvalBatch, 1, [(1, 0)])
+        leader.send(EvalBatch, 2, [(1, 0)])
         leader.check_hash()  # at seq (decode step) 2
 
     lg, wg = make_groups("tcp")
@@ -130,7 +131,7 @@ def test_a_stopped_worker_s_reason_reaches_the_leader_whatever_it_was_doing():
     SIGINT ended with 'connection reset' instead of 'the worker was stopped by SIGINT')."""
     from mlx_ds4tp.errors import TransportError
     from mlx_ds4tp.link.wire import FrameType
-    from mlx_ds4tp.lockstep.protocol.commands import Hash
+    from mlx_ds4tp.lockstep.protocol.commands import Create, Hash
     from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions, leader_channel
     from pairutil import make_groups
 
@@ -138,7 +139,7 @@ def test_a_stopped_worker_s_reason_reaches_the_leader_whatever_it_was_doing():
         lg, wg = make_groups("tcp")
         try:
             leader = LeaderSessions(lg, _FixedLogits([1.0, 2.5]))
-            leader.create(1)  # left unread by the worker: its close resets the connection
+            leader.send(Create, 1, 0, 0, 0)  # left unread by the worker: its close resets the connection
             control = leader_channel(wg)
             control.send(FrameType.HASH, Hash.pack(0, 0, 7))  # an answer the leader never read
             control.send_error("the worker was stopped by SIGINT (Ctrl-C); start it again and it rejoins")
@@ -146,7 +147,7 @@ def test_a_stopped_worker_s_reason_reaches_the_leader_whatever_it_was_doing():
             time.sleep(0.2)  # the reset reaches the leader's socket
             if what == "send":
                 with pytest.raises(TransportError, match="reported: the worker was stopped by SIGINT"):
-                    leader.create(2)
+                    leader.send(Create, 2, 0, 0, 0)
             else:
                 assert leader.peer_gone().startswith("the worker was stopped by SIGINT")
         finally:

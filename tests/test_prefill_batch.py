@@ -19,11 +19,10 @@ import pytest
 
 import mlx_ds4tp.transport as tr
 from mlx_ds4tp.errors import FrameError, TransportError
-from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep import session_caches as caches_mod
+from mlx_ds4tp.lockstep.caches import session_caches as caches_mod
 from mlx_ds4tp.lockstep.caches.prompt_cache import COPY, FRESH
 from mlx_ds4tp.lockstep.compute import fill_cache, forward
-from mlx_ds4tp.lockstep.protocol.commands import PrefillBatch
+from mlx_ds4tp.lockstep.protocol.commands import PrefillBatch, limits
 from mlx_ds4tp.lockstep.protocol.table import SessionTable
 
 F = tr.FrameType
@@ -244,7 +243,7 @@ def _tokens(*ids) -> bytes:
 @pytest.mark.parametrize("payload, says", [
     (b"\x01\x00", "PREFILL_BATCH payload of 2 bytes is shorter than its 16-byte header"),
     (HEADER.pack(0, 0, 0), "PREFILL_BATCH says 0 rows"),
-    (HEADER.pack(wire.MAX_PREFILL_ROWS + 1, 0, 0), f"says {wire.MAX_PREFILL_ROWS + 1} rows (1 to"),
+    (HEADER.pack(limits.MAX_PREFILL_ROWS + 1, 0, 0), f"says {limits.MAX_PREFILL_ROWS + 1} rows (1 to"),
     (HEADER.pack(0xFFFFFFFF, 0, 0), "says 4294967295 rows"),
     (HEADER.pack(2, 0, 0) + _rows((1, 1)), "cannot hold their 2 x 16-byte entries"),
     (HEADER.pack(2, 0, 0) + _rows((1, 2), (2, 0)) + _tokens(5, 6), "row 1 (session 2) has 0 tokens"),
@@ -287,8 +286,8 @@ def test_a_damaged_prefill_batch_runs_or_is_refused_never_another_error(model):
 
 
 def test_the_frame_bound_holds_the_largest_batch_the_table_accepts():
-    assert tr.FRAME_MAX_BYTES[F.PREFILL_BATCH] == (HEADER.size + ROW.itemsize * wire.MAX_PREFILL_ROWS
-                                                  + 4 * wire.MAX_TOKENS_PER_FRAME)
+    assert tr.FRAME_MAX_BYTES[F.PREFILL_BATCH] == (HEADER.size + ROW.itemsize * limits.MAX_PREFILL_ROWS
+                                                  + 4 * limits.MAX_TOKENS_PER_FRAME)
 
 
 # ---------------------------------------------------------------------------------------------

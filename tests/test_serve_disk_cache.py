@@ -182,7 +182,7 @@ def _disk_size(model, tmp_path) -> int:
 
 
 def test_a_full_disk_is_logged_once_and_the_cache_stays_in_memory(tiny, tmp_path, monkeypatch, capfd):
-    from mlx_ds4tp.lockstep import disk_cache
+    from mlx_ds4tp.lockstep.caches import disk_cache
     from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
 
     def full(snap, path):

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_ds4tp.lockstep import memory
+from mlx_ds4tp.lockstep.caches import memory
 
 
 @pytest.fixture(scope="module")

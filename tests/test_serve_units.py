@@ -177,6 +177,7 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
+    from mlx_ds4tp.lockstep.protocol.commands import Create, Destroy, EvalBatch, Invalidate, PrefillBatch, Rewind
     from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.testing.tiny_model import save_llama
@@ -199,46 +200,50 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
     try:
         split, _ = load_split(str(path), leader_group)
         sessions = LeaderSessions(leader_group, split)
+
+        def step(rows):
+            return sessions.send(EvalBatch, sessions.step_count + 1, rows)
+
         # Session 1: the base prompt alone, stored as cache 7 when it ends.
-        sessions.create(1)
-        sessions.prefill_batch([(1, base[:-1])])
+        sessions.send(Create, 1, 0, FRESH, 0)
+        sessions.send(PrefillBatch, [(1, base[:-1])])
         out = []
         nxt, sampler = base[-1], RowSampler(SamplingOptions(), base, 0, 0)
         for _ in range(n):
-            (tok,) = sample_batch(sessions.step([(1, nxt)]), [sampler], {}).tolist()
+            (tok,) = sample_batch(step([(1, nxt)]), [sampler], {}).tolist()
             out.append(tok)
             nxt = tok
         assert out == alone(base)
-        sessions.destroy(1, store_as=7)
-        sessions.create(100, 7, COPY)  # a copy of cache 7 for session 2 ...
-        sessions.rewind(100, len(base) - 1)
-        sessions.destroy(100, store_as=8)  # ... stored as 8; 7 stays for session 4
+        sessions.send(Destroy, 1, 7)
+        sessions.send(Create, 100, 7, COPY, 0)  # a copy of cache 7 for session 2 ...
+        sessions.send(Rewind, 100, len(base) - 1, 0)
+        sessions.send(Destroy, 100, 8)  # ... stored as 8; 7 stays for session 4
         # Sessions 2..5 at once, joining one per step, leaving as they finish. Session 2
         # takes cache 7 (base + its answer) and trims it to the base; session 4 takes cache 8.
         plans = {2: (prompts[0], 7, MOVE, len(base)), 3: (prompts[1], 0, FRESH, 0),
                  4: (prompts[2], 8, MOVE, len(base) - 1), 5: (prompts[3], 0, FRESH, 0)}
         state = {}
         for sid, (ids, cache_id, mode, keep) in plans.items():
-            sessions.create(sid, cache_id, mode)
+            sessions.send(Create, sid, cache_id, mode, 0)
             if mode != FRESH and keep < sessions.table.caches.sessions[sid][0].size():
-                sessions.rewind(sid, keep)
+                sessions.send(Rewind, sid, keep, 0)
             if ids[keep:-1]:
-                sessions.prefill_batch([(sid, ids[keep:-1])])
+                sessions.send(PrefillBatch, [(sid, ids[keep:-1])])
             state[sid] = [ids[-1], RowSampler(SamplingOptions(), ids, 0, 0), []]
         rows, waiting = [], list(plans)
         while rows or waiting:
             if waiting:
                 rows.append(waiting.pop(0))
-            tokens = sample_batch(sessions.step([(s, state[s][0]) for s in rows]),
+            tokens = sample_batch(step([(s, state[s][0]) for s in rows]),
                                   [state[s][1] for s in rows], {}).tolist()
             for s, tok in zip(list(rows), tokens):
                 state[s][0] = tok
                 state[s][2].append(tok)
                 if len(state[s][2]) == n:
-                    sessions.destroy(s, store_as=9 if s == 3 else 0)
+                    sessions.send(Destroy, s, 9 if s == 3 else 0)
                     rows.remove(s)
         assert sessions.table.caches.stored.keys() == {9}
-        sessions.invalidate(9)
+        sessions.send(Invalidate, 9)
         for sid, (ids, *_rest) in plans.items():
             assert state[sid][2] == alone(ids), sid
         assert sessions.table.caches.stored.keys() == set()
@@ -586,7 +591,7 @@ def test_an_idle_worker_hands_memory_back_after_a_second_without_a_command(monke
     import time
 
     from mlx_ds4tp import transport as tr
-    from mlx_ds4tp.lockstep import sessions
+    from mlx_ds4tp.lockstep.protocol import sessions
 
     calls = []
     monkeypatch.setattr(sessions, "release_memory", lambda: calls.append(time.monotonic()))

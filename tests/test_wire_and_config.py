@@ -42,13 +42,38 @@ def test_size_bounds_match_the_c_module():
     assert wire.GATE_MAX_BYTES == lib.TP_GATE_BYTES
 
 
-def test_the_table_lists_every_frame_type_with_its_bound():
+def test_the_table_lists_every_transport_frame_with_its_bound():
+    """wire's table is true to its bounds; every other frame type is a lockstep command,
+    which declares its bound in its class and registers it with the transport."""
+    from mlx_ds4tp.lockstep.protocol.commands import COMMANDS
+
     rows = {}
     for line in wire.__doc__.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0] in tr.FrameType.__members__:
             rows[cells[0]] = int(cells[2])
-    assert rows == {f.name: tr.FRAME_MAX_BYTES[f] for f in tr.FrameType}
+    assert set(rows).isdisjoint(c.name for c in COMMANDS)
+    assert rows == {f.name: tr.FRAME_MAX_BYTES[f] for f in tr.FrameType if f not in COMMANDS}
+    assert {f: tr.FRAME_MAX_BYTES[f] for f in COMMANDS} == {f: c.bound for f, c in COMMANDS.items()}
+    assert set(rows) | {c.name for c in COMMANDS} == set(tr.FrameType.__members__)
+
+
+def test_a_frame_nothing_bounds_is_refused_at_its_header(monkeypatch):
+    """A lockstep command's frame in a process that never registered its bound is refused
+    before its payload is read, naming why."""
+    from mlx_ds4tp.link.control import decode_frame_header
+
+    monkeypatch.delitem(tr.FRAME_MAX_BYTES, tr.FrameType.HASH, raising=False)
+    with pytest.raises(tr.FrameError, match="HASH frame: no bound for it in this process"):
+        decode_frame_header(tr.MAGIC, int(tr.FrameType.HASH), 8)
+
+
+def test_a_frame_type_cannot_be_bounded_twice_differently():
+    from mlx_ds4tp.lockstep.protocol.commands import Hash
+
+    wire.register_frame_bound(tr.FrameType.HASH, Hash.bound)  # the same bound again: no change
+    with pytest.raises(ValueError, match="HASH is bounded twice: 64 and 65 bytes"):
+        wire.register_frame_bound(tr.FrameType.HASH, Hash.bound + 1)
 
 
 def test_layouts_and_magics_are_defined_only_in_the_wire_module():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..link.wire import MAX_PREFILL_ROWS, MAX_VERIFY_WIDTH
+from ..lockstep.protocol.commands.limits import MAX_PREFILL_ROWS, MAX_VERIFY_WIDTH
 from ..lockstep.settings import DraftSettings
 from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings

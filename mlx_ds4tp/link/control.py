@@ -14,7 +14,7 @@ from typing import Callable, Optional, Tuple
 from ..base.log import log
 from ..errors import FrameError, PeerClosedError, TransportError, TransportTimeoutError
 from .native import load_verbs
-from .wire import FRAME_HEADER, FRAME_MAX_BYTES, MAGIC, FrameType
+from .wire import FRAME_HEADER, FRAME_MAX_BYTES, MAGIC, FrameType, frame_bound
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 # TCP keepalive: a worker idle between prompts has nothing else that would
@@ -114,7 +114,7 @@ def decode_frame_header(magic: int, ftype_raw: int, nbytes: int) -> FrameType:
         ftype = FrameType(ftype_raw)
     except ValueError:
         raise FrameError(f"unknown frame type {ftype_raw} ({nbytes} bytes)") from None
-    limit = FRAME_MAX_BYTES[ftype]
+    limit = frame_bound(ftype)
     if nbytes > limit:
         raise FrameError(
             f"{ftype.name} frame claims {nbytes} bytes, over its {limit}-byte bound"
@@ -173,7 +173,7 @@ class ControlChannel:
     def send(self, ftype: FrameType, payload: bytes = b"") -> None:
         """Send one frame; a payload over the type's bound is a FrameError."""
         ftype = FrameType(ftype)
-        limit = FRAME_MAX_BYTES[ftype]
+        limit = frame_bound(ftype)
         if len(payload) > limit:
             raise FrameError(
                 f"refusing to send {ftype.name} of {len(payload)} bytes: the limit is {limit}"

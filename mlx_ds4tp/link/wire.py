@@ -1,5 +1,6 @@
-"""The wire format between the two ranks: every frame type, struct layout,
-magic and size bound, in this one module (a protocol change is reviewed here).
+"""The wire format between the two ranks: every frame type's number, the transport's struct
+layouts, magics and size bounds, in this one module (a protocol change is reviewed here; a
+lockstep command's layout and bound are its class's, lockstep/protocol/commands/).
 
 Every machine a rank runs on (Apple Silicon, x86 Linux here) is little-endian, so every layout
 is, and the magic in each header doubles as the byte-order check.
@@ -7,18 +8,13 @@ Three streams carry bytes: the control connection (framed messages), the gate
 data connection (TCP gates and small swaps), and, with RDMA, the queue pair.
 
 Control frames: FRAME_HEADER (magic MAGIC, type, byte count), then the payload.
-The bound is checked before anything is allocated.
+The bound is checked before anything is allocated. The transport's own frames and their bounds:
 
 | frame            | payload                                                        | bound       |
 |------------------|----------------------------------------------------------------|-------------|
-| REWIND           | REWIND_PAYLOAD (session, tokens to keep)                       | 64          |
-| INVALIDATE       | INVALIDATE_PAYLOAD (stored cache id)                           | 64          |
 | STOP             | empty                                                          | 64          |
-| HASH             | HASH_PAYLOAD (0 or a session, decode step, hash of the last step's logits or of the session's sampled tokens) | 64 |
 | RDMA_INFO        | RDMA_INFO (qpn, psn, mtu, lid, link layer, gid)                | 64          |
 | RDMA_READY       | empty                                                          | 16          |
-| SESSION_CREATE   | SESSION_CREATE_PAYLOAD (session, stored cache id, mode)        | 4096        |
-| SESSION_DESTROY  | SESSION_DESTROY_PAYLOAD (session, cache id to store it under)  | 64          |
 | RDMA_WARM        | WARM_ROUND (setup attempt, round, received, phase)             | 64          |
 | RDMA_POSTED      | POSTED (1)                                                     | 64          |
 | HELLO            | HELLO_FIXED + UTF-8 reason (<= MAX_REASON_BYTES) + FINGERPRINT_SUMMARY or nothing | 1024 |
@@ -28,14 +24,6 @@ The bound is checked before anything is allocated.
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
-| EVAL_BATCH       | EVAL_BATCH_HEADER (step, rows) + rows x EVAL_BATCH_ROW (session, token or EVAL_PENDING: this rank's own sample) | 65536 |
-| PREFILL_BATCH    | PREFILL_BATCH_HEADER (rows) + rows x PREFILL_BATCH_ROW (session, count) + the rows' int32 tokens, row after row | 4198416 |
-| VERIFY_BATCH     | VERIFY_BATCH_HEADER (step, rows, width) + rows x VERIFY_BATCH_ROW (session, count) + rows x width int32 tokens, right-padded | 282640 |
-| COMMIT_BATCH     | COMMIT_BATCH_HEADER (step, rows) + rows x uint32 positions kept | 4112 |
-| DISK_SAVE        | DISK_SAVE_HEADER (stored cache id, drop it after, token count) + the int32 tokens it covers | 4194320 |
-| DISK_LOAD        | DISK_LOAD_PAYLOAD (cache id to store under, token count, loaded, tokens' digest); the worker answers with the same layout | 64 |
-| SAMPLER          | SAMPLER_HEADER (session, seed, context count, options bytes) + context int32s + JSON sampling options | 4259904 |
-| KV_ROOM          | KV_ROOM_PAYLOAD (KV bits, group size, measured, tokens); the worker answers with the same layout | 64 |
 | JOIN             | JOIN_PAYLOAD (version, size, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a mesh of N ranks (link/mesh.py) | 128 |
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
@@ -43,10 +31,14 @@ The bound is checked before anything is allocated.
 | REFORM           | UTF-8 text, the leader's reason: a serving leader whose mesh of N > 2 ranks broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
-VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH, STOP) are one protocol,
-mlx_ds4tp.lockstep.protocol.sessions: `ds4tp serve` runs many sessions on it, `ds4tp run` one. Their
-numbers and bounds are here (the transport checks a frame's bound before reading it); each
-one's payload layout, packing, unpacking and application is its class in mlx_ds4tp.lockstep.protocol.commands. Numbers
+VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH; STOP,
+which carries nothing, is the transport's above) are one protocol, mlx_ds4tp.lockstep.protocol:
+`ds4tp serve` runs many sessions on it, `ds4tp run` one. Their numbers are here (FrameType);
+everything else about one, its bound included, is its class in mlx_ds4tp.lockstep.protocol.commands,
+which registers that bound here (register_frame_bound) as it is defined, so the transport still
+checks every frame's bound before reading it while this module knows nothing above it. A frame
+whose type has no bound in this process (a lockstep command in a process that never loaded the
+lockstep) is refused at its header. Numbers
 of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE) are never
 reused: a peer of an older install that sent one gets "unknown frame type" at the header.
 
@@ -67,6 +59,8 @@ from __future__ import annotations
 
 import enum
 import struct
+
+from ..errors import FrameError
 
 # 2: the hello carries a model fingerprint. 3: `ds4tp run` speaks the serving sessions'
 # commands (one lockstep protocol), so a rank of an older install is refused at the hello.
@@ -176,29 +170,17 @@ RDMA_MAX_MSG = 16384
 GATE_MAX_BYTES = 2 * RDMA_MAX_MSG
 # A 16 KiB gate fits any socket buffer, so write-then-read cannot deadlock; a
 # bulk exchange writes and reads at once instead (tp_tcp_duplex).
-MAX_TOKENS_PER_FRAME = 1 << 20
-# One PREFILL_BATCH: at most this many sessions, all their tokens together at most
-# MAX_TOKENS_PER_FRAME (the padded forward is rows x the longest row's tokens).
-MAX_PREFILL_ROWS = 256
-# A VERIFY_BATCH row: the input token and at most 64 drafts (--num-draft-tokens <= 64).
-MAX_VERIFY_WIDTH = 65
-# A SAMPLER's sampling options (JSON): at most 64 KiB.
-MAX_SAMPLER_OPTIONS_BYTES = 64 * 1024
 MAX_REASON_BYTES = 512
 MAX_STATUS_MESSAGE_BYTES = 3000
 NONCE_BYTES = 16
 
 # Largest payload each frame type may claim: checked before anything is
-# allocated, so a header claiming 4 GiB is an error, never a malloc.
+# allocated, so a header claiming 4 GiB is an error, never a malloc. The transport's own
+# frames are bounded here; each lockstep command adds its own (register_frame_bound).
 FRAME_MAX_BYTES = {
-    FrameType.REWIND: 64,
-    FrameType.INVALIDATE: 64,
     FrameType.STOP: 64,
-    FrameType.HASH: 64,
     FrameType.RDMA_INFO: 64,
     FrameType.RDMA_READY: 16,
-    FrameType.SESSION_CREATE: 4096,
-    FrameType.SESSION_DESTROY: 64,
     FrameType.RDMA_WARM: 64,
     FrameType.RDMA_POSTED: 64,
     FrameType.HELLO: 1024,
@@ -207,21 +189,36 @@ FRAME_MAX_BYTES = {
     FrameType.AUTH: 256,
     FrameType.FINGERPRINT: 64,
     FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
-    FrameType.EVAL_BATCH: 64 * 1024,
-    FrameType.PREFILL_BATCH: 16 + 16 * MAX_PREFILL_ROWS + 4 * MAX_TOKENS_PER_FRAME,
-    FrameType.VERIFY_BATCH: 16 + 16 * 1024 + 4 * 1024 * MAX_VERIFY_WIDTH,  # 1024: MAX_BATCH_ROWS
-    FrameType.COMMIT_BATCH: 16 + 4 * 1024,
     FrameType.SPLIT: 64,
-    FrameType.SAMPLER: 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_SAMPLER_OPTIONS_BYTES,
-    FrameType.DISK_SAVE: 16 + 4 * MAX_TOKENS_PER_FRAME,
-    FrameType.DISK_LOAD: 64,
-    FrameType.KV_ROOM: 64,
     FrameType.JOIN: 128,
     FrameType.ROSTER: 4096,
     FrameType.MESH_ID: 64,
     FrameType.MESH_SIZE: 64,
     FrameType.REFORM: 4096,
 }
+
+
+def register_frame_bound(ftype: FrameType, bound: int) -> None:
+    """Bound the payload of a frame type defined above the transport (a lockstep command
+    declares its bound in its class, which calls this as it is defined). A type bounded twice
+    differently is a programming error, caught at import."""
+    ftype = FrameType(ftype)
+    if not 0 < bound <= FRAME_MAX_BYTES[FrameType.FINGERPRINT_DETAIL]:
+        raise ValueError(f"{ftype.name}'s bound {bound} must be 1 to {FRAME_MAX_BYTES[FrameType.FINGERPRINT_DETAIL]} bytes")
+    if FRAME_MAX_BYTES.get(ftype, bound) != bound:
+        raise ValueError(f"{ftype.name} is bounded twice: {FRAME_MAX_BYTES[ftype]} and {bound} bytes")
+    FRAME_MAX_BYTES[ftype] = bound
+
+
+def frame_bound(ftype: FrameType) -> int:
+    """The largest payload a frame of `ftype` may have; FrameError when nothing in this process
+    bounds it (a lockstep command where the lockstep was never loaded: the frame is refused)."""
+    try:
+        return FRAME_MAX_BYTES[ftype]
+    except KeyError:
+        raise FrameError(f"{ftype.name} frame: no bound for it in this process (its command module "
+                         "is not loaded, so nothing here expects it)") from None
+
 
 # ---- layouts ------------------------------------------------------------------
 FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count

@@ -31,7 +31,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .caches.prompt_cache import Reuse
-from .protocol.commands import EVAL_PENDING
+from .protocol.commands import (
+    EVAL_PENDING,
+    CommitBatch,
+    Create,
+    Destroy,
+    EvalBatch,
+    PrefillBatch,
+    Rewind,
+    Sampler,
+    VerifyBatch,
+)
 from .protocol.sessions import LeaderSessions, SampledStep
 from .sampling.acceptance import greedy_rounds, sampled_round
 from .sampling.options import SamplingOptions
@@ -143,12 +153,12 @@ class Batch:
             raise ValueError(f"max_tokens={request.max_tokens} must be >= 1")
         rid = next(self._ids)
         reuse = request.reuse
-        self.sessions.create(rid, reuse.cache_id, reuse.mode, request.kv)
+        self.sessions.send(Create, rid, reuse.cache_id, reuse.mode, request.kv)
         if reuse.needs_rewind:
-            self.sessions.rewind(rid, reuse.keep)
+            self.sessions.send(Rewind, rid, reuse.keep, 0)
         seed = stream_seed(request.options)
         if self.pipelined:
-            self.sessions.sampler(rid, request.options, request.prompt, seed)
+            self.sessions.send(Sampler, rid, request.options, request.prompt, seed)
             sampler = self.sessions.row_sampler(rid)
         else:
             sampler = RowSampler(request.options, request.prompt, seed, self.sessions.vocab,
@@ -168,7 +178,7 @@ class Batch:
         """One chunk of each (id, tokens) row's prompt in one padded forward (PREFILL_BATCH);
         the ids whose prefill that finished."""
         rows = [(self.rows[rid], count) for rid, count in chunks]
-        self.sessions.prefill_batch([(row.id, row.todo[:count]) for row, count in rows])
+        self.sessions.send(PrefillBatch, [(row.id, row.todo[:count]) for row, count in rows])
         done = []
         for row, count in rows:
             row.todo = row.todo[count:]
@@ -184,7 +194,7 @@ class Batch:
         """End a session on every rank (SESSION_DESTROY), its cache stored as `store_as` (0:
         dropped); it leaves the batch, or the queue it waited in."""
         row = self.rows.pop(rid)
-        self.sessions.destroy(rid, store_as)
+        self.sessions.send(Destroy, rid, store_as)
         self.ready = [r for r in self.ready if r is not row]
         self.running = [r for r in self.running if r is not row]
 
@@ -242,7 +252,7 @@ class Batch:
         """After a verify step: every rank keeps in each row's cache the positions it used
         (all of a row's tokens, or fewer where the caller ended it early)."""
         if out.verify:
-            self.sessions.commit_batch(list(used))
+            self.sessions.send(CommitBatch, self.sessions.step_count, list(used))
 
     def _pipelined(self, rows: List[Row], joining: List[Row]) -> Optional[StepOutput]:
         """Send and queue this step, its running rows taking each rank's own sample of the
@@ -282,10 +292,12 @@ class Batch:
         multi = any(len(i) > 1 for i in inputs)
         began = time.perf_counter()
         if multi:
-            logits = self.sessions.verify_batch([(r.id, i) for r, i in zip(rows, inputs)])
+            logits = self.sessions.send(VerifyBatch, self.sessions.step_count + 1,
+                                        [(r.id, i) for r, i in zip(rows, inputs)])
             self.stats["verify_steps"] += 1
         else:
-            logits = self.sessions.step([(r.id, i[0]) for r, i in zip(rows, inputs)])
+            logits = self.sessions.send(EvalBatch, self.sessions.step_count + 1,
+                                        [(r.id, i[0]) for r, i in zip(rows, inputs)])
         seconds = time.perf_counter() - began
         results: List[Optional[RowResult]] = [None] * len(rows)  # each row's, by its kind below
         for i, (row, chunk) in enumerate(zip(rows, chunks)):

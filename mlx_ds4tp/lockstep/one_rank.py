@@ -16,13 +16,8 @@ class _NoGroup:
 
 
 class OneRank(LeaderSessions):
-    """LeaderSessions over one rank's table; a hash is compared with itself (always equal)."""
+    """LeaderSessions over one rank's table and no worker: every command is applied here
+    only, and a hash is computed (and so checked) with nobody to compare it with."""
 
     def __init__(self, model, grammars=None):
         self.table, self.group, self.controls = SessionTable(model, grammars), _NoGroup(), []
-
-    def _command(self, ftype, payload: bytes):
-        return self.table.apply(ftype, payload)
-
-    def check_hash(self, session: int = 0) -> None:
-        self.table.batch.hash_of(session)  # what a pair would compare, computed (and so checked)

@@ -10,7 +10,7 @@ from ..split.share import SplitSettings
 from .sampling.options import SamplingOptions
 
 # Tokens drafted a round, at most: a VERIFY_BATCH row holds the input token and this many drafts
-# (link/wire.py's MAX_VERIFY_WIDTH). The one bound every door checks (the flags, a request's
+# (lockstep/protocol/commands/limits.py's MAX_VERIFY_WIDTH). The one bound every door checks (the flags, a request's
 # num_draft_tokens, the speculative generation).
 MAX_DRAFT_TOKENS = 64
 

@@ -30,7 +30,7 @@ Rows of EVAL_BATCH: the sessions already in the batch, in row order, then the se
 join at this step. The worker checks that the rows it is told match its own batch, so a
 divergence is a loud error at the first step it happens, never a silent wrong answer.
 A worker that fails sends the leader an ERROR frame with the reason before its sockets
-close; the leader's failing command reports it (LeaderSessions._command).
+close; the leader's failing command reports it (LeaderSessions.send).
 """
 
 from __future__ import annotations
@@ -38,33 +38,16 @@ from __future__ import annotations
 import dataclasses
 import select
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import mlx.core as mx
 
 from ... import gate_ops, transport as tr
 from ...errors import LockstepDivergenceError, TransportError
 from ..caches.disk_cache import DiskCache, tokens_digest
-from ..caches.prompt_cache import FRESH
 from ..errors import MeshReformingError
 from ..sampling.grammar import Grammars
-from .commands import (
-    COMMANDS,
-    CommitBatch,
-    Create,
-    Destroy,
-    DiskLoad,
-    DiskSave,
-    EvalBatch,
-    Hash,
-    Invalidate,
-    KvRoom,
-    PrefillBatch,
-    Rewind,
-    Sampler,
-    VerifyBatch,
-    check_in_step,
-)
+from .commands import COMMANDS, Command, DiskLoad, EvalBatch, Hash, Invalidate, KvRoom, check_in_step
 from .table import SessionTable, release_memory
 
 F = tr.FrameType
@@ -131,9 +114,10 @@ class SampledStep:
 
 
 class LeaderSessions:
-    """The leader's side: every command is sent to each worker (one in a pair, N-1 in a mesh),
-    then applied here, in that order, so the workers' forwards start as early as the leader's.
-    A query (HASH, DISK_LOAD, KV_ROOM) is asked of every worker and their answers combined."""
+    """The leader's side: every command goes out through `send` (to each worker, one in a pair,
+    N-1 in a mesh, then applied here, in that order, so the workers' forwards start as early as
+    the leader's) and every query through `ask` (asked of every worker, their answers then
+    combined: disk_load, worker_kv_room, check_hash); a new command needs nothing here."""
 
     def __init__(self, group: gate_ops.Group, model, grammars: Optional[Grammars] = None,
                  disk: Optional[DiskCache] = None):
@@ -188,11 +172,36 @@ class LeaderSessions:
         """The matcher of a grammar on this rank (SessionTable.row_grammar)."""
         return self.table.row_grammar(grammar)
 
-    def _command(self, ftype, payload: bytes) -> Optional[mx.array]:
-        """Send, then apply; when the gates fail, prefer the worker's own explanation (an
-        ERROR frame) over our 'peer closed'."""
-        self._broadcast(ftype, payload)
-        return self._explained(lambda: self.table.apply(ftype, payload))
+    def send(self, command: Type[Command], *fields) -> Optional[mx.array]:
+        """Any command (lockstep.protocol.commands) on every rank, packed from `fields` as its
+        class says: sent to each worker, then applied here with the one SessionTable.apply, so
+        the workers' forwards start as early as the leader's. The logits of a step command
+        (EVAL_BATCH [rows, vocab], VERIFY_BATCH [rows, width, vocab]), else None. When the
+        gates fail, the worker's own explanation (an ERROR frame) is preferred over our 'peer
+        closed'. A query is asked (ask), not sent."""
+        if command.answers:
+            raise ValueError(f"{command.frame.name} is a query the worker answers: ask it (LeaderSessions.ask)")
+        payload = command.pack(*fields)
+        self._broadcast(command.frame, payload)
+        return self._explained(lambda: self.table.apply(command.frame, payload))
+
+    def ask(self, query: Type[Command], *fields, here: Optional[Callable[[], Any]] = None,
+            patient: bool = False) -> Tuple[Any, List[tuple]]:
+        """A query (HASH, DISK_LOAD, KV_ROOM: answers=True) to every worker: (what `here`, the
+        leader's own part, returned while the workers answered, or None; each worker's answer
+        as the query unpacks it, in rank order). patient: wait for each answer without a
+        deadline while its connection stays open (a worker still loading its weights)."""
+        if not query.answers:
+            raise ValueError(f"{query.frame.name} is not a query: send it (LeaderSessions.send)")
+        self._broadcast(query.frame, query.pack(*fields))
+        mine = self._explained(here) if here is not None else None
+        answers = []
+        for control in self.controls:
+            while patient and not select.select([control.sock], [], [], 1.0)[0]:
+                pass
+            _, payload = self._explained(lambda c=control: c.recv(query.frame))
+            answers.append(query.unpack(payload))
+        return mine, answers
 
     def _broadcast(self, ftype, payload: bytes = b"") -> None:
         """One frame to every worker. A worker that stopped may have closed its end with our
@@ -203,13 +212,9 @@ class LeaderSessions:
                 control.send(ftype, payload)
         self._explained(send_all)
 
-    def _send(self, command, *fields) -> Optional[mx.array]:
-        """A command (lockstep.protocol.commands) on both ranks."""
-        return self._command(command.frame, command.pack(*fields))
-
     def read(self, tokens: mx.array) -> List[int]:
         """The values of tokens this rank sampled, once their step has run (a pipelined step's
-        gates fail here, in MLX's evaluation): explained as _command explains a failure."""
+        gates fail here, in MLX's evaluation): explained as send explains a failure."""
         return self._explained(tokens.tolist)
 
     def _explained(self, work: Callable[[], Any]) -> Any:
@@ -228,72 +233,28 @@ class LeaderSessions:
         """' (rank r)' in a mesh, '' in a pair: which worker a message is about."""
         return f" (rank {rank})" if len(self.controls) > 1 else ""
 
-    def create(self, session: int, cache_id: int = 0, mode: int = FRESH, kv: int = 0) -> None:
-        """SESSION_CREATE on both ranks; kv: a fresh cache's quantization (session_caches.kv_code)."""
-        self._send(Create, session, cache_id, mode, kv)
-
-    def sampler(self, session: int, options, prompt: Sequence[int], seed: int) -> None:
-        """SAMPLER on both ranks: the session's rows are sampled alike on both from now on, and
-        its EVAL_BATCH rows may take this rank's own sample (lockstep.sampling.row_sampling)."""
-        self._send(Sampler, session, options, prompt, seed)
-
-    def rewind(self, session: int, keep: int) -> None:
-        """REWIND on both ranks."""
-        self._send(Rewind, session, keep, 0)
-
-    def prefill_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> None:
-        """PREFILL_BATCH on both ranks: one prefill chunk of each (session, tokens) row."""
-        self._send(PrefillBatch, rows)
-
-    def step(self, rows: Sequence[Tuple[int, int]]) -> mx.array:
-        """Logits [rows, vocab] of one decode step over (session, input token) rows."""
-        return self._send(EvalBatch, self.table.batch.step_count + 1, rows)
-
     def sampled_step(self, rows: Sequence[Tuple[int, int]]) -> SampledStep:
-        """One decode step over (session, input token or EVAL_PENDING) rows whose sessions all
-        have samplers (SAMPLER): queued, not waited for; what this rank drew for each row."""
-        self.step(rows)
+        """One decode step (EVAL_BATCH) over (session, input token or EVAL_PENDING) rows whose
+        sessions all have samplers (SAMPLER): queued, not waited for; what this rank drew for
+        each row."""
+        self.send(EvalBatch, self.step_count + 1, rows)
         batch, sids = self.table.batch, [sid for sid, _ in rows]
         return SampledStep(batch.drawn,
                            {i: batch.row_errors.pop(sid) for i, sid in enumerate(sids) if sid in batch.row_errors},
                            [batch.samplers[sid].last_logprobs for sid in sids])
 
-    def verify_batch(self, rows: Sequence[Tuple[int, Sequence[int]]]) -> mx.array:
-        """Logits [rows, width, vocab] of one decode step whose rows are (session, its input token
-        and drafts); COMMIT_BATCH (commit_batch) must follow."""
-        return self._send(VerifyBatch, self.table.batch.step_count + 1, rows)
-
-    def commit_batch(self, keep: Sequence[int]) -> None:
-        """COMMIT_BATCH on both ranks: the positions each row of the last verify keeps."""
-        self._send(CommitBatch, self.table.batch.step_count, keep)
-
-    def destroy(self, session: int, store_as: int = 0) -> None:
-        """SESSION_DESTROY on both ranks."""
-        self._send(Destroy, session, store_as)
-
-    def invalidate(self, cache_id: int) -> None:
-        """INVALIDATE (drop a stored cache) on both ranks."""
-        self._send(Invalidate, cache_id)
-
-    def disk_save(self, cache_id: int, tokens: Sequence[int], drop: bool) -> None:
-        """DISK_SAVE on both ranks: each writes its half of stored cache `cache_id` (a rank that
-        cannot just logs it: the other's file alone is never used, DISK_LOAD needs both)."""
-        self._send(DiskSave, cache_id, tokens, drop)
-
     def disk_load(self, cache_id: int, tokens: Sequence[int]) -> bool:
-        """DISK_LOAD: both ranks read their half of the cache of `tokens` as stored cache
-        `cache_id`, the worker first (it answers), the leader meanwhile. True when both did;
-        otherwise neither keeps it (the worker told to drop its half) and both recompute."""
+        """DISK_LOAD: every rank reads its half of the cache of `tokens` as stored cache
+        `cache_id`, the workers first (they answer), the leader meanwhile. True when all did;
+        otherwise none keeps it (a worker told to drop its half) and all recompute."""
         digest = tokens_digest(tokens)
-        self._broadcast(F.DISK_LOAD, DiskLoad.pack(cache_id, len(tokens), 0, digest))
-        mine = self._explained(lambda: self.table.caches.load(cache_id, digest, len(tokens)))
+        mine, answers = self.ask(DiskLoad, cache_id, len(tokens), 0, digest,
+                                 here=lambda: self.table.caches.load(cache_id, digest, len(tokens)))
         loaded = []
-        for rank, control in enumerate(self.controls, 1):
-            _, payload = self._explained(lambda c=control: c.recv(F.DISK_LOAD))
-            peer_id, _, theirs, _ = DiskLoad.unpack(payload)
+        for rank, (peer_id, _, theirs, _) in enumerate(answers, 1):
             if peer_id != cache_id:
                 raise LockstepDivergenceError(f"the worker{self._named(rank)} answered DISK_LOAD of cache "
-                                         f"{peer_id}; the leader asked for {cache_id}")
+                                              f"{peer_id}; the leader asked for {cache_id}")
             loaded.append(bool(theirs))
         if mine and all(loaded):
             return True
@@ -303,41 +264,33 @@ class LeaderSessions:
         # loaded when another rank's part failed, which the leader's table never held.
         for control, theirs in zip(self.controls, loaded):
             if theirs:
-                self._explained(lambda c=control: c.send(F.INVALIDATE, Invalidate.pack(cache_id)))
+                self._explained(lambda c=control: c.send(Invalidate.frame, Invalidate.pack(cache_id)))
         return False
 
     def worker_kv_room(self, kv_bits: int, kv_group_size: int) -> Optional[int]:
         """KV_ROOM: the KV cache tokens the workers' machines hold beside their parts of the
         weights, with caches of `kv_bits` (0: float): the smallest worker's; None when one
         could not read its memory."""
-        self._broadcast(F.KV_ROOM, KvRoom.pack(kv_bits, kv_group_size, 0, 0))
-        rooms = []
-        for control in self.controls:
-            _, payload = self._explained(lambda c=control: c.recv(F.KV_ROOM))
-            _, _, measured, tokens = KvRoom.unpack(payload)
-            rooms.append(tokens if measured else None)
+        _, answers = self.ask(KvRoom, kv_bits, kv_group_size, 0, 0)
+        rooms = [tokens if measured else None for _, _, measured, tokens in answers]
         return None if None in rooms else min(rooms)
 
     def check_hash(self, session: int = 0) -> None:
         """Compare a hash with the worker's: of the last step's logits (session 0: --debug-hash),
         or of the tokens each rank sampled for `session` (a generation's end); LockstepDivergenceError
         when they differ (the worker stops with it too)."""
-        self._swap_hash(session, None)
+        self._swap_hash(session, patient=False)
 
-    def wait_ready(self, poll_sec: float = 1.0) -> None:
+    def wait_ready(self) -> None:
         """Block until the worker runs its command loop: it joins first and loads its weights
         after, which may take minutes, so the wait has no deadline while its connection stays
         open (one HASH round trip); TransportError when it closes or reports a failure."""
-        self._swap_hash(0, poll_sec)
+        self._swap_hash(0, patient=True)
 
-    def _swap_hash(self, session: int, poll_sec: Optional[float]) -> None:
-        step, (mine, what) = self.table.batch.step_count, self.table.batch.hash_of(session)
-        self._broadcast(F.HASH, Hash.pack(session, step, mine))
-        for rank, control in enumerate(self.controls, 1):
-            while poll_sec is not None and not select.select([control.sock], [], [], poll_sec)[0]:
-                pass
-            _, payload = control.recv(F.HASH)
-            _, peer_step, theirs = Hash.unpack(payload)
+    def _swap_hash(self, session: int, patient: bool) -> None:
+        step, (mine, what) = self.step_count, self.table.batch.hash_of(session)
+        _, answers = self.ask(Hash, session, step, mine, patient=patient)
+        for rank, (_, peer_step, theirs) in enumerate(answers, 1):
             check_in_step(step, mine, peer_step, theirs, f"worker{self._named(rank)}", what)
 
     def peer_gone(self) -> Optional[str]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, List, Optional, Tuple
 
-from ...link.wire import MAX_SAMPLER_OPTIONS_BYTES
 from ...lockstep.errors import GrammarError
+from ...lockstep.protocol.commands.limits import MAX_SAMPLER_OPTIONS_BYTES
 from ...lockstep.sampling.grammar import Grammars, json_object_grammar, json_schema_grammar
 from ..errors import ApiError
 from .tool_calls.call_grammar import CallFormat, call_format, tool_call_grammar

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence
 from ...lockstep.batch import Batch
 from ...lockstep.caches.prompt_cache import PromptCacheIndex
 from ...lockstep.caches.session_caches import kv_code
+from ...lockstep.protocol.commands import DiskSave, Invalidate
 from ...lockstep.protocol.sessions import LeaderSessions
 from ..limits import ServeLimits
 from .events import BusyEvent, PairDownEvent
@@ -99,7 +100,7 @@ class Admission:
             if cache_id and self.disk is not None:
                 # Written through: both ranks' writers have it on disk moments from now, so a
                 # stop of any kind (a kill -9 too) keeps it; eviction then only drops it.
-                self.sessions.disk_save(cache_id, fed, drop=False)
+                self.sessions.send(DiskSave, cache_id, fed, False)
             if cache_id:
                 evicted += self.index.charge(cache_id, self.sessions.stored_bytes(cache_id))
             self._drop(evicted)
@@ -121,9 +122,9 @@ class Admission:
         keys = self.index.take_evicted_keys()
         for old in evicted:
             if self.disk is not None and old in keys:
-                self.sessions.disk_save(old, keys[old], drop=True)
+                self.sessions.send(DiskSave, old, keys[old], True)
             else:
-                self.sessions.invalidate(old)
+                self.sessions.send(Invalidate, old)
 
     def _from_disk(self, prompt: Sequence[int]) -> None:
         """Load the longest prefix of `prompt` stored on disk as a stored cache on both ranks,

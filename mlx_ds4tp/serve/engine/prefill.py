@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import List
 
-from ...link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 from ...lockstep.batch import Batch
+from ...lockstep.protocol.commands.limits import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 from ..limits import ServeLimits
 from .generation import RunningSession, cancelled_out
 from .mixing import MixChoice

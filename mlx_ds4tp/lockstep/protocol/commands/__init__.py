@@ -1,22 +1,25 @@
-"""The lockstep commands, each defined once: its frame type, payload layout, packing, unpacking
-and application (lockstep.protocol.commands.base says what a command is). The frame numbers and the
-transport's byte bound of each are link/wire.py's (the transport checks a bound before it reads
-a frame); everything else about a command is its class here, so a new command is one class in
-one of these modules (and its number in the wire's table).
+"""The lockstep commands, each defined once: its frame type, the bound of its payload, its
+layout, packing, unpacking and application (lockstep.protocol.commands.base says what a
+command is). Only the frame numbers are link/wire.py's; a command registers its bound there as
+it is defined (the transport checks a bound before it reads a frame). A new command is one
+class in one of these modules and its number in FrameType; the leader sends it with
+LeaderSessions.send (a query: .ask), both ranks apply it with SessionTable.apply.
 
   lifecycle  SESSION_CREATE, REWIND, SESSION_DESTROY, INVALIDATE
   steps      PREFILL_BATCH, EVAL_BATCH, VERIFY_BATCH, COMMIT_BATCH
   sampler    SAMPLER
   stored     DISK_SAVE, DISK_LOAD
   queries    HASH, KV_ROOM
+  limits     what one command carries at most
 (STOP, which carries nothing, ends the worker's loop in lockstep.protocol.sessions.)
 """
 
 from .base import COMMANDS, Command, check_tokens
 from .lifecycle import Create, Destroy, Invalidate, Rewind
+from .limits import MAX_BATCH_ROWS
 from .queries import Hash, KvRoom, check_in_step
 from .sampler import Sampler
-from .steps import EVAL_PENDING, MAX_BATCH_ROWS, CommitBatch, EvalBatch, PrefillBatch, VerifyBatch, pad_rows
+from .steps import EVAL_PENDING, CommitBatch, EvalBatch, PrefillBatch, VerifyBatch, pad_rows
 from .stored import DiskLoad, DiskSave
 
 __all__ = ["COMMANDS", "Command", "CommitBatch", "Create", "Destroy", "DiskLoad", "DiskSave", "EVAL_PENDING",

@@ -1,8 +1,9 @@
-"""What every lockstep command is: a frame type, a payload layout, its packing on the leader,
-its unpacking on both ranks (every count checked against the payload's size before anything
-is read) and its application to a rank's SessionTable. Each command is one class, written
-once (lockstep.protocol.commands' modules); `command` registers it, and the table applies a frame by
-looking its type up in COMMANDS.
+"""What every lockstep command is: a frame type, the bound of its payload, a payload layout,
+its packing on the leader, its unpacking on both ranks (every count checked against the
+payload's size before anything is read) and its application to a rank's SessionTable. Each
+command is one class, written once (lockstep.protocol.commands' modules); `command` registers
+it (its bound with the transport, link/wire.py), the table applies a frame by looking its type
+up in COMMANDS, and the leader sends any command alike (LeaderSessions.send, .ask).
 """
 
 from __future__ import annotations
@@ -13,18 +14,21 @@ from typing import Any, Dict, Type
 import numpy as np
 
 from .... import transport as tr
+from ....link.wire import register_frame_bound
 
 F = tr.FrameType
 
 
 class Command:
-    """One lockstep command: its class method `unpack(payload, vocab=0) -> fields` (each
-    command has its own layout, so there is no default; `command` refuses a class without
-    one). `answers`: the worker replies with a frame of the same type (the leader's queries:
-    HASH, DISK_LOAD, KV_ROOM); the reply is `answer`'s, and the leader's
-    side of such a command lives in lockstep.protocol.sessions, which waits for it."""
+    """One lockstep command: its frame type (a number in link/wire.py's FrameType), `bound`
+    (the most bytes its payload may have: the transport refuses a larger frame before reading
+    it), `pack(*fields) -> payload` and `unpack(payload, vocab=0) -> fields` (each command has
+    its own layout, so there are no defaults; `command` refuses a class without them).
+    `answers`: a query, which the worker answers with a frame of the same type (HASH,
+    DISK_LOAD, KV_ROOM), the reply `answer`'s; the leader asks it with LeaderSessions.ask."""
 
     frame: F
+    bound: int
     answers = False
 
     @classmethod
@@ -64,12 +68,20 @@ COMMANDS: Dict[F, Type[Command]] = {}
 
 
 def command(cls: Type[Command]) -> Type[Command]:
-    """Register a command class by its frame type (a class decorator)."""
-    if not callable(getattr(cls, "unpack", None)):
-        raise ImportError(f"lockstep command {cls.__name__} ({cls.frame.name}) has no unpack: give it its "
-                          "payload's layout (a Fixed layout, or its own unpack)")
+    """Register a command class by its frame type, and its bound with the transport (a class
+    decorator)."""
+    for need in ("pack", "unpack"):
+        if not callable(getattr(cls, need, None)):
+            raise ImportError(f"lockstep command {cls.__name__} ({cls.frame.name}) has no {need}: give it its "
+                              "payload's layout (a Fixed layout, or its own pack and unpack)")
+    if not isinstance(getattr(cls, "bound", None), int):
+        raise ImportError(f"lockstep command {cls.__name__} ({cls.frame.name}) has no bound: give it the most "
+                          "bytes its payload may have")
+    if isinstance(getattr(cls, "layout", None), struct.Struct) and cls.layout.size > cls.bound:
+        raise ImportError(f"{cls.frame.name}'s {cls.layout.size}-byte layout outgrew its bound of {cls.bound}")
     if cls.frame in COMMANDS:
         raise ImportError(f"two lockstep commands for {cls.frame.name}: {COMMANDS[cls.frame].__name__}, {cls.__name__}")
+    register_frame_bound(cls.frame, cls.bound)
     COMMANDS[cls.frame] = cls
     return cls
 

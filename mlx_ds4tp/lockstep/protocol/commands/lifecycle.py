@@ -15,6 +15,7 @@ class Create(Fixed):
     cache `cache_id` moved or copied (lockstep.caches.prompt_cache's FRESH, MOVE, COPY)."""
 
     frame = F.SESSION_CREATE
+    bound = 4096
     layout = struct.Struct("<QQII")  # session id, stored cache id, mode, KV code
 
     @classmethod
@@ -29,6 +30,7 @@ class Rewind(Fixed):
     """Trim a reused cache to the tokens it keeps."""
 
     frame = F.REWIND
+    bound = 64
     layout = struct.Struct("<QII")  # session id, tokens to keep, reserved
 
     @classmethod
@@ -41,6 +43,7 @@ class Destroy(Fixed):
     """Leave the batch and free the session's cache, or store it under a cache id."""
 
     frame = F.SESSION_DESTROY
+    bound = 64
     layout = struct.Struct("<QQ")  # session id, cache id to store it under (0: drop)
 
     @classmethod
@@ -53,6 +56,7 @@ class Invalidate(Fixed):
     """Drop a stored cache."""
 
     frame = F.INVALIDATE
+    bound = 64
     layout = struct.Struct("<Q")  # stored cache id
 
     @classmethod

@@ -26,6 +26,7 @@ class Hash(Fixed):
     answers with its own and stops with LockstepDivergenceError when they differ."""
 
     frame = F.HASH
+    bound = 64
     answers = True
     layout = struct.Struct("<QQQ")  # 0 or a session, decode step, hash
 
@@ -48,6 +49,7 @@ class KvRoom(Fixed):
     leader's cache kind; the answer has the same layout, `measured` set when it could tell."""
 
     frame = F.KV_ROOM
+    bound = 64
     answers = True
     layout = struct.Struct("<HHIQ")  # KV bits (0: float), group size, 1: measured (the answer), tokens
 

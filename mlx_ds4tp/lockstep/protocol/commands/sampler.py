@@ -9,9 +9,9 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from .... import transport as tr
-from ....link.wire import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME
 from ...sampling.options import SamplingOptions, options_from_json, options_to_json, processor_context
 from .base import Command, F, check_tokens, command, shorter_than_header
+from .limits import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME
 
 
 @command
@@ -20,6 +20,7 @@ class Sampler(Command):
     penalties look at, at least one)."""
 
     frame = F.SAMPLER
+    bound = 64 + 4 * MAX_TOKENS_PER_FRAME + MAX_SAMPLER_OPTIONS_BYTES  # header, context, options
     header = struct.Struct("<QQII")  # session id, seed, context tokens, options bytes; then both
 
     @classmethod

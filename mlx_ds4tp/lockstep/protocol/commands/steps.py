@@ -10,13 +10,12 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from .... import transport as tr
-from ....link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME, MAX_VERIFY_WIDTH
 from .base import Command, F, command, shorter_than_header
+from .limits import MAX_BATCH_ROWS, MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME, MAX_VERIFY_WIDTH
 
 # An EVAL_BATCH row's input token that says: the token this rank sampled for the session at
 # the last step (lockstep.sampling.row_sampling), which the leader has not read yet.
 EVAL_PENDING = -1
-MAX_BATCH_ROWS = 1024  # rows of one decode step (link/wire.py's bounds assume it)
 
 
 def pad_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -33,6 +32,7 @@ class PrefillBatch(Command):
     """One prefill chunk of each (session, tokens) row, in one padded forward."""
 
     frame = F.PREFILL_BATCH
+    bound = 16 + 16 * MAX_PREFILL_ROWS + 4 * MAX_TOKENS_PER_FRAME  # header, rows, tokens
     header = struct.Struct("<IIQ")  # rows, reserved, reserved; then the rows
     row = np.dtype([("session", "<u8"), ("count", "<u4"), ("reserved", "<u4")])  # tokens follow all rows
 
@@ -82,6 +82,7 @@ class EvalBatch(Command):
     the batch in row order, then those that join it at this step."""
 
     frame = F.EVAL_BATCH
+    bound = 64 * 1024  # room above its header and MAX_BATCH_ROWS rows (checked below)
     header = struct.Struct("<QII")  # decode step, rows, reserved; then the rows
     row = np.dtype([("session", "<u8"), ("token", "<i4"), ("reserved", "<u4")])
 
@@ -117,6 +118,7 @@ class VerifyBatch(Command):
     (lockstep.batch_verify); COMMIT_BATCH follows."""
 
     frame = F.VERIFY_BATCH
+    bound = 16 + 16 * MAX_BATCH_ROWS + 4 * MAX_BATCH_ROWS * MAX_VERIFY_WIDTH  # header, rows, tokens
     header = struct.Struct("<QII")  # decode step, rows, width; then the rows, then the tokens
     row = struct.Struct("<QII")  # session id, tokens in the row, reserved
 
@@ -163,6 +165,7 @@ class CommitBatch(Command):
     """The positions each row of the last VERIFY_BATCH keeps: the rejected drafts leave."""
 
     frame = F.COMMIT_BATCH
+    bound = 16 + 4 * MAX_BATCH_ROWS  # header, one uint32 a row
     header = struct.Struct("<QII")  # decode step, rows, reserved; then uint32 per row
 
     @classmethod
@@ -185,7 +188,6 @@ class CommitBatch(Command):
         table.batch.commit(step, keep)
 
 
-# The frames' sizes as link/wire.py bounds them (the transport checks a frame's bound before it
-# reads it); a layout that outgrew its bound fails here, at import.
-if EvalBatch.header.size + EvalBatch.row.itemsize * MAX_BATCH_ROWS > tr.FRAME_MAX_BYTES[F.EVAL_BATCH]:
-    raise ImportError("EVAL_BATCH's layout outgrew its bound in link/wire.py")
+# A layout that outgrew its bound fails here, at import.
+if EvalBatch.header.size + EvalBatch.row.itemsize * MAX_BATCH_ROWS > EvalBatch.bound:
+    raise ImportError("EVAL_BATCH's layout outgrew its bound")

@@ -10,8 +10,8 @@ from typing import Sequence, Tuple
 import numpy as np
 
 from .... import transport as tr
-from ....link.wire import MAX_TOKENS_PER_FRAME
 from .base import Command, F, Fixed, check_tokens, command
+from .limits import MAX_TOKENS_PER_FRAME
 
 
 @command
@@ -19,6 +19,7 @@ class DiskSave(Command):
     """The stored cache, whether it leaves memory, the tokens it covers."""
 
     frame = F.DISK_SAVE
+    bound = 16 + 4 * MAX_TOKENS_PER_FRAME  # header, tokens
     header = struct.Struct("<QII")  # stored cache id, 1: drop it from memory after, tokens; then the tokens
 
     @classmethod
@@ -50,6 +51,7 @@ class DiskLoad(Fixed):
     worker answers with the same layout, `loaded` set when it could."""
 
     frame = F.DISK_LOAD
+    bound = 64
     answers = True
     layout = struct.Struct("<QII16s")  # cache id to store under, tokens, 1: loaded (the answer), digest
 
