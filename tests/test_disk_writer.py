@@ -74,7 +74,8 @@ def test_a_cache_changed_after_it_was_handed_over_is_written_as_it_was(tiny, tmp
     import mlx.core as mx
 
     from mlx_ds4tp.lockstep.caches import disk_cache
-    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_files import tokens_digest
 
     gate = threading.Event()
     real = disk_cache.write_snapshot
@@ -112,7 +113,8 @@ def test_a_cache_changed_after_it_was_handed_over_is_written_as_it_was(tiny, tmp
 
 def test_a_load_waits_for_its_file_and_find_counts_files_being_written(tiny, tmp_path, monkeypatch):
     from mlx_ds4tp.lockstep.caches import disk_cache
-    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_files import tokens_digest
 
     gate = threading.Event()
     real = disk_cache.write_snapshot
@@ -146,7 +148,8 @@ def test_a_write_cut_short_leaves_the_old_files_and_no_torn_one(tiny, tmp_path, 
     """A kill in the middle of a write: the temporary file is all it touched; the next start
     finds the files written before it, whole, and removes the temporary one."""
     from mlx_ds4tp.lockstep.caches import disk_cache
-    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_files import tokens_digest
 
     store = DiskCache(tmp_path / "d", 10**8, "k")
     old = list(range(90, 110))

@@ -117,7 +117,8 @@ def _foreign_file(model_dir, tmp_path, tokens, target):
     """Another model's cache of the same tokens, put where this model's leader file was."""
     from mlx_lm import load
 
-    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, rank_key
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_files import rank_key
     from mlx_ds4tp.lockstep.compute import fill_cache, make_cache
 
     other_dir = build_chat_model(tmp_path / "other", seed=11)
@@ -154,7 +155,8 @@ def _filled(model, tokens, bits=0):
 
 
 def test_the_directory_stays_within_its_bound_least_recently_used_first(tiny, tmp_path):
-    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_files import tokens_digest
 
     one = _disk_size(tiny, tmp_path)
     bound = int(3.5 * one)
@@ -203,7 +205,8 @@ def test_a_full_disk_is_logged_once_and_the_cache_stays_in_memory(tiny, tmp_path
 def test_a_stored_cache_loads_back_exactly_and_damaged_arrays_are_refused(tiny, tmp_path, bits, capfd):
     import mlx.core as mx
 
-    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache, tokens_digest
+    from mlx_ds4tp.lockstep.caches.disk_cache import DiskCache
+    from mlx_ds4tp.lockstep.caches.disk_files import tokens_digest
     from mlx_ds4tp.lockstep.caches.quantized_cache import SessionQuantizedKVCache
 
     tokens = list(range(5, 25))
@@ -227,7 +230,7 @@ def test_a_stored_cache_loads_back_exactly_and_damaged_arrays_are_refused(tiny, 
 def test_cache_kinds_mlx_lm_cannot_rebuild_are_refused():
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from mlx_ds4tp.lockstep.caches.disk_cache import cache_blocker
+    from mlx_ds4tp.lockstep.caches.cache_file import cache_blocker
 
     class OwnCache(KVCache):
         pass

@@ -179,7 +179,9 @@ def make_disk_cache(settings: ServeSettings, model: Any, identity: tr.ModelIdent
     limits = settings.limits
     if not limits.prompt_cache_dir:
         return None
-    from ..lockstep.caches.disk_cache import DiskCache, cache_blocker, rank_key
+    from ..lockstep.caches.cache_file import cache_blocker
+    from ..lockstep.caches.disk_cache import DiskCache
+    from ..lockstep.caches.disk_files import rank_key
     from ..lockstep.compute import make_cache
 
     blocker = cache_blocker(make_cache(model))

@@ -21,6 +21,7 @@ lock (MLX frees buffers from its stream threads the same way).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -28,7 +29,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -165,4 +166,63 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["Snapshot", "data_crc", "snapshot", "sync_directory", "write_snapshot"]
+def cache_blocker(cache: list) -> Optional[str]:
+    """Why mlx-lm's prompt-cache file format cannot hold this (fresh) cache, or None: a layer
+    load_prompt_cache cannot rebuild (it makes each layer by its class name in
+    mlx_lm.models.cache) or one without a state of its own."""
+    from mlx_lm.models import cache as mlx_cache
+
+    from .quantized_cache import SessionQuantizedKVCache
+
+    for layer in cache:
+        kind = type(layer)
+        if kind is SessionQuantizedKVCache:
+            continue
+        if getattr(mlx_cache, kind.__name__, None) is not kind or "state" not in _own_attrs(kind):
+            return f"its cache layers of kind {kind.__name__} cannot be saved in mlx-lm's prompt-cache files"
+    return None
+
+
+def _own_attrs(kind: type) -> set:
+    from mlx_lm.models.cache import _BaseCache
+
+    names: set = set()
+    for k in kind.__mro__:
+        if k is _BaseCache:
+            break
+        names |= set(vars(k))
+    return names
+
+
+@contextlib.contextmanager
+def as_mlx_classes(cache: list):
+    """Our SessionQuantizedKVCache layers saved as mlx-lm's QuantizedKVCache (the same state;
+    load_prompt_cache rebuilds a layer by its class name, which must be mlx-lm's)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from .quantized_cache import SessionQuantizedKVCache
+
+    layers = [c for c in cache if type(c) is SessionQuantizedKVCache]
+    for c in layers:
+        c.__class__ = QuantizedKVCache
+    try:
+        yield
+    finally:
+        for c in layers:
+            c.__class__ = SessionQuantizedKVCache
+
+
+def as_session_classes(cache: list) -> list:
+    """A loaded cache as the sessions use it: quantized layers batchable again."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from .quantized_cache import SessionQuantizedKVCache
+
+    for c in cache:
+        if type(c) is QuantizedKVCache:
+            c.__class__ = SessionQuantizedKVCache
+    return cache
+
+
+__all__ = ["Snapshot", "as_mlx_classes", "as_session_classes", "cache_blocker", "data_crc", "snapshot",
+           "sync_directory", "write_snapshot"]

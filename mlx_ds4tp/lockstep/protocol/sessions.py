@@ -44,7 +44,8 @@ import mlx.core as mx
 
 from ... import gate_ops, transport as tr
 from ...errors import LockstepDivergenceError, TransportError
-from ..caches.disk_cache import DiskCache, tokens_digest
+from ..caches.disk_cache import DiskCache
+from ..caches.disk_files import tokens_digest
 from ..errors import MeshReformingError
 from ..sampling.grammar import Grammars
 from .commands import COMMANDS, Command, DiskLoad, EvalBatch, Hash, Invalidate, KvRoom, check_in_step
