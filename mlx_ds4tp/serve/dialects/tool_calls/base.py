@@ -214,13 +214,15 @@ def sequence(required: List[str], optional: List[str], sep: str) -> str:
     return "(" + " | ".join(firsts) + ")?"
 
 
-def ordered_keys(properties: Dict[str, Any], params: Dict[str, Any]) -> Tuple[List[str], List[str]]:
-    """(the required keys, the optional ones), each in the schema's order."""
+def keyed_sequence(items: Dict[str, str], params: Dict[str, Any], sep: str) -> str:
+    """Lark: the item of every required key of `params` (a parameters' or object's schema),
+    in the order of `items` (its properties'), then each optional one's or not (sequence)."""
     required = set(params.get("required") or [])
-    missing = sorted(required - set(properties))
+    missing = sorted(required - set(items))
     if missing:
         raise GrammarError(f"'required' names {missing}, which are not in 'properties'")
-    return [k for k in properties if k in required], [k for k in properties if k not in required]
+    return sequence([item for key, item in items.items() if key in required],
+                    [item for key, item in items.items() if key not in required], sep)
 
 
 def resolved(schema: Any, root: Dict[str, Any]) -> Any:

@@ -28,17 +28,7 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from ....lockstep.errors import GrammarError
-from .base import (
-    CallFormat,
-    RawText,
-    closed_text,
-    json_value,
-    ordered_keys,
-    properties_of,
-    raw_string,
-    resolved,
-    sequence,
-)
+from .base import CallFormat, RawText, closed_text, json_value, keyed_sequence, properties_of, raw_string, resolved
 
 # Values a format reads as one JSON type (its parser converts by the schema's type).
 JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
@@ -106,7 +96,6 @@ def block_call(fmt: CallFormat, rule: str, tag: str, name: str, params: Dict[str
         param = f"param_{tag}"
         rules.append(f"{param}: {before} {key} {after_key} {value}")
         return [_call_line(rule, (opening, f"{param}*", ending), spec, name, True), *rules]
-    required, optional = ordered_keys(properties, params)
     parts, rules = {}, []
     for j, key in enumerate(properties):
         _plain(key, f"tool {name!r}, parameter {key!r}")
@@ -116,8 +105,8 @@ def block_call(fmt: CallFormat, rule: str, tag: str, name: str, params: Dict[str
         rules.append(f"{part}: {fmt.spell(spec.param.format(key=key))} {value}")
         rules += value_rules
         parts[key] = part
-    body = sequence([parts[k] for k in required], [parts[k] for k in optional], "")
-    return [_call_line(rule, (opening, body, ending), spec, name, not required), *rules]
+    body = keyed_sequence(parts, params, "")
+    return [_call_line(rule, (opening, body, ending), spec, name, not params.get("required")), *rules]
 
 
 def _call_line(rule: str, parts: Tuple[str, str, str], spec: Blocks, name: str, may_be_empty: bool) -> str:

@@ -20,17 +20,7 @@ import re
 from typing import Any, Dict, List, Optional, Set
 
 from ....lockstep.errors import GrammarError
-from .base import (
-    CallFormat,
-    RawText,
-    closed_text,
-    json_value,
-    ordered_keys,
-    properties_of,
-    raw_string,
-    resolved,
-    sequence,
-)
+from .base import CallFormat, RawText, closed_text, json_value, keyed_sequence, properties_of, raw_string, resolved
 
 ESCAPE = "<escape>"
 QUOTE = '<|"|>'
@@ -55,10 +45,9 @@ def pythonic_call(fmt: CallFormat, rule: str, tag: str, name: str, params: Dict[
     for key in properties:
         if not key.isidentifier():
             raise GrammarError(f"tool {name!r}, parameter {key!r}: a pythonic call's keys are Python names")
-    required, optional = ordered_keys(properties, params)
     items = {key: f"{json.dumps(key + '=')} {json_value(resolved(schema, params))}"
              for key, schema in properties.items()}
-    body = sequence([items[k] for k in required], [items[k] for k in optional], '", "')
+    body = keyed_sequence(items, params, '", "')
     return [f'{rule}: {opening} {body} ")]"']
 
 
@@ -75,7 +64,6 @@ def function_gemma_call(fmt: CallFormat, rule: str, tag: str, name: str, params:
         scalar = json_value({"type": ["number", "boolean", "null"]})
         item = f'/[A-Za-z0-9_]+/ ":" ({escape} {text} | {scalar})'
         return [f'{rule}: {opening} ({item} ("," {item})*)? "}}"', *rules]
-    required, optional = ordered_keys(properties, params)
     items, rules = {}, []
     for j, (key, schema) in enumerate(properties.items()):
         where = f"tool {name!r}, parameter {key!r}"
@@ -92,7 +80,7 @@ def function_gemma_call(fmt: CallFormat, rule: str, tag: str, name: str, params:
                                f"(its parser ends the call at the first '}}' and a bare value at the first ','), "
                                f"not {json.dumps(schema)[:80]}")
         items[key] = f"{json.dumps(key + ':')} {value}"
-    body = sequence([items[k] for k in required], [items[k] for k in optional], '","')
+    body = keyed_sequence(items, params, '","')
     return [f'{rule}: {opening} {body} "}}"', *rules]
 
 
@@ -211,13 +199,12 @@ class Gemma4Writer:
                 pair = f'/{BARE_KEY.pattern}/ ":" {self.value(extra, where)}'
                 return f'"{{" ({pair} ("," {pair})*)? "}}"'
             return self.any_object() if extra is not False else '"{" "}"'
-        required, optional = ordered_keys(properties, schema)
         items = {}
         for key, sub in properties.items():
             if not BARE_KEY.fullmatch(key):
                 raise GrammarError(f"{where}: the key {key!r} cannot be written bare in a gemma4 call")
             items[key] = f"{json.dumps(key + ':')} {self.value(sub, f'{where}, key {key!r}')}"
-        body = sequence([items[k] for k in required], [items[k] for k in optional], '","')
+        body = keyed_sequence(items, schema, '","')
         return self._rule(f'"{{" {body} "}}"')
 
     def _ref(self, ref: Any, where: str) -> str:
