@@ -199,3 +199,20 @@ def test_run_flags_are_checked(procs, model_dir):
                      "--listen", "127.0.0.1", "9"])
     out, err = p.communicate(timeout=60)
     assert p.returncode != 0 and "the leader needs --prompt" in err
+
+
+def test_the_leader_sends_commands_and_asks_queries_each_one_way():
+    """LeaderSessions.send takes any command class and its fields (a new command needs no
+    leader method) and refuses a query, which is asked; ask refuses a plain command."""
+    from mlx_ds4tp.lockstep.one_rank import OneRank
+    from mlx_ds4tp.lockstep.protocol.commands import Create, EvalBatch, Hash
+
+    leader = OneRank(_FixedLogits([1.0, 2.5]))
+    leader.send(Create, 1, 0, 0, 0)
+    logits = leader.send(EvalBatch, leader.step_count + 1, [(1, 0)])
+    assert logits.shape == (1, 2) and leader.step_count == 1
+    with pytest.raises(ValueError, match="HASH is a query the worker answers: ask it"):
+        leader.send(Hash, 0, 1, 0)
+    with pytest.raises(ValueError, match="SESSION_CREATE is not a query: send it"):
+        leader.ask(Create, 2, 0, 0, 0)
+    assert leader.ask(Hash, 0, 1, 0) == (None, [])  # no worker to answer
