@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 from ..base.log import log
-from ..testing import localpair
-from ..testing.local_run import LocalRun, run_local_pair
+from ..localranks import localpair
+from ..localranks.local_run import LocalRun, run_local_pair
 from .model import BENCH_PROMPT, bench_model_dir, mlx_lm_can_shard, single_record
 
 
