@@ -222,7 +222,7 @@ class LinkSettings:
     the system one; DS4_TP_VERBS_LIBRARY). figures: what this rank measured at start
     (split.measure), carried by its hello for `--split auto`. identity: the model the hello
     checks (resolved(identity) sets it). (The bring-up's test-only switches are seams in
-    link/bringup.py, not fields.)
+    link/rdma_bringup.py, not fields.)
     discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator;
     with size > 2, the group (link/findgroup.py: the ranks and the leader's address, then the mesh).
     size: ranks in the group (2: a pair, as always; 3..8: a mesh, link/mesh.py: the leader
