@@ -22,16 +22,7 @@ from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, default_served_name, model_path
-from .pair_args import (
-    add_interface_arg,
-    add_pair_args,
-    add_ranks_arg,
-    add_transport_args,
-    check_at_least,
-    link_from_args,
-    lockstep_address,
-    ranks_from_args,
-)
+from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
@@ -121,12 +112,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N decode steps "
                         "(default 0: off)")
-    add_transport_args(p)
     add_split_arg(p)
     add_sampling_args(p)
-    add_pair_args(p, ROLE_HELP)
-    add_ranks_arg(p)
-    add_interface_arg(p)
+    add_lockstep_rank_args(p, ROLE_HELP)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
                 "Both ranks take the same --model.")
 
@@ -158,13 +146,11 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     """The flags of one `ds4tp serve` rank checked once, as the settings it runs with; bad
     flags exit naming the flag."""
     want = {"leader": "lead", "worker": "work", None: "any"}[args.role]
-    address, discovery = lockstep_address(args, "serve", want, " (it serves HTTP on --host/--port)",
-                                          f"http://{args.host}:{args.port}/v1")
-    ranks = ranks_from_args(args, "serve")  # None: a worker that takes its leader's
-    link = link_from_args(args, address, "serve", discovery=discovery, size=ranks)
+    join = lockstep_join(args, "serve", want, " (it serves HTTP on --host/--port)",
+                         f"http://{args.host}:{args.port}/v1")
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0)))
-    if args.rejoin and address.role != "worker" and discovery is None:
+    if args.rejoin and join.address.role != "worker" and join.discovery is None:
         raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
                          "takes a restarted worker back")
     if args.port > 65535:
@@ -185,9 +171,9 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling,
                         header_timeout_sec=args.header_timeout_sec,
                         keep_alive_timeout_sec=args.keep_alive_timeout_sec)
-    return ServeSettings(link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
-                         rejoin=args.rejoin or (discovery is not None and address.role != "leader"),
-                         split=split_from_args(args, "serve", ranks))
+    return ServeSettings(join.link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
+                         rejoin=args.rejoin or (join.discovery is not None and join.address.role != "leader"),
+                         split=split_from_args(args, "serve", join.ranks))
 
 
 def _limits(args: argparse.Namespace) -> ServeLimits:
