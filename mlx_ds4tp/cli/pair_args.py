@@ -1,10 +1,10 @@
-"""The flags that say how this process joins the pair, defined here once for every command that
+"""The flags that say how this process joins its group (a pair, or N ranks), defined here once for every command that
 takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
 --listen/--coordinator, --interface, --ranks (for the commands that run on N machines: the
 leader's group size, which a worker that dials it learns, and the size discovery looks for),
 --transport, --rdma-device, --rdma-gid-index and --secret; and their one check, which turns
-them into a PairAddress and a LinkSettings (with DiscoverySettings when the rank finds its peer
-itself)."""
+them into a PairAddress and a LinkSettings (with DiscoverySettings when the rank finds its
+peers itself)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPO
     p.add_argument("--rdma-gid-index", type=int, default=None, metavar="N",
                    help="the verbs GID index to use (default: the device's IPv4-mapped GID)")
     p.add_argument("--secret", default=None,
-                   help="shared secret both ranks must hold (default DS4_TP_SECRET; the variable "
+                   help="shared secret every rank must hold (default DS4_TP_SECRET; the variable "
                         "keeps it out of `ps`)")
 
 

@@ -1,6 +1,7 @@
-"""`ds4tp run`: one rank of a two-machine generation. The leader tokenizes the prompt, samples
-and streams the text on stdout; the worker runs the same forward passes in lockstep. Each
-machine runs its own rank (`ds4tp demo` runs both on this one)."""
+"""`ds4tp run`: one rank of a generation split over 2 to 8 machines (--ranks N, default 2). The
+leader tokenizes the prompt, samples and streams the text on stdout; every worker runs the same
+forward passes on its part, in lockstep. Each machine runs its own rank (`ds4tp demo` runs them
+all on this one)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
-HELP = "one rank of a two-machine generation"
+HELP = "one rank of a generation split over 2 to 8 machines"
 ROLE_HELP = ("this process's rank, 'leader' (rank 0: --prompt; prints the text) or 'worker' "
-             "(rank 1); without --listen/--coordinator the rank with --prompt leads and the other "
-             "finds it (--interface); run the other rank on the other machine")
+             "(rank 1 and up); without --listen/--coordinator the rank with --prompt leads and the "
+             "others find it (--interface); run every other rank on its own machine")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="leader: the answer is JSON that validates against this JSON Schema file "
                         "(constrained decoding on both ranks; compact JSON)")
-    add_draft_args(p, "the pair verifies its drafts in one forward a round")
+    add_draft_args(p, "the ranks verify the drafts in one forward a round")
     add_lockstep_rank_args(p, ROLE_HELP)
 
 

@@ -1,10 +1,11 @@
-"""`ds4tp serve`: an OpenAI-compatible HTTP server on the pair. The leader serves HTTP on
---host/--port and drives the generation; the worker runs the same forward passes. Each machine
-runs its own rank; the two find each other on the Thunderbolt link (--interface), the first
-to wait for a worker leads, and the worker prints the leader's URL. Ctrl-C or SIGTERM stops
-either rank cleanly (exit 0, one line saying why); the other says so and waits for it to come
-back, except a worker started with --role and no --rejoin, which stops with its leader. Scripts
-may name the roles and addresses instead; on one machine, both on 127.0.0.1:
+"""`ds4tp serve`: an OpenAI-compatible HTTP server on 2 to 8 ranks (--ranks N, default 2). The
+leader serves HTTP on --host/--port and drives the generation; every worker runs the same
+forward passes on its part. Each machine runs its own rank; the ranks find each other on the
+Thunderbolt link (--interface), the first to wait for workers leads, and each worker prints the
+leader's URL. Ctrl-C or SIGTERM stops any rank cleanly (exit 0, one line saying why); the others
+say so and wait for it to come back, except a worker started with --role and no --rejoin, which
+stops with its leader. Scripts may name the roles and addresses instead; a pair on one machine,
+both on 127.0.0.1:
 
     ds4tp serve --model demo --role worker --coordinator 127.0.0.1 9911 &
     ds4tp serve --model demo --role leader --listen 127.0.0.1 9911
@@ -26,11 +27,11 @@ from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
-HELP = "an OpenAI-compatible HTTP server on the pair"
+HELP = "an OpenAI-compatible HTTP server on 2 to 8 ranks"
 DEFAULT_DISK_BYTES = 20 * 10**9
 ROLE_HELP = ("this process's rank, 'leader' (rank 0; serves HTTP on --host/--port) or 'worker' "
-             "(rank 1); without --listen/--coordinator the two find each other (--interface) and "
-             "the first to wait for a worker leads, unless --role says")
+             "(rank 1 and up); without --listen/--coordinator the ranks find each other (--interface) "
+             "and the first to wait for workers leads, unless --role says")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -94,8 +95,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "or 512MB (least recently used dropped first; default 0: bounded by "
                         "--prompt-cache-size only)")
     p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
-                   help="both ranks, each its own directory: every stored prompt cache is written there "
-                        "as soon as it is stored, in the background (this machine's half of it, in "
+                   help="every rank, each its own directory: every stored prompt cache is written there "
+                        "as soon as it is stored, in the background (this machine's part of it, in "
                         "mlx-lm's prompt-cache files; a stop of any kind, kill -9 too, keeps what was "
                         "written), and a later request or a restarted server loads its longest stored "
                         "prefix from there instead of recomputing it (default: memory only)")
@@ -116,7 +117,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
     add_lockstep_rank_args(p, ROLE_HELP)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
-                "Both ranks take the same --model.")
+                "Every rank takes the same --model.")
 
 
 def _size(text: str) -> int:

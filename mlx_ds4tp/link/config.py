@@ -1,7 +1,8 @@
-"""How this rank joins the pair: ``LinkSettings``, as the user gives it (tp.init's keywords,
-the command line's flags, made once in cli/), and, once ``resolved()``, what the link layer
-runs on: the same with every ``DS4_TP_*`` knob resolved once and passed down explicitly.
-A bad value (argument or environment) is a ValueError naming it, raised before any socket exists.
+"""How this rank joins its group (a pair, or a mesh of N ranks): ``LinkSettings``, as the user
+gives it (tp.init's keywords, the command line's flags, made once in cli/), and, once
+``resolved()``, what the link layer runs on: the same with every ``DS4_TP_*`` knob resolved once
+and passed down explicitly. A bad value (argument or environment) is a ValueError naming it,
+raised before any socket exists.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ class DiscoverySettings:
 
 @dataclasses.dataclass(frozen=True)
 class LinkSettings:
-    """How this rank joins the pair: made once, from tp.init's keywords or the command line's
+    """How this rank joins its group (a pair, or N ranks): made once, from tp.init's keywords or the command line's
     --transport/--rdma-device/--rdma-gid-index/--secret (in cli/), and what the link layer runs
     on once resolved(). A field left as None takes its DS4_TP_* variable, else its default, when
     resolved() makes the pair's copy; a field given a value ignores the environment. check()
