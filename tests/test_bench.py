@@ -93,7 +93,7 @@ def test_ranks_run_on_the_cpus_they_are_placed_on():
     import os
     import sys
 
-    from mlx_ds4tp.localranks import localpair
+    from mlx_ds4tp.onehost import localpair
 
     if not {0, 1} <= os.sched_getaffinity(0):
         pytest.skip("needs CPUs 0 and 1 (this process may use "
@@ -112,7 +112,7 @@ def test_the_busy_core_ends_with_a_bench_killed_by_a_signal(procs):
         pytest.skip(f"needs CPU 1 (this process may use {sorted(os.sched_getaffinity(0))})")
     # SIGKILL runs no finally: the busy process must notice its parent is gone by itself.
     bench = procs.spawn(["-c", "import os, time\n"
-                               "from mlx_ds4tp.localranks import localpair\n"
+                               "from mlx_ds4tp.onehost import localpair\n"
                                "with localpair.busy_core(1):\n"
                                "    print(open(f'/proc/self/task/{os.getpid()}/children').read().split()[0])\n"
                                "    time.sleep(600)\n"])

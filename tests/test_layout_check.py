@@ -48,7 +48,7 @@ def test_the_rule_holds_without_a_testing_package(tmp_path):
 
 
 def test_a_tree_without_the_import_passes(tmp_path):
-    _tree(tmp_path, {"mlx_ds4tp/cli/demo.py": "from ..localranks import localpair\n",
-                     "mlx_ds4tp/localranks/__init__.py": "", "mlx_ds4tp/localranks/localpair.py": ""})
+    _tree(tmp_path, {"mlx_ds4tp/cli/demo.py": "from ..onehost import localpair\n",
+                     "mlx_ds4tp/onehost/__init__.py": "", "mlx_ds4tp/onehost/localpair.py": ""})
     done = _check(tmp_path)
     assert done.returncode == 0, done.stdout

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from mlx_ds4tp.localranks.local_run import LocalRun, run_local_pair
 from mlx_ds4tp.lockstep.generate import greedy_generate, pair_generate
 from mlx_ds4tp.lockstep.one_rank import OneRank
 from mlx_ds4tp.lockstep.settings import DraftSettings
 from mlx_ds4tp.lockstep.speculative import PromptLookup, Speculation, load_draft
+from mlx_ds4tp.onehost.local_run import LocalRun, run_local_pair
 from mlx_ds4tp.synthetic.tiny_model import save_llama
 
 PROMPT = "the quick brown fox jumps over the lazy dog and the quick brown fox"

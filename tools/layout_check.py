@@ -5,7 +5,7 @@ Run from anywhere: python tools/layout_check.py (it checks the checkout it lives
 runs it on every build).
 Subpackages count: every .py below mlx_ds4tp/ is a module named by its dotted path.
 And no product module imports mlx_ds4tp.testing: what the demo and the benches run is product
-code (localranks/, synthetic/); test scaffolding stays out of what users import. The rule holds
+code (onehost/, synthetic/); test scaffolding stays out of what users import. The rule holds
 while no testing/ package exists, so one cannot come back with product code leaning on it.
 Prints what it finds; exits 1 when there is a cycle, an oversized file or a product module that
 imports mlx_ds4tp.testing, or when it finds no package to check (a check that passes on nothing
@@ -81,7 +81,7 @@ def testing_imports(known: dict) -> list:
         for line, target in imported_names(name, path):
             if target == TESTING or target.startswith(TESTING + "."):
                 found.append(f"{path}:{line}: product module {name} imports {target} (test scaffolding; "
-                             f"move what it needs into the product, e.g. {PKG}/localranks/ or {PKG}/synthetic/)")
+                             f"move what it needs into the product, e.g. {PKG}/onehost/ or {PKG}/synthetic/)")
     return found
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 from ..base.log import log
-from ..localranks import localpair
-from ..localranks.local_run import LocalRun, run_local_pair
+from ..onehost import localpair
+from ..onehost.local_run import LocalRun, run_local_pair
 from .model import BENCH_PROMPT, bench_model_dir, mlx_lm_can_shard, single_record
 from .report import print_rows
 

@@ -1,5 +1,5 @@
 """The entry point of a rank that this package spawns on this machine
-(`python -m mlx_ds4tp.cli.rank KIND ...`, built by localranks.localpair.rank_command).
+(`python -m mlx_ds4tp.cli.rank KIND ...`, built by onehost.localpair.rank_command).
 
 Not a user command: the public CLI (`ds4tp`) starts these for the bench and
 the demo. Each kind runs one rank and prints its records as JSON lines on
