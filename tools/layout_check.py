@@ -14,6 +14,7 @@ would hide a moved tree), else 0.
 import ast
 import os
 import sys
+from typing import Iterator, Tuple
 
 PKG = "mlx_ds4tp"
 # The checkout this file belongs to (tools/ sits at its root).
@@ -54,7 +55,7 @@ def imports_of(name: str, path: str, known: dict) -> set:
     return {m for m in out if not name.startswith(m + ".")}
 
 
-def imported_names(name: str, path: str):
+def imported_names(name: str, path: str) -> Iterator[Tuple[int, str]]:
     """(line, dotted name) of every import in `name`, relative imports resolved against its package."""
     is_pkg = path.endswith("__init__.py")
     here = name.split(".") if is_pkg else name.split(".")[:-1]

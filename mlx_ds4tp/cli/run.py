@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as raw text (default: the model's chat template, when it has one)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="leader: the answer is JSON that validates against this JSON Schema file "
-                        "(constrained decoding on both ranks; compact JSON)")
+                        "(constrained decoding on every rank; compact JSON)")
     add_draft_args(p, "the ranks verify the drafts in one forward a round")
     add_lockstep_rank_args(p, ROLE_HELP)
 
