@@ -1,9 +1,12 @@
-"""mlx_ds4tp: one MLX model split 50/50 across two Macs joined by Thunderbolt.
+"""mlx_ds4tp: one MLX model split across 2 to 8 Macs joined by Thunderbolt, one rank each
+(an even share, or --split's: by measured speed and memory, or A:B[:C...]).
 
     import mlx_ds4tp as tp
     g = tp.init(role="leader", listen=("10.99.0.1", 9911))       # rank 0
     g = tp.init(role="worker", coordinator=("10.99.0.1", 9911))  # rank 1
     y = tp.all_sum(x, group=g)       # or tp.all_sum(x): the group init returned last
+
+Over N ranks the leader passes size=N and each worker dials it as above (docs/nranks.md).
 """
 
 from .errors import (

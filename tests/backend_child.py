@@ -106,7 +106,7 @@ def prefill(g: PairGroup) -> dict:
 
     from mlx_ds4tp.lockstep.compute import fill_cache, make_cache
     from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     path = save_llama(Path(tempfile.mkdtemp(prefix=f"prefill-{g.rank()}-")), "tiny", seed=4)
     model, _ = load_split(str(path), g)

@@ -16,8 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    """A listen port outside the ephemeral range (see mlx_ds4tp.testing.localpair.free_port)."""
-    from mlx_ds4tp.testing.localpair import free_port as pick
+    """A listen port outside the ephemeral range (see mlx_ds4tp.onehost.localpair.free_port)."""
+    from mlx_ds4tp.onehost.localpair import free_port as pick
 
     return pick("127.0.0.1")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_ds4tp.testing.tiny_model import EOS_ID, save_random_model, save_tokenizer
+from mlx_ds4tp.synthetic.tiny_model import EOS_ID, save_random_model, save_tokenizer
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 SCRIPT = ["<think>", "The user wants the weather.", "</think>", "<tool_call>", json.dumps(CALL),

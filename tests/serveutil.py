@@ -27,7 +27,7 @@ API_KEY = "test-key"
 def build_chat_model(directory: Path, seed: int = 3, preset: str = "tiny") -> Path:
     """The tiny llama (or another preset: tiny8 for more than two ranks) with a chat template
     in its tokenizer config."""
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     path = save_llama(directory / "chat-llama", preset, seed=seed)
     config_path = path / "tokenizer_config.json"

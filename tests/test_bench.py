@@ -33,7 +33,7 @@ def test_gate_bench_prints_every_record(procs):
 
 
 def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     path = save_llama(tmp_path / "m", "tiny", seed=5)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--json", "--model", str(path), "--max-tokens", "6",
@@ -64,7 +64,7 @@ def test_model_bench_reports_tok_s_and_token_match(procs, tmp_path):
 
 
 def test_model_bench_text_output_gives_ratios_against_the_baselines_and_the_ceiling(procs, tmp_path):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     path = save_llama(tmp_path / "m", "tiny", seed=6)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--transport", "tcp", "--model", str(path),
@@ -93,7 +93,7 @@ def test_ranks_run_on_the_cpus_they_are_placed_on():
     import os
     import sys
 
-    from mlx_ds4tp.testing import localpair
+    from mlx_ds4tp.onehost import localpair
 
     if not {0, 1} <= os.sched_getaffinity(0):
         pytest.skip("needs CPUs 0 and 1 (this process may use "
@@ -112,7 +112,7 @@ def test_the_busy_core_ends_with_a_bench_killed_by_a_signal(procs):
         pytest.skip(f"needs CPU 1 (this process may use {sorted(os.sched_getaffinity(0))})")
     # SIGKILL runs no finally: the busy process must notice its parent is gone by itself.
     bench = procs.spawn(["-c", "import os, time\n"
-                               "from mlx_ds4tp.testing import localpair\n"
+                               "from mlx_ds4tp.onehost import localpair\n"
                                "with localpair.busy_core(1):\n"
                                "    print(open(f'/proc/self/task/{os.getpid()}/children').read().split()[0])\n"
                                "    time.sleep(600)\n"])
@@ -155,7 +155,7 @@ def test_a_bench_killed_with_sigterm_stops_the_ranks_it_started(procs):
 
 
 def test_bench_rejects_zero_rounds(procs, tmp_path):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     path = save_llama(tmp_path / "m", "tiny", seed=7)
     p = procs.spawn(["-m", "mlx_ds4tp", "bench", "--model", str(path), "--rounds", "0"])

@@ -93,7 +93,7 @@ def veth():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     return save_llama(tmp_path_factory.mktemp("cable-model"), "tiny", seed=3)
 

@@ -155,7 +155,7 @@ def test_run_json_schema_is_the_sampling_options_grammar(model_dir, tmp_path):
 
 
 def test_run_model_demo_is_the_demo_model(monkeypatch, tmp_path):
-    import mlx_ds4tp.testing.demo_model as demo_model
+    import mlx_ds4tp.synthetic.demo_model as demo_model
     from mlx_ds4tp.cli import run
 
     monkeypatch.setattr(demo_model, "demo_model_dir", lambda: tmp_path / "built-demo")
@@ -244,7 +244,7 @@ def test_the_prompt_cache_dir_and_its_bound(served, model_dir, tmp_path):
 
 def test_served_model_name_defaults_to_a_short_id(served, model_dir, monkeypatch, tmp_path):
     import mlx_ds4tp.checkpoint.source as source
-    import mlx_ds4tp.testing.demo_model as demo_model
+    import mlx_ds4tp.synthetic.demo_model as demo_model
 
     def name() -> str:
         return served["settings"].model.name

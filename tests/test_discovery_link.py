@@ -87,7 +87,7 @@ class Bridge:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     root = tmp_path_factory.mktemp("discovery-models")
     return [save_llama(root / "a", "tiny", seed=3), save_llama(root / "b", "tiny", seed=4)]

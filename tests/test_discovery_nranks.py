@@ -59,7 +59,7 @@ def loop_ns():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     return save_llama(tmp_path_factory.mktemp("discovery-nranks") / "llama", "tiny8", seed=3)
 

@@ -44,7 +44,7 @@ def test_doctor_peer_unreachable_fails_with_the_reason(procs):
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     root = tmp_path_factory.mktemp("doctor-models")
     return save_llama(root / "a", "tiny", seed=0), save_llama(root / "b", "tiny", seed=1)

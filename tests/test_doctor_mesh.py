@@ -26,7 +26,7 @@ WAIT_SEC = 240  # three doctors, each measuring this Mac and tracing the model, 
 @pytest.fixture(scope="module")
 def llama8(tmp_path_factory):
     """A random-weight llama of 8 KV heads (8 do not divide by 3: even takes 3:3:2)."""
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     return save_llama(tmp_path_factory.mktemp("doctor-mesh") / "llama8", "tiny8", seed=0)
 
@@ -90,7 +90,7 @@ def test_doctor_listen_ranks_3_and_two_peers_round_trip_exactly(procs, llama8):
 
 def test_a_peer_with_other_weights_stops_the_group_naming_both_fingerprints(procs, llama8, tmp_path):
     from mlx_ds4tp import model_fingerprint
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     other = save_llama(tmp_path / "other", "tiny8", seed=1)
     mine, theirs = model_fingerprint(llama8).label, model_fingerprint(other).label

@@ -25,7 +25,7 @@ def spawn_ranks(procs, script, args, leader_args=()):
 
 
 def test_pair_generate_prints_the_unsplit_models_text(procs, tmp_path):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     model = save_llama(tmp_path / "m", "tiny", seed=11)
     prompt = "An example of the library"

@@ -60,7 +60,7 @@ RESULTS: list = []
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     return save_llama(tmp_path_factory.mktemp("fault-model"), "tiny", seed=3)
 

@@ -25,7 +25,7 @@ from mlx_ds4tp.link.fingerprint import (
     model_fingerprint,
     summary_label,
 )
-from mlx_ds4tp.testing.tiny_model import save_random_model
+from mlx_ds4tp.synthetic.tiny_model import save_random_model
 from pairutil import both_ok, free_port, run_both
 from tiny_models import FAMILIES
 

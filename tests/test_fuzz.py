@@ -718,7 +718,7 @@ def tiny_model(tmp_path_factory):
     """The tiny llama, unsplit: the worker loop does not care, and a forward needs no peer."""
     from mlx_lm.utils import load
 
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     model, _ = load(str(save_llama(tmp_path_factory.mktemp("fuzz-model"), "tiny", seed=5)))
     return model

@@ -176,7 +176,7 @@ def test_safetensors_parts_along_both_axes(tmp_path, monkeypatch, dtype):
 
 def test_load_split_reads_only_its_half(tmp_path):
     """Peak RSS of a rank loading its half vs a process loading the whole model (~88M params)."""
-    from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama
+    from mlx_ds4tp.synthetic.tiny_model import LlamaSizes, save_llama
 
     sizes = LlamaSizes(layers=6, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=8192)
     path = save_llama(tmp_path / "rss-model", sizes)

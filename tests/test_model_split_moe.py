@@ -367,7 +367,7 @@ def test_load_split_of_a_moe_reads_only_its_half(tmp_path):
     import subprocess
     import sys
 
-    from mlx_ds4tp.testing.tiny_model import MoeSizes, save_qwen3_moe
+    from mlx_ds4tp.synthetic.tiny_model import MoeSizes, save_qwen3_moe
     from splitutil import CHILD
 
     sizes = MoeSizes(layers=4, hidden=512, heads=8, kv_heads=4, head_dim=64, experts=16,

@@ -38,7 +38,7 @@ MOE = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import save_llama, save_random_model
+    from mlx_ds4tp.synthetic.tiny_model import save_llama, save_random_model
 
     root = tmp_path_factory.mktemp("nranks-run")
     dirs = {"llama": save_llama(root / "llama", "tiny8", seed=3)}
@@ -52,7 +52,7 @@ def spawn_ranks(procs, model_dir, ranks: int, transport: str, extra=(), tokens_o
     """The leader and its ranks-1 workers of one `ds4tp run --ranks N`: (leader, [workers]). Only
     the leader is given --ranks: the workers learn N from it (`worker_extra`: their own flags)."""
     port = free_port()
-    # The spawned rank's entry point: `ds4tp run` plus --tokens-out (testing.local_run's too).
+    # The spawned rank's entry point: `ds4tp run` plus --tokens-out (onehost.local_run's too).
     common = ["-m", "mlx_ds4tp.cli.rank", "run", "--model", str(model_dir), "--max-tokens", str(TOKENS),
               "--no-chat-template", "--debug-hash", "4", *TRANSPORTS[transport], *extra]
     out = ["--tokens-out", str(tokens_out)] if tokens_out else []

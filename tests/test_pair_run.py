@@ -17,7 +17,7 @@ TRANSPORTS = [("tcp", []), ("rdma", ["--rdma-device", "ucsim"])]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     return save_llama(tmp_path_factory.mktemp("pair-model"), "tiny", seed=3)
 
@@ -167,7 +167,7 @@ def test_demo_prints_a_match(procs, tmp_path):
 
 def test_a_worker_with_other_weights_is_refused_at_the_hello(procs, model_dir, tmp_path):
     from mlx_ds4tp import model_fingerprint
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     other = save_llama(tmp_path / "other", "tiny", seed=4)  # same config, other weights
     labels = [model_fingerprint(model_dir).label, model_fingerprint(other).label]

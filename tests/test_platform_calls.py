@@ -147,10 +147,10 @@ def test_ppoll_without_its_guard_is_found_at_its_line():
     assert str(found[0]).startswith(f"mlx_ds4tp/csrc/util.c:{line}: ppoll exists only on Linux")
 
 
-# -- what the package does where the call is missing (mlx_ds4tp/testing/localpair.py) -----------
+# -- what the package does where the call is missing (mlx_ds4tp/onehost/localpair.py) -----------
 
 def test_pinning_ranks_where_the_os_cannot_is_refused_before_any_starts(monkeypatch, tmp_path):
-    from mlx_ds4tp.testing import localpair
+    from mlx_ds4tp.onehost import localpair
 
     marker = tmp_path / "started"
     monkeypatch.delattr(os, "sched_setaffinity", raising=False)

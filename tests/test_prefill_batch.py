@@ -50,7 +50,7 @@ def model(model_dir):
 @pytest.mark.parametrize("step", [64, 8])
 def test_four_queued_prompts_are_prefilled_in_one_batch_each_as_mlx_lm_alone(model_dir, tmp_path, step):
     pytest.importorskip("openai", reason="the openai package (pip install openai)")
-    from mlx_ds4tp.testing.tiny_model import EOS_ID
+    from mlx_ds4tp.synthetic.tiny_model import EOS_ID
     from serveutil import ServedPair, client, open_stream, post_raw, reference, text_ids
 
     warm = [5, 6, 7, 8, 9, 10]

@@ -27,7 +27,7 @@ from mlx_ds4tp.lockstep.caches.quantized_cache import (
     describe_unquantizable,
     quantize_session_cache,
 )
-from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama
+from mlx_ds4tp.synthetic.tiny_model import LlamaSizes, save_llama
 
 # head_dim 64: quantization groups run along the head dimension, so group size 64 needs it
 # (the "tiny" preset's head_dim is 32). kv_heads < heads keeps grouped-query attention, whose

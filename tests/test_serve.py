@@ -66,7 +66,7 @@ def test_model_demo_is_served_as_demo_on_both_ranks(tmp_path, monkeypatch):
                         api_key=None)
     try:
         served.wait_healthy()
-        from mlx_ds4tp.testing.demo_model import demo_model_dir
+        from mlx_ds4tp.synthetic.demo_model import demo_model_dir
 
         built = demo_model_dir()  # the ranks built it under the lock; found, not rebuilt
         c = client(served, api_key="unused")
@@ -713,7 +713,7 @@ def test_metrics_in_the_prometheus_format_count_what_was_served(pair, model_dir)
 def test_a_kv_budget_queues_what_does_not_fit_and_refuses_past_the_queue(model_dir, tmp_path):
     import http.client
 
-    from mlx_ds4tp.testing.tiny_model import EOS_ID
+    from mlx_ds4tp.synthetic.tiny_model import EOS_ID
     from serveutil import reference_steps
 
     # Each request below reserves 3 prompt tokens + 1000 (EOS biased away, so each decodes them

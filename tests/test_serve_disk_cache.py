@@ -247,7 +247,7 @@ def test_cache_kinds_mlx_lm_cannot_rebuild_are_refused():
 def _family(tmp_path_factory, name):
     import family_configs_a
     import tiny_models
-    from mlx_ds4tp.testing.tiny_model import save_random_model
+    from mlx_ds4tp.synthetic.tiny_model import save_random_model
 
     config, quantization = {**tiny_models.MOE_FAMILIES, **family_configs_a.CONFIGS}[name]
     return save_random_model(tmp_path_factory.mktemp(name) / name, config, quantization=quantization)

@@ -84,7 +84,7 @@ def test_idle_connections_hold_no_thread_and_are_closed_at_the_header_timeout(pa
 
 
 def test_a_streaming_client_that_hangs_up_frees_its_row_within_100_ms(pair):
-    from mlx_ds4tp.testing.tiny_model import EOS_ID
+    from mlx_ds4tp.synthetic.tiny_model import EOS_ID
 
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True,
                        "logit_bias": {str(EOS_ID): -100}}).encode()

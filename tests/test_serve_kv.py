@@ -29,7 +29,7 @@ def quantized_reference(model_dir, prompt, max_tokens: int, bits: int, group_siz
 
 def _hold(served: ServedPair, tokens: int):
     """A streamed request that holds the KV budget until its connection closes."""
-    from mlx_ds4tp.testing.tiny_model import EOS_ID
+    from mlx_ds4tp.synthetic.tiny_model import EOS_ID
 
     return open_stream(served, json.dumps({"prompt": [5, 6, 7], "max_tokens": tokens, "stream": True,
                                            "logit_bias": {str(EOS_ID): -100}}).encode())

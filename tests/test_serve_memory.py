@@ -14,7 +14,7 @@ from mlx_ds4tp.lockstep.caches import memory
 def model(tmp_path_factory):
     from mlx_lm import load
 
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     return load(str(save_llama(tmp_path_factory.mktemp("mem") / "m", "tiny", seed=1)))[0]
 

@@ -180,7 +180,7 @@ def test_session_tables_in_lockstep_equal_each_session_alone(tmp_path, procs):
     from mlx_ds4tp.lockstep.protocol.commands import Create, Destroy, EvalBatch, Invalidate, PrefillBatch, Rewind
     from mlx_ds4tp.lockstep.protocol.sessions import LeaderSessions
     from mlx_ds4tp.model_split import load_split
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
     from pairutil import free_port
 
     path = save_llama(tmp_path / "m", "tiny", seed=3)
@@ -308,7 +308,7 @@ def test_damaged_command_scripts_end_in_a_frame_error(tmp_path):
     from mlx_ds4tp.errors import TransportError
     from mlx_ds4tp.lockstep.protocol.commands import Create, Destroy, EvalBatch, Invalidate, PrefillBatch, Rewind
     from mlx_ds4tp.lockstep.protocol.table import SessionTable
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     frame = tr.FrameType
     model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=1)))
@@ -355,7 +355,7 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
     from mlx_ds4tp.model_split import load_split
     from mlx_ds4tp.serve.engine.loop import Engine
     from mlx_ds4tp.serve.limits import ServeLimits
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
     from pairutil import free_port
 
     path = save_llama(tmp_path / "m", "tiny", seed=2)
@@ -449,7 +449,7 @@ def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
     from mlx_lm import load
 
     from mlx_ds4tp.lockstep.protocol.table import SessionTable
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     model, _ = load(str(save_llama(tmp_path / "m", "tiny", seed=2)))
     table = SessionTable(model)

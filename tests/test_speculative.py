@@ -14,8 +14,8 @@ from mlx_ds4tp.lockstep.generate import greedy_generate, pair_generate
 from mlx_ds4tp.lockstep.one_rank import OneRank
 from mlx_ds4tp.lockstep.settings import DraftSettings
 from mlx_ds4tp.lockstep.speculative import PromptLookup, Speculation, load_draft
-from mlx_ds4tp.testing.local_run import LocalRun, run_local_pair
-from mlx_ds4tp.testing.tiny_model import save_llama
+from mlx_ds4tp.onehost.local_run import LocalRun, run_local_pair
+from mlx_ds4tp.synthetic.tiny_model import save_llama
 
 PROMPT = "the quick brown fox jumps over the lazy dog and the quick brown fox"
 
@@ -61,7 +61,7 @@ def test_every_drafter_gives_the_plain_greedy_tokens(models, k):
 def test_a_draft_of_another_vocabulary_is_refused_naming_both(models, tmp_path):
     from mlx_lm.utils import load_model
 
-    from mlx_ds4tp.testing.tiny_model import LlamaSizes
+    from mlx_ds4tp.synthetic.tiny_model import LlamaSizes
 
     target_path, _ = models
     other = save_llama(tmp_path / "narrow", LlamaSizes(layers=1, hidden=64, heads=2, kv_heads=1,

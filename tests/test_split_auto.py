@@ -94,7 +94,7 @@ def test_auto_checks_the_memory_of_the_share_the_load_takes():
 
 def test_model_cuts_reads_the_shares_off_the_model(tmp_path):
     from mlx_ds4tp.split.apply import ModelCuts
-    from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama, save_qwen3_moe
+    from mlx_ds4tp.synthetic.tiny_model import LlamaSizes, save_llama, save_qwen3_moe
 
     # Two KV heads: only 1:1 keeps whole KV-head groups on both ranks.
     two = save_qwen3_moe(tmp_path / "kv2", "moe-tiny", seed=1)
@@ -229,7 +229,7 @@ def test_a_split_frame_leaving_a_rank_nothing_is_refused():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from mlx_ds4tp.testing.tiny_model import LlamaSizes, save_llama
+    from mlx_ds4tp.synthetic.tiny_model import LlamaSizes, save_llama
 
     # Four KV heads and 256 MLP columns: every count cuts into quarters, so 3:1 is taken as is.
     sizes = LlamaSizes(layers=2, hidden=128, heads=8, kv_heads=4, intermediate=256, vocab=512)
@@ -281,7 +281,7 @@ def test_run_auto_over_ucsim_on_a_moe_model_gives_a_share_that_fits_and_the_unsp
     import os
 
     from mlx_ds4tp.split.auto import MARGIN_SHARE
-    from mlx_ds4tp.testing.tiny_model import MoeSizes, save_qwen3_moe
+    from mlx_ds4tp.synthetic.tiny_model import MoeSizes, save_qwen3_moe
 
     sizes = MoeSizes(layers=2, hidden=128, heads=8, kv_heads=4, head_dim=16, experts=4,
                      experts_per_token=2, expert_intermediate=128, vocab=512)

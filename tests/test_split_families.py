@@ -28,7 +28,7 @@ from mlx_ds4tp.collectives.backend import cut_only_group
 from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.split import apply as _apply
 from mlx_ds4tp.split.plans import mlx_lm_plan_modules
-from mlx_ds4tp.testing.tiny_model import save_random_model
+from mlx_ds4tp.synthetic.tiny_model import save_random_model
 from splitutil import run_ranks, transports, unsplit_references
 
 CONFIGS = {**family_configs_a.CONFIGS, **family_configs_b.CONFIGS,

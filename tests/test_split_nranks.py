@@ -36,7 +36,7 @@ from mlx_ds4tp.split import apply as _apply, units as _units
 from mlx_ds4tp.split.auto import ModelNeed, choose_share, choose_share_among
 from mlx_ds4tp.split.errors import ShareRefusedError
 from mlx_ds4tp.split.share import EVEN, SplitShare, UnitCut, nearest_cuts
-from mlx_ds4tp.testing.tiny_model import PRESETS, LlamaSizes, llama_config, save_random_model
+from mlx_ds4tp.synthetic.tiny_model import PRESETS, LlamaSizes, llama_config, save_random_model
 from splitutil import our_meshes, run_ranks, transports
 
 LOGITS_RTOL = 1e-4

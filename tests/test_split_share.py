@@ -28,7 +28,7 @@ from mlx_ds4tp.collectives.backend import cut_only_group
 from mlx_ds4tp.model_split import load_split
 from mlx_ds4tp.split import apply as _apply, units as _units
 from mlx_ds4tp.split.share import SplitShare, UnitCut, nearest_cuts
-from mlx_ds4tp.testing.tiny_model import PRESETS, llama_config, save_random_model
+from mlx_ds4tp.synthetic.tiny_model import PRESETS, llama_config, save_random_model
 from splitutil import CHILD, run_ranks, transports, unsplit_references
 
 _TWELVE = {"hidden_size": 192, "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 16,

@@ -88,7 +88,7 @@ class Weather(BaseModel):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny llama with random weights and the tool-calling template."""
-    from mlx_ds4tp.testing.tiny_model import save_llama
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
 
     path = save_llama(tmp_path_factory.mktemp("structured") / "llama", "tiny", seed=5)
     config = json.loads((path / "tokenizer_config.json").read_text())

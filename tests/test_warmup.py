@@ -15,7 +15,7 @@ import pytest
 
 import mlx_ds4tp as tp
 from mlx_ds4tp.errors import RdmaUnavailableError
-from mlx_ds4tp.link import bringup  # its test seams: SKIP_POSTED_BARRIER, WARMUP_DELAY_MS
+from mlx_ds4tp.link import rdma_bringup  # its test seams: SKIP_POSTED_BARRIER, WARMUP_DELAY_MS
 from pairutil import free_port
 
 GATING_PAIRS = 2  # pairs running their gates at once in bring_up (see there)
@@ -177,7 +177,7 @@ def test_without_warmup_a_dead_direction_is_a_gate_timeout(monkeypatch):
 def test_posted_barrier_prevents_kill_unposted(monkeypatch, capfd):
     """With random start delays (0-200 ms per side, and 0-200 ms before each
     side posts its warm-up receive) the barrier keeps every bring-up clean."""
-    monkeypatch.setattr(bringup, "WARMUP_DELAY_MS", 200.0)
+    monkeypatch.setattr(rdma_bringup, "WARMUP_DELAY_MS", 200.0)
     outcomes = bring_up(50, start_delay_ms=200)
     err = capfd.readouterr().err
     failures = [o for pair in outcomes for o in pair if o != ("rdma", None)]
@@ -190,8 +190,8 @@ def test_posted_barrier_prevents_kill_unposted(monkeypatch, capfd):
 
 
 def test_without_the_barrier_kill_unposted_breaks_bring_ups(monkeypatch, capfd):
-    monkeypatch.setattr(bringup, "SKIP_POSTED_BARRIER", True)
-    monkeypatch.setattr(bringup, "WARMUP_DELAY_MS", 200.0)
+    monkeypatch.setattr(rdma_bringup, "SKIP_POSTED_BARRIER", True)
+    monkeypatch.setattr(rdma_bringup, "WARMUP_DELAY_MS", 200.0)
     outcomes = bring_up(8, start_delay_ms=200)
     err = capfd.readouterr().err
     broken = err.count("recreating the queue pair (setup attempt 1)") + sum(
@@ -220,14 +220,14 @@ def test_a_late_first_warm_message_is_not_sent_twice(monkeypatch, capfd):
     queue pair whose one warm receive the first took, killing that direction
     (ucsim's kill_unposted, as on Thunderbolt UC). The pair must warm up on
     its first build and then carry its gates."""
-    barrier = bringup.posted_barrier
+    barrier = rdma_bringup.posted_barrier
 
     def late_worker(joined):
         barrier(joined)
         if joined.rank == 1:
-            time.sleep(3 * bringup.UC_ROUND_SEC)
+            time.sleep(3 * rdma_bringup.UC_ROUND_SEC)
 
-    monkeypatch.setattr(bringup, "posted_barrier", late_worker)
+    monkeypatch.setattr(rdma_bringup, "posted_barrier", late_worker)
     (leader, worker), = bring_up(1)
     err = capfd.readouterr().err
     assert leader == ("rdma", None) and worker == ("rdma", None), (leader, worker, err)

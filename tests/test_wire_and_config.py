@@ -122,7 +122,7 @@ def test_defaults_without_any_knob(monkeypatch):
     assert (c.timeout, c.hello_timeout, c.secret) == (300.0, 10.0, None)
     assert (c.ucsim_faults, c.rdma_no_imm, c.disable_warmup) == ("", False, False)
     assert c.verbs_library == ""
-    # The bring-up's test-only switches are seams in link/bringup.py, never config fields.
+    # The bring-up's test-only switches are seams in link/rdma_bringup.py, never config fields.
     assert not [f.name for f in dataclasses.fields(c) if f.name.startswith("test_")]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_ds4tp.testing.tiny_model import save_random_model
+from mlx_ds4tp.synthetic.tiny_model import save_random_model
 
 _COMMON = {
     "hidden_size": 128,

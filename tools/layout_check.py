@@ -4,17 +4,24 @@
 Run from anywhere: python tools/layout_check.py (it checks the checkout it lives in; .ci/run
 runs it on every build).
 Subpackages count: every .py below mlx_ds4tp/ is a module named by its dotted path.
-Prints what it finds; exits 1 when there is a cycle or an oversized file, or when it finds no
-package to check (a check that passes on nothing would hide a moved tree), else 0.
+And no product module imports mlx_ds4tp.testing: what the demo and the benches run is product
+code (onehost/, synthetic/); test scaffolding stays out of what users import. The rule holds
+while no testing/ package exists, so one cannot come back with product code leaning on it.
+Prints what it finds; exits 1 when there is a cycle, an oversized file or a product module that
+imports mlx_ds4tp.testing, or when it finds no package to check (a check that passes on nothing
+would hide a moved tree), else 0.
 """
 import ast
 import os
 import sys
+from typing import Iterator, Tuple
 
 PKG = "mlx_ds4tp"
 # The checkout this file belongs to (tools/ sits at its root).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_PY, MAX_C = 500, 900
+# Test scaffolding no product module may import (every module below PKG outside it is product).
+TESTING = f"{PKG}.testing"
 
 
 def modules() -> dict:
@@ -32,19 +39,26 @@ def modules() -> dict:
 
 def imports_of(name: str, path: str, known: dict) -> set:
     """Package modules that `name` imports, at module level or inside functions."""
-    is_pkg = path.endswith("__init__.py")
-    here = name.split(".") if is_pkg else name.split(".")[:-1]
     out = set()
-
-    def add(target: str):
+    for _, target in imported_names(name, path):
+        if not target.startswith(PKG + "."):
+            continue
         # the longest known prefix: `from .a.b import c` may name module a.b.c or a name in a.b
         parts = target.split(".")
         for k in range(len(parts), 0, -1):
             cand = ".".join(parts[:k])
             if cand in known:
                 out.add(cand)
-                return
+                break
+    out.discard(name)
+    # importing a package's submodule also runs the package's __init__: not a cycle of ours
+    return {m for m in out if not name.startswith(m + ".")}
 
+
+def imported_names(name: str, path: str) -> Iterator[Tuple[int, str]]:
+    """(line, dotted name) of every import in `name`, relative imports resolved against its package."""
+    is_pkg = path.endswith("__init__.py")
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -52,17 +66,24 @@ def imports_of(name: str, path: str, known: dict) -> set:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            if not mod.startswith(PKG):
-                continue
             for a in node.names:
-                add(f"{mod}.{a.name}")
+                yield node.lineno, f"{mod}.{a.name}"
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.startswith(PKG + "."):
-                    add(a.name)
-    out.discard(name)
-    # importing a package's submodule also runs the package's __init__: not a cycle of ours
-    return {m for m in out if not name.startswith(m + ".")}
+                yield node.lineno, a.name
+
+
+def testing_imports(known: dict) -> list:
+    """`file:line: ...` for every product module's import of TESTING or a module below it."""
+    found = []
+    for name, path in sorted(known.items()):
+        if name == TESTING or name.startswith(TESTING + "."):
+            continue
+        for line, target in imported_names(name, path):
+            if target == TESTING or target.startswith(TESTING + "."):
+                found.append(f"{path}:{line}: product module {name} imports {target} (test scaffolding; "
+                             f"move what it needs into the product, e.g. {PKG}/onehost/ or {PKG}/synthetic/)")
+    return found
 
 
 def main() -> int:
@@ -84,6 +105,7 @@ def main() -> int:
     for m in known:
         walk(m, [m])
     problems = [f"import cycle: {' <-> '.join(c)}" for c in sorted(cycles)]
+    problems += testing_imports(known)
     for root, _, files in os.walk(PKG):
         for f in sorted(files):
             path = os.path.join(root, f)

@@ -24,7 +24,7 @@ import numpy as np
 from .. import gate_ops
 from ..link.config import PairAddress
 from ..link.exchange import Exchange, raw_floor
-from ..testing import localpair as _localpair
+from ..onehost import localpair as _localpair
 
 WARMUP_ITERS = 500
 ROUNDS = 10

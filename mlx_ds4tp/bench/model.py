@@ -23,7 +23,7 @@ from .. import gate_ops
 from ..base.log import log
 from ..collectives.backend import gateless_group
 from ..link.config import MLX, LinkSettings, PairAddress
-from ..testing import localpair as _localpair
+from ..onehost import localpair as _localpair
 
 BENCH_PROMPT = "The quick brown fox jumps over the lazy dog because"
 DEFAULT_PROMPT_TOKENS = 512
@@ -162,7 +162,7 @@ def spawn_tp2(bench: ModelBench, transport: str, rdma_device: Optional[str] = No
               timeout: float = 1200.0) -> Dict:
     """Our pair (the ranks of `ds4tp run`), both on 127.0.0.1, split by `split` (--split); the
     record names the share used and each rank's peak resident memory."""
-    from ..testing.local_run import LocalRun, run_local_pair
+    from ..onehost.local_run import LocalRun, run_local_pair
 
     slow = bench.slow_worker and transport == "tcp"
     with _localpair.busy_core(1) if slow else contextlib.nullcontext():
@@ -186,8 +186,8 @@ def spawn_tp2(bench: ModelBench, transport: str, rdma_device: Optional[str] = No
 def bench_model_dir(model: str) -> str:
     """`model` itself when it is a directory; a tiny_model preset name ("150m", "moe-1g", ...)
     is written once with fixed random weights into the cache and that directory returned."""
-    from ..testing import tiny_model
-    from ..testing.demo_model import cached_model
+    from ..synthetic import tiny_model
+    from ..synthetic.demo_model import cached_model
 
     if Path(model).is_dir() or model not in {**tiny_model.PRESETS, **tiny_model.MOE_PRESETS}:
         return model

@@ -10,15 +10,15 @@ tok_s_rounds, tokens_match (the greedy tokens equal the unsplit model's), or err
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 from ..base.log import log
-from ..testing import localpair
-from ..testing.local_run import LocalRun, run_local_pair
+from ..onehost import localpair
+from ..onehost.local_run import LocalRun, run_local_pair
 from .model import BENCH_PROMPT, bench_model_dir, mlx_lm_can_shard, single_record
+from .report import print_rows
 
 
 def ours(path: str, ranks: int, max_tokens: int, prompt_tokens: int) -> Dict:
@@ -91,15 +91,16 @@ def model_ranks_report(path: str, sizes: Sequence[int], max_tokens: int, prompt_
                        as_json: bool) -> int:
     """Run the bench and print its records (a table, or JSON lines) and the ratios."""
     records = model_ranks_bench(path, sizes, max_tokens, prompt_tokens, rounds)
-    for rec in records:
-        if as_json:
-            print(json.dumps(rec), flush=True)
-        elif "tok_s" in rec:
-            print(f"N={rec['ranks']}  {rec['name']:>12}  decode {rec['tok_s']:8.1f} tok/s  rounds "
-                  f"{rec['tok_s_rounds']}  tokens match the unsplit model: {rec['tokens_match']}", flush=True)
-        else:
-            print(f"N={rec['ranks']}  {rec['name']:>12}  {rec['error']}", flush=True)
+    print_rows(records, as_json, _table_row)
     if not as_json:
         for line in ratios(records):
             print(line, flush=True)
     return 0
+
+
+def _table_row(rec: dict) -> str:
+    """One N's decode tok/s, its rounds and whether its tokens match the unsplit model's; or its error."""
+    if "tok_s" in rec:
+        return (f"N={rec['ranks']}  {rec['name']:>12}  decode {rec['tok_s']:8.1f} tok/s  rounds "
+                f"{rec['tok_s_rounds']}  tokens match the unsplit model: {rec['tokens_match']}")
+    return f"N={rec['ranks']}  {rec['name']:>12}  {rec['error']}"

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import gate_ops
-from ..testing import localpair
+from ..onehost import localpair
 from .gates import percentiles
 
 SIZES = (16384, 1 << 20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -63,25 +63,33 @@ def gates_report(transports: Sequence[str], rdma_device: Optional[str], nbytes: 
 def print_records(records: List[dict], as_json: bool, keep_samples: bool = False) -> None:
     """One line per record on stdout: JSON, or a table row.
     keep_samples: the raw samples stay in the JSON (a rank passing them up)."""
+    if not keep_samples:
+        records = [{k: v for k, v in rec.items() if k != "samples_us"} for rec in records]
+    print_rows(records, as_json, _table_row)
+
+
+def print_rows(records: Sequence[dict], as_json: bool, row: Callable[[dict], str]) -> None:
+    """Each record on its line of stdout, flushed as it comes: its JSON, or `row(record)` (a
+    bench's table row)."""
     for rec in records:
-        if not keep_samples:
-            rec = {k: v for k, v in rec.items() if k != "samples_us"}
-        if as_json:
-            print(json.dumps(rec), flush=True)
-        elif "p50_us" in rec:
-            print(f"{rec['name']:>22}  {rec['bytes']:>7} B  p50 {rec['p50_us']:8.1f} us  "
-                  f"p99 {rec['p99_us']:8.1f} us  ({rec['iters']} iters)", flush=True)
-        else:
-            match = ("(gates skipped: the bound for any transport)" if rec["tokens_match"] is None
-                     else f"tokens_match={rec['tokens_match']}")
-            exchanges = (f"  exchanges {rec['exchange_ms_per_token']:.2f} ms/token"
-                         if "exchange_ms_per_token" in rec else "")
-            if "split" in rec:
-                shares = " ".join(rec.get("split_rounds") or [rec["split"]])
-                exchanges += (f"  split {shares}: peak resident {rec['rank0_peak_rss_mib']:.0f} MiB "
-                              f"(rank 0) / {rec['rank1_peak_rss_mib']:.0f} MiB (rank 1)")
-            print(f"{rec['name']:>22}  prefill {rec['prefill_tok_s']:8.1f} tok/s{_rounds(rec, 'prefill_tok_s')}"
-                  f"  decode {rec['tok_s']:8.1f} tok/s{_rounds(rec, 'tok_s')}{exchanges}  {match}", flush=True)
+        print(json.dumps(rec) if as_json else row(rec), flush=True)
+
+
+def _table_row(rec: dict) -> str:
+    """A gate record's latencies, or a model record's tok/s, exchanges, split and tokens check."""
+    if "p50_us" in rec:
+        return (f"{rec['name']:>22}  {rec['bytes']:>7} B  p50 {rec['p50_us']:8.1f} us  "
+                f"p99 {rec['p99_us']:8.1f} us  ({rec['iters']} iters)")
+    match = ("(gates skipped: the bound for any transport)" if rec["tokens_match"] is None
+             else f"tokens_match={rec['tokens_match']}")
+    exchanges = (f"  exchanges {rec['exchange_ms_per_token']:.2f} ms/token"
+                 if "exchange_ms_per_token" in rec else "")
+    if "split" in rec:
+        shares = " ".join(rec.get("split_rounds") or [rec["split"]])
+        exchanges += (f"  split {shares}: peak resident {rec['rank0_peak_rss_mib']:.0f} MiB "
+                      f"(rank 0) / {rec['rank1_peak_rss_mib']:.0f} MiB (rank 1)")
+    return (f"{rec['name']:>22}  prefill {rec['prefill_tok_s']:8.1f} tok/s{_rounds(rec, 'prefill_tok_s')}"
+            f"  decode {rec['tok_s']:8.1f} tok/s{_rounds(rec, 'tok_s')}{exchanges}  {match}")
 
 
 def _rounds(rec: dict, key: str) -> str:

@@ -164,7 +164,7 @@ def serve_report(url: Optional[str], model: Optional[Path], transport: str,
     if url:
         records = measure_all(url.rstrip("/"), max_tokens, rounds=rounds, api_key=api_key)
     else:
-        from ..testing.demo_model import demo_model_dir
+        from ..synthetic.demo_model import demo_model_dir
 
         model = model or demo_model_dir()
         with ServedPair(model, transport, rdma_device, ["--max-batch", str(max(CLIENTS))]).start() as pair:

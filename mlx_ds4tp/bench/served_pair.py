@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 from ..base.log import log
-from ..testing.localpair import child_env, free_port, reap
+from ..onehost.localpair import child_env, free_port, reap
 
 # After the kill, how long /health may still say 200 before the leader is taken to have missed
 # the worker's death (a kill under load is seen within a gate exchange).

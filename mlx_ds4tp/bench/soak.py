@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..base.log import log
-from ..testing.localpair import reap
+from ..onehost.localpair import reap
 from . import soak_pair
 from .served_pair import ServedPair, health
 from .soak_client import BAD_KINDS, EXPECTED_KINDS, Outcome, Target, bad_body, bad_request, stream

@@ -95,7 +95,7 @@ def find_pair_pids(http_port: int) -> Tuple[Optional[int], Optional[int]]:
 
 def mlx_lm_server(model: Path, concurrency: int) -> Tuple[subprocess.Popen, str]:
     """mlx_lm.server on 127.0.0.1 on the same model, healthy; (process, base URL)."""
-    from ..testing.localpair import child_env, free_port, reap
+    from ..onehost.localpair import child_env, free_port, reap
 
     port = free_port()
     # Its access log is a line per request: kept out of the way, shown when it fails to start.

@@ -25,7 +25,7 @@ from .model import BENCH_PROMPT, bench_model_dir, rotating_rounds
 
 
 def _pair(path: str, max_tokens: int, prompt_tokens: int, name: str, extra: List[str]) -> Dict:
-    from ..testing.local_run import LocalRun, run_local_pair
+    from ..onehost.local_run import LocalRun, run_local_pair
 
     result = run_local_pair(LocalRun(Path(path), BENCH_PROMPT, max_tokens, stop_at_eos=False,
                                      prompt_tokens=prompt_tokens, extra=extra), quiet=True)

@@ -165,7 +165,7 @@ def _model_dir(flag: str, value: str) -> str:
     preset built once ("150m", "moe-1g"); exits naming the value and the choices otherwise."""
     from ..bench.model import bench_model_dir
     from ..link.identity import model_identity
-    from ..testing import tiny_model
+    from ..synthetic import tiny_model
 
     model = str(model_path(value)) if value == DEMO else bench_model_dir(value)
     try:

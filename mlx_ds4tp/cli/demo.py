@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import List
 
-from ..testing.demo_model import demo_model_dir
-from ..testing.local_run import LocalRun, run_local_pair
+from ..onehost.local_run import LocalRun, run_local_pair
+from ..synthetic.demo_model import demo_model_dir
 from .pair_args import (
     LOCKSTEP_NEEDS_PAIR,
     add_ranks_arg,

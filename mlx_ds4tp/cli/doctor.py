@@ -142,7 +142,7 @@ def check_ucsim_pair() -> List[Check]:
 
     from .. import gate_ops
     from ..link.exchange import Exchange
-    from ..testing.localpair import free_port
+    from ..onehost.localpair import free_port
 
     port = free_port()
     groups: list = [None, None]

@@ -63,7 +63,7 @@ def check_ucsim_mesh(size: int) -> List[Check]:
     import mlx.core as mx
 
     from .. import gate_ops
-    from ..testing.localpair import free_port
+    from ..onehost.localpair import free_port
 
     here = ("127.0.0.1", free_port())
     groups: List[Any] = [None] * size

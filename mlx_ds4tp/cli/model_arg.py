@@ -25,7 +25,7 @@ def add_model_arg(p: argparse.ArgumentParser, help_text: str = MODEL_HELP, requi
 def model_path(model: str) -> Path:
     """The directory `--model` names; exits naming the value and the fix when there is none."""
     if model == DEMO:
-        from ..testing.demo_model import demo_model_dir
+        from ..synthetic.demo_model import demo_model_dir
 
         return demo_model_dir()
     from ..checkpoint.source import resolve_model_arg

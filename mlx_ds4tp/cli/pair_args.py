@@ -1,14 +1,15 @@
-"""The flags that say how this process joins the pair, defined here once for every command that
+"""The flags that say how this process joins its group (a pair, or N ranks), defined here once for every command that
 takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
 --listen/--coordinator, --interface, --ranks (for the commands that run on N machines: the
 leader's group size, which a worker that dials it learns, and the size discovery looks for),
 --transport, --rdma-device, --rdma-gid-index and --secret; and their one check, which turns
-them into a PairAddress and a LinkSettings (with DiscoverySettings when the rank finds its peer
-itself)."""
+them into a PairAddress and a LinkSettings (with DiscoverySettings when the rank finds its
+peers itself)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -93,7 +94,7 @@ def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPO
     p.add_argument("--rdma-gid-index", type=int, default=None, metavar="N",
                    help="the verbs GID index to use (default: the device's IPv4-mapped GID)")
     p.add_argument("--secret", default=None,
-                   help="shared secret both ranks must hold (default DS4_TP_SECRET; the variable "
+                   help="shared secret every rank must hold (default DS4_TP_SECRET; the variable "
                         "keeps it out of `ps`)")
 
 
@@ -186,18 +187,43 @@ def one_rank_address(args: argparse.Namespace, command: str, what: str) -> PairA
     return address
 
 
-def lockstep_address(args: argparse.Namespace, command: str, want: str, what: str,
-                     http_url: str = "") -> Tuple[PairAddress, Optional[DiscoverySettings]]:
-    """The address of a `ds4tp run` or `serve` rank and, without --listen/--coordinator, how it
-    finds its peer (`want`: what it wants to be); one_rank_address's `what` otherwise. Refuses
-    --transport mlx: the lockstep needs the pair's control channel."""
+@dataclasses.dataclass(frozen=True)
+class LockstepJoin:
+    """How a `ds4tp run` or `serve` rank joins its group, its flags checked: its address, how it
+    finds its peers (None: it was given an address), the group's size (None: its leader's) and
+    the LinkSettings it connects with."""
+
+    address: PairAddress
+    discovery: Optional[DiscoverySettings]
+    ranks: Optional[int]
+    link: LinkSettings
+
+
+def add_lockstep_rank_args(p: argparse.ArgumentParser, role_help: str) -> None:
+    """Every flag of how a `ds4tp run` or `serve` rank joins its group (lockstep_join checks them):
+    the transport's, --role/--listen/--coordinator (`role_help`: what --role means), --ranks and
+    --interface."""
+    add_transport_args(p)
+    add_pair_args(p, role_help)
+    add_ranks_arg(p)
+    add_interface_arg(p)
+
+
+def lockstep_join(args: argparse.Namespace, command: str, want: str, what: str,
+                  http_url: str = "") -> LockstepJoin:
+    """add_lockstep_rank_args' flags checked: the rank's address and, without
+    --listen/--coordinator, how it finds its peers (`want`: what it wants to be; `http_url`: what
+    a leader found by discovery serves); one_rank_address's `what` otherwise. Refuses --transport
+    mlx: the lockstep needs the pair's control channel."""
     if discovering(args):
         address = PairAddress(args.role, None, None)
         discovery: Optional[DiscoverySettings] = discovery_from_args(args, command, want, http_url)
     else:
         address, discovery = one_rank_address(args, command, what), None
     refuse_mlx(args, command, LOCKSTEP_NEEDS_PAIR)
-    return address, discovery
+    ranks = ranks_from_args(args, command)  # None: a worker that takes its leader's
+    link = link_from_args(args, address, command, discovery=discovery, size=ranks)
+    return LockstepJoin(address, discovery, ranks, link)
 
 
 def check_at_least(command: str, checks: Sequence[Tuple[str, int, int]]) -> None:

@@ -1,5 +1,5 @@
 """The entry point of a rank that this package spawns on this machine
-(`python -m mlx_ds4tp.cli.rank KIND ...`, built by testing.localpair.rank_command).
+(`python -m mlx_ds4tp.cli.rank KIND ...`, built by onehost.localpair.rank_command).
 
 Not a user command: the public CLI (`ds4tp`) starts these for the bench and
 the demo. Each kind runs one rank and prints its records as JSON lines on
@@ -21,7 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import report_errors, run as run_command
 from .model_arg import add_model_arg
@@ -89,41 +89,43 @@ def _run(args) -> int:
 ROLE_HELP = "this rank: 'leader' (--listen) or 'worker' (--coordinator)"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """A spawned rank's kind: what runs it and which flags it takes (the parent gives them all)."""
+
+    func: Callable[[argparse.Namespace], int]
+    counts: Tuple[str, ...]  # required whole-number flags, e.g. --iters
+    model: bool = False  # --model
+    transport: bool = False  # --transport, --rdma-device, ...
+    pair: bool = False  # --role, --listen/--coordinator
+
+
+_KINDS = {
+    "gate": _Kind(_gate, ("--bytes", "--iters"), transport=True, pair=True),
+    "ring-gate": _Kind(_ring_gate, ("--bytes", "--iters")),
+    "mesh-gate": _Kind(_mesh_gate, ("--rank", "--size", "--port", "--iters"), transport=True),
+    "ring-ranks": _Kind(_ring_ranks, ("--iters",)),
+    "shard-model": _Kind(_shard_model, ("--max-tokens", "--prompt-tokens"), model=True, transport=True, pair=True),
+    "ceiling": _Kind(_ceiling, ("--max-tokens", "--prompt-tokens"), model=True, pair=True),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the spawned ranks' command lines."""
     parser = argparse.ArgumentParser(prog="python -m mlx_ds4tp.cli.rank", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kind", required=True)
-
-    for kind, func in (("gate", _gate), ("ring-gate", _ring_gate)):
+    for kind, spec in _KINDS.items():
         p = sub.add_parser(kind)
-        p.add_argument("--bytes", type=int, required=True)
-        p.add_argument("--iters", type=int, required=True)
-        if kind == "gate":
+        if spec.model:
+            add_model_arg(p)
+        for flag in spec.counts:
+            p.add_argument(flag, type=int, required=True)
+        if spec.transport:
             add_transport_args(p)
+        if spec.pair:
             add_pair_args(p, ROLE_HELP)
-        p.set_defaults(func=func)
-
-    mesh = sub.add_parser("mesh-gate")
-    mesh.add_argument("--rank", type=int, required=True)
-    mesh.add_argument("--size", type=int, required=True)
-    mesh.add_argument("--port", type=int, required=True)
-    mesh.add_argument("--iters", type=int, required=True)
-    add_transport_args(mesh)
-    mesh.set_defaults(func=_mesh_gate)
-    ring = sub.add_parser("ring-ranks")
-    ring.add_argument("--iters", type=int, required=True)
-    ring.set_defaults(func=_ring_ranks)
-
-    for kind, func in (("shard-model", _shard_model), ("ceiling", _ceiling)):
-        p = sub.add_parser(kind)
-        add_model_arg(p)
-        p.add_argument("--max-tokens", type=int, required=True)
-        p.add_argument("--prompt-tokens", type=int, required=True)
-        if kind == "shard-model":
-            add_transport_args(p)
-        add_pair_args(p, ROLE_HELP)
-        p.set_defaults(func=func)
+        p.set_defaults(func=spec.func)
 
     run = sub.add_parser("run")
     run_command.add_args(run)

@@ -1,6 +1,7 @@
-"""`ds4tp run`: one rank of a two-machine generation. The leader tokenizes the prompt, samples
-and streams the text on stdout; the worker runs the same forward passes in lockstep. Each
-machine runs its own rank (`ds4tp demo` runs both on this one)."""
+"""`ds4tp run`: one rank of a generation split over 2 to 8 machines (--ranks N, default 2). The
+leader tokenizes the prompt, samples and streams the text on stdout; every worker runs the same
+forward passes on its part, in lockstep. Each machine runs its own rank (`ds4tp demo` runs them
+all on this one)."""
 
 from __future__ import annotations
 
@@ -13,23 +14,14 @@ from ..link.config import LinkSettings
 from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, model_path
-from .pair_args import (
-    add_interface_arg,
-    add_pair_args,
-    add_ranks_arg,
-    add_transport_args,
-    check_at_least,
-    link_from_args,
-    lockstep_address,
-    ranks_from_args,
-)
+from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
-HELP = "one rank of a two-machine generation"
+HELP = "one rank of a generation split over 2 to 8 machines"
 ROLE_HELP = ("this process's rank, 'leader' (rank 0: --prompt; prints the text) or 'worker' "
-             "(rank 1); without --listen/--coordinator the rank with --prompt leads and the other "
-             "finds it (--interface); run the other rank on the other machine")
+             "(rank 1 and up); without --listen/--coordinator the rank with --prompt leads and the "
+             "others find it (--interface); run every other rank on its own machine")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +30,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help="leader: the prompt text (required there)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     add_sampling_args(p, seed_default=0)
-    add_transport_args(p)
     add_split_arg(p)
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N tokens and stop on "
@@ -47,11 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as raw text (default: the model's chat template, when it has one)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="leader: the answer is JSON that validates against this JSON Schema file "
-                        "(constrained decoding on both ranks; compact JSON)")
-    add_draft_args(p, "the pair verifies its drafts in one forward a round")
-    add_pair_args(p, ROLE_HELP)
-    add_ranks_arg(p)
-    add_interface_arg(p)
+                        "(constrained decoding on every rank; compact JSON)")
+    add_draft_args(p, "the ranks verify the drafts in one forward a round")
+    add_lockstep_rank_args(p, ROLE_HELP)
 
 
 def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings]:
@@ -59,8 +48,8 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     the model's directory and what the leader generates. Bad flags exit naming the flag."""
     # Finding its peer, the rank with the prompt leads; the other works for the first such leader.
     want = "lead" if args.role == "leader" or (args.prompt and args.role != "worker") else "work"
-    address, discovery = lockstep_address(args, "run", want, " --prompt TEXT")
-    if (address.role == "leader" or (discovery and discovery.want == "lead")) and not args.prompt:
+    join = lockstep_join(args, "run", want, " --prompt TEXT")
+    if (join.address.role == "leader" or (join.discovery and join.discovery.want == "lead")) and not args.prompt:
         raise SystemExit("ds4tp run: the leader needs --prompt TEXT")
     check_at_least("run", (("--max-tokens", args.max_tokens, 1), ("--debug-hash", args.debug_hash, 0)))
     check_draft_args("run", args)
@@ -70,13 +59,11 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     if (args.draft_model or args.prompt_lookup) and sampling.processed:
         raise SystemExit("ds4tp run: speculative decoding (--draft-model, --prompt-lookup) takes no "
                          "--repetition-penalty or --json-schema here: leave it out")
-    ranks = ranks_from_args(args, "run")  # None: a worker that takes its leader's
-    link = link_from_args(args, address, "run", discovery=discovery, size=ranks)
     draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
     settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
                            chat=not args.no_chat_template, sampling=sampling,
-                           debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run", ranks))
-    return link, str(model_path(args.model)), settings
+                           debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run", join.ranks))
+    return join.link, str(model_path(args.model)), settings
 
 
 def _schema_grammar(path: str) -> str:

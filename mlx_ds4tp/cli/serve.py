@@ -1,10 +1,11 @@
-"""`ds4tp serve`: an OpenAI-compatible HTTP server on the pair. The leader serves HTTP on
---host/--port and drives the generation; the worker runs the same forward passes. Each machine
-runs its own rank; the two find each other on the Thunderbolt link (--interface), the first
-to wait for a worker leads, and the worker prints the leader's URL. Ctrl-C or SIGTERM stops
-either rank cleanly (exit 0, one line saying why); the other says so and waits for it to come
-back, except a worker started with --role and no --rejoin, which stops with its leader. Scripts
-may name the roles and addresses instead; on one machine, both on 127.0.0.1:
+"""`ds4tp serve`: an OpenAI-compatible HTTP server on 2 to 8 ranks (--ranks N, default 2). The
+leader serves HTTP on --host/--port and drives the generation; every worker runs the same
+forward passes on its part. Each machine runs its own rank; the ranks find each other on the
+Thunderbolt link (--interface), the first to wait for workers leads, and each worker prints the
+leader's URL. Ctrl-C or SIGTERM stops any rank cleanly (exit 0, one line saying why); the others
+say so and wait for it to come back, except a worker started with --role and no --rejoin, which
+stops with its leader. Scripts may name the roles and addresses instead; a pair on one machine,
+both on 127.0.0.1:
 
     ds4tp serve --model demo --role worker --coordinator 127.0.0.1 9911 &
     ds4tp serve --model demo --role leader --listen 127.0.0.1 9911
@@ -22,24 +23,15 @@ from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg, default_served_name, model_path
-from .pair_args import (
-    add_interface_arg,
-    add_pair_args,
-    add_ranks_arg,
-    add_transport_args,
-    check_at_least,
-    link_from_args,
-    lockstep_address,
-    ranks_from_args,
-)
+from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
-HELP = "an OpenAI-compatible HTTP server on the pair"
+HELP = "an OpenAI-compatible HTTP server on 2 to 8 ranks"
 DEFAULT_DISK_BYTES = 20 * 10**9
 ROLE_HELP = ("this process's rank, 'leader' (rank 0; serves HTTP on --host/--port) or 'worker' "
-             "(rank 1); without --listen/--coordinator the two find each other (--interface) and "
-             "the first to wait for a worker leads, unless --role says")
+             "(rank 1 and up); without --listen/--coordinator the ranks find each other (--interface) "
+             "and the first to wait for workers leads, unless --role says")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -103,8 +95,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "or 512MB (least recently used dropped first; default 0: bounded by "
                         "--prompt-cache-size only)")
     p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
-                   help="both ranks, each its own directory: every stored prompt cache is written there "
-                        "as soon as it is stored, in the background (this machine's half of it, in "
+                   help="every rank, each its own directory: every stored prompt cache is written there "
+                        "as soon as it is stored, in the background (this machine's part of it, in "
                         "mlx-lm's prompt-cache files; a stop of any kind, kill -9 too, keeps what was "
                         "written), and a later request or a restarted server loads its longest stored "
                         "prefix from there instead of recomputing it (default: memory only)")
@@ -121,14 +113,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N decode steps "
                         "(default 0: off)")
-    add_transport_args(p)
     add_split_arg(p)
     add_sampling_args(p)
-    add_pair_args(p, ROLE_HELP)
-    add_ranks_arg(p)
-    add_interface_arg(p)
+    add_lockstep_rank_args(p, ROLE_HELP)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
-                "Both ranks take the same --model.")
+                "Every rank takes the same --model.")
 
 
 def _size(text: str) -> int:
@@ -158,13 +147,11 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     """The flags of one `ds4tp serve` rank checked once, as the settings it runs with; bad
     flags exit naming the flag."""
     want = {"leader": "lead", "worker": "work", None: "any"}[args.role]
-    address, discovery = lockstep_address(args, "serve", want, " (it serves HTTP on --host/--port)",
-                                          f"http://{args.host}:{args.port}/v1")
-    ranks = ranks_from_args(args, "serve")  # None: a worker that takes its leader's
-    link = link_from_args(args, address, "serve", discovery=discovery, size=ranks)
+    join = lockstep_join(args, "serve", want, " (it serves HTTP on --host/--port)",
+                         f"http://{args.host}:{args.port}/v1")
     check_at_least("serve", (("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
                              ("--max-kv-tokens", args.max_kv_tokens if args.max_kv_tokens is not None else 0, 0)))
-    if args.rejoin and address.role != "worker" and discovery is None:
+    if args.rejoin and join.address.role != "worker" and join.discovery is None:
         raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
                          "takes a restarted worker back")
     if args.port > 65535:
@@ -185,9 +172,9 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling,
                         header_timeout_sec=args.header_timeout_sec,
                         keep_alive_timeout_sec=args.keep_alive_timeout_sec)
-    return ServeSettings(link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
-                         rejoin=args.rejoin or (discovery is not None and address.role != "leader"),
-                         split=split_from_args(args, "serve", ranks))
+    return ServeSettings(join.link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
+                         rejoin=args.rejoin or (join.discovery is not None and join.address.role != "leader"),
+                         split=split_from_args(args, "serve", join.ranks))
 
 
 def _limits(args: argparse.Namespace) -> ServeLimits:

@@ -1,7 +1,8 @@
-"""How this rank joins the pair: ``LinkSettings``, as the user gives it (tp.init's keywords,
-the command line's flags, made once in cli/), and, once ``resolved()``, what the link layer
-runs on: the same with every ``DS4_TP_*`` knob resolved once and passed down explicitly.
-A bad value (argument or environment) is a ValueError naming it, raised before any socket exists.
+"""How this rank joins its group (a pair, or a mesh of N ranks): ``LinkSettings``, as the user
+gives it (tp.init's keywords, the command line's flags, made once in cli/), and, once
+``resolved()``, what the link layer runs on: the same with every ``DS4_TP_*`` knob resolved once
+and passed down explicitly. A bad value (argument or environment) is a ValueError naming it,
+raised before any socket exists.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ class DiscoverySettings:
 
 @dataclasses.dataclass(frozen=True)
 class LinkSettings:
-    """How this rank joins the pair: made once, from tp.init's keywords or the command line's
+    """How this rank joins its group (a pair, or N ranks): made once, from tp.init's keywords or the command line's
     --transport/--rdma-device/--rdma-gid-index/--secret (in cli/), and what the link layer runs
     on once resolved(). A field left as None takes its DS4_TP_* variable, else its default, when
     resolved() makes the pair's copy; a field given a value ignores the environment. check()
@@ -222,7 +223,7 @@ class LinkSettings:
     the system one; DS4_TP_VERBS_LIBRARY). figures: what this rank measured at start
     (split.measure), carried by its hello for `--split auto`. identity: the model the hello
     checks (resolved(identity) sets it). (The bring-up's test-only switches are seams in
-    link/bringup.py, not fields.)
+    link/rdma_bringup.py, not fields.)
     discovery: find the peer by multicast DNS (link/meet.py) instead of listen/coordinator;
     with size > 2, the group (link/findgroup.py: the ranks and the leader's address, then the mesh).
     size: ranks in the group (2: a pair, as always; 3..8: a mesh, link/mesh.py: the leader

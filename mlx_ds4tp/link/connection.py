@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 from ..errors import FrameError, HelloMismatchError
 from .control import ControlChannel
 from .fingerprint import Fingerprint, first_difference, summary_label
-from .joined import Joined
+from .handshake_done import HandshakeDone
 from .native import load_verbs
 from .rdma import RdmaDevice
 from .wire import FINGERPRINT_SUMMARY, LEADER, ROLE_NAMES, FrameType
@@ -21,7 +21,7 @@ class Pair:
     complete: RDMA proven, or TCP). The exchanges themselves run in C on a
     link made of it (collectives/backend.py, link/exchange.py)."""
 
-    def __init__(self, joined: Joined, rdma: Optional[RdmaDevice]):
+    def __init__(self, joined: HandshakeDone, rdma: Optional[RdmaDevice]):
         self._joined = joined  # closes both connections
         config = joined.config
         self.config = config

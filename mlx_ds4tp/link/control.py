@@ -84,6 +84,26 @@ def recv_exact_into(sock: socket.socket, view: memoryview, what: str, deadline: 
         got += n
 
 
+def recv_some(sock: socket.socket, n: int, deadline: float, who: str, flags: int = 0) -> bytes:
+    """Up to n bytes from sock before deadline (monotonic; flags: socket.MSG_PEEK leaves them
+    there), for the sockets outside a control channel (a door's first bytes, the lobby's
+    messages). TransportTimeoutError when `who` said nothing by then, PeerClosedError when its
+    connection failed or closed."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransportTimeoutError(f"{who} said nothing in time")
+    sock.settimeout(remaining)
+    try:
+        got = sock.recv(n, flags)
+    except socket.timeout:
+        raise TransportTimeoutError(f"{who} said nothing in time") from None
+    except OSError as exc:
+        raise PeerClosedError(f"{who}: connection failed: {exc}") from None
+    if not got:
+        raise PeerClosedError(f"{who} closed the connection")
+    return got
+
+
 def send_all(sock: socket.socket, data, what: str, deadline: float) -> None:
     """Write all of data before deadline; PeerClosedError or TransportTimeoutError."""
     remaining = deadline - time.monotonic()

@@ -29,8 +29,8 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ..base.log import log
-from ..errors import PeerClosedError, TransportError, TransportTimeoutError
-from .control import ControlChannel, accept, listen_socket
+from ..errors import PeerClosedError, TransportError
+from .control import ControlChannel, accept, listen_socket, recv_some
 from .wire import (
     DATA_MAGIC,
     HELLO_HEAD,
@@ -221,18 +221,7 @@ def _hello_refusal(size: int, formed: bool, payload: bytes) -> str:
 def _peek(sock: socket.socket, n: int, until: float) -> bytes:
     """The first n bytes without taking them off the socket."""
     while True:
-        remaining = until - time.monotonic()
-        if remaining <= 0:
-            raise TransportTimeoutError("said nothing within the hello timeout")
-        sock.settimeout(remaining)
-        try:
-            head = sock.recv(n, socket.MSG_PEEK)
-        except socket.timeout:
-            raise TransportTimeoutError("said nothing within the hello timeout") from None
-        except OSError as exc:
-            raise PeerClosedError(f"connection failed: {exc}") from None
-        if not head:
-            raise PeerClosedError("closed before it said anything")
+        head = recv_some(sock, n, until, "the dialing rank", socket.MSG_PEEK)
         if len(head) >= n:
             return head[:n]
         time.sleep(0.001)

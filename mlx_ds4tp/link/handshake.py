@@ -1,7 +1,7 @@
 """Bringing the pair up: the leader listens, the worker dials; hello,
 authentication and the transport choice on the control connection; then the
 gate data connection; then, when both agreed on RDMA, the queue pair's
-bring-up (bringup.py). The result is a complete Pair, which owns both
+bring-up (rdma_bringup.py). The result is a complete Pair, which owns both
 connections and, over RDMA, the proven device the exchanges run on."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from ..errors import (
     TransportError,
 )
 from .advice import advise_once, short_reason
-from .bringup import bring_up_rdma
 from .config import LinkSettings
 from .connection import Pair, fingerprint_mismatch
 from .control import (
@@ -35,9 +34,10 @@ from .control import (
     set_kernel_timeout,
     tune_socket,
 )
+from .handshake_done import HandshakeDone
 from .hello import Hello, authenticate, check_hello, choose_transport, data_proof
-from .joined import Joined
 from .rdma import RdmaDevice
+from .rdma_bringup import bring_up_rdma
 from .wire import (
     DATA_HELLO,
     DATA_MAGIC,
@@ -52,7 +52,7 @@ from .wire import (
 )
 
 Dial = Callable[[str, int, float, str], socket.socket]
-BringUp = Callable[[Joined], Optional[RdmaDevice]]
+BringUp = Callable[[HandshakeDone], Optional[RdmaDevice]]
 
 
 class Door(Protocol):
@@ -168,7 +168,7 @@ def _agree(control: ControlChannel, config: LinkSettings, mine: Hello, theirs: H
     return choose_transport(mine, theirs)
 
 
-def _connect_leader(config: LinkSettings, mine: Hello, deadline: float, door: Optional[Door]) -> Joined:
+def _connect_leader(config: LinkSettings, mine: Hello, deadline: float, door: Optional[Door]) -> HandshakeDone:
     host, port = config.address.listen
     listener = listen_socket(host, port) if door is None else None
 
@@ -215,7 +215,7 @@ def _connect_leader(config: LinkSettings, mine: Hello, deadline: float, door: Op
     finally:
         if listener is not None:
             listener.close()
-    return _joined(f"worker connected from {peer}", Joined(config, control, data, mine, theirs, transport))
+    return _joined(f"worker connected from {peer}", HandshakeDone(config, control, data, mine, theirs, transport))
 
 
 def _accept_data(take: Callable[..., Tuple[socket.socket, str]], deadline: float,
@@ -243,7 +243,7 @@ def _accept_data(take: Callable[..., Tuple[socket.socket, str]], deadline: float
         return data
 
 
-def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Dial) -> Joined:
+def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Dial) -> HandshakeDone:
     host, port = config.address.coordinator
     sock = dial(host, port, deadline, "control")
     tune_socket(sock)
@@ -266,7 +266,7 @@ def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Di
             control.send_error(str(exc))
         sock.close()
         raise
-    return _joined(f"connected to leader {host}:{port}", Joined(config, control, data, mine, theirs, transport))
+    return _joined(f"connected to leader {host}:{port}", HandshakeDone(config, control, data, mine, theirs, transport))
 
 
 def _choice_note(config: LinkSettings, mine: Hello, theirs: Hello, transport: str) -> str:
@@ -283,7 +283,7 @@ def _choice_note(config: LinkSettings, mine: Hello, theirs: Hello, transport: st
     return " (auto: RDMA unavailable on " + "; ".join(why) + ")"
 
 
-def _joined(who: str, joined: Joined) -> Joined:
+def _joined(who: str, joined: HandshakeDone) -> HandshakeDone:
     """Either side's end of the handshake: the transport choice in one log line, then what this
     side's user can do about its missing RDMA, and the gate data socket's kernel deadline."""
     config, mine, transport = joined.config, joined.mine, joined.transport

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..base.log import log
 from ..errors import AuthenticationError, FrameError, HelloMismatchError, PeerClosedError, TransportTimeoutError
-from .control import listen_socket
+from .control import listen_socket, recv_some
 
 MAGIC = b"DS4L"
 HEADER = struct.Struct("<4sI")
@@ -138,19 +138,7 @@ def recv(sock: socket.socket, until: float) -> dict:
 def _read(sock: socket.socket, n: int, until: float) -> bytes:
     out = b""
     while len(out) < n:
-        left = until - time.monotonic()
-        if left <= 0:
-            raise TransportTimeoutError("the lobby peer said nothing in time")
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(n - len(out))
-        except socket.timeout:
-            raise TransportTimeoutError("the lobby peer said nothing in time") from None
-        except OSError as exc:
-            raise PeerClosedError(f"lobby connection failed: {exc}") from None
-        if not chunk:
-            raise PeerClosedError("the lobby connection closed")
-        out += chunk
+        out += recv_some(sock, n - len(out), until, "the lobby peer")
     return out
 
 

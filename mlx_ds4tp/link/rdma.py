@@ -1,6 +1,6 @@
 """The RDMA device of a pair over the _verbs C module (ibverbs, or the
 emulated UC device "ucsim"): one registered slab and one UC queue pair, built,
-connected and warmed up from here (bringup.py); the exchange (csrc/exchange.c)
+connected and warmed up from here (rdma_bringup.py); the exchange (csrc/exchange.c)
 then runs its decode window and bulk rounds on it in C."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def rdma_probe(device: Optional[str], verbs_library: str) -> Tuple[bool, str]:
 
 @dataclasses.dataclass(frozen=True)
 class RdmaOpening:
-    """What one side opens its RDMA device with (Joined.open_rdma makes it from the link's
+    """What one side opens its RDMA device with (HandshakeDone.open_rdma makes it from the link's
     settings and sockets).
 
     device: "ucsim" or an ibverbs device name (None: the first). gid_index:
@@ -116,7 +116,7 @@ class RdmaDevice:
         self.warm_recv = self.slab + self.hot_bytes + RDMA_MAX_MSG
         self.setup_attempt = 0
         self.depths: Tuple[int, int, int] = (0, 0, 0)
-        self.warmup_ms: Optional[float] = None  # set by the bring-up (bringup.py) once both directions are proven
+        self.warmup_ms: Optional[float] = None  # set by the bring-up (rdma_bringup.py) once both directions are proven
 
     # -- setup -----------------------------------------------------------------
     def _error_text(self) -> str:

@@ -254,7 +254,7 @@ STATUS = struct.Struct("<II")  # ok, message length; then the message
 POSTED = struct.Struct("<I")  # always 1: "my receives are posted"
 WARM_ROUND = struct.Struct("<IIII")  # setup attempt, round, received, phase (below)
 # A warm-up round has two RDMA_WARM exchanges: "this round's send is posted" (received is 0),
-# then "this is what I received by the round's deadline" (link/bringup.py says why).
+# then "this is what I received by the round's deadline" (link/rdma_bringup.py says why).
 WARM_PHASE_SENT, WARM_PHASE_STATUS = 1, 2
 WARM_TAG = struct.Struct("<IIII")  # WARM_MAGIC, rank, setup attempt, reserved
 

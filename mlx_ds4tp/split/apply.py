@@ -256,7 +256,7 @@ def load_split(
 
     Arguments:
       path: a local mlx-lm model directory (config.json, *.safetensors, tokenizer files), as
-        mlx_lm.convert or mlx_ds4tp.testing.tiny_model write it, or an original Hugging Face checkpoint
+        mlx_lm.convert or mlx_ds4tp.synthetic.tiny_model write it, or an original Hugging Face checkpoint
         of a supported family (experts saved one by one are stacked while reading).
       group: as for split_model.
       split: as for split_model ("even", "A:B" or a SplitShare; "auto" is refused here, it is
@@ -287,7 +287,7 @@ def load_split(
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(
             f"{model_path} is not an mlx-lm model directory (no config.json in it); give the "
-            f"directory mlx_lm.convert or mlx_ds4tp.testing.tiny_model wrote"
+            f"directory mlx_lm.convert or mlx_ds4tp.synthetic.tiny_model wrote"
         )
     rank, size = rank_and_size(group)
     share = SplitShare.of(split)

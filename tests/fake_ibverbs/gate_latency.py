@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 
-from mlx_ds4tp.testing.localpair import free_port  # noqa: E402
+from mlx_ds4tp.onehost.localpair import free_port  # noqa: E402
 
 
 def run_pair(library: str, device: str, iters: int) -> dict:

@@ -172,23 +172,35 @@ int hp_post_recv(tp_dev *dev, const tp_mr *mr, void *addr, uint32_t len, uint64_
     return rc < 0 ? hp_wedge(dev, rc, err, errlen) : TP_OK;
 }
 
+/* After the device refused a post for want of room (the slow path): pump
+ * until a completion lowers the outstanding receives (recv) or sends below
+ * their count now, TP_OK; refused at once when none is outstanding, since
+ * nothing could ever free room; else the pump's error or hp_stalled's. */
+static int wait_for_room(tp_dev *dev, int recv, uint64_t deadline_ns, double timeout_s,
+                         const char *what, char *err, size_t errlen) {
+    const uint64_t before = recv ? dev->rq_outstanding : dev->send_outstanding;
+    if (!before)
+        return hp_fail(dev, TP_ENOMEM, err, errlen, "tp rdma: the device refused a %s with none "
+                       "%s during %s", recv ? "receive" : "send", recv ? "outstanding" : "in flight",
+                       what);
+    while ((recv ? dev->rq_outstanding : dev->send_outstanding) >= before) {
+        int rc = hp_pump(dev, deadline_ns, recv, err, errlen);
+        if (rc > 0) continue;
+        if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
+        return hp_stalled(dev, rc, timeout_s, what, recv ? "message" : NULL, err, errlen);
+    }
+    return TP_OK;
+}
+
 int hp_post_recv_waiting(tp_dev *dev, const tp_mr *mr, void *addr, uint32_t len,
                          uint64_t wr_id, uint64_t deadline_ns, double timeout_s, const char *what,
                          char *err, size_t errlen) {
     for (;;) {
         int rc = hp_post_recv(dev, mr, addr, len, wr_id, err, errlen);
         if (rc != TP_ENOMEM) return rc;
-        if (!dev->rq_outstanding)
-            return hp_fail(dev, TP_ENOMEM, err, errlen, "tp rdma: the device refused a receive "
-                           "with none outstanding during %s", what);
         /* Room comes when one of the peer's messages consumes a receive. */
-        const uint64_t before = dev->rq_outstanding;
-        while (dev->rq_outstanding >= before) {
-            rc = hp_pump(dev, deadline_ns, 1, err, errlen);
-            if (rc > 0) continue;
-            if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
-            return hp_stalled(dev, rc, timeout_s, what, "message", err, errlen);
-        }
+        rc = wait_for_room(dev, 1, deadline_ns, timeout_s, what, err, errlen);
+        if (rc < 0) return rc;
     }
 }
 
@@ -206,17 +218,9 @@ int hp_post_send(tp_dev *dev, const tp_mr *mr, const void *addr, uint32_t len, u
             if (rc != TP_ENOMEM) return hp_wedge(dev, rc, err, errlen);
             learn_cap(dev, 0, dev->send_outstanding);
         }
-        if (!dev->send_outstanding)
-            return hp_fail(dev, TP_ENOMEM, err, errlen, "tp rdma: the device refused a send "
-                           "with none in flight during %s", what);
         /* A send completion frees room; receives reaped meanwhile are
          * accounted as usual. */
-        const uint32_t before = dev->send_outstanding;
-        while (dev->send_outstanding >= before) {
-            rc = hp_pump(dev, deadline_ns, 0, err, errlen);
-            if (rc > 0) continue;
-            if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
-            return hp_stalled(dev, rc, timeout_s, what, NULL, err, errlen);
-        }
+        rc = wait_for_room(dev, 0, deadline_ns, timeout_s, what, err, errlen);
+        if (rc < 0) return rc;
     }
 }

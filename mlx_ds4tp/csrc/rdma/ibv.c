@@ -536,15 +536,23 @@ static int post_errno(int ret) {
     return -ret;
 }
 
+/* A receive or send work request of one scatter-gather entry: every byte
+ * zeroed (the fields this provider does not set stay 0 for any driver), then
+ * its id and entry. A macro: ibv_recv_wr and ibv_send_wr are two types. */
+#define ONE_SGE_WR(wr, id, sge)          \
+    do {                                 \
+        memset(&(wr), 0, sizeof(wr));    \
+        (wr).wr_id = (id);               \
+        (wr).sg_list = (sge);            \
+        (wr).num_sge = 1;                \
+    } while (0)
+
 static int ibv_post_recv_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t lkey,
                              uint64_t wr_id, char *err, size_t errlen) {
     verbs_dev *v = VD(dev);
     struct ibv_sge sge = {.addr = addr, .length = len, .lkey = lkey};
     struct ibv_recv_wr wr, *bad = NULL;
-    memset(&wr, 0, sizeof(wr));
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
+    ONE_SGE_WR(wr, wr_id, &sge);
     int e = post_errno(ibv_post_recv(v->qp, &wr, &bad));
     if (e == 0) return TP_OK;
     tp_errf(err, errlen, "tp rdma: post_recv(%u bytes, wr_id 0x%llx) failed: %s", len,
@@ -558,10 +566,7 @@ static int ibv_post_send_one(tp_dev *dev, uintptr_t addr, uint32_t len, uint32_t
     verbs_dev *v = VD(dev);
     struct ibv_sge sge = {.addr = addr, .length = len, .lkey = lkey};
     struct ibv_send_wr wr, *bad = NULL;
-    memset(&wr, 0, sizeof(wr));
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
+    ONE_SGE_WR(wr, wr_id, &sge);
     /* RDMA WRITE is passed through for diagnostics only: the Apple driver
      * accepts it and never executes it (no remote address is known here). */
     wr.opcode = opcode == TP_OP_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_SEND;

@@ -178,6 +178,61 @@ int hp_drain(tp_dev *dev, uint64_t deadline_ns, double timeout_s, char *err,
     return TP_OK;
 }
 
+/* A gate's sends, shared by tp_gate and tp_gate_post: straight from the
+ * caller's buffer when the NIC can read it, else through the slab's send slot
+ * (free: the previous gate returned only after its sends completed). */
+static inline int gate_send(tp_dev *dev, const void *src, uint32_t bytes, uint64_t gate,
+                            uint64_t seq, uint64_t deadline, double timeout_s, char *err,
+                            size_t errlen) {
+    int rc;
+    const tp_mr *mr = tp_find_mr(dev, src, bytes);
+    const uint8_t *from = src;
+    if (!mr) {
+        memcpy(dev->slab + TP_OFF_SEND, src, bytes);
+        from = dev->slab + TP_OFF_SEND;
+        mr = &dev->mrs[0];
+    }
+    for (uint32_t c = 0; c < dev->armed_chunks; c++) {
+        char what[48];
+        snprintf(what, sizeof(what), "gate seq %llu", (unsigned long long)seq);
+        rc = hp_post_send(dev, mr, from + (uint64_t)c * TP_MAX_MSG, chunk_len(dev, c),
+                          TP_TAG_GATE_SEND | gate, gate_imm(gate, c), deadline, timeout_s, what,
+                          err, errlen);
+        if (rc < 0) return rc;
+    }
+    return TP_OK;
+}
+
+/* A gate's end, shared by tp_gate and tp_gate_wait: spin until the peer's
+ * gate landed and our own sends are done (so the caller may reuse src as
+ * soon as we return), copy it out, then refill through gate + window now,
+ * before the caller can send gate + 1 (why that is in time: above
+ * window_post_next), so the peer never hits an unposted receive (that would
+ * kill the direction). */
+static inline int gate_finish(tp_dev *dev, void *dst, uint32_t bytes, uint64_t gate,
+                              uint64_t seq, uint64_t deadline, double timeout_s, char *err,
+                              size_t errlen) {
+    int rc;
+    while (dev->recv_done < gate || dev->send_outstanding) {
+        const int missing = dev->recv_done < gate;
+        rc = hp_pump(dev, deadline, missing, err, errlen);
+        if (rc > 0) continue;
+        if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
+        char what[80];
+        snprintf(what, sizeof(what), "gate seq %llu (recv_done %llu)", (unsigned long long)seq,
+                 (unsigned long long)(missing ? dev->last_seq : seq));
+        return hp_stalled(dev, rc, timeout_s, what, missing ? "gate message" : NULL, err,
+                          errlen);
+    }
+    memcpy(dst, ring_slot(dev, gate), bytes);
+    rc = window_refill(dev, gate, deadline, timeout_s, err, errlen);
+    if (rc < 0) return rc;
+    dev->gate_count = gate;
+    dev->last_seq = seq;
+    dev->stats.recv_done = seq;
+    return TP_OK;
+}
+
 int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t seq,
             double timeout_s, char *err, size_t errlen) {
     int rc = hp_enter(dev, timeout_s, "tp_gate", err, errlen);
@@ -206,48 +261,9 @@ int tp_gate(tp_dev *dev, const void *src, void *dst, uint32_t bytes, uint64_t se
     }
     dev->mode = TP_MODE_GATE;
 
-    /* Send straight from the caller's buffer when the NIC can read it,
-     * else through the slab's send slot (free: the previous gate returned
-     * only after its sends completed). */
-    const tp_mr *mr = tp_find_mr(dev, src, bytes);
-    const uint8_t *from = src;
-    if (!mr) {
-        memcpy(dev->slab + TP_OFF_SEND, src, bytes);
-        from = dev->slab + TP_OFF_SEND;
-        mr = &dev->mrs[0];
-    }
-    for (uint32_t c = 0; c < dev->armed_chunks; c++) {
-        char what[48];
-        snprintf(what, sizeof(what), "gate seq %llu", (unsigned long long)seq);
-        rc = hp_post_send(dev, mr, from + (uint64_t)c * TP_MAX_MSG, chunk_len(dev, c),
-                          TP_TAG_GATE_SEND | gate, gate_imm(gate, c), deadline, timeout_s, what,
-                          err, errlen);
-        if (rc < 0) return rc;
-    }
-
-    /* Spin until the peer's seq landed and our own sends are done (so the
-     * caller may reuse src as soon as we return). */
-    while (dev->recv_done < gate || dev->send_outstanding) {
-        const int missing = dev->recv_done < gate;
-        rc = hp_pump(dev, deadline, missing, err, errlen);
-        if (rc > 0) continue;
-        if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
-        char what[80];
-        snprintf(what, sizeof(what), "gate seq %llu (recv_done %llu)", (unsigned long long)seq,
-                 (unsigned long long)(missing ? dev->last_seq : seq));
-        return hp_stalled(dev, rc, timeout_s, what, missing ? "gate message" : NULL, err,
-                          errlen);
-    }
-    memcpy(dst, ring_slot(dev, gate), bytes);
-    /* Refill through gate + window now, before the caller can send gate +
-     * 1 (why that is in time: above window_post_next), so the peer never
-     * hits an unposted receive (that would kill the direction). */
-    rc = window_refill(dev, gate, deadline, timeout_s, err, errlen);
+    rc = gate_send(dev, src, bytes, gate, seq, deadline, timeout_s, err, errlen);
     if (rc < 0) return rc;
-    dev->gate_count = gate;
-    dev->last_seq = seq;
-    dev->stats.recv_done = seq;
-    return TP_OK;
+    return gate_finish(dev, dst, bytes, gate, seq, deadline, timeout_s, err, errlen);
 }
 
 /* tp_gate in two halves for a rank with several peers (csrc/exchange.c's
@@ -264,22 +280,7 @@ int tp_gate_post(tp_dev *dev, const void *src, uint32_t bytes, uint64_t seq, dou
     const uint64_t gate = dev->gate_count + 1;
     dev->cur_seq = seq;
     const uint64_t deadline = tp_deadline_after(timeout_s);
-    const tp_mr *mr = tp_find_mr(dev, src, bytes);
-    const uint8_t *from = src;
-    if (!mr) {
-        memcpy(dev->slab + TP_OFF_SEND, src, bytes);
-        from = dev->slab + TP_OFF_SEND;
-        mr = &dev->mrs[0];
-    }
-    for (uint32_t c = 0; c < dev->armed_chunks; c++) {
-        char what[48];
-        snprintf(what, sizeof(what), "gate seq %llu", (unsigned long long)seq);
-        rc = hp_post_send(dev, mr, from + (uint64_t)c * TP_MAX_MSG, chunk_len(dev, c),
-                          TP_TAG_GATE_SEND | gate, gate_imm(gate, c), deadline, timeout_s, what,
-                          err, errlen);
-        if (rc < 0) return rc;
-    }
-    return TP_OK;
+    return gate_send(dev, src, bytes, gate, seq, deadline, timeout_s, err, errlen);
 }
 
 int tp_gate_wait(tp_dev *dev, void *dst, uint32_t bytes, uint64_t seq, double timeout_s,
@@ -288,24 +289,7 @@ int tp_gate_wait(tp_dev *dev, void *dst, uint32_t bytes, uint64_t seq, double ti
     if (rc < 0) return rc;
     const uint64_t gate = dev->gate_count + 1;
     const uint64_t deadline = tp_deadline_after(timeout_s);
-    while (dev->recv_done < gate || dev->send_outstanding) {
-        const int missing = dev->recv_done < gate;
-        rc = hp_pump(dev, deadline, missing, err, errlen);
-        if (rc > 0) continue;
-        if (rc < 0 && rc != TP_EPEER && rc != TP_EMOVED) return rc;
-        char what[80];
-        snprintf(what, sizeof(what), "gate seq %llu (recv_done %llu)", (unsigned long long)seq,
-                 (unsigned long long)(missing ? dev->last_seq : seq));
-        return hp_stalled(dev, rc, timeout_s, what, missing ? "gate message" : NULL, err,
-                          errlen);
-    }
-    memcpy(dst, ring_slot(dev, gate), bytes);
-    rc = window_refill(dev, gate, deadline, timeout_s, err, errlen);
-    if (rc < 0) return rc;
-    dev->gate_count = gate;
-    dev->last_seq = seq;
-    dev->stats.recv_done = seq;
-    return TP_OK;
+    return gate_finish(dev, dst, bytes, gate, seq, deadline, timeout_s, err, errlen);
 }
 
 int tp_drain(tp_dev *dev, double timeout_s, char *err, size_t errlen) {

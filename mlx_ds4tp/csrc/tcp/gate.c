@@ -141,17 +141,19 @@ static uint64_t spin_deadline(uint64_t spin_ns) {
     return spin_ns ? tp_mono_ns() + spin_ns : 0;
 }
 
-int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
-                const void *src, void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
-                char *err, size_t errlen) {
-    /* Header and payload leave in one sendmsg so TCP_NODELAY never splits
-     * them into two segments. 16 KiB fits any socket buffer, so both sides
-     * writing first cannot deadlock. */
+/* Header and payload leave in one sendmsg so TCP_NODELAY never splits them
+ * into two segments. 16 KiB fits any socket buffer, so both sides writing
+ * first cannot deadlock. */
+static inline int tcp_post(int fd, const void *hdr_out, uint32_t hdr_len, const void *src,
+                           uint64_t bytes, uint64_t seq, char *err, size_t errlen) {
     struct iovec out[2] = {{(void *)hdr_out, hdr_len}, {(void *)src, (size_t)bytes}};
-    int rc = tcp_write_all(fd, out, 2, "gate", seq, err, errlen);
-    if (rc != TP_OK) return rc;
+    return tcp_write_all(fd, out, 2, "gate", seq, err, errlen);
+}
 
-    /* One scatter read usually brings header and payload together. */
+/* The peer's header and payload: one scatter read usually brings both. */
+static inline int tcp_collect(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
+                              void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
+                              char *err, size_t errlen) {
     struct iovec in[2] = {{hdr_in, hdr_len}, {dst, (size_t)bytes}};
     struct msghdr msg;
     memset(&msg, 0, sizeof(msg));
@@ -163,8 +165,8 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
     if (r == 0) return tcp_eof("gate", seq, 0, hdr_len + (size_t)bytes, err, errlen);
     size_t got = (size_t)r;
     if (got < hdr_len) {
-        rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, spin_until, "gate header", seq,
-                          err, errlen);
+        int rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, spin_until, "gate header",
+                              seq, err, errlen);
         if (rc != TP_OK) return rc;
         got = hdr_len;
     }
@@ -182,42 +184,25 @@ int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
     return TP_OK;
 }
 
-/* tp_tcp_gate in two halves, for a rank with several peers (csrc/mesh.c): post
+int tp_tcp_gate(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len,
+                const void *src, void *dst, uint64_t bytes, uint64_t seq, uint64_t spin_ns,
+                char *err, size_t errlen) {
+    int rc = tcp_post(fd, hdr_out, hdr_len, src, bytes, seq, err, errlen);
+    if (rc != TP_OK) return rc;
+    return tcp_collect(fd, hdr_out, hdr_in, hdr_len, dst, bytes, seq, spin_ns, err, errlen);
+}
+
+/* tp_tcp_gate in two halves, for a rank with several peers (csrc/exchange.c's mesh): post
  * to every peer first, then collect from each, so the round trips overlap
  * instead of adding up. The bytes on the wire are tp_tcp_gate's. */
 int tp_tcp_post(int fd, const void *hdr_out, uint32_t hdr_len, const void *src, uint64_t bytes,
                 uint64_t seq, char *err, size_t errlen) {
-    struct iovec out[2] = {{(void *)hdr_out, hdr_len}, {(void *)src, (size_t)bytes}};
-    return tcp_write_all(fd, out, 2, "gate", seq, err, errlen);
+    return tcp_post(fd, hdr_out, hdr_len, src, bytes, seq, err, errlen);
 }
 
 int tp_tcp_collect(int fd, const void *hdr_out, void *hdr_in, uint32_t hdr_len, void *dst,
                    uint64_t bytes, uint64_t seq, uint64_t spin_ns, char *err, size_t errlen) {
-    struct iovec in[2] = {{hdr_in, hdr_len}, {dst, (size_t)bytes}};
-    struct msghdr msg;
-    memset(&msg, 0, sizeof(msg));
-    msg.msg_iov = in;
-    msg.msg_iovlen = 2;
-    const uint64_t spin_until = spin_deadline(spin_ns);
-    ssize_t r = recv_spin_then_block(fd, &msg, spin_until);
-    if (r < 0) return tcp_fail(errno, "receive", "gate", seq, err, errlen);
-    if (r == 0) return tcp_eof("gate", seq, 0, hdr_len + (size_t)bytes, err, errlen);
-    size_t got = (size_t)r;
-    if (got < hdr_len) {
-        int rc = tcp_read_all(fd, (char *)hdr_in + got, hdr_len - got, spin_until, "gate header",
-                              seq, err, errlen);
-        if (rc != TP_OK) return rc;
-        got = hdr_len;
-    }
-    if (memcmp(hdr_in, hdr_out, hdr_len) != 0) {
-        tcp_err(err, errlen, "gate desync at seq %llu", (unsigned long long)seq);
-        return TP_EDESYNC;
-    }
-    size_t payload_got = got - hdr_len;
-    if (payload_got < bytes)
-        return tcp_read_all(fd, (char *)dst + payload_got, (size_t)bytes - payload_got,
-                            spin_until, "gate", seq, err, errlen);
-    return TP_OK;
+    return tcp_collect(fd, hdr_out, hdr_in, hdr_len, dst, bytes, seq, spin_ns, err, errlen);
 }
 
 int tp_tcp_raw(int fd, const void *src, void *dst, uint64_t bytes, uint64_t spin_ns, char *err,

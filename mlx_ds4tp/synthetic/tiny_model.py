@@ -205,24 +205,23 @@ def llama_config(sizes: LlamaSizes) -> dict[str, Any]:
     }
 
 
-def save_llama(
-    path: Union[str, Path],
-    sizes: Union[LlamaSizes, str] = "tiny",
-    *,
-    seed: int = 0,
-    dtype: mx.Dtype = mx.float32,
-    quantization: Optional[dict[str, Any]] = None,
-) -> Path:
+def save_llama(path: Union[str, Path], sizes: Union[LlamaSizes, str] = "tiny", **options: Any) -> Path:
     """Write a llama-family model with fixed random weights and a byte-level tokenizer to `path`.
 
-    `sizes` is a LlamaSizes or a preset name ("tiny", "150m"). Returns the directory, loadable
-    with mlx_lm.load and with mlx_ds4tp.model_split.load_split.
+    `sizes` is a LlamaSizes or a preset name ("tiny", "150m"); `options`: save_random_model's
+    (seed, quantization, dtype). Returns the directory, loadable with mlx_lm.load and with
+    mlx_ds4tp.model_split.load_split.
     """
-    if isinstance(sizes, str):
-        if sizes not in PRESETS:
-            raise ValueError(f"unknown model preset {sizes!r}; choose one of {sorted(PRESETS)}")
-        sizes = PRESETS[sizes]
-    return save_random_model(path, llama_config(sizes), seed=seed, dtype=dtype, quantization=quantization)
+    return save_random_model(path, llama_config(_preset(sizes, PRESETS, "model")), **options)
+
+
+def _preset(sizes: Any, presets: dict, what: str) -> Any:
+    """`sizes` itself, or the preset it names; an unknown name raises naming it and the choices."""
+    if not isinstance(sizes, str):
+        return sizes
+    if sizes not in presets:
+        raise ValueError(f"unknown {what} preset {sizes!r}; choose one of {sorted(presets)}")
+    return presets[sizes]
 
 
 @dataclass(frozen=True)
@@ -278,20 +277,10 @@ def qwen3_moe_config(sizes: MoeSizes) -> dict[str, Any]:
     }
 
 
-def save_qwen3_moe(
-    path: Union[str, Path],
-    sizes: Union[MoeSizes, str] = "moe-tiny",
-    *,
-    seed: int = 0,
-    dtype: mx.Dtype = mx.float32,
-    quantization: Optional[dict[str, Any]] = None,
-) -> Path:
+def save_qwen3_moe(path: Union[str, Path], sizes: Union[MoeSizes, str] = "moe-tiny", **options: Any) -> Path:
     """Write a qwen3_moe model with fixed random weights and a byte-level tokenizer to `path`.
 
-    `sizes` is a MoeSizes or a preset name ("moe-tiny", "moe-1g").
+    `sizes` is a MoeSizes or a preset name ("moe-tiny", "moe-1g"); `options`: save_random_model's
+    (seed, quantization, dtype).
     """
-    if isinstance(sizes, str):
-        if sizes not in MOE_PRESETS:
-            raise ValueError(f"unknown mixture-of-experts preset {sizes!r}; choose one of {sorted(MOE_PRESETS)}")
-        sizes = MOE_PRESETS[sizes]
-    return save_random_model(path, qwen3_moe_config(sizes), seed=seed, dtype=dtype, quantization=quantization)
+    return save_random_model(path, qwen3_moe_config(_preset(sizes, MOE_PRESETS, "mixture-of-experts")), **options)

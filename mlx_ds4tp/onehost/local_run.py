@@ -15,7 +15,7 @@ from . import localpair as _localpair
 
 @dataclasses.dataclass(frozen=True)
 class LocalRun:
-    """What both ranks of a local `ds4tp run` generate: the flags they share."""
+    """What every rank of a local `ds4tp run` generates: the flags they share."""
 
     model: Path
     prompt: str
@@ -24,11 +24,11 @@ class LocalRun:
     rdma_device: Optional[str] = None  # "ucsim", or None: the transport's own choice
     stop_at_eos: bool = True
     prompt_tokens: int = 0  # > 0: the prompt's tokens repeated to that many (see run)
-    extra: Sequence[str] = ()  # more `ds4tp run` flags for both ranks (--draft-model ..., --prompt-lookup N)
+    extra: Sequence[str] = ()  # more `ds4tp run` flags for every rank (--draft-model ..., --prompt-lookup N)
     ranks: int = 2  # the ranks of the group, each its own process (--ranks N)
 
     def command(self) -> list:
-        """The `ds4tp run` command line both ranks share (pair_commands adds each one's role)."""
+        """The `ds4tp run` command line every rank shares (pair_commands adds each one's role)."""
         base = _localpair.rank_command(
             "run", "--model", str(self.model), "--transport", self.transport, "--max-tokens",
             str(self.max_tokens), "--no-chat-template", "--prompt", self.prompt)

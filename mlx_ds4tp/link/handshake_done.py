@@ -1,7 +1,7 @@
 """What the handshake leaves behind: both connections open, the hellos
 swapped, the transport agreed, and no exchange yet.
 
-Only connect() (handshake.py) and the RDMA bring-up (bringup.py) ever see
+Only connect() (handshake.py) and the RDMA bring-up (rdma_bringup.py) ever see
 one: connect() turns it into a complete Pair, with its queue pair proven or
 TCP chosen, so no caller can run an exchange on a pair that is still half built.
 """
@@ -18,7 +18,7 @@ from .rdma import RdmaDevice, RdmaOpening
 
 
 @dataclasses.dataclass(frozen=True)
-class Joined:
+class HandshakeDone:
     """The two ranks after hello, authentication and the transport choice.
     transport: the agreed one, "tcp" or "rdma" (the bring-up may still fall
     back from "rdma" to TCP under transport=auto)."""
@@ -37,7 +37,7 @@ class Joined:
 
     def open_rdma(self) -> RdmaDevice:
         """Open this side's RDMA device for the pair (its queue pair not yet
-        built, connected or warmed up: that is bringup.bring_up_rdma's work)."""
+        built, connected or warmed up: that is rdma_bringup.bring_up_rdma's work)."""
         cfg = self.config
         return RdmaDevice(RdmaOpening(
             device=cfg.rdma_device,

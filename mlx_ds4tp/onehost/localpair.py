@@ -1,6 +1,7 @@
-"""Both ranks on this machine: a free port, the child environment, two rank
-processes started and waited for together (a pair, or MLX's ring with its
-hostfile). The bench, the demo, doctor and the tests share these.
+"""Every rank on this machine: a free port, the child environment, the rank
+processes (two, or N) started and waited for together (a pair, a mesh, or
+MLX's ring with its hostfile). The bench, the demo, doctor and the tests
+share these.
 
 Only the standard library: this sits beside the tools, below nothing.
 """

@@ -7,7 +7,7 @@ kills that direction for good. So before any real traffic both directions are
 proven with one full-size message each way, behind a barrier that guarantees
 the peer's receive is posted, and a pair that fails is destroyed and rebuilt.
 
-connect() (handshake.py) runs bring_up_rdma on the Joined ranks when they
+connect() (handshake.py) runs bring_up_rdma on the HandshakeDone ranks when they
 agreed on RDMA, and hands out the Pair only once this has returned.
 """
 
@@ -26,7 +26,7 @@ from ..errors import (
     TransportError,
     WarmupFailedError,
 )
-from .joined import Joined
+from .handshake_done import HandshakeDone
 from .rdma import RdmaDevice
 from .wire import (
     MAX_STATUS_MESSAGE_BYTES,
@@ -60,13 +60,13 @@ WARMUP_DELAY_MS = 0.0  # sleep a random 0..N ms before posting the warm-up recei
 # ============================================================================
 
 
-def ready_barrier(joined: Joined) -> None:
+def ready_barrier(joined: HandshakeDone) -> None:
     """Both queue pairs are in RTS before either side goes on."""
     joined.control.send(FrameType.RDMA_READY)
     joined.control.recv(FrameType.RDMA_READY)
 
 
-def posted_barrier(joined: Joined) -> None:
+def posted_barrier(joined: HandshakeDone) -> None:
     """Receives-posted barrier: a sender waits for the peer's word that its
     receives are posted, because a UC send into an empty receive queue kills
     that direction on Thunderbolt for good."""
@@ -76,7 +76,7 @@ def posted_barrier(joined: Joined) -> None:
     joined.control.recv(FrameType.RDMA_POSTED)
 
 
-def exchange_status(joined: Joined, ok: bool, message: str) -> tuple:
+def exchange_status(joined: HandshakeDone, ok: bool, message: str) -> tuple:
     """Both ranks learn both outcomes, so both take the same path."""
     data = message.encode("utf-8", "replace")[:MAX_STATUS_MESSAGE_BYTES]
     joined.control.send(FrameType.RDMA_STATUS, STATUS.pack(int(ok), len(data)) + data)
@@ -92,7 +92,7 @@ def exchange_status(joined: Joined, ok: bool, message: str) -> tuple:
 # ============================================================================
 
 
-def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
+def warm_up(joined: HandshakeDone, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec: float = UC_ROUND_SEC) -> int:
     """Prove both directions; returns the rounds used. Raises WarmupFailedError."""
     if WARMUP_DELAY_MS:
         time.sleep(random.uniform(0.0, WARMUP_DELAY_MS) / 1000.0)
@@ -134,7 +134,7 @@ def warm_up(joined: Joined, rdma: RdmaDevice, rounds: int = UC_ROUNDS, round_sec
     )
 
 
-def _exchange_round(joined: Joined, rdma: RdmaDevice, round_no: int, phase: int, received: bool) -> bool:
+def _exchange_round(joined: HandshakeDone, rdma: RdmaDevice, round_no: int, phase: int, received: bool) -> bool:
     """One RDMA_WARM each way for this round's phase; returns the peer's received flag."""
     joined.control.send(
         FrameType.RDMA_WARM, WARM_ROUND.pack(rdma.setup_attempt, round_no, int(received), phase)
@@ -157,7 +157,7 @@ def _exchange_round(joined: Joined, rdma: RdmaDevice, round_no: int, phase: int,
 # ============================================================================
 
 
-def connect_queue_pair(joined: Joined, rdma: RdmaDevice) -> None:
+def connect_queue_pair(joined: HandshakeDone, rdma: RdmaDevice) -> None:
     """Exchange queue pair info over the control channel, move to RTS, READY."""
     joined.control.send(FrameType.RDMA_INFO, rdma.local_info())
     _, payload = joined.control.recv(FrameType.RDMA_INFO)
@@ -165,7 +165,7 @@ def connect_queue_pair(joined: Joined, rdma: RdmaDevice) -> None:
     ready_barrier(joined)
 
 
-def bring_up_rdma(joined: Joined) -> Optional[RdmaDevice]:
+def bring_up_rdma(joined: HandshakeDone) -> Optional[RdmaDevice]:
     """Open the device, build, connect and warm the queue joined, re-creating
     it after a failed warm-up; returns the proven device, from which connect()
     makes the Pair. With transport="auto" any failure makes both ranks return
@@ -197,7 +197,7 @@ def bring_up_rdma(joined: Joined) -> Optional[RdmaDevice]:
         raise
 
 
-def _warm_loop(joined: Joined, rdma: RdmaDevice, strict: bool) -> Optional[RdmaDevice]:
+def _warm_loop(joined: HandshakeDone, rdma: RdmaDevice, strict: bool) -> Optional[RdmaDevice]:
     started = time.monotonic()
     setup_attempt = 0
     while True:
