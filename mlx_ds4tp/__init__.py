@@ -23,7 +23,6 @@ from .errors import (
 )
 from .gate_ops import (
     Group,
-    MeshGroup,
     all_gather,
     all_max,
     all_min,
@@ -54,7 +53,6 @@ __all__ = [
     "recv",
     "recv_like",
     "Group",
-    "MeshGroup",
     "ModelIdentity",
     "model_fingerprint",
     "TransportError",

@@ -83,7 +83,7 @@ def test_a_pair_closed_under_its_group_refuses_the_gate(transport):
         ones = mx.ones((4096,))
         mx.eval(ones)
         both_ok(lambda: tp.all_sum(ones, group=lg), lambda: tp.all_sum(ones, group=wg))
-        lg.pair.close()
+        lg.link_to(1).close()
         started = time.monotonic()
         # Collectives run inside MLX's evaluation, which hands their errors on as RuntimeError.
         with pytest.raises(RuntimeError, match="this group is closed"):
@@ -168,7 +168,7 @@ def test_reconnect_refuses_what_it_cannot_rejoin():
         with pytest.raises(ValueError, match="transport='mlx'"):
             gate_ops.reconnect(lg, LinkSettings(PairAddress("leader", None, None), "mlx"))
         with pytest.raises(tp.TransportError, match="still open"):
-            lg.reattach(lg.pair)
+            lg.reattach(lg.mesh)
 
 
 def test_gate_latency_is_recorded():

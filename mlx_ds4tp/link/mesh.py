@@ -50,13 +50,14 @@ ANY_RANK = -1
 class Mesh:
     """This rank's end of a formed mesh: its rank, the size, one complete Pair per peer rank
     (each a pair's own link: in it this rank is pair rank 0 towards higher ranks, 1 towards
-    lower ones), the mesh's id, and what stays open until close()."""
+    lower ones), the mesh's id, and what stays open until close(). A pair connect() made is
+    a mesh of two (pair_mesh): no door, no id, the one pair its only link."""
 
     rank: int
     size: int
     pairs: Dict[int, Pair]
     mesh_id: bytes
-    door: Door
+    door: Optional[Door]
     keep: List[socket.socket]
     closed: bool = False
 
@@ -70,12 +71,19 @@ class Mesh:
         self.closed = True
         for pair in self.pairs.values():
             pair.close()
-        self.door.close()
+        if self.door is not None:
+            self.door.close()
         for sock in self.keep:
             try:
                 sock.close()
             except OSError:
                 pass
+
+
+def pair_mesh(pair: Pair) -> Mesh:
+    """The pair connect() made as a mesh of two: the group above runs any N alike, and the
+    pair's formation on the wire (hello, secret, bring-up) stays as it is."""
+    return Mesh(pair.rank, 2, {1 - pair.rank: pair}, b"", None, [])
 
 
 def form_mesh(link: LinkSettings, connect: Connect) -> Mesh:

@@ -81,18 +81,13 @@ def drain_failed_work() -> None:
 
 
 def worker_channels(group: gate_ops.Group) -> List[tr.ControlChannel]:
-    """The leader's control channel to each worker, in rank order: the pair's one, or a mesh's
-    link to each of its N-1 workers (collectives.mesh.MeshGroup)."""
-    mesh = getattr(group, "mesh", None)
-    if mesh is not None:
-        return [mesh.pairs[peer].control for peer in range(1, group.size())]
-    return [group.pair.control]
+    """The leader's control channel to each worker, in rank order (ranks 1 .. N-1)."""
+    return [group.link_to(peer).control for peer in range(1, group.size())]
 
 
 def leader_channel(group: gate_ops.Group) -> tr.ControlChannel:
-    """A worker's control channel to the leader (rank 0): the pair's, or a mesh's link to rank 0."""
-    mesh = getattr(group, "mesh", None)
-    return mesh.pairs[0].control if mesh is not None else group.pair.control
+    """A worker's control channel to the leader (rank 0)."""
+    return group.link_to(0).control
 
 
 def _peer_error(control: tr.ControlChannel) -> Optional[str]:

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..base.log import log
 from ..checkpoint.parts import SafetensorsParts
-from ..collectives.backend import PairGroup, cut_only_group
+from ..collectives.backend import cut_only_group
 from ..collectives.seam import as_collective
 from ..link.fingerprint import model_fingerprint
 from .columns import under
@@ -228,20 +228,25 @@ class ModelCuts:
 
 
 def agree_model(model_path: Path, group: Any) -> None:
-    """For a pair of our own (transport tcp or rdma) whose hello carried no model fingerprint
-    (init without identity, or an identity of the user's own without one): both ranks, at the
-    same point of load_split, compare model_path's fingerprint before either reads a weight, and
-    a difference is HelloMismatchError on both, naming both fingerprints. A hello that carried
+    """For a group of our own (transport tcp or rdma) whose hellos carried no model fingerprint
+    (init without identity, or an identity of the user's own without one): every rank, at the
+    same point of load_split, compares model_path's fingerprint with each peer's before any
+    reads a weight, and a difference is HelloMismatchError on both ends of a link, naming both. A hello that carried
     fingerprints already agreed on them (a difference stops the hello), so nothing is read
     twice; MLX's groups have no channel for it."""
-    if not isinstance(group, PairGroup):
+    if not callable(getattr(group, "link_to", None)):
         return
-    pair = group.pair
-    # Both hellos carry one or neither (one without is refused at the hello), so both ranks
-    # take the same branch here.
-    if pair.mine.fingerprint and pair.peer_hello.fingerprint:
-        return
-    pair.agree_fingerprint(model_fingerprint(model_path))
+    fingerprint = None
+    # Each link in rank order, as every rank walks them: a swap writes before it reads, so no
+    # order of links can leave two ranks waiting on each other.
+    for peer in (r for r in range(group.size()) if r != group.rank()):
+        link = group.link_to(peer)
+        # Both hellos of a link carry one or neither (one without is refused at the hello), so
+        # both its ranks take the same branch here.
+        if link.mine.fingerprint and link.peer_hello.fingerprint:
+            continue
+        fingerprint = fingerprint or model_fingerprint(model_path)
+        link.agree_fingerprint(fingerprint)
 
 
 def load_split(
