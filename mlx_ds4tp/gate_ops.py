@@ -26,7 +26,7 @@ from .collectives.backend import SUPPORTED_DTYPES, MlxGroup
 from .collectives.group import Group
 from .errors import HelloMismatchError, MeshSizeError, TransportError
 from .link.config import MLX, LinkSettings, PairAddress, pair_address
-from .link.mesh import Mesh, form_mesh, pair_mesh
+from .link.mesh import Mesh, door_formed, form_mesh, pair_mesh
 
 
 def init(
@@ -85,7 +85,7 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     if link.size is None:
         _LAST_GROUP = _join_leaders_size(link, identity)
         return _LAST_GROUP
-    if link.size > 2:
+    if door_formed(link.size):
         found_by = link if link.discovery is not None else None
         if found_by is not None:
             # Discovery finds the group (the ranks, the leader's address), then the mesh forms there.
@@ -194,7 +194,7 @@ def _form_again(group: Group, link: LinkSettings, identity: Optional[tr.ModelIde
     leads a lobby again meanwhile (link.findgroup.Reopened): a restarted rank, which runs
     discovery again, finds it there and is sent to the mesh's door; the ranks still in the
     group dial that door directly (the address discovery found first)."""
-    if link.size <= 2:  # a pair's formation on the wire: hello on one connection, no door
+    if not door_formed(link.size):
         if link.discovery is not None:
             want = "lead" if group.rank() == 0 else "work"
             link = dataclasses.replace(link, discovery=dataclasses.replace(link.discovery, want=want))

@@ -141,7 +141,7 @@ def test_bad_arguments_are_clear():
     with lg, wg:
         with pytest.raises(ValueError, match="sum_scatter: x.shape.0. must be divisible by the group size 2"):
             tp.sum_scatter(mx.zeros((3,)), group=lg)
-        with pytest.raises(ValueError, match=r"dst=0: give another rank of this group of 2 \(0 .. 1, not this rank 0\)"):
+        with pytest.raises(ValueError, match=r"dst=0: give another rank of this group of 2 \(0 .. 1, not this rank"):
             tp.send(mx.zeros((3,)), 0, group=lg)
     with pytest.raises(ValueError, match="role='captain'"):
         tp.init(role="captain", listen=("127.0.0.1", 1))

@@ -116,7 +116,7 @@ def test_model_cuts_reads_the_shares_off_the_model(tmp_path):
 
 
 def test_unmeasured_figures_are_refused():
-    with pytest.raises(ValueError, match="worker reported no figures"):
+    with pytest.raises(ValueError, match="rank 1 reported no figures"):
         choose_share(figures(BIG, 100), RankFigures(), ModelNeed(GB))
 
 
@@ -270,7 +270,7 @@ def test_run_auto_over_a_memory_cap_is_refused_before_loading(procs, model_dir):
     _, werr = worker.communicate(timeout=60)
     assert leader.returncode != 0 and worker.returncode != 0
     for err in (lerr, werr):
-        assert "no share fits" in err and "the leader may use 0.00 GiB and the worker 0.00 GiB" in err, err
+        assert "no share fits" in err and "rank 0 may use 0.00 GiB, rank 1 may use 0.00 GiB" in err, err
         assert "holds its part" not in err and "weights loaded" not in err
 
 

@@ -80,6 +80,14 @@ class Mesh:
                 pass
 
 
+def door_formed(size: int) -> bool:
+    """Whether a group of `size` ranks forms (and forms again) at the leader's door: JOIN,
+    ROSTER, a link per pair of ranks, REFORM to its workers when it breaks. Two ranks form as a
+    pair does (connect(): one hello on one connection, no door, no REFORM), as they always have
+    on the wire; above the wire both are the same group (pair_mesh)."""
+    return size > 2
+
+
 def pair_mesh(pair: Pair) -> Mesh:
     """The pair connect() made as a mesh of two: the group above runs any N alike, and the
     pair's formation on the wire (hello, secret, bring-up) stays as it is."""

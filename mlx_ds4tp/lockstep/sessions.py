@@ -384,7 +384,7 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             ftype, payload = _next_command(control, table.busy)
             if ftype == F.STOP:
                 return table
-            if ftype == F.REFORM and group.size() > 2:
+            if ftype == F.REFORM and tr.door_formed(group.size()):
                 # The leader lives and forms its mesh again: not a failure. A pair has no mesh
                 # to re-form, so there a REFORM is a stray frame, refused below as any other.
                 raise MeshReformingError(payload.decode("utf-8", "replace"))

@@ -36,7 +36,7 @@ from .layers import (
     rank_and_size,
 )
 from .plans import OWN_PLANS, plan_of, saved_layout, summed_blocks
-from .share import EVEN, SplitShare
+from .share import EVEN, SplitShare, pair_cut_rules
 from .units import Layout, choose_layout, part_shape, run_plan, share_granules, take_runs
 
 _VOCAB_LAYERS = {"embed_tokens": ((nn.Embedding, nn.QuantizedEmbedding), VocabParallelEmbedding),
@@ -138,10 +138,10 @@ def split_model(
     vocab = _vocab_layers(model)
     # A pair's even split keeps 1:1 exactly, as it always has, so its rows must divide by two;
     # from three ranks the vocabulary is cut in proportion at any row, as an uneven share's is.
-    if share.is_even and size == 2:
+    if share.is_even and pair_cut_rules(size):
         _check_vocab(model, vocab, size)
     layout = choose_layout(model, group, shard, share, trace=read_part is not None, label=_label(model))
-    if layout.vocab.is_even and not share.is_even and size == 2:  # fell back to even: the rows must divide
+    if layout.vocab.is_even and not share.is_even and pair_cut_rules(size):  # fell back to even: the rows must divide
         _check_vocab(model, vocab, size)
     if not layout.is_even:
         log(layout.describe())
@@ -210,7 +210,7 @@ class ModelCuts:
         """The part of the split weights' bytes each of `size` ranks keeps when a load asks for
         `share` (choose_layout's cuts, on rank 0's twin, the same for every rank: the
         attention's, the columns' and the vocabulary's each by its own share)."""
-        if share.is_even and size == 2:
+        if share.is_even and pair_cut_rules(size):
             return (0.5, 0.5)
         layout = self.layout(share, size)
         vocab = {path for path, _ in _vocab_layers(self._model)}
