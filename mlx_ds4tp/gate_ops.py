@@ -140,7 +140,7 @@ def reconnect(group: Group, link: Optional[LinkSettings] = None) -> Group:
     (every rank forms them again, each keeping its rank). A model split over the group keeps
     working, so a rank that lost its peers serves on once they (restarted) are back; nothing of
     the old links' state is carried over."""
-    if not isinstance(group, Group):
+    if not callable(getattr(group, "reattach", None)):
         raise TypeError(f"group={group!r}: reconnect() takes a group mlx_ds4tp.init(...) returned")
     made_with, identity = _JOINED_WITH.get(group, (None, None))
     link = link or made_with
@@ -311,7 +311,7 @@ def sum_scatter(x: mx.array, *, group=None, stream=None) -> mx.array:
     if x.ndim == 0 or x.shape[0] % size:
         raise ValueError(f"sum_scatter: x.shape[0] must be divisible by the group size {size}, "
                          f"got shape {tuple(x.shape)}")
-    if isinstance(group, Group):
+    if callable(getattr(group, "link_to", None)):  # ours, whose C++ scatters
         # MLX's ReduceScatter has no vjp: the transpose of a reduce-scatter is an all-gather
         # of the cotangents, wired in here (off the decode path: no split model scatters).
         scatter = mx.custom_function(lambda a: mx.distributed.sum_scatter(a, group=group, stream=stream))

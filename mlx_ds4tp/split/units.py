@@ -341,7 +341,7 @@ def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitSha
     size, rank = int(group.size()), int(group.rank())
     share.check(size)
     if share.is_even:
-        if size <= 2:
+        if pair_cut_rules(size):
             return _even(model, group, shard, trace, label)
         try:
             return _even(model, group, shard, trace, label)
