@@ -1,8 +1,7 @@
 // The dtypes the collectives take and how partials combine, for the group
-// (group.cpp): one table maps
-// MLX's dtypes onto the exchange's codes (exchange_codes.h), and every
-// combine runs in rank order, so every rank computes the same expression and
-// holds the same bits.
+// (group.cpp): one table maps MLX's dtypes onto the exchange's codes
+// (exchange_codes.h), and every combine runs in rank order, so every rank
+// computes the same expression and holds the same bits.
 #pragma once
 
 #include <cmath>
