@@ -2,7 +2,7 @@
 
 Each check prints one line: ok, warn (works, but slower or degraded) or FAIL
 (a pair cannot run), with the fix. The exit code is 1 when anything FAILs.
-The checks of N ranks (3 to 8) are doctor_mesh.py's.
+The checks of a formed group (any N, 2 by default) are doctor_mesh.py's.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ cap and re-creation), so the mesh has no second handshake.
 
 Ranks: a worker may ask for one (JOIN's rank); the leader gives the asked ranks first (a rank
 asked twice is refused to the later asker) and the others, lowest free first, in the order
-the workers joined. Two ranks (size 2) never come here: they are today's pair.
+the workers joined. Two ranks never form here: they form as a pair (connect(), as always on
+the wire), which pair_mesh then presents as a mesh of two, so the group above serves any N alike.
 
 Links come up one at a time in one order every rank walks, (0, 1), (0, 2) .. (1, 2) ..: the
 lower rank listens at its door, the higher dials it. The smallest link not yet made always
