@@ -41,8 +41,7 @@ def pairgroup_extension(include: str, lib: str) -> Extension:
     return Extension(
         "mlx_ds4tp._pairgroup",
         sources=[
-            os.path.join(CSRC, "mlx", "pair_group.cpp"),
-            os.path.join(CSRC, "mlx", "mesh_group.cpp"),
+            os.path.join(CSRC, "mlx", "group.cpp"),
             os.path.join(CSRC, "mlx", "module.cpp"),
             os.path.relpath(os.path.join(nanobind.source_dir(), "nb_combined.cpp"), HERE),
         ],
@@ -57,7 +56,7 @@ def pairgroup_extension(include: str, lib: str) -> Extension:
         libraries=["mlx"],
         extra_compile_args=["-std=c++20", "-O2", "-fvisibility=hidden", "-fno-strict-aliasing"],
         extra_link_args=rpaths,
-        depends=[os.path.join(CSRC, "mlx", name) for name in ("pair_group.h", "mesh_group.h", "dtypes.h")]
+        depends=[os.path.join(CSRC, "mlx", name) for name in ("group.h", "dtypes.h")]
         + [os.path.join(CSRC, "_verbs_api.h"), os.path.join(CSRC, "exchange_codes.h")],
         language="c++",
     )

@@ -26,7 +26,6 @@ from .errors import (
 )
 from .gate_ops import (
     Group,
-    MeshGroup,
     all_gather,
     all_max,
     all_min,
@@ -57,7 +56,6 @@ __all__ = [
     "recv",
     "recv_like",
     "Group",
-    "MeshGroup",
     "ModelIdentity",
     "model_fingerprint",
     "TransportError",

@@ -1,8 +1,8 @@
 """The face model code sees: ``init()`` and the collectives.
 
 ``init(transport="tcp" | "rdma" | "auto")`` returns a :class:`Group` that IS an
-``mx.distributed.Group`` (collectives/backend.py: MLX's ``GroupImpl`` over the pair, in
-C++): ``mx.distributed.all_sum(x, group=g)``, ``mlx.nn``'s sharded layers and mlx-lm's
+``mx.distributed.Group`` (collectives/group.py: MLX's ``GroupImpl`` over the ranks' links, in
+C++, for 2 to 8 ranks): ``mx.distributed.all_sum(x, group=g)``, ``mlx.nn``'s sharded layers and mlx-lm's
 ``model.shard(g)`` take it as they take MLX's own groups, every collective is a lazy
 primitive in MLX's graph, and ``mx.compile``, ``mx.grad`` and ``mx.async_eval`` work.
 ``transport="mlx"`` returns MLX's own group (ring or JACCL, as MLX's launcher configures).
@@ -22,14 +22,11 @@ import mlx.core as mx
 
 from . import transport as tr
 from .base.log import log
-from .collectives.backend import SUPPORTED_DTYPES, MlxGroup, PairGroup
-from .collectives.mesh import MeshGroup
+from .collectives.backend import SUPPORTED_DTYPES, MlxGroup
+from .collectives.group import Group
 from .errors import HelloMismatchError, MeshSizeError, TransportError
 from .link.config import MLX, LinkSettings, PairAddress, pair_address
-from .link.mesh import form_mesh
-
-# The public name of a pair's group.
-Group = PairGroup
+from .link.mesh import Mesh, door_formed, form_mesh, pair_mesh
 
 
 def init(
@@ -52,8 +49,8 @@ def init(
     size: 2 (a pair) to 8; None (the default): 2 on the leader, the leader's on a worker. With
     size > 2 the leader listens with size=N, each worker dials it and is given a rank: the one
     it asks for with rank= (1 .. N-1), else the lowest free one in the order the workers joined;
-    every pair of ranks then makes its own link as a pair does (docs/nranks.md), and a
-    MeshGroup comes back (split(color, key) too). A worker given a size other than the
+    every pair of ranks then makes its own link as a pair does (docs/nranks.md). The same
+    Group comes back for any size (split(color, key) too). A worker given a size other than the
     leader's is refused naming both (MeshSizeError when it gave 2 to a mesh's leader).
 
     transport: "auto" (RDMA when both sides have it, else TCP), "rdma" (error
@@ -78,7 +75,7 @@ def init(
 
 
 def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
-    """Join as `link` says (init's one path): a PairGroup over a pair whose hello checks
+    """Join as `link` says (init's one path): a Group over links whose hellos check
     `identity` (the model's fingerprint), or MLX's own group for transport "mlx"."""
     global _LAST_GROUP
     link.check()
@@ -88,7 +85,7 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     if link.size is None:
         _LAST_GROUP = _join_leaders_size(link, identity)
         return _LAST_GROUP
-    if link.size > 2:
+    if door_formed(link.size):
         found_by = link if link.discovery is not None else None
         if found_by is not None:
             # Discovery finds the group (the ranks, the leader's address), then the mesh forms there.
@@ -104,12 +101,12 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     return _LAST_GROUP
 
 
-def _pair_group(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> "PairGroup":
-    pair = _join(link, identity)
+def _pair_group(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Group:
+    mesh = pair_mesh(_join(link, identity))
     try:
-        group = PairGroup(pair)
+        group = Group(mesh)
     except BaseException:
-        pair.close()
+        mesh.close()
         raise
     _JOINED_WITH[group] = (link, identity)
     return group
@@ -137,13 +134,13 @@ def _join_leaders_size(link: LinkSettings, identity: Optional[tr.ModelIdentity])
     return group
 
 
-def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairGroup":
-    """Join the pair (or the mesh) again on a closed group, with the settings it was made with
-    (or `link`): the same hello, secret and model fingerprint checks, then the group runs over
-    the new pair (a mesh: every rank forms it again, each keeping its rank). A model split over
-    the group keeps working, so a rank that lost its peer serves on
-    once the peer (restarted) is back; nothing of the old pair's state is carried over."""
-    if not isinstance(group, (PairGroup, MeshGroup)):
+def reconnect(group: Group, link: Optional[LinkSettings] = None) -> Group:
+    """Join the group again on a closed group, with the settings it was made with (or `link`):
+    the same hello, secret and model fingerprint checks, then the group runs over the new links
+    (every rank forms them again, each keeping its rank). A model split over the group keeps
+    working, so a rank that lost its peers serves on once they (restarted) are back; nothing of
+    the old links' state is carried over."""
+    if not callable(getattr(group, "reattach", None)):
         raise TypeError(f"group={group!r}: reconnect() takes a group mlx_ds4tp.init(...) returned")
     made_with, identity = _JOINED_WITH.get(group, (None, None))
     link = link or made_with
@@ -154,17 +151,11 @@ def reconnect(group: "PairGroup", link: Optional[LinkSettings] = None) -> "PairG
         raise ValueError("transport='mlx': MLX's own groups cannot be rejoined; relaunch them")
     if link.size is None:  # a link given here that takes the leader's size: the group's is it
         link = dataclasses.replace(link, size=group.size())
-    if isinstance(group, MeshGroup):
-        return _rejoin_mesh(group, link, identity)
-    if link.discovery is not None:
-        # The rank keeps the role its share of the model was loaded for; it finds a new peer.
-        want = "lead" if group.rank() == 0 else "work"
-        link = dataclasses.replace(link, discovery=dataclasses.replace(link.discovery, want=want))
-    pair = _join(link, identity)
+    mesh = _form_again(group, link, identity)
     try:
-        group.reattach(pair)
+        group.reattach(mesh)
     except BaseException:
-        pair.close()
+        mesh.close()
         raise
     _JOINED_WITH[group] = (link, identity)
     return group
@@ -188,20 +179,26 @@ def rejoin_timeout(group) -> float:
 
 
 # The discovering settings of a mesh discovery found (its leader's lobby opens again on reconnect).
-_FOUND_BY: "weakref.WeakKeyDictionary[MeshGroup, LinkSettings]" = weakref.WeakKeyDictionary()
+_FOUND_BY: "weakref.WeakKeyDictionary[Group, LinkSettings]" = weakref.WeakKeyDictionary()
 
 # What each group of ours was joined with, for reconnect(); weak, so a dropped group goes.
-_JOINED_WITH: "weakref.WeakKeyDictionary[PairGroup, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
+_JOINED_WITH: "weakref.WeakKeyDictionary[Group, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _rejoin_mesh(group: MeshGroup, link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> MeshGroup:
-    """reconnect() of a mesh: every rank forms the mesh again (the leader at its address, each
-    worker asking for the rank it had, so a restarted worker, asking for none, gets the one
-    left free), and the group runs over the new mesh. The leader of a group discovery found
+def _form_again(group: Group, link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Mesh:
+    """reconnect()'s new links, this rank at its old place. A pair joins as connect() does (by
+    discovery: this rank keeps the role its part of the model was loaded for). A mesh forms
+    again (the leader at its address, each worker asking for the rank it had, so a restarted
+    worker, asking for none, gets the one left free); the leader of a group discovery found
     leads a lobby again meanwhile (link.findgroup.Reopened): a restarted rank, which runs
     discovery again, finds it there and is sent to the mesh's door; the ranks still in the
     group dial that door directly (the address discovery found first)."""
+    if not door_formed(link.size):
+        if link.discovery is not None:
+            want = "lead" if group.rank() == 0 else "work"
+            link = dataclasses.replace(link, discovery=dataclasses.replace(link.discovery, want=want))
+        return pair_mesh(_join(link, identity))
     if group.rank() != 0:
         link = dataclasses.replace(link, ask_rank=group.rank())
     found_by = _FOUND_BY.get(group)
@@ -211,23 +208,17 @@ def _rejoin_mesh(group: MeshGroup, link: LinkSettings, identity: Optional[tr.Mod
 
         reopened = Reopened(found_by, identity or tr.ModelIdentity(), link.address.listen)
     try:
-        mesh = form_mesh(link.resolved(identity), _connect)
+        return form_mesh(link.resolved(identity), _connect)
     finally:
         if reopened is not None:
             reopened.close()
-    try:
-        group.reattach(mesh)
-    except BaseException:
-        mesh.close()
-        raise
-    return group
 
 
-def _init_mesh(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> MeshGroup:
+def _init_mesh(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Group:
     """A mesh of link.size ranks (link/mesh.py), each link a pair made by _connect."""
     mesh = form_mesh(link.resolved(identity), _connect)
     try:
-        return MeshGroup(mesh)
+        return Group(mesh)
     except BaseException:
         mesh.close()
         raise
@@ -285,8 +276,8 @@ def _resolve(group):
 
 
 def all_sum(x: mx.array, *, group=None, stream=None) -> mx.array:
-    """Sum of the ranks' x: same shape and dtype, identical bits on both ranks (rank 0's
-    partial first). Lazy, as mx.distributed.all_sum: the exchange runs when MLX evaluates
+    """Sum of the ranks' x: same shape and dtype, identical bits on every rank (the partials
+    added in rank order). Lazy, as mx.distributed.all_sum: the exchange runs when MLX evaluates
     the result. Integers wrap as MLX's do; a bool sum is a logical or. Gradient: the
     cotangent unchanged (MLX's own). A peer at another collective, shape or dtype, a dead
     or stopped peer, or a closed group is a RuntimeError from the evaluation."""
@@ -294,7 +285,7 @@ def all_sum(x: mx.array, *, group=None, stream=None) -> mx.array:
 
 
 def all_gather(x: mx.array, *, group=None, stream=None) -> mx.array:
-    """The ranks' x concatenated on axis 0 in rank order (scalars: shape (2,)).
+    """The ranks' x concatenated on axis 0 in rank order (scalars: shape (size,)).
     Gradient: this rank's rows of the cotangent."""
     return mx.distributed.all_gather(x, group=_resolve(group), stream=stream)
 
@@ -311,16 +302,16 @@ def all_min(x: mx.array, *, group=None, stream=None) -> mx.array:
 
 
 def sum_scatter(x: mx.array, *, group=None, stream=None) -> mx.array:
-    """all_sum(x)[rank * n : (rank + 1) * n] with n = x.shape[0] // size. Over a pair only
-    half the bytes of an all_sum move; over MLX's own backends (whose sum_scatter runs only
+    """all_sum(x)[rank * n : (rank + 1) * n] with n = x.shape[0] // size. Over our group only
+    (N-1)/N of an all_sum's bytes move; over MLX's own backends (whose sum_scatter runs only
     on NCCL) it is MLX's all_sum and the slice. ValueError when x.shape[0] does not divide.
-    Gradient: both ranks' cotangents gathered."""
+    Gradient: every rank's cotangent gathered."""
     group = _resolve(group)
     size = group.size()
     if x.ndim == 0 or x.shape[0] % size:
         raise ValueError(f"sum_scatter: x.shape[0] must be divisible by the group size {size}, "
                          f"got shape {tuple(x.shape)}")
-    if isinstance(group, (PairGroup, MeshGroup)):
+    if callable(getattr(group, "link_to", None)):  # ours, whose C++ scatters
         # MLX's ReduceScatter has no vjp: the transpose of a reduce-scatter is an all-gather
         # of the cotangents, wired in here (off the decode path: no split model scatters).
         scatter = mx.custom_function(lambda a: mx.distributed.sum_scatter(a, group=group, stream=stream))
@@ -333,9 +324,6 @@ def sum_scatter(x: mx.array, *, group=None, stream=None) -> mx.array:
 
 
 def _peer_rank(group, rank: int, what: str) -> None:
-    if group.size() == 2 and rank != 1 - group.rank():
-        raise ValueError(f"{what}={rank!r}: in a group of 2 this rank ({group.rank()}) can only "
-                         f"talk to rank {1 - group.rank()}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < group.size() or rank == group.rank():
         raise ValueError(f"{what}={rank!r}: give another rank of this group of {group.size()} "
                          f"(0 .. {group.size() - 1}, not this rank {group.rank()})")

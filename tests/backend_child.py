@@ -20,18 +20,18 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.collectives.backend import PairGroup
+from mlx_ds4tp.collectives.group import Group
 
 
-def join(role: str, port: int, transport: str) -> PairGroup:
+def join(role: str, port: int, transport: str) -> Group:
     where = {"listen": ("127.0.0.1", port)} if role == "leader" else {"coordinator": ("127.0.0.1", port)}
     kw = {"rdma_device": "ucsim"} if transport == "rdma" else {}
     group = tp.init(role=role, transport=transport, timeout=float(os.environ.get("CHILD_TIMEOUT", 20)),
                     **where, **kw)
-    return group if isinstance(group, PairGroup) else PairGroup(group.pair)
+    return group
 
 
-def chain(g: PairGroup) -> dict:
+def chain(g: Group) -> dict:
     x = mx.ones((4096,), dtype=mx.float32) * (g.rank() + 1)
     sent_before = g.gates()
     t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def _qwen3_moe(seed: int):
     return model
 
 
-def shard(g: PairGroup) -> dict:
+def shard(g: Group) -> dict:
     tokens = mx.array([[1, 5, 9, 42, 7, 3, 100, 200]])
     out = {}
     for name, make in (("qwen3", _qwen3), ("qwen3_moe", _qwen3_moe)):
@@ -98,7 +98,7 @@ def shard(g: PairGroup) -> dict:
     return out
 
 
-def prefill(g: PairGroup) -> dict:
+def prefill(g: Group) -> dict:
     """The split demo-sized llama prefilling 37 tokens in chunks of 16 (lockstep.fill_cache):
     the gates evaluated, against what a forward builds."""
     import tempfile
@@ -116,7 +116,7 @@ def prefill(g: PairGroup) -> dict:
     return {"layers": layers, "prefill_gates": g.gates() - before}
 
 
-def die(g: PairGroup) -> dict:
+def die(g: Group) -> dict:
     x = mx.ones((4096,))
     for _ in range(4):
         x = mx.distributed.all_sum(x, group=g) * 0.5
@@ -140,7 +140,7 @@ def die(g: PairGroup) -> dict:
     return {"error": error, "elapsed": elapsed, "later": later, "alive": alive}
 
 
-def rejoin(g: PairGroup) -> dict:
+def rejoin(g: Group) -> dict:
     """mlx-lm's qwen3 plan over the group; the first worker leaves after one forward, the
     leader's next forward fails, the leader joins a second worker on the same group and the
     model, sharded over it once, runs on: logits against the unsplit model's."""
@@ -164,7 +164,7 @@ def rejoin(g: PairGroup) -> dict:
     except RuntimeError as exc:
         out["lost"] = str(exc)
     try:
-        g.reattach(g.pair)  # still open: refused
+        g.reattach(g.mesh)  # still open: refused
     except Exception as exc:  # noqa: BLE001
         out["bad_reattach"] = f"{type(exc).__name__}: {exc}"
     g.close()

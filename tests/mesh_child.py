@@ -14,6 +14,8 @@ RANK 0 leads (listens on PORT), the others dial it and ask for RANK. TRANSPORT: 
   die     a stream of collectives; rank ARG exits in the middle (writing when to ARG file
           "died.txt" beside its cwd), the others report what they raised and when
   links   each link's transport and queue pair builds
+  stats   decode gates' statistics over every link; a split with every rank in reversed order;
+          then the closed group's refusal
 Prints one JSON object as its last stdout line.
 """
 
@@ -213,6 +215,30 @@ def die(g, victim: int) -> dict:
     return {"error": error, "raised_at": when, "alive": alive}
 
 
+def stats(g) -> dict:
+    report = Report()
+    x = mx.ones((4096,))
+    before = g.gates()
+    for _ in range(30):
+        mx.eval(tp.all_sum(x, group=g))
+    p50, p99 = g.gate_latency_us()
+    gates, seconds = g.gates() - before, g.exchange_seconds()
+    # Every rank in one subgroup, in reverse rank order: a group of two splits as any other.
+    sub = g.split(0, key=g.size() - g.rank())
+    report.check("split size", sub.size() == g.size())
+    report.check("split rank", sub.rank() == g.size() - 1 - g.rank())
+    for dtype in FLOATS:
+        collectives(sub, report, dtype, (12, 3), 4, label="reversed ")
+    g.close()
+    try:
+        mx.eval(tp.all_sum(x, group=g))
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {"gates": gates, "p50": p50, "p99": p99, "seconds": seconds,
+            "refused": refused, "cases": report.cases, "failed": report.failed}
+
+
 def main() -> None:
     rank, port, transport, size, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                          int(sys.argv[4]), sys.argv[5])
@@ -231,6 +257,8 @@ def main() -> None:
         result = shard(g)
     elif case == "die":
         result = die(g, int(sys.argv[6]))
+    elif case == "stats":
+        result = stats(g)
     else:
         result = {"links": {str(k): v for k, v in g.links().items()}}
     result["rank"] = g.rank()

@@ -112,7 +112,7 @@ def exchange(group, send):
     from mlx_ds4tp.link.exchange import Exchange
 
     recv = np.empty_like(send)
-    Exchange(group.link, send)(send, recv)
+    Exchange(group.c_link(1 - group.rank()), send)(send, recv)
     return recv
 
 
@@ -123,9 +123,10 @@ def swap(lg, wg, lsend, wsend, timeout: float = 30.0) -> Tuple:
 
 def groups_of(*pairs) -> List:
     """Pairs from transport.connect() as groups (each then owns and closes its pair)."""
-    from mlx_ds4tp.collectives.backend import PairGroup
+    from mlx_ds4tp.collectives.group import Group
+    from mlx_ds4tp.link.mesh import pair_mesh
 
-    return [PairGroup(p) for p in pairs]
+    return [Group(pair_mesh(p)) for p in pairs]
 
 
 class Procs:

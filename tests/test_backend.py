@@ -1,4 +1,4 @@
-"""The MLX distributed backend (mlx_ds4tp._pairgroup, csrc/mlx/): a pair's group is an
+"""The MLX distributed backend (mlx_ds4tp._pairgroup, csrc/mlx/): our group (here of two) is an
 mx.distributed.Group whose collectives are lazy primitives in MLX's graph.
 
 Each case runs both ranks as processes (tests/backend_child.py): two ranks evaluating in
@@ -14,6 +14,7 @@ import os
 import mlx.core as mx
 import pytest
 
+import mlx_ds4tp as tp
 from pairutil import Procs, free_port
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend_child.py")
@@ -44,8 +45,9 @@ def reports(case: str, transport: str):
 
 def test_the_group_is_an_mlx_group_and_its_module_names_its_mlx():
     from mlx_ds4tp.collectives import backend
+    from mlx_ds4tp.collectives.group import Group
 
-    assert issubclass(backend.PairGroup, mx.distributed.Group)
+    assert issubclass(Group, mx.distributed.Group) and tp.Group is Group
     assert backend._pairgroup.BUILT_AGAINST_MLX == mx.__version__
     assert backend.built_against(backend._extension_path()) == mx.__version__
 
@@ -149,13 +151,13 @@ def test_reconnect_rejoins_with_the_settings_the_group_was_made_with():
     from pairutil import both_ok, make_groups
 
     lg, wg = make_groups("tcp", timeout=10.0)
-    first = lg.pair
+    first = lg.link_to(1)
     lg.close()
     wg.close()
     # Nothing repeated: the address, transport, timeout and identity init was given.
     both_ok(lambda: gate_ops.reconnect(lg), lambda: gate_ops.reconnect(wg))
     with lg, wg:
-        assert lg.pair is not first and (lg.transport, lg.rank(), wg.rank()) == ("tcp", 0, 1)
+        assert lg.link_to(1) is not first and (lg.transport, lg.rank(), wg.rank()) == ("tcp", 0, 1)
     bad = LinkSettings(PairAddress("leader", ("127.0.0.1", 1), None), "tcp", gid_index=-1)
     with pytest.raises(ValueError, match="gid_index=-1"):  # an override is checked as init's are
         gate_ops.reconnect(lg, bad)

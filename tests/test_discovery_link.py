@@ -269,6 +269,7 @@ def test_doctor_on_both_finds_the_peer_and_times_the_exchange(procs, bridge, mod
             pytest.fail("doctor did not finish\n" + "\n".join(r.describe() for r in doctors))
     for d in doctors:
         out = d.out.text()
-        assert re.search(r"gate round trip with the peer discovery found.*transport tcp, 16 KiB p50", out), \
+        assert re.search(r"all_sum round trip with the group discovery found.*2 ranks, transport tcp, 16 KiB p50",
+                         out), \
             d.describe()
         assert "model fingerprint" in out and "split auto" in out, d.describe()

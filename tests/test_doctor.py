@@ -16,7 +16,7 @@ def test_doctor_reports_each_check(procs):
     assert f"[warn] verbs device: tp rdma: {no_rdma_reason()}" in out
     if no_rdma_reason() == "no verbs devices":  # built with the provider: what to check
         assert "rdma_ctl status" in out and "ibv_devices" in out
-    assert "[  ok] ucsim pair: bring-up, warm-up and 200 gates" in out
+    assert "[  ok] ucsim group of 2: bring-up, warm-up and 200 all_sums" in out
     assert "[  ok] split auto: local figures only, no peer (this Mac: " in out
     assert "doctor: 9 checks, 0 failed" in out
 
@@ -30,7 +30,8 @@ def test_doctor_peer_round_trip(procs):
     for p in (peer, listener):
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, out + err
-        assert f"[  ok] gate round trip with 127.0.0.1:{port}: transport tcp, 16 KiB p50" in out
+        assert f"[  ok] all_sum round trip with 127.0.0.1:{port}: 2 ranks, transport tcp, 16 KiB p50" in out
+        assert "exact on every rank" in out
 
 
 def test_doctor_peer_unreachable_fails_with_the_reason(procs):
@@ -39,7 +40,7 @@ def test_doctor_peer_unreachable_fails_with_the_reason(procs):
                     env={"DS4_TP_TIMEOUT_SEC": "1"})
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1
-    assert "[FAIL] gate round trip" in out and f"127.0.0.1:{port}" in out
+    assert "[FAIL] all_sum round trip" in out and f"127.0.0.1:{port}" in out
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +63,14 @@ def test_doctor_peer_compares_model_fingerprints(procs, two_models, same):
                             "--transport", "tcp", "--model", str(mine)])
     peer = procs.spawn(["-m", "mlx_ds4tp", "doctor", "--peer", "127.0.0.1", str(port),
                         "--transport", "tcp", "--model", str(theirs)])
-    for p, here, there, other in ((listener, la, lb, "worker"), (peer, lb, la, "leader")):
+    for p, here, there, other in ((listener, la, lb, 1), (peer, lb, la, 0)):
         out, err = p.communicate(timeout=180)
         if same:
             assert p.returncode == 0, out + err
-            assert f"[  ok] model fingerprint: {here} here, {there} on the {other}" in out, out
+            assert f"[  ok] model fingerprint: {here} here; rank {other} {there}" in out, out
         else:
             assert p.returncode == 1, out + err
-            assert "[FAIL] gate round trip: model mismatch" in out, out
+            assert "[FAIL] all_sum round trip: model mismatch" in out, out
             assert here in out and there in out, out
 
 

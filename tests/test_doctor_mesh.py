@@ -35,8 +35,8 @@ def test_doctor_ranks_3_alone_checks_a_ucsim_mesh(procs):
     p = procs.spawn(["-m", "mlx_ds4tp", "doctor", "--ranks", "3"])
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, out + err
-    assert re.search(r"\[  ok\] ucsim mesh of 3: bring-up, warm-up and 200 all_sums in \d+\.\d+ s", out), out
-    assert "ucsim pair" not in out, out
+    assert re.search(r"\[  ok\] ucsim group of 3: bring-up, warm-up and 200 all_sums in \d+\.\d+ s", out), out
+    assert "ucsim group of 2" not in out, out
     assert "prints the share for the 3 ranks" in out
     assert "doctor: 9 checks, 0 failed" in out
 
@@ -47,7 +47,7 @@ def check_group_lines(outs: List[str], size: int, where: str) -> None:
     auto share everywhere, even's 3:3:2 said to be uneven, and an exact all_sum round trip."""
     ranks, shares = [], set()
     for out in outs:
-        mesh = re.search(rf"\[  ok\] mesh of {size}: this Mac is rank (\d); links (.*)", out)
+        mesh = re.search(rf"\[  ok\] group of {size}: this Mac is rank (\d); links (.*)", out)
         assert mesh, out
         rank = int(mesh.group(1))
         ranks.append(rank)

@@ -90,7 +90,7 @@ def test_a_stranger_and_a_bad_secret_are_refused_and_the_mesh_still_forms():
         ranks.start("w2", **worker(port, 3, secret="s3cret"))
         out = ranks.join()
         groups = [out[n] for n in ("leader", "w1", "w2")]
-        assert all(isinstance(g, tp.MeshGroup) for g in groups), groups
+        assert all(isinstance(g, tp.Group) for g in groups), groups
         assert sorted(g.rank() for g in groups) == [0, 1, 2]
         stranger.close()
     finally:
@@ -147,7 +147,7 @@ def test_workers_without_a_size_join_a_mesh_of_three_and_rejoin_it_with_that_siz
         ranks.start("w2", **worker(port, None, rank=2))
         out = ranks.join()
         groups = [out[n] for n in ("leader", "w1", "w2")]
-        assert all(isinstance(g, tp.MeshGroup) for g in groups), groups
+        assert all(isinstance(g, tp.Group) for g in groups), groups
         assert [(g.rank(), g.size()) for g in groups] == [(0, 3), (1, 3), (2, 3)]
         # The group keeps the size it learned: every rank re-forms the mesh with it.
         for g in groups:

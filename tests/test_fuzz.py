@@ -567,7 +567,11 @@ class StubGroup:
     """What serve_worker needs of a Group: the control channel (a socketpair end)."""
 
     def __init__(self, control: tr.ControlChannel):
-        self.pair = SimpleNamespace(control=control)
+        self.leader = SimpleNamespace(control=control)
+
+    def link_to(self, peer: int) -> SimpleNamespace:
+        assert peer == 0, peer  # a worker's one channel is to the leader
+        return self.leader
 
     def size(self) -> int:
         return 2  # a pair's worker: a REFORM is a stray frame here, as any other non-command

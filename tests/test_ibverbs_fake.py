@@ -117,7 +117,7 @@ def test_named_device_is_used_by_both_ranks(fake, monkeypatch):
     monkeypatch.setenv("DS4_TP_FAKE_IBV_DEVICES", "rdma_en3:down,rdma_en4:nogid,rdma_en1,rdma_en2")
     leader, worker = rdma_groups(rdma_device="rdma_en2")
     with leader, worker:
-        assert ffi.string(lib.tp_device_name(leader.pair.rdma.dev)) == b"rdma_en2"
+        assert ffi.string(lib.tp_device_name(leader.link_to(1).rdma.dev)) == b"rdma_en2"
         assert both_ok(lambda: exact_sums(leader, ((4096, 5),)),
                        lambda: exact_sums(worker, ((4096, 5),))) == ([], [])
 
@@ -138,11 +138,11 @@ def test_rdma_pair_picks_the_fake_device_and_every_sum_is_exact(fake, monkeypatc
     with leader, worker:
         assert leader.transport == worker.transport == "rdma"
         for g in (leader, worker):
-            assert ffi.string(lib.tp_device_name(g.pair.rdma.dev)) == b"rdma_en1"
+            assert ffi.string(lib.tp_device_name(g.link_to(1 - g.rank()).rdma.dev)) == b"rdma_en1"
         assert both_ok(lambda: exact_sums(leader), lambda: exact_sums(worker), timeout=90) == ([], [])
         want = cap or 63
         for g in (leader, worker):
-            st = g.pair.rdma.stats()
+            st = g.link_to(1 - g.rank()).rdma.stats()
             assert (st.recv_cap, st.bulk_slots) == (want, want // 2)
             assert st.dropped_unposted == 0 and st.direction_dead == 0
     err = capfd.readouterr().err
@@ -234,7 +234,7 @@ def test_queue_depths_refused_at_creation_are_halved_until_taken(fake, monkeypat
     monkeypatch.setenv("DS4_TP_FAKE_IBV_REFUSE", "qp_wr=256")
     leader, worker = rdma_groups()
     with leader, worker:
-        assert leader.pair.rdma.depths == (128, 256, 256)
+        assert leader.link_to(1).rdma.depths == (128, 256, 256)
         assert both_ok(lambda: exact_sums(leader), lambda: exact_sums(worker), timeout=90) == ([], [])
     err = capfd.readouterr().err
     assert err.count("queue pair depths cq 512 send 1024 recv 1024 refused; trying half") == 2

@@ -9,9 +9,9 @@ Checked:
   - those objects link into a macOS dylib with no undefined symbol (-undefined error) against
     libSystem (zig's stub of it): every libc call they make exists on a Mac;
   - the C++ backend (csrc/mlx/*.cpp) compiles with setup.py's flags (-std=c++20, ...) against the
-    headers of the pinned MLX's macOS wheel, and pair_group.cpp, the backend proper, links into a
+    headers of the pinned MLX's macOS wheel, and group.cpp, the backend proper, links into a
     dylib against that wheel's libmlx.dylib with no undefined symbol;
-  - the nanobind module (module.cpp, nanobind's nb_combined.cpp and pair_group.cpp) links as a
+  - the nanobind module (module.cpp, nanobind's nb_combined.cpp and group.cpp) links as a
     macOS extension module does, with ``-undefined dynamic_lookup`` for Python's C API, which the
     interpreter that loads it provides; the check then reads the image's bind information and
     fails if any symbol but Python's (``Py*``, ``_Py*``) is left to that lookup, so every MLX and
@@ -117,9 +117,9 @@ class MacBuild:
                 self.cpp_step(NB_COMBINED, self.nb_combined), *steps]
 
     def _link_steps(self):
-        pair_group = "mlx_ds4tp/csrc/mlx/pair_group.cpp"
+        group = "mlx_ds4tp/csrc/mlx/group.cpp"
         return [
-            self.link_step("libpairgroup.dylib", [pair_group], strict=True, with_mlx=True),
+            self.link_step("libgroup.dylib", [group], strict=True, with_mlx=True),
             self.link_step("libverbs_c.dylib", C_SOURCES, strict=True, with_mlx=False),
             self.link_step("_verbs.abi3.so", [*C_SOURCES, CFFI_SOURCE], strict=False, with_mlx=False),
             self.link_step("_pairgroup.so", [*CPP_SOURCES, NB_COMBINED], strict=False, with_mlx=True),
@@ -154,8 +154,8 @@ def test_the_c_sources_link_for_macos_with_nothing_undefined(mac_build):
 
 
 def test_the_backend_links_against_libmlx_dylib_with_nothing_undefined(mac_build):
-    mac_build.require("libpairgroup.dylib")
-    binds = bound_symbols(str(mac_build.out / "libpairgroup.dylib"))
+    mac_build.require("libgroup.dylib")
+    binds = bound_symbols(str(mac_build.out / "libgroup.dylib"))
     from_mlx = sorted(s for s, lib in binds.items() if lib == "@rpath/libmlx.dylib")
     assert from_mlx, f"nothing bound to libmlx.dylib: {sorted(set(binds.values()))}"
 
@@ -202,7 +202,7 @@ LINUX_ONLY_C = [
     ("epoll", "mlx_ds4tp/csrc/rdma/dev.c", lambda t: "#include <sys/epoll.h>\n" + t, "sys/epoll.h"),
     ("sched_setaffinity", "mlx_ds4tp/csrc/rdma/ucsim.c",
      lambda t: t + "\nint tp_x(void) { return sched_setaffinity(0, 0, 0); }\n", "sched_setaffinity"),
-    ("accept4 in the C++ backend", "mlx_ds4tp/csrc/mlx/pair_group.cpp",
+    ("accept4 in the C++ backend", "mlx_ds4tp/csrc/mlx/group.cpp",
      lambda t: t + "\nint ds4tp_x(int fd) { return ::accept4(fd, nullptr, nullptr, 0); }\n", "accept4"),
 ]
 
@@ -212,7 +212,7 @@ def test_a_linux_only_call_put_back_fails_the_mac_build(mac_build, tmp_path, cas
     _, source, edit, name = case
     copy = tmp_path / Path(source).name
     copy.write_text(edit((REPO / source).read_text()))
-    # The copy's own folder is not the original's: its local headers (pair_group.h) by -I.
+    # The copy's own folder is not the original's: its local headers (group.h) by -I.
     make = mac_build.cpp_step if source.endswith(".cpp") else mac_build.c_step
     step = make(source, copy, extra=("-I", str((REPO / source).parent)), obj=tmp_path / "x.o")
     outcome = mt.run_steps([step])[source]
@@ -224,14 +224,14 @@ def test_a_linux_only_call_put_back_fails_the_mac_build(mac_build, tmp_path, cas
 
 
 def test_a_module_symbol_no_library_has_fails_the_check(mac_build, tmp_path):
-    """pair_group linked without libmlx: MLX's symbols are left to load time, and named."""
-    pair_group = ["mlx_ds4tp/csrc/mlx/pair_group.cpp"]
-    loose = mac_build.link_step("no_mlx.so", pair_group, strict=False, with_mlx=False, into=tmp_path)
+    """group.cpp linked without libmlx: MLX's symbols are left to load time, and named."""
+    group = ["mlx_ds4tp/csrc/mlx/group.cpp"]
+    loose = mac_build.link_step("no_mlx.so", group, strict=False, with_mlx=False, into=tmp_path)
     assert mt.run_steps([loose])["no_mlx.so"].ok  # dynamic_lookup links anything
     binds = bound_symbols(str(tmp_path / "no_mlx.so"))
     left = [s for s, lib in binds.items() if lib == FLAT_LOOKUP and not _python_api(s)]
     assert any("mlx" in s for s in left), left
-    strict = mac_build.link_step("no_mlx.dylib", pair_group, strict=True, with_mlx=False, into=tmp_path)
+    strict = mac_build.link_step("no_mlx.dylib", group, strict=True, with_mlx=False, into=tmp_path)
     outcome = mt.run_steps([strict])["no_mlx.dylib"]
     assert not outcome.ok and "undefined" in outcome.output and "mlx" in outcome.output, outcome.output[:3000]
 

@@ -45,9 +45,11 @@ def run_mesh(size: int, transport: str, case: str, *extra: str, env: Optional[Di
 
 
 MESHES = [(3, "tcp"), (4, "tcp"), (3, "rdma"), (4, "rdma")]
+# The same Group for a pair (a mesh of two, its gates on the two-member fast path) and for N.
+GROUPS = [(2, "tcp"), (2, "rdma")] + MESHES
 
 
-@pytest.mark.parametrize("size,transport", MESHES)
+@pytest.mark.parametrize("size,transport", GROUPS)
 def test_every_collective_is_exact_and_identical_on_every_rank(size, transport):
     reports, _ = run_mesh(size, transport, "exact")
     for rank, report in enumerate(reports):
@@ -56,12 +58,24 @@ def test_every_collective_is_exact_and_identical_on_every_rank(size, transport):
         assert report["cases"] == 3 * 7 * 3 + 20
 
 
-@pytest.mark.parametrize("size,transport", MESHES)
+@pytest.mark.parametrize("size,transport", GROUPS)
 def test_the_mlx_collective_matrix_and_split_subgroups_pass(size, transport):
     reports, _ = run_mesh(size, transport, "matrix")
     for report in reports:
         assert report["failed"] == [], report["failed"]
         assert report["cases"] > 7 * 5 * 6
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_gate_stats_cover_every_link_a_split_reorders_any_group_and_a_closed_one_refuses(size):
+    reports, _ = run_mesh(size, "tcp", "stats")
+    for report in reports:
+        assert report["failed"] == [] and report["cases"] == 2 + 3 * 6, report
+        # 30 gates, each once on every link: counted once, timed on every link.
+        assert report["gates"] == 30, report
+        assert 0 < report["p50"] <= report["p99"], report
+        assert report["seconds"] > 0, report
+        assert report["refused"] and "this group is closed" in report["refused"], report
 
 
 def test_mlx_lm_shard_over_four_ranks_gives_the_unsplit_tokens_and_logits():

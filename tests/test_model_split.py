@@ -222,7 +222,7 @@ def _assert_whole(model):
 def test_odd_kv_heads_are_refused():
     model = _llama(num_attention_heads=4, num_key_value_heads=1)
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.n_kv_heads=1 .*cannot be split "
-                                         r"across 2 ranks .*use a model whose head counts .* are even"):
+                                         r"across 2 ranks .*use a model whose head counts .* are multiples of 2"):
         split_model(model, RankOnly(0))
     _assert_whole(model)
 

@@ -318,7 +318,7 @@ def test_expert_width_that_does_not_divide_is_refused():
     model = _qwen3_moe(moe_intermediate_size=65)
     with pytest.raises(ValueError, match=r"mlx-lm's qwen3_moe plan cannot split "
                                          r"model.layers.0.mlp.switch_mlp.gate_proj across 2 ranks .*65.*"
-                                         r"use a model whose head counts and layer widths are even"):
+                                         r"use a model whose head counts and layer widths are multiples of 2"):
         split_model(model, RankOnly(0))
     _assert_whole(model)
 

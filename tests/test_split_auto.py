@@ -116,7 +116,7 @@ def test_model_cuts_reads_the_shares_off_the_model(tmp_path):
 
 
 def test_unmeasured_figures_are_refused():
-    with pytest.raises(ValueError, match="worker reported no figures"):
+    with pytest.raises(ValueError, match="rank 1 reported no figures"):
         choose_share(figures(BIG, 100), RankFigures(), ModelNeed(GB))
 
 
@@ -169,8 +169,8 @@ def test_the_worker_takes_the_leaders_auto_share(capfd):
                       lambda: agree_share(wg, SplitSettings(SplitShare.parse("1:1"), given=True), ModelNeed(GB)))
     assert got == (SplitShare((3, 1)), SplitShare((3, 1)))
     err = capfd.readouterr().err
-    assert "split auto: 3:1 (rank 0's part first), sent to the worker" in err
-    assert "split 3:1: the leader's share (leader: " in err
+    assert "split auto: 3:1 (rank 0's part first), sent to rank 1" in err
+    assert "split 3:1: the leader's share, rank 1 of 2 (rank 0: " in err
     assert "this side asked for even; the leader's share (3:1) decides" in err
 
 
@@ -254,7 +254,7 @@ def test_run_with_split_3_1_gives_the_unsplit_models_tokens(procs, model_dir):
     assert worker.returncode == 0, werr
     text, _ = reference_text(model_dir, "Two different Macs", 12)
     assert lout.rsplit("\n", 2)[0] == text
-    assert "split 3:1: the leader's share, sent to the worker" in lerr
+    assert "split 3:1: the leader's share, sent to rank 1" in lerr
     assert "split 3:1: the leader's share" in werr
     assert "rank 0 keeps 3 of 4 units" in lerr and "rank 1 keeps 1 of 4 units" in werr
 
@@ -270,7 +270,7 @@ def test_run_auto_over_a_memory_cap_is_refused_before_loading(procs, model_dir):
     _, werr = worker.communicate(timeout=60)
     assert leader.returncode != 0 and worker.returncode != 0
     for err in (lerr, werr):
-        assert "no share fits" in err and "the leader may use 0.00 GiB and the worker 0.00 GiB" in err, err
+        assert "no share fits" in err and "rank 0 may use 0.00 GiB, rank 1 may use 0.00 GiB" in err, err
         assert "holds its part" not in err and "weights loaded" not in err
 
 
@@ -301,7 +301,7 @@ def test_run_auto_over_ucsim_on_a_moe_model_gives_a_share_that_fits_and_the_unsp
     assert worker.returncode == 0, werr
     text, _ = reference_text(model, "Two different Macs", 12)
     assert lout.rsplit("\n", 2)[0] == text
-    picked = [line for line in lerr.splitlines() if "split auto:" in line and "sent to the worker" in line]
+    picked = [line for line in lerr.splitlines() if "split auto:" in line and "sent to rank 1" in line]
     assert len(picked) == 1, lerr
     share = SplitShare.parse(picked[0].split("split auto: ")[1].split(" ")[0])
     assert share.parts and share.parts[0] < share.parts[1], picked

@@ -435,8 +435,8 @@ def groups(request):
 def set_timeout(group, seconds: float) -> None:
     """Shorten one rank's waits: the link's deadline (RDMA's hot loops) and the data
     socket's kernel timeouts (TCP, and RDMA's signature swaps)."""
-    group.link.timeout_s = seconds
-    tr.set_kernel_timeout(group.pair.data, seconds)
+    group.c_link(1 - group.rank()).timeout_s = seconds
+    tr.set_kernel_timeout(group.link_to(1 - group.rank()).data, seconds)
 
 
 # 4 .. 32768 bytes are decode gates (32768: two RDMA chunks); 32772 is the smallest bulk.
@@ -465,7 +465,7 @@ def test_exchanges_many_in_a_row_with_size_changes(groups):
     lo, wo = both_ok(lambda: run(lg, 0), lambda: run(wg, 100))
     assert lo == [(100 + rep + n) % 251 for rep in range(30) for n in sizes]
     assert wo == [(0 + rep + n) % 251 for rep in range(30) for n in sizes]
-    assert lg.pair.seq == wg.pair.seq == 30 * len(sizes)  # one shared sequence, one number each
+    assert lg.link_to(1).seq == wg.link_to(0).seq == 30 * len(sizes)  # one shared sequence, one number each
 
 
 def test_exchange_desync_is_loud_on_both_sides(groups):
@@ -473,7 +473,7 @@ def test_exchange_desync_is_loud_on_both_sides(groups):
     first exchange) names both sequence numbers, on both ranks."""
     lg, wg = groups
     a = np.zeros(16384, np.uint8)
-    lg.pair.seq, wg.pair.seq = 4, 5  # the leader is one exchange behind
+    lg.link_to(1).seq, wg.link_to(0).seq = 4, 5  # the leader is one exchange behind
     (lv, le), (wv, we) = run_both(lambda: exchange(lg, a), lambda: exchange(wg, a))
     assert isinstance(le, DesyncError) and "collective 5" in str(le) and "at 6" in str(le), le
     assert isinstance(we, DesyncError), we
@@ -494,7 +494,7 @@ def test_a_failed_exchange_leaves_the_link_dead(groups):
     once naming the first failure, on both ranks, never a wrong payload."""
     lg, wg = groups
     a = np.zeros(4096, np.uint8)
-    lg.pair.seq = 7
+    lg.link_to(1).seq = 7
     run_both(lambda: exchange(lg, a), lambda: exchange(wg, a))
     for g in (lg, wg):
         with pytest.raises(TransportError, match="an earlier collective failed"):
@@ -517,7 +517,7 @@ def test_exchange_timeout_names_seq(groups):
     set_timeout(lg, 0.5)
     a = np.zeros(16384, np.uint8)
     t0 = time.monotonic()
-    lg.pair.seq = 2
+    lg.link_to(1).seq = 2
     with pytest.raises(TransportTimeoutError, match="seq 3"):
         exchange(lg, a)
     assert time.monotonic() - t0 < 3.0
@@ -545,7 +545,7 @@ def test_bulk_exchanges_at_round_boundaries(groups, nbytes):
     if lg.transport == "rdma" and nbytes > 63 * 16384:
         # ucsim refuses the 64th outstanding receive with ENOMEM, as Apple's driver does: the
         # exchange learned the cap and stayed within it, nothing lost or sent twice.
-        assert lg.pair.rdma.stats().recv_cap == 63
+        assert lg.link_to(1).rdma.stats().recv_cap == 63
 
 
 def test_gates_then_bulk_then_gates(groups):
@@ -567,7 +567,7 @@ def test_gates_then_bulk_then_gates(groups):
     assert lo == [1000 + s for s in range(1, len(lo) + 1)]
     assert wo == [s for s in range(1, len(wo) + 1)]
     if lg.transport == "rdma":
-        assert lg.pair.rdma.stats().window > 0  # the gates ran in the window, re-armed after each bulk
+        assert lg.link_to(1).rdma.stats().window > 0  # the gates ran in the window, re-armed after each bulk
 
 
 def test_bulk_desync_names_both(groups):
@@ -582,11 +582,11 @@ def test_an_exchange_is_built_for_one_shape_and_dtype(groups):
     from mlx_ds4tp.link.exchange import Exchange
 
     lg, _ = groups
-    ex = Exchange(lg.link, np.zeros(16, np.float32))
+    ex = Exchange(lg.c_link(1), np.zeros(16, np.float32))
     with pytest.raises(ValueError, match=r"recv is float32 \(8,\).*\(16,\)"):
         ex(np.zeros(16, np.float32), np.zeros(8, np.float32))
     with pytest.raises(TypeError, match="int16 is not offered"):
-        Exchange(lg.link, np.zeros(16, np.int16))
+        Exchange(lg.c_link(1), np.zeros(16, np.int16))
 
 
 # ============================================================================
@@ -606,7 +606,7 @@ RANK_SCRIPT = textwrap.dedent(
     else:
         g = tp.init(role="worker", coordinator=("127.0.0.1", port), **kw)
     send = np.ones(4096, np.float32); recv = np.empty_like(send)
-    exchange = Exchange(g.link, send)
+    exchange = Exchange(g.c_link(1 - g.rank()), send)
     print("READY", flush=True)
     try:
         while True:
@@ -711,7 +711,7 @@ def test_peer_that_says_goodbye_then_closes_is_detected_fast(groups):
     must not hide the close: the exchange fails at once, not at the timeout."""
     lg, wg = groups
     set_timeout(lg, 20.0)
-    wg.pair.control.send_error("worker: stopping")
+    wg.link_to(0).control.send_error("worker: stopping")
     wg.close()
     a = np.zeros(16384, np.uint8)
     t0 = time.monotonic()
@@ -729,7 +729,7 @@ def test_peer_that_says_goodbye_then_closes_is_detected_fast(groups):
 def test_tcp_exchanges_are_exact_whatever_the_polling(spin_us):
     lg, wg = make_groups("tcp", timeout=5.0, tcp_spin_us=spin_us)
     try:
-        assert lg.pair.spin_ns == wg.link.spin_ns == spin_us * 1000
+        assert lg.link_to(1).spin_ns == wg.c_link(0).spin_ns == spin_us * 1000
         rng = np.random.default_rng(spin_us)
         for n in (1, 1000, 4096, 8192):
             a = rng.standard_normal(n).astype(np.float32)
@@ -739,7 +739,7 @@ def test_tcp_exchanges_are_exact_whatever_the_polling(spin_us):
         # The raw floor waits the same way.
         a, b = np.ones(4096, np.float32), np.full(4096, 3.0, np.float32)
         ra, rb = np.empty_like(a), np.empty_like(b)
-        both_ok(lambda: tr.raw_floor(lg.pair, a, ra), lambda: tr.raw_floor(wg.pair, b, rb))
+        both_ok(lambda: tr.raw_floor(lg.link_to(1), a, ra), lambda: tr.raw_floor(wg.link_to(0), b, rb))
         assert np.array_equal(ra, b) and np.array_equal(rb, a)
     finally:
         lg.close()
@@ -753,7 +753,7 @@ def test_an_exchange_waiting_for_a_late_peer_polls_only_when_asked(spin_us, poll
     lg, wg = make_groups("tcp", timeout=20.0, tcp_spin_us=spin_us)
     try:
         a, b = np.ones(4096, np.float32), np.full(4096, 2.0, np.float32)
-        leader, worker = Exchange(lg.link, a), Exchange(wg.link, b)
+        leader, worker = Exchange(lg.c_link(1), a), Exchange(wg.c_link(0), b)
         ra, rb = np.empty_like(a), np.empty_like(b)
 
         def early():
@@ -782,7 +782,7 @@ def test_an_exchange_waiting_for_a_late_peer_polls_only_when_asked(spin_us, poll
 def test_polling_is_capped_so_a_silent_peer_is_still_reported_in_time():
     lg, wg = make_groups("tcp", timeout=0.8, tcp_spin_us=1_000_000)
     try:
-        assert lg.pair.spin_ns == lg.link.spin_ns == 200_000_000  # a quarter of the timeout
+        assert lg.link_to(1).spin_ns == lg.c_link(1).spin_ns == 200_000_000  # a quarter of the timeout
         t0 = time.monotonic()
         with pytest.raises(TransportTimeoutError, match="seq"):
             exchange(lg, np.ones(16, np.float32))  # the worker never comes to this exchange

@@ -7,12 +7,16 @@ Subpackages count: every .py below mlx_ds4tp/ is a module named by its dotted pa
 And no product module imports mlx_ds4tp.testing: what the demo and the benches run is product
 code (onehost/, synthetic/); test scaffolding stays out of what users import. The rule holds
 while no testing/ package exists, so one cannot come back with product code leaning on it.
-Prints what it finds; exits 1 when there is a cycle, an oversized file or a product module that
-imports mlx_ds4tp.testing, or when it finds no package to check (a check that passes on nothing
-would hide a moved tree), else 0.
+Outside link/ and collectives/ (where the wire's pair and mesh live), one Group serves any N:
+no isinstance() test on a group class of collectives/, and at most MAX_SIZE_BRANCHES
+comparisons of a size (an expression naming `size` or `ranks`) with 2 or 3; each offender is
+printed as file:line.
+Prints what it finds; exits 1 when there is a cycle, an oversized file or an offender, or when it
+finds no package to check (a check that passes on nothing would hide a moved tree), else 0.
 """
 import ast
 import os
+import re
 import sys
 from typing import Iterator, Tuple
 
@@ -22,6 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_PY, MAX_C = 500, 900
 # Test scaffolding no product module may import (every module below PKG outside it is product).
 TESTING = f"{PKG}.testing"
+# Where a pair and a mesh may differ: the wire's formation and the group over it.
+GROUP_ROOMS = ("link", "collectives")
+# The group classes of collectives/, old and new: an isinstance() on one asks what kind of group it is.
+GROUP_CLASSES = {"Group", "PairGroup", "MeshGroup", "LinkedGroup"}
+MAX_SIZE_BRANCHES = 6
+_SIZE_NAME = re.compile(r"\b(size|ranks)\b|size\(\)")
 
 
 def modules() -> dict:
@@ -86,6 +96,41 @@ def testing_imports(known: dict) -> list:
     return found
 
 
+def _names_a_group_class(node: ast.AST) -> bool:
+    """An isinstance() class argument naming a group class of ours (alone, dotted, or in a
+    tuple); MLX's own (mx.distributed.Group) is the interface every group has, not a kind."""
+    if isinstance(node, ast.Tuple):
+        return any(_names_a_group_class(e) for e in node.elts)
+    if isinstance(node, ast.Attribute):
+        return node.attr in GROUP_CLASSES and "distributed" not in ast.unparse(node.value)
+    return getattr(node, "id", None) in GROUP_CLASSES
+
+
+def _size_branch(node: ast.Compare) -> bool:
+    """`size == 2`, `group.size() > 2`, `(link.size or 2) == 2`, `2 < ranks`: a size against 2 or 3."""
+    operands = [node.left, *node.comparators]
+    small = [o for o in operands if isinstance(o, ast.Constant) and type(o.value) is int and o.value in (2, 3)]
+    sized = [o for o in operands if not isinstance(o, ast.Constant) and _SIZE_NAME.search(ast.unparse(o))]
+    return bool(small and sized)
+
+
+def group_kind_checks(paths: list) -> tuple:
+    """(isinstance tests on a group class, size-2-style comparisons): file:line of each, in the
+    modules outside GROUP_ROOMS."""
+    kinds, sizes = [], []
+    for path in paths:
+        parts = os.path.relpath(path, PKG).split(os.sep)
+        if parts[0] in GROUP_ROOMS:
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                    and len(node.args) == 2 and _names_a_group_class(node.args[1])):
+                kinds.append(f"{path}:{node.lineno}")
+            elif isinstance(node, ast.Compare) and _size_branch(node):
+                sizes.append(f"{path}:{node.lineno}")
+    return kinds, sizes
+
+
 def main() -> int:
     os.chdir(ROOT)
     if not os.path.isdir(PKG):
@@ -112,6 +157,13 @@ def main() -> int:
             limit = MAX_PY if f.endswith(".py") else MAX_C if f.endswith((".c", ".h", ".cpp", ".hpp", ".cc")) else None
             if limit and (n := sum(1 for _ in open(path, errors="replace"))) > limit:
                 problems.append(f"{path}: {n} lines (over {limit}: which second idea lives in it?)")
+    kinds, sizes = group_kind_checks(sorted(known.values()))
+    problems += [f"{where}: isinstance() on a group class of collectives/: one Group serves any N; "
+                 "ask it (link_to, size) instead" for where in kinds]
+    if len(sizes) > MAX_SIZE_BRANCHES:
+        problems += [f"{where}: a size compared with 2 or 3 ({len(sizes)} outside "
+                     f"{'/ and '.join(GROUP_ROOMS)}/, at most {MAX_SIZE_BRANCHES}): write it for any N"
+                     for where in sizes]
     for p in problems:
         print(p)
     return 1 if problems else 0

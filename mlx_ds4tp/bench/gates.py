@@ -75,10 +75,12 @@ def bench_group(group: gate_ops.Group, name: str, nbytes: int, iters: int) -> Li
     the same socket. Both ranks run this same sequence, so every exchange has its partner."""
     import mlx.core as mx
 
-    pair = group.pair
+    # The link between ranks 0 and 1, the bench's two ranks.
+    peer = 1 - group.rank()
+    pair = group.link_to(peer)
     send = np.full(nbytes // 4, 1.0 + group.rank(), dtype=np.float32)
     recv = np.empty_like(send)
-    exchange = Exchange(group.link, send)
+    exchange = Exchange(group.c_link(peer), send)
     x = mx.array(send)
     contenders = {
         name: lambda: exchange(send, recv),

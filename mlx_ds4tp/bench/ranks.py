@@ -57,7 +57,7 @@ def mesh_rank(rank: int, size: int, port: int, transport: str, rdma_device: Opti
     """One rank of our group of `size` on 127.0.0.1:port (rank 0's records, the others none)."""
     where = ({"role": "leader", "listen": ("127.0.0.1", port)} if rank == 0
              else {"role": "worker", "coordinator": ("127.0.0.1", port),
-                   "rank": rank if size > 2 else None})
+                   "rank": rank})
     group = gate_ops.init(transport=transport, rdma_device=rdma_device, size=size, **where)
     with group:
         if group.transport != transport:

@@ -51,12 +51,11 @@ def main(args: argparse.Namespace) -> int:
              *(("--secret", args.secret) if args.secret else ())]
     ranks = ranks_from_args(args, "demo")
     path = demo_model_dir(ranks)
-    how = "split 50/50 across two local processes" if ranks == 2 else f"split across {ranks} local processes"
+    how = f"split across {ranks} local processes"
     print("ds4tp demo: a small llama-family model with SYNTHETIC random weights (the text is "
           f"noise), {how}.", flush=True)
     # Every rank writes here: the leader's text on stdout, every rank's `ds4-tp:` logs on stderr.
-    what = "the two ranks" if ranks == 2 else f"the {ranks} ranks"
-    print(f"prompt: {args.prompt!r}\n--- {what} (stdout: the leader's text; stderr: every "
+    print(f"prompt: {args.prompt!r}\n--- the {ranks} ranks (stdout: the leader's text; stderr: every "
           f"rank's logs) ---", flush=True)
     result = run_local_pair(LocalRun(path, args.prompt, args.max_tokens, args.transport, args.rdma_device,
                                      extra=extra, ranks=ranks), timeout=600.0)
@@ -66,10 +65,9 @@ def main(args: argparse.Namespace) -> int:
     reference = single_process_tokens(path, result["prompt_tokens"], args.max_tokens)
     match = reference == result["tokens"]
     print("--- summary ---")
-    print(f"tokens ({'pair' if ranks == 2 else f'{ranks} ranks'}):   {result['tokens']}")
+    print(f"tokens ({ranks} ranks): {result['tokens']}")
     print(f"tokens (single): {reference}")
-    gates = (f" | gate p50 {result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us" if ranks == 2
-             else f" | {ranks} ranks")  # a mesh times no gates
+    gates = f" | gate p50 {result['gate_p50_us']:.1f} us p99 {result['gate_p99_us']:.1f} us"
     print(f"transport {result['transport']} | decode {result['decode_tok_s']:.1f} tok/s{gates}")
     print(f"match with the unsplit model in one process: {match}")
     print("\nServe this model here (an OpenAI-compatible API on http://127.0.0.1:8080/v1, "

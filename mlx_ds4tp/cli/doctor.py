@@ -2,7 +2,7 @@
 
 Each check prints one line: ok, warn (works, but slower or degraded) or FAIL
 (a pair cannot run), with the fix. The exit code is 1 when anything FAILs.
-The checks of N ranks (3 to 8) are doctor_mesh.py's.
+The checks of a formed group (any N, 2 by default) are doctor_mesh.py's.
 """
 
 from __future__ import annotations
@@ -14,16 +14,13 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
 from typing import List, Optional
 
 from .. import transport as tr
 from ..link.config import LinkSettings, PairAddress, pair_address
 from ..split.measure import measure_rank, memory_limit
 from .doctor_lines import FAIL, OK, WARN, Check, line as _line
-from .doctor_mesh import add_ranks_arg, check_ucsim_mesh, group_size, mesh_checks
+from .doctor_mesh import add_ranks_arg, check_ucsim_group, group_checks, group_size
 from .model_arg import add_model_arg
 from .pair_args import (
     TRANSPORT_HELP,
@@ -134,118 +131,24 @@ def check_macos() -> List[Check]:
     return out
 
 
-def check_ucsim_pair() -> List[Check]:
-    """Both ranks in this process over the emulated device: proves the whole
-    RDMA path (bring-up, warm-up, the exchange the model's gates run) works on
-    this machine."""
-    import numpy as np
-
-    from .. import gate_ops
-    from ..link.exchange import Exchange
-    from ..onehost.localpair import free_port
-
-    port = free_port()
-    groups: list = [None, None]
-    errors: list = []
-
-    def rank(i: int) -> None:
-        try:
-            here = ("127.0.0.1", port)
-            g = groups[i] = gate_ops.init(role=("leader", "worker")[i], listen=here if i == 0 else None,
-                                          coordinator=None if i == 0 else here, transport="rdma",
-                                          rdma_device=tr.UCSIM, timeout=10.0)
-            send = np.full(4096, i + 1.0, np.float32)
-            recv = np.empty_like(send)
-            exchange = Exchange(g.link, send)
-            for _ in range(200):
-                exchange(send, recv)
-            if not np.all(recv == 2.0 - i):
-                errors.append(f"rank {i} received {recv[:2]}")
-        except Exception as exc:  # noqa: BLE001 - reported as a doctor line
-            errors.append(f"rank {i}: {exc}")
-
-    threads = [threading.Thread(target=rank, args=(i,), daemon=True) for i in (0, 1)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for g in groups:
-        if g is not None:
-            g.close()
-    if errors or any(t.is_alive() for t in threads):
-        return [_line(FAIL, "ucsim pair", "; ".join(errors) or "did not finish in 30 s")]
-    return [_line(OK, "ucsim pair", f"bring-up, warm-up and 200 gates in {time.perf_counter() - t0:.2f} s")]
-
-
 def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Check]:
-    """A short run of the model's exchange (the one its gates call) against the
-    other machine's `ds4tp doctor --listen`; with --model, both sides' model
-    fingerprints are compared at the hello. A group of N ranks (the leader's
-    --ranks N) runs doctor_mesh.mesh_checks instead."""
+    """A short run of the model's collective (the all_sum its gates call) against the other
+    machines' `ds4tp doctor`: the group's links, with --model both sides' model fingerprints
+    (compared at the hello) and the shares, then the timed all_sums (doctor_mesh.group_checks)."""
     from .. import gate_ops
-    from ..collectives.mesh import MeshGroup
     from ..link.identity import model_identity
 
-    # A doctor should answer soon: at most 30 s (a pair's worker dialing) / 120 s (listening,
-    # or a group's, which waits for all N), less when DS4_TP_TIMEOUT_SEC says so.
+    # A doctor should answer soon: at most 30 s (a worker dialing) / 120 s (listening, or a
+    # worker of a group of N, which waits for all N), less when DS4_TP_TIMEOUT_SEC says so.
     limit = tr.default_timeout()
     identity = model_identity(args.model) if args.model else None
-    found = "the peer" if (link.size or 2) == 2 else "the group"
-    where = "{0}:{1}".format(*link.address.address) if link.discovery is None else f"{found} discovery found"
-    short = link.address.role == "worker" and (link.size or 2) == 2
+    where = "{0}:{1}".format(*link.address.address) if link.discovery is None else "the group discovery found"
+    short = link.address.role == "worker" and not tr.door_formed(link.size or 2)
     wait = min(30.0 if short else 120.0, limit)
     g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait, figures=measure_rank(memory_limit())),
                            identity)
     with g:
-        if isinstance(g, MeshGroup):
-            return mesh_checks(g, args.model, where)
-        return _pair_checks(args, g, where)
-
-
-def _pair_checks(args: argparse.Namespace, g, where: str) -> List[Check]:
-    """peer_round_trip's checks over a pair."""
-    import numpy as np
-
-    from ..bench.gates import percentiles
-    from ..link.exchange import Exchange
-
-    out = []
-    if args.model is not None:
-        here, there = g.pair.fingerprint_labels()
-        out.append(_line(OK, "model fingerprint", f"{here} here, {there} on the {g.pair.peer_name} "
-                         f"({args.model})"))
-        out.append(_pair_share(g.pair, args.model))
-    send = np.full(4096, g.rank() + 1.0, np.float32)
-    recv = np.empty_like(send)
-    exchange = Exchange(g.link, send)
-    samples = []
-    for _ in range(2000):
-        t0 = time.perf_counter_ns()
-        exchange(send, recv)
-        samples.append(time.perf_counter_ns() - t0)
-    good = bool(np.all(recv == 2.0 - g.rank()))
-    p = percentiles(samples[200:])
-    return out + [_line(OK if good else FAIL, f"gate round trip with {where}",
-                        f"transport {g.transport}, 16 KiB p50 {p['p50_us']} us p99 {p['p99_us']} us"
-                        + ("" if good else ", WRONG DATA"))]
-
-
-def _pair_share(pair, model: str) -> Check:
-    """The share `--split auto` would pick for this pair and model (both sides print the same:
-    the same arithmetic on the same two hellos' figures)."""
-    from ..split.agree import model_cuts
-    from ..split.auto import choose_share, figures_line, model_need
-
-    mine, theirs = pair.mine.figures, pair.peer_hello.figures
-    leader, worker = (mine, theirs) if pair.rank == 0 else (theirs, mine)
-    figures = f"{figures_line('leader', leader)}; {figures_line('worker', worker)}"
-    try:
-        need = model_need(Path(model), 0)
-        share = choose_share(leader, worker, need, **model_cuts(need))
-    except ValueError as exc:
-        return _line(FAIL, "split auto", f"{exc} ({figures})")
-    return _line(OK, "split auto", f"would pick {share} (rank 0's part first) with the peer: {figures}")
+        return group_checks(g, args.model, where)
 
 
 def check_split(size: int = 2) -> List[Check]:
@@ -253,10 +156,9 @@ def check_split(size: int = 2) -> List[Check]:
     from ..split.auto import figures_line
 
     figures = measure_rank(memory_limit())
-    group = "a pair" if size == 2 else f"the {size} ranks"
     return [_line(OK, "split auto", f"local figures only, no peer ({figures_line('this Mac', figures)}): "
                   "beside a Mac within 10% of it, auto splits evenly; `--peer`/`--listen` with --model "
-                  f"prints the share for {group}")]
+                  f"prints the share for the {size} ranks")]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -313,14 +215,14 @@ def main(args: argparse.Namespace) -> int:
     size = (group_size(args) if link is None else link.size) or 2
     results = check_python() + check_verbs() + check_macos()
     if not any(s == FAIL and w == "C module" for s, w in results):
-        results += check_ucsim_pair() if size == 2 else check_ucsim_mesh(size)
+        results += check_ucsim_group(size)
     if link is None:
         results += check_split(size)
     else:
         try:
             results += peer_round_trip(args, link)
         except (tr.TransportError, ValueError, FileNotFoundError) as exc:
-            results.append(_line(FAIL, "gate round trip" if size == 2 else "all_sum round trip", str(exc)))
+            results.append(_line(FAIL, "all_sum round trip", str(exc)))
     failed = [w for s, w in results if s == FAIL]
     print(f"doctor: {len(results)} checks, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

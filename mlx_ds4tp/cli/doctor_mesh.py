@@ -1,10 +1,10 @@
-"""`ds4tp doctor --ranks N` (N = 3 to 8): the checks of a group of N ranks, beside the pair's
-(doctor.py, which calls these).
+"""`ds4tp doctor [--ranks N]` (N = 2 to 8, 2 by default): the checks of a group of N ranks
+(doctor.py calls these).
 
-On this machine alone: a mesh of N ranks in this process over the emulated RDMA device (ucsim),
+On this machine alone: a group of N ranks in this process over the emulated RDMA device (ucsim),
 every link's bring-up and warm-up as a group's are, then all_sums checked exact on every rank.
-Over the real group (`--listen HOST PORT --ranks N` on the leader's machine, `--peer HOST PORT`
-on the N-1 others, or `--interface NAME --ranks N` on all N): a short run of the mesh's
+Over the real group (`--listen HOST PORT [--ranks N]` on the leader's machine, `--peer HOST PORT`
+on the N-1 others, or `--interface NAME [--ranks N]` on all N): a short run of the group's
 collective, an all_sum of 16 KiB, timed (p50, p99), each link's transport named and the sums
 checked exact on every rank; with --model, the share `--split auto` would pick for the N ranks
 and the one `--split even` takes (the nearest the model's counts allow, 3:3:2 for 8 KV heads on
@@ -57,7 +57,7 @@ def group_size(args: argparse.Namespace, peer: bool = False) -> Optional[int]:
     return size
 
 
-def check_ucsim_mesh(size: int) -> List[Check]:
+def check_ucsim_group(size: int) -> List[Check]:
     """`size` ranks in this process (one thread each) over the emulated device: every link's
     bring-up and warm-up, then LOCAL_SUMS all_sums, each exact on every rank."""
     import mlx.core as mx
@@ -96,7 +96,7 @@ def check_ucsim_mesh(size: int) -> List[Check]:
     for g in groups:
         if g is not None:
             g.close()
-    what = f"ucsim mesh of {size}"
+    what = f"ucsim group of {size}"
     if errors or hung:
         said = "; ".join(errors) or f"rank(s) {', '.join(map(str, hung))} did not finish in {LOCAL_LIMIT_SEC:.0f} s"
         return [line(FAIL, what, said)]
@@ -106,7 +106,7 @@ def check_ucsim_mesh(size: int) -> List[Check]:
 def links_line(group: Any) -> str:
     """This rank's links as `0<->1 tcp, 0<->2 rdma`."""
     me = group.rank()
-    return ", ".join(f"{me}<->{peer} {kind}" for peer, kind in group.mesh.transports().items())
+    return ", ".join(f"{me}<->{peer} {link['transport']}" for peer, link in group.links().items())
 
 
 def timed_sums(group: Any) -> Tuple[List[int], int]:
@@ -133,13 +133,13 @@ def timed_sums(group: Any) -> Tuple[List[int], int]:
     return samples, int(total.item())
 
 
-def mesh_checks(group: Any, model: Optional[str], where: str) -> List[Check]:
+def group_checks(group: Any, model: Optional[str], where: str) -> List[Check]:
     """The checks of a formed group of N ranks: its links, with --model the fingerprints (the
     links' hellos compared them) and the shares, then the timed all_sums."""
     from ..bench.gates import percentiles
 
     size, rank = group.size(), group.rank()
-    out = [line(OK, f"mesh of {size}", f"this Mac is rank {rank}; links {links_line(group)}")]
+    out = [line(OK, f"group of {size}", f"this Mac is rank {rank}; links {links_line(group)}")]
     if model is not None:
         out.append(fingerprint_line(group, model))
         out += share_lines(group, model)
@@ -155,17 +155,17 @@ def mesh_checks(group: Any, model: Optional[str], where: str) -> List[Check]:
 def fingerprint_line(group: Any, model: str) -> Check:
     """This rank's model fingerprint and each peer's, as their links' hellos carried them (a
     difference had stopped the hello: the mesh would not have formed)."""
-    pairs = group.mesh.pairs
-    here = next(iter(pairs.values())).fingerprint_labels()[0]
-    theirs = ", ".join(f"rank {peer} {pair.fingerprint_labels()[1]}" for peer, pair in sorted(pairs.items()))
+    peers = [r for r in range(group.size()) if r != group.rank()]
+    here = group.link_to(peers[0]).fingerprint_labels()[0]
+    theirs = ", ".join(f"rank {peer} {group.link_to(peer).fingerprint_labels()[1]}" for peer in peers)
     return line(OK, "model fingerprint", f"{here} here; {theirs} ({model})")
 
 
 def rank_figures(group: Any) -> list:
     """Every rank's figures in rank order: this rank's own, and each peer's from its link's hello."""
-    pairs = group.mesh.pairs
-    mine = next(iter(pairs.values())).mine.figures
-    return [mine if r == group.rank() else pairs[r].peer_hello.figures for r in range(group.size())]
+    peers = [r for r in range(group.size()) if r != group.rank()]
+    mine = group.link_to(peers[0]).mine.figures
+    return [mine if r == group.rank() else group.link_to(r).peer_hello.figures for r in range(group.size())]
 
 
 def share_lines(group: Any, model: str) -> List[Check]:

@@ -368,12 +368,8 @@ typedef struct tp_link {
  * shut down so the peer fails at once too. */
 int tp_link_exchange(tp_link *l, const tp_xsig *sig, const void *src, void *dst, char *err,
                      size_t errlen);
-/* Mark the pair closed and wake an exchange blocked on the data socket. */
-void tp_link_close(tp_link *l);
-/* The addresses the C++ backend calls (it is another shared object). */
-void *tp_link_exchange_address(void);
+/* The float sum's address, for the C++ backend (it is another shared object). */
 void *tp_sum2_address(void);
-void *tp_link_close_address(void);
 
 
 /* ---- A mesh of N ranks (csrc/exchange.c): one link per pair of ranks ---- */
@@ -409,5 +405,6 @@ int tp_mesh_exchange(tp_mesh *m, const int *members, int n, int me, const tp_xsi
                      const void **srcs, void **dsts, char *err, size_t errlen);
 /* Mark the mesh closed and wake an exchange blocked on any of its links. */
 void tp_mesh_close(tp_mesh *m);
+/* The addresses the C++ backend calls (it is another shared object). */
 void *tp_mesh_exchange_address(void);
 void *tp_mesh_close_address(void);

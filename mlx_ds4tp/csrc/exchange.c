@@ -220,13 +220,6 @@ int tp_link_exchange(tp_link *l, const tp_xsig *sig, const void *src, void *dst,
     return rc;
 }
 
-void tp_link_close(tp_link *l) {
-    /* Wakes an exchange blocked on the socket; its caller then sees the pair
-     * closed. The socket itself is the Pair's to close. */
-    if (!l->failed && !l->pair->closed) shutdown(l->fd, SHUT_RDWR);
-    l->pair->closed = 1;
-}
-
 /* ==== A mesh of N ranks ====
  * Every pair of ranks has its own link, built as a pair's (hello, secret,
  * model check, transport, RDMA bring-up: link/mesh.py), so each peer's block
@@ -400,6 +393,4 @@ void tp_mesh_close(tp_mesh *m) {
 
 void *tp_mesh_exchange_address(void) { return (void *)&tp_mesh_exchange; }
 void *tp_mesh_close_address(void) { return (void *)&tp_mesh_close; }
-void *tp_link_exchange_address(void) { return (void *)&tp_link_exchange; }
 void *tp_sum2_address(void) { return (void *)&tp_sum2; }
-void *tp_link_close_address(void) { return (void *)&tp_link_close; }

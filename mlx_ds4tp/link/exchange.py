@@ -22,7 +22,7 @@ _DTYPE_NAMES = {np.dtype(np.float32): "TP_DTYPE_FLOAT32", np.dtype(np.uint8): "T
 
 
 class Exchange:
-    """One collective's exchange on a link (a PairGroup's ``link``), for buffers
+    """One collective's exchange on a link (a Group's ``c_link(peer)``), for buffers
     shaped and typed like ``like``: both ranks must build the same one, as both
     must call the same collective. Each call is one tp_link_exchange, numbered
     by the pair's shared sequence, with the GIL released."""

@@ -7,7 +7,8 @@ cap and re-creation), so the mesh has no second handshake.
 
 Ranks: a worker may ask for one (JOIN's rank); the leader gives the asked ranks first (a rank
 asked twice is refused to the later asker) and the others, lowest free first, in the order
-the workers joined. Two ranks (size 2) never come here: they are today's pair.
+the workers joined. Two ranks never form here: they form as a pair (connect(), as always on
+the wire), which pair_mesh then presents as a mesh of two, so the group above serves any N alike.
 
 Links come up one at a time in one order every rank walks, (0, 1), (0, 2) .. (1, 2) ..: the
 lower rank listens at its door, the higher dials it. The smallest link not yet made always
@@ -50,13 +51,14 @@ ANY_RANK = -1
 class Mesh:
     """This rank's end of a formed mesh: its rank, the size, one complete Pair per peer rank
     (each a pair's own link: in it this rank is pair rank 0 towards higher ranks, 1 towards
-    lower ones), the mesh's id, and what stays open until close()."""
+    lower ones), the mesh's id, and what stays open until close(). A pair connect() made is
+    a mesh of two (pair_mesh): no door, no id, the one pair its only link."""
 
     rank: int
     size: int
     pairs: Dict[int, Pair]
     mesh_id: bytes
-    door: Door
+    door: Optional[Door]
     keep: List[socket.socket]
     closed: bool = False
 
@@ -70,12 +72,27 @@ class Mesh:
         self.closed = True
         for pair in self.pairs.values():
             pair.close()
-        self.door.close()
+        if self.door is not None:
+            self.door.close()
         for sock in self.keep:
             try:
                 sock.close()
             except OSError:
                 pass
+
+
+def door_formed(size: int) -> bool:
+    """Whether a group of `size` ranks forms (and forms again) at the leader's door: JOIN,
+    ROSTER, a link per pair of ranks, REFORM to its workers when it breaks. Two ranks form as a
+    pair does (connect(): one hello on one connection, no door, no REFORM), as they always have
+    on the wire; above the wire both are the same group (pair_mesh)."""
+    return size > 2
+
+
+def pair_mesh(pair: Pair) -> Mesh:
+    """The pair connect() made as a mesh of two: the group above runs any N alike, and the
+    pair's formation on the wire (hello, secret, bring-up) stays as it is."""
+    return Mesh(pair.rank, 2, {1 - pair.rank: pair}, b"", None, [])
 
 
 def form_mesh(link: LinkSettings, connect: Connect) -> Mesh:

@@ -54,12 +54,10 @@ class GenerationStats:
         share = self.decode_exchange_sec / self.decode_sec * 100 if self.decode_sec else 0.0
         head = (f"prompt {self.prompt_tokens} tokens {prompt_tps:.1f} tok/s | decode {self.decode_tokens} "
                 f"tokens {decode_tps:.1f} tok/s | transport {group.transport}")
-        if group.size() > 2:  # a mesh times no gates (collectives.mesh.MeshGroup): none to print
-            return f"{head} | {group.size()} ranks (gate and exchange times are the pair's only)"
         return (
             f"{head} | gate p50 {p50:.1f} us "
             f"p99 {p99:.1f} us | exchanges {self.exchange_ms_per_token():.2f} ms/token "
-            f"({share:.0f}% of decode, waits for the peer included)"
+            f"({share:.0f}% of decode, waits for the peers included)"
         )
 
 

@@ -89,13 +89,14 @@ def rank_command(*args: str) -> List[str]:
     return [sys.executable, "-m", RANK_MODULE, *args]
 
 
-def pair_commands(base: Sequence[str], port: int, ranks: int = 2) -> List[List[str]]:
-    """`base` for the leader (listening on 127.0.0.1:port) and for each of its ranks-1 workers
-    (dialing it); more than two ranks add --ranks N to the leader's, and the workers learn N
-    from it, as a user's do."""
-    sized = list(base) + (["--ranks", str(ranks)] if ranks != 2 else [])
+def pair_commands(base: Sequence[str], port: int, ranks: Optional[int] = None) -> List[List[str]]:
+    """`base` for the leader (listening on 127.0.0.1:port) and for each of its workers (dialing
+    it): one, or with `ranks` ranks-1 and --ranks N on the leader's (the workers learn N from
+    it, as a user's do)."""
+    sized = list(base) + (["--ranks", str(ranks)] if ranks else [])
     return [sized + ["--role", "leader", "--listen", "127.0.0.1", str(port)]] + \
-        [list(base) + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)] for _ in range(ranks - 1)]
+        [list(base) + ["--role", "worker", "--coordinator", "127.0.0.1", str(port)]
+         for _ in range((ranks or 2) - 1)]
 
 
 @dataclass(frozen=True)

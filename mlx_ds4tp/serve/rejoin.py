@@ -48,7 +48,7 @@ class ServingSessions(LeaderSessions):
     themselves); over a pair, as LeaderSessions."""
 
     def abort(self, reason: str) -> None:
-        if self.group.size() > 2:
+        if tr.door_formed(self.group.size()):
             tell_reform(self.group, reason)
         else:
             super().abort(reason)
@@ -134,7 +134,7 @@ def _give_up_on(group: gate_ops.Group, quit_: Quit, why: str) -> None:
     it, or on the way), the group closed for the next try."""
     with quit_.native() as go:
         if go:
-            if group.size() > 2:
+            if tr.door_formed(group.size()):
                 tell_reform(group, why)
             else:
                 group.close()
@@ -155,7 +155,7 @@ def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Spl
         if not engine.wait_down(1.0):
             continue
         others = (f"; over {group.size()} ranks the workers still alive were told the mesh forms "
-                  "again and join it by themselves" if group.size() > 2 else "")
+                  "again and join it by themselves" if tr.door_formed(group.size()) else "")
         log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
             f"`ds4tp serve --role worker` again, with the same --model and secret{others})")
         while not quit_.event.is_set():
@@ -217,12 +217,12 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
                 follow = True
                 log(f"serve: the leader forms the mesh again ({exc}); rank {group.rank()} joins it")
             except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
-                follow = group.size() > 2 and leader_reforms(group)
+                follow = tr.door_formed(group.size()) and leader_reforms(group)
                 if follow:
                     log(f"serve: the mesh broke ({type(exc).__name__}: {exc}); the leader forms it again "
                         f"and rank {group.rank()} joins it")
                 elif not wait_for_any:
-                    gone = f"the leader {where} is gone: " if group.size() > 2 else ""
+                    gone = f"the leader {where} is gone: " if tr.door_formed(group.size()) else ""
                     raise tr.TransportError(f"{gone}{exc}; the worker stops (run it with --rejoin to wait "
                                             "for a leader instead)") from None
                 else:

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..base.log import log
 from ..checkpoint.parts import SafetensorsParts
-from ..collectives.backend import PairGroup, cut_only_group
+from ..collectives.backend import cut_only_group
 from ..collectives.seam import as_collective
 from ..link.fingerprint import model_fingerprint
 from .columns import under
@@ -36,7 +36,7 @@ from .layers import (
     rank_and_size,
 )
 from .plans import OWN_PLANS, plan_of, saved_layout, summed_blocks
-from .share import EVEN, SplitShare
+from .share import EVEN, SplitShare, pair_cut_rules
 from .units import Layout, choose_layout, part_shape, run_plan, share_granules, take_runs
 
 _VOCAB_LAYERS = {"embed_tokens": ((nn.Embedding, nn.QuantizedEmbedding), VocabParallelEmbedding),
@@ -138,10 +138,10 @@ def split_model(
     vocab = _vocab_layers(model)
     # A pair's even split keeps 1:1 exactly, as it always has, so its rows must divide by two;
     # from three ranks the vocabulary is cut in proportion at any row, as an uneven share's is.
-    if share.is_even and size == 2:
+    if share.is_even and pair_cut_rules(size):
         _check_vocab(model, vocab, size)
     layout = choose_layout(model, group, shard, share, trace=read_part is not None, label=_label(model))
-    if layout.vocab.is_even and not share.is_even and size == 2:  # fell back to even: the rows must divide
+    if layout.vocab.is_even and not share.is_even and pair_cut_rules(size):  # fell back to even: the rows must divide
         _check_vocab(model, vocab, size)
     if not layout.is_even:
         log(layout.describe())
@@ -210,7 +210,7 @@ class ModelCuts:
         """The part of the split weights' bytes each of `size` ranks keeps when a load asks for
         `share` (choose_layout's cuts, on rank 0's twin, the same for every rank: the
         attention's, the columns' and the vocabulary's each by its own share)."""
-        if share.is_even and size == 2:
+        if share.is_even and pair_cut_rules(size):
             return (0.5, 0.5)
         layout = self.layout(share, size)
         vocab = {path for path, _ in _vocab_layers(self._model)}
@@ -228,20 +228,25 @@ class ModelCuts:
 
 
 def agree_model(model_path: Path, group: Any) -> None:
-    """For a pair of our own (transport tcp or rdma) whose hello carried no model fingerprint
-    (init without identity, or an identity of the user's own without one): both ranks, at the
-    same point of load_split, compare model_path's fingerprint before either reads a weight, and
-    a difference is HelloMismatchError on both, naming both fingerprints. A hello that carried
+    """For a group of our own (transport tcp or rdma) whose hellos carried no model fingerprint
+    (init without identity, or an identity of the user's own without one): every rank, at the
+    same point of load_split, compares model_path's fingerprint with each peer's before any
+    reads a weight, and a difference is HelloMismatchError on both ends of a link, naming both. A hello that carried
     fingerprints already agreed on them (a difference stops the hello), so nothing is read
     twice; MLX's groups have no channel for it."""
-    if not isinstance(group, PairGroup):
+    if not callable(getattr(group, "link_to", None)):
         return
-    pair = group.pair
-    # Both hellos carry one or neither (one without is refused at the hello), so both ranks
-    # take the same branch here.
-    if pair.mine.fingerprint and pair.peer_hello.fingerprint:
-        return
-    pair.agree_fingerprint(model_fingerprint(model_path))
+    fingerprint = None
+    # Each link in rank order, as every rank walks them: a swap writes before it reads, so no
+    # order of links can leave two ranks waiting on each other.
+    for peer in (r for r in range(group.size()) if r != group.rank()):
+        link = group.link_to(peer)
+        # Both hellos of a link carry one or neither (one without is refused at the hello), so
+        # both its ranks take the same branch here.
+        if link.mine.fingerprint and link.peer_hello.fingerprint:
+            continue
+        fingerprint = fingerprint or model_fingerprint(model_path)
+        link.agree_fingerprint(fingerprint)
 
 
 def load_split(

@@ -96,16 +96,12 @@ def fitting_range(need: ModelNeed, leader: RankFigures, worker: RankFigures) -> 
 
 
 def _names(size: int) -> list[str]:
-    return ["the leader", "the worker"] if size == 2 else ["the leader"] + [f"rank {r}" for r in range(1, size)]
+    return [f"rank {r}" for r in range(size)]
 
 
 def _refusal(need: ModelNeed, figures: Sequence[RankFigures]) -> ShareRefusedError:
-    if len(figures) == 2:
-        may = (f"the leader may use {figures[0].memory_bytes / _GIB:.2f} GiB and the worker "
-               f"{figures[1].memory_bytes / _GIB:.2f} GiB; free memory on either Mac")
-    else:
-        may = ", ".join(f"{name} may use {f.memory_bytes / _GIB:.2f} GiB"
-                        for name, f in zip(_names(len(figures)), figures)) + "; free memory on any Mac"
+    may = ", ".join(f"{name} may use {f.memory_bytes / _GIB:.2f} GiB"
+                    for name, f in zip(_names(len(figures)), figures)) + "; free memory on any Mac"
     return ShareRefusedError(
         f"the model needs {need.total / _GIB:.2f} GiB ({need.weight_bytes / _GIB:.2f} GiB of weights, "
         f"{need.kv_bytes / _GIB:.2f} GiB of KV cache) plus {MARGIN_SHARE:.0%} and "

@@ -98,9 +98,8 @@ def _layer_of(error: BaseException, modules: dict[int, tuple[str, nn.Module]]) -
 
 
 def _fix(size: int) -> str:
-    multiple = "even" if size == 2 else f"multiples of {size}"
-    return (f"use a model whose head counts and layer widths are {multiple}, or "
-            f"{'one Mac' if size == 2 else 'a number of ranks that divides them'}")
+    return (f"use a model whose head counts and layer widths are multiples of {size}, or a number "
+            "of ranks that divides them (one Mac always does)")
 
 
 def _run_plan(twin: nn.Module, group: Any, shard: Callable[[nn.Module, Any], None], family: str) -> None:

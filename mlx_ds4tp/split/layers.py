@@ -38,10 +38,10 @@ def check_rows(layer: Any, size: int, where: str) -> None:
                         f"{', '.join(c.__name__ for c in VOCAB_LAYERS)}")
     rows = layer["weight"].shape[0]
     if rows % size:
-        multiple = "an even number" if size == 2 else f"a multiple of {size}"
         raise ValueError(
             f"{where}: {rows} output features cannot be split evenly across {size} ranks; use a "
-            f"model whose sizes are {multiple}, or {'one Mac' if size == 2 else 'a number of ranks that divides it'}"
+            f"model whose sizes are a multiple of {size}, or a number of ranks that divides it (one "
+            "Mac always does)"
         )
 
 

@@ -155,6 +155,15 @@ def _apportioned(wanted: Sequence[Fraction], units: int, caps: Optional[Sequence
     return tuple(counts)
 
 
+def pair_cut_rules(size: int) -> bool:
+    """Whether a split over `size` ranks keeps the rules two ranks have always had: an even
+    share is 1:1 exactly (a count that does not divide by two is refused, not rounded) and an
+    uneven one may take any cut of the units. From three ranks, even is the nearest cut the
+    counts allow (8 KV heads on 3: 3:3:2) and each unit count offers its quickest cut. The one
+    place the split tells the two apart: a model split 1:1 before groups of N splits the same."""
+    return size == 2
+
+
 def nearest_cuts(share: SplitShare, size: int, granules: int,
                  caps: Optional[Sequence[float]] = None) -> list[UnitCut]:
     """The cuts a model whose counts all divide into `granules` units can take on `size` ranks,
@@ -167,12 +176,12 @@ def nearest_cuts(share: SplitShare, size: int, granules: int,
     the wanted one's, before 2:1 at 1.33x); then by distance, then the coarser. Two ranks list
     every cut (a pair's even share is 1:1 as it is: only an uneven one is rounded); more list,
     for each unit count, the quickest cut of it (8 KV heads on 3 ranks, even: 3:3:2)."""
-    if size < 2 or (size == 2 and not share.parts):
+    if size < 2 or (pair_cut_rules(size) and not share.parts):
         return [UnitCut((1,) * size)]
     parts = share.wanted(size)
     wanted = [Fraction(p, sum(parts)) for p in parts]
     found: set[tuple[int, ...]] = set()
-    if size == 2:
+    if pair_cut_rules(size):
         found.add((1, 1))
         for units in range(2, min(granules, MAX_UNITS) + 1):
             if granules % units == 0:

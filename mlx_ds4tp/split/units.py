@@ -37,7 +37,7 @@ from ..collectives.backend import cut_only_group
 from .columns import column_paths, recut, segments
 from .derive import ArrayCut, ShardPlan, derive_plan, set_array
 from .errors import EvenCutOnlyError
-from .share import MAX_RANKS, MAX_UNITS, SplitShare, UnitCut, nearest_cuts
+from .share import MAX_RANKS, MAX_UNITS, SplitShare, UnitCut, nearest_cuts, pair_cut_rules
 
 # MLP and expert columns per unit of a float model: a multiple of the kernels' tile width.
 FLOAT_COLUMNS = 32
@@ -295,7 +295,8 @@ def _fewer_ranks(ask: _Ask, counts: list[tuple[int, str, bool]]) -> str:
 def _uneven(ask: _Ask, group: Any, trace: bool) -> Layout:
     """The layout of the cut nearest ask.share (its parts one per rank) the counts allow."""
     size = ask.size
-    base = _base_plan(ask.model, group, ask.shard, ask.label, size > 2)
+    rounds = not pair_cut_rules(size)  # even is rounded to the nearest cut, not refused
+    base = _base_plan(ask.model, group, ask.shard, ask.label, rounds)
     counts = _counts(ask.model, base)
     wanted = UnitCut(ask.share.parts)
     try:
@@ -303,7 +304,7 @@ def _uneven(ask: _Ask, group: Any, trace: bool) -> Layout:
             layout = _with_columns(ask, base, counts)
             if layout is not None:
                 return layout
-        found = _heads_cut(ask, gcd(*(u for u, *_ in counts)), size > 2)
+        found = _heads_cut(ask, gcd(*(u for u, *_ in counts)), rounds)
     except EvenCutOnlyError as reason:
         log(f"split {ask.name}: {ask.label} can only split evenly ({reason}); splitting {UnitCut((1,) * size)}")
         try:
@@ -311,7 +312,7 @@ def _uneven(ask: _Ask, group: Any, trace: bool) -> Layout:
         except ValueError as exc:
             raise ValueError(f"split {ask.name}: {ask.label} can only split evenly ({reason}), and its "
                              f"counts do not divide among {size} ranks ({exc})") from None
-    if found is None and size > 2:
+    if found is None and rounds:
         raise ValueError(f"split {ask.name}: no cut of every count into whole units gives each of the "
                          f"{size} ranks a part ({_fewer_ranks(ask, counts)})")
     if found is None:
@@ -340,7 +341,7 @@ def choose_layout(model: nn.Module, group: Any, shard: Callable, share: SplitSha
     size, rank = int(group.size()), int(group.rank())
     share.check(size)
     if share.is_even:
-        if size <= 2:
+        if pair_cut_rules(size):
             return _even(model, group, shard, trace, label)
         try:
             return _even(model, group, shard, trace, label)

@@ -20,9 +20,9 @@ DEMO_PRESET_N = "tiny8"  # the demo over 3 to 8 ranks: 8 KV heads
 def demo_model_dir(ranks: int = 2) -> Path:
     """Built once with fixed random weights, then reused from the cache. More than two ranks
     take the same small llama with 8 KV heads (DEMO_PRESET_N): the demo's 2 cannot be cut in 3."""
-    from .tiny_model import save_llama
+    from .tiny_model import PRESETS, save_llama
 
-    preset = DEMO_PRESET if ranks <= 2 else DEMO_PRESET_N
+    preset = DEMO_PRESET if PRESETS[DEMO_PRESET].kv_heads % ranks == 0 else DEMO_PRESET_N
     return cached_model(f"demo-llama-{preset}-seed{DEMO_SEED}", "the demo model",
                         lambda path: save_llama(path, preset, seed=DEMO_SEED))
 

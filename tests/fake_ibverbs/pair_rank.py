@@ -43,8 +43,9 @@ def sums(role: str, port: int, device: str) -> dict:
                 mx.eval(y)  # the collective runs (and fails) inside MLX's evaluation
                 if not np.array_equal(np.array(y), np.arange(n, dtype=np.float32) * 3 + 2 * k):
                     wrong.append((n, k))
-        st = g.pair.rdma.stats()
-        return {"transport": g.transport, "device": ffi.string(lib.tp_device_name(g.pair.rdma.dev)).decode(),
+        rdma = g.link_to(1 - g.rank()).rdma
+        st = rdma.stats()
+        return {"transport": g.transport, "device": ffi.string(lib.tp_device_name(rdma.dev)).decode(),
                 "wrong": wrong, "recv_cap": st.recv_cap, "bulk_slots": st.bulk_slots,
                 "window": st.window}
 
@@ -81,7 +82,7 @@ def gate_times(role: str, port: int, device: str, iters: int) -> dict:
     with g:
         send = np.full(4096, 1.0 + g.rank(), dtype=np.float32)
         recv = np.empty_like(send)
-        exchange = Exchange(g.link, send)
+        exchange = Exchange(g.c_link(1 - g.rank()), send)
         for _ in range(500):
             exchange(send, recv)
         ns = []
@@ -94,7 +95,7 @@ def gate_times(role: str, port: int, device: str, iters: int) -> dict:
         us = np.asarray(ns, dtype=np.float64) / 1000.0
         return {"p50_us": round(float(np.percentile(us, 50)), 2),
                 "p99_us": round(float(np.percentile(us, 99)), 2), "iters": iters,
-                "device": ffi.string(lib.tp_device_name(g.pair.rdma.dev)).decode()}
+                "device": ffi.string(lib.tp_device_name(g.link_to(1 - g.rank()).rdma.dev)).decode()}
 
 
 def main() -> None:

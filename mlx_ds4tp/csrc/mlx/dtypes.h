@@ -1,8 +1,7 @@
-// The dtypes the collectives take and how partials combine, shared by the
-// pair's group (pair_group.cpp) and the mesh's (mesh_group.cpp): one table maps
-// MLX's dtypes onto the exchange's codes (exchange_codes.h), and every
-// combine runs in rank order, so every rank computes the same expression and
-// holds the same bits.
+// The dtypes the collectives take and how partials combine, for the group
+// (group.cpp): one table maps MLX's dtypes onto the exchange's codes
+// (exchange_codes.h), and every combine runs in rank order, so every rank
+// computes the same expression and holds the same bits.
 #pragma once
 
 #include <cmath>
@@ -88,7 +87,7 @@ void with_type(int code, Fn&& fn) {
   if (!found) throw std::invalid_argument("mlx_ds4tp: no dtype has code " + std::to_string(code));
 }
 
-// ---- Combining the two partials (first = rank 0's) -------------------------
+// ---- Combining two partials (first = the lower rank's) ----------------------
 
 template <typename T>
 inline T add(T a, T b) {

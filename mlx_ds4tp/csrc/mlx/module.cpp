@@ -1,13 +1,12 @@
 // mlx_ds4tp._pairgroup: the Python face of the backend. Built with nanobind in
 // MLX's domain (NB_DOMAIN=mlx) and nanobind's internals ABI of MLX's own
-// bindings, so a PairGroup is an mlx.core.distributed.Group to MLX: MLX's
+// bindings, so our Group is an mlx.core.distributed.Group to MLX: MLX's
 // collectives, mlx.nn's sharded layers and mlx-lm's shard() take it as is.
 
 #include <nanobind/nanobind.h>
 
 #include "mlx/version.h"
-#include "mesh_group.h"
-#include "pair_group.h"
+#include "group.h"
 
 namespace nb = nanobind;
 using namespace mlx_ds4tp;
@@ -28,56 +27,21 @@ NB_MODULE(_pairgroup, m) {
   // Group's type must be registered before ours names it as a base.
   nb::module_::import_("mlx.core");
 
-  nb::class_<PairGroup, mx::distributed::Group>(
-      m, "PairGroup",
-      "A two-rank mlx.core.distributed.Group over an mlx_ds4tp pair (rank 0 the leader).")
+  nb::class_<LinkedGroup, mx::distributed::Group>(
+      m, "Group",
+      "An mlx.core.distributed.Group of 2 to 8 ranks over an mlx_ds4tp mesh (one link per pair "
+      "of ranks; a pair is a mesh of two); split(color, key) makes subgroups over the same links.")
       .def(
           "__init__",
-          [](PairGroup* self, int rank, uintptr_t link, uintptr_t exchange, uintptr_t sum2,
-             uintptr_t close) {
-            if (rank != 0 && rank != 1) {
-              throw std::invalid_argument("PairGroup: rank must be 0 or 1, got " +
-                                          std::to_string(rank));
-            }
-            if (!link || !exchange || !sum2 || !close) {
-              throw std::invalid_argument("PairGroup: a null link or entry point");
-            }
-            new (self) PairGroup(std::make_shared<PairGroupImpl>(
-                rank, reinterpret_cast<tp_link*>(link), reinterpret_cast<ExchangeFn>(exchange),
-                reinterpret_cast<Sum2Fn>(sum2), reinterpret_cast<CloseFn>(close)));
-          },
-          nb::arg("rank"), nb::arg("link"), nb::arg("exchange"), nb::arg("sum2"), nb::arg("close"))
-      .def(
-          "_close_backend",
-          [](PairGroup& self) {
-            nb::gil_scoped_release released;  // may wait for an exchange in flight
-            self.impl_->close();
-          },
-          "Stop the collectives: wake an exchange in flight, wait for it, refuse the rest.")
-      .def(
-          "_attach_backend",
-          [](PairGroup& self, uintptr_t link) {
-            if (!link) throw std::invalid_argument("PairGroup: a null link");
-            self.impl_->attach(reinterpret_cast<tp_link*>(link));
-          },
-          nb::arg("link"),
-          "Run the collectives of this closed group over a new link.");
-
-  nb::class_<MeshGroup, mx::distributed::Group>(
-      m, "MeshGroup",
-      "An mlx.core.distributed.Group of N ranks over an mlx_ds4tp mesh (one link per pair of "
-      "ranks); split(color, key) makes subgroups over the same links.")
-      .def(
-          "__init__",
-          [](MeshGroup* self, int rank, int size, uintptr_t mesh, uintptr_t exchange,
+          [](LinkedGroup* self, int rank, int size, uintptr_t mesh, uintptr_t exchange,
              uintptr_t sum2, uintptr_t close) {
             if (size < 2 || size > TP_MESH_MAX || rank < 0 || rank >= size) {
-              throw std::invalid_argument("MeshGroup: rank " + std::to_string(rank) + " of size " +
+              throw std::invalid_argument("Group: rank " + std::to_string(rank) + " of size " +
                                           std::to_string(size) + ": give 2 <= size <= " +
                                           std::to_string(TP_MESH_MAX) + " and 0 <= rank < size");
             }
             if (!mesh || !exchange || !sum2 || !close) {
-              throw std::invalid_argument("MeshGroup: a null mesh or entry point");
+              throw std::invalid_argument("Group: a null mesh or entry point");
             }
             auto core = std::make_shared<MeshCore>();
             core->mesh = reinterpret_cast<tp_mesh*>(mesh);
@@ -86,28 +50,28 @@ NB_MODULE(_pairgroup, m) {
             core->close = reinterpret_cast<MeshCloseFn>(close);
             std::vector<int> members(size);
             for (int r = 0; r < size; r++) members[r] = r;
-            new (self) MeshGroup(std::make_shared<MeshGroupImpl>(core, std::move(members), rank));
+            new (self) LinkedGroup(std::make_shared<LinkedGroupImpl>(core, std::move(members), rank));
           },
           nb::arg("rank"), nb::arg("size"), nb::arg("mesh"), nb::arg("exchange"), nb::arg("sum2"),
           nb::arg("close"))
       .def(
           "_close_backend",
-          [](MeshGroup& self) {
+          [](LinkedGroup& self) {
             nb::gil_scoped_release released;  // may wait for an exchange in flight
             self.impl_->close();
           },
-          "Stop the collectives of the mesh and its subgroups: wake an exchange in flight, wait "
+          "Stop the collectives of the group and its subgroups: wake an exchange in flight, wait "
           "for it, refuse the rest.")
       .def(
           "_attach_backend",
-          [](MeshGroup& self, uintptr_t mesh) {
-            if (!mesh) throw std::invalid_argument("MeshGroup: a null mesh");
+          [](LinkedGroup& self, uintptr_t mesh) {
+            if (!mesh) throw std::invalid_argument("Group: a null mesh");
             self.impl_->attach(reinterpret_cast<tp_mesh*>(mesh));
           },
-          nb::arg("mesh"), "Run the collectives of this closed mesh over a new mesh of the same ranks.")
+          nb::arg("mesh"), "Run the collectives of this closed group over a new mesh of the same ranks.")
       .def(
           "split",
-          [](MeshGroup& self, int color, int key) {
+          [](LinkedGroup& self, int color, int key) {
             // The ranks swap (color, key) over the links before the subgroup exists: the
             // interpreter is released meanwhile, so ranks in threads of one process (the
             // tests) reach their own split.
@@ -123,7 +87,7 @@ NB_MODULE(_pairgroup, m) {
           "same links.");
 
   // MLX's own group (ring, JACCL) under a type Python can extend, so the group
-  // init(transport="mlx") returns carries the same extras as a pair's.
+  // init(transport="mlx") returns carries the same extras as ours.
   nb::class_<SharedGroup, mx::distributed::Group>(
       m, "SharedGroup", "An mlx.core.distributed.Group sharing another group's implementation.")
       .def(
@@ -154,7 +118,7 @@ NB_MODULE(_pairgroup, m) {
         for (const auto& [dtype, code] : dtype_codes()) codes.append(nb::make_tuple(dtype, code));
         return codes;
       },
-      "[(mlx.core.Dtype, code)]: every dtype the pair's collectives take, with its code in the "
+      "[(mlx.core.Dtype, code)]: every dtype the collectives take, with its code in the "
       "exchange header (TP_DTYPE_*), in code order.");
 
   m.attr("BUILT_AGAINST_MLX") = DS4TP_BUILT_MLX;

@@ -65,18 +65,13 @@ def drain_failed_work() -> None:
 
 
 def worker_channels(group: gate_ops.Group) -> List[tr.ControlChannel]:
-    """The leader's control channel to each worker, in rank order: the pair's one, or a mesh's
-    link to each of its N-1 workers (collectives.mesh.MeshGroup)."""
-    mesh = getattr(group, "mesh", None)
-    if mesh is not None:
-        return [mesh.pairs[peer].control for peer in range(1, group.size())]
-    return [group.pair.control]
+    """The leader's control channel to each worker, in rank order (ranks 1 .. N-1)."""
+    return [group.link_to(peer).control for peer in range(1, group.size())]
 
 
 def leader_channel(group: gate_ops.Group) -> tr.ControlChannel:
-    """A worker's control channel to the leader (rank 0): the pair's, or a mesh's link to rank 0."""
-    mesh = getattr(group, "mesh", None)
-    return mesh.pairs[0].control if mesh is not None else group.pair.control
+    """A worker's control channel to the leader (rank 0)."""
+    return group.link_to(0).control
 
 
 def _peer_error(control: tr.ControlChannel) -> Optional[str]:
@@ -343,7 +338,7 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             ftype, payload = _next_command(control, table.busy)
             if ftype == F.STOP:
                 return table
-            if ftype == F.REFORM and group.size() > 2:
+            if ftype == F.REFORM and tr.door_formed(group.size()):
                 # The leader lives and forms its mesh again: not a failure. A pair has no mesh
                 # to re-form, so there a REFORM is a stray frame, refused below as any other.
                 raise MeshReformingError(payload.decode("utf-8", "replace"))

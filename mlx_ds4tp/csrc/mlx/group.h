@@ -1,40 +1,55 @@
-// mlx_ds4tp's MLX distributed backend: a two-rank GroupImpl over the pair's
-// exchange (csrc/exchange.c), so mx.distributed.all_sum(x, group=g) and every
-// other collective are primitives in MLX's graph, run at evaluation on the
-// group's CPU stream with no interpreter on the path.
+// mlx_ds4tp's MLX distributed backend: one GroupImpl for 2 to 8 ranks over a
+// mesh of links, one per pair of ranks (csrc/exchange.c's tp_mesh; a pair is a
+// mesh of two), so mx.distributed's collectives, mlx.nn's sharded layers and
+// mlx-lm's shard() run over two Macs or eight alike, as primitives in MLX's
+// graph run at evaluation on the group's CPU stream with no interpreter on the
+// path. split(color, key) makes subgroups over the same links. Every reduction
+// combines the ranks' partials in rank order, so every rank holds the same bits.
 #pragma once
 
-#include <cstdint>
 #include <memory>
 #include <mutex>
-#include <stdexcept>
-#include <string>
 #include <utility>
 #include <vector>
 
+#include "dtypes.h"
 #include "mlx/distributed/distributed.h"
 #include "mlx/distributed/distributed_impl.h"
 #include "mlx/stream.h"
 
-#include "dtypes.h"
-
 namespace mlx_ds4tp {
-
-namespace mx = mlx::core;
 
 // The C module's entry points, handed over as addresses: _verbs is another
 // shared object, loaded by Python with its symbols local to it.
-using ExchangeFn = int (*)(tp_link*, const tp_xsig*, const void*, void*, char*, size_t);
-using CloseFn = void (*)(tp_link*);
+using MeshExchangeFn = int (*)(tp_mesh*, const int*, int, int, const tp_xsig*, const void**,
+                               void**, char*, size_t);
+using MeshCloseFn = void (*)(tp_mesh*);
 
-class PairGroupImpl : public mx::distributed::detail::GroupImpl,
-                      public std::enable_shared_from_this<PairGroupImpl> {
+// What a group and its subgroups share: the C mesh, its entry points, and the
+// lock that runs one collective at a time over its links.
+struct MeshCore {
+  tp_mesh* mesh;
+  MeshExchangeFn exchange;
+  Sum2Fn sum2;
+  MeshCloseFn close;
+  std::mutex mu;
+  std::vector<char> scratch;
+  // At least `bytes` of scratch, reused by every collective (they run one at a time, under mu).
+  char* scratch_of(size_t bytes) {
+    if (scratch.size() < bytes) scratch.resize(bytes);
+    return scratch.data();
+  }
+};
+
+class LinkedGroupImpl : public mx::distributed::detail::GroupImpl,
+                        public std::enable_shared_from_this<LinkedGroupImpl> {
  public:
-  PairGroupImpl(int rank, tp_link* link, ExchangeFn exchange, Sum2Fn sum2, CloseFn close);
+  // members: the mesh ranks of this group in its rank order; me: this rank's place.
+  LinkedGroupImpl(std::shared_ptr<MeshCore> core, std::vector<int> members, int me);
 
   mx::Stream communication_stream(mx::StreamOrDevice s = {}) override;
-  int rank() override { return rank_; }
-  int size() override { return 2; }
+  int rank() override { return me_; }
+  int size() override { return static_cast<int>(members_.size()); }
   std::shared_ptr<GroupImpl> split(int color, int key = -1) override;
 
   void all_sum(const mx::array& input, mx::array& output, mx::Stream stream) override;
@@ -45,34 +60,40 @@ class PairGroupImpl : public mx::distributed::detail::GroupImpl,
   void all_min(const mx::array& input, mx::array& output, mx::Stream stream) override;
   void sum_scatter(const mx::array& input, mx::array& output, mx::Stream stream) override;
 
-  // After close() every collective fails at evaluation, saying the group is closed.
+  // Every collective of this group (subgroups included) fails from now on.
   void close();
-  // A closed group over a new link (the same peer's rank come back): the model
-  // code that holds this group, its sharded layers, works on unchanged.
-  void attach(tp_link* link);
+  // Run this closed group's collectives (subgroups included) over a new mesh of the same
+  // ranks (`ds4tp serve` taking a restarted rank back); refused while it is open.
+  void attach(tp_mesh* mesh);
 
  private:
+  // The arrays registered with the stream's encoder, then body(*this) dispatched on it,
+  // run under the mesh's lock.
+  template <typename Body>
+  void dispatch(mx::Stream stream, const mx::array* input, mx::array* output, Body body);
   void reduce(int op, const mx::array& input, mx::array& output, mx::Stream stream);
-  // One exchange: this rank's bytes out, the peer's in; throws naming what failed.
-  void exchange(const tp_xsig& sig, const void* src, void* dst);
-  // The peer's partial lands here: one buffer reused by every collective (they
-  // run one at a time, under mu_).
-  char* scratch(size_t bytes);
+  // The reduction itself, under the lock: two members swap partials straight into scratch;
+  // more, small blocks go all to all, large ones reduce-scatter then all-gather.
+  void reduce_now(int op, int code, const tp_xsig& sig, const char* in, char* out, size_t n);
+  // One exchange among `members` (this rank at `me`): srcs[k] to member k, its block into dsts[k].
+  void exchange(const int* members, int count, int me, const tp_xsig& sig, const void** srcs,
+                void** dsts);
+  // The two-member case: src to the other member, its block into dst.
+  void swap_with_other(const tp_xsig& sig, const void* src, void* dst);
+  // send/recv's exchange with one member: the two of them, in rank order.
+  void exchange_with(int peer, const tp_xsig& sig, const void* src, void* dst);
+  void check_peer(const char* op, const char* what, int peer) const;
 
-  const int rank_;
-  tp_link* link_;
-  const ExchangeFn exchange_;
-  const Sum2Fn sum2_;
-  const CloseFn close_;
-  std::mutex mu_;
-  std::vector<char> scratch_;
+  std::shared_ptr<MeshCore> core_;
+  const std::vector<int> members_;
+  const int me_;
 };
 
 // What Python holds: an mlx.core.distributed.Group whose implementation is ours.
-struct PairGroup : public mx::distributed::Group {
-  explicit PairGroup(std::shared_ptr<PairGroupImpl> impl)
+struct LinkedGroup : public mx::distributed::Group {
+  explicit LinkedGroup(std::shared_ptr<LinkedGroupImpl> impl)
       : mx::distributed::Group(impl), impl_(std::move(impl)) {}
-  std::shared_ptr<PairGroupImpl> impl_;
+  std::shared_ptr<LinkedGroupImpl> impl_;
 };
 
 // Another group's implementation (MLX's own backends) under a type of ours.
@@ -88,7 +109,7 @@ struct SharedGroup : public mx::distributed::Group {
 //   evaluation saying so, rather than summing nothing.
 // - gateless (true): all_sum and all_max/all_min hand this rank's input back,
 //   all_gather repeats it once per rank. The compute ceiling's group: each rank
-//   runs exactly its half of every matmul and meets no one.
+//   runs exactly its part of every matmul and meets no one.
 class LocalGroupImpl : public mx::distributed::detail::GroupImpl {
  public:
   LocalGroupImpl(int rank, int size, bool gateless)
@@ -119,9 +140,6 @@ struct LocalGroup : public mx::distributed::Group {
   LocalGroup(int rank, int size, bool gateless)
       : mx::distributed::Group(std::make_shared<LocalGroupImpl>(rank, size, gateless)) {}
 };
-
-// The CPU stream a collective runs on: the one named, else the thread's default.
-mx::Stream cpu_communication_stream(mx::StreamOrDevice s);
 
 // Every dtype the collectives take, with its code, in code order.
 std::vector<std::pair<mx::Dtype, int>> dtype_codes();
