@@ -15,7 +15,6 @@ from mlx_ds4tp.serve.engine.events import BusyEvent, PairDownEvent, StartedEvent
 from mlx_ds4tp.serve.engine.generation import Ticket
 from mlx_ds4tp.serve.limits import ServeLimits
 
-
 _IDS = itertools.count(1)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer, letters
-from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, TextEvent
 from mlx_ds4tp.lockstep.request import GenerationRequest as Request
+from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, TextEvent
 from mlx_ds4tp.serve.engine.loop import Engine
 from mlx_ds4tp.serve.errors import PairUnavailableError
 from mlx_ds4tp.serve.limits import ServeLimits

@@ -5,9 +5,9 @@ over recorded sessions."""
 from __future__ import annotations
 
 from engine_fakes import EOS, FakeTokenizer, fake_batch
-from mlx_ds4tp.serve.engine.admission import Admission
 from mlx_ds4tp.lockstep.batch import RowResult, StepOutput
 from mlx_ds4tp.lockstep.request import GenerationRequest as Request
+from mlx_ds4tp.serve.engine.admission import Admission
 from mlx_ds4tp.serve.engine.events import DoneEvent, FailedEvent, StartedEvent, TextEvent
 from mlx_ds4tp.serve.engine.finishing import Finishing
 from mlx_ds4tp.serve.engine.generation import Ticket

@@ -132,11 +132,12 @@ def test_request_checks_name_the_field():
     kw = dict(model_ids=["m"], default_max_tokens=8, context_length=16, vocab_size=50,
               defaults=SamplingOptions())
     ok = parse_request({"prompt": "abc", "max_tokens": 100}, "text", Tok(), **kw)
-    assert ok.max_tokens == 13 and ok.prompt == [47, 48, 49]
+    assert ok.request.max_tokens == 13 and ok.request.prompt == (47, 48, 49)
     # The server's sampling defaults under the request's fields; 0 draft tokens: none.
     served = dict(kw, defaults=SamplingOptions(temperature=0.5, top_k=4))
     asked = parse_request({"prompt": "a", "top_k": 2, "num_draft_tokens": 0}, "text", Tok(), **served)
-    assert (asked.options.temperature, asked.options.top_k, asked.num_draft_tokens) == (0.5, 2, 0)
+    request = asked.request
+    assert (request.options.temperature, request.options.top_k, request.num_draft_tokens) == (0.5, 2, 0)
     for body, param in [({"prompt": "x" * 20}, "prompt"), ({"prompt": "a", "top_k": 1.5}, "top_k"),
                         ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "n": 2}, "n"),
                         ({"prompt": "a", "max_tokens": True}, "max_tokens"), ({}, "prompt"),
@@ -406,8 +407,8 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     """The engine here over a pair whose worker is its own process: a request whose
     (leader-only) sampling raises gets a "failed" event; the request decoding beside it, and
     the next one, get mlx-lm's tokens; the pair stays up."""
-    from mlx_ds4tp.lockstep.row_sampling import RowSampler
     from mlx_ds4tp.lockstep.request import GenerationRequest as Request
+    from mlx_ds4tp.lockstep.row_sampling import RowSampler
 
     # The leader's sampler of one request fails at its fourth draw (the engine's rows are
     # sampled by the tables' RowSamplers: the pipelined decode).
@@ -479,8 +480,8 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
     is read at once), the forward of the step after it has already been built and sent (the
     worker in its own process samples the same rows itself); the text is still mlx-lm's, and a
     second turn reuses the cache that holds every generated token."""
-    from mlx_ds4tp.serve.engine import finishing
     from mlx_ds4tp.lockstep.request import GenerationRequest as Request
+    from mlx_ds4tp.serve.engine import finishing
 
     class Counting:
         def __init__(self, inner):

@@ -43,7 +43,6 @@ from .row_sampling import RowSampler, sample_batch, stream_seed
 from .sessions import LeaderSessions, SampledStep
 from .speculative import Drafter, Speculation
 
-
 NO_REUSE = Reuse()  # a fresh cache: no stored prefix taken
 
 
