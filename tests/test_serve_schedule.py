@@ -126,8 +126,11 @@ def test_cancelled_rows_end_wherever_they_are():
 
 
 def test_cancel_from_another_thread_ends_the_request_once():
+    class NoEos(FakeTokenizer):
+        eos_token_ids = []  # the request cannot end by itself before the cancel
+
     sessions = FakeSessions()
-    engine = Engine(sessions, FakeTokenizer(), ServeLimits())
+    engine = Engine(sessions, NoEos(), ServeLimits())
     engine.start()
     try:
         ticket = engine.submit(Request([1], 10_000))
