@@ -36,6 +36,9 @@ def test_admission_takes_the_oldest_while_the_budget_has_room_and_the_rest_wait_
     assert plan_turn(TurnState(waiting[1:], reserved=8), limits).admit == (2,)  # 8 + 21 + 2 > 30
     assert plan_turn(TurnState(waiting[1:], reserved=7), limits).admit == (2, 3)
     assert plan_turn(TurnState(waiting), ScheduleLimits()).admit == (1, 2, 3)  # no budget: all start
+    # A turn that admits plans nothing else: the next one plans the admitted rows with the rest.
+    busy = TurnState(waiting, running=(_row(7),), prefilling=(_row(8, 5),), unread=True)
+    assert plan_turn(busy, limits) == TurnPlan(admit=(1,))
     plan = plan_turn(TurnState(waiting), limits)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.admit = ()  # a plan is a value

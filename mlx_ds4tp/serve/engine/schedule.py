@@ -19,8 +19,9 @@ executes without choosing anything itself. Each turn it decides:
   drafting row proposes (at most one less than the tokens it may still generate);
 - whether no step is sent at all: pipelined, every row's last token already in flight.
 
-Admitted requests get their rows as the plan is carried out, so they prefill from the next
-turn on; rows that end by their tokens (an eos, a stop string, max_tokens) end as the step's
+A turn that admits requests plans nothing else: their rows exist (their stored prefixes looked
+up) once it is carried out, and the next turn, which follows at once, plans their prefill with
+everything else. Rows that end by their tokens (an eos, a stop string, max_tokens) end as the step's
 output is routed (serve/engine/finishing.py), since no plan can know those in advance.
 """
 
@@ -113,6 +114,10 @@ def plan_turn(state: TurnState, limits: ScheduleLimits) -> TurnPlan:
     ended = [r for r in state.prefilling + state.ready + state.running if r.cancelled]
     reserved = state.reserved - sum(r.request.kv_tokens for r in ended)
     admit, refuse = _admission([q for q in state.waiting if not q.cancelled], reserved, limits)
+    if admit:
+        # A turn that admits does only that: the next one, at once, plans the admitted rows'
+        # prefill with the rest (their prompts' stored prefixes are known only once they start).
+        return TurnPlan(drop, tuple(r.id for r in ended), refuse, admit)
     prefilling = [r for r in state.prefilling if not r.cancelled]
     ready = [r for r in state.ready if not r.cancelled]
     running = [r for r in state.running if not r.cancelled]
