@@ -21,7 +21,7 @@ def _row(batch, prompt, max_tokens: int = 8):
 
 
 def test_a_pipelined_step_returns_the_tokens_of_the_step_before_it():
-    batch, sessions = fake_batch(max_batch=8)
+    batch, sessions = fake_batch()
     first, second = _row(batch, [3]), _row(batch, [7])
     assert sessions.kinds() == ["create", "sampler", "create", "sampler"]
     assert batch.step(StepPlan(join=(first.id,))) is None  # nothing was unread: the step is only sent
@@ -53,7 +53,7 @@ def test_a_lone_row_with_its_last_token_in_flight_is_read_without_another_step()
 
 
 def test_a_stepped_batch_decodes_the_rows_the_plan_joins():
-    batch, sessions = fake_batch(LOOKUP, max_batch=2)
+    batch, sessions = fake_batch(LOOKUP)
     rows = [_row(batch, [10 + i]) for i in (1, 2, 3)]
     out = batch.step(StepPlan(join=(rows[0].id, rows[1].id)))
     assert out.rows == rows[:2] and batch.running == rows[:2]
@@ -77,7 +77,7 @@ class _Drafter:
 
 
 def test_a_verify_step_returns_each_rows_accepted_drafts_and_the_targets_next():
-    batch, sessions = fake_batch(LOOKUP, max_batch=8)
+    batch, sessions = fake_batch(LOOKUP)
     drafting, plain = _row(batch, [3]), _row(batch, [9])
     drafting.drafter, plain.drafter = _Drafter(), None
     out = batch.step(StepPlan(join=(drafting.id, plain.id), drafts=((drafting.id, 2),)))
@@ -99,7 +99,7 @@ def test_a_sampled_request_drafts_too():
     a logprobs request and one that asks for no drafts decode a token a step."""
     from mlx_ds4tp.lockstep.sampling import SamplingOptions
 
-    batch, _ = fake_batch(LOOKUP, max_batch=8)
+    batch, _ = fake_batch(LOOKUP)
     sampled = batch.insert(Request([1, 2, 1], 8, SamplingOptions(temperature=0.8, seed=3)))
     logprobs = batch.insert(Request([1, 2, 1], 8, logprobs=2))
     no_drafts = batch.insert(Request([1, 2, 1], 8, num_draft_tokens=0))
@@ -108,7 +108,7 @@ def test_a_sampled_request_drafts_too():
 
 
 def test_a_mixed_step_carries_the_planned_prompt_chunks_beside_the_decode_rows():
-    batch, sessions = fake_batch(mixed_prefill=2, max_batch=8)
+    batch, sessions = fake_batch(mixed_prefill=True)
     decoding, prompt = _row(batch, [3]), _row(batch, [20, 21, 22, 23])
     assert not batch.pipelined and prompt.todo == [20, 21, 22]
     out = batch.step(StepPlan(join=(decoding.id,), enter=(prompt.id,), chunks=((prompt.id, 2),)))

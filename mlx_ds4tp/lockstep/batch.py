@@ -48,12 +48,11 @@ NO_REUSE = Reuse()  # a fresh cache: no stored prefix taken
 
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
-    """The batch's shape: rows decoded at once, prompt tokens a prefilling row carries in a
-    decode step (0: prompts prefill in forwards of their own), decode steps between logits
-    hash checks with the workers (0: none)."""
+    """The batch's kind: whether its steps may carry prompt chunks (mixed prefill: stepped,
+    each step's chunks planned by the caller), decode steps between logits hash checks with the
+    workers (0: none). How many rows a step takes is the caller's plan (StepPlan.join)."""
 
-    max_batch: int = 1
-    mixed_prefill: int = 0
+    mixed_prefill: bool = False
     debug_hash: int = 0
 
 

@@ -62,8 +62,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.limits = limits
         self.speculation = speculation
-        self.batch = Batch(sessions, BatchSettings(limits.max_batch, limits.mixed_prefill, limits.debug_hash),
-                           speculation)
+        self.batch = Batch(sessions, BatchSettings(limits.mixed_prefill > 0, limits.debug_hash), speculation)
         self.schedule = ScheduleLimits.for_limits(limits)
         self.admission = Admission(self.batch, limits)
         self.mixing = MixChoice(limits.mixed_when)
