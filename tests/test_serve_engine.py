@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer, letters
+from mlx_ds4tp.lockstep.request import GenerationRequest as Request
 from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, TextEvent
-from mlx_ds4tp.serve.engine.generation import Request
 from mlx_ds4tp.serve.engine.loop import Engine
 from mlx_ds4tp.serve.errors import PairUnavailableError
 from mlx_ds4tp.serve.limits import ServeLimits
@@ -32,9 +32,7 @@ def test_requests_get_the_models_continuation_and_end_their_sessions(limits):
     engine = Engine(sessions, FakeTokenizer(), limits)
     engine.start()
     try:
-        requests = [Request(list(range(1, 12)), 5), Request([20], 9), Request([2, 3], 3)]
-        for request in requests:
-            engine.submit(request)
+        requests = [engine.submit(r) for r in (Request(list(range(1, 12)), 5), Request([20], 9), Request([2, 3], 3))]
         texts = [_text(_events(r)) for r in requests]
         # Token 25 is the eos: the second stops at it.
         assert texts == [letters(range(12, 17)), letters(range(21, 25)), letters(range(4, 7))]
@@ -64,8 +62,7 @@ def test_the_pair_going_down_fails_everyone_and_resume_serves_again():
     fresh = FakeSessions()
     engine.resume(fresh)
     try:
-        request = Request([1, 2], 2)
-        engine.submit(request)
+        request = engine.submit(Request([1, 2], 2))
         assert _text(_events(request)) == letters([3, 4]) and engine.error is None
         with pytest.raises(RuntimeError, match="this one is up"):
             engine.resume(FakeSessions())
@@ -80,9 +77,7 @@ def test_a_step_that_fails_reaches_every_request_under_way():
 
     sessions = Failing()
     engine = Engine(sessions, FakeTokenizer(), ServeLimits())
-    requests = [Request([1], 4), Request([2], 4)]
-    for request in requests:
-        engine.submit(request)
+    requests = [engine.submit(Request([1], 4)), engine.submit(Request([2], 4))]
     engine.start()
     try:
         for request in requests:

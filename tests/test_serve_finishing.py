@@ -1,28 +1,38 @@
-"""serve.engine.finishing on its own: a step's output into its sessions (text events, finish reasons,
-positions used) and the finished sessions ended, their caches stored, over recorded sessions."""
+"""serve.engine.finishing on its own: a step's output into its rows' answers (text events with the
+tokens counted, finish reasons, positions used) and the finished rows ended, their caches stored,
+over recorded sessions."""
 
 from __future__ import annotations
 
 from engine_fakes import EOS, FakeTokenizer, fake_batch
+from mlx_ds4tp.lockstep.batch import RowResult, StepOutput
+from mlx_ds4tp.lockstep.request import GenerationRequest as Request
 from mlx_ds4tp.serve.engine.admission import Admission
-from mlx_ds4tp.serve.engine.events import DoneEvent, FailedEvent, TextEvent
+from mlx_ds4tp.serve.engine.events import DoneEvent, FailedEvent, StartedEvent, TextEvent
 from mlx_ds4tp.serve.engine.finishing import Finishing
-from mlx_ds4tp.serve.engine.generation import Request, RowResult, StepOutput
+from mlx_ds4tp.serve.engine.generation import Ticket
 from mlx_ds4tp.serve.limits import ServeLimits
 
 
 def _setup(*requests):
+    """Every request started (its row), and the tickets their events go to."""
     batch, sessions = fake_batch()
-    admission = Admission(batch, FakeTokenizer(), ServeLimits())
-    running = [s for r in requests for s in admission.offer(r)]
-    return Finishing(admission, FakeTokenizer()), admission, sessions, running
+    admission = Admission(batch, ServeLimits())
+    finishing = Finishing(admission, FakeTokenizer())
+    tickets = [Ticket(i, r) for i, r in enumerate(requests, start=1)]
+    rows = []
+    for ticket in tickets:
+        admission.queue(ticket)
+        rows.append(admission.start(ticket.id))
+        finishing.open(rows[-1], ticket)
+    return finishing, admission, sessions, rows, tickets
 
 
-def _events(request) -> list:
+def _events(ticket) -> list:
     out = []
-    while not request.events.empty():
-        out.append(request.events.get_nowait())
-    return out
+    while not ticket.events.empty():
+        out.append(ticket.events.get_nowait())
+    return [e for e in out if not isinstance(e, StartedEvent)]
 
 
 def _settle(finishing, out):
@@ -31,15 +41,16 @@ def _settle(finishing, out):
 
 
 def test_eos_length_and_running_rows():
-    stopping, long, running = Request([1], 5), Request([2], 2), Request([3], 9)
-    finishing, admission, sessions, rows = _setup(stopping, long, running)
+    finishing, admission, sessions, rows, (stopping, long, running) = _setup(
+        Request([1], 5), Request([2], 2), Request([3], 9))
     out = StepOutput(rows, [RowResult([4, EOS, 6]), RowResult([7, 8, 9]), RowResult([10])])
     outcomes, ended = _settle(finishing, out)
     assert [(o.finish, o.used) for o in outcomes] == [("stop", 2), ("length", 2), (None, 1)]
     assert ended == rows[:2]
-    assert _events(stopping) == [TextEvent("e"), DoneEvent("stop")]
-    assert _events(long) == [TextEvent("h"), TextEvent("i"), DoneEvent("length")]
-    assert _events(running) == [TextEvent("k")]
+    # Every token counts, the eos too.
+    assert _events(stopping) == [TextEvent("e", 1), DoneEvent("stop", 2)]
+    assert _events(long) == [TextEvent("h", 1), TextEvent("i", 2), DoneEvent("length", 2)]
+    assert _events(running) == [TextEvent("k", 1)]
     # Each finished cache is stored under the tokens it holds: the prompt and every token but
     # the last, which was never fed in.
     stored = [c for c in sessions.commands if c[0] == "destroy"]
@@ -49,28 +60,25 @@ def test_eos_length_and_running_rows():
 
 
 def test_a_pipelined_sessions_cache_holds_its_last_token_too():
-    request = Request([1, 2], 1)
-    finishing, admission, _, rows = _setup(request)
-    rows[0].row.fed_all = True  # as the batch leaves a row a pipelined step took its token in
+    finishing, admission, _, rows, _ = _setup(Request([1, 2], 1))
+    rows[0].fed_all = True  # as the batch leaves a row a pipelined step took its token in
     _settle(finishing, StepOutput(rows, [RowResult([3])]))
     assert admission.index.lookup([1, 2, 3, 4]).keep == 3
 
 
-def test_stop_strings_failures_and_cancels_end_their_rows_alone():
-    stopped = Request([1], 9, stop=["cd"])
-    failed, cancelled, chunk = Request([2], 9), Request([3], 9), Request([4, 5, 6, 7], 9)
-    finishing, admission, sessions, rows = _setup(stopped, failed, cancelled, chunk)
-    cancelled.cancelled = True
+def test_stop_strings_and_failures_end_their_rows_alone():
+    finishing, admission, sessions, rows, (stopped, failed, chunk) = _setup(
+        Request([1], 9, stop=["cd"]), Request([2], 9), Request([4, 5, 6, 7], 9))
     out = StepOutput(rows, [RowResult([1, 2, 3, 4]), RowResult(None, "sampling failed: boom"),
-                            RowResult([5]), RowResult([], chunk=2)], verify=True)
+                            RowResult([], chunk=2)], verify=True)
     outcomes, ended = _settle(finishing, out)
-    assert [(o.finish, o.used) for o in outcomes] == [("stop", 3), ("failed", 1), ("cancelled", 1), (None, 2)]
-    assert ended == rows[:3]
-    assert _events(stopped) == [TextEvent("b"), DoneEvent("stop")]  # "cd" is never sent
+    assert [(o.finish, o.used) for o in outcomes] == [("stop", 3), ("failed", 1), (None, 2)]
+    assert ended == rows[:2]
+    assert _events(stopped) == [TextEvent("b", 2), DoneEvent("stop", 3)]  # "cd" is never sent
     assert _events(failed) == [FailedEvent("sampling failed: boom")]
-    assert _events(cancelled) == [TextEvent("f")] and _events(chunk) == []
-    # Failed and cancelled sessions are dropped, not stored.
-    assert [c[2] for c in sessions.commands if c[0] == "destroy"] == [1, 0, 0]
+    assert _events(chunk) == []
+    # A failed session is dropped, not stored.
+    assert [c[2] for c in sessions.commands if c[0] == "destroy"] == [1, 0]
     assert len(admission.index) == 1
 
 
@@ -79,8 +87,7 @@ def test_a_text_failure_fails_that_request_alone():
         def decode(self, tokens):
             raise UnicodeError("no text for it")
 
-    bad, good = Request([1], 5, logprobs=2), Request([2], 5)
-    finishing, _, _, rows = _setup(bad, good)
+    finishing, _, _, rows, (bad, good) = _setup(Request([1], 5, logprobs=2), Request([2], 5))
     finishing.tokenizer = Broken()
     import mlx.core as mx
 
@@ -88,4 +95,4 @@ def test_a_text_failure_fails_that_request_alone():
     outcomes, ended = _settle(finishing, StepOutput(rows, [RowResult([3], logprobs=drawn_from),
                                                            RowResult([4])]))
     assert outcomes[0].finish == "failed" and "no text for it" in outcomes[0].error
-    assert ended == [rows[0]] and isinstance(_events(bad)[-1], FailedEvent) and _events(good) == [TextEvent("e")]
+    assert ended == [rows[0]] and isinstance(_events(bad)[-1], FailedEvent) and _events(good) == [TextEvent("e", 1)]

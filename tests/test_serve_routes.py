@@ -12,7 +12,8 @@ from pathlib import Path
 
 from starlette.testclient import TestClient
 
-from mlx_ds4tp.serve.engine.events import BusyEvent, DoneEvent, FailedEvent, PairDownEvent, TextEvent
+from mlx_ds4tp.serve.engine.events import BusyEvent, DoneEvent, FailedEvent, PairDownEvent, StartedEvent, TextEvent
+from mlx_ds4tp.serve.engine.generation import Ticket
 from mlx_ds4tp.serve.http.app import make_app
 from mlx_ds4tp.serve.settings import HttpSettings, ServedModel
 from mlx_ds4tp.serve.state import ServeState
@@ -31,10 +32,11 @@ class Later:
 
 
 class ScriptedEngine:
-    """Answers each submitted request with the next script of events."""
+    """Answers each submitted request with the next script of events; records the cancels."""
 
     def __init__(self, *scripts):
         self.scripts, self.error, self.sessions, self.submitted = list(scripts), None, None, []
+        self.cancelled = []
         self.stats = {"decode_steps": 0}
         self.disk_cache = None
 
@@ -52,11 +54,16 @@ class ScriptedEngine:
 
     def submit(self, request):
         self.submitted.append(request)
+        ticket = Ticket(len(self.submitted), request)
         for event in self.scripts.pop(0):
             if isinstance(event, Later):
-                threading.Timer(0.3, request.events.put, (event.event,)).start()
+                threading.Timer(0.3, ticket.events.put, (event.event,)).start()
             else:
-                request.events.put(event)
+                ticket.events.put(event)
+        return ticket
+
+    def cancel(self, ticket_id):
+        self.cancelled.append(ticket_id)
 
 
 def state(engine, **http):
@@ -102,16 +109,19 @@ def test_unknown_endpoints_and_a_missing_key_are_refused():
 
 
 def test_a_whole_completion_and_its_usage():
-    engine = ScriptedEngine([TextEvent("ab"), TextEvent("c"), DoneEvent("stop")])
+    engine = ScriptedEngine([StartedEvent(1), TextEvent("ab", 2), TextEvent("c", 3), DoneEvent("stop", 4)])
     r = client(engine).post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     body = r.json()
     assert r.status_code == 200 and body["choices"][0]["text"] == "abc"
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"]["prompt_tokens"] == 2 and engine.submitted[0].max_tokens == 4
+    assert engine.submitted[0].max_tokens == 4
+    # The counts are the events': the done event's tokens, the started event's reused prompt.
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
 
 
 def test_a_streamed_completion_is_framed_as_server_sent_events():
-    engine = ScriptedEngine([TextEvent("ab"), DoneEvent("length")])
+    engine = ScriptedEngine([TextEvent("ab", 2), DoneEvent("length", 2)])
     r = client(engine).post("/completions", json={"prompt": "hi", "stream": True,
                                                   "stream_options": {"include_usage": True}})
     chunks = events_of(r.content)
@@ -123,7 +133,7 @@ def test_a_streamed_completion_is_framed_as_server_sent_events():
 def test_an_error_before_the_first_event_is_a_status_and_after_it_an_event():
     r = client(ScriptedEngine([BusyEvent("full")])).post("/v1/completions", json={"prompt": "hi", "stream": True})
     assert r.status_code == 429 and r.headers["Retry-After"] == "2"
-    r = client(ScriptedEngine([TextEvent("a"), Later(FailedEvent("boom"))])).post(
+    r = client(ScriptedEngine([TextEvent("a", 1), Later(FailedEvent("boom"))])).post(
         "/v1/completions", json={"prompt": "hi", "stream": True})
     chunks = events_of(r.content)
     assert chunks[0]["choices"][0]["text"] == "a" and chunks[-1]["error"]["code"] == "generation_failed"
@@ -180,12 +190,12 @@ def test_a_client_gone_cancels_its_request_and_nothing_is_answered():
         task = asyncio.ensure_future(app(scope, receive, send))
         while not engine.submitted:
             await asyncio.sleep(0.01)
-        assert not engine.submitted[0].cancelled
+        assert not engine.cancelled
         gone.set()
         await asyncio.wait_for(task, 10)
 
     asyncio.run(run())
-    assert engine.submitted[0].cancelled
+    assert engine.cancelled == [1]
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] in ([], [204])
 
 

@@ -16,7 +16,7 @@ import mlx_ds4tp as tp
 from mlx_ds4tp.lockstep.caches.prompt_cache import COPY, FRESH, MOVE, PromptCacheIndex
 from mlx_ds4tp.lockstep.sampling.options import SamplingOptions
 from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler, sample_batch
-from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, DoneEvent, FailedEvent, TextEvent
+from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, DoneEvent, FailedEvent, StartedEvent, TextEvent
 
 
 def test_prompt_cache_decisions():
@@ -132,11 +132,12 @@ def test_request_checks_name_the_field():
     kw = dict(model_ids=["m"], default_max_tokens=8, context_length=16, vocab_size=50,
               defaults=SamplingOptions())
     ok = parse_request({"prompt": "abc", "max_tokens": 100}, "text", Tok(), **kw)
-    assert ok.max_tokens == 13 and ok.prompt == [47, 48, 49]
+    assert ok.request.max_tokens == 13 and ok.request.prompt == (47, 48, 49)
     # The server's sampling defaults under the request's fields; 0 draft tokens: none.
     served = dict(kw, defaults=SamplingOptions(temperature=0.5, top_k=4))
     asked = parse_request({"prompt": "a", "top_k": 2, "num_draft_tokens": 0}, "text", Tok(), **served)
-    assert (asked.options.temperature, asked.options.top_k, asked.num_draft_tokens) == (0.5, 2, 0)
+    request = asked.request
+    assert (request.options.temperature, request.options.top_k, request.num_draft_tokens) == (0.5, 2, 0)
     for body, param in [({"prompt": "x" * 20}, "prompt"), ({"prompt": "a", "top_k": 1.5}, "top_k"),
                         ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "n": 2}, "n"),
                         ({"prompt": "a", "max_tokens": True}, "max_tokens"), ({}, "prompt"),
@@ -375,12 +376,17 @@ def _served_engine(tmp_path, procs, wrap=lambda model: model, **engine_args):
         worker.wait(30)
 
 
-def _events(request) -> list:
-    """A request's events, through its last one."""
+def _events(ticket) -> list:
+    """A submitted request's events, through its last one."""
     events = []
     while not events or not isinstance(events[-1], ENDING_EVENTS):
-        events.append(request.events.get(timeout=60))
+        events.append(ticket.events.get(timeout=60))
     return events
+
+
+def _cached(events) -> int:
+    """The prompt tokens a request reused, as its StartedEvent says."""
+    return next(e.cached_tokens for e in events if isinstance(e, StartedEvent))
 
 
 def _greedy_alone(model, tokenizer, ids, n: int) -> tuple:
@@ -406,8 +412,8 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     """The engine here over a pair whose worker is its own process: a request whose
     (leader-only) sampling raises gets a "failed" event; the request decoding beside it, and
     the next one, get mlx-lm's tokens; the pair stays up."""
+    from mlx_ds4tp.lockstep.request import GenerationRequest as Request
     from mlx_ds4tp.lockstep.sampling.row_sampling import RowSampler
-    from mlx_ds4tp.serve.engine.generation import Request
 
     # The leader's sampler of one request fails at its fourth draw (the engine's rows are
     # sampled by the tables' RowSamplers: the pipelined decode).
@@ -424,17 +430,15 @@ def test_one_requests_failure_leaves_the_pair_and_the_others_alone(tmp_path, mon
     with _served_engine(tmp_path, procs) as (engine, model, tokenizer):
         engine.start()
         ids = [tokenizer.encode("one two three"), tokenizer.encode("four five")]
-        bad = Request(ids[0], 8, SamplingOptions(temperature=0.5, seed=666))
-        good = Request(ids[1], 8)
-        engine.submit(bad)
-        engine.submit(good)
+        bad = engine.submit(Request(ids[0], 8, SamplingOptions(temperature=0.5, seed=666)))
+        good = engine.submit(Request(ids[1], 8))
         assert isinstance(_events(bad)[-1], FailedEvent)
-        assert _events(good)[-1] == DoneEvent("length" if good.completion_tokens == 8 else "stop")
+        done = _events(good)[-1]
+        assert done == DoneEvent("length" if done.completion_tokens == 8 else "stop", done.completion_tokens)
         assert engine.error is None
-        again = Request(ids[1], 8)
-        engine.submit(again)
-        text = "".join(e.text for e in _events(again) if isinstance(e, TextEvent))
-        assert text == _greedy_alone(model, tokenizer, ids[1], 8)[1] and again.cached_tokens > 0
+        events = _events(engine.submit(Request(ids[1], 8)))
+        text = "".join(e.text for e in events if isinstance(e, TextEvent))
+        assert text == _greedy_alone(model, tokenizer, ids[1], 8)[1] and _cached(events) > 0
 
 
 def test_a_stored_cache_holds_only_its_own_memory(tmp_path):
@@ -481,8 +485,8 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
     is read at once), the forward of the step after it has already been built and sent (the
     worker in its own process samples the same rows itself); the text is still mlx-lm's, and a
     second turn reuses the cache that holds every generated token."""
+    from mlx_ds4tp.lockstep.request import GenerationRequest as Request
     from mlx_ds4tp.serve.engine import finishing
-    from mlx_ds4tp.serve.engine.generation import Request
 
     class Counting:
         def __init__(self, inner):
@@ -499,9 +503,9 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
     seen = []
     real_take = finishing.Finishing.take_token
 
-    def take_token(self, session, token, logprobs):
+    def take_token(self, row, token, logprobs):
         seen.append(counted.calls)
-        return real_take(self, session, token, logprobs)
+        return real_take(self, row, token, logprobs)
 
     def wrap(split):
         counted.inner = split
@@ -512,12 +516,10 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
         engine.start()
 
         def run(ids):
-            request = Request(ids, 6)
-            engine.submit(request)
-            return request, _events(request)
+            return _events(engine.submit(Request(ids, 6)))
 
         ids = tokenizer.encode("one two three four")
-        request, events = run(ids)
+        events = run(ids)
         assert isinstance(events[-1], DoneEvent), events
         # One prefill forward of the prompt's head and step 1: the first token is read at once
         # (its time to first token waits for no other step). Every later token is read with
@@ -525,8 +527,8 @@ def test_the_engine_queues_the_next_step_before_it_reads_a_token(tmp_path, monke
         assert seen[:3] == [2, 4, 5], seen
         want, text = _greedy_alone(model, tokenizer, ids, 6)
         assert "".join(e.text for e in events if isinstance(e, TextEvent)) == text
-        again, events = run(ids + want)
-        assert isinstance(events[-1], DoneEvent) and again.cached_tokens == len(ids) + len(want) - 1, again
+        events = run(ids + want)
+        assert isinstance(events[-1], DoneEvent) and _cached(events) == len(ids) + len(want) - 1, events
         assert engine.error is None
 
 
@@ -534,18 +536,15 @@ def test_a_session_ending_at_a_read_before_a_prefill_chunk_leaves_no_empty_step(
     """Pipelined serving reads the last step's tokens before a prefill chunk; when that ends
     the only running session while another prompt is still prefilling, the turn runs the
     chunk and no decode step (an empty one would stop the pair), and both answers are whole."""
-    from mlx_ds4tp.serve.engine.generation import Request
+    from mlx_ds4tp.lockstep.request import GenerationRequest as Request
 
     with _served_engine(tmp_path, procs, prefill_step=4) as (engine, _, _):
-        short = Request([5], 2)  # nothing to prefill: it decodes from the first turn
-        long = Request(list(range(10, 50)), 3)  # ten chunks of 4 tokens
-        engine.submit(short)
-        engine.submit(long)
+        short = engine.submit(Request([5], 2))  # nothing to prefill: it decodes from the first turns
+        long = engine.submit(Request(list(range(10, 50)), 3))  # ten chunks of 4 tokens
         engine.start()  # both are admitted in its first turn
-        for request in (short, long):
-            events = _events(request)
-            assert events[-1] == DoneEvent("length"), events
-        assert engine.error is None and short.completion_tokens == 2 and long.completion_tokens == 3
+        assert _events(short)[-1] == DoneEvent("length", 2)
+        assert _events(long)[-1] == DoneEvent("length", 3)
+        assert engine.error is None
 
 
 def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
@@ -556,7 +555,7 @@ def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
     import gc
     import time
 
-    from mlx_ds4tp.serve.engine.generation import Request
+    from mlx_ds4tp.lockstep.request import GenerationRequest as Request
 
     with _served_engine(tmp_path, procs) as (engine, model, tokenizer):
         engine.start()
@@ -568,8 +567,7 @@ def test_an_idle_engine_hands_memory_back_once(tmp_path, procs):
             held = mx.get_active_memory()  # the array counted before anything can free it
             del cycle
             # A request ends the idle period the engine may already have released in.
-            request = Request(tokenizer.encode("one two three"), 4)
-            engine.submit(request)
+            request = engine.submit(Request(tokenizer.encode("one two three"), 4))
             assert isinstance(_events(request)[-1], DoneEvent)
             deadline = time.monotonic() + 30
             # The array is freed into the cache, which is emptied a moment later: wait for both.

@@ -10,10 +10,15 @@ VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY); and the kind of step:
 - pipelined (no drafts, no mixed prefill): both ranks sample every row inside the step's
   graph (SAMPLER), and each step is sent and queued before the last one's tokens are read,
   its rows taking each rank's own sample of the last step (EVAL_PENDING): the leader reads
-  step N's tokens while step N+1 runs. A step is not sent when every row already has all the
-  tokens it may generate in flight (a batch of one then stops as mlx-lm's generate does).
+  step N's tokens while step N+1 runs. The caller sends no step when every row already has
+  all the tokens it may generate in flight (all_in_flight: it reads ahead instead, and a
+  batch of one then stops as mlx-lm's generate does).
 - stepped (drafts, or mixed prefill): the leader reads the logits, samples on its own sampler
   or verifies the drafts (lockstep.sampling.acceptance), and sends the next inputs.
+
+Which rows join a step, which prefilling rows carry how many prompt tokens, and how many
+drafts each row proposes are the caller's to decide (a StepPlan: serve/engine/schedule.py
+decides them for `ds4tp serve`); the batch carries a plan out and holds no policy.
 
 As in mlx_lm.generate, a prompt's last token is the first decode input: the prefill covers
 the others, so each session's tokens are what mlx-lm generates for it alone. The ranks are a
@@ -43,47 +48,51 @@ from .protocol.commands import (
     VerifyBatch,
 )
 from .protocol.sessions import LeaderSessions, SampledStep
+from .request import GenerationRequest
 from .sampling.acceptance import greedy_rounds, sampled_round
-from .sampling.options import SamplingOptions
 from .sampling.row_sampling import RowSampler, sample_batch, stream_seed
 from .speculative import Drafter, Speculation
 
-
-@dataclasses.dataclass(frozen=True)
-class BatchRequest:
-    """One generation as the batch takes it: the prompt's tokens, how many it may generate,
-    how it samples; logprobs: keep the distribution each token was drawn from;
-    num_draft_tokens: drafts a round (None: the batch's; 0: none); reuse: the stored prompt
-    cache it starts from (lockstep.caches.prompt_cache); kv: a fresh cache's quantization (the
-    SESSION_CREATE code)."""
-
-    prompt: Tuple[int, ...]
-    max_tokens: int
-    options: SamplingOptions = SamplingOptions()
-    logprobs: bool = False
-    num_draft_tokens: Optional[int] = None
-    reuse: Reuse = Reuse()
-    kv: int = 0
+NO_REUSE = Reuse()  # a fresh cache: no stored prefix taken
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
-    """The batch's shape: rows decoded at once, prompt tokens a prefilling row carries in a
-    decode step (0: prompts prefill in forwards of their own), decode steps between logits
-    hash checks with the workers (0: none)."""
+    """The batch's kind: whether its steps may carry prompt chunks (mixed prefill: stepped,
+    each step's chunks planned by the caller), decode steps between logits hash checks with the
+    workers (0: none). How many rows a step takes is the caller's plan (StepPlan.join)."""
 
-    max_batch: int = 1
-    mixed_prefill: int = 0
+    mixed_prefill: bool = False
     debug_hash: int = 0
 
 
-class Row:
-    """One session as the leader keeps it (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one step carries, as its caller decided (serve/engine/schedule.py, or `ds4tp run`'s
+    batch of one): the prefilled rows that join the batch at it, the prefilling rows a mixed step
+    takes in from now on, the prompt tokens each row still prefilling carries in it (row id,
+    tokens), and the drafts each drafting row proposes (row id, at most k). The batch carries a
+    plan out; it chooses nothing."""
 
-    def __init__(self, rid: int, request: BatchRequest, sampler: RowSampler, drafter: Optional[Drafter]):
+    join: Tuple[int, ...] = ()
+    enter: Tuple[int, ...] = ()
+    chunks: Tuple[Tuple[int, int], ...] = ()
+    drafts: Tuple[Tuple[int, int], ...] = ()
+
+
+class Row:
+    """One session as the leader keeps it, from its insert to its remove (see the module
+    docstring): the request, the stored prefix it started from, the prompt still to prefill,
+    the next input, the tokens the batch produced for it, its sampler and drafter; and what its
+    caller (the serving engine) decided of it: the tokens taken into its answer and whether it
+    was cancelled. Written only by the thread that drives the batch."""
+
+    def __init__(self, rid: int, request: GenerationRequest, reuse: Reuse, sampler: RowSampler,
+                 drafter: Optional[Drafter]):
         self.id = rid
         self.request = request
-        self.todo = list(request.prompt[request.reuse.keep:-1])  # prompt tokens still to prefill
+        self.reuse = reuse
+        self.todo = list(request.prompt[reuse.keep:-1])  # prompt tokens still to prefill
         self.next_input = request.prompt[-1]
         self.generated: List[int] = []
         self.sampler = sampler
@@ -92,6 +101,9 @@ class Row:
         # before (EVAL_PENDING): when that token is read, it is in the cache already. A token
         # read before the next step is sent (read_ahead) is not, and goes in as its own input.
         self.fed_all = False
+        # The tokens taken into its answer, up to its end (a verify step may produce more).
+        self.taken: List[int] = []
+        self.cancelled = False
 
     def room(self) -> int:
         """Tokens it may still generate."""
@@ -134,7 +146,6 @@ class Batch:
         self.speculation = speculation
         self.pipelined = speculation is None and not settings.mixed_prefill
         self.rows: Dict[int, Row] = {}
-        self.ready: List[Row] = []  # prefilled, waiting for a row of the batch
         self.running: List[Row] = []  # the rows of the batch, in row order
         self._unread: Optional[Tuple[List[Row], SampledStep]] = None  # sent, not read
         self.first_unread = False  # the unread step made a row's first token
@@ -143,17 +154,17 @@ class Batch:
                       "drafted_tokens": 0, "accepted_tokens": 0, "prefilled_tokens": 0}
 
     # -- a row's life -----------------------------------------------------------
-    def insert(self, request: BatchRequest) -> int:
-        """A new session on every rank, from its stored prefix (SESSION_CREATE, REWIND), with
-        its sampler (pipelined: on every rank, SAMPLER) and its drafter; its id. Its prompt
-        is prefilled next (prefill), then it joins (join)."""
+    def insert(self, request: GenerationRequest, reuse: Reuse = NO_REUSE, kv: int = 0) -> int:
+        """A new session on every rank, from its stored prefix `reuse` (SESSION_CREATE, REWIND;
+        `kv`: a fresh cache's quantization, the SESSION_CREATE code), with its sampler
+        (pipelined: on every rank, SAMPLER) and its drafter; its id. Its prompt is prefilled
+        next (prefill), then it joins a step (StepPlan.join)."""
         if not request.prompt:
             raise ValueError("the prompt has zero tokens; give a non-empty prompt")
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens={request.max_tokens} must be >= 1")
         rid = next(self._ids)
-        reuse = request.reuse
-        self.sessions.send(Create, rid, reuse.cache_id, reuse.mode, request.kv)
+        self.sessions.send(Create, rid, reuse.cache_id, reuse.mode, kv)
         if reuse.needs_rewind:
             self.sessions.send(Rewind, rid, reuse.keep, 0)
         seed = stream_seed(request.options)
@@ -163,12 +174,13 @@ class Batch:
         else:
             sampler = RowSampler(request.options, request.prompt, seed, self.sessions.vocab,
                                  grammar=self.sessions.row_grammar(request.options.grammar))
-        sampler.keep_logprobs = request.logprobs
+        logprobs = request.logprobs is not None
+        sampler.keep_logprobs = logprobs
         drafter = None
-        if self.speculation is not None and Speculation.drafts_for(request.options, request.logprobs,
+        if self.speculation is not None and Speculation.drafts_for(request.options, logprobs,
                                                                    request.num_draft_tokens):
             drafter = self.speculation.drafter(request.prompt, sampler)
-        self.rows[rid] = Row(rid, request, sampler, drafter)
+        self.rows[rid] = Row(rid, request, reuse, sampler, drafter)
         return rid
 
     def row(self, rid: int) -> Row:
@@ -186,52 +198,44 @@ class Batch:
                 done.append(row.id)
         return done
 
-    def join(self, ids: Sequence[int]) -> None:
-        """Prefilled rows: they join the batch at the next step with a free row."""
-        self.ready.extend(self.rows[rid] for rid in ids)
-
     def remove(self, rid: int, store_as: int = 0) -> None:
         """End a session on every rank (SESSION_DESTROY), its cache stored as `store_as` (0:
-        dropped); it leaves the batch, or the queue it waited in."""
+        dropped); it leaves the batch if it was in it."""
         row = self.rows.pop(rid)
         self.sessions.send(Destroy, rid, store_as)
-        self.ready = [r for r in self.ready if r is not row]
         self.running = [r for r in self.running if r is not row]
-
-    @property
-    def has_rows(self) -> bool:
-        """Whether a step has rows to run (sessions decoding or waiting to join)."""
-        return bool(self.running or self.ready)
-
-    def free_rows(self) -> int:
-        """Rows of max_batch the next step leaves free, once the waiting sessions joined."""
-        return max(self.settings.max_batch - len(self.running) - len(self.ready), 0)
 
     def clear(self, sessions: Optional[LeaderSessions] = None) -> None:
         """Forget every row (the pair failed: its tables went with it); `sessions`: decode
         over a pair joined anew from now on."""
-        self.rows, self.ready, self.running, self._unread, self.first_unread = {}, [], [], None, False
+        self.rows, self.running, self._unread, self.first_unread = {}, [], None, False
         if sessions is not None:
             self.sessions = sessions
 
     # -- the steps ----------------------------------------------------------------
-    def step(self, entering: Sequence[int] = ()) -> Optional[StepOutput]:
-        """One step over the batch and the rows joining it (`entering`: prefilling rows a
-        mixed step carries from now on); what it produced, or, pipelined, what the step
-        before it produced (None when nothing was unread)."""
-        room = self.settings.max_batch - len(self.running)
-        joining, self.ready = self.ready[:room], self.ready[room:]
+    def step(self, plan: StepPlan = StepPlan()) -> Optional[StepOutput]:
+        """One step over the batch and the rows `plan` has join it (and, mixed, the prefilling
+        rows it has enter); what it produced, or, pipelined, what the step before it produced
+        (None when nothing was unread, or no row is left to step)."""
+        joining = [self.rows[rid] for rid in plan.join]
         rows = self.running + joining
         if self.pipelined:
-            if not joining and self._all_in_flight():
-                return self.read_ahead()  # every row's last token is in flight: nothing to send
-            return self._pipelined(rows, joining)
-        out = self._stepped(rows + [self.rows[rid] for rid in entering], joining)
+            return self._pipelined(rows, joining) if rows else None
+        rows += [self.rows[rid] for rid in plan.enter]
+        if not rows:
+            return None
+        out = self._stepped(rows, joining, dict(plan.chunks), dict(plan.drafts))
         self.running = out.rows
         return out
 
-    def _all_in_flight(self) -> bool:
-        """Whether the unread step holds the last token every running row may generate."""
+    @property
+    def unread(self) -> bool:
+        """Whether a pipelined step was sent and its tokens not read yet."""
+        return self._unread is not None
+
+    def all_in_flight(self) -> bool:
+        """Whether the unread step holds the last token every running row may generate (a step
+        sent now would compute nothing anyone reads)."""
         if self._unread is None or not self.running:
             return False
         flying = {id(r) for r in self._unread[0]}
@@ -282,12 +286,17 @@ class Batch:
             self._took(row, [values[i]])
         return StepOutput(rows, results)
 
-    def _stepped(self, rows: List[Row], joining: List[Row]) -> StepOutput:
+    def _stepped(self, rows: List[Row], joining: List[Row], chunk_sizes: Dict[int, int],
+                 draft_sizes: Dict[int, int]) -> StepOutput:
         """One step whose inputs the leader chose from the last one's tokens: a prompt chunk
         (mixed), the input token and its drafts (verify), or the input token alone."""
-        mixed = self.settings.mixed_prefill
-        chunks = [r.todo[:mixed] if r.todo else None for r in rows]
-        drafts = [[] if c is not None else self._propose(r) for r, c in zip(rows, chunks)]
+        unplanned = [r.id for r in rows if r.todo and chunk_sizes.get(r.id, 0) < 1]
+        if unplanned:
+            raise ValueError(f"rows {unplanned} still prefill but the step's plan gives them no prompt "
+                             "chunk; plan a chunk (StepPlan.chunks) for every row with prompt left")
+        chunks = [r.todo[:chunk_sizes[r.id]] if r.todo else None for r in rows]
+        drafts = [[] if c is not None else self._propose(r, draft_sizes.get(r.id, 0))
+                  for r, c in zip(rows, chunks)]
         inputs = [c if c is not None else [r.next_input] + d for r, c, d in zip(rows, chunks, drafts)]
         multi = any(len(i) > 1 for i in inputs)
         began = time.perf_counter()
@@ -352,11 +361,11 @@ class Batch:
             self.stats["accepted_tokens"] += len(tokens) - 1
             self._took(rows[i], tokens)
 
-    def _propose(self, row: Row) -> List[int]:
-        if row.drafter is None:
+    @staticmethod
+    def _propose(row: Row, k: int) -> List[int]:
+        if row.drafter is None or k < 1:
             return []
-        k = self.speculation.round_size(row.request.num_draft_tokens, row.room())
-        return row.drafter.propose(list(row.request.prompt) + row.generated, k) if k > 0 else []
+        return row.drafter.propose(list(row.request.prompt) + row.generated, k)
 
     @staticmethod
     def _took(row: Row, tokens: List[int]) -> None:

@@ -21,9 +21,10 @@ from typing import Callable, Collection, List, Optional, Sequence
 import mlx.core as mx
 
 from .. import gate_ops
-from .batch import Batch, BatchRequest, BatchSettings
+from .batch import Batch, BatchSettings, StepPlan
 from .compute import PREFILL_STEP, fill_cache, forward, make_cache
 from .protocol.sessions import LeaderSessions
+from .request import GenerationRequest
 from .sampling.options import SamplingOptions
 from .speculative import Speculation
 
@@ -111,16 +112,22 @@ def pair_generate(sessions: LeaderSessions, prompt: Sequence[int], max_tokens: i
     stats = GenerationStats(prompt_tokens=len(prompt))
     t0 = time.perf_counter()
     batch = Batch(sessions, BatchSettings(debug_hash=debug_hash), speculation)
-    rid = batch.insert(BatchRequest(tuple(prompt), max_tokens, sampling))
-    while batch.row(rid).todo:
+    rid = batch.insert(GenerationRequest(tuple(prompt), max_tokens, sampling))
+    row = batch.row(rid)
+    while row.todo:
         batch.prefill([(rid, PREFILL_STEP)])
-    batch.join([rid])
+    join: tuple = (rid,)  # the first step takes the prefilled row in
     first_at = first_exchanged = None
     if speculation is not None:  # every round is a decode round, the first one too
         first_at, first_exchanged = time.perf_counter(), sessions.group.exchange_seconds()
     done = False
     while not done:
-        out = batch.step()
+        if batch.all_in_flight():
+            out = batch.read_ahead()  # its last token is in flight: no step to send
+        else:
+            k = speculation.round_size(None, row.room()) if row.drafter is not None else 0
+            out = batch.step(StepPlan(join=join, drafts=((rid, k),) if k else ()))
+            join = ()
         if out is None:
             continue  # the first pipelined step: sent, nothing read yet
         result = out.results[0]

@@ -10,8 +10,8 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
-from ..engine.events import BusyEvent, DoneEvent, EngineEvent, FailedEvent, PairDownEvent, TextEvent
-from ..engine.generation import Request
+from ..engine.events import BusyEvent, DoneEvent, EngineEvent, FailedEvent, PairDownEvent, StartedEvent, TextEvent
+from ..engine.generation import Ticket
 from ..errors import GENERATION_FAILED, ApiError, unavailable
 from ..http.metrics import TokenClock
 from ..state import ServeState
@@ -50,24 +50,38 @@ class SseEvent:
 KEEP_ALIVE = SseEvent(None)
 
 
+@dataclasses.dataclass
+class Usage:
+    """A request's token counts as its answer reports them: its prompt's, and what the engine's
+    events said of the rest (StartedEvent: the reused prompt tokens; TextEvent, DoneEvent: the
+    tokens generated). Written by answer_pieces on the event loop only."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
 class Answering(Protocol):
     """A dialect's answer to one submitted request: the whole answer's body, or the events of a
     stream (a list for each piece, written at once), and an error once the stream is open."""
 
     chat: Optional[ChatText]
+    usage: Usage
 
     def whole(self, answer: "Answer") -> Dict[str, Any]: ...
     def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[List[SseEvent]]: ...
     def error_event(self, err: ApiError) -> SseEvent: ...
 
 
-async def answer_pieces(state: ServeState, request: Request, chat: Optional[ChatText]) -> AsyncIterator[Piece]:
+async def answer_pieces(state: ServeState, ticket: Ticket, chat: Optional[ChatText],
+                        usage: Usage) -> AsyncIterator[Piece]:
     """The answer as the engine produces it, in Pieces: text as it comes, IDLE after
     keepalive_sec of silence, and last the piece with the finish reason, where "stop" after a
     tool call is "tool_calls"; ApiError(503) when the pair fails. Text that piled up while the
-    event loop was busy goes out as one piece: fewer writes. A client gone (the HTTP face
-    cancels the task reading this, or closes it) cancels the request: the engine frees its row
-    at its next turn."""
+    event loop was busy goes out as one piece: fewer writes. `usage` follows the events. A
+    client gone (the HTTP face cancels the task reading this, or closes it) cancels the
+    request (Engine.cancel): the engine frees its row at its next turn."""
+    events = ticket.events
     text, items = [], []
     clock, counted = TokenClock(state.metrics), 0
     last = time.monotonic()
@@ -79,28 +93,33 @@ async def answer_pieces(state: ServeState, request: Request, chat: Optional[Chat
 
     try:
         while True:
-            event = request.events.poll() if text else await request.events.next(poll)
+            event = events.poll() if text else await events.next(poll)
             if event is None:
                 if text:
                     yield text_piece()
                     text, items = [], []
                     last = time.monotonic()
                 elif not state.engine.alive():
-                    request.cancelled = True
+                    state.engine.cancel(ticket.id)
                     raise unavailable(state.engine.error or "the engine thread stopped") from None
                 elif time.monotonic() - last >= keepalive:
                     last = time.monotonic()
                     yield IDLE
                 continue
             last = time.monotonic()
+            if isinstance(event, StartedEvent):
+                usage.cached_tokens = event.cached_tokens
+                continue
             if isinstance(event, TextEvent):
                 text.append(event.text)
                 items.extend(event.items)
-                clock.tokens(request.completion_tokens - counted)
-                counted = request.completion_tokens
+                usage.completion_tokens = event.completion_tokens
+                clock.tokens(usage.completion_tokens - counted)
+                counted = usage.completion_tokens
                 continue
             finish = _finish_reason(event)  # the last event there is
-            state.metrics.finished(len(request.prompt), request.completion_tokens, request.cached_tokens)
+            usage.completion_tokens = event.completion_tokens
+            state.metrics.finished(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
             if text:
                 yield text_piece()
             # The end's text first: a format whose call ends at EOS (Mistral's [TOOL_CALLS]) has
@@ -111,7 +130,7 @@ async def answer_pieces(state: ServeState, request: Request, chat: Optional[Chat
             return
     except (asyncio.CancelledError, GeneratorExit):
         # Nobody will read the rest of the answer: free the session on both ranks.
-        request.cancelled = True
+        state.engine.cancel(ticket.id)
         raise
 
 
@@ -151,14 +170,15 @@ class Answer:
     finish: str
 
 
-async def whole_answer(state: ServeState, request: Request, chat: Optional[ChatText]) -> Answer:
+async def whole_answer(state: ServeState, ticket: Ticket, chat: Optional[ChatText], usage: Usage) -> Answer:
     """The answer of a request that does not stream, once the engine is done with it; ApiError
     raised."""
     text, reasoning, calls, items, finish = [], [], [], [], "stop"
-    async for piece in answer_pieces(state, request, chat):
+    async for piece in answer_pieces(state, ticket, chat, usage):
         text.append(piece.said["content"])
         reasoning.append(piece.said["reasoning"])
         calls.extend(piece.said["tool_calls"])
         items.extend(piece.items)
         finish = piece.finish or finish
-    return Answer("".join(text), "".join(reasoning), calls, items if request.logprobs is not None else None, finish)
+    return Answer("".join(text), "".join(reasoning), calls, items if ticket.request.logprobs is not None else None,
+                  finish)

@@ -10,13 +10,13 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
-from ..engine.generation import Request
+from ..engine.generation import Ticket
 from ..errors import ApiError
 from ..state import ServeState
 from . import openai
-from .answer import IDLE, Answer, Piece, SseEvent
+from .answer import IDLE, Answer, Piece, SseEvent, Usage
 from .chat import ChatText, text_content
-from .openai import ParsedRequest
+from .openai import ApiCall
 from .structured import as_chat_tool
 
 # Every field of Anthropic's request: acted on (translated), or refused naming it.
@@ -140,7 +140,7 @@ class MessageShape:
     def _base(self) -> Dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
 
-    def whole(self, answer: Answer, request: Request) -> Dict[str, Any]:
+    def whole(self, answer: Answer, counts: Usage) -> Dict[str, Any]:
         content: List[dict] = []
         if answer.reasoning:
             content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
@@ -148,7 +148,7 @@ class MessageShape:
             content.append({"type": "text", "text": answer.text})
         content.extend(_tool_use(c) for c in answer.calls)
         return {**self._base(), "content": content, "stop_reason": _STOP_REASONS.get(answer.finish, "end_turn"),
-                "stop_sequence": None, "usage": self.usage(request.completion_tokens, request.cached_tokens)}
+                "stop_sequence": None, "usage": self.usage(counts.completion_tokens, counts.cached_tokens)}
 
     def usage(self, output_tokens: int, cached: int) -> Dict[str, Any]:
         return {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
@@ -204,26 +204,27 @@ class MessageStream:
         self.send("message_stop")
 
 
-def parse(body: dict, state: ServeState) -> ParsedRequest:
+def parse(body: dict, state: ServeState) -> ApiCall:
     """POST /v1/messages's request, checked as the chat request it means."""
     return openai.parse(to_chat_body(body), state, "chat")
 
 
 def count_tokens(body: dict, state: ServeState) -> Dict[str, Any]:
     """POST /v1/messages/count_tokens's answer: the prompt's tokens, nothing generated."""
-    return {"input_tokens": len(openai.parse(to_chat_body({**body, "max_tokens": 1}), state, "chat").prompt)}
+    return {"input_tokens": len(openai.parse(to_chat_body({**body, "max_tokens": 1}), state, "chat").request.prompt)}
 
 
 class MessagesAnswer:
     """POST /v1/messages's answer to a submitted request."""
 
-    def __init__(self, state: ServeState, parsed: ParsedRequest, request: Request):
-        self.request = request
-        self.shape = MessageShape(parsed.model, len(parsed.prompt))
-        self.chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream)
+    def __init__(self, state: ServeState, call: ApiCall, ticket: Ticket):
+        prompt = list(call.request.prompt)
+        self.usage = Usage(len(prompt))
+        self.shape = MessageShape(call.model, len(prompt))
+        self.chat = ChatText(state.tokenizer, prompt, call.tools, call.stream)
 
     def whole(self, answer: Answer) -> Dict[str, Any]:
-        return self.shape.whole(answer, self.request)
+        return self.shape.whole(answer, self.usage)
 
     def error_event(self, err: ApiError) -> SseEvent:
         return SseEvent(error_body(err), "error")
@@ -231,13 +232,13 @@ class MessagesAnswer:
     async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[List[SseEvent]]:
         out: List[SseEvent] = []
         message = MessageStream(self.shape, lambda name, obj: out.append(SseEvent(obj, name)))
-        message.start(self.request.cached_tokens)
+        message.start(self.usage.cached_tokens)
         async for piece in pieces:
             if piece is IDLE:
                 out.append(SseEvent({"type": "ping"}, "ping"))
             else:
                 message.pieces(piece.said)
                 if piece.finish:
-                    message.finish(piece.finish, self.request.completion_tokens)
+                    message.finish(piece.finish, self.usage.completion_tokens)
             yield list(out)
             out.clear()

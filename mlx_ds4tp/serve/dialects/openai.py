@@ -11,32 +11,29 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional
 
+from ...lockstep.request import GenerationRequest
 from ...lockstep.sampling.options import SamplingOptions
 from ...lockstep.settings import draft_tokens_problem
-from ..engine.generation import Request
+from ..engine.generation import Ticket
 from ..errors import ApiError
 from ..state import ServeState
-from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent
+from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent, Usage
 from .chat import ChatText, chat_prompt, chat_tools
 from .structured import check as check_grammar, request_grammar
 
 
 @dataclasses.dataclass(frozen=True)
-class ParsedRequest:
-    """A request as its dialect's parser checked it: what to generate (the engine's Request is
-    made of it) and what its answer needs (stream, model, tools)."""
+class ApiCall:
+    """A body as its dialect's parser checked it: the generation it asks for (the one request
+    type the engine and the batch take, lockstep/request.py) and what its answer needs (its
+    kind, stream, usage chunk, the model named, the tools its calls are parsed against)."""
 
     kind: str  # "chat" | "text"
-    prompt: List[int]
-    max_tokens: int
-    options: SamplingOptions
-    stop: List[str]
+    request: GenerationRequest
     stream: bool
     include_usage: bool
     model: str
-    logprobs: Optional[int] = None  # None: no logprobs; N: each token's entry with the top N
     tools: Optional[list] = None  # the tools the chat template was given (their calls are parsed)
-    num_draft_tokens: Optional[int] = None  # None: the server's --num-draft-tokens; 0: no drafts
 
 
 _NUMBER = (int, float)
@@ -161,7 +158,7 @@ def text_prompt(tokenizer, prompt: Any, vocab_size: int) -> List[int]:
 
 
 def parse_request(body: dict, kind: str, tokenizer, *, model_ids: List[str], default_max_tokens: int,
-                  context_length: int, vocab_size: int, defaults: SamplingOptions) -> ParsedRequest:
+                  context_length: int, vocab_size: int, defaults: SamplingOptions) -> ApiCall:
     """Check every field of a completion request (a JSON object) and tokenize its prompt. model_ids: the
     served id first (a request without "model" names it), then the other names accepted."""
     _check_fields(body, kind)
@@ -202,8 +199,8 @@ def parse_request(body: dict, kind: str, tokenizer, *, model_ids: List[str], def
                        f"{context_length} tokens and the answer needs at least one",
                        where, "context_length_exceeded")
     max_tokens = min(max_tokens, context_length - len(prompt))
-    return ParsedRequest(kind, prompt, max_tokens, options, stop, stream, include_usage, model, logprobs,
-                         tools, _num_draft_tokens(body))
+    request = GenerationRequest(tuple(prompt), max_tokens, options, tuple(stop), logprobs, _num_draft_tokens(body))
+    return ApiCall(kind, request, stream, include_usage, model, tools)
 
 
 def _num_draft_tokens(body: dict) -> Optional[int]:
@@ -245,8 +242,9 @@ def _sampling(body: dict, vocab_size: int, defaults: SamplingOptions) -> Samplin
 # ============================================================================
 
 
-class ResponseShape:
-    """The id, timestamps and object names shared by one request's response or chunks."""
+class CompletionShape:
+    """The id, timestamps and object names shared by one chat completion's or completion's
+    response or chunks."""
 
     def __init__(self, kind: str, model: str):
         self.kind, self.model = kind, model
@@ -276,12 +274,12 @@ class ResponseShape:
     def _choice(self, said: Dict[str, Any], finish: Optional[str], items: Optional[list]) -> Dict[str, Any]:
         return {"index": 0, **said, "finish_reason": finish, "logprobs": self._logprobs(items)}
 
-    def whole(self, answer: Answer, request: Request) -> Dict[str, Any]:
+    def whole(self, answer: Answer, counts: Usage) -> Dict[str, Any]:
         """The response of a request that does not stream."""
         said = {"message": _said({"role": "assistant", "content": answer.text}, answer.reasoning, answer.calls)} \
             if self.kind == "chat" else {"text": answer.text}
         return {**self._base(chunk=False), "choices": [self._choice(said, answer.finish, answer.items)],
-                "usage": usage(request)}
+                "usage": usage(counts)}
 
     def chunk(self, text: Optional[str], finish: Optional[str], first: bool = False,
               logprobs: Optional[list] = None, reasoning: str = "",
@@ -296,9 +294,9 @@ class ResponseShape:
             said = {"delta": _said(delta, reasoning, tool_calls)}
         return {**self._base(chunk=True), "choices": [self._choice(said, finish, logprobs)]}
 
-    def usage_chunk(self, request: Request) -> Dict[str, Any]:
+    def usage_chunk(self, counts: Usage) -> Dict[str, Any]:
         """The last streamed event under stream_options.include_usage: no choices, the usage."""
-        return {**self._base(chunk=True), "choices": [], "usage": usage(request)}
+        return {**self._base(chunk=True), "choices": [], "usage": usage(counts)}
 
 
 def _said(fields: Dict[str, Any], reasoning: str, tool_calls: Optional[list]) -> Dict[str, Any]:
@@ -311,31 +309,31 @@ def _said(fields: Dict[str, Any], reasoning: str, tool_calls: Optional[list]) ->
     return fields
 
 
-def usage(request: Request) -> Dict[str, Any]:
+def usage(counts: Usage) -> Dict[str, Any]:
     """OpenAI's usage object, with the reused prompt tokens as cached_tokens."""
-    prompt_tokens, completion_tokens = len(request.prompt), request.completion_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
+    return {"prompt_tokens": counts.prompt_tokens, "completion_tokens": counts.completion_tokens,
+            "total_tokens": counts.prompt_tokens + counts.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": counts.cached_tokens}}
 
 
 class OpenAiAnswer:
     """POST /v1/chat/completions's or /v1/completions's answer to a submitted request."""
 
-    def __init__(self, state: ServeState, parsed: ParsedRequest, request: Request):
-        self.parsed, self.request = parsed, request
-        self.shape = ResponseShape(parsed.kind, parsed.model)
-        self.chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, parsed.stream) \
-            if parsed.kind == "chat" else None
+    def __init__(self, state: ServeState, call: ApiCall, ticket: Ticket):
+        self.call = call
+        self.usage = Usage(len(call.request.prompt))
+        self.shape = CompletionShape(call.kind, call.model)
+        self.chat = ChatText(state.tokenizer, list(call.request.prompt), call.tools, call.stream) \
+            if call.kind == "chat" else None
 
     def whole(self, answer: Answer) -> Dict[str, Any]:
-        return self.shape.whole(answer, self.request)
+        return self.shape.whole(answer, self.usage)
 
     def error_event(self, err: ApiError) -> SseEvent:
         return SseEvent(err.body())
 
     async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[List[SseEvent]]:
-        shape, chat, logprobs_asked = self.shape, self.chat, self.request.logprobs is not None
+        shape, chat, logprobs_asked = self.shape, self.chat, self.call.request.logprobs is not None
         if chat is not None:
             yield [SseEvent(shape.chunk("", None, first=True))]
         async for piece in pieces:
@@ -355,16 +353,16 @@ class OpenAiAnswer:
             if piece.finish:
                 out.append(SseEvent(shape.chunk(None, piece.finish)))
             yield out
-        tail = [SseEvent(shape.usage_chunk(self.request))] if self.parsed.include_usage else []
+        tail = [SseEvent(shape.usage_chunk(self.usage))] if self.call.include_usage else []
         yield tail + [SseEvent("[DONE]")]
 
 
-def parse(body: dict, state: ServeState, kind: str) -> ParsedRequest:
+def parse(body: dict, state: ServeState, kind: str) -> ApiCall:
     """A chat ("chat") or completions ("text") request checked against this server: every field,
     the model named, the prompt's length, its grammar compiled."""
-    parsed = parse_request(body, kind, state.tokenizer, model_ids=state.model_ids,
-                           default_max_tokens=state.http.default_max_tokens,
-                           context_length=state.context_length, vocab_size=state.vocab_size,
-                           defaults=state.http.sampling)
-    check_grammar(state.grammars, parsed.options.grammar)
-    return parsed
+    call = parse_request(body, kind, state.tokenizer, model_ids=state.model_ids,
+                         default_max_tokens=state.http.default_max_tokens,
+                         context_length=state.context_length, vocab_size=state.vocab_size,
+                         defaults=state.http.sampling)
+    check_grammar(state.grammars, call.request.options.grammar)
+    return call

@@ -13,13 +13,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
-from ..engine.generation import Request
+from ..engine.generation import Ticket
 from ..errors import ApiError
 from ..state import ResponseStore, ServeState
 from . import openai
-from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent
+from .answer import IDLE, KEEP_ALIVE, Answer, Piece, SseEvent, Usage
 from .chat import ChatText, text_content
-from .openai import ParsedRequest
+from .openai import ApiCall
 from .structured import as_chat_tool
 
 # Every field of the Responses request: acted on, accepted at its neutral value, or refused.
@@ -165,14 +165,14 @@ class ResponseShape:
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                 "status": "completed"}
 
-    def whole(self, answer: Answer, request: Request) -> Dict[str, Any]:
+    def whole(self, answer: Answer, counts: Usage) -> Dict[str, Any]:
         if answer.reasoning:
             self.output.append(self.reasoning_item(answer.reasoning))
         if answer.text or not answer.calls:
             self.output.append(self.message_item(answer.text))
         self.output.extend(self.call_item(c) for c in answer.calls)
         return self.obj("incomplete" if answer.finish == "length" else "completed", answer.finish,
-                        request.completion_tokens, request.cached_tokens)
+                        counts.completion_tokens, counts.cached_tokens)
 
 
 def conversation(messages: List[dict], text: str, calls: list) -> List[dict]:
@@ -257,7 +257,7 @@ class ResponseStream:
 
 
 @dataclasses.dataclass(frozen=True)
-class ResponsesRequest(ParsedRequest):
+class ResponsesCall(ApiCall):
     """A Responses request as parsed: the chat request it means, its own body (the answer echoes
     its fields) and the conversation it continues (kept with the answer for the next turn)."""
 
@@ -265,26 +265,28 @@ class ResponsesRequest(ParsedRequest):
     messages: Tuple[dict, ...] = ()
 
 
-def parse(body: dict, state: ServeState) -> ResponsesRequest:
+def parse(body: dict, state: ServeState) -> ResponsesCall:
     """POST /v1/responses's request, checked as the chat request it means."""
     chat, messages = to_chat_body(body, state.responses)
-    parsed = openai.parse(chat, state, "chat")
-    fields = {f.name: getattr(parsed, f.name) for f in dataclasses.fields(ParsedRequest)}
-    return ResponsesRequest(**fields, body=body, messages=tuple(messages))
+    call = openai.parse(chat, state, "chat")
+    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(ApiCall)}
+    return ResponsesCall(**fields, body=body, messages=tuple(messages))
 
 
 class ResponsesAnswer:
     """POST /v1/responses's answer to a submitted request; the conversation it leaves is kept
     for previous_response_id once the answer is whole."""
 
-    def __init__(self, state: ServeState, parsed: ResponsesRequest, request: Request):
-        self.store, self.messages, self.request = state.responses, list(parsed.messages), request
-        self.shape = ResponseShape(parsed.body, parsed.model, len(parsed.prompt))
-        self.chat = ChatText(state.tokenizer, parsed.prompt, parsed.tools, streaming=False)
+    def __init__(self, state: ServeState, call: ResponsesCall, ticket: Ticket):
+        prompt = list(call.request.prompt)
+        self.store, self.messages = state.responses, list(call.messages)
+        self.usage = Usage(len(prompt))
+        self.shape = ResponseShape(call.body, call.model, len(prompt))
+        self.chat = ChatText(state.tokenizer, prompt, call.tools, streaming=False)
 
     def whole(self, answer: Answer) -> Dict[str, Any]:
         self.store.put(self.shape.id, conversation(self.messages, answer.text, answer.calls))
-        return self.shape.whole(answer, self.request)
+        return self.shape.whole(answer, self.usage)
 
     def error_event(self, err: ApiError) -> SseEvent:
         return SseEvent({"type": "error", **err.body()}, "error")
@@ -303,6 +305,6 @@ class ResponsesAnswer:
                 response.pieces(piece.said)
                 if piece.finish:
                     self.store.put(self.shape.id, conversation(self.messages, "".join(text), calls))
-                    response.finish(piece.finish, self.request.completion_tokens, self.request.cached_tokens)
+                    response.finish(piece.finish, self.usage.completion_tokens, self.usage.cached_tokens)
             yield list(out)
             out.clear()

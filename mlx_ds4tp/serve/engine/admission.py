@@ -1,5 +1,6 @@
-"""Which requests start, and the lifetime of their sessions on both ranks: the waiting queue,
-the KV budget, and the index of stored prompt caches, in memory and with --prompt-cache-dir on
+"""The lifetime of requests' sessions on both ranks, as the scheduler (serve/engine/schedule.py)
+decides who starts: the waiting queue, the KV budget's accounting, and the index of stored
+prompt caches, in memory and with --prompt-cache-dir on
 disk (docs/serving.md's "Bounded memory", "Prompt cache" and "Prompt cache on disk" say what each
 does). Every request between its start and its end is owned here, so the pair going down
 reaches each of them, whatever a step was doing with its session.
@@ -7,18 +8,18 @@ reaches each of them, whatever a step was doing with its session.
 
 from __future__ import annotations
 
-import collections
 import time
 from typing import Dict, List, Optional, Sequence
 
-from ...lockstep.batch import Batch
+from ...lockstep.batch import Batch, Row
 from ...lockstep.caches.prompt_cache import PromptCacheIndex
 from ...lockstep.caches.session_caches import kv_code
 from ...lockstep.protocol.commands import DiskSave, Invalidate
 from ...lockstep.protocol.sessions import LeaderSessions
+from ...lockstep.request import GenerationRequest
 from ..limits import ServeLimits
-from .events import BusyEvent, PairDownEvent
-from .generation import Request, RunningSession, batch_request, reserved_tokens
+from .events import BusyEvent, PairDownEvent, StartedEvent
+from .generation import Ticket
 
 
 def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
@@ -26,77 +27,72 @@ def _index(sessions: LeaderSessions, limits: ServeLimits) -> PromptCacheIndex:
 
 
 class Admission:
-    """The waiting queue, the KV budget and the prompt-cache index (see the module docstring)."""
+    """The waiting queue, the KV budget's accounting and the prompt-cache index (see the module
+    docstring). Who starts, waits or is refused is the scheduler's (serve/engine/schedule.py);
+    this carries it out."""
 
-    def __init__(self, batch: Batch, tokenizer, limits: ServeLimits):
+    def __init__(self, batch: Batch, limits: ServeLimits):
         self.batch = batch
-        self.tokenizer = tokenizer
         self.limits = limits
         self.kv_budget, self.max_queued = limits.kv_budget, limits.max_queued
         # Every fresh session's cache is quantized so (0: float): the same for all, so that
         # sessions merge into one decode batch.
         self.kv = kv_code(limits.kv_bits, limits.kv_group_size)
         self.index = _index(batch.sessions, limits)
-        self.waiting: "collections.deque[Request]" = collections.deque()
+        self.waiting: Dict[int, Ticket] = {}  # by ticket id, in arrival order
         self.reserved = 0
-        self._owned: Dict[int, Request] = {}
+        self.started: Dict[int, Ticket] = {}  # by row id: every request between its start and its end
+        self.row_of: Dict[int, int] = {}  # ticket id -> row id
         self.stats = {"requests": 0, "cached_tokens": 0}
         if self.disk is not None:
             self.stats.update(disk_hits=0, disk_tokens=0, disk_load_ms=0, disk_load_failures=0)
 
-    def check(self, request: Request) -> None:
+    def check(self, request: GenerationRequest) -> None:
         """ValueError when the request could never fit the budget, however long it waited."""
-        need = reserved_tokens(request)
+        need = request.kv_tokens
         if self.kv_budget and need > self.kv_budget:
             raise ValueError(f"the prompt and max_tokens need {need} cache tokens, more than the "
                              f"server's whole budget (--max-kv-tokens {self.kv_budget}); send a "
                              "shorter prompt or a smaller max_tokens")
 
-    def offer(self, request: Request) -> List[RunningSession]:
-        """Queue a request behind the waiting ones; the sessions that start now. A request that
-        must wait while max_queued others already wait gets a BusyEvent and is dropped."""
-        self.waiting.append(request)
-        started = self.start_waiting()
-        if len(self.waiting) > self.max_queued:
-            self.waiting.pop().events.put(BusyEvent(
-                f"{self.max_queued} requests already wait for room in the KV budget "
-                f"(--max-kv-tokens {self.kv_budget}, --max-queued {self.max_queued}); retry shortly"))
-        return started
+    def queue(self, ticket: Ticket) -> None:
+        """A request waits behind the others (the scheduler starts it, or refuses it)."""
+        self.waiting[ticket.id] = ticket
 
-    def start_waiting(self) -> List[RunningSession]:
-        """Start waiting requests, in arrival order, while the KV budget has room."""
-        started = []
-        while self.waiting:
-            head = self.waiting[0]
-            if head.cancelled:
-                self.waiting.popleft()
-                continue
-            need = reserved_tokens(head)
-            if self.kv_budget and self.reserved + need > self.kv_budget:
-                break  # the head waits for room, and the rest behind it
-            self.waiting.popleft()
-            self.reserved += need
-            self._owned[id(head)] = head
-            started.append(self._start(head))
-        return started
+    def drop(self, ticket_id: int) -> None:
+        """A waiting request cancelled: it leaves the queue, nobody to tell."""
+        self.waiting.pop(ticket_id)
 
-    def _start(self, request: Request) -> RunningSession:
+    def refuse(self, ticket_id: int) -> None:
+        """A waiting request refused: too many already wait for room (BusyEvent)."""
+        self.waiting.pop(ticket_id).events.put(BusyEvent(
+            f"{self.max_queued} requests already wait for room in the KV budget "
+            f"(--max-kv-tokens {self.kv_budget}, --max-queued {self.max_queued}); retry shortly"))
+
+    def start(self, ticket_id: int) -> Row:
+        """Start a waiting request: its KV tokens reserved, the longest stored prefix of its
+        prompt found (in memory, or loaded from disk), its session made on every rank; its row."""
+        ticket = self.waiting.pop(ticket_id)
+        request = ticket.request
         self._from_disk(request.prompt)
         reuse = self.index.lookup(request.prompt)
-        sid = self.batch.insert(batch_request(request, reuse, self.kv))
-        request.cached_tokens = reuse.keep
+        row = self.batch.row(self.batch.insert(request, reuse, self.kv))
+        self.reserved += request.kv_tokens
+        self.started[row.id] = ticket
+        self.row_of[ticket.id] = row.id
         self.stats["requests"] += 1
         self.stats["cached_tokens"] += reuse.keep
-        return RunningSession(self.batch.row(sid), request, self.tokenizer)
+        ticket.events.put(StartedEvent(reuse.keep))
+        return row
 
-    def close(self, session: RunningSession, fed: Optional[List[int]]) -> None:
-        """End a session on both ranks and hand its reservation back; `fed`: the tokens its
+    def close(self, row: Row, fed: Optional[List[int]]) -> None:
+        """End a session on every rank and hand its reservation back; `fed`: the tokens its
         cache holds, to store it for reuse under, or None to drop it (an abandoned session)."""
         if fed is None:
-            self.batch.remove(session.sid)
+            self.batch.remove(row.id)
         else:
             cache_id, evicted = self.index.insert(fed)
-            self.batch.remove(session.sid, cache_id)
+            self.batch.remove(row.id, cache_id)
             if cache_id and self.disk is not None:
                 # Written through: both ranks' writers have it on disk moments from now, so a
                 # stop of any kind (a kill -9 too) keeps it; eviction then only drops it.
@@ -104,8 +100,10 @@ class Admission:
             if cache_id:
                 evicted += self.index.charge(cache_id, self.sessions.stored_bytes(cache_id))
             self._drop(evicted)
-        self.reserved -= session.reserved
-        self._owned.pop(id(session.request), None)
+        self.reserved -= row.request.kv_tokens
+        ticket = self.started.pop(row.id, None)
+        if ticket is not None:
+            self.row_of.pop(ticket.id, None)
 
     @property
     def sessions(self) -> LeaderSessions:
@@ -154,12 +152,10 @@ class Admission:
 
     def fail(self, message: str) -> None:
         """The pair is down: every request under way or waiting gets PairDownEvent(message)."""
-        owned = list(self._owned.values())
-        self._owned.clear()
-        for request in owned:
-            request.events.put(PairDownEvent(message))
-        while self.waiting:
-            self.waiting.popleft().events.put(PairDownEvent(message))
+        tickets = list(self.started.values()) + list(self.waiting.values())
+        self.started, self.row_of, self.waiting = {}, {}, {}
+        for ticket in tickets:
+            ticket.events.put(PairDownEvent(message))
         self.reserved = 0
 
     def renew(self) -> None:

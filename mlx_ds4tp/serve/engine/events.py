@@ -12,19 +12,31 @@ from typing import Optional, Tuple, Union
 
 
 @dataclasses.dataclass(frozen=True)
+class StartedEvent:
+    """The engine started the request (it had room in the KV budget): the prompt tokens it
+    reuses from a stored prompt cache. The first event of a request that starts."""
+
+    cached_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
 class TextEvent:
-    """Text the request generated, and the logprobs entries (OpenAI's shape) of its tokens
-    since the last text event (empty unless logprobs were asked for)."""
+    """Text the request generated, the tokens it generated so far in all (text or not), and
+    the logprobs entries (OpenAI's shape) of its tokens since the last text event (empty
+    unless logprobs were asked for)."""
 
     text: str
+    completion_tokens: int
     items: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class DoneEvent:
-    """The request ended as asked: "stop" (EOS or a stop string) or "length"; the last event."""
+    """The request ended as asked: "stop" (EOS or a stop string) or "length", after generating
+    completion_tokens tokens; the last event."""
 
     finish: str
+    completion_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +63,7 @@ class BusyEvent:
     reason: str
 
 
-EngineEvent = Union[TextEvent, DoneEvent, FailedEvent, PairDownEvent, BusyEvent]
+EngineEvent = Union[StartedEvent, TextEvent, DoneEvent, FailedEvent, PairDownEvent, BusyEvent]
 ENDING_EVENTS = (DoneEvent, FailedEvent, PairDownEvent, BusyEvent)
 
 

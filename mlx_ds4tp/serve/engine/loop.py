@@ -1,44 +1,56 @@
-"""The leader's scheduler for `ds4tp serve`: continuous batching over the pair.
+"""The leader's engine for `ds4tp serve`: continuous batching over the pair.
 
 One thread owns the model and the control channel. Its narrow, thread-safe face to the HTTP
-event loop: `submit` a request (the inbox), cancel it (its `cancelled` flag, read at the next
-turn), and its events (a queue per request the loop awaits, serve/engine/events.py). Each turn of its loop:
-  1. admits waiting requests (serve.engine.admission: the KV budget, the stored prefix of each
-     prompt, the session created on both ranks from that cache);
-  2. prefills one chunk of the oldest prompts in one padded forward (serve.engine.prefill), unless
-     this turn's prompts ride in the decode step (mixed prefill);
-  3. runs one decode step over the batch and the sessions joining it (serve.engine.decoding);
-  4. takes what the step produced into the sessions, ending the finished ones on both ranks
-     and storing their caches for reuse (serve.engine.finishing).
-When the pair goes down, every session fails with it; `resume` serves again over a pair
+event loop: `submit` a request (its Ticket back), `cancel` it by the ticket's id, and its
+events (a queue per request the loop awaits, serve/engine/events.py). Submissions and cancels
+travel in one inbox, so the engine thread alone writes what it holds. Each turn of its loop:
+  1. takes what the inbox holds (requests to queue, cancels to mark);
+  2. plans the turn (serve.engine.schedule.plan_turn: one frozen TurnPlan);
+  3. carries the plan out: drops, ends, refusals and admissions (serve.engine.admission), a
+     read-ahead of the last pipelined step, a prefill forward (serve.engine.prefill), the
+     decode step (the leader's batch, lockstep/batch.py);
+  4. routes what each read or step produced into the rows' answers, ending the finished rows
+     on both ranks and storing their caches for reuse (serve.engine.finishing).
+When the pair goes down, every request fails with it; `resume` serves again over a pair
 joined anew (serve.serving_rank takes a restarted worker back).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import queue
 import threading
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Set, Union
 
 import mlx.core as mx
 
 from ... import transport as tr
 from ...base.log import log
-from ...lockstep.batch import Batch, BatchSettings
+from ...lockstep.batch import Batch, BatchSettings, Row, StepOutput
 from ...lockstep.protocol.sessions import LeaderSessions, drain_failed_work
 from ...lockstep.protocol.table import release_memory
+from ...lockstep.request import GenerationRequest
 from ...lockstep.speculative import Speculation
 from ..errors import PairUnavailableError
 from ..limits import ServeLimits
 from .admission import Admission
-from .decoding import DecodeStepper
 from .events import PairDownEvent
 from .finishing import Finishing
-from .generation import Request, RunningSession, StepOutput
-from .prefill import PrefillScheduler
+from .generation import Ticket
+from .mixing import MixChoice
+from .prefill import PrefillForward
+from .schedule import Queued, ScheduleLimits, TurnPlan, TurnState, plan_turn
 
 IDLE_POLL_SEC = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cancel:
+    """A cancel on its way to the engine thread (Engine.cancel)."""
+
+    ticket_id: int
 
 
 class Engine:
@@ -49,13 +61,19 @@ class Engine:
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.limits = limits
-        self.batch = Batch(sessions, BatchSettings(limits.max_batch, limits.mixed_prefill, limits.debug_hash),
-                           speculation)
-        self.admission = Admission(self.batch, tokenizer, limits)
-        self.prefill = PrefillScheduler(self.batch, limits)
-        self.stepper = DecodeStepper(self.batch, self.prefill.mixing)
+        self.speculation = speculation
+        self.batch = Batch(sessions, BatchSettings(limits.mixed_prefill > 0, limits.debug_hash), speculation)
+        self.schedule = ScheduleLimits.for_limits(limits)
+        self.admission = Admission(self.batch, limits)
+        self.mixing = MixChoice(limits.mixed_when)
+        self.prefill = PrefillForward(self.mixing)
         self.finishing = Finishing(self.admission, tokenizer)
-        self._inbox: "queue.Queue[Request]" = queue.Queue()
+        # The rows not in the batch yet, oldest first: prompts to prefill, prefilled ones to join.
+        self.prefilling: List[Row] = []
+        self.ready: List[Row] = []
+        self._cancelled: Set[int] = set()  # ids of waiting requests cancelled
+        self._inbox: "queue.Queue[Union[Ticket, _Cancel]]" = queue.Queue()
+        self._ids = itertools.count(1)
         self._released = False  # memory handed back since the last request (release_memory)
         self._lock = threading.Lock()
         self._error: Optional[str] = None
@@ -74,7 +92,7 @@ class Engine:
         """Totals since start, each part's own (prefilled tokens are counted by the prefill
         forwards and by the decode steps that take prompt tokens in)."""
         total: "collections.Counter[str]" = collections.Counter()
-        for part in (self.admission, self.prefill, self.stepper, self.finishing):
+        for part in (self.admission, self.prefill, self.batch, self.finishing):
             total.update(part.stats)
         return dict(total)
 
@@ -89,8 +107,8 @@ class Engine:
     def counts(self) -> Dict[str, int]:
         """Sessions prefilling, waiting to join the batch, decoding (for /health)."""
         index, (in_table, stored) = self.admission.index, self.sessions.counts()
-        return {"prefilling": len(self.prefill.queue), "waiting": len(self.stepper.ready),
-                "decoding": len(self.stepper.running), "queued": self.queued(),
+        return {"prefilling": len(self.prefilling), "waiting": len(self.ready),
+                "decoding": len(self.batch.running), "queued": self.queued(),
                 "kv_reserved_tokens": self.admission.reserved, "kv_budget_tokens": self.admission.kv_budget,
                 "prompt_cache_entries": len(index), "prompt_cache_bytes": index.nbytes(),
                 # MLX's own figures on the leader (the worker's are the same share): arrays
@@ -100,7 +118,7 @@ class Engine:
                 # The leader's table (the worker's is the same): sessions, stored caches.
                 "table_sessions": in_table, "table_stored": stored,
                 **self._disk_figures(),
-                **(self.prefill.mixing.figures() if self.limits.mixed_prefill else {})}
+                **(self.mixing.figures() if self.limits.mixed_prefill else {})}
 
     @property
     def disk_cache(self):
@@ -113,7 +131,7 @@ class Engine:
         disk = self.admission.disk
         if disk is None:
             return {}
-        stats, per_token = self.admission.stats, self.prefill.mixing.separate_per_token or 0.0
+        stats, per_token = self.admission.stats, self.mixing.separate_per_token or 0.0
         saved = stats["disk_tokens"] * per_token - stats["disk_load_ms"] / 1000
         return {"prompt_cache_disk_entries": len(disk), "prompt_cache_disk_bytes": disk.nbytes(),
                 "prompt_cache_disk_seconds_saved": round(max(saved, 0.0), 3), **disk.stats}
@@ -123,19 +141,28 @@ class Engine:
         return self._inbox.qsize() + len(self.admission.waiting)
 
     def kv_tokens(self) -> int:
-        """Tokens the caches of the sessions under way hold (for /metrics; read from another
+        """Tokens the caches of the rows under way hold (for /metrics; read from another
         thread, so a snapshot of the lists the engine thread owns)."""
-        sessions = list(self.prefill.queue) + list(self.stepper.ready) + list(self.stepper.running)
-        return max(sum(len(s.request.prompt) - len(s.todo) - 1 + len(s.generated) for s in sessions), 0)
+        rows = list(self.prefilling) + list(self.ready) + list(self.batch.running)
+        return max(sum(len(r.request.prompt) - len(r.todo) - 1 + len(r.taken) for r in rows), 0)
 
-    def submit(self, request: Request) -> None:
-        """Queue a request; PairUnavailableError when the pair is down, ValueError when it could
-        never fit the budget (Admission.check; a full queue is Admission.offer's "busy")."""
+    def submit(self, request: GenerationRequest) -> Ticket:
+        """Queue a request; its Ticket (its id and events). PairUnavailableError when the pair
+        is down, ValueError when it could never fit the budget (Admission.check; a full queue
+        is the scheduler's BusyEvent)."""
         self.admission.check(request)
         with self._lock:
             if self._error is not None:
                 raise PairUnavailableError(self._error)
-            self._inbox.put(request)
+            ticket = Ticket(next(self._ids), request)
+            self._inbox.put(ticket)
+        return ticket
+
+    def cancel(self, ticket_id: int) -> None:
+        """Cancel a request (from any thread): the engine thread ends it at its next turn, its
+        session dropped on every rank, and sends it nothing more. A request that has ended
+        already, or is cancelled twice, is left as it is."""
+        self._inbox.put(_Cancel(ticket_id))
 
     def start(self) -> None:
         """Run the loop in a daemon thread."""
@@ -178,29 +205,53 @@ class Engine:
         self._end_all("the server is stopping")
 
     def _turn(self) -> None:
-        self._admit()
-        for session in self.prefill.take_cancelled() + self.stepper.take_cancelled():
-            self.admission.close(session, None)
-        stepper = self.stepper
-        mix = stepper.has_rows and self.prefill.mixes(stepper.free_rows() > 0)
-        if self.prefill.queue or stepper.ready or stepper.first_unread:
-            # Sessions wait to prefill or to join, or the last step made a session's first
-            # token: the last step's tokens are read first, so a finished row is free for them
-            # and a first token is not held back by a chunk or a step (this may end the last
-            # running session). The steady batch pipelines.
-            self._finish(stepper.read_ahead())
-        if self.prefill.queue and not mix:
-            stepper.join(self.prefill.chunk())
-        if stepper.has_rows:
-            entering = self.prefill.hand_over(stepper.free_rows()) if mix else []
-            self._finish(stepper.step(entering))
+        self._take_inbox()
+        self._carry(plan_turn(self._state(), self.schedule))
 
-    def _admit(self) -> None:
-        busy = bool(self.prefill.queue or self.stepper.has_rows or self.admission.waiting)
+    def _state(self) -> TurnState:
+        batch = self.batch
+        waiting = tuple(Queued(t.id, t.request.kv_tokens, t.id in self._cancelled)
+                        for t in self.admission.waiting.values())
+        return TurnState(waiting, self.admission.reserved, tuple(self.prefilling), tuple(self.ready),
+                         tuple(batch.running), batch.pipelined, batch.unread, batch.first_unread,
+                         batch.all_in_flight(), self.mixing.estimates(), self.speculation)
+
+    def _carry(self, plan: TurnPlan) -> None:
+        """Carry a turn's plan out, in its order (schedule.TurnPlan)."""
+        for ticket_id in plan.drop:
+            self.admission.drop(ticket_id)
+            self._cancelled.discard(ticket_id)
+        for rid in plan.end:
+            self._abandon(self.batch.row(rid))
+        for ticket_id in plan.refuse:
+            self.admission.refuse(ticket_id)
+        for ticket_id in plan.admit:
+            ticket = self.admission.waiting[ticket_id]
+            row = self.admission.start(ticket_id)
+            self.finishing.open(row, ticket)
+            (self.prefilling if row.todo else self.ready).append(row)
+        if plan.mix_decided:
+            self.mixing.decided()
+        if plan.read_ahead:
+            self._route(self.batch.read_ahead())
+        if plan.prefill:
+            done = set(self.prefill.run(self.batch, plan.prefill))
+            self.ready += [r for r in self.prefilling if r.id in done]
+            self.prefilling = [r for r in self.prefilling if r.id not in done]
+        if plan.step is not None:
+            moved = set(plan.step.join) | set(plan.step.enter)
+            self.ready = [r for r in self.ready if r.id not in moved]
+            self.prefilling = [r for r in self.prefilling if r.id not in moved]
+            self._route(self.batch.step(plan.step))
+
+    def _take_inbox(self) -> None:
+        """Queue the requests submitted and mark the cancels, in the order they came; waits a
+        while for one when there is nothing to do."""
+        busy = bool(self.prefilling or self.ready or self.batch.running or self.admission.waiting)
         try:
-            request = self._inbox.get_nowait() if busy else self._inbox.get(timeout=IDLE_POLL_SEC)
+            item = self._inbox.get_nowait() if busy else self._inbox.get(timeout=IDLE_POLL_SEC)
         except queue.Empty:
-            request = None
+            item = None
             if not busy:
                 # Idle: nothing would notice a dead worker until the next request, and
                 # /health must stop answering 200 as soon as the pair is down.
@@ -210,29 +261,45 @@ class Engine:
                 if not self._released:  # IDLE_POLL_SEC without work: the pair is idle
                     release_memory()
                     self._released = True
-        started = []
-        while request is not None:
+        while item is not None:
             self._released = False
-            started += self.admission.offer(request)
+            if isinstance(item, _Cancel):
+                self._mark_cancelled(item.ticket_id)
+            else:
+                self.admission.queue(item)
             try:
-                request = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
-                request = None
-        for session in started + self.admission.start_waiting():
-            self._place(session)
+                item = None
 
-    def _place(self, session: RunningSession) -> None:
-        if session.todo:
-            self.prefill.add(session)
-        else:
-            self.stepper.join([session])
+    def _mark_cancelled(self, ticket_id: int) -> None:
+        rid = self.admission.row_of.get(ticket_id)
+        if rid is not None:
+            self.batch.row(rid).cancelled = True
+        elif ticket_id in self.admission.waiting:
+            self._cancelled.add(ticket_id)
 
-    def _finish(self, out: Optional[StepOutput]) -> None:
+    def _abandon(self, row: Row) -> None:
+        """End a cancelled row on every rank, its cache dropped; nobody is told."""
+        self.finishing.forget(row)
+        self.admission.close(row, None)
+        self.prefilling = [r for r in self.prefilling if r is not row]
+        self.ready = [r for r in self.ready if r is not row]
+
+    def _route(self, out: Optional[StepOutput]) -> None:
+        """What a read or a step produced, into the rows' answers; the finished rows ended."""
         if out is None:
             return
+        if not self.batch.pipelined:
+            # A stepped step's time, to the mixed-prefill estimates: a mixed step beside a
+            # decode step as wide as its decode rows (1 + the drafts of the widest).
+            if out.prompt_tokens:
+                self.mixing.mixed_timed(out.seconds, out.prompt_tokens, out.width)
+            else:
+                self.mixing.decode_timed(out.seconds, out.width)
         outcomes = self.finishing.advance(out)
-        self.stepper.commit(out, [o.used for o in outcomes])  # before any session ends
-        self.stepper.drop(self.finishing.end(out, outcomes))
+        self.batch.commit(out, [o.used for o in outcomes])  # before any row ends
+        self.finishing.end(out, outcomes)
 
     # -- failure and resume ---------------------------------------------------
     def wait_down(self, timeout: float) -> bool:
@@ -254,8 +321,7 @@ class Engine:
         release_memory()  # the old pair's table, its caches and its failed steps
         self.batch.clear(sessions)
         self.admission.renew()
-        self.prefill.rebind()
-        self.stepper.clear()
+        self._forget_rows()
         with self._lock:
             self._error = None
             self._down.clear()
@@ -274,12 +340,18 @@ class Engine:
         """Every request under way or waiting gets PairDownEvent(message); new ones are refused."""
         with self._lock:
             self._error = self._error or message
-        self.prefill.clear()
-        self.stepper.clear()
+        self._forget_rows()
         self.batch.clear()
         self.admission.fail(message)
         while True:
             try:
-                self._inbox.get_nowait().events.put(PairDownEvent(message))
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(item, Ticket):
+                item.events.put(PairDownEvent(message))
+
+    def _forget_rows(self) -> None:
+        """The rows went with the pair (their requests are told by Admission.fail)."""
+        self.prefilling, self.ready, self._cancelled = [], [], set()
+        self.finishing.replies = {}

@@ -15,11 +15,14 @@ takes, each turn, the one whose cost per prompt token is lower:
 (the decode step is paid either way). The estimates are moving averages; until both exist
 the missing one is measured, and every PROBE_EVERY decisions the other kind is tried once so a
 change in load is seen (a mixed step is set beside a decode step of its own width: with
-drafts, a decode row is wider than one position). Only the leader decides: the worker runs the commands it is sent.
+drafts, a decode row is wider than one position). This module measures; the choice itself is
+the scheduler's (serve/engine/schedule.py:mixes). Only the leader decides: the worker runs
+the commands it is sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 POLICIES = ("cheaper", "always")
@@ -31,9 +34,22 @@ def _blend(old: Optional[float], new: float) -> float:
     return new if old is None else (1 - WEIGHT) * old + WEIGHT * new
 
 
+@dataclasses.dataclass(frozen=True)
+class MixEstimates:
+    """What the choice is made from (serve/engine/schedule.py:mixes makes it): the policy, the
+    seconds per prompt token of each kind (None: not measured yet), whether a plain decode step
+    was timed, and the measured decisions made so far."""
+
+    policy: str = "cheaper"
+    separate_per_token: Optional[float] = None
+    mixed_per_token: Optional[float] = None
+    decode_timed: bool = False
+    decisions: int = 0
+
+
 class MixChoice:
-    """The mixed batch's decision (see the module docstring). policy "always" mixes whenever
-    there is something to mix."""
+    """The measurements the mixed batch's choice is made from (see the module docstring).
+    policy "always" mixes whenever there is something to mix."""
 
     def __init__(self, policy: str = "cheaper"):
         if policy not in POLICIES:
@@ -46,20 +62,14 @@ class MixChoice:
         self.decode_step: Dict[int, float] = {}
         self._decisions = 0
 
-    def mix(self) -> bool:
-        """Whether this turn, which has both prompts to prefill and sessions to decode, mixes."""
-        if self.policy == "always":
-            return True
-        if self.separate_per_token is None or not self.decode_step:
-            return False  # measure the separate forwards (and a plain decode step) first
+    def estimates(self) -> MixEstimates:
+        """The measurements now, as the scheduler reads them."""
+        return MixEstimates(self.policy, self.separate_per_token, self.mixed_per_token, bool(self.decode_step),
+                            self._decisions)
+
+    def decided(self) -> None:
+        """A measured decision was made (the scheduler's plan says so): the probes count these."""
         self._decisions += 1
-        probe = self._decisions % PROBE_EVERY == 1
-        if self.mixed_per_token is None:
-            # Tried on the first decision and every PROBE_EVERY after, until a mixed step can
-            # be set beside a decode step of its width.
-            return probe
-        cheaper = self.mixed_per_token < self.separate_per_token
-        return (not cheaper) if probe and self._decisions > 1 else cheaper
 
     def prefill_timed(self, seconds: float, tokens: int) -> None:
         """A prefill forward of its own took `seconds` for `tokens` prompt tokens."""

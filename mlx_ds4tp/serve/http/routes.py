@@ -17,8 +17,8 @@ from starlette.routing import Route
 from ...base.log import log
 from ..dialects import anthropic, openai, responses
 from ..dialects.answer import Answering, answer_pieces, whole_answer
-from ..dialects.openai import ParsedRequest
-from ..engine.generation import Request
+from ..dialects.openai import ApiCall
+from ..engine.generation import Ticket
 from ..errors import GENERATION_FAILED, ApiError, ClientGoneError, PairUnavailableError, unavailable
 from ..state import ServeState
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -30,8 +30,8 @@ RETRY_AFTER_SEC = 2
 _T = TypeVar("_T")
 
 # A dialect: its parser (body, state) -> the request, and its answer to the submitted request.
-Parse = Callable[[dict, ServeState], ParsedRequest]
-Answer = Callable[[ServeState, Any, Request], Answering]
+Parse = Callable[[dict, ServeState], ApiCall]
+Answer = Callable[[ServeState, Any, Ticket], Answering]
 Endpoint = Callable[[HttpRequest], Awaitable[Response]]
 
 
@@ -108,28 +108,26 @@ def _body_object(raw: bytes) -> dict:
     return body
 
 
-def _submit(state: ServeState, parsed: ParsedRequest) -> Request:
-    """The engine's request for a parsed one, submitted (its KV budget checked)."""
+def _submit(state: ServeState, call: ApiCall) -> Ticket:
+    """A parsed call's request submitted to the engine (its KV budget checked); its ticket."""
     if state.engine.error is not None:
         raise unavailable(state.engine.error)
-    request = Request(prompt=parsed.prompt, max_tokens=parsed.max_tokens, options=parsed.options,
-                      stop=parsed.stop, logprobs=parsed.logprobs, num_draft_tokens=parsed.num_draft_tokens)
     try:
-        state.engine.submit(request)
+        return state.engine.submit(call.request)
     except PairUnavailableError as exc:
         raise unavailable(str(exc)) from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "max_tokens", "kv_budget_exceeded") from None
-    return request
 
 
 async def _answer(http: HttpRequest, state: ServeState, parse: Parse, answer: Answer) -> Response:
-    parsed = parse(_body_object(await read_body(http, state)), state)
-    request = _submit(state, parsed)
-    answering = answer(state, parsed, request)
-    if not parsed.stream:
-        return _json(200, answering.whole(await unless_gone(http, whole_answer(state, request, answering.chat))))
-    pieces = answer_pieces(state, request, answering.chat)
+    call = parse(_body_object(await read_body(http, state)), state)
+    ticket = _submit(state, call)
+    answering = answer(state, call, ticket)
+    if not call.stream:
+        whole = whole_answer(state, ticket, answering.chat, answering.usage)
+        return _json(200, answering.whole(await unless_gone(http, whole)))
+    pieces = answer_pieces(state, ticket, answering.chat, answering.usage)
     headers = {"Cache-Control": "no-cache"}
     try:
         # The status line waits for the first piece: a pair already down is a plain 503.
