@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
-from ...link.wire import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 from ...lockstep.batch import Row, StepPlan
+from ...lockstep.protocol.commands.limits import MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME
 from ...lockstep.speculative import Speculation
 from ..limits import ServeLimits
 from .mixing import PROBE_EVERY, MixEstimates
