@@ -20,13 +20,15 @@ from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import transport as tr
 from .base.log import log
 from .collectives.backend import SUPPORTED_DTYPES, MlxGroup
 from .collectives.group import Group
 from .errors import HelloMismatchError, MeshSizeError, TransportError
 from .link.config import MLX, LinkSettings, PairAddress, pair_address
+from .link.handshake import connect
+from .link.hello import ModelIdentity
 from .link.mesh import Mesh, door_formed, form_mesh, pair_mesh
+from .link.rdma import rdma_probe
 
 
 def init(
@@ -39,7 +41,7 @@ def init(
     gid_index: Optional[int] = None,
     timeout: Optional[float] = None,
     secret=None,
-    identity: Optional[tr.ModelIdentity] = None,
+    identity: Optional[ModelIdentity] = None,
     tcp_spin_us: Optional[int] = None,
     size: Optional[int] = None,
     rank: Optional[int] = None,
@@ -74,7 +76,7 @@ def init(
     return init_pair(link, identity)
 
 
-def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
+def init_pair(link: LinkSettings, identity: Optional[ModelIdentity] = None):
     """Join as `link` says (init's one path): a Group over links whose hellos check
     `identity` (the model's fingerprint), or MLX's own group for transport "mlx"."""
     global _LAST_GROUP
@@ -91,7 +93,7 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
             # Discovery finds the group (the ranks, the leader's address), then the mesh forms there.
             from .link.findgroup import find_group
 
-            link = find_group(link, identity or tr.ModelIdentity()).settings(link)
+            link = find_group(link, identity or ModelIdentity()).settings(link)
         _LAST_GROUP = _init_mesh(link, identity)
         _JOINED_WITH[_LAST_GROUP] = (link, identity)
         if found_by is not None:
@@ -101,7 +103,7 @@ def init_pair(link: LinkSettings, identity: Optional[tr.ModelIdentity] = None):
     return _LAST_GROUP
 
 
-def _pair_group(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Group:
+def _pair_group(link: LinkSettings, identity: Optional[ModelIdentity]) -> Group:
     mesh = pair_mesh(_join(link, identity))
     try:
         group = Group(mesh)
@@ -112,7 +114,7 @@ def _pair_group(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Gro
     return group
 
 
-def _join_leaders_size(link: LinkSettings, identity: Optional[tr.ModelIdentity]):
+def _join_leaders_size(link: LinkSettings, identity: Optional[ModelIdentity]):
     """A worker that takes its leader's size (link.size None): it says a pair's hello, as a
     pair's worker always has, so a pair's leader takes it with nothing more on the wire; a
     mesh's rank 0 answers with its size (MeshSizeError), and the worker JOINs a mesh of that
@@ -182,11 +184,11 @@ def rejoin_timeout(group) -> float:
 _FOUND_BY: "weakref.WeakKeyDictionary[Group, LinkSettings]" = weakref.WeakKeyDictionary()
 
 # What each group of ours was joined with, for reconnect(); weak, so a dropped group goes.
-_JOINED_WITH: "weakref.WeakKeyDictionary[Group, Tuple[LinkSettings, Optional[tr.ModelIdentity]]]" = \
+_JOINED_WITH: "weakref.WeakKeyDictionary[Group, Tuple[LinkSettings, Optional[ModelIdentity]]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _form_again(group: Group, link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Mesh:
+def _form_again(group: Group, link: LinkSettings, identity: Optional[ModelIdentity]) -> Mesh:
     """reconnect()'s new links, this rank at its old place. A pair joins as connect() does (by
     discovery: this rank keeps the role its part of the model was loaded for). A mesh forms
     again (the leader at its address, each worker asking for the rank it had, so a restarted
@@ -206,7 +208,7 @@ def _form_again(group: Group, link: LinkSettings, identity: Optional[tr.ModelIde
     if group.rank() == 0 and found_by is not None:
         from .link.findgroup import Reopened
 
-        reopened = Reopened(found_by, identity or tr.ModelIdentity(), link.address.listen)
+        reopened = Reopened(found_by, identity or ModelIdentity(), link.address.listen)
     try:
         return form_mesh(link.resolved(identity), _connect)
     finally:
@@ -214,7 +216,7 @@ def _form_again(group: Group, link: LinkSettings, identity: Optional[tr.ModelIde
             reopened.close()
 
 
-def _init_mesh(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Group:
+def _init_mesh(link: LinkSettings, identity: Optional[ModelIdentity]) -> Group:
     """A mesh of link.size ranks (link/mesh.py), each link a pair made by _connect."""
     mesh = form_mesh(link.resolved(identity), _connect)
     try:
@@ -224,18 +226,18 @@ def _init_mesh(link: LinkSettings, identity: Optional[tr.ModelIdentity]) -> Grou
         raise
 
 
-def _join(link: LinkSettings, identity: Optional[tr.ModelIdentity]):
+def _join(link: LinkSettings, identity: Optional[ModelIdentity]):
     """The pair as `link` says: at its address, or where discovery finds the peer."""
     if link.discovery is not None:
         from .link.meet import meet
 
-        return meet(link, identity or tr.ModelIdentity(), _connect)
+        return meet(link, identity or ModelIdentity(), _connect)
     return _connect(link.resolved(identity))
 
 
 def _connect(config: LinkSettings, **seams):
     # connect() hands out a complete pair: its RDMA queue pair proven, or TCP chosen.
-    return tr.connect(config, rdma_probe=lambda: tr.rdma_probe(config.rdma_device, config.verbs_library),
+    return connect(config, rdma_probe=lambda: rdma_probe(config.rdma_device, config.verbs_library),
                       **seams)
 
 

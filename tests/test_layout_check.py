@@ -103,3 +103,22 @@ def test_size_branches_past_the_allowance_are_each_named(tree):
     # The same in link/, where the pair's and the mesh's formation on the wire differ, is allowed.
     (tree / "mlx_ds4tp" / "lockstep" / "planted.py").rename(tree / "mlx_ds4tp" / "link" / "planted.py")
     assert check(tree) == (0, "")
+
+
+def test_a_package_module_importing_a_link_face_is_named(tmp_path):
+    """transport.py and warmup.py are for users and tests: a package module that imports either,
+    by any spelling, fails naming its file:line; the package's __init__ may re-export them."""
+    _tree(tmp_path, {
+        "mlx_ds4tp/__init__.py": "from .transport import connect\n",
+        "mlx_ds4tp/transport.py": "from .link.handshake import connect\n",
+        "mlx_ds4tp/warmup.py": "",
+        "mlx_ds4tp/link/__init__.py": "", "mlx_ds4tp/link/handshake.py": "def connect():\n    pass\n",
+        "mlx_ds4tp/cli/run.py": '"""run"""\n\nfrom .. import transport as tr\n',
+        "mlx_ds4tp/cli/doctor.py": "def f():\n    from mlx_ds4tp.warmup import x\n",
+        "mlx_ds4tp/cli/serve.py": "from ..link.handshake import connect\n",
+    })
+    done = _check(tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert "mlx_ds4tp/cli/run.py:3: mlx_ds4tp.cli.run imports mlx_ds4tp.transport" in done.stdout, done.stdout
+    assert "mlx_ds4tp/cli/doctor.py:2: mlx_ds4tp.cli.doctor imports mlx_ds4tp.warmup" in done.stdout, done.stdout
+    assert "serve.py" not in done.stdout and "__init__.py" not in done.stdout, done.stdout

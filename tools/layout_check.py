@@ -11,6 +11,9 @@ Outside link/ and collectives/ (where the wire's pair and mesh live), one Group 
 no isinstance() test on a group class of collectives/, and at most MAX_SIZE_BRANCHES
 comparisons of a size (an expression naming `size` or `ranks`) with 2 or 3; each offender is
 printed as file:line.
+Inside the package link/ is reached one way, by its modules' names (`from ..link.handshake import
+connect`): transport.py and warmup.py are the faces users and tests import, so no package module
+but the package's own __init__ imports them (each offender printed as file:line).
 Prints what it finds; exits 1 when there is a cycle, an oversized file or an offender, or when it
 finds no package to check (a check that passes on nothing would hide a moved tree), else 0.
 """
@@ -26,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_PY, MAX_C = 500, 900
 # Test scaffolding no product module may import (every module below PKG outside it is product).
 TESTING = f"{PKG}.testing"
+# The link layer's public faces: for users and tests, never imported inside the package.
+LINK_FACES = (f"{PKG}.transport", f"{PKG}.warmup")
 # Where a pair and a mesh may differ: the wire's formation and the group over it.
 GROUP_ROOMS = ("link", "collectives")
 # The group classes of collectives/, old and new: an isinstance() on one asks what kind of group it is.
@@ -96,6 +101,20 @@ def testing_imports(known: dict) -> list:
     return found
 
 
+def face_imports(known: dict) -> list:
+    """`file:line: ...` for every package module's import of a link face (LINK_FACES)."""
+    found = []
+    for name, path in sorted(known.items()):
+        if name == PKG or name in LINK_FACES:
+            continue
+        for line, target in imported_names(name, path):
+            face = next((f for f in LINK_FACES if target == f or target.startswith(f + ".")), None)
+            if face:
+                found.append(f"{path}:{line}: {name} imports {face}, a face for users and tests; inside the "
+                             f"package import the link/ module that defines the name (e.g. {PKG}.link.handshake)")
+    return found
+
+
 def _names_a_group_class(node: ast.AST) -> bool:
     """An isinstance() class argument naming a group class of ours (alone, dotted, or in a
     tuple); MLX's own (mx.distributed.Group) is the interface every group has, not a kind."""
@@ -151,6 +170,7 @@ def main() -> int:
         walk(m, [m])
     problems = [f"import cycle: {' <-> '.join(c)}" for c in sorted(cycles)]
     problems += testing_imports(known)
+    problems += face_imports(known)
     for root, _, files in os.walk(PKG):
         for f in sorted(files):
             path = os.path.join(root, f)

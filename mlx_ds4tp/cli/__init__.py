@@ -14,8 +14,8 @@ import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
-from .. import transport as tr
 from ..base.log import log
+from ..errors import TransportError
 
 # Command name -> module (mlx_ds4tp.cli.<module>), in the order `ds4tp --help` lists them.
 COMMANDS = {"run": "run", "serve": "serve", "pair": "pair_code", "demo": "demo", "bench": "bench",
@@ -44,7 +44,7 @@ def report_errors(fn: Callable[[], int]) -> int:
         return fn()
     except KeyboardInterrupt:
         return 130
-    except (tr.TransportError, ValueError, RuntimeError) as exc:
+    except (TransportError, ValueError, RuntimeError) as exc:
         log(f"error: {exc}")
         return 1
 

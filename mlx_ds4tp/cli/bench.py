@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .. import transport as tr
 from ..base.stopping import stop_on_sigterm
+from ..link.wire import GATE_MAX_BYTES
 from .draft_args import add_draft_args, check_num_draft_tokens
 from .model_arg import DEMO, add_model_arg, model_path
 from .pair_args import (
@@ -42,7 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        "with both ranks here, the first device with an active port with --role",
                        extra_choice=ALL, default=ALL)
     p.add_argument("--bytes", type=int, default=16384,
-                   help=f"bytes per gate exchange, a multiple of 4 up to {tr.GATE_MAX_BYTES} "
+                   help=f"bytes per gate exchange, a multiple of 4 up to {GATE_MAX_BYTES} "
                         "(default 16384)")
     p.add_argument("--iters", type=int, default=5000, help="timed exchanges per contender (default 5000; "
                    "--ranks: 16 KiB all_sums per group, default 1000, a tenth of them at 1 MiB)")
@@ -99,8 +99,8 @@ def main(args: argparse.Namespace) -> int:
     stop_on_sigterm()
     if args.bytes <= 0 or args.bytes % 4:
         raise SystemExit(f"ds4tp bench: --bytes {args.bytes} must be a positive multiple of 4")
-    if args.bytes > tr.GATE_MAX_BYTES:
-        raise SystemExit(f"ds4tp bench: --bytes {args.bytes} is over the {tr.GATE_MAX_BYTES}-byte gate limit")
+    if args.bytes > GATE_MAX_BYTES:
+        raise SystemExit(f"ds4tp bench: --bytes {args.bytes} is over the {GATE_MAX_BYTES}-byte gate limit")
     check_at_least("bench", (("--iters", args.iters, 1),))
     address = address_from_args(args, "bench")
     if address is not None and (args.serve or args.model):

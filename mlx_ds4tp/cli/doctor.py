@@ -16,8 +16,11 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from .. import transport as tr
-from ..link.config import LinkSettings, PairAddress, pair_address
+from ..errors import RdmaUnavailableError, TransportError
+from ..link.config import VERBS_LIBRARY_ENV, LinkSettings, PairAddress, default_timeout, pair_address, verbs_library
+from ..link.mesh import door_formed
+from ..link.native import load_verbs
+from ..link.rdma import UCSIM, rdma_probe
 from ..split.measure import measure_rank, memory_limit
 from .doctor_lines import FAIL, OK, WARN, Check, line as _line
 from .doctor_mesh import add_ranks_arg, check_ucsim_group, group_checks, group_size
@@ -86,24 +89,24 @@ def no_provider_cause(reason: str) -> str:
 def check_verbs() -> List[Check]:
     out = []
     try:
-        _, lib = tr.load_verbs()
-    except tr.RdmaUnavailableError as exc:
+        _, lib = load_verbs()
+    except RdmaUnavailableError as exc:
         return [_line(FAIL, "C module", str(exc))]
     built_with = bool(lib.tp_built_with_ibverbs())
     out.append(_line(OK, "C module", "mlx_ds4tp._verbs is built" + (
         "" if built_with else " (ucsim only: without the ibverbs provider)")))
     # Resolved once here and passed to every probe, as LinkSettings.resolved() does for a pair.
-    library = tr.verbs_library()
+    library = verbs_library()
     if library:
-        out.append(_line(OK, "verbs library", f"{library} (from {tr.VERBS_LIBRARY_ENV})"))
-    ok, reason = tr.rdma_probe(None, library)
+        out.append(_line(OK, "verbs library", f"{library} (from {VERBS_LIBRARY_ENV})"))
+    ok, reason = rdma_probe(None, library)
     if ok:
         out.append(_line(OK, "verbs device", reason or "a device with an active port and an IPv4-mapped GID"))
     else:
         if not built_with:
             reason = no_provider_cause(reason)
         out.append(_line(WARN, "verbs device", f"{reason} -- gates will use TCP"))
-    ok, reason = tr.rdma_probe(tr.UCSIM, library)
+    ok, reason = rdma_probe(UCSIM, library)
     out.append(_line(OK if ok else FAIL, "ucsim (emulated Thunderbolt UC)", reason or "available"))
     return out
 
@@ -140,10 +143,10 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Check]
 
     # A doctor should answer soon: at most 30 s (a worker dialing) / 120 s (listening, or a
     # worker of a group of N, which waits for all N), less when DS4_TP_TIMEOUT_SEC says so.
-    limit = tr.default_timeout()
+    limit = default_timeout()
     identity = model_identity(args.model) if args.model else None
     where = "{0}:{1}".format(*link.address.address) if link.discovery is None else "the group discovery found"
-    short = link.address.role == "worker" and not tr.door_formed(link.size or 2)
+    short = link.address.role == "worker" and not door_formed(link.size or 2)
     wait = min(30.0 if short else 120.0, limit)
     g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait, figures=measure_rank(memory_limit())),
                            identity)
@@ -221,7 +224,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         try:
             results += peer_round_trip(args, link)
-        except (tr.TransportError, ValueError, FileNotFoundError) as exc:
+        except (TransportError, ValueError, FileNotFoundError) as exc:
             results.append(_line(FAIL, "all_sum round trip", str(exc)))
     failed = [w for s, w in results if s == FAIL]
     print(f"doctor: {len(results)} checks, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))

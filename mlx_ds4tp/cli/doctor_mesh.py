@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from .. import transport as tr
 from ..link.config import MAX_MESH_SIZE, MLX
+from ..link.rdma import UCSIM
 from .doctor_lines import FAIL, OK, Check, line
 from .pair_args import ranks_from_args
 
@@ -73,7 +73,7 @@ def check_ucsim_group(size: int) -> List[Check]:
         where = ({"role": "leader", "listen": here} if r == 0
                  else {"role": "worker", "coordinator": here, "rank": r})
         try:
-            g = groups[r] = gate_ops.init(transport="rdma", rdma_device=tr.UCSIM, timeout=20.0,
+            g = groups[r] = gate_ops.init(transport="rdma", rdma_device=UCSIM, timeout=20.0,
                                           size=size, **where)
             x = mx.full((ELEMENTS,), float(r + 1), dtype=mx.float32)
             want = size * (size + 1) / 2

@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .. import gate_ops, transport as tr
+from .. import gate_ops
 from ..base.log import log
+from ..errors import AuthenticationError, HelloMismatchError, TransportError
 from ..link.config import LinkSettings
+from ..link.hello import ModelIdentity
 from ..split.agree import agree_share, with_figures
 from ..split.auto import ModelNeed, model_need
 from ..split.progress import LoadingBar
@@ -29,7 +31,7 @@ class BringUp:
 
     link: LinkSettings
     model_path: Path
-    identity: tr.ModelIdentity
+    identity: ModelIdentity
     split: SplitSettings
     kv_tokens: int = 0
     wait_for_leader: bool = False
@@ -58,9 +60,9 @@ def join(plan: BringUp) -> Any:
     while True:
         try:
             return gate_ops.init_pair(link, plan.identity)
-        except (tr.HelloMismatchError, tr.AuthenticationError):
+        except (HelloMismatchError, AuthenticationError):
             raise
-        except tr.TransportError as exc:
+        except TransportError as exc:
             if not plan.wait_for_leader:
                 raise
             log(f"no leader yet ({exc}); still waiting (--rejoin)")

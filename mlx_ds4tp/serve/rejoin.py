@@ -20,16 +20,20 @@ import threading
 import time
 from typing import Any, Iterator, Optional, Tuple
 
-from .. import gate_ops, transport as tr
+from .. import gate_ops
 from ..base.log import log
 from ..base.stopping import shielded, stop_reason
+from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
+from ..link.control import dial
+from ..link.mesh import door_formed
+from ..link.wire import FrameType
 from ..lockstep.errors import MeshReformingError
 from ..lockstep.join_and_load import rejoin
 from ..lockstep.protocol.sessions import LeaderSessions, drain_failed_work, leader_channel, worker_channels
 from ..split.share import SplitShare
 from .settings import ServeSettings
 
-F = tr.FrameType
+F = FrameType
 _DRAIN_BYTES = 1 << 20
 # How long a following worker lets its leader's door stay closed before it calls the leader
 # gone: the door is closed only while the leader's thread goes from one wait to the next (a
@@ -48,7 +52,7 @@ class ServingSessions(LeaderSessions):
     themselves); over a pair, as LeaderSessions."""
 
     def abort(self, reason: str) -> None:
-        if tr.door_formed(self.group.size()):
+        if door_formed(self.group.size()):
             tell_reform(self.group, reason)
         else:
             super().abort(reason)
@@ -61,13 +65,13 @@ def tell_reform(group: gate_ops.Group, reason: str) -> None:
     already sent is not cut off by a reset."""
     try:
         controls = worker_channels(group)
-    except tr.TransportError:  # closed already: there is nobody left to tell
+    except TransportError:  # closed already: there is nobody left to tell
         controls = []
     text = reason.encode("utf-8", "replace")[:4000]
     for control in controls:
         try:
             control.send(F.REFORM, text)
-        except (tr.TransportError, OSError):
+        except (TransportError, OSError):
             pass  # the worker that died
     for control in controls:
         _drain(control.sock)
@@ -134,7 +138,7 @@ def _give_up_on(group: gate_ops.Group, quit_: Quit, why: str) -> None:
     it, or on the way), the group closed for the next try."""
     with quit_.native() as go:
         if go:
-            if tr.door_formed(group.size()):
+            if door_formed(group.size()):
                 tell_reform(group, why)
             else:
                 group.close()
@@ -155,14 +159,14 @@ def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Spl
         if not engine.wait_down(1.0):
             continue
         others = (f"; over {group.size()} ranks the workers still alive were told the mesh forms "
-                  "again and join it by themselves" if tr.door_formed(group.size()) else "")
+                  "again and join it by themselves" if door_formed(group.size()) else "")
         log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
             f"`ds4tp serve --role worker` again, with the same --model and secret{others})")
         while not quit_.event.is_set():
             try:
                 rejoin(group, settings.split, share)
                 break
-            except tr.TransportTimeoutError:
+            except TransportTimeoutError:
                 continue  # nobody came within the connect timeout: keep listening
             except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
                 log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
@@ -217,13 +221,13 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
                 follow = True
                 log(f"serve: the leader forms the mesh again ({exc}); rank {group.rank()} joins it")
             except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
-                follow = tr.door_formed(group.size()) and leader_reforms(group)
+                follow = door_formed(group.size()) and leader_reforms(group)
                 if follow:
                     log(f"serve: the mesh broke ({type(exc).__name__}: {exc}); the leader forms it again "
                         f"and rank {group.rank()} joins it")
                 elif not wait_for_any:
-                    gone = f"the leader {where} is gone: " if tr.door_formed(group.size()) else ""
-                    raise tr.TransportError(f"{gone}{exc}; the worker stops (run it with --rejoin to wait "
+                    gone = f"the leader {where} is gone: " if door_formed(group.size()) else ""
+                    raise TransportError(f"{gone}{exc}; the worker stops (run it with --rejoin to wait "
                                             "for a leader instead)") from None
                 else:
                     log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
@@ -254,7 +258,7 @@ def leader_reforms(group: gate_ops.Group) -> bool:
     before it knew are passed over."""
     try:
         control = leader_channel(group)
-    except tr.TransportError:
+    except TransportError:
         return False
     deadline = time.monotonic() + control.timeout
     while True:
@@ -263,7 +267,7 @@ def leader_reforms(group: gate_ops.Group) -> bool:
             return False
         try:
             ftype, _ = control.recv(timeout=left)
-        except (tr.TransportError, OSError, ValueError):
+        except (TransportError, OSError, ValueError):
             return False
         if ftype == F.REFORM:
             return True
@@ -283,15 +287,15 @@ def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitSh
     last: Optional[Exception] = None
     while True:
         if last is not None and not _door_open(address, group):
-            raise tr.TransportError(
+            raise TransportError(
                 f"the leader at {where} is gone: its door no longer answers (the last try: {last}); "
                 "the worker stops (run it with --rejoin to wait for a leader instead)") from None
         try:
             rejoin(group, settings.split, share)
             return
-        except (tr.HelloMismatchError, tr.AuthenticationError):
+        except (HelloMismatchError, AuthenticationError):
             raise  # another model, secret or share: waiting would not change it
-        except tr.TransportError as exc:
+        except TransportError as exc:
             group.close()  # joined but the share never came: the next try joins afresh
             last = exc
             time.sleep(0.2)  # the leader closed its wait (it waits again at once) or refused this try
@@ -304,8 +308,8 @@ def _door_open(address: Optional[Tuple[str, int]], group: gate_ops.Group) -> boo
         return False
     grace = min(DOOR_GRACE_SEC, gate_ops.rejoin_timeout(group))
     try:
-        sock = tr.dial(address[0], address[1], time.monotonic() + grace, "the leader's door")
-    except tr.TransportError:
+        sock = dial(address[0], address[1], time.monotonic() + grace, "the leader's door")
+    except TransportError:
         return False
     sock.close()
     return True
@@ -317,9 +321,9 @@ def _rejoin_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitS
         try:
             rejoin(group, settings.split, share)
             return
-        except (tr.HelloMismatchError, tr.AuthenticationError):
+        except (HelloMismatchError, AuthenticationError):
             raise  # another model, secret or share: waiting would not change it
-        except tr.TransportError:
+        except TransportError:
             group.close()  # joined but the share never came: the next try joins afresh
             time.sleep(0.5)  # no leader yet (or one that went away during the join)
 
@@ -330,7 +334,7 @@ def _tell_leader(group: gate_ops.Group, drain) -> str:
     drained, so no MLX work is left running as the process exits."""
     try:
         control = leader_channel(group)
-    except tr.TransportError:
+    except TransportError:
         return " (no leader was joined)"
     control.send_error(f"the worker was stopped by {stop_reason()}; start it again and it rejoins")
     group.close()

@@ -10,9 +10,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from .. import gate_ops, transport as tr
+from .. import gate_ops
 from ..base.log import log
 from ..base.stopping import shielded, stop_on_signals, stop_reason
+from ..link.hello import ModelIdentity
 from ..link.identity import model_identity
 from ..lockstep.join_and_load import BringUp, bring_up
 from ..lockstep.sampling.grammar import Grammars
@@ -130,7 +131,7 @@ def _exit_if_stuck(engine) -> None:
         os._exit(0)
 
 
-def _run_rank(settings: ServeSettings, identity: tr.ModelIdentity, servers: List["HttpServer"]) -> int:
+def _run_rank(settings: ServeSettings, identity: ModelIdentity, servers: List["HttpServer"]) -> int:
     from .http.server import HttpServer
 
     def take_http_port(group) -> None:
@@ -172,7 +173,7 @@ def _close_disk(disk) -> str:
     return f"; {len(disk)} prompt cache file(s) in {disk.directory}"
 
 
-def make_disk_cache(settings: ServeSettings, model: Any, identity: tr.ModelIdentity,
+def make_disk_cache(settings: ServeSettings, model: Any, identity: ModelIdentity,
                     share_rank: Tuple[SplitShare, int]):
     """This rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache) or None; SystemExit
     naming the model when its cache cannot be saved in mlx-lm's prompt-cache files."""

@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ... import transport as tr
 from ...base.log import log
+from ...errors import FrameError
 from ..compute import PREFILL_STEP, fill_cache, make_cache
 from ..protocol.commands.base import check_tokens
 from .disk_cache import DiskCache
@@ -33,7 +33,7 @@ def kv_of_code(code: int) -> Tuple[int, int]:
         return 0, 0
     bits, group_size = code & 0xFF, code >> 8
     if bits not in KV_BITS or group_size not in KV_GROUP_SIZES:
-        raise tr.FrameError(f"SESSION_CREATE asks for a KV cache of {bits} bits in groups of "
+        raise FrameError(f"SESSION_CREATE asks for a KV cache of {bits} bits in groups of "
                             f"{group_size} (bits {KV_BITS}, groups {KV_GROUP_SIZES})")
     return bits, group_size
 
@@ -88,13 +88,13 @@ class SessionCaches:
             self.sessions[session] = cache
             return
         if cache_id not in self.stored:
-            raise tr.FrameError(f"SESSION_CREATE reuses stored cache {cache_id}, which does not exist")
+            raise FrameError(f"SESSION_CREATE reuses stored cache {cache_id}, which does not exist")
         if mode == MOVE:
             self.sessions[session] = self.stored.pop(cache_id)
         elif mode == COPY:
             self.sessions[session] = copy.deepcopy(self.stored[cache_id])
         else:
-            raise tr.FrameError(f"SESSION_CREATE mode {mode} is not FRESH, MOVE or COPY")
+            raise FrameError(f"SESSION_CREATE mode {mode} is not FRESH, MOVE or COPY")
 
     def rewind(self, session: int, keep: int) -> None:
         """Trim a (reused) session cache to its first `keep` tokens."""
@@ -103,7 +103,7 @@ class SessionCaches:
         cache = self.session(session)
         size = cache[0].size() if cache else 0  # a model without layer caches holds nothing
         if keep > size:
-            raise tr.FrameError(f"REWIND session {session} to {keep} tokens, but it holds {size}")
+            raise FrameError(f"REWIND session {session} to {keep} tokens, but it holds {size}")
         trim_prompt_cache(cache, size - keep)
 
     def prefill_batch(self, sessions: List[int], chunks: List[np.ndarray]) -> None:
@@ -132,13 +132,13 @@ class SessionCaches:
         """The caches of a PREFILL_BATCH's rows; FrameError unless each session is here once
         with one non-empty chunk of ids in the vocabulary."""
         if len(set(sessions)) != len(sessions) or len(sessions) != len(chunks) or not sessions:
-            raise tr.FrameError(f"PREFILL_BATCH sessions {sessions} with {len(chunks)} chunks: "
+            raise FrameError(f"PREFILL_BATCH sessions {sessions} with {len(chunks)} chunks: "
                                 "each session once, one non-empty chunk each")
         caches = [self.session(s) for s in sessions]
         for tokens in chunks:
             check_tokens(tokens, self.vocab)
             if len(tokens) == 0:
-                raise tr.FrameError("PREFILL_BATCH carries an empty chunk")
+                raise FrameError("PREFILL_BATCH carries an empty chunk")
         return caches
 
     def _merged(self, caches: List[list]) -> Optional[list]:
@@ -178,7 +178,7 @@ class SessionCaches:
         """The cache of a session not yet decoding; FrameError for any other."""
         cache = self.sessions.get(session)
         if cache is None:
-            raise tr.FrameError(f"session {session} does not exist or is already decoding")
+            raise FrameError(f"session {session} does not exist or is already decoding")
         return cache
 
     def take(self, session: int) -> list:
@@ -189,13 +189,13 @@ class SessionCaches:
     def store(self, cache_id: int, cache: list) -> None:
         """Keep a destroyed session's cache as stored cache `cache_id` (its own arrays)."""
         if cache_id in self.stored:
-            raise tr.FrameError(f"SESSION_DESTROY stores under cache id {cache_id}, already taken")
+            raise FrameError(f"SESSION_DESTROY stores under cache id {cache_id}, already taken")
         self.stored[cache_id] = owned(cache)
 
     def invalidate(self, cache_id: int) -> None:
         """Drop stored cache `cache_id`."""
         if self.stored.pop(cache_id, None) is None:
-            raise tr.FrameError(f"INVALIDATE names stored cache {cache_id}, which does not exist")
+            raise FrameError(f"INVALIDATE names stored cache {cache_id}, which does not exist")
 
     def save(self, cache_id: int, tokens: Sequence[int], drop: bool) -> bool:
         """Hand stored cache `cache_id` (covering `tokens`) to this rank's directory's writer
@@ -205,7 +205,7 @@ class SessionCaches:
         memory waits for room in the writer's queue; one that stays is written when it leaves."""
         cache = self.stored.get(cache_id)
         if cache is None:
-            raise tr.FrameError(f"DISK_SAVE names stored cache {cache_id}, which does not exist")
+            raise FrameError(f"DISK_SAVE names stored cache {cache_id}, which does not exist")
         written = self.disk.save_later(tokens, cache, wait=drop) if self.disk is not None else self._no_disk()
         if drop:
             del self.stored[cache_id]
@@ -215,7 +215,7 @@ class SessionCaches:
         """Read this rank's half of the cache of the `count` tokens of `digest` as stored cache
         `cache_id`; False (logged) when this rank has no such file or it does not check out."""
         if cache_id in self.stored:
-            raise tr.FrameError(f"DISK_LOAD stores under cache id {cache_id}, already taken")
+            raise FrameError(f"DISK_LOAD stores under cache id {cache_id}, already taken")
         cache = self.disk.load(digest, count) if self.disk is not None else self._no_disk()
         if not cache:
             return False

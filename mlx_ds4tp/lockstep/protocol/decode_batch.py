@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ... import transport as tr
+from ...errors import FrameError
 from .. import batch_verify
 from ..compute import logits_hash
 from ..sampling.row_sampling import RowSampler, sample_batch
@@ -59,16 +59,16 @@ class DecodeBatch:
     def check_step(self, frame: str, step: int) -> None:
         """A step command must number the step after this rank's last."""
         if step != self.step_count + 1:
-            raise tr.FrameError(f"{frame} step {step} arrived after step {self.step_count}: "
+            raise FrameError(f"{frame} step {step} arrived after step {self.step_count}: "
                                 "the ranks are out of step")
 
     def join(self, frame: str, sessions: List[int], take: Callable[[int], list]) -> None:
         """A step's rows: the batch's own, in its order, then the sessions that join it now,
         their caches taken (SessionCaches.take); FrameError when the rows are not that."""
         if len(set(sessions)) != len(sessions):
-            raise tr.FrameError(f"{frame} names a session twice: {sessions}")
+            raise FrameError(f"{frame} names a session twice: {sessions}")
         if sessions[: len(self.rows)] != self.rows:
-            raise tr.FrameError(f"{frame} rows {sessions} do not begin with this rank's batch "
+            raise FrameError(f"{frame} rows {sessions} do not begin with this rank's batch "
                                 f"{self.rows}: the ranks are out of step")
         joining = sessions[len(self.rows):]
         if not joining:
@@ -135,7 +135,7 @@ class DecodeBatch:
         source = np.zeros(len(self.rows), dtype=np.int32)
         for row, (session, mine) in enumerate(zip(self.rows, pending.tolist())):
             if mine and session not in at:
-                raise tr.FrameError(f"EVAL_BATCH asks for session {session}'s own sampled token (id "
+                raise FrameError(f"EVAL_BATCH asks for session {session}'s own sampled token (id "
                                     f"{int(tokens[row])}), but this rank has none pending: an id outside "
                                     "the model's vocabulary otherwise; the ranks are out of step")
             source[row] = at.get(session, 0)
@@ -157,7 +157,7 @@ class DecodeBatch:
     def commit(self, step: int, keep: List[int]) -> None:
         """Keep the positions of each row of the last verify its session accepted (COMMIT_BATCH)."""
         if step != self.step_count:
-            raise tr.FrameError(f"COMMIT_BATCH for step {step} after step {self.step_count}")
+            raise FrameError(f"COMMIT_BATCH for step {step} after step {self.step_count}")
         batch_verify.check_commit(keep, self.verifying or [])
         width = max(self.verifying)
         self.verifying = None
@@ -204,7 +204,7 @@ class DecodeBatch:
         if session == 0:
             return (logits_hash(self.last_logits) if self.last_logits is not None else 0), "logits"
         if session not in self.rows:
-            raise tr.FrameError(f"HASH asks for the sampled tokens of session {session}, which is "
+            raise FrameError(f"HASH asks for the sampled tokens of session {session}, which is "
                                 f"not in the decode batch {self.rows}")
         row = self.rows.index(session)
         if self._drawn_hash is None or row >= self._drawn_hash.shape[0]:

@@ -42,8 +42,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import mlx.core as mx
 
-from ... import gate_ops, transport as tr
-from ...errors import LockstepDivergenceError, TransportError
+from ... import gate_ops
+from ...errors import FrameError, LockstepDivergenceError, TransportError, TransportTimeoutError
+from ...link.control import ControlChannel
+from ...link.mesh import door_formed
+from ...link.wire import FrameType
 from ..caches.disk_cache import DiskCache
 from ..caches.disk_files import tokens_digest
 from ..errors import MeshReformingError
@@ -51,7 +54,7 @@ from ..sampling.grammar import Grammars
 from .commands import COMMANDS, Command, DiskLoad, EvalBatch, Hash, Invalidate, KvRoom, check_in_step
 from .table import SessionTable, release_memory
 
-F = tr.FrameType
+F = FrameType
 
 
 def drain_failed_work() -> None:
@@ -64,17 +67,17 @@ def drain_failed_work() -> None:
         pass
 
 
-def worker_channels(group: gate_ops.Group) -> List[tr.ControlChannel]:
+def worker_channels(group: gate_ops.Group) -> List[ControlChannel]:
     """The leader's control channel to each worker, in rank order (ranks 1 .. N-1)."""
     return [group.link_to(peer).control for peer in range(1, group.size())]
 
 
-def leader_channel(group: gate_ops.Group) -> tr.ControlChannel:
+def leader_channel(group: gate_ops.Group) -> ControlChannel:
     """A worker's control channel to the leader (rank 0)."""
     return group.link_to(0).control
 
 
-def _peer_error(control: tr.ControlChannel) -> Optional[str]:
+def _peer_error(control: ControlChannel) -> Optional[str]:
     """The worker's ERROR text if one arrives within half a second (its own explanation of a
     failure that reached us as 'peer closed'), else None. An answer it sent before it failed
     (a HASH this side had not read yet) is passed over."""
@@ -86,7 +89,7 @@ def _peer_error(control: tr.ControlChannel) -> Optional[str]:
                 return None
             try:
                 _, payload = control.recv(F.ERROR, timeout=left)
-            except tr.FrameError:
+            except FrameError:
                 continue  # a frame of another type, read past (the deadline bounds the search)
             return payload.decode("utf-8", "replace")
     except (TransportError, OSError, ValueError):
@@ -338,7 +341,7 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             ftype, payload = _next_command(control, table.busy)
             if ftype == F.STOP:
                 return table
-            if ftype == F.REFORM and tr.door_formed(group.size()):
+            if ftype == F.REFORM and door_formed(group.size()):
                 # The leader lives and forms its mesh again: not a failure. A pair has no mesh
                 # to re-form, so there a REFORM is a stray frame, refused below as any other.
                 raise MeshReformingError(payload.decode("utf-8", "replace"))
@@ -358,7 +361,7 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
         raise
 
 
-def _next_command(control: tr.ControlChannel, busy: bool) -> tuple:
+def _next_command(control: ControlChannel, busy: bool) -> tuple:
     """Idle between requests without a deadline, noticing a dead leader at once (EOF makes
     the socket readable); during a generation the leader's next command is one sampling step
     away, so wait at most the timeout (DS4_TP_TIMEOUT_SEC): never a hang. It is watched for
@@ -367,8 +370,8 @@ def _next_command(control: tr.ControlChannel, busy: bool) -> tuple:
         control.poll_readable()
         try:
             return control.recv()
-        except tr.TransportTimeoutError as exc:
-            raise tr.TransportTimeoutError(
+        except TransportTimeoutError as exc:
+            raise TransportTimeoutError(
                 f"the leader sent no command for {control.timeout:g} s in the middle of a "
                 f"generation (DS4_TP_TIMEOUT_SEC): it is stopped or unreachable ({exc})") from None
     released = False

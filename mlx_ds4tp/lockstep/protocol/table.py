@@ -16,7 +16,8 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ... import transport as tr
+from ...errors import FrameError
+from ...link.wire import FrameType
 from ..caches.disk_cache import DiskCache
 from ..caches.session_caches import SessionCaches
 from ..errors import GrammarError
@@ -25,7 +26,7 @@ from ..sampling.row_sampling import RowSampler
 from .commands import COMMANDS
 from .decode_batch import DecodeBatch
 
-F = tr.FrameType
+F = FrameType
 
 
 def release_memory() -> None:
@@ -109,11 +110,11 @@ class SessionTable:
         """Execute one command (lockstep.protocol.commands); EVAL_BATCH returns the rows' logits
         [rows, vocab], VERIFY_BATCH [rows, width, vocab]."""
         if self.batch.verifying is not None and ftype != F.COMMIT_BATCH:
-            raise tr.FrameError(f"a {ftype.name} frame arrived before the COMMIT_BATCH of the last "
+            raise FrameError(f"a {ftype.name} frame arrived before the COMMIT_BATCH of the last "
                                 "VERIFY_BATCH: the ranks are out of step")
         command = COMMANDS.get(ftype)
         if command is None or command.answers:
-            raise tr.FrameError(f"the worker cannot execute a {ftype.name} frame here")
+            raise FrameError(f"the worker cannot execute a {ftype.name} frame here")
         return command.apply(self, *command.unpack(payload, self.vocab))
 
     def set_sampler(self, session: int, options, context: List[int], seed: int) -> None:
@@ -128,12 +129,12 @@ class SessionTable:
         if not grammar:
             return None
         if self.grammars is None:
-            raise tr.FrameError("SAMPLER carries a grammar, but this rank was started without its "
+            raise FrameError("SAMPLER carries a grammar, but this rank was started without its "
                                 "tokenizer's grammars (lockstep.sampling.grammar.Grammars)")
         try:
             return self.grammars.row(grammar, self.vocab)
         except GrammarError as exc:
-            raise tr.FrameError(f"SAMPLER's grammar does not compile on this rank: {exc}") from None
+            raise FrameError(f"SAMPLER's grammar does not compile on this rank: {exc}") from None
 
     def step(self, sessions: List[int], tokens: np.ndarray) -> mx.array:
         """One decode forward over (session, token) rows (DecodeBatch.step); sessions not in
@@ -148,7 +149,7 @@ class SessionTable:
         elif session in self.caches.sessions:
             cache = self.caches.sessions.pop(session)
         else:
-            raise tr.FrameError(f"SESSION_DESTROY for session {session}, which does not exist")
+            raise FrameError(f"SESSION_DESTROY for session {session}, which does not exist")
         self.batch.forget(session)
         self.ended += 1
         if store_as:

@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Set, Union
 
 import mlx.core as mx
 
-from ... import transport as tr
 from ...base.log import log
+from ...errors import TransportError
 from ...lockstep.batch import Batch, BatchSettings, Row, StepOutput
 from ...lockstep.protocol.sessions import LeaderSessions, drain_failed_work
 from ...lockstep.protocol.table import release_memory
@@ -257,7 +257,7 @@ class Engine:
                 # /health must stop answering 200 as soon as the pair is down.
                 gone = self.sessions.peer_gone()
                 if gone:
-                    raise tr.TransportError(gone) from None
+                    raise TransportError(gone) from None
                 if not self._released:  # IDLE_POLL_SEC without work: the pair is idle
                     release_memory()
                     self._released = True

@@ -13,10 +13,10 @@ from typing import Any, Dict, Type
 
 import numpy as np
 
-from .... import transport as tr
-from ....link.wire import register_frame_bound
+from ....errors import FrameError
+from ....link.wire import FrameType, register_frame_bound
 
-F = tr.FrameType
+F = FrameType
 
 
 class Command:
@@ -35,12 +35,12 @@ class Command:
     def apply(cls, table, *fields) -> Any:
         """Change `table` (lockstep.protocol.table.SessionTable) as the command says; the logits of a
         step command, else None."""
-        raise tr.FrameError(f"the worker cannot execute a {cls.frame.name} frame here")
+        raise FrameError(f"the worker cannot execute a {cls.frame.name} frame here")
 
     @classmethod
     def answer(cls, table, *fields) -> bytes:
         """The worker's reply to a query (answers=True)."""
-        raise tr.FrameError(f"a {cls.frame.name} frame has no answer")
+        raise FrameError(f"a {cls.frame.name} frame has no answer")
 
     @classmethod
     def check(cls, reply: bytes, *fields) -> None:
@@ -60,7 +60,7 @@ class Fixed(Command):
     def unpack(cls, payload: bytes, vocab: int = 0) -> tuple:
         """The payload's fields; FrameError naming the frame when its size is not the layout's."""
         if len(payload) != cls.layout.size:
-            raise tr.FrameError(f"{cls.frame.name} payload is {len(payload)} bytes, expected {cls.layout.size}")
+            raise FrameError(f"{cls.frame.name} payload is {len(payload)} bytes, expected {cls.layout.size}")
         return cls.layout.unpack(payload)
 
 
@@ -92,12 +92,12 @@ def check_tokens(tokens: np.ndarray, vocab: int) -> None:
     memory or crashes), so every id from the wire is checked before the model sees it."""
     if vocab and len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab):
         bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
-        raise tr.FrameError(f"token id {bad}, outside the model's vocabulary [0, {vocab}): "
+        raise FrameError(f"token id {bad}, outside the model's vocabulary [0, {vocab}): "
                             "the leader runs another model or the frame is corrupt")
 
 
 def shorter_than_header(frame: F, payload: bytes, header: struct.Struct) -> None:
     """FrameError when a payload cannot hold its header."""
     if len(payload) < header.size:
-        raise tr.FrameError(f"{frame.name} payload of {len(payload)} bytes is shorter than its "
+        raise FrameError(f"{frame.name} payload of {len(payload)} bytes is shorter than its "
                             f"{header.size}-byte header")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import struct
 
-from .... import transport as tr
+from ....errors import FrameError
 from .base import F, Fixed, command
 
 
@@ -21,7 +21,7 @@ class Create(Fixed):
     @classmethod
     def apply(cls, table, session: int, cache_id: int, mode: int, kv: int) -> None:
         if session in table.caches.sessions or session in table.batch.rows:
-            raise tr.FrameError(f"SESSION_CREATE for session {session}, which already exists")
+            raise FrameError(f"SESSION_CREATE for session {session}, which already exists")
         table.caches.create(session, cache_id, mode, kv)
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import struct
 
-from .... import transport as tr
 from ....base.log import log
-from ....errors import LockstepDivergenceError
+from ....errors import FrameError, LockstepDivergenceError
 from .base import F, Fixed, command
 
 
@@ -59,7 +58,7 @@ class KvRoom(Fixed):
         from ...caches.session_caches import KV_BITS, KV_GROUP_SIZES
 
         if bits and (bits not in KV_BITS or group_size not in KV_GROUP_SIZES):
-            raise tr.FrameError(f"KV_ROOM asks about a KV cache of {bits} bits in groups of {group_size} "
+            raise FrameError(f"KV_ROOM asks about a KV cache of {bits} bits in groups of {group_size} "
                                 f"(bits 0 or {KV_BITS}, groups {KV_GROUP_SIZES})")
         tokens, how = default_kv_budget(table.model, bits, group_size)
         log(f"serve: on the worker, {how}")

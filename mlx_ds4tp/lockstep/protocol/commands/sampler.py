@@ -8,7 +8,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .... import transport as tr
+from ....errors import FrameError
 from ...sampling.options import SamplingOptions, options_from_json, options_to_json, processor_context
 from .base import Command, F, check_tokens, command, shorter_than_header
 from .limits import MAX_SAMPLER_OPTIONS_BYTES, MAX_TOKENS_PER_FRAME
@@ -37,7 +37,7 @@ class Sampler(Command):
         session, seed, count, nbytes = cls.header.unpack_from(payload)
         if not 0 < count <= MAX_TOKENS_PER_FRAME or nbytes > MAX_SAMPLER_OPTIONS_BYTES \
                 or len(payload) != cls.header.size + 4 * count + nbytes:
-            raise tr.FrameError(f"SAMPLER says {count} context tokens (1 to {MAX_TOKENS_PER_FRAME}) and "
+            raise FrameError(f"SAMPLER says {count} context tokens (1 to {MAX_TOKENS_PER_FRAME}) and "
                                 f"{nbytes} option bytes (at most {MAX_SAMPLER_OPTIONS_BYTES}) in a "
                                 f"{len(payload)}-byte payload")
         context = np.frombuffer(payload, dtype="<i4", count=count, offset=cls.header.size)
@@ -45,7 +45,7 @@ class Sampler(Command):
         try:
             options = options_from_json(payload[cls.header.size + 4 * count:])
         except ValueError as exc:
-            raise tr.FrameError(f"SAMPLER: {exc}") from None
+            raise FrameError(f"SAMPLER: {exc}") from None
         return session, options, context.tolist(), seed
 
     @classmethod

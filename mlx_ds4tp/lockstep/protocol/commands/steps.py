@@ -9,7 +9,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .... import transport as tr
+from ....errors import FrameError
 from .base import Command, F, command, shorter_than_header
 from .limits import MAX_BATCH_ROWS, MAX_PREFILL_ROWS, MAX_TOKENS_PER_FRAME, MAX_VERIFY_WIDTH
 
@@ -50,24 +50,24 @@ class PrefillBatch(Command):
         shorter_than_header(cls.frame, payload, cls.header)
         count, _, _ = cls.header.unpack_from(payload)
         if not 0 < count <= MAX_PREFILL_ROWS:
-            raise tr.FrameError(f"PREFILL_BATCH says {count} rows (1 to {MAX_PREFILL_ROWS})")
+            raise FrameError(f"PREFILL_BATCH says {count} rows (1 to {MAX_PREFILL_ROWS})")
         end = cls.header.size + count * cls.row.itemsize
         if len(payload) < end:
-            raise tr.FrameError(f"PREFILL_BATCH says {count} rows, but its {len(payload)} bytes cannot "
+            raise FrameError(f"PREFILL_BATCH says {count} rows, but its {len(payload)} bytes cannot "
                                 f"hold their {count} x {cls.row.itemsize}-byte entries")
         items = np.frombuffer(payload, dtype=cls.row, count=count, offset=cls.header.size)
         counts = items["count"].astype(np.int64)
         sessions = items["session"].tolist()
         if counts.min() == 0:
             row = int(np.argmin(counts))
-            raise tr.FrameError(f"PREFILL_BATCH row {row} (session {sessions[row]}) has 0 tokens "
+            raise FrameError(f"PREFILL_BATCH row {row} (session {sessions[row]}) has 0 tokens "
                                 "(a prompt needs at least one token per row)")
         total = int(counts.sum())
         if total > MAX_TOKENS_PER_FRAME or len(payload) - end != 4 * total:
-            raise tr.FrameError(f"PREFILL_BATCH rows say {total} tokens (at most {MAX_TOKENS_PER_FRAME}), "
+            raise FrameError(f"PREFILL_BATCH rows say {total} tokens (at most {MAX_TOKENS_PER_FRAME}), "
                                 f"but {len(payload) - end} bytes follow them ({4 * total} expected)")
         if len(set(sessions)) != count:
-            raise tr.FrameError(f"PREFILL_BATCH names a session twice: {sessions}")
+            raise FrameError(f"PREFILL_BATCH names a session twice: {sessions}")
         tokens = np.frombuffer(payload, dtype="<i4", offset=end)
         return sessions, np.split(tokens, np.cumsum(counts)[:-1])
 
@@ -97,12 +97,12 @@ class EvalBatch(Command):
     def unpack(cls, payload: bytes, vocab: int = 0) -> Tuple[int, List[int], np.ndarray]:
         """(step, sessions, input tokens)."""
         if len(payload) < cls.header.size:
-            raise tr.FrameError(f"EVAL_BATCH payload of {len(payload)} bytes is malformed")
+            raise FrameError(f"EVAL_BATCH payload of {len(payload)} bytes is malformed")
         step, count, _ = cls.header.unpack_from(payload)
         items = np.frombuffer(payload, dtype=cls.row, offset=cls.header.size) \
             if (len(payload) - cls.header.size) % cls.row.itemsize == 0 else None
         if items is None or len(items) != count or not 0 < count <= MAX_BATCH_ROWS:
-            raise tr.FrameError(f"EVAL_BATCH says {count} rows in a {len(payload)}-byte payload "
+            raise FrameError(f"EVAL_BATCH says {count} rows in a {len(payload)}-byte payload "
                                 f"(1 to {MAX_BATCH_ROWS} rows of {cls.row.itemsize} bytes)")
         return step, items["session"].tolist(), items["token"]
 
@@ -132,24 +132,24 @@ class VerifyBatch(Command):
     def unpack(cls, payload: bytes, vocab: int = 0) -> Tuple[int, List[int], List[np.ndarray]]:
         """(step, sessions, each row's tokens)."""
         if len(payload) < cls.header.size:
-            raise tr.FrameError(f"VERIFY_BATCH payload of {len(payload)} bytes is shorter than its header")
+            raise FrameError(f"VERIFY_BATCH payload of {len(payload)} bytes is shorter than its header")
         step, count, width = cls.header.unpack_from(payload)
         if not 0 < count <= MAX_BATCH_ROWS or not 0 < width <= MAX_VERIFY_WIDTH:
-            raise tr.FrameError(f"VERIFY_BATCH says {count} rows of width {width} (1 to {MAX_BATCH_ROWS} "
+            raise FrameError(f"VERIFY_BATCH says {count} rows of width {width} (1 to {MAX_BATCH_ROWS} "
                                 f"rows, width 1 to {MAX_VERIFY_WIDTH})")
         table_end = cls.header.size + count * cls.row.size
         if len(payload) != table_end + 4 * count * width:
-            raise tr.FrameError(f"VERIFY_BATCH of {count} rows of width {width} is {len(payload)} bytes, "
+            raise FrameError(f"VERIFY_BATCH of {count} rows of width {width} is {len(payload)} bytes, "
                                 f"expected {table_end + 4 * count * width}")
         sessions, lengths = [], []
         for i in range(count):
             session, n, _ = cls.row.unpack_from(payload, cls.header.size + i * cls.row.size)
             if not 0 < n <= width:
-                raise tr.FrameError(f"VERIFY_BATCH row {i} says {n} tokens in rows of width {width}")
+                raise FrameError(f"VERIFY_BATCH row {i} says {n} tokens in rows of width {width}")
             sessions.append(session)
             lengths.append(n)
         if max(lengths) != width:
-            raise tr.FrameError(f"VERIFY_BATCH width {width} but its longest row has {max(lengths)} tokens")
+            raise FrameError(f"VERIFY_BATCH width {width} but its longest row has {max(lengths)} tokens")
         tokens = np.frombuffer(payload, dtype="<i4", offset=table_end).reshape(count, width)
         return step, sessions, [tokens[i, :n] for i, n in enumerate(lengths)]
 
@@ -176,10 +176,10 @@ class CommitBatch(Command):
     def unpack(cls, payload: bytes, vocab: int = 0) -> Tuple[int, List[int]]:
         """(step, positions kept per row)."""
         if len(payload) < cls.header.size:
-            raise tr.FrameError(f"COMMIT_BATCH payload of {len(payload)} bytes is shorter than its header")
+            raise FrameError(f"COMMIT_BATCH payload of {len(payload)} bytes is shorter than its header")
         step, count, _ = cls.header.unpack_from(payload)
         if not 0 < count <= MAX_BATCH_ROWS or len(payload) != cls.header.size + 4 * count:
-            raise tr.FrameError(f"COMMIT_BATCH says {count} rows in {len(payload)} bytes (1 to "
+            raise FrameError(f"COMMIT_BATCH says {count} rows in {len(payload)} bytes (1 to "
                                 f"{MAX_BATCH_ROWS} rows of 4 bytes)")
         return step, np.frombuffer(payload, dtype="<u4", offset=cls.header.size).tolist()
 

@@ -9,7 +9,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from .... import transport as tr
+from ....errors import FrameError
 from .base import Command, F, Fixed, check_tokens, command
 from .limits import MAX_TOKENS_PER_FRAME
 
@@ -30,11 +30,11 @@ class DiskSave(Command):
     def unpack(cls, payload: bytes, vocab: int = 0) -> Tuple[int, np.ndarray, bool]:
         """(cache id, tokens, drop)."""
         if len(payload) < cls.header.size:
-            raise tr.FrameError(f"DISK_SAVE payload of {len(payload)} bytes is shorter than its header")
+            raise FrameError(f"DISK_SAVE payload of {len(payload)} bytes is shorter than its header")
         cache_id, drop, count = cls.header.unpack_from(payload)
         if drop not in (0, 1) or not 0 < count <= MAX_TOKENS_PER_FRAME or \
                 len(payload) != cls.header.size + 4 * count:
-            raise tr.FrameError(f"DISK_SAVE says {count} tokens (1 to {MAX_TOKENS_PER_FRAME}) and drop "
+            raise FrameError(f"DISK_SAVE says {count} tokens (1 to {MAX_TOKENS_PER_FRAME}) and drop "
                                 f"{drop} (0 or 1) in a {len(payload)}-byte payload")
         tokens = np.frombuffer(payload, dtype="<i4", offset=cls.header.size)
         check_tokens(tokens, vocab)
