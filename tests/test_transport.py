@@ -171,7 +171,7 @@ spin = subprocess.Popen([sys.executable, "-c", "import os\\nwhile os.getppid() =
 try:
     from mlx_ds4tp.link.control import ControlChannel
     from mlx_ds4tp.link.native import load_verbs
-from mlx_ds4tp.lockstep.protocol.commands import COMMANDS  # noqa: F401 - registers the commands' bounds
+    from mlx_ds4tp.lockstep.protocol.commands import COMMANDS  # noqa: F401 - registers the commands' bounds
     lib = load_verbs()[1]
     deadline = time.monotonic() + 10
     while spin.poll() is None and not lib.tp_yield_lost():  # until the spinner has the core once
