@@ -196,9 +196,11 @@ void LinkedGroupImpl::reduce_now(int op, int code, const tp_xsig& sig, const cha
     combine(op, code, sum2, first ? in : other, first ? other : in, out, n);
     return;
   }
-  std::vector<const void*> srcs(count);
-  std::vector<void*> dsts(count);
-  if (bytes <= TP_MESH_SMALL_BYTES || count < 2) {
+  // A group holds at most TP_MESH_MAX ranks: the blocks' addresses live on the stack, so a
+  // decode gate allocates nothing.
+  const void* srcs[TP_MESH_MAX];
+  void* dsts[TP_MESH_MAX];
+  if (bytes <= TP_MESH_SMALL_BYTES) {
     // [the N partials][two accumulators]
     char* parts = core_->scratch_of((count + 2) * bytes);
     std::memcpy(parts + me_ * bytes, in, bytes);
@@ -206,7 +208,7 @@ void LinkedGroupImpl::reduce_now(int op, int code, const tp_xsig& sig, const cha
       srcs[k] = in;
       dsts[k] = parts + k * bytes;
     }
-    exchange(members_.data(), count, me_, sig, srcs.data(), dsts.data());
+    exchange(members_.data(), count, me_, sig, srcs, dsts);
     combine_all(op, code, sum2, parts, count, bytes, n, parts + count * bytes, out);
     return;
   }
@@ -233,7 +235,7 @@ void LinkedGroupImpl::reduce_now(int op, int code, const tp_xsig& sig, const cha
     srcs[k] = src + k * cb;
     dsts[k] = got + k * cb;
   }
-  exchange(members_.data(), count, me_, part, srcs.data(), dsts.data());
+  exchange(members_.data(), count, me_, part, srcs, dsts);
   combine_all(op, code, sum2, got, count, cb, c, acc, reduced);
   // The input is no longer read: the gathered chunks may land in out (its
   // buffer may be the input's, donated) or, padded, in the staging copy.
@@ -243,7 +245,7 @@ void LinkedGroupImpl::reduce_now(int op, int code, const tp_xsig& sig, const cha
     srcs[k] = reduced;
     dsts[k] = gathered + k * cb;
   }
-  exchange(members_.data(), count, me_, part, srcs.data(), dsts.data());
+  exchange(members_.data(), count, me_, part, srcs, dsts);
   if (padded) std::memcpy(out, gathered, bytes);
 }
 
@@ -279,11 +281,14 @@ void LinkedGroupImpl::all_gather(const mx::array& input, mx::array& output, mx::
   dispatch(stream, &input, &output, [sig, in, out, bytes](LinkedGroupImpl& self) {
     const int count = self.size();
     // Every peer's rows land straight in their place in the output.
-    std::vector<const void*> srcs(count, in);
-    std::vector<void*> dsts(count);
-    for (int k = 0; k < count; k++) dsts[k] = out + k * bytes;
+    const void* srcs[TP_MESH_MAX];
+    void* dsts[TP_MESH_MAX];
+    for (int k = 0; k < count; k++) {
+      srcs[k] = in;
+      dsts[k] = out + k * bytes;
+    }
     poisoned_on_failure(sig.dtype, out, count * bytes, [&] {
-      self.exchange(self.members_.data(), count, self.me_, sig, srcs.data(), dsts.data());
+      self.exchange(self.members_.data(), count, self.me_, sig, srcs, dsts);
     });
     std::memcpy(out + self.me_ * bytes, in, bytes);
   });
@@ -317,14 +322,14 @@ void LinkedGroupImpl::sum_scatter(const mx::array& input, mx::array& output, mx:
     }
     char* parts = self.core_->scratch_of((count + 2) * chunk);
     std::memcpy(parts + me * chunk, in + me * chunk, chunk);
-    std::vector<const void*> srcs(count);
-    std::vector<void*> dsts(count);
+    const void* srcs[TP_MESH_MAX];
+    void* dsts[TP_MESH_MAX];
     for (int k = 0; k < count; k++) {
       srcs[k] = in + k * chunk;
       dsts[k] = parts + k * chunk;
     }
     poisoned_on_failure(code, out, chunk, [&] {
-      self.exchange(self.members_.data(), count, me, sig, srcs.data(), dsts.data());
+      self.exchange(self.members_.data(), count, me, sig, srcs, dsts);
     });
     combine_all(TP_XOP_SCATTER, code, sum2, parts, count, chunk, n, parts + count * chunk, out);
   });

@@ -192,9 +192,10 @@ static inline int gate_send(tp_dev *dev, const void *src, uint32_t bytes, uint64
         from = dev->slab + TP_OFF_SEND;
         mr = &dev->mrs[0];
     }
+    /* Named once a gate, not once a chunk: only an error reads it. */
+    char what[48];
+    snprintf(what, sizeof(what), "gate seq %llu", (unsigned long long)seq);
     for (uint32_t c = 0; c < dev->armed_chunks; c++) {
-        char what[48];
-        snprintf(what, sizeof(what), "gate seq %llu", (unsigned long long)seq);
         rc = hp_post_send(dev, mr, from + (uint64_t)c * TP_MAX_MSG, chunk_len(dev, c),
                           TP_TAG_GATE_SEND | gate, gate_imm(gate, c), deadline, timeout_s, what,
                           err, errlen);
