@@ -55,8 +55,17 @@ def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
             else:
                 prompt_ids = encode_prompt(tokenizer, settings.prompt, chat=settings.chat)
             stats = _stream(sessions, tokenizer, prompt_ids, settings)
-        finally:
-            sessions.stop()
+        except Exception as exc:
+            # A failed generation (a worker died, a gate broke) is not a clean end: a STOP here
+            # would let a worker that had not reached the failing step yet (the leader's send to
+            # a dead rank fails before it reaches the ranks after it) return 0 as if all went
+            # well. The workers still there hear why, and end with it.
+            sessions.abort(str(exc) or type(exc).__name__)
+            raise
+        except BaseException:
+            sessions.stop()  # Ctrl-C or an exit: the workers return, as after a generation
+            raise
+        sessions.stop()
         print(stats.line(group), flush=True)
         if settings.tokens_out:
             _write_tokens(settings.tokens_out, group, prompt_ids, stats, share)
