@@ -105,6 +105,9 @@ def spawn_rank(procs, veth: VethPair, role: str, model_dir, transport: str, port
             "--transport", transport]
     if transport == "rdma":
         args += ["--rdma-device", "ucsim"]
+    # The veth is the cable: named with --interface, the pair forms on it without a secret, as
+    # on a Mac's Thunderbolt link (link/exposure.py).
+    args += ["--interface", veth.dev[role]]
     if role == "leader":
         args += ["--prompt", "a long story", "--role", "leader", "--listen", LEADER_IP, str(port)]
     else:

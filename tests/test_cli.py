@@ -321,10 +321,10 @@ def test_doctor_round_trip_address():
     from mlx_ds4tp.cli import doctor
 
     assert doctor.check_args(parse("doctor")) is None
-    assert doctor.check_args(parse("doctor", "--peer", "10.0.0.1", "9")).address == \
+    assert doctor.check_args(parse("doctor", "--peer", "10.0.0.1", "9", "--secret", "s")).address == \
         PairAddress("worker", None, ("10.0.0.1", 9))
     link = doctor.check_args(parse("doctor", "--listen", "0.0.0.0", "9", "--transport", "rdma",
-                                   "--rdma-device", "ucsim", "--rdma-gid-index", "1"))
+                                   "--rdma-device", "ucsim", "--rdma-gid-index", "1", "--secret", "s"))
     assert link.address == PairAddress("leader", ("0.0.0.0", 9), None)
     assert (link.transport, link.rdma_device, link.gid_index) == ("rdma", "ucsim", 1)
 

@@ -199,7 +199,9 @@ def test_discovery_on_an_open_link_without_a_secret_is_refused_before_advertisin
         meet._check_secret(link, [lo, veth])
     meet._check_secret(link, [lo])  # loopback: only this machine
     meet._check_secret(dataclasses.replace(link, secret="s"), [veth])
-    monkeypatch.setattr(dsc, "thunderbolt_members", lambda platform=None: ["v0"])
+    from mlx_ds4tp.link import exposure
+
+    monkeypatch.setattr(exposure, "cable_interfaces", lambda named=(), platform=None: frozenset({"v0"}))
     meet._check_secret(link, [veth])  # a Thunderbolt cable: only the other Mac
 
 

@@ -4,9 +4,11 @@ against the same model run unsplit in one process."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import List
 
+from ..link.config import SECRET_ENV
 from ..onehost.local_run import LocalRun, run_local_pair
 from ..synthetic.demo_model import demo_model_dir
 from .pair_args import (
@@ -46,9 +48,11 @@ def main(args: argparse.Namespace) -> int:
     0 when they match."""
     check_at_least("demo", (("--max-tokens", args.max_tokens, 1),))
     refuse_mlx(args, "demo", f"its two ranks are a `ds4tp run` pair, and {LOCKSTEP_NEEDS_PAIR}")
-    # The rest of the link flags, for both ranks' `ds4tp run`.
-    extra = [*(("--rdma-gid-index", str(args.rdma_gid_index)) if args.rdma_gid_index is not None else ()),
-             *(("--secret", args.secret) if args.secret else ())]
+    # The rest of the link flags, for both ranks' `ds4tp run`. A --secret reaches them in their
+    # environment (child_env copies this one's), never on their command lines, where `ps` shows it.
+    extra = [*(("--rdma-gid-index", str(args.rdma_gid_index)) if args.rdma_gid_index is not None else ())]
+    if args.secret:
+        os.environ[SECRET_ENV] = args.secret
     ranks = ranks_from_args(args, "demo")
     path = demo_model_dir(ranks)
     how = f"split across {ranks} local processes"

@@ -2,21 +2,21 @@
 takes them (`ds4tp run`, `serve`, `bench`, `doctor`, `demo` and the spawned ranks): --role,
 --listen/--coordinator, --interface, --ranks (for the commands that run on N machines: the
 leader's group size, which a worker that dials it learns, and the size discovery looks for),
---transport, --rdma-device, --rdma-gid-index and --secret; and their one check, which turns
-them into a PairAddress and a LinkSettings (with DiscoverySettings when the rank finds its
-peers itself)."""
+--transport, --rdma-device, --rdma-gid-index, --secret and --insecure; and their one check, which
+turns them into a PairAddress and a LinkSettings (with DiscoverySettings when the rank finds its
+peers itself), the secret resolved once for every way of joining and an open address refused
+without one (link/exposure.py)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from typing import Optional, Sequence, Tuple
 
+from ..base.log import log
 from ..link.config import (
     MAX_MESH_SIZE,
     MLX,
-    SECRET_ENV,
     TRANSPORTS,
     DiscoverySettings,
     LinkSettings,
@@ -45,11 +45,15 @@ def add_pair_args(p: argparse.ArgumentParser, role_help: str) -> None:
 
 
 def add_interface_arg(p: argparse.ArgumentParser) -> None:
-    """--interface, for the commands that find their peer by themselves."""
+    """--interface, for the commands that find their peer by themselves, and on Linux the
+    interfaces an explicit address may be on without a secret (link/exposure.py)."""
     p.add_argument("--interface", action="append", default=None, metavar="NAME",
                    help="without --listen/--coordinator: find the other rank by multicast DNS on "
                         "this interface (repeat for several; default on a Mac: the members of the "
-                        "Thunderbolt Bridge; required on Linux; lo for both ranks on this machine)")
+                        "Thunderbolt Bridge; required on Linux; lo for both ranks on this machine). "
+                        "With --listen/--coordinator on Linux: the interfaces that are a private "
+                        "cable between the machines, as a Thunderbolt link is on a Mac (the group may "
+                        "form there without a secret)")
 
 
 def add_ranks_arg(p: argparse.ArgumentParser) -> None:
@@ -94,8 +98,11 @@ def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPO
     p.add_argument("--rdma-gid-index", type=int, default=None, metavar="N",
                    help="the verbs GID index to use (default: the device's IPv4-mapped GID)")
     p.add_argument("--secret", default=None,
-                   help="shared secret every rank must hold (default DS4_TP_SECRET; the variable "
-                        "keeps it out of `ps`)")
+                   help="shared secret every rank must hold (default DS4_TP_SECRET, else the code "
+                        "`ds4tp pair` stored; the variable and the stored code keep it out of `ps`)")
+    p.add_argument("--insecure", action="store_true",
+                   help="form the group with no secret on an address others can reach (not "
+                        "loopback or a Thunderbolt link), with a warning; without it such a rank stops")
 
 
 def refuse_mlx(args: argparse.Namespace, command: str, why: str) -> None:
@@ -112,22 +119,26 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
     """The checked LinkSettings of add_transport_args' flags for this rank's `address`
     (`transport`: what the command made of its own --transport value; `discovery`: how it finds
     its peer, when it does; `size`: ranks_from_args' group size, None: the leader's); a bad value exits naming it and
-    the fix. A discovering rank without --secret or DS4_TP_SECRET proves the secret `ds4tp pair`
-    stored."""
-    secret = args.secret
-    if discovery is not None and secret is None and not os.environ.get(SECRET_ENV):
-        from ..link.pair_secret import stored_code
+    the fix. Every rank, at an address or discovering, proves one secret: --secret, else
+    DS4_TP_SECRET, else the code `ds4tp pair` stored. At an address others can reach (not
+    loopback or a Thunderbolt link) a rank without one exits naming the address and the fixes,
+    unless --insecure (then one warning line)."""
+    from ..link import exposure
+    from ..link.pair_secret import join_secret
 
-        try:
-            secret = stored_code()
-        except ValueError as exc:
-            raise SystemExit(f"ds4tp {command}: {exc}") from None
-    link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
-                        gid_index=args.rdma_gid_index, secret=secret, discovery=discovery, size=size)
     try:
-        return link.check()
+        secret = join_secret(args.secret)
+        link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
+                            gid_index=args.rdma_gid_index, secret=secret, discovery=discovery,
+                            size=size).check()
+        if discovery is None and link.transport != MLX:
+            warning = exposure.check_join(address, secret is not None, getattr(args, "insecure", False),
+                                          exposure.cable_interfaces(getattr(args, "interface", None) or ()))
+            if warning:
+                log(warning)
     except ValueError as exc:
         raise SystemExit(f"ds4tp {command}: {exc}") from None
+    return link
 
 
 def parse_address(pair: Optional[Sequence[str]], flag: str) -> Optional[Tuple[str, int]]:
@@ -165,7 +176,7 @@ def discovery_from_args(args: argparse.Namespace, command: str, want: str,
                         http_url: str = "") -> DiscoverySettings:
     """The interfaces to look on (--interface, else the Thunderbolt Bridge's members on a Mac)
     and what this rank wants to be; exits saying what to give when there is no interface."""
-    from ..link.discovery import thunderbolt_members
+    from ..link.exposure import thunderbolt_members
 
     names = tuple(args.interface or ()) or tuple(thunderbolt_members())
     if not names:

@@ -169,12 +169,27 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
                         ("--keep-alive-timeout-sec", args.keep_alive_timeout_sec)):
         if not value > 0:
             raise SystemExit(f"ds4tp serve: {flag} {value}: give a positive number of seconds")
+    if join.address.role != "worker" and not args.api_key:
+        _warn_open_api(args.host, args.port)
     http = HttpSettings(args.host, args.port, args.api_key, args.keepalive_sec, args.max_tokens, sampling,
                         header_timeout_sec=args.header_timeout_sec,
                         keep_alive_timeout_sec=args.keep_alive_timeout_sec)
     return ServeSettings(join.link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
                          rejoin=args.rejoin or (join.discovery is not None and join.address.role != "leader"),
                          split=split_from_args(args, "serve", join.ranks))
+
+
+def _warn_open_api(host: str, port: int) -> None:
+    """One warning line when the HTTP face, keyless, listens where others reach it (anything
+    but loopback): every prompt and answer is theirs to read and send."""
+    from ..base.log import log
+    from ..link.exposure import address_exposure
+
+    exposure = address_exposure("leader", host, port, frozenset())
+    if not exposure.private:
+        log(f"WARNING: the HTTP API on {exposure.address} ({exposure.where}) has no --api-key: "
+            "anyone who reaches it can send prompts and read the answers; give --api-key KEY to "
+            "require 'Authorization: Bearer KEY'")
 
 
 def _limits(args: argparse.Namespace) -> ServeLimits:

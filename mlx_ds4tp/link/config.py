@@ -240,7 +240,7 @@ class LinkSettings:
     transport: str = "auto"
     rdma_device: Optional[str] = None
     gid_index: Optional[int] = None
-    secret: object = None
+    secret: object = dataclasses.field(default=None, repr=False)  # never in a log or an error
     timeout: Optional[float] = None
     tcp_spin_us: Optional[int] = None
     figures: RankFigures = RankFigures()

@@ -22,10 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import ipaddress
-import re
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -188,18 +185,6 @@ def _check_multicast(name: str, sys_net: str = "/sys/class/net") -> None:
         raise ValueError(f"--interface {name} does not carry multicast, which finding the peer "
                          f"needs: run `sudo ip link set {name} multicast on` (or run both ranks in "
                          "a network namespace of their own, where you may)")
-
-
-def thunderbolt_members(platform: str = sys.platform) -> List[str]:
-    """The members of macOS's Thunderbolt Bridge (bridge0), the interfaces the two Macs' cable
-    is on; [] elsewhere or when there is no bridge."""
-    if platform != "darwin":
-        return []
-    try:
-        out = subprocess.run(["ifconfig", "bridge0"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return re.findall(r"member:\s+(\S+)", out)
 
 
 def ipv4_advice(name: str, leads: bool) -> str:

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..base.log import log
 from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
-from . import discovery as dsc
+from . import discovery as dsc, exposure
 from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeout, secret_bytes
 from .connection import Pair
 from .control import dial as control_dial
@@ -88,9 +88,10 @@ def check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
     if secret_bytes(link.secret) is not None:
         return
     # Only this machine, or the Mac at the other end of a Thunderbolt cable, can be on loopback
-    # or a bridge member: there discovery may pair without a secret.
-    thunderbolt = dsc.thunderbolt_members()
-    open_links = [i.name for i in interfaces if not (i.loopback or i.name in thunderbolt)]
+    # or a Thunderbolt interface: there discovery may pair without a secret. (--interface here
+    # names where to look, so on Linux it makes no interface a cable: cable_interfaces() alone.)
+    cable = exposure.cable_interfaces()
+    open_links = [i.name for i in interfaces if not exposure.private_interface(i.name, i.loopback, cable)]
     if open_links:
         raise ValueError(
             f"discovery on {', '.join(open_links)} needs a pair secret (that link is not loopback "

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .config import SECRET_ENV
+
 CODE_BYTES = 10  # 80 bits: 16 base32 characters
 GROUP = 4
 CONFIG_DIR_ENV = "DS4_TP_CONFIG_DIR"
@@ -91,3 +93,15 @@ def stored_code(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
         raise ValueError(f"{path} is readable by other users (mode {mode:o}): run "
                          f"`chmod 600 '{path}'`, or make a new secret with `ds4tp pair` on both Macs")
     return parse_code(path.read_text())
+
+
+def join_secret(given: Optional[str], env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The secret a rank proves, one resolution for every way of joining (explicit addresses
+    and discovery alike): `given` (--secret), else DS4_TP_SECRET, else the code `ds4tp pair`
+    stored; None when there is none. A ValueError when the stored file is readable by others."""
+    env = os.environ if env is None else env
+    if given is not None:
+        return given
+    if env.get(SECRET_ENV):
+        return env[SECRET_ENV]
+    return stored_code(env)
