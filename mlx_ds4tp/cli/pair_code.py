@@ -1,7 +1,8 @@
 """`ds4tp pair`: make the pair secret once. On one Mac `ds4tp pair` creates it and prints it as a
 short code; on the other `ds4tp pair CODE` stores the same. Both keep it in the user's config
-directory (mode 0600), and a rank that finds its peer by itself (no --listen/--coordinator)
-proves it in the hello; a peer without it is refused on both sides, by name."""
+directory (mode 0600), and every rank proves it in the hello, at an address or finding its peer
+by itself (--secret and DS4_TP_SECRET take precedence); a peer without it is refused on both
+sides, by name."""
 
 from __future__ import annotations
 
