@@ -135,6 +135,8 @@ def test_insecure_forms_with_one_warning_line_and_a_linux_interface_counts_as_th
     assert link.secret is None
     lines = [line for line in capfd.readouterr().err.splitlines() if "WARNING" in line]
     assert len(lines) == 1 and lines[0].startswith("ds4-tp: WARNING: --insecure") and "192.168.1.20:9911" in lines[0]
+    says = _exit(["doctor", "--interface", "lo", "--insecure"])
+    assert "--insecure is for ranks given addresses" in says and "`ds4tp pair`" in says, says
     if os.uname().sysname == "Linux":
         from mlx_ds4tp.cli.doctor import check_args
 

@@ -101,8 +101,9 @@ def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPO
                    help="shared secret every rank must hold (default DS4_TP_SECRET, else the code "
                         "`ds4tp pair` stored; the variable and the stored code keep it out of `ps`)")
     p.add_argument("--insecure", action="store_true",
-                   help="form the group with no secret on an address others can reach (not "
-                        "loopback or a Thunderbolt link), with a warning; without it such a rank stops")
+                   help="with an address (--listen/--coordinator, --peer): form the group with no "
+                        "secret where others can reach it (not loopback or a Thunderbolt link), with "
+                        "a warning; without it such a rank stops (discovery always needs the secret there)")
 
 
 def refuse_mlx(args: argparse.Namespace, command: str, why: str) -> None:
@@ -126,13 +127,18 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
     from ..link import exposure
     from ..link.pair_secret import join_secret
 
+    insecure = getattr(args, "insecure", False)
+    if insecure and discovery is not None:
+        raise SystemExit(f"ds4tp {command}: --insecure is for ranks given addresses (--listen/"
+                         "--coordinator); ranks that find each other on an open network need the pair "
+                         "secret: run `ds4tp pair` on each Mac")
     try:
         secret = join_secret(args.secret)
         link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
                             gid_index=args.rdma_gid_index, secret=secret, discovery=discovery,
                             size=size).check()
         if discovery is None and link.transport != MLX:
-            warning = exposure.check_join(address, secret is not None, getattr(args, "insecure", False),
+            warning = exposure.check_join(address, secret is not None, insecure,
                                           exposure.cable_interfaces(getattr(args, "interface", None) or ()))
             if warning:
                 log(warning)
