@@ -143,7 +143,7 @@ def test_a_rank_on_a_bridge_address_without_a_secret_stops_naming_it_and_the_fix
         for part in (f"this rank {does} {bridge.addr[0]}:{PORT}", "with no pair secret", "`ds4tp pair`",
                      "--secret"):
             assert part in says, rank.describe()
-    assert listening_ports(bridge.ns[0]) == []  # it stopped before it listened
+        assert "waiting for" not in says and "Traceback" not in says, rank.describe()  # before any socket
 
 
 @pytest.mark.parametrize("bridge", [4], indirect=True)
