@@ -164,6 +164,10 @@ def test_ranks_paired_with_ds4tp_pair_form_their_group_and_strangers_are_refused
         assert exited(stranger) != 0, stranger.describe()
         assert "authentication failed" in stranger.err.text(), stranger.describe()
         assert leader.err.text().count(f"mesh: refused a JOIN from {bridge.addr[3]}") == i + 1, leader.describe()
+        line = f"mesh: refused a JOIN from {bridge.addr[3]}"
+        refused_here = leader.err.find(line, len(leader.err.text().rsplit(line, 1)[0].encode()))
+        print(f"\nstranger {i} at the leader's door: its error {stranger.err.find('error:') - refused_here:+.3f} s "
+              "after the leader logged the refusal")
     assert strangers[1].err.text().count("WARNING: --insecure") == 1, strangers[1].describe()
     first = spawn(procs, bridge, 1, run_argv(model, *worker_flags(bridge)), configs[1], "worker 1")
     wait_for(leader, "joined (1 of 2 workers")
