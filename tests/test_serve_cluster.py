@@ -13,11 +13,10 @@ import urllib.request
 
 import pytest
 
-from serveutil import ServedPair, build_chat_model, get_raw, post_raw
-
 from mlx_ds4tp.lockstep.protocol.commands import RankStats
 from mlx_ds4tp.serve.cluster import ClusterView, percentiles_ms, share_fractions
 from mlx_ds4tp.split.share import SplitShare
+from serveutil import ServedPair, build_chat_model, get_raw, post_raw
 
 
 def test_rank_stats_round_trips_and_refuses_what_is_not_an_object():
