@@ -62,8 +62,7 @@ const say = (what) => console.log(JSON.stringify(what));
   await page.waitForSelector(".msg.answer[data-done]", {timeout: 120000});
   const chat = await page.$eval(".msg.answer", e => ({done: e.dataset.done, text: e.textContent}));
   const updates = await page.evaluate(() => window.answerUpdates);
-  await page.waitForTimeout(1200);  // one more poll: the figures after the answer
-  await page.screenshot({path: shot, fullPage: true});
+  await page.screenshot({path: shot, fullPage: true});  // the figures of the answer's last second
   // A phone's width in dark mode: nothing wider than the screen.
   const phone = await browser.newContext({viewport: {width: 390, height: 844}, colorScheme: "dark",
                                           isMobile: true});

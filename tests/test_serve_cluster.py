@@ -13,10 +13,11 @@ import urllib.request
 
 import pytest
 
+from mlx_ds4tp.bench.serve import ClusterPoller
 from mlx_ds4tp.lockstep.protocol.commands import RankStats
 from mlx_ds4tp.serve.cluster import ClusterView, percentiles_ms, share_fractions
 from mlx_ds4tp.split.share import SplitShare
-from serveutil import ServedPair, build_chat_model, get_raw, post_raw
+from serveutil import API_KEY, ServedPair, build_chat_model, get_raw, post_raw
 
 
 def test_rank_stats_round_trips_and_refuses_what_is_not_an_object():
@@ -115,6 +116,12 @@ def test_cluster_lists_three_ranks_and_links_and_a_killed_worker_turns_down(mode
         work = body["work"]
         assert work["ttft_ms"]["count"] == 1 and work["ttft_ms"]["p50"] > 0, work
         assert work["tpot_ms"]["count"] >= 1 and work["sessions_queued"] == 0, work
+        # `ds4tp bench --serve --poll-cluster`'s poller reads it as the page does.
+        with ClusterPoller(served.base, API_KEY) as poller:
+            deadline = time.monotonic() + 30
+            while poller.polls < 2 and poller.failure is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert poller.polls >= 2 and poller.failure is None, (poller.polls, poller.failure)
         victim = worker_rank(served, "worker2")  # the ranks go by the order the workers joined in
         served.kill("worker2")
         t0 = time.monotonic()

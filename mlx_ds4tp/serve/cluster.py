@@ -82,7 +82,8 @@ class _Rate:
 
 class ClusterView:
     """See the module docstring. Made once on the leader (serve/serving_rank.py) over the
-    engine, its group, the split share and the model; `snapshot()` is GET /cluster's body."""
+    engine, its group, the split share and the model; it hooks itself to the engine's idle turns
+    (Engine.on_idle) to ask the workers; `snapshot()` is GET /cluster's body."""
 
     def __init__(self, engine, metrics, share: SplitShare, model: Any, model_id: str):
         self.engine, self.metrics, self.model_id = engine, metrics, model_id
@@ -173,8 +174,9 @@ class ClusterView:
             seen = {link["peer"]: link for link in ((figures.get(a) or {}).get("links") or [])}
             for b in range(a + 1, self.size):
                 link = seen.get(b, {})
-                gps = link.get("gates_per_second", 0.0)
-                out.append({"ranks": [a, b], "state": "up" if states[a] == states[b] == "up" else "down",
+                state = "up" if states[a] == states[b] == "up" else "down"
+                gps = link.get("gates_per_second", 0.0) if state == "up" else 0.0  # no gates cross it now
+                out.append({"ranks": [a, b], "state": state,
                             "transport": link.get("transport"), "device": link.get("device"),
                             "gate_p50_us": link.get("gate_p50_us"), "gate_p99_us": link.get("gate_p99_us"),
                             "gates": link.get("gates"), "gates_per_second": gps,
