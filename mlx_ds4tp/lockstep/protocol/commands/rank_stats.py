@@ -6,6 +6,7 @@ query with the same figures, as JSON (a handful of fields, read by a page, not a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -20,9 +21,11 @@ from .base import Command, F, command
 STATS_BOUND = 16384
 
 
+@functools.lru_cache(maxsize=1)
 def _machine() -> Dict[str, Any]:
     """This machine's chip name and total memory in bytes, as MLX reports them (an Apple chip's
-    name and its unified memory); elsewhere the CPU's name and the physical memory."""
+    name and its unified memory); elsewhere the CPU's name and the physical memory. Read once:
+    neither changes while the rank runs."""
     try:
         info = dict(mx.device_info())
     except Exception:  # noqa: BLE001 - an MLX without device_info: the figures stay unknown
@@ -63,7 +66,7 @@ def link_figures(group) -> List[Dict[str, Any]]:
 def rank_figures(group) -> Dict[str, Any]:
     """This rank's figures for the cluster page: host, chip, memory total and used (the bytes
     MLX's arrays hold now: the rank's part of the weights and its caches), its links."""
-    return {"rank": group.rank(), "host": socket.gethostname(), **_machine(),
+    return {"rank": group.rank(), "host": socket.gethostname(), **dict(_machine()),
             "memory_used_bytes": int(mx.get_active_memory()), "links": link_figures(group)}
 
 
