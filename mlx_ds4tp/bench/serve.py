@@ -7,10 +7,14 @@ figures come from the client's side of the HTTP connection:
   decode_tok_s  the sum of the clients' decode rates ((tokens - 1) / (last token - first token)),
                 the pair's decode throughput while they all run
   ttft_ms       time to first token, median and worst over the clients
+With --poll-cluster each client count is also measured with a poller reading GET /cluster every
+second (what the cluster page does while it is open), the two interleaved round by round, so
+the records serve-N and serve-N+poll compare the same server in the same session.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import threading
@@ -30,6 +34,7 @@ PROMPTS = ["The two machines agree that", "Once upon a time", "A list of prime n
            "The recipe calls for"]
 CLIENTS = (1, 2, 4, 8)
 CONNECT_RETRIES = 5
+POLL_SEC = 1.0  # the cluster page's poll
 
 
 def sse_events(lines: Iterable[bytes]) -> Iterator[dict]:
@@ -117,17 +122,63 @@ def measure(base: str, clients: int, max_tokens: int, api_key: Optional[str] = N
             "connections_reset": resets[0]}
 
 
+class ClusterPoller:
+    """GET /cluster every POLL_SEC from a thread while the context is open, as the cluster page
+    does; `polls` counts the answers, a failed poll is an error at the exit."""
+
+    def __init__(self, base: str, api_key: Optional[str] = None):
+        self.url, self.api_key = base + "/cluster", api_key
+        self.polls = 0
+        self.failure: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cluster-poller", daemon=True)
+
+    def _run(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(urllib.request.Request(self.url, headers=headers), timeout=30) as r:
+                    json.loads(r.read())
+                self.polls += 1
+            except (OSError, ValueError) as exc:
+                self.failure = exc
+                return
+            self._stop.wait(POLL_SEC)
+
+    def __enter__(self) -> "ClusterPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        if self.failure is not None and exc[0] is None:
+            raise RuntimeError(f"GET {self.url} failed while the bench ran: {self.failure}")
+
+
+def _median(runs: List[Dict[str, float]]) -> Dict[str, float]:
+    return sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]
+
+
 def measure_all(base: str, max_tokens: int, clients: Sequence[int] = CLIENTS, rounds: int = 1,
-                api_key: Optional[str] = None, constrained: bool = True) -> List[Dict[str, float]]:
+                api_key: Optional[str] = None, constrained: bool = True,
+                poll_cluster: bool = False) -> List[Dict[str, float]]:
     """Against a running server (http://HOST:PORT): one record per client count, the median
-    round by decode tok/s, after one warm-up request; then (constrained) the serve-json record,
-    JSON Schema decode against plain (a server that ignores response_format has none)."""
+    round by decode tok/s, after one warm-up request (poll_cluster: a second record per count,
+    serve-N+poll, its rounds run with a ClusterPoller, interleaved with the plain ones); then
+    (constrained) the serve-json record, JSON Schema decode against plain (a server that
+    ignores response_format has none)."""
     measure(base, 1, min(8, max_tokens), api_key)  # warm-up: first-call compilation, caches
     records = []
     for n in clients:
-        runs = sorted((measure(base, n, max_tokens, api_key) for _ in range(rounds)),
-                      key=lambda r: r["decode_tok_s"])
-        records.append(runs[len(runs) // 2])
+        plain, polled = [], []
+        for _ in range(rounds):
+            plain.append(measure(base, n, max_tokens, api_key))
+            if poll_cluster:
+                with ClusterPoller(base, api_key) as poller:
+                    polled.append({**measure(base, n, max_tokens, api_key), "name": f"serve-{n}+poll"})
+                polled[-1]["cluster_polls"] = poller.polls
+        records += [_median(plain)] + ([_median(polled)] if polled else [])
         log(f"serve bench: {n} client(s) done")
     if not constrained:
         return records
@@ -147,7 +198,11 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
             print(structured.line(rec), flush=True)
             continue
         ratio = ""
-        if one and one["decode_tok_s"]:
+        plain = next((r for r in records if r["name"] == rec["name"].replace("+poll", "")), None)
+        if rec["name"].endswith("+poll") and plain and plain["decode_tok_s"]:
+            ratio = (f"  = {rec['decode_tok_s'] / plain['decode_tok_s']:.2f}x without the page "
+                     f"({rec['cluster_polls']} polls of /cluster)")
+        elif one and one["decode_tok_s"]:
             ratio = f"  = {rec['decode_tok_s'] / one['decode_tok_s']:.2f}x one client"
         print(f"{rec['name']:>10}  {rec['tok_s']:8.1f} tok/s  decode {rec['decode_tok_s']:8.1f} tok/s"
               f"  ttft p50 {rec['ttft_p50_ms']:7.1f} ms max {rec['ttft_max_ms']:7.1f} ms{ratio}"
@@ -156,19 +211,29 @@ def print_records(records: List[Dict[str, float]], as_json: bool) -> None:
               flush=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeRun:
+    """What `ds4tp bench --serve` measures: each client's decode length, the rounds a client
+    count, and whether each count is also measured with GET /cluster polled (--poll-cluster)."""
+
+    max_tokens: int
+    rounds: int
+    poll_cluster: bool = False
+
+
 def serve_report(url: Optional[str], model: Optional[Path], transport: str,
-                 rdma_device: Optional[str], max_tokens: int, rounds: int, api_key: Optional[str],
-                 as_json: bool) -> int:
+                 rdma_device: Optional[str], run: ServeRun, api_key: Optional[str], as_json: bool) -> int:
     """`ds4tp bench --serve` with values mlx_ds4tp.cli.bench checked: against the server at
     `url`, else a pair started here on `model` (default the demo model)."""
     if url:
-        records = measure_all(url.rstrip("/"), max_tokens, rounds=rounds, api_key=api_key)
+        records = measure_all(url.rstrip("/"), run.max_tokens, rounds=run.rounds, api_key=api_key,
+                              poll_cluster=run.poll_cluster)
     else:
         from ..synthetic.demo_model import demo_model_dir
 
         model = model or demo_model_dir()
         with ServedPair(model, transport, rdma_device, ["--max-batch", str(max(CLIENTS))]).start() as pair:
-            records = measure_all(pair.base, max_tokens, rounds=rounds)
+            records = measure_all(pair.base, run.max_tokens, rounds=run.rounds, poll_cluster=run.poll_cluster)
     if model is not None:
         records[-1].update(structured.compile_figures(model))
     print_records(records, as_json)

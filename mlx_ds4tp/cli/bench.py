@@ -78,6 +78,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, metavar="http://HOST:PORT",
                    help="--serve: measure this running `ds4tp serve` instead of starting one")
     p.add_argument("--api-key", default=None, help="--serve --url: the server's API key")
+    p.add_argument("--poll-cluster", action="store_true",
+                   help="--serve: each client count also measured while GET /cluster is polled every "
+                        "second (the cluster page open), interleaved with the plain rounds")
     p.add_argument("--disk-cache", action="store_true",
                    help="--serve: time to first token of a --prompt-tokens prompt cold, with its prefix "
                         "in memory, and from --prompt-cache-dir after both ranks restart (checked "
@@ -223,8 +226,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1)))
     transport, device = _serve_transport(args)
     model = model_path(args.model) if args.model and not args.url else None
-    return serve_bench.serve_report(args.url, model, transport, device, args.max_tokens,
-                                    args.rounds, args.api_key, args.json)
+    run = serve_bench.ServeRun(args.max_tokens, args.rounds, args.poll_cluster)
+    return serve_bench.serve_report(args.url, model, transport, device, run, args.api_key, args.json)
 
 
 def _disk_cache(args: argparse.Namespace) -> int:

@@ -171,6 +171,10 @@ class Group(_pairgroup.Group):
         other = sum(int(link.other_ns) for link in self._links.values())
         return (gates + other) / 1e9
 
+    def latency_ring(self, peer: int) -> LatencyRing:
+        """The link to rank `peer`'s recent decode gates (the cluster page's per-link figures)."""
+        return self._rings[peer]
+
     def gates(self) -> int:
         """Decode gates run since init: the most any link ran (a gate of the whole group
         runs once on every link)."""

@@ -86,7 +86,7 @@ from ..errors import FrameError
 # gathering mesh's door is answered with MESH_SIZE, and it JOINs a mesh of that size. The door
 # answers only a HELLO of its own version, so a worker of version 12 is told the versions
 # instead of meeting a frame type it does not know; a pair's wire is otherwise unchanged.
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -154,6 +154,9 @@ class FrameType(enum.IntEnum):
     # A serving leader whose mesh broke (a worker died) and that forms it again: each worker
     # still alive joins the new mesh at the same door with its rank and share (serve/rejoin.py).
     REFORM = 47
+    # A serving leader's question for the cluster page (GET /cluster): the worker's host, chip,
+    # memory and its links' gate latencies, asked only while the engine is idle.
+    RANK_STATS = 48
 
 
 # ---- size bounds --------------------------------------------------------------

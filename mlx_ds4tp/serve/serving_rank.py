@@ -248,6 +248,9 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
     state = ServeState(engine, tokenizer=engine.tokenizer, served=served, http=settings.http,
                        context_length=context_length(model, config),
                        vocab_size=engine.sessions.vocab or int(config["vocab_size"]))
+    from .cluster import ClusterView
+
+    state.cluster = ClusterView(engine, state.metrics, split_model[1], model, state.model_ids[0])
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     fit_worker_room(engine, engine.sessions, settings, own_room)
     quit_ = Quit()

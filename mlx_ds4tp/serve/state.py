@@ -57,3 +57,4 @@ class ServeState:
         self.grammars = getattr(engine.sessions, "grammars", None)
         self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
         self.created = int(time.time())
+        self.cluster = None  # the leader's cluster page figures (serve/cluster.py's ClusterView)

@@ -336,6 +336,7 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
     this rank's --prompt-cache-dir."""
     control = leader_channel(group)
     table = SessionTable(model, grammars, disk)
+    table.group = group
     try:
         while True:
             ftype, payload = _next_command(control, table.busy)

@@ -95,6 +95,7 @@ class SessionTable:
         self.caches = SessionCaches(model, self.vocab, disk)
         self.batch = DecodeBatch(model, self.vocab)
         self.ended = 0  # sessions destroyed: the prompts served
+        self.group = None  # a serving worker's group: what RANK_STATS reports on (its links)
 
     @property
     def step_count(self) -> int:

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import queue
 import threading
-from typing import Dict, List, Optional, Set, Union
+from typing import Callable, Dict, List, Optional, Set, Union
 
 import mlx.core as mx
 
@@ -80,6 +80,9 @@ class Engine:
         self._down = threading.Event()  # set while the pair is down (see resume)
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
+        # Called on this thread between turns while idle (serve/cluster.py asks the workers'
+        # figures then, never in the middle of decoding).
+        self.on_idle: Optional[Callable[[LeaderSessions], None]] = None
 
     # -- the HTTP face's side (any thread) ------------------------------------
     @property
@@ -258,6 +261,8 @@ class Engine:
                 gone = self.sessions.peer_gone()
                 if gone:
                     raise TransportError(gone) from None
+                if self.on_idle is not None:
+                    self.on_idle(self.sessions)
                 if not self._released:  # IDLE_POLL_SEC without work: the pair is idle
                     release_memory()
                     self._released = True

@@ -4,6 +4,7 @@ servers in one process never mix their counts."""
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any, Callable, Optional
 
@@ -13,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Recent samples kept for the cluster page's percentiles (the histograms' buckets are too coarse).
+RECENT_SAMPLES = 4096
 
 
 class ServeMetrics:
@@ -30,6 +33,12 @@ class ServeMetrics:
                               "From a request's arrival to its first text", buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("ds4tp_inter_token_seconds", "Between a request's consecutive generated tokens",
                              buckets=_ITL_BUCKETS, registry=r)
+        # The cluster page's figures (serve/cluster.py): recent times to first token and gaps
+        # between tokens (seconds), tokens streamed and requests served from a cached prefix.
+        self.recent_ttft: "collections.deque[float]" = collections.deque(maxlen=RECENT_SAMPLES)
+        self.recent_tpot: "collections.deque[float]" = collections.deque(maxlen=RECENT_SAMPLES)
+        self.tokens_streamed = 0
+        self.prompt_cache_hits = 0
         counts = engine.counts
 
         def gauge(name: str, what: str, read: Callable[[], float]) -> None:
@@ -80,6 +89,8 @@ class ServeMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
         self.cached_tokens.inc(cached_tokens)
+        if cached_tokens > 0:
+            self.prompt_cache_hits += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -98,12 +109,15 @@ class TokenClock:
         if count <= 0:
             return
         now = time.monotonic()
+        self.metrics.tokens_streamed += count
         if self.first:
             self.metrics.ttft.observe(now - self.start)
+            self.metrics.recent_ttft.append(now - self.start)
             self.first = False
             count -= 1
         if count > 0:
             gap = (now - self.last) / count
             for _ in range(count):
                 self.metrics.itl.observe(gap)
+            self.metrics.recent_tpot.append(gap)
         self.last = now

@@ -63,7 +63,8 @@ def _key_given(scope: Scope, key: str) -> bool:
 class ApiKey:
     """--api-key as middleware: a request that does not name the key gets 401 before any route
     sees it, an unknown path too. /health is open (load balancers and the pair's own
-    probes poll it keyless), and a CORS preflight is answered by Cors, in front of this."""
+    probes poll it keyless), / too (the cluster page: it holds no figure, it asks /cluster
+    with the key), and a CORS preflight is answered by Cors, in front of this."""
 
     def __init__(self, app: ASGIApp, state: ServeState):
         self.app, self.state = app, state
@@ -71,7 +72,7 @@ class ApiKey:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.state.http.api_key
         path = scope.get("path", "")
-        if scope["type"] != "http" or not key or path == "/health" or _key_given(scope, key):
+        if scope["type"] != "http" or not key or path in ("/health", "/") or _key_given(scope, key):
             await self.app(scope, receive, send)
             return
         self.state.metrics.answered(endpoint_label(path), 401)

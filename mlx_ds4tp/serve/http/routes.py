@@ -21,6 +21,7 @@ from ..dialects.openai import ApiCall
 from ..engine.generation import Ticket
 from ..errors import GENERATION_FAILED, ApiError, ClientGoneError, PairUnavailableError, unavailable
 from ..state import ServeState
+from .cluster_page import cluster, page
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .sse import failed_stream, stream_bytes
 
@@ -39,7 +40,8 @@ def endpoint_label(path: str) -> str:
     """The endpoint a request's answer is counted under in /metrics (a bounded set of labels)."""
     if "/models/" in path:
         return "/v1/models/{id}"
-    return path if path.startswith("/v1/") and path in _V1_PATHS or path in ("/health", "/metrics") else "other"
+    return path if path.startswith("/v1/") and path in _V1_PATHS or path in ("/health", "/metrics", "/",
+                                                                              "/cluster") else "other"
 
 
 def error_response(err: ApiError, path: str) -> Response:
@@ -229,6 +231,8 @@ def routes() -> list:
     """Every endpoint of `ds4tp serve` as Starlette's routes."""
     out = [Route("/health", _counted(_health), methods=["GET"]),
            Route("/metrics", _counted(_metrics), methods=["GET"]),
+           Route("/", _counted(page), methods=["GET"]),
+           Route("/cluster", _counted(cluster), methods=["GET"]),
            Route("/v1/messages/count_tokens", _counted(_count_tokens), methods=["POST"])]
     for prefix in ("/v1", ""):
         out += [Route(f"{prefix}/models", _counted(_models), methods=["GET"]),

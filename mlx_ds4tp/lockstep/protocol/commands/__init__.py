@@ -10,6 +10,7 @@ LeaderSessions.send (a query: .ask), both ranks apply it with SessionTable.apply
   sampler    SAMPLER
   stored     DISK_SAVE, DISK_LOAD
   queries    HASH, KV_ROOM
+  rank_stats RANK_STATS (the cluster page's figures of a worker)
   limits     what one command carries at most
 (STOP, which carries nothing, ends the worker's loop in lockstep.protocol.sessions.)
 """
@@ -18,10 +19,12 @@ from .base import COMMANDS, Command, check_tokens
 from .lifecycle import Create, Destroy, Invalidate, Rewind
 from .limits import MAX_BATCH_ROWS
 from .queries import Hash, KvRoom, check_in_step
+from .rank_stats import RankStats, rank_figures
 from .sampler import Sampler
 from .steps import EVAL_PENDING, CommitBatch, EvalBatch, PrefillBatch, VerifyBatch, pad_rows
 from .stored import DiskLoad, DiskSave
 
 __all__ = ["COMMANDS", "Command", "CommitBatch", "Create", "Destroy", "DiskLoad", "DiskSave", "EVAL_PENDING",
            "EvalBatch", "Hash", "Invalidate", "KvRoom", "MAX_BATCH_ROWS",
-           "PrefillBatch", "Rewind", "Sampler", "VerifyBatch", "check_in_step", "check_tokens", "pad_rows"]
+           "PrefillBatch", "RankStats", "Rewind", "Sampler", "VerifyBatch", "check_in_step", "check_tokens",
+           "pad_rows", "rank_figures"]
