@@ -51,14 +51,16 @@ def _link_device(pair) -> str:
 
 def link_figures(group) -> List[Dict[str, Any]]:
     """Each of this rank's links: the peer, transport, device, the recent decode gates' p50 and
-    p99 round trips (microseconds; 0 before any gate) and the gates run on it since start."""
+    p99 round trips (microseconds; None before any gate, so no figure reads as a fast link) and the gates run on it since start."""
     out = []
     for peer, pair in sorted(group.mesh.pairs.items()):
         ring = group.latency_ring(peer)
         recent = ring.recent()
-        p50, p99 = (np.percentile(recent, [50, 99]) / 1000.0) if recent.size else (0.0, 0.0)
+        p50 = p99 = None
+        if recent.size:
+            p50, p99 = (round(float(v), 1) for v in np.percentile(recent, [50, 99]) / 1000.0)
         out.append({"peer": int(peer), "transport": pair.transport, "device": _link_device(pair),
-                    "gate_p50_us": round(float(p50), 1), "gate_p99_us": round(float(p99), 1),
+                    "gate_p50_us": p50, "gate_p99_us": p99,
                     "gates": int(ring.count[0])})
     return out
 
