@@ -177,6 +177,19 @@ def cut_arrays(
             f"{', ...' if len(in_memory) > 4 else ''}")
 
 
+def cut_lazily(model: nn.Module, group: Any, *, split: Union[SplitShare, str] = EVEN) -> nn.Module:
+    """The model cut as split_model cuts it, every array at its part's shape and dtype but left
+    lazy (only the vocabulary's parts are evaluated). A worker building its part's model from
+    received files (split/part_plan.py) loads its arrays into this; the leader lists a part's
+    arrays from it."""
+    layout, wholes = cut_structure(model, group, split=split)
+    for path, _ in tree_flatten(model.parameters()):
+        cut = layout.plan.cuts.get(path)
+        if cut is not None and layout.takes_runs(path):
+            set_array(model, path, take_runs(wholes[path], cut))
+    return model
+
+
 def cut_structure(
     model: nn.Module,
     group: Any,
@@ -185,9 +198,8 @@ def cut_structure(
     read_part: Optional[ReadPart] = None,
 ) -> tuple[Layout, dict[str, mx.array]]:
     """The model cut as split_model cuts it, its arrays left lazy (only the vocabulary's parts
-    are evaluated): the layout chosen and each array's whole as loaded, by dotted path. A
-    worker building its part's model from received files (split/part_plan.py) stops here and
-    loads the arrays from them."""
+    are evaluated; an array a finer share takes by its runs is still the plan's cut): the layout
+    chosen and each array's whole as loaded, by dotted path."""
     shard = plan_of(model)
     _refuse_split_twice(model)
     share = SplitShare.of(split)

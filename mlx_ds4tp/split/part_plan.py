@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from ..base.log import log
 from ..collectives.backend import cut_only_group
-from .apply import cut_structure
+from .apply import cut_lazily
 from .share import SplitShare
 
 PART_FILE_BYTES = 1 << 30
@@ -131,7 +131,7 @@ def plan_part(model_path: Path, rank: int, size: int, share: SplitShare) -> Part
     model, config = load_model(Path(model_path), lazy=True)
     quantized = quantized_modules(model)
     _placeholders(model)
-    cut_structure(model, cut_only_group(rank, size), split=share)
+    cut_lazily(model, cut_only_group(rank, size), split=share)
     arrays = tree_flatten(model.parameters())
     quant = dict(config.get("quantization") or {})
     part_config = {"quantization": {**quant, **quantized}} if quantized else {}
@@ -167,7 +167,7 @@ def load_part(parts_dir: Path, group: Any, share: SplitShare) -> Tuple[nn.Module
     override = json.loads((parts_dir / PART_CONFIG).read_text())
     model, config = load_model(parts_dir, lazy=True, strict=False, model_config=override or None)
     _placeholders(model)
-    cut_structure(model, group, split=share)
+    cut_lazily(model, group, split=share)
     weights: dict = {}
     for file in sorted(parts_dir.glob(f"{PART_PREFIX}*.safetensors")):
         weights.update(mx.load(str(file)))
