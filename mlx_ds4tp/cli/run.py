@@ -14,8 +14,8 @@ from ..link.config import LinkSettings
 from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
 from .model_arg import add_model_arg
-from .parts_args import add_parts_args, model_or_part, parts_from_args
 from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
+from .parts_args import add_parts_args, model_or_part, parts_from_args
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 

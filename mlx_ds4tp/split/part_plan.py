@@ -84,13 +84,17 @@ def file_plan(arrays: List[Tuple[str, mx.array]]) -> List[PartFile]:
             raise ValueError(f"{key} is {value.dtype}, which a safetensors part cannot hold")
         tensor = PartTensor(key, _DTYPE_NAMES[value.dtype], tuple(value.shape), value.nbytes)
         if batch and held + tensor.nbytes > PART_FILE_BYTES:
-            files.append(PartFile(f"{PART_PREFIX}{len(files) + 1:05d}.safetensors", _safetensors_header(batch), tuple(batch)))
+            files.append(_part_file(len(files) + 1, batch))
             batch, held = [], 0
         batch.append(tensor)
         held += tensor.nbytes
     if batch:
-        files.append(PartFile(f"{PART_PREFIX}{len(files) + 1:05d}.safetensors", _safetensors_header(batch), tuple(batch)))
+        files.append(_part_file(len(files) + 1, batch))
     return files
+
+
+def _part_file(number: int, tensors: List[PartTensor]) -> PartFile:
+    return PartFile(f"{PART_PREFIX}{number:05d}.safetensors", _safetensors_header(tensors), tuple(tensors))
 
 
 def quantized_modules(model: nn.Module) -> dict:

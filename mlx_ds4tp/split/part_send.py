@@ -102,19 +102,16 @@ class PartSender:
 
     def _send_file(self, control: ControlChannel, name: str, chunks: Iterator[memoryview], offset: int,
                    progress: TransferProgress) -> int:
-        """Every chunk into the digest, the ones past `offset` onto the wire, then PART_END."""
-        digest, pos, sent = hashlib.blake2b(digest_size=16), 0, 0
+        """Every chunk into the digest, the bytes past `offset` onto the wire, then PART_END."""
+        digest, pos = hashlib.blake2b(digest_size=16), 0
+        frames = _Frames(control, progress)
         for data in chunks:
             digest.update(data)
-            skip = min(max(offset - pos, 0), len(data))
-            for at in range(skip, len(data), CHUNK_BYTES):
-                piece = data[at: at + CHUNK_BYTES]
-                control.send(FrameType.PART_DATA, piece)
-                sent += len(piece)
-                progress.add(len(piece))
+            frames.add(data[min(max(offset - pos, 0), len(data)):])
             pos += len(data)
+        frames.flush()
         control.send(FrameType.PART_END, json.dumps({"name": name, "digest": digest.hexdigest()}).encode())
-        return sent
+        return frames.sent
 
     def _send_parts(self, control: ControlChannel, wanted: Dict[str, int], progress: TransferProgress) -> int:
         """The wanted part files, in the plan's order, their arrays cut one at a time."""
@@ -145,6 +142,39 @@ class PartSender:
             yield part_bytes(array)
             del array
             set_array(model, key, mx.zeros((0,), mx.uint8))  # sent: dropped, not held to the end
+
+
+class _Frames:
+    """Bytes onto the wire as PART_DATA frames of CHUNK_BYTES: a large array's slices as they
+    are, small arrays gathered into one frame (a frame per norm vector would be a syscall each)."""
+
+    def __init__(self, control: ControlChannel, progress: TransferProgress):
+        self.control, self.progress = control, progress
+        self.pending = bytearray()
+        self.sent = 0
+
+    def add(self, data: memoryview) -> None:
+        while len(data):
+            if not self.pending and len(data) >= CHUNK_BYTES:
+                self._send(data[:CHUNK_BYTES])
+            else:
+                room = CHUNK_BYTES - len(self.pending)
+                self.pending += data[:room]
+                if len(self.pending) == CHUNK_BYTES:
+                    self.flush()
+                data = data[room:]
+                continue
+            data = data[CHUNK_BYTES:]
+
+    def flush(self) -> None:
+        if self.pending:
+            self._send(memoryview(self.pending))
+            self.pending = bytearray()
+
+    def _send(self, piece: memoryview) -> None:
+        self.control.send(FrameType.PART_DATA, piece)
+        self.sent += len(piece)
+        self.progress.add(len(piece))
 
 
 def send_parts(group: Any, model_path: Path, share: SplitShare, fingerprint: str, receivers: List[int]) -> None:
