@@ -148,3 +148,37 @@ def test_a_leader_without_model_is_refused_by_name(procs, tmp_path):
                         "127.0.0.1", str(free_port())])
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "--model is required" in err and "--role worker" in err
+
+
+def test_serve_worker_without_model_answers_as_the_unsplit_model(models, tmp_path):
+    from serveutil import ServedPair, post_raw
+
+    parts = tmp_path / "parts"
+
+    class PartServedPair(ServedPair):
+        """The pair with its worker started without --model (--parts-dir instead)."""
+
+        def start(self, name, extra=()):
+            cmd = self.cmds[name]
+            if name != "leader" and "--model" in cmd:
+                at = cmd.index("--model")
+                del cmd[at: at + 2]
+                cmd += ["--parts-dir", str(parts)]
+            super().start(name, extra)
+
+    model = models["llama"]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    pair = PartServedPair(model, logs)
+    try:
+        pair.wait_healthy(within=180)
+        code, answer = post_raw(pair, "/v1/completions", json.dumps(
+            {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode())
+        assert code == 200, answer
+        assert answer["choices"][0]["text"] == text
+        pair.stop()
+    finally:
+        pair.close()
+    assert "receiving this rank's part" in pair.log("worker")
+    assert [e.name for e in entry_dirs(parts)] == ["1of2-even"]

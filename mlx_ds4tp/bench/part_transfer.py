@@ -58,9 +58,12 @@ def _receive_plain(port: int, out: str, nbytes: int) -> dict:
 
 def _child(argv: List[str]) -> int:
     kind, *rest = argv
-    record = _receive_part(int(rest[0]), rest[1], rest[2], int(rest[3]), int(rest[4]), rest[5]) if kind == "part" \
-        else _receive_plain(int(rest[0]), rest[1], int(rest[2]))
-    record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    if kind == "part":
+        record = _receive_part(int(rest[0]), rest[1], rest[2], int(rest[3]), int(rest[4]), rest[5])
+    else:
+        record = _receive_plain(int(rest[0]), rest[1], int(rest[2]))
+    rss_unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * rss_unit
     print(json.dumps(record))
     return 0
 
