@@ -119,7 +119,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
     add_lockstep_rank_args(p, ROLE_HELP)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
-                "Every rank takes the same --model.")
+                "Every rank takes the same --model, or a worker none: it receives its part from the leader.")
 
 
 def _size(text: str) -> int:
