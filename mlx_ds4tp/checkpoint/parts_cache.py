@@ -28,13 +28,19 @@ from ..base.log import log
 DEFAULT_PARTS_DIR = Path("~/.cache/mlx_ds4tp/parts")
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
-DIGEST_BYTES = 16
 READ_BYTES = 8 << 20  # a file's digest is read this much at a time
 
 
-def file_digest(path: Path, upto: Optional[int] = None) -> "hashlib.blake2b":
+def new_digest() -> "hashlib._Hash":
+    """The one digest of a part's files, on both sides: SHA-256, which the CPUs these run on
+    compute in hardware (Apple Silicon's and x86's SHA extensions: about twice blake2b's rate),
+    so checking a part's files costs less than receiving them."""
+    return hashlib.sha256()
+
+
+def file_digest(path: Path, upto: Optional[int] = None) -> "hashlib._Hash":
     """The digest state of a file's first `upto` bytes (all by default), read a chunk at a time."""
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h = new_digest()
     left = path.stat().st_size if upto is None else upto
     with open(path, "rb", buffering=0) as f:
         while left > 0:
@@ -184,7 +190,7 @@ class PartWriter:
         if offset:
             self.hash = file_digest(self.partial, offset)  # the prefix a cut transfer left
         else:
-            self.hash = hashlib.blake2b(digest_size=DIGEST_BYTES)
+            self.hash = new_digest()
         self.file = open(self.partial, "r+b" if offset else "wb")
         self.file.truncate(offset)
         self.file.seek(offset)

@@ -15,7 +15,6 @@ lists the arrays from that; the worker loads its received files into that model.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, List, Tuple
@@ -25,6 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from ..base.log import log
+from ..checkpoint.parts_cache import new_digest
 from ..collectives.backend import cut_only_group
 from .apply import cut_lazily
 from .share import SplitShare
@@ -158,7 +158,9 @@ def plain_files(model_path: Path) -> List[Path]:
 
 
 def bytes_digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    digest = new_digest()
+    digest.update(data)
+    return digest.hexdigest()
 
 
 def load_part(parts_dir: Path, group: Any, share: SplitShare) -> Tuple[nn.Module, Any]:

@@ -12,7 +12,6 @@ the bytes past the offset are sent.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
@@ -21,6 +20,7 @@ import mlx.core as mx
 
 from ..base.log import log
 from ..checkpoint.parts import SafetensorsParts
+from ..checkpoint.parts_cache import new_digest
 from ..collectives.backend import cut_only_group
 from ..errors import FrameError
 from ..link.control import ControlChannel
@@ -103,7 +103,7 @@ class PartSender:
     def _send_file(self, control: ControlChannel, name: str, chunks: Iterator[memoryview], offset: int,
                    progress: TransferProgress) -> int:
         """Every chunk into the digest, the bytes past `offset` onto the wire, then PART_END."""
-        digest, pos = hashlib.blake2b(digest_size=16), 0
+        digest, pos = new_digest(), 0
         frames = _Frames(control, progress)
         for data in chunks:
             digest.update(data)
