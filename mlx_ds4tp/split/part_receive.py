@@ -15,6 +15,7 @@ from ..checkpoint.parts_cache import OfferedFile, PartEntry, PartsSettings, Part
 from ..errors import FrameError
 from ..link.fingerprint import summary_label
 from ..link.wire import FINGERPRINT_SUMMARY, FrameType
+from .overlap import Overlap
 from .part_send import MAX_ROUNDS, PART_WAIT_S
 from .share import SplitShare
 from .transfer_progress import TransferProgress
@@ -76,21 +77,35 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
 
 
 def _receive_file(control: Any, writer: PartWriter, progress: Optional[TransferProgress]) -> bool:
-    """One file's PART_DATA frames into writer, until its PART_END; whether it arrived whole."""
+    """One file's PART_DATA frames into writer, until its PART_END; whether it arrived whole.
+    This thread receives; the overlap writes and hashes what arrived before (a few chunks)."""
+    whole = []
+
+    def write(item: Tuple[bytes, str]) -> None:
+        payload, digest = item
+        if digest:
+            whole.append(writer.finish(digest))
+        else:
+            writer.write(payload)
+
     try:
-        while True:
-            ftype, payload = control.recv()
-            if ftype == FrameType.PART_DATA:
-                writer.write(payload)
-                if progress is not None:
-                    progress.add(len(payload))
-                continue
-            if ftype != FrameType.PART_END:
-                raise FrameError(f"expected PART_DATA or PART_END while receiving {writer.name}, got {ftype.name}")
-            end = _end(payload)
-            if end[0] != writer.name:
-                raise FrameError(f"the leader ended {end[0]} while this rank received {writer.name}")
-            return writer.finish(end[1])
+        with Overlap(write, name="ds4tp-part-write") as disk:
+            while True:
+                ftype, payload = control.recv()
+                if ftype == FrameType.PART_DATA:
+                    disk.put((payload, ""))
+                    if progress is not None:
+                        progress.add(len(payload))
+                    continue
+                if ftype != FrameType.PART_END:
+                    raise FrameError(f"expected PART_DATA or PART_END while receiving {writer.name}, "
+                                     f"got {ftype.name}")
+                name, digest = _end(payload)
+                if name != writer.name:
+                    raise FrameError(f"the leader ended {name} while this rank received {writer.name}")
+                disk.put((b"", digest))
+                disk.finish()
+                return whole[0]
     except BaseException:
         writer.abandon()
         raise

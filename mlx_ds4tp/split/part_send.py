@@ -27,6 +27,7 @@ from ..link.control import ControlChannel
 from ..link.wire import FrameType
 from .apply import cut_arrays
 from .derive import set_array
+from .overlap import Overlap
 from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files, plan_part
 from .plans import saved_layout
 from .share import SplitShare
@@ -74,12 +75,17 @@ class PartSender:
                 return sent
             total = sum(self._size(name) - offset for name, offset in wanted)
             progress = TransferProgress(f"sending rank {self.rank}'s part", total)
-            for name, offset in wanted:
-                if name in self.plain:
-                    sent += self._send_file(control, name, iter((memoryview(self.plain[name]),)), offset, progress)
-            parts = [(name, offset) for name, offset in wanted if name not in self.plain]
-            if parts:
-                sent += self._send_parts(control, dict(parts), progress)
+            frames = _Frames(control, progress)
+            # This thread reads and cuts the arrays; the overlap hashes and sends them.
+            with Overlap(frames.take, depth=2, name="ds4tp-part-send") as wire:
+                for name, offset in wanted:
+                    if name in self.plain:
+                        self._queue_file(wire, name, iter((memoryview(self.plain[name]),)), offset)
+                parts = [(name, offset) for name, offset in wanted if name not in self.plain]
+                if parts:
+                    self._queue_parts(wire, dict(parts))
+                wire.finish()
+            sent += frames.sent
             progress.done()
         raise FrameError(f"rank {self.rank} still wants files after {MAX_ROUNDS} rounds")
 
@@ -100,20 +106,16 @@ class PartSender:
                 raise FrameError(f"rank {self.rank} wants {name} from byte {offset}, which the offer has not")
         return wanted
 
-    def _send_file(self, control: ControlChannel, name: str, chunks: Iterator[memoryview], offset: int,
-                   progress: TransferProgress) -> int:
-        """Every chunk into the digest, the bytes past `offset` onto the wire, then PART_END."""
+    def _queue_file(self, wire: Overlap, name: str, chunks: Iterator[memoryview], offset: int) -> None:
+        """Every chunk to the wire stage (all into the digest, the bytes past `offset` sent), then
+        the file's end (PART_END with the digest)."""
         digest, pos = new_digest(), 0
-        frames = _Frames(control, progress)
         for data in chunks:
-            digest.update(data)
-            frames.add(data[min(max(offset - pos, 0), len(data)):])
+            wire.put((digest, data, min(max(offset - pos, 0), len(data))))
             pos += len(data)
-        frames.flush()
-        control.send(FrameType.PART_END, json.dumps({"name": name, "digest": digest.hexdigest()}).encode())
-        return frames.sent
+        wire.put((digest, name, 0))
 
-    def _send_parts(self, control: ControlChannel, wanted: Dict[str, int], progress: TransferProgress) -> int:
+    def _queue_parts(self, wire: Overlap, wanted: Dict[str, int]) -> None:
         """The wanted part files, in the plan's order, their arrays cut one at a time."""
         from mlx_lm.utils import load_model
 
@@ -121,16 +123,14 @@ class PartSender:
         reader = SafetensorsParts(self.model_path, self.rank, self.size, **saved_layout(type(model).__module__))
         arrays = cut_arrays(model, cut_only_group(self.rank, self.size), split=self.share, read_part=reader)
         last = max(i for i, f in enumerate(self.plan.files) if f.name in wanted)
-        sent = 0
         for file in self.plan.files[: last + 1]:
             chunks = self._file_chunks(model, file, arrays)
             if file.name in wanted:
-                sent += self._send_file(control, file.name, chunks, wanted[file.name], progress)
+                self._queue_file(wire, file.name, chunks, wanted[file.name])
             else:
                 for _ in chunks:  # its arrays still come in order before the next file's
                     pass
         arrays.close()
-        return sent
 
     def _file_chunks(self, model: Any, file, arrays: Iterator[Tuple[str, mx.array]]) -> Iterator[memoryview]:
         yield memoryview(file.header)
@@ -145,13 +145,24 @@ class PartSender:
 
 
 class _Frames:
-    """Bytes onto the wire as PART_DATA frames of CHUNK_BYTES: a large array's slices as they
-    are, small arrays gathered into one frame (a frame per norm vector would be a syscall each)."""
+    """The wire stage: each (digest, bytes, skip) hashed whole and sent past `skip` as PART_DATA
+    frames of CHUNK_BYTES (a large array's slices as they are, small arrays gathered into one
+    frame: a frame per norm vector would be a syscall each); (digest, name, 0) ends that file."""
 
     def __init__(self, control: ControlChannel, progress: TransferProgress):
         self.control, self.progress = control, progress
         self.pending = bytearray()
         self.sent = 0
+
+    def take(self, item: Tuple[Any, Any, int]) -> None:
+        digest, data, skip = item
+        if isinstance(data, str):
+            self.flush()
+            end = {"name": data, "digest": digest.hexdigest()}
+            self.control.send(FrameType.PART_END, json.dumps(end).encode("utf-8"))
+            return
+        digest.update(data)
+        self.add(data[skip:])
 
     def add(self, data: memoryview) -> None:
         while len(data):
