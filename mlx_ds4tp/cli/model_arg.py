@@ -22,15 +22,16 @@ def add_model_arg(p: argparse.ArgumentParser, help_text: str = MODEL_HELP, requi
     p.add_argument("--model", required=required, default=None, metavar=metavar, help=help_text)
 
 
-def model_path(model: str) -> Path:
-    """The directory `--model` names; exits naming the value and the fix when there is none."""
+def model_path(model: str, download: bool = False) -> Path:
+    """The directory `--model` names; exits naming the value and the fix when there is none.
+    download: a Hugging Face repo id not on this machine is downloaded (a leader's --model)."""
     if model == DEMO:
         from ..synthetic.demo_model import demo_model_dir
 
         return demo_model_dir()
     from ..checkpoint.source import resolve_model_arg
 
-    return resolve_model_arg(model)
+    return resolve_model_arg(model, download)
 
 
 def default_served_name(model: str) -> str:

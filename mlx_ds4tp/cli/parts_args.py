@@ -28,7 +28,7 @@ def model_or_part(args: argparse.Namespace, command: str, role: Optional[str]) -
         if args.parts_dir is not None or args.parts_max_gb is not None:
             raise SystemExit(f"ds4tp {command}: --parts-dir and --parts-max-gb are for a worker "
                              "without --model; leave them out or leave --model out")
-        return model_path(args.model)
+        return model_path(args.model, download=role == "leader")
     if role != "worker" or getattr(args, "coordinator", None) is None:
         raise SystemExit(f"ds4tp {command}: --model is required, but on a worker given --role worker "
                          "--coordinator HOST PORT, which then receives its part from the leader")
