@@ -182,3 +182,29 @@ def test_serve_worker_without_model_answers_as_the_unsplit_model(models, tmp_pat
         pair.close()
     assert "receiving this rank's part" in pair.log("worker")
     assert [e.name for e in entry_dirs(parts)] == ["1of2-even"]
+
+
+def test_a_receiving_worker_peaks_no_higher_than_one_loading_its_part_from_disk(procs, tmp_path):
+    """The 160M llama in float16 (a 162 MB part): the worker's peak RSS receiving its part, then
+    loading it, against a worker loading the same part from the model's directory (+300 MB)."""
+    import mlx.core as mx
+
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
+
+    model = save_llama(tmp_path / "m150", "150m", seed=1, dtype=mx.float16)
+    peaks = {}
+    for how in ("disk", "received"):
+        port, out = free_port(), tmp_path / f"{how}.json"
+        common = ["-m", "mlx_ds4tp.cli.rank", "run", "--max-tokens", "2", "--no-chat-template", "--transport", "tcp"]
+        leader = procs.spawn(common + ["--model", str(model), "--prompt", PROMPT, "--role", "leader",
+                                       "--listen", "127.0.0.1", str(port)])
+        own = ["--model", str(model)] if how == "disk" else ["--parts-dir", str(tmp_path / "parts")]
+        worker = procs.spawn(common + own + ["--role", "worker", "--coordinator", "127.0.0.1", str(port),
+                                             "--tokens-out", str(out)])
+        _, lerr = leader.communicate(timeout=600)
+        _, werr = worker.communicate(timeout=120)
+        assert leader.returncode == 0 and worker.returncode == 0, lerr + werr
+        peaks[how] = json.loads(out.read_text())["peak_rss_bytes"]
+    assert "receiving this rank's part" in werr
+    print("worker peak RSS (bytes):", peaks)
+    assert peaks["received"] <= peaks["disk"] + 300e6, peaks

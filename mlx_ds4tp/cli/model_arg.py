@@ -9,8 +9,9 @@ import argparse
 from pathlib import Path
 
 DEMO = "demo"
-MODEL_HELP = ("an mlx-lm model directory, a Hugging Face repo id already downloaded (the same "
-              "model on both machines), or 'demo': a small model with synthetic random weights, "
+MODEL_HELP = ("an mlx-lm model directory, a Hugging Face repo id (the leader downloads one it lacks; "
+              "a worker given --role worker --coordinator may leave --model out and receive its part "
+              "from the leader), or 'demo': a small model with synthetic random weights, "
               "built once into ~/.cache/mlx_ds4tp, or $XDG_CACHE_HOME/mlx_ds4tp (./demo for a "
               "directory of that name)")
 
