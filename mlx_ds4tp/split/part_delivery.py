@@ -30,6 +30,10 @@ def load_rank_part(group: Any, model_path: Optional[Path], share: SplitShare, pa
         receivers = [r for r in range(1, group.size()) if receives_part(group.link_to(r).peer_hello)]
         if receivers:
             fingerprint = stated_fingerprint(group.link_to(receivers[0]).mine.fingerprint)
+            if not fingerprint:
+                raise ValueError(f"rank {receivers[0]} joined without --model, but this leader's hello "
+                                 "states no model fingerprint to check its part against; give the "
+                                 "leader an identity with one (ds4tp run and serve do)")
             send_parts(group, model_path, share, fingerprint, receivers)
     return load_split(str(model_path), group, split=share, progress=progress)
 
