@@ -258,7 +258,7 @@ def test_served_model_name_defaults_to_a_short_id(served, model_dir, monkeypatch
     assert name() == "demo"
     assert served["settings"].model.path == tmp_path / "built-demo"
     assert served["settings"].model.ids == ("demo", str(tmp_path / "built-demo"))
-    monkeypatch.setattr(source, "resolve_model_arg", lambda model: tmp_path / "hub" / "snapshot")
+    monkeypatch.setattr(source, "resolve_model_arg", lambda model, download=False: tmp_path / "hub" / "snapshot")
     serve_main("serve", "--model", "mlx-community/Qwen3-0.6B-4bit", *LEADER)
     assert name() == "mlx-community/Qwen3-0.6B-4bit"  # the repo id
     serve_main("serve", "--model", str(model_dir), "--served-model-name", "tiny", *LEADER)

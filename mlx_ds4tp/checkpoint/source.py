@@ -1,8 +1,8 @@
-"""`--model`: a local mlx-lm model directory or a Hugging Face repo id already on this machine.
+"""`--model`: a local mlx-lm model directory or a Hugging Face repo id.
 
 A repo id is resolved with mlx-lm's own helper (`hf_repo_to_path`, the Hugging Face cache,
-local files only): the pair never downloads, since both machines must hold the same files
-before they start (fetch them with `mlx_lm.generate --model ID` or `hf download ID` first).
+local files only). Only a leader downloads one it lacks (checkpoint/hub.py): its workers either
+hold the same files already or, started without --model, receive their parts from it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def resolve_model(model: str) -> Path:
-    """The directory holding `model`'s config.json; FileNotFoundError naming it and the fix."""
+def resolve_model(model: str, download: bool = False) -> Path:
+    """The directory holding `model`'s config.json; FileNotFoundError naming it and the fix.
+    download: a repo id not in the cache is downloaded (the leader's)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -27,19 +28,28 @@ def resolve_model(model: str) -> Path:
 
         resolved = hf_repo_to_path(model)
     except Exception as exc:  # noqa: BLE001 - huggingface_hub raises several kinds; all mean "not here"
+        if download:
+            from .hub import download_model
+
+            return _checked(model, download_model(model))
         raise FileNotFoundError(
             f"--model {model}: not a local directory and not in the Hugging Face cache of this "
-            f"machine ({type(exc).__name__}); the pair does not download: fetch it first on both "
-            f"machines (`hf download {model}`) or give the directory") from None
+            f"machine ({type(exc).__name__}); only a leader downloads: fetch it first here "
+            f"(`hf download {model}`), give the directory, or start this worker without --model "
+            "to receive its part from the leader") from None
+    return _checked(model, resolved)
+
+
+def _checked(model: str, resolved: Path) -> Path:
     if not (resolved / "config.json").is_file():
         raise FileNotFoundError(f"--model {model} resolved to {resolved}, which has no config.json; "
                                 "download the whole repo on both machines")
     return resolved
 
 
-def resolve_model_arg(model: str) -> Path:
+def resolve_model_arg(model: str, download: bool = False) -> Path:
     """resolve_model for a command line: the error becomes the command's one-line exit."""
     try:
-        return resolve_model(model)
+        return resolve_model(model, download)
     except FileNotFoundError as exc:
         raise SystemExit(f"ds4tp: {exc}") from None

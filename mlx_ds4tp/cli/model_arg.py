@@ -9,8 +9,9 @@ import argparse
 from pathlib import Path
 
 DEMO = "demo"
-MODEL_HELP = ("an mlx-lm model directory, a Hugging Face repo id already downloaded (the same "
-              "model on both machines), or 'demo': a small model with synthetic random weights, "
+MODEL_HELP = ("an mlx-lm model directory, a Hugging Face repo id (the leader downloads one it lacks; "
+              "a worker given --role worker --coordinator may leave --model out and receive its part "
+              "from the leader), or 'demo': a small model with synthetic random weights, "
               "built once into ~/.cache/mlx_ds4tp, or $XDG_CACHE_HOME/mlx_ds4tp (./demo for a "
               "directory of that name)")
 
@@ -22,15 +23,16 @@ def add_model_arg(p: argparse.ArgumentParser, help_text: str = MODEL_HELP, requi
     p.add_argument("--model", required=required, default=None, metavar=metavar, help=help_text)
 
 
-def model_path(model: str) -> Path:
-    """The directory `--model` names; exits naming the value and the fix when there is none."""
+def model_path(model: str, download: bool = False) -> Path:
+    """The directory `--model` names; exits naming the value and the fix when there is none.
+    download: a Hugging Face repo id not on this machine is downloaded (a leader's --model)."""
     if model == DEMO:
         from ..synthetic.demo_model import demo_model_dir
 
         return demo_model_dir()
     from ..checkpoint.source import resolve_model_arg
 
-    return resolve_model_arg(model)
+    return resolve_model_arg(model, download)
 
 
 def default_served_name(model: str) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..link.config import LinkSettings
 from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
-from .model_arg import add_model_arg, model_path
+from .model_arg import add_model_arg
 from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
+from .parts_args import add_parts_args, model_or_part, parts_from_args
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
@@ -26,7 +27,8 @@ ROLE_HELP = ("this process's rank, 'leader' (rank 0: --prompt; prints the text) 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp run` (examples/pair_generate.py takes the same)."""
-    add_model_arg(p)
+    add_model_arg(p, required=False)
+    add_parts_args(p)
     p.add_argument("--prompt", default=None, help="leader: the prompt text (required there)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     add_sampling_args(p, seed_default=0)
@@ -43,9 +45,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_lockstep_rank_args(p, ROLE_HELP)
 
 
-def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings]:
+def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, Optional[str], RunSettings]:
     """The flags of one `ds4tp run` rank checked once and resolved: the rank's link settings,
-    the model's directory and what the leader generates. Bad flags exit naming the flag."""
+    the model's directory (None: a worker that receives its part) and what the leader generates.
+    Bad flags exit naming the flag."""
     # Finding its peer, the rank with the prompt leads; the other works for the first such leader.
     want = "lead" if args.role == "leader" or (args.prompt and args.role != "worker") else "work"
     join = lockstep_join(args, "run", want, " --prompt TEXT")
@@ -62,8 +65,10 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, str, RunSettings
     draft = DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens)
     settings = RunSettings(prompt=args.prompt or "", max_tokens=args.max_tokens,
                            chat=not args.no_chat_template, sampling=sampling,
-                           debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run", join.ranks))
-    return join.link, str(model_path(args.model)), settings
+                           debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run", join.ranks),
+                           parts=parts_from_args(args, "run"))
+    path = model_or_part(args, "run", args.role)
+    return join.link, None if path is None else str(path), settings
 
 
 def _schema_grammar(path: str) -> str:

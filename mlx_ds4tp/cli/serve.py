@@ -22,8 +22,9 @@ from ..lockstep.settings import DraftSettings
 from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings
 from .draft_args import add_draft_args, check_draft_args
-from .model_arg import add_model_arg, default_served_name, model_path
+from .model_arg import add_model_arg, default_served_name
 from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
+from .parts_args import add_parts_args, model_or_part, parts_from_args
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
@@ -36,7 +37,8 @@ ROLE_HELP = ("this process's rank, 'leader' (rank 0; serves HTTP on --host/--por
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp serve` (HTTP flags named as mlx_lm.server names them)."""
-    add_model_arg(p)
+    add_model_arg(p, required=False)
+    add_parts_args(p)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="leader: the model id /v1/models lists and requests name (default: 'demo' "
                         "for --model demo, the repo id for a Hugging Face repo id, the directory's "
@@ -117,7 +119,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
     add_lockstep_rank_args(p, ROLE_HELP)
     p.epilog = ("The sampling flags are the defaults of a request that gives none of its own.\n"
-                "Every rank takes the same --model.")
+                "Every rank takes the same --model, or a worker none: it receives its part from the leader.")
 
 
 def _size(text: str) -> int:
@@ -161,9 +163,9 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     check_draft_args("serve", args)
     limits = _limits(args)
     sampling = options_from_args(args)
-    path = model_path(args.model)
-    served = ServedModel(path, args.served_model_name or default_served_name(args.model),
-                         aliases=(args.model, str(path)),
+    path = model_or_part(args, "serve", args.role)  # None: a worker that receives its part
+    name = args.served_model_name or (default_served_name(args.model) if args.model else "the leader's model")
+    served = ServedModel(path, name, aliases=(args.model, str(path)) if path is not None else (),
                          draft=DraftSettings(args.draft_model, args.prompt_lookup, args.num_draft_tokens))
     for flag, value in (("--header-timeout-sec", args.header_timeout_sec),
                         ("--keep-alive-timeout-sec", args.keep_alive_timeout_sec)):
@@ -176,7 +178,7 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
                         keep_alive_timeout_sec=args.keep_alive_timeout_sec)
     return ServeSettings(join.link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
                          rejoin=args.rejoin or (join.discovery is not None and join.address.role != "leader"),
-                         split=split_from_args(args, "serve", join.ranks))
+                         split=split_from_args(args, "serve", join.ranks), parts=parts_from_args(args, "serve"))
 
 
 def _warn_open_api(host: str, port: int) -> None:

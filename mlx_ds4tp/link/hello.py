@@ -59,6 +59,19 @@ class ModelIdentity:
             )
 
 
+# A worker started without --model: it knows nothing of the model before it joins, and receives
+# its part from the leader once the share is agreed (split/part_receive.py), checked against the
+# fingerprint the leader's hello states. Marked by a gates-per-token no model has, so a rank
+# that simply gave no identity (ModelIdentity()) is still held to its peer's.
+PART_RECEIVER_MARK = 2**32 - 1
+PART_RECEIVER = ModelIdentity(gates_per_token=PART_RECEIVER_MARK)
+
+
+def receives_part(hello: "Hello") -> bool:
+    """Whether this hello is a worker's that holds no model and receives its part."""
+    return hello.identity == PART_RECEIVER and not hello.fingerprint
+
+
 @dataclasses.dataclass(frozen=True)
 class RankFigures:
     """What a rank measured at start, for the leader's `--split auto`: the bytes of memory it
@@ -182,6 +195,8 @@ def check_hello(mine: Hello, theirs: Hello) -> None:
             "with --role worker"
         )
     peer = ROLE_NAMES[theirs.role]
+    if receives_part(mine) or receives_part(theirs):
+        return  # its model is the leader's: checked against the leader's fingerprint as it arrives
     for name in ModelIdentity.FIELDS:
         here, there = getattr(mine.identity, name), getattr(theirs.identity, name)
         if here != there:

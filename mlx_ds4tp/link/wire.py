@@ -29,6 +29,10 @@ The bound is checked before anything is allocated. The transport's own frames an
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 | MESH_SIZE        | MESH_SIZE_PAYLOAD (the mesh's size): rank 0's door answers a pair's HELLO with it while the mesh gathers, then closes; a worker started without a size JOINs a mesh of that size | 64 |
 | REFORM           | UTF-8 text, the leader's reason: a serving leader whose mesh of N > 2 ranks broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
+| PART_OFFER       | UTF-8 JSON: the files of a worker's part the leader offers (names, sizes, digests), to a worker started without --model (split/part_send.py) | 16777216 |
+| PART_WANT        | UTF-8 JSON: the files (and the offset in each) that worker still needs; an empty list ends the transfer | 1048576 |
+| PART_DATA        | the next bytes of the file being sent                          | 4194304     |
+| PART_END         | UTF-8 JSON: the file sent whole, its name and digest           | 4096        |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
 VERIFY_BATCH, COMMIT_BATCH, SESSION_DESTROY, INVALIDATE, DISK_SAVE, DISK_LOAD, KV_ROOM, HASH; STOP,
@@ -86,6 +90,10 @@ from ..errors import FrameError
 # gathering mesh's door is answered with MESH_SIZE, and it JOINs a mesh of that size. The door
 # answers only a HELLO of its own version, so a worker of version 12 is told the versions
 # instead of meeting a frame type it does not know; a pair's wire is otherwise unchanged.
+# 14: the leader asks a worker for its figures for the cluster page (RANK_STATS), and a worker
+# started without --model joins with the identity PART_RECEIVER (hello.py) and receives its part
+# of the leader's model (PART_OFFER, PART_WANT, PART_DATA, PART_END) before it loads; a rank of
+# version 13 would refuse the hello's identity and the new frames.
 PROTOCOL_VERSION = 14
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
@@ -157,6 +165,13 @@ class FrameType(enum.IntEnum):
     # A serving leader's question for the cluster page (GET /cluster): the worker's host, chip,
     # memory and its links' gate latencies, asked only while the engine is idle.
     RANK_STATS = 48
+    # A worker started without --model receives its part of the leader's model after the share
+    # is agreed (split/part_send.py, split/part_receive.py): the files offered, the files wanted
+    # (with the offset a cut transfer stopped at), their bytes, and each file's end and digest.
+    PART_OFFER = 49
+    PART_WANT = 50
+    PART_DATA = 51
+    PART_END = 52
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -198,6 +213,10 @@ FRAME_MAX_BYTES = {
     FrameType.MESH_ID: 64,
     FrameType.MESH_SIZE: 64,
     FrameType.REFORM: 4096,
+    FrameType.PART_OFFER: 16 * 1024 * 1024,
+    FrameType.PART_WANT: 1024 * 1024,
+    FrameType.PART_DATA: 4 * 1024 * 1024,
+    FrameType.PART_END: 4096,
 }
 
 

@@ -13,11 +13,13 @@ from typing import Any, Callable, Optional
 
 from .. import gate_ops
 from ..base.log import log
+from ..checkpoint.parts_cache import PartsSettings
 from ..errors import AuthenticationError, HelloMismatchError, TransportError
 from ..link.config import LinkSettings
 from ..link.hello import ModelIdentity
 from ..split.agree import agree_share, with_figures
 from ..split.auto import ModelNeed, model_need
+from ..split.part_delivery import load_rank_part
 from ..split.progress import LoadingBar
 from ..split.share import SplitSettings, SplitShare
 
@@ -27,14 +29,16 @@ class BringUp:
     """How one rank comes up: its link (link.size: the rank count), the model's directory and
     the model's identity its hello checks, its --split, the KV cache tokens the leader reserves
     room for when it picks a share, and whether a worker waits for its leader however long that
-    takes (serve's --rejoin: a supervisor may start the worker first)."""
+    takes (serve's --rejoin: a supervisor may start the worker first). A worker without the model
+    (model_path None, identity PART_RECEIVER) receives its part from the leader into `parts`."""
 
     link: LinkSettings
-    model_path: Path
+    model_path: Optional[Path]
     identity: ModelIdentity
     split: SplitSettings
     kv_tokens: int = 0
     wait_for_leader: bool = False
+    parts: PartsSettings = PartsSettings()
 
 
 @dataclasses.dataclass
@@ -73,15 +77,14 @@ def bring_up(plan: BringUp, on_joined: Optional[Callable[[Any], None]] = None) -
     """Join, agree the share, load this rank's part: the one bring-up of run, serve and demo.
     on_joined(group) runs once the group is formed, before any weight is read (serve's leader
     elected by discovery takes its HTTP port there). The group is closed when a later step fails."""
-    from ..model_split import load_split
-
     group = join(plan)
     try:
         if on_joined is not None:
             on_joined(group)
-        share = agree_share(group, plan.split, model_need(plan.model_path, plan.kv_tokens))
+        need = model_need(plan.model_path, plan.kv_tokens) if plan.model_path is not None else ModelNeed(0)
+        share = agree_share(group, plan.split, need)
         t0 = time.perf_counter()
-        model, tokenizer = load_split(str(plan.model_path), group, split=share, progress=LoadingBar())
+        model, tokenizer = load_rank_part(group, plan.model_path, share, plan.parts, progress=LoadingBar())
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s (rank {group.rank()} of {group.size()})")
     except BaseException:
         group.close()

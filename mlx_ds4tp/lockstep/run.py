@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from .. import gate_ops
 from ..base.log import log
 from ..link.config import LinkSettings
+from ..link.hello import PART_RECEIVER
 from ..link.identity import model_identity
 from .errors import GrammarError
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
@@ -27,12 +28,14 @@ BENCH_WARMUP_TOKENS = 16
 TEMPLATE_TOKENS = 256
 
 
-def run_rank(link: LinkSettings, model_path: str, settings: RunSettings) -> int:
+def run_rank(link: LinkSettings, model_path: Optional[str], settings: RunSettings) -> int:
     """One rank of `ds4tp run` (of link.size ranks); returns the exit code. The leader streams
     the text on stdout, then the closing stats line (GenerationStats.line)."""
     # A token is at least one character of the prompt; the chat template adds its own.
     kv_tokens = len(settings.prompt) + TEMPLATE_TOKENS + settings.prompt_tokens + settings.max_tokens
-    joined = bring_up(BringUp(link, Path(model_path), model_identity(model_path), settings.split, kv_tokens))
+    identity = PART_RECEIVER if model_path is None else model_identity(model_path)  # None: receives its part
+    joined = bring_up(BringUp(link, None if model_path is None else Path(model_path), identity, settings.split,
+                              kv_tokens, parts=settings.parts))
     group, model, tokenizer, share = joined.group, joined.model, joined.tokenizer, joined.share
     with group:
         if not joined.leads:  # the role named, or the one discovery elected

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..checkpoint.parts_cache import PartsSettings
 from ..split.share import SplitSettings
 from .sampling.options import SamplingOptions
 
@@ -61,3 +62,4 @@ class RunSettings:
     tokens_out: Optional[str] = None
     draft: DraftSettings = DraftSettings()
     split: SplitSettings = SplitSettings()
+    parts: PartsSettings = PartsSettings()  # a worker without --model: where its part is kept

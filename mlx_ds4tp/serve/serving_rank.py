@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from .. import gate_ops
 from ..base.log import log
 from ..base.stopping import shielded, stop_on_signals, stop_reason
-from ..link.hello import ModelIdentity
+from ..link.hello import PART_RECEIVER, ModelIdentity
 from ..link.identity import model_identity
 from ..lockstep.join_and_load import BringUp, bring_up
 from ..lockstep.sampling.grammar import Grammars
+from ..split.part_receive import stated_fingerprint
 from ..split.share import SplitShare
 from .rejoin import Quit, ServingSessions, fit_worker_room, serve_as_worker, take_back_workers
 from .settings import ServedModel, ServeSettings
@@ -106,7 +107,8 @@ def run(settings: ServeSettings) -> int:
     # rank that discovery makes the leader takes it once it knows (_run_rank).
     servers = [HttpServer(settings.http)] if settings.link.address.role == "leader" else []
     try:
-        return _run_rank(settings, model_identity(str(settings.model.path)), servers)
+        path = settings.model.path
+        return _run_rank(settings, PART_RECEIVER if path is None else model_identity(str(path)), servers)
     except KeyboardInterrupt:
         log(f"serve: stopped by {stop_reason()} before it served (joining the pair or loading the weights)")
         return 0
@@ -139,12 +141,12 @@ def _run_rank(settings: ServeSettings, identity: ModelIdentity, servers: List["H
             servers.append(HttpServer(settings.http))
 
     plan = BringUp(settings.link, settings.model.path, identity, settings.split, kv_tokens_needed(settings),
-                   wait_for_leader=settings.rejoin)
+                   wait_for_leader=settings.rejoin, parts=settings.parts)
     joined = bring_up(plan, on_joined=take_http_port)
     group, model, tokenizer, share = joined.group, joined.model, joined.tokenizer, joined.share
     with group:
         server = servers[0] if servers else None
-        disk = make_disk_cache(settings, model, identity, (share, group.rank()))
+        disk = make_disk_cache(settings, model, model_key(settings, identity, group), (share, group.rank()))
         engine = None
         try:
             if server is None:
@@ -173,7 +175,15 @@ def _close_disk(disk) -> str:
     return f"; {len(disk)} prompt cache file(s) in {disk.directory}"
 
 
-def make_disk_cache(settings: ServeSettings, model: Any, identity: ModelIdentity,
+def model_key(settings: ServeSettings, identity: ModelIdentity, group: Any) -> str:
+    """What names this rank's model in its prompt-cache files: the fingerprint's digest (on a
+    worker without the model, the one its leader's hello states), else the served name."""
+    if identity == PART_RECEIVER:
+        return stated_fingerprint(group.link_to(0).peer_hello.fingerprint)
+    return identity.fingerprint.digest.hex() if identity.fingerprint is not None else settings.model.name
+
+
+def make_disk_cache(settings: ServeSettings, model: Any, fingerprint: str,
                     share_rank: Tuple[SplitShare, int]):
     """This rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache) or None; SystemExit
     naming the model when its cache cannot be saved in mlx-lm's prompt-cache files."""
@@ -190,7 +200,6 @@ def make_disk_cache(settings: ServeSettings, model: Any, identity: ModelIdentity
         raise SystemExit(f"ds4tp serve: --prompt-cache-dir: {settings.model.name} ({type(model).__module__}): "
                          f"{blocker}; serve it without --prompt-cache-dir")
     share, rank = share_rank
-    fingerprint = identity.fingerprint.digest.hex() if identity.fingerprint is not None else settings.model.name
     from ..lockstep.compute import trims_at_any_length
 
     try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
+from ..checkpoint.parts_cache import PartsSettings
 from ..link.config import LinkSettings
 from ..lockstep.sampling.options import SamplingOptions
 from ..lockstep.settings import DraftSettings
@@ -20,7 +21,7 @@ class ServedModel:
     leader's drafting (lockstep.settings.DraftSettings: a whole draft model, or prompt lookup
     N-grams; neither: no drafts)."""
 
-    path: Path
+    path: Optional[Path]              # None: a worker that receives its part from the leader
     name: str                         # the id /v1/models lists
     aliases: Tuple[str, ...] = ()     # other ids a request may give (--model as given, its path)
     draft: DraftSettings = DraftSettings()
@@ -61,3 +62,4 @@ class ServeSettings:
     kv_budget_from_memory: bool = False
     rejoin: bool = False
     split: SplitSettings = SplitSettings()
+    parts: PartsSettings = PartsSettings()  # a worker without --model: where its part is kept

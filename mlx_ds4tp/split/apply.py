@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +24,7 @@ from ..checkpoint.parts import SafetensorsParts
 from ..collectives.backend import cut_only_group
 from ..collectives.seam import as_collective
 from ..link.fingerprint import model_fingerprint
+from ..link.hello import receives_part
 from .columns import under
 from .derive import MLX_SHARDED, set_array
 from .layers import (
@@ -129,6 +130,76 @@ def split_model(
         ranks), or the model is already split.
       TypeError: `group` is neither an mx.distributed.Group nor an object with rank()/size().
     """
+    for _ in cut_arrays(model, group, split=split, read_part=read_part, progress=progress):
+        pass
+    return model
+
+
+def cut_arrays(
+    model: nn.Module,
+    group: Any,
+    *,
+    split: Union[SplitShare, str] = EVEN,
+    read_part: Optional[ReadPart] = None,
+    progress: Optional[Callable[[int, int, str], None]] = None,
+) -> Iterator[tuple[str, mx.array]]:
+    """split_model one array at a time: the model is cut (cut_structure) at the first next(),
+    then each of its arrays, in tree_flatten order, is read or cut, evaluated, put in the model
+    and yielded as (dotted path, array). The leader sending a worker its part (split/part_send.py)
+    drops each array from the model once it has sent it, so it never holds that whole part."""
+    layout, wholes = cut_structure(model, group, split=split, read_part=read_part)
+    params = tree_flatten(model.parameters())
+    in_memory = list(layout.plan.underived) if read_part is not None else []
+    for done, (path, value) in enumerate(params, 1):
+        cut = layout.plan.cuts.get(path)
+        whole = wholes.pop(path, value)  # not kept past its array: its data goes with the part
+        part = read_part(path, whole, cut.axis, runs=cut.runs) if read_part and cut else None
+        if cut is not None and (part is None or part.shape != part_shape(cut) or part.dtype != value.dtype):
+            if read_part is not None:
+                in_memory.append(path)
+            # One unit's part is the plan's own cut; a rank of several units takes its runs.
+            part = take_runs(whole, cut) if layout.takes_runs(path) else None
+        del whole
+        if part is not None:
+            mx.eval(part)
+            set_array(model, path, part)
+            value = part
+        else:
+            # Whole on every rank, or cut in memory: one array read at a time, its whole
+            # dropped as soon as the part is kept.
+            mx.eval(value)
+        if progress is not None:
+            progress(done, len(params), path)
+        yield path, value
+    if in_memory:
+        log(f"{len(in_memory)} cut array(s) read whole and cut in memory (their cut is not a plain "
+            f"selection of the saved tensor, or the saved layout differs): {', '.join(in_memory[:4])}"
+            f"{', ...' if len(in_memory) > 4 else ''}")
+
+
+def cut_lazily(model: nn.Module, group: Any, *, split: Union[SplitShare, str] = EVEN) -> nn.Module:
+    """The model cut as split_model cuts it, every array at its part's shape and dtype but left
+    lazy (only the vocabulary's parts are evaluated). A worker building its part's model from
+    received files (split/part_plan.py) loads its arrays into this; the leader lists a part's
+    arrays from it."""
+    layout, wholes = cut_structure(model, group, split=split)
+    for path, _ in tree_flatten(model.parameters()):
+        cut = layout.plan.cuts.get(path)
+        if cut is not None and layout.takes_runs(path):
+            set_array(model, path, take_runs(wholes[path], cut))
+    return model
+
+
+def cut_structure(
+    model: nn.Module,
+    group: Any,
+    *,
+    split: Union[SplitShare, str] = EVEN,
+    read_part: Optional[ReadPart] = None,
+) -> tuple[Layout, dict[str, mx.array]]:
+    """The model cut as split_model cuts it, its arrays left lazy (only the vocabulary's parts
+    are evaluated; an array a finer share takes by its runs is still the plan's cut): the layout
+    chosen and each array's whole as loaded, by dotted path."""
     shard = plan_of(model)
     _refuse_split_twice(model)
     share = SplitShare.of(split)
@@ -154,30 +225,7 @@ def split_model(
             bounds = layout.vocab.bounds(layer["weight"].shape[0])
             rows = (bounds[rank], bounds[rank + 1])
             set_array(model, path, cls(cut_rows(layer, rows, path, read_part), collective, bounds))
-    params = tree_flatten(model.parameters())
-    in_memory = list(layout.plan.underived) if read_part is not None else []
-    for done, (path, value) in enumerate(params, 1):
-        cut = layout.plan.cuts.get(path)
-        part = read_part(path, wholes[path], cut.axis, runs=cut.runs) if read_part and cut else None
-        if cut is not None and (part is None or part.shape != part_shape(cut) or part.dtype != value.dtype):
-            if read_part is not None:
-                in_memory.append(path)
-            # One unit's part is the plan's own cut; a rank of several units takes its runs.
-            part = take_runs(wholes[path], cut) if layout.takes_runs(path) else None
-        if part is not None:
-            mx.eval(part)
-            set_array(model, path, part)
-        else:
-            # Whole on every rank, or cut in memory: one array read at a time, its whole
-            # dropped as soon as the part is kept.
-            mx.eval(value)
-        if progress is not None:
-            progress(done, len(params), path)
-    if in_memory:
-        log(f"{len(in_memory)} cut array(s) read whole and cut in memory (their cut is not a plain "
-            f"selection of the saved tensor, or the saved layout differs): {', '.join(in_memory[:4])}"
-            f"{', ...' if len(in_memory) > 4 else ''}")
-    return model
+    return layout, wholes
 
 
 class ModelCuts:
@@ -245,6 +293,8 @@ def agree_model(model_path: Path, group: Any) -> None:
         # both its ranks take the same branch here.
         if link.mine.fingerprint and link.peer_hello.fingerprint:
             continue
+        if receives_part(link.peer_hello):
+            continue  # a rank without the model: its part is checked against this one's (part_receive)
         fingerprint = fingerprint or model_fingerprint(model_path)
         link.agree_fingerprint(fingerprint)
 

@@ -1,0 +1,41 @@
+"""Each rank's part of the model, where a rank may hold no model: the leader first sends every
+worker that joined without --model its part (split/part_send.py), then each rank loads: from
+the model's directory as load_split does, or, on a worker without one, from the part it
+received into its parts cache (split/part_receive.py, split/part_plan.py's load_part)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional, Tuple
+
+from ..checkpoint.parts_cache import PartsSettings
+from ..link.hello import receives_part
+from .apply import load_split
+from .part_plan import load_part
+from .part_receive import receive_part, stated_fingerprint
+from .part_send import send_parts
+from .share import SplitShare
+
+
+def load_rank_part(group: Any, model_path: Optional[Path], share: SplitShare, parts: PartsSettings,
+                   progress: Optional[Callable[[int, int, str], None]] = None) -> Tuple[Any, Any]:
+    """(model, tokenizer) of this rank: model_path None on a worker started without --model."""
+    if model_path is None:
+        if not callable(getattr(group, "link_to", None)) or group.rank() == 0:
+            raise ValueError("only a worker of a group of our own (--transport auto, tcp or rdma) can "
+                             "start without --model; give this rank the model's directory")
+        entry = receive_part(group.link_to(0), group.rank(), group.size(), share, parts)
+        return load_part(entry, group, share)
+    if group.rank() == 0 and callable(getattr(group, "link_to", None)):
+        receivers = [r for r in range(1, group.size()) if receives_part(group.link_to(r).peer_hello)]
+        if receivers:
+            fingerprint = stated_fingerprint(group.link_to(receivers[0]).mine.fingerprint)
+            if not fingerprint:
+                raise ValueError(f"rank {receivers[0]} joined without --model, but this leader's hello "
+                                 "states no model fingerprint to check its part against; give the "
+                                 "leader an identity with one (ds4tp run and serve do)")
+            send_parts(group, model_path, share, fingerprint, receivers)
+    return load_split(str(model_path), group, split=share, progress=progress)
+
+
+__all__ = ["load_rank_part"]

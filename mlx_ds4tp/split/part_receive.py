@@ -1,0 +1,122 @@
+"""A worker's side of a part's transfer (started without --model): the leader's offer checked
+against the fingerprint its hello stated and the share agreed, the parts cache asked what it
+lacks (checkpoint/parts_cache.py: every kept file's digest read again), those files received
+into it a few chunks at a time and checked against the leader's digests, again until none is
+missing. What arrived of a file cut short stays for the next start to resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+from ..base.log import log
+from ..checkpoint.parts_cache import OfferedFile, PartEntry, PartsSettings, PartWriter
+from ..errors import FrameError
+from ..link.fingerprint import summary_label
+from ..link.wire import FINGERPRINT_SUMMARY, FrameType
+from .overlap import Overlap
+from .part_send import MAX_ROUNDS, PART_WAIT_S
+from .share import SplitShare
+from .transfer_progress import TransferProgress
+
+
+def stated_fingerprint(summary: bytes) -> str:
+    """The model digest (hex) a hello's fingerprint summary states; "" for a hello without one."""
+    return FINGERPRINT_SUMMARY.unpack(summary)[0].hex() if summary else ""
+
+
+def _offered(payload: bytes, fingerprint: str, rank: int, size: int, share: SplitShare) -> List[OfferedFile]:
+    try:
+        offer = json.loads(payload)
+        files = [OfferedFile(str(n), int(s), str(d)) for n, s, d in offer["files"]]
+        said = (str(offer["fingerprint"]), int(offer["rank"]), int(offer["size"]), str(offer["share"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FrameError(f"malformed PART_OFFER from the leader: {exc}") from None
+    if said != (fingerprint, rank, size, str(share)):
+        raise FrameError(f"the leader offered the part of model {said[0][:12]}, rank {said[1]} of {said[2]}, "
+                         f"split {said[3]}; this rank joined model {fingerprint[:12]} as rank {rank} of "
+                         f"{size}, split {share}")
+    for f in files:
+        f.check()
+    return files
+
+
+def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: PartsSettings) -> Path:
+    """This worker's part, received (or found whole in its parts cache) from rank 0 on `link`;
+    the cache entry's directory, ready for load_part."""
+    fingerprint = stated_fingerprint(link.peer_hello.fingerprint)
+    if not fingerprint:
+        raise FrameError("the leader's hello states no model fingerprint, so a worker without --model "
+                         "cannot check the part it would send; start the leader with its model directory")
+    control = link.control
+    log(f"no --model here: waiting for the leader's offer of this rank's part of model "
+        f"{summary_label(link.peer_hello.fingerprint)}")
+    _, payload = control.recv(FrameType.PART_OFFER, timeout=PART_WAIT_S)
+    offered = _offered(payload, fingerprint, rank, size, share)
+    sizes = {f.name: f.size for f in offered}
+    entry = PartEntry(settings, fingerprint, rank, size, str(share).replace(":", "-"))
+    wanted = entry.wanted(offered)
+    if wanted:
+        entry.make_room(sum(sizes[n] - o for n, o in wanted))
+    for round_ in range(MAX_ROUNDS + 1):
+        if wanted and round_ == MAX_ROUNDS:
+            raise FrameError(f"rank {rank}'s part: {len(wanted)} file(s) still arrive damaged after "
+                             f"{MAX_ROUNDS} tries ({wanted[0][0]}, ...); check the link and the disk")
+        control.send(FrameType.PART_WANT, json.dumps({"files": wanted}).encode("utf-8"))
+        if not wanted:
+            break
+        total = sum(sizes[n] - o for n, o in wanted)
+        log(f"receiving this rank's part: {len(wanted)} file(s), {total / 1e6:.1f} MB, into {entry.path}")
+        progress = TransferProgress(f"receiving rank {rank}'s part", total)
+        wanted = [(name, 0) for name, offset in wanted
+                  if not _receive_file(control, entry.writer(name, offset, sizes[name]), progress)]
+        progress.done()
+    entry.touch()
+    return entry.path
+
+
+def _receive_file(control: Any, writer: PartWriter, progress: Optional[TransferProgress]) -> bool:
+    """One file's PART_DATA frames into writer, until its PART_END; whether it arrived whole.
+    This thread receives; the overlap writes and hashes what arrived before (a few chunks)."""
+    whole = []
+
+    def write(item: Tuple[bytes, str]) -> None:
+        payload, digest = item
+        if digest:
+            whole.append(writer.finish(digest))
+        else:
+            writer.write(payload)
+
+    try:
+        with Overlap(write, name="ds4tp-part-write") as disk:
+            while True:
+                ftype, payload = control.recv()
+                if ftype == FrameType.PART_DATA:
+                    disk.put((payload, ""))
+                    if progress is not None:
+                        progress.add(len(payload))
+                    continue
+                if ftype != FrameType.PART_END:
+                    raise FrameError(f"expected PART_DATA or PART_END while receiving {writer.name}, "
+                                     f"got {ftype.name}")
+                name, digest = _end(payload)
+                if name != writer.name:
+                    raise FrameError(f"the leader ended {name} while this rank received {writer.name}")
+                disk.put((b"", digest))
+                disk.finish()
+                return whole[0]
+    except BaseException:
+        writer.abandon()
+        raise
+
+
+def _end(payload: bytes) -> Tuple[str, str]:
+    try:
+        doc = json.loads(payload)
+        return str(doc["name"]), str(doc["digest"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FrameError(f"malformed PART_END from the leader: {exc}") from None
+
+
+__all__ = ["receive_part", "stated_fingerprint"]

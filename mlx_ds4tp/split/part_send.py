@@ -1,0 +1,201 @@
+"""The leader's side of a part's transfer: to a worker started without --model, on that worker's
+control connection once the share is agreed (TCP: the control channel's frames), the files of
+its part offered (PART_OFFER), the ones it wants sent from the offset it asks (PART_DATA), each
+closed by its digest (PART_END), until it wants none.
+
+The part files' bytes are cut as load_split would cut them for that rank (split_model's
+cut_arrays, reading each array's part from the model's files), one array at a time: each is
+sent and dropped before the next is read, so the leader never holds the worker's part. A file
+resumed from an offset is still read from its start (its digest covers the whole file); only
+the bytes past the offset are sent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+import mlx.core as mx
+
+from ..base.log import log
+from ..checkpoint.parts import SafetensorsParts
+from ..checkpoint.parts_cache import new_digest
+from ..collectives.backend import cut_only_group
+from ..errors import FrameError
+from ..link.control import ControlChannel
+from ..link.wire import FrameType
+from .apply import cut_arrays
+from .derive import set_array
+from .overlap import Overlap
+from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files, plan_part
+from .plans import saved_layout
+from .share import SplitShare
+from .transfer_progress import TransferProgress
+
+CHUNK_BYTES = 4 << 20  # one PART_DATA frame (its bound in link/wire.py)
+# A worker checks its cached files' digests before it answers an offer, and a worker waits for
+# the leader to finish the ranks before it: minutes on a large model.
+PART_WAIT_S = 24 * 3600.0
+MAX_ROUNDS = 3
+
+
+def part_bytes(array: mx.array) -> memoryview:
+    """An evaluated array's bytes, row-major, as safetensors holds them."""
+    array = mx.contiguous(array)
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    mx.eval(array)
+    return memoryview(array).cast("B")
+
+
+class PartSender:
+    """One worker's part (rank `rank` of `size`, `share`) of the model at model_path."""
+
+    def __init__(self, model_path: Path, rank: int, size: int, share: SplitShare, fingerprint: str):
+        self.model_path, self.rank, self.size, self.share = Path(model_path), rank, size, share
+        self.fingerprint = fingerprint
+        self.plan: PartPlan = plan_part(self.model_path, rank, size, share)
+        self.plain = {p.name: p.read_bytes() for p in plain_files(self.model_path)}
+        self.plain[PART_CONFIG] = self.plan.part_config
+
+    def offer(self) -> dict:
+        files = [[name, len(data), bytes_digest(data)] for name, data in self.plain.items()]
+        files += [[f.name, f.size, ""] for f in self.plan.files]
+        return {"fingerprint": self.fingerprint, "rank": self.rank, "size": self.size,
+                "share": str(self.share), "files": files}
+
+    def send(self, control: ControlChannel) -> int:
+        """Offer the part, send what the worker wants until it wants nothing; the bytes sent."""
+        control.send(FrameType.PART_OFFER, json.dumps(self.offer()).encode("utf-8"))
+        sent = 0
+        for _ in range(MAX_ROUNDS + 1):
+            wanted = self._hear_want(control)
+            if not wanted:
+                return sent
+            total = sum(self._size(name) - offset for name, offset in wanted)
+            progress = TransferProgress(f"sending rank {self.rank}'s part", total)
+            frames = _Frames(control, progress)
+            # This thread reads and cuts the arrays; the overlap hashes and sends them.
+            with Overlap(frames.take, depth=2, name="ds4tp-part-send") as wire:
+                for name, offset in wanted:
+                    if name in self.plain:
+                        self._queue_file(wire, name, iter((memoryview(self.plain[name]),)), offset)
+                parts = [(name, offset) for name, offset in wanted if name not in self.plain]
+                if parts:
+                    self._queue_parts(wire, dict(parts))
+                wire.finish()
+            sent += frames.sent
+            progress.done()
+        raise FrameError(f"rank {self.rank} still wants files after {MAX_ROUNDS} rounds")
+
+    def _size(self, name: str) -> int:
+        if name in self.plain:
+            return len(self.plain[name])
+        return next(f.size for f in self.plan.files if f.name == name)
+
+    def _hear_want(self, control: ControlChannel) -> List[Tuple[str, int]]:
+        _, payload = control.recv(FrameType.PART_WANT, timeout=PART_WAIT_S)
+        try:
+            wanted = [(str(name), int(offset)) for name, offset in json.loads(payload)["files"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FrameError(f"malformed PART_WANT from rank {self.rank}: {exc}") from None
+        known = set(self.plain) | {f.name for f in self.plan.files}
+        for name, offset in wanted:
+            if name not in known or not 0 <= offset <= self._size(name):
+                raise FrameError(f"rank {self.rank} wants {name} from byte {offset}, which the offer has not")
+        return wanted
+
+    def _queue_file(self, wire: Overlap, name: str, chunks: Iterator[memoryview], offset: int) -> None:
+        """Every chunk to the wire stage (all into the digest, the bytes past `offset` sent), then
+        the file's end (PART_END with the digest)."""
+        digest, pos = new_digest(), 0
+        for data in chunks:
+            wire.put((digest, data, min(max(offset - pos, 0), len(data))))
+            pos += len(data)
+        wire.put((digest, name, 0))
+
+    def _queue_parts(self, wire: Overlap, wanted: Dict[str, int]) -> None:
+        """The wanted part files, in the plan's order, their arrays cut one at a time."""
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(self.model_path, lazy=True)
+        reader = SafetensorsParts(self.model_path, self.rank, self.size, **saved_layout(type(model).__module__))
+        arrays = cut_arrays(model, cut_only_group(self.rank, self.size), split=self.share, read_part=reader)
+        last = max(i for i, f in enumerate(self.plan.files) if f.name in wanted)
+        for file in self.plan.files[: last + 1]:
+            chunks = self._file_chunks(model, file, arrays)
+            if file.name in wanted:
+                self._queue_file(wire, file.name, chunks, wanted[file.name])
+            else:
+                for _ in chunks:  # its arrays still come in order before the next file's
+                    pass
+        arrays.close()
+
+    def _file_chunks(self, model: Any, file, arrays: Iterator[Tuple[str, mx.array]]) -> Iterator[memoryview]:
+        yield memoryview(file.header)
+        for tensor in file.tensors:
+            key, array = next(arrays)
+            if key != tensor.key or tuple(array.shape) != tensor.shape or array.nbytes != tensor.nbytes:
+                raise ValueError(f"rank {self.rank}'s part: {key} {tuple(array.shape)} came where the plan "
+                                 f"has {tensor.key} {tensor.shape}; the cut and its plan disagree")
+            yield part_bytes(array)
+            del array
+            set_array(model, key, mx.zeros((0,), mx.uint8))  # sent: dropped, not held to the end
+
+
+class _Frames:
+    """The wire stage: each (digest, bytes, skip) hashed whole and sent past `skip` as PART_DATA
+    frames of CHUNK_BYTES (a large array's slices as they are, small arrays gathered into one
+    frame: a frame per norm vector would be a syscall each); (digest, name, 0) ends that file."""
+
+    def __init__(self, control: ControlChannel, progress: TransferProgress):
+        self.control, self.progress = control, progress
+        self.pending = bytearray()
+        self.sent = 0
+
+    def take(self, item: Tuple[Any, Any, int]) -> None:
+        digest, data, skip = item
+        if isinstance(data, str):
+            self.flush()
+            end = {"name": data, "digest": digest.hexdigest()}
+            self.control.send(FrameType.PART_END, json.dumps(end).encode("utf-8"))
+            return
+        digest.update(data)
+        self.add(data[skip:])
+
+    def add(self, data: memoryview) -> None:
+        while len(data):
+            if not self.pending and len(data) >= CHUNK_BYTES:
+                self._send(data[:CHUNK_BYTES])
+            else:
+                room = CHUNK_BYTES - len(self.pending)
+                self.pending += data[:room]
+                if len(self.pending) == CHUNK_BYTES:
+                    self.flush()
+                data = data[room:]
+                continue
+            data = data[CHUNK_BYTES:]
+
+    def flush(self) -> None:
+        if self.pending:
+            self._send(memoryview(self.pending))
+            self.pending = bytearray()
+
+    def _send(self, piece: memoryview) -> None:
+        self.control.send(FrameType.PART_DATA, piece)
+        self.sent += len(piece)
+        self.progress.add(len(piece))
+
+
+def send_parts(group: Any, model_path: Path, share: SplitShare, fingerprint: str, receivers: List[int]) -> None:
+    """The leader's side for each worker of `receivers` (started without --model), in rank order."""
+    for rank in receivers:
+        sender = PartSender(model_path, rank, group.size(), share, fingerprint)
+        log(f"rank {rank} has no model: offering its part ({len(sender.plan.files)} part files, "
+            f"{sender.plan.weight_bytes / 1e6:.1f} MB of weights)")
+        sent = sender.send(group.link_to(rank).control)
+        log(f"rank {rank}'s part: {sent / 1e6:.1f} MB sent" + ("" if sent else " (its cache held all of it)"))
+
+
+__all__ = ["PartSender", "part_bytes", "send_parts"]

@@ -1,0 +1,210 @@
+"""Only the leader holds the model (split/part_delivery.py): `ds4tp run` workers started without
+--model receive their part into a parts cache and generate the unsplit model's tokens; the next
+start sends nothing; a damaged cached file is fetched again; another share fetches its part.
+A pair (dense float, 4-bit, mixture of experts) and three ranks (2:1:1), on 127.0.0.1 over TCP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pairutil import free_port, reference_text
+
+PROMPT = "Only one Mac needs the model"
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from mlx_ds4tp.synthetic.tiny_model import save_llama, save_qwen3_moe
+
+    root = tmp_path_factory.mktemp("part-models")
+    return {
+        "llama": save_llama(root / "llama", "tiny", seed=3),
+        "llama-q4": save_llama(root / "llama-q4", "tiny", seed=5, quantization={"group_size": 32, "bits": 4}),
+        "moe": save_qwen3_moe(root / "moe", "moe-tiny", seed=7),
+        "llama8": save_llama(root / "llama8", "tiny8", seed=3),
+    }
+
+
+def run_group(procs, model_dir: Path, parts_dirs: list, extra=()) -> tuple[str, str, list]:
+    """One `ds4tp run` of 1 + len(parts_dirs) ranks, the workers without --model: (leader's stdout,
+    leader's stderr, each worker's stderr)."""
+    port = free_port()
+    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", "--transport", "tcp"]
+    ranks = ["--ranks", str(1 + len(parts_dirs))] if len(parts_dirs) > 1 else []
+    leader = procs.spawn(common + ["--model", str(model_dir), "--prompt", PROMPT, "--role", "leader",
+                                   "--listen", "127.0.0.1", str(port), *ranks, *extra])
+    workers = [procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port),
+                                     "--parts-dir", str(d)]) for d in parts_dirs]
+    lout, lerr = leader.communicate(timeout=300)
+    werrs = [w.communicate(timeout=60)[1] for w in workers]
+    assert leader.returncode == 0, lerr
+    for w, err in zip(workers, werrs):
+        assert w.returncode == 0, err
+    return lout, lerr, werrs
+
+
+def streamed(lout: str) -> str:
+    return lout.rsplit("\n", 2)[0]
+
+
+def entry_dirs(parts_dir: Path) -> list:
+    return sorted(p for p in parts_dir.glob("*/*") if p.is_dir())
+
+
+def weight_bytes(path: Path, pattern: str) -> int:
+    return sum(f.stat().st_size for f in path.glob(pattern))
+
+
+def part_data_bytes(entry: Path) -> tuple[int, int]:
+    """(the part files' tensor bytes, their headers' bytes)."""
+    data = header = 0
+    for f in entry.glob("part-*.safetensors"):
+        length = int.from_bytes(f.read_bytes()[:8], "little") + 8
+        header += length
+        data += f.stat().st_size - length
+    return data, header
+
+
+def held_bytes(model: Path, rank: int, size: int, split: str) -> int:
+    """The weights' bytes load_split keeps on `rank`: the part a worker must receive."""
+    from mlx.utils import tree_flatten
+
+    from mlx_ds4tp.collectives.backend import cut_only_group
+    from mlx_ds4tp.model_split import load_split
+
+    loaded, _ = load_split(str(model), cut_only_group(rank, size), split=split)
+    return sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-q4", "moe"])
+def test_pair_worker_without_model_gives_the_unsplit_tokens_then_reads_its_cache(procs, models, tmp_path, name):
+    model = models[name]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    parts = tmp_path / "parts"
+    lout, lerr, (werr,) = run_group(procs, model, [parts])
+    assert streamed(lout) == text
+    assert "receiving this rank's part" in werr and "holds its part from" in werr
+    (entry,) = entry_dirs(parts)
+    assert entry.name == "1of2-even"
+    # Exactly its share of the weights, plus the files' headers (a tensor's name, dtype and shape
+    # each: under 2% of a real model's part; tiny here), plus config and tokenizer.
+    data, header = part_data_bytes(entry)
+    assert data == held_bytes(model, 1, 2, "even") and header < 200 * 60
+    assert (entry / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in entry.iterdir()} - {"manifest.json"}
+
+    # The second start: the cache holds it all, no byte is sent.
+    lout, lerr, (werr,) = run_group(procs, model, [parts])
+    assert streamed(lout) == text
+    assert "0.0 MB sent (its cache held all of it)" in lerr
+    assert "receiving this rank's part" not in werr
+
+
+def test_a_damaged_cached_file_is_fetched_again_and_another_split_fetches_its_part(procs, models, tmp_path):
+    model = models["llama"]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    parts = tmp_path / "parts"
+    run_group(procs, model, [parts])
+    (entry,) = entry_dirs(parts)
+    part = entry / "part-00001.safetensors"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit in the weights' bytes
+    part.write_bytes(bytes(data))
+    (entry / "foreign.bin").write_bytes(b"not of this part")
+
+    lout, lerr, (werr,) = run_group(procs, model, [parts])
+    assert streamed(lout) == text
+    assert "part-00001.safetensors is damaged" in werr and "foreign.bin is not part of the offered part" in werr
+    assert "receiving this rank's part: 1 file(s)" in werr
+    assert not (entry / "foreign.bin").exists()
+
+    # Another share: its own part, fetched beside the first.
+    lout, lerr, (werr,) = run_group(procs, model, [parts], extra=["--split", "3:1"])
+    assert streamed(lout) == text
+    assert [e.name for e in entry_dirs(parts)] == ["1of2-3-1", "1of2-even"]
+    assert "receiving this rank's part" in werr
+
+
+def test_three_ranks_two_without_the_model_uneven_share(procs, models, tmp_path):
+    model = models["llama8"]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    dirs = [tmp_path / "w1", tmp_path / "w2"]
+    lout, lerr, werrs = run_group(procs, model, dirs, extra=["--split", "2:1:1"])
+    assert streamed(lout) == text
+    for rank, d in enumerate(dirs, 1):
+        (entry,) = entry_dirs(d)
+        assert entry.name == f"{rank}of3-2-1-1"
+        assert part_data_bytes(entry)[0] == held_bytes(model, rank, 3, "2:1:1")
+        assert "holds its part from" in werrs[rank - 1]
+
+
+def test_a_leader_without_model_is_refused_by_name(procs, tmp_path):
+    proc = procs.spawn(["-m", "mlx_ds4tp", "run", "--prompt", "hi", "--role", "leader", "--listen",
+                        "127.0.0.1", str(free_port())])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "--model is required" in err and "--role worker" in err
+
+
+def test_serve_worker_without_model_answers_as_the_unsplit_model(models, tmp_path):
+    from serveutil import ServedPair, post_raw
+
+    parts = tmp_path / "parts"
+
+    class PartServedPair(ServedPair):
+        """The pair with its worker started without --model (--parts-dir instead)."""
+
+        def start(self, name, extra=()):
+            cmd = self.cmds[name]
+            if name != "leader" and "--model" in cmd:
+                at = cmd.index("--model")
+                del cmd[at: at + 2]
+                cmd += ["--parts-dir", str(parts)]
+            super().start(name, extra)
+
+    model = models["llama"]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    pair = PartServedPair(model, logs)
+    try:
+        pair.wait_healthy(within=180)
+        code, answer = post_raw(pair, "/v1/completions", json.dumps(
+            {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode())
+        assert code == 200, answer
+        assert answer["choices"][0]["text"] == text
+        pair.stop()
+    finally:
+        pair.close()
+    assert "receiving this rank's part" in pair.log("worker")
+    assert [e.name for e in entry_dirs(parts)] == ["1of2-even"]
+
+
+def test_a_receiving_worker_peaks_no_higher_than_one_loading_its_part_from_disk(procs, tmp_path):
+    """The 160M llama in float16 (a 162 MB part): the worker's peak RSS receiving its part, then
+    loading it, against a worker loading the same part from the model's directory (+300 MB)."""
+    import mlx.core as mx
+
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
+
+    model = save_llama(tmp_path / "m150", "150m", seed=1, dtype=mx.float16)
+    peaks = {}
+    for how in ("disk", "received"):
+        port, out = free_port(), tmp_path / f"{how}.json"
+        common = ["-m", "mlx_ds4tp.cli.rank", "run", "--max-tokens", "2", "--no-chat-template", "--transport", "tcp"]
+        leader = procs.spawn(common + ["--model", str(model), "--prompt", PROMPT, "--role", "leader",
+                                       "--listen", "127.0.0.1", str(port)])
+        own = ["--model", str(model)] if how == "disk" else ["--parts-dir", str(tmp_path / "parts")]
+        worker = procs.spawn(common + own + ["--role", "worker", "--coordinator", "127.0.0.1", str(port),
+                                             "--tokens-out", str(out)])
+        _, lerr = leader.communicate(timeout=600)
+        _, werr = worker.communicate(timeout=120)
+        assert leader.returncode == 0 and worker.returncode == 0, lerr + werr
+        peaks[how] = json.loads(out.read_text())["peak_rss_bytes"]
+    assert "receiving this rank's part" in werr
+    print("worker peak RSS (bytes):", peaks)
+    assert peaks["received"] <= peaks["disk"] + 300e6, peaks

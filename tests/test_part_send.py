@@ -1,0 +1,136 @@
+"""The part's transfer itself (split/part_send.py, split/part_receive.py, split/part_plan.py) in
+one process, both sides over a socket pair of control channels: the received part loads into
+the arrays load_split keeps on that rank; a transfer cut by a dead leader resumes where it
+stopped (fewer bytes the second time); a leader's offer for another model is refused."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import types
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_ds4tp.checkpoint.parts_cache import PartsSettings
+from mlx_ds4tp.collectives.backend import cut_only_group
+from mlx_ds4tp.errors import FrameError, TransportError
+from mlx_ds4tp.link.control import ControlChannel
+from mlx_ds4tp.link.fingerprint import model_fingerprint
+from mlx_ds4tp.link.wire import FrameType
+from mlx_ds4tp.model_split import load_split
+from mlx_ds4tp.split import part_send
+from mlx_ds4tp.split.part_plan import load_part
+from mlx_ds4tp.split.part_receive import receive_part, stated_fingerprint
+from mlx_ds4tp.split.part_send import PartSender
+from mlx_ds4tp.split.share import SplitShare
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
+
+    return save_llama(tmp_path_factory.mktemp("part-send"), "tiny", seed=11)
+
+
+class CutAfter:
+    """The leader's control channel, dead once `nbytes` of PART_DATA went (a killed leader)."""
+
+    def __init__(self, control: ControlChannel, nbytes: int):
+        self.control, self.left = control, nbytes
+
+    def send(self, ftype, payload=b""):
+        if ftype == FrameType.PART_DATA:
+            if self.left <= 0:
+                self.control.sock.close()
+                raise TransportError("the leader was killed")
+            self.left -= len(payload)
+        self.control.send(ftype, payload)
+
+    def recv(self, *args, **kwargs):
+        return self.control.recv(*args, **kwargs)
+
+
+def transfer(model, parts: PartsSettings, share="even", rank=1, size=2, cut_after=None, fingerprint=None):
+    """One transfer of rank's part: (the receiver's entry or its exception, bytes the leader sent)."""
+    a, b = socket.socketpair()
+    leader, worker = ControlChannel(a, 30.0), ControlChannel(b, 30.0)
+    summary = model_fingerprint(model).summary()
+    sent = {}
+
+    def lead():
+        control = leader if cut_after is None else CutAfter(leader, cut_after)
+        try:
+            sender = PartSender(model, rank, size, SplitShare.of(share), fingerprint or stated_fingerprint(summary))
+            sent["bytes"] = sender.send(control)
+        except (TransportError, OSError, FrameError) as exc:
+            sent["error"] = exc
+        finally:
+            a.close()
+
+    thread = threading.Thread(target=lead)
+    thread.start()
+    link = types.SimpleNamespace(control=worker, peer_hello=types.SimpleNamespace(fingerprint=summary))
+    try:
+        result = receive_part(link, rank, size, SplitShare.of(share), parts)
+    except (TransportError, FrameError, OSError) as exc:
+        result = exc
+    finally:
+        b.close()  # a worker that gave up: the leader's wait ends with the connection
+        thread.join(60)
+    return result, sent
+
+
+def assert_loads_as_load_split(model, entry, rank=1, size=2, share="even"):
+    mine, _ = load_part(entry, cut_only_group(rank, size), SplitShare.of(share))
+    ref, _ = load_split(str(model), cut_only_group(rank, size), split=share)
+    got, want = dict(tree_flatten(mine.parameters())), dict(tree_flatten(ref.parameters()))
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].shape == want[key].shape and mx.array_equal(got[key], want[key]).item(), key
+
+
+def test_received_part_is_the_arrays_load_split_keeps(model, tmp_path):
+    entry, sent = transfer(model, PartsSettings(tmp_path / "parts"), share="3:1")
+    assert sent["bytes"] > 0
+    assert_loads_as_load_split(model, entry, share="3:1")
+    again, sent = transfer(model, PartsSettings(tmp_path / "parts"), share="3:1")
+    assert again == entry and sent["bytes"] == 0
+
+
+def test_a_transfer_cut_by_a_dead_leader_resumes_where_it_stopped(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(part_send, "CHUNK_BYTES", 64 << 10)
+    parts = PartsSettings(tmp_path / "parts")
+    whole, _ = transfer(model, PartsSettings(tmp_path / "whole"))
+    part_size = sum(f.stat().st_size for f in whole.iterdir() if f.name != "manifest.json")
+
+    cut, sent = transfer(model, parts, cut_after=300 << 10)
+    assert isinstance(cut, (TransportError, OSError)) and "error" in sent
+    (partial,) = [f for f in (tmp_path / "parts").rglob("*.partial")]
+    kept = partial.stat().st_size
+    assert kept >= 64 << 10
+
+    entry, sent = transfer(model, parts)
+    assert 0 < sent["bytes"] <= part_size - kept
+    assert not list(entry.glob("*.partial"))
+    assert_loads_as_load_split(model, entry)
+
+
+def test_a_damaged_partial_prefix_is_caught_by_the_digest_and_fetched_again(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(part_send, "CHUNK_BYTES", 64 << 10)
+    parts = PartsSettings(tmp_path / "parts")
+    transfer(model, parts, cut_after=200 << 10)
+    (partial,) = list((tmp_path / "parts").rglob("*.partial"))
+    data = bytearray(partial.read_bytes())
+    data[-10] ^= 1
+    partial.write_bytes(bytes(data))
+    entry, sent = transfer(model, parts)
+    assert not isinstance(entry, Exception), entry
+    assert_loads_as_load_split(model, entry)
+
+
+def test_an_offer_of_another_model_is_refused(model, tmp_path):
+    result, _ = transfer(model, PartsSettings(tmp_path / "parts"), fingerprint="0" * 32)
+    assert isinstance(result, FrameError) and "offered the part of model 000000000000" in str(result)
+    assert not list((tmp_path / "parts").rglob("part-*"))
