@@ -45,7 +45,6 @@ import mlx.core as mx
 from ... import gate_ops
 from ...errors import FrameError, LockstepDivergenceError, TransportError, TransportTimeoutError
 from ...link.control import ControlChannel
-from ...link.mesh import door_formed
 from ...link.wire import FrameType
 from ..caches.disk_cache import DiskCache
 from ..caches.disk_files import tokens_digest
@@ -341,9 +340,8 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             ftype, payload = _next_command(control, table.busy)
             if ftype == F.STOP:
                 return table
-            if ftype == F.REFORM and door_formed(group.size()):
-                # The leader lives and forms its mesh again: not a failure. A pair has no mesh
-                # to re-form, so there a REFORM is a stray frame, refused below as any other.
+            if ftype == F.REFORM:
+                # The leader lives and forms its group again: not a failure.
                 raise MeshReformingError(payload.decode("utf-8", "replace"))
             command = COMMANDS.get(ftype)
             if command is not None and command.answers:  # a query: HASH, DISK_LOAD, KV_ROOM
