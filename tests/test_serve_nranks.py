@@ -92,7 +92,7 @@ def test_three_ranks_serve_the_single_process_text_and_take_a_worker_back(model_
         assert served.procs["leader"].poll() is None
         _exact(c, model_dir, ["after", "three Macs"])
         log = served.log("leader")
-        assert "a worker rejoined" in log, log[-3000:]
+        assert "formed again" in log, log[-3000:]
         assert "the workers still alive were told the mesh forms again" in log, log[-3000:]
         # The survivor is the same process, which followed the leader into the new mesh.
         assert served.procs[survivor].pid == survivor_pid and served.procs[survivor].poll() is None

@@ -353,6 +353,8 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
         else:
             pair = connect(settings, dial=dial_link)
     except TransportError as exc:
+        if link.size == 2:
+            raise  # the group's one link: its leader is rank 0, its worker rank 1, as its messages say
         where = f"device {device or 'the first active one'}" if link.transport != "tcp" else "tcp"
         low, high = min(rank, peer), max(rank, peer)
         # The pair's own messages say "leader" and "worker": on this link, the lower rank and the higher.
