@@ -125,7 +125,7 @@ def test_a_worker_given_another_size_or_a_pair_is_refused_naming_both_sizes():
             ranks.start(name, **worker(port, size))
             ranks.threads[-1].join(20)
             assert isinstance(ranks.out[name], HelloMismatchError), ranks.out[name]
-            assert (f"forms a group of 3 ranks and this rank was started for {size}; give every rank "
+            assert (f"the group has 3 ranks and this rank was started for {size}; give every rank "
                     "--ranks 3") in str(ranks.out[name])
         ranks.start("w1", **worker(port, 3))
         ranks.start("w2", **worker(port, 3))
@@ -222,7 +222,7 @@ def test_a_mesh_worker_dialing_a_pair_leader_is_told_both_sizes_and_the_leader_w
         ranks.start("three", **worker(port, 3))
         ranks.threads[-1].join(20)
         assert isinstance(ranks.out["three"], HelloMismatchError), ranks.out["three"]
-        assert "forms a group of 2 ranks and this rank was started for 3" in str(ranks.out["three"])
+        assert "the group has 2 ranks and this rank was started for 3" in str(ranks.out["three"])
         ranks.start("two", **worker(port, None, rank=2))
         ranks.threads[-1].join(20)
         assert "rank 2 is not a worker's rank of a group of 2 (1 .. 1)" in str(ranks.out["two"])

@@ -210,9 +210,9 @@ def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, 
         return ("authentication failed: the JOIN's proof does not match this leader's pair secret; "
                 "give every rank the same --secret / DS4_TP_SECRET"), asked, port
     if size not in (link.size, LEADERS_SIZE):
-        return (f"the leader (rank 0) forms a group of {link.size} ranks and this rank was started "
-                f"for {size}; give every rank --ranks {link.size} (size={link.size}), or start the "
-                "workers without --ranks to take the leader's"), asked, port
+        return (f"the group has {link.size} ranks and this rank was started for {size}; give every "
+                f"rank --ranks {link.size} (size={link.size}), or start the workers without --ranks "
+                "to take the leader's"), asked, port
     if asked != ANY_RANK and not 1 <= asked < link.size:
         return (f"rank {asked} is not a worker's rank of a group of {link.size} (1 .. {link.size - 1}); "
                 "ask for one of those, or none"), asked, port
