@@ -314,7 +314,7 @@ def test_worker_killed_fails_requests_within_the_gate_timeout(model_dir, tmp_pat
         next(iter(stream))
         served.kill("worker")
         t0 = time.monotonic()
-        with pytest.raises(openai.APIError, match="pair is down"):
+        with pytest.raises(openai.APIError, match="group of machines is down"):
             for _ in stream:
                 pass
         assert time.monotonic() - t0 < timeout

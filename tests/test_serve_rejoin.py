@@ -43,7 +43,7 @@ def test_a_restarted_worker_rejoins_and_the_leader_serves_on(model_dir, tmp_path
                                       stream=True)
         next(iter(stream))
         served.kill("worker")
-        with pytest.raises(openai.APIError, match="pair is down"):
+        with pytest.raises(openai.APIError, match="group of machines is down"):
             for _ in stream:
                 pass
         body = _wait_status(served, 503, 10)

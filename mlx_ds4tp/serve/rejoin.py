@@ -107,23 +107,23 @@ class Quit:
 
 
 def fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Optional[int]) -> None:
-    """The KV budget within the worker's machine too: two different Macs split unevenly hold
+    """The KV budget within every worker rank's machine too: different Macs split unevenly hold
     different parts of every cache in different memories, so the budget from memory is the
-    smaller of the two ranks' (own_room: the leader's; None when --max-kv-tokens gave it, which
-    is kept and only warned about when the worker holds less)."""
+    smallest of the ranks' (own_room: the leader's; None when --max-kv-tokens gave it, which
+    is kept and only warned about when a worker rank holds less)."""
     limits = settings.limits
     room = sessions.worker_kv_room(limits.kv_bits, limits.kv_group_size)
     if room is None:
-        log("serve: the worker could not read its memory; the KV budget is the leader's alone")
+        log("serve: a worker rank could not read its memory; the KV budget is the leader's (rank 0) alone")
     elif own_room is None:
         if limits.kv_budget > room:
-            log(f"serve: --max-kv-tokens {limits.kv_budget} is more than the worker's machine holds "
+            log(f"serve: --max-kv-tokens {limits.kv_budget} is more than a worker rank's machine holds "
                 f"({room} tokens): it may run out of memory under load; give --max-kv-tokens {room} or less")
     else:
         budget = min(own_room, max(room, 1)) if own_room else max(room, 1)
         if budget != engine.admission.kv_budget:
-            log(f"serve: KV budget {budget} tokens, the smaller of the leader's ({own_room or 'unknown'}) "
-                f"and the worker's ({room})")
+            log(f"serve: KV budget {budget} tokens, the smaller of rank 0's ({own_room or 'unknown'}) "
+                f"and the least of ranks 1 .. {sessions.group.size() - 1} ({room})")
             engine.admission.kv_budget = budget
 
 

@@ -108,7 +108,7 @@ def run(settings: ServeSettings) -> int:
     try:
         return _run_rank(settings, model_identity(str(settings.model.path)), servers)
     except KeyboardInterrupt:
-        log(f"serve: stopped by {stop_reason()} before it served (joining the pair or loading the weights)")
+        log(f"serve: stopped by {stop_reason()} before it served (joining the group or loading the weights)")
         return 0
     finally:
         for server in servers:
