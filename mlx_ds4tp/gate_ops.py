@@ -24,10 +24,8 @@ from .collectives.backend import SUPPORTED_DTYPES, MlxGroup
 from .collectives.group import Group
 from .errors import TransportError
 from .link.config import MLX, LinkSettings, PairAddress, pair_address
-from .link.handshake import connect
 from .link.hello import ModelIdentity
 from .link.mesh import Mesh, form_mesh
-from .link.rdma import rdma_probe
 
 
 def init(
@@ -111,8 +109,8 @@ def _form(link: LinkSettings, identity: Optional[ModelIdentity]) -> Tuple[Mesh, 
     if link.discovery is not None:
         from .link.meet import meet
 
-        return meet(link, identity or ModelIdentity(), _connect), link
-    mesh = form_mesh(link.resolved(identity), _connect)
+        return meet(link, identity or ModelIdentity()), link
+    mesh = form_mesh(link.resolved(identity))
     return mesh, dataclasses.replace(link, size=mesh.size)
 
 
@@ -189,16 +187,10 @@ def _form_again(group: Group, link: LinkSettings, identity: Optional[ModelIdenti
 
         reopened = Reopened(found_by, identity or ModelIdentity(), link.address.listen)
     try:
-        return form_mesh(link.resolved(identity), _connect)
+        return form_mesh(link.resolved(identity))
     finally:
         if reopened is not None:
             reopened.close()
-
-
-def _connect(config: LinkSettings, **seams):
-    # connect() hands out a complete pair: its RDMA queue pair proven, or TCP chosen.
-    return connect(config, rdma_probe=lambda: rdma_probe(config.rdma_device, config.verbs_library),
-                      **seams)
 
 
 def _init_mlx(role: Optional[str]):

@@ -24,7 +24,7 @@ from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeou
 from .connection import Pair
 from .control import dial as control_dial
 from .hello import ModelIdentity
-from .mesh import Mesh, form_mesh
+from .mesh import Mesh, form_mesh, make_link
 from .rdma import rdma_probe
 
 # How long a worker keeps dialing a leader it heard of: a leader listens a moment after its
@@ -40,7 +40,7 @@ _lock = threading.Lock()
 _finders: Dict[Tuple, dsc.Finder] = {}
 
 
-def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Mesh:
+def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_link) -> Mesh:
     """The group of two `link.discovery` finds: form_mesh(resolved settings, connect) forms it
     once the roles and the address are known. A ValueError before anything is advertised when the link
     needs a secret and there is none."""

@@ -32,6 +32,8 @@ from .config import LinkSettings, PairAddress, parse_fault_links
 from .connection import Pair
 from .control import ControlChannel, dial, tune_socket
 from .door import Door
+from .handshake import connect
+from .rdma import rdma_probe
 from .wire import (
     JOIN_PAYLOAD,
     JOIN_TAG,
@@ -84,11 +86,18 @@ class Mesh:
                 pass
 
 
-def form_mesh(link: LinkSettings, connect: Connect, *, dial: Dial = dial) -> Mesh:
+def make_link(config: LinkSettings, **seams) -> Pair:
+    """One link's steps, complete (handshake.connect with this rank's RDMA probe): its RDMA
+    queue pair proven, or TCP chosen."""
+    return connect(config, rdma_probe=lambda: rdma_probe(config.rdma_device, config.verbs_library),
+                   **seams)
+
+
+def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = dial) -> Mesh:
     """This rank's end of the group `link` (resolved; a worker's size None: the leader's)
-    describes; connect(settings, dial=..., door=...) makes each link's pair. dial opens a
-    worker's connection to the leader's door (discovery gives one that stops early at a stale
-    address)."""
+    describes; connect(settings, dial=..., door=...) makes each link's pair (a test's seam;
+    make_link by default). dial opens a worker's connection to the leader's door (discovery
+    gives one that stops early at a stale address)."""
     started = time.monotonic()
     deadline = started + link.timeout
     if link.address.role == "leader":
