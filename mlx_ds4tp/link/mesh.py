@@ -274,7 +274,7 @@ def _join(link: LinkSettings, deadline: float, dial: Dial):
     """A worker: dial the leader's door, JOIN, learn the rank, the roster (its length the
     group's size, for a worker started without one) and the group's id."""
     host, port = link.address.coordinator
-    sock = dial(host, port, deadline, "mesh JOIN")
+    sock = dial(host, port, deadline, "control")  # the JOIN opens the worker's control connection
     tune_socket(sock)
     channel = ControlChannel(sock, link.timeout)
     try:
