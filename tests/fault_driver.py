@@ -75,7 +75,7 @@ def form_with(config, link_step) -> None:
     tr.form_mesh(config, link_step)
 
 
-def hello_sent(host: str, port: int, transport: str, identity) -> None:
+def hello_sent(host: str, port: int, transport: str, device, identity) -> None:
     """A worker that joins and says its link's hello (and the secret's proofs), then never opens
     the gate data connection. Blocks there."""
     from mlx_ds4tp import transport as tr
@@ -87,10 +87,11 @@ def hello_sent(host: str, port: int, transport: str, identity) -> None:
                 block()
             return dial(h, p, deadline, what)
 
-        return tr.connect(config, dial=dial_until_data, **seams)
+        return tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library),
+                          dial=dial_until_data, **seams)
 
     form_with(tr.LinkSettings.of("worker", coordinator=(host, port), transport=transport,
-                                 identity=identity), link_step)
+                                 rdma_device=device, identity=identity), link_step)
 
 
 def in_bring_up(phase: str, role: str, address: tuple, transport: str, device, identity) -> None:
@@ -188,7 +189,7 @@ def main(argv) -> int:
     if phase in ("before-listen", "backlog", "accepted", "dialed"):
         before_pair(phase, host, port, transport, identity)
     if phase == "hello-sent":
-        hello_sent(host, port, transport, identity)
+        hello_sent(host, port, transport, device, identity)
     leader = role == "leader"
     address = (host, port)
     if phase in ("rdma-info", "rdma-info-sent", "warmup"):
