@@ -40,8 +40,8 @@ from mlx_ds4tp.errors import (
     TransportError,
 )
 from mlx_ds4tp.link import wire
-from mlx_ds4tp.lockstep.errors import MeshReformingError
 from mlx_ds4tp.lockstep.caches.prompt_cache import FRESH
+from mlx_ds4tp.lockstep.errors import MeshReformingError
 from mlx_ds4tp.lockstep.protocol.commands import (
     Create,
     Destroy,
