@@ -32,16 +32,6 @@ class HelloMismatchError(TransportError):
     """The two ranks disagree about the protocol, their roles or the model."""
 
 
-class MeshSizeError(HelloMismatchError):
-    """The leader gathers a mesh of another size than this worker dialed it for: its door answered
-    the worker's pair hello with the mesh's size (MESH_SIZE). `size` is the leader's; a worker
-    started without a size (gate_ops.init_pair) joins the mesh of that size instead of failing."""
-
-    def __init__(self, message: str, size: int):
-        super().__init__(message)
-        self.size = size
-
-
 class DesyncError(TransportError):
     """The two ranks are not at the same gate: their headers disagree."""
 

@@ -20,15 +20,12 @@ from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .base.log import log
 from .collectives.backend import SUPPORTED_DTYPES, MlxGroup
 from .collectives.group import Group
-from .errors import HelloMismatchError, MeshSizeError, TransportError
+from .errors import TransportError
 from .link.config import MLX, LinkSettings, PairAddress, pair_address
-from .link.handshake import connect
 from .link.hello import ModelIdentity
-from .link.mesh import Mesh, door_formed, form_mesh, pair_mesh
-from .link.rdma import rdma_probe
+from .link.mesh import Mesh, form_mesh
 
 
 def init(
@@ -46,14 +43,14 @@ def init(
     size: Optional[int] = None,
     rank: Optional[int] = None,
 ):
-    """Join the pair, or a mesh of `size` ranks. The leader (rank 0) listens, the workers dial it.
+    """Join a group of `size` ranks. The leader (rank 0) listens, the workers dial it.
 
-    size: 2 (a pair) to 8; None (the default): 2 on the leader, the leader's on a worker. With
-    size > 2 the leader listens with size=N, each worker dials it and is given a rank: the one
-    it asks for with rank= (1 .. N-1), else the lowest free one in the order the workers joined;
-    every pair of ranks then makes its own link as a pair does (docs/nranks.md). The same
-    Group comes back for any size (split(color, key) too). A worker given a size other than the
-    leader's is refused naming both (MeshSizeError when it gave 2 to a mesh's leader).
+    size: 2 to 8; None (the default): 2 on the leader, the leader's on a worker. The leader
+    listens with size=N, each worker dials it and is given a rank: the one it asks for with
+    rank= (1 .. N-1), else the lowest free one in the order the workers joined; every pair of
+    ranks then makes its own link (docs/nranks.md). The same Group comes back for any size
+    (split(color, key) too). A worker given a size other than the leader's is refused naming
+    both (HelloMismatchError).
 
     transport: "auto" (RDMA when both sides have it, else TCP), "rdma" (error
     if either side lacks it), "tcp", or "mlx" (mx.distributed: ring or jaccl
@@ -84,56 +81,37 @@ def init_pair(link: LinkSettings, identity: Optional[ModelIdentity] = None):
     if link.transport == MLX:
         _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
-    if link.size is None:
-        _LAST_GROUP = _join_leaders_size(link, identity)
-        return _LAST_GROUP
-    if door_formed(link.size):
-        found_by = link if link.discovery is not None else None
-        if found_by is not None:
-            # Discovery finds the group (the ranks, the leader's address), then the mesh forms there.
-            from .link.findgroup import find_group
+    found_by = link if link.discovery is not None and link.size > 2 else None
+    if found_by is not None:
+        # Discovery finds a group of N in a lobby (the ranks, the leader's address), then it forms
+        # there; two ranks need no lobby (their election is all), so _form finds them (meet).
+        from .link.findgroup import find_group
 
-            link = find_group(link, identity or ModelIdentity()).settings(link)
-        _LAST_GROUP = _init_mesh(link, identity)
-        _JOINED_WITH[_LAST_GROUP] = (link, identity)
-        if found_by is not None:
-            _FOUND_BY[_LAST_GROUP] = found_by  # its leader re-opens the lobby to take a rank back
-        return _LAST_GROUP
-    _LAST_GROUP = _pair_group(link, identity)
-    return _LAST_GROUP
-
-
-def _pair_group(link: LinkSettings, identity: Optional[ModelIdentity]) -> Group:
-    mesh = pair_mesh(_join(link, identity))
+        link = find_group(link, identity or ModelIdentity()).settings(link)
+    mesh, link = _form(link, identity)
     try:
         group = Group(mesh)
     except BaseException:
         mesh.close()
         raise
     _JOINED_WITH[group] = (link, identity)
+    if found_by is not None:
+        _FOUND_BY[group] = found_by  # its leader re-opens the lobby to take a rank back
+    _LAST_GROUP = group
     return group
 
 
-def _join_leaders_size(link: LinkSettings, identity: Optional[ModelIdentity]):
-    """A worker that takes its leader's size (link.size None): it says a pair's hello, as a
-    pair's worker always has, so a pair's leader takes it with nothing more on the wire; a
-    mesh's rank 0 answers with its size (MeshSizeError), and the worker JOINs a mesh of that
-    size. The group remembers the size it joined with, so reconnect() joins the same group."""
-    try:
-        group = _pair_group(dataclasses.replace(link, size=2, ask_rank=None), identity)
-    except MeshSizeError as exc:
-        host, port = link.address.coordinator
-        log(f"the leader at {host}:{port} gathers a mesh of {exc.size} ranks: joining it")
-        sized = dataclasses.replace(link, size=exc.size)
-        group = _init_mesh(sized, identity)
-        _JOINED_WITH[group] = (sized, identity)
-        return group
-    if link.ask_rank not in (None, 1):
-        group.close()
-        raise HelloMismatchError(f"rank={link.ask_rank}: the leader at {link.address.coordinator[0]}:"
-                                 f"{link.address.coordinator[1]} leads a pair, whose worker is rank 1; "
-                                 "ask for rank 1 or none")
-    return group
+def _form(link: LinkSettings, identity: Optional[ModelIdentity]) -> Tuple[Mesh, LinkSettings]:
+    """The group `link` describes, formed (link/mesh.py), and the settings it forms again with:
+    a pair discovery finds (link/meet.py: it elects who leads) keeps its discovering settings,
+    so it finds its peer again; an address keeps the size the group formed with (the leader's,
+    for a worker started without one)."""
+    if link.discovery is not None:
+        from .link.meet import meet
+
+        return meet(link, identity or ModelIdentity()), link
+    mesh = form_mesh(link.resolved(identity))
+    return mesh, dataclasses.replace(link, size=mesh.size)
 
 
 def reconnect(group: Group, link: Optional[LinkSettings] = None) -> Group:
@@ -189,18 +167,17 @@ _JOINED_WITH: "weakref.WeakKeyDictionary[Group, Tuple[LinkSettings, Optional[Mod
 
 
 def _form_again(group: Group, link: LinkSettings, identity: Optional[ModelIdentity]) -> Mesh:
-    """reconnect()'s new links, this rank at its old place. A pair joins as connect() does (by
-    discovery: this rank keeps the role its part of the model was loaded for). A mesh forms
-    again (the leader at its address, each worker asking for the rank it had, so a restarted
-    worker, asking for none, gets the one left free); the leader of a group discovery found
-    leads a lobby again meanwhile (link.findgroup.Reopened): a restarted rank, which runs
-    discovery again, finds it there and is sent to the mesh's door; the ranks still in the
-    group dial that door directly (the address discovery found first)."""
-    if not door_formed(link.size):
-        if link.discovery is not None:
-            want = "lead" if group.rank() == 0 else "work"
-            link = dataclasses.replace(link, discovery=dataclasses.replace(link.discovery, want=want))
-        return pair_mesh(_join(link, identity))
+    """reconnect()'s new links, this rank at its old place: the group forms again (the leader
+    at its address, each worker asking for the rank it had, so a restarted worker, asking for
+    none, gets the one left free). A pair discovery found finds its peer again, this rank
+    keeping the role its part of the model was loaded for. The leader of a group of N that
+    discovery found leads a lobby again meanwhile (link.findgroup.Reopened): a restarted rank,
+    which runs discovery again, finds it there and is sent to the group's door; the ranks still
+    in the group dial that door directly (the address discovery found first)."""
+    if link.discovery is not None:
+        want = "lead" if group.rank() == 0 else "work"
+        link = dataclasses.replace(link, discovery=dataclasses.replace(link.discovery, want=want))
+        return _form(link, identity)[0]
     if group.rank() != 0:
         link = dataclasses.replace(link, ask_rank=group.rank())
     found_by = _FOUND_BY.get(group)
@@ -210,35 +187,10 @@ def _form_again(group: Group, link: LinkSettings, identity: Optional[ModelIdenti
 
         reopened = Reopened(found_by, identity or ModelIdentity(), link.address.listen)
     try:
-        return form_mesh(link.resolved(identity), _connect)
+        return form_mesh(link.resolved(identity))
     finally:
         if reopened is not None:
             reopened.close()
-
-
-def _init_mesh(link: LinkSettings, identity: Optional[ModelIdentity]) -> Group:
-    """A mesh of link.size ranks (link/mesh.py), each link a pair made by _connect."""
-    mesh = form_mesh(link.resolved(identity), _connect)
-    try:
-        return Group(mesh)
-    except BaseException:
-        mesh.close()
-        raise
-
-
-def _join(link: LinkSettings, identity: Optional[ModelIdentity]):
-    """The pair as `link` says: at its address, or where discovery finds the peer."""
-    if link.discovery is not None:
-        from .link.meet import meet
-
-        return meet(link, identity or ModelIdentity(), _connect)
-    return _connect(link.resolved(identity))
-
-
-def _connect(config: LinkSettings, **seams):
-    # connect() hands out a complete pair: its RDMA queue pair proven, or TCP chosen.
-    return connect(config, rdma_probe=lambda: rdma_probe(config.rdma_device, config.verbs_library),
-                      **seams)
 
 
 def _init_mlx(role: Optional[str]):

@@ -36,7 +36,7 @@ from .link.exchange import raw_floor
 from .link.fingerprint import model_fingerprint
 from .link.handshake import connect
 from .link.hello import Hello, ModelIdentity, auth_proof, check_hello, choose_transport
-from .link.mesh import Mesh, door_formed, form_mesh
+from .link.mesh import Mesh, form_mesh
 from .link.native import load_verbs
 from .link.rdma import UCSIM, RdmaDevice, rdma_probe
 from .link.wire import (
@@ -61,7 +61,7 @@ __all__ = [
     "LinkSettings", "PairAddress", "pair_address", "default_timeout", "tcp_spin_us", "default_tcp_spin_us",
     "verbs_library", "VERBS_LIBRARY_ENV",
     # connection
-    "Pair", "connect", "Mesh", "door_formed", "form_mesh", "Door",
+    "Pair", "connect", "Mesh", "form_mesh", "Door",
     "ControlChannel", "decode_frame_header", "listen_socket", "dial", "set_kernel_timeout",
     # hello
     "Hello", "ModelIdentity", "check_hello", "choose_transport", "auth_proof", "model_fingerprint",

@@ -11,9 +11,9 @@ named, over the library DS4_TP_VERBS_LIBRARY names: the tests' fake).
 PHASE (and the role that can take it):
   before-listen   leader: started, never listens (a leader that died early)
   backlog         leader: listens, a worker's connection is pending, never accepts
-  accepted        leader: accepted the control connection, never says hello
-  dialed          worker: connected, never says hello
-  hello-sent      worker: sent a valid hello, never opens the data connection
+  accepted        leader: accepted the control connection, never answers the JOIN
+  dialed          worker: connected, never JOINs
+  hello-sent      worker: joined, sent its link's valid hello, never opens the data connection
   rdma-info       either: pair up and RDMA device status exchanged, never sends RDMA_INFO
   rdma-info-sent  either: sent RDMA_INFO, never reads the peer's or says READY
   warmup          either: queue pair connected, warm-up receive posted and the
@@ -45,9 +45,8 @@ def at(phase: str) -> None:
 
 
 def before_pair(phase: str, host: str, port: int, transport: str, identity) -> None:
-    """The phases before a pair exists: a leader that never listens, never accepts or never
-    says hello; a worker that dials and never says hello, or never opens the data connection.
-    Blocks there."""
+    """The phases before a group forms: a leader that never listens, never accepts or never
+    answers; a worker that dials and never JOINs. Blocks there."""
     from mlx_ds4tp import transport as tr
 
     deadline = time.monotonic() + tr.default_timeout()
@@ -63,20 +62,41 @@ def before_pair(phase: str, host: str, port: int, transport: str, identity) -> N
             conn, _ = listener.accept()
         at(phase)
         block()
-    sock = tr.dial(host, port, deadline, "control")
-    if phase == "hello-sent":
-        hello = tr.Hello(role=tr.WORKER, transport=transport, rdma_ok=transport == "rdma",
-                         rdma_reason="", session_id=0, identity=identity,
-                         fingerprint=identity.fingerprint.summary())
-        tr.ControlChannel(sock, 10.0).send(tr.FrameType.HELLO, hello.pack())
-        time.sleep(0.3)  # the leader reads it and moves on to the data connection
+    tr.dial(host, port, deadline, "control")
     at(phase)
     block()
 
 
+def form_with(config, link_step) -> None:
+    """The group of two formed as the shipped ranks form it (form_mesh: JOIN, ROSTER, one link),
+    its one link made by link_step(settings, **form_mesh's seams)."""
+    from mlx_ds4tp import transport as tr
+
+    tr.form_mesh(config, link_step)
+
+
+def hello_sent(host: str, port: int, transport: str, device, identity) -> None:
+    """A worker that joins and says its link's hello (and the secret's proofs), then never opens
+    the gate data connection. Blocks there."""
+    from mlx_ds4tp import transport as tr
+
+    def link_step(config, dial=tr.dial, **seams):
+        def dial_until_data(h: str, p: int, deadline: float, what: str):
+            if what == "gate data":
+                at("hello-sent")
+                block()
+            return dial(h, p, deadline, what)
+
+        return tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library),
+                          dial=dial_until_data, **seams)
+
+    form_with(tr.LinkSettings.of("worker", coordinator=(host, port), transport=transport,
+                                 rdma_device=device, identity=identity), link_step)
+
+
 def in_bring_up(phase: str, role: str, address: tuple, transport: str, device, identity) -> None:
-    """The RDMA bring-up's phases: connect() with a bring-up seam that runs the shipped steps
-    up to the phase, then blocks."""
+    """The RDMA bring-up's phases: the group formed with a link whose bring-up seam runs the
+    shipped steps up to the phase, then blocks."""
     from mlx_ds4tp import transport as tr, warmup
 
     def bring_up_to_phase(joined):
@@ -102,9 +122,9 @@ def in_bring_up(phase: str, role: str, address: tuple, transport: str, device, i
     config = tr.LinkSettings.of(role, listen=address if leader else None,
                                 coordinator=None if leader else address, transport=transport,
                                 rdma_device=device, identity=identity)
-    pair = tr.connect(config, rdma_probe=lambda: tr.rdma_probe(device, config.verbs_library),
-                      bring_up=bring_up_to_phase)
-    raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got {pair.transport}")
+    form_with(config, lambda c, **seams: tr.connect(
+        c, rdma_probe=lambda: tr.rdma_probe(device, c.verbs_library), bring_up=bring_up_to_phase, **seams))
+    raise SystemExit(f"fault_driver: phase {phase} needs transport rdma, got tcp")
 
 
 def gate_loop(group, phase: str) -> int:
@@ -166,8 +186,10 @@ def main(argv) -> int:
     device = "ucsim" if transport == "rdma" else None
     if transport == "rdma-fake":
         transport = "rdma"
-    if phase in ("before-listen", "backlog", "accepted", "dialed", "hello-sent"):
+    if phase in ("before-listen", "backlog", "accepted", "dialed"):
         before_pair(phase, host, port, transport, identity)
+    if phase == "hello-sent":
+        hello_sent(host, port, transport, device, identity)
     leader = role == "leader"
     address = (host, port)
     if phase in ("rdma-info", "rdma-info-sent", "warmup"):

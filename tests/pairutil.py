@@ -122,11 +122,12 @@ def swap(lg, wg, lsend, wsend, timeout: float = 30.0) -> Tuple:
 
 
 def groups_of(*pairs) -> List:
-    """Pairs from transport.connect() as groups (each then owns and closes its pair)."""
+    """Links made alone by transport.connect() (a test of the link step) as groups of two (each
+    then owns and closes its link); a group forms through init / form_mesh."""
     from mlx_ds4tp.collectives.group import Group
-    from mlx_ds4tp.link.mesh import pair_mesh
+    from mlx_ds4tp.link.mesh import Mesh
 
-    return [Group(pair_mesh(p)) for p in pairs]
+    return [Group(Mesh(p.rank, 2, {1 - p.rank: p}, b"", None, [])) for p in pairs]
 
 
 class Procs:

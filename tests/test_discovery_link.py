@@ -201,7 +201,7 @@ def test_serve_ranks_started_together_elect_a_leader_refuse_a_stranger_and_rejoi
     stranger = spawn(procs, bridge, 2, run_cmd(model), OTHER_SECRET, tmp_path)
     wait_for([worker], "the worker's refusal", r"discovery: refused by / refusing .* \(instance")
     wait_for([stranger], "the stranger's refusal",
-             rf"refused a connection from {bridge.addr[1 - lead_i]}:\d+: authentication failed")
+             rf"refused a JOIN from {bridge.addr[1 - lead_i]}:\d+: authentication failed")
     new_leader = spawn(procs, bridge, lead_i, serve_cmd(model), SECRET, tmp_path)
     wait_for([new_leader], "the new leader serving", r"serving .* on http://")
     print(f"pairing, a new leader for a worker that outlived its leader: "

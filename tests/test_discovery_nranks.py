@@ -185,7 +185,7 @@ def test_serve_on_three_ranks_found_by_discovery_takes_a_restarted_worker_back(p
     back = time.monotonic() - procs_back
     _exact(loop_ns, model, "after")
     _exact(loop_ns, model, "three Macs")
-    assert "a worker rejoined" in leader.err.text(), leader.describe()
+    assert "formed again" in leader.err.text(), leader.describe()
     assert survivor.alive() and "joined a leader again" in survivor.err.text(), survivor.describe()
     assert "re-joins it with the rank left free" in again.err.text(), again.describe()
     assert f"rank {victim_rank} of 3" in again.err.text(), again.describe()

@@ -1,6 +1,6 @@
-"""A mesh rank's door (link/door.py) and the mesh's membership (link/mesh.py): what the one
-listener lets in and what it refuses, how ranks are given out, and the errors for bad size
-and rank values. The ranks run as threads of this process on 127.0.0.1."""
+"""A group rank's door (link/door.py) and the group's membership (link/mesh.py), for any N, 2
+included: what the one listener lets in and what it refuses, how ranks are given out, and the
+errors for bad size and rank values. The ranks run as threads of this process on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 import mlx_ds4tp as tp
-from mlx_ds4tp.errors import HelloMismatchError, MeshSizeError, TransportError, TransportTimeoutError
+from mlx_ds4tp.errors import HelloMismatchError, TransportError, TransportTimeoutError
 from mlx_ds4tp.link.control import ControlChannel
 from mlx_ds4tp.link.door import Door
 from mlx_ds4tp.link.hello import Hello
@@ -21,7 +21,6 @@ from mlx_ds4tp.link.wire import (
     FRAME_HEADER,
     MAGIC,
     MESH_ID_PAYLOAD,
-    MESH_SIZE_PAYLOAD,
     PROTOCOL_VERSION,
     WORKER,
     FrameType,
@@ -122,14 +121,12 @@ def test_a_worker_given_another_size_or_a_pair_is_refused_naming_both_sizes():
     try:
         ranks.start("leader", **leader(port, 3))
         dial_when_listening(port).close()
-        ranks.start("four", **worker(port, 4))
-        ranks.threads[-1].join(20)
-        assert "forms a mesh of 3 ranks and the worker expects 4" in str(ranks.out["four"])
-        ranks.start("pair", **worker(port, 2))  # given a pair's size: told the mesh's, and stops
-        ranks.threads[-1].join(20)
-        assert isinstance(ranks.out["pair"], MeshSizeError), ranks.out["pair"]
-        assert ranks.out["pair"].size == 3
-        assert "gathers a mesh of 3 ranks and this worker was started for a pair (2 ranks)" in str(ranks.out["pair"])
+        for name, size in (("four", 4), ("pair", 2)):
+            ranks.start(name, **worker(port, size))
+            ranks.threads[-1].join(20)
+            assert isinstance(ranks.out[name], HelloMismatchError), ranks.out[name]
+            assert (f"the group has 3 ranks and this rank was started for {size}; give every rank "
+                    "--ranks 3") in str(ranks.out[name])
         ranks.start("w1", **worker(port, 3))
         ranks.start("w2", **worker(port, 3))
         out = ranks.join()
@@ -186,42 +183,34 @@ def test_a_worker_without_a_size_joins_a_pair_leader_as_its_pair():
         ranks.close()
 
 
-def test_a_pair_joined_by_a_worker_without_a_size_is_the_pairs_own_join_on_the_wire(monkeypatch):
-    """No extra round trip for a pair: the same frames each way and the same connections
-    accepted as a worker given size 2 makes."""
+def test_a_pair_forms_at_the_door_as_any_group_and_a_worker_without_a_size_says_the_same():
+    """Two ranks form as N do (JOIN, ROSTER, MESH_ID, one link's hellos); a worker started
+    without a size sends exactly the frames one given size 2 sends (the ROSTER tells it)."""
     from collections import Counter
 
-    import mlx_ds4tp.link.handshake as handshake
-
     sent: List[str] = []
-    accepted: List[str] = []
-    send, accept = ControlChannel.send, handshake.accept
+    send = ControlChannel.send
 
     def recording_send(self, ftype, payload=b""):
         sent.append(FrameType(ftype).name)
         return send(self, ftype, payload)
 
-    def recording_accept(listener, deadline, what, watch=None):
-        accepted.append(what)
-        return accept(listener, deadline, what, watch=watch)
-
-    monkeypatch.setattr(ControlChannel, "send", recording_send)
-    monkeypatch.setattr(handshake, "accept", recording_accept)
     seen = {}
     for size in (2, None):
         sent.clear()
-        accepted.clear()
         port = free_port()
         ranks = Ranks()
-        try:
-            ranks.start("leader", role="leader", listen=("127.0.0.1", port), transport="tcp")
-            ranks.start("worker", **worker(port, size))
-            out = ranks.join()
-            assert out["worker"].size() == 2, out
-        finally:
-            ranks.close()
-        seen[size] = (Counter(sent), list(accepted))
-    assert seen[2][0]["HELLO"] == 2 and seen[2][1] == ["control", "gate data"], seen  # one each way
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ControlChannel, "send", recording_send)
+            try:
+                ranks.start("leader", role="leader", listen=("127.0.0.1", port), transport="tcp")
+                ranks.start("worker", **worker(port, size))
+                out = ranks.join()
+                assert out["worker"].size() == 2 and out["worker"].rank() == 1, out
+            finally:
+                ranks.close()
+        seen[size] = Counter(sent)
+    assert seen[2]["JOIN"] == 1 and seen[2]["ROSTER"] == 1 and seen[2]["HELLO"] == 2, seen
     assert seen[None] == seen[2], seen
 
 
@@ -233,7 +222,10 @@ def test_a_mesh_worker_dialing_a_pair_leader_is_told_both_sizes_and_the_leader_w
         ranks.start("three", **worker(port, 3))
         ranks.threads[-1].join(20)
         assert isinstance(ranks.out["three"], HelloMismatchError), ranks.out["three"]
-        assert "leads a pair (2 ranks) and this worker was started for a mesh of 3" in str(ranks.out["three"])
+        assert "the group has 2 ranks and this rank was started for 3" in str(ranks.out["three"])
+        ranks.start("two", **worker(port, None, rank=2))
+        ranks.threads[-1].join(20)
+        assert "rank 2 is not a worker's rank of a group of 2 (1 .. 1)" in str(ranks.out["two"])
         ranks.start("pair", **worker(port, None))
         out = ranks.join()
         assert out["leader"].size() == 2 and out["pair"].rank() == 1
@@ -242,7 +234,7 @@ def test_a_mesh_worker_dialing_a_pair_leader_is_told_both_sizes_and_the_leader_w
 
 
 def _door_answer(door: Door, hello: Hello) -> Tuple[FrameType, bytes]:
-    """What a gathering door answers to `hello` (a worker dialing as a pair's)."""
+    """What a gathering door answers to `hello` (a rank that said hello where ranks JOIN)."""
     threading.Thread(target=lambda: _swallow_join(door), daemon=True).start()
     sock = socket.create_connection(("127.0.0.1", door.port), timeout=5)
     try:
@@ -265,19 +257,19 @@ def _hello(**kw) -> Hello:
                  identity=tp.ModelIdentity(), **kw)
 
 
-def test_a_gathering_door_answers_a_pairs_hello_with_its_size_and_an_old_one_with_the_versions():
+def test_a_hello_at_a_gathering_door_is_refused_naming_the_versions():
     door = Door("127.0.0.1", 0, 4, hello_timeout=2.0)
     try:
-        ftype, payload = _door_answer(door, _hello())
-        assert ftype == FrameType.MESH_SIZE and MESH_SIZE_PAYLOAD.unpack(payload) == (4,)
-        # A worker of the protocol before MESH_SIZE is told the versions, not sent a frame it lacks.
-        with pytest.raises(TransportError, match=f"the worker speaks 12, this mesh rank {PROTOCOL_VERSION}"):
-            _door_answer(door, _hello(version=12))
+        # A pair's worker of protocol 13 said hello first: told the versions.
+        with pytest.raises(TransportError, match=f"the dialing rank speaks 13, this rank {PROTOCOL_VERSION}"):
+            _door_answer(door, _hello(version=13))
+        with pytest.raises(TransportError, match="where a group's rank JOINs first"):
+            _door_answer(door, _hello())
     finally:
         door.close()
 
 
-def test_a_pairs_hello_once_the_mesh_has_its_workers_is_refused():
+def test_a_hello_once_the_group_has_its_workers_is_refused():
     door = Door("127.0.0.1", 0, 3, hello_timeout=2.0)
     door.mesh_id = b"A" * 16
     try:
@@ -285,7 +277,7 @@ def test_a_pairs_hello_once_the_mesh_has_its_workers_is_refused():
         sock = socket.create_connection(("127.0.0.1", door.port), timeout=5)
         channel = ControlChannel(sock, 5.0)
         channel.send(FrameType.HELLO, _hello().pack())
-        with pytest.raises(TransportError, match="already has all its workers"):
+        with pytest.raises(TransportError, match="where a group's rank JOINs first"):
             channel.recv(FrameType.HELLO)
         sock.close()
     finally:

@@ -132,7 +132,7 @@ class Case:
             if phase in ("backlog", "accepted"):
                 w.out.wait_for("LISTENING", 60, w.proc)
             else:
-                w.err.wait_for("waiting for worker", 60, w.proc)
+                w.err.wait_for("waiting for rank 1", 60, w.proc)
         return w
 
     def fail(self, message: str) -> None:
@@ -220,7 +220,7 @@ def test_dial_leader_never_listens(procs, model_dir, transport):
 @pytest.mark.parametrize("transport, victim, sig", cases(BOTH))
 def test_connect(procs, model_dir, transport, victim, sig):
     """Leader victim: it listens and a worker's connection is pending, never
-    accepted. Worker victim: connected, no hello yet; the leader must drop it
+    accepted. Worker victim: connected, no JOIN yet; the leader must drop it
     (within 2 s of a kill, or after its hello timeout when it goes silent) and
     keep waiting: a fresh worker then completes the run."""
     c = Case(procs, model_dir, "connect", victim, transport, sig,
@@ -242,11 +242,11 @@ def test_connect(procs, model_dir, transport, victim, sig):
         c.wake_or_reap(dead, real=False)
     else:
         leader = c.cli("leader", hello_timeout=HELLO_TIMEOUT)
-        leader.err.wait_for("waiting for worker", 30, leader.proc)
+        leader.err.wait_for("waiting for rank 1", 30, leader.proc)
         dead = c.driver("dialed", "worker")
         dead.out.wait_for("AT dialed", 30, dead.proc)
         t = dead.signal(SIGNALS[sig])
-        t_drop = leader.err.wait_for("that sent no valid hello", 15, leader.proc)
+        t_drop = leader.err.wait_for("it sent nothing this door reads", 15, leader.proc)
         limit = KILL_LIMIT if sig == "KILL" else HELLO_TIMEOUT + 1.5
         c.record(t_drop - t, "leader dropped it and kept waiting")
         if t_drop - t >= limit:
@@ -263,9 +263,9 @@ def test_connect(procs, model_dir, transport, victim, sig):
 
 @pytest.mark.parametrize("transport, victim, sig", cases(BOTH))
 def test_hello(procs, model_dir, transport, victim, sig):
-    """Leader victim: accepted the control connection, never says hello.
-    Worker victim: sent a valid hello, never opens the data connection (the
-    leader watches the control stream while it waits for that connection)."""
+    """Leader victim: accepted the control connection, never answers the JOIN.
+    Worker victim: joined and sent its link's valid hello, never opens the data
+    connection (the leader watches the control stream while it waits for it)."""
     c = Case(procs, model_dir, "hello", victim, transport, sig)
     if victim == "leader":
         dead = c.driver("accepted", "leader")

@@ -356,7 +356,7 @@ def test_found_makes_the_meshs_settings_and_inits_keywords():
 
 def test_find_group_refuses_a_pair_and_settings_without_discovery():
     pair = LinkSettings(PairAddress(None, None, None), discovery=DiscoverySettings(("lo",)))
-    with pytest.raises(ValueError, match=r"size=2: two ranks pair as they always have"):
+    with pytest.raises(ValueError, match=r"size=2: two ranks find each other by link.meet.meet"):
         findgroup.find_group(pair, ModelIdentity())
     with pytest.raises(ValueError, match="find_group needs discovery settings"):
         findgroup.find_group(LinkSettings(PairAddress("leader", ("h", 1), None), size=3), ModelIdentity())

@@ -41,6 +41,7 @@ from mlx_ds4tp.errors import (
 )
 from mlx_ds4tp.link import wire
 from mlx_ds4tp.lockstep.caches.prompt_cache import FRESH
+from mlx_ds4tp.lockstep.errors import MeshReformingError
 from mlx_ds4tp.lockstep.protocol.commands import (
     Create,
     Destroy,
@@ -574,7 +575,7 @@ class StubGroup:
         return self.leader
 
     def size(self) -> int:
-        return 2  # a pair's worker: a REFORM is a stray frame here, as any other non-command
+        return 2  # a pair's worker: a REFORM ends its loop (MeshReformingError), as for any N
 
 
 def worker_script(r) -> Tuple[bytes, str, int]:
@@ -665,6 +666,8 @@ def run_worker_case(model, data: bytes, name: str) -> str:
         try:
             table = serve_worker(StubGroup(tr.ControlChannel(b, 2.0)), model, tell_leader=False)
             outcome = f"served {table.ended}"
+        except MeshReformingError as exc:  # a REFORM frame: the leader forms the group again
+            outcome = f"reform ({exc})"
         except TransportError as exc:
             assert str(exc), "an error without a message"
             outcome = type(exc).__name__

@@ -3,7 +3,8 @@ mlx_ds4tp.testing (a planted import, relative or absolute, is named by file and 
 imports of itself and a tree without the import pass); and the group rules on a copy of the package
 (the tree as it is passes; an isinstance() on a group class of collectives/ outside link/ and
 collectives/ fails naming its file:line; so do size-2-style branches past the allowance, each
-named; inside link/ they pass)."""
+named; inside link/ they pass); no package module imports a link face; and none outside link/
+imports connect(), one link's steps: a group forms through form_mesh."""
 
 from __future__ import annotations
 
@@ -115,10 +116,37 @@ def test_a_package_module_importing_a_link_face_is_named(tmp_path):
         "mlx_ds4tp/link/__init__.py": "", "mlx_ds4tp/link/handshake.py": "def connect():\n    pass\n",
         "mlx_ds4tp/cli/run.py": '"""run"""\n\nfrom .. import transport as tr\n',
         "mlx_ds4tp/cli/doctor.py": "def f():\n    from mlx_ds4tp.warmup import x\n",
-        "mlx_ds4tp/cli/serve.py": "from ..link.handshake import connect\n",
+        "mlx_ds4tp/link/mesh.py": "from .handshake import connect\n",
+        "mlx_ds4tp/cli/serve.py": "from ..link.mesh import connect\n",
     })
     done = _check(tmp_path)
     assert done.returncode == 1, done.stdout
     assert "mlx_ds4tp/cli/run.py:3: mlx_ds4tp.cli.run imports mlx_ds4tp.transport" in done.stdout, done.stdout
     assert "mlx_ds4tp/cli/doctor.py:2: mlx_ds4tp.cli.doctor imports mlx_ds4tp.warmup" in done.stdout, done.stdout
     assert "serve.py" not in done.stdout and "__init__.py" not in done.stdout, done.stdout
+
+
+def test_connect_imported_from_outside_link_is_named(tmp_path):
+    """A group forms one way (link/mesh.py's form_mesh): a module outside link/ that imports
+    link/handshake.py (one link's connect()), by any spelling, fails naming its file:line;
+    link/ itself and transport.py (the face tests check one link through) pass."""
+    _tree(tmp_path, {
+        "mlx_ds4tp/transport.py": "from .link.handshake import connect\n",
+        "mlx_ds4tp/warmup.py": "",
+        "mlx_ds4tp/link/__init__.py": "", "mlx_ds4tp/link/handshake.py": "def connect():\n    pass\n",
+        "mlx_ds4tp/link/mesh.py": "from .handshake import connect\n\n\ndef form_mesh():\n    connect()\n",
+        "mlx_ds4tp/gate_ops.py": '"""init"""\n\nfrom .link.handshake import connect\n',
+        "mlx_ds4tp/cli/doctor.py": "def f():\n    from ..link import handshake\n",
+        "mlx_ds4tp/cli/run.py": "from ..link.mesh import form_mesh\n",
+    })
+    done = _check(tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert ("mlx_ds4tp/gate_ops.py:3: mlx_ds4tp.gate_ops imports mlx_ds4tp.link.handshake.connect: "
+            "connect() is one link's steps") in done.stdout, done.stdout
+    assert "mlx_ds4tp/cli/doctor.py:2: mlx_ds4tp.cli.doctor imports mlx_ds4tp.link.handshake" in done.stdout
+    assert "run.py" not in done.stdout and "link/mesh.py" not in done.stdout, done.stdout
+    assert "transport.py" not in done.stdout, done.stdout
+    (tmp_path / "mlx_ds4tp" / "gate_ops.py").write_text("from .link.mesh import form_mesh\n")
+    (tmp_path / "mlx_ds4tp" / "cli" / "doctor.py").write_text("")
+    done = _check(tmp_path)
+    assert done.returncode == 0 and done.stdout == "", done.stdout

@@ -93,8 +93,8 @@ def test_workers_given_ranks_explicitly_join_as_before(procs, models, tmp_path):
 
 
 @pytest.mark.parametrize("ranks, says", [
-    ("4", "this leader forms a mesh of 3 ranks and the worker expects 4"),
-    ("2", "gathers a mesh of 3 ranks and this worker was started for a pair (2 ranks); give it --ranks 3"),
+    ("4", "the group has 3 ranks and this rank was started for 4; give every rank --ranks 3"),
+    ("2", "the group has 3 ranks and this rank was started for 2; give every rank --ranks 3"),
 ])
 def test_a_worker_given_other_ranks_than_the_leader_stops_naming_both(procs, models, ranks, says):
     """A worker whose --ranks is not the leader's stops with both sizes named, at its join (no

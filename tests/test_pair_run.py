@@ -211,7 +211,7 @@ def test_the_leader_sends_commands_and_asks_queries_each_one_way():
     leader.send(Create, 1, 0, 0, 0)
     logits = leader.send(EvalBatch, leader.step_count + 1, [(1, 0)])
     assert logits.shape == (1, 2) and leader.step_count == 1
-    with pytest.raises(ValueError, match="HASH is a query the worker answers: ask it"):
+    with pytest.raises(ValueError, match="HASH is a query the worker ranks answer: ask it"):
         leader.send(Hash, 0, 1, 0)
     with pytest.raises(ValueError, match="SESSION_CREATE is not a query: send it"):
         leader.ask(Create, 2, 0, 0, 0)

@@ -81,7 +81,8 @@ def test_the_served_budget_is_the_smaller_of_the_two_machines(tmp_path):
         own = int(re.search(r"on the leader, KV budget (\d+) tokens", leader).group(1))
         room = int(re.search(r"on the worker, KV budget (\d+) tokens .*3\.0 GiB of memory", worker).group(1))
         assert 0 < room < own, (own, room)
-        assert f"KV budget {room} tokens, the smaller of the leader's ({own}) and the worker's ({room})" in leader
+        assert (f"KV budget {room} tokens, the smaller of rank 0's ({own}) and the least of ranks 1 .. 1 "
+                f"({room})") in leader
         assert body["kv_budget_tokens"] == room
     finally:
         served.close()

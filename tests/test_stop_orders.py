@@ -34,7 +34,7 @@ ORDERS = {
     "kill-9-worker": {"worker": signal.SIGKILL},
     "kill-9-both": {"leader": signal.SIGKILL, "worker": signal.SIGKILL},
 }
-STOPPED_LINE = {"leader": "serve: stopped by ", "worker": "serve: the worker stopped by "}
+STOPPED_LINE = {"leader": "serve: stopped by ", "worker": "serve: rank 1 stopped by "}
 SIGNAL_NAME = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
 
@@ -94,9 +94,9 @@ def test_every_stop_order_keeps_the_cache_and_the_restart_serves_from_it(order, 
             assert served.procs[name].poll() is None, served.log(name)[-3000:]
         if "leader" in survivors:  # it says the worker went and answers 503 until one rejoins
             _wait_for("/health 503", lambda: served.health()[0] == 503, 30, served)
-            assert "HTTP answers 503 until a worker joins again" in served.log("leader")
+            assert "HTTP answers 503 until the group of 2 forms again" in served.log("leader")
             if stops["worker"] != signal.SIGKILL:
-                assert "the worker was stopped by SIGINT (Ctrl-C)" in served.log("leader")
+                assert "rank 1 was stopped by SIGINT (Ctrl-C)" in served.log("leader")
         if "worker" in survivors:  # --rejoin: it waits for the next leader
             _wait_for("the worker waiting", lambda: "waiting for a leader" in served.log("worker"), 30, served)
 
@@ -137,7 +137,7 @@ def test_a_stop_in_the_middle_of_an_answer_ends_it_with_an_error_event(stopped, 
                 break
             received += chunk
         sock.close()
-        why = "the server is stopping" if stopped == "leader" else "the worker was stopped by SIGINT"
+        why = "the server is stopping" if stopped == "leader" else "rank 1 was stopped by SIGINT"
         assert b'"error"' in received and why.encode() in received, received[-2000:]
         assert served.procs[stopped].wait(60) == 0
         log = served.log(stopped)

@@ -14,6 +14,9 @@ printed as file:line.
 Inside the package link/ is reached one way, by its modules' names (`from ..link.handshake import
 connect`): transport.py and warmup.py are the faces users and tests import, so no package module
 but the package's own __init__ imports them (each offender printed as file:line).
+A group forms one way, link/mesh.py's form_mesh (door, JOIN, ROSTER, a link per pair of ranks):
+no module outside link/ imports link/handshake.py, whose connect() is one link's steps inside it
+(transport.py, the face tests check one link through, excepted; each offender as file:line).
 Prints what it finds; exits 1 when there is a cycle, an oversized file or an offender, or when it
 finds no package to check (a check that passes on nothing would hide a moved tree), else 0.
 """
@@ -31,6 +34,8 @@ MAX_PY, MAX_C = 500, 900
 TESTING = f"{PKG}.testing"
 # The link layer's public faces: for users and tests, never imported inside the package.
 LINK_FACES = (f"{PKG}.transport", f"{PKG}.warmup")
+# One link's steps (connect()): only link/ (form_mesh) makes links; a group forms through it.
+LINK_STEP = f"{PKG}.link.handshake"
 # Where a pair and a mesh may differ: the wire's formation and the group over it.
 GROUP_ROOMS = ("link", "collectives")
 # The group classes of collectives/, old and new: an isinstance() on one asks what kind of group it is.
@@ -111,7 +116,20 @@ def face_imports(known: dict) -> list:
             face = next((f for f in LINK_FACES if target == f or target.startswith(f + ".")), None)
             if face:
                 found.append(f"{path}:{line}: {name} imports {face}, a face for users and tests; inside the "
-                             f"package import the link/ module that defines the name (e.g. {PKG}.link.handshake)")
+                             f"package import the link/ module that defines the name (e.g. {PKG}.link.mesh)")
+    return found
+
+
+def link_step_imports(known: dict) -> list:
+    """`file:line: ...` for every import of LINK_STEP from outside link/ (and the faces)."""
+    found = []
+    for name, path in sorted(known.items()):
+        if name.startswith(f"{PKG}.link.") or name in LINK_FACES:
+            continue
+        for line, target in imported_names(name, path):
+            if target == LINK_STEP or target.startswith(LINK_STEP + "."):
+                found.append(f"{path}:{line}: {name} imports {target}: connect() is one link's steps, made "
+                             f"inside link/ only; form a group with {PKG}.link.mesh.form_mesh (gate_ops.init)")
     return found
 
 
@@ -171,6 +189,7 @@ def main() -> int:
     problems = [f"import cycle: {' <-> '.join(c)}" for c in sorted(cycles)]
     problems += testing_imports(known)
     problems += face_imports(known)
+    problems += link_step_imports(known)
     for root, _, files in os.walk(PKG):
         for f in sorted(files):
             path = os.path.join(root, f)

@@ -18,7 +18,6 @@ from typing import List, Optional
 
 from ..errors import RdmaUnavailableError, TransportError
 from ..link.config import VERBS_LIBRARY_ENV, LinkSettings, PairAddress, default_timeout, pair_address, verbs_library
-from ..link.mesh import door_formed
 from ..link.native import load_verbs
 from ..link.rdma import UCSIM, rdma_probe
 from ..split.measure import measure_rank, memory_limit
@@ -141,12 +140,13 @@ def peer_round_trip(args: argparse.Namespace, link: LinkSettings) -> List[Check]
     from .. import gate_ops
     from ..link.identity import model_identity
 
-    # A doctor should answer soon: at most 30 s (a worker dialing) / 120 s (listening, or a
-    # worker of a group of N, which waits for all N), less when DS4_TP_TIMEOUT_SEC says so.
+    # A doctor should answer soon: at most 30 s (a worker of two ranks, or of its leader's size,
+    # dialing) / 120 s (listening, or a worker of a group of N, which waits for all N), less when
+    # DS4_TP_TIMEOUT_SEC says so.
     limit = default_timeout()
     identity = model_identity(args.model) if args.model else None
     where = "{0}:{1}".format(*link.address.address) if link.discovery is None else "the group discovery found"
-    short = link.address.role == "worker" and not door_formed(link.size or 2)
+    short = link.address.role == "worker" and (link.size or 2) == 2
     wait = min(30.0 if short else 120.0, limit)
     g = gate_ops.init_pair(dataclasses.replace(link, timeout=wait, figures=measure_rank(memory_limit())),
                            identity)

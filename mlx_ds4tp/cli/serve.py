@@ -110,8 +110,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rejoin", action="store_true",
                    help="worker: when the leader stops or dies, wait for a leader on the same "
                         "address and serve it, instead of exiting (the leader always takes a "
-                        "worker back: when its worker dies it keeps serving HTTP, answering 503, "
-                        "until a worker joins again)")
+                        "rank back: when one dies it keeps serving HTTP, answering 503, "
+                        "until the group forms again)")
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N decode steps "
                         "(default 0: off)")

@@ -1,6 +1,6 @@
 """The group of 2 to 8 ranks as an ``mlx.core.distributed.Group``: the compiled backend's Group
 (csrc/mlx/group.cpp) over the C mesh (tp_mesh, csrc/exchange.c), whose links are the mesh's
-pairs (link/mesh.py; a pair connect() made is a mesh of two, link.mesh.pair_mesh).
+pairs (link/mesh.py; two ranks form as N do, a mesh of one link).
 ``mx.distributed``'s collectives, ``mlx.nn``'s sharded layers and mlx-lm's ``shard()`` take it
 for any N; ``split(color, key)`` makes subgroups over the same links."""
 
@@ -81,7 +81,7 @@ class Group(_pairgroup.Group):
 
     def reattach(self, mesh) -> None:
         """Run this closed group over a new mesh of the same ranks, this rank at its place
-        (`ds4tp serve` taking a restarted rank back; a pair's is pair_mesh of the new pair): a
+        (`ds4tp serve` taking a restarted rank back, any N): a
         model split over this group, whose layers hold it, works on unchanged; nothing of the
         old mesh is carried over but the statistics. The new links' sequence numbers start
         again at zero on every rank."""

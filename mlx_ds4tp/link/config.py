@@ -228,7 +228,7 @@ class LinkSettings:
     with size > 2, the group (link/findgroup.py: the ranks and the leader's address, then the mesh).
     size: ranks in the group (2: a pair, as always; 3..8: a mesh, link/mesh.py: the leader
     listens with size=N, the workers dial it; None: the leader's, for a worker that dials its
-    leader at an address: gate_ops.init_pair learns it at the join, and a rank that finds its
+    leader at an address: it learns it from the leader's ROSTER, and a rank that finds its
     group by discovery, or leads, always gives it). ask_rank: the rank a worker asks the leader for
     (None: any; the leader gives asked ranks first, the rest in the order the workers joined).
     rdma_devices: a mesh rank's device per peer rank ({peer: "rdma_en3"}; a peer not named uses
@@ -371,9 +371,6 @@ class LinkSettings:
             raise ValueError("discovering settings have no address yet: link.meet finds the peer "
                              "(link.findgroup.find_group the group of N), then resolves the settings "
                              "with its address")
-        if self.size is None:
-            raise ValueError("size=None (the leader's) is learned at the join: gate_ops.init_pair "
-                             "joins, then resolves the settings with the leader's size")
         env = os.environ
         return dataclasses.replace(
             self,

@@ -1,7 +1,7 @@
-"""A mesh rank's one listener, its door: every connection a rank of a mesh takes comes in
-here, and the door sorts it by its first bytes before anyone reads more.
+"""A group rank's one listener, its door: every connection a rank of a group (2 to 8 ranks)
+takes comes in here, and the door sorts it by its first bytes before anyone reads more.
 
-- JOIN (rank 0, while the mesh gathers): a worker asking for a rank (link/mesh.py);
+- JOIN (rank 0, while the group gathers): a worker asking for a rank (link/mesh.py);
 - MESH_ID then a link's hello (once the roster is out): the control connection of one of this
   rank's links, made by connect() as a pair's is; the id must be this mesh's, so a rank left
   over from an earlier mesh (restarted peers, a stale roster) is refused, never linked. It
@@ -10,13 +10,9 @@ here, and the door sorts it by its first bytes before anyone reads more.
 - DATA_HELLO: a link's gate data connection, which connect() binds to its control connection
   by the session and the secret's proof, as a pair's.
 
-- HELLO (rank 0, while the mesh gathers): a worker that dialed as a pair's, because it was
-  started without a size (it learns the leader's) or for a pair: it is told the mesh's size
-  (MESH_SIZE) and dropped; the first JOINs next, the second stops naming both sizes.
-
-Anything else (a scanner, a rank of another protocol version, a pair's worker once the mesh is
-formed, a JOIN once the mesh is formed) is told why on an ERROR frame where it speaks our
-frames, and dropped; the door keeps waiting.
+Anything else (a scanner, a HELLO first: a rank of another protocol version, whose workers
+said hello where this one JOINs, a JOIN once the group is formed) is told why on an ERROR frame
+where it speaks our frames, and dropped; the door keeps waiting.
 A connection gets `hello_timeout` to say what it is, so a silent client cannot hold the door.
 """
 
@@ -37,9 +33,7 @@ from .wire import (
     JOIN_PAYLOAD,
     MAGIC,
     MESH_ID_PAYLOAD,
-    MESH_SIZE_PAYLOAD,
     PROTOCOL_VERSION,
-    WORKER,
     FrameType,
 )
 
@@ -73,9 +67,6 @@ class Door:
             kind, payload = self._sort(sock, peer, deadline)
             if kind == FrameType.JOIN and self.mesh_id is None:
                 return ControlChannel(sock, self.hello_timeout), payload, peer
-            if kind == FrameType.HELLO and self.mesh_id is None and _worker_hello(payload):
-                self._tell_size(sock, peer)
-                continue
             self._refuse(sock, peer, kind, "a worker's JOIN", payload)
 
     def for_peer(self, peer: int) -> "LinkDoor":
@@ -154,18 +145,6 @@ class Door:
                 return "stale", payload
         return ftype, payload
 
-    def _tell_size(self, sock: socket.socket, peer: str) -> None:
-        """A worker that dialed as a pair's (it was started without a size, or for a pair): the
-        mesh's size on MESH_SIZE, and the connection closed. One without a size JOINs next; one
-        started for a pair stops, naming both sizes (handshake.py)."""
-        log(f"mesh door {self.host}:{self.port}: told {peer}, which dialed as a pair's worker, that "
-            f"this mesh has {self.size} ranks")
-        ControlChannel(sock, 1.0).send_best_effort(FrameType.MESH_SIZE, MESH_SIZE_PAYLOAD.pack(self.size))
-        try:
-            sock.close()
-        except OSError:
-            pass
-
     def _refuse(self, sock: socket.socket, peer: str, kind, wanted: str, said) -> None:
         if kind == "stale":
             why = ("its mesh id is not this mesh's: it is a link of an earlier mesh (a rank "
@@ -174,7 +153,7 @@ class Door:
             why = (f"this mesh of {self.size} ranks is already formed; a rank that joins late "
                    "must wait for the next mesh (restart every rank)")
         elif kind == FrameType.HELLO:
-            why = _hello_refusal(self.size, self.mesh_id is not None, said)
+            why = _hello_refusal(said)
         elif kind is None:
             why = f"it sent nothing this door reads ({said})"
         else:
@@ -189,33 +168,15 @@ class Door:
             pass
 
 
-def _hello_head(payload: bytes) -> Tuple[int, int]:
-    """(protocol version, role) a HELLO names; (0, -1) when it is too short to name them."""
-    if len(payload) < HELLO_HEAD.size:
-        return 0, -1
-    _, version, role = HELLO_HEAD.unpack_from(payload)
-    return version, role
-
-
-def _worker_hello(payload: bytes) -> bool:
-    """Whether a HELLO is one a gathering mesh answers with its size: a worker's (role 1) of this
-    protocol version. A rank of another version is refused naming both versions instead, since
-    MESH_SIZE is a frame it may not know."""
-    return _hello_head(payload) == (PROTOCOL_VERSION, WORKER)
-
-
-def _hello_refusal(size: int, formed: bool, payload: bytes) -> str:
-    """Why a pair's HELLO at a mesh door is refused: another protocol version, a mesh already
-    formed (a worker come late), or a rank that is not a worker."""
-    version, _ = _hello_head(payload)
+def _hello_refusal(payload: bytes) -> str:
+    """Why a HELLO first at a door is refused: this version's ranks JOIN a door first, so it is a
+    rank of another protocol version (named, with both numbers), or a bare link's hello."""
+    version = HELLO_HEAD.unpack_from(payload)[1] if len(payload) >= HELLO_HEAD.size else 0
     if version != PROTOCOL_VERSION:
-        return (f"protocol version: the worker speaks {version}, this mesh rank {PROTOCOL_VERSION}; "
+        return (f"protocol version: the dialing rank speaks {version}, this rank {PROTOCOL_VERSION}; "
                 "install the same mlx-ds4tp version on every machine")
-    if formed:
-        return (f"this mesh of {size} ranks already has all its workers and one more dialed it as a "
-                "pair's; a rank that joins late must wait for the next mesh (restart every rank)")
-    return (f"this is rank 0 of a mesh of {size} ranks, which takes workers only; start that rank "
-            f"with --role worker")
+    return ("it said a link's hello where a group's rank JOINs first; join with mlx_ds4tp.init(...) "
+            "or `ds4tp ... --role worker`")
 
 
 def _peek(sock: socket.socket, n: int, until: float) -> bytes:

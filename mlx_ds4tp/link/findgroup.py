@@ -12,7 +12,8 @@ and the others carry on; a leader that hears a lower-id leader of the same group
 joins it (two that began leading at once settle on one); a member or leader that left (its
 connection closed, its advert removed or its TTL gone) is never waited for. A search that
 cannot gather all N by the timeout raises GroupNotFoundError naming what it saw and how many
-were missing. Two ranks never come here: link/meet.py pairs them as it always has.
+were missing. Two ranks need no lobby: link/meet.py's election is all they need; both kinds of
+search end at the leader's door (link/mesh.py's form_mesh), where any group forms.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def find_group(link: LinkSettings, identity: ModelIdentity) -> Found:
         raise ValueError("find_group needs discovery settings (DiscoverySettings: the interfaces to "
                          "look on); with an address, mlx_ds4tp.init(size=N) makes the mesh")
     if link.size < 3:
-        raise ValueError(f"size={link.size}: two ranks pair as they always have (link.meet.meet); "
-                         "find_group gathers 3 to 8 (--ranks N)")
+        raise ValueError(f"size={link.size}: two ranks find each other by link.meet.meet (its "
+                         "election, no lobby); find_group gathers 3 to 8 (--ranks N)")
     interfaces = [dsc.interface(name) for name in disc.interfaces]
     meet.check_secret(link, interfaces)
     return _Search(link, identity, interfaces).run()

@@ -1,8 +1,9 @@
-"""Bringing the pair up: the leader listens, the worker dials; hello,
-authentication and the transport choice on the control connection; then the
-gate data connection; then, when both agreed on RDMA, the queue pair's
-bring-up (rdma_bringup.py). The result is a complete Pair, which owns both
-connections and, over RDMA, the proven device the exchanges run on."""
+"""One link of a group, the step form_mesh (link/mesh.py) takes for each pair of ranks: the
+lower rank takes the connections at its door, the higher dials; hello, authentication and the
+transport choice on the control connection; then the gate data connection; then, when both
+agreed on RDMA, the queue pair's bring-up (rdma_bringup.py). The result is a complete Pair,
+which owns both connections and, over RDMA, the proven device the exchanges run on. No group
+forms here: outside link/ groups form through form_mesh (gate_ops.init)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from ..errors import (
     AuthenticationError,
     FrameError,
     HelloMismatchError,
-    MeshSizeError,
     PeerClosedError,
     TransportError,
 )
@@ -41,10 +41,7 @@ from .rdma_bringup import bring_up_rdma
 from .wire import (
     DATA_HELLO,
     DATA_MAGIC,
-    JOIN_PAYLOAD,
     LEADER,
-    MAX_MESH_SIZE,
-    MESH_SIZE_PAYLOAD,
     NONCE_BYTES,
     PROTOCOL_VERSION,
     ROLE_NAMES,
@@ -118,45 +115,13 @@ def connect(config: LinkSettings, rdma_probe: Optional[Callable[[], Tuple[bool, 
         raise
 
 
-def _hear_worker(control: ControlChannel, mine: Hello, timeout: float) -> Hello:
-    """The leader's side of the hello: its own out, the worker's back. A mesh's worker (JOIN:
-    it was started for a group of more than two) is named as such; the leader drops it and
-    keeps waiting, as for any connection without a valid hello."""
+def _hear(control: ControlChannel, mine: Hello, timeout: float) -> Hello:
+    """Either side's hello: its own out, the peer's back."""
     control.send(FrameType.HELLO, mine.pack())
     ftype, payload = control.recv(timeout=timeout)
-    if ftype == FrameType.JOIN:
-        size = JOIN_PAYLOAD.unpack(payload)[1] if len(payload) == JOIN_PAYLOAD.size else "more than 2"
-        raise FrameError(f"a worker started for a mesh of {size} ranks dialed this pair's leader (2 "
-                         "ranks); give every rank the same --ranks, or start the workers without --ranks")
     if ftype != FrameType.HELLO:
         raise FrameError(f"expected a HELLO frame, got {ftype.name} ({len(payload)} bytes)")
     return Hello.unpack(payload)
-
-
-def _hear_leader(control: ControlChannel, mine: Hello, config: LinkSettings) -> Hello:
-    """The worker's side of the hello: its own out, the leader's back. A mesh's rank 0 answers a
-    pair's hello with its size (MESH_SIZE) instead, and closes: MeshSizeError, which names both
-    sizes and carries the leader's (gate_ops.init_pair joins that mesh when the worker was
-    started without a size)."""
-    control.send(FrameType.HELLO, mine.pack())
-    ftype, payload = control.recv(timeout=config.timeout)
-    if ftype == FrameType.MESH_SIZE:
-        raise _mesh_size(config, payload)
-    if ftype != FrameType.HELLO:
-        raise FrameError(f"expected a HELLO frame, got {ftype.name} ({len(payload)} bytes)")
-    return Hello.unpack(payload)
-
-
-def _mesh_size(config: LinkSettings, payload: bytes) -> TransportError:
-    if len(payload) != MESH_SIZE_PAYLOAD.size:
-        return FrameError(f"MESH_SIZE payload is {len(payload)} bytes, expected {MESH_SIZE_PAYLOAD.size}")
-    (size,) = MESH_SIZE_PAYLOAD.unpack(payload)
-    if not 2 < size <= MAX_MESH_SIZE:
-        return FrameError(f"the leader's MESH_SIZE names {size} ranks; a mesh has 3 to {MAX_MESH_SIZE}")
-    host, port = config.address.coordinator
-    return MeshSizeError(f"the leader at {host}:{port} gathers a mesh of {size} ranks and this worker "
-                         f"was started for a pair (2 ranks); give it --ranks {size} (size={size}), or "
-                         "no --ranks (size=None) to take the leader's", size)
 
 
 def _agree(control: ControlChannel, config: LinkSettings, mine: Hello, theirs: Hello) -> str:
@@ -185,7 +150,7 @@ def _connect_leader(config: LinkSettings, mine: Hello, deadline: float, door: Op
             tune_socket(sock)
             control = ControlChannel(sock, config.timeout, spin_s=config.tcp_spin_us / 1e6)
             try:
-                theirs = _hear_worker(control, mine, hello_timeout)
+                theirs = _hear(control, mine, hello_timeout)
                 authenticate(control, mine, theirs, config.secret)
             except AuthenticationError as exc:
                 # A client without our secret: refused before any session
@@ -249,7 +214,7 @@ def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Di
     tune_socket(sock)
     control = ControlChannel(sock, config.timeout, spin_s=config.tcp_spin_us / 1e6)
     try:
-        theirs = _hear_leader(control, mine, config)
+        theirs = _hear(control, mine, config.timeout)
         authenticate(control, mine, theirs, config.secret)
         transport = _agree(control, config, mine, theirs)
         data = dial(host, port, deadline, "gate data")
@@ -262,7 +227,7 @@ def _connect_worker(config: LinkSettings, mine: Hello, deadline: float, dial: Di
             deadline,
         )
     except TransportError as exc:
-        if not isinstance(exc, (PeerClosedError, MeshSizeError)):  # a mesh's door has closed already
+        if not isinstance(exc, PeerClosedError):
             control.send_error(str(exc))
         sock.close()
         raise

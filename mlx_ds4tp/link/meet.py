@@ -1,9 +1,10 @@
 """Pairing without addresses: advertise, hear the peers, elect who leads (discovery.elect), then
-make the pair as the explicit flags would (the leader listens on the interface where it was
-found, on a port it picked; the worker dials the address it found the leader at), with the
-same hello, secret and model checks. A peer that refuses us (another secret) or that cannot be
-reached (a stale record) is left out of the next elections, and the search goes on until the
-link's timeout. Discovery runs before the pair exists: the gates never see it."""
+form the group of two as the explicit flags would (form_mesh: the leader's door on the
+interface where it was found, on a port it picked; the worker JOINs at the address it found
+the leader at), with the same JOIN, hello, secret and model checks. A peer that refuses us
+(another secret) or that cannot be reached (a stale record) is left out of the next elections,
+and the search goes on until the link's timeout. Discovery runs before the group exists: the
+gates never see it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeou
 from .connection import Pair
 from .control import dial as control_dial
 from .hello import ModelIdentity
+from .mesh import Mesh, form_mesh, make_link
 from .rdma import rdma_probe
 
 # How long a worker keeps dialing a leader it heard of: a leader listens a moment after its
@@ -38,9 +40,9 @@ _lock = threading.Lock()
 _finders: Dict[Tuple, dsc.Finder] = {}
 
 
-def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
-    """The pair `link.discovery` finds: connect(resolved settings, dial=...) makes it once the
-    roles and the address are known. A ValueError before anything is advertised when the link
+def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_link) -> Mesh:
+    """The group of two `link.discovery` finds: form_mesh(resolved settings, connect) forms it
+    once the roles and the address are known. A ValueError before anything is advertised when the link
     needs a secret and there is none."""
     disc = link.discovery
     interfaces = [dsc.interface(name) for name in disc.interfaces]
@@ -77,7 +79,7 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect) -> Pair:
         time.sleep(POLL_SEC)
 
 
-def _paired(pair: Pair, started: float) -> Pair:
+def _paired(pair: Mesh, started: float) -> Mesh:
     log(f"discovery: paired {time.monotonic() - started:.2f} s after this rank began looking")
     return pair
 
@@ -131,7 +133,7 @@ def close_all() -> None:
 
 
 def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder: dsc.Finder,
-          interfaces: List[dsc.Interface]) -> Pair:
+          interfaces: List[dsc.Interface]) -> Mesh:
     iface = interfaces[0]
     host = iface.listen_host()
     port = free_port(host)
@@ -142,7 +144,7 @@ def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
     settings = dataclasses.replace(link, address=PairAddress("leader", (host, port), None),
                                    rdma_device=device, discovery=None)
     try:
-        pair = connect(settings.resolved(identity))
+        pair = form_mesh(settings.resolved(identity), connect)
     except TransportTimeoutError as exc:
         # The handshake's advice names --coordinator; a discovering worker needs none.
         cause = str(exc).split("; start the worker with --coordinator")[0]
@@ -155,7 +157,7 @@ def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
 
 
 def _join(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder: dsc.Finder,
-          interfaces: List[dsc.Interface], leader: dsc.Advert) -> Pair:
+          interfaces: List[dsc.Interface], leader: dsc.Advert) -> Mesh:
     host, iface = dsc.dial_address(leader, interfaces)
     http = f"; it serves {leader.http}" if leader.http else ""
     log(f"discovery: {_who(leader)} leads (found on {iface.name} at {host} port {leader.port}); "
@@ -166,7 +168,7 @@ def _join(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
     def dial(h: str, p: int, deadline: float, what: str) -> socket.socket:
         return control_dial(h, p, min(deadline, time.monotonic() + JOIN_DIAL_SEC), what)
 
-    pair = connect(settings.resolved(identity), dial=dial)
+    pair = form_mesh(settings.resolved(identity), connect, dial=dial)
     finder.publish(state=dsc.PAIRED, port=0, want="work")
     return pair
 

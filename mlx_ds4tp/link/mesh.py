@@ -1,19 +1,19 @@
-"""A group of N ranks (3 to 8): rank 0 listens with size=N at its door (link/door.py), the
-workers dial it and JOIN, the leader gives out the ranks and tells every rank where the others
-listen (ROSTER) and the mesh's id (MESH_ID); then every pair of ranks makes its own link, a
-full pair of its own through connect() exactly as two ranks do (hello, secret, model check,
-the transport chosen per link, RDMA bring-up with its warm-up, receives-posted barrier, post
-cap and re-creation), so the mesh has no second handshake.
+"""Forming a group of N ranks (2 to 8), the one way any group forms: rank 0 listens at its door
+(link/door.py), the workers dial it and JOIN, the leader gives out the ranks and tells every
+rank where the others listen (ROSTER) and the group's id (MESH_ID); then every pair of ranks
+makes its own link through connect() (hello, secret, model check, the transport chosen per
+link, RDMA bring-up with its warm-up, receives-posted barrier, post cap and re-creation): a
+group of two is a door, a JOIN, a ROSTER and one link.
 
 Ranks: a worker may ask for one (JOIN's rank); the leader gives the asked ranks first (a rank
 asked twice is refused to the later asker) and the others, lowest free first, in the order
-the workers joined. Two ranks never form here: they form as a pair (connect(), as always on
-the wire), which pair_mesh then presents as a mesh of two, so the group above serves any N alike.
+the workers joined. A worker started without a size JOINs with size 0 and learns the leader's
+from the ROSTER (its length).
 
 Links come up one at a time in one order every rank walks, (0, 1), (0, 2) .. (1, 2) ..: the
 lower rank listens at its door, the higher dials it. The smallest link not yet made always
 has both its ranks at it, so the walk never deadlocks, and only one peer at a time dials a
-door. A link that fails names both ranks and the device; the whole mesh fails with it.
+door. A link that fails names both ranks and the device; the whole group fails with it.
 """
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..base.log import log
-from ..errors import FrameError, HelloMismatchError, TransportError
+from ..errors import AuthenticationError, FrameError, HelloMismatchError, TransportError
 from .config import LinkSettings, PairAddress, parse_fault_links
 from .connection import Pair
 from .control import ControlChannel, dial, tune_socket
 from .door import Door
+from .handshake import connect
+from .rdma import rdma_probe
 from .wire import (
     JOIN_PAYLOAD,
     JOIN_TAG,
+    MAX_MESH_SIZE,
     MESH_ID_PAYLOAD,
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -44,15 +47,17 @@ from .wire import (
 )
 
 Connect = Callable[..., Pair]
+Dial = Callable[[str, int, float, str], socket.socket]
 ANY_RANK = -1
+LEADERS_SIZE = 0  # JOIN's size from a worker started without one: it takes the leader's
 
 
 @dataclasses.dataclass
 class Mesh:
-    """This rank's end of a formed mesh: its rank, the size, one complete Pair per peer rank
+    """This rank's end of a formed group: its rank, the size, one complete Pair per peer rank
     (each a pair's own link: in it this rank is pair rank 0 towards higher ranks, 1 towards
-    lower ones), the mesh's id, and what stays open until close(). A pair connect() made is
-    a mesh of two (pair_mesh): no door, no id, the one pair its only link."""
+    lower ones), the group's id, and what stays open until close() (door None: links a test
+    made alone with connect())."""
 
     rank: int
     size: int
@@ -81,32 +86,29 @@ class Mesh:
                 pass
 
 
-def door_formed(size: int) -> bool:
-    """Whether a group of `size` ranks forms (and forms again) at the leader's door: JOIN,
-    ROSTER, a link per pair of ranks, REFORM to its workers when it breaks. Two ranks form as a
-    pair does (connect(): one hello on one connection, no door, no REFORM), as they always have
-    on the wire; above the wire both are the same group (pair_mesh)."""
-    return size > 2
+def make_link(config: LinkSettings, **seams) -> Pair:
+    """One link's steps, complete (handshake.connect with this rank's RDMA probe): its RDMA
+    queue pair proven, or TCP chosen."""
+    return connect(config, rdma_probe=lambda: rdma_probe(config.rdma_device, config.verbs_library),
+                   **seams)
 
 
-def pair_mesh(pair: Pair) -> Mesh:
-    """The pair connect() made as a mesh of two: the group above runs any N alike, and the
-    pair's formation on the wire (hello, secret, bring-up) stays as it is."""
-    return Mesh(pair.rank, 2, {1 - pair.rank: pair}, b"", None, [])
-
-
-def form_mesh(link: LinkSettings, connect: Connect) -> Mesh:
-    """This rank's end of the mesh `link` (resolved, size > 2) describes; connect(settings,
-    dial=..., door=...) makes each link's pair."""
+def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = dial) -> Mesh:
+    """This rank's end of the group `link` (resolved; a worker's size None: the leader's)
+    describes; connect(settings, dial=..., door=...) makes each link's pair (a test's seam;
+    make_link by default). dial opens a worker's connection to the leader's door (discovery
+    gives one that stops early at a stale address)."""
     started = time.monotonic()
     deadline = started + link.timeout
     if link.address.role == "leader":
         rank, roster, mesh_id, door, keep = _gather(link, deadline)
     else:
-        rank, roster, mesh_id, door, keep = _join(link, deadline)
+        rank, roster, mesh_id, door, keep = _join(link, deadline, dial)
+    size = len(roster)
+    link = dataclasses.replace(link, size=size)
     pairs: Dict[int, Pair] = {}
     try:
-        for low, high in _link_order(link.size):
+        for low, high in _link_order(size):
             if rank in (low, high):
                 peer = high if rank == low else low
                 pairs[peer] = _make_link(link, rank, peer, roster, mesh_id, door, connect)
@@ -118,9 +120,9 @@ def form_mesh(link: LinkSettings, connect: Connect) -> Mesh:
         for sock in keep:
             sock.close()
         raise
-    mesh = Mesh(rank, link.size, pairs, mesh_id, door, keep)
+    mesh = Mesh(rank, size, pairs, mesh_id, door, keep)
     kinds = ", ".join(f"{rank}<->{p} {t}" for p, t in mesh.transports().items())
-    log(f"mesh: rank {rank} of {link.size} linked to every peer in "
+    log(f"mesh: rank {rank} of {size} linked to every peer in "
         f"{time.monotonic() - started:.2f} s ({kinds})")
     return mesh
 
@@ -175,7 +177,8 @@ def _gather(link: LinkSettings, deadline: float):
     """Rank 0: the workers' JOINs at the door, their ranks, ROSTER and MESH_ID out."""
     host, port = link.address.listen
     door = Door(host, port, link.size, min(link.hello_timeout, link.timeout))
-    log(f"mesh: rank 0 of {link.size} waiting for {link.size - 1} workers on {host}:{door.port} ...")
+    others = "rank 1" if link.size == 2 else f"ranks 1 .. {link.size - 1}"
+    log(f"mesh: rank 0 of {link.size} waiting for {others} on {host}:{door.port} ...")
     members: List[Tuple[ControlChannel, int, str, int]] = []  # channel, asked, host, door port
     try:
         while len(members) < link.size - 1:
@@ -187,7 +190,7 @@ def _gather(link: LinkSettings, deadline: float):
                 channel.sock.close()
                 continue
             members.append((channel, asked, peer.rsplit(":", 1)[0], their_port))
-            log(f"mesh: {peer} joined ({len(members)} of {link.size - 1} workers"
+            log(f"mesh: {peer} joined ({len(members)} of the {link.size - 1} other ranks"
                 f"{'' if asked == ANY_RANK else f', asks for rank {asked}'})")
         ranks = assign_ranks([m[1] for m in members], link.size)
         roster = [("", door.port)] + [("", 0)] * (link.size - 1)
@@ -215,12 +218,13 @@ def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, 
     if not hmac.compare_digest(proof, join_proof(link.secret, _join_fields(size, asked, port, nonce))):
         return ("authentication failed: the JOIN's proof does not match this leader's pair secret; "
                 "give every rank the same --secret / DS4_TP_SECRET"), asked, port
-    if size != link.size:
-        return (f"this leader forms a mesh of {link.size} ranks and the worker expects {size}; "
-                f"give every rank --ranks {link.size} (size={link.size}), or start the workers "
-                "without --ranks to take the leader's"), asked, port
+    if size not in (link.size, LEADERS_SIZE):
+        return (f"the group has {link.size} ranks and this rank was started for {size}; give every "
+                f"rank --ranks {link.size} (size={link.size}), or start the workers without --ranks "
+                "to take the leader's"), asked, port
     if asked != ANY_RANK and not 1 <= asked < link.size:
-        return f"rank {asked} is not a worker's rank of {link.size} (1 .. {link.size - 1})", asked, port
+        return (f"rank {asked} is not a worker's rank of a group of {link.size} (1 .. {link.size - 1}); "
+                "ask for one of those, or none"), asked, port
     if asked != ANY_RANK and asked in [m[1] for m in members]:
         return (f"rank {asked} was asked for by a worker that joined first; ask for another rank "
                 "or none"), asked, port
@@ -251,6 +255,8 @@ def unpack_roster(payload: bytes) -> Tuple[List[Tuple[str, int]], int]:
     if len(payload) < ROSTER_HEADER.size:
         raise FrameError(f"ROSTER payload is {len(payload)} bytes, need {ROSTER_HEADER.size}")
     size, rank = ROSTER_HEADER.unpack_from(payload)
+    if not 2 <= size <= MAX_MESH_SIZE:
+        raise FrameError(f"ROSTER names {size} ranks; a group has 2 to {MAX_MESH_SIZE}")
     at, roster = ROSTER_HEADER.size, []
     for _ in range(size):
         if at + ROSTER_ENTRY.size > len(payload):
@@ -264,35 +270,40 @@ def unpack_roster(payload: bytes) -> Tuple[List[Tuple[str, int]], int]:
     return roster, rank
 
 
-def _join(link: LinkSettings, deadline: float):
-    """A worker: dial the leader's door, JOIN, learn the rank, the roster and the mesh id."""
+def _join(link: LinkSettings, deadline: float, dial: Dial):
+    """A worker: dial the leader's door, JOIN, learn the rank, the roster (its length the
+    group's size, for a worker started without one) and the group's id."""
     host, port = link.address.coordinator
-    sock = dial(host, port, deadline, "mesh JOIN")
+    sock = dial(host, port, deadline, "control")  # the JOIN opens the worker's control connection
     tune_socket(sock)
     channel = ControlChannel(sock, link.timeout)
     try:
         # Every interface: a peer worker may reach this one by another route than the leader
         # did. The roster names the address the leader saw this rank at.
         anywhere = "::" if ":" in sock.getsockname()[0] else "0.0.0.0"
-        door = Door(anywhere, 0, link.size, min(link.hello_timeout, link.timeout))
+        door = Door(anywhere, 0, link.size or MAX_MESH_SIZE, min(link.hello_timeout, link.timeout))
     except BaseException:
         sock.close()
         raise
     try:
         ask = ANY_RANK if link.ask_rank is None else link.ask_rank
         nonce = secrets.token_bytes(NONCE_BYTES)
-        fields = _join_fields(link.size, ask, door.port, nonce)
+        fields = _join_fields(link.size or LEADERS_SIZE, ask, door.port, nonce)
         channel.send(FrameType.JOIN, fields + join_proof(link.secret, fields))
         left = max(0.01, deadline - time.monotonic())
-        ftype, payload = channel.recv(timeout=left)
-        if ftype == FrameType.HELLO:  # a pair's leader says hello first: it takes one worker
+        try:
+            ftype, payload = channel.recv(timeout=left)
+        except TransportError as exc:
+            raise _refused(exc, host, port) from None
+        if ftype == FrameType.HELLO:  # a leader of protocol 13 or older: a pair's says hello first
             raise HelloMismatchError(
-                f"the leader at {host}:{port} leads a pair (2 ranks) and this worker was started for "
-                f"a mesh of {link.size}; give every rank the same --ranks (size=), or start the "
-                "workers without --ranks to take the leader's")
+                f"the leader at {host}:{port} answered this JOIN with a pair's HELLO: it runs an older "
+                f"mlx_ds4tp (protocol before {PROTOCOL_VERSION}); install the same version on every rank")
         if ftype != FrameType.ROSTER:
             raise FrameError(f"expected a ROSTER frame, got {ftype.name} ({len(payload)} bytes)")
         roster, rank = unpack_roster(payload)
+        if link.size is not None and len(roster) != link.size:
+            raise FrameError(f"the leader's ROSTER names {len(roster)} ranks; this rank JOINed a group of {link.size}")
         _, payload = channel.recv(FrameType.MESH_ID)
         if len(payload) != MESH_ID_PAYLOAD.size:
             raise FrameError(f"MESH_ID payload is {len(payload)} bytes, expected {MESH_ID_PAYLOAD.size}")
@@ -302,10 +313,21 @@ def _join(link: LinkSettings, deadline: float):
         sock.close()
         raise
     roster[0] = (host, roster[0][1])
+    door.size = len(roster)
     door.mesh_id = mesh_id
     door.abort_on = [sock]
-    log(f"mesh: rank {rank} of {link.size} (leader {host}:{port}); links come up next")
+    log(f"mesh: rank {rank} of {len(roster)} (leader {host}:{port}); links come up next")
     return rank, roster, mesh_id, door, [sock]
+
+
+def _refused(exc: TransportError, host: str, port: int) -> TransportError:
+    """The leader's answer to this JOIN was a refusal (an ERROR frame): one that waiting would not
+    change (another secret, size, version or rank) is raised as such, so a rejoin stops on it."""
+    text = str(exc)
+    if not text.startswith("peer reported: "):
+        return exc
+    why = f"the leader (rank 0) at {host}:{port} refused this rank: {text[len('peer reported: '):]}"
+    return AuthenticationError(why) if "authentication failed" in text else HelloMismatchError(why)
 
 
 # ============================================================================
@@ -340,6 +362,8 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
         else:
             pair = connect(settings, dial=dial_link)
     except TransportError as exc:
+        if link.size == 2:
+            raise  # the group's one link: its leader is rank 0, its worker rank 1, as its messages say
         where = f"device {device or 'the first active one'}" if link.transport != "tcp" else "tcp"
         low, high = min(rank, peer), max(rank, peer)
         # The pair's own messages say "leader" and "worker": on this link, the lower rank and the higher.

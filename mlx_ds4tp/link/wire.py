@@ -24,11 +24,10 @@ The bound is checked before anything is allocated. The transport's own frames an
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
-| JOIN             | JOIN_PAYLOAD (version, size, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a mesh of N ranks (link/mesh.py) | 128 |
+| JOIN             | JOIN_PAYLOAD (version, size or 0 for the leader's, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a group of N ranks, 2 included (link/mesh.py) | 128 |
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
-| MESH_SIZE        | MESH_SIZE_PAYLOAD (the mesh's size): rank 0's door answers a pair's HELLO with it while the mesh gathers, then closes; a worker started without a size JOINs a mesh of that size | 64 |
-| REFORM           | UTF-8 text, the leader's reason: a serving leader whose mesh of N > 2 ranks broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
+| REFORM           | UTF-8 text, the leader's reason: a serving leader whose group (any N) broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
 | PART_OFFER       | UTF-8 JSON: the files of a worker's part the leader offers (names, sizes, digests), to a worker started without --model (split/part_send.py) | 16777216 |
 | PART_WANT        | UTF-8 JSON: the files (and the offset in each) that worker still needs; an empty list ends the transfer | 1048576 |
 | PART_DATA        | the next bytes of the file being sent                          | 4194304     |
@@ -43,7 +42,7 @@ which registers that bound here (register_frame_bound) as it is defined, so the 
 checks every frame's bound before reading it while this module knows nothing above it. A frame
 whose type has no bound in this process (a lockstep command in a process that never loaded the
 lockstep) is refused at its header. Numbers
-of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE) are never
+of retired frames (1 SYNC, 2 EVAL, 10 LOGITS, 17 COMMAND_ACK, 33 VERIFY, 37 DECODE, 46 MESH_SIZE) are never
 reused: a peer of an older install that sent one gets "unknown frame type" at the header.
 
 Gate data connection: DATA_HELLO (DATA_MAGIC, version, session id, proof) once
@@ -90,10 +89,12 @@ from ..errors import FrameError
 # gathering mesh's door is answered with MESH_SIZE, and it JOINs a mesh of that size. The door
 # answers only a HELLO of its own version, so a worker of version 12 is told the versions
 # instead of meeting a frame type it does not know; a pair's wire is otherwise unchanged.
-# 14: the leader asks a worker for its figures for the cluster page (RANK_STATS), and a worker
+# 14: two ranks form as any group does (door, JOIN, ROSTER, MESH_ID, one link), and a worker
+# started without a size JOINs with size 0 and learns the leader's from the ROSTER: MESH_SIZE is
+# gone, and a rank of version 13 (whose pair said HELLO first) is told the versions at the door.
+# The leader asks a worker for its figures for the cluster page (RANK_STATS), and a worker
 # started without --model joins with the identity PART_RECEIVER (hello.py) and receives its part
-# of the leader's model (PART_OFFER, PART_WANT, PART_DATA, PART_END) before it loads; a rank of
-# version 13 would refuse the hello's identity and the new frames.
+# of the leader's model (PART_OFFER, PART_WANT, PART_DATA, PART_END) before it loads.
 PROTOCOL_VERSION = 14
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
@@ -150,15 +151,12 @@ class FrameType(enum.IntEnum):
     # How many KV cache tokens the worker's machine holds beside its part of the weights
     # (lockstep.caches.memory): the leader's default budget is the smaller of the two ranks'.
     KV_ROOM = 42
-    # A mesh of N > 2 ranks (link/mesh.py, link/door.py): a worker's request for a rank at rank 0's
+    # A group of N ranks, 2 included (link/mesh.py, link/door.py): a worker's request for a rank at rank 0's
     # door, the leader's answer with every rank's address, and the mesh's id, which also opens
     # every link's control connection so a link from a stale mesh is refused at the door.
     JOIN = 43
     ROSTER = 44
     MESH_ID = 45
-    # The mesh's size, rank 0's answer to a worker that dialed its door as a pair's (it was
-    # started without a size): the worker then JOINs as one of that many ranks.
-    MESH_SIZE = 46
     # A serving leader whose mesh broke (a worker died) and that forms it again: each worker
     # still alive joins the new mesh at the same door with its rank and share (serve/rejoin.py).
     REFORM = 47
@@ -211,7 +209,6 @@ FRAME_MAX_BYTES = {
     FrameType.JOIN: 128,
     FrameType.ROSTER: 4096,
     FrameType.MESH_ID: 64,
-    FrameType.MESH_SIZE: 64,
     FrameType.REFORM: 4096,
     FrameType.PART_OFFER: 16 * 1024 * 1024,
     FrameType.PART_WANT: 1024 * 1024,
@@ -252,8 +249,8 @@ FRAME_HEADER = struct.Struct("<III")  # magic, type, byte count
 # its matrix-vector product; 0: not measured); then the reason, then the
 # fingerprint summary (or nothing).
 MODEL_IDENTITY_FIELDS = ("layers", "hidden", "vocab", "quant_bits", "gates_per_token")
-# The first words of every version's hello (magic, version, role): a mesh's door reads these
-# before it answers a pair's hello, whatever version sent it.
+# The first words of every version's hello (magic, version, role): a group's door reads these
+# to name the version of a rank that said hello where this version JOINs.
 HELLO_HEAD = struct.Struct("<III")
 HELLO_FIXED = struct.Struct(f"<IIIIIIIQI{NONCE_BYTES}s" + "I" * len(MODEL_IDENTITY_FIELDS) + "QQ")
 # Model fingerprint (_fingerprint.py): digest of the three parts, then the
@@ -297,5 +294,4 @@ JOIN_TAG = b"ds4tp-join-v1"
 ROSTER_HEADER = struct.Struct("<II")  # size, the receiving rank; then size entries
 ROSTER_ENTRY = struct.Struct("<HH")  # port, host length; then the UTF-8 host
 MESH_ID_PAYLOAD = struct.Struct("<16sI")  # the mesh's id, the sending rank
-MESH_SIZE_PAYLOAD = struct.Struct("<I")  # the number of ranks of the mesh rank 0 gathers
 MAX_MESH_SIZE = 8

@@ -14,9 +14,9 @@ class GrammarError(ValueError):
 
 
 class MeshReformingError(Exception):
-    """A serving leader's REFORM to a worker of its mesh (N > 2): one worker died, the leader
-    lives and forms the mesh again at its door; the worker still alive joins it again with its
-    rank and share (serve.rejoin). The message is the leader's reason."""
+    """A serving leader's REFORM to a worker of its group (any N): a rank died, the leader lives
+    and forms the group again at its door; a worker still alive joins it again with its rank and
+    share (serve.rejoin). The message is the leader's reason."""
 
 
 __all__ = ["ForeignFileError", "GrammarError", "MeshReformingError"]

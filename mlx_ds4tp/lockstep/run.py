@@ -40,7 +40,7 @@ def run_rank(link: LinkSettings, model_path: Optional[str], settings: RunSetting
     with group:
         if not joined.leads:  # the role named, or the one discovery elected
             table = serve_worker(group, model, Grammars(tokenizer))
-            log(f"worker done: served {table.ended} prompt(s), leader said stop")
+            log(f"rank {group.rank()} done: served {table.ended} prompt(s), leader said stop")
             if settings.tokens_out:
                 Path(settings.tokens_out).write_text(json.dumps({"split": str(share), "peak_rss_bytes": peak_rss()}))
             return 0

@@ -33,7 +33,7 @@ class ApiError(Exception):
 
 
 def unavailable(reason: str) -> ApiError:
-    """The 503 every request gets once the pair is down."""
-    return ApiError(503, f"the two-machine pair is down ({reason}); start the worker's `ds4tp serve` "
-                    "again (the leader takes it back, no restart needed) and retry",
+    """The 503 every request gets once the group is down."""
+    return ApiError(503, f"the group of machines is down ({reason}); start the stopped rank's `ds4tp "
+                    "serve` again (the leader (rank 0) takes it back, no restart needed) and retry",
                     None, "pair_unavailable", "server_error")

@@ -1,15 +1,14 @@
 """`ds4tp serve`'s re-join, both sides: the leader that keeps serving HTTP (503 meanwhile) while
 it takes a restarted worker back, and the worker that joins its leader again.
 
-Over a mesh of N > 2 ranks one worker's death breaks the whole mesh, so every rank forms it
+Over a group of any size one rank's death breaks the whole group, so every rank forms it
 again (gate_ops.reconnect, each keeping its rank and share). The leader says so: before it
-closes a broken mesh it sends each worker REFORM on its control channel (ServingSessions.abort,
-tell_reform), and a worker still alive that reads it joins the new mesh by itself, without
+closes a broken group it sends each worker REFORM on its control channel (ServingSessions.abort,
+tell_reform), and a worker still alive that reads it joins the new group by itself, without
 --rejoin, for as long as the leader's door answers (follow_leader). A worker whose own step
-failed with the mesh waits for the leader's word on that channel (leader_reforms): REFORM, or
+failed with the group waits for the leader's word on that channel (leader_reforms): REFORM, or
 the channel closing, an ERROR or STOP (the leader is gone or stopping). So "leader alive" is
-what the leader said, never a guess from timing. A two-rank pair keeps its old behaviour (its
-worker without --rejoin stops when the pair breaks)."""
+what the leader said, never a guess from timing."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ from ..base.log import log
 from ..base.stopping import shielded, stop_reason
 from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
 from ..link.control import dial
-from ..link.mesh import door_formed
 from ..link.wire import FrameType
 from ..lockstep.errors import MeshReformingError
 from ..lockstep.join_and_load import rejoin
@@ -47,19 +45,15 @@ DOOR_GRACE_SEC = 10.0
 
 
 class ServingSessions(LeaderSessions):
-    """The serving leader's sessions: over a mesh (N > 2) a failure tells every worker REFORM,
-    not ERROR (the leader lives and takes a restarted worker back: the others join again by
-    themselves); over a pair, as LeaderSessions."""
+    """The serving leader's sessions: a failure tells every worker REFORM, not ERROR (the
+    leader lives and takes a restarted worker back: the others join again by themselves)."""
 
     def abort(self, reason: str) -> None:
-        if door_formed(self.group.size()):
-            tell_reform(self.group, reason)
-        else:
-            super().abort(reason)
+        tell_reform(self.group, reason)
 
 
 def tell_reform(group: gate_ops.Group, reason: str) -> None:
-    """Close a broken mesh, each worker told first (REFORM with `reason`, best effort: the dead
+    """Close a broken group, each worker told first (REFORM with `reason`, best effort: the dead
     one takes nothing) that the leader forms it again. What the workers sent that nobody read
     (a failed worker's ERROR) is read off first, so the close is an orderly one and the REFORM
     already sent is not cut off by a reset."""
@@ -113,55 +107,51 @@ class Quit:
 
 
 def fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Optional[int]) -> None:
-    """The KV budget within the worker's machine too: two different Macs split unevenly hold
+    """The KV budget within every worker rank's machine too: different Macs split unevenly hold
     different parts of every cache in different memories, so the budget from memory is the
-    smaller of the two ranks' (own_room: the leader's; None when --max-kv-tokens gave it, which
-    is kept and only warned about when the worker holds less)."""
+    smallest of the ranks' (own_room: the leader's; None when --max-kv-tokens gave it, which
+    is kept and only warned about when a worker rank holds less)."""
     limits = settings.limits
     room = sessions.worker_kv_room(limits.kv_bits, limits.kv_group_size)
     if room is None:
-        log("serve: the worker could not read its memory; the KV budget is the leader's alone")
+        log("serve: a worker rank could not read its memory; the KV budget is the leader's (rank 0) alone")
     elif own_room is None:
         if limits.kv_budget > room:
-            log(f"serve: --max-kv-tokens {limits.kv_budget} is more than the worker's machine holds "
+            log(f"serve: --max-kv-tokens {limits.kv_budget} is more than a worker rank's machine holds "
                 f"({room} tokens): it may run out of memory under load; give --max-kv-tokens {room} or less")
     else:
         budget = min(own_room, max(room, 1)) if own_room else max(room, 1)
         if budget != engine.admission.kv_budget:
-            log(f"serve: KV budget {budget} tokens, the smaller of the leader's ({own_room or 'unknown'}) "
-                f"and the worker's ({room})")
+            log(f"serve: KV budget {budget} tokens, the smaller of rank 0's ({own_room or 'unknown'}) "
+                f"and the least of ranks 1 .. {sessions.group.size() - 1} ({room})")
             engine.admission.kv_budget = budget
 
 
 def _give_up_on(group: gate_ops.Group, quit_: Quit, why: str) -> None:
-    """A re-join that failed on the leader: the mesh's workers told it forms again (they are in
+    """A re-join that failed on the leader: the group's workers told it forms again (they are in
     it, or on the way), the group closed for the next try."""
     with quit_.native() as go:
         if go:
-            if door_formed(group.size()):
-                tell_reform(group, why)
-            else:
-                group.close()
+            tell_reform(group, why)
 
 
 def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
                       settings: ServeSettings, own_room: Optional[int], quit_: Quit) -> None:
-    """The leader's side of a worker that comes back: whenever the pair or mesh goes down (a
-    worker died or was stopped, a link dropped), keep serving HTTP (503 and /health 503
-    meanwhile), listen again on the same address, and resume serving once a worker with the
-    same model fingerprint and secret has joined; it gets the share the leader's model is split
-    by. Over a mesh the workers still alive were told REFORM and join the new mesh with it. A
-    daemon thread, ended by the leader's stop (Quit)."""
+    """The leader's side of a worker that comes back: whenever the group goes down (a worker
+    died or was stopped, a link dropped), keep serving HTTP (503 and /health 503 meanwhile),
+    listen again on the same address, and resume serving once the missing ranks, with the same
+    model fingerprint and secret, have joined; each gets the share the leader's model is split
+    by. The workers still alive were told REFORM and join the new group with it. A daemon
+    thread, ended by the leader's stop (Quit)."""
     model, share = split_model
     listen = settings.link.address.listen
     where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
     while not quit_.event.is_set():
         if not engine.wait_down(1.0):
             continue
-        others = (f"; over {group.size()} ranks the workers still alive were told the mesh forms "
-                  "again and join it by themselves" if door_formed(group.size()) else "")
-        log(f"serve: HTTP answers 503 until a worker joins again {where} (start "
-            f"`ds4tp serve --role worker` again, with the same --model and secret{others})")
+        log(f"serve: HTTP answers 503 until the group of {group.size()} forms again {where} (start "
+            "the stopped rank's `ds4tp serve --role worker` again, with the same --model and secret; "
+            "any rank still alive was told the group forms again and joins it by itself)")
         while not quit_.event.is_set():
             try:
                 rejoin(group, settings.split, share)
@@ -169,8 +159,8 @@ def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Spl
             except TransportTimeoutError:
                 continue  # nobody came within the connect timeout: keep listening
             except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
-                log(f"serve: a worker could not rejoin: {type(exc).__name__}: {exc}")
-                _give_up_on(group, quit_, f"a worker could not rejoin: {exc}")
+                log(f"serve: a rank could not rejoin: {type(exc).__name__}: {exc}")
+                _give_up_on(group, quit_, f"a rank could not rejoin: {exc}")
                 time.sleep(0.5)
         if quit_.event.is_set():
             return
@@ -179,14 +169,14 @@ def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Spl
             sessions.wait_ready()  # the worker loads its weights after joining
             fit_worker_room(engine, sessions, settings, own_room)  # its machine may hold less
         except Exception as exc:  # noqa: BLE001 - it died loading: listen again
-            log(f"serve: the worker joined but failed before serving: {exc}")
-            _give_up_on(group, quit_, f"a worker failed before serving: {exc}")
+            log(f"serve: the group formed again but a rank failed before serving: {exc}")
+            _give_up_on(group, quit_, f"a rank failed before serving: {exc}")
             continue
         with quit_.native() as go:
             if not go:
                 return
             engine.resume(sessions)
-        log(f"serve: a worker rejoined (transport {group.transport}); serving again")
+        log(f"serve: the group of {group.size()} formed again (transport {group.transport}); serving again")
 
 
 # ============================================================================
@@ -196,8 +186,8 @@ def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Spl
 
 def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare,
                     grammars_disk: Tuple[Any, Any]) -> str:
-    """The worker's command loop. Over a mesh, a leader that forms the mesh again (REFORM) is
-    followed: this rank joins the new mesh with its rank and share, with or without --rejoin.
+    """A worker's command loop. A leader that forms the group again (REFORM) is followed: this
+    rank joins the new group with its rank and share, with or without --rejoin.
     With --rejoin the worker also outlives its leader: when the leader stops or dies it waits
     for a leader on the same address and serves it (the same checks as a first join). Without
     it, a leader gone is this process's end: an error naming it, never a hang. Ctrl-C or
@@ -215,25 +205,24 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
                 table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
                 said = f"the leader said stop after {table.step_count} decode steps"
                 if not wait_for_any:
-                    return f"the worker stopped: {said}"
+                    return f"rank {group.rank()} stopped: {said}"
                 log(f"serve: {said}")
             except MeshReformingError as exc:
                 follow = True
-                log(f"serve: the leader forms the mesh again ({exc}); rank {group.rank()} joins it")
-            except Exception as exc:  # noqa: BLE001 - the pair failed; report it or rejoin
-                follow = door_formed(group.size()) and leader_reforms(group)
+                log(f"serve: the leader (rank 0) forms the group again ({exc}); rank {group.rank()} joins it")
+            except Exception as exc:  # noqa: BLE001 - the group failed; report it or rejoin
+                follow = leader_reforms(group)
                 if follow:
-                    log(f"serve: the mesh broke ({type(exc).__name__}: {exc}); the leader forms it again "
-                        f"and rank {group.rank()} joins it")
+                    log(f"serve: the group broke ({type(exc).__name__}: {exc}); the leader (rank 0) "
+                        f"forms it again and rank {group.rank()} joins it")
                 elif not wait_for_any:
-                    gone = f"the leader {where} is gone: " if door_formed(group.size()) else ""
-                    raise TransportError(f"{gone}{exc}; the worker stops (run it with --rejoin to wait "
-                                            "for a leader instead)") from None
+                    raise TransportError(f"the leader (rank 0) {where} is gone: {exc}; rank {group.rank()} "
+                                         "stops (run it with --rejoin to wait for a leader instead)") from None
                 else:
-                    log(f"serve: the pair is down: {type(exc).__name__}: {exc}")
+                    log(f"serve: the group is down: {type(exc).__name__}: {exc}")
             group.close()
             drain_failed_work()
-            release_memory()  # the failed pair's table, its caches and its failed steps
+            release_memory()  # the failed group's table, its caches and its failed steps
             if follow and not wait_for_any:
                 follow_leader(group, settings, share)
             else:
@@ -243,7 +232,7 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
     except KeyboardInterrupt:
         with shielded():
             told = _tell_leader(group, drain_failed_work)
-        return f"the worker stopped by {stop_reason()}{told}"
+        return f"rank {group.rank()} stopped by {stop_reason()}{told}"
 
 
 def _leader_at(group: gate_ops.Group, settings: ServeSettings) -> str:
@@ -252,7 +241,7 @@ def _leader_at(group: gate_ops.Group, settings: ServeSettings) -> str:
 
 
 def leader_reforms(group: gate_ops.Group) -> bool:
-    """After this worker's own step failed with the mesh: whether the leader forms the mesh
+    """After this worker's own step failed with the group: whether the leader forms the group
     again (its REFORM comes), or is gone or stopping (its channel closes, or ERROR or STOP
     comes, or nothing within the timeout, DS4_TP_TIMEOUT_SEC). Commands the leader sent
     before it knew are passed over."""
@@ -276,8 +265,8 @@ def leader_reforms(group: gate_ops.Group) -> bool:
 
 
 def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitShare) -> None:
-    """A worker without --rejoin told REFORM: join the leader's new mesh, with this rank and
-    share, for as long as the leader waits for the restarted worker. The leader's door closes
+    """A worker without --rejoin told REFORM: join the leader's new group, with this rank and
+    share, for as long as the leader waits for the restarted rank. The leader's door closes
     only between two of its waits (each DS4_TP_TIMEOUT_SEC long), and opens again at once, so
     before each try after the first this worker looks at the door for up to DOOR_GRACE_SEC:
     open, it tries again; closed all that while, the leader is gone (killed or stopped during
@@ -288,8 +277,9 @@ def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitSh
     while True:
         if last is not None and not _door_open(address, group):
             raise TransportError(
-                f"the leader at {where} is gone: its door no longer answers (the last try: {last}); "
-                "the worker stops (run it with --rejoin to wait for a leader instead)") from None
+                f"the leader (rank 0) at {where} is gone: its door no longer answers (the last try: "
+                f"{last}); rank {group.rank()} stops (run it with --rejoin to wait for a leader "
+                "instead)") from None
         try:
             rejoin(group, settings.split, share)
             return
@@ -330,13 +320,13 @@ def _rejoin_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitS
 
 def _tell_leader(group: gate_ops.Group, drain) -> str:
     """A stopped worker's goodbye: the leader told why (an ERROR frame, which its failing step or
-    idle check reports), the pair closed (a step in flight fails at once) and its queued work
+    idle check reports), the group closed (a step in flight fails at once) and its queued work
     drained, so no MLX work is left running as the process exits."""
     try:
         control = leader_channel(group)
     except TransportError:
         return " (no leader was joined)"
-    control.send_error(f"the worker was stopped by {stop_reason()}; start it again and it rejoins")
+    control.send_error(f"rank {group.rank()} was stopped by {stop_reason()}; start it again and it rejoins")
     group.close()
     drain()
     return "; the leader was told"

@@ -110,7 +110,7 @@ def run(settings: ServeSettings) -> int:
         path = settings.model.path
         return _run_rank(settings, PART_RECEIVER if path is None else model_identity(str(path)), servers)
     except KeyboardInterrupt:
-        log(f"serve: stopped by {stop_reason()} before it served (joining the pair or loading the weights)")
+        log(f"serve: stopped by {stop_reason()} before it served (joining the group or loading the weights)")
         return 0
     finally:
         for server in servers:

@@ -45,7 +45,6 @@ import mlx.core as mx
 from ... import gate_ops
 from ...errors import FrameError, LockstepDivergenceError, TransportError, TransportTimeoutError
 from ...link.control import ControlChannel
-from ...link.mesh import door_formed
 from ...link.wire import FrameType
 from ..caches.disk_cache import DiskCache
 from ..caches.disk_files import tokens_digest
@@ -179,7 +178,7 @@ class LeaderSessions:
         gates fail, the worker's own explanation (an ERROR frame) is preferred over our 'peer
         closed'. A query is asked (ask), not sent."""
         if command.answers:
-            raise ValueError(f"{command.frame.name} is a query the worker answers: ask it (LeaderSessions.ask)")
+            raise ValueError(f"{command.frame.name} is a query the worker ranks answer: ask it (LeaderSessions.ask)")
         payload = command.pack(*fields)
         self._broadcast(command.frame, payload)
         return self._explained(lambda: self.table.apply(command.frame, payload))
@@ -225,12 +224,8 @@ class LeaderSessions:
             for rank, control in enumerate(self.controls, 1):
                 reason = _peer_error(control)
                 if reason:
-                    raise TransportError(f"{exc}; the worker{self._named(rank)} reported: {reason}") from None
+                    raise TransportError(f"{exc}; rank {rank} reported: {reason}") from None
             raise
-
-    def _named(self, rank: int) -> str:
-        """' (rank r)' in a mesh, '' in a pair: which worker a message is about."""
-        return f" (rank {rank})" if len(self.controls) > 1 else ""
 
     def sampled_step(self, rows: Sequence[Tuple[int, int]]) -> SampledStep:
         """One decode step (EVAL_BATCH) over (session, input token or EVAL_PENDING) rows whose
@@ -252,7 +247,7 @@ class LeaderSessions:
         loaded = []
         for rank, (peer_id, _, theirs, _) in enumerate(answers, 1):
             if peer_id != cache_id:
-                raise LockstepDivergenceError(f"the worker{self._named(rank)} answered DISK_LOAD of cache "
+                raise LockstepDivergenceError(f"rank {rank} answered DISK_LOAD of cache "
                                               f"{peer_id}; the leader asked for {cache_id}")
             loaded.append(bool(theirs))
         if mine and all(loaded):
@@ -290,7 +285,7 @@ class LeaderSessions:
         step, (mine, what) = self.step_count, self.table.batch.hash_of(session)
         _, answers = self.ask(Hash, session, step, mine, patient=patient)
         for rank, (_, peer_step, theirs) in enumerate(answers, 1):
-            check_in_step(step, mine, peer_step, theirs, f"worker{self._named(rank)}", what)
+            check_in_step(step, mine, peer_step, theirs, f"rank {rank}", what)
 
     def peer_gone(self) -> Optional[str]:
         """Between commands: why a worker is gone (it sent ERROR or closed), or None."""
@@ -300,7 +295,7 @@ class LeaderSessions:
             return f"the control socket failed: {exc}"
         for rank, control in enumerate(self.controls, 1):
             if control.sock in readable:
-                return _peer_error(control) or f"the worker{self._named(rank)} closed the connection"
+                return _peer_error(control) or f"rank {rank} closed the connection"
         return None
 
     def stop(self) -> bool:
@@ -342,9 +337,8 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             ftype, payload = _next_command(control, table.busy)
             if ftype == F.STOP:
                 return table
-            if ftype == F.REFORM and door_formed(group.size()):
-                # The leader lives and forms its mesh again: not a failure. A pair has no mesh
-                # to re-form, so there a REFORM is a stray frame, refused below as any other.
+            if ftype == F.REFORM:
+                # The leader lives and forms its group again: not a failure.
                 raise MeshReformingError(payload.decode("utf-8", "replace"))
             command = COMMANDS.get(ftype)
             if command is not None and command.answers:  # a query: HASH, DISK_LOAD, KV_ROOM

@@ -115,7 +115,7 @@ class SessionTable:
                                 "VERIFY_BATCH: the ranks are out of step")
         command = COMMANDS.get(ftype)
         if command is None or command.answers:
-            raise FrameError(f"the worker cannot execute a {ftype.name} frame here")
+            raise FrameError(f"a worker rank cannot execute a {ftype.name} frame here")
         return command.apply(self, *command.unpack(payload, self.vocab))
 
     def set_sampler(self, session: int, options, context: List[int], seed: int) -> None:

@@ -188,14 +188,14 @@ class Engine:
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                log(f"serve: the engine did not stop within {timeout:g} s; closing the pair to end its step")
+                log(f"serve: the engine did not stop within {timeout:g} s; closing the group to end its step")
                 self.sessions.group.close()
                 thread.join(timeout)
         if self._down.is_set():
-            return f"the worker was gone already ({self._error})"
+            return f"a worker rank was gone already ({self._error})"
         if thread is None or thread.is_alive() or not self.sessions.stop():
-            return "the worker could not be told to stop"
-        return "the worker was told to stop"
+            return "the workers (ranks 1 ..) could not all be told to stop"
+        return "the workers (ranks 1 ..) were told to stop"
 
     # -- the loop -------------------------------------------------------------
     def _run(self) -> None:
@@ -336,7 +336,7 @@ class Engine:
         with self._lock:
             self._error = message
             self._down.set()
-        log(f"serve: the pair is down: {message}")
+        log(f"serve: the group is down: {message}")
         self.sessions.abort(message)
         drain_failed_work()
         self._end_all(message)

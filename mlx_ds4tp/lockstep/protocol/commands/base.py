@@ -35,7 +35,7 @@ class Command:
     def apply(cls, table, *fields) -> Any:
         """Change `table` (lockstep.protocol.table.SessionTable) as the command says; the logits of a
         step command, else None."""
-        raise FrameError(f"the worker cannot execute a {cls.frame.name} frame here")
+        raise FrameError(f"a worker rank cannot execute a {cls.frame.name} frame here")
 
     @classmethod
     def answer(cls, table, *fields) -> bytes:
