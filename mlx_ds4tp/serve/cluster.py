@@ -136,7 +136,7 @@ class ClusterView:
         error = self.engine.error
         if error is None:
             return ["up"] * self.size
-        named = {int(r) for r in _RANK_NAMED.findall(error)} if self.size > 2 else {1}
+        named = {int(r) for r in _RANK_NAMED.findall(error)}
         # A failure that names no rank: which worker died cannot be told; all are shown down.
         return ["up"] + ["down" if not named or r in named else "rejoining" for r in range(1, self.size)]
 

@@ -51,7 +51,8 @@ def _link_device(pair) -> str:
 
 def link_figures(group) -> List[Dict[str, Any]]:
     """Each of this rank's links: the peer, transport, device, the recent decode gates' p50 and
-    p99 round trips (microseconds; None before any gate, so no figure reads as a fast link) and the gates run on it since start."""
+    p99 round trips (microseconds; None before any gate, so no figure reads as a fast link) and
+    the gates run on it since start."""
     out = []
     for peer, pair in sorted(group.mesh.pairs.items()):
         ring = group.latency_ring(peer)
