@@ -44,9 +44,10 @@ class _Engine:
 
 @pytest.mark.parametrize("error,size,want", [
     (None, 3, ["up", "up", "up"]),
-    ("the worker (rank 2) closed the connection", 3, ["up", "rejoining", "down"]),
+    ("TransportError: rank 2 closed the connection", 3, ["up", "rejoining", "down"]),
+    ("TransportError: rank 1 closed the connection", 2, ["up", "down"]),
     ("a gate failed", 3, ["up", "down", "down"]),  # which worker died cannot be told
-    ("the worker closed the connection", 2, ["up", "down"])])
+    ("the connection closed", 2, ["up", "down"])])
 def test_a_broken_group_shows_the_named_rank_down(error, size, want):
     view = ClusterView.__new__(ClusterView)
     view.engine, view.size = _Engine(error), size

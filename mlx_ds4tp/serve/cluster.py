@@ -32,7 +32,7 @@ ASK_EVERY_SEC = 2.0
 WANTED_SEC = 10.0
 # The shortest window a rate (tokens, gates a second) is measured over.
 RATE_WINDOW_SEC = 1.0
-_RANK_NAMED = re.compile(r"\(rank (\d+)\)")
+_RANK_NAMED = re.compile(r"\brank (\d+)\b")
 
 
 def percentiles_ms(samples: Sequence[float]) -> Dict[str, Optional[float]]:
