@@ -42,12 +42,9 @@ const say = (what) => console.log(JSON.stringify(what));
   await page.fill("#api-key", key);  // kept in localStorage; the next poll sends it
   await page.waitForFunction(() => document.querySelectorAll('[data-rank][data-state="up"]').length === 3 &&
       document.querySelectorAll("tr[data-link]").length === 3 &&
-      [...document.querySelectorAll("tr[data-link]")].every(r => !r.textContent.includes("? µs")) &&
       [...document.querySelectorAll("[data-rank]")].every(r => !r.textContent.includes("memory ?")),
       null, {timeout: 90000});
   const ranks = await page.$$eval("[data-rank]", els => els.map(e => ({rank: e.dataset.rank,
-      state: e.dataset.state, text: e.textContent})));
-  const links = await page.$$eval("tr[data-link]", els => els.map(e => ({link: e.dataset.link,
       state: e.dataset.state, text: e.textContent})));
   // The chat: count the answer's updates (a streamed answer grows in several).
   await page.fill("#chat-input", "hello cluster");
@@ -62,6 +59,12 @@ const say = (what) => console.log(JSON.stringify(what));
   await page.waitForSelector(".msg.answer[data-done]", {timeout: 120000});
   const chat = await page.$eval(".msg.answer", e => ({done: e.dataset.done, text: e.textContent}));
   const updates = await page.evaluate(() => window.answerUpdates);
+  // The answer's gates crossed every link: each shows its latency (a link before its first gate
+  // shows "–"; the workers' own link comes with their figures, asked while the engine is idle).
+  await page.waitForFunction(() => [...document.querySelectorAll("tr[data-link]")].every(
+      r => r.textContent.includes("µs")), null, {timeout: 60000});
+  const links = await page.$$eval("tr[data-link]", els => els.map(e => ({link: e.dataset.link,
+      state: e.dataset.state, text: e.textContent})));
   await page.screenshot({path: shot, fullPage: true});  // the figures of the answer's last second
   // A phone's width in dark mode: nothing wider than the screen.
   const phone = await browser.newContext({viewport: {width: 390, height: 844}, colorScheme: "dark",

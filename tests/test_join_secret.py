@@ -153,7 +153,7 @@ def test_ranks_paired_with_ds4tp_pair_form_their_group_and_strangers_are_refused
     code = pair_every(configs)
     strangers_config = tmp_path / "stranger"  # no stored secret
     leader = spawn(procs, bridge, 0, run_argv(model, "--ranks", "3", *leader_flags(bridge)), configs[0], "leader")
-    wait_for(leader, "waiting for 2 workers")
+    wait_for(leader, "rank 0 of 3 waiting for ranks 1 .. 2")
     # At the leader's door: one with another secret, one with none (--insecure gets it past its
     # own check); each is refused by the leader's JOIN check and stops saying so.
     strangers = []
@@ -170,7 +170,7 @@ def test_ranks_paired_with_ds4tp_pair_form_their_group_and_strangers_are_refused
               "after the leader logged the refusal")
     assert strangers[1].err.text().count("WARNING: --insecure") == 1, strangers[1].describe()
     first = spawn(procs, bridge, 1, run_argv(model, *worker_flags(bridge)), configs[1], "worker 1")
-    wait_for(leader, "joined (1 of 2 workers")
+    wait_for(leader, "joined (1 of the 2 other ranks")
     # At worker 1's mesh port, open while the leader gathers the others: a stranger's
     # connection waits there and is the first the worker takes once the links form.
     ports = listening_ports(bridge.ns[1])
@@ -227,7 +227,7 @@ def test_a_paired_server_warns_of_its_keyless_http_face_and_shows_the_secret_now
                    configs[0], "serve leader")
     worker = spawn(procs, bridge, 1, [*serve, *worker_flags(bridge)], configs[1], "serve worker")
     try:
-        wait_for(leader, "worker connected", 180)
+        wait_for(leader, "linked to every peer", 180)
         wait_for(leader, "http://", 180)
         answer = http_get(bridge, "/v1/completions", {"model": str(model), "prompt": PROMPT, "max_tokens": TOKENS,
                                                       "temperature": 0})
