@@ -9,7 +9,8 @@
 // would start each chunk's sum at another rank, so the ranks' bits would
 // agree with each other but not with the mesh, nor with a pair.)
 //  - up to TP_MESH_SMALL_BYTES (a decode gate): every partial goes half-way
-//    round each way (N/2 steps), then each member combines all N;
+//    round each way (N/2 steps, every one the same size), then each member
+//    combines all N;
 //  - larger: each member's chunk k goes the short way round to member k
 //    (forwarded, not added, on the way), which combines the N of them; then
 //    the reduced chunks go half-way round each way as above.
@@ -104,9 +105,11 @@ void LinkedGroupImpl::ring_all_gather(const tp_xsig& sig, char* blocks, size_t b
   }
   if (n % 2 == 0) {
     // The member opposite is as far either way: the first half of its block comes from
-    // behind, the last from ahead (an odd b: the middle byte both ways, the same).
+    // behind, the last from ahead (an odd b: the middle byte both ways, the same). A gate's
+    // block comes whole both ways instead: a gate of another size would cost an RDMA link
+    // its armed window and a header swap, more than the bytes saved.
     const int s = n / 2;
-    const size_t h = (b + 1) / 2;
+    const size_t h = b <= TP_GATE_BYTES ? b : (b + 1) / 2;
     step.bytes = h;
     ring_step(step, blocks + ring_member(1 - s) * b, blocks + ring_member(-s) * b,
               blocks + ring_member(s - 1) * b + (b - h), blocks + ring_member(s) * b + (b - h));
