@@ -109,16 +109,17 @@ def main(args: argparse.Namespace) -> int:
     if address is not None and (args.serve or args.model):
         raise SystemExit("ds4tp bench: --role is for the two-machine gate bench; --model and "
                          "--serve run both ranks here")
-    if args.url and not args.serve:
-        raise SystemExit("ds4tp bench: --url needs --serve")
-    if (args.soak or args.restart_worker or args.client_counts) and not args.serve:
-        raise SystemExit("ds4tp bench: --soak, --restart-worker and --client-counts need --serve")
+    for given, needed, why in (
+            (args.url, args.serve, "--url needs --serve"),
+            (args.soak or args.restart_worker or args.client_counts, args.serve,
+             "--soak, --restart-worker and --client-counts need --serve"),
+            (args.ring, args.ranks is not None, "--ring times groups of --ranks N,.. over their ring; "
+             "give --ranks (e.g. --ranks 3,4 --ring)")):
+        if given and not needed:
+            raise SystemExit(f"ds4tp bench: {why}")
     if args.plot and (args.serve or args.model or address is not None):
         raise SystemExit("ds4tp bench: --plot draws the gate bench run with both ranks here "
                          "(no --model, --serve or --role)")
-    if args.ring and args.ranks is None:
-        raise SystemExit("ds4tp bench: --ring times groups of --ranks N,.. over their ring; give --ranks "
-                         "(e.g. --ranks 3,4 --ring)")
     if args.ranks is not None:
         return _ranks(args, address)
     if args.serve:
