@@ -11,6 +11,9 @@ collectives run over the ring 0-1-...-(N-1)-0 alone. CASE:
            with no way between its members, are refused by name
   cut      the links off the ring shut down first (their data sockets), then mesh_child's
            exact suite over the ring: it never needs them
+  matrix   mesh_child's matrix (MLX's collective test matrix, send/recv to the next rank,
+           split into evens and odds, compile, grad) over the ring of 3, where those splits
+           are neighbours
   partial  a mesh of the ring's links only, cabled out of rank order (0-2-1-3 at 4), as auto
            finds it: the ring learned over the links, then the exact suite
 Prints one JSON object as its last stdout line.
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlx.core as mx  # noqa: E402
 
 import mlx_ds4tp as tp  # noqa: E402
-from mesh_child import FLOATS, Report, exact, in_order, partial, same  # noqa: E402
+from mesh_child import FLOATS, Report, exact, in_order, matrix, partial, same  # noqa: E402
 from mlx_ds4tp.collectives.group import Group  # noqa: E402
 from mlx_ds4tp.link.mesh import Mesh  # noqa: E402
 
@@ -148,7 +151,9 @@ def main() -> None:
                 **where, **kw)
     if g.rank() != rank or g.size() != size or g.transport != transport:
         raise SystemExit(f"asked for rank {rank} of {size} over {transport}, got {g!r}")
-    result = {"same": same_case, "cut": cut_case, "partial": partial_case}[case](g)
+    if g.ring != list(range(size)):
+        raise SystemExit(f"DS4_TP_TOPOLOGY=ring but the group runs over {g!r}")
+    result = {"same": same_case, "cut": cut_case, "partial": partial_case, "matrix": matrix}[case](g)
     result["rank"] = g.rank()
     print(json.dumps(result), flush=True)
     g.close()

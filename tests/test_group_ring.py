@@ -64,6 +64,13 @@ def test_the_ring_runs_with_the_other_links_shut_down(size, transport):
         assert report["failed"] == [] and report["cases"] == 3 * 7 * 3 + 20, report
 
 
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_the_mlx_collective_matrix_passes_over_a_ring_of_three(transport):
+    for report in run_ring(3, transport, "matrix"):
+        assert report["failed"] == [], report["failed"]
+        assert report["cases"] > 7 * 5 * 6
+
+
 @pytest.mark.parametrize("size,transport", [(4, "tcp"), (5, "tcp"), (4, "rdma")])
 def test_a_partial_mesh_cabled_as_a_ring_is_found_and_exact(size, transport):
     cabled = list(range(0, size, 2)) + list(range(1, size, 2))
