@@ -122,6 +122,40 @@ def test_links_that_are_no_single_ring_are_refused_by_name():
         topology.ring_order(0, 4, {1: None, 2: None, 3: None}, "star")
 
 
+def test_neighbours_that_run_other_links_are_refused_naming_both():
+    """agree() over in-process links: rank 1 runs the full mesh, the others the ring. Ranks 0
+    and 1 meet first (link 0-1 comes first for both) and refuse naming each other; the others
+    then wait on the ranks that stopped (a real group's links close: they fail too)."""
+    plans = {0: [0, 1, 2, 3], 1: [], 2: [0, 1, 2, 3], 3: [0, 1, 2, 3]}
+    boxes = {(a, b): queue.Queue() for a in range(4) for b in range(4) if a != b}
+    errors = {}
+
+    class Link:
+        def __init__(self, rank, peer):
+            self.rank, self.peer = rank, peer
+
+    def swap(link, table):
+        boxes[(link.rank, link.peer)].put(table.copy())
+        return boxes[(link.peer, link.rank)].get(timeout=2)
+
+    def rank_main(rank):
+        try:
+            topology.agree(rank, 4, {p: Link(rank, p) for p in range(4) if p != rank}, plans[rank])
+        except (TransportError, queue.Empty) as exc:
+            errors[rank] = str(exc)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(topology, "_swap", swap)
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    assert sorted(errors) == [0, 1, 2, 3], errors
+    assert "rank 1 runs its collectives over the full mesh, its neighbour rank 0 over the ring 0-1-2-3" in errors[1]
+    assert "its neighbour rank 1 over the full mesh" in errors[0] and "DS4_TP_TOPOLOGY" in errors[0]
+
+
 def test_the_topology_a_full_mesh_runs_over():
     full = {1: None, 2: None, 3: None}
     assert topology.ring_order(0, 4, full, "auto") == []

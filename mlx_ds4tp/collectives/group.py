@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import TransportError
 from ..link.native import load_verbs
 from .backend import _address, _pairgroup
-from .topology import ring_order
+from .topology import agree, ring_order
 
 # How many recent decode gates each link's latency ring keeps.
 LATENCY_WINDOW = 8192
@@ -75,6 +75,7 @@ class Group(_pairgroup.Group):
         self._rings = {peer: LatencyRing() for peer in mesh.pairs}
         cmesh, links = _c_mesh(ffi, mesh, self._rings)
         self.ring: List[int] = ring_order(mesh.rank, mesh.size, links, topology)
+        agree(mesh.rank, mesh.size, links, self.ring)
         super().__init__(mesh.rank, mesh.size, _address(ffi, cmesh),
                          _address(ffi, lib.tp_mesh_exchange_address()),
                          _address(ffi, lib.tp_sum2_address()),

@@ -8,7 +8,9 @@ The choice, ``topology`` (a Group's argument, else DS4_TP_TOPOLOGY, else "auto")
   - "mesh": the full mesh, refused when a link is missing;
   - "ring": the ring's links alone; over a full mesh the ring 0-1-...-(N-1)-0, its other
     links left idle (how the ring runs, and is tested, where every pair is linked).
-Both give the same bits: every item's partials combine in rank order either way.
+Both give the same bits: every item's partials combine in rank order either way. Every rank
+must run the same: a rank over the ring and its neighbour over the mesh would wait on links the
+other never uses, or pair one's steps with the other's collectives, so agree() checks it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from ..link.exchange import Exchange
 
 # A table entry for a rank whose neighbours this rank has not heard of yet.
 _UNKNOWN = 255
+# agree()'s entry past the ring's ranks (every entry, over the full mesh).
+_MESH = 254
 
 
 def ring_order(rank: int, size: int, links: Dict[int, object], topology: Optional[str] = None) -> List[int]:
@@ -47,6 +51,34 @@ def ring_order(rank: int, size: int, links: Dict[int, object], topology: Optiona
                              "link to every peer (a full mesh) or to exactly two (a ring); cable "
                              "each Mac to two others, the cables closing one cycle")
     return _cycle(_learn(rank, size, peers, lambda peer, table: _swap(links[peer], table)), size)
+
+
+def agree(rank: int, size: int, links: Dict[int, object], ring: List[int]) -> None:
+    """Refuse, naming both, a neighbour that runs its collectives over other links than this
+    rank: each rank swaps what it runs over with rank - 1 and rank + 1 (links of every ring the
+    ranks may run, the rank-order one of a full mesh or the learned one), so the whole group
+    agrees when every two neighbours do. Every rank must call this at once."""
+    if size <= 2:
+        return
+    plan = np.full(size, _MESH, dtype=np.uint8)
+    plan[:len(ring)] = ring
+    near = _neighbours(rank, ring or list(range(size)))
+    for peer in sorted(near, key=lambda peer: (min(rank, peer), max(rank, peer))):
+        theirs = _swap(links[peer], plan)
+        if not np.array_equal(theirs, plan):
+            raise TransportError(f"rank {rank} runs its collectives over {_plan_text(plan)}, its neighbour "
+                                 f"rank {peer} over {_plan_text(theirs)}: give every rank the same "
+                                 f"{TOPOLOGY_ENV} (or topology=), and cable or link them alike")
+
+
+def _neighbours(rank: int, ring: List[int]) -> List[int]:
+    k = ring.index(rank)
+    return [ring[k - 1], ring[(k + 1) % len(ring)]]
+
+
+def _plan_text(plan: np.ndarray) -> str:
+    ranks = [int(r) for r in plan if r != _MESH]
+    return f"the ring {'-'.join(map(str, ranks))}" if ranks else "the full mesh"
 
 
 def _swap(link, table: np.ndarray) -> np.ndarray:
