@@ -79,6 +79,25 @@ def test_a_partial_mesh_cabled_as_a_ring_is_found_and_exact(size, transport):
         assert report["failed"] == [] and report["cases"] == 3 * 7 * 3 + 20, report
 
 
+def test_a_rank_on_the_full_mesh_beside_ranks_on_the_ring_stops_every_rank():
+    procs = Procs()
+    port = str(free_port())
+    try:
+        ranks = [procs.spawn([CHILD, str(r), port, "tcp", "4", "same"],
+                             env={"DS4_TP_TOPOLOGY": "mesh" if r == 1 else "ring"}) for r in range(4)]
+        errs = []
+        for p in ranks:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode != 0, err
+            errs.append(err)
+    finally:
+        procs.kill_all()
+    assert "rank 1 runs its collectives over the full mesh, its neighbour rank 0 over the ring 0-1-2-3" in errs[1]
+    assert "rank 0 runs its collectives over the ring 0-1-2-3, its neighbour rank 1 over the full mesh" in errs[0]
+    for err in errs[2:]:  # their neighbours' links closed under them
+        assert "PeerClosedError" in err or "closed" in err, err
+
+
 def _learn_all(links):
     """Every rank's topology._learn, each in a thread, over in-process queues as links."""
     size = len(links)
