@@ -61,6 +61,15 @@ def ring_cases(g):
             yield (f"all_gather {case}", parts, lambda grp, p=parts: tp.all_gather(p[rank], group=grp),
                    mx.concatenate(parts))
         rows = [partial(r, dtype, (n * 3000, 4), 8) for r in range(n)]
+        if dtype == mx.float32:
+            # Odd byte counts past a gate: the opposite member's block split into halves
+            # that overlap by a byte (all_gather; all_sum's gathered chunks, one padded).
+            odd = [partial(r, mx.uint8, (40001,), 11) for r in range(n)]
+            yield ("all_gather uint8 40001", odd, lambda grp, p=odd: tp.all_gather(p[rank], group=grp),
+                   mx.concatenate(odd))
+            wide = [partial(r, mx.int8, (n * 40001 - 1,), 12) for r in range(n)]
+            yield ("all_sum int8 odd chunks", wide, lambda grp, p=wide: tp.all_sum(p[rank], group=grp),
+                   in_order(mx.add, wide))
         want = in_order(mx.add, rows)[rank * 3000:(rank + 1) * 3000]
         yield (f"sum_scatter {dtype}", rows, lambda grp, p=rows: tp.sum_scatter(p[rank], group=grp), want)
 
