@@ -125,36 +125,47 @@ void LinkedGroupImpl::ring_scatter(const tp_xsig& sig, const char* src, size_t c
   const size_t h = (cb + 1) / 2;
   // A bundle: the blocks of one origin still on their way, nearest destination first.
   size_t bundle = full * cb + (halves ? h : 0);
-  // [forwards: staged, in (two)][backwards: staged, in (two)]
-  char* buf = core_->bundles_of(6 * bundle);
-  char* fwd_in[2] = {buf + bundle, buf + 2 * bundle};
-  char* back_in[2] = {buf + 4 * bundle, buf + 5 * bundle};
-  char* fwd_stage = buf;
-  char* back_stage = buf + 3 * bundle;
-  for (int d = 1; d <= full; d++) {
-    std::memcpy(fwd_stage + (d - 1) * cb, src + ring_member(d) * cb, cb);
-    std::memcpy(back_stage + (d - 1) * cb, src + ring_member(-d) * cb, cb);
-  }
-  if (halves) {
-    const char* opposite = src + ring_member(n / 2) * cb;
-    std::memcpy(fwd_stage + full * cb, opposite, h);
-    std::memcpy(back_stage + full * cb, opposite + (cb - h), h);
-  }
   const int steps = full + (halves ? 1 : 0);
+  // Three members: each bundle is one block, sent from src and received in place.
+  const bool staged = bundle > cb;
+  const char* fwd_stage = src + ring_member(1) * cb;
+  const char* back_stage = src + ring_member(-1) * cb;
+  char* fwd_in[2] = {nullptr, nullptr};
+  char* back_in[2] = {nullptr, nullptr};
+  if (staged) {
+    // [forwards: staged, in (two)][backwards: staged, in (two)]
+    char* buf = core_->bundles_of(6 * bundle);
+    fwd_in[0] = buf + bundle;
+    fwd_in[1] = buf + 2 * bundle;
+    back_in[0] = buf + 4 * bundle;
+    back_in[1] = buf + 5 * bundle;
+    for (int d = 1; d <= full; d++) {
+      std::memcpy(buf + (d - 1) * cb, src + ring_member(d) * cb, cb);
+      std::memcpy(buf + 3 * bundle + (d - 1) * cb, src + ring_member(-d) * cb, cb);
+    }
+    if (halves) {
+      const char* opposite = src + ring_member(n / 2) * cb;
+      std::memcpy(buf + full * cb, opposite, h);
+      std::memcpy(buf + 3 * bundle + full * cb, opposite + (cb - h), h);
+    }
+    fwd_stage = buf;
+    back_stage = buf + 3 * bundle;
+  }
   for (int s = 1; s <= steps; s++) {
+    // The last bundle is this member's block alone (an even ring: its half): it lands in place.
+    const bool last = s == steps;
+    const size_t back_at = s > full ? cb - h : 0;
     tp_xsig step = sig;
     step.bytes = bundle;
-    ring_step(step, s == 1 ? fwd_stage : fwd_in[(s - 1) % 2] + cb, fwd_in[s % 2],
-              s == 1 ? back_stage : back_in[(s - 1) % 2] + cb, back_in[s % 2]);
+    ring_step(step, s == 1 ? fwd_stage : fwd_in[(s - 1) % 2] + cb,
+              last ? got + ring_member(-s) * cb : fwd_in[s % 2],
+              s == 1 ? back_stage : back_in[(s - 1) % 2] + cb,
+              last ? got + ring_member(s) * cb + back_at : back_in[s % 2]);
+    if (last) break;
     // Each bundle's first block is this member's: from s places behind, and s ahead.
-    if (s <= full) {
-      std::memcpy(got + ring_member(-s) * cb, fwd_in[s % 2], cb);
-      std::memcpy(got + ring_member(s) * cb, back_in[s % 2], cb);
-      bundle -= cb;
-    } else {
-      std::memcpy(got + ring_member(-s) * cb, fwd_in[s % 2], h);
-      std::memcpy(got + ring_member(s) * cb + (cb - h), back_in[s % 2], h);
-    }
+    std::memcpy(got + ring_member(-s) * cb, fwd_in[s % 2], cb);
+    std::memcpy(got + ring_member(s) * cb, back_in[s % 2], cb);
+    bundle -= cb;
   }
 }
 
