@@ -181,3 +181,12 @@ def test_the_topology_a_full_mesh_runs_over():
     assert topology.ring_order(0, 4, full, "mesh") == []
     assert topology.ring_order(0, 4, full, "ring") == [0, 1, 2, 3]
     assert topology.ring_order(0, 2, {1: None}, "ring") == []  # a pair: its one link
+
+
+def test_ds4_tp_topology_is_checked_by_name():
+    from mlx_ds4tp.link.config import default_topology
+
+    assert default_topology({}) == "auto"
+    assert default_topology({"DS4_TP_TOPOLOGY": "ring"}) == "ring"
+    with pytest.raises(ValueError, match="DS4_TP_TOPOLOGY='star': set it to one of auto, mesh, ring"):
+        default_topology({"DS4_TP_TOPOLOGY": "star"})
