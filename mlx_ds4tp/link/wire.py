@@ -86,7 +86,10 @@ from ..errors import FrameError
 # gathering mesh's door is answered with MESH_SIZE, and it JOINs a mesh of that size. The door
 # answers only a HELLO of its own version, so a worker of version 12 is told the versions
 # instead of meeting a frame type it does not know; a pair's wire is otherwise unchanged.
-PROTOCOL_VERSION = 13
+# 14: a group of 3 or more swaps with its neighbours which links its collectives run over (the
+# full mesh or a ring: collectives/topology.py) in one exchange on the data links before its
+# first collective; a rank of version 13 would meet it as a collective mismatch.
+PROTOCOL_VERSION = 14
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
