@@ -101,6 +101,8 @@ class Group(_pairgroup.Group):
                              f"is rank {self.rank()} of {self.size()}: a group keeps its rank and size")
         ffi, _ = load_verbs()
         cmesh, links = _c_mesh(ffi, mesh, self._rings)
+        # A restarted rank joins with a new Group, whose __init__ agrees with its neighbours.
+        agree(mesh.rank, mesh.size, links, self.ring)
         self._attach_backend(_address(ffi, cmesh))
         self._take(cmesh, links, mesh)
 
