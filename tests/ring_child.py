@@ -14,6 +14,8 @@ collectives run over the ring 0-1-...-(N-1)-0 alone. CASE:
   matrix   mesh_child's matrix (MLX's collective test matrix, send/recv to the next rank,
            split into evens and odds, compile, grad) over the ring of 3, where those splits
            are neighbours
+  rejoin   the group closed and joined again by every rank (reconnect): still over the
+           ring, its collectives exact
   partial  a mesh of the ring's links only, cabled out of rank order (0-2-1-3 at 4), as auto
            finds it: the ring learned over the links, then the exact suite
 Prints one JSON object as its last stdout line.
@@ -138,6 +140,14 @@ def cut_case(g) -> dict:
     return result
 
 
+def rejoin_case(g) -> dict:
+    g.close()
+    tp.reconnect(g)
+    result = exact(g)
+    result["ring"] = g.ring
+    return result
+
+
 def partial_case(g) -> dict:
     n, rank = g.size(), g.rank()
     cabled = list(range(0, n, 2)) + list(range(1, n, 2))  # 0-2-1-3 at 4, 0-2-4-1-3 at 5
@@ -162,7 +172,8 @@ def main() -> None:
         raise SystemExit(f"asked for rank {rank} of {size} over {transport}, got {g!r}")
     if g.ring != list(range(size)):
         raise SystemExit(f"DS4_TP_TOPOLOGY=ring but the group runs over {g!r}")
-    result = {"same": same_case, "cut": cut_case, "partial": partial_case, "matrix": matrix}[case](g)
+    result = {"same": same_case, "cut": cut_case, "partial": partial_case, "matrix": matrix,
+              "rejoin": rejoin_case}[case](g)
     result["rank"] = g.rank()
     print(json.dumps(result), flush=True)
     g.close()

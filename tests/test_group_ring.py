@@ -71,6 +71,13 @@ def test_the_mlx_collective_matrix_passes_over_a_ring_of_three(transport):
         assert report["cases"] > 7 * 5 * 6
 
 
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_a_ring_joined_again_runs_over_the_ring(transport):
+    for report in run_ring(4, transport, "rejoin"):
+        assert report["ring"] == [0, 1, 2, 3]
+        assert report["failed"] == [] and report["cases"] == 3 * 7 * 3 + 20, report
+
+
 @pytest.mark.parametrize("size,transport", [(4, "tcp"), (5, "tcp"), (4, "rdma")])
 def test_a_partial_mesh_cabled_as_a_ring_is_found_and_exact(size, transport):
     cabled = list(range(0, size, 2)) + list(range(1, size, 2))
