@@ -42,6 +42,7 @@ def pairgroup_extension(include: str, lib: str) -> Extension:
         "mlx_ds4tp._pairgroup",
         sources=[
             os.path.join(CSRC, "mlx", "group.cpp"),
+            os.path.join(CSRC, "mlx", "ring.cpp"),
             os.path.join(CSRC, "mlx", "module.cpp"),
             os.path.relpath(os.path.join(nanobind.source_dir(), "nb_combined.cpp"), HERE),
         ],

@@ -5,7 +5,9 @@ from a hostfile on 127.0.0.1) at the same N, in the same run.
 
 Each record: name ("tcp", "rdma-ucsim" or "mlx-ring"), ranks, bytes, iters, p50_us, p99_us:
 rank 0's time for ``mx.eval(all_sum(x))``, one collective per evaluation, after a warm-up;
-every rank checks the sum it got. N = 2 is a pair (today's two-rank group); N > 2 a mesh.
+every rank checks the sum it got. N = 2 is a pair (today's two-rank group); N > 2 a mesh, and
+with ring=True (`--ring`) the same mesh again running over its ring's links alone ("tcp-ring",
+"rdma-ucsim-ring": topology ring, collectives/topology.py), so both are timed in one run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import gate_ops
+from ..link.config import TOPOLOGY_ENV
 from ..onehost import localpair
 from .gates import percentiles
 
@@ -63,6 +66,7 @@ def mesh_rank(rank: int, size: int, port: int, transport: str, rdma_device: Opti
         if group.transport != transport:
             raise RuntimeError(f"asked for {transport}, the group runs {group.transport}")
         name = "tcp" if transport == "tcp" else f"rdma-{rdma_device or 'ibverbs'}"
+        name += "-ring" if group.ring else ""
         records = _time_all_sum(lambda x: gate_ops.all_sum(x, group=group), group.rank(), size, iters, name)
     return records if rank == 0 else []
 
@@ -78,14 +82,15 @@ def ring_rank(iters: int) -> List[Dict]:
 
 
 def spawn_mesh(size: int, transport: str, rdma_device: Optional[str], iters: int,
-               timeout: float = 900.0) -> List[Dict]:
-    """Our group of `size` ranks here; rank 0's records."""
+               timeout: float = 900.0, topology: str = "auto") -> List[Dict]:
+    """Our group of `size` ranks here, over the links `topology` says; rank 0's records."""
     port = str(localpair.free_port())
     device = ["--rdma-device", rdma_device] if rdma_device else []
     cmds = [localpair.rank_command("mesh-gate", "--rank", str(r), "--size", str(size), "--port", port,
                                    "--transport", transport, "--iters", str(iters), *device)
             for r in range(size)]
-    return localpair.json_records(localpair.run_ranks(cmds, timeout=timeout)[0])
+    envs = [localpair.child_env({TOPOLOGY_ENV: topology})] * size
+    return localpair.json_records(localpair.run_ranks(cmds, envs, timeout=timeout)[0])
 
 
 def spawn_ring(size: int, iters: int, timeout: float = 900.0) -> List[Dict]:
@@ -102,13 +107,16 @@ def spawn_ring(size: int, iters: int, timeout: float = 900.0) -> List[Dict]:
 
 
 def ranks_bench(sizes: Sequence[int], transports: Sequence[str], rdma_device: Optional[str],
-                iters: int) -> List[Dict]:
-    """Every record of the bench: for each N, ours on each transport, then MLX's ring."""
+                iters: int, ring: bool = False) -> List[Dict]:
+    """Every record of the bench: for each N, ours on each transport (with `ring`, over the
+    full mesh and then over its ring alone, from N = 3), then MLX's ring."""
     records: List[Dict] = []
     for size in sizes:
         for transport in transports:
             device = (rdma_device or "ucsim") if transport == "rdma" else None
-            records += spawn_mesh(size, transport, device, iters)
+            records += spawn_mesh(size, transport, device, iters, topology="mesh")
+            if ring and size > 2:
+                records += spawn_mesh(size, transport, device, iters, topology="ring")
         records += spawn_ring(size, iters)
     return records
 
@@ -127,23 +135,37 @@ def ratios(records: List[Dict]) -> List[str]:
     return lines
 
 
+def ring_ratios(records: List[Dict]) -> List[str]:
+    """One line per (N, size, transport) timed both ways: the full mesh's p50 over the ring's."""
+    mesh = {(r["ranks"], r["bytes"], r["name"]): r for r in records}
+    lines = []
+    for rec in records:
+        base = mesh.get((rec["ranks"], rec["bytes"], rec["name"][:-len("-ring")]))
+        if not rec["name"].endswith("-ring") or base is None:
+            continue
+        lines.append(f"N={rec['ranks']} {_size(rec['bytes']):>7} {rec['name']:>16}: p50 "
+                     f"{rec['p50_us']:9.1f} us vs the full mesh {base['p50_us']:9.1f} us: "
+                     f"{base['p50_us'] / max(rec['p50_us'], 1e-9):6.2f}x")
+    return lines
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def ranks_report(sizes: Sequence[int], transports: Sequence[str], rdma_device: Optional[str],
-                 iters: int, as_json: bool) -> int:
+                 iters: int, as_json: bool, ring: bool = False) -> int:
     """Run the bench and print its records (a table, or JSON lines) and the ratios."""
-    records = ranks_bench(sizes, transports, rdma_device, iters)
+    records = ranks_bench(sizes, transports, rdma_device, iters, ring)
     for rec in records:
         if as_json:
             print(json.dumps(rec), flush=True)
         else:
-            print(f"N={rec['ranks']}  {rec['name']:>11}  {_size(rec['bytes']):>7}  p50 "
+            print(f"N={rec['ranks']}  {rec['name']:>16}  {_size(rec['bytes']):>7}  p50 "
                   f"{rec['p50_us']:9.1f} us  p99 {rec['p99_us']:9.1f} us  ({rec['iters']} iters)",
                   flush=True)
     if not as_json:
-        for line in ratios(records):
+        for line in ratios(records) + ring_ratios(records):
             print(line, flush=True)
     return 0
 

@@ -51,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "2,3,4): ours over tcp and rdma (ucsim) and MLX's ring at the same N; with "
                         "--model: decode tok/s of the model over N ranks, ours (tcp) beside mlx-lm's "
                         "shard() on MLX's ring")
+    p.add_argument("--ring", action="store_true",
+                   help="with --ranks: ours again over each mesh's ring alone (topology ring: rank k "
+                        "linked to k+1 and the last to 0, the other links idle), beside the full mesh")
     p.add_argument("--json", action="store_true", help="one JSON record per line")
     add_model_arg(p, "time decode tok/s of this mlx-lm model instead (a directory, `demo`, or a "
                   "preset built once: 150m, moe-1g): single process, our pair (tcp, rdma) and "
@@ -109,10 +112,14 @@ def main(args: argparse.Namespace) -> int:
     if address is not None and (args.serve or args.model):
         raise SystemExit("ds4tp bench: --role is for the two-machine gate bench; --model and "
                          "--serve run both ranks here")
-    if args.url and not args.serve:
-        raise SystemExit("ds4tp bench: --url needs --serve")
-    if (args.soak or args.restart_worker or args.client_counts) and not args.serve:
-        raise SystemExit("ds4tp bench: --soak, --restart-worker and --client-counts need --serve")
+    for given, needed, why in (
+            (args.url, args.serve, "--url needs --serve"),
+            (args.soak or args.restart_worker or args.client_counts, args.serve,
+             "--soak, --restart-worker and --client-counts need --serve"),
+            (args.ring, args.ranks is not None, "--ring times groups of --ranks N,.. over their ring; "
+             "give --ranks (e.g. --ranks 3,4 --ring)")):
+        if given and not needed:
+            raise SystemExit(f"ds4tp bench: {why}")
     if args.plot and (args.serve or args.model or address is not None):
         raise SystemExit("ds4tp bench: --plot draws the gate bench run with both ranks here "
                          "(no --model, --serve or --role)")
@@ -148,6 +155,8 @@ def _ranks(args: argparse.Namespace, address) -> int:
     if args.model:
         from ..bench.model_ranks import model_ranks_report
 
+        if args.ring:
+            raise SystemExit("ds4tp bench: --ring times the all_sums of --ranks; not with --model")
         check_at_least("bench", (("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1),
                                  ("--prompt-tokens", args.prompt_tokens, 1)))
         if args.transport not in (ALL, "tcp"):
@@ -160,7 +169,7 @@ def _ranks(args: argparse.Namespace, address) -> int:
                          "all (MLX's ring runs beside them anyway)")
     transports = ("tcp", "rdma") if args.transport == ALL else (args.transport,)
     iters = 1000 if args.iters == 5000 else args.iters
-    return bench_ranks.ranks_report(sizes, transports, args.rdma_device, iters, args.json)
+    return bench_ranks.ranks_report(sizes, transports, args.rdma_device, iters, args.json, args.ring)
 
 
 def _model_dir(flag: str, value: str) -> str:

@@ -2,17 +2,19 @@
 (csrc/mlx/group.cpp) over the C mesh (tp_mesh, csrc/exchange.c), whose links are the mesh's
 pairs (link/mesh.py; two ranks form as N do, a mesh of one link).
 ``mx.distributed``'s collectives, ``mlx.nn``'s sharded layers and mlx-lm's ``shard()`` take it
-for any N; ``split(color, key)`` makes subgroups over the same links."""
+for any N; ``split(color, key)`` makes subgroups over the same links. Over a ring (cabled as one, or
+topology "ring") every collective runs over the ring's links alone (collectives/topology.py)."""
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import TransportError
 from ..link.native import load_verbs
 from .backend import _address, _pairgroup
+from .topology import agree, ring_order
 
 # How many recent decode gates each link's latency ring keeps.
 LATENCY_WINDOW = 8192
@@ -61,16 +63,23 @@ class Group(_pairgroup.Group):
     ``links()`` (each link's transport and RDMA queue pair builds), ``link_to(peer)`` (the
     pair to a peer rank: its control channel and hellos, for the lockstep above),
     ``close()`` (also a context manager), ``reattach(mesh)``, and the exchange statistics
-    over every link (``gate_latency_us()``, ``exchange_seconds()``, ``gates()``)."""
+    over every link (``gate_latency_us()``, ``exchange_seconds()``, ``gates()``).
 
-    def __init__(self, mesh):
+    topology ("auto", "mesh" or "ring"; None: DS4_TP_TOPOLOGY, else auto): which links the
+    collectives run over (collectives/topology.py); ``ring`` is then the ring's ranks in cycle
+    order ([] over the full mesh). Over a ring a subgroup holds every rank or two neighbours,
+    and send/recv go between neighbours (anything else is refused, naming the ring)."""
+
+    def __init__(self, mesh, topology: Optional[str] = None):
         ffi, lib = load_verbs()
         self._rings = {peer: LatencyRing() for peer in mesh.pairs}
         cmesh, links = _c_mesh(ffi, mesh, self._rings)
+        self.ring: List[int] = ring_order(mesh.rank, mesh.size, links, topology)
+        agree(mesh.rank, mesh.size, links, self.ring)
         super().__init__(mesh.rank, mesh.size, _address(ffi, cmesh),
                          _address(ffi, lib.tp_mesh_exchange_address()),
                          _address(ffi, lib.tp_sum2_address()),
-                         _address(ffi, lib.tp_mesh_close_address()))
+                         _address(ffi, lib.tp_mesh_close_address()), self.ring)
         self._take(cmesh, links, mesh)
 
     def _take(self, cmesh, links, mesh) -> None:
@@ -83,8 +92,8 @@ class Group(_pairgroup.Group):
         """Run this closed group over a new mesh of the same ranks, this rank at its place
         (`ds4tp serve` taking a restarted rank back, any N): a
         model split over this group, whose layers hold it, works on unchanged; nothing of the
-        old mesh is carried over but the statistics. The new links' sequence numbers start
-        again at zero on every rank."""
+        old mesh is carried over but the statistics and the ring (its links must be there). The
+        new links' sequence numbers start again at zero on every rank."""
         if self._mesh is not None:
             raise TransportError("this group is still open; close() it before reattach()")
         if (mesh.rank, mesh.size) != (self.rank(), self.size()):
@@ -92,6 +101,8 @@ class Group(_pairgroup.Group):
                              f"is rank {self.rank()} of {self.size()}: a group keeps its rank and size")
         ffi, _ = load_verbs()
         cmesh, links = _c_mesh(ffi, mesh, self._rings)
+        # A restarted rank joins with a new Group, whose __init__ agrees with its neighbours.
+        agree(mesh.rank, mesh.size, links, self.ring)
         self._attach_backend(_address(ffi, cmesh))
         self._take(cmesh, links, mesh)
 
@@ -150,7 +161,8 @@ class Group(_pairgroup.Group):
             pass
 
     def __repr__(self) -> str:
-        return f"<mlx_ds4tp Group rank={self.rank()} size={self.size()} transport={self.transport}>"
+        ring = f" ring={'-'.join(map(str, self.ring))}" if self.ring else ""
+        return f"<mlx_ds4tp Group rank={self.rank()} size={self.size()} transport={self.transport}{ring}>"
 
     # -- statistics, over every link --------------------------------------------
     def gate_latency_us(self) -> Tuple[float, float]:

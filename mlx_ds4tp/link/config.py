@@ -39,6 +39,9 @@ RDMA_NO_IMM_ENV = "DS4_TP_RDMA_NO_IMM"
 DISABLE_WARMUP_ENV = "DS4_TP_DISABLE_RDMA_WARMUP"
 VERBS_LIBRARY_ENV = "DS4_TP_VERBS_LIBRARY"
 UCSIM_FAULT_LINKS_ENV = "DS4_TP_UCSIM_FAULT_LINKS"
+TOPOLOGY_ENV = "DS4_TP_TOPOLOGY"
+# Which links a group's collectives run over (collectives/topology.py).
+TOPOLOGIES = ("auto", "mesh", "ring")
 MAX_MESH_SIZE = 8
 
 
@@ -68,6 +71,18 @@ def _env_seconds(env: Optional[Mapping[str, str]], name: str, default: float) ->
 def default_timeout(env: Optional[Mapping[str, str]] = None) -> float:
     """DS4_TP_TIMEOUT_SEC, default 300 s: connect and command waits."""
     return _env_seconds(env, TIMEOUT_ENV, DEFAULT_TIMEOUT_SEC)
+
+
+def default_topology(env: Optional[Mapping[str, str]] = None) -> str:
+    """DS4_TP_TOPOLOGY, default "auto": the links a group of 3 or more runs its collectives
+    over ("mesh": every pair's, "ring": the ring's alone, "auto": as the links formed)."""
+    raw = _raw(env, TOPOLOGY_ENV)
+    if raw is None or raw == "":
+        return "auto"
+    if raw not in TOPOLOGIES:
+        raise ValueError(f"{TOPOLOGY_ENV}={raw!r}: set it to one of {', '.join(TOPOLOGIES)} "
+                         "(or unset it for auto)")
+    return raw
 
 
 def default_tcp_spin_us(cpu_count: Optional[int]) -> int:

@@ -95,6 +95,9 @@ from ..errors import FrameError
 # The leader asks a worker for its figures for the cluster page (RANK_STATS), and a worker
 # started without --model joins with the identity PART_RECEIVER (hello.py) and receives its part
 # of the leader's model (PART_OFFER, PART_WANT, PART_DATA, PART_END) before it loads.
+# A group of 3 or more swaps with its neighbours which links its collectives run over (the
+# full mesh or a ring: collectives/topology.py) in one exchange on the data links before its
+# first collective.
 PROTOCOL_VERSION = 14
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------

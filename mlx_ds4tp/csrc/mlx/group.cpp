@@ -11,6 +11,8 @@
 //  - larger, a reduce-scatter (rank k reduces the k-th of N chunks) then an
 //    all-gather of the reduced chunks: each rank moves 2 (N-1)/N of the bytes
 //    instead of N-1 times them.
+// Over a ring the same partials meet in the same order, moved over the ring's
+// links alone (ring.cpp), so both give the same bits.
 
 #include "group.h"
 
@@ -35,6 +37,22 @@ int dtype_code(mx::Dtype dtype) {
   return code;
 }
 
+// Intermediate sums ping-pong between acc and acc + bytes (the C sum takes no
+// overlapping buffers), the last lands in out.
+void combine_all(int op, int code, Sum2Fn sum2, const char* parts, int count, size_t bytes,
+                 size_t n, char* acc, char* out) {
+  if (count == 1) {
+    if (out != parts) std::memcpy(out, parts, bytes);
+    return;
+  }
+  const char* left = parts;
+  for (int k = 1; k < count; k++) {
+    char* dest = k == count - 1 ? out : acc + (k % 2) * bytes;
+    combine(op, code, sum2, left, parts + k * bytes, dest, n);
+    left = dest;
+  }
+}
+
 std::vector<std::pair<mx::Dtype, int>> dtype_codes() {
   std::vector<std::pair<mx::Dtype, int>> codes;
   each_dtype([&](const auto& entry) {
@@ -57,23 +75,6 @@ mx::Stream cpu_communication_stream(mx::StreamOrDevice s) {
   return mx::default_stream(mx::Device::cpu);
 }
 
-// out = ((p[0] op p[1]) op p[2]) ...: the N partials (each `bytes`, n items) in rank
-// order; intermediate sums ping-pong between acc and acc + bytes (the C sum
-// takes no overlapping buffers), the last lands in out.
-void combine_all(int op, int code, Sum2Fn sum2, const char* parts, int count, size_t bytes,
-                 size_t n, char* acc, char* out) {
-  if (count == 1) {
-    if (out != parts) std::memcpy(out, parts, bytes);
-    return;
-  }
-  const char* left = parts;
-  for (int k = 1; k < count; k++) {
-    char* dest = k == count - 1 ? out : acc + (k % 2) * bytes;
-    combine(op, code, sum2, left, parts + k * bytes, dest, n);
-    left = dest;
-  }
-}
-
 // body(), and on any failure the output poisoned (dtypes.h) before the error goes on.
 template <typename Body>
 void poisoned_on_failure(int code, void* out, size_t bytes, Body body) {
@@ -88,7 +89,11 @@ void poisoned_on_failure(int code, void* out, size_t bytes, Body body) {
 }  // namespace
 
 LinkedGroupImpl::LinkedGroupImpl(std::shared_ptr<MeshCore> core, std::vector<int> members, int me)
-    : core_(std::move(core)), members_(std::move(members)), me_(me) {}
+    : core_(std::move(core)), members_(std::move(members)), me_(me),
+      ring_(ring_of(*core_, members_, me_)) {
+  for (size_t k = 0; k < ring_.size(); k++)
+    if (ring_[k] == me_) pos_ = static_cast<int>(k);
+}
 
 mx::Stream LinkedGroupImpl::communication_stream(mx::StreamOrDevice s) {
   return cpu_communication_stream(s);
@@ -162,11 +167,15 @@ std::shared_ptr<mx::distributed::detail::GroupImpl> LinkedGroupImpl::split(int c
   sig.shape[0] = 2;
   {
     std::lock_guard<std::mutex> lock(core_->mu);
-    std::vector<const void*> srcs(n, mine);
-    std::vector<void*> dsts(n);
-    for (int k = 0; k < n; k++) dsts[k] = all.data() + 2 * k;
-    exchange(members_.data(), n, me_, sig, srcs.data(), dsts.data());
     std::memcpy(all.data() + 2 * me_, mine, sizeof(mine));
+    if (on_ring()) {
+      ring_all_gather(sig, reinterpret_cast<char*>(all.data()), sizeof(mine));
+    } else {
+      std::vector<const void*> srcs(n, mine);
+      std::vector<void*> dsts(n);
+      for (int k = 0; k < n; k++) dsts[k] = all.data() + 2 * k;
+      exchange(members_.data(), n, me_, sig, srcs.data(), dsts.data());
+    }
   }
   // The new group: the ranks of this color, ordered by key, then by rank.
   std::vector<std::pair<int32_t, int>> order;
@@ -196,6 +205,7 @@ void LinkedGroupImpl::reduce_now(int op, int code, const tp_xsig& sig, const cha
     combine(op, code, sum2, first ? in : other, first ? other : in, out, n);
     return;
   }
+  if (on_ring()) return ring_reduce_now(op, code, sig, in, out, n);
   // A group holds at most TP_MESH_MAX ranks: the blocks' addresses live on the stack, so a
   // decode gate allocates nothing.
   const void* srcs[TP_MESH_MAX];
@@ -280,6 +290,11 @@ void LinkedGroupImpl::all_gather(const mx::array& input, mx::array& output, mx::
   const tp_xsig sig = signature(TP_XOP_GATHER, code, input, bytes);
   dispatch(stream, &input, &output, [sig, in, out, bytes](LinkedGroupImpl& self) {
     const int count = self.size();
+    if (self.on_ring()) {
+      std::memcpy(out + self.me_ * bytes, in, bytes);
+      poisoned_on_failure(sig.dtype, out, count * bytes, [&] { self.ring_all_gather(sig, out, bytes); });
+      return;
+    }
     // Every peer's rows land straight in their place in the output.
     const void* srcs[TP_MESH_MAX];
     void* dsts[TP_MESH_MAX];
@@ -321,6 +336,11 @@ void LinkedGroupImpl::sum_scatter(const mx::array& input, mx::array& output, mx:
       return;
     }
     char* parts = self.core_->scratch_of((count + 2) * chunk);
+    if (self.on_ring()) {
+      poisoned_on_failure(code, out, chunk, [&] { self.ring_scatter(sig, in, chunk, parts); });
+      combine_all(TP_XOP_SCATTER, code, sum2, parts, count, chunk, n, parts + count * chunk, out);
+      return;
+    }
     std::memcpy(parts + me * chunk, in + me * chunk, chunk);
     const void* srcs[TP_MESH_MAX];
     void* dsts[TP_MESH_MAX];
@@ -349,6 +369,7 @@ void LinkedGroupImpl::check_peer(const char* op, const char* what, int peer) con
 // receiver sends filler of the same size and the sender drops what it gets.
 void LinkedGroupImpl::send(const mx::array& input, int dst, mx::Stream stream) {
   check_peer("send", "dst", dst);
+  check_neighbour("send", "dst", dst);
   const int code = checked_code(TP_XOP_P2P_FROM, input);
   const char* in = input.data<char>();
   const size_t bytes = input.nbytes();
@@ -360,6 +381,7 @@ void LinkedGroupImpl::send(const mx::array& input, int dst, mx::Stream stream) {
 
 void LinkedGroupImpl::recv(mx::array& out, int src, mx::Stream stream) {
   check_peer("recv", "src", src);
+  check_neighbour("recv", "src", src);
   const int code = checked_code(TP_XOP_P2P_FROM, out);
   char* dst = out.data<char>();
   const size_t bytes = out.nbytes();

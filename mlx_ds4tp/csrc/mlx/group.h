@@ -5,6 +5,8 @@
 // graph run at evaluation on the group's CPU stream with no interpreter on the
 // path. split(color, key) makes subgroups over the same links. Every reduction
 // combines the ranks' partials in rank order, so every rank holds the same bits.
+// A mesh whose links form a ring (ring.cpp) runs every collective over the
+// ring's links alone, to the same bits as the full mesh.
 #pragma once
 
 #include <memory>
@@ -32,6 +34,9 @@ struct MeshCore {
   MeshExchangeFn exchange;
   Sum2Fn sum2;
   MeshCloseFn close;
+  // The ring the collectives run over (mesh ranks in cycle order, each cabled to the
+  // next and the last to the first); empty: every pair of ranks has its link.
+  std::vector<int> ring;
   std::mutex mu;
   std::vector<char> scratch;
   // At least `bytes` of scratch, reused by every collective (they run one at a time, under mu).
@@ -39,12 +44,21 @@ struct MeshCore {
     if (scratch.size() < bytes) scratch.resize(bytes);
     return scratch.data();
   }
+  // The ring's bundles in flight (ring.cpp), apart: a collective's own scratch holds its
+  // partials meanwhile.
+  std::vector<char> bundles;
+  char* bundles_of(size_t bytes) {
+    if (bundles.size() < bytes) bundles.resize(bytes);
+    return bundles.data();
+  }
 };
 
 class LinkedGroupImpl : public mx::distributed::detail::GroupImpl,
                         public std::enable_shared_from_this<LinkedGroupImpl> {
  public:
   // members: the mesh ranks of this group in its rank order; me: this rank's place.
+  // Over a ring, a group of 3 or more must hold the whole ring, a group of two a cable
+  // of it (anything else has no way between its members): refused here.
   LinkedGroupImpl(std::shared_ptr<MeshCore> core, std::vector<int> members, int me);
 
   mx::Stream communication_stream(mx::StreamOrDevice s = {}) override;
@@ -84,9 +98,32 @@ class LinkedGroupImpl : public mx::distributed::detail::GroupImpl,
   void exchange_with(int peer, const tp_xsig& sig, const void* src, void* dst);
   void check_peer(const char* op, const char* what, int peer) const;
 
+  // ---- Over a ring (ring.cpp): only the links to the two neighbours carry bytes ----
+  // The ring's order as this group's ranks (empty: the full mesh, or a group of two).
+  static std::vector<int> ring_of(const MeshCore& core, const std::vector<int>& members, int me);
+  bool on_ring() const { return !ring_.empty(); }
+  int ring_member(int step) const;  // the member `step` places on from this one (negative: back)
+  // One step: to_next to the next member and to_prev to the previous, both `sig.bytes`;
+  // the previous one's into from_prev, the next one's into from_next.
+  void ring_step(const tp_xsig& sig, const void* to_next, void* from_prev, const void* to_prev,
+                 void* from_next);
+  // Every member's block of b bytes into blocks + k b (this member's already there): each
+  // block half-way round the ring each way.
+  void ring_all_gather(const tp_xsig& sig, char* blocks, size_t b);
+  // The member k's block of every member into got + k cb, from src's blocks (block k of
+  // src for member k; this member's own block copied): each block the short way round.
+  void ring_scatter(const tp_xsig& sig, const char* src, size_t cb, char* got);
+  // The reduction over the ring, under the lock: small ones gather every partial, large
+  // ones scatter the chunks, reduce and gather them; both in rank order, as the mesh.
+  void ring_reduce_now(int op, int code, const tp_xsig& sig, const char* in, char* out, size_t n);
+  // Refuses send/recv with a member that is no neighbour on the ring.
+  void check_neighbour(const char* op, const char* what, int peer) const;
+
   std::shared_ptr<MeshCore> core_;
   const std::vector<int> members_;
   const int me_;
+  const std::vector<int> ring_;  // members' places in cycle order (indices into members_)
+  int pos_ = 0;                  // this member's place in ring_
 };
 
 // What Python holds: an mlx.core.distributed.Group whose implementation is ours.
@@ -143,5 +180,10 @@ struct LocalGroup : public mx::distributed::Group {
 
 // Every dtype the collectives take, with its code, in code order.
 std::vector<std::pair<mx::Dtype, int>> dtype_codes();
+
+// out = ((p[0] op p[1]) op p[2]) ...: the `count` partials (each `bytes`, n items) in rank
+// order, intermediate sums in acc (2 bytes); group.cpp's.
+void combine_all(int op, int code, Sum2Fn sum2, const char* parts, int count, size_t bytes,
+                 size_t n, char* acc, char* out);
 
 }  // namespace mlx_ds4tp

@@ -4,6 +4,7 @@
 // collectives, mlx.nn's sharded layers and mlx-lm's shard() take it as is.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 #include "group.h"
@@ -30,11 +31,12 @@ NB_MODULE(_pairgroup, m) {
   nb::class_<LinkedGroup, mx::distributed::Group>(
       m, "Group",
       "An mlx.core.distributed.Group of 2 to 8 ranks over an mlx_ds4tp mesh (one link per pair "
-      "of ranks; a pair is a mesh of two); split(color, key) makes subgroups over the same links.")
+      "of ranks; a pair is a mesh of two), or over a ring's links alone (ring=[ranks in cycle "
+      "order]); split(color, key) makes subgroups over the same links.")
       .def(
           "__init__",
           [](LinkedGroup* self, int rank, int size, uintptr_t mesh, uintptr_t exchange,
-             uintptr_t sum2, uintptr_t close) {
+             uintptr_t sum2, uintptr_t close, std::vector<int> ring) {
             if (size < 2 || size > TP_MESH_MAX || rank < 0 || rank >= size) {
               throw std::invalid_argument("Group: rank " + std::to_string(rank) + " of size " +
                                           std::to_string(size) + ": give 2 <= size <= " +
@@ -43,7 +45,19 @@ NB_MODULE(_pairgroup, m) {
             if (!mesh || !exchange || !sum2 || !close) {
               throw std::invalid_argument("Group: a null mesh or entry point");
             }
+            if (!ring.empty()) {
+              // A ring: every rank once, three or more (a pair's one link is its own ring).
+              std::vector<int> seen(size, 0);
+              bool every = static_cast<int>(ring.size()) == size && size >= 3;
+              for (int r : ring) every = every && r >= 0 && r < size && !seen[r]++;
+              if (!every) {
+                throw std::invalid_argument("Group: ring= must name each of the " + std::to_string(size) +
+                                            " ranks once, in cycle order, for 3 ranks or more; "
+                                            "give [] for the full mesh");
+              }
+            }
             auto core = std::make_shared<MeshCore>();
+            core->ring = std::move(ring);
             core->mesh = reinterpret_cast<tp_mesh*>(mesh);
             core->exchange = reinterpret_cast<MeshExchangeFn>(exchange);
             core->sum2 = reinterpret_cast<Sum2Fn>(sum2);
@@ -53,7 +67,7 @@ NB_MODULE(_pairgroup, m) {
             new (self) LinkedGroup(std::make_shared<LinkedGroupImpl>(core, std::move(members), rank));
           },
           nb::arg("rank"), nb::arg("size"), nb::arg("mesh"), nb::arg("exchange"), nb::arg("sum2"),
-          nb::arg("close"))
+          nb::arg("close"), nb::arg("ring") = std::vector<int>{})
       .def(
           "_close_backend",
           [](LinkedGroup& self) {
