@@ -19,6 +19,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import gate_ops
+from ..collectives.topology import MIN_RING_SIZE
 from ..link.config import TOPOLOGY_ENV
 from ..onehost import localpair
 from .gates import percentiles
@@ -115,7 +116,7 @@ def ranks_bench(sizes: Sequence[int], transports: Sequence[str], rdma_device: Op
         for transport in transports:
             device = (rdma_device or "ucsim") if transport == "rdma" else None
             records += spawn_mesh(size, transport, device, iters, topology="mesh")
-            if ring and size > 2:
+            if ring and size >= MIN_RING_SIZE:
                 records += spawn_mesh(size, transport, device, iters, topology="ring")
         records += spawn_ring(size, iters)
     return records

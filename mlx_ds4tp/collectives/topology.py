@@ -23,6 +23,8 @@ from ..errors import TransportError
 from ..link.config import TOPOLOGIES, TOPOLOGY_ENV, default_topology
 from ..link.exchange import Exchange
 
+# The fewest ranks a ring has: two ranks' one link is mesh and ring alike.
+MIN_RING_SIZE = 3
 # A table entry for a rank whose neighbours this rank has not heard of yet.
 _UNKNOWN = 255
 # agree()'s entry past the ring's ranks (every entry, over the full mesh).
@@ -39,8 +41,8 @@ def ring_order(rank: int, size: int, links: Dict[int, object], topology: Optiona
                          f"{TOPOLOGY_ENV}, else auto)")
     peers = sorted(links)
     missing = sorted(set(range(size)) - set(peers) - {rank})
-    if size <= 2:
-        return []  # a pair: its one link is mesh and ring alike
+    if size < MIN_RING_SIZE:
+        return []
     if not missing:
         return list(range(size)) if chosen == "ring" else []
     if chosen == "mesh":
