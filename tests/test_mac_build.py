@@ -49,6 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 CSRC = REPO / "mlx_ds4tp" / "csrc"
 C_SOURCES = sorted(p.relative_to(REPO).as_posix() for p in CSRC.rglob("*.c"))
 CPP_SOURCES = sorted(p.relative_to(REPO).as_posix() for p in (CSRC / "mlx").glob("*.cpp"))
+# The backend proper: every C++ source but the nanobind module (group.cpp and the ring's steps).
+BACKEND_SOURCES = [s for s in CPP_SOURCES if not s.endswith("/module.cpp")]
 NB_COMBINED = "nanobind/src/nb_combined.cpp"
 CFFI_SOURCE = "mlx_ds4tp/_verbs.c (cffi)"
 # -Werror=implicit-function-declaration: an undeclared function is an error in C99 and later, as
@@ -117,9 +119,8 @@ class MacBuild:
                 self.cpp_step(NB_COMBINED, self.nb_combined), *steps]
 
     def _link_steps(self):
-        group = "mlx_ds4tp/csrc/mlx/group.cpp"
         return [
-            self.link_step("libgroup.dylib", [group], strict=True, with_mlx=True),
+            self.link_step("libgroup.dylib", BACKEND_SOURCES, strict=True, with_mlx=True),
             self.link_step("libverbs_c.dylib", C_SOURCES, strict=True, with_mlx=False),
             self.link_step("_verbs.abi3.so", [*C_SOURCES, CFFI_SOURCE], strict=False, with_mlx=False),
             self.link_step("_pairgroup.so", [*CPP_SOURCES, NB_COMBINED], strict=False, with_mlx=True),
@@ -225,7 +226,7 @@ def test_a_linux_only_call_put_back_fails_the_mac_build(mac_build, tmp_path, cas
 
 def test_a_module_symbol_no_library_has_fails_the_check(mac_build, tmp_path):
     """group.cpp linked without libmlx: MLX's symbols are left to load time, and named."""
-    group = ["mlx_ds4tp/csrc/mlx/group.cpp"]
+    group = BACKEND_SOURCES
     loose = mac_build.link_step("no_mlx.so", group, strict=False, with_mlx=False, into=tmp_path)
     assert mt.run_steps([loose])["no_mlx.so"].ok  # dynamic_lookup links anything
     binds = bound_symbols(str(tmp_path / "no_mlx.so"))
