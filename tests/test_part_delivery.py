@@ -208,3 +208,61 @@ def test_a_receiving_worker_peaks_no_higher_than_one_loading_its_part_from_disk(
     assert "receiving this rank's part" in werr
     print("worker peak RSS (bytes):", peaks)
     assert peaks["received"] <= peaks["disk"] + 300e6, peaks
+
+
+def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, tmp_path):
+    """The leader stops after its first PART_DATA frame (the DS4_TP_TEST_PART_PAUSE_AFTER_BYTES
+    hook: a known point, no timer) and is killed once the worker wrote those bytes; the worker
+    exits with a clear error; both started again, the worker asks only for the rest of its part
+    and the pair gives the unsplit model's tokens."""
+    import re
+    import signal
+    import time
+
+    from mlx_ds4tp.split.part_send import CHUNK_BYTES, TEST_PAUSE_ENV
+    from mlx_ds4tp.synthetic.tiny_model import LlamaSizes, save_llama
+
+    # Rank 1's half spans a few 4 MiB frames (about 17 MB), so the cut leaves most of it to send.
+    sizes = LlamaSizes(layers=2, hidden=512, heads=8, kv_heads=4, intermediate=1024, vocab=4096)
+    model = save_llama(tmp_path / "model", sizes, seed=13)
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    parts = tmp_path / "parts"
+    part = held_bytes(model, 1, 2, "even")
+    assert part > 3 * CHUNK_BYTES
+
+    port = free_port()
+    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", "--transport", "tcp"]
+    leader = procs.spawn(common + ["--model", str(model), "--prompt", PROMPT, "--role", "leader",
+                                   "--listen", "127.0.0.1", str(port)], env={TEST_PAUSE_ENV: str(CHUNK_BYTES)})
+    worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port),
+                                   "--parts-dir", str(parts)])
+    # The worker has written the first frame of its part file: the transfer is cut mid-way.
+    deadline = time.monotonic() + 300
+    while not any(p.stat().st_size >= CHUNK_BYTES for p in parts.rglob("part-*.partial")):
+        assert leader.poll() is None and worker.poll() is None, (leader.communicate(), worker.communicate())
+        assert time.monotonic() < deadline, "the worker never received the first frame of its part"
+        time.sleep(0.2)
+    leader.send_signal(signal.SIGKILL)
+    _, lerr = leader.communicate(timeout=60)
+    assert f"{TEST_PAUSE_ENV}: test hook: this transfer stops after" in lerr
+    # The worker does not hang on a dead leader: it ends with an error saying the leader is gone.
+    _, werr = worker.communicate(timeout=120)
+    assert worker.returncode != 0, werr
+    assert "receiving this rank's part: 5 file(s)" in werr
+    assert "the leader closed the connection while sending this rank's part" in werr
+    assert "the next start resumes there" in werr
+    (partial,) = parts.rglob("part-*.partial")
+    kept = partial.stat().st_size
+    assert kept >= CHUNK_BYTES
+
+    # Both again: the worker resumes from what it kept, the leader sends the rest only.
+    lout, lerr, (werr,) = run_group(procs, model, [parts])
+    assert streamed(lout) == text
+    asked = re.search(r"receiving this rank's part: 1 file\(s\), ([0-9.]+) MB", werr)
+    sent = re.search(r"rank 1's part: ([0-9.]+) MB sent", lerr)
+    assert asked and sent, (lerr, werr)
+    resent = float(sent.group(1)) * 1e6
+    print(f"the restarted leader sent {resent / 1e6:.1f} MB of a {part / 1e6:.1f} MB part ({kept} bytes kept)")
+    # The rest of the one cut file, nothing more (the logs round to 0.1 MB).
+    assert resent < part - kept + 0.1e6 and abs(resent - float(asked.group(1)) * 1e6) < 0.1e6
+    assert not list(parts.rglob("*.partial"))

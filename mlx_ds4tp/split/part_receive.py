@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..base.log import log
 from ..checkpoint.parts_cache import OfferedFile, PartEntry, PartsSettings, PartWriter
-from ..errors import FrameError
+from ..errors import FrameError, PeerClosedError
 from ..link.fingerprint import summary_label
 from ..link.wire import FINGERPRINT_SUMMARY, FrameType
 from .overlap import Overlap
@@ -69,8 +69,14 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
         total = sum(sizes[n] - o for n, o in wanted)
         log(f"receiving this rank's part: {len(wanted)} file(s), {total / 1e6:.1f} MB, into {entry.path}")
         progress = TransferProgress(f"receiving rank {rank}'s part", total)
-        wanted = [(name, 0) for name, offset in wanted
-                  if not _receive_file(control, entry.writer(name, offset, sizes[name]), progress)]
+        try:
+            wanted = [(name, 0) for name, offset in wanted
+                      if not _receive_file(control, entry.writer(name, offset, sizes[name]), progress)]
+        except PeerClosedError as exc:
+            # A dead leader or a pulled cable: say what is kept, so the restart's resume is expected.
+            raise PeerClosedError(f"the leader closed the connection while sending this rank's part "
+                                  f"({progress.bytes / 1e6:.1f} of {total / 1e6:.1f} MB arrived, kept in "
+                                  f"{entry.path}: the next start resumes there): {exc}") from None
         progress.done()
     entry.touch()
     return entry.path
