@@ -18,12 +18,16 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from mlx_ds4tp.synthetic.tiny_model import save_llama, save_qwen3_moe
+    from mlx_ds4tp.synthetic.tiny_model import LlamaSizes, save_llama, save_qwen3_moe
 
     root = tmp_path_factory.mktemp("part-models")
     return {
         "llama": save_llama(root / "llama", "tiny", seed=3),
-        "llama-q4": save_llama(root / "llama-q4", "tiny", seed=5, quantization={"group_size": 32, "bits": 4}),
+        # Wider than "tiny": at 4 bits tiny's part is 162 KB, its files' headers (a name, dtype
+        # and shape a tensor, three tensors a quantized weight) over 2% of it; here under 1%.
+        "llama-q4": save_llama(root / "llama-q4", LlamaSizes(layers=2, hidden=256, heads=4, kv_heads=2,
+                                                            intermediate=512, vocab=1024),
+                               seed=5, quantization={"group_size": 32, "bits": 4}),
         "moe": save_qwen3_moe(root / "moe", "moe-tiny", seed=7),
         "llama8": save_llama(root / "llama8", "tiny8", seed=3),
     }
@@ -80,6 +84,21 @@ def held_bytes(model: Path, rank: int, size: int, split: str) -> int:
     return sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
 
 
+def assert_cache_holds_its_share(parts_dir: Path, model: Path, rank: int, size: int, split: str) -> None:
+    """Issue 58's bound: a worker's whole parts cache holds at most its share of the weights'
+    bytes (what load_split keeps on that rank) plus 2%, plus the tokenizer and config files (the
+    model's own, its part's config and the cache's manifest)."""
+    from mlx_ds4tp.split.part_plan import PART_CONFIG, plain_files
+
+    plain = {f.name for f in plain_files(model)} | {PART_CONFIG, "manifest.json"}
+    files = [f for f in parts_dir.rglob("*") if f.is_file()]
+    weights = sum(f.stat().st_size for f in files if f.name not in plain)
+    share = held_bytes(model, rank, size, split)
+    print(f"rank {rank} of {size} ({split}): cache {weights} bytes beside config and tokenizer, share {share}")
+    assert share <= weights <= share * 1.02, (weights, share)
+    assert all(f.name in plain or f.name.startswith("part-") for f in files), files
+
+
 @pytest.mark.parametrize("name", ["llama", "llama-q4", "moe"])
 def test_pair_worker_without_model_gives_the_unsplit_tokens_then_reads_its_cache(procs, models, tmp_path, name):
     model = models[name]
@@ -94,6 +113,7 @@ def test_pair_worker_without_model_gives_the_unsplit_tokens_then_reads_its_cache
     # each: under 2% of a real model's part; tiny here), plus config and tokenizer.
     data, header = part_data_bytes(entry)
     assert data == held_bytes(model, 1, 2, "even") and header < 200 * 60
+    assert_cache_holds_its_share(parts, model, 1, 2, "even")
     assert (entry / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
     manifest = json.loads((entry / "manifest.json").read_text())
     assert set(manifest["files"]) == {p.name for p in entry.iterdir()} - {"manifest.json"}
@@ -136,11 +156,17 @@ def test_three_ranks_two_without_the_model_uneven_share(procs, models, tmp_path)
     dirs = [tmp_path / "w1", tmp_path / "w2"]
     lout, lerr, werrs = run_group(procs, model, dirs, extra=["--split", "2:1:1"])
     assert streamed(lout) == text
-    for rank, d in enumerate(dirs, 1):
+    ranks = set()
+    for d, werr in zip(dirs, werrs):
+        # The workers take ranks 1 and 2 in the order they joined: read which from the entry.
         (entry,) = entry_dirs(d)
+        rank = int(entry.name.split("of")[0])
         assert entry.name == f"{rank}of3-2-1-1"
+        ranks.add(rank)
         assert part_data_bytes(entry)[0] == held_bytes(model, rank, 3, "2:1:1")
-        assert "holds its part from" in werrs[rank - 1]
+        assert_cache_holds_its_share(d, model, rank, 3, "2:1:1")
+        assert "holds its part from" in werr
+    assert ranks == {1, 2}
 
 
 def test_a_leader_without_model_is_refused_by_name(procs, tmp_path):
@@ -266,3 +292,4 @@ def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, t
     # The rest of the one cut file, nothing more (the logs round to 0.1 MB).
     assert resent < part - kept + 0.1e6 and abs(resent - float(asked.group(1)) * 1e6) < 0.1e6
     assert not list(parts.rglob("*.partial"))
+    assert_cache_holds_its_share(parts, model, 1, 2, "even")
