@@ -176,14 +176,12 @@ def test_a_leader_without_model_is_refused_by_name(procs, tmp_path):
     assert proc.returncode != 0 and "--model is required" in err and "--role worker" in err
 
 
-def test_serve_worker_without_model_answers_as_the_unsplit_model(models, tmp_path):
-    from serveutil import ServedPair, post_raw
-
-    parts = tmp_path / "parts"
+def part_served_pair(model: Path, logs: Path, parts: Path, env=None):
+    """`ds4tp serve`'s pair (serveutil.ServedPair) with its worker started without --model
+    (--parts-dir instead), again so when it is started again after kill()."""
+    from serveutil import ServedPair
 
     class PartServedPair(ServedPair):
-        """The pair with its worker started without --model (--parts-dir instead)."""
-
         def start(self, name, extra=()):
             cmd = self.cmds[name]
             if name != "leader" and "--model" in cmd:
@@ -192,22 +190,65 @@ def test_serve_worker_without_model_answers_as_the_unsplit_model(models, tmp_pat
                 cmd += ["--parts-dir", str(parts)]
             super().start(name, extra)
 
+    logs.mkdir()
+    return PartServedPair(model, logs, env=env)
+
+
+def completion(pair) -> str:
+    from serveutil import post_raw
+
+    code, answer = post_raw(pair, "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode())
+    assert code == 200, answer
+    return answer["choices"][0]["text"]
+
+
+def test_serve_worker_without_model_answers_as_the_unsplit_model(models, tmp_path):
+    parts = tmp_path / "parts"
     model = models["llama"]
     text, _ = reference_text(model, PROMPT, TOKENS)
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    pair = PartServedPair(model, logs)
+    pair = part_served_pair(model, tmp_path / "logs", parts)
     try:
         pair.wait_healthy(within=180)
-        code, answer = post_raw(pair, "/v1/completions", json.dumps(
-            {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode())
-        assert code == 200, answer
-        assert answer["choices"][0]["text"] == text
+        assert completion(pair) == text
         pair.stop()
     finally:
         pair.close()
     assert "receiving this rank's part" in pair.log("worker")
     assert [e.name for e in entry_dirs(parts)] == ["1of2-even"]
+
+
+def test_a_restarted_serve_worker_without_model_rejoins_from_its_cache(models, tmp_path):
+    """serve/rejoin.py's take-back: the serving leader offers the restarted worker its part as
+    at a first start (lockstep.join_and_load.rejoin); the worker's cache holds it all, so no byte
+    is sent, and the pair answers as the unsplit model again."""
+    import time
+
+    parts = tmp_path / "parts"
+    model = models["llama"]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    pair = part_served_pair(model, tmp_path / "logs", parts, env={"DS4_TP_TIMEOUT_SEC": "8"})
+    try:
+        pair.wait_healthy(within=180)
+        assert completion(pair) == text
+        pair.kill("worker")
+        deadline = time.monotonic() + 60
+        while pair.health()[0] != 503:
+            assert time.monotonic() < deadline, pair.log("leader")[-3000:]
+            time.sleep(0.1)
+        pair.start("worker")
+        deadline = time.monotonic() + 180
+        while pair.health()[0] != 200:
+            assert pair.procs["worker"].poll() is None, pair.log("worker")[-3000:]
+            assert time.monotonic() < deadline, pair.log("leader")[-3000:] + pair.log("worker")[-3000:]
+            time.sleep(0.2)
+        assert completion(pair) == text
+        pair.stop()
+    finally:
+        pair.close()
+    leader, worker = pair.log("leader"), pair.log("worker")
+    assert "formed again" in leader and "0.0 MB sent (its cache held all of it)" in leader, leader
+    assert worker.count("receiving this rank's part") == 1 and worker.count("holds its part from") == 2, worker
 
 
 def test_a_receiving_worker_peaks_no_higher_than_one_loading_its_part_from_disk(procs, tmp_path):

@@ -82,6 +82,14 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
     return entry.path
 
 
+def decline_part(link: Any, rank: int, size: int, share: SplitShare) -> None:
+    """A worker without --model that holds its part loaded already (it re-joins a group it kept
+    serving): the leader's offer checked as receive_part checks it, and no file wanted."""
+    _, payload = link.control.recv(FrameType.PART_OFFER, timeout=PART_WAIT_S)
+    _offered(payload, stated_fingerprint(link.peer_hello.fingerprint), rank, size, share)
+    link.control.send(FrameType.PART_WANT, json.dumps({"files": []}).encode("utf-8"))
+
+
 def _receive_file(control: Any, writer: PartWriter, progress: Optional[TransferProgress]) -> bool:
     """One file's PART_DATA frames into writer, until its PART_END; whether it arrived whole.
     This thread receives; the overlap writes and hashes what arrived before (a few chunks)."""
@@ -125,4 +133,4 @@ def _end(payload: bytes) -> Tuple[str, str]:
         raise FrameError(f"malformed PART_END from the leader: {exc}") from None
 
 
-__all__ = ["receive_part", "stated_fingerprint"]
+__all__ = ["decline_part", "receive_part", "stated_fingerprint"]
