@@ -176,9 +176,9 @@ def test_a_leader_without_model_is_refused_by_name(procs, tmp_path):
     assert proc.returncode != 0 and "--model is required" in err and "--role worker" in err
 
 
-def part_served_pair(model: Path, logs: Path, parts: Path, env=None):
-    """`ds4tp serve`'s pair (serveutil.ServedPair) with its worker started without --model
-    (--parts-dir instead), again so when it is started again after kill()."""
+def part_served_pair(model: Path, logs: Path, parts: Path, env=None, ranks: int = 2):
+    """`ds4tp serve`'s ranks (serveutil.ServedPair) with every worker started without --model
+    (--parts-dir parts/NAME instead), again so when it is started again after kill()."""
     from serveutil import ServedPair
 
     class PartServedPair(ServedPair):
@@ -187,11 +187,11 @@ def part_served_pair(model: Path, logs: Path, parts: Path, env=None):
             if name != "leader" and "--model" in cmd:
                 at = cmd.index("--model")
                 del cmd[at: at + 2]
-                cmd += ["--parts-dir", str(parts)]
+                cmd += ["--parts-dir", str(parts / name)]
             super().start(name, extra)
 
     logs.mkdir()
-    return PartServedPair(model, logs, env=env)
+    return PartServedPair(model, logs, env=env, ranks=ranks)
 
 
 def completion(pair) -> str:
@@ -215,40 +215,52 @@ def test_serve_worker_without_model_answers_as_the_unsplit_model(models, tmp_pat
     finally:
         pair.close()
     assert "receiving this rank's part" in pair.log("worker")
-    assert [e.name for e in entry_dirs(parts)] == ["1of2-even"]
+    assert [e.name for e in entry_dirs(parts / "worker")] == ["1of2-even"]
 
 
-def test_a_restarted_serve_worker_without_model_rejoins_from_its_cache(models, tmp_path):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_restarted_serve_worker_without_model_rejoins_from_its_cache(models, tmp_path, ranks):
     """serve/rejoin.py's take-back: the serving leader offers the restarted worker its part as
-    at a first start (lockstep.join_and_load.rejoin); the worker's cache holds it all, so no byte
-    is sent, and the pair answers as the unsplit model again."""
+    at a first start (lockstep.join_and_load.rejoin); its cache holds it all, so no byte is
+    sent. At three ranks the other worker without --model, which kept running, follows the
+    leader into the new group and declines the offer (it holds its part loaded). The ranks
+    answer as the unsplit model again."""
     import time
 
     parts = tmp_path / "parts"
-    model = models["llama"]
+    model = models["llama" if ranks == 2 else "llama8"]
+    victim = "worker" if ranks == 2 else "worker2"
     text, _ = reference_text(model, PROMPT, TOKENS)
-    pair = part_served_pair(model, tmp_path / "logs", parts, env={"DS4_TP_TIMEOUT_SEC": "8"})
+    pair = part_served_pair(model, tmp_path / "logs", parts, env={"DS4_TP_TIMEOUT_SEC": "8"}, ranks=ranks)
     try:
         pair.wait_healthy(within=180)
         assert completion(pair) == text
-        pair.kill("worker")
+        survivor = pair.procs["worker"].pid if ranks == 3 else None
+        pair.kill(victim)
         deadline = time.monotonic() + 60
         while pair.health()[0] != 503:
             assert time.monotonic() < deadline, pair.log("leader")[-3000:]
             time.sleep(0.1)
-        pair.start("worker")
+        pair.start(victim)
         deadline = time.monotonic() + 180
         while pair.health()[0] != 200:
-            assert pair.procs["worker"].poll() is None, pair.log("worker")[-3000:]
-            assert time.monotonic() < deadline, pair.log("leader")[-3000:] + pair.log("worker")[-3000:]
+            assert pair.procs[victim].poll() is None, pair.log(victim)[-3000:]
+            assert time.monotonic() < deadline, pair.log("leader")[-3000:] + pair.log(victim)[-3000:]
             time.sleep(0.2)
         assert completion(pair) == text
+        if survivor is not None:
+            assert pair.procs["worker"].pid == survivor and pair.procs["worker"].poll() is None
         pair.stop()
     finally:
         pair.close()
-    leader, worker = pair.log("leader"), pair.log("worker")
+    leader, restarted = pair.log("leader"), pair.log(victim)
     assert "formed again" in leader and "0.0 MB sent (its cache held all of it)" in leader, leader
-    assert worker.count("receiving this rank's part") == 1 and worker.count("holds its part from") == 2, worker
+    assert leader.count("MB sent") == 2 * (ranks - 1), leader  # each worker's part at each forming
+    assert restarted.count("receiving this rank's part") == 1, restarted
+    assert restarted.count("holds its part from") == 2, restarted
+    if ranks == 3:
+        assert "joined a leader again" in pair.log("worker"), pair.log("worker")[-3000:]
+        assert pair.log("worker").count("receiving this rank's part") == 1
 
 
 def test_a_receiving_worker_peaks_no_higher_than_one_loading_its_part_from_disk(procs, tmp_path):
