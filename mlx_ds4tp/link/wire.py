@@ -98,7 +98,10 @@ from ..errors import FrameError
 # A group of 3 or more swaps with its neighbours which links its collectives run over (the
 # full mesh or a ring: collectives/topology.py) in one exchange on the data links before its
 # first collective.
-PROTOCOL_VERSION = 14
+# 15: every re-join offers a worker started without --model its part again (PART_OFFER, then
+# its PART_WANT: the files a restarted one lacks, none from one that kept its part loaded); a
+# rank of version 14 would leave such a worker waiting for an offer that never comes.
+PROTOCOL_VERSION = 15
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames

@@ -19,7 +19,7 @@ from ..link.config import LinkSettings
 from ..link.hello import ModelIdentity
 from ..split.agree import agree_share, with_figures
 from ..split.auto import ModelNeed, model_need
-from ..split.part_delivery import load_rank_part
+from ..split.part_delivery import load_rank_part, parts_after_rejoin
 from ..split.progress import LoadingBar
 from ..split.share import SplitSettings, SplitShare
 
@@ -92,14 +92,17 @@ def bring_up(plan: BringUp, on_joined: Optional[Callable[[Any], None]] = None) -
     return Joined(group, model, tokenizer, share)
 
 
-def rejoin(group: Any, split: SplitSettings, share: SplitShare) -> None:
+def rejoin(group: Any, split: SplitSettings, share: SplitShare, model_path: Optional[Path]) -> None:
     """Every re-join (a leader taking a restarted worker back, a --rejoin worker finding its
     leader again): the group joined again with the settings it was made with (gate_ops.reconnect:
     the same hello, secret and fingerprint checks) and the share this rank's model is already
     split by agreed (a peer that asks for another is refused: the weights cannot change under a
-    loaded model). Nothing is loaded again. Raises as reconnect and agree_share do."""
+    loaded model); a worker without --model offered its part as at a first start (model_path:
+    this rank's --model, None on such a worker). Nothing is loaded again here. Raises as
+    reconnect and agree_share do."""
     gate_ops.reconnect(group)
     agree_share(group, split, ModelNeed(0), held=share)
+    parts_after_rejoin(group, model_path, share)
 
 
 __all__ = ["BringUp", "Joined", "bring_up", "join", "rejoin"]

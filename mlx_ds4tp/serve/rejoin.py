@@ -154,7 +154,7 @@ def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, Spl
             "any rank still alive was told the group forms again and joins it by itself)")
         while not quit_.event.is_set():
             try:
-                rejoin(group, settings.split, share)
+                rejoin(group, settings.split, share, settings.model.path)
                 break
             except TransportTimeoutError:
                 continue  # nobody came within the connect timeout: keep listening
@@ -281,7 +281,7 @@ def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitSh
                 f"{last}); rank {group.rank()} stops (run it with --rejoin to wait for a leader "
                 "instead)") from None
         try:
-            rejoin(group, settings.split, share)
+            rejoin(group, settings.split, share, settings.model.path)
             return
         except (HelloMismatchError, AuthenticationError):
             raise  # another model, secret or share: waiting would not change it
@@ -309,7 +309,7 @@ def _rejoin_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitS
     """Join a leader again on the same address, however long that takes."""
     while True:
         try:
-            rejoin(group, settings.split, share)
+            rejoin(group, settings.split, share, settings.model.path)
             return
         except (HelloMismatchError, AuthenticationError):
             raise  # another model, secret or share: waiting would not change it

@@ -12,7 +12,7 @@ from ..checkpoint.parts_cache import PartsSettings
 from ..link.hello import receives_part
 from .apply import load_split
 from .part_plan import load_part
-from .part_receive import receive_part, stated_fingerprint
+from .part_receive import decline_part, receive_part, stated_fingerprint
 from .part_send import send_parts
 from .share import SplitShare
 
@@ -26,16 +26,36 @@ def load_rank_part(group: Any, model_path: Optional[Path], share: SplitShare, pa
                              "start without --model; give this rank the model's directory")
         entry = receive_part(group.link_to(0), group.rank(), group.size(), share, parts)
         return load_part(entry, group, share)
-    if group.rank() == 0 and callable(getattr(group, "link_to", None)):
-        receivers = [r for r in range(1, group.size()) if receives_part(group.link_to(r).peer_hello)]
-        if receivers:
-            fingerprint = stated_fingerprint(group.link_to(receivers[0]).mine.fingerprint)
-            if not fingerprint:
-                raise ValueError(f"rank {receivers[0]} joined without --model, but this leader's hello "
-                                 "states no model fingerprint to check its part against; give the "
-                                 "leader an identity with one (ds4tp run and serve do)")
-            send_parts(group, model_path, share, fingerprint, receivers)
+    offer_parts(group, model_path, share)
     return load_split(str(model_path), group, split=share, progress=progress)
 
 
-__all__ = ["load_rank_part"]
+def offer_parts(group: Any, model_path: Path, share: SplitShare) -> None:
+    """On the leader: each worker whose hello says it joined without --model offered its part
+    (nothing when its cache holds it all); on any other rank nothing."""
+    if group.rank() != 0 or not callable(getattr(group, "link_to", None)):
+        return
+    receivers = [r for r in range(1, group.size()) if receives_part(group.link_to(r).peer_hello)]
+    if not receivers:
+        return
+    fingerprint = stated_fingerprint(group.link_to(receivers[0]).mine.fingerprint)
+    if not fingerprint:
+        raise ValueError(f"rank {receivers[0]} joined without --model, but this leader's hello "
+                         "states no model fingerprint to check its part against; give the "
+                         "leader an identity with one (ds4tp run and serve do)")
+    send_parts(group, model_path, share, fingerprint, receivers)
+
+
+def parts_after_rejoin(group: Any, model_path: Optional[Path], share: SplitShare) -> None:
+    """After a re-join (lockstep.join_and_load.rejoin), the same exchange as a first start's:
+    the leader offers every worker without --model its part, since a restarted one comes up
+    through load_rank_part and waits for it (it receives what its cache lacks); a worker
+    without --model that kept running holds its part loaded already and declines the offer."""
+    if group.rank() == 0:
+        if model_path is not None:
+            offer_parts(group, model_path, share)
+    elif model_path is None:
+        decline_part(group.link_to(0), group.rank(), group.size(), share)
+
+
+__all__ = ["load_rank_part", "offer_parts", "parts_after_rejoin"]

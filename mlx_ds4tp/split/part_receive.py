@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..base.log import log
 from ..checkpoint.parts_cache import OfferedFile, PartEntry, PartsSettings, PartWriter
-from ..errors import FrameError
+from ..errors import FrameError, PeerClosedError
 from ..link.fingerprint import summary_label
 from ..link.wire import FINGERPRINT_SUMMARY, FrameType
 from .overlap import Overlap
@@ -69,11 +69,25 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
         total = sum(sizes[n] - o for n, o in wanted)
         log(f"receiving this rank's part: {len(wanted)} file(s), {total / 1e6:.1f} MB, into {entry.path}")
         progress = TransferProgress(f"receiving rank {rank}'s part", total)
-        wanted = [(name, 0) for name, offset in wanted
-                  if not _receive_file(control, entry.writer(name, offset, sizes[name]), progress)]
+        try:
+            wanted = [(name, 0) for name, offset in wanted
+                      if not _receive_file(control, entry.writer(name, offset, sizes[name]), progress)]
+        except PeerClosedError as exc:
+            # A dead leader or a pulled cable: say what is kept, so the restart's resume is expected.
+            raise PeerClosedError(f"the leader closed the connection while sending this rank's part "
+                                  f"({progress.bytes / 1e6:.1f} of {total / 1e6:.1f} MB arrived, kept in "
+                                  f"{entry.path}: the next start resumes there): {exc}") from None
         progress.done()
     entry.touch()
     return entry.path
+
+
+def decline_part(link: Any, rank: int, size: int, share: SplitShare) -> None:
+    """A worker without --model that holds its part loaded already (it re-joins a group it kept
+    serving): the leader's offer checked as receive_part checks it, and no file wanted."""
+    _, payload = link.control.recv(FrameType.PART_OFFER, timeout=PART_WAIT_S)
+    _offered(payload, stated_fingerprint(link.peer_hello.fingerprint), rank, size, share)
+    link.control.send(FrameType.PART_WANT, json.dumps({"files": []}).encode("utf-8"))
 
 
 def _receive_file(control: Any, writer: PartWriter, progress: Optional[TransferProgress]) -> bool:
@@ -119,4 +133,4 @@ def _end(payload: bytes) -> Tuple[str, str]:
         raise FrameError(f"malformed PART_END from the leader: {exc}") from None
 
 
-__all__ = ["receive_part", "stated_fingerprint"]
+__all__ = ["decline_part", "receive_part", "stated_fingerprint"]

@@ -13,8 +13,10 @@ the bytes past the offset are sent.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -38,6 +40,24 @@ CHUNK_BYTES = 4 << 20  # one PART_DATA frame (its bound in link/wire.py)
 # the leader to finish the ranks before it: minutes on a large model.
 PART_WAIT_S = 24 * 3600.0
 MAX_ROUNDS = 3
+# A test hook, never set in use: the leader stops sending for good once this many bytes of a
+# part went (it logs so and waits to be killed), so a process-level test can kill a leader
+# mid-transfer at a known point instead of racing a timer (tests/test_part_delivery.py).
+TEST_PAUSE_ENV = "DS4_TP_TEST_PART_PAUSE_AFTER_BYTES"
+
+
+def pause_for_tests() -> Optional[int]:
+    """The bytes after which TEST_PAUSE_ENV stops the transfer; None when it is not set."""
+    raw = os.environ.get(TEST_PAUSE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{TEST_PAUSE_ENV}={raw!r} is not a byte count; unset it (it is a test hook)")
+    return value
 
 
 def part_bytes(array: mx.array) -> memoryview:
@@ -153,6 +173,7 @@ class _Frames:
         self.control, self.progress = control, progress
         self.pending = bytearray()
         self.sent = 0
+        self.pause_after = pause_for_tests()
 
     def take(self, item: Tuple[Any, Any, int]) -> None:
         digest, data, skip = item
@@ -186,6 +207,11 @@ class _Frames:
         self.control.send(FrameType.PART_DATA, piece)
         self.sent += len(piece)
         self.progress.add(len(piece))
+        if self.pause_after is not None and self.sent >= self.pause_after:
+            log(f"{TEST_PAUSE_ENV}: test hook: this transfer stops after {self.sent} bytes; "
+                "waiting to be killed")
+            while True:
+                time.sleep(3600)
 
 
 def send_parts(group: Any, model_path: Path, share: SplitShare, fingerprint: str, receivers: List[int]) -> None:
