@@ -62,13 +62,15 @@ class BodyRecord:
         return found
 
 
-def tapped_http_client(record: BodyRecord):
-    """openai's own httpx client (its defaults kept) whose every answer's bytes are added to
-    `record` as they are read: streamed answers included, never buffered ahead of the caller."""
-    import openai
+def tapped_http_client(record: BodyRecord, sdk=None):
+    """The `sdk`'s own httpx client (the openai or anthropic module; openai when None), its
+    defaults kept, whose every answer's bytes are added to `record` as they are read: streamed
+    answers included, never buffered ahead of the caller."""
+    if sdk is None:
+        import openai as sdk
 
-    # openai builds on httpx or its httpx2 fork, by version: the tap speaks the one it uses.
-    httpx = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
+    # The SDKs build on httpx or its httpx2 fork, by version: the tap speaks the one they use.
+    httpx = importlib.import_module(sdk.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
 
     class TappedStream(httpx.SyncByteStream):
         def __init__(self, inner, kept: bytearray):
@@ -94,4 +96,4 @@ def tapped_http_client(record: BodyRecord):
         def close(self) -> None:
             self.inner.close()
 
-    return openai.DefaultHttpxClient(transport=Tap())
+    return sdk.DefaultHttpxClient(transport=Tap())

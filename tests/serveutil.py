@@ -182,6 +182,14 @@ def client(pair: ServedPair, api_key: str = API_KEY, timeout: float = 60.0):
                          http_client=tapped_http_client(pair.bodies))
 
 
+def anthropic_client(pair: ServedPair, api_key: str = API_KEY, timeout: float = 60.0):
+    """The anthropic SDK's client of the pair, its answers kept for close()'s search."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=pair.base, api_key=api_key, max_retries=0, timeout=timeout,
+                               http_client=tapped_http_client(pair.bodies, anthropic))
+
+
 def open_stream(pair: ServedPair, body: bytes, api_key: str = API_KEY):
     """A streamed POST /v1/completions on a raw socket, returned once the first event has
     arrived: the test closes it when it chooses (a client that hangs up, a budget held)."""
