@@ -1,5 +1,10 @@
 """Helpers for the `ds4tp serve` tests: a tiny model with a chat template, a served pair as two
-real processes (always killed), and mlx-lm's own generation as the reference."""
+real processes (always killed), and mlx-lm's own generation as the reference.
+
+Every served group proves a pair secret (TEST_SECRET, unless a test gives its own or None), and
+its close() searches every rank's output and every HTTP answer these helpers read for it
+(secret_grep.py): issue 61's "no secret in a log, an error or an HTTP body", checked by every
+serve test."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from pairutil import REPO, free_port
+from secret_grep import TEST_SECRET, BodyRecord, find_secret, tapped_http_client
 
 # A plain template: role line, content, end of turn; the assistant's turn left open.
 CHAT_TEMPLATE = (
@@ -22,6 +28,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 API_KEY = "test-key"
+# ServedPair's env for a group without any secret (loopback needs none).
+NO_SECRET = {"DS4_TP_SECRET": None}
 
 
 def build_chat_model(directory: Path, seed: int = 3, preset: str = "tiny") -> Path:
@@ -41,7 +49,12 @@ class ServedPair:
     """`ds4tp serve` leader and worker on 127.0.0.1, logs in files under `logs`; `model` is
     what both ranks get as --model (a directory, or "demo"). ranks > 2: --ranks N to the
     leader (the workers learn N from it; rank_extra gives a worker its own), the workers named
-    "worker", "worker2", ..."""
+    "worker", "worker2", ...
+
+    Every rank proves TEST_SECRET (DS4_TP_SECRET in its environment) unless `env`, `rank_env`
+    or a --secret flag gives it another; `env` NO_SECRET: none at all, no stored code either
+    (loopback needs none). close() fails naming every place a secret given to any rank shows up
+    in a rank's output or an HTTP answer read through this module's helpers."""
 
     def __init__(self, model, logs: Path, extra: List[str] = (), env: Optional[dict] = None,
                  api_key: Optional[str] = API_KEY, rank_extra: Optional[dict] = None,
@@ -49,10 +62,19 @@ class ServedPair:
         self.port = free_port()
         pair_port = free_port()
         self.logs = logs
+        self.bodies = BodyRecord()
+        self.secrets = set()
+        self._searched = False
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.setdefault("DS4_TP_TIMEOUT_SEC", "20")
+        full_env["DS4_TP_SECRET"] = TEST_SECRET
         full_env.update(env or {})
+        for name in [name for name, value in full_env.items() if value is None]:  # NO_SECRET's
+            del full_env[name]
+        if "DS4_TP_SECRET" not in full_env:  # nor a code `ds4tp pair` stored for this user
+            (logs / "no-pair-secret").mkdir(parents=True, exist_ok=True)
+            full_env.setdefault("DS4_TP_CONFIG_DIR", str(logs / "no-pair-secret"))
         transport = ["--transport", "tcp"] if "--transport" not in extra else []
         common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), *transport, *extra]
         key = ["--api-key", api_key] if api_key else []
@@ -78,8 +100,11 @@ class ServedPair:
         """Start rank `name` ("leader" or "worker") with its command line (plus `extra`), its
         output appended to its log: a first start, or a restart after kill()."""
         out = open(self.logs / f"{name}.log", "a")
-        self.procs[name] = subprocess.Popen(self.cmds[name] + list(extra), env=self.envs[name], stdout=out,
-                                            stderr=subprocess.STDOUT)
+        cmd = self.cmds[name] + list(extra)
+        # Whatever secret this rank is given is one the search looks for.
+        self.secrets |= {self.envs[name].get("DS4_TP_SECRET")} - {None, ""}
+        self.secrets |= {cmd[i + 1] for i, arg in enumerate(cmd[:-1]) if arg == "--secret"}
+        self.procs[name] = subprocess.Popen(cmd, env=self.envs[name], stdout=out, stderr=subprocess.STDOUT)
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()
@@ -88,11 +113,17 @@ class ServedPair:
         """(status code, body) of GET /health; (0, None) while nothing listens."""
         try:
             with urllib.request.urlopen(self.base + "/health", timeout=10) as r:
-                return r.status, json.loads(r.read())
+                return r.status, json.loads(self.read_body("GET /health", r))
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, json.loads(self.read_body("GET /health", e))
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return 0, None
+
+    def read_body(self, where: str, response) -> bytes:
+        """`response`'s whole body, kept for close()'s search for the secret."""
+        body = response.read()
+        self.bodies.add(where, body)
+        return body
 
     def wait_healthy(self, within: float = 90.0) -> dict:
         deadline = time.monotonic() + within
@@ -123,16 +154,40 @@ class ServedPair:
             p.wait(10)
 
     def close(self) -> None:
+        """Every rank killed, then every rank's output and every HTTP answer read searched for
+        the secret: an AssertionError naming each place it was found (once)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+        if self._searched:
+            return
+        self._searched = True
+        leaks = self.leaks()
+        assert not leaks, "the pair secret shows where it must not (issue 61):\n" + "\n".join(leaks)
+
+    def leaks(self) -> List[str]:
+        """Each place a secret given to a rank shows up: a line of a rank's log (its stdout and
+        stderr) or of an HTTP answer read through this module."""
+        found = []
+        for name in self.procs:
+            found += find_secret(self.secrets, self.log(name), f"{self.logs / (name + '.log')}")
+        return found + self.bodies.leaks(self.secrets)
 
 
 def client(pair: ServedPair, api_key: str = API_KEY, timeout: float = 60.0):
     import openai
 
-    return openai.OpenAI(base_url=pair.base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+    return openai.OpenAI(base_url=pair.base + "/v1", api_key=api_key, max_retries=0, timeout=timeout,
+                         http_client=tapped_http_client(pair.bodies))
+
+
+def anthropic_client(pair: ServedPair, api_key: str = API_KEY, timeout: float = 60.0):
+    """The anthropic SDK's client of the pair, its answers kept for close()'s search."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=pair.base, api_key=api_key, max_retries=0, timeout=timeout,
+                               http_client=tapped_http_client(pair.bodies, anthropic))
 
 
 def open_stream(pair: ServedPair, body: bytes, api_key: str = API_KEY):
@@ -144,7 +199,7 @@ def open_stream(pair: ServedPair, body: bytes, api_key: str = API_KEY):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Authorization: Bearer " + api_key.encode() + b"\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    received = b""
+    received = pair.bodies.add("POST /v1/completions (a stream's start)")
     while b"data:" not in received:
         chunk = sock.recv(4096)
         assert chunk, f"the server closed the stream before any event: {received!r}"
@@ -159,19 +214,25 @@ def post_raw(pair: ServedPair, path: str, body: bytes, api_key: str = API_KEY) -
                                           "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
+            return r.status, json.loads(pair.read_body(f"POST {path}", r))
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, json.loads(pair.read_body(f"POST {path}", e))
 
 
 def get_raw(pair: ServedPair, path: str, api_key: str = API_KEY) -> tuple:
     """(status, parsed JSON body) of a GET."""
+    code, body = get_text(pair, path, api_key)
+    return code, json.loads(body)
+
+
+def get_text(pair: ServedPair, path: str, api_key: str = API_KEY) -> tuple:
+    """(status, body as text) of a GET: /metrics, the cluster page."""
     req = urllib.request.Request(pair.base + path, headers={"Authorization": f"Bearer {api_key}"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
+            return r.status, pair.read_body(f"GET {path}", r).decode("utf-8")
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, pair.read_body(f"GET {path}", e).decode("utf-8")
 
 
 def reference(model_dir: Path, prompt_ids: List[int], max_tokens: int, temp: float = 0.0,

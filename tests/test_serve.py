@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai", reason="the openai package (pip install o
 from serveutil import (  # noqa: E402
     API_KEY,
     ServedPair,
+    anthropic_client,
     build_chat_model,
     chat_ids,
     client,
@@ -583,8 +584,8 @@ def test_every_request_field_is_acted_on_or_refused_naming_it(pair, kind):
 
 
 def _anthropic_client(pair):
-    anthropic = pytest.importorskip("anthropic", reason="the anthropic package (pip install anthropic)")
-    return anthropic.Anthropic(base_url=pair.base, api_key=API_KEY, max_retries=0, timeout=60)
+    pytest.importorskip("anthropic", reason="the anthropic package (pip install anthropic)")
+    return anthropic_client(pair)
 
 
 def test_messages_answer_as_chat_completions_do(pair, model_dir):
@@ -621,7 +622,7 @@ def test_messages_refuse_what_they_cannot_do_in_anthropics_error_shape(pair, mod
         {"model": model_dir.name, "messages": [{"role": "user", "content": "hi"}]}).encode())
     assert code == 400 and answer["type"] == "error" and "max_tokens" in answer["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=pair.base, api_key="wrong", max_retries=0).messages.create(
+        anthropic_client(pair, api_key="wrong").messages.create(
             model=model_dir.name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
 
 

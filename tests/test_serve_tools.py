@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai", reason="the openai package (pip install o
 
 import scripted_model  # noqa: E402
 from pairutil import free_port  # noqa: E402
-from serveutil import API_KEY, ServedPair, client  # noqa: E402
+from serveutil import API_KEY, ServedPair, anthropic_client, client  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -151,8 +151,8 @@ def test_tools_for_a_model_without_a_tool_format_are_refused(tmp_path):
 
 
 def test_messages_api_returns_the_thinking_and_the_tool_use(pair):
-    anthropic = pytest.importorskip("anthropic", reason="the anthropic package (pip install anthropic)")
-    ac = anthropic.Anthropic(base_url=pair.base, api_key=API_KEY, max_retries=0, timeout=60)
+    pytest.importorskip("anthropic", reason="the anthropic package (pip install anthropic)")
+    ac = anthropic_client(pair)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
     r = ac.messages.create(model="scripted", max_tokens=20, messages=ASK, tools=tools)
