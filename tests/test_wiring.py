@@ -13,7 +13,9 @@ cables' interfaces (--interface), nothing else about the wiring:
   TCP between 1 and 2 saying why, and gives the unsplit tokens;
 - four ranks cabled as a ring plus the LAN: `auto` runs RDMA on the four ring links and TCP on
   the two diagonals, saying why, and gives the unsplit tokens;
-- `--rdma-devices` naming the other cable's device (a swapped cable) is refused by name.
+- `--rdma-devices` naming the other cable's device (a swapped cable) is refused by name;
+- `ds4tp doctor` on the full mesh prints its wiring table: each link's interfaces, addresses and
+  devices at both ends, transport, gate p50/p99 and bulk bandwidth.
 
 Needs root and `ip netns`, as tests/test_discovery_link.py: where namespaces cannot be made the
 tests FAIL with the reason. Addresses live only inside the namespaces the tests create and delete.
@@ -25,7 +27,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -80,14 +82,19 @@ class Cables:
 
 
 def spawn(procs, bridge: Bridge, cables: Cables, rank: int, model: Path, *flags: str) -> Watched:
-    """`ds4tp run` as rank `rank` in its namespace: the leader's LAN address, ucsim, its cables."""
+    """`ds4tp run` as rank `rank` in its namespace: the leader's LAN address, ucsim, its cables
+    (model None: `ds4tp doctor` instead, --listen on the leader and --peer on the others)."""
     size = str(len(bridge.ns))
-    where = (["--prompt", PROMPT, "--role", "leader", "--listen", bridge.addr[0], str(PORT), "--ranks", size]
-             if rank == 0 else ["--role", "worker", "--coordinator", bridge.addr[0], str(PORT)])
+    lan = [bridge.addr[0], str(PORT)]
+    if model is None:
+        command = ["doctor", *(["--listen", *lan, "--ranks", size] if rank == 0 else ["--peer", *lan])]
+    else:
+        command = ["run", "--model", str(model), "--max-tokens", str(TOKENS), "--no-chat-template",
+                   *(["--prompt", PROMPT, "--role", "leader", "--listen", *lan, "--ranks", size] if rank == 0
+                     else ["--role", "worker", "--coordinator", *lan])]
     interfaces = [x for name in cables.of(rank) for x in ("--interface", name)]
-    argv = ["ip", "netns", "exec", bridge.ns[rank], sys.executable, "-m", "mlx_ds4tp", "run", "--model",
-            str(model), "--max-tokens", str(TOKENS), "--no-chat-template", "--rdma-device", "ucsim",
-            *where, *interfaces, *flags]
+    argv = ["ip", "netns", "exec", bridge.ns[rank], sys.executable, "-m", "mlx_ds4tp", *command,
+            "--rdma-device", "ucsim", *interfaces, *flags]
     env = dict(os.environ, DS4_TP_SECRET=SECRET, DS4_TP_TIMEOUT_SEC=str(TIMEOUT), PYTHONUNBUFFERED="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -95,7 +102,7 @@ def spawn(procs, bridge: Bridge, cables: Cables, rank: int, model: Path, *flags:
     return Watched(p, f"rank {rank} in {bridge.ns[rank]}")
 
 
-def start(procs, bridge: Bridge, cables: Cables, model: Path, *flags: str, leader_flags=()) -> List[Watched]:
+def start(procs, bridge: Bridge, cables: Cables, model: Optional[Path], *flags: str, leader_flags=()) -> List[Watched]:
     """Every rank, the workers one after the other so that namespace i is rank i (the leader
     numbers its workers in the order they join)."""
     size = len(bridge.ns)
@@ -140,6 +147,22 @@ def test_three_ranks_cabled_as_a_full_mesh_run_each_link_on_its_own_cable(procs,
             # Each cable carried its link's gates (ucsim's datagrams and the link's sockets), the
             # LAN only the JOINs: every cable's counter grew by more than any LAN end's.
             assert grown[(r, dev)] > lan, (grown, describe(ranks))
+
+
+@pytest.mark.parametrize("bridge", [3], indirect=True)
+def test_doctor_prints_the_wiring_table_of_a_cabled_mesh(procs, bridge):
+    cables = Cables(bridge, [(0, 1), (0, 2), (1, 2)])
+    doctors = start(procs, bridge, cables, None, "--transport", "rdma")
+    for me, d in enumerate(doctors):
+        assert exited(d, doctors) == 0, describe(doctors)
+        out = d.out.text()
+        for peer in (p for p in range(3) if p != me):
+            mine, theirs = cables.name(me, peer), cables.name(peer, me)
+            row = (f"[  ok] wiring rank {me} <-> rank {peer}: rank {me} {mine} {cables.addr[(me, peer)]} "
+                   f"ucsim:{mine} <-> rank {peer} {theirs} {cables.addr[(peer, me)]} ucsim:{theirs}; "
+                   "transport rdma; gate 16 KiB p50 ")
+            assert row in out and "GB/s" in out, describe(doctors)
+        print(f"\n{d.name}:\n" + "\n".join(x for x in out.splitlines() if "wiring" in x))
 
 
 @pytest.mark.parametrize("bridge", [3], indirect=True)
