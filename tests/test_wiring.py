@@ -7,7 +7,7 @@ cables' interfaces (--interface), nothing else about the wiring:
 
 - a full mesh of three: the unsplit model's tokens, every link on its own cable (each rank says
   which, `ucsim:IFNAME`), and every cable's veth carries its link's gates (its byte counters
-  grow, more than the LAN's);
+  grow, more than the LAN's); the same found by discovery on the cables alone (no address);
 - a cable missing (ranks 1 and 2 not cabled): `--transport rdma` stops every rank naming the
   two ranks and the interfaces they looked on; `--transport auto` runs RDMA on the two cables,
   TCP between 1 and 2 saying why, and gives the unsplit tokens;
@@ -147,6 +147,35 @@ def test_three_ranks_cabled_as_a_full_mesh_run_each_link_on_its_own_cable(procs,
             # Each cable carried its link's gates (ucsim's datagrams and the link's sockets), the
             # LAN only the JOINs: every cable's counter grew by more than any LAN end's.
             assert grown[(r, dev)] > lan, (grown, describe(ranks))
+
+
+@pytest.mark.parametrize("bridge", [3], indirect=True)
+def test_three_ranks_found_by_discovery_on_their_cables_alone_run_each_link_on_its_cable(procs, bridge, model):
+    cables = Cables(bridge, [(0, 1), (0, 2), (1, 2)])
+    lan = {r: cables.tx_bytes(r, bridge.dev[r]) for r in range(3)}
+    before = {(r, dev): cables.tx_bytes(r, dev) for r in range(3) for dev in cables.of(r)}
+    ranks = []
+    for r in range(3):  # no address: each finds the others on its cables (--interface), the LAN not named
+        interfaces = [x for name in cables.of(r) for x in ("--interface", name)]
+        argv = ["ip", "netns", "exec", bridge.ns[r], sys.executable, "-m", "mlx_ds4tp", "run", "--model",
+                str(model), "--max-tokens", str(TOKENS), "--no-chat-template", "--ranks", "3",
+                "--transport", "rdma", "--rdma-device", "ucsim", *interfaces,
+                *(["--prompt", PROMPT] if r == 0 else [])]
+        env = dict(os.environ, DS4_TP_SECRET=SECRET, DS4_TP_TIMEOUT_SEC=str(TIMEOUT), PYTHONUNBUFFERED="1",
+                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.procs.append(p)
+        ranks.append(Watched(p, f"discovering rank in {bridge.ns[r]}"))
+    assert finished_text(ranks[0], ranks[1:]) == reference_text(model, PROMPT, TOKENS)[0]
+    for r in ranks[1:]:
+        assert exited(r, ranks) == 0, describe(ranks)
+    for r in ranks:
+        assert r.err.text().count(" up on the cable ") == 2, describe(ranks)
+        assert r.err.text().count("transport rdma, device ucsim:c") == 2, describe(ranks)
+    grown = {key: cables.tx_bytes(*key) - n for key, n in before.items()}
+    quiet = max(cables.tx_bytes(r, bridge.dev[r]) - lan[r] for r in range(3))
+    print(f"\nbytes sent during the run, per cable (rank, interface): {grown}; the LAN's most: {quiet}")
+    assert all(n > quiet for n in grown.values()), (grown, quiet, describe(ranks))
 
 
 @pytest.mark.parametrize("bridge", [3], indirect=True)

@@ -138,7 +138,9 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
                          "secret: run `ds4tp pair` on each Mac")
     try:
         secret = join_secret(args.secret)
-        cables = tuple(getattr(args, "interface", None) or ()) if discovery is None else ()
+        # The interfaces named are the cables, at an address or discovering (a Mac's default
+        # discovery interfaces, the bridge's members, hold no address: no cable named then).
+        cables = tuple(getattr(args, "interface", None) or ()) if discovery is None else discovery.interfaces
         link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
                             gid_index=args.rdma_gid_index, secret=secret, discovery=discovery,
                             size=size, cables=cables,

@@ -58,7 +58,8 @@ class Door:
         self.port = int(self.sock.getsockname()[1])
         self.cable_socks: List[socket.socket] = []
         try:
-            for ip in cables:
+            # A door on every interface (0.0.0.0, ::) already takes the cables' connections.
+            for ip in cables if host not in ("0.0.0.0", "::", "") else ():
                 if ip != host:
                     self.cable_socks.append(listen_socket(ip, self.port))
                     self.cable_socks[-1].listen(4 * size)
