@@ -27,11 +27,12 @@ def test_doctor_peer_round_trip(procs):
                             "--transport", "tcp"])
     peer = procs.spawn(["-m", "mlx_ds4tp", "doctor", "--peer", "127.0.0.1", str(port),
                         "--transport", "tcp"])
-    for p in (peer, listener):
+    for p, ends in ((peer, "rank 1 <-> rank 0"), (listener, "rank 0 <-> rank 1")):
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, out + err
         assert f"[  ok] all_sum round trip with 127.0.0.1:{port}: 2 ranks, transport tcp, 16 KiB p50" in out
         assert "exact on every rank" in out
+        assert f"[  ok] wiring {ends}: no cable: over the route to rank" in out and "; transport tcp; gate" in out, out
 
 
 def test_doctor_peer_unreachable_fails_with_the_reason(procs):

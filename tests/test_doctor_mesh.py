@@ -64,7 +64,14 @@ def check_group_lines(outs: List[str], size: int, where: str) -> None:
                 "so --split even takes the nearest cut they allow, which is uneven") in out, out
         assert re.search(rf"\[  ok\] all_sum round trip with {re.escape(where)}: {size} ranks, transport tcp, "
                          r"16 KiB p50 [\d.]+ us p99 [\d.]+ us over 1800, exact on every rank", out), out
-        assert "doctor: 13 checks, 0 failed" in out, out
+        for peer in (p for p in range(size) if p != rank):
+            # The wiring table's row of each of this rank's links: at an address (no --interface)
+            # the route; found by discovery, the interface named (on Linux: the cable) at both ends.
+            ends = (rf"(no cable: over the route to rank {peer} at [\d.]+|rank {rank} \S+ [\d.]+ <-> rank {peer} "
+                    r"\S+ [\d.]+ \(no RDMA device on this link\))")
+            assert re.search(rf"\[  ok\] wiring rank {rank} <-> rank {peer}: {ends}; transport tcp; gate 16 KiB "
+                             r"p50 [\d.]+ us p99 [\d.]+ us; bulk 4 MiB [\d.]+ GB/s", out), out
+        assert f"doctor: {13 + size - 1} checks, 0 failed" in out, out
     assert sorted(ranks) == list(range(size)), outs
     assert len(shares) == 1, shares  # the same figures, the same arithmetic: one share on every rank
 

@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Tuple
 from ..link.config import MAX_MESH_SIZE, MLX
 from ..link.rdma import UCSIM
 from .doctor_lines import FAIL, OK, Check, line
+from .doctor_wiring import wiring_checks
 from .pair_args import ranks_from_args
 
 # The all_sums of the local mesh, and the round trip's timed ones (the first WARM_SUMS not
@@ -149,7 +150,7 @@ def group_checks(group: Any, model: Optional[str], where: str) -> List[Check]:
     out.append(line(OK if wrong == 0 else FAIL, f"all_sum round trip with {where}",
                     f"{size} ranks, transport {group.transport}, 16 KiB p50 {p['p50_us']} us "
                     f"p99 {p['p99_us']} us over {ROUND_TRIPS - WARM_SUMS}, {exact}"))
-    return out
+    return out + wiring_checks(group)
 
 
 def fingerprint_line(group: Any, model: str) -> Check:

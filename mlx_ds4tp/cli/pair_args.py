@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..base.log import log
 from ..link.config import (
@@ -51,9 +51,9 @@ def add_interface_arg(p: argparse.ArgumentParser) -> None:
                    help="without --listen/--coordinator: find the other rank by multicast DNS on "
                         "this interface (repeat for several; default on a Mac: the members of the "
                         "Thunderbolt Bridge; required on Linux; lo for both ranks on this machine). "
-                        "With --listen/--coordinator on Linux: the interfaces that are a private "
-                        "cable between the machines, as a Thunderbolt link is on a Mac (the group may "
-                        "form there without a secret)")
+                        "With --listen/--coordinator: the cables to the other ranks (each link runs on "
+                        "the cable it shares with its peer, its address and RDMA device; on Linux also "
+                        "where the group may form without a secret, as a Thunderbolt link is on a Mac)")
 
 
 def add_ranks_arg(p: argparse.ArgumentParser) -> None:
@@ -95,6 +95,10 @@ def add_transport_args(p: argparse.ArgumentParser, transport_help: str = TRANSPO
     choices = TRANSPORTS + ((extra_choice,) if extra_choice else ())
     p.add_argument("--transport", choices=choices, default=default, help=transport_help)
     p.add_argument("--rdma-device", default=None, help=rdma_device_help)
+    p.add_argument("--rdma-devices", default=None, metavar="PEER=DEVICE,...",
+                   help="the RDMA device towards each peer rank (e.g. 1=rdma_en3,2=rdma_en5, or "
+                        "1=ucsim:eth1), checked against the cable each link finds with --interface; "
+                        "default: each link's own cable's device")
     p.add_argument("--rdma-gid-index", type=int, default=None, metavar="N",
                    help="the verbs GID index to use (default: the device's IPv4-mapped GID)")
     p.add_argument("--secret", default=None,
@@ -134,9 +138,13 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
                          "secret: run `ds4tp pair` on each Mac")
     try:
         secret = join_secret(args.secret)
+        # The interfaces named are the cables, at an address or discovering (a Mac's default
+        # discovery interfaces, the bridge's members, hold no address: no cable named then).
+        cables = tuple(getattr(args, "interface", None) or ()) if discovery is None else discovery.interfaces
         link = LinkSettings(address, transport or args.transport, rdma_device=args.rdma_device,
                             gid_index=args.rdma_gid_index, secret=secret, discovery=discovery,
-                            size=size).check()
+                            size=size, cables=cables,
+                            rdma_devices=parse_rdma_devices(getattr(args, "rdma_devices", None))).check()
         if discovery is None and link.transport != MLX:
             warning = exposure.check_join(address, secret is not None, insecure,
                                           exposure.cable_interfaces(getattr(args, "interface", None) or ()))
@@ -145,6 +153,21 @@ def link_from_args(args: argparse.Namespace, address: PairAddress, command: str,
     except ValueError as exc:
         raise SystemExit(f"ds4tp {command}: {exc}") from None
     return link
+
+
+def parse_rdma_devices(text: Optional[str]) -> Optional[Dict[int, str]]:
+    """--rdma-devices PEER=DEVICE,... as {peer rank: device}; None when not given. A bad item is
+    a ValueError naming it and the form."""
+    if text is None:
+        return None
+    out: Dict[int, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        peer, sep, device = item.partition("=")
+        if not sep or not peer.strip().isdigit() or not device.strip():
+            raise ValueError(f"--rdma-devices {text}: {item!r} is not PEER=DEVICE; give e.g. "
+                             "1=rdma_en3,2=rdma_en5")
+        out[int(peer)] = device.strip()
+    return out
 
 
 def parse_address(pair: Optional[Sequence[str]], flag: str) -> Optional[Tuple[str, int]]:

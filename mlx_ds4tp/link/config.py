@@ -249,6 +249,9 @@ class LinkSettings:
     rdma_devices: a mesh rank's device per peer rank ({peer: "rdma_en3"}; a peer not named uses
     rdma_device). ucsim_fault_links: the mesh links the emulated device's faults apply to,
     "0-1,2-3" (DS4_TP_UCSIM_FAULT_LINKS; "" or unset: every link).
+    cables: the interfaces this rank's cables are on (--interface with an address): each link runs
+    on the cable it shares with its peer, at that cable's addresses and device (link/cables.py);
+    () : every link over the roster's route and rdma_device/rdma_devices as given.
     """
 
     address: PairAddress
@@ -270,6 +273,7 @@ class LinkSettings:
     ask_rank: Optional[int] = None
     rdma_devices: Optional[Mapping[int, str]] = None
     ucsim_fault_links: Optional[str] = None
+    cables: Tuple[str, ...] = ()
 
     @classmethod
     def of(cls, role: Optional[str], listen=None, coordinator=None, **fields) -> "LinkSettings":
@@ -363,6 +367,9 @@ class LinkSettings:
                 raise ValueError(f"rdma_devices={dict(self.rdma_devices)!r}: map each peer rank "
                                  f"(0 .. {most - 1}) to a verbs device name, e.g. {{1: 'rdma_en3'}}")
         parse_fault_links(self.ucsim_fault_links or "")
+        if not isinstance(self.cables, tuple) or not all(isinstance(n, str) and n for n in self.cables):
+            raise ValueError(f"cables={self.cables!r}: give a tuple of interface names, e.g. "
+                             "('en3', 'en5') (--interface NAME, repeated)")
 
     def _check_leaders_size(self) -> None:
         """size=None is a worker's that dials its leader: the leader says the size at the join. A

@@ -22,7 +22,7 @@ import hmac
 import select
 import socket
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..base.log import log
 from ..errors import PeerClosedError, TransportError
@@ -46,13 +46,26 @@ class Door:
 
     mesh_id: the mesh's id once the roster is out (None while it gathers): links must present
     it. abort_on: sockets whose EOF or data means the bring-up is over (a worker's connection
-    to the leader: the leader gave up), so a wait at the door ends then, not at the timeout."""
+    to the leader: the leader gave up), so a wait at the door ends then, not at the timeout.
+    cables: more addresses it listens on at the same port, this rank's cable addresses (a leader
+    listening on its LAN address: its links run over the cables, dialed at their addresses)."""
 
-    def __init__(self, host: str, port: int, size: int, hello_timeout: float):
+    def __init__(self, host: str, port: int, size: int, hello_timeout: float,
+                 cables: Sequence[str] = ()):
         self.sock = listen_socket(host, port)
         self.sock.listen(4 * size)
         self.host = host
         self.port = int(self.sock.getsockname()[1])
+        self.cable_socks: List[socket.socket] = []
+        try:
+            # A door on every interface (0.0.0.0, ::) already takes the cables' connections.
+            for ip in cables if host not in ("0.0.0.0", "::", "") else ():
+                if ip != host:
+                    self.cable_socks.append(listen_socket(ip, self.port))
+                    self.cable_socks[-1].listen(4 * size)
+        except BaseException:
+            self.close()
+            raise
         self.size = size
         self.hello_timeout = hello_timeout
         self.mesh_id: Optional[bytes] = None
@@ -98,10 +111,11 @@ class Door:
         for sock, _ in self._parked.values():
             sock.close()
         self._parked.clear()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        for sock in (self.sock, *self.cable_socks):
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     # -- sorting -----------------------------------------------------------------
     def _take(self, deadline: float, what: str,
@@ -116,7 +130,17 @@ class Door:
             if ready:
                 raise PeerClosedError(f"the mesh's leader gave up its bring-up while this rank "
                                       f"waited at its door for {what}")
-        return accept(self.sock, deadline, what, watch=watch)
+        listener = self.sock
+        while self.cable_socks:  # which of the listeners a connection waits at
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            watched = [] if watch is None else [watch.sock]
+            ready, _, _ = select.select([self.sock, *self.cable_socks, *watched], [], [], remaining)
+            listener = next((s for s in (self.sock, *self.cable_socks) if s in ready), self.sock)
+            if ready:
+                break
+        return accept(listener, deadline, what, watch=watch)
 
     def _sort(self, sock: socket.socket, peer: str, deadline: float):
         """What the connection is: (FrameType.JOIN | MESH_ID, payload), ("data", b""),
@@ -136,8 +160,8 @@ class Door:
             ftype, payload = channel.recv(timeout=max(0.01, until - time.monotonic()))
         except TransportError as exc:
             return None, str(exc)
-        if ftype == FrameType.JOIN and len(payload) != JOIN_PAYLOAD.size:
-            return None, f"JOIN payload is {len(payload)} bytes, expected {JOIN_PAYLOAD.size}"
+        if ftype == FrameType.JOIN and len(payload) < JOIN_PAYLOAD.size:
+            return None, f"JOIN payload is {len(payload)} bytes, expected at least {JOIN_PAYLOAD.size}"
         if ftype == FrameType.MESH_ID:
             if len(payload) != MESH_ID_PAYLOAD.size:
                 return None, f"MESH_ID payload is {len(payload)} bytes, expected {MESH_ID_PAYLOAD.size}"

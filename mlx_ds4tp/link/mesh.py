@@ -28,6 +28,19 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..base.log import log
 from ..errors import AuthenticationError, FrameError, HelloMismatchError, TransportError
+from .cables import (
+    Cable,
+    CableAddress,
+    Wiring,
+    cable_device,
+    check_named_devices,
+    device_label,
+    local_cables,
+    opened_device,
+    pack_cables,
+    refuse_uncabled,
+    unpack_cables,
+)
 from .config import LinkSettings, PairAddress, parse_fault_links
 from .connection import Pair
 from .control import ControlChannel, dial, tune_socket
@@ -66,6 +79,7 @@ class Mesh:
     door: Optional[Door]
     keep: List[socket.socket]
     closed: bool = False
+    cables: Dict[int, Optional[Cable]] = dataclasses.field(default_factory=dict)
 
     def transports(self) -> Dict[int, str]:
         """{peer rank: "tcp" | "rdma"}: what each link runs on."""
@@ -100,18 +114,21 @@ def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = 
     gives one that stops early at a stale address)."""
     started = time.monotonic()
     deadline = started + link.timeout
+    mine = local_cables(link.cables)
     if link.address.role == "leader":
-        rank, roster, mesh_id, door, keep = _gather(link, deadline)
+        rank, roster, cables, mesh_id, door, keep = _gather(link, mine, deadline)
     else:
-        rank, roster, mesh_id, door, keep = _join(link, deadline, dial)
+        rank, roster, cables, mesh_id, door, keep = _join(link, mine, deadline, dial)
     size = len(roster)
     link = dataclasses.replace(link, size=size)
+    wiring = Wiring(cables)
     pairs: Dict[int, Pair] = {}
     try:
+        _wired(link, rank, wiring)  # a group that cannot be wired stops before any link
         for low, high in _link_order(size):
             if rank in (low, high):
                 peer = high if rank == low else low
-                pairs[peer] = _make_link(link, rank, peer, roster, mesh_id, door, connect)
+                pairs[peer] = _make_link(link, rank, peer, roster, mesh_id, door, connect, wiring)
         _formed(link, rank, mesh_id, keep, deadline)
     except BaseException:
         for pair in pairs.values():
@@ -120,7 +137,8 @@ def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = 
         for sock in keep:
             sock.close()
         raise
-    mesh = Mesh(rank, size, pairs, mesh_id, door, keep)
+    mesh = Mesh(rank, size, pairs, mesh_id, door, keep,
+                cables={p: wiring.cable(rank, p) if wiring.named else None for p in pairs})
     kinds = ", ".join(f"{rank}<->{p} {t}" for p, t in mesh.transports().items())
     log(f"mesh: rank {rank} of {size} linked to every peer in "
         f"{time.monotonic() - started:.2f} s ({kinds})")
@@ -151,6 +169,17 @@ def _expect_ready(channel: ControlChannel, mesh_id: bytes, deadline: float) -> N
         raise FrameError("a rank said the mesh is formed with another mesh's id")
 
 
+def _wired(link: LinkSettings, rank: int, wiring: Wiring) -> Dict[int, str]:
+    """Before any link: a group named cables (--interface) that --transport rdma cannot cable
+    is refused here, on every rank alike (each reads the same roster); the devices named per
+    peer (rdma_devices, --rdma-devices) checked against the cables found."""
+    if not wiring.named:
+        return {peer: opened_device(d) for peer, d in (link.rdma_devices or {}).items()}
+    if link.transport == "rdma":
+        refuse_uncabled(wiring)
+    return check_named_devices(link.rdma_devices or {}, rank, wiring, link.rdma_device)
+
+
 def _link_order(size: int) -> List[Tuple[int, int]]:
     return [(low, high) for low in range(size) for high in range(low + 1, size)]
 
@@ -161,7 +190,8 @@ def _link_order(size: int) -> List[Tuple[int, int]]:
 
 
 def join_proof(secret: Optional[bytes], fields: bytes) -> bytes:
-    """JOIN's proof: HMAC-SHA256 of the pair secret over the JOIN's other fields (zeros
+    """JOIN's proof: HMAC-SHA256 of the pair secret over the JOIN's other fields and its cable
+    addresses (zeros
     without a secret). It keeps strangers out of the rank count; every link's hello then
     authenticates as a pair's does (challenge-response), so a replayed JOIN links nothing."""
     if secret is None:
@@ -173,32 +203,35 @@ def _join_fields(size: int, ask: int, port: int, nonce: bytes) -> bytes:
     return JOIN_PAYLOAD.pack(PROTOCOL_VERSION, size, ask, port, nonce, bytes(32))[:-32]
 
 
-def _gather(link: LinkSettings, deadline: float):
+def _gather(link: LinkSettings, mine: List[CableAddress], deadline: float):
     """Rank 0: the workers' JOINs at the door, their ranks, ROSTER and MESH_ID out."""
     host, port = link.address.listen
-    door = Door(host, port, link.size, min(link.hello_timeout, link.timeout))
+    door = Door(host, port, link.size, min(link.hello_timeout, link.timeout), [c.ip for c in mine])
     others = "rank 1" if link.size == 2 else f"ranks 1 .. {link.size - 1}"
     log(f"mesh: rank 0 of {link.size} waiting for {others} on {host}:{door.port} ...")
-    members: List[Tuple[ControlChannel, int, str, int]] = []  # channel, asked, host, door port
+    # channel, asked, host, door port, cables
+    members: List[Tuple[ControlChannel, int, str, int, List[CableAddress]]] = []
     try:
         while len(members) < link.size - 1:
             channel, payload, peer = door.next_join(deadline)
-            refusal, asked, their_port = _check_join(link, payload, members)
+            refusal, asked, their_port, their_cables = _check_join(link, payload, members)
             if refusal:
                 log(f"mesh: refused a JOIN from {peer}: {refusal}")
                 channel.send_error(refusal)
                 channel.sock.close()
                 continue
-            members.append((channel, asked, peer.rsplit(":", 1)[0], their_port))
+            members.append((channel, asked, peer.rsplit(":", 1)[0], their_port, their_cables))
             log(f"mesh: {peer} joined ({len(members)} of the {link.size - 1} other ranks"
                 f"{'' if asked == ANY_RANK else f', asks for rank {asked}'})")
         ranks = assign_ranks([m[1] for m in members], link.size)
         roster = [("", door.port)] + [("", 0)] * (link.size - 1)
-        for (_, _, peer_host, peer_port), rank in zip(members, ranks):
+        cables: List[List[CableAddress]] = [mine] + [[] for _ in range(link.size - 1)]
+        for (_, _, peer_host, peer_port, their_cables), rank in zip(members, ranks):
             roster[rank] = (peer_host, peer_port)
+            cables[rank] = their_cables
         mesh_id = secrets.token_bytes(16)
         for (channel, *_), rank in zip(members, ranks):
-            channel.send(FrameType.ROSTER, pack_roster(roster, rank))
+            channel.send(FrameType.ROSTER, pack_roster(roster, rank, cables))
             channel.send(FrameType.MESH_ID, MESH_ID_PAYLOAD.pack(mesh_id, 0))
     except BaseException:
         door.close()
@@ -206,29 +239,35 @@ def _gather(link: LinkSettings, deadline: float):
             channel.sock.close()
         raise
     door.mesh_id = mesh_id
-    return 0, roster, mesh_id, door, [m[0].sock for m in members]
+    return 0, roster, cables, mesh_id, door, [m[0].sock for m in members]
 
 
-def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, int]:
-    """(why the JOIN is refused or "", the rank it asks for, its door's port)."""
-    version, size, asked, port, nonce, proof = JOIN_PAYLOAD.unpack(payload)
+def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, int, List[CableAddress]]:
+    """(why the JOIN is refused or "", the rank it asks for, its door's port, its cables)."""
+    version, size, asked, port, nonce, proof = JOIN_PAYLOAD.unpack_from(payload)
     if version != PROTOCOL_VERSION:
         return (f"protocol version {version}, this leader speaks {PROTOCOL_VERSION}: run the same "
-                "mlx_ds4tp on every rank"), asked, port
-    if not hmac.compare_digest(proof, join_proof(link.secret, _join_fields(size, asked, port, nonce))):
+                "mlx_ds4tp on every rank"), asked, port, []
+    packed = payload[JOIN_PAYLOAD.size:]
+    try:
+        cables, end = unpack_cables(packed, 0)
+    except FrameError as exc:
+        return f"its cable addresses do not parse ({exc})", asked, port, []
+    fields = _join_fields(size, asked, port, nonce) + packed
+    if end != len(packed) or not hmac.compare_digest(proof, join_proof(link.secret, fields)):
         return ("authentication failed: the JOIN's proof does not match this leader's pair secret; "
-                "give every rank the same --secret / DS4_TP_SECRET"), asked, port
+                "give every rank the same --secret / DS4_TP_SECRET"), asked, port, []
     if size not in (link.size, LEADERS_SIZE):
         return (f"the group has {link.size} ranks and this rank was started for {size}; give every "
                 f"rank --ranks {link.size} (size={link.size}), or start the workers without --ranks "
-                "to take the leader's"), asked, port
+                "to take the leader's"), asked, port, []
     if asked != ANY_RANK and not 1 <= asked < link.size:
         return (f"rank {asked} is not a worker's rank of a group of {link.size} (1 .. {link.size - 1}); "
-                "ask for one of those, or none"), asked, port
+                "ask for one of those, or none"), asked, port, []
     if asked != ANY_RANK and asked in [m[1] for m in members]:
         return (f"rank {asked} was asked for by a worker that joined first; ask for another rank "
-                "or none"), asked, port
-    return "", asked, port
+                "or none"), asked, port, []
+    return "", asked, port, cables
 
 
 def assign_ranks(asked: List[int], size: int) -> List[int]:
@@ -241,36 +280,37 @@ def assign_ranks(asked: List[int], size: int) -> List[int]:
     return out
 
 
-def pack_roster(roster: List[Tuple[str, int]], rank: int) -> bytes:
+def pack_roster(roster: List[Tuple[str, int]], rank: int, cables: List[List[CableAddress]]) -> bytes:
     out = ROSTER_HEADER.pack(len(roster), rank)
-    for host, port in roster:
+    for (host, port), theirs in zip(roster, cables):
         name = host.encode("utf-8")
-        out += ROSTER_ENTRY.pack(port, len(name)) + name
+        out += ROSTER_ENTRY.pack(port, len(name)) + name + pack_cables(theirs)
     return out
 
 
-def unpack_roster(payload: bytes) -> Tuple[List[Tuple[str, int]], int]:
-    """(every rank's (host, port), the receiving rank); host "" is the address the receiver
-    dialed the leader at."""
+def unpack_roster(payload: bytes) -> Tuple[List[Tuple[str, int]], int, List[List[CableAddress]]]:
+    """(every rank's (host, port), the receiving rank, every rank's cable addresses); host "" is
+    the address the receiver dialed the leader at."""
     if len(payload) < ROSTER_HEADER.size:
         raise FrameError(f"ROSTER payload is {len(payload)} bytes, need {ROSTER_HEADER.size}")
     size, rank = ROSTER_HEADER.unpack_from(payload)
     if not 2 <= size <= MAX_MESH_SIZE:
         raise FrameError(f"ROSTER names {size} ranks; a group has 2 to {MAX_MESH_SIZE}")
-    at, roster = ROSTER_HEADER.size, []
+    at, roster, cables = ROSTER_HEADER.size, [], []
     for _ in range(size):
         if at + ROSTER_ENTRY.size > len(payload):
             raise FrameError("ROSTER payload ends inside an entry")
         port, n = ROSTER_ENTRY.unpack_from(payload, at)
         at += ROSTER_ENTRY.size
         roster.append((payload[at:at + n].decode("utf-8"), port))
-        at += n
+        theirs, at = unpack_cables(payload, at + n)
+        cables.append(theirs)
     if not 0 < rank < size:
         raise FrameError(f"ROSTER gives this worker rank {rank} of {size}")
-    return roster, rank
+    return roster, rank, cables
 
 
-def _join(link: LinkSettings, deadline: float, dial: Dial):
+def _join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: Dial):
     """A worker: dial the leader's door, JOIN, learn the rank, the roster (its length the
     group's size, for a worker started without one) and the group's id."""
     host, port = link.address.coordinator
@@ -289,7 +329,8 @@ def _join(link: LinkSettings, deadline: float, dial: Dial):
         ask = ANY_RANK if link.ask_rank is None else link.ask_rank
         nonce = secrets.token_bytes(NONCE_BYTES)
         fields = _join_fields(link.size or LEADERS_SIZE, ask, door.port, nonce)
-        channel.send(FrameType.JOIN, fields + join_proof(link.secret, fields))
+        packed = pack_cables(mine)
+        channel.send(FrameType.JOIN, fields + join_proof(link.secret, fields + packed) + packed)
         left = max(0.01, deadline - time.monotonic())
         try:
             ftype, payload = channel.recv(timeout=left)
@@ -301,7 +342,7 @@ def _join(link: LinkSettings, deadline: float, dial: Dial):
                 f"mlx_ds4tp (protocol before {PROTOCOL_VERSION}); install the same version on every rank")
         if ftype != FrameType.ROSTER:
             raise FrameError(f"expected a ROSTER frame, got {ftype.name} ({len(payload)} bytes)")
-        roster, rank = unpack_roster(payload)
+        roster, rank, cables = unpack_roster(payload)
         if link.size is not None and len(roster) != link.size:
             raise FrameError(f"the leader's ROSTER names {len(roster)} ranks; this rank JOINed a group of {link.size}")
         _, payload = channel.recv(FrameType.MESH_ID)
@@ -317,7 +358,7 @@ def _join(link: LinkSettings, deadline: float, dial: Dial):
     door.mesh_id = mesh_id
     door.abort_on = [sock]
     log(f"mesh: rank {rank} of {len(roster)} (leader {host}:{port}); links come up next")
-    return rank, roster, mesh_id, door, [sock]
+    return rank, roster, cables, mesh_id, door, [sock]
 
 
 def _refused(exc: TransportError, host: str, port: int) -> TransportError:
@@ -336,17 +377,35 @@ def _refused(exc: TransportError, host: str, port: int) -> TransportError:
 
 
 def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes, door: Door,
-               connect: Connect) -> Pair:
-    """This rank's link to `peer`: a pair made by connect(), the lower rank on its door."""
-    device = (link.rdma_devices or {}).get(peer, link.rdma_device)
+               connect: Connect, wiring: Wiring) -> Pair:
+    """This rank's link to `peer`: a pair made by connect(), the lower rank on its door; with
+    cables named, on the cable the two share (dialed at the peer's address there, its device),
+    or over TCP on the roster's route where they share none (transport auto)."""
+    devices = _wired(link, rank, wiring)
+    device = devices.get(peer, link.rdma_device)
+    transport, dial_at, on = link.transport, roster[peer], ""
+    device_name = device or "the first active one"
+    low, high = min(rank, peer), max(rank, peer)
+    if wiring.named:
+        cable = wiring.cable(rank, peer)
+        if cable is None:
+            transport = "tcp" if link.transport == "auto" else link.transport
+            log(f"mesh: link rank {low} <-> rank {high}: {wiring.why_uncabled(low, high)}, so "
+                f"{transport} over the route to {roster[peer][0] or 'the leader'} (transport {link.transport})")
+        else:
+            device = devices.get(peer) or cable_device(cable.mine.interface, link.rdma_device)
+            dial_at = (cable.theirs.ip, roster[peer][1])
+            on = (f" on the cable {cable.mine.interface} {cable.mine.ip} <-> {cable.theirs.interface} "
+                  f"{cable.theirs.ip}")
+            device_name = device_label(device, cable.mine.interface)
     faulted = parse_fault_links(link.ucsim_fault_links or "")
-    faults = link.ucsim_faults if not faulted or (min(rank, peer), max(rank, peer)) in faulted else ""
+    faults = link.ucsim_faults if not faulted or (low, high) in faulted else ""
     if rank < peer:
         address = PairAddress("leader", (door.host, door.port), None)
     else:
-        address = PairAddress("worker", None, roster[peer])
-    settings = dataclasses.replace(link, address=address, rdma_device=device, ucsim_faults=faults,
-                                   size=2, ask_rank=None, rdma_devices=None)
+        address = PairAddress("worker", None, dial_at)
+    settings = dataclasses.replace(link, address=address, transport=transport, rdma_device=device,
+                                   ucsim_faults=faults, size=2, ask_rank=None, rdma_devices=None)
 
     def dial_link(host: str, port: int, deadline: float, what: str) -> socket.socket:
         sock = dial(host, port, deadline, what)
@@ -364,8 +423,7 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
     except TransportError as exc:
         if link.size == 2:
             raise  # the group's one link: its leader is rank 0, its worker rank 1, as its messages say
-        where = f"device {device or 'the first active one'}" if link.transport != "tcp" else "tcp"
-        low, high = min(rank, peer), max(rank, peer)
+        where = f"device {device_name}{on}" if transport != "tcp" else "tcp"
         # The pair's own messages say "leader" and "worker": on this link, the lower rank and the higher.
         message = (f"mesh link rank {low} <-> rank {high} ({where}; on this link the leader is rank "
                    f"{low}, the worker rank {high}): {exc}")
@@ -374,6 +432,6 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
         except TypeError:
             error = TransportError(message)
         raise error from exc
-    log(f"mesh: link rank {min(rank, peer)} <-> rank {max(rank, peer)} up, transport "
-        f"{pair.transport}" + (f", device {device}" if pair.transport == "rdma" and device else ""))
+    log(f"mesh: link rank {low} <-> rank {high} up{on}, transport {pair.transport}"
+        + (f", device {device_name}" if pair.transport == "rdma" and (device or on) else ""))
     return pair

@@ -24,8 +24,8 @@ The bound is checked before anything is allocated. The transport's own frames an
 | AUTH             | HMAC-SHA256 proof (32 bytes)                                   | 256         |
 | FINGERPRINT      | FINGERPRINT_SUMMARY                                            | 64          |
 | FINGERPRINT_DETAIL | zlib of JSON {v, config, tensors} (<= MAX_FINGERPRINT_DETAIL_EXPANDED expanded) | 16777216 |
-| JOIN             | JOIN_PAYLOAD (version, size or 0 for the leader's, rank asked or -1, listen port, nonce, proof): a worker asks rank 0's door for a place in a group of N ranks, 2 included (link/mesh.py) | 128 |
-| ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host): every rank's link address | 4096 |
+| JOIN             | JOIN_PAYLOAD (version, size or 0 for the leader's, rank asked or -1, listen port, nonce, proof; then its cable addresses, link/cables.py): a worker asks rank 0's door for a place in a group of N ranks, 2 included (link/mesh.py) | 1024 |
+| ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host, cable addresses): every rank's link address and cables | 8192 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 | REFORM           | UTF-8 text, the leader's reason: a serving leader whose group (any N) broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
 | PART_OFFER       | UTF-8 JSON: the files of a worker's part the leader offers (names, sizes, digests), to a worker started without --model (split/part_send.py) | 16777216 |
@@ -98,10 +98,11 @@ from ..errors import FrameError
 # A group of 3 or more swaps with its neighbours which links its collectives run over (the
 # full mesh or a ring: collectives/topology.py) in one exchange on the data links before its
 # first collective.
-# 15: every re-join offers a worker started without --model its part again (PART_OFFER, then
-# its PART_WANT: the files a restarted one lacks, none from one that kept its part loaded); a
-# rank of version 14 would leave such a worker waiting for an offer that never comes.
-PROTOCOL_VERSION = 15
+# A re-join offers a worker started without --model its part again (PART_OFFER, then its
+# PART_WANT: the files a restarted one lacks, none from one that kept its part loaded). A JOIN
+# and each ROSTER entry carry the rank's cable addresses (its --interface interfaces' IPv4
+# addresses and prefixes, link/cables.py), so each link finds its own cable and device.
+PROTOCOL_VERSION = 14
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames
@@ -212,8 +213,8 @@ FRAME_MAX_BYTES = {
     FrameType.FINGERPRINT: 64,
     FrameType.FINGERPRINT_DETAIL: 16 * 1024 * 1024,
     FrameType.SPLIT: 64,
-    FrameType.JOIN: 128,
-    FrameType.ROSTER: 4096,
+    FrameType.JOIN: 1024,
+    FrameType.ROSTER: 8192,
     FrameType.MESH_ID: 64,
     FrameType.REFORM: 4096,
     FrameType.PART_OFFER: 16 * 1024 * 1024,
@@ -294,10 +295,10 @@ def split_payload(size: int) -> struct.Struct:
 
 # A mesh (link/mesh.py). JOIN: protocol version, the mesh size the worker expects, the rank
 # it asks for (-1: any), the port its own door listens on, a fresh nonce, and the HMAC proof
-# of the pair secret over the rest (zeros without a secret).
+# of the pair secret over the rest and the cable addresses that follow (zeros without a secret).
 JOIN_PAYLOAD = struct.Struct(f"<IIiI{NONCE_BYTES}s32s")
 JOIN_TAG = b"ds4tp-join-v1"
 ROSTER_HEADER = struct.Struct("<II")  # size, the receiving rank; then size entries
-ROSTER_ENTRY = struct.Struct("<HH")  # port, host length; then the UTF-8 host
+ROSTER_ENTRY = struct.Struct("<HH")  # port, host length; then the UTF-8 host, the cable addresses
 MESH_ID_PAYLOAD = struct.Struct("<16sI")  # the mesh's id, the sending rank
 MAX_MESH_SIZE = 8
