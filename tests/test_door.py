@@ -392,3 +392,24 @@ def test_a_link_that_fails_its_bring_up_names_both_ranks_and_the_device():
     for value in out.values():
         if hasattr(value, "close"):
             value.close()
+
+
+def test_a_join_dropped_unread_by_a_closing_door_dials_again_and_joins_the_next():
+    """A leader forming its group again closes its old door and opens the new one at the same
+    port: a JOIN that reached the old one in between is dropped unread. The worker dials again
+    (until its timeout) and joins the new group, rather than failing on the closed connection."""
+    port = free_port()
+    old = socket.create_server(("127.0.0.1", port))
+    ranks = Ranks()
+    try:
+        ranks.start("worker", **worker(port, 2))
+        conn, _ = old.accept()  # the worker's JOIN reached the old door ...
+        conn.close()  # ... which closes it unanswered
+        old.close()
+        ranks.start("leader", **leader(port, 2))
+        out = ranks.join()
+        assert all(isinstance(out[n], tp.Group) for n in ("leader", "worker")), out
+        assert (out["worker"].rank(), out["worker"].size()) == (1, 2)
+    finally:
+        old.close()
+        ranks.close()

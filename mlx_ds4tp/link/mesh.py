@@ -27,7 +27,14 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..base.log import log
-from ..errors import AuthenticationError, FrameError, HelloMismatchError, TransportError
+from ..errors import (
+    AuthenticationError,
+    FrameError,
+    HelloMismatchError,
+    PeerClosedError,
+    TransportError,
+    TransportTimeoutError,
+)
 from .cables import (
     Cable,
     CableAddress,
@@ -314,28 +321,19 @@ def _join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: D
     """A worker: dial the leader's door, JOIN, learn the rank, the roster (its length the
     group's size, for a worker started without one) and the group's id."""
     host, port = link.address.coordinator
-    sock = dial(host, port, deadline, "control")  # the JOIN opens the worker's control connection
-    tune_socket(sock)
-    channel = ControlChannel(sock, link.timeout)
+    while True:
+        sock, channel, door, answer = _send_join(link, mine, deadline, dial)
+        if answer is not None:
+            break
+        # The door closed under this JOIN before any answer: a leader forming its group again
+        # closes its old door and opens the new one at the same port, and a JOIN that reached
+        # the old one in between is dropped unread. Dial again, until the deadline.
+        if time.monotonic() >= deadline:
+            raise TransportTimeoutError(f"the leader (rank 0) at {host}:{port} closed every JOIN "
+                                        "unanswered until the connect timeout")
+        time.sleep(0.05)
     try:
-        # Every interface: a peer worker may reach this one by another route than the leader
-        # did. The roster names the address the leader saw this rank at.
-        anywhere = "::" if ":" in sock.getsockname()[0] else "0.0.0.0"
-        door = Door(anywhere, 0, link.size or MAX_MESH_SIZE, min(link.hello_timeout, link.timeout))
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        ask = ANY_RANK if link.ask_rank is None else link.ask_rank
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        fields = _join_fields(link.size or LEADERS_SIZE, ask, door.port, nonce)
-        packed = pack_cables(mine)
-        channel.send(FrameType.JOIN, fields + join_proof(link.secret, fields + packed) + packed)
-        left = max(0.01, deadline - time.monotonic())
-        try:
-            ftype, payload = channel.recv(timeout=left)
-        except TransportError as exc:
-            raise _refused(exc, host, port) from None
+        ftype, payload = answer
         if ftype == FrameType.HELLO:  # a leader of protocol 13 or older: a pair's says hello first
             raise HelloMismatchError(
                 f"the leader at {host}:{port} answered this JOIN with a pair's HELLO: it runs an older "
@@ -359,6 +357,43 @@ def _join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: D
     door.abort_on = [sock]
     log(f"mesh: rank {rank} of {len(roster)} (leader {host}:{port}); links come up next")
     return rank, roster, cables, mesh_id, door, [sock]
+
+
+def _send_join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: Dial):
+    """(socket, channel, this rank's door, the leader's first frame) for one JOIN; the frame
+    is None when the leader's door closed the connection without a word."""
+    host, port = link.address.coordinator
+    sock = dial(host, port, deadline, "control")  # the JOIN opens the worker's control connection
+    tune_socket(sock)
+    channel = ControlChannel(sock, link.timeout)
+    try:
+        # Every interface: a peer worker may reach this one by another route than the leader
+        # did. The roster names the address the leader saw this rank at.
+        anywhere = "::" if ":" in sock.getsockname()[0] else "0.0.0.0"
+        door = Door(anywhere, 0, link.size or MAX_MESH_SIZE, min(link.hello_timeout, link.timeout))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        ask = ANY_RANK if link.ask_rank is None else link.ask_rank
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        fields = _join_fields(link.size or LEADERS_SIZE, ask, door.port, nonce)
+        packed = pack_cables(mine)
+        try:
+            channel.send(FrameType.JOIN, fields + join_proof(link.secret, fields + packed) + packed)
+            answer = channel.recv(timeout=max(0.01, deadline - time.monotonic()))
+        except PeerClosedError:
+            answer = None
+        except TransportError as exc:
+            raise _refused(exc, host, port) from None
+    except BaseException:
+        door.close()
+        sock.close()
+        raise
+    if answer is None:
+        door.close()
+        sock.close()
+    return sock, channel, door, answer
 
 
 def _refused(exc: TransportError, host: str, port: int) -> TransportError:
