@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Optional
 
 from ..checkpoint.parts_cache import DEFAULT_PARTS_DIR, PartsSettings
-from .model_arg import model_path
+from .model_arg import add_model_arg, model_path
 
 
-def add_parts_args(p: argparse.ArgumentParser) -> None:
+def add_model_or_part_args(p: argparse.ArgumentParser) -> None:
+    """--model, which a worker may leave out (it receives its part), and where it keeps that part."""
+    add_model_arg(p, required=False)
     p.add_argument("--parts-dir", default=None, metavar="DIR",
                    help=f"a worker without --model: where it keeps the part the leader sends it "
                         f"(default {DEFAULT_PARTS_DIR})")

@@ -13,9 +13,8 @@ from typing import Optional, Tuple
 from ..link.config import LinkSettings
 from ..lockstep.settings import DraftSettings, RunSettings
 from .draft_args import add_draft_args, check_draft_args
-from .model_arg import add_model_arg
 from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
-from .parts_args import add_parts_args, model_or_part, parts_from_args
+from .parts_args import add_model_or_part_args, model_or_part, parts_from_args
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
@@ -27,8 +26,7 @@ ROLE_HELP = ("this process's rank, 'leader' (rank 0: --prompt; prints the text) 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp run` (examples/pair_generate.py takes the same)."""
-    add_model_arg(p, required=False)
-    add_parts_args(p)
+    add_model_or_part_args(p)
     p.add_argument("--prompt", default=None, help="leader: the prompt text (required there)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     add_sampling_args(p, seed_default=0)

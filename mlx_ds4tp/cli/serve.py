@@ -22,9 +22,9 @@ from ..lockstep.settings import DraftSettings
 from ..serve.limits import ServeLimits
 from ..serve.settings import HttpSettings, ServedModel, ServeSettings
 from .draft_args import add_draft_args, check_draft_args
-from .model_arg import add_model_arg, default_served_name
+from .model_arg import default_served_name
 from .pair_args import add_lockstep_rank_args, check_at_least, lockstep_join
-from .parts_args import add_parts_args, model_or_part, parts_from_args
+from .parts_args import add_model_or_part_args, model_or_part, parts_from_args
 from .sampling_args import add_sampling_args, options_from_args
 from .split_args import add_split_arg, split_from_args
 
@@ -37,8 +37,7 @@ ROLE_HELP = ("this process's rank, 'leader' (rank 0; serves HTTP on --host/--por
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ds4tp serve` (HTTP flags named as mlx_lm.server names them)."""
-    add_model_arg(p, required=False)
-    add_parts_args(p)
+    add_model_or_part_args(p)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="leader: the model id /v1/models lists and requests name (default: 'demo' "
                         "for --model demo, the repo id for a Hugging Face repo id, the directory's "

@@ -205,20 +205,11 @@ void LinkedGroupImpl::reduce_now(int op, int code, const tp_xsig& sig, const cha
     combine(op, code, sum2, first ? in : other, first ? other : in, out, n);
     return;
   }
-  if (on_ring()) return ring_reduce_now(op, code, sig, in, out, n);
-  // A group holds at most TP_MESH_MAX ranks: the blocks' addresses live on the stack, so a
-  // decode gate allocates nothing.
-  const void* srcs[TP_MESH_MAX];
-  void* dsts[TP_MESH_MAX];
   if (bytes <= TP_MESH_SMALL_BYTES) {
     // [the N partials][two accumulators]
     char* parts = core_->scratch_of((count + 2) * bytes);
     std::memcpy(parts + me_ * bytes, in, bytes);
-    for (int k = 0; k < count; k++) {
-      srcs[k] = in;
-      dsts[k] = parts + k * bytes;
-    }
-    exchange(members_.data(), count, me_, sig, srcs, dsts);
+    gather_blocks(sig, parts, bytes);
     combine_all(op, code, sum2, parts, count, bytes, n, parts + count * bytes, out);
     return;
   }
@@ -240,23 +231,39 @@ void LinkedGroupImpl::reduce_now(int op, int code, const tp_xsig& sig, const cha
   }
   tp_xsig part = sig;
   part.bytes = cb;
-  std::memcpy(got + me_ * cb, src + me_ * cb, cb);
-  for (int k = 0; k < count; k++) {
-    srcs[k] = src + k * cb;
-    dsts[k] = got + k * cb;
-  }
-  exchange(members_.data(), count, me_, part, srcs, dsts);
+  scatter_chunks(part, src, cb, got);
   combine_all(op, code, sum2, got, count, cb, c, acc, reduced);
   // The input is no longer read: the gathered chunks may land in out (its
   // buffer may be the input's, donated) or, padded, in the staging copy.
   char* gathered = padded ? whole : out;
   std::memcpy(gathered + me_ * cb, reduced, cb);
-  for (int k = 0; k < count; k++) {
-    srcs[k] = reduced;
-    dsts[k] = gathered + k * cb;
-  }
-  exchange(members_.data(), count, me_, part, srcs, dsts);
+  gather_blocks(part, gathered, cb);
   if (padded) std::memcpy(out, gathered, bytes);
+}
+
+void LinkedGroupImpl::gather_blocks(const tp_xsig& sig, char* base, size_t block) {
+  if (on_ring()) return ring_all_gather(sig, base, block);
+  // A group holds at most TP_MESH_MAX ranks: the blocks' addresses live on the stack, so a
+  // decode gate allocates nothing.
+  const void* srcs[TP_MESH_MAX];
+  void* dsts[TP_MESH_MAX];
+  for (int k = 0; k < size(); k++) {
+    srcs[k] = base + me_ * block;
+    dsts[k] = base + k * block;
+  }
+  exchange(members_.data(), size(), me_, sig, srcs, dsts);
+}
+
+void LinkedGroupImpl::scatter_chunks(const tp_xsig& part, const char* src, size_t cb, char* got) {
+  if (on_ring()) return ring_scatter(part, src, cb, got);
+  const void* srcs[TP_MESH_MAX];
+  void* dsts[TP_MESH_MAX];
+  std::memcpy(got + me_ * cb, src + me_ * cb, cb);
+  for (int k = 0; k < size(); k++) {
+    srcs[k] = src + k * cb;
+    dsts[k] = got + k * cb;
+  }
+  exchange(members_.data(), size(), me_, part, srcs, dsts);
 }
 
 void LinkedGroupImpl::reduce(int op, const mx::array& input, mx::array& output, mx::Stream stream) {

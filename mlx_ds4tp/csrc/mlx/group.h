@@ -89,6 +89,12 @@ class LinkedGroupImpl : public mx::distributed::detail::GroupImpl,
   // The reduction itself, under the lock: two members swap partials straight into scratch;
   // more, small blocks go all to all, large ones reduce-scatter then all-gather.
   void reduce_now(int op, int code, const tp_xsig& sig, const char* in, char* out, size_t n);
+  // reduce_now's two steps, over the full mesh or the ring's links alone (both leave every
+  // partial to combine in rank order, so the two give the same bits): every member's block of
+  // `block` bytes into base + k block (this member's already there); and the member k's chunk
+  // of every member into got + k cb, from src's chunks.
+  void gather_blocks(const tp_xsig& sig, char* base, size_t block);
+  void scatter_chunks(const tp_xsig& part, const char* src, size_t cb, char* got);
   // One exchange among `members` (this rank at `me`): srcs[k] to member k, its block into dsts[k].
   void exchange(const int* members, int count, int me, const tp_xsig& sig, const void** srcs,
                 void** dsts);
@@ -113,9 +119,6 @@ class LinkedGroupImpl : public mx::distributed::detail::GroupImpl,
   // The member k's block of every member into got + k cb, from src's blocks (block k of
   // src for member k; this member's own block copied): each block the short way round.
   void ring_scatter(const tp_xsig& sig, const char* src, size_t cb, char* got);
-  // The reduction over the ring, under the lock: small ones gather every partial, large
-  // ones scatter the chunks, reduce and gather them; both in rank order, as the mesh.
-  void ring_reduce_now(int op, int code, const tp_xsig& sig, const char* in, char* out, size_t n);
   // Refuses send/recv with a member that is no neighbour on the ring.
   void check_neighbour(const char* op, const char* what, int peer) const;
 

@@ -169,47 +169,6 @@ void LinkedGroupImpl::ring_scatter(const tp_xsig& sig, const char* src, size_t c
   }
 }
 
-void LinkedGroupImpl::ring_reduce_now(int op, int code, const tp_xsig& sig, const char* in,
-                                      char* out, size_t n) {
-  const int count = size();
-  const size_t bytes = sig.bytes;
-  const Sum2Fn sum2 = core_->sum2;
-  if (bytes <= TP_MESH_SMALL_BYTES) {
-    // [the N partials][two accumulators]
-    char* parts = core_->scratch_of((count + 2) * bytes);
-    std::memcpy(parts + me_ * bytes, in, bytes);
-    ring_all_gather(sig, parts, bytes);
-    combine_all(op, code, sum2, parts, count, bytes, n, parts + count * bytes, out);
-    return;
-  }
-  // N chunks of c items (the last padded), as the mesh cuts them.
-  const size_t item = bytes / n;
-  const size_t c = (n + count - 1) / count;
-  const size_t cb = c * item;
-  const bool padded = n % count != 0;
-  // [padded input / gathered chunks: N cb][received chunks: N cb][reduced: cb][two accumulators]
-  char* whole = core_->scratch_of((2 * count + 3) * cb);
-  char* got = whole + count * cb;
-  char* reduced = got + count * cb;
-  char* acc = reduced + cb;
-  const char* src = in;
-  if (padded) {
-    std::memcpy(whole, in, bytes);
-    std::memset(whole + bytes, 0, count * cb - bytes);
-    src = whole;
-  }
-  tp_xsig part = sig;
-  part.bytes = cb;
-  ring_scatter(part, src, cb, got);
-  combine_all(op, code, sum2, got, count, cb, c, acc, reduced);
-  // The input is no longer read: the gathered chunks may land in out (its buffer may be
-  // the input's, donated) or, padded, in the staging copy.
-  char* gathered = padded ? whole : out;
-  std::memcpy(gathered + me_ * cb, reduced, cb);
-  ring_all_gather(part, gathered, cb);
-  if (padded) std::memcpy(out, gathered, bytes);
-}
-
 void LinkedGroupImpl::check_neighbour(const char* op, const char* what, int peer) const {
   if (!on_ring() || peer == ring_member(1) || peer == ring_member(-1)) return;
   std::vector<int> order;
