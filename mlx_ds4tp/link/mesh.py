@@ -262,8 +262,8 @@ def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, 
         return f"its cable addresses do not parse ({exc})", asked, port, []
     fields = _join_fields(size, asked, port, nonce) + packed
     if end != len(packed) or not hmac.compare_digest(proof, join_proof(link.secret, fields)):
-        return ("authentication failed: the JOIN's proof does not match this leader's pair secret; "
-                "give every rank the same --secret / DS4_TP_SECRET"), asked, port, []
+        return ("authentication failed: the JOIN's proof does not match this leader's pair secret; pair "
+                "every Mac with `ds4tp pair`, or give every rank the same --secret / DS4_TP_SECRET"), asked, port, []
     if size not in (link.size, LEADERS_SIZE):
         return (f"the group has {link.size} ranks and this rank was started for {size}; give every "
                 f"rank --ranks {link.size} (size={link.size}), or start the workers without --ranks "
