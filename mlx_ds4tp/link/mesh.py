@@ -317,20 +317,32 @@ def unpack_roster(payload: bytes) -> Tuple[List[Tuple[str, int]], int, List[List
     return roster, rank, cables
 
 
+# How long a worker whose JOIN the leader's door dropped unread dials that door again: a
+# re-forming leader opens its new door at once, and a dead one must be an error within ~1 s.
+REDIAL_SEC = 1.0
+
+
 def _join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: Dial):
     """A worker: dial the leader's door, JOIN, learn the rank, the roster (its length the
     group's size, for a worker started without one) and the group's id."""
     host, port = link.address.coordinator
+    until = deadline
     while True:
-        sock, channel, door, answer = _send_join(link, mine, deadline, dial)
+        try:
+            sock, channel, door, answer = _send_join(link, mine, until, deadline, dial)
+        except TransportTimeoutError:
+            if until == deadline:
+                raise
+            raise PeerClosedError(f"the leader (rank 0) at {host}:{port} closed its connection (EOF) "
+                                  f"before answering this rank's JOIN, and did not open its door again "
+                                  f"within {REDIAL_SEC:.0f} s: it is gone") from None
         if answer is not None:
             break
         # The door closed under this JOIN before any answer: a leader forming its group again
         # closes its old door and opens the new one at the same port, and a JOIN that reached
-        # the old one in between is dropped unread. Dial again, until the deadline.
-        if time.monotonic() >= deadline:
-            raise TransportTimeoutError(f"the leader (rank 0) at {host}:{port} closed every JOIN "
-                                        "unanswered until the connect timeout")
+        # the old one in between is dropped unread. Dial again for a few seconds (a leader that
+        # died stays gone: the worker must not wait out its whole connect timeout for it).
+        until = min(until, time.monotonic() + REDIAL_SEC)
         time.sleep(0.05)
     try:
         ftype, payload = answer
@@ -359,11 +371,12 @@ def _join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: D
     return rank, roster, cables, mesh_id, door, [sock]
 
 
-def _send_join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: Dial):
-    """(socket, channel, this rank's door, the leader's first frame) for one JOIN; the frame
+def _send_join(link: LinkSettings, mine: List[CableAddress], dial_by: float, deadline: float, dial: Dial):
+    """(socket, channel, this rank's door, the leader's first frame) for one JOIN, dialed by
+    `dial_by` and answered by `deadline` (the ROSTER comes once every rank joined); the frame
     is None when the leader's door closed the connection without a word."""
     host, port = link.address.coordinator
-    sock = dial(host, port, deadline, "control")  # the JOIN opens the worker's control connection
+    sock = dial(host, port, dial_by, "control")  # the JOIN opens the worker's control connection
     tune_socket(sock)
     channel = ControlChannel(sock, link.timeout)
     try:
