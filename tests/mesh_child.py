@@ -239,7 +239,8 @@ def stats(g) -> dict:
             "refused": refused, "cases": report.cases, "failed": report.failed}
 
 
-def main() -> None:
+def join_from_argv():
+    """(the group, the case) of a child started as `RANK PORT TRANSPORT SIZE CASE`."""
     rank, port, transport, size, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                          int(sys.argv[4]), sys.argv[5])
     where = ({"role": "leader", "listen": ("127.0.0.1", port)} if rank == 0
@@ -249,6 +250,11 @@ def main() -> None:
                 **where, **kw)
     if g.rank() != rank or g.size() != size or g.transport != transport:
         raise SystemExit(f"asked for rank {rank} of {size} over {transport}, got {g!r}")
+    return g, case
+
+
+def main() -> None:
+    g, case = join_from_argv()
     if case == "exact":
         result = exact(g)
     elif case == "matrix":

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlx.core as mx  # noqa: E402
 
 import mlx_ds4tp as tp  # noqa: E402
-from mesh_child import FLOATS, Report, exact, in_order, matrix, partial, same  # noqa: E402
+from mesh_child import FLOATS, Report, exact, in_order, join_from_argv, matrix, partial, same  # noqa: E402
 from mlx_ds4tp.collectives.group import Group  # noqa: E402
 from mlx_ds4tp.link.mesh import Mesh  # noqa: E402
 
@@ -161,15 +161,8 @@ def partial_case(g) -> dict:
 
 
 def main() -> None:
-    rank, port, transport, size, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
-                                         int(sys.argv[4]), sys.argv[5])
-    where = ({"role": "leader", "listen": ("127.0.0.1", port)} if rank == 0
-             else {"role": "worker", "coordinator": ("127.0.0.1", port), "rank": rank})
-    kw = {"rdma_device": "ucsim"} if transport == "rdma" else {}
-    g = tp.init(transport=transport, timeout=float(os.environ.get("CHILD_TIMEOUT", 60)), size=size,
-                **where, **kw)
-    if g.rank() != rank or g.size() != size or g.transport != transport:
-        raise SystemExit(f"asked for rank {rank} of {size} over {transport}, got {g!r}")
+    g, case = join_from_argv()
+    size = g.size()
     if g.ring != list(range(size)):
         raise SystemExit(f"DS4_TP_TOPOLOGY=ring but the group runs over {g!r}")
     result = {"same": same_case, "cut": cut_case, "partial": partial_case, "matrix": matrix,
