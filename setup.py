@@ -58,7 +58,7 @@ def pairgroup_extension(include: str, lib: str) -> Extension:
         extra_compile_args=["-std=c++20", "-O2", "-fvisibility=hidden", "-fno-strict-aliasing"],
         extra_link_args=rpaths,
         depends=[os.path.join(CSRC, "mlx", name) for name in ("group.h", "dtypes.h")]
-        + [os.path.join(CSRC, "_verbs_api.h"), os.path.join(CSRC, "exchange_codes.h")],
+        + [os.path.join(CSRC, name) for name in ("_verbs_api.h", "exchange_codes.h", "exchange_names.h")],
         language="c++",
     )
 

@@ -32,7 +32,7 @@ SOURCES = [
     "csrc/exchange.c",  # one exchange of any collective, for the MLX backend (csrc/mlx/)
 ]
 CDEF_HEADERS = ["csrc/exchange_codes.h", "csrc/_verbs_api.h"]
-HEADERS = ["csrc/_verbs.h", *CDEF_HEADERS, "csrc/_verbs_priv.h", "csrc/_verbs_hot.h"]
+HEADERS = ["csrc/_verbs.h", *CDEF_HEADERS, "csrc/exchange_names.h", "csrc/_verbs_priv.h", "csrc/_verbs_hot.h"]
 STANDALONE = __name__ == "__main__"
 
 

@@ -28,27 +28,11 @@
  * exchange, fails at once too instead of at its timeout. */
 
 #include "_verbs_priv.h"
+#include "exchange_names.h"
 
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
-
-static const char *op_name(int op) {
-    switch (op) {
-    case TP_XOP_SUM: return "all_sum";
-    case TP_XOP_GATHER: return "all_gather";
-    case TP_XOP_MAX: return "all_max";
-    case TP_XOP_MIN: return "all_min";
-    case TP_XOP_SCATTER: return "sum_scatter";
-    default: break;
-    }
-    static const char *p2p[TP_MESH_MAX] = {
-        "send/recv from rank 0", "send/recv from rank 1", "send/recv from rank 2",
-        "send/recv from rank 3", "send/recv from rank 4", "send/recv from rank 5",
-        "send/recv from rank 6", "send/recv from rank 7"};
-    if (op >= TP_XOP_P2P_FROM && op < TP_XOP_P2P_FROM + TP_MESH_MAX) return p2p[op - TP_XOP_P2P_FROM];
-    return "collective";
-}
 
 static const char *dtype_name(int code) {
     static const char *names[TP_DTYPE_LAST + 1] = {
@@ -97,7 +81,7 @@ static void unpack_header(const unsigned char *h, tp_xsig *sig, uint64_t *seq) {
 
 /* "all_sum float32 (2, 4096)": an exchange as the errors name it (numpy's shape style). */
 static void describe(const tp_xsig *sig, char *out, size_t len) {
-    int n = snprintf(out, len, "%s %s (", op_name(sig->op), dtype_name(sig->dtype));
+    int n = snprintf(out, len, "%s %s (", tp_op_name(sig->op), dtype_name(sig->dtype));
     const int kept = sig->ndim < TP_XSIG_DIMS ? sig->ndim : TP_XSIG_DIMS;
     for (int i = 0; i < kept && n > 0 && (size_t)n < len; i++)
         n += snprintf(out + n, len - (size_t)n, i ? ", %lld" : "%lld", (long long)sig->shape[i]);
@@ -199,7 +183,7 @@ int tp_link_exchange(tp_link *l, const tp_xsig *sig, const void *src, void *dst,
                      size_t errlen) {
     if (l->failed || l->pair->closed) {
         tp_errf(err, errlen, "%s %s: this group is closed%s%s; create a new one with "
-                "mlx_ds4tp.init(...)", op_name(sig->op), dtype_name(sig->dtype),
+                "mlx_ds4tp.init(...)", tp_op_name(sig->op), dtype_name(sig->dtype),
                 l->failed ? " since an earlier collective failed: " : "",
                 l->failed ? l->failure : "");
         return TP_ECLOSED;
@@ -262,7 +246,7 @@ static int link_usable(tp_mesh *m, tp_link *l, const tp_xsig *sig, char *err, si
     if (!l->failed && !l->pair->closed && !m->closed) return TP_OK;
     const char *why = m->failed ? m->failure : l->failed ? l->failure : "";
     tp_errf(err, errlen, "%s %s: this group is closed%s%s; create a new one with "
-            "mlx_ds4tp.init(...)", op_name(sig->op), dtype_name(sig->dtype),
+            "mlx_ds4tp.init(...)", tp_op_name(sig->op), dtype_name(sig->dtype),
             *why ? " since an earlier collective failed: " : "", why);
     return TP_ECLOSED;
 }

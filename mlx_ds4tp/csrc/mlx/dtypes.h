@@ -25,6 +25,7 @@
 extern "C" {
 #include "exchange_codes.h"
 #include "_verbs_api.h"
+#include "exchange_names.h"
 }
 
 namespace mlx_ds4tp {
@@ -198,17 +199,6 @@ inline void poison(int code, void* out, size_t bytes) {
   });
 }
 
-inline const char* op_label(int op) {
-  switch (op) {
-    case TP_XOP_SUM: return "all_sum";
-    case TP_XOP_GATHER: return "all_gather";
-    case TP_XOP_MAX: return "all_max";
-    case TP_XOP_MIN: return "all_min";
-    case TP_XOP_SCATTER: return "sum_scatter";
-    default: return "send/recv";
-  }
-}
-
 // What both ranks must agree on for an exchange of `a` (its bytes may be a part of it).
 inline tp_xsig signature(int op, int code, const mx::array& a, uint64_t bytes) {
   tp_xsig sig{};
@@ -224,7 +214,7 @@ inline int checked_code(int op, const mx::array& a) {
   const int code = dtype_code(a.dtype());
   if (code == 0) {
     std::ostringstream msg;
-    msg << "mlx_ds4tp " << op_label(op) << ": dtype " << a.dtype()
+    msg << "mlx_ds4tp " << tp_op_name(op) << ": dtype " << a.dtype()
         << " is not supported by mlx_ds4tp's collectives; use one of";
     each_dtype([&](const auto& entry) {
       msg << (entry.code == TP_DTYPE_FIRST ? " " : ", ") << entry.dtype;

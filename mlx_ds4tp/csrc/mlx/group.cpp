@@ -114,7 +114,7 @@ void LinkedGroupImpl::dispatch(mx::Stream stream, const mx::array* input, mx::ar
 void LinkedGroupImpl::exchange(const int* members, int count, int me, const tp_xsig& sig,
                                const void** srcs, void** dsts) {
   if (core_->mesh == nullptr) {
-    throw std::runtime_error(std::string("mlx_ds4tp ") + op_label(sig.op) +
+    throw std::runtime_error(std::string("mlx_ds4tp ") + tp_op_name(sig.op) +
                              ": this group is closed; create a new one with mlx_ds4tp.init(...)");
   }
   if (count < 2) return;
