@@ -87,6 +87,10 @@ class Mesh:
     keep: List[socket.socket]
     closed: bool = False
     cables: Dict[int, Optional[Cable]] = dataclasses.field(default_factory=dict)
+    # --transport rdma over cables that form a ring (no full mesh): the ring, in cycle order.
+    # The collectives go round its RDMA links alone (collectives/group.py); the other links
+    # are TCP and carry only the leader's commands. [] otherwise.
+    cabled_ring: List[int] = dataclasses.field(default_factory=list)
 
     def transports(self) -> Dict[int, str]:
         """{peer rank: "tcp" | "rdma"}: what each link runs on."""
@@ -130,12 +134,17 @@ def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = 
     link = dataclasses.replace(link, size=size)
     wiring = Wiring(cables)
     pairs: Dict[int, Pair] = {}
+    ring = wiring.ring() if link.transport == "rdma" else []
     try:
         _wired(link, rank, wiring)  # a group that cannot be wired stops before any link
+        if ring:
+            log(f"mesh: the cables form the ring {'-'.join(map(str, ring))}: --transport rdma runs "
+                "every collective round its RDMA links; the links between ranks without a cable "
+                "run tcp and carry only the leader's commands")
         for low, high in _link_order(size):
             if rank in (low, high):
                 peer = high if rank == low else low
-                pairs[peer] = _make_link(link, rank, peer, roster, mesh_id, door, connect, wiring)
+                pairs[peer] = _make_link(link, rank, peer, roster, mesh_id, door, connect, wiring, ring)
         _formed(link, rank, mesh_id, keep, deadline)
     except BaseException:
         for pair in pairs.values():
@@ -145,7 +154,8 @@ def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = 
             sock.close()
         raise
     mesh = Mesh(rank, size, pairs, mesh_id, door, keep,
-                cables={p: wiring.cable(rank, p) if wiring.named else None for p in pairs})
+                cables={p: wiring.cable(rank, p) if wiring.named else None for p in pairs},
+                cabled_ring=ring)
     kinds = ", ".join(f"{rank}<->{p} {t}" for p, t in mesh.transports().items())
     log(f"mesh: rank {rank} of {size} linked to every peer in "
         f"{time.monotonic() - started:.2f} s ({kinds})")
@@ -425,10 +435,11 @@ def _refused(exc: TransportError, host: str, port: int) -> TransportError:
 
 
 def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes, door: Door,
-               connect: Connect, wiring: Wiring) -> Pair:
+               connect: Connect, wiring: Wiring, ring: List[int]) -> Pair:
     """This rank's link to `peer`: a pair made by connect(), the lower rank on its door; with
     cables named, on the cable the two share (dialed at the peer's address there, its device),
-    or over TCP on the roster's route where they share none (transport auto)."""
+    or over TCP on the roster's route where they share none (transport auto, or rdma whose
+    cables form the ring `ring`: that link carries commands, never a collective)."""
     devices = _wired(link, rank, wiring)
     device = devices.get(peer, link.rdma_device)
     transport, dial_at, on = link.transport, roster[peer], ""
@@ -437,9 +448,11 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
     if wiring.named:
         cable = wiring.cable(rank, peer)
         if cable is None:
-            transport = "tcp" if link.transport == "auto" else link.transport
+            transport = "tcp" if link.transport == "auto" or ring else link.transport
+            only = (f", for the leader's commands only: the collectives go round the ring of cables "
+                    f"{'-'.join(map(str, ring))}" if ring else "")
             log(f"mesh: link rank {low} <-> rank {high}: {wiring.why_uncabled(low, high)}, so "
-                f"{transport} over the route to {roster[peer][0] or 'the leader'} (transport {link.transport})")
+                f"{transport} over the route to {roster[peer][0] or 'the leader'} (transport {link.transport}{only})")
         else:
             device = devices.get(peer) or cable_device(cable.mine.interface, link.rdma_device)
             dial_at = (cable.theirs.ip, roster[peer][1])
