@@ -20,7 +20,7 @@ from mlx_ds4tp.link.cables import (
     refuse_uncabled,
     unpack_cables,
 )
-from mlx_ds4tp.link.mesh import pack_roster, unpack_roster
+from mlx_ds4tp.link.roster import pack_roster, unpack_roster
 
 # Three Macs cabled as a full mesh, one /30 per cable; rank 2 also on a LAN.
 R0 = [CableAddress("en3", "10.0.1.1", 30), CableAddress("en5", "10.0.2.1", 30)]

@@ -150,6 +150,16 @@ class Group(_pairgroup.Group):
         self.link_to(peer)
         return self._links[peer]
 
+    def cable_fault(self) -> Optional[str]:
+        """Which of this rank's cables is out now (link/cable_watch.py: the two ranks, both
+        ends), or None: what a failed collective is explained by."""
+        return None if self._mesh is None else self._mesh.cable_fault()
+
+    @property
+    def watches_cables(self) -> bool:
+        """Whether this rank's cables are watched (a group of 3 or more on named cables)."""
+        return self._mesh is not None and getattr(self._mesh, "watch", None) is not None
+
     def links(self) -> Dict[int, dict]:
         """{peer rank: {"transport", "builds"}}: each link's transport and, over RDMA, how many
         times its queue pair was built (1: the first warm-up passed)."""
