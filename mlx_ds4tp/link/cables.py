@@ -18,7 +18,7 @@ import struct
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import FrameError, RdmaUnavailableError
+from ..errors import FrameError, MissingCableError, RdmaUnavailableError
 
 UCSIM = "ucsim"  # link/rdma.py's name for the emulated device (rdma.py imports the verbs module)
 _CABLE_HEAD = struct.Struct("<B")  # how many cable addresses follow
@@ -179,7 +179,7 @@ def refuse_uncabled(wiring: Wiring) -> None:
     missing = wiring.uncabled()
     if missing and not wiring.ring():
         a, b = missing[0]
-        raise RdmaUnavailableError(
+        raise MissingCableError(
             f"--transport rdma cannot cable this group: {wiring.why_uncabled(a, b)}; over RDMA every "
             "two Macs are cabled (a full mesh) or each Mac is cabled to two others, the cables "
             "closing one ring through all of them. Cable the two Macs (one subnet per cable), name "
