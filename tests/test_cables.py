@@ -119,3 +119,24 @@ def test_cables_closing_one_ring_are_a_ring_and_rdma_takes_them():
         assert wiring.ring() == []
         with pytest.raises(RdmaUnavailableError, match="share no cable.*closing one ring"):
             refuse_uncabled(wiring)
+
+
+def test_a_cable_out_is_named_by_the_watch_with_both_ranks_and_both_ends():
+    import threading
+
+    from mlx_ds4tp.link.cable_watch import CableWatch, interface_trouble, watch_cables
+    from mlx_ds4tp.link.cables import Cable
+
+    assert interface_trouble("no-such-if0", "10.0.1.1") == "interface no-such-if0 is gone"
+    cable = Cable(CableAddress("no-such-if0", "10.0.1.1", 30), CableAddress("en5", "10.0.1.2", 30))
+    said, fired = [], threading.Event()
+    watch = CableWatch(2, {0: cable}, lambda text: (said.append(text), fired.set()), period=0.01)
+    watch.start()
+    assert fired.wait(10), "the watch never noticed the cable out"
+    watch.close()
+    assert said == [watch.fault] == [watch.explain()]
+    assert said[0].startswith("rank 0 and rank 2 have no cable now: the cable between rank 2 (no-such-if0 "
+                              "10.0.1.1) and rank 0 (en5 10.0.1.2) stopped: interface no-such-if0 is gone")
+    # A pair keeps its gate timeout (no watch); a group of three without cables has none to watch.
+    assert watch_cables(0, 2, {1: cable}, []) is None
+    assert watch_cables(0, 3, {1: None, 2: None}, []) is None
