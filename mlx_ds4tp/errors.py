@@ -40,6 +40,10 @@ class RdmaUnavailableError(TransportError):
     """RDMA was required but this side (or the peer) has no usable device."""
 
 
+class MissingCableError(RdmaUnavailableError):
+    """--transport rdma over named cables: two ranks share no cable (and the cables form no ring)."""
+
+
 class AuthenticationError(TransportError):
     """The peer could not prove it holds the shared secret (or one side has none)."""
 

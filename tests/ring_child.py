@@ -18,6 +18,8 @@ collectives run over the ring 0-1-...-(N-1)-0 alone. CASE:
            ring, its collectives exact
   partial  a mesh of the ring's links only, cabled out of rank order (0-2-1-3 at 4), as auto
            finds it: the ring learned over the links, then the exact suite
+  cabled   every link there, but the mesh says its cables form the ring 0-2-1-3 (--transport
+           rdma over a ring of cables): the exact suite round that ring, the other links idle
 Prints one JSON object as its last stdout line.
 """
 
@@ -160,13 +162,36 @@ def partial_case(g) -> dict:
     return result
 
 
+def cabled_case(g) -> dict:
+    """--transport rdma over cables that form a ring (link/mesh.py's Mesh.cabled_ring): every
+    link is there, the collectives go round the cabled ring 0-2-1-3 alone, the other links
+    (the TCP ones between ranks without a cable) carry not one exchange."""
+    n, rank = g.size(), g.rank()
+    cabled = list(range(0, n, 2)) + list(range(1, n, 2))
+    ringed = Mesh(rank, n, dict(g.mesh.pairs), b"", None, [], cabled_ring=cabled)
+    before = seqs(g)
+    pg = Group(ringed, "auto")
+    result = exact(pg)
+    after = seqs(g)
+    result["ring"] = pg.ring
+    result["transport"] = pg.transport
+    result["idle"] = {p: after[p] - before[p] for p in after if p not in neighbours(cabled, rank)}
+    try:
+        Group(ringed, "mesh")
+        result["mesh_refused"] = ""
+    except Exception as exc:  # noqa: BLE001 - the refusal's text is what the test checks
+        result["mesh_refused"] = str(exc)
+    drop(pg)
+    return result
+
+
 def main() -> None:
     g, case = join_from_argv()
     size = g.size()
     if g.ring != list(range(size)):
         raise SystemExit(f"DS4_TP_TOPOLOGY=ring but the group runs over {g!r}")
     result = {"same": same_case, "cut": cut_case, "partial": partial_case, "matrix": matrix,
-              "rejoin": rejoin_case}[case](g)
+              "rejoin": rejoin_case, "cabled": cabled_case}[case](g)
     result["rank"] = g.rank()
     print(json.dumps(result), flush=True)
     g.close()

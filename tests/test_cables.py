@@ -20,7 +20,7 @@ from mlx_ds4tp.link.cables import (
     refuse_uncabled,
     unpack_cables,
 )
-from mlx_ds4tp.link.mesh import pack_roster, unpack_roster
+from mlx_ds4tp.link.roster import pack_roster, unpack_roster
 
 # Three Macs cabled as a full mesh, one /30 per cable; rank 2 also on a LAN.
 R0 = [CableAddress("en3", "10.0.1.1", 30), CableAddress("en5", "10.0.2.1", 30)]
@@ -92,3 +92,51 @@ def test_rdma_devices_flag_parses_peer_device_pairs_and_names_a_bad_item():
     for bad in ("1", "x=rdma_en3", "1="):
         with pytest.raises(ValueError, match="is not PEER=DEVICE"):
             parse_rdma_devices(bad)
+
+
+def _cabled(pairs, size):
+    """Every rank's cable addresses for cables `pairs` (a, b), cable k on 10.9.k.0/30."""
+    out = [[] for _ in range(size)]
+    for k, (a, b) in enumerate(pairs):
+        out[a].append(CableAddress(f"en{k}a", f"10.9.{k}.1", 30))
+        out[b].append(CableAddress(f"en{k}b", f"10.9.{k}.2", 30))
+    return Wiring(out)
+
+
+def test_cables_closing_one_ring_are_a_ring_and_rdma_takes_them():
+    ring4 = _cabled([(0, 1), (1, 2), (2, 3), (3, 0)], 4)
+    assert ring4.ring() == [0, 1, 2, 3]
+    refuse_uncabled(ring4)  # the diagonals 0-2 and 1-3 have no cable: the ring is enough
+    assert _cabled([(0, 2), (2, 1), (1, 3), (3, 0)], 4).ring() == [0, 2, 1, 3]
+    assert _cabled([(0, 3), (3, 1), (1, 4), (4, 2), (2, 0)], 5).ring() == [0, 2, 4, 1, 3]
+    # A full mesh is no ring (nothing is missing); three ranks' full mesh neither.
+    assert _cabled([(a, b) for a in range(4) for b in range(a + 1, 4)], 4).ring() == []
+    assert _cabled([(0, 1), (1, 2), (0, 2)], 3).ring() == []
+    # Two triangles, a chain, a rank with three cables: refused naming two ranks without one.
+    for pairs, size in (([(0, 1), (1, 2), (2, 0), (3, 4), (4, 5), (5, 3)], 6),
+                        ([(0, 1), (1, 2), (2, 3)], 4), ([(0, 1), (1, 2), (2, 3), (3, 0), (0, 2)], 4)):
+        wiring = _cabled(pairs, size)
+        assert wiring.ring() == []
+        with pytest.raises(RdmaUnavailableError, match="share no cable.*closing one ring"):
+            refuse_uncabled(wiring)
+
+
+def test_a_cable_out_is_named_by_the_watch_with_both_ranks_and_both_ends():
+    import threading
+
+    from mlx_ds4tp.link.cable_watch import CableWatch, interface_trouble, watch_cables
+    from mlx_ds4tp.link.cables import Cable
+
+    assert interface_trouble("no-such-if0", "10.0.1.1") == "interface no-such-if0 is gone"
+    cable = Cable(CableAddress("no-such-if0", "10.0.1.1", 30), CableAddress("en5", "10.0.1.2", 30))
+    said, fired = [], threading.Event()
+    watch = CableWatch(2, {0: cable}, lambda text: (said.append(text), fired.set()), period=0.01)
+    watch.start()
+    assert fired.wait(10), "the watch never noticed the cable out"
+    watch.close()
+    assert said == [watch.fault] == [watch.explain()]
+    assert said[0].startswith("rank 0 and rank 2 have no cable now: the cable between rank 2 (no-such-if0 "
+                              "10.0.1.1) and rank 0 (en5 10.0.1.2) stopped: interface no-such-if0 is gone")
+    # A pair keeps its gate timeout (no watch); a group of three without cables has none to watch.
+    assert watch_cables(0, 2, {1: cable}, []) is None
+    assert watch_cables(0, 3, {1: None, 2: None}, []) is None

@@ -71,7 +71,9 @@ def check_group_lines(outs: List[str], size: int, where: str) -> None:
                     r"\S+ [\d.]+ \(no RDMA device on this link\))")
             assert re.search(rf"\[  ok\] wiring rank {rank} <-> rank {peer}: {ends}; transport tcp; gate 16 KiB "
                              r"p50 [\d.]+ us p99 [\d.]+ us; bulk 4 MiB [\d.]+ GB/s", out), out
-        assert f"doctor: {13 + size - 1} checks, 0 failed" in out, out
+        # The whole wiring table on every rank (each link once), and a line per cable named.
+        cable_lines = len(re.findall(r"^\[(  ok|warn)\] cable ", out, re.M))
+        assert f"doctor: {13 + size * (size - 1) // 2 + cable_lines} checks, 0 failed" in out, out
     assert sorted(ranks) == list(range(size)), outs
     assert len(shares) == 1, shares  # the same figures, the same arithmetic: one share on every rank
 

@@ -86,6 +86,17 @@ def test_a_partial_mesh_cabled_as_a_ring_is_found_and_exact(size, transport):
         assert report["failed"] == [] and report["cases"] == 3 * 7 * 3 + 20, report
 
 
+@pytest.mark.parametrize("size,transport", [(4, "rdma"), (5, "rdma"), (4, "tcp")])
+def test_a_ring_of_cables_runs_every_collective_round_it_and_never_on_the_other_links(size, transport):
+    cabled = list(range(0, size, 2)) + list(range(1, size, 2))
+    for report in run_ring(size, transport, "cabled"):
+        assert report["ring"] == cabled, report
+        assert report["failed"] == [] and report["cases"] == 3 * 7 * 3 + 20, report
+        assert len(report["idle"]) == size - 3 and set(report["idle"].values()) == {0}, report
+        assert report["transport"] == transport, report
+        assert "topology mesh: --transport rdma runs over the cables, and they form the ring" in report["mesh_refused"]
+
+
 def test_a_rank_on_the_full_mesh_beside_ranks_on_the_ring_stops_every_rank():
     procs = Procs()
     port = str(free_port())

@@ -12,7 +12,9 @@ cables' interfaces (--interface), nothing else about the wiring:
   two ranks and the interfaces they looked on; `--transport auto` runs RDMA on the two cables,
   TCP between 1 and 2 saying why, and gives the unsplit tokens;
 - four ranks cabled as a ring plus the LAN: `auto` runs RDMA on the four ring links and TCP on
-  the two diagonals, saying why, and gives the unsplit tokens;
+  the two diagonals, saying why, and gives the unsplit tokens; `--transport rdma` runs every
+  collective round the ring of cables (the diagonals TCP, for the leader's commands only): the
+  unsplit tokens, every ring cable's counters grow by more than the LAN's;
 - `--rdma-devices` naming the other cable's device (a swapped cable) is refused by name;
 - `ds4tp doctor` on the full mesh prints its wiring table: each link's interfaces, addresses and
   devices at both ends, transport, gate p50/p99 and bulk bandwidth.
@@ -238,6 +240,39 @@ def test_four_ranks_cabled_as_a_ring_run_auto_rdma_on_the_ring_and_tcp_on_the_di
             said = ranks[me].err.text()
             assert f"link rank {a} <-> rank {b}: rank {a} and rank {b} share no cable" in said, describe(ranks)
             assert f"link rank {a} <-> rank {b} up, transport tcp" in said, describe(ranks)
+
+
+@pytest.mark.parametrize("bridge", [4], indirect=True)
+def test_four_ranks_cabled_as_a_ring_run_rdma_round_the_ring_alone(procs, bridge, model):
+    cables = Cables(bridge, [(0, 1), (1, 2), (2, 3), (0, 3)])
+    before = {(r, dev): cables.tx_bytes(r, dev) for r in range(4) for dev in (*cables.of(r), bridge.dev[r])}
+    ranks = start(procs, bridge, cables, model, "--transport", "rdma")
+    assert finished_text(ranks[0], ranks[1:]) == reference_text(model, PROMPT, TOKENS)[0]
+    for r in ranks[1:]:
+        assert exited(r, ranks) == 0, describe(ranks)
+    assert "transport rdma" in ranks[0].out.text().strip().splitlines()[-1], describe(ranks)
+    for me in range(4):
+        said = ranks[me].err.text()
+        assert "the cables form the ring 0-1-2-3: --transport rdma runs every collective round its RDMA links" in said
+        for a, b in cables.pairs:
+            if me in (a, b):
+                peer = b if me == a else a
+                low, high = min(a, b), max(a, b)
+                assert (f"link rank {low} <-> rank {high} up on the cable {cables.name(me, peer)}" in said
+                        and f"device ucsim:{cables.name(me, peer)}" in said), describe(ranks)
+        for a, b in ((0, 2), (1, 3)):
+            if me in (a, b):
+                assert (f"link rank {a} <-> rank {b}: rank {a} and rank {b} share no cable" in said
+                        and "for the leader's commands only: the collectives go round the ring of cables "
+                        "0-1-2-3" in said and f"link rank {a} <-> rank {b} up, transport tcp" in said), describe(ranks)
+    grown = {key: cables.tx_bytes(*key) - n for key, n in before.items()}
+    lan = max(grown[(r, bridge.dev[r])] for r in range(4))
+    print(f"\nbytes sent during the run, per interface (rank, interface): {grown}")
+    for r in range(4):
+        for dev in cables.of(r):
+            # Every gate went round the cables; the LAN carried the JOINs, the diagonal links'
+            # hellos and the leader's commands to rank 2 only.
+            assert grown[(r, dev)] > lan, (grown, describe(ranks))
 
 
 @pytest.mark.parametrize("bridge", [3], indirect=True)

@@ -16,11 +16,12 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from ..errors import RdmaUnavailableError, TransportError
+from ..errors import MissingCableError, RdmaUnavailableError, TransportError
 from ..link.config import VERBS_LIBRARY_ENV, LinkSettings, PairAddress, default_timeout, pair_address, verbs_library
 from ..link.native import load_verbs
 from ..link.rdma import UCSIM, rdma_probe
 from ..split.measure import measure_rank, memory_limit
+from .doctor_cables import CableProbe, cable_checks
 from .doctor_lines import FAIL, OK, WARN, Check, line as _line
 from .doctor_mesh import add_ranks_arg, check_ucsim_group, group_checks, group_size
 from .model_arg import add_model_arg
@@ -222,10 +223,17 @@ def main(args: argparse.Namespace) -> int:
     if link is None:
         results += check_split(size)
     else:
+        probe = CableProbe(link.cables or ())  # the cables named: each diagnosed at its port
+        probe.start()
         try:
             results += peer_round_trip(args, link)
+        except MissingCableError as exc:
+            results.append(_line(FAIL, "missing cable", f"{exc}"))
         except (TransportError, ValueError, FileNotFoundError) as exc:
             results.append(_line(FAIL, "all_sum round trip", str(exc)))
+        finally:
+            results += cable_checks(probe)
+            probe.close()
     failed = [w for s, w in results if s == FAIL]
     print(f"doctor: {len(results)} checks, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

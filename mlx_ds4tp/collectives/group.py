@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import TransportError
+from ..link.config import TOPOLOGY_ENV, default_topology
 from ..link.native import load_verbs
 from .backend import _address, _pairgroup
 from .topology import agree, ring_order
@@ -55,6 +56,26 @@ def _c_mesh(ffi, mesh, rings: Dict[int, LatencyRing]):
     return cmesh, links
 
 
+def collective_links(mesh, links: Dict[int, object]) -> Dict[int, object]:
+    """The links the collectives may run over: every link, but over a ring of cables with
+    --transport rdma (mesh.cabled_ring) the ring's alone; the TCP links between ranks without
+    a cable carry the leader's commands, never a gate."""
+    ring = getattr(mesh, "cabled_ring", None)
+    if not ring:
+        return links
+    k = ring.index(mesh.rank)
+    return {p: links[p] for p in (ring[k - 1], ring[(k + 1) % len(ring)])}
+
+
+def _refuse_mesh_over_a_ring(mesh, topology: Optional[str]) -> None:
+    ring = getattr(mesh, "cabled_ring", None)
+    if ring and (default_topology() if topology is None else topology) == "mesh":
+        raise TransportError(f"topology mesh: --transport rdma runs over the cables, and they form the "
+                             f"ring {'-'.join(map(str, ring))}, no full mesh; leave {TOPOLOGY_ENV} "
+                             "unset (or auto, ring), or run --transport auto to use the links "
+                             "between ranks without a cable (tcp) too")
+
+
 class Group(_pairgroup.Group):
     """The N ranks of a mesh (2 to 8, rank 0 the leader) as an ``mx.distributed.Group``.
 
@@ -74,8 +95,9 @@ class Group(_pairgroup.Group):
         ffi, lib = load_verbs()
         self._rings = {peer: LatencyRing() for peer in mesh.pairs}
         cmesh, links = _c_mesh(ffi, mesh, self._rings)
-        self.ring: List[int] = ring_order(mesh.rank, mesh.size, links, topology)
-        agree(mesh.rank, mesh.size, links, self.ring)
+        _refuse_mesh_over_a_ring(mesh, topology)
+        self.ring: List[int] = ring_order(mesh.rank, mesh.size, collective_links(mesh, links), topology)
+        agree(mesh.rank, mesh.size, collective_links(mesh, links), self.ring)
         super().__init__(mesh.rank, mesh.size, _address(ffi, cmesh),
                          _address(ffi, lib.tp_mesh_exchange_address()),
                          _address(ffi, lib.tp_sum2_address()),
@@ -85,7 +107,7 @@ class Group(_pairgroup.Group):
     def _take(self, cmesh, links, mesh) -> None:
         self._cmesh, self._links = cmesh, links  # C memory the backend reads: kept with the group
         self._mesh = mesh
-        kinds = set(mesh.transports().values())
+        kinds = set(t for peer, t in mesh.transports().items() if peer in collective_links(mesh, links))
         self.transport = kinds.pop() if len(kinds) == 1 else "mixed"
 
     def reattach(self, mesh) -> None:
@@ -102,7 +124,7 @@ class Group(_pairgroup.Group):
         ffi, _ = load_verbs()
         cmesh, links = _c_mesh(ffi, mesh, self._rings)
         # A restarted rank joins with a new Group, whose __init__ agrees with its neighbours.
-        agree(mesh.rank, mesh.size, links, self.ring)
+        agree(mesh.rank, mesh.size, collective_links(mesh, links), self.ring)
         self._attach_backend(_address(ffi, cmesh))
         self._take(cmesh, links, mesh)
 
@@ -127,6 +149,16 @@ class Group(_pairgroup.Group):
         doctor, tests)."""
         self.link_to(peer)
         return self._links[peer]
+
+    def cable_fault(self) -> Optional[str]:
+        """Which of this rank's cables is out now (link/cable_watch.py: the two ranks, both
+        ends), or None: what a failed collective is explained by."""
+        return None if self._mesh is None else self._mesh.cable_fault()
+
+    @property
+    def watches_cables(self) -> bool:
+        """Whether this rank's cables are watched (a group of 3 or more on named cables)."""
+        return self._mesh is not None and getattr(self._mesh, "watch", None) is not None
 
     def links(self) -> Dict[int, dict]:
         """{peer rank: {"transport", "builds"}}: each link's transport and, over RDMA, how many

@@ -18,7 +18,7 @@ import struct
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import FrameError, RdmaUnavailableError
+from ..errors import FrameError, MissingCableError, RdmaUnavailableError
 
 UCSIM = "ucsim"  # link/rdma.py's name for the emulated device (rdma.py imports the verbs module)
 _CABLE_HEAD = struct.Struct("<B")  # how many cable addresses follow
@@ -144,6 +144,26 @@ class Wiring:
         size = len(self.cables)
         return [(a, b) for a in range(size) for b in range(a + 1, size) if self.cable(a, b) is None]
 
+    def cabled_peers(self, rank: int) -> List[int]:
+        return [p for p in range(len(self.cables)) if p != rank and self.cable(rank, p) is not None]
+
+    def ring(self) -> List[int]:
+        """The ranks in cycle order (from 0 towards its lower neighbour) when the cables are no
+        full mesh but form one ring through every rank (each rank cabled to exactly two others,
+        as five to eight Mac minis with three ports must be); [] otherwise."""
+        size = len(self.cables)
+        if size < 3 or not self.uncabled():
+            return []
+        near = {r: self.cabled_peers(r) for r in range(size)}
+        if any(len(peers) != 2 for peers in near.values()):
+            return []
+        order, prev = [0], 0
+        here = min(near[0])
+        while here != 0 and here not in order:
+            order.append(here)
+            prev, here = here, next(p for p in near[here] if p != prev)
+        return order if here == 0 and len(order) == size else []
+
     def why_uncabled(self, a: int, b: int) -> str:
         def where(r: int) -> str:
             seen = ", ".join(f"{c.interface} {c.ip}/{c.prefix}" for c in self.cables[r])
@@ -154,14 +174,17 @@ class Wiring:
 
 def refuse_uncabled(wiring: Wiring) -> None:
     """transport rdma with cables named: a group where two ranks share no cable stops here, on
-    every rank alike, naming the two ranks and the interfaces looked on."""
+    every rank alike, naming the two ranks and the interfaces looked on; unless the cables
+    form a ring (Wiring.ring), which the collectives then go round alone."""
     missing = wiring.uncabled()
-    if missing:
+    if missing and not wiring.ring():
         a, b = missing[0]
-        raise RdmaUnavailableError(
-            f"--transport rdma cannot cable this group: {wiring.why_uncabled(a, b)}; cable the two "
-            "Macs (one subnet per cable), name the cable's interface with --interface on both, or "
-            "run with --transport auto (TCP where there is no cable)")
+        raise MissingCableError(
+            f"--transport rdma cannot cable this group: {wiring.why_uncabled(a, b)}; over RDMA every "
+            "two Macs are cabled (a full mesh) or each Mac is cabled to two others, the cables "
+            "closing one ring through all of them. Cable the two Macs (one subnet per cable), name "
+            "the cable's interface with --interface on both, or run with --transport auto (TCP "
+            "where there is no cable)")
 
 
 def check_named_devices(named: Mapping[int, str], rank: int, wiring: Wiring,

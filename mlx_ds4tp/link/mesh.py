@@ -35,6 +35,7 @@ from ..errors import (
     TransportError,
     TransportTimeoutError,
 )
+from .cable_watch import CableWatch, watch_cables
 from .cables import (
     Cable,
     CableAddress,
@@ -54,6 +55,7 @@ from .control import ControlChannel, dial, tune_socket
 from .door import Door
 from .handshake import connect
 from .rdma import rdma_probe
+from .roster import pack_roster, unpack_roster
 from .wire import (
     JOIN_PAYLOAD,
     JOIN_TAG,
@@ -61,8 +63,6 @@ from .wire import (
     MESH_ID_PAYLOAD,
     NONCE_BYTES,
     PROTOCOL_VERSION,
-    ROSTER_ENTRY,
-    ROSTER_HEADER,
     FrameType,
 )
 
@@ -87,6 +87,18 @@ class Mesh:
     keep: List[socket.socket]
     closed: bool = False
     cables: Dict[int, Optional[Cable]] = dataclasses.field(default_factory=dict)
+    # --transport rdma over cables that form a ring (no full mesh): the ring, in cycle order.
+    # The collectives go round its RDMA links alone (collectives/group.py); the other links
+    # are TCP and carry only the leader's commands. [] otherwise.
+    cabled_ring: List[int] = dataclasses.field(default_factory=list)
+    # A group of 3 or more on named cables: its cables watched while it runs (a pulled one
+    # fails the group at once, named); None otherwise (a pair's pull is its gate timeout).
+    watch: Optional[CableWatch] = None
+
+    def cable_fault(self) -> Optional[str]:
+        """Which of this rank's cables is out (the two ranks, both ends), or None: what a failed
+        collective is explained by."""
+        return None if self.watch is None else self.watch.explain()
 
     def transports(self) -> Dict[int, str]:
         """{peer rank: "tcp" | "rdma"}: what each link runs on."""
@@ -96,6 +108,8 @@ class Mesh:
         if self.closed:
             return
         self.closed = True
+        if self.watch is not None:
+            self.watch.close()
         for pair in self.pairs.values():
             pair.close()
         if self.door is not None:
@@ -130,8 +144,13 @@ def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = 
     link = dataclasses.replace(link, size=size)
     wiring = Wiring(cables)
     pairs: Dict[int, Pair] = {}
+    ring = wiring.ring() if link.transport == "rdma" else []
     try:
         _wired(link, rank, wiring)  # a group that cannot be wired stops before any link
+        if ring:
+            log(f"mesh: the cables form the ring {'-'.join(map(str, ring))}: --transport rdma runs "
+                "every collective round its RDMA links; the links between ranks without a cable "
+                "run tcp and carry only the leader's commands")
         for low, high in _link_order(size):
             if rank in (low, high):
                 peer = high if rank == low else low
@@ -145,7 +164,9 @@ def form_mesh(link: LinkSettings, connect: Connect = make_link, *, dial: Dial = 
             sock.close()
         raise
     mesh = Mesh(rank, size, pairs, mesh_id, door, keep,
-                cables={p: wiring.cable(rank, p) if wiring.named else None for p in pairs})
+                cables={p: wiring.cable(rank, p) if wiring.named else None for p in pairs},
+                cabled_ring=ring)
+    mesh.watch = watch_cables(rank, size, mesh.cables, [pair.data for pair in pairs.values()])
     kinds = ", ".join(f"{rank}<->{p} {t}" for p, t in mesh.transports().items())
     log(f"mesh: rank {rank} of {size} linked to every peer in "
         f"{time.monotonic() - started:.2f} s ({kinds})")
@@ -287,36 +308,6 @@ def assign_ranks(asked: List[int], size: int) -> List[int]:
     return out
 
 
-def pack_roster(roster: List[Tuple[str, int]], rank: int, cables: List[List[CableAddress]]) -> bytes:
-    out = ROSTER_HEADER.pack(len(roster), rank)
-    for (host, port), theirs in zip(roster, cables):
-        name = host.encode("utf-8")
-        out += ROSTER_ENTRY.pack(port, len(name)) + name + pack_cables(theirs)
-    return out
-
-
-def unpack_roster(payload: bytes) -> Tuple[List[Tuple[str, int]], int, List[List[CableAddress]]]:
-    """(every rank's (host, port), the receiving rank, every rank's cable addresses); host "" is
-    the address the receiver dialed the leader at."""
-    if len(payload) < ROSTER_HEADER.size:
-        raise FrameError(f"ROSTER payload is {len(payload)} bytes, need {ROSTER_HEADER.size}")
-    size, rank = ROSTER_HEADER.unpack_from(payload)
-    if not 2 <= size <= MAX_MESH_SIZE:
-        raise FrameError(f"ROSTER names {size} ranks; a group has 2 to {MAX_MESH_SIZE}")
-    at, roster, cables = ROSTER_HEADER.size, [], []
-    for _ in range(size):
-        if at + ROSTER_ENTRY.size > len(payload):
-            raise FrameError("ROSTER payload ends inside an entry")
-        port, n = ROSTER_ENTRY.unpack_from(payload, at)
-        at += ROSTER_ENTRY.size
-        roster.append((payload[at:at + n].decode("utf-8"), port))
-        theirs, at = unpack_cables(payload, at + n)
-        cables.append(theirs)
-    if not 0 < rank < size:
-        raise FrameError(f"ROSTER gives this worker rank {rank} of {size}")
-    return roster, rank, cables
-
-
 # How long a worker whose JOIN the leader's door dropped unread dials that door again: a
 # re-forming leader opens its new door at once, and a dead one must be an error within ~1 s.
 REDIAL_SEC = 1.0
@@ -428,7 +419,8 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
                connect: Connect, wiring: Wiring) -> Pair:
     """This rank's link to `peer`: a pair made by connect(), the lower rank on its door; with
     cables named, on the cable the two share (dialed at the peer's address there, its device),
-    or over TCP on the roster's route where they share none (transport auto)."""
+    or over TCP on the roster's route where they share none (transport auto, or rdma whose
+    cables form a ring: that link carries commands, never a collective)."""
     devices = _wired(link, rank, wiring)
     device = devices.get(peer, link.rdma_device)
     transport, dial_at, on = link.transport, roster[peer], ""
@@ -436,10 +428,13 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
     low, high = min(rank, peer), max(rank, peer)
     if wiring.named:
         cable = wiring.cable(rank, peer)
+        ring = wiring.ring() if link.transport == "rdma" else []
         if cable is None:
-            transport = "tcp" if link.transport == "auto" else link.transport
+            transport = "tcp" if link.transport == "auto" or ring else link.transport
+            only = (f", for the leader's commands only: the collectives go round the ring of cables "
+                    f"{'-'.join(map(str, ring))}" if ring else "")
             log(f"mesh: link rank {low} <-> rank {high}: {wiring.why_uncabled(low, high)}, so "
-                f"{transport} over the route to {roster[peer][0] or 'the leader'} (transport {link.transport})")
+                f"{transport} over the route to {roster[peer][0] or 'the leader'} (transport {link.transport}{only})")
         else:
             device = devices.get(peer) or cable_device(cable.mine.interface, link.rdma_device)
             dial_at = (cable.theirs.ip, roster[peer][1])

@@ -12,13 +12,14 @@ from typing import List, Optional
 
 from .. import gate_ops
 from ..base.log import log
+from ..errors import TransportError
 from ..link.config import LinkSettings
 from ..link.hello import PART_RECEIVER
 from ..link.identity import model_identity
 from .errors import GrammarError
 from .generate import GenerationStats, bench_prompt, encode_prompt, pair_generate
 from .join_and_load import BringUp, bring_up
-from .protocol.sessions import LeaderSessions, serve_worker
+from .protocol.sessions import LeaderSessions, leader_word, serve_worker
 from .sampling.grammar import Grammars
 from .settings import RunSettings
 
@@ -26,6 +27,9 @@ from .settings import RunSettings
 # generation (bench.model WARMUP_PROMPT_TOKENS); the pair does it in lockstep.
 BENCH_WARMUP_TOKENS = 16
 TEMPLATE_TOKENS = 256
+# How long a worker whose group watches its cables (link/cable_watch.py) waits, once its step
+# failed, for the leader's word on why: a cable out between two other ranks is named there.
+CABLE_WORD_SEC = 3.0
 
 
 def run_rank(link: LinkSettings, model_path: Optional[str], settings: RunSettings) -> int:
@@ -39,7 +43,16 @@ def run_rank(link: LinkSettings, model_path: Optional[str], settings: RunSetting
     group, model, tokenizer, share = joined.group, joined.model, joined.tokenizer, joined.share
     with group:
         if not joined.leads:  # the role named, or the one discovery elected
-            table = serve_worker(group, model, Grammars(tokenizer))
+            try:
+                table = serve_worker(group, model, Grammars(tokenizer))
+            except RuntimeError as exc:  # a gate's failure out of MLX's evaluation, or a TransportError
+                # A cable out between two other ranks fails this rank's gates too: the
+                # leader's word names the cable (its own, or a worker's report).
+                watched = group.watches_cables and group.cable_fault() is None  # else it named its own
+                said = leader_word(group, CABLE_WORD_SEC) if watched else None
+                if said:
+                    raise TransportError(f"{exc}; the leader said: {said}") from exc
+                raise
             log(f"rank {group.rank()} done: served {table.ended} prompt(s), leader said stop")
             if settings.tokens_out:
                 Path(settings.tokens_out).write_text(json.dumps({"split": str(share), "peak_rss_bytes": peak_rss()}))

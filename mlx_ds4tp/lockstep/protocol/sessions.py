@@ -76,11 +76,11 @@ def leader_channel(group: gate_ops.Group) -> ControlChannel:
     return group.link_to(0).control
 
 
-def _peer_error(control: ControlChannel) -> Optional[str]:
-    """The worker's ERROR text if one arrives within half a second (its own explanation of a
+def _peer_error(control: ControlChannel, wait: float = 0.5) -> Optional[str]:
+    """The peer's ERROR text if one arrives within `wait` seconds (its own explanation of a
     failure that reached us as 'peer closed'), else None. An answer it sent before it failed
     (a HASH this side had not read yet) is passed over."""
-    deadline = time.monotonic() + 0.5
+    deadline = time.monotonic() + wait
     try:
         while True:
             left = deadline - time.monotonic()
@@ -221,6 +221,9 @@ class LeaderSessions:
         except LockstepDivergenceError:
             raise
         except RuntimeError as exc:  # TransportError, or a gate's failure out of MLX's evaluation
+            cable = _cable_fault(self.group)
+            if cable:  # this rank's own cable is out: that is the cause, named
+                raise TransportError(f"{cable} ({exc})") from None
             for rank, control in enumerate(self.controls, 1):
                 reason = _peer_error(control)
                 if reason:
@@ -351,9 +354,25 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
     except MeshReformingError:
         raise
     except Exception as exc:
+        cable = _cable_fault(group)
         if tell_leader:
-            control.send_error(f"{type(exc).__name__}: {exc}")
+            control.send_error(cable or f"{type(exc).__name__}: {exc}")
+        if cable:  # this rank's own cable is out: that is the cause, named
+            raise TransportError(f"{cable} ({exc})") from exc
         raise
+
+
+def leader_word(group: gate_ops.Group, wait: float) -> Optional[str]:
+    """A worker whose step failed: the leader's ERROR (its abort's reason) if it comes within
+    `wait` seconds, else None. Frames of other types before it are read past: only for a
+    worker that stops (`ds4tp run`), never one that may follow a REFORM."""
+    return _peer_error(leader_channel(group), wait)
+
+
+def _cable_fault(group) -> Optional[str]:
+    """This rank's cable that is out (the group's cable_fault: link/cable_watch.py), or None."""
+    ask = getattr(group, "cable_fault", None)
+    return ask() if ask is not None else None
 
 
 def _next_command(control: ControlChannel, busy: bool) -> tuple:
