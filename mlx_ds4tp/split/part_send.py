@@ -36,6 +36,7 @@ from .share import SplitShare
 from .transfer_progress import TransferProgress
 
 CHUNK_BYTES = 4 << 20  # one PART_DATA frame (its bound in link/wire.py)
+STAGE_DEPTH = 4  # chunks queued before each stage of the leader's side
 # A worker checks its cached files' digests before it answers an offer, and a worker waits for
 # the leader to finish the ranks before it: minutes on a large model.
 PART_WAIT_S = 24 * 3600.0
@@ -94,20 +95,31 @@ class PartSender:
             if not wanted:
                 return sent
             total = sum(self._size(name) - offset for name, offset in wanted)
-            progress = TransferProgress(f"sending rank {self.rank}'s part", total)
-            frames = _Frames(control, progress)
-            # This thread reads and cuts the arrays; the overlap hashes and sends them.
-            with Overlap(frames.take, depth=2, name="ds4tp-part-send") as wire:
-                for name, offset in wanted:
-                    if name in self.plain:
-                        self._queue_file(wire, name, iter((memoryview(self.plain[name]),)), offset)
-                parts = [(name, offset) for name, offset in wanted if name not in self.plain]
-                if parts:
-                    self._queue_parts(wire, dict(parts))
-                wire.finish()
-            sent += frames.sent
+            progress = TransferProgress(f"sending rank {self.rank}'s part", total, to_rank=self.rank)
+            try:
+                sent += self._send_wanted(control, wanted, progress)
+            finally:
+                progress.close()
             progress.done()
         raise FrameError(f"rank {self.rank} still wants files after {MAX_ROUNDS} rounds")
+
+    def _send_wanted(self, control: ControlChannel, wanted: List[Tuple[str, int]],
+                     progress: TransferProgress) -> int:
+        """The wanted files sent (from their offsets); the bytes sent."""
+        frames = _Frames(control, progress)
+        # Three stages, each on its own thread: this one reads and cuts the arrays, the next
+        # hashes them, the last sends them (a few chunks queued between each).
+        with Overlap(frames.take, depth=STAGE_DEPTH, name="ds4tp-part-send") as wire, \
+                Overlap(_Hashing(wire).take, depth=STAGE_DEPTH, name="ds4tp-part-hash") as hashing:
+            for name, offset in wanted:
+                if name in self.plain:
+                    self._queue_file(hashing, name, iter((memoryview(self.plain[name]),)), offset)
+            parts = [(name, offset) for name, offset in wanted if name not in self.plain]
+            if parts:
+                self._queue_parts(hashing, dict(parts))
+            hashing.finish()
+            wire.finish()
+        return frames.sent
 
     def _size(self, name: str) -> int:
         if name in self.plain:
@@ -126,16 +138,18 @@ class PartSender:
                 raise FrameError(f"rank {self.rank} wants {name} from byte {offset}, which the offer has not")
         return wanted
 
-    def _queue_file(self, wire: Overlap, name: str, chunks: Iterator[memoryview], offset: int) -> None:
-        """Every chunk to the wire stage (all into the digest, the bytes past `offset` sent), then
-        the file's end (PART_END with the digest)."""
+    def _queue_file(self, hashing: Overlap, name: str, arrays: Iterator[memoryview], offset: int) -> None:
+        """Every array's bytes to the hash stage a chunk at a time (all into the digest, the bytes
+        past `offset` sent), then the file's end (PART_END with the digest)."""
         digest, pos = new_digest(), 0
-        for data in chunks:
-            wire.put((digest, data, min(max(offset - pos, 0), len(data))))
-            pos += len(data)
-        wire.put((digest, name, 0))
+        for data in arrays:
+            for at in range(0, len(data), CHUNK_BYTES):
+                chunk = data[at: at + CHUNK_BYTES]
+                hashing.put((digest, chunk, min(max(offset - pos, 0), len(chunk))))
+                pos += len(chunk)
+        hashing.put((digest, name, 0))
 
-    def _queue_parts(self, wire: Overlap, wanted: Dict[str, int]) -> None:
+    def _queue_parts(self, hashing: Overlap, wanted: Dict[str, int]) -> None:
         """The wanted part files, in the plan's order, their arrays cut one at a time."""
         from mlx_lm.utils import load_model
 
@@ -146,7 +160,7 @@ class PartSender:
         for file in self.plan.files[: last + 1]:
             chunks = self._file_chunks(model, file, arrays)
             if file.name in wanted:
-                self._queue_file(wire, file.name, chunks, wanted[file.name])
+                self._queue_file(hashing, file.name, chunks, wanted[file.name])
             else:
                 for _ in chunks:  # its arrays still come in order before the next file's
                     pass
@@ -164,10 +178,27 @@ class PartSender:
             set_array(model, key, mx.zeros((0,), mx.uint8))  # sent: dropped, not held to the end
 
 
+class _Hashing:
+    """The hash stage: each (digest, bytes, skip) into its file's digest, the bytes past `skip`
+    handed to the wire stage; (digest, name, 0), the file's end, handed on with the digest."""
+
+    def __init__(self, wire: Overlap):
+        self.wire = wire
+
+    def take(self, item: Tuple[Any, Any, int]) -> None:
+        digest, data, skip = item
+        if isinstance(data, str):
+            self.wire.put((data, digest.hexdigest()))
+            return
+        digest.update(data)
+        if skip < len(data):
+            self.wire.put((data[skip:], ""))
+
+
 class _Frames:
-    """The wire stage: each (digest, bytes, skip) hashed whole and sent past `skip` as PART_DATA
-    frames of CHUNK_BYTES (a large array's slices as they are, small arrays gathered into one
-    frame: a frame per norm vector would be a syscall each); (digest, name, 0) ends that file."""
+    """The wire stage: each chunk sent as PART_DATA frames of CHUNK_BYTES (a large array's slices
+    as they are, small arrays gathered into one frame: a frame per norm vector would be a
+    syscall each); (name, digest) sends that file's PART_END."""
 
     def __init__(self, control: ControlChannel, progress: TransferProgress):
         self.control, self.progress = control, progress
@@ -175,15 +206,14 @@ class _Frames:
         self.sent = 0
         self.pause_after = pause_for_tests()
 
-    def take(self, item: Tuple[Any, Any, int]) -> None:
-        digest, data, skip = item
+    def take(self, item: Tuple[Any, str]) -> None:
+        data, digest = item
         if isinstance(data, str):
             self.flush()
-            end = {"name": data, "digest": digest.hexdigest()}
+            end = {"name": data, "digest": digest}
             self.control.send(FrameType.PART_END, json.dumps(end).encode("utf-8"))
             return
-        digest.update(data)
-        self.add(data[skip:])
+        self.add(data)
 
     def add(self, data: memoryview) -> None:
         while len(data):
