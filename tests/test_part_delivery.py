@@ -1,7 +1,7 @@
 """Only the leader holds the model (split/part_delivery.py): `ds4tp run` workers started without
 --model receive their part into a parts cache and generate the unsplit model's tokens; the next
 start sends nothing; a damaged cached file is fetched again; another share fetches its part.
-A pair (dense float, 4-bit, mixture of experts) and three ranks (2:1:1), on 127.0.0.1 over TCP."""
+A pair (dense float, 4-bit, mixture of experts, MLA: deepseek_v3) and three ranks (2:1:1), on 127.0.0.1 over TCP."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import tiny_models
 from pairutil import free_port, reference_text
 
 PROMPT = "Only one Mac needs the model"
@@ -30,6 +31,8 @@ def models(tmp_path_factory):
                                seed=5, quantization={"group_size": 32, "bits": 4}),
         "moe": save_qwen3_moe(root / "moe", "moe-tiny", seed=7),
         "llama8": save_llama(root / "llama8", "tiny8", seed=3),
+        # MLA (latent attention, kv_b_proj cut by head) with routed and shared experts.
+        "mla": tiny_models.build("deepseek_v3", root, seed=9),
     }
 
 
@@ -99,7 +102,7 @@ def assert_cache_holds_its_share(parts_dir: Path, model: Path, rank: int, size: 
     assert all(f.name in plain or f.name.startswith("part-") for f in files), files
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-q4", "moe"])
+@pytest.mark.parametrize("name", ["llama", "llama-q4", "moe", "mla"])
 def test_pair_worker_without_model_gives_the_unsplit_tokens_then_reads_its_cache(procs, models, tmp_path, name):
     model = models[name]
     text, _ = reference_text(model, PROMPT, TOKENS)
