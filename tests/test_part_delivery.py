@@ -1,7 +1,8 @@
 """Only the leader holds the model (split/part_delivery.py): `ds4tp run` workers started without
 --model receive their part into a parts cache and generate the unsplit model's tokens; the next
 start sends nothing; a damaged cached file is fetched again; another share fetches its part.
-A pair (dense float, 4-bit, mixture of experts, MLA: deepseek_v3) and three ranks (2:1:1), on 127.0.0.1 over TCP."""
+A pair (dense float, 4-bit, mixture of experts, MLA: deepseek_v3; over RDMA, ucsim, the
+link's bulk path) and three ranks (2:1:1), on 127.0.0.1 over TCP."""
 
 from __future__ import annotations
 
@@ -36,11 +37,11 @@ def models(tmp_path_factory):
     }
 
 
-def run_group(procs, model_dir: Path, parts_dirs: list, extra=()) -> tuple[str, str, list]:
+def run_group(procs, model_dir: Path, parts_dirs: list, extra=(), transport=("--transport", "tcp")) -> tuple:
     """One `ds4tp run` of 1 + len(parts_dirs) ranks, the workers without --model: (leader's stdout,
     leader's stderr, each worker's stderr)."""
     port = free_port()
-    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", "--transport", "tcp"]
+    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", *transport]
     ranks = ["--ranks", str(1 + len(parts_dirs))] if len(parts_dirs) > 1 else []
     leader = procs.spawn(common + ["--model", str(model_dir), "--prompt", PROMPT, "--role", "leader",
                                    "--listen", "127.0.0.1", str(port), *ranks, *extra])
@@ -126,6 +127,23 @@ def test_pair_worker_without_model_gives_the_unsplit_tokens_then_reads_its_cache
     assert streamed(lout) == text
     assert "0.0 MB sent (its cache held all of it)" in lerr
     assert "receiving this rank's part" not in werr
+
+
+def test_over_rdma_the_part_takes_the_links_bulk_path(procs, models, tmp_path):
+    """--transport rdma (ucsim): the part's chunks travel as the RDMA link's exchanges, the
+    control channel carrying the offer, each chunk's length and each file's digest; the worker
+    gives the unsplit tokens, and its second start receives nothing."""
+    model = models["moe"]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    parts = tmp_path / "parts"
+    ucsim = ("--transport", "rdma", "--rdma-device", "ucsim")
+    lout, lerr, (werr,) = run_group(procs, model, [parts], transport=ucsim)
+    assert streamed(lout) == text and "transport rdma" in lout
+    assert "over the RDMA bulk path" in lerr and "receiving this rank's part" in werr, lerr
+    data, _ = part_data_bytes(entry_dirs(parts)[0])
+    assert data == held_bytes(model, 1, 2, "even")
+    lout, lerr, (werr,) = run_group(procs, model, [parts], transport=ucsim)
+    assert streamed(lout) == text and "0.0 MB sent (its cache held all of it)" in lerr
 
 
 def test_a_damaged_cached_file_is_fetched_again_and_another_split_fetches_its_part(procs, models, tmp_path):

@@ -187,3 +187,31 @@ def test_a_part_under_way_is_on_the_leaders_health(model, tmp_path, monkeypatch)
         thread.join(60)
     assert not isinstance(result["entry"], Exception), result["entry"]
     assert parts_in_flight() == {} and "parts_sending" not in client(ScriptedEngine()).get("/health").json()
+
+
+def test_an_offer_over_rdma_to_a_worker_whose_link_is_not_rdma_is_refused_by_name(model, tmp_path):
+    class NoBulk:
+        chunk = part_send.CHUNK_BYTES
+
+        def send(self, piece):
+            raise AssertionError("no byte goes before the worker wants it")
+
+    a, b = socket.socketpair()
+    leader, worker = ControlChannel(a, 30.0), ControlChannel(b, 30.0)
+    summary = model_fingerprint(model).summary()
+
+    def lead():
+        try:
+            PartSender(model, 1, 2, SplitShare.of("even"), stated_fingerprint(summary)).send(leader, NoBulk())
+        except (TransportError, OSError):
+            pass
+        finally:
+            a.close()
+
+    thread = threading.Thread(target=lead)
+    thread.start()
+    link = types.SimpleNamespace(control=worker, peer_hello=types.SimpleNamespace(fingerprint=summary))
+    with pytest.raises(FrameError, match="over the RDMA bulk path, and this rank's link to it is not RDMA"):
+        receive_part(link, 1, 2, SplitShare.of("even"), PartsSettings(tmp_path / "parts"))
+    b.close()
+    thread.join(60)

@@ -17,6 +17,7 @@ from ..errors import FrameError, PeerClosedError, TransportError
 from ..link.fingerprint import summary_label
 from ..link.wire import FINGERPRINT_SUMMARY, FrameType
 from .overlap import Overlap
+from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath
 from .part_send import CHUNK_BYTES, MAX_ROUNDS, PART_WAIT_S
 from .share import SplitShare
 from .transfer_progress import TransferProgress
@@ -29,25 +30,33 @@ def stated_fingerprint(summary: bytes) -> str:
     return FINGERPRINT_SUMMARY.unpack(summary)[0].hex() if summary else ""
 
 
-def _offered(payload: bytes, fingerprint: str, rank: int, size: int, share: SplitShare) -> List[OfferedFile]:
+def _offered(payload: bytes, fingerprint: str, rank: int, size: int,
+             share: SplitShare) -> Tuple[List[OfferedFile], str]:
+    """The offer's files, checked, and the path its bytes take (CONTROL_PATH or RDMA_PATH)."""
     try:
         offer = json.loads(payload)
         files = [OfferedFile(str(n), int(s), str(d)) for n, s, d in offer["files"]]
         said = (str(offer["fingerprint"]), int(offer["rank"]), int(offer["size"]), str(offer["share"]))
+        path = str(offer["path"])
     except (ValueError, KeyError, TypeError) as exc:
         raise FrameError(f"malformed PART_OFFER from the leader: {exc}") from None
+    if path not in (CONTROL_PATH, RDMA_PATH):
+        raise FrameError(f"the leader offers to send this rank's part over {path!r}, which this rank "
+                         f"does not know ({CONTROL_PATH} or {RDMA_PATH}); run the same mlx_ds4tp")
     if said != (fingerprint, rank, size, str(share)):
         raise FrameError(f"the leader offered the part of model {said[0][:12]}, rank {said[1]} of {said[2]}, "
                          f"split {said[3]}; this rank joined model {fingerprint[:12]} as rank {rank} of "
                          f"{size}, split {share}")
     for f in files:
         f.check()
-    return files
+    return files, path
 
 
-def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: PartsSettings) -> Path:
-    """This worker's part, received (or found whole in its parts cache) from rank 0 on `link`;
-    the cache entry's directory, ready for load_part."""
+def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: PartsSettings,
+                 bulk: Optional[BulkPath] = None) -> Path:
+    """This worker's part, received (or found whole in its parts cache) from rank 0 on `link`
+    (over `bulk`, that link's RDMA bulk path, when the leader's offer says so); the cache entry's
+    directory, ready for load_part."""
     fingerprint = stated_fingerprint(link.peer_hello.fingerprint)
     if not fingerprint:
         raise FrameError("the leader's hello states no model fingerprint, so a worker without --model "
@@ -56,7 +65,11 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
     log(f"no --model here: waiting for the leader's offer of this rank's part of model "
         f"{summary_label(link.peer_hello.fingerprint)}")
     _, payload = control.recv(FrameType.PART_OFFER, timeout=PART_WAIT_S)
-    offered = _offered(payload, fingerprint, rank, size, share)
+    offered, path = _offered(payload, fingerprint, rank, size, share)
+    if path == RDMA_PATH and bulk is None:
+        raise FrameError("the leader sends this rank's part over the RDMA bulk path, and this rank's "
+                         "link to it is not RDMA; start both with the same --transport")
+    bulk = bulk if path == RDMA_PATH else None
     sizes = {f.name: f.size for f in offered}
     entry = PartEntry(settings, fingerprint, rank, size, str(share).replace(":", "-"))
     wanted = entry.wanted(offered)
@@ -75,7 +88,8 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
         buffers = _Buffers(WRITE_DEPTH + 2)  # the queue's, the stage's and the one being filled
         try:
             wanted = [(name, 0) for name, offset in wanted
-                      if not _receive_file(control, entry.writer(name, offset, sizes[name]), buffers, progress)]
+                      if not _receive_file(control, entry.writer(name, offset, sizes[name]), buffers, progress,
+                                           bulk)]
         except PeerClosedError as exc:
             # A dead leader or a pulled cable: say what is kept, so the restart's resume is expected.
             raise PeerClosedError(f"the leader closed the connection while sending this rank's part "
@@ -126,7 +140,7 @@ class _Buffers:
 
 
 def _receive_file(control: Any, writer: PartWriter, buffers: _Buffers,
-                  progress: Optional[TransferProgress]) -> bool:
+                  progress: Optional[TransferProgress], bulk: Optional[BulkPath]) -> bool:
     """One file's PART_DATA frames into writer, until its PART_END; whether it arrived whole.
     This thread receives; the overlap writes and hashes what arrived before (a few chunks)."""
     whole = []
@@ -143,7 +157,7 @@ def _receive_file(control: Any, writer: PartWriter, buffers: _Buffers,
         with Overlap(write, depth=WRITE_DEPTH, name="ds4tp-part-write") as disk:
             buffers.stage = disk
             try:
-                return _frames_into(control, writer, disk, buffers, progress, whole)
+                return _frames_into(control, writer, disk, buffers, progress, whole, bulk)
             except (PeerClosedError, TransportError):
                 disk.finish()  # what arrived is written: the next start resumes after it
                 raise
@@ -153,11 +167,14 @@ def _receive_file(control: Any, writer: PartWriter, buffers: _Buffers,
 
 
 def _frames_into(control: Any, writer: PartWriter, disk: Overlap, buffers: _Buffers,
-                 progress: Optional[TransferProgress], whole: List[bool]) -> bool:
+                 progress: Optional[TransferProgress], whole: List[bool], bulk: Optional[BulkPath]) -> bool:
     """The frames of one file: each PART_DATA handed to the write stage in the buffer it arrived
-    in, then PART_END's digest; whether the file arrived whole."""
+    in (over the bulk path: the chunk it announces, received into that buffer), then PART_END's
+    digest; whether the file arrived whole."""
     while True:
         ftype, payload = control.recv_into(buffers.take)
+        if ftype == FrameType.PART_DATA and bulk is not None:
+            payload = _bulk_chunk(payload, buffers.taken, bulk)
         if ftype == FrameType.PART_DATA:
             disk.put((payload, buffers.taken, ""))
             if progress is not None:
@@ -173,6 +190,19 @@ def _frames_into(control: Any, writer: PartWriter, disk: Overlap, buffers: _Buff
         disk.put((b"", b"", digest))
         disk.finish()
         return whole[0]
+
+
+def _bulk_chunk(announcement: memoryview, buffer: bytearray, bulk: BulkPath) -> memoryview:
+    """The chunk a PART_DATA announces on the bulk path, received into `buffer` (its own frame's)."""
+    if len(announcement) != CHUNK_LENGTH.size:
+        raise FrameError(f"a PART_DATA of {len(announcement)} bytes on the RDMA bulk path: it announces "
+                         f"a chunk in {CHUNK_LENGTH.size}")
+    (nbytes,) = CHUNK_LENGTH.unpack(announcement)
+    if not 0 < nbytes <= min(bulk.chunk, len(buffer)):
+        raise FrameError(f"the leader announces a chunk of {nbytes} bytes; the bulk path's are {bulk.chunk}")
+    view = memoryview(buffer)
+    bulk.receive_into(view)
+    return view[:nbytes]
 
 
 def _end(payload: bytes) -> Tuple[str, str]:

@@ -30,6 +30,7 @@ from ..link.wire import FrameType
 from .apply import cut_arrays
 from .derive import set_array
 from .overlap import Overlap
+from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath, bulk_path
 from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files, plan_part
 from .plans import saved_layout
 from .share import SplitShare
@@ -80,15 +81,17 @@ class PartSender:
         self.plain = {p.name: p.read_bytes() for p in plain_files(self.model_path)}
         self.plain[PART_CONFIG] = self.plan.part_config
 
-    def offer(self) -> dict:
+    def offer(self, path: str = CONTROL_PATH) -> dict:
         files = [[name, len(data), bytes_digest(data)] for name, data in self.plain.items()]
         files += [[f.name, f.size, ""] for f in self.plan.files]
         return {"fingerprint": self.fingerprint, "rank": self.rank, "size": self.size,
-                "share": str(self.share), "files": files}
+                "share": str(self.share), "files": files, "path": path}
 
-    def send(self, control: ControlChannel) -> int:
-        """Offer the part, send what the worker wants until it wants nothing; the bytes sent."""
-        control.send(FrameType.PART_OFFER, json.dumps(self.offer()).encode("utf-8"))
+    def send(self, control: ControlChannel, bulk: Optional[BulkPath] = None) -> int:
+        """Offer the part, send what the worker wants until it wants nothing; the bytes sent.
+        bulk: the RDMA link's exchanges carry the bytes (split/part_bulk.py), else PART_DATA."""
+        offer = self.offer(CONTROL_PATH if bulk is None else RDMA_PATH)
+        control.send(FrameType.PART_OFFER, json.dumps(offer).encode("utf-8"))
         sent = 0
         for _ in range(MAX_ROUNDS + 1):
             wanted = self._hear_want(control)
@@ -97,16 +100,16 @@ class PartSender:
             total = sum(self._size(name) - offset for name, offset in wanted)
             progress = TransferProgress(f"sending rank {self.rank}'s part", total, to_rank=self.rank)
             try:
-                sent += self._send_wanted(control, wanted, progress)
+                sent += self._send_wanted(control, wanted, progress, bulk)
             finally:
                 progress.close()
             progress.done()
         raise FrameError(f"rank {self.rank} still wants files after {MAX_ROUNDS} rounds")
 
     def _send_wanted(self, control: ControlChannel, wanted: List[Tuple[str, int]],
-                     progress: TransferProgress) -> int:
+                     progress: TransferProgress, bulk: Optional[BulkPath]) -> int:
         """The wanted files sent (from their offsets); the bytes sent."""
-        frames = _Frames(control, progress)
+        frames = _Frames(control, progress, bulk)
         # Three stages, each on its own thread: this one reads and cuts the arrays, the next
         # hashes them, the last sends them (a few chunks queued between each).
         with Overlap(frames.take, depth=STAGE_DEPTH, name="ds4tp-part-send") as wire, \
@@ -200,8 +203,8 @@ class _Frames:
     as they are, small arrays gathered into one frame: a frame per norm vector would be a
     syscall each); (name, digest) sends that file's PART_END."""
 
-    def __init__(self, control: ControlChannel, progress: TransferProgress):
-        self.control, self.progress = control, progress
+    def __init__(self, control: ControlChannel, progress: TransferProgress, bulk: Optional[BulkPath]):
+        self.control, self.progress, self.bulk = control, progress, bulk
         self.pending = bytearray()
         self.sent = 0
         self.pause_after = pause_for_tests()
@@ -234,7 +237,11 @@ class _Frames:
             self.pending = bytearray()
 
     def _send(self, piece: memoryview) -> None:
-        self.control.send(FrameType.PART_DATA, piece)
+        if self.bulk is None:
+            self.control.send(FrameType.PART_DATA, piece)
+        else:
+            self.control.send(FrameType.PART_DATA, CHUNK_LENGTH.pack(len(piece)))
+            self.bulk.send(piece)
         self.sent += len(piece)
         self.progress.add(len(piece))
         if self.pause_after is not None and self.sent >= self.pause_after:
@@ -245,12 +252,15 @@ class _Frames:
 
 
 def send_parts(group: Any, model_path: Path, share: SplitShare, fingerprint: str, receivers: List[int]) -> None:
-    """The leader's side for each worker of `receivers` (started without --model), in rank order."""
+    """The leader's side for each worker of `receivers` (started without --model), in rank order,
+    over the RDMA bulk path where that worker's link is RDMA."""
     for rank in receivers:
         sender = PartSender(model_path, rank, group.size(), share, fingerprint)
+        bulk = bulk_path(group, rank, CHUNK_BYTES)
         log(f"rank {rank} has no model: offering its part ({len(sender.plan.files)} part files, "
-            f"{sender.plan.weight_bytes / 1e6:.1f} MB of weights)")
-        sent = sender.send(group.link_to(rank).control)
+            f"{sender.plan.weight_bytes / 1e6:.1f} MB of weights, over "
+            f"{'the RDMA bulk path' if bulk else 'TCP'})")
+        sent = sender.send(group.link_to(rank).control, bulk)
         log(f"rank {rank}'s part: {sent / 1e6:.1f} MB sent" + ("" if sent else " (its cache held all of it)"))
 
 
