@@ -1,9 +1,10 @@
 """A worker without --model found by discovery (link/meet.py for two, link/findgroup.py for N):
-it advertises no model (discovery.ANY_MODEL), joins the leader of the model on its link, receives
-its part into its parts cache and the leader's text is the unsplit model's; its second start
-finds its part cached and nothing is sent.
+it advertises no model (discovery.ANY_MODEL), never leads, joins the leader of the model on its
+link, receives its part into its parts cache and the leader's text is the unsplit model's; its
+second start finds its part cached and nothing is sent. Three ranks: one or both workers without
+the model.
 
-Needs root and `ip netns`, as tests/test_discovery_nranks.py: the ranks run on the loopback of a
+The process tests need root and `ip netns`, as tests/test_discovery_nranks.py: the ranks run on the loopback of a
 namespace the test creates (multicast turned on there only) and deletes; skipped, with the
 reason, for a user who is not root or has no `ip`."""
 
@@ -98,8 +99,11 @@ def test_a_pair_whose_worker_has_no_model_pairs_by_discovery_and_gets_its_part(p
     assert "receiving this rank's part" not in werr and "its cache held all of it" in lerr, lerr
 
 
-def test_three_ranks_by_discovery_one_without_the_model(procs, loop_ns, model, tmp_path):
-    text, (werr,), lerr = run_group(procs, loop_ns, model, [tmp_path / "parts"], tmp_path, with_model=1)
+@pytest.mark.parametrize("receivers", [1, 2])
+def test_three_ranks_by_discovery_workers_without_the_model(procs, loop_ns, model, tmp_path, receivers):
+    parts = [tmp_path / f"parts{i}" for i in range(receivers)]
+    text, werrs, lerr = run_group(procs, loop_ns, model, parts, tmp_path, with_model=2 - receivers)
     assert text == reference_text(model, PROMPT, TOKENS)[0]
-    assert "receiving this rank's part" in werr and "discovery: a group of 3" in werr, werr
-    assert re.search(r"rank \d's part: [0-9.]+ MB sent", lerr), lerr
+    for werr in werrs:
+        assert "receiving this rank's part" in werr and "discovery: a group of 3" in werr, werr
+    assert len(re.findall(r"rank \d's part: [0-9.]+ MB sent", lerr)) == receivers, lerr
