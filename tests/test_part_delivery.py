@@ -310,11 +310,13 @@ def test_a_receiving_worker_peaks_no_higher_than_one_loading_its_part_from_disk(
     assert peaks["received"] <= peaks["disk"] + 300e6, peaks
 
 
-def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ucsim"])
+def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, tmp_path, transport):
     """The leader stops after its first PART_DATA frame (the DS4_TP_TEST_PART_PAUSE_AFTER_BYTES
     hook: a known point, no timer) and is killed once the worker wrote those bytes; the worker
     exits with a clear error; both started again, the worker asks only for the rest of its part
-    and the pair gives the unsplit model's tokens."""
+    and the pair gives the unsplit model's tokens. Over TCP, and over RDMA (ucsim: the chunks on
+    the link's bulk path)."""
     import re
     import signal
     import time
@@ -331,7 +333,8 @@ def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, t
     assert part > 3 * CHUNK_BYTES
 
     port = free_port()
-    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", "--transport", "tcp"]
+    flags = ("--transport", "tcp") if transport == "tcp" else ("--transport", "rdma", "--rdma-device", "ucsim")
+    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", *flags]
     leader = procs.spawn(common + ["--model", str(model), "--prompt", PROMPT, "--role", "leader",
                                    "--listen", "127.0.0.1", str(port)], env={TEST_PAUSE_ENV: str(CHUNK_BYTES)})
     worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port),
@@ -356,7 +359,8 @@ def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, t
     assert kept >= CHUNK_BYTES
 
     # Both again: the worker resumes from what it kept, the leader sends the rest only.
-    lout, lerr, (werr,) = run_group(procs, model, [parts])
+    lout, lerr, (werr,) = run_group(procs, model, [parts], transport=flags)
+    assert ("over the RDMA bulk path" in lerr) == (transport == "ucsim"), lerr
     assert streamed(lout) == text
     asked = re.search(r"receiving this rank's part: 1 file\(s\), ([0-9.]+) MB", werr)
     sent = re.search(r"rank 1's part: ([0-9.]+) MB sent", lerr)
