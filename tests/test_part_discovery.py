@@ -38,13 +38,14 @@ def model(tmp_path_factory):
     return save_llama(tmp_path_factory.mktemp("part-discovery") / "llama", "tiny8", seed=3)
 
 
-def spawn(procs, ns: str, command: List[str], tmp_path: Path, name: str) -> Watched:
-    """`ds4tp run ... --interface lo` in namespace `ns`, the secret in the environment."""
+def spawn(procs, ns: str, command: List[str], tmp_path: Path, name: str, verb: str = "run") -> Watched:
+    """`ds4tp run ... --interface lo` (or `verb`) in namespace `ns`, the secret in the environment."""
     env = dict(os.environ, DS4_TP_SECRET=SECRET, DS4_TP_TIMEOUT_SEC=str(TIMEOUT), PYTHONUNBUFFERED="1",
                DS4_TP_CONFIG_DIR=str(tmp_path / f"config-{name}"),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = ["ip", "netns", "exec", ns, sys.executable, "-m", "mlx_ds4tp", "run", *command,
-            "--interface", "lo", "--transport", "tcp", "--max-tokens", str(TOKENS), "--no-chat-template"]
+    run_only = ["--max-tokens", str(TOKENS), "--no-chat-template"] if verb == "run" else []
+    args = ["ip", "netns", "exec", ns, sys.executable, "-m", "mlx_ds4tp", verb, *command,
+            "--interface", "lo", "--transport", "tcp", *run_only]
     p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs.procs.append(p)
     return Watched(p, f"{name} on {ns}'s loopback")
@@ -107,3 +108,19 @@ def test_three_ranks_by_discovery_workers_without_the_model(procs, loop_ns, mode
     for werr in werrs:
         assert "receiving this rank's part" in werr and "discovery: a group of 3" in werr, werr
     assert len(re.findall(r"rank \d's part: [0-9.]+ MB sent", lerr)) == receivers, lerr
+
+
+def test_serve_by_discovery_a_worker_without_the_model_answers_as_the_unsplit_model(procs, loop_ns, model,
+                                                                                    tmp_path):
+    """`ds4tp serve --role worker --interface lo` without --model beside `ds4tp serve --model M
+    --interface lo`: they pair, the worker receives its part, the answers are the unsplit model's."""
+    from test_discovery_nranks import PORT, _exact, wait_for
+
+    worker = spawn(procs, loop_ns, ["--role", "worker", "--parts-dir", str(tmp_path / "parts")], tmp_path,
+                   "worker", verb="serve")
+    leader = spawn(procs, loop_ns, ["--model", str(model), "--port", str(PORT), "--max-kv-tokens", "4096"],
+                   tmp_path, "leader", verb="serve")
+    wait_for([leader], "the pair serving", r"serving .* on http://", within=300)
+    _exact(loop_ns, model, "one Mac holds it")
+    assert "receiving this rank's part" in worker.err.text(), worker.describe()
+    assert re.search(r"rank 1's part: [0-9.]+ MB sent", leader.err.text()), leader.describe()
