@@ -232,6 +232,8 @@ class ControlChannel:
         magic, ftype_raw, nbytes = FRAME_HEADER.unpack(self._header)
         ftype = decode_frame_header(magic, ftype_raw, nbytes)
         payload = buffer_for(nbytes)[:nbytes]
+        if len(payload) != nbytes:
+            raise ValueError(f"buffer_for({nbytes}) gave {len(payload)} bytes: a frame's buffer holds its payload")
         if nbytes:
             recv_exact_into(self.sock, payload, f"{ftype.name} payload", deadline)
         if ftype == FrameType.ERROR and expect != FrameType.ERROR:
