@@ -83,7 +83,8 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
         if not wanted:
             break
         total = sum(sizes[n] - o for n, o in wanted)
-        log(f"receiving this rank's part: {len(wanted)} file(s), {total / 1e6:.1f} MB, into {entry.path}")
+        log(f"receiving this rank's part: {len(wanted)} file(s), {total / 1e6:.1f} MB, into {entry.path}"
+            + (" (over the RDMA bulk path)" if bulk is not None else ""))
         progress = TransferProgress(f"receiving rank {rank}'s part", total)
         buffers = _Buffers(WRITE_DEPTH + 2)  # the queue's, the stage's and the one being filled
         try:
