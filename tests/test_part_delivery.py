@@ -1,7 +1,8 @@
 """Only the leader holds the model (split/part_delivery.py): `ds4tp run` workers started without
 --model receive their part into a parts cache and generate the unsplit model's tokens; the next
 start sends nothing; a damaged cached file is fetched again; another share fetches its part.
-A pair (dense float, 4-bit, mixture of experts) and three ranks (2:1:1), on 127.0.0.1 over TCP."""
+A pair (dense float, 4-bit, mixture of experts, MLA: deepseek_v3; over RDMA, ucsim, the
+link's bulk path) and three ranks (2:1:1), on 127.0.0.1 over TCP."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import tiny_models
 from pairutil import free_port, reference_text
 
 PROMPT = "Only one Mac needs the model"
@@ -30,14 +32,16 @@ def models(tmp_path_factory):
                                seed=5, quantization={"group_size": 32, "bits": 4}),
         "moe": save_qwen3_moe(root / "moe", "moe-tiny", seed=7),
         "llama8": save_llama(root / "llama8", "tiny8", seed=3),
+        # MLA (latent attention, kv_b_proj cut by head) with routed and shared experts.
+        "mla": tiny_models.build("deepseek_v3", root, seed=9),
     }
 
 
-def run_group(procs, model_dir: Path, parts_dirs: list, extra=()) -> tuple[str, str, list]:
+def run_group(procs, model_dir: Path, parts_dirs: list, extra=(), transport=("--transport", "tcp")) -> tuple:
     """One `ds4tp run` of 1 + len(parts_dirs) ranks, the workers without --model: (leader's stdout,
     leader's stderr, each worker's stderr)."""
     port = free_port()
-    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", "--transport", "tcp"]
+    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", *transport]
     ranks = ["--ranks", str(1 + len(parts_dirs))] if len(parts_dirs) > 1 else []
     leader = procs.spawn(common + ["--model", str(model_dir), "--prompt", PROMPT, "--role", "leader",
                                    "--listen", "127.0.0.1", str(port), *ranks, *extra])
@@ -99,7 +103,7 @@ def assert_cache_holds_its_share(parts_dir: Path, model: Path, rank: int, size: 
     assert all(f.name in plain or f.name.startswith("part-") for f in files), files
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-q4", "moe"])
+@pytest.mark.parametrize("name", ["llama", "llama-q4", "moe", "mla"])
 def test_pair_worker_without_model_gives_the_unsplit_tokens_then_reads_its_cache(procs, models, tmp_path, name):
     model = models[name]
     text, _ = reference_text(model, PROMPT, TOKENS)
@@ -123,6 +127,23 @@ def test_pair_worker_without_model_gives_the_unsplit_tokens_then_reads_its_cache
     assert streamed(lout) == text
     assert "0.0 MB sent (its cache held all of it)" in lerr
     assert "receiving this rank's part" not in werr
+
+
+def test_over_rdma_the_part_takes_the_links_bulk_path(procs, models, tmp_path):
+    """--transport rdma (ucsim): the part's chunks travel as the RDMA link's exchanges, the
+    control channel carrying the offer, each chunk's length and each file's digest; the worker
+    gives the unsplit tokens, and its second start receives nothing."""
+    model = models["moe"]
+    text, _ = reference_text(model, PROMPT, TOKENS)
+    parts = tmp_path / "parts"
+    ucsim = ("--transport", "rdma", "--rdma-device", "ucsim")
+    lout, lerr, (werr,) = run_group(procs, model, [parts], transport=ucsim)
+    assert streamed(lout) == text and "transport rdma" in lout
+    assert "over the RDMA bulk path" in lerr and "receiving this rank's part" in werr, lerr
+    data, _ = part_data_bytes(entry_dirs(parts)[0])
+    assert data == held_bytes(model, 1, 2, "even")
+    lout, lerr, (werr,) = run_group(procs, model, [parts], transport=ucsim)
+    assert streamed(lout) == text and "0.0 MB sent (its cache held all of it)" in lerr
 
 
 def test_a_damaged_cached_file_is_fetched_again_and_another_split_fetches_its_part(procs, models, tmp_path):
@@ -289,11 +310,13 @@ def test_a_receiving_worker_peaks_no_higher_than_one_loading_its_part_from_disk(
     assert peaks["received"] <= peaks["disk"] + 300e6, peaks
 
 
-def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ucsim"])
+def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, tmp_path, transport):
     """The leader stops after its first PART_DATA frame (the DS4_TP_TEST_PART_PAUSE_AFTER_BYTES
     hook: a known point, no timer) and is killed once the worker wrote those bytes; the worker
     exits with a clear error; both started again, the worker asks only for the rest of its part
-    and the pair gives the unsplit model's tokens."""
+    and the pair gives the unsplit model's tokens. Over TCP, and over RDMA (ucsim: the chunks on
+    the link's bulk path)."""
     import re
     import signal
     import time
@@ -310,7 +333,8 @@ def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, t
     assert part > 3 * CHUNK_BYTES
 
     port = free_port()
-    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", "--transport", "tcp"]
+    flags = ("--transport", "tcp") if transport == "tcp" else ("--transport", "rdma", "--rdma-device", "ucsim")
+    common = ["-m", "mlx_ds4tp", "run", "--max-tokens", str(TOKENS), "--no-chat-template", *flags]
     leader = procs.spawn(common + ["--model", str(model), "--prompt", PROMPT, "--role", "leader",
                                    "--listen", "127.0.0.1", str(port)], env={TEST_PAUSE_ENV: str(CHUNK_BYTES)})
     worker = procs.spawn(common + ["--role", "worker", "--coordinator", "127.0.0.1", str(port),
@@ -335,7 +359,8 @@ def test_a_leader_killed_mid_transfer_then_restarted_the_worker_resumes(procs, t
     assert kept >= CHUNK_BYTES
 
     # Both again: the worker resumes from what it kept, the leader sends the rest only.
-    lout, lerr, (werr,) = run_group(procs, model, [parts])
+    lout, lerr, (werr,) = run_group(procs, model, [parts], transport=flags)
+    assert ("over the RDMA bulk path" in lerr) == (transport == "ucsim"), lerr
     assert streamed(lout) == text
     asked = re.search(r"receiving this rank's part: 1 file\(s\), ([0-9.]+) MB", werr)
     sent = re.search(r"rank 1's part: ([0-9.]+) MB sent", lerr)

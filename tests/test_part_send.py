@@ -1,12 +1,14 @@
 """The part's transfer itself (split/part_send.py, split/part_receive.py, split/part_plan.py) in
 one process, both sides over a socket pair of control channels: the received part loads into
 the arrays load_split keeps on that rank; a transfer cut by a dead leader resumes where it
-stopped (fewer bytes the second time); a leader's offer for another model is refused."""
+stopped (fewer bytes the second time); a leader's offer for another model is refused; while a
+part is under way the leader's /health says to which rank, how far and how fast."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 import types
 
 import mlx.core as mx
@@ -52,7 +54,25 @@ class CutAfter:
         return self.control.recv(*args, **kwargs)
 
 
-def transfer(model, parts: PartsSettings, share="even", rank=1, size=2, cut_after=None, fingerprint=None):
+class HeldAfter(CutAfter):
+    """The leader's control channel, held once `nbytes` of PART_DATA went until `release` is set
+    (`held` is set then): a transfer caught mid-way."""
+
+    def __init__(self, control: ControlChannel, nbytes: int):
+        super().__init__(control, nbytes)
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def send(self, ftype, payload=b""):
+        if ftype == FrameType.PART_DATA and self.left <= 0 and not self.release.is_set():
+            self.held.set()
+            assert self.release.wait(60)
+        if ftype == FrameType.PART_DATA:
+            self.left -= len(payload)
+        self.control.send(ftype, payload)
+
+
+def transfer(model, parts: PartsSettings, share="even", rank=1, size=2, cut_after=None, fingerprint=None,
+             wrap=None):
     """One transfer of rank's part: (the receiver's entry or its exception, bytes the leader sent)."""
     a, b = socket.socketpair()
     leader, worker = ControlChannel(a, 30.0), ControlChannel(b, 30.0)
@@ -60,7 +80,7 @@ def transfer(model, parts: PartsSettings, share="even", rank=1, size=2, cut_afte
     sent = {}
 
     def lead():
-        control = leader if cut_after is None else CutAfter(leader, cut_after)
+        control = wrap(leader) if wrap else leader if cut_after is None else CutAfter(leader, cut_after)
         try:
             sender = PartSender(model, rank, size, SplitShare.of(share), fingerprint or stated_fingerprint(summary))
             sent["bytes"] = sender.send(control)
@@ -134,3 +154,64 @@ def test_an_offer_of_another_model_is_refused(model, tmp_path):
     result, _ = transfer(model, PartsSettings(tmp_path / "parts"), fingerprint="0" * 32)
     assert isinstance(result, FrameError) and "offered the part of model 000000000000" in str(result)
     assert not list((tmp_path / "parts").rglob("part-*"))
+
+
+def test_a_part_under_way_is_on_the_leaders_health(model, tmp_path, monkeypatch):
+    from mlx_ds4tp.split.transfer_progress import parts_in_flight
+    from test_serve_routes import ScriptedEngine, client
+
+    monkeypatch.setattr(part_send, "CHUNK_BYTES", 64 << 10)
+    held = {}
+
+    def wrap(control):
+        held["channel"] = HeldAfter(control, 128 << 10)
+        return held["channel"]
+
+    assert parts_in_flight() == {}
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        zip(("entry", "sent"), transfer(model, PartsSettings(tmp_path / "parts"), wrap=wrap))))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "channel" not in held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held["channel"].held.wait(60)
+        health = client(ScriptedEngine()).get("/health").json()
+        (under_way,) = health["parts_sending"]
+        assert under_way["rank"] == 1 and 128 << 10 <= under_way["bytes"] < under_way["total_bytes"]
+        assert under_way["bytes_per_s"] > 0 and under_way["seconds_left"] >= 0
+    finally:
+        if "channel" in held:
+            held["channel"].release.set()
+        thread.join(60)
+    assert not isinstance(result["entry"], Exception), result["entry"]
+    assert parts_in_flight() == {} and "parts_sending" not in client(ScriptedEngine()).get("/health").json()
+
+
+def test_an_offer_over_rdma_to_a_worker_whose_link_is_not_rdma_is_refused_by_name(model, tmp_path):
+    class NoBulk:
+        chunk = part_send.CHUNK_BYTES
+
+        def send(self, piece):
+            raise AssertionError("no byte goes before the worker wants it")
+
+    a, b = socket.socketpair()
+    leader, worker = ControlChannel(a, 30.0), ControlChannel(b, 30.0)
+    summary = model_fingerprint(model).summary()
+
+    def lead():
+        try:
+            PartSender(model, 1, 2, SplitShare.of("even"), stated_fingerprint(summary)).send(leader, NoBulk())
+        except (TransportError, OSError):
+            pass
+        finally:
+            a.close()
+
+    thread = threading.Thread(target=lead)
+    thread.start()
+    link = types.SimpleNamespace(control=worker, peer_hello=types.SimpleNamespace(fingerprint=summary))
+    with pytest.raises(FrameError, match="over the RDMA bulk path, and this rank's link to it is not RDMA"):
+        receive_part(link, 1, 2, SplitShare.of("even"), PartsSettings(tmp_path / "parts"))
+    b.close()
+    thread.join(60)

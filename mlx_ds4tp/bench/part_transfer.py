@@ -3,7 +3,11 @@ bytes, on 127.0.0.1, in one run: the rate of each, the receiver's peak RSS, and 
 start (the cache read and every digest checked, nothing sent). The leader runs here; each
 receiver is a child process, as a worker is.
 
-    python -m mlx_ds4tp.bench.part_transfer [--model DIR] [--split even] [--ranks 2]
+    python -m mlx_ds4tp.bench.part_transfer [--model DIR | --size 150m|1b] [--split even] [--ranks 2] [--runs 5]
+
+Each run alternates: the part sent (a fresh cache), the plain copy, the plain copy with SHA-256
+taken on both sides (the floor a digest-checked transfer can reach on these CPUs); the medians
+and the median of the per-run ratios are reported.
 """
 
 from __future__ import annotations
@@ -33,17 +37,21 @@ def _receive_part(port: int, parts_dir: str, summary_hex: str, rank: int, size: 
     sock = dial("127.0.0.1", port, time.monotonic() + 60, "part")
     link = types.SimpleNamespace(control=ControlChannel(sock, 600.0),
                                  peer_hello=types.SimpleNamespace(fingerprint=bytes.fromhex(summary_hex)))
+    record = {"cpu_before": time.process_time()}
     t0 = time.perf_counter()
     entry = receive_part(link, rank, size, SplitShare.of(share), PartsSettings(Path(parts_dir)))
-    return {"seconds": time.perf_counter() - t0, "entry": str(entry)}
+    return {**record, "seconds": time.perf_counter() - t0, "entry": str(entry)}
 
 
-def _receive_plain(port: int, out: str, nbytes: int) -> dict:
+def _receive_plain(port: int, out: str, nbytes: int, hashed: bool) -> dict:
+    from ..checkpoint.parts_cache import new_digest
     from ..link.control import dial
 
     sock = dial("127.0.0.1", port, time.monotonic() + 60, "plain")
     buf = bytearray(CHUNK)
     view = memoryview(buf)
+    digest = new_digest()
+    record = {"cpu_before": time.process_time()}
     t0 = time.perf_counter()
     with open(out, "wb") as f:
         left = nbytes
@@ -52,8 +60,22 @@ def _receive_plain(port: int, out: str, nbytes: int) -> dict:
             if not n:
                 raise SystemExit("plain copy: the sender closed early")
             f.write(view[:n])
+            if hashed:
+                digest.update(view[:n])
             left -= n
-    return {"seconds": time.perf_counter() - t0}
+    return {**record, "seconds": time.perf_counter() - t0}
+
+
+def _peak_rss(usage: resource.struct_rusage) -> int:
+    """This process's peak resident bytes. Linux keeps ru_maxrss across fork and exec (a child
+    of this bench, which built the model, would report the bench's peak): VmHWM is this
+    process's own; macOS's ru_maxrss is its own, in bytes."""
+    if sys.platform == "darwin":
+        return usage.ru_maxrss
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return usage.ru_maxrss * 1024
 
 
 def _child(argv: List[str]) -> int:
@@ -61,9 +83,10 @@ def _child(argv: List[str]) -> int:
     if kind == "part":
         record = _receive_part(int(rest[0]), rest[1], rest[2], int(rest[3]), int(rest[4]), rest[5])
     else:
-        record = _receive_plain(int(rest[0]), rest[1], int(rest[2]))
-    rss_unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * rss_unit
+        record = _receive_plain(int(rest[0]), rest[1], int(rest[2]), kind == "hashed")
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    record["peak_rss_bytes"] = _peak_rss(usage)
+    record["cpu_seconds"] = usage.ru_utime + usage.ru_stime - record.pop("cpu_before")
     print(json.dumps(record))
     return 0
 
@@ -94,68 +117,117 @@ def _send_part(model: Path, parts_dir: Path, rank: int, size: int, share: str) -
     t0 = time.perf_counter()
     sender = PartSender(model, rank, size, SplitShare.of(share), stated_fingerprint(summary))
     t1 = time.perf_counter()  # the plan made (no weight read): from here on, the offer and the bytes
+    cpu = time.process_time()
     sent = sender.send(ControlChannel(sock, 600.0))
     seconds = time.perf_counter() - t1
+    cpu = time.process_time() - cpu
     out, _ = child.communicate(timeout=600)
     record = json.loads(out.strip().splitlines()[-1])
-    return {"sent_bytes": sent, "send_seconds": seconds, "plan_seconds": t1 - t0, **record}
+    return {"sent_bytes": sent, "send_seconds": seconds, "plan_seconds": t1 - t0, "send_cpu_seconds": cpu, **record}
 
 
-def _send_plain(files: List[Path], out: Path) -> dict:
+def _send_plain(files: List[Path], out: Path, hashed: bool) -> dict:
+    """The same bytes read from disk and sent over a socket a chunk at a time, written to disk
+    on the other side; `hashed`: each side also takes SHA-256 of them, as the part's does."""
+    from ..checkpoint.parts_cache import new_digest
+
     nbytes = sum(f.stat().st_size for f in files)
     listener = _listen()
-    child = _spawn(["plain", str(listener.getsockname()[1]), str(out), str(nbytes)])
+    child = _spawn(["hashed" if hashed else "plain", str(listener.getsockname()[1]), str(out), str(nbytes)])
     sock, _ = listener.accept()
     buf = bytearray(CHUNK)
+    digest = new_digest()
+    cpu = time.process_time()
     for path in files:
         with open(path, "rb", buffering=0) as f:
             while True:
                 n = f.readinto(buf)
                 if not n:
                     break
+                if hashed:
+                    digest.update(memoryview(buf)[:n])
                 sock.sendall(memoryview(buf)[:n])
+    cpu = time.process_time() - cpu
     outp, _ = child.communicate(timeout=600)
     sock.close()
-    return {"sent_bytes": nbytes, **json.loads(outp.strip().splitlines()[-1])}
+    return {"sent_bytes": nbytes, "send_cpu_seconds": cpu, **json.loads(outp.strip().splitlines()[-1])}
+
+
+def _model(root: Path, size: str) -> Path:
+    import mlx.core as mx
+
+    from ..synthetic.tiny_model import LlamaSizes, save_llama
+
+    sizes = {"150m": "150m",
+             "1b": LlamaSizes(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, vocab=32000)}
+    return save_llama(root / "model", sizes[size], seed=1, dtype=mx.float16)
+
+
+def _median(values: List[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def main(argv: List[str]) -> int:
     if argv[:1] == ["--child"]:
         return _child(argv[1:])
     p = argparse.ArgumentParser(prog="python -m mlx_ds4tp.bench.part_transfer")
-    p.add_argument("--model", default=None, help="a model directory (default: a random 150M llama, float16)")
+    p.add_argument("--model", default=None, help="a model directory (default: a random llama, float16, "
+                   "of --size)")
+    p.add_argument("--size", choices=("150m", "1b"), default="150m",
+                   help="the random llama's size when no --model: 150m (a 162 MB part), 1b (1.1 GB)")
     p.add_argument("--split", default="even")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--runs", type=int, default=5, help="runs of each, alternating; medians reported")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        if args.model is None:
-            import mlx.core as mx
-
-            from ..synthetic.tiny_model import save_llama
-
-            model = save_llama(root / "model", "150m", seed=1, dtype=mx.float16)
-        else:
-            model = Path(args.model)
+        model = _model(root, args.size) if args.model is None else Path(args.model)
         rank = args.ranks - 1
-        first = _send_part(model, root / "parts", rank, args.ranks, args.split)
-        entry = Path(first["entry"])
-        files = sorted(f for f in entry.iterdir() if f.name != "manifest.json")
-        plain = _send_plain(files, root / "plain.bin")
-        second = _send_part(model, root / "parts", rank, args.ranks, args.split)
+        parts, plains, hashed, firsts, cpus = [], [], [], [], []
+        for run in range(args.runs):
+            # A fresh cache each run: every run sends the whole part.
+            first = _send_part(model, root / f"parts{run}", rank, args.ranks, args.split)
+            firsts.append(first)
+            entry = Path(first["entry"])
+            files = sorted(f for f in entry.iterdir() if f.name != "manifest.json")
+            parts.append(first["sent_bytes"] / first["send_seconds"])
+            plain = _send_plain(files, root / "plain.bin", hashed=False)
+            plains.append(plain["sent_bytes"] / plain["seconds"])
+            cpus.append((first["send_cpu_seconds"], first["cpu_seconds"], plain["send_cpu_seconds"],
+                         plain["cpu_seconds"]))
+            plain = _send_plain(files, root / "plain.bin", hashed=True)
+            hashed.append(plain["sent_bytes"] / plain["seconds"])
+            if run < args.runs - 1:
+                _remove_tree(root / f"parts{run}")
+        second = _send_part(model, root / f"parts{args.runs - 1}", rank, args.ranks, args.split)
         part_mb = sum(f.stat().st_size for f in files) / 1e6
         report = {
             "part_mb": round(part_mb, 1),
-            "part_transfer_mb_s": round(first["sent_bytes"] / 1e6 / first["send_seconds"], 1),
-            "part_plan_s": round(first["plan_seconds"], 2),
-            "plain_socket_mb_s": round(plain["sent_bytes"] / 1e6 / plain["seconds"], 1),
-            "part_receiver_peak_rss_mb": round(first["peak_rss_bytes"] / 1e6, 1),
+            "runs": args.runs,
+            "part_transfer_mb_s": round(_median(parts) / 1e6, 1),
+            "plain_socket_mb_s": round(_median(plains) / 1e6, 1),
+            "part_over_plain": round(_median([a / b for a, b in zip(parts, plains)]), 2),
+            "plain_sha256_both_sides_mb_s": round(_median(hashed) / 1e6, 1),
+            "part_over_plain_sha256": round(_median([a / b for a, b in zip(parts, hashed)]), 2),
+            # CPU seconds a GB on each side (sender, receiver), the part's and the plain copy's:
+            # what a machine with cores to spare overlaps, and a busy one cannot.
+            "part_cpu_s_per_gb": [round(_median([c[i] for c in cpus]) / part_mb * 1e3, 2) for i in (0, 1)],
+            "plain_cpu_s_per_gb": [round(_median([c[i] for c in cpus]) / part_mb * 1e3, 2) for i in (2, 3)],
+            "part_plan_s": round(_median([f["plan_seconds"] for f in firsts]), 2),
+            "part_receiver_peak_rss_mb": round(max(f["peak_rss_bytes"] for f in firsts) / 1e6, 1),
             "plain_receiver_peak_rss_mb": round(plain["peak_rss_bytes"] / 1e6, 1),
             "second_start_s": round(second["seconds"], 2),  # the worker's whole receive_part
             "second_start_sent_bytes": second["sent_bytes"],
         }
         print(json.dumps(report))
     return 0
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""--model left out on a worker, --parts-dir and --parts-max-gb for run and serve: defined once,
+"""--model left out on a worker (at --coordinator's address or found by discovery), --parts-dir
+and --parts-max-gb for run and serve: defined once,
 checked into the model's directory (None: this worker receives its part from the leader) and a
 PartsSettings (checkpoint/parts_cache.py)."""
 
@@ -31,9 +32,11 @@ def model_or_part(args: argparse.Namespace, command: str, role: Optional[str]) -
             raise SystemExit(f"ds4tp {command}: --parts-dir and --parts-max-gb are for a worker "
                              "without --model; leave them out or leave --model out")
         return model_path(args.model, download=role == "leader")
-    if role != "worker" or getattr(args, "coordinator", None) is None:
-        raise SystemExit(f"ds4tp {command}: --model is required, but on a worker given --role worker "
-                         "--coordinator HOST PORT, which then receives its part from the leader")
+    if role != "worker" or getattr(args, "listen", None) is not None:
+        raise SystemExit(f"ds4tp {command}: --model is required, but on a worker (--role worker with "
+                         "--coordinator HOST PORT, or found by discovery: --role worker --interface NAME"
+                         + (", or no --prompt" if command == "run" else "")
+                         + "), which then receives its part from the leader")
     return None
 
 

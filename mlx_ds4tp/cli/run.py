@@ -65,7 +65,7 @@ def check_args(args: argparse.Namespace) -> Tuple[LinkSettings, Optional[str], R
                            chat=not args.no_chat_template, sampling=sampling,
                            debug_hash=args.debug_hash, draft=draft, split=split_from_args(args, "run", join.ranks),
                            parts=parts_from_args(args, "run"))
-    path = model_or_part(args, "run", args.role)
+    path = model_or_part(args, "run", "worker" if want == "work" else args.role)
     return join.link, None if path is None else str(path), settings
 
 

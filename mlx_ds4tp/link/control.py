@@ -17,6 +17,8 @@ from .native import load_verbs
 from .wire import FRAME_HEADER, FRAME_MAX_BYTES, MAGIC, FrameType, frame_bound
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+# A frame payload up to this many bytes is sent joined to its header, in one write.
+JOIN_MAX_BYTES = 64 * 1024
 # TCP keepalive: a worker idle between prompts has nothing else that would
 # notice a pulled cable; probes find a silent peer within about 25 s.
 KEEPALIVE_IDLE_SEC, KEEPALIVE_INTERVAL_SEC, KEEPALIVE_PROBES = 10, 5, 3
@@ -199,32 +201,46 @@ class ControlChannel:
                 f"refusing to send {ftype.name} of {len(payload)} bytes: the limit is {limit}"
             )
         deadline = time.monotonic() + self.timeout
-        send_all(
-            self.sock,
-            FRAME_HEADER.pack(MAGIC, int(ftype), len(payload)) + payload,
-            f"{ftype.name} frame",
-            deadline,
-        )
+        header = FRAME_HEADER.pack(MAGIC, int(ftype), len(payload))
+        if len(payload) <= JOIN_MAX_BYTES:
+            send_all(self.sock, header + payload, f"{ftype.name} frame", deadline)
+            return
+        # A large payload (a part's PART_DATA) goes as it is, after its header: joined, each
+        # frame would be copied once more in memory before the kernel copies it.
+        send_all(self.sock, header, f"{ftype.name} frame", deadline)
+        send_all(self.sock, payload, f"{ftype.name} frame", deadline)
 
     def recv(
         self, expect: Optional[FrameType] = None, timeout: Optional[float] = None
     ) -> Tuple[FrameType, bytes]:
         """Read one frame; with expect, any other type is an error naming both.
         An ERROR frame from the peer is raised as TransportError with its text."""
+        ftype, payload = self.recv_into(lambda n: memoryview(self._alloc(n)), expect, timeout)
+        return ftype, bytes(payload)
+
+    def recv_into(
+        self, buffer_for: Callable[[int], memoryview], expect: Optional[FrameType] = None,
+        timeout: Optional[float] = None,
+    ) -> Tuple[FrameType, memoryview]:
+        """recv, the payload read into buffer_for(its byte count) (a writable view of at least
+        that many bytes, asked for once the count passed its bound) and returned as a view of
+        it: a part's receiver reuses a few buffers instead of a fresh one and a copy a frame."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         want = expect.name if expect is not None else "a control frame"
         view = memoryview(self._header)
         recv_exact_into(self.sock, view, f"{want} header", deadline)
         magic, ftype_raw, nbytes = FRAME_HEADER.unpack(self._header)
         ftype = decode_frame_header(magic, ftype_raw, nbytes)
-        payload = self._alloc(nbytes)
+        payload = buffer_for(nbytes)[:nbytes]
+        if len(payload) != nbytes:
+            raise ValueError(f"buffer_for({nbytes}) gave {len(payload)} bytes: a frame's buffer holds its payload")
         if nbytes:
-            recv_exact_into(self.sock, memoryview(payload), f"{ftype.name} payload", deadline)
+            recv_exact_into(self.sock, payload, f"{ftype.name} payload", deadline)
         if ftype == FrameType.ERROR and expect != FrameType.ERROR:
-            raise TransportError("peer reported: " + payload.decode("utf-8", "replace"))
+            raise TransportError("peer reported: " + bytes(payload).decode("utf-8", "replace"))
         if expect is not None and ftype != expect:
             raise FrameError(f"expected a {expect.name} frame, got {ftype.name} ({nbytes} bytes)")
-        return ftype, bytes(payload)
+        return ftype, payload
 
     def send_error(self, message: str) -> None:
         """Best effort: tell the peer why we stop, so both sides print the cause."""

@@ -97,6 +97,16 @@ def _text(value) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
+# The digest a worker started without --model advertises: it holds no model, joins a leader of
+# any model and receives its part from it (split/part_delivery.py).
+ANY_MODEL = "0" * 32
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two adverts' digests may be one group's: equal, or one of a worker without a model."""
+    return a == b or ANY_MODEL in (a, b)
+
+
 def model_digest(summary: bytes) -> str:
     """The model's fingerprint as the advert carries it (hex of its hash): ranks with other
     models never try to pair."""
@@ -107,7 +117,7 @@ def elect(me: Advert, peers: Sequence[Advert], settled: bool) -> Tuple[str, Opti
     """The stable rule: ("join", leader), ("lead", None) or ("wait", None) for `me` among
     `peers` (those not refused). Only peers of the same model digest, protocol and group size
     count (a group of N ranks elects its leader by the same rule: link/findgroup.py)."""
-    mates = [p for p in peers if p.instance != me.instance and p.digest == me.digest
+    mates = [p for p in peers if p.instance != me.instance and same_model(p.digest, me.digest)
              and p.version == me.version and p.size == me.size and p.state != PAIRED]
     if me.want != "lead":
         leaders = sorted((p for p in mates if p.state == LEAD and p.port > 0), key=lambda p: p.instance)

@@ -144,7 +144,7 @@ class _Search:
 
     def mate(self, p: dsc.Advert) -> bool:
         me = self.finder.me
-        return p.digest == me.digest and p.version == me.version and p.size == me.size
+        return dsc.same_model(p.digest, me.digest) and p.version == me.version and p.size == me.size
 
     def refuse(self, peer: dsc.Advert, why: str) -> None:
         self.refused.add(peer.instance)

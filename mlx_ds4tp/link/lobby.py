@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..base.log import log
 from ..errors import AuthenticationError, FrameError, HelloMismatchError, PeerClosedError, TransportTimeoutError
 from .control import listen_socket, recv_some
+from .discovery import same_model
 
 MAGIC = b"DS4L"
 HEADER = struct.Struct("<4sI")
@@ -150,7 +151,7 @@ def _mismatch(mine: Knock, theirs: Knock) -> str:
     """Why two ranks are not of one group ("" when they are), the secret aside."""
     if theirs.version != mine.version:
         return f"protocol version {theirs.version}, this rank speaks {mine.version}: run the same mlx_ds4tp"
-    if theirs.digest != mine.digest:
+    if not same_model(theirs.digest, mine.digest):
         return "another model (its fingerprint digest differs): give every rank the same --model"
     if theirs.size != mine.size:
         return f"a group of {theirs.size} ranks, this one gathers {mine.size}: give every rank the same --ranks"

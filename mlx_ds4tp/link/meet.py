@@ -23,7 +23,7 @@ from . import discovery as dsc, exposure
 from .config import DiscoverySettings, LinkSettings, PairAddress, default_timeout, secret_bytes
 from .connection import Pair
 from .control import dial as control_dial
-from .hello import ModelIdentity
+from .hello import PART_RECEIVER, ModelIdentity
 from .mesh import Mesh, form_mesh, make_link
 from .rdma import rdma_probe
 
@@ -106,8 +106,11 @@ def finder_for(disc: DiscoverySettings, interfaces: List[dsc.Interface], identit
                link: LinkSettings) -> dsc.Finder:
     """This process's advert on these interfaces, for this model and group size (kept for its
     rejoins; a group of N ranks finds its members with it too, link/findgroup.py)."""
-    digest = dsc.model_digest(identity.fingerprint.summary() if identity.fingerprint is not None
-                              else repr(identity).encode())
+    if identity == PART_RECEIVER:
+        digest = dsc.ANY_MODEL  # no model here: any leader's, which sends this rank its part
+    else:
+        digest = dsc.model_digest(identity.fingerprint.summary() if identity.fingerprint is not None
+                                  else repr(identity).encode())
     key = (disc.interfaces, digest, link.size)
     with _lock:
         finder = _finders.get(key)

@@ -28,9 +28,9 @@ The bound is checked before anything is allocated. The transport's own frames an
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host, cable addresses): every rank's link address and cables | 8192 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 | REFORM           | UTF-8 text, the leader's reason: a serving leader whose group (any N) broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
-| PART_OFFER       | UTF-8 JSON: the files of a worker's part the leader offers (names, sizes, digests), to a worker started without --model (split/part_send.py) | 16777216 |
+| PART_OFFER       | UTF-8 JSON: the files of a worker's part the leader offers (names, sizes, digests) and the path of their bytes (tcp or rdma), to a worker started without --model (split/part_send.py) | 16777216 |
 | PART_WANT        | UTF-8 JSON: the files (and the offset in each) that worker still needs; an empty list ends the transfer | 1048576 |
-| PART_DATA        | the next bytes of the file being sent                          | 4194304     |
+| PART_DATA        | the next bytes of the file being sent (over RDMA: the length of the chunk the link's next exchange carries) | 4194304     |
 | PART_END         | UTF-8 JSON: the file sent whole, its name and digest           | 4096        |
 
 The lockstep commands (SESSION_CREATE, REWIND, PREFILL_BATCH, SAMPLER, EVAL_BATCH,
@@ -102,7 +102,10 @@ from ..errors import FrameError
 # PART_WANT: the files a restarted one lacks, none from one that kept its part loaded). A JOIN
 # and each ROSTER entry carry the rank's cable addresses (its --interface interfaces' IPv4
 # addresses and prefixes, link/cables.py), so each link finds its own cable and device.
-PROTOCOL_VERSION = 14
+# 15: a PART_OFFER names the path of the part's bytes ("tcp": PART_DATA frames; "rdma": each
+# PART_DATA holds the length of the chunk the next exchange of the RDMA link carries,
+# split/part_bulk.py).
+PROTOCOL_VERSION = 15
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames

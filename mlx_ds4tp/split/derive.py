@@ -196,7 +196,9 @@ def _kept_indices(traced: mx.array, axis: int, whole: int) -> np.ndarray | None:
     if not mx.issubdtype(traced.dtype, mx.integer):
         return None
     mx.eval(traced)
-    values = np.array(traced)
+    # Read in place (the buffer protocol, strides and all): a copy into numpy would cost the cut
+    # weight's element count again, for every weight of the model.
+    values = np.asarray(memoryview(traced))
     index = [0] * values.ndim
     index[axis] = slice(None)
     kept = values[tuple(index)]
@@ -206,7 +208,7 @@ def _kept_indices(traced: mx.array, axis: int, whole: int) -> np.ndarray | None:
         return None
     if not np.array_equal(values, np.broadcast_to(kept.reshape(shape), values.shape)):
         return None
-    return kept
+    return kept.astype(np.int64)
 
 
 def _marker(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:

@@ -11,9 +11,10 @@ from typing import Any, Callable, Optional, Tuple
 from ..checkpoint.parts_cache import PartsSettings
 from ..link.hello import receives_part
 from .apply import load_split
+from .part_bulk import bulk_path
 from .part_plan import load_part
 from .part_receive import decline_part, receive_part, stated_fingerprint
-from .part_send import send_parts
+from .part_send import CHUNK_BYTES, send_parts
 from .share import SplitShare
 
 
@@ -24,7 +25,8 @@ def load_rank_part(group: Any, model_path: Optional[Path], share: SplitShare, pa
         if not callable(getattr(group, "link_to", None)) or group.rank() == 0:
             raise ValueError("only a worker of a group of our own (--transport auto, tcp or rdma) can "
                              "start without --model; give this rank the model's directory")
-        entry = receive_part(group.link_to(0), group.rank(), group.size(), share, parts)
+        entry = receive_part(group.link_to(0), group.rank(), group.size(), share, parts,
+                             bulk_path(group, 0, CHUNK_BYTES))
         return load_part(entry, group, share)
     offer_parts(group, model_path, share)
     return load_split(str(model_path), group, split=share, progress=progress)

@@ -30,12 +30,14 @@ from ..link.wire import FrameType
 from .apply import cut_arrays
 from .derive import set_array
 from .overlap import Overlap
+from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath, bulk_path
 from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files, plan_part
 from .plans import saved_layout
 from .share import SplitShare
 from .transfer_progress import TransferProgress
 
 CHUNK_BYTES = 4 << 20  # one PART_DATA frame (its bound in link/wire.py)
+STAGE_DEPTH = 4  # chunks queued before each stage of the leader's side
 # A worker checks its cached files' digests before it answers an offer, and a worker waits for
 # the leader to finish the ranks before it: minutes on a large model.
 PART_WAIT_S = 24 * 3600.0
@@ -79,35 +81,48 @@ class PartSender:
         self.plain = {p.name: p.read_bytes() for p in plain_files(self.model_path)}
         self.plain[PART_CONFIG] = self.plan.part_config
 
-    def offer(self) -> dict:
+    def offer(self, path: str = CONTROL_PATH) -> dict:
         files = [[name, len(data), bytes_digest(data)] for name, data in self.plain.items()]
         files += [[f.name, f.size, ""] for f in self.plan.files]
         return {"fingerprint": self.fingerprint, "rank": self.rank, "size": self.size,
-                "share": str(self.share), "files": files}
+                "share": str(self.share), "files": files, "path": path}
 
-    def send(self, control: ControlChannel) -> int:
-        """Offer the part, send what the worker wants until it wants nothing; the bytes sent."""
-        control.send(FrameType.PART_OFFER, json.dumps(self.offer()).encode("utf-8"))
+    def send(self, control: ControlChannel, bulk: Optional[BulkPath] = None) -> int:
+        """Offer the part, send what the worker wants until it wants nothing; the bytes sent.
+        bulk: the RDMA link's exchanges carry the bytes (split/part_bulk.py), else PART_DATA."""
+        offer = self.offer(CONTROL_PATH if bulk is None else RDMA_PATH)
+        control.send(FrameType.PART_OFFER, json.dumps(offer).encode("utf-8"))
         sent = 0
         for _ in range(MAX_ROUNDS + 1):
             wanted = self._hear_want(control)
             if not wanted:
                 return sent
             total = sum(self._size(name) - offset for name, offset in wanted)
-            progress = TransferProgress(f"sending rank {self.rank}'s part", total)
-            frames = _Frames(control, progress)
-            # This thread reads and cuts the arrays; the overlap hashes and sends them.
-            with Overlap(frames.take, depth=2, name="ds4tp-part-send") as wire:
-                for name, offset in wanted:
-                    if name in self.plain:
-                        self._queue_file(wire, name, iter((memoryview(self.plain[name]),)), offset)
-                parts = [(name, offset) for name, offset in wanted if name not in self.plain]
-                if parts:
-                    self._queue_parts(wire, dict(parts))
-                wire.finish()
-            sent += frames.sent
+            progress = TransferProgress(f"sending rank {self.rank}'s part", total, to_rank=self.rank)
+            try:
+                sent += self._send_wanted(control, wanted, progress, bulk)
+            finally:
+                progress.close()
             progress.done()
         raise FrameError(f"rank {self.rank} still wants files after {MAX_ROUNDS} rounds")
+
+    def _send_wanted(self, control: ControlChannel, wanted: List[Tuple[str, int]],
+                     progress: TransferProgress, bulk: Optional[BulkPath]) -> int:
+        """The wanted files sent (from their offsets); the bytes sent."""
+        frames = _Frames(control, progress, bulk)
+        # Three stages, each on its own thread: this one reads and cuts the arrays, the next
+        # hashes them, the last sends them (a few chunks queued between each).
+        with Overlap(frames.take, depth=STAGE_DEPTH, name="ds4tp-part-send") as wire, \
+                Overlap(_Hashing(wire).take, depth=STAGE_DEPTH, name="ds4tp-part-hash") as hashing:
+            for name, offset in wanted:
+                if name in self.plain:
+                    self._queue_file(hashing, name, iter((memoryview(self.plain[name]),)), offset)
+            parts = [(name, offset) for name, offset in wanted if name not in self.plain]
+            if parts:
+                self._queue_parts(hashing, dict(parts))
+            hashing.finish()
+            wire.finish()
+        return frames.sent
 
     def _size(self, name: str) -> int:
         if name in self.plain:
@@ -126,16 +141,18 @@ class PartSender:
                 raise FrameError(f"rank {self.rank} wants {name} from byte {offset}, which the offer has not")
         return wanted
 
-    def _queue_file(self, wire: Overlap, name: str, chunks: Iterator[memoryview], offset: int) -> None:
-        """Every chunk to the wire stage (all into the digest, the bytes past `offset` sent), then
-        the file's end (PART_END with the digest)."""
+    def _queue_file(self, hashing: Overlap, name: str, arrays: Iterator[memoryview], offset: int) -> None:
+        """Every array's bytes to the hash stage a chunk at a time (all into the digest, the bytes
+        past `offset` sent), then the file's end (PART_END with the digest)."""
         digest, pos = new_digest(), 0
-        for data in chunks:
-            wire.put((digest, data, min(max(offset - pos, 0), len(data))))
-            pos += len(data)
-        wire.put((digest, name, 0))
+        for data in arrays:
+            for at in range(0, len(data), CHUNK_BYTES):
+                chunk = data[at: at + CHUNK_BYTES]
+                hashing.put((digest, chunk, min(max(offset - pos, 0), len(chunk))))
+                pos += len(chunk)
+        hashing.put((digest, name, 0))
 
-    def _queue_parts(self, wire: Overlap, wanted: Dict[str, int]) -> None:
+    def _queue_parts(self, hashing: Overlap, wanted: Dict[str, int]) -> None:
         """The wanted part files, in the plan's order, their arrays cut one at a time."""
         from mlx_lm.utils import load_model
 
@@ -146,7 +163,7 @@ class PartSender:
         for file in self.plan.files[: last + 1]:
             chunks = self._file_chunks(model, file, arrays)
             if file.name in wanted:
-                self._queue_file(wire, file.name, chunks, wanted[file.name])
+                self._queue_file(hashing, file.name, chunks, wanted[file.name])
             else:
                 for _ in chunks:  # its arrays still come in order before the next file's
                     pass
@@ -164,26 +181,42 @@ class PartSender:
             set_array(model, key, mx.zeros((0,), mx.uint8))  # sent: dropped, not held to the end
 
 
-class _Frames:
-    """The wire stage: each (digest, bytes, skip) hashed whole and sent past `skip` as PART_DATA
-    frames of CHUNK_BYTES (a large array's slices as they are, small arrays gathered into one
-    frame: a frame per norm vector would be a syscall each); (digest, name, 0) ends that file."""
+class _Hashing:
+    """The hash stage: each (digest, bytes, skip) into its file's digest, the bytes past `skip`
+    handed to the wire stage; (digest, name, 0), the file's end, handed on with the digest."""
 
-    def __init__(self, control: ControlChannel, progress: TransferProgress):
-        self.control, self.progress = control, progress
-        self.pending = bytearray()
-        self.sent = 0
-        self.pause_after = pause_for_tests()
+    def __init__(self, wire: Overlap):
+        self.wire = wire
 
     def take(self, item: Tuple[Any, Any, int]) -> None:
         digest, data, skip = item
         if isinstance(data, str):
-            self.flush()
-            end = {"name": data, "digest": digest.hexdigest()}
-            self.control.send(FrameType.PART_END, json.dumps(end).encode("utf-8"))
+            self.wire.put((data, digest.hexdigest()))
             return
         digest.update(data)
-        self.add(data[skip:])
+        if skip < len(data):
+            self.wire.put((data[skip:], ""))
+
+
+class _Frames:
+    """The wire stage: each chunk sent as PART_DATA frames of CHUNK_BYTES (a large array's slices
+    as they are, small arrays gathered into one frame: a frame per norm vector would be a
+    syscall each); (name, digest) sends that file's PART_END."""
+
+    def __init__(self, control: ControlChannel, progress: TransferProgress, bulk: Optional[BulkPath]):
+        self.control, self.progress, self.bulk = control, progress, bulk
+        self.pending = bytearray()
+        self.sent = 0
+        self.pause_after = pause_for_tests()
+
+    def take(self, item: Tuple[Any, str]) -> None:
+        data, digest = item
+        if isinstance(data, str):
+            self.flush()
+            end = {"name": data, "digest": digest}
+            self.control.send(FrameType.PART_END, json.dumps(end).encode("utf-8"))
+            return
+        self.add(data)
 
     def add(self, data: memoryview) -> None:
         while len(data):
@@ -204,7 +237,11 @@ class _Frames:
             self.pending = bytearray()
 
     def _send(self, piece: memoryview) -> None:
-        self.control.send(FrameType.PART_DATA, piece)
+        if self.bulk is None:
+            self.control.send(FrameType.PART_DATA, piece)
+        else:
+            self.control.send(FrameType.PART_DATA, CHUNK_LENGTH.pack(len(piece)))
+            self.bulk.send(piece)
         self.sent += len(piece)
         self.progress.add(len(piece))
         if self.pause_after is not None and self.sent >= self.pause_after:
@@ -215,12 +252,15 @@ class _Frames:
 
 
 def send_parts(group: Any, model_path: Path, share: SplitShare, fingerprint: str, receivers: List[int]) -> None:
-    """The leader's side for each worker of `receivers` (started without --model), in rank order."""
+    """The leader's side for each worker of `receivers` (started without --model), in rank order,
+    over the RDMA bulk path where that worker's link is RDMA."""
     for rank in receivers:
         sender = PartSender(model_path, rank, group.size(), share, fingerprint)
+        bulk = bulk_path(group, rank, CHUNK_BYTES)
         log(f"rank {rank} has no model: offering its part ({len(sender.plan.files)} part files, "
-            f"{sender.plan.weight_bytes / 1e6:.1f} MB of weights)")
-        sent = sender.send(group.link_to(rank).control)
+            f"{sender.plan.weight_bytes / 1e6:.1f} MB of weights, over "
+            f"{'the RDMA bulk path' if bulk else 'TCP'})")
+        sent = sender.send(group.link_to(rank).control, bulk)
         log(f"rank {rank}'s part: {sent / 1e6:.1f} MB sent" + ("" if sent else " (its cache held all of it)"))
 
 

@@ -1,15 +1,20 @@
 """A part's transfer progress on stderr, on both sides: bytes, rate and time left; a bar redrawn in
-place on a terminal, a log line every LOG_EVERY_S seconds otherwise (logs stay readable)."""
+place on a terminal, a log line every LOG_EVERY_S seconds otherwise (logs stay readable). The
+leader's transfers under way are also listed for its /health (parts_in_flight)."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 from ..base.log import log
 
 LOG_EVERY_S = 5.0
+
+_lock = threading.Lock()
+_sending: Dict[int, "TransferProgress"] = {}  # the leader's transfers under way, by the receiving rank
 
 
 def _size(n: float) -> str:
@@ -27,16 +32,24 @@ class TransferProgress:
     WIDTH = 30
 
     def __init__(self, what: str, total: int, tty: Optional[bool] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, to_rank: Optional[int] = None):
+        """to_rank: the leader sending that rank its part (listed by parts_in_flight until done
+        or closed)."""
         self.what, self.total = what, total
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.clock = clock
         self.start = self.last = clock()
         self.bytes = 0
+        self.to_rank = to_rank
+        if to_rank is not None:
+            with _lock:
+                _sending[to_rank] = self
+
+    def rate(self) -> float:
+        return self.bytes / max(self.clock() - self.start, 1e-9)
 
     def line(self) -> str:
-        elapsed = max(self.clock() - self.start, 1e-9)
-        rate = self.bytes / elapsed
+        rate = self.rate()
         left = (self.total - self.bytes) / rate if rate > 0 else float("inf")
         eta = f"{left:.0f} s left" if left != float("inf") else "time left unknown"
         pct = self.bytes / self.total if self.total else 1.0
@@ -56,8 +69,16 @@ class TransferProgress:
             self.last = now
             log(self.line())
 
+    def close(self) -> None:
+        """No longer under way (parts_in_flight leaves it out); done() closes too."""
+        if self.to_rank is not None:
+            with _lock:
+                if _sending.get(self.to_rank) is self:
+                    del _sending[self.to_rank]
+
     def done(self) -> float:
         """End the bar; log the whole transfer's figures; the seconds it took."""
+        self.close()
         if self.tty:
             sys.stderr.write("\n")
         elapsed = self.clock() - self.start
@@ -66,4 +87,20 @@ class TransferProgress:
         return elapsed
 
 
-__all__ = ["TransferProgress"]
+def parts_in_flight() -> dict:
+    """{"parts_sending": [...]} while this leader sends a worker its part (each: the rank, bytes
+    sent and in all, bytes a second, seconds left), for /health; {} otherwise."""
+    with _lock:
+        under_way = sorted(_sending.items())
+    if not under_way:
+        return {}
+    out = []
+    for rank, progress in under_way:
+        rate = progress.rate()
+        left = (progress.total - progress.bytes) / rate if rate > 0 else None
+        out.append({"rank": rank, "bytes": progress.bytes, "total_bytes": progress.total,
+                    "bytes_per_s": round(rate), "seconds_left": None if left is None else round(left, 1)})
+    return {"parts_sending": out}
+
+
+__all__ = ["TransferProgress", "parts_in_flight"]

@@ -15,6 +15,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ...base.log import log
+from ...split.transfer_progress import parts_in_flight
 from ..dialects import anthropic, openai, responses
 from ..dialects.answer import Answering, answer_pieces, whole_answer
 from ..dialects.openai import ApiCall
@@ -173,6 +174,7 @@ def _post(parse: Parse, answer: Answer) -> Endpoint:
 async def _health(http: HttpRequest, state: ServeState) -> Response:
     error = state.engine.error
     body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts()}
+    body.update(parts_in_flight())  # a worker receiving its part from this leader: how far, how fast
     return _json(200, body) if error is None else _json(503, {**body, "error": error})
 
 
