@@ -58,3 +58,4 @@ class ServeState:
         self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
         self.created = int(time.time())
         self.cluster = None  # the leader's cluster page figures (serve/cluster.py's ClusterView)
+        self.resize = None  # the group's size and state (serve/resize.py's ResizeStatus)

@@ -172,7 +172,8 @@ def _post(parse: Parse, answer: Answer) -> Endpoint:
 
 async def _health(http: HttpRequest, state: ServeState) -> Response:
     error = state.engine.error
-    body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts()}
+    body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts(),
+            **(state.resize.health() if state.resize is not None else {})}
     return _json(200, body) if error is None else _json(503, {**body, "error": error})
 
 

@@ -1,0 +1,134 @@
+"""`ds4tp serve --shrink-after` (serve/resize.py): a worker lost for good leaves the ranks left
+serving the model on their own (a pair: the leader alone), every greedy answer still the unsplit
+model's; the worker started again takes its place back without cutting a request; a shrink the
+memory cannot hold stays 503 naming the figures. Real processes on 127.0.0.1, always killed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
+
+from serveutil import ServedPair, build_chat_model, client, get_text, reference, text_ids  # noqa: E402
+
+RDMA = ["--transport", "rdma", "--rdma-device", "ucsim"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_chat_model(tmp_path_factory.mktemp("shrink-model"), preset="tiny8")
+
+
+def _wait_health(served: ServedPair, within: float, **want) -> dict:
+    """/health's body once every field of `want` has its value (status code included as
+    `code`); AssertionError with the last body and the leader's log otherwise."""
+    deadline = time.monotonic() + within
+    code, body = 0, None
+    while time.monotonic() < deadline:
+        assert served.procs["leader"].poll() is None, served.log("leader")[-4000:]
+        code, body = served.health()
+        got = {"code": code, **(body or {})}
+        if all(got.get(k) == v for k, v in want.items()):
+            return body
+        time.sleep(0.2)
+    raise AssertionError(f"/health never showed {want} within {within} s: {code} {body}\n"
+                         f"{served.log('leader')[-4000:]}")
+
+
+def _check_answers(served: ServedPair, model_dir, prompts=("after", "before", "a longer prompt")) -> None:
+    c = client(served, timeout=120)
+    for prompt in prompts:
+        got = c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=8)
+        assert got.choices[0].text == reference(model_dir, text_ids(model_dir, prompt), 8), prompt
+
+
+def _lose_and_regain(served: ServedPair, model_dir, lost: str, size: int) -> None:
+    """Kill `lost` mid-stream, see the group shrink to size-1 and answer exactly, start it again
+    with a long request under way, see the group grow back with that request whole."""
+    _wait_health(served, 120, code=200, size=size, started_size=size, group_state="serving")
+    _check_answers(served, model_dir, ("before",))
+    c = client(served, timeout=120)
+    stream = c.completions.create(model=str(model_dir), prompt="long", max_tokens=100000, stream=True)
+    next(iter(stream))
+    served.kill(lost)
+    with pytest.raises(openai.APIError, match="group of machines is down"):
+        for _ in stream:
+            pass
+    body = _wait_health(served, 90, code=200, size=size - 1, group_state="serving")
+    assert body["started_size"] == size and body["shrinks"] == 1, body
+    _check_answers(served, model_dir)
+    # A request under way while the lost rank comes back: the grow waits for it, cuts nothing.
+    prompt = "kept whole while the group grows"
+    want = reference(model_dir, text_ids(model_dir, prompt), 120)
+    answers, errors = [], []
+
+    def ask() -> None:
+        try:
+            got = c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=120)
+            answers.append(got.choices[0].text)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    served.start(lost)
+    body = _wait_health(served, 120, code=200, size=size, grows=1, group_state="serving")
+    asking.join(120)
+    assert not errors and answers == [want], (errors, answers)
+    _check_answers(served, model_dir)
+    _, metrics = get_text(served, "/metrics")
+    assert "ds4tp_group_shrinks 1.0" in metrics and "ds4tp_group_grows 1.0" in metrics, metrics
+    log = served.log("leader")
+    assert f"shrank from {size} to {size - 1} ranks in" in log and f"grew from {size - 1} to {size} ranks in" in log
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_three_ranks_shrink_to_two_and_grow_back(model_dir, tmp_path, transport):
+    extra = ["--shrink-after", "2", *(RDMA if transport == "rdma" else [])]
+    served = ServedPair(model_dir, tmp_path, extra=extra, ranks=3)
+    try:
+        _lose_and_regain(served, model_dir, "worker2", 3)
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_a_pair_shrinks_to_the_leader_alone_and_grows_back(model_dir, tmp_path, transport):
+    extra = ["--shrink-after", "2", *(RDMA if transport == "rdma" else [])]
+    served = ServedPair(model_dir, tmp_path, extra=extra)
+    try:
+        _lose_and_regain(served, model_dir, "worker", 2)
+    finally:
+        served.close()
+
+
+def test_a_shrink_the_memory_cannot_hold_stays_503_naming_the_figures(model_dir, tmp_path):
+    # DS4_TP_MEMORY_LIMIT_BYTES, the test hook that lowers the memory a rank measures: the
+    # leader alone may use 1 MiB above the reserve, far less than the model and its KV cache.
+    served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "1", "--max-kv-tokens", "4096"],
+                        rank_env={"leader": {"DS4_TP_MEMORY_LIMIT_BYTES": str((512 << 20) + (1 << 20))}})
+    try:
+        _wait_health(served, 120, code=200, size=2)
+        served.kill("worker")
+        body = _wait_health(served, 60, code=503, group_state="waiting")
+        deadline = time.monotonic() + 30
+        while "shrink_refused" not in body and time.monotonic() < deadline:
+            time.sleep(0.2)
+            body = served.health()[1]
+        refused = body.get("shrink_refused", "")
+        assert "cannot hold the model" in refused and "needs" in refused and "has" in refused, body
+        assert "GiB" in refused and body["size"] == 2 and body["shrinks"] == 0, body
+        time.sleep(2)  # still refused: nothing was loaded
+        code, body = served.health()
+        assert code == 503 and body["size"] == 2 and body["shrinks"] == 0, body
+        assert "no shrink: the 1 rank left cannot hold the model" in served.log("leader")
+        # The lost worker back: the group of two forms again, nothing reloaded.
+        served.start("worker")
+        _wait_health(served, 120, code=200, size=2, group_state="serving")
+        assert "shrink_refused" not in served.health()[1]
+        _check_answers(served, model_dir, ("after",))
+    finally:
+        served.close()
