@@ -232,6 +232,11 @@ class GroupResizer:
         while not self.engine.paused(0.5):
             if self.quit.event.is_set() or self.engine.wait_down(0):
                 return  # the loss path takes it from here
+        if not self._knock_alive():
+            log(f"serve: the rank at the door left before the group grew; serving on with {self.status.size}")
+            self.engine.resume(self.engine.sessions)
+            self.status.state = "serving"
+            return
         regained = min(set(range(self.status.started_size)) - set(self.members))
         members = sorted(self.members + [regained])
         share = share_of(self.started_share, self.status.started_size, members)
@@ -256,6 +261,7 @@ class GroupResizer:
             elif self._door is not None:
                 self._door.close()
                 self._door = None
+            self._close_knock()
 
         if self._regroup(members, share, close_old):
             self.status.grows += 1
@@ -273,7 +279,9 @@ class GroupResizer:
                                         self.settings.parts, self.need)
                 break
             except Exception as exc:  # noqa: BLE001 - a member failed to come; HTTP stays 503
-                log(f"serve: the group of {len(members)} did not form: {type(exc).__name__}: {exc}; trying again")
+                why = f"the group of {len(members)} did not form: {type(exc).__name__}: {exc}"
+                log(f"serve: {why}; trying again")
+                self.engine.give_up(why)  # a grow's queue fails: nobody waits on a group that may never form
                 time.sleep(0.5)
         else:
             return False
@@ -334,6 +342,7 @@ class GroupResizer:
     def close(self) -> None:
         """At the leader's stop (the workers told STOP): the group in use now closed, and the
         door of a leader alone."""
+        self._close_knock()
         if self._door is not None:
             self._door.close()
             self._door = None
@@ -361,7 +370,34 @@ class GroupResizer:
         return self.link_identity[0].address.listen
 
     def _knocked(self) -> bool:
-        return _DoorWatch.pending(self.group.mesh.door.sock if self.status.size > 1 else self._alone_door())
+        """Whether a rank dialed the door while the group is smaller than it started: its
+        connection taken and held (its JOIN never answered) until the grow closes it, and it
+        dials the new door."""
+        if self._knock is None:
+            door = self.group.mesh.door.sock if self.status.size > 1 else self._alone_door()
+            if not _DoorWatch.pending(door):
+                return False
+            try:
+                self._knock, _ = door.accept()
+            except OSError:
+                return False
+        return True
+
+    def _knock_alive(self) -> bool:
+        """False (and the knock forgotten) once the rank at the door has gone again."""
+        sock = self._knock
+        try:
+            while sock is not None and select.select([sock], [], [], 0)[0]:
+                if not sock.recv(65536, socket.MSG_DONTWAIT):
+                    raise OSError("closed")
+        except OSError:
+            self._close_knock()
+        return self._knock is not None
+
+    def _close_knock(self) -> None:
+        if self._knock is not None:
+            self._knock.close()
+            self._knock = None
 
     def _alone_door(self) -> socket.socket:
         if getattr(self, "_door", None) is None:
@@ -371,6 +407,7 @@ class GroupResizer:
         return self._door
 
     _door: Optional[socket.socket] = None
+    _knock: Optional[socket.socket] = None
 
 
 def _kv_tokens(settings: ServeSettings) -> int:

@@ -357,6 +357,16 @@ class Engine:
             self._down.clear()
         self.start()
 
+    def give_up(self, message: str) -> None:
+        """A paused engine whose next group did not form: the requests waiting fail
+        (PairDownEvent(message)) and new ones are refused (503) until resume()."""
+        if self._down.is_set() or not self._paused.is_set():
+            return
+        with self._lock:
+            self._error = message
+            self._down.set()
+        self._end_all(message)
+
     def drop_sessions(self) -> None:
         """While the group changes size (down, or paused): the old group's table let go, so its
         part of the model is freed before the next part loads; an empty one stands in (/health

@@ -48,7 +48,8 @@ def error_response(err: ApiError, path: str) -> Response:
     """A refused request's answer, in its API's error shape (Anthropic's under /v1/messages).
     Connection: close, because its body may be unread (a refused key, an unknown path, a body
     late): a kept-alive client opens a new connection rather than write into a closed one."""
-    headers = {"Connection": "close", **({"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else {})}
+    # 503 too: the group is down for a while (a worker lost: it shrinks or is taken back).
+    headers = {"Connection": "close", **({"Retry-After": str(RETRY_AFTER_SEC)} if err.status in (429, 503) else {})}
     body = anthropic.error_body(err) if path.startswith("/v1/messages") else err.body()
     return Response(json.dumps(body).encode(), err.status, headers, media_type="application/json")
 
