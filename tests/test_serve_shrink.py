@@ -45,10 +45,28 @@ def _check_answers(served: ServedPair, model_dir, prompts=("after", "before", "a
         assert got.choices[0].text == reference(model_dir, text_ids(model_dir, prompt), 8), prompt
 
 
+def _post_status(served: ServedPair, model_dir) -> tuple:
+    """(status, headers) of one completion asked now."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": str(model_dir), "prompt": "meanwhile", "max_tokens": 2}).encode()
+    request = urllib.request.Request(served.base + "/v1/completions", data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": "Bearer test-key"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            served.read_body("POST /v1/completions", r)
+            return r.status, r.headers
+    except urllib.error.HTTPError as e:
+        served.read_body("POST /v1/completions", e)
+        return e.code, e.headers
+
+
 def _lose_and_regain(served: ServedPair, model_dir, lost: str, size: int) -> None:
     """Kill `lost` mid-stream, see the group shrink to size-1 and answer exactly, start it again
     with a long request under way, see the group grow back with that request whole."""
-    _wait_health(served, 120, code=200, size=size, started_size=size, group_state="serving")
+    _wait_health(served, 120, code=200, size=size, started_size=size, state="serving")
     _check_answers(served, model_dir, ("before",))
     c = client(served, timeout=120)
     stream = c.completions.create(model=str(model_dir), prompt="long", max_tokens=100000, stream=True)
@@ -57,7 +75,10 @@ def _lose_and_regain(served: ServedPair, model_dir, lost: str, size: int) -> Non
     with pytest.raises(openai.APIError, match="group of machines is down"):
         for _ in stream:
             pass
-    body = _wait_health(served, 90, code=200, size=size - 1, group_state="serving")
+    code, headers = _post_status(served, model_dir)
+    if code == 503:  # the group not back yet: the client is told when to try again
+        assert (headers.get("Retry-After") or "").isdigit(), dict(headers)
+    body = _wait_health(served, 90, code=200, size=size - 1, state="serving")
     assert body["started_size"] == size and body["shrinks"] == 1, body
     _check_answers(served, model_dir)
     # A request under way while the lost rank comes back: the grow waits for it, cuts nothing.
@@ -75,7 +96,7 @@ def _lose_and_regain(served: ServedPair, model_dir, lost: str, size: int) -> Non
     asking = threading.Thread(target=ask)
     asking.start()
     served.start(lost)
-    body = _wait_health(served, 120, code=200, size=size, grows=1, group_state="serving")
+    body = _wait_health(served, 120, code=200, size=size, grows=1, state="serving")
     asking.join(120)
     assert not errors and answers == [want], (errors, answers)
     _check_answers(served, model_dir)
@@ -97,7 +118,9 @@ def test_three_ranks_shrink_to_two_and_grow_back(model_dir, tmp_path, transport)
 
 @pytest.mark.parametrize("transport", ["tcp", "rdma"])
 def test_a_pair_shrinks_to_the_leader_alone_and_grows_back(model_dir, tmp_path, transport):
-    extra = ["--shrink-after", "2", *(RDMA if transport == "rdma" else [])]
+    # The prompt caches on disk too: the pair's halves are never the leader alone's whole.
+    extra = ["--shrink-after", "2", "--prompt-cache-dir", str(tmp_path / "prompt-cache"),
+             *(RDMA if transport == "rdma" else [])]
     served = ServedPair(model_dir, tmp_path, extra=extra)
     try:
         _lose_and_regain(served, model_dir, "worker", 2)
@@ -113,21 +136,21 @@ def test_a_shrink_the_memory_cannot_hold_stays_503_naming_the_figures(model_dir,
     try:
         _wait_health(served, 120, code=200, size=2)
         served.kill("worker")
-        body = _wait_health(served, 60, code=503, group_state="waiting")
+        body = _wait_health(served, 60, code=503, state="waiting")
         deadline = time.monotonic() + 30
         while "shrink_refused" not in body and time.monotonic() < deadline:
             time.sleep(0.2)
             body = served.health()[1]
         refused = body.get("shrink_refused", "")
         assert "cannot hold the model" in refused and "needs" in refused and "has" in refused, body
-        assert "GiB" in refused and body["size"] == 2 and body["shrinks"] == 0, body
+        assert "MiB" in refused and body["size"] == 2 and body["shrinks"] == 0, body
         time.sleep(2)  # still refused: nothing was loaded
         code, body = served.health()
         assert code == 503 and body["size"] == 2 and body["shrinks"] == 0, body
         assert "no shrink: the 1 rank left cannot hold the model" in served.log("leader")
         # The lost worker back: the group of two forms again, nothing reloaded.
         served.start("worker")
-        _wait_health(served, 120, code=200, size=2, group_state="serving")
+        _wait_health(served, 120, code=200, size=2, state="serving")
         assert "shrink_refused" not in served.health()[1]
         _check_answers(served, model_dir, ("after",))
     finally:

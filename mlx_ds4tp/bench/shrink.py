@@ -130,7 +130,7 @@ def _until_size(base: str, size: int, since: float, within: float) -> Optional[f
     """Seconds from `since` until /health is 200 with the group at `size` ranks; None past within."""
     while time.monotonic() - since < within:
         code, body = _health(base)
-        if code == 200 and body.get("size") == size and body.get("group_state") == "serving":
+        if code == 200 and body.get("size") == size and body.get("state") == "serving":
             return round(time.monotonic() - since, 3)
         time.sleep(0.05)
     return None

@@ -86,12 +86,17 @@ def memory_refusal(need: ModelNeed, figures: Sequence[RankFigures], share: Split
         return None
     needed = sum(part * need.total * (1 + MARGIN_SHARE) + RESERVE_BYTES for part in kept)
     have = sum(f.memory_bytes for f in figures)
-    each = ", ".join(f"rank {r} needs {(kept[r] * need.total * (1 + MARGIN_SHARE) + RESERVE_BYTES) / _GIB:.2f} "
-                     f"GiB and has {figures[r].memory_bytes / _GIB:.2f} GiB" for r in short)
+    each = ", ".join(f"rank {r} needs {_size(kept[r] * need.total * (1 + MARGIN_SHARE) + RESERVE_BYTES)} "
+                     f"and has {_size(figures[r].memory_bytes)}" for r in short)
     return (f"the {size} rank{'s' if size > 1 else ''} left cannot hold the model: it needs "
-            f"{needed / _GIB:.2f} GiB ({need.weight_bytes / _GIB:.2f} GiB of weights, {need.kv_bytes / _GIB:.2f} "
-            f"GiB of KV cache, {MARGIN_SHARE:.0%} and {RESERVE_BYTES / _GIB:.1f} GiB a rank) and they have "
-            f"{have / _GIB:.2f} GiB ({each}); start the lost Mac again, or free memory")
+            f"{_size(needed)} ({_size(need.weight_bytes)} of weights, {_size(need.kv_bytes)} of KV cache, "
+            f"{MARGIN_SHARE:.0%} and {_size(RESERVE_BYTES)} a rank) and they have {_size(have)} ({each}); "
+            "start the lost Mac again, or free memory")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as the refusal names them: GiB with two decimals, MiB below 1 GiB."""
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def join_regrouped(link_identity: tuple, regroup: Regroup, model_path: Optional[Path], parts) -> Joined:

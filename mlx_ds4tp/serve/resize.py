@@ -68,7 +68,7 @@ class ResizeStatus:
     refused: Optional[str] = None
 
     def health(self) -> Dict[str, Any]:
-        body = {"size": self.size, "started_size": self.started_size, "group_state": self.state,
+        body = {"size": self.size, "started_size": self.started_size, "state": self.state,
                 "shrinks": self.shrinks, "grows": self.grows}
         return {**body, "shrink_refused": self.refused} if self.refused else body
 

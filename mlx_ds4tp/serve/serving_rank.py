@@ -170,16 +170,22 @@ def _run_rank(settings: ServeSettings, identity: ModelIdentity, servers: List["H
 
 class DiskCaches:
     """This rank's --prompt-cache-dir for the model and share it serves now: make() gives the
-    one of a new part (after a resize, keyed by its own share and rank, so no prompt cache is
-    used across shares), the last one's writer finished first; `current` is the one in use."""
+    one of a new part (after a resize, keyed by its own share, group size and rank, so no
+    prompt cache is used across shares: an even split of two is not an even split of three),
+    the last one's writer finished first; `current` is the one in use."""
 
     def __init__(self, settings: ServeSettings, key: str):
         self.settings, self.key, self.current = settings, key, None
+        self.started_size: Optional[int] = None
 
     def make(self, model: Any, group: Any, share: SplitShare):
         if self.current is not None:
             self.current.close()
-        self.current = make_disk_cache(self.settings, model, self.key, (share, group.rank()))
+        size = group.size()
+        self.started_size = self.started_size or size
+        # The started group's files keep their names (a restart finds them); another size's own.
+        label = str(share) if size == self.started_size else f"{share} of {size} ranks"
+        self.current = make_disk_cache(self.settings, model, self.key, (label, group.rank()))
         return self.current
 
 
@@ -203,8 +209,9 @@ def model_key(settings: ServeSettings, identity: ModelIdentity, group: Any) -> s
 
 
 def make_disk_cache(settings: ServeSettings, model: Any, fingerprint: str,
-                    share_rank: Tuple[SplitShare, int]):
-    """This rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache) or None; SystemExit
+                    share_rank: Tuple[Any, int]):
+    """This rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache) or None (share_rank:
+    the split share, or its label naming the group's size, and the rank); SystemExit
     naming the model when its cache cannot be saved in mlx-lm's prompt-cache files."""
     limits = settings.limits
     if not limits.prompt_cache_dir:
