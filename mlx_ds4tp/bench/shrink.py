@@ -55,11 +55,12 @@ class Outcomes:
     slowest_s: float = 0.0
     wrong_examples: List[str] = dataclasses.field(default_factory=list)
     error_times: List[float] = dataclasses.field(default_factory=list)  # when each clean error came
+    error_codes: Dict[int, int] = dataclasses.field(default_factory=dict)  # HTTP status (0: no answer) -> count
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
-    def count(self, what: str, took: float, example: str = "") -> None:
+    def count(self, what: str, took: float, example: str = "", code: int = 0) -> None:
         with self._lock:
             setattr(self, what, getattr(self, what) + 1)
             self.slowest_s = max(self.slowest_s, took)
@@ -67,6 +68,7 @@ class Outcomes:
                 self.wrong_examples.append(example)
             if what == "clean_errors":
                 self.error_times.append(time.monotonic())
+                self.error_codes[code] = self.error_codes.get(code, 0) + 1
 
 
 def references(model: Path, max_tokens: int) -> Dict[str, str]:
@@ -110,7 +112,7 @@ def _client(base: str, model: Path, refs: Dict[str, str], settings: ShrinkLoad, 
             outcomes.count("exact" if value == refs[prompt] else "wrong", took,
                            "" if value == refs[prompt] else f"{prompt!r}: {value!r} != {refs[prompt]!r}")
         elif kind == "error":
-            outcomes.count("clean_errors", took)
+            outcomes.count("clean_errors", took, code=value)
             time.sleep(0.2)  # as a client honouring Retry-After would, briefly
         else:
             outcomes.count("hung", took)
@@ -175,7 +177,8 @@ def run_load(settings: ShrinkLoad) -> dict:
         grown_at = restarted + (grown if grown is not None else 120)
         during_grow = sum(restarted <= at <= grown_at for at in outcomes.error_times)
         figures = {k: v for k, v in dataclasses.asdict(outcomes).items() if k != "error_times"}
-        return {"name": f"shrink-load-{settings.transport}", "ranks": settings.ranks,
+        trouble = [line for line in leader_log.splitlines() if "did not form" in line or "could not" in line]
+        return {"name": f"shrink-load-{settings.transport}", "leader_trouble": trouble[:5], "ranks": settings.ranks,
                 "clients": settings.clients, "seconds": settings.seconds, "shrink_after_s": settings.shrink_after,
                 "kill_to_serving_s": shrunk, "restart_to_grown_s": grown,
                 **_leader_figures(leader_log),

@@ -104,8 +104,10 @@ class Engine:
         return dict(total)
 
     def alive(self) -> bool:
-        """True while the loop runs and the pair is up."""
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        """True while the loop runs (or is paused for the group to change size: it resumes) and
+        the pair is up."""
+        running = self._thread is not None and self._thread.is_alive()
+        return self._error is None and (running or self._paused.is_set())
 
     def ended(self) -> bool:
         """True once the loop's thread has ended (or never started)."""
