@@ -57,3 +57,29 @@ def test_a_shrink_the_memory_cannot_hold_names_what_is_needed_and_had():
     assert alone is not None and "the 1 rank left" in alone and "has 5.00 GiB" in alone
     # A rank that measured nothing is not refused for it.
     assert memory_refusal(need, [plenty, RankFigures()], EVEN) is None
+
+
+def test_shrink_after_is_checked_naming_the_value_and_the_fix(tmp_path, monkeypatch):
+    from mlx_ds4tp.cli import build_parser, serve
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("DS4_TP_TIMEOUT_SEC", "20")
+
+    def check(*flags):
+        argv = ["serve", "--model", str(model), "--role", "leader", "--listen", "127.0.0.1", "9911", *flags]
+        return serve.check_args(build_parser().parse_args(argv))
+
+    assert check().shrink_after == 10.0  # 30, or half the timeout when that is less
+    assert check("--shrink-after", "0").shrink_after == 0.0
+    assert check("--shrink-after", "2.5").shrink_after == 2.5
+    for bad, said in (("-1", "--shrink-after -1: give the seconds"), ("nan", "--shrink-after nan"),
+                      ("20", "--shrink-after 20 is not below the timeout"), ("inf", "--shrink-after inf")):
+        with pytest.raises(SystemExit) as info:
+            check("--shrink-after", bad)
+        assert said in str(info.value) and ("or 0 for never" in str(info.value)
+                                            or "DS4_TP_TIMEOUT_SEC" in str(info.value)), str(info.value)
+    worker = serve.check_args(build_parser().parse_args(
+        ["serve", "--model", str(model), "--role", "worker", "--coordinator", "127.0.0.1", "9911"]))
+    assert worker.shrink_after == 0.0  # the leader's decides

@@ -128,6 +128,21 @@ def test_a_pair_shrinks_to_the_leader_alone_and_grows_back(model_dir, tmp_path, 
         served.close()
 
 
+def test_workers_without_the_model_receive_their_new_parts(model_dir, tmp_path):
+    """Workers started without --model: after the shrink each receives its new part from the
+    leader (it holds the old share's alone), and the one started again its started part."""
+    from test_part_delivery import part_served_pair
+
+    served = part_served_pair(model_dir, tmp_path / "logs", tmp_path / "parts", ranks=3,
+                              extra=["--shrink-after", "2"])
+    try:
+        _lose_and_regain(served, model_dir, "worker2", 3)
+        # Its started part, its part of the two left, its started part again (from its cache).
+        assert served.log("worker").count("waiting for the leader's offer") >= 3, served.log("worker")[-3000:]
+    finally:
+        served.close()
+
+
 def test_a_shrink_the_memory_cannot_hold_stays_503_naming_the_figures(model_dir, tmp_path):
     # DS4_TP_MEMORY_LIMIT_BYTES, the test hook that lowers the memory a rank measures: the
     # leader alone may use 1 MiB above the reserve, far less than the model and its KV cache.
@@ -153,5 +168,23 @@ def test_a_shrink_the_memory_cannot_hold_stays_503_naming_the_figures(model_dir,
         _wait_health(served, 120, code=200, size=2, state="serving")
         assert "shrink_refused" not in served.health()[1]
         _check_answers(served, model_dir, ("after",))
+    finally:
+        served.close()
+
+
+def test_a_worker_back_within_shrink_after_takes_its_place_without_a_shrink(model_dir, tmp_path):
+    """Started again within --shrink-after, the lost worker is taken back at the group's size,
+    nothing reloaded, no shrink: the rejoin of a restart, with shrinking on."""
+    served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "25"], env={"DS4_TP_TIMEOUT_SEC": "60"})
+    try:
+        _wait_health(served, 120, code=200, size=2, state="serving")
+        served.kill("worker")
+        _wait_health(served, 60, code=503, state="waiting")
+        served.start("worker")
+        body = _wait_health(served, 120, code=200, size=2, state="serving")
+        assert body["shrinks"] == 0 and body["grows"] == 0, body
+        _check_answers(served, model_dir, ("after", "before"))
+        log = served.log("leader")
+        assert "formed again" in log and "shrank" not in log, log[-3000:]
     finally:
         served.close()

@@ -34,13 +34,13 @@ import mlx.core as mx
 
 from .. import gate_ops
 from ..base.log import log
-from ..errors import PeerClosedError, TransportError, TransportTimeoutError
+from ..errors import TransportError, TransportTimeoutError
 from ..link.control import ControlChannel, listen_socket
 from ..link.hello import RankFigures
 from ..link.wire import FrameType
 from ..lockstep.join_and_load import Joined, rejoin
 from ..lockstep.one_rank import OneRank
-from ..lockstep.protocol.sessions import drain_failed_work, worker_channels
+from ..lockstep.protocol.sessions import worker_channels
 from ..lockstep.protocol.table import release_memory
 from ..lockstep.regroup import Regroup, lead_regrouped, memory_refusal, share_of
 from ..split.agree import model_parts
@@ -48,6 +48,7 @@ from ..split.auto import ModelNeed, choose_share_among, model_need
 from ..split.errors import ShareRefusedError
 from ..split.measure import usable_memory
 from ..split.share import SplitShare
+from .held_links import DoorWatch, close_group, closed_ranks, tell_held
 from .rejoin import Quit, ServingSessions, fit_worker_room, tell_reform
 from .settings import ServeSettings
 
@@ -138,7 +139,7 @@ class GroupResizer:
         if self.settings.shrink_after <= 0 or not held:
             self._reform_same(held, "the group forms again")
             return
-        watch = _DoorWatch(self._listen())
+        watch = DoorWatch(self._listen())
         lost: List[int] = []
         try:
             deadline = self.lost_at + self.settings.shrink_after
@@ -146,7 +147,7 @@ class GroupResizer:
                 f"{self.settings.shrink_after:g} s for it (start its `ds4tp serve` again), then the ranks left "
                 "serve on without it")
             while not self.quit.event.is_set() and not watch.knocked():
-                lost = _closed(held)
+                lost = closed_ranks(held)
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(POLL_SEC)
@@ -163,7 +164,7 @@ class GroupResizer:
     def _reform_same(self, held: Dict[int, ControlChannel], why: str) -> None:
         """The group formed again at its size, each rank at its place, nothing reloaded (every
         worker alive told REFORM joins by itself; a restarted one takes the place left free)."""
-        _tell(held, lambda rank: (F.REFORM, why.encode()))
+        tell_held(held, lambda rank: (F.REFORM, why.encode()))
         listen = self._listen()
         where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
         log(f"serve: HTTP answers 503 until the group of {self.group.size()} forms again {where} (start "
@@ -204,7 +205,7 @@ class GroupResizer:
             f"{began - self.lost_at:.1f} s: the group shrinks from {was} to {len(members)} (split {share})")
 
         def close_old() -> None:
-            _tell(held, lambda rank: None if rank in lost else (
+            tell_held(held, lambda rank: None if rank in lost else (
                 F.RESIZE, Regroup(len(members), members.index(self.members[rank]), share).pack()))
 
         if self._regroup(members, share, close_old):
@@ -257,7 +258,7 @@ class GroupResizer:
                                                        share).pack())
                     except (TransportError, OSError):
                         pass
-                _close_group(self.group, held)
+                close_group(self.group, held)
             elif self._door is not None:
                 self._door.close()
                 self._door = None
@@ -375,7 +376,7 @@ class GroupResizer:
         dials the new door."""
         if self._knock is None:
             door = self.group.mesh.door.sock if self.status.size > 1 else self._alone_door()
-            if not _DoorWatch.pending(door):
+            if not DoorWatch.pending(door):
                 return False
             try:
                 self._knock, _ = door.accept()
@@ -413,82 +414,6 @@ class GroupResizer:
 def _kv_tokens(settings: ServeSettings) -> int:
     limits = settings.limits
     return limits.kv_budget or limits.prefill_step + settings.http.default_max_tokens
-
-
-class _DoorWatch:
-    """A knock at the leader's door while the group is closed: a listener at its address whose
-    pending connection is never accepted (closed, the dialer's JOIN is reset, and it dials the
-    new door again: link/mesh.py's REDIAL_SEC)."""
-
-    def __init__(self, listen):
-        self.sock = listen_socket(listen[0], listen[1])
-        self.sock.listen(8)
-        self._knocked = False
-
-    @staticmethod
-    def pending(sock: socket.socket) -> bool:
-        try:
-            return bool(select.select([sock], [], [], 0)[0])
-        except (OSError, ValueError):
-            return False
-
-    def knocked(self) -> bool:
-        self._knocked = self._knocked or self.pending(self.sock)
-        return self._knocked
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _closed(held: Dict[int, ControlChannel]) -> List[int]:
-    """The held ranks whose connection has closed (what they sent read past: a survivor's
-    ERROR naming its failed step is no loss)."""
-    lost = []
-    for rank, control in held.items():
-        try:
-            while select.select([control.sock], [], [], 0)[0]:
-                try:
-                    control.recv(timeout=1.0)
-                except PeerClosedError:
-                    raise
-                except TransportError:
-                    continue  # its ERROR, or a frame cut short: it is there
-        except (PeerClosedError, OSError, ValueError):
-            lost.append(rank)
-    return lost
-
-
-def _tell(held: Dict[int, ControlChannel], word: Callable[[int], Any]) -> None:
-    """Each held worker its word ((frame type, payload), None: nothing), then the connections
-    closed in order (their unread frames read off first, so the word is not cut off by a reset)."""
-    for rank, control in held.items():
-        said = word(rank)
-        if said is None:
-            continue
-        try:
-            control.send(*said)
-        except (TransportError, OSError):
-            pass
-    for control in held.values():
-        _drain_close(control.sock)
-
-
-def _close_group(group, held: Dict[int, ControlChannel]) -> None:
-    for control in held.values():
-        _drain_close(control.sock, close=False)
-    group.close()
-    drain_failed_work()
-
-
-def _drain_close(sock: socket.socket, close: bool = True) -> None:
-    try:
-        while select.select([sock], [], [], 0)[0]:
-            if not sock.recv(65536, socket.MSG_DONTWAIT):
-                break
-    except OSError:
-        pass
-    if close:
-        sock.close()
 
 
 __all__ = ["GroupResizer", "Hooks", "ResizeStatus"]
