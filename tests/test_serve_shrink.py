@@ -12,7 +12,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai package (pip install openai)")
 
-from serveutil import ServedPair, build_chat_model, client, get_text, reference, text_ids  # noqa: E402
+from serveutil import ServedPair, build_chat_model, client, get_raw, get_text, reference, text_ids  # noqa: E402
 
 RDMA = ["--transport", "rdma", "--rdma-device", "ucsim"]
 
@@ -81,6 +81,8 @@ def _lose_and_regain(served: ServedPair, model_dir, lost: str, size: int) -> Non
     body = _wait_health(served, 90, code=200, size=size - 1, state="serving")
     assert body["started_size"] == size and body["shrinks"] == 1, body
     _check_answers(served, model_dir)
+    code, cluster = get_raw(served, "/cluster")  # the cluster page at any size
+    assert code == 200 and cluster["size"] == size - 1 and len(cluster["ranks"]) == size - 1, cluster
     # A request under way while the lost rank comes back: the grow waits for it, cuts nothing.
     prompt = "kept whole while the group grows"
     want = reference(model_dir, text_ids(model_dir, prompt), 120)

@@ -132,12 +132,12 @@ class GroupResizer:
     def _after_loss(self) -> None:
         self.status.state = "waiting"
         with self._lock:
-            held, self.held = self.held, {}
+            held = dict(self.held)
         if not held and self.status.size == 1:  # the leader alone failed in itself: start afresh
             self._resume(Joined(self.group, self.model, None, self.share))
             return
         if self.settings.shrink_after <= 0 or not held:
-            self._reform_same(held, "the group forms again")
+            self._reform_same("the group forms again")
             return
         watch = DoorWatch(self._listen())
         lost: List[int] = []
@@ -156,15 +156,21 @@ class GroupResizer:
         if self.quit.event.is_set():
             return
         if watch.knocked() or not lost:
-            self._reform_same(held, "a rank is back" if watch.knocked() else "no rank was lost")
+            self._reform_same("a rank is back" if watch.knocked() else "no rank was lost")
             return
-        self._shrink(held, lost)
+        self._shrink(lost)
 
     # -- the same size again (nothing reloaded) --------------------------------------------
-    def _reform_same(self, held: Dict[int, ControlChannel], why: str) -> None:
+    def _tell(self, word: Callable[[int], Any]) -> None:
+        """The held workers told `word` (held_links.tell_held), then let go."""
+        with self._lock:
+            held, self.held = self.held, {}
+        tell_held(held, word)
+
+    def _reform_same(self, why: str) -> None:
         """The group formed again at its size, each rank at its place, nothing reloaded (every
         worker alive told REFORM joins by itself; a restarted one takes the place left free)."""
-        tell_held(held, lambda rank: (F.REFORM, why.encode()))
+        self._tell(lambda rank: (F.REFORM, why.encode()))
         listen = self._listen()
         where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
         log(f"serve: HTTP answers 503 until the group of {self.group.size()} forms again {where} (start "
@@ -190,13 +196,13 @@ class GroupResizer:
         log(f"serve: the group of {self.group.size()} formed again (transport {self.group.transport}); serving again")
 
     # -- shrink ----------------------------------------------------------------------------
-    def _shrink(self, held: Dict[int, ControlChannel], lost: List[int]) -> None:
+    def _shrink(self, lost: List[int]) -> None:
         members = [m for rank, m in enumerate(self.members) if rank not in lost]
         share, refusal = self._plan(members)
         if refusal is not None:
             self.status.refused = refusal
             log(f"serve: no shrink: {refusal}; HTTP answers 503 until the lost rank is back")
-            self._reform_same(held, "the ranks left cannot hold the model")
+            self._reform_same("the ranks left cannot hold the model")
             return
         self.status.state = "shrinking"
         began = time.monotonic()
@@ -205,7 +211,7 @@ class GroupResizer:
             f"{began - self.lost_at:.1f} s: the group shrinks from {was} to {len(members)} (split {share})")
 
         def close_old() -> None:
-            tell_held(held, lambda rank: None if rank in lost else (
+            self._tell(lambda rank: None if rank in lost else (
                 F.RESIZE, Regroup(len(members), members.index(self.members[rank]), share).pack()))
 
         if self._regroup(members, share, close_old):
@@ -342,7 +348,8 @@ class GroupResizer:
 
     def close(self) -> None:
         """At the leader's stop (the workers told STOP): the group in use now closed, and the
-        door of a leader alone."""
+        door of a leader alone; workers still waiting for its word told STOP."""
+        self._tell(lambda rank: (F.STOP, b""))
         self._close_knock()
         if self._door is not None:
             self._door.close()
