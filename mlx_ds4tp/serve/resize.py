@@ -139,6 +139,9 @@ class GroupResizer:
         if self.settings.shrink_after <= 0 or not held:
             self._reform_same("the group forms again")
             return
+        # A knock taken before the loss (a grow under way) is one at this wait's door too.
+        back = self._knock_alive()
+        self._close_knock()  # its rank dials the next door
         watch = DoorWatch(self._listen())
         lost: List[int] = []
         try:
@@ -146,7 +149,7 @@ class GroupResizer:
             log(f"serve: HTTP answers 503; a rank of the group of {self.status.size} is lost: waiting up to "
                 f"{self.settings.shrink_after:g} s for it (start its `ds4tp serve` again), then the ranks left "
                 "serve on without it")
-            while not self.quit.event.is_set() and not watch.knocked():
+            while not self.quit.event.is_set() and not back and not watch.knocked():
                 lost = closed_ranks(held)
                 if time.monotonic() >= deadline:
                     break
@@ -155,8 +158,9 @@ class GroupResizer:
             watch.close()
         if self.quit.event.is_set():
             return
-        if watch.knocked() or not lost:
-            self._reform_same("a rank is back" if watch.knocked() else "no rank was lost")
+        back = back or watch.knocked()
+        if back or not lost:
+            self._reform_same("a rank is back" if back else "no rank was lost")
             return
         self._shrink(lost)
 
