@@ -108,12 +108,16 @@ def _lose_and_regain(served: ServedPair, model_dir, lost: str, size: int) -> Non
     assert f"shrank from {size} to {size - 1} ranks in" in log and f"grew from {size - 1} to {size} ranks in" in log
 
 
-@pytest.mark.parametrize("transport", ["tcp", "rdma"])
-def test_three_ranks_shrink_to_two_and_grow_back(model_dir, tmp_path, transport):
-    extra = ["--shrink-after", "2", *(RDMA if transport == "rdma" else [])]
+@pytest.mark.parametrize("transport, split", [("tcp", "even"), ("rdma", "even"), ("tcp", "2:1:1")])
+def test_three_ranks_shrink_to_two_and_grow_back(model_dir, tmp_path, transport, split):
+    extra = ["--shrink-after", "2", "--split", split, *(RDMA if transport == "rdma" else [])]
     served = ServedPair(model_dir, tmp_path, extra=extra, ranks=3)
     try:
         _lose_and_regain(served, model_dir, "worker2", 3)
+        if split != "even":  # the started share scaled to the ranks left, then the started one again
+            log = served.log("leader")
+            assert "(split 2:1)" in log or "(split even)" in log, log[-3000:]
+            assert "grows from 2 to 3 (rank" in log and "split 2:1:1)" in log, log[-3000:]
     finally:
         served.close()
 
