@@ -305,11 +305,9 @@ class GroupResizer:
 
     def _drop_model(self) -> None:
         """The old part freed before the new one loads (their sum may not fit), and its prompt
-        caches with it (never used across shares): its disk cache's writer finished first."""
+        caches with it (never used across shares; its disk cache is closed when the next one
+        is made, serving_rank.DiskCaches)."""
         self.model = None
-        old = self.engine.disk_cache
-        if old is not None:
-            old.close()
         self.engine.drop_sessions()
         release_memory()
 

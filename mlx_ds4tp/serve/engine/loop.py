@@ -372,10 +372,10 @@ class Engine:
     def drop_sessions(self) -> None:
         """While the group changes size (down, or paused): the old group's table let go, so its
         part of the model is freed before the next part loads; an empty one stands in (/health
-        reads it) until resume()."""
+        reads it, and the old disk cache's figures) until resume()."""
         from ...lockstep.one_rank import OneRank
 
-        self.sessions = OneRank(None, self.sessions.grammars)
+        self.sessions = OneRank(None, self.sessions.grammars, self.sessions.disk)
         self.batch.clear(self.sessions)
 
     def _fail(self, message: str) -> None:
