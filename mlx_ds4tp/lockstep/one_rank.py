@@ -11,7 +11,7 @@ from .protocol.sessions import LeaderSessions
 from .protocol.table import SessionTable
 
 
-class _NoGroup:
+class NoGroup:
     """The group's figures a generation (and a server) reads of a rank alone: no exchanges, no
     waits, nothing to close."""
 
@@ -39,7 +39,7 @@ class OneRank(LeaderSessions):
     rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache), or None."""
 
     def __init__(self, model, grammars=None, disk=None):
-        self.table, self.group, self.controls = SessionTable(model, grammars, disk), _NoGroup(), []
+        self.table, self.group, self.controls = SessionTable(model, grammars, disk), NoGroup(), []
 
     def abort(self, reason: str) -> None:
         """Nobody to tell."""

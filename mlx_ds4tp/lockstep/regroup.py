@@ -119,9 +119,9 @@ def lead_regrouped(link_identity: tuple, share: SplitShare, size: int, model_pat
         t0 = time.perf_counter()
         model, tokenizer = load(str(model_path))
         log(f"weights loaded in {time.perf_counter() - t0:.1f} s (rank 0 alone: the whole model)")
-        from .one_rank import _NoGroup
+        from .one_rank import NoGroup
 
-        return Joined(_NoGroup(), model, tokenizer, EVEN)
+        return Joined(NoGroup(), model, tokenizer, EVEN)
     link, identity = link_identity
     group = gate_ops.init_pair(dataclasses.replace(link, size=size, ask_rank=None), identity)
     return _load(group, SplitSettings(share), model_path, parts, need)

@@ -195,7 +195,8 @@ class GroupResizer:
         if self.quit.event.is_set():
             return
         self._note_figures()
-        self._resume(Joined(self.group, self.model, None, self.share))
+        if not self._resume(Joined(self.group, self.model, None, self.share)):
+            return
         self.status.refused = None
         log(f"serve: the group of {self.group.size()} formed again (transport {self.group.transport}); serving again")
 
@@ -299,7 +300,8 @@ class GroupResizer:
         self.group, self.model, self.share, self.members = joined.group, joined.model, joined.share, members
         self.status.size = len(members)
         self._note_figures()
-        self._resume(joined)
+        if not self._resume(joined):
+            return False
         self.status.refused = None
         return True
 
@@ -311,7 +313,10 @@ class GroupResizer:
         self.engine.drop_sessions()
         release_memory()
 
-    def _resume(self, joined: Joined) -> None:
+    def _resume(self, joined: Joined) -> bool:
+        """The engine serving over `joined`'s group once every rank is ready; False when one
+        failed first (the loss path takes it from there: the engine stays down, the workers
+        held)."""
         group, model = joined.group, joined.model
         grammars = self.engine.sessions.grammars
         disk = self.hooks.make_disk(model, group, joined.share)
@@ -327,14 +332,17 @@ class GroupResizer:
             if group.size() > 1:
                 fit_worker_room(self.engine, sessions, self.settings, room)
         except Exception as exc:  # noqa: BLE001 - a rank failed loading: the loss path again
-            log(f"serve: the group formed but a rank failed before serving: {exc}")
-            self.hold(group, str(exc))
-            self.lost_at = time.monotonic()
+            why = f"the group formed but a rank failed before serving: {exc}"
+            log(f"serve: {why}")
+            self.engine.give_up(why)  # a grow's queue fails; a shrink's engine is down already
+            sessions.abort(why)  # the workers held (or told REFORM), the group closed
+            return False
         self.hooks.regrouped(group, joined.share)
         with self.quit.native() as go:
             if go:
                 self.engine.resume(sessions)
                 self.status.state = "serving"
+        return True
 
     def count_in(self, registry) -> None:
         """/metrics: the group's size now and at start, and the shrinks and grows so far."""
