@@ -83,3 +83,6 @@ def test_shrink_after_is_checked_naming_the_value_and_the_fix(tmp_path, monkeypa
     worker = serve.check_args(build_parser().parse_args(
         ["serve", "--model", str(model), "--role", "worker", "--coordinator", "127.0.0.1", "9911"]))
     assert worker.shrink_after == 0.0  # the leader's decides
+    with pytest.raises(SystemExit, match="--shrink-after 5: a group found by discovery does not shrink"):
+        serve.check_args(build_parser().parse_args(
+            ["serve", "--model", str(model), "--interface", "lo", "--shrink-after", "5"]))

@@ -210,6 +210,10 @@ def _shrink_after(args: argparse.Namespace, join) -> float:
         raise SystemExit(f"ds4tp serve: --shrink-after {value:g} is not below the timeout the workers wait "
                          f"for the leader's word within (DS4_TP_TIMEOUT_SEC, {timeout:g} s): give "
                          f"--shrink-after below {timeout:g}, or raise DS4_TP_TIMEOUT_SEC on every rank")
+    if join.discovery is not None and args.shrink_after:
+        raise SystemExit(f"ds4tp serve: --shrink-after {value:g}: a group found by discovery does not "
+                         "shrink (it forms again at the size found); give the leader --listen HOST PORT "
+                         "and the workers --coordinator HOST PORT, or leave --shrink-after out")
     if join.address.role != "leader" or join.discovery is not None:
         return 0.0
     return value
