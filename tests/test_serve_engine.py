@@ -134,3 +134,16 @@ def test_a_paused_engine_whose_next_group_does_not_form_fails_its_queue():
         assert _text(_events(engine.submit(Request([1, 2], 2)))) == letters([3, 4])
     finally:
         engine.stop()
+
+
+def test_an_engine_unpaused_serves_on_its_queue_over_the_same_group():
+    engine = Engine(FakeSessions(), FakeTokenizer(), ServeLimits())
+    engine.start()
+    try:
+        engine.pause()
+        assert engine.paused(30)
+        waiting = engine.submit(Request([1, 2], 2))
+        engine.unpause()  # the rank at the door left: no grow
+        assert _text(_events(waiting)) == letters([3, 4]) and engine.error is None
+    finally:
+        engine.stop()

@@ -246,7 +246,7 @@ class GroupResizer:
                 return  # the loss path takes it from here
         if not self._knock_alive():
             log(f"serve: the rank at the door left before the group grew; serving on with {self.status.size}")
-            self.engine.resume(self.engine.sessions)
+            self.engine.unpause()
             self.status.state = "serving"
             return
         regained = min(set(range(self.status.started_size)) - set(self.members))

@@ -214,6 +214,17 @@ class Engine:
         """True once pause() has ended the loop."""
         return self._paused.wait(timeout)
 
+    def unpause(self) -> None:
+        """Serve on over the same group after pause() (the grow it paused for did not happen):
+        the loop runs again, the queue and the stored prompt caches as they were."""
+        if not self._paused.is_set():
+            return
+        if self._thread is not None:
+            self._thread.join()
+        self._pausing = False
+        self._paused.clear()
+        self.start()
+
     def _under_way(self) -> bool:
         return bool(self.prefilling or self.ready or self.batch.running)
 
