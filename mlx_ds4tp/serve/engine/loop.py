@@ -222,8 +222,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         self._pausing = False
-        self._paused.clear()
+        self._start_unpaused()
+
+    def _start_unpaused(self) -> None:
+        """The loop started again, then the pause cleared: alive() stays True throughout, so a
+        request waiting through the pause is never told the engine stopped."""
         self.start()
+        self._paused.clear()
 
     def _under_way(self) -> bool:
         return bool(self.prefilling or self.ready or self.batch.running)
@@ -359,7 +364,6 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         self._pausing = False
-        self._paused.clear()
         self.sessions = sessions
         release_memory()  # the old pair's table, its caches and its failed steps
         self.batch.clear(sessions)
@@ -368,7 +372,7 @@ class Engine:
         with self._lock:
             self._error = None
             self._down.clear()
-        self.start()
+        self._start_unpaused()
 
     def give_up(self, message: str) -> None:
         """A paused engine whose next group did not form: the requests waiting fail
