@@ -150,6 +150,16 @@ def rejoin_address(group) -> Optional[Tuple[str, int]]:
     return link.address.coordinator or link.address.listen
 
 
+def joined_with(group) -> Tuple[LinkSettings, Optional[ModelIdentity]]:
+    """What `group` was joined with (its link settings, the model identity its hellos check),
+    for a group formed again at another size (serve/resize.py); ValueError for a group not made
+    here."""
+    made = _JOINED_WITH.get(group)
+    if made is None:
+        raise ValueError(f"{group!r} was not made by mlx_ds4tp.init(...)")
+    return made
+
+
 def rejoin_timeout(group) -> float:
     """The connect timeout reconnect() joins `group` again with (DS4_TP_TIMEOUT_SEC's when unset)."""
     from .link.config import default_timeout

@@ -79,6 +79,8 @@ class ServedPair:
         common = [sys.executable, "-m", "mlx_ds4tp", "serve", "--model", str(model), *transport, *extra]
         key = ["--api-key", api_key] if api_key else []
         sized = ["--ranks", str(ranks)] if ranks != 2 else []
+        # A lost worker is waited for (the tests of its restart), unless a test shrinks the group.
+        sized += ["--shrink-after", "0"] if "--shrink-after" not in extra else []
         cmds = {
             "leader": common + key + sized + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
                                               "--port", str(self.port)],

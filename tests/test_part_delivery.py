@@ -197,7 +197,7 @@ def test_a_leader_without_model_is_refused_by_name(procs, tmp_path):
     assert proc.returncode != 0 and "--model is required" in err and "--role worker" in err
 
 
-def part_served_pair(model: Path, logs: Path, parts: Path, env=None, ranks: int = 2):
+def part_served_pair(model: Path, logs: Path, parts: Path, env=None, ranks: int = 2, extra=()):
     """`ds4tp serve`'s ranks (serveutil.ServedPair) with every worker started without --model
     (--parts-dir parts/NAME instead), again so when it is started again after kill()."""
     from serveutil import ServedPair
@@ -212,7 +212,7 @@ def part_served_pair(model: Path, logs: Path, parts: Path, env=None, ranks: int 
             super().start(name, extra)
 
     logs.mkdir()
-    return PartServedPair(model, logs, env=env, ranks=ranks)
+    return PartServedPair(model, logs, env=env, ranks=ranks, extra=list(extra))
 
 
 def completion(pair) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from engine_fakes import FakeSessions, FakeTokenizer, letters
 from mlx_ds4tp.lockstep.request import GenerationRequest as Request
-from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, TextEvent
+from mlx_ds4tp.serve.engine.events import ENDING_EVENTS, PairDownEvent, StartedEvent, TextEvent
 from mlx_ds4tp.serve.engine.loop import Engine
 from mlx_ds4tp.serve.errors import PairUnavailableError
 from mlx_ds4tp.serve.limits import ServeLimits
@@ -91,3 +91,59 @@ def test_a_request_the_budget_cannot_hold_is_refused_before_it_queues():
     with pytest.raises(ValueError, match="--max-kv-tokens 8"):
         engine.submit(Request([1, 2, 3], 6))
     assert engine.queued() == 0
+
+
+def test_a_pause_lets_the_requests_under_way_finish_and_keeps_the_queue_for_the_next_group():
+    """serve/resize.py's grow: pause() admits nothing more, ends the loop once nothing is under
+    way (the request running finished whole, no error to anyone), the requests sent meanwhile
+    wait, alive, and resume() over the next group serves them."""
+    class Fake(FakeSessions):
+        grammars = None  # what drop_sessions keeps of the old group's (LeaderSessions has both)
+
+    sessions = Fake()
+    engine = Engine(sessions, FakeTokenizer(), ServeLimits())
+    engine.start()
+    try:
+        running = engine.submit(Request([1, 2], 6))
+        assert isinstance(running.events.get(timeout=30), StartedEvent)
+        engine.pause()
+        waiting = engine.submit(Request([3], 3))  # queued, not refused
+        assert _text(_events(running)) == letters(range(3, 9))
+        assert engine.paused(30) and engine.alive() and engine.error is None
+        assert waiting.events.empty() and engine.queued() == 1
+        engine.drop_sessions()  # the old group's part let go before the next loads
+        engine.resume(FakeSessions())
+        assert _text(_events(waiting)) == letters(range(4, 7)) and engine.error is None
+    finally:
+        engine.stop()
+
+
+def test_a_paused_engine_whose_next_group_does_not_form_fails_its_queue():
+    engine = Engine(FakeSessions(), FakeTokenizer(), ServeLimits())
+    engine.start()
+    engine.pause()
+    assert engine.paused(30)
+    waiting = engine.submit(Request([3], 3))
+    engine.give_up("the group of 3 did not form")
+    assert _events(waiting)[-1] == PairDownEvent("the group of 3 did not form")
+    assert not engine.alive() and engine.wait_down(0)
+    with pytest.raises(PairUnavailableError):
+        engine.submit(Request([1], 2))
+    engine.resume(FakeSessions())
+    try:
+        assert _text(_events(engine.submit(Request([1, 2], 2)))) == letters([3, 4])
+    finally:
+        engine.stop()
+
+
+def test_an_engine_unpaused_serves_on_its_queue_over_the_same_group():
+    engine = Engine(FakeSessions(), FakeTokenizer(), ServeLimits())
+    engine.start()
+    try:
+        engine.pause()
+        assert engine.paused(30)
+        waiting = engine.submit(Request([1, 2], 2))
+        engine.unpause()  # the rank at the door left: no grow
+        assert _text(_events(waiting)) == letters([3, 4]) and engine.error is None
+    finally:
+        engine.stop()

@@ -50,10 +50,12 @@ def wait_healthy(base: str, procs: Sequence[subprocess.Popen], within: float) ->
 
 class ServedPair:
     """`ds4tp serve`'s leader and worker here, both logs in one temporary file. extra: flags for
-    both ranks; rank_extra: flags for one rank ("leader" or "worker")."""
+    both ranks; rank_extra: flags for one rank ("leader" or "worker"); ranks above 2: that many
+    (--ranks N to the leader), the workers "worker", "worker2", ..."""
 
     def __init__(self, model: Path, transport: str, rdma_device: Optional[str] = None,
-                 extra: Sequence[str] = (), rank_extra: Optional[Dict[str, Sequence[str]]] = None):
+                 extra: Sequence[str] = (), rank_extra: Optional[Dict[str, Sequence[str]]] = None,
+                 ranks: int = 2):
         self.env = child_env()
         pair_port, self.port = free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -62,6 +64,9 @@ class ServedPair:
         self.cmds = {"leader": common + ["--role", "leader", "--listen", "127.0.0.1", str(pair_port),
                                          "--port", str(self.port)],
                      "worker": common + ["--role", "worker", "--coordinator", "127.0.0.1", str(pair_port)]}
+        self.cmds["leader"] += ["--ranks", str(ranks)]
+        for n in range(2, ranks):
+            self.cmds[f"worker{n}"] = list(self.cmds["worker"])
         for name, flags in (rank_extra or {}).items():
             self.cmds[name] += list(flags)
         self.procs: Dict[str, subprocess.Popen] = {}
@@ -86,6 +91,14 @@ class ServedPair:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one rank (a Mac lost), reaped."""
+        reap(self.procs[name])
+
+    def start_again(self, name: str) -> None:
+        """One rank started again with its first command line (a lost Mac back)."""
+        self.procs[name] = self._spawn(name)
 
     def pid(self, name: str) -> int:
         return self.procs[name].pid

@@ -111,6 +111,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "address and serve it, instead of exiting (the leader always takes a "
                         "rank back: when one dies it keeps serving HTTP, answering 503, "
                         "until the group forms again)")
+    p.add_argument("--shrink-after", type=float, default=None, metavar="SEC",
+                   help="leader: when a worker is lost and not back within SEC seconds, the ranks "
+                        "left serve on without it if their memory holds the model (each loads a "
+                        "bigger part), and the group grows back when it returns (default 30, or "
+                        "half DS4_TP_TIMEOUT_SEC when that is less; 0: never, wait for it; below "
+                        "DS4_TP_TIMEOUT_SEC, which the workers wait for the leader's word within)")
     p.add_argument("--debug-hash", type=int, default=0, metavar="N",
                    help="compare a hash of the logits with the worker every N decode steps "
                         "(default 0: off)")
@@ -155,6 +161,7 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
     if args.rejoin and join.address.role != "worker" and join.discovery is None:
         raise SystemExit("ds4tp serve: --rejoin is the worker's (--role worker); the leader always "
                          "takes a restarted worker back")
+    shrink_after = _shrink_after(args, join)
     if args.port > 65535:
         raise SystemExit(f"ds4tp serve: --port {args.port} must be <= 65535")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -177,7 +184,39 @@ def check_args(args: argparse.Namespace) -> ServeSettings:
                         keep_alive_timeout_sec=args.keep_alive_timeout_sec)
     return ServeSettings(join.link, served, limits, http, kv_budget_from_memory=args.max_kv_tokens is None,
                          rejoin=args.rejoin or (join.discovery is not None and join.address.role != "leader"),
-                         split=split_from_args(args, "serve", join.ranks), parts=parts_from_args(args, "serve"))
+                         split=split_from_args(args, "serve", join.ranks), parts=parts_from_args(args, "serve"),
+                         shrink_after=shrink_after)
+
+
+DEFAULT_SHRINK_AFTER_SEC = 30.0
+
+
+def _shrink_after(args: argparse.Namespace, join) -> float:
+    """--shrink-after checked: a number of seconds, 0 (never) or above, below the timeout the
+    workers wait for the leader's word within; 0 where the group is found by discovery (a group
+    of another size cannot be found again there) or on a worker (the leader's decides)."""
+    import math
+
+    from ..link.config import default_timeout
+
+    timeout = float(join.link.timeout or default_timeout())
+    value = args.shrink_after
+    if value is None:
+        value = min(DEFAULT_SHRINK_AFTER_SEC, timeout / 2)
+    if not math.isfinite(value) or value < 0:
+        raise SystemExit(f"ds4tp serve: --shrink-after {value:g}: give the seconds a lost worker has to "
+                         "come back before the ranks left serve without it (e.g. 30), or 0 for never")
+    if value >= timeout and join.address.role == "leader":
+        raise SystemExit(f"ds4tp serve: --shrink-after {value:g} is not below the timeout the workers wait "
+                         f"for the leader's word within (DS4_TP_TIMEOUT_SEC, {timeout:g} s): give "
+                         f"--shrink-after below {timeout:g}, or raise DS4_TP_TIMEOUT_SEC on every rank")
+    if join.discovery is not None and args.shrink_after:
+        raise SystemExit(f"ds4tp serve: --shrink-after {value:g}: a group found by discovery does not "
+                         "shrink (it forms again at the size found); give the leader --listen HOST PORT "
+                         "and the workers --coordinator HOST PORT, or leave --shrink-after out")
+    if join.address.role != "leader" or join.discovery is not None:
+        return 0.0
+    return value
 
 
 def _warn_open_api(host: str, port: int) -> None:

@@ -28,6 +28,7 @@ The bound is checked before anything is allocated. The transport's own frames an
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host, cable addresses): every rank's link address and cables | 8192 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 | REFORM           | UTF-8 text, the leader's reason: a serving leader whose group (any N) broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
+| RESIZE           | RESIZE_HEAD (the new group's size, the receiver's rank in it, the share's part count) + that many u16 parts (none: even): a serving leader forms a group of another size (a lost worker left out, or back) and each member joins it with that rank and share (serve/resize.py) | 64 |
 | PART_OFFER       | UTF-8 JSON: the files of a worker's part the leader offers (names, sizes, digests) and the path of their bytes (tcp or rdma), to a worker started without --model (split/part_send.py) | 16777216 |
 | PART_WANT        | UTF-8 JSON: the files (and the offset in each) that worker still needs; an empty list ends the transfer | 1048576 |
 | PART_DATA        | the next bytes of the file being sent (over RDMA: the length of the chunk the link's next exchange carries) | 4194304     |
@@ -102,7 +103,8 @@ from ..errors import FrameError
 # PART_WANT: the files a restarted one lacks, none from one that kept its part loaded). A JOIN
 # and each ROSTER entry carry the rank's cable addresses (its --interface interfaces' IPv4
 # addresses and prefixes, link/cables.py), so each link finds its own cable and device.
-# 15: a PART_OFFER names the path of the part's bytes ("tcp": PART_DATA frames; "rdma": each
+# 15: RESIZE, a serving leader's group shrinking to the ranks left and growing back; a
+# PART_OFFER names the path of the part's bytes ("tcp": PART_DATA frames; "rdma": each
 # PART_DATA holds the length of the chunk the next exchange of the RDMA link carries,
 # split/part_bulk.py).
 PROTOCOL_VERSION = 15
@@ -180,6 +182,9 @@ class FrameType(enum.IntEnum):
     PART_WANT = 50
     PART_DATA = 51
     PART_END = 52
+    # A serving leader that forms its group at another size (a lost worker left out after
+    # --shrink-after, or taken back): each member's new rank and the share (serve/resize.py).
+    RESIZE = 56
 
 
 # ---- size bounds --------------------------------------------------------------
@@ -224,7 +229,10 @@ FRAME_MAX_BYTES = {
     FrameType.PART_WANT: 1024 * 1024,
     FrameType.PART_DATA: 4 * 1024 * 1024,
     FrameType.PART_END: 4096,
+    FrameType.RESIZE: 64,
 }
+# RESIZE: the new group's size, the receiver's rank in it, how many u16 share parts follow.
+RESIZE_HEAD = struct.Struct("<BBB")
 
 
 def register_frame_bound(ftype: FrameType, bound: int) -> None:

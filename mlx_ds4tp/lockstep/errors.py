@@ -16,7 +16,12 @@ class GrammarError(ValueError):
 class MeshReformingError(Exception):
     """A serving leader's REFORM to a worker of its group (any N): a rank died, the leader lives
     and forms the group again at its door; a worker still alive joins it again with its rank and
-    share (serve.rejoin). The message is the leader's reason."""
+    share (serve.rejoin). The message is the leader's reason; `resize` the RESIZE payload when
+    the leader forms a group of another size instead (lockstep/regroup.py reads it)."""
+
+    def __init__(self, message: str, resize: bytes = b""):
+        super().__init__(message)
+        self.resize = resize
 
 
 __all__ = ["ForeignFileError", "GrammarError", "MeshReformingError"]

@@ -99,6 +99,13 @@ class ClusterView:
         self._rates: Dict[Any, _Rate] = {}
         engine.on_idle = self.ask_workers
 
+    def regrouped(self, group, share: SplitShare) -> None:
+        """The group changed size (serve/resize.py): its ranks, shares and links from now on."""
+        with self._lock:
+            self.group, self.size = group, group.size()
+            self.shares = share_fractions(share, self.size)
+            self._workers, self._rates = {}, {}
+
     # -- the engine thread, idle ----------------------------------------------------------
     def ask_workers(self, sessions) -> None:
         """RANK_STATS to every worker, when someone reads /cluster and the last answers are

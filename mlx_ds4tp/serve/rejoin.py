@@ -1,14 +1,16 @@
-"""`ds4tp serve`'s re-join, both sides: the leader that keeps serving HTTP (503 meanwhile) while
-it takes a restarted worker back, and the worker that joins its leader again.
+"""`ds4tp serve`'s re-join: the leader's word to its workers when its group breaks (the leader's
+state machine, which takes a restarted worker back or shrinks the group, is serve/resize.py),
+and the worker that joins its leader again, at its place or at the one a RESIZE names.
 
 Over a group of any size one rank's death breaks the whole group, so every rank forms it
 again (gate_ops.reconnect, each keeping its rank and share). The leader says so: before it
 closes a broken group it sends each worker REFORM on its control channel (ServingSessions.abort,
 tell_reform), and a worker still alive that reads it joins the new group by itself, without
 --rejoin, for as long as the leader's door answers (follow_leader). A worker whose own step
-failed with the group waits for the leader's word on that channel (leader_reforms): REFORM, or
-the channel closing, an ERROR or STOP (the leader is gone or stopping). So "leader alive" is
-what the leader said, never a guess from timing."""
+failed with the group waits for the leader's word on that channel (leader_reforms): REFORM,
+RESIZE (--shrink-after: the group forms at another size; follow_resize), or the channel
+closing, an ERROR or STOP (the leader is gone or stopping). So "leader alive" is what the
+leader said, never a guess from timing."""
 
 from __future__ import annotations
 
@@ -17,17 +19,18 @@ import dataclasses
 import socket
 import threading
 import time
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 from .. import gate_ops
 from ..base.log import log
 from ..base.stopping import shielded, stop_reason
-from ..errors import AuthenticationError, HelloMismatchError, TransportError, TransportTimeoutError
+from ..errors import AuthenticationError, HelloMismatchError, TransportError
 from ..link.control import dial
 from ..link.wire import FrameType
 from ..lockstep.errors import MeshReformingError
-from ..lockstep.join_and_load import rejoin
+from ..lockstep.join_and_load import Joined, rejoin
 from ..lockstep.protocol.sessions import LeaderSessions, drain_failed_work, leader_channel, worker_channels
+from ..lockstep.regroup import Regroup, join_regrouped
 from ..split.share import SplitShare
 from .settings import ServeSettings
 
@@ -46,10 +49,17 @@ DOOR_GRACE_SEC = 10.0
 
 class ServingSessions(LeaderSessions):
     """The serving leader's sessions: a failure tells every worker REFORM, not ERROR (the
-    leader lives and takes a restarted worker back: the others join again by themselves)."""
+    leader lives and takes a restarted worker back: the others join again by themselves), or,
+    with --shrink-after, holds their connections for serve/resize.py to say what comes next
+    (on_abort)."""
+
+    on_abort: Optional[Callable[[gate_ops.Group, str], None]] = None
 
     def abort(self, reason: str) -> None:
-        tell_reform(self.group, reason)
+        if self.on_abort is not None:
+            self.on_abort(self.group, reason)
+        else:
+            tell_reform(self.group, reason)
 
 
 def tell_reform(group: gate_ops.Group, reason: str) -> None:
@@ -127,67 +137,18 @@ def fit_worker_room(engine, sessions, settings: ServeSettings, own_room: Optiona
             engine.admission.kv_budget = budget
 
 
-def _give_up_on(group: gate_ops.Group, quit_: Quit, why: str) -> None:
-    """A re-join that failed on the leader: the group's workers told it forms again (they are in
-    it, or on the way), the group closed for the next try."""
-    with quit_.native() as go:
-        if go:
-            tell_reform(group, why)
-
-
-def take_back_workers(engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                      settings: ServeSettings, own_room: Optional[int], quit_: Quit) -> None:
-    """The leader's side of a worker that comes back: whenever the group goes down (a worker
-    died or was stopped, a link dropped), keep serving HTTP (503 and /health 503 meanwhile),
-    listen again on the same address, and resume serving once the missing ranks, with the same
-    model fingerprint and secret, have joined; each gets the share the leader's model is split
-    by. The workers still alive were told REFORM and join the new group with it. A daemon
-    thread, ended by the leader's stop (Quit)."""
-    model, share = split_model
-    listen = settings.link.address.listen
-    where = f"on {listen[0]}:{listen[1]}" if listen else "(discovery)"
-    while not quit_.event.is_set():
-        if not engine.wait_down(1.0):
-            continue
-        log(f"serve: HTTP answers 503 until the group of {group.size()} forms again {where} (start "
-            "the stopped rank's `ds4tp serve --role worker` again, with the same --model and secret; "
-            "any rank still alive was told the group forms again and joins it by itself)")
-        while not quit_.event.is_set():
-            try:
-                rejoin(group, settings.split, share, settings.model.path)
-                break
-            except TransportTimeoutError:
-                continue  # nobody came within the connect timeout: keep listening
-            except Exception as exc:  # noqa: BLE001 - a wrong or broken worker; wait for the right one
-                log(f"serve: a rank could not rejoin: {type(exc).__name__}: {exc}")
-                _give_up_on(group, quit_, f"a rank could not rejoin: {exc}")
-                time.sleep(0.5)
-        if quit_.event.is_set():
-            return
-        sessions = ServingSessions(group, model, engine.sessions.grammars, engine.disk_cache)
-        try:
-            sessions.wait_ready()  # the worker loads its weights after joining
-            fit_worker_room(engine, sessions, settings, own_room)  # its machine may hold less
-        except Exception as exc:  # noqa: BLE001 - it died loading: listen again
-            log(f"serve: the group formed again but a rank failed before serving: {exc}")
-            _give_up_on(group, quit_, f"a rank failed before serving: {exc}")
-            continue
-        with quit_.native() as go:
-            if not go:
-                return
-            engine.resume(sessions)
-        log(f"serve: the group of {group.size()} formed again (transport {group.transport}); serving again")
-
-
 # ============================================================================
 # The worker
 # ============================================================================
 
 
-def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share: SplitShare,
-                    grammars_disk: Tuple[Any, Any]) -> str:
+def serve_as_worker(joined: Joined, settings: ServeSettings, grammars: Any,
+                    make_disk: Callable[[Any, Any, SplitShare], Any]) -> str:
     """A worker's command loop. A leader that forms the group again (REFORM) is followed: this
-    rank joins the new group with its rank and share, with or without --rejoin.
+    rank joins the new group with its rank and share, with or without --rejoin; one that forms
+    it at another size (RESIZE: a rank lost, or back) is followed too, this rank at the rank and
+    share it names, its new part loaded (make_disk(model, group, share): its prompt-cache
+    directory for that share; the old one's caches are never used across shares).
     With --rejoin the worker also outlives its leader: when the leader stops or dies it waits
     for a leader on the same address and serves it (the same checks as a first join). Without
     it, a leader gone is this process's end: an error naming it, never a hang. Ctrl-C or
@@ -195,12 +156,14 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
     from ..lockstep.protocol.sessions import serve_worker
     from ..lockstep.protocol.table import release_memory
 
-    grammars, disk = grammars_disk
+    group, model, share = joined.group, joined.model, joined.share
+    del joined  # this frame holds the part alone: a resize frees it before the next loads
     wait_for_any = settings.rejoin
     where = _leader_at(group, settings)
+    disk = make_disk(model, group, share)
     try:
         while True:
-            follow = False
+            follow, resize = False, b""
             try:
                 table = serve_worker(group, model, grammars, disk=disk)  # tells the leader why if it fails
                 said = f"the leader said stop after {table.step_count} decode steps"
@@ -208,10 +171,11 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
                     return f"rank {group.rank()} stopped: {said}"
                 log(f"serve: {said}")
             except MeshReformingError as exc:
-                follow = True
+                follow, resize = True, exc.resize
                 log(f"serve: the leader (rank 0) forms the group again ({exc}); rank {group.rank()} joins it")
             except Exception as exc:  # noqa: BLE001 - the group failed; report it or rejoin
-                follow = leader_reforms(group)
+                word = leader_reforms(group)
+                follow, resize = word is not None, word or b""
                 if follow:
                     log(f"serve: the group broke ({type(exc).__name__}: {exc}); the leader (rank 0) "
                         f"forms it again and rank {group.rank()} joins it")
@@ -220,9 +184,16 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
                                          "stops (run it with --rejoin to wait for a leader instead)") from None
                 else:
                     log(f"serve: the group is down: {type(exc).__name__}: {exc}")
+            table = None
             group.close()
             drain_failed_work()
             release_memory()  # the failed group's table, its caches and its failed steps
+            if resize:
+                model = None
+                group, model, share = follow_resize(group, Regroup.unpack(resize), settings)
+                disk = make_disk(model, group, share)
+                log(f"serve: rank {group.rank()} of {group.size()} now, split {share}; serving")
+                continue
             if follow and not wait_for_any:
                 follow_leader(group, settings, share)
             else:
@@ -235,33 +206,55 @@ def serve_as_worker(group: gate_ops.Group, model, settings: ServeSettings, share
         return f"rank {group.rank()} stopped by {stop_reason()}{told}"
 
 
+def follow_resize(group: gate_ops.Group, regroup: Regroup, settings: ServeSettings) -> Tuple[Any, Any, SplitShare]:
+    """A worker told RESIZE: (group, model, share) of the leader's new group, this rank at the
+    rank it names, its new part loaded; tried again while the leader's door answers (as
+    follow_leader does), an error naming the leader once it does not."""
+    made_with = gate_ops.joined_with(group)
+    address = gate_ops.rejoin_address(group)
+    log(f"serve: the leader forms a group of {regroup.size}: rank {group.rank()} joins it as rank "
+        f"{regroup.rank} (split {regroup.share}) and loads its new part")
+    while True:
+        try:
+            joined = join_regrouped(made_with, regroup, settings.model.path, settings.parts)
+            return joined.group, joined.model, joined.share
+        except (HelloMismatchError, AuthenticationError):
+            raise
+        except TransportError as exc:
+            if not _door_open(address, group):
+                raise TransportError(f"the leader (rank 0) is gone while the group changed size: {exc}") from None
+            time.sleep(0.2)
+
+
 def _leader_at(group: gate_ops.Group, settings: ServeSettings) -> str:
     address = gate_ops.rejoin_address(group) or settings.link.address.coordinator
     return f"at {address[0]}:{address[1]}" if address else "(discovery)"
 
 
-def leader_reforms(group: gate_ops.Group) -> bool:
+def leader_reforms(group: gate_ops.Group) -> Optional[bytes]:
     """After this worker's own step failed with the group: whether the leader forms the group
-    again (its REFORM comes), or is gone or stopping (its channel closes, or ERROR or STOP
-    comes, or nothing within the timeout, DS4_TP_TIMEOUT_SEC). Commands the leader sent
-    before it knew are passed over."""
+    again (b"": its REFORM comes; RESIZE's payload: at another size, serve/resize.py), or is
+    gone or stopping (None: its channel closes, or ERROR or STOP comes, or nothing within the
+    timeout, DS4_TP_TIMEOUT_SEC). Commands the leader sent before it knew are passed over."""
     try:
         control = leader_channel(group)
     except TransportError:
-        return False
+        return None
     deadline = time.monotonic() + control.timeout
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return False
+            return None
         try:
-            ftype, _ = control.recv(timeout=left)
+            ftype, payload = control.recv(timeout=left)
         except (TransportError, OSError, ValueError):
-            return False
+            return None
         if ftype == F.REFORM:
-            return True
+            return b""
+        if ftype == F.RESIZE:
+            return payload
         if ftype == F.STOP:
-            return False
+            return None
 
 
 def follow_leader(group: gate_ops.Group, settings: ServeSettings, share: SplitShare) -> None:
@@ -332,5 +325,5 @@ def _tell_leader(group: gate_ops.Group, drain) -> str:
     return "; the leader was told"
 
 
-__all__ = ["Quit", "ServingSessions", "fit_worker_room", "follow_leader", "leader_reforms",
-           "serve_as_worker", "take_back_workers", "tell_reform"]
+__all__ = ["Quit", "ServingSessions", "fit_worker_room", "follow_leader", "follow_resize", "leader_reforms",
+           "serve_as_worker", "tell_reform"]

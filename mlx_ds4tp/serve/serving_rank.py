@@ -19,7 +19,7 @@ from ..lockstep.join_and_load import BringUp, bring_up
 from ..lockstep.sampling.grammar import Grammars
 from ..split.part_receive import stated_fingerprint
 from ..split.share import SplitShare
-from .rejoin import Quit, ServingSessions, fit_worker_room, serve_as_worker, take_back_workers
+from .rejoin import Quit, ServingSessions, fit_worker_room, serve_as_worker
 from .settings import ServedModel, ServeSettings
 
 if TYPE_CHECKING:
@@ -143,25 +143,50 @@ def _run_rank(settings: ServeSettings, identity: ModelIdentity, servers: List["H
     plan = BringUp(settings.link, settings.model.path, identity, settings.split, kv_tokens_needed(settings),
                    wait_for_leader=settings.rejoin, parts=settings.parts)
     joined = bring_up(plan, on_joined=take_http_port)
-    group, model, tokenizer, share = joined.group, joined.model, joined.tokenizer, joined.share
+    group = joined.group
+    disks = DiskCaches(settings, model_key(settings, identity, group))
+    box = [joined]  # handed on, not kept here: a resize frees the part before the next loads
+    del joined
     with group:
         server = servers[0] if servers else None
-        disk = make_disk_cache(settings, model, model_key(settings, identity, group), (share, group.rank()))
         engine = None
         try:
             if server is None:
-                how = serve_as_worker(group, model, settings, share, (Grammars(tokenizer), disk))
+                grammars = Grammars(box[0].tokenizer)
+                how = serve_as_worker(box.pop(), settings, grammars, disks.make)
             else:
-                engine = _leader_engine(settings, group, model, tokenizer, disk)
-                # The leader's own room, before the worker's is known (None: --max-kv-tokens decides).
-                own_room = engine.admission.kv_budget if settings.kv_budget_from_memory else None
-                how = _serve_http(settings, engine, group, (model, share), server, own_room)
+                joined = box.pop()
+                engine = _leader_engine(settings, group, joined.model, joined.tokenizer,
+                                        disks.make(joined.model, group, joined.share))
+                how = _serve_http(settings, engine, [joined], server, disks)
+                del joined
         finally:
             with shielded():
-                written = _close_disk(disk)
+                written = _close_disk(disks.current)
     log(f"serve: {how}{written}")
     _exit_if_stuck(engine)
     return 0
+
+
+class DiskCaches:
+    """This rank's --prompt-cache-dir for the model and share it serves now: make() gives the
+    one of a new part (after a resize, keyed by its own share, group size and rank, so no
+    prompt cache is used across shares: an even split of two is not an even split of three),
+    the last one's writer finished first; `current` is the one in use."""
+
+    def __init__(self, settings: ServeSettings, key: str):
+        self.settings, self.key, self.current = settings, key, None
+        self.started_size: Optional[int] = None
+
+    def make(self, model: Any, group: Any, share: SplitShare):
+        if self.current is not None:
+            self.current.close()
+        size = group.size()
+        self.started_size = self.started_size or size
+        # The started group's files keep their names (a restart finds them); another size's own.
+        label = str(share) if size == self.started_size else f"{share} of {size} ranks"
+        self.current = make_disk_cache(self.settings, model, self.key, (label, group.rank()))
+        return self.current
 
 
 def _close_disk(disk) -> str:
@@ -184,8 +209,9 @@ def model_key(settings: ServeSettings, identity: ModelIdentity, group: Any) -> s
 
 
 def make_disk_cache(settings: ServeSettings, model: Any, fingerprint: str,
-                    share_rank: Tuple[SplitShare, int]):
-    """This rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache) or None; SystemExit
+                    share_rank: Tuple[Any, int]):
+    """This rank's --prompt-cache-dir (lockstep.caches.disk_cache.DiskCache) or None (share_rank:
+    the split share, or its label naming the group's size, and the rank); SystemExit
     naming the model when its cache cannot be saved in mlx-lm's prompt-cache files."""
     limits = settings.limits
     if not limits.prompt_cache_dir:
@@ -245,29 +271,37 @@ def _leader_engine(settings: ServeSettings, group: gate_ops.Group, model, tokeni
                   speculation=speculation)
 
 
-def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_model: Tuple[Any, SplitShare],
-                server: "HttpServer", own_room: Optional[int]) -> str:
-    """The leader's HTTP front over `engine` (split_model: the model and the share it is split
-    by; own_room: the leader's KV budget from memory), until Ctrl-C or SIGTERM; how it ended."""
+def _serve_http(settings: ServeSettings, engine, box: list, server: "HttpServer", disks: DiskCaches) -> str:
+    """The leader's HTTP front over `engine` (box: the Joined it serves, handed on to the
+    resizer), until Ctrl-C or SIGTERM; how it ended."""
+    from .cluster import ClusterView
+    from .resize import GroupResizer, Hooks
     from .state import ServeState
 
-    model = split_model[0]
+    joined = box.pop()
+    group, model = joined.group, joined.model
     served = settings.model
     config = json.loads((served.path / "config.json").read_text())
     state = ServeState(engine, tokenizer=engine.tokenizer, served=served, http=settings.http,
                        context_length=context_length(model, config),
                        vocab_size=engine.sessions.vocab or int(config["vocab_size"]))
-    from .cluster import ClusterView
-
-    state.cluster = ClusterView(engine, state.metrics, split_model[1], model, state.model_ids[0])
+    state.cluster = ClusterView(engine, state.metrics, joined.share, model, state.model_ids[0])
+    # The leader's own room, before the workers' is known (None: --max-kv-tokens decides).
+    own_room = engine.admission.kv_budget if settings.kv_budget_from_memory else None
     engine.sessions.wait_ready()  # /health says 200 once the worker serves, not before
     fit_worker_room(engine, engine.sessions, settings, own_room)
     quit_ = Quit()
+    resizer = GroupResizer(engine, joined, settings, Hooks(disks.make, lambda m: _own_room(settings, m),
+                                                            state.cluster.regrouped), quit_)
+    del joined, model
+    state.resize = resizer.status
+    resizer.count_in(state.metrics.registry)
+    if settings.shrink_after > 0:
+        engine.sessions.on_abort = resizer.hold
     how = "the HTTP server ended"
     try:
         engine.start()
-        threading.Thread(target=take_back_workers, args=(engine, group, split_model, settings, own_room, quit_),
-                         name="ds4tp-rejoin", daemon=True).start()
+        threading.Thread(target=resizer.run, name="ds4tp-resize", daemon=True).start()
         log(f"serving {served.name} ({served.path}) on "
             f"http://{settings.http.host}:{server.port}/v1 (transport {group.transport})")
         # The signal ends the answers under way at once (engine.begin_stop), so the HTTP
@@ -279,4 +313,17 @@ def _serve_http(settings: ServeSettings, engine, group: gate_ops.Group, split_mo
         with shielded():
             quit_.begin()
             told = engine.stop()
+            resizer.close()
     return f"{how}: {told}"
+
+
+def _own_room(settings: ServeSettings, model: Any) -> Optional[int]:
+    """The leader's KV budget from its memory with `model` loaded (None: --max-kv-tokens gave it)."""
+    if not settings.kv_budget_from_memory:
+        return None
+    from ..lockstep.caches.memory import default_kv_budget
+
+    limits = settings.limits
+    budget, how = default_kv_budget(model, limits.kv_bits, limits.kv_group_size)
+    log(f"serve: on the leader, {how}")
+    return 0 if budget is None else max(budget, 1)

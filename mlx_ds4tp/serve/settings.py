@@ -63,3 +63,4 @@ class ServeSettings:
     rejoin: bool = False
     split: SplitSettings = SplitSettings()
     parts: PartsSettings = PartsSettings()  # a worker without --model: where its part is kept
+    shrink_after: float = 30.0  # the leader: a lost worker's wait before the ranks left serve (0: never)

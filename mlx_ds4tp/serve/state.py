@@ -55,6 +55,10 @@ class ServeState:
         self.responses = ResponseStore()
         # Constrained requests' grammars, compiled and cached once for both the check and the rows.
         self.grammars = getattr(engine.sessions, "grammars", None)
-        self.metrics = ServeMetrics(engine, getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None))
+        # The group serving now (serve/resize.py replaces it when the group changes size).
+        latency = (lambda: engine.sessions.group.gate_latency_us()) \
+            if callable(getattr(getattr(engine.sessions, "group", None), "gate_latency_us", None)) else None
+        self.metrics = ServeMetrics(engine, latency)
         self.created = int(time.time())
         self.cluster = None  # the leader's cluster page figures (serve/cluster.py's ClusterView)
+        self.resize = None  # the group's size and state (serve/resize.py's ResizeStatus)

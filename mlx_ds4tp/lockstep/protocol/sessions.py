@@ -343,6 +343,8 @@ def serve_worker(group: gate_ops.Group, model, grammars: Optional[Grammars] = No
             if ftype == F.REFORM:
                 # The leader lives and forms its group again: not a failure.
                 raise MeshReformingError(payload.decode("utf-8", "replace"))
+            if ftype == F.RESIZE:  # the same, at another size (serve/resize.py)
+                raise MeshReformingError("the group changes size", resize=payload)
             command = COMMANDS.get(ftype)
             if command is not None and command.answers:  # a query: HASH, DISK_LOAD, KV_ROOM
                 fields = command.unpack(payload, table.vocab)

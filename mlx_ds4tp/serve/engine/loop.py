@@ -79,6 +79,10 @@ class Engine:
         self._error: Optional[str] = None
         self._down = threading.Event()  # set while the pair is down (see resume)
         self._stopping = False
+        # A group about to change size (serve/resize.py's grow): admit nothing more, and end the
+        # loop once no request is under way, the waiting ones kept for the next group.
+        self._pausing = False
+        self._paused = threading.Event()
         self._thread: Optional[threading.Thread] = None
         # Called on this thread between turns while idle (serve/cluster.py asks the workers'
         # figures then, never in the middle of decoding).
@@ -100,8 +104,10 @@ class Engine:
         return dict(total)
 
     def alive(self) -> bool:
-        """True while the loop runs and the pair is up."""
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        """True while the loop runs (or is paused for the group to change size: it resumes) and
+        the pair is up."""
+        running = self._thread is not None and self._thread.is_alive()
+        return self._error is None and (running or self._paused.is_set())
 
     def ended(self) -> bool:
         """True once the loop's thread has ended (or never started)."""
@@ -198,9 +204,41 @@ class Engine:
         return "the workers (ranks 1 ..) were told to stop"
 
     # -- the loop -------------------------------------------------------------
+    def pause(self) -> None:
+        """Admit no more requests (they wait, queued) and end the loop at the first turn with
+        none under way, failing nobody: the group then changes size and resume() serves the
+        queue over it. Engine.paused says when."""
+        self._pausing = True
+
+    def paused(self, timeout: float) -> bool:
+        """True once pause() has ended the loop."""
+        return self._paused.wait(timeout)
+
+    def unpause(self) -> None:
+        """Serve on over the same group after pause() (the grow it paused for did not happen):
+        the loop runs again, the queue and the stored prompt caches as they were."""
+        if not self._paused.is_set():
+            return
+        if self._thread is not None:
+            self._thread.join()
+        self._pausing = False
+        self._start_unpaused()
+
+    def _start_unpaused(self) -> None:
+        """The loop started again, then the pause cleared: alive() stays True throughout, so a
+        request waiting through the pause is never told the engine stopped."""
+        self.start()
+        self._paused.clear()
+
+    def _under_way(self) -> bool:
+        return bool(self.prefilling or self.ready or self.batch.running)
+
     def _run(self) -> None:
         try:
             while not self._stopping:
+                if self._pausing and not self._under_way():
+                    self._paused.set()
+                    return
                 self._turn()
         except Exception as exc:  # noqa: BLE001 - every failure ends the pair, reported to all
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -213,8 +251,8 @@ class Engine:
 
     def _state(self) -> TurnState:
         batch = self.batch
-        waiting = tuple(Queued(t.id, t.request.kv_tokens, t.id in self._cancelled)
-                        for t in self.admission.waiting.values())
+        waiting = () if self._pausing else tuple(Queued(t.id, t.request.kv_tokens, t.id in self._cancelled)
+                                                 for t in self.admission.waiting.values())
         return TurnState(waiting, self.admission.reserved, tuple(self.prefilling), tuple(self.ready),
                          tuple(batch.running), batch.pipelined, batch.unread, batch.first_unread,
                          batch.all_in_flight(), self.mixing.estimates(), self.speculation)
@@ -250,7 +288,7 @@ class Engine:
     def _take_inbox(self) -> None:
         """Queue the requests submitted and mark the cancels, in the order they came; waits a
         while for one when there is nothing to do."""
-        busy = bool(self.prefilling or self.ready or self.batch.running or self.admission.waiting)
+        busy = self._under_way() or bool(self.admission.waiting and not self._pausing)
         try:
             item = self._inbox.get_nowait() if busy else self._inbox.get(timeout=IDLE_POLL_SEC)
         except queue.Empty:
@@ -316,12 +354,16 @@ class Engine:
         return self._thread is None or not self._thread.is_alive()
 
     def resume(self, sessions: LeaderSessions) -> None:
-        """Serve again over a pair joined anew (a worker restarted and rejoined): the sessions
-        that were under way have already failed with the pair, and the stored prompt caches
-        went with the old worker, so both ranks start from empty tables and the index of
-        stored prompts starts empty too."""
-        if not self.wait_down(0):
+        """Serve again over a pair joined anew (a worker restarted and rejoined), or over a
+        group of another size after pause(): the sessions that were under way have already
+        failed with the pair (or ended), and the stored prompt caches went with the old group
+        (never used across shares), so every rank starts from an empty table and the index of
+        stored prompts starts empty too; requests still waiting are served by the new group."""
+        if not (self._paused.is_set() or self.wait_down(0)):
             raise RuntimeError("resume() is for a server whose pair is down; this one is up")
+        if self._thread is not None:
+            self._thread.join()
+        self._pausing = False
         self.sessions = sessions
         release_memory()  # the old pair's table, its caches and its failed steps
         self.batch.clear(sessions)
@@ -330,7 +372,26 @@ class Engine:
         with self._lock:
             self._error = None
             self._down.clear()
-        self.start()
+        self._start_unpaused()
+
+    def give_up(self, message: str) -> None:
+        """A paused engine whose next group did not form: the requests waiting fail
+        (PairDownEvent(message)) and new ones are refused (503) until resume()."""
+        if self._down.is_set() or not self._paused.is_set():
+            return
+        with self._lock:
+            self._error = message
+            self._down.set()
+        self._end_all(message)
+
+    def drop_sessions(self) -> None:
+        """While the group changes size (down, or paused): the old group's table let go, so its
+        part of the model is freed before the next part loads; an empty one stands in (/health
+        reads it, and the old disk cache's figures) until resume()."""
+        from ...lockstep.one_rank import OneRank
+
+        self.sessions = OneRank(None, self.sessions.grammars, self.sessions.disk)
+        self.batch.clear(self.sessions)
 
     def _fail(self, message: str) -> None:
         with self._lock:

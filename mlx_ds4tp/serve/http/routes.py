@@ -49,7 +49,8 @@ def error_response(err: ApiError, path: str) -> Response:
     """A refused request's answer, in its API's error shape (Anthropic's under /v1/messages).
     Connection: close, because its body may be unread (a refused key, an unknown path, a body
     late): a kept-alive client opens a new connection rather than write into a closed one."""
-    headers = {"Connection": "close", **({"Retry-After": str(RETRY_AFTER_SEC)} if err.status == 429 else {})}
+    # 503 too: the group is down for a while (a worker lost: it shrinks or is taken back).
+    headers = {"Connection": "close", **({"Retry-After": str(RETRY_AFTER_SEC)} if err.status in (429, 503) else {})}
     body = anthropic.error_body(err) if path.startswith("/v1/messages") else err.body()
     return Response(json.dumps(body).encode(), err.status, headers, media_type="application/json")
 
@@ -173,7 +174,8 @@ def _post(parse: Parse, answer: Answer) -> Endpoint:
 
 async def _health(http: HttpRequest, state: ServeState) -> Response:
     error = state.engine.error
-    body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts()}
+    body = {"status": "ok" if error is None else "unavailable", **state.engine.stats, **state.engine.counts(),
+            **(state.resize.health() if state.resize is not None else {})}
     body.update(parts_in_flight())  # a worker receiving its part from this leader: how far, how fast
     return _json(200, body) if error is None else _json(503, {**body, "error": error})
 

@@ -1,0 +1,97 @@
+"""What a serving leader watches of its workers while its group changes size (serve/resize.py):
+their control connections held across a closed group (a survivor waits there for the leader's
+word; a lost rank's connection has closed), the word told them, and a knock at the leader's
+door (a restarted rank dialing it) while no group listens there."""
+
+from __future__ import annotations
+
+import select
+import socket
+from typing import Any, Callable, Dict, List
+
+from ..errors import PeerClosedError, TransportError
+from ..link.control import ControlChannel, listen_socket
+from ..lockstep.protocol.sessions import drain_failed_work
+
+
+class DoorWatch:
+    """A knock at the leader's door while the group is closed: a listener at its address whose
+    pending connection is never accepted (closed, the dialer's JOIN is reset, and it dials the
+    new door again: link/mesh.py's REDIAL_SEC)."""
+
+    def __init__(self, listen):
+        self.sock = listen_socket(listen[0], listen[1])
+        self.sock.listen(8)
+        self._knocked = False
+
+    @staticmethod
+    def pending(sock: socket.socket) -> bool:
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
+
+    def knocked(self) -> bool:
+        self._knocked = self._knocked or self.pending(self.sock)
+        return self._knocked
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def closed_ranks(held: Dict[int, ControlChannel]) -> List[int]:
+    """The held ranks whose connection has closed (what they sent read past: a survivor's
+    ERROR naming its failed step is no loss)."""
+    lost = []
+    for rank, control in held.items():
+        try:
+            while select.select([control.sock], [], [], 0)[0]:
+                try:
+                    control.recv(timeout=1.0)
+                except PeerClosedError:
+                    raise
+                except TransportError:
+                    continue  # its ERROR, or a frame cut short: it is there
+        except (PeerClosedError, OSError, ValueError):
+            lost.append(rank)
+    return lost
+
+
+def tell_held(held: Dict[int, ControlChannel], word: Callable[[int], Any]) -> None:
+    """Each held worker its word ((frame type, payload), None: nothing), then the connections
+    closed in order (their unread frames read off first, so the word is not cut off by a reset)."""
+    for rank, control in held.items():
+        said = word(rank)
+        if said is None:
+            continue
+        try:
+            control.send(*said)
+        except (TransportError, OSError):
+            pass
+    for control in held.values():
+        drain_close(control.sock)
+
+
+def close_group(group, held: Dict[int, ControlChannel]) -> None:
+    """A group closed after its workers were told (held: their control channels, in it): what
+    they sent read off first, so what was told is not cut off by a reset."""
+    for control in held.values():
+        drain_close(control.sock, close=False)
+    group.close()
+    drain_failed_work()
+
+
+def drain_close(sock: socket.socket, close: bool = True) -> None:
+    """Read what the peer sent and nobody read (a reset would cut off what this side sent
+    last), then close `sock` unless told not to."""
+    try:
+        while select.select([sock], [], [], 0)[0]:
+            if not sock.recv(65536, socket.MSG_DONTWAIT):
+                break
+    except OSError:
+        pass
+    if close:
+        sock.close()
+
+
+__all__ = ["DoorWatch", "close_group", "closed_ranks", "drain_close", "tell_held"]
