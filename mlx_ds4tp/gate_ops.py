@@ -81,7 +81,7 @@ def init_pair(link: LinkSettings, identity: Optional[ModelIdentity] = None):
     if link.transport == MLX:
         _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
-    found_by = link if link.discovery is not None and link.size > 2 else None
+    found_by = link if link.finds_a_lobby else None
     if found_by is not None:
         # Discovery finds a group of N in a lobby (the ranks, the leader's address), then it forms
         # there; two ranks need no lobby (their election is all), so _form finds them (meet).
@@ -158,6 +158,12 @@ def joined_with(group) -> Tuple[LinkSettings, Optional[ModelIdentity]]:
     if made is None:
         raise ValueError(f"{group!r} was not made by mlx_ds4tp.init(...)")
     return made
+
+
+def discovered_with(group) -> Optional[LinkSettings]:
+    """The discovering settings of a group of N that discovery found (its leader re-opens the
+    lobby with them, link.findgroup.Reopened), or None: a group formed by addresses, a pair."""
+    return _FOUND_BY.get(group)
 
 
 def rejoin_timeout(group) -> float:

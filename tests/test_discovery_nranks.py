@@ -150,7 +150,8 @@ def test_serve_on_three_ranks_found_by_discovery_takes_a_restarted_worker_back(p
     answers exactly; a worker killed makes it answer 503; the same command started again runs
     discovery, finds the leader's re-opened lobby and re-joins with the rank left free; the
     answers are exact again and the other worker is the process it was."""
-    cmd = ["serve", "--model", str(model), "--port", str(PORT), "--max-kv-tokens", "4096"]
+    # --shrink-after 0: the group waits for its rank (tests/test_serve_shrink_discovery.py shrinks).
+    cmd = ["serve", "--model", str(model), "--port", str(PORT), "--max-kv-tokens", "4096", "--shrink-after", "0"]
     ranks = [spawn(procs, loop_ns, cmd, tmp_path, f"rank{i}") for i in range(RANKS)]
     wait_for(ranks, "the group serving", r"serving .* on http://", within=300)
     by_rank = {}

@@ -285,6 +285,13 @@ class LinkSettings:
         """0 for the leader, 1 for the worker."""
         return self.address.rank
 
+    @property
+    def finds_a_lobby(self) -> bool:
+        """Whether discovery finds this group in a leader's lobby (3 ranks or more,
+        link/findgroup.py), whose door keeps its address as the group changes size; a pair
+        discovery finds elects its leader afresh at each meeting (link/meet.py)."""
+        return self.discovery is not None and self.size is not None and self.size > 2
+
     def check(self) -> "LinkSettings":
         """self, once every field is one a pair can be made with; else a ValueError naming the
         field, its value and the fix (the command line's flag in brackets)."""

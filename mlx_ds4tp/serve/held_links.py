@@ -1,16 +1,20 @@
 """What a serving leader watches of its workers while its group changes size (serve/resize.py):
 their control connections held across a closed group (a survivor waits there for the leader's
 word; a lost rank's connection has closed), the word told them, and a knock at the leader's
-door (a restarted rank dialing it) while no group listens there."""
+door (a restarted rank dialing it) while no group listens there, and, for a group discovery
+found, the lobby that tells a restarted rank where that door is (Beacon)."""
 
 from __future__ import annotations
 
 import select
 import socket
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import PeerClosedError, TransportError
+from ..link.config import LinkSettings
 from ..link.control import ControlChannel, listen_socket
+from ..link.findgroup import Reopened
+from ..link.hello import ModelIdentity
 from ..lockstep.protocol.sessions import drain_failed_work
 
 
@@ -37,6 +41,30 @@ class DoorWatch:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Beacon:
+    """The leader's lobby re-opened (link.findgroup.Reopened) while its group found by
+    discovery is short of a rank: waiting for the lost one, or serving without it. A rank
+    started again with its same discovery command finds the lobby, is sent to the door
+    (`door`, the mesh's address, the same for every size) and knocks there. Nothing for a group
+    formed by addresses (found_by None): its workers know the door."""
+
+    def __init__(self, found_by: Optional[LinkSettings], identity: Optional[ModelIdentity],
+                 door: Optional[Tuple[str, int]]):
+        self.found_by, self.identity, self.door = found_by, identity or ModelIdentity(), door
+        self._lobby: Optional[Reopened] = None
+
+    def open(self) -> None:
+        if self.found_by is not None and self.door is not None and self._lobby is None:
+            self._lobby = Reopened(self.found_by, self.identity, self.door)
+
+    def close(self) -> None:
+        """The lobby closed while the group forms (a rank sent to the door then would JOIN a
+        group of the wrong size) or once it is whole."""
+        if self._lobby is not None:
+            self._lobby.close()
+            self._lobby = None
 
 
 def closed_ranks(held: Dict[int, ControlChannel]) -> List[int]:
@@ -94,4 +122,4 @@ def drain_close(sock: socket.socket, close: bool = True) -> None:
         sock.close()
 
 
-__all__ = ["DoorWatch", "close_group", "closed_ranks", "drain_close", "tell_held"]
+__all__ = ["Beacon", "DoorWatch", "close_group", "closed_ranks", "drain_close", "tell_held"]

@@ -48,7 +48,7 @@ from ..split.auto import ModelNeed, choose_share_among, model_need
 from ..split.errors import ShareRefusedError
 from ..split.measure import usable_memory
 from ..split.share import SplitShare
-from .held_links import DoorWatch, close_group, closed_ranks, tell_held
+from .held_links import Beacon, DoorWatch, close_group, closed_ranks, tell_held
 from .rejoin import Quit, ServingSessions, fit_worker_room, tell_reform
 from .settings import ServeSettings
 
@@ -102,6 +102,9 @@ class GroupResizer:
         self.held: Dict[int, ControlChannel] = {}  # rank now -> its control connection, kept
         self.lost_at = 0.0
         self._lock = threading.Lock()
+        # A group discovery found: its lobby open while a rank is missing, so the lost one's
+        # `ds4tp serve` started again finds the door (serve/held_links.py:Beacon).
+        self.beacon = Beacon(gate_ops.discovered_with(joined.group), self.link_identity[1], self._listen())
 
     # -- the engine thread: the group broke ------------------------------------------------
     def hold(self, group, reason: str) -> None:
@@ -143,6 +146,7 @@ class GroupResizer:
         back = self._knock_alive()
         self._close_knock()  # its rank dials the next door
         watch = DoorWatch(self._listen())
+        self.beacon.open()
         lost: List[int] = []
         try:
             deadline = self.lost_at + self.settings.shrink_after
@@ -156,6 +160,7 @@ class GroupResizer:
                 time.sleep(POLL_SEC)
         finally:
             watch.close()
+            self.beacon.close()
         if self.quit.event.is_set():
             return
         back = back or watch.knocked()
@@ -180,6 +185,8 @@ class GroupResizer:
         log(f"serve: HTTP answers 503 until the group of {self.group.size()} forms again {where} (start "
             "the stopped rank's `ds4tp serve --role worker` again, with the same --model and secret; "
             "any rank still alive was told the group forms again and joins it by itself)")
+        if gate_ops.discovered_with(self.group) is None:
+            self.beacon.open()  # a group the resizer formed: its own lobby (else reconnect's)
         while not self.quit.event.is_set():
             try:
                 rejoin(self.group, self.settings.split, self.share, self.settings.model.path)
@@ -192,6 +199,7 @@ class GroupResizer:
                     if go:
                         tell_reform(self.group, f"a rank could not rejoin: {exc}")
                 time.sleep(0.5)
+        self.beacon.close()
         if self.quit.event.is_set():
             return
         self._note_figures()
@@ -239,6 +247,7 @@ class GroupResizer:
     # -- grow ------------------------------------------------------------------------------
     def _grow(self) -> None:
         self.status.state = "growing"
+        self.beacon.close()
         began = time.monotonic()
         self.engine.pause()
         while not self.engine.paused(0.5):
@@ -248,6 +257,7 @@ class GroupResizer:
             log(f"serve: the rank at the door left before the group grew; serving on with {self.status.size}")
             self.engine.unpause()
             self.status.state = "serving"
+            self._beacon_for_size()
             return
         regained = min(set(range(self.status.started_size)) - set(self.members))
         members = sorted(self.members + [regained])
@@ -303,7 +313,15 @@ class GroupResizer:
         if not self._resume(joined):
             return False
         self.status.refused = None
+        self._beacon_for_size()
         return True
+
+    def _beacon_for_size(self) -> None:
+        """The lobby open while the group serves short of a rank, closed once it is whole."""
+        if self.status.size < self.status.started_size:
+            self.beacon.open()
+        else:
+            self.beacon.close()
 
     def _drop_model(self) -> None:
         """The old part freed before the new one loads (their sum may not fit), and its prompt
@@ -360,6 +378,7 @@ class GroupResizer:
         """At the leader's stop (the workers told STOP): the group in use now closed, and the
         door of a leader alone; workers still waiting for its word told STOP."""
         self._tell(lambda rank: (F.STOP, b""))
+        self.beacon.close()
         self._close_knock()
         if self._door is not None:
             self._door.close()
