@@ -28,6 +28,16 @@ class FrameError(TransportError):
     """A control frame was malformed, truncated, oversized or of an unknown type."""
 
 
+class RegroupedError(TransportError):
+    """The leader's door answered this rank's JOIN with RESIZE: the group it joins forms at
+    another size (a grow whose new group did not form falls back to the ranks it had,
+    serve/resize.py); `resize` is the RESIZE payload (lockstep/regroup.py reads it)."""
+
+    def __init__(self, message: str, resize: bytes):
+        super().__init__(message)
+        self.resize = resize
+
+
 class HelloMismatchError(TransportError):
     """The two ranks disagree about the protocol, their roles or the model."""
 

@@ -194,3 +194,55 @@ def test_a_worker_back_within_shrink_after_takes_its_place_without_a_shrink(mode
         assert "formed again" in log and "shrank" not in log, log[-3000:]
     finally:
         served.close()
+
+
+def test_a_grow_whose_group_never_forms_falls_back_and_serves_the_queue(model_dir, tmp_path):
+    """A rank knocks at the shrunk group's door and is gone once the grow has begun (here a
+    bare connection, held until the leader says the group grows, then closed: the returning
+    worker killed right after its knock): the group of three never forms; the leader tells the
+    rank left to form the group of two again (RESIZE at the door), serves the request queued
+    during the grow, exactly, and grows for real when the worker comes back."""
+    import socket
+
+    served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "2"], ranks=3)
+    try:
+        _wait_health(served, 120, code=200, size=3, state="serving")
+        served.kill("worker2")
+        _wait_health(served, 90, code=200, size=2, state="serving", shrinks=1)
+        listen = served.cmds["leader"].index("--listen")
+        door = ("127.0.0.1", int(served.cmds["leader"][listen + 2]))
+        knock = socket.create_connection(door, timeout=10)
+        deadline = time.monotonic() + 60
+        while "the group grows from 2 to 3" not in served.log("leader"):
+            assert time.monotonic() < deadline, served.log("leader")[-3000:]
+            time.sleep(0.05)
+        knock.close()
+        # Asked while the group grows: queued, then served by the group that forms again.
+        prompt = "queued while the group grows"
+        want = reference(model_dir, text_ids(model_dir, prompt), 8)
+        answers, errors = [], []
+
+        def ask() -> None:
+            try:
+                got = client(served, timeout=180).completions.create(model=str(model_dir), prompt=prompt,
+                                                                     max_tokens=8)
+                answers.append(got.choices[0].text)
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        asking.join(180)
+        assert not errors and answers == [want], (errors, answers, served.log("leader")[-3000:])
+        body = _wait_health(served, 60, code=200, size=2, state="serving")
+        assert body["grows"] == 0 and body["shrinks"] == 1, body
+        log = served.log("leader")
+        assert "the group of 3 did not form" in log and "serving on with the 2 ranks it had" in log, log[-3000:]
+        assert "forms a group of 2 again" in served.log("worker"), served.log("worker")[-3000:]
+        _check_answers(served, model_dir, ("after",))
+        # The worker itself back: the group grows to three after all.
+        served.start("worker2")
+        body = _wait_health(served, 120, code=200, size=3, state="serving", grows=1)
+        _check_answers(served, model_dir, ("after", "before"))
+    finally:
+        served.close()

@@ -32,6 +32,7 @@ from ..errors import (
     FrameError,
     HelloMismatchError,
     PeerClosedError,
+    RegroupedError,
     TransportError,
     TransportTimeoutError,
 )
@@ -341,6 +342,8 @@ def _join(link: LinkSettings, mine: List[CableAddress], deadline: float, dial: D
             raise HelloMismatchError(
                 f"the leader at {host}:{port} answered this JOIN with a pair's HELLO: it runs an older "
                 f"mlx_ds4tp (protocol before {PROTOCOL_VERSION}); install the same version on every rank")
+        if ftype == FrameType.RESIZE:  # a serving leader's group of this size did not form
+            raise RegroupedError(f"the leader at {host}:{port} forms its group at another size", payload)
         if ftype != FrameType.ROSTER:
             raise FrameError(f"expected a ROSTER frame, got {ftype.name} ({len(payload)} bytes)")
         roster, rank, cables = unpack_roster(payload)

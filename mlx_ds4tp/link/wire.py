@@ -28,7 +28,7 @@ The bound is checked before anything is allocated. The transport's own frames an
 | ROSTER           | ROSTER_HEADER (size, this rank) + size x ROSTER_ENTRY (port, UTF-8 host, cable addresses): every rank's link address and cables | 8192 |
 | MESH_ID          | MESH_ID_PAYLOAD (the mesh's random id, the sender's rank): after the ROSTER, first on every mesh link's control connection, and once more each way on the JOIN connection when every link is up | 64 |
 | REFORM           | UTF-8 text, the leader's reason: a serving leader whose group (any N) broke forms it again; each worker still alive joins the new mesh with its rank (serve/rejoin.py) | 4096 |
-| RESIZE           | RESIZE_HEAD (the new group's size, the receiver's rank in it, the share's part count) + that many u16 parts (none: even): a serving leader forms a group of another size (a lost worker left out, or back) and each member joins it with that rank and share (serve/resize.py) | 64 |
+| RESIZE           | RESIZE_HEAD (the new group's size, the receiver's rank in it, the share's part count) + that many u16 parts (none: even): a serving leader forms a group of another size (a lost worker left out, or back) and each member joins it with that rank and share (serve/resize.py); also the door's answer to a JOIN for a group that did not form | 64 |
 | PART_OFFER       | UTF-8 JSON: the files of a worker's part the leader offers (names, sizes, digests) and the path of their bytes (tcp or rdma), to a worker started without --model (split/part_send.py) | 16777216 |
 | PART_WANT        | UTF-8 JSON: the files (and the offset in each) that worker still needs; an empty list ends the transfer | 1048576 |
 | PART_DATA        | the next bytes of the file being sent (over RDMA: the length of the chunk the link's next exchange carries) | 4194304     |
@@ -107,7 +107,10 @@ from ..errors import FrameError
 # PART_OFFER names the path of the part's bytes ("tcp": PART_DATA frames; "rdma": each
 # PART_DATA holds the length of the chunk the next exchange of the RDMA link carries,
 # split/part_bulk.py).
-PROTOCOL_VERSION = 15
+# 16: RESIZE also answers a JOIN at a serving leader's door, when the group it would join
+# did not form and the leader falls back to the ranks it had (link/mesh.py raises
+# RegroupedError for it).
+PROTOCOL_VERSION = 16
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import select
 import socket
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import struct
+import time
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ..errors import PeerClosedError, TransportError
+from ..errors import FrameError, PeerClosedError, TransportError
 from ..link.config import LinkSettings
 from ..link.control import ControlChannel, listen_socket
 from ..link.findgroup import Reopened
 from ..link.hello import ModelIdentity
+from ..link.wire import JOIN_PAYLOAD, FrameType
 from ..lockstep.protocol.sessions import drain_failed_work
 
 
@@ -65,6 +68,36 @@ class Beacon:
         if self._lobby is not None:
             self._lobby.close()
             self._lobby = None
+
+
+def answer_joins(listen: Tuple[str, int], word: Callable[[int], Optional[bytes]], waited: Set[int],
+                 until: float, stop: Callable[[], bool]) -> Set[int]:
+    """A group that did not form: each JOIN at the door (`listen`) answered RESIZE with
+    word(the rank it asks for) (None: not one of ours, closed unanswered), until every rank of
+    `waited` was told, `until`, or stop(); the ranks told. Each told rank follows the RESIZE to
+    the group it names (link/mesh.py: RegroupedError; serve/rejoin.py:follow_resize)."""
+    door = listen_socket(listen[0], listen[1])
+    door.listen(8)
+    told: Set[int] = set()
+    try:
+        while waited - told and time.monotonic() < until and not stop():
+            if not select.select([door], [], [], 0.1)[0]:
+                continue
+            sock, _ = door.accept()
+            channel = ControlChannel(sock, 5.0)
+            try:
+                ftype, payload = channel.recv(timeout=5.0)
+                asked = JOIN_PAYLOAD.unpack_from(payload)[2] if ftype == FrameType.JOIN else None
+                said = word(asked) if asked is not None else None
+                if said is not None:
+                    channel.send(FrameType.RESIZE, said)
+                    told.add(asked)
+            except (TransportError, FrameError, OSError, struct.error):
+                pass  # a dialer gone, or not a JOIN: it is not told
+            drain_close(sock)
+    finally:
+        door.close()
+    return told
 
 
 def closed_ranks(held: Dict[int, ControlChannel]) -> List[int]:
@@ -122,4 +155,4 @@ def drain_close(sock: socket.socket, close: bool = True) -> None:
         sock.close()
 
 
-__all__ = ["Beacon", "DoorWatch", "close_group", "closed_ranks", "drain_close", "tell_held"]
+__all__ = ["Beacon", "DoorWatch", "answer_joins", "close_group", "closed_ranks", "drain_close", "tell_held"]

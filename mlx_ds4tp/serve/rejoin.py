@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 from .. import gate_ops
 from ..base.log import log
 from ..base.stopping import shielded, stop_reason
-from ..errors import AuthenticationError, HelloMismatchError, TransportError
+from ..errors import AuthenticationError, HelloMismatchError, RegroupedError, TransportError
 from ..link.control import dial
 from ..link.wire import FrameType
 from ..lockstep.errors import MeshReformingError
@@ -209,7 +209,9 @@ def serve_as_worker(joined: Joined, settings: ServeSettings, grammars: Any,
 def follow_resize(group: gate_ops.Group, regroup: Regroup, settings: ServeSettings) -> Tuple[Any, Any, SplitShare]:
     """A worker told RESIZE: (group, model, share) of the leader's new group, this rank at the
     rank it names, its new part loaded; tried again while the leader's door answers (as
-    follow_leader does), an error naming the leader once it does not."""
+    follow_leader does), an error naming the leader once it does not. A door that answers
+    RESIZE (the group it named did not form: the leader falls back to the ranks it had) is
+    followed to that group."""
     made_with = gate_ops.joined_with(group)
     address = gate_ops.rejoin_address(group)
     log(f"serve: the leader forms a group of {regroup.size}: rank {group.rank()} joins it as rank "
@@ -218,6 +220,10 @@ def follow_resize(group: gate_ops.Group, regroup: Regroup, settings: ServeSettin
         try:
             joined = join_regrouped(made_with, regroup, settings.model.path, settings.parts)
             return joined.group, joined.model, joined.share
+        except RegroupedError as exc:
+            was, regroup = regroup, Regroup.unpack(exc.resize)
+            log(f"serve: the leader's group of {was.size} did not form: it forms a group of {regroup.size} "
+                f"again, rank {group.rank()} joins it as rank {regroup.rank} (split {regroup.share})")
         except (HelloMismatchError, AuthenticationError):
             raise
         except TransportError as exc:

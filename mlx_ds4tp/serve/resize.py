@@ -28,13 +28,14 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from .. import gate_ops
 from ..base.log import log
 from ..errors import TransportError, TransportTimeoutError
+from ..link.config import default_timeout
 from ..link.control import ControlChannel, listen_socket
 from ..link.hello import RankFigures
 from ..link.wire import FrameType
@@ -48,7 +49,7 @@ from ..split.auto import ModelNeed, choose_share_among, model_need
 from ..split.errors import ShareRefusedError
 from ..split.measure import usable_memory
 from ..split.share import SplitShare
-from .held_links import Beacon, DoorWatch, close_group, closed_ranks, tell_held
+from .held_links import Beacon, DoorWatch, answer_joins, close_group, closed_ranks, tell_held
 from .rejoin import Quit, ServingSessions, fit_worker_room, tell_reform
 from .settings import ServeSettings
 
@@ -285,14 +286,22 @@ class GroupResizer:
                 self._door = None
             self._close_knock()
 
-        if self._regroup(members, share, close_old):
+        if not self._regroup(members, share, close_old, fallback=(list(self.members), self.share)):
+            return
+        if self.status.size == len(members):
             self.status.grows += 1
             log(f"serve: grew from {was} to {len(members)} ranks in {time.monotonic() - began:.1f} s; serving again")
+        else:
+            log(f"serve: the group of {len(members)} did not form; serving on with the {self.status.size} "
+                f"rank{'s' if self.status.size > 1 else ''} it had ({time.monotonic() - began:.1f} s)")
 
     # -- both: the new group, its part, the engine over it ---------------------------------
-    def _regroup(self, members: List[int], share: SplitShare, close_old: Callable[[], None]) -> bool:
+    def _regroup(self, members: List[int], share: SplitShare, close_old: Callable[[], None],
+                 fallback: Optional[Tuple[List[int], SplitShare]] = None) -> bool:
         """Form the group of `members` (each told RESIZE by close_old, the old group's last
-        act, after this rank's old part is freed), load this rank's part, serve."""
+        act, after this rank's old part is freed), load this rank's part, serve. A grow gives
+        `fallback`, the members and share it had: when its group does not form (the returning
+        rank gone again), the group it had forms again and its queue is served, not failed."""
         self._drop_model()
         close_old()
         while not self.quit.event.is_set():
@@ -302,6 +311,11 @@ class GroupResizer:
                 break
             except Exception as exc:  # noqa: BLE001 - a member failed to come; HTTP stays 503
                 why = f"the group of {len(members)} did not form: {type(exc).__name__}: {exc}"
+                if fallback is not None:
+                    log(f"serve: {why}; the {len(fallback[0])} ranks it had form their group again")
+                    self._fall_back(members, *fallback)
+                    (members, share), fallback = fallback, None
+                    continue
                 log(f"serve: {why}; trying again")
                 self.engine.give_up(why)  # a grow's queue fails: nobody waits on a group that may never form
                 time.sleep(0.5)
@@ -322,6 +336,22 @@ class GroupResizer:
             self.beacon.open()
         else:
             self.beacon.close()
+
+    def _fall_back(self, grown: List[int], kept: List[int], share: SplitShare) -> None:
+        """The members told the grown group (`grown`) that did not form, dialing its door,
+        told RESIZE there to the group they had (`kept`, `share`), within the connect timeout."""
+        waited = {grown.index(m) for m in kept[1:]}
+
+        def word(asked: int) -> Optional[bytes]:
+            if asked not in waited:
+                return None  # the returning rank, or a stranger: not of the group that forms
+            return Regroup(len(kept), kept.index(grown[asked]), share).pack()
+
+        until = time.monotonic() + float(self.link_identity[0].timeout or default_timeout())
+        told = answer_joins(self._listen(), word, waited, until, self.quit.event.is_set)
+        if waited - told:
+            log(f"serve: rank(s) {', '.join(map(str, sorted(waited - told)))} of the grown group never "
+                "came to be told it did not form")
 
     def _drop_model(self) -> None:
         """The old part freed before the new one loads (their sum may not fit), and its prompt
