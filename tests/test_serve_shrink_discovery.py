@@ -16,10 +16,13 @@ import re
 import signal
 import time
 
+import pytest
+
 from test_discovery_link import wait_for
 from test_discovery_nranks import RANKS, _exact, _http, _rank_of, loop_ns, model, spawn  # noqa: F401
 
 SHRINK_AFTER = "2"
+TRANSPORTS = {"tcp": ("--transport", "tcp"), "ucsim": ("--transport", "rdma", "--rdma-device", "ucsim")}
 
 
 def _wait_health(ns: str, leader, within: float, **want) -> dict:
@@ -36,11 +39,12 @@ def _wait_health(ns: str, leader, within: float, **want) -> dict:
     raise AssertionError(f"/health never showed {want} within {within} s: {code} {body}\n{leader.describe()}")
 
 
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_a_group_found_by_discovery_shrinks_and_grows_back_when_the_rank_is_found_again(
-        procs, loop_ns, model, tmp_path):  # noqa: F811 - the fixtures imported above
+        procs, loop_ns, model, tmp_path, transport):  # noqa: F811 - the fixtures imported above
     cmd = ["serve", "--model", str(model), "--port", "8080", "--max-kv-tokens", "4096",
            "--shrink-after", SHRINK_AFTER]
-    ranks = [spawn(procs, loop_ns, cmd, tmp_path, f"rank{i}") for i in range(RANKS)]
+    ranks = [spawn(procs, loop_ns, cmd, tmp_path, f"rank{i}", TRANSPORTS[transport]) for i in range(RANKS)]
     wait_for(ranks, "the group serving", r"serving .* on http://", within=300)
     by_rank = {}
     for r in ranks:
@@ -62,7 +66,7 @@ def test_a_group_found_by_discovery_shrinks_and_grows_back_when_the_rank_is_foun
     # While the group is short of a rank its leader's lobby is open for the lost one.
     assert "discovery: this machine leads its group again" in leader.err.text(), leader.describe()
 
-    again = spawn(procs, loop_ns, cmd, tmp_path, "rank1-again")
+    again = spawn(procs, loop_ns, cmd, tmp_path, "rank1-again", TRANSPORTS[transport])
     started = time.monotonic()
     body = _wait_health(loop_ns, leader, 300, code=200, size=3, started_size=3, state="serving", grows=1)
     grown = time.monotonic() - started
@@ -76,7 +80,9 @@ def test_a_group_found_by_discovery_shrinks_and_grows_back_when_the_rank_is_foun
                             leader.err.text())
     grow_line = re.search(r"grew from 2 to 3 ranks in ([0-9.]+) s", leader.err.text())
     assert shrink_line and grow_line, leader.describe()
-    print(f"\nserve --ranks 3 by discovery, --shrink-after {SHRINK_AFTER}: rank 1 killed: serving at 2 "
-          f"{shrunk:.1f} s after the kill (seen by polling /health; the leader's shrink {shrink_line[1]} s, "
+    assert f"transport {'rdma' if transport == 'ucsim' else 'tcp'}" in leader.err.text(), leader.describe()
+    print(f"\nserve --ranks 3 by discovery over {transport}, --shrink-after {SHRINK_AFTER}: rank 1 killed: "
+          f"serving at 2 {shrunk:.1f} s after the kill (/health polled; "
+          f"the leader's shrink {shrink_line[1]} s, "
           f"{shrink_line[2]} s since the loss); restarted: serving at 3 {grown:.1f} s after its start "
           f"(the leader's grow {grow_line[1]} s)")
