@@ -11,6 +11,11 @@ The state machine (one daemon thread on the leader, GroupResizer.run):
   serving below N --(a rank at the door)--> growing (no new request admitted; the ones under
             way finish, none cut; the queue waits) --> serving at N again, each rank in its
             started place and share
+  growing --(the grown group never forms: the returning rank gone again)--> the members at
+            the door told RESIZE to the group they had --> serving below N, the queue served
+
+A group of 3 or more that discovery found keeps its door's address at every size; its lobby is
+open while a rank is missing (held_links.Beacon), so the lost rank's own command finds it again.
 
 The loss: the engine's failure closes the group (ServingSessions.abort); with shrinking on,
 each worker's control connection is held first (its socket duplicated, so closing the group
@@ -312,7 +317,7 @@ class GroupResizer:
             except Exception as exc:  # noqa: BLE001 - a member failed to come; HTTP stays 503
                 why = f"the group of {len(members)} did not form: {type(exc).__name__}: {exc}"
                 if fallback is not None:
-                    log(f"serve: {why}; the {len(fallback[0])} ranks it had form their group again")
+                    log(f"serve: {why}; the group of {len(fallback[0])} it had forms again")
                     self._fall_back(members, *fallback)
                     (members, share), fallback = fallback, None
                     continue
