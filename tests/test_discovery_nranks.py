@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -144,6 +144,20 @@ def _rank_of(r: Rank) -> int:
     return int(found[1]) if found else -1
 
 
+def serving_by_rank(procs, ns: str, command: List[str], tmp_path: Path,
+                    transport: Tuple[str, ...] = ("--transport", "tcp")) -> Dict[int, Rank]:
+    """RANKS processes of `ds4tp serve` started alike (spawn), once the group serves: each by the
+    rank it was given (every rank 0 .. RANKS-1 present)."""
+    ranks = [spawn(procs, ns, command, tmp_path, f"rank{i}", transport) for i in range(RANKS)]
+    wait_for(ranks, "the group serving", r"serving .* on http://", within=300)
+    by_rank = {}
+    for r in ranks:
+        wait_for([r], f"{r.name}'s rank", r"this machine is rank \d", within=180)
+        by_rank[_rank_of(r)] = r
+    assert sorted(by_rank) == list(range(RANKS)), "\n".join(r.describe() for r in ranks)
+    return by_rank
+
+
 @pytest.mark.parametrize("victim_rank", [1, 2])
 def test_serve_on_three_ranks_found_by_discovery_takes_a_restarted_worker_back(procs, loop_ns, model, tmp_path,
                                                                               victim_rank):
@@ -153,13 +167,7 @@ def test_serve_on_three_ranks_found_by_discovery_takes_a_restarted_worker_back(p
     answers are exact again and the other worker is the process it was."""
     # --shrink-after 0: the group waits for its rank (tests/test_serve_shrink_discovery.py shrinks).
     cmd = ["serve", "--model", str(model), "--port", str(PORT), "--max-kv-tokens", "4096", "--shrink-after", "0"]
-    ranks = [spawn(procs, loop_ns, cmd, tmp_path, f"rank{i}") for i in range(RANKS)]
-    wait_for(ranks, "the group serving", r"serving .* on http://", within=300)
-    by_rank = {}
-    for r in ranks:
-        wait_for([r], f"{r.name}'s rank", r"this machine is rank \d", within=180)
-        by_rank[_rank_of(r)] = r
-    assert sorted(by_rank) == [0, 1, 2], "\n".join(r.describe() for r in ranks)
+    by_rank = serving_by_rank(procs, loop_ns, cmd, tmp_path)
     leader, victim = by_rank[0], by_rank[victim_rank]
     survivor = by_rank[3 - victim_rank]
     found = re.search(r"discovery: a group of 3 in ([0-9.]+) s", leader.err.text())

@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from test_discovery_link import wait_for
-from test_discovery_nranks import RANKS, _exact, _http, _rank_of, loop_ns, model, spawn  # noqa: F401
+from test_discovery_nranks import _exact, _http, loop_ns, model, serving_by_rank, spawn  # noqa: F401
 
 SHRINK_AFTER = "2"
 TRANSPORTS = {"tcp": ("--transport", "tcp"), "ucsim": ("--transport", "rdma", "--rdma-device", "ucsim")}
@@ -44,13 +43,7 @@ def test_a_group_found_by_discovery_shrinks_and_grows_back_when_the_rank_is_foun
         procs, loop_ns, model, tmp_path, transport):  # noqa: F811 - the fixtures imported above
     cmd = ["serve", "--model", str(model), "--port", "8080", "--max-kv-tokens", "4096",
            "--shrink-after", SHRINK_AFTER]
-    ranks = [spawn(procs, loop_ns, cmd, tmp_path, f"rank{i}", TRANSPORTS[transport]) for i in range(RANKS)]
-    wait_for(ranks, "the group serving", r"serving .* on http://", within=300)
-    by_rank = {}
-    for r in ranks:
-        wait_for([r], f"{r.name}'s rank", r"this machine is rank \d", within=180)
-        by_rank[_rank_of(r)] = r
-    assert sorted(by_rank) == [0, 1, 2], "\n".join(r.describe() for r in ranks)
+    by_rank = serving_by_rank(procs, loop_ns, cmd, tmp_path, TRANSPORTS[transport])
     leader, victim, survivor = by_rank[0], by_rank[1], by_rank[2]
     _wait_health(loop_ns, leader, 120, code=200, size=3, started_size=3, state="serving")
     _exact(loop_ns, model, "three Macs")

@@ -120,6 +120,16 @@ def describe(ranks: List[Watched]) -> str:
     return "\n".join(r.describe() for r in ranks)
 
 
+def assert_cables_outgrew_the_lan(cables, bridge, before, ranks: List[Watched]) -> None:
+    """Every cable's sent-bytes counter grew, since `before`, by more than any rank's LAN end."""
+    grown = {key: cables.tx_bytes(*key) - n for key, n in before.items()}
+    lan = max(grown[(r, bridge.dev[r])] for r in range(len(ranks)))
+    print(f"\nbytes sent during the run, per interface (rank, interface): {grown}")
+    for r in range(len(ranks)):
+        for dev in cables.of(r):
+            assert grown[(r, dev)] > lan, (grown, describe(ranks))
+
+
 def exited(rank: Watched, others: List[Watched], within: float = 180.0) -> int:
     if rank.wait_exit(within) is None:
         pytest.fail(f"{rank.name} did not exit\n{describe(others)}")
@@ -141,14 +151,9 @@ def test_three_ranks_cabled_as_a_full_mesh_run_each_link_on_its_own_cable(procs,
                     f"{cables.addr[(me, peer)]} <-> {cables.name(peer, me)} {cables.addr[(peer, me)]}, "
                     f"transport rdma, device ucsim:{cables.name(me, peer)}")
             assert line in said, describe(ranks)
-    grown = {key: cables.tx_bytes(*key) - n for key, n in before.items()}
-    lan = max(grown[(r, bridge.dev[r])] for r in range(3))
-    print(f"\nbytes sent during the run, per interface (rank, interface): {grown}")
-    for r in range(3):
-        for dev in cables.of(r):
-            # Each cable carried its link's gates (ucsim's datagrams and the link's sockets), the
-            # LAN only the JOINs: every cable's counter grew by more than any LAN end's.
-            assert grown[(r, dev)] > lan, (grown, describe(ranks))
+    # Each cable carried its link's gates (ucsim's datagrams and the link's sockets), the LAN
+    # only the JOINs.
+    assert_cables_outgrew_the_lan(cables, bridge, before, ranks)
 
 
 @pytest.mark.parametrize("bridge", [3], indirect=True)
@@ -265,14 +270,9 @@ def test_four_ranks_cabled_as_a_ring_run_rdma_round_the_ring_alone(procs, bridge
                 assert (f"link rank {a} <-> rank {b}: rank {a} and rank {b} share no cable" in said
                         and "for the leader's commands only: the collectives go round the ring of cables "
                         "0-1-2-3" in said and f"link rank {a} <-> rank {b} up, transport tcp" in said), describe(ranks)
-    grown = {key: cables.tx_bytes(*key) - n for key, n in before.items()}
-    lan = max(grown[(r, bridge.dev[r])] for r in range(4))
-    print(f"\nbytes sent during the run, per interface (rank, interface): {grown}")
-    for r in range(4):
-        for dev in cables.of(r):
-            # Every gate went round the cables; the LAN carried the JOINs, the diagonal links'
-            # hellos and the leader's commands to rank 2 only.
-            assert grown[(r, dev)] > lan, (grown, describe(ranks))
+    # Every gate went round the cables; the LAN carried the JOINs, the diagonal links' hellos
+    # and the leader's commands to rank 2 only.
+    assert_cables_outgrew_the_lan(cables, bridge, before, ranks)
 
 
 @pytest.mark.parametrize("bridge", [3], indirect=True)
