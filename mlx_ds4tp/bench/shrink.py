@@ -1,14 +1,16 @@
 """A lost Mac under load: `python -m mlx_ds4tp.bench.shrink`. N ranks of `ds4tp serve
 --shrink-after SEC` here, CLIENTS clients asking greedy completions for SECONDS; a worker is
 killed (SIGKILL) at a quarter of the run and started again at three fifths. Every answer must
-be the unsplit model's text (mlx-lm's generate here) or a clean error (an HTTP error with its
-JSON body); none may hang past its timeout. Prints one JSON record: the answers by outcome,
+be the unsplit model's text (mlx-lm's generate here) or a clean error (refused with an HTTP
+status, or an error event in the stream: bench/soak_client.py's kinds); none may hang past its
+timeout, and a stream cut without an error counts as wrong. Prints one JSON record: the answers by outcome,
 the seconds from the kill to /health 200 at N-1 ranks (serving again) and from the restart to
 N ranks, and the leader's own figures from its log (the shrink's and the grow's durations)."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import re
@@ -19,11 +21,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..base.log import log
 from ..link.wire import MAX_MESH_SIZE
 from .served_pair import ServedPair
+from .soak_client import Outcome, Target, stream
 
 PROMPTS = ("the lost Mac", "a group of three", "serving on", "grows back", "every answer exact",
            "no request hung", "tensor parallel", "one more prompt")
@@ -44,78 +47,59 @@ class ShrinkLoad:
     max_tokens: int = 12
 
 
-@dataclasses.dataclass
 class Outcomes:
-    """Every answer's outcome, counted under one lock."""
+    """Every answer's outcome (soak_client's kinds, "ok" split into exact and wrong), counted
+    under one lock, with when each clean error came and the slowest answer."""
 
-    exact: int = 0
-    clean_errors: int = 0
-    wrong: int = 0
-    hung: int = 0
-    slowest_s: float = 0.0
-    wrong_examples: List[str] = dataclasses.field(default_factory=list)
-    error_times: List[float] = dataclasses.field(default_factory=list)  # when each clean error came
-    error_codes: Dict[int, int] = dataclasses.field(default_factory=dict)  # HTTP status (0: no answer) -> count
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        self.kinds: "collections.Counter[str]" = collections.Counter()
+        self.wrong_examples: List[str] = []
+        self.error_times: List[float] = []
+        self.slowest_s = 0.0
         self._lock = threading.Lock()
 
-    def count(self, what: str, took: float, example: str = "", code: int = 0) -> None:
+    def count(self, out: Outcome, expected: str) -> None:
+        kind = out.kind
+        if kind == "ok":
+            kind = "exact" if out.text == expected else "wrong"
+        elif kind == "stream_cut":
+            kind = "wrong"  # ended without [DONE] and without an error: not a clean error
         with self._lock:
-            setattr(self, what, getattr(self, what) + 1)
-            self.slowest_s = max(self.slowest_s, took)
-            if example and len(self.wrong_examples) < 5:
-                self.wrong_examples.append(example)
-            if what == "clean_errors":
+            self.kinds[kind] += 1
+            self.slowest_s = max(self.slowest_s, out.end - out.start)
+            if kind == "wrong" and len(self.wrong_examples) < 5:
+                self.wrong_examples.append(f"{out.kind}: {out.text!r} != {expected!r} {out.detail}")
+            if kind not in ("exact", "wrong", "hung"):
                 self.error_times.append(time.monotonic())
-                self.error_codes[code] = self.error_codes.get(code, 0) + 1
+
+    def figures(self) -> dict:
+        kinds = dict(self.kinds)
+        return {"exact": kinds.pop("exact", 0), "wrong": kinds.pop("wrong", 0), "hung": kinds.pop("hung", 0),
+                "clean_errors": sum(kinds.values()), "error_kinds": kinds, "slowest_s": round(self.slowest_s, 3),
+                "wrong_examples": self.wrong_examples}
 
 
-def references(model: Path, max_tokens: int) -> Dict[str, str]:
-    """Each prompt's greedy text on the unsplit model (mlx-lm's generate)."""
+def references(model: Path, max_tokens: int) -> Tuple[Dict[str, List[int]], Dict[str, str]]:
+    """Each prompt's token ids, and its greedy text on the unsplit model (mlx-lm's generate)."""
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler
 
     loaded, tokenizer = load(str(model))
-    return {p: generate(loaded, tokenizer, prompt=list(tokenizer.encode(p)), max_tokens=max_tokens,
-                        sampler=make_sampler(0.0)) for p in PROMPTS}
+    ids = {p: list(tokenizer.encode(p)) for p in PROMPTS}
+    return ids, {p: generate(loaded, tokenizer, prompt=ids[p], max_tokens=max_tokens,
+                             sampler=make_sampler(0.0)) for p in PROMPTS}
 
 
-def _ask(base: str, model: Path, prompt: str, settings: ShrinkLoad) -> tuple:
-    """("text", text) or ("error", status) or ("hung", seconds) for one completion."""
-    body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": settings.max_tokens,
-                       "temperature": 0}).encode()
-    request = urllib.request.Request(base + "/v1/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=settings.request_timeout) as r:
-            return "text", json.loads(r.read())["choices"][0]["text"]
-    except urllib.error.HTTPError as e:
-        json.loads(e.read() or b"{}")  # a clean error has its JSON body
-        return "error", e.code
-    except (TimeoutError, urllib.error.URLError) as e:
-        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
-            return "hung", settings.request_timeout
-        return "error", 0  # refused or reset: nobody answering at that moment
-
-
-def _client(base: str, model: Path, refs: Dict[str, str], settings: ShrinkLoad, until: float,
-            outcomes: Outcomes, index: int) -> None:
+def _client(target: Target, prompts: Dict[str, List[int]], refs: Dict[str, str], settings: ShrinkLoad,
+            until: float, outcomes: Outcomes, index: int) -> None:
     n = index
     while time.monotonic() < until:
         prompt = PROMPTS[n % len(PROMPTS)]
         n += settings.clients
-        t0 = time.monotonic()
-        kind, value = _ask(base, model, prompt, settings)
-        took = time.monotonic() - t0
-        if kind == "text":
-            outcomes.count("exact" if value == refs[prompt] else "wrong", took,
-                           "" if value == refs[prompt] else f"{prompt!r}: {value!r} != {refs[prompt]!r}")
-        elif kind == "error":
-            outcomes.count("clean_errors", took, code=value)
+        out = stream(target, prompts[prompt], settings.max_tokens)
+        outcomes.count(out, refs[prompt])
+        if out.kind not in ("ok", "hung"):
             time.sleep(0.2)  # as a client honouring Retry-After would, briefly
-        else:
-            outcomes.count("hung", took)
 
 
 def _health(base: str) -> tuple:
@@ -146,7 +130,7 @@ def run_load(settings: ShrinkLoad) -> dict:
             from ..synthetic.tiny_model import save_llama
 
             model = save_llama(Path(scratch) / "llama", "tiny8", seed=3)
-        refs = references(model, settings.max_tokens)
+        prompts, refs = references(model, settings.max_tokens)
         lost = (["worker"] + [f"worker{n}" for n in range(2, settings.ranks)])[-1]  # the last rank
         rdma = "ucsim" if settings.transport == "rdma" else None
         served = ServedPair(model, settings.transport, rdma, ranks=settings.ranks,
@@ -157,7 +141,8 @@ def run_load(settings: ShrinkLoad) -> dict:
             outcomes = Outcomes()
             t0 = time.monotonic()
             until = t0 + settings.seconds
-            clients = [threading.Thread(target=_client, args=(served.base, model, refs, settings, until,
+            target = Target("127.0.0.1", served.port, None, settings.request_timeout)
+            clients = [threading.Thread(target=_client, args=(target, prompts, refs, settings, until,
                                                               outcomes, i), daemon=True)
                        for i in range(settings.clients)]
             for c in clients:
@@ -176,7 +161,7 @@ def run_load(settings: ShrinkLoad) -> dict:
             leader_log = _leader_lines(served)
         grown_at = restarted + (grown if grown is not None else 120)
         during_grow = sum(restarted <= at <= grown_at for at in outcomes.error_times)
-        figures = {k: v for k, v in dataclasses.asdict(outcomes).items() if k != "error_times"}
+        figures = outcomes.figures()
         trouble = [line for line in leader_log.splitlines() if "did not form" in line or "could not" in line]
         return {"name": f"shrink-load-{settings.transport}", "leader_trouble": trouble[:5], "ranks": settings.ranks,
                 "clients": settings.clients, "seconds": settings.seconds, "shrink_after_s": settings.shrink_after,
