@@ -81,8 +81,8 @@ def init_pair(link: LinkSettings, identity: Optional[ModelIdentity] = None):
     if link.transport == MLX:
         _LAST_GROUP = _init_mlx(link.address.role)
         return _LAST_GROUP
-    found_by = link if link.finds_a_lobby else None
-    if found_by is not None:
+    found_by = link if link.discovery is not None else None
+    if link.finds_a_lobby:
         # Discovery finds a group of N in a lobby (the ranks, the leader's address), then it forms
         # there; two ranks need no lobby (their election is all), so _form finds them (meet).
         from .link.findgroup import find_group
@@ -96,20 +96,20 @@ def init_pair(link: LinkSettings, identity: Optional[ModelIdentity] = None):
         raise
     _JOINED_WITH[group] = (link, identity)
     if found_by is not None:
-        _FOUND_BY[group] = found_by  # its leader re-opens the lobby to take a rank back
+        _FOUND_BY[group] = found_by  # its leader advertises its door again to take a rank back
     _LAST_GROUP = group
     return group
 
 
 def _form(link: LinkSettings, identity: Optional[ModelIdentity]) -> Tuple[Mesh, LinkSettings]:
     """The group `link` describes, formed (link/mesh.py), and the settings it forms again with:
-    a pair discovery finds (link/meet.py: it elects who leads) keeps its discovering settings,
-    so it finds its peer again; an address keeps the size the group formed with (the leader's,
-    for a worker started without one)."""
+    a pair discovery finds (link/meet.py: it elects who leads) its leader's door, its worker's
+    discovering settings (it finds its leader again); an address keeps the size the group
+    formed with (the leader's, for a worker started without one)."""
     if link.discovery is not None:
         from .link.meet import meet
 
-        return meet(link, identity or ModelIdentity()), link
+        return meet(link, identity or ModelIdentity())
     mesh = form_mesh(link.resolved(identity))
     return mesh, dataclasses.replace(link, size=mesh.size)
 
@@ -161,8 +161,9 @@ def joined_with(group) -> Tuple[LinkSettings, Optional[ModelIdentity]]:
 
 
 def discovered_with(group) -> Optional[LinkSettings]:
-    """The discovering settings of a group of N that discovery found (its leader re-opens the
-    lobby with them, link.findgroup.Reopened), or None: a group formed by addresses, a pair."""
+    """The discovering settings of a group that discovery found (its leader advertises its door
+    again with them, link.findgroup.Reopened: a group of N's lobby, a pair's door), or None: a
+    group formed by addresses."""
     return _FOUND_BY.get(group)
 
 
@@ -185,12 +186,12 @@ _JOINED_WITH: "weakref.WeakKeyDictionary[Group, Tuple[LinkSettings, Optional[Mod
 def _form_again(group: Group, link: LinkSettings, identity: Optional[ModelIdentity]) -> Mesh:
     """reconnect()'s new links, this rank at its old place: the group forms again (the leader
     at its address, each worker asking for the rank it had, so a restarted worker, asking for
-    none, gets the one left free). A pair discovery found finds its peer again, this rank
-    keeping the role its part of the model was loaded for. The leader of a group of N that
-    discovery found leads a lobby again meanwhile (link.findgroup.Reopened): a restarted rank,
-    which runs discovery again, finds it there and is sent to the group's door; the ranks still
+    none, gets the one left free). The worker of a pair discovery found finds its leader again,
+    as a worker. The leader of a group that discovery found advertises its door again meanwhile
+    (link.findgroup.Reopened): a restarted rank, which runs discovery again, finds it (a group
+    of N's lobby sends it to the door; a pair's worker joins the door it finds); the ranks still
     in the group dial that door directly (the address discovery found first)."""
-    if link.discovery is not None:
+    if link.discovery is not None:  # a pair's worker (its leader keeps its door's address)
         want = "lead" if group.rank() == 0 else "work"
         link = dataclasses.replace(link, discovery=dataclasses.replace(link.discovery, want=want))
         return _form(link, identity)[0]

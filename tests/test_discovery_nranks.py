@@ -70,12 +70,13 @@ class Rank(Watched):
 
 
 def spawn(procs, ns: str, command: List[str], tmp_path: Path, name: str,
-          transport: Tuple[str, ...] = ("--transport", "tcp")) -> Rank:
-    """`ds4tp COMMAND --ranks 3 --interface lo` in namespace `ns`, the secret in the environment."""
+          transport: Tuple[str, ...] = ("--transport", "tcp"), ranks: int = RANKS) -> Rank:
+    """`ds4tp COMMAND --ranks 3 --interface lo` (or `ranks`) in namespace `ns`, the secret in the
+    environment."""
     env = dict(os.environ, DS4_TP_SECRET=SECRET, DS4_TP_TIMEOUT_SEC=str(TIMEOUT), PYTHONUNBUFFERED="1",
                DS4_TP_CONFIG_DIR=str(tmp_path / f"config-{name}"),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = ["ip", "netns", "exec", ns, sys.executable, "-m", "mlx_ds4tp", *command, "--ranks", str(RANKS),
+    args = ["ip", "netns", "exec", ns, sys.executable, "-m", "mlx_ds4tp", *command, "--ranks", str(ranks),
             "--interface", "lo", *transport]
     p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs.procs.append(p)

@@ -1,9 +1,11 @@
 """`ds4tp serve --shrink-after` on a group found by discovery (serve/resize.py with
-serve/held_links.py:Beacon): three ranks started with the same command (`--ranks 3
---interface lo`, no address anywhere) elect a leader; a worker killed (SIGKILL) and not back
-within --shrink-after leaves the two ranks left serving the model; the killed worker started
-again with its same command finds the leader's lobby (re-opened while a rank is missing),
-knocks at the group's door, and the group grows back to three, that rank in its place. Every
+serve/held_links.py:Beacon): ranks started with the same command (`--ranks N --interface lo`,
+no address anywhere) elect a leader; a worker killed (SIGKILL) and not back within
+--shrink-after leaves the ranks left serving the model (a pair: the leader alone); the killed
+worker started again with its same command finds the leader's door advertised again (a group
+of three's lobby, re-opened while a rank is missing, sends it there; a pair's worker elects
+the lone leader, which advertises its door, at once), knocks at the group's door, and the group
+grows back, that rank in its place. A group of three shrinks twice, to its leader alone. Every
 greedy answer, before, while shrunk and after, is the unsplit model's.
 
 Needs root and `ip netns`, as tests/test_discovery_nranks.py (whose namespace, model and rank
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 
 import pytest
 
+from test_discovery_link import wait_for
 from test_discovery_nranks import _exact, _http, loop_ns, model, serving_by_rank, spawn  # noqa: F401
 
 SHRINK_AFTER = "2"
@@ -79,3 +83,109 @@ def test_a_group_found_by_discovery_shrinks_and_grows_back_when_the_rank_is_foun
           f"the leader's shrink {shrink_line[1]} s, "
           f"{shrink_line[2]} s since the loss); restarted: serving at 3 {grown:.1f} s after its start "
           f"(the leader's grow {grow_line[1]} s)")
+
+
+def _serving_pair(procs, ns: str, cmd, tmp_path, transport) -> tuple:
+    """Two `ds4tp serve --ranks 2` started alike (link/meet.py elects the leader), once the
+    leader serves: (leader, worker)."""
+    ranks = [spawn(procs, ns, cmd, tmp_path, f"rank{i}", transport, ranks=2) for i in range(2)]
+    wait_for(ranks, "the pair serving", r"serving .* on http://", within=300)
+    leaders = [r for r in ranks if re.search(r"discovery: this machine \(.*\) leads", r.err.text())]
+    assert len(leaders) == 1, "\n".join(r.describe() for r in ranks)
+    worker = ranks[1 - ranks.index(leaders[0])]
+    wait_for([worker], "the worker working for the leader", r"works for it", within=60)
+    return leaders[0], worker
+
+
+class _Asker:
+    """A client asking the same greedy completion back to back until stopped: every answer
+    must be the unsplit model's, so the one under way when the group grows comes back whole
+    (the grow lets it finish) and the ones that arrive meanwhile wait, then are answered."""
+
+    PROMPT, TOKENS = "kept whole while the group grows", 64
+
+    def __init__(self, ns: str, model_dir) -> None:
+        from serveutil import reference, text_ids
+
+        self.ns, self.want = ns, reference(model_dir, text_ids(model_dir, self.PROMPT), self.TOKENS)
+        self.answers, self.wrong = 0, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._ask, daemon=True)
+        self.thread.start()
+
+    def _ask(self) -> None:
+        while not self.stop.is_set():
+            code, body = _http(self.ns, "/v1/completions",
+                               {"prompt": self.PROMPT, "max_tokens": self.TOKENS, "temperature": 0})
+            if code == 200 and body["choices"][0]["text"] == self.want:
+                self.answers += 1
+            else:
+                self.wrong.append((code, body))
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(180)
+        assert not self.thread.is_alive(), "a request hung"
+        assert self.answers and not self.wrong, (self.answers, self.wrong)
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_a_pair_found_by_discovery_shrinks_to_its_leader_and_grows_back_when_the_worker_is_found_again(
+        procs, loop_ns, model, tmp_path, transport):  # noqa: F811 - the fixtures imported above
+    cmd = ["serve", "--model", str(model), "--port", "8080", "--max-kv-tokens", "4096",
+           "--shrink-after", SHRINK_AFTER]
+    leader, worker = _serving_pair(procs, loop_ns, cmd, tmp_path, TRANSPORTS[transport])
+    _wait_health(loop_ns, leader, 120, code=200, size=2, started_size=2, state="serving")
+    _exact(loop_ns, model, "two Macs")
+
+    worker.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    worker.wait_exit(30)
+    # The issue's bound: serving again within --shrink-after + 30 s of the loss.
+    _wait_health(loop_ns, leader, float(SHRINK_AFTER) + 30, code=200, size=1, started_size=2,
+                 state="serving", shrinks=1)
+    shrunk = time.monotonic() - killed
+    _exact(loop_ns, model, "the leader alone")
+    _exact(loop_ns, model, "two Macs")
+    # Serving alone, the leader advertises its door as a leader that must lead.
+    assert "discovery: this machine leads its group again" in leader.err.text(), leader.describe()
+
+    asker = _Asker(loop_ns, model)
+    again = spawn(procs, loop_ns, cmd, tmp_path, "worker-again", TRANSPORTS[transport], ranks=2)
+    started = time.monotonic()
+    body = _wait_health(loop_ns, leader, 60, code=200, size=2, started_size=2, state="serving", grows=1)
+    grown = time.monotonic() - started
+    asker.finish()
+    assert body["shrinks"] == 1, body
+    _exact(loop_ns, model, "after")
+    _exact(loop_ns, model, "two Macs")
+    # The restarted worker's election picked the lone leader: it never led a pair of its own.
+    assert "works for it" in again.err.text(), again.describe()
+    assert not re.search(r"this machine \(.*\) leads", again.err.text()), again.describe()
+    shrink_line = re.search(r"shrank from 2 to 1 ranks in ([0-9.]+) s \(([0-9.]+) s since the loss\)",
+                            leader.err.text())
+    grow_line = re.search(r"grew from 1 to 2 ranks in ([0-9.]+) s", leader.err.text())
+    assert shrink_line and grow_line, leader.describe()
+    assert f"transport {'rdma' if transport == 'ucsim' else 'tcp'}" in leader.err.text(), leader.describe()
+    print(f"\nserve pair by discovery over {transport}, --shrink-after {SHRINK_AFTER}: worker killed: "
+          f"serving alone {shrunk:.1f} s after the kill (/health polled; the leader's shrink "
+          f"{shrink_line[1]} s, {shrink_line[2]} s since the loss); restarted: serving at 2 {grown:.1f} s "
+          f"after its start (the leader's grow {grow_line[1]} s); {asker.answers} answers across the grow, all exact")
+
+
+def test_a_group_of_three_found_by_discovery_shrinks_twice_to_its_leader(procs, loop_ns, model, tmp_path):  # noqa: F811
+    cmd = ["serve", "--model", str(model), "--port", "8080", "--max-kv-tokens", "4096",
+           "--shrink-after", SHRINK_AFTER]
+    by_rank = serving_by_rank(procs, loop_ns, cmd, tmp_path)
+    leader = by_rank[0]
+    _wait_health(loop_ns, leader, 120, code=200, size=3, started_size=3, state="serving")
+    _exact(loop_ns, model, "three Macs")
+    for lost, left in ((by_rank[1], 2), (by_rank[2], 1)):
+        lost.proc.send_signal(signal.SIGKILL)
+        lost.wait_exit(30)
+        _wait_health(loop_ns, leader, float(SHRINK_AFTER) + 30, code=200, size=left, started_size=3,
+                     state="serving", shrinks=3 - left)
+        _exact(loop_ns, model, f"{left} Macs left")
+        _exact(loop_ns, model, "three Macs")
+    log = leader.err.text()
+    assert "shrank from 3 to 2 ranks" in log and "shrank from 2 to 1 ranks" in log, leader.describe()

@@ -193,9 +193,8 @@ DEFAULT_SHRINK_AFTER_SEC = 30.0
 
 def _shrink_after(args: argparse.Namespace, join) -> float:
     """--shrink-after checked: a number of seconds, 0 (never) or above, below the timeout the
-    workers wait for the leader's word within; 0 on a worker (the leader's decides) and on a
-    pair found by discovery (its two ranks elect each other afresh at each start, so a leader
-    alone has no door a restarted worker's election would find; --ranks 3 and up keeps one)."""
+    workers wait for the leader's word within; 0 on a worker (the leader's decides). A rank
+    found by discovery keeps it: any of them may lead."""
     import math
 
     from ..link.config import default_timeout
@@ -211,13 +210,7 @@ def _shrink_after(args: argparse.Namespace, join) -> float:
         raise SystemExit(f"ds4tp serve: --shrink-after {value:g} is not below the timeout the workers wait "
                          f"for the leader's word within (DS4_TP_TIMEOUT_SEC, {timeout:g} s): give "
                          f"--shrink-after below {timeout:g}, or raise DS4_TP_TIMEOUT_SEC on every rank")
-    pair_found = join.discovery is not None and not join.link.finds_a_lobby
-    if pair_found and args.shrink_after:
-        raise SystemExit(f"ds4tp serve: --shrink-after {value:g}: a pair found by discovery does not "
-                         "shrink (its leader alone has no door the restarted worker's election finds); "
-                         "give the leader --listen HOST PORT and the worker --coordinator HOST PORT, or "
-                         "serve --ranks 3 or more, or leave --shrink-after out")
-    if join.address.role == "worker" or pair_found:
+    if join.address.role == "worker":
         return 0.0
     return value
 

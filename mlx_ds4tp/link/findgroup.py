@@ -304,12 +304,15 @@ class _Search:
 
 
 class Reopened:
-    """A formed group's leader taking a rank back (gate_ops.reconnect of a mesh that discovery
-    found): while its mesh forms again it leads a lobby once more (advert `lead`, want "lead",
-    so a restarted rank that runs discovery again joins it, even one already leading a lobby of
-    its own), and each rank that enters and proves the secret is sent at once the mesh's port
-    and no rank (lobby.NO_RANK: the mesh's door gives it the one left free). The ranks still in
-    the group dial the mesh's door themselves. close() withdraws the lobby (advert `paired`)."""
+    """A formed group's leader taking a rank back (gate_ops.reconnect of a group that discovery
+    found, or a serving group short of a rank, serve/held_links.py:Beacon): while it does, it
+    advertises `lead` again with want "lead", so a restarted rank that runs discovery again
+    joins it, even one already leading a lobby of its own. A group of N opens its lobby again:
+    each rank that enters and proves the secret is sent at once the mesh's port and no rank
+    (lobby.NO_RANK: the mesh's door gives it the one left free). A pair has no lobby (its
+    worker's election, link/meet.py, joins a leader's door directly): the advert names the
+    door itself. The ranks still in the group dial the mesh's door themselves. close()
+    withdraws it (advert `paired`)."""
 
     def __init__(self, link: LinkSettings, identity: ModelIdentity, mesh_address: Tuple[str, int]) -> None:
         disc = link.check().discovery
@@ -317,16 +320,22 @@ class Reopened:
         self.finder = meet.finder_for(disc, interfaces, identity, link)
         me = self.finder.me
         self.want = me.want
-        secret = secret_bytes(link.secret)
-        knock = lb.Knock(me.instance, me.host, me.digest, link.size, me.version, lb.NO_RANK, secret is not None)
-        self.lobby = lb.Lobby(listen_host(interfaces), knock, secret)
         self.mesh_port = int(mesh_address[1])
-        self.finder.publish(state=dsc.LEAD, port=self.lobby.port, want="lead")
-        log(f"discovery: this machine leads its group again (port {self.lobby.port}) for the rank that "
-            f"left: one started again with the same --model, --ranks {link.size} and secret re-joins it")
+        self.lobby: Optional[lb.Lobby] = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._welcome, name="ds4tp-reopened", daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+        if link.size > 2:
+            secret = secret_bytes(link.secret)
+            knock = lb.Knock(me.instance, me.host, me.digest, link.size, me.version, lb.NO_RANK, secret is not None)
+            self.lobby = lb.Lobby(listen_host(interfaces), knock, secret)
+        port = self.lobby.port if self.lobby is not None else self.mesh_port
+        self.finder.publish(state=dsc.LEAD, port=port, want="lead")
+        restart = f"--ranks {link.size}" if link.size > 2 else "--model"
+        log(f"discovery: this machine leads its group again (port {port}) for the rank that left: one "
+            f"started again with the same {restart} and secret re-joins it")
+        if self.lobby is not None:
+            self._thread = threading.Thread(target=self._welcome, name="ds4tp-reopened", daemon=True)
+            self._thread.start()
 
     def _welcome(self) -> None:
         lobby = self.lobby
@@ -348,8 +357,10 @@ class Reopened:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5.0)
-        self.lobby.close()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self.lobby is not None:
+            self.lobby.close()
         self.finder.publish(state=dsc.PAIRED, port=0, want=self.want)
 
 

@@ -4,7 +4,12 @@ interface where it was found, on a port it picked; the worker JOINs at the addre
 the leader at), with the same JOIN, hello, secret and model checks. A peer that refuses us
 (another secret) or that cannot be reached (a stale record) is left out of the next elections,
 and the search goes on until the link's timeout. Discovery runs before the group exists: the
-gates never see it."""
+gates never see it.
+
+Once met, the leader keeps its door: it forms the pair again there (a restarted worker, a
+serving pair that shrank to its leader and grows back), advertising that door as a leader that
+must lead (link/findgroup.py:Reopened), which a worker's election joins at once. The worker
+keeps its discovering settings: whichever leader leads next, it finds by the election."""
 
 from __future__ import annotations
 
@@ -40,10 +45,11 @@ _lock = threading.Lock()
 _finders: Dict[Tuple, dsc.Finder] = {}
 
 
-def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_link) -> Mesh:
-    """The group of two `link.discovery` finds: form_mesh(resolved settings, connect) forms it
-    once the roles and the address are known. A ValueError before anything is advertised when the link
-    needs a secret and there is none."""
+def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_link) -> Tuple[Mesh, LinkSettings]:
+    """The group of two `link.discovery` finds (form_mesh(resolved settings, connect) forms it
+    once the roles and the address are known), and the settings it forms again with: the
+    leader's door (its address, found here), a worker's `link` (it looks again). A ValueError
+    before anything is advertised when the link needs a secret and there is none."""
     disc = link.discovery
     interfaces = [dsc.interface(name) for name in disc.interfaces]
     check_secret(link, interfaces)
@@ -64,10 +70,10 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_li
         peers = [p for p in finder.peers() if p.instance not in refused]
         what, peer = dsc.elect(finder.me, peers, settled=settle_at is not None and now >= settle_at)
         if what == "lead":
-            return _paired(_lead(link, identity, connect, finder, interfaces), started)
+            return _paired(*_lead(link, identity, connect, finder, interfaces), started)
         if what == "join":
             try:
-                return _paired(_join(link, identity, connect, finder, interfaces, peer), started)
+                return _paired(_join(link, identity, connect, finder, interfaces, peer), link, started)
             except (AuthenticationError, HelloMismatchError) as exc:
                 log(f"discovery: refused by / refusing {_who(peer)}: {exc}")
                 refused.add(peer.instance)
@@ -79,9 +85,9 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_li
         time.sleep(POLL_SEC)
 
 
-def _paired(pair: Mesh, started: float) -> Mesh:
+def _paired(pair: Mesh, again: LinkSettings, started: float) -> Tuple[Mesh, LinkSettings]:
     log(f"discovery: paired {time.monotonic() - started:.2f} s after this rank began looking")
-    return pair
+    return pair, again
 
 
 def check_secret(link: LinkSettings, interfaces: List[dsc.Interface]) -> None:
@@ -136,7 +142,8 @@ def close_all() -> None:
 
 
 def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder: dsc.Finder,
-          interfaces: List[dsc.Interface]) -> Mesh:
+          interfaces: List[dsc.Interface]) -> Tuple[Mesh, LinkSettings]:
+    """The pair this rank leads, and the settings of its door (the address it keeps)."""
     iface = interfaces[0]
     host = iface.listen_host()
     port = free_port(host)
@@ -156,7 +163,7 @@ def _lead(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder:
             "--model (and secret) on the other end of the link (DS4_TP_TIMEOUT_SEC sets how long "
             "to wait)") from None
     finder.publish(state=dsc.PAIRED, port=0)
-    return pair
+    return pair, settings
 
 
 def _join(link: LinkSettings, identity: ModelIdentity, connect: Connect, finder: dsc.Finder,

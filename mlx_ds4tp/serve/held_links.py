@@ -2,7 +2,7 @@
 their control connections held across a closed group (a survivor waits there for the leader's
 word; a lost rank's connection has closed), the word told them, and a knock at the leader's
 door (a restarted rank dialing it) while no group listens there, and, for a group discovery
-found, the lobby that tells a restarted rank where that door is (Beacon)."""
+found, the advert that tells a restarted rank where that door is (Beacon)."""
 
 from __future__ import annotations
 
@@ -47,11 +47,12 @@ class DoorWatch:
 
 
 class Beacon:
-    """The leader's lobby re-opened (link.findgroup.Reopened) while its group found by
+    """The leader's door advertised again (link.findgroup.Reopened) while its group found by
     discovery is short of a rank: waiting for the lost one, or serving without it. A rank
-    started again with its same discovery command finds the lobby, is sent to the door
-    (`door`, the mesh's address, the same for every size) and knocks there. Nothing for a group
-    formed by addresses (found_by None): its workers know the door."""
+    started again with its same discovery command finds it (a group of N's lobby sends it to
+    the door; a pair's worker joins the door advertised), `door` being the mesh's address, the
+    same for every size, and knocks there. Nothing for a group formed by addresses (found_by
+    None): its workers know the door."""
 
     def __init__(self, found_by: Optional[LinkSettings], identity: Optional[ModelIdentity],
                  door: Optional[Tuple[str, int]]):
