@@ -5,7 +5,8 @@ no address anywhere) elect a leader; a worker killed (SIGKILL) and not back with
 worker started again with its same command finds the leader's door advertised again (a group
 of three's lobby, re-opened while a rank is missing, sends it there; a pair's worker elects
 the lone leader, which advertises its door, at once), knocks at the group's door, and the group
-grows back, that rank in its place. A group of three shrinks twice, to its leader alone. Every
+grows back, that rank in its place. A group of three shrinks twice, to its leader alone, and
+grows back a rank at a time (a rank re-joining by the lobby takes the leader's size). Every
 greedy answer, before, while shrunk and after, is the unsplit model's.
 
 Needs root and `ip netns`, as tests/test_discovery_nranks.py (whose namespace, model and rank
@@ -173,7 +174,8 @@ def test_a_pair_found_by_discovery_shrinks_to_its_leader_and_grows_back_when_the
           f"after its start (the leader's grow {grow_line[1]} s); {asker.answers} answers across the grow, all exact")
 
 
-def test_a_group_of_three_found_by_discovery_shrinks_twice_to_its_leader(procs, loop_ns, model, tmp_path):  # noqa: F811
+def test_a_group_of_three_found_by_discovery_shrinks_twice_and_grows_back_a_rank_at_a_time(
+        procs, loop_ns, model, tmp_path):  # noqa: F811 - the fixtures imported above
     cmd = ["serve", "--model", str(model), "--port", "8080", "--max-kv-tokens", "4096",
            "--shrink-after", SHRINK_AFTER]
     by_rank = serving_by_rank(procs, loop_ns, cmd, tmp_path)
@@ -189,3 +191,11 @@ def test_a_group_of_three_found_by_discovery_shrinks_twice_to_its_leader(procs, 
         _exact(loop_ns, model, "three Macs")
     log = leader.err.text()
     assert "shrank from 3 to 2 ranks" in log and "shrank from 2 to 1 ranks" in log, leader.describe()
+    # The two started again, one after the other: each finds the lobby and joins with the
+    # leader's size (it re-joins a group short of ranks), so the group grows to 2, then to 3.
+    for name, size in (("rank1-again", 2), ("rank2-again", 3)):
+        again = spawn(procs, loop_ns, cmd, tmp_path, name)
+        _wait_health(loop_ns, leader, 60, code=200, size=size, started_size=3, state="serving", grows=size - 1)
+        _exact(loop_ns, model, f"{size} Macs again")
+        assert f"rank {size - 1} of {size}" in again.err.text(), again.describe()
+    assert "grew from 1 to 2 ranks" in leader.err.text() and "grew from 2 to 3 ranks" in leader.err.text()

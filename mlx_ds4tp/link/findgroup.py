@@ -51,12 +51,16 @@ class Found:
     def settings(self, link: LinkSettings) -> LinkSettings:
         """`link` (the discovering settings) made into the mesh's: its address, its size and,
         for a worker, the rank it asks for (the one the leader gave it)."""
+        size = self.size
         if self.role == "leader":
             address, ask = PairAddress("leader", self.address, None), None
         else:
-            # A rank re-joining a group that lost one is given none: the mesh gives it the free one.
+            # A rank re-joining a group that lost one is given none: the mesh gives it the free
+            # one; and no size, it takes the leader's (a serving group short of ranks may grow
+            # back by one at a time, serve/resize.py).
             address, ask = PairAddress("worker", None, self.address), (self.rank if self.rank > 0 else None)
-        return dataclasses.replace(link, address=address, discovery=None, size=self.size, ask_rank=ask)
+            size = size if self.rank >= 0 else None
+        return dataclasses.replace(link, address=address, discovery=None, size=size, ask_rank=ask)
 
     def init_kwargs(self) -> Dict:
         """mlx_ds4tp.init's keywords for this rank: role, listen or coordinator, size, rank."""
