@@ -199,3 +199,28 @@ def test_a_group_of_three_found_by_discovery_shrinks_twice_and_grows_back_a_rank
         _exact(loop_ns, model, f"{size} Macs again")
         assert f"rank {size - 1} of {size}" in again.err.text(), again.describe()
     assert "grew from 1 to 2 ranks" in leader.err.text() and "grew from 2 to 3 ranks" in leader.err.text()
+
+
+def test_a_pair_found_by_discovery_that_does_not_shrink_takes_its_worker_back_at_its_door(
+        procs, loop_ns, model, tmp_path):  # noqa: F811 - the fixtures imported above
+    """--shrink-after 0: the leader waits for its worker (503 meanwhile), forming the pair again
+    at the door it found at the start, which it advertises; the worker started again with its
+    same command elects it at once and joins there."""
+    cmd = ["serve", "--model", str(model), "--port", "8080", "--max-kv-tokens", "4096", "--shrink-after", "0"]
+    leader, worker = _serving_pair(procs, loop_ns, cmd, tmp_path, TRANSPORTS["tcp"])
+    door = re.search(r"leads; waiting for its worker on lo \(127\.0\.0\.1 port (\d+)\)", leader.err.text())
+    assert door, leader.describe()
+    _exact(loop_ns, model, "two Macs")
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.wait_exit(30)
+    wait_for([leader], "the leader's door advertised again", rf"leads its group again \(port {door[1]}\)", within=60)
+    assert _http(loop_ns, "/health")[0] == 503
+    again = spawn(procs, loop_ns, cmd, tmp_path, "worker-again", TRANSPORTS["tcp"], ranks=2)
+    started = time.monotonic()
+    _wait_health(loop_ns, leader, 60, code=200, size=2, started_size=2, state="serving", shrinks=0)
+    back = time.monotonic() - started
+    _exact(loop_ns, model, "after")
+    assert re.search(rf"found on lo at 127\.0\.0\.1 port {door[1]}\); this machine .* works for it",
+                     again.err.text()), again.describe()
+    print(f"\nserve pair by discovery, --shrink-after 0: the worker restarted, serving again {back:.1f} s "
+          "after its start")
