@@ -208,3 +208,52 @@ def test_discovery_on_an_open_link_without_a_secret_is_refused_before_advertisin
 def test_ipv4_advice_is_one_command():
     assert dsc.ipv4_advice("en1", True) == "sudo ifconfig en1 inet 10.99.0.1/30 alias"
     assert dsc.ipv4_advice("en2", False).endswith("10.99.0.2/30 alias")
+
+
+def test_a_leader_not_reached_is_tried_again_after_the_ttl_and_never_led_against(monkeypatch):
+    """meet()'s loop: a leader whose door did not answer (a stale record, or a door closed a
+    moment while its group forms again) is not joined again for TTL_SEC, and meanwhile an `any`
+    rank waits for it (it wants to lead) rather than leading a pair of its own; then it is
+    joined. A peer with another secret is left out for good."""
+    import time
+
+    from mlx_ds4tp.errors import AuthenticationError, TransportError
+    from mlx_ds4tp.link import meet
+
+    lone_leader = advert("l1", want="lead", state=dsc.LEAD, port=4242)
+    stranger = advert("l0", want="lead", state=dsc.LEAD, port=4343)
+
+    class Finder:
+        me, refused = advert("w9"), set()
+
+        def publish(self, **changes) -> None:
+            self.me = dataclasses.replace(self.me, **changes)
+
+        def registered(self, timeout: float) -> bool:
+            return True
+
+        def peers(self):
+            return [stranger, lone_leader]
+
+    tries = []
+
+    def join(link, identity, connect, finder, interfaces, leader):
+        tries.append((leader.instance, time.monotonic()))
+        if leader is stranger:
+            raise AuthenticationError("another secret")
+        if len(tries) == 2:
+            raise TransportError("the door closed under this JOIN")
+        return "the pair"
+
+    def lead(*args):
+        raise AssertionError("the rank led a pair of its own while a leader that must lead was heard")
+
+    monkeypatch.setattr(dsc, "TTL_SEC", 0.5)
+    monkeypatch.setattr(dsc, "interface", lambda name: dsc.Interface(name, 1, (("127.0.0.1", 8),), ()))
+    monkeypatch.setattr(meet, "finder_for", lambda *args: Finder())
+    monkeypatch.setattr(meet, "_join", join)
+    monkeypatch.setattr(meet, "_lead", lead)
+    link = LinkSettings(PairAddress(None, None, None), discovery=DiscoverySettings(("lo",)), timeout=30)
+    assert meet.meet(link, None) == ("the pair", link)
+    assert [who for who, _ in tries] == ["l0", "l1", "l1"]  # the stranger once, for good
+    assert tries[2][1] - tries[1][1] >= 0.5

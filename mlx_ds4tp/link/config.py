@@ -288,8 +288,8 @@ class LinkSettings:
     @property
     def finds_a_lobby(self) -> bool:
         """Whether discovery finds this group in a leader's lobby (3 ranks or more,
-        link/findgroup.py), whose door keeps its address as the group changes size; a pair
-        discovery finds elects its leader afresh at each meeting (link/meet.py)."""
+        link/findgroup.py); a pair discovery finds needs none, its election is all (link/meet.py).
+        Either way the leader's door keeps its address once found, as the group changes size."""
         return self.discovery is not None and self.size is not None and self.size > 2
 
     def check(self) -> "LinkSettings":

@@ -2,8 +2,10 @@
 form the group of two as the explicit flags would (form_mesh: the leader's door on the
 interface where it was found, on a port it picked; the worker JOINs at the address it found
 the leader at), with the same JOIN, hello, secret and model checks. A peer that refuses us
-(another secret) or that cannot be reached (a stale record) is left out of the next elections,
-and the search goes on until the link's timeout. Discovery runs before the group exists: the
+(another secret) is left out of the next elections; a leader that cannot be reached (a stale
+record, or a door closed a moment while its group forms again) is not joined for TTL_SEC (a
+stale record is gone by then), but is still one that may lead; the search goes on until the
+link's timeout. Discovery runs before the group exists: the
 gates never see it.
 
 Once met, the leader keeps its door: it forms the pair again there (a restarted worker, a
@@ -60,14 +62,18 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_li
     started = time.monotonic()
     deadline = started + (link.timeout or default_timeout())
     refused = finder.refused  # kept for the rejoins: a peer that refused us once is not asked again
+    unreached: Dict[str, float] = {}  # a leader's instance -> when it may be tried again
     settle_at: Optional[float] = None
     while True:
         now = time.monotonic()
         if now >= deadline:
-            raise TransportError(_nobody(finder, refused, disc))
+            raise TransportError(_nobody(finder, refused | set(unreached), disc))
         if settle_at is None and finder.registered(0):
             settle_at = now + dsc.SETTLE_SEC
-        peers = [p for p in finder.peers() if p.instance not in refused]
+        # A leader not reached lately is heard without its port: not joined, yet still a rank
+        # that leads (an `any` rank waits for one that wants to lead rather than lead itself).
+        peers = [dataclasses.replace(p, port=0) if unreached.get(p.instance, 0.0) > now else p
+                 for p in finder.peers() if p.instance not in refused]
         what, peer = dsc.elect(finder.me, peers, settled=settle_at is not None and now >= settle_at)
         if what == "lead":
             return _paired(*_lead(link, identity, connect, finder, interfaces), started)
@@ -79,7 +85,7 @@ def meet(link: LinkSettings, identity: ModelIdentity, connect: Connect = make_li
                 refused.add(peer.instance)
             except TransportError as exc:
                 log(f"discovery: could not pair with {_who(peer)} ({exc}); looking on")
-                refused.add(peer.instance)
+                unreached[peer.instance] = time.monotonic() + dsc.TTL_SEC
             finder.publish(state=dsc.SEEK, port=0)
             continue
         time.sleep(POLL_SEC)
@@ -225,7 +231,7 @@ def _nobody(finder: dsc.Finder, refused: Set[str], disc: DiscoverySettings) -> s
     if other:
         why.append(f"{len(other)} rank(s) heard serve another model or protocol")
     if refused:
-        why.append(f"{len(refused)} refused (another secret, or gone)")
+        why.append(f"{len(refused)} refused (another secret) or not reached")
     return (f"discovery on {', '.join(disc.interfaces)} found no peer to pair with before the "
             f"timeout ({'; '.join(why) or 'none was free'}); start the other rank with the same "
             "--model on the other end of the link (DS4_TP_TIMEOUT_SEC sets how long to look)")
