@@ -196,9 +196,9 @@ class PartSender:
 
 class _Hashing:
     """The hash stage: each (digest, bytes, skip) into its file's digest, the bytes past `skip`
-    handed to the wire stage; (digest, name, 0), the file's end, handed on with the digest and
-    kept in `digests` (the memo's, for the next transfer). A digest known before (its text) takes
-    no bytes."""
+    handed to the wire stage; (digest, name, 0), the file's end, handed on with the digest, which
+    `digests` (the memo's) keeps for the next transfer. A digest known before (its text) takes no
+    bytes."""
 
     def __init__(self, wire: Overlap, digests: Dict[str, str]):
         self.wire, self.digests = wire, digests
