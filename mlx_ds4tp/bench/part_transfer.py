@@ -211,6 +211,7 @@ def main(argv: List[str]) -> int:
                          warm["cpu_seconds"], plain["send_cpu_seconds"], plain["cpu_seconds"]))
             if run < args.runs - 1:
                 _remove_tree(root / f"parts{run}")
+        forget_parts()  # the second start: both sides started again, the leader's memo gone
         second = _send_part(model, root / f"parts{args.runs - 1}", rank, args.ranks, args.split)
         part_mb = sum(f.stat().st_size for f in files) / 1e6
 
