@@ -92,3 +92,11 @@ def test_settings_refuse_a_bound_of_nothing(tmp_path):
 def test_an_offered_name_that_is_not_a_plain_file_name_is_refused(name):
     with pytest.raises(ValueError, match="plain names"):
         OfferedFile(name, 1).check()
+
+
+def test_without_the_blake3_package_the_digest_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "blake3", None)  # an install without it: the import fails
+    with pytest.raises(ImportError, match="pip install blake3"):
+        new_digest()
