@@ -77,6 +77,8 @@ setup(
         "mlx-lm>=0.20",
         "numpy>=1.24",
         "cffi>=1.16",
+        # the digest of a part's files, checked on both sides of a transfer (checkpoint/parts_cache.py)
+        "blake3>=0.4",
         # ds4tp serve's GET /metrics (the Prometheus text format)
         "prometheus_client>=0.17",
         # finding the peer: DNS-SD over multicast DNS (link/discovery.py)

@@ -3,12 +3,11 @@ bound (the least recently used entries out first, other models before this one's
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
 
-from mlx_ds4tp.checkpoint.parts_cache import OfferedFile, PartEntry, PartsSettings
+from mlx_ds4tp.checkpoint.parts_cache import OfferedFile, PartEntry, PartsSettings, new_digest
 
 
 def fill(entry: PartEntry, name: str, data: bytes) -> OfferedFile:
@@ -51,7 +50,9 @@ def test_a_resumed_file_is_checked_whole(tmp_path):
     (entry.path / "p.bin.partial").write_bytes(data[:300])
     writer = entry.writer("p.bin", 300, len(data))
     writer.write(data[300:])
-    assert writer.finish(hashlib.sha256(data).hexdigest())
+    digest = new_digest()
+    digest.update(data)
+    assert writer.finish(digest.hexdigest())
     assert (entry.path / "p.bin").read_bytes() == data
     # Past its offered size, or a digest that differs: refused, removed.
     writer = entry.writer("q.bin", 0, 4)
@@ -91,3 +92,11 @@ def test_settings_refuse_a_bound_of_nothing(tmp_path):
 def test_an_offered_name_that_is_not_a_plain_file_name_is_refused(name):
     with pytest.raises(ValueError, match="plain names"):
         OfferedFile(name, 1).check()
+
+
+def test_without_the_blake3_package_the_digest_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "blake3", None)  # an install without it: the import fails
+    with pytest.raises(ImportError, match="pip install blake3"):
+        new_digest()

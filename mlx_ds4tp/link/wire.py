@@ -110,7 +110,9 @@ from ..errors import FrameError
 # 16: RESIZE also answers a JOIN at a serving leader's door, when the group it would join
 # did not form and the leader falls back to the ranks it had (link/mesh.py raises
 # RegroupedError for it).
-PROTOCOL_VERSION = 16
+# 17: a part's digests (PART_OFFER's, PART_END's) are BLAKE3's, written "blake3:HEX"
+# (checkpoint/parts_cache.py), and an offer may give a part file's digest before its bytes.
+PROTOCOL_VERSION = 17
 
 # ---- magics (ASCII in the high bytes, so a hex dump names them) --------------
 MAGIC = 0x44533454  # "DS4T": control frames

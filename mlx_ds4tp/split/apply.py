@@ -142,12 +142,15 @@ def cut_arrays(
     split: Union[SplitShare, str] = EVEN,
     read_part: Optional[ReadPart] = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
+    layout: Optional[Layout] = None,
 ) -> Iterator[tuple[str, mx.array]]:
     """split_model one array at a time: the model is cut (cut_structure) at the first next(),
     then each of its arrays, in tree_flatten order, is read or cut, evaluated, put in the model
     and yielded as (dotted path, array). The leader sending a worker its part (split/part_send.py)
-    drops each array from the model once it has sent it, so it never holds that whole part."""
-    layout, wholes = cut_structure(model, group, split=split, read_part=read_part)
+    drops each array from the model once it has sent it, so it never holds that whole part.
+    layout: traced_layout's for this model's files, group and share, kept from before (the
+    leader sending parts again: split/part_memo.py), so the trace does not run again."""
+    layout, wholes = cut_structure(model, group, split=split, read_part=read_part, layout=layout)
     params = tree_flatten(model.parameters())
     in_memory = list(layout.plan.underived) if read_part is not None else []
     for done, (path, value) in enumerate(params, 1):
@@ -190,32 +193,48 @@ def cut_lazily(model: nn.Module, group: Any, *, split: Union[SplitShare, str] = 
     return model
 
 
+def traced_layout(model: nn.Module, group: Any, *, split: Union[SplitShare, str] = EVEN) -> Layout:
+    """The layout cut_structure chooses when it reads parts (traced: each cut array's indices),
+    for the same model files, `group` (the same object) and share given to cut_arrays later."""
+    return _chosen_layout(model, _shard_group(group), SplitShare.of(split), trace=True)
+
+
+def _chosen_layout(model: nn.Module, group: Any, share: SplitShare, *, trace: bool) -> Layout:
+    size = int(group.size())
+    vocab = _vocab_layers(model)
+    # A pair's even split keeps 1:1 exactly, as it always has, so its rows must divide by two;
+    # from three ranks the vocabulary is cut in proportion at any row, as an uneven share's is.
+    if share.is_even and pair_cut_rules(size):
+        _check_vocab(model, vocab, size)
+    layout = choose_layout(model, group, plan_of(model), share, trace=trace, label=_label(model))
+    if layout.vocab.is_even and not share.is_even and pair_cut_rules(size):  # fell back to even: the rows must divide
+        _check_vocab(model, vocab, size)
+    if not layout.is_even:
+        log(layout.describe())
+    return layout
+
+
 def cut_structure(
     model: nn.Module,
     group: Any,
     *,
     split: Union[SplitShare, str] = EVEN,
     read_part: Optional[ReadPart] = None,
+    layout: Optional[Layout] = None,
 ) -> tuple[Layout, dict[str, mx.array]]:
     """The model cut as split_model cuts it, its arrays left lazy (only the vocabulary's parts
     are evaluated; an array a finer share takes by its runs is still the plan's cut): the layout
-    chosen and each array's whole as loaded, by dotted path."""
+    chosen (or `layout`, traced_layout's from before) and each array's whole as loaded, by
+    dotted path."""
     shard = plan_of(model)
     _refuse_split_twice(model)
     share = SplitShare.of(split)
     collective = as_collective(group)
     group = _shard_group(group)
-    size, rank = int(group.size()), int(group.rank())
+    rank = int(group.rank())
     vocab = _vocab_layers(model)
-    # A pair's even split keeps 1:1 exactly, as it always has, so its rows must divide by two;
-    # from three ranks the vocabulary is cut in proportion at any row, as an uneven share's is.
-    if share.is_even and pair_cut_rules(size):
-        _check_vocab(model, vocab, size)
-    layout = choose_layout(model, group, shard, share, trace=read_part is not None, label=_label(model))
-    if layout.vocab.is_even and not share.is_even and pair_cut_rules(size):  # fell back to even: the rows must divide
-        _check_vocab(model, vocab, size)
-    if not layout.is_even:
-        log(layout.describe())
+    if layout is None:
+        layout = _chosen_layout(model, group, share, trace=read_part is not None)
     wholes = dict(tree_flatten(model.parameters()))  # lazily loaded: nothing read yet
     run_plan(layout, model, shard, group)
     modules = dict(model.named_modules())

@@ -7,7 +7,9 @@ The part files' bytes are cut as load_split would cut them for that rank (split_
 cut_arrays, reading each array's part from the model's files), one array at a time: each is
 sent and dropped before the next is read, so the leader never holds the worker's part. A file
 resumed from an offset is still read from its start (its digest covers the whole file); only
-the bytes past the offset are sent.
+the bytes past the offset are sent. What does not change from one transfer of the part to the
+next (its plan, the cut's traced layout, each file's digest) is kept (split/part_memo.py): a
+second worker, a resume or a re-join is not traced or hashed again, and is offered the digests.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ import mlx.core as mx
 from ..base.log import log
 from ..checkpoint.parts import SafetensorsParts
 from ..checkpoint.parts_cache import new_digest
-from ..collectives.backend import cut_only_group
 from ..errors import FrameError
 from ..link.control import ControlChannel
 from ..link.wire import FrameType
-from .apply import cut_arrays
+from .apply import cut_arrays, traced_layout
 from .derive import set_array
 from .overlap import Overlap
 from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath, bulk_path
-from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files, plan_part
+from .part_memo import part_memo
+from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files
 from .plans import saved_layout
 from .share import SplitShare
 from .transfer_progress import TransferProgress
@@ -77,13 +79,17 @@ class PartSender:
     def __init__(self, model_path: Path, rank: int, size: int, share: SplitShare, fingerprint: str):
         self.model_path, self.rank, self.size, self.share = Path(model_path), rank, size, share
         self.fingerprint = fingerprint
-        self.plan: PartPlan = plan_part(self.model_path, rank, size, share)
+        self.memo = part_memo(self.model_path, rank, size, share)
+        self.plan: PartPlan = self.memo.plan
         self.plain = {p.name: p.read_bytes() for p in plain_files(self.model_path)}
         self.plain[PART_CONFIG] = self.plan.part_config
+        self.plain_digests = {name: bytes_digest(data) for name, data in self.plain.items()}
 
     def offer(self, path: str = CONTROL_PATH) -> dict:
-        files = [[name, len(data), bytes_digest(data)] for name, data in self.plain.items()]
-        files += [[f.name, f.size, ""] for f in self.plan.files]
+        """The files, each with its size and digest: a part file's digest where a transfer before
+        read it whole (the memo's), else "" (it comes with its PART_END)."""
+        files = [[name, len(data), self.plain_digests[name]] for name, data in self.plain.items()]
+        files += [[f.name, f.size, self.memo.digests.get(f.name, "")] for f in self.plan.files]
         return {"fingerprint": self.fingerprint, "rank": self.rank, "size": self.size,
                 "share": str(self.share), "files": files, "path": path}
 
@@ -111,12 +117,14 @@ class PartSender:
         """The wanted files sent (from their offsets); the bytes sent."""
         frames = _Frames(control, progress, bulk)
         # Three stages, each on its own thread: this one reads and cuts the arrays, the next
-        # hashes them, the last sends them (a few chunks queued between each).
+        # hashes them (a file whose digest the memo holds passes through), the last sends them
+        # (a few chunks queued between each).
         with Overlap(frames.take, depth=STAGE_DEPTH, name="ds4tp-part-send") as wire, \
-                Overlap(_Hashing(wire).take, depth=STAGE_DEPTH, name="ds4tp-part-hash") as hashing:
+                Overlap(_Hashing(wire, self.memo.digests).take, depth=STAGE_DEPTH, name="ds4tp-part-hash") as hashing:
             for name, offset in wanted:
                 if name in self.plain:
-                    self._queue_file(hashing, name, iter((memoryview(self.plain[name]),)), offset)
+                    self._queue_file(hashing, name, iter((memoryview(self.plain[name]),)), offset,
+                                     self.plain_digests[name])
             parts = [(name, offset) for name, offset in wanted if name not in self.plain]
             if parts:
                 self._queue_parts(hashing, dict(parts))
@@ -141,10 +149,12 @@ class PartSender:
                 raise FrameError(f"rank {self.rank} wants {name} from byte {offset}, which the offer has not")
         return wanted
 
-    def _queue_file(self, hashing: Overlap, name: str, arrays: Iterator[memoryview], offset: int) -> None:
+    def _queue_file(self, hashing: Overlap, name: str, arrays: Iterator[memoryview], offset: int,
+                    known: Optional[str]) -> None:
         """Every array's bytes to the hash stage a chunk at a time (all into the digest, the bytes
-        past `offset` sent), then the file's end (PART_END with the digest)."""
-        digest, pos = new_digest(), 0
+        past `offset` sent), then the file's end (PART_END with the digest). known: the file's
+        digest from before (the memo's, a plain file's): nothing is hashed."""
+        digest, pos = (known if known else new_digest()), 0
         for data in arrays:
             for at in range(0, len(data), CHUNK_BYTES):
                 chunk = data[at: at + CHUNK_BYTES]
@@ -158,12 +168,15 @@ class PartSender:
 
         model, _ = load_model(self.model_path, lazy=True)
         reader = SafetensorsParts(self.model_path, self.rank, self.size, **saved_layout(type(model).__module__))
-        arrays = cut_arrays(model, cut_only_group(self.rank, self.size), split=self.share, read_part=reader)
+        memo = self.memo
+        if memo.layout is None:
+            memo.layout = traced_layout(model, memo.group, split=self.share)
+        arrays = cut_arrays(model, memo.group, split=self.share, read_part=reader, layout=memo.layout)
         last = max(i for i, f in enumerate(self.plan.files) if f.name in wanted)
         for file in self.plan.files[: last + 1]:
             chunks = self._file_chunks(model, file, arrays)
             if file.name in wanted:
-                self._queue_file(hashing, file.name, chunks, wanted[file.name])
+                self._queue_file(hashing, file.name, chunks, wanted[file.name], memo.digests.get(file.name))
             else:
                 for _ in chunks:  # its arrays still come in order before the next file's
                     pass
@@ -183,17 +196,24 @@ class PartSender:
 
 class _Hashing:
     """The hash stage: each (digest, bytes, skip) into its file's digest, the bytes past `skip`
-    handed to the wire stage; (digest, name, 0), the file's end, handed on with the digest."""
+    handed to the wire stage; (digest, name, 0), the file's end, handed on with the digest, which
+    `digests` (the memo's) keeps for the next transfer. A digest known before (its text) takes no
+    bytes."""
 
-    def __init__(self, wire: Overlap):
-        self.wire = wire
+    def __init__(self, wire: Overlap, digests: Dict[str, str]):
+        self.wire, self.digests = wire, digests
 
     def take(self, item: Tuple[Any, Any, int]) -> None:
         digest, data, skip = item
         if isinstance(data, str):
-            self.wire.put((data, digest.hexdigest()))
+            if isinstance(digest, str):
+                text = digest
+            else:
+                text = self.digests[data] = digest.hexdigest()
+            self.wire.put((data, text))
             return
-        digest.update(data)
+        if not isinstance(digest, str):
+            digest.update(data)
         if skip < len(data):
             self.wire.put((data[skip:], ""))
 
