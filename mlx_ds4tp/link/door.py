@@ -71,6 +71,10 @@ class Door:
         self.mesh_id: Optional[bytes] = None
         self.abort_on: List[socket.socket] = []
         self._parked: Dict[int, Tuple[socket.socket, str]] = {}
+        # A regrouping leader's (LinkSettings.regrouping): a JOIN it does not take, its reply
+        # never sent, kept open for serve/resize.py (a restarted rank waits there, not refused).
+        self.hold_joins = False
+        self.held: List[socket.socket] = []
 
     # -- what the mesh and its links call ----------------------------------------
     def next_join(self, deadline: float) -> Tuple[ControlChannel, bytes, str]:
@@ -105,12 +109,25 @@ class Door:
                     continue
             if what == "gate data" and kind == "data":
                 return sock, where
+            if kind == FrameType.JOIN and self.hold_joins:
+                self.hold(sock, where)
+                continue
             self._refuse(sock, where, kind, f"a link's {what} connection", payload)
 
+    def hold(self, sock: socket.socket, peer: str) -> None:
+        """A JOIN kept unanswered (hold_joins): its rank waits for the group to grow."""
+        log(f"mesh door {self.host}:{self.port}: holds the JOIN of a rank started again ({peer}) "
+            "until this group serves; it joins the group grown back")
+        self.held.append(sock)
+
     def close(self) -> None:
+        """The listeners and every connection parked or held closed (a held rank dials again)."""
         for sock, _ in self._parked.values():
             sock.close()
         self._parked.clear()
+        for sock in self.held:
+            sock.close()
+        self.held.clear()
         for sock in (self.sock, *self.cable_socks):
             try:
                 sock.close()
