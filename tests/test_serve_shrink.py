@@ -322,3 +322,21 @@ def test_a_worker_started_a_second_time_while_the_group_grows_is_taken_back(mode
         _check_answers(served, model_dir)
     finally:
         served.close()
+
+
+def test_a_worker_started_again_while_the_pair_shrinks_to_the_leader_alone_is_taken_back(model_dir, tmp_path):
+    """A pair: the worker started again as soon as the leader begins to load the whole model
+    alone; its JOIN waits at the lone leader's door (open before the load) and the pair forms
+    again once the leader serves: size 2, every answer exact."""
+    served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "2"])
+    try:
+        _wait_health(served, 120, code=200, size=2, state="serving")
+        served.kill("worker")
+        _wait_log(served, "leader", 90, "the group shrinks from 2 to 1")
+        served.start("worker")
+        body = _wait_health(served, 120, code=200, size=2, state="serving", grows=1)
+        assert body["shrinks"] == 1, body
+        assert served.procs["worker"].poll() is None, served.log("worker")[-3000:]
+        _check_answers(served, model_dir)
+    finally:
+        served.close()
