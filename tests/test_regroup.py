@@ -170,3 +170,24 @@ def test_a_growing_door_gives_up_on_a_rank_back_that_never_joins():
 def test_a_regrouping_takes_as_many_ranks_asking_none_as_it_has_places_for_them():
     assert not Regrouping().takes_unasked([])
     assert Regrouping(unasked=1).takes_unasked([2]) and not Regrouping(unasked=1).takes_unasked([2, -1])
+
+
+def test_a_rank_that_dies_after_its_join_fails_the_leader_at_once_not_at_the_timeout():
+    """A rank that JOINed and died before its link came up (the rank back gone again while the
+    grown group forms): its JOIN connection closes, and the leader, waiting at its door for
+    that link, fails at once naming it (its connect timeout here is 20 s)."""
+    from mlx_ds4tp.link.mesh import form_mesh
+
+    port = free_port()
+    out: dict = {}
+    leading = _in_thread(out, "leader", _leader(port, 2, Regrouping(unasked=1)))
+
+    def dies_before_its_link(settings, **seams):
+        raise TransportError("killed before its link")
+
+    link = LinkSettings(pair_address("worker", None, ("127.0.0.1", port)), "tcp", timeout=20.0, size=None)
+    with pytest.raises(TransportError, match="killed before its link"):
+        form_mesh(link.resolved(), connect=dies_before_its_link)
+    leading.join(30)
+    assert isinstance(out["leader"], PeerClosedError), out
+    assert "rank 1 closed its JOIN connection before it opened this link: it is gone" in str(out["leader"]), out

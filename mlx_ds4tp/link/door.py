@@ -75,6 +75,10 @@ class Door:
         # never sent, kept open for serve/resize.py (a restarted rank waits there, not refused).
         self.hold_joins = False
         self.held: List[socket.socket] = []
+        # The leader's: each worker's JOIN connection by rank, once the roster is out. A worker
+        # says nothing there until all its links are up, so its end closing while the leader
+        # waits for its link is its death, an error at once (not a wait for the deadline).
+        self.joined: Dict[int, socket.socket] = {}
 
     # -- what the mesh and its links call ----------------------------------------
     def next_join(self, deadline: float) -> Tuple[ControlChannel, bytes, str]:
@@ -238,4 +242,11 @@ class LinkDoor:
 
     def accept(self, deadline: float, what: str,
                watch: Optional[ControlChannel] = None) -> Tuple[socket.socket, str]:
-        return self.door.accept(deadline, what, watch, self.peer)
+        joined = self.door.joined.get(self.peer) if watch is None and what == "control" else None
+        if joined is None:
+            return self.door.accept(deadline, what, watch, self.peer)
+        try:
+            return self.door.accept(deadline, what, ControlChannel(joined, 1.0), self.peer)
+        except PeerClosedError as exc:
+            raise PeerClosedError(f"rank {self.peer} closed its JOIN connection before it opened this "
+                                  f"link: it is gone ({exc})") from None

@@ -274,6 +274,7 @@ def _gather(link: LinkSettings, mine: List[CableAddress], deadline: float):
             cables[rank] = their_cables
         mesh_id = secrets.token_bytes(16)
         for (channel, *_), rank in zip(members, ranks):
+            door.joined[rank] = channel.sock
             channel.send(FrameType.ROSTER, pack_roster(roster, rank, cables))
             channel.send(FrameType.MESH_ID, MESH_ID_PAYLOAD.pack(mesh_id, 0))
     except BaseException:
