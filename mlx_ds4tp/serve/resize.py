@@ -11,9 +11,10 @@ The state machine (one daemon thread on the leader, GroupResizer.run):
   serving below N --(a rank at the door)--> growing (no new request admitted; the ones under
             way finish, none cut; the queue waits) --> serving at N again, each rank in its
             started place and share
-  growing --(the grown group never forms: the returning rank gone again, its JOIN not at the
-            new door within GROW_JOIN_SEC of being let go at the old one)--> the members at
-            the door told RESIZE to the group they had --> serving below N, the queue served
+  growing --(the grown group never forms: the returning rank gone again, seen at once: its
+            knock closed, its JOIN connection closed before its link, or no JOIN at the new
+            door within GROW_JOIN_SEC of being let go at the old one)--> the members at the
+            door told RESIZE to the group they had --> serving below N, the queue served
 
 A rank started again while the group shrinks (or grows) asks for no rank, where every member
 was told its own: the forming group's door holds its JOIN unanswered (link.config.Regrouping),
