@@ -105,13 +105,14 @@ def _form(link: LinkSettings, identity: Optional[ModelIdentity]) -> Tuple[Mesh, 
     """The group `link` describes, formed (link/mesh.py), and the settings it forms again with:
     a pair discovery finds (link/meet.py: it elects who leads) its leader's door, its worker's
     discovering settings (it finds its leader again); an address keeps the size the group
-    formed with (the leader's, for a worker started without one)."""
+    formed with (the leader's, for a worker started without one), and no regrouping (its
+    door's rule is for this forming)."""
     if link.discovery is not None:
         from .link.meet import meet
 
         return meet(link, identity or ModelIdentity())
     mesh = form_mesh(link.resolved(identity))
-    return mesh, dataclasses.replace(link, size=mesh.size)
+    return mesh, dataclasses.replace(link, size=mesh.size, regrouping=None)
 
 
 def reconnect(group: Group, link: Optional[LinkSettings] = None) -> Group:

@@ -201,7 +201,9 @@ def test_a_grow_whose_group_never_forms_falls_back_and_serves_the_queue(model_di
     bare connection, held until the leader says the group grows, then closed: the returning
     worker killed right after its knock): the group of three never forms; the leader tells the
     rank left to form the group of two again (RESIZE at the door), serves the request queued
-    during the grow, exactly, and grows for real when the worker comes back."""
+    during the grow, exactly, and grows for real when the worker comes back. The rank's death
+    is noticed as it happens (its knock closed, or its JOIN not at the new door right after it
+    was let go at the old one), not after the connect timeout."""
     import socket
 
     served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "2"], ranks=3)
@@ -238,11 +240,103 @@ def test_a_grow_whose_group_never_forms_falls_back_and_serves_the_queue(model_di
         assert body["grows"] == 0 and body["shrinks"] == 1, body
         log = served.log("leader")
         assert "the group of 3 did not form" in log and "serving on with the 2 ranks it had" in log, log[-3000:]
+        # Its rank's death noticed (its knock closed, or no JOIN at the new door right after it
+        # was let go), not waited out for the connect timeout.
+        assert "the rank back" in log and "it is gone; the group of 2 it had forms again" in log, log[-3000:]
         assert "forms a group of 2 again" in served.log("worker"), served.log("worker")[-3000:]
         _check_answers(served, model_dir, ("after",))
         # The worker itself back: the group grows to three after all.
         served.start("worker2")
         body = _wait_health(served, 120, code=200, size=3, state="serving", grows=1)
         _check_answers(served, model_dir, ("after", "before"))
+    finally:
+        served.close()
+
+
+def _wait_log(served: ServedPair, name: str, within: float, *lines: str, after: str = "") -> str:
+    """Rank `name`'s log (from the last `after` line on) once it holds one of `lines`."""
+    deadline = time.monotonic() + within
+    while True:
+        log = served.log(name)
+        tail = log[log.rfind(after):] if after else log
+        if any(line in tail for line in lines):
+            return tail
+        assert time.monotonic() < deadline, f"{name} never logged {lines}:\n{log[-4000:]}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_a_worker_started_again_during_the_shrink_waits_and_the_group_grows_with_it(model_dir, tmp_path, transport):
+    """The lost worker started again while the ranks left re-form without it: its JOIN reaches
+    the shrinking group's door before the survivor's (which a test hook holds back until then,
+    lockstep/regroup.py's TEST_WAIT_FILE_ENV), and asks for no rank: the door holds it
+    unanswered, the survivor takes its own place, the group of two serves, then grows back to
+    three with the restarted rank in its old place. No rank displaced, every answer exact."""
+    from mlx_ds4tp.lockstep.regroup import TEST_WAIT_FILE_ENV
+
+    gate = tmp_path / "the-survivor-may-join"
+    served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "2", *(RDMA if transport == "rdma" else [])],
+                        ranks=3, env={"DS4_TP_TIMEOUT_SEC": "60"},
+                        rank_env={"worker": {TEST_WAIT_FILE_ENV: str(gate)}})
+    try:
+        _wait_health(served, 120, code=200, size=3, state="serving")
+        _check_answers(served, model_dir, ("before",))
+        served.kill("worker2")
+        shrinking = "the group shrinks from 3 to 2"
+        _wait_log(served, "leader", 90, shrinking)
+        served.start("worker2")
+        # The restarted rank at the door first (before the fix it took the survivor's place).
+        _wait_log(served, "leader", 60, "holds the JOIN of a rank started again", "joined (1 of the 1 other",
+                  after=shrinking)
+        gate.touch()
+        body = _wait_health(served, 120, code=200, size=3, state="serving", grows=1)
+        assert body["shrinks"] == 1, body
+        for name in ("leader", "worker", "worker2"):
+            assert served.procs[name].poll() is None, served.log(name)[-3000:]
+        log = served.log("leader")
+        assert "holds the JOIN of a rank started again" in log, log[-3000:]
+        assert "shrank from 3 to 2 ranks in" in log and "grew from 2 to 3 ranks in" in log, log[-3000:]
+        assert "did not form" not in log, log[-3000:]
+        assert "rank 1 of 2 now" in served.log("worker"), served.log("worker")[-3000:]
+        _check_answers(served, model_dir)
+    finally:
+        served.close()
+
+
+def test_a_worker_started_a_second_time_while_the_group_grows_is_taken_back(model_dir, tmp_path):
+    """The lost worker started again, and once the group has begun to grow with it, killed and
+    started a second time: whichever way that falls (the grow gives up on the first start and
+    falls back, or the second start takes the place), the group ends at three with every
+    answer exact, and the leader serves throughout."""
+    served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "2"], ranks=3)
+    try:
+        _wait_health(served, 120, code=200, size=3, state="serving")
+        served.kill("worker2")
+        _wait_health(served, 90, code=200, size=2, state="serving", shrinks=1)
+        served.start("worker2")
+        _wait_log(served, "leader", 90, "the group grows from 2 to 3")
+        served.kill("worker2")
+        served.start("worker2")
+        _wait_health(served, 180, code=200, size=3, state="serving")
+        assert served.procs["leader"].poll() is None and served.procs["worker"].poll() is None
+        _check_answers(served, model_dir)
+    finally:
+        served.close()
+
+
+def test_a_worker_started_again_while_the_pair_shrinks_to_the_leader_alone_is_taken_back(model_dir, tmp_path):
+    """A pair: the worker started again as soon as the leader begins to load the whole model
+    alone; its JOIN waits at the lone leader's door (open before the load) and the pair forms
+    again once the leader serves: size 2, every answer exact."""
+    served = ServedPair(model_dir, tmp_path, extra=["--shrink-after", "2"])
+    try:
+        _wait_health(served, 120, code=200, size=2, state="serving")
+        served.kill("worker")
+        _wait_log(served, "leader", 90, "the group shrinks from 2 to 1")
+        served.start("worker")
+        body = _wait_health(served, 120, code=200, size=2, state="serving", grows=1)
+        assert body["shrinks"] == 1, body
+        assert served.procs["worker"].poll() is None, served.log("worker")[-3000:]
+        _check_answers(served, model_dir)
     finally:
         served.close()

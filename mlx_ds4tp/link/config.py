@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 from .hello import ModelIdentity, RankFigures
 from .wire import LEADER, TRANSPORT_CODES, WORKER
@@ -219,6 +219,25 @@ class DiscoverySettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class Regrouping:
+    """A serving leader forming its group again at another size (serve/resize.py), for its door
+    (link/mesh.py): its members were each told their rank (RESIZE) and ask for it, so it takes
+    `unasked` JOINs asking no rank (0 for a shrink; 1 for a grow: the rank back) and holds any
+    other JOIN unanswered (Door.held: a rank started again never takes a member's place; the
+    resizer grows with it once the group serves). The rank back must JOIN within
+    `unasked_within` seconds (None: the connect timeout): it was let go at the old door and
+    dials the new one at once (link/mesh.py's REDIAL_SEC), so a rank not there by then is gone."""
+
+    unasked: int = 0
+    unasked_within: Optional[float] = None
+
+    def takes_unasked(self, asked: Sequence[int]) -> bool:
+        """Whether a JOIN asking no rank (-1) still takes a place, the members so far having
+        asked `asked`."""
+        return sum(1 for rank in asked if rank < 0) < self.unasked
+
+
+@dataclasses.dataclass(frozen=True)
 class LinkSettings:
     """How this rank joins its group (a pair, or N ranks): made once, from tp.init's keywords or the command line's
     --transport/--rdma-device/--rdma-gid-index/--secret (in cli/), and what the link layer runs
@@ -252,6 +271,8 @@ class LinkSettings:
     cables: the interfaces this rank's cables are on (--interface with an address): each link runs
     on the cable it shares with its peer, at that cable's addresses and device (link/cables.py);
     () : every link over the roster's route and rdma_device/rdma_devices as given.
+    regrouping: a serving leader's group formed again at another size (Regrouping); None
+    otherwise (the group it keeps for reconnect() drops it: a REFORM takes any rank back).
     """
 
     address: PairAddress
@@ -274,6 +295,7 @@ class LinkSettings:
     rdma_devices: Optional[Mapping[int, str]] = None
     ucsim_fault_links: Optional[str] = None
     cables: Tuple[str, ...] = ()
+    regrouping: Optional[Regrouping] = None
 
     @classmethod
     def of(cls, role: Optional[str], listen=None, coordinator=None, **fields) -> "LinkSettings":

@@ -71,6 +71,14 @@ class Door:
         self.mesh_id: Optional[bytes] = None
         self.abort_on: List[socket.socket] = []
         self._parked: Dict[int, Tuple[socket.socket, str]] = {}
+        # A regrouping leader's (LinkSettings.regrouping): a JOIN it does not take, its reply
+        # never sent, kept open for serve/resize.py (a restarted rank waits there, not refused).
+        self.hold_joins = False
+        self.held: List[socket.socket] = []
+        # The leader's: each worker's JOIN connection by rank, once the roster is out. A worker
+        # says nothing there until all its links are up, so its end closing while the leader
+        # waits for its link is its death, an error at once (not a wait for the deadline).
+        self.joined: Dict[int, socket.socket] = {}
 
     # -- what the mesh and its links call ----------------------------------------
     def next_join(self, deadline: float) -> Tuple[ControlChannel, bytes, str]:
@@ -105,12 +113,25 @@ class Door:
                     continue
             if what == "gate data" and kind == "data":
                 return sock, where
+            if kind == FrameType.JOIN and self.hold_joins:
+                self.hold(sock, where)
+                continue
             self._refuse(sock, where, kind, f"a link's {what} connection", payload)
 
+    def hold(self, sock: socket.socket, peer: str) -> None:
+        """A JOIN kept unanswered (hold_joins): its rank waits for the group to grow."""
+        log(f"mesh door {self.host}:{self.port}: holds the JOIN of a rank started again ({peer}) "
+            "until this group serves; it joins the group grown back")
+        self.held.append(sock)
+
     def close(self) -> None:
+        """The listeners and every connection parked or held closed (a held rank dials again)."""
         for sock, _ in self._parked.values():
             sock.close()
         self._parked.clear()
+        for sock in self.held:
+            sock.close()
+        self.held.clear()
         for sock in (self.sock, *self.cable_socks):
             try:
                 sock.close()
@@ -221,4 +242,11 @@ class LinkDoor:
 
     def accept(self, deadline: float, what: str,
                watch: Optional[ControlChannel] = None) -> Tuple[socket.socket, str]:
-        return self.door.accept(deadline, what, watch, self.peer)
+        joined = self.door.joined.get(self.peer) if watch is None and what == "control" else None
+        if joined is None:
+            return self.door.accept(deadline, what, watch, self.peer)
+        try:
+            return self.door.accept(deadline, what, ControlChannel(joined, 1.0), self.peer)
+        except PeerClosedError as exc:
+            raise PeerClosedError(f"rank {self.peer} closed its JOIN connection before it opened this "
+                                  f"link: it is gone ({exc})") from None

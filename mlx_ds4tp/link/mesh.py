@@ -71,6 +71,7 @@ Connect = Callable[..., Pair]
 Dial = Callable[[str, int, float, str], socket.socket]
 ANY_RANK = -1
 LEADERS_SIZE = 0  # JOIN's size from a worker started without one: it takes the leader's
+HOLD = "held"  # _check_join's word for a JOIN a regrouping leader holds (LinkSettings.regrouping)
 
 
 @dataclasses.dataclass
@@ -240,10 +241,23 @@ def _gather(link: LinkSettings, mine: List[CableAddress], deadline: float):
     log(f"mesh: rank 0 of {link.size} waiting for {others} on {host}:{door.port} ...")
     # channel, asked, host, door port, cables
     members: List[Tuple[ControlChannel, int, str, int, List[CableAddress]]] = []
+    door.hold_joins, unasked_by = link.regrouping is not None, deadline
+    if link.regrouping is not None and link.regrouping.unasked_within:
+        unasked_by = min(deadline, time.monotonic() + link.regrouping.unasked_within)
     try:
         while len(members) < link.size - 1:
-            channel, payload, peer = door.next_join(deadline)
+            unasked = link.regrouping is not None and link.regrouping.takes_unasked([m[1] for m in members])
+            try:
+                channel, payload, peer = door.next_join(unasked_by if unasked else deadline)
+            except TransportTimeoutError:
+                if not unasked or time.monotonic() >= deadline:
+                    raise
+                raise PeerClosedError("the rank back did not JOIN this door in time after it was let go at "
+                                      "the last one: it is gone") from None
             refusal, asked, their_port, their_cables = _check_join(link, payload, members)
+            if refusal == HOLD:
+                door.hold(channel.sock, peer)
+                continue
             if refusal:
                 log(f"mesh: refused a JOIN from {peer}: {refusal}")
                 channel.send_error(refusal)
@@ -260,6 +274,7 @@ def _gather(link: LinkSettings, mine: List[CableAddress], deadline: float):
             cables[rank] = their_cables
         mesh_id = secrets.token_bytes(16)
         for (channel, *_), rank in zip(members, ranks):
+            door.joined[rank] = channel.sock
             channel.send(FrameType.ROSTER, pack_roster(roster, rank, cables))
             channel.send(FrameType.MESH_ID, MESH_ID_PAYLOAD.pack(mesh_id, 0))
     except BaseException:
@@ -286,6 +301,8 @@ def _check_join(link: LinkSettings, payload: bytes, members) -> Tuple[str, int, 
     if end != len(packed) or not hmac.compare_digest(proof, join_proof(link.secret, fields)):
         return ("authentication failed: the JOIN's proof does not match this leader's pair secret; pair "
                 "every Mac with `ds4tp pair`, or give every rank the same --secret / DS4_TP_SECRET"), asked, port, []
+    if asked == ANY_RANK and link.regrouping and not link.regrouping.takes_unasked([m[1] for m in members]):
+        return HOLD, asked, port, cables  # a rank started again: no member's place is its
     if size not in (link.size, LEADERS_SIZE):
         return (f"the group has {link.size} ranks and this rank was started for {size}; give every "
                 f"rank --ranks {link.size} (size={link.size}), or start the workers without --ranks "

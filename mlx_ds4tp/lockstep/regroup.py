@@ -9,6 +9,7 @@ whole model, no links."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -16,6 +17,7 @@ from typing import Any, Optional, Sequence
 from .. import gate_ops
 from ..base.log import log
 from ..errors import FrameError
+from ..link.config import Regrouping
 from ..link.hello import RankFigures
 from ..link.wire import MAX_MESH_SIZE, RESIZE_HEAD
 from ..split.agree import agree_share, model_parts
@@ -99,10 +101,21 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
+# A test hook, never set in use: a worker told RESIZE waits until this file exists before it
+# joins the new group, so a process-level test puts a restarted rank's JOIN at the leader's
+# door ahead of the members' (tests/test_serve_shrink.py) instead of racing them.
+TEST_WAIT_FILE_ENV = "DS4_TP_TEST_RESIZE_WAIT_FILE"
+
+
 def join_regrouped(link_identity: tuple, regroup: Regroup, model_path: Optional[Path], parts) -> Joined:
     """A worker's side: join the leader's new group at regroup.rank (link_identity: what its
     last group was joined with, gate_ops.joined_with), take the leader's share (which must be
     regroup.share) and load this rank's new part. The group is closed when a later step fails."""
+    wait_file = os.environ.get(TEST_WAIT_FILE_ENV)
+    if wait_file:
+        log(f"{TEST_WAIT_FILE_ENV}: test hook: waiting for {wait_file} before joining the group of {regroup.size}")
+        while not os.path.exists(wait_file):
+            time.sleep(0.05)
     link, identity = link_identity
     link = dataclasses.replace(link, size=regroup.size, ask_rank=regroup.rank)
     group = gate_ops.init_pair(link, identity)
@@ -110,9 +123,10 @@ def join_regrouped(link_identity: tuple, regroup: Regroup, model_path: Optional[
 
 
 def lead_regrouped(link_identity: tuple, share: SplitShare, size: int, model_path: Path, parts,
-                   need: ModelNeed) -> Joined:
-    """The leader's side: its new group of `size` (the members were told RESIZE), the share
-    sent (SPLIT) and its part loaded; `size` 1: the whole model here, no group."""
+                   need: ModelNeed, regrouping: Regrouping) -> Joined:
+    """The leader's side: its new group of `size` (the members were told RESIZE, and its door
+    holds any other rank as `regrouping` says), the share sent (SPLIT) and its part loaded;
+    `size` 1: the whole model here, no group."""
     if size == 1:
         from mlx_lm import load
 
@@ -123,7 +137,7 @@ def lead_regrouped(link_identity: tuple, share: SplitShare, size: int, model_pat
 
         return Joined(NoGroup(), model, tokenizer, EVEN)
     link, identity = link_identity
-    group = gate_ops.init_pair(dataclasses.replace(link, size=size, ask_rank=None), identity)
+    group = gate_ops.init_pair(dataclasses.replace(link, size=size, ask_rank=None, regrouping=regrouping), identity)
     return _load(group, SplitSettings(share), model_path, parts, need)
 
 

@@ -11,8 +11,15 @@ The state machine (one daemon thread on the leader, GroupResizer.run):
   serving below N --(a rank at the door)--> growing (no new request admitted; the ones under
             way finish, none cut; the queue waits) --> serving at N again, each rank in its
             started place and share
-  growing --(the grown group never forms: the returning rank gone again)--> the members at
-            the door told RESIZE to the group they had --> serving below N, the queue served
+  growing --(the grown group never forms: the returning rank gone again, seen at once: its
+            knock closed, its JOIN connection closed before its link, or no JOIN at the new
+            door within GROW_JOIN_SEC of being let go at the old one)--> the members at the
+            door told RESIZE to the group they had --> serving below N, the queue served
+
+A rank started again while the group shrinks (or grows) asks for no rank, where every member
+was told its own: the forming group's door holds its JOIN unanswered (link.config.Regrouping),
+so it never takes a member's place, and the group grows with it once it serves
+(serve/door_knock.py).
 
 A group of 3 or more that discovery found keeps its door's address at every size; its lobby is
 open while a rank is missing (held_links.Beacon), so the lost rank's own command finds it again.
@@ -29,8 +36,6 @@ share: the new group starts with empty tables and a disk cache keyed by its own 
 from __future__ import annotations
 
 import dataclasses
-import select
-import socket
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -39,10 +44,11 @@ import mlx.core as mx
 
 from .. import gate_ops
 from ..base.log import log
-from ..errors import TransportError, TransportTimeoutError
-from ..link.config import default_timeout
-from ..link.control import ControlChannel, listen_socket
+from ..errors import PeerClosedError, TransportError, TransportTimeoutError
+from ..link.config import Regrouping, default_timeout
+from ..link.control import ControlChannel
 from ..link.hello import RankFigures
+from ..link.mesh import REDIAL_SEC
 from ..link.wire import FrameType
 from ..lockstep.join_and_load import Joined, rejoin
 from ..lockstep.one_rank import OneRank
@@ -54,12 +60,16 @@ from ..split.auto import ModelNeed, choose_share_among, model_need
 from ..split.errors import ShareRefusedError
 from ..split.measure import usable_memory
 from ..split.share import SplitShare
+from .door_knock import DoorKnock
 from .held_links import Beacon, DoorWatch, answer_joins, close_group, closed_ranks, tell_held
 from .rejoin import Quit, ServingSessions, fit_worker_room, tell_reform
 from .settings import ServeSettings
 
 F = FrameType
 POLL_SEC = 0.1
+# How long a grow's door waits for the rank back after letting it go at the old door: it dials
+# again within REDIAL_SEC (its side's own bound for a door gone), and a loaded Mac a little more.
+GROW_JOIN_SEC = REDIAL_SEC + 2.0
 
 
 @dataclasses.dataclass
@@ -111,6 +121,7 @@ class GroupResizer:
         # A group discovery found: its lobby open while a rank is missing, so the lost one's
         # `ds4tp serve` started again finds the door (serve/held_links.py:Beacon).
         self.beacon = Beacon(gate_ops.discovered_with(joined.group), self.link_identity[1], self._listen())
+        self.knock = DoorKnock(self._listen())
 
     # -- the engine thread: the group broke ------------------------------------------------
     def hold(self, group, reason: str) -> None:
@@ -135,7 +146,7 @@ class GroupResizer:
         while not self.quit.event.is_set():
             if self.engine.wait_down(0.5):
                 self._after_loss()
-            elif self.status.size < self.status.started_size and self._knocked():
+            elif self.status.size < self.status.started_size and self.knock.knocked(self.group):
                 self._grow()
 
     def _after_loss(self) -> None:
@@ -149,8 +160,8 @@ class GroupResizer:
             self._reform_same("the group forms again")
             return
         # A knock taken before the loss (a grow under way) is one at this wait's door too.
-        back = self._knock_alive()
-        self._close_knock()  # its rank dials the next door
+        back = self.knock.alive()
+        self.knock.let_go()  # its rank dials the next door
         watch = DoorWatch(self._listen())
         self.beacon.open()
         lost: List[int] = []
@@ -164,12 +175,14 @@ class GroupResizer:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(POLL_SEC)
+            # Looked at once more as the wait ends: a rank that dialed since comes back here
+            # (closing the watch would reset its JOIN, and the next door may open late).
+            back = back or watch.knocked()
         finally:
             watch.close()
             self.beacon.close()
         if self.quit.event.is_set():
             return
-        back = back or watch.knocked()
         if back or not lost:
             self._reform_same("a rank is back" if back else "no rank was lost")
             return
@@ -233,7 +246,9 @@ class GroupResizer:
             self._tell(lambda rank: None if rank in lost else (
                 F.RESIZE, Regroup(len(members), members.index(self.members[rank]), share).pack()))
 
-        if self._regroup(members, share, close_old):
+        # Its door holds a rank started again meanwhile (it asks no rank; every member was told
+        # its own): the group grows with it once it serves (DoorKnock.take_held).
+        if self._regroup(members, share, close_old, Regrouping()):
             self.status.shrinks += 1
             log(f"serve: shrank from {was} to {len(members)} ranks in {time.monotonic() - began:.1f} s "
                 f"({time.monotonic() - self.lost_at:.1f} s since the loss); serving again")
@@ -259,7 +274,7 @@ class GroupResizer:
         while not self.engine.paused(0.5):
             if self.quit.event.is_set() or self.engine.wait_down(0):
                 return  # the loss path takes it from here
-        if not self._knock_alive():
+        if not self.knock.alive():
             log(f"serve: the rank at the door left before the group grew; serving on with {self.status.size}")
             self.engine.unpause()
             self.status.state = "serving"
@@ -274,9 +289,10 @@ class GroupResizer:
         log(f"serve: a rank is back at the door: the group grows from {was} to {len(members)} "
             f"(rank {regained} in its place, split {share}); requests wait meanwhile")
 
-        def close_old() -> None:
+        def close_old() -> Optional[str]:
             """The members told, the old group (or the lone leader's door) closed: the knock
-            at it is reset and dials the new door (link/mesh.py's REDIAL_SEC), opened next."""
+            at it is reset and dials the new door (link/mesh.py's REDIAL_SEC), opened next;
+            why the group cannot form when that knock had closed already (its rank gone)."""
             if was > 1:
                 held = dict(enumerate(worker_channels(self.group), 1))
                 for rank, control in held.items():
@@ -286,12 +302,16 @@ class GroupResizer:
                     except (TransportError, OSError):
                         pass
                 close_group(self.group, held)
-            elif self._door is not None:
-                self._door.close()
-                self._door = None
-            self._close_knock()
+            else:
+                self.knock.close_alone_door()
+            gone = not self.knock.alive()
+            self.knock.let_go()
+            return "the rank back closed its connection at the door: it is gone" if gone else None
 
-        if not self._regroup(members, share, close_old, fallback=(list(self.members), self.share)):
+        # The rank back, let go at the old door, dials the new one at once: not there within
+        # GROW_JOIN_SEC, it is gone again and the group it had forms again at once.
+        grown = Regrouping(unasked=1, unasked_within=GROW_JOIN_SEC)
+        if not self._regroup(members, share, close_old, grown, fallback=(list(self.members), self.share)):
             return
         if self.status.size == len(members):
             self.status.grows += 1
@@ -301,25 +321,31 @@ class GroupResizer:
                 f"rank{'s' if self.status.size > 1 else ''} it had ({time.monotonic() - began:.1f} s)")
 
     # -- both: the new group, its part, the engine over it ---------------------------------
-    def _regroup(self, members: List[int], share: SplitShare, close_old: Callable[[], None],
-                 fallback: Optional[Tuple[List[int], SplitShare]] = None) -> bool:
+    def _regroup(self, members: List[int], share: SplitShare, close_old: Callable[[], Optional[str]],
+                 regrouping: Regrouping, fallback: Optional[Tuple[List[int], SplitShare]] = None) -> bool:
         """Form the group of `members` (each told RESIZE by close_old, the old group's last
-        act, after this rank's old part is freed), load this rank's part, serve. A grow gives
-        `fallback`, the members and share it had: when its group does not form (the returning
-        rank gone again), the group it had forms again and its queue is served, not failed."""
+        act, after this rank's old part is freed; its door holds other ranks as `regrouping`
+        says), load this rank's part, serve. A grow gives `fallback`, the members and share it
+        had: when its group does not form (the returning rank gone again: close_old says so
+        when its knock closed, or it never JOINs), the group it had forms again and its queue
+        is served, not failed."""
         self._drop_model()
-        close_old()
+        doomed = close_old()
         while not self.quit.event.is_set():
+            if len(members) == 1:
+                self.knock.alone_door()  # open while the whole model loads: a rank started waits there
             try:
+                if doomed is not None:
+                    raise PeerClosedError(doomed)
                 joined = lead_regrouped(self.link_identity, share, len(members), self.settings.model.path,
-                                        self.settings.parts, self.need)
+                                        self.settings.parts, self.need, regrouping)
                 break
             except Exception as exc:  # noqa: BLE001 - a member failed to come; HTTP stays 503
                 why = f"the group of {len(members)} did not form: {type(exc).__name__}: {exc}"
                 if fallback is not None:
                     log(f"serve: {why}; the group of {len(fallback[0])} it had forms again")
                     self._fall_back(members, *fallback)
-                    (members, share), fallback = fallback, None
+                    (members, share), fallback, regrouping, doomed = fallback, None, Regrouping(), None
                     continue
                 log(f"serve: {why}; trying again")
                 self.engine.give_up(why)  # a grow's queue fails: nobody waits on a group that may never form
@@ -328,6 +354,9 @@ class GroupResizer:
             return False
         self.group, self.model, self.share, self.members = joined.group, joined.model, joined.share, members
         self.status.size = len(members)
+        self.knock.take_held(joined.group)
+        if self.status.size == self.status.started_size:
+            self.knock.let_go()  # whole: a second start of a rank back has no place to take
         self._note_figures()
         if not self._resume(joined):
             return False
@@ -414,10 +443,7 @@ class GroupResizer:
         door of a leader alone; workers still waiting for its word told STOP."""
         self._tell(lambda rank: (F.STOP, b""))
         self.beacon.close()
-        self._close_knock()
-        if self._door is not None:
-            self._door.close()
-            self._door = None
+        self.knock.close()
         self.group.close()
 
     # -- figures ---------------------------------------------------------------------------
@@ -440,46 +466,6 @@ class GroupResizer:
 
     def _listen(self):
         return self.link_identity[0].address.listen
-
-    def _knocked(self) -> bool:
-        """Whether a rank dialed the door while the group is smaller than it started: its
-        connection taken and held (its JOIN never answered) until the grow closes it, and it
-        dials the new door."""
-        if self._knock is None:
-            door = self.group.mesh.door.sock if self.status.size > 1 else self._alone_door()
-            if not DoorWatch.pending(door):
-                return False
-            try:
-                self._knock, _ = door.accept()
-            except OSError:
-                return False
-        return True
-
-    def _knock_alive(self) -> bool:
-        """False (and the knock forgotten) once the rank at the door has gone again."""
-        sock = self._knock
-        try:
-            while sock is not None and select.select([sock], [], [], 0)[0]:
-                if not sock.recv(65536, socket.MSG_DONTWAIT):
-                    raise OSError("closed")
-        except OSError:
-            self._close_knock()
-        return self._knock is not None
-
-    def _close_knock(self) -> None:
-        if self._knock is not None:
-            self._knock.close()
-            self._knock = None
-
-    def _alone_door(self) -> socket.socket:
-        if getattr(self, "_door", None) is None:
-            host, port = self._listen()
-            self._door = listen_socket(host, port)
-            self._door.listen(8)
-        return self._door
-
-    _door: Optional[socket.socket] = None
-    _knock: Optional[socket.socket] = None
 
 
 def _kv_tokens(settings: ServeSettings) -> int:
