@@ -70,12 +70,13 @@ class Rank(Watched):
 
 
 def spawn(procs, ns: str, command: List[str], tmp_path: Path, name: str,
-          transport: Tuple[str, ...] = ("--transport", "tcp"), ranks: int = RANKS) -> Rank:
-    """`ds4tp COMMAND --ranks 3 --interface lo` (or `ranks`) in namespace `ns`, the secret in the
-    environment."""
+          transport: Tuple[str, ...] = ("--transport", "tcp"), ranks: int = RANKS,
+          extra_env: Optional[Dict[str, str]] = None) -> Rank:
+    """`ds4tp COMMAND --ranks 3 --interface lo` (or `ranks`) in namespace `ns`, the secret (and
+    `extra_env`) in the environment."""
     env = dict(os.environ, DS4_TP_SECRET=SECRET, DS4_TP_TIMEOUT_SEC=str(TIMEOUT), PYTHONUNBUFFERED="1",
                DS4_TP_CONFIG_DIR=str(tmp_path / f"config-{name}"),
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
     args = ["ip", "netns", "exec", ns, sys.executable, "-m", "mlx_ds4tp", *command, "--ranks", str(ranks),
             "--interface", "lo", *transport]
     p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -146,10 +147,11 @@ def _rank_of(r: Rank) -> int:
 
 
 def serving_by_rank(procs, ns: str, command: List[str], tmp_path: Path,
-                    transport: Tuple[str, ...] = ("--transport", "tcp")) -> Dict[int, Rank]:
+                    transport: Tuple[str, ...] = ("--transport", "tcp"),
+                    extra_env: Optional[Dict[str, str]] = None) -> Dict[int, Rank]:
     """RANKS processes of `ds4tp serve` started alike (spawn), once the group serves: each by the
     rank it was given (every rank 0 .. RANKS-1 present)."""
-    ranks = [spawn(procs, ns, command, tmp_path, f"rank{i}", transport) for i in range(RANKS)]
+    ranks = [spawn(procs, ns, command, tmp_path, f"rank{i}", transport, extra_env=extra_env) for i in range(RANKS)]
     wait_for(ranks, "the group serving", r"serving .* on http://", within=300)
     by_rank = {}
     for r in ranks:

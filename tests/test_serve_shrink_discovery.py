@@ -224,3 +224,41 @@ def test_a_pair_found_by_discovery_that_does_not_shrink_takes_its_worker_back_at
                      again.err.text()), again.describe()
     print(f"\nserve pair by discovery, --shrink-after 0: the worker restarted, serving again {back:.1f} s "
           "after its start")
+
+
+def test_a_rank_started_again_while_its_discovered_group_shrinks_finds_it_after_and_the_group_grows(
+        procs, loop_ns, model, tmp_path):  # noqa: F811 - the fixtures imported above
+    """Three ranks by discovery; rank 1 killed, and started again with its same command while
+    the two left re-form without it (lockstep/regroup.py's test hook holds the survivor back a
+    moment so the restarted rank looks during the shrink, when the leader advertises no lobby):
+    the survivor takes its own place, the pair serves, then the group grows back to three with
+    the restarted rank at rank 1. Every rank alive, every answer exact."""
+    from mlx_ds4tp.lockstep.regroup import TEST_WAIT_FILE_ENV
+
+    gate = tmp_path / "the-survivor-may-join"
+    cmd = ["serve", "--model", str(model), "--port", "8080", "--max-kv-tokens", "4096",
+           "--shrink-after", SHRINK_AFTER]
+    by_rank = serving_by_rank(procs, loop_ns, cmd, tmp_path, extra_env={TEST_WAIT_FILE_ENV: str(gate)})
+    leader, victim, survivor = by_rank[0], by_rank[1], by_rank[2]
+    _wait_health(loop_ns, leader, 120, code=200, size=3, state="serving")
+    _exact(loop_ns, model, "three Macs")
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.wait_exit(30)
+    wait_for([leader], "the shrink begun", r"the group shrinks from 3 to 2", within=90)
+    again = spawn(procs, loop_ns, cmd, tmp_path, "rank1-again", extra_env={TEST_WAIT_FILE_ENV: str(gate)})
+    # It looks while the leader's lobby is closed (the group re-forms): it hears two ranks in a
+    # group and none to join, so it waits (or leads a lobby nobody joins) until the leader,
+    # short of a rank again, re-opens its lobby.
+    wait_for([again], "the restarted rank looking", r"discovery: looking on lo", within=120)
+    time.sleep(3)  # not a timing assertion: only that it looks during the shrink, as a user's would
+    gate.touch()
+    body = _wait_health(loop_ns, leader, 180, code=200, size=3, started_size=3, state="serving", grows=1)
+    assert body["shrinks"] == 1, body
+    for rank in (leader, survivor, again):
+        assert rank.alive(), rank.describe()
+    assert "rank 1 of 2 now" in survivor.err.text() and "rank 2 of 3 now" in survivor.err.text(), survivor.describe()
+    assert "rank 1 of 3" in again.err.text(), again.describe()
+    assert "did not form" not in leader.err.text(), leader.describe()
+    assert "this machine is rank 1 of 2 now" not in again.err.text(), again.describe()
+    _exact(loop_ns, model, "after")
+    _exact(loop_ns, model, "three Macs")

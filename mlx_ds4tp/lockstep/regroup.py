@@ -114,7 +114,10 @@ def join_regrouped(link_identity: tuple, regroup: Regroup, model_path: Optional[
     wait_file = os.environ.get(TEST_WAIT_FILE_ENV)
     if wait_file:
         log(f"{TEST_WAIT_FILE_ENV}: test hook: waiting for {wait_file} before joining the group of {regroup.size}")
+        deadline = time.monotonic() + 600.0
         while not os.path.exists(wait_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{TEST_WAIT_FILE_ENV}: {wait_file} did not appear within 600 s")
             time.sleep(0.05)
     link, identity = link_identity
     link = dataclasses.replace(link, size=regroup.size, ask_rank=regroup.rank)
