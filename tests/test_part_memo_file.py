@@ -1,6 +1,6 @@
 """The leader's memo on its disk (split/part_memo_file.py): a leader started again neither plans,
 traces nor hashes a part it sent before, and offers the digests; a memo file that is malformed,
-of another key, or of model files changed since (a byte flipped in place, its mtime put back) is
+of another key, made by other code, or of model files changed since (a byte flipped in place, its mtime put back) is
 ignored, logged, and the part planned, traced and hashed again."""
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def test_a_malformed_or_foreign_memo_file_is_ignored_logged_and_rebuilt(model, t
     (path,) = memo_files()
     good = json.loads(path.read_text())
     for n, damaged in enumerate(("{not json", json.dumps({**good, "key": good["key"][:-1] + ["3:1"]}),
-                                 json.dumps({**good, "layout": {"cut": [1, 1]}}))):
+                                 json.dumps({**good, "layout": {"cut": [1, 1]}}),
+                                 json.dumps({**good, "code": ["another mlx-lm"] + good["code"][1:]}))):
         path.write_text(damaged)
         part_memo.forget_parts()
         entry, sent = transfer(model, PartsSettings(tmp_path / f"again{n}"))

@@ -5,11 +5,12 @@ rank keeps: split/apply.py's traced_layout, about 0.25 s a GB of weights on thes
 as reading the bytes) and each part file's digest once a send has read that file whole.
 
 Kept in this process's memory by (model directory, each of its files' name, size, mtime, ctime
-and inode, rank, size, share), and on the leader's disk by the same key (split/part_memo_file.py:
-a leader started again does not plan, trace or hash it again): a model file replaced or rewritten
-is a new key, so nothing is reused for other bytes. The ctime is there because a write changes it
-and no tool can set it back (a byte flipped in place with the mtime restored is still a new key);
-bytes rotting on the disk under unchanged stats are the worker's to catch, as follows.
+and inode, rank, size, share), and on the leader's disk by the same key and the code that made
+it (split/part_memo_file.py: a leader started again does not plan, trace or hash it again): a
+model file replaced or rewritten is a new key, so nothing is reused for other bytes. The ctime
+is there because a write changes it and no tool can set it back (a byte flipped in place with
+the mtime restored is still a new key); bytes rotting on the disk under unchanged stats are the
+worker's to catch, as follows.
 
 A digest from the memo is offered with the file and is what the worker checks
 the bytes it receives against: bytes changed under the same stats would not match it, and the

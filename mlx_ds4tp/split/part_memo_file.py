@@ -5,10 +5,10 @@ and holding that key whole, the part's file plan, its traced layout (each cut ar
 the digests of the part files sent whole.
 
 Never trusted blindly: a file whose key is not the memo's key (the model's files as they are now,
-rank, size, share), that cannot be read, or that is malformed is ignored (logged) and the part is
-planned, traced and hashed again, and the file rewritten. The worker still checks every digest
-against the bytes it receives (split/part_receive.py): a digest from here that the bytes do not
-match is refused, never loaded.
+rank, size, share), made by other code (code_stamp), that cannot be read, or that is malformed is
+ignored (logged) and the part is planned, traced and hashed again, and the file rewritten. The
+worker still checks every digest against the bytes it receives (split/part_receive.py): a digest
+from here that the bytes do not match is refused, never loaded.
 """
 
 from __future__ import annotations
@@ -33,6 +33,24 @@ MAX_FILES = 64  # memo files kept (each a few kB to a few MB); the least recentl
 
 def memo_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp" / "leader-memo"
+
+
+def code_stamp() -> list:
+    """What made the plan and the trace: MLX's, mlx-lm's and this package's versions, and the
+    stats of this package's split code and of mlx-lm's models. A leader started again after an
+    upgrade (or an edit: the package is not versioned a commit) could cut the part otherwise
+    (other runs, same shapes: bytes its own digests would vouch for), so that memo is not used."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from .. import __version__
+
+    stamp: list = [mx.__version__, mlx_lm.__version__, __version__]
+    for folder in (Path(__file__).parent, Path(mlx_lm.__file__).parent / "models"):
+        for path in sorted(folder.glob("*.py")):
+            st = path.stat()
+            stamp.append([path.name, st.st_size, st.st_mtime_ns])
+    return stamp
 
 
 def _path(key: Tuple[Any, ...]) -> Path:
@@ -94,6 +112,10 @@ def load_memo(key: Tuple[Any, ...], group: Any) -> Optional[Tuple[PartPlan, Opti
         if data.get("format") != FORMAT or data.get("key") != json.loads(json.dumps(key)):
             log(f"leader memo {path} is of other model files or another part; planning and tracing again")
             return None
+        if data.get("code") != code_stamp():
+            log(f"leader memo {path} was made by other code (MLX, mlx-lm or mlx_ds4tp changed since); "
+                "planning and tracing again")
+            return None
         layout = None if data["layout"] is None else _layout_of(data["layout"], group)
         digests = {str(k): str(v) for k, v in data["digests"].items()}
         return _plan_of(data["plan"]), layout, digests
@@ -107,7 +129,7 @@ def save_memo(key: Tuple[Any, ...], plan: PartPlan, layout: Optional[Layout], gr
     """Write the memo of `key` (atomically: a reader sees the old file or the new one); a failure
     is logged, never raised (the next start plans and traces again)."""
     path = _path(key)
-    data = {"format": FORMAT, "key": key, "plan": _plan_json(plan),
+    data = {"format": FORMAT, "key": key, "code": code_stamp(), "plan": _plan_json(plan),
             "layout": None if layout is None else _layout_json(layout, group), "digests": dict(digests)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,4 +144,4 @@ def save_memo(key: Tuple[Any, ...], plan: PartPlan, layout: Optional[Layout], gr
         log(f"leader memo {path} not written ({e}); a leader started again traces this part again")
 
 
-__all__ = ["FORMAT", "MAX_FILES", "load_memo", "memo_dir", "save_memo"]
+__all__ = ["FORMAT", "MAX_FILES", "code_stamp", "load_memo", "memo_dir", "save_memo"]
