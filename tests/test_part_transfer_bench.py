@@ -27,4 +27,5 @@ def test_the_bench_reports_both_transfers_the_plain_copy_and_a_second_start_that
     for key in ("part_transfer_mb_s", "part_again_mb_s", "plain_socket_mb_s", "plain_digest_both_sides_mb_s"):
         assert report[key] > 0, (key, report)
     assert report["second_start_sent_bytes"] == 0 and report["second_start_s"] > 0
+    assert report["part_restarted_over_plain"] > 0  # a leader started again, from its memo file
     assert report["part_receiver_peak_rss_mb"] > 0 and report["plain_receiver_peak_rss_mb"] > 0

@@ -9,7 +9,9 @@ Each run alternates: the part sent into a fresh cache by a leader that has not s
 (its memo forgotten: the cut traced, every file hashed), the plain copy, the plain copy with the
 part's digest taken on both sides (the floor a digest-checked transfer can reach on these CPUs),
 then the part sent again into another fresh cache (a second worker, a resume: the leader's memo
-holds the trace and the digests); the medians and the medians of the per-run ratios are reported.
+holds the trace and the digests), then once more by a leader started again (its memo in memory
+gone, its memo file on disk kept: split/part_memo_file.py); the medians and the medians of the
+per-run ratios are reported. The leader's memo files go to a directory of the bench's own.
 """
 
 from __future__ import annotations
@@ -183,32 +185,44 @@ def main(argv: List[str]) -> int:
     p.add_argument("--runs", type=int, default=5, help="runs of each, alternating; medians reported")
     args = p.parse_args(argv)
     from ..split.part_memo import forget_parts
+    from ..split.part_memo_file import memo_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        os.environ["XDG_CACHE_HOME"] = str(root / "xdg")  # the leader's memo files: the bench's own
         model = _model(root, args.size) if args.model is None else Path(args.model)
         rank = args.ranks - 1
-        parts, warms, plains, hashed, firsts, cpus = [], [], [], [], [], []
+        parts, warms, restarts, plains, hashed, firsts, cpus = [], [], [], [], [], [], []
         for run in range(args.runs):
             # A fresh cache each transfer: every one sends the whole part.
             forget_parts()
+            _remove_tree(memo_dir())  # a leader that never sent this part
             first = _send_part(model, root / f"parts{run}", rank, args.ranks, args.split)
             firsts.append(first)
             parts.append(first["sent_bytes"] / first["send_seconds"])
             entry = Path(first["entry"])
             files = sorted(f for f in entry.iterdir() if f.name != "manifest.json")
-            plain = _send_plain(files, root / "plain.bin", hashed=False)
+            # Each copy into a file of its own, as each part goes into a fresh cache: a file
+            # rewritten in place reuses its pages and is written faster than a new one.
+            plain = _send_plain(files, root / f"plain{run}.bin", hashed=False)
             plains.append(plain["sent_bytes"] / plain["seconds"])
-            hashed_plain = _send_plain(files, root / "plain.bin", hashed=True)
+            hashed_plain = _send_plain(files, root / f"hashed{run}.bin", hashed=True)
             hashed.append(hashed_plain["sent_bytes"] / hashed_plain["seconds"])
+            (root / f"plain{run}.bin").unlink()
+            (root / f"hashed{run}.bin").unlink()
             # After the plain copies, so that they run as they did before the memo (a file
             # written right after another was removed is written faster here: freed pages).
             warm = _send_part(model, root / f"warm{run}", rank, args.ranks, args.split)
             firsts.append(warm)
             warms.append(warm["sent_bytes"] / warm["send_seconds"])
             _remove_tree(root / f"warm{run}")
+            forget_parts()  # a leader started again: its memo file read, nothing traced or hashed
+            restarted = _send_part(model, root / f"restarted{run}", rank, args.ranks, args.split)
+            restarts.append(restarted["sent_bytes"] / restarted["send_seconds"])
+            _remove_tree(root / f"restarted{run}")
             cpus.append((first["send_cpu_seconds"], first["cpu_seconds"], warm["send_cpu_seconds"],
-                         warm["cpu_seconds"], plain["send_cpu_seconds"], plain["cpu_seconds"]))
+                         warm["cpu_seconds"], plain["send_cpu_seconds"], plain["cpu_seconds"],
+                         restarted["send_cpu_seconds"], restarted["plan_seconds"]))
             if run < args.runs - 1:
                 _remove_tree(root / f"parts{run}")
         forget_parts()  # the second start: both sides started again, the leader's memo gone
@@ -226,14 +240,17 @@ def main(argv: List[str]) -> int:
             "plain_socket_mb_s": round(_median(plains) / 1e6, 1),
             "part_over_plain": round(_median([a / b for a, b in zip(parts, plains)]), 2),
             "part_again_over_plain": round(_median([a / b for a, b in zip(warms, plains)]), 2),
+            "part_restarted_over_plain": round(_median([a / b for a, b in zip(restarts, plains)]), 2),
             "plain_digest_both_sides_mb_s": round(_median(hashed) / 1e6, 1),
             "part_over_plain_digest": round(_median([a / b for a, b in zip(parts, hashed)]), 2),
             # CPU seconds a GB on each side (sender, receiver), the part's (first, again) and the
             # plain copy's: what a machine with cores to spare overlaps, and a busy one cannot.
             "part_cpu_s_per_gb": [per_gb(0), per_gb(1)],
             "part_again_cpu_s_per_gb": [per_gb(2), per_gb(3)],
+            "part_restarted_cpu_s_per_gb": per_gb(6),  # the leader's
             "plain_cpu_s_per_gb": [per_gb(4), per_gb(5)],
             "part_plan_s": round(_median([f["plan_seconds"] for f in firsts[::2]]), 2),
+            "part_restarted_plan_s": round(_median([c[7] for c in cpus]), 2),  # the memo file read
             "part_receiver_peak_rss_mb": round(max(f["peak_rss_bytes"] for f in firsts) / 1e6, 1),
             "plain_receiver_peak_rss_mb": round(plain["peak_rss_bytes"] / 1e6, 1),
             "second_start_s": round(second["seconds"], 2),  # the worker's whole receive_part

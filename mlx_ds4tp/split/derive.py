@@ -175,10 +175,18 @@ def _natural(path: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
+# The narrowest index type the tracers use: an axis of up to 2**15 indices (most of them: heads,
+# hidden and intermediate widths) is traced in int16, half the bytes MLX materializes and numpy
+# reads where the plan copies the cut (mlx-lm's shard makes it contiguous). Signed, so that a
+# plan's subtraction cannot wrap a value back into the valid range unseen as an unsigned one could.
+_NARROW_INDICES = 1 << 15
+
+
 def _tracer(shape: tuple[int, ...], axis: int) -> mx.array:
     line = [1] * len(shape)
     line[axis] = shape[axis]
-    return mx.broadcast_to(mx.arange(shape[axis], dtype=mx.int32).reshape(line), shape)
+    dtype = mx.int16 if shape[axis] <= _NARROW_INDICES else mx.int32
+    return mx.broadcast_to(mx.arange(shape[axis], dtype=dtype).reshape(line), shape)
 
 
 def _runs(indices: np.ndarray) -> tuple[tuple[int, int], ...]:
@@ -189,6 +197,32 @@ def _runs(indices: np.ndarray) -> tuple[tuple[int, int], ...]:
         else:
             runs.append([i, i + 1])
     return tuple((a, b) for a, b in runs)
+
+
+# Elements compared at once: the compare's bool buffer is reused, not one the cut's size.
+_COMPARE_ELEMENTS = 1 << 20
+
+
+def _is_broadcast(values: np.ndarray, line: np.ndarray, axis: int) -> bool:
+    """Whether every element of `values` equals `line` (its shape: 1 on every axis but `axis`).
+    Exact (every element is compared), without a temporary the array's size: an axis of stride 0
+    repeats one element (every element there aliases it), so only its first is compared; the
+    rest in slices along the leading axis into one reused buffer."""
+    whole = tuple(slice(0, 1) if d != axis and values.strides[d] == 0 else slice(None)
+                  for d in range(values.ndim))
+    values = values[whole]
+    if values.size == line.size:  # only the line itself is left (it is where `line` came from)
+        return True
+    rows = max(1, _COMPARE_ELEMENTS // max(1, values[0].size))
+    buffer = np.empty((min(rows, values.shape[0]),) + values.shape[1:], dtype=bool)
+    for start in range(0, values.shape[0], rows):
+        part = values[start: start + rows]
+        expected = line[start: start + rows] if axis == 0 else line
+        out = buffer[: part.shape[0]]
+        np.equal(part, expected, out=out)
+        if not out.all():
+            return False
+    return True
 
 
 def _kept_indices(traced: mx.array, axis: int, whole: int) -> np.ndarray | None:
@@ -206,7 +240,7 @@ def _kept_indices(traced: mx.array, axis: int, whole: int) -> np.ndarray | None:
     shape[axis] = kept.size
     if kept.size == 0 or kept.min() < 0 or kept.max() >= whole:
         return None
-    if not np.array_equal(values, np.broadcast_to(kept.reshape(shape), values.shape)):
+    if not _is_broadcast(values, kept.reshape(shape), axis):
         return None
     return kept.astype(np.int64)
 
@@ -262,6 +296,9 @@ def derive_plan(model: nn.Module, group: Any, shard: Callable[[nn.Module, Any], 
         set_array(traced, path, _marker(before[path].shape, before[path].dtype))
     shard(traced, group)
     after = dict(tree_flatten(traced.parameters()))
+    # Each traced array is dropped once checked (after.pop), its memory reused for the next:
+    # the twin would hold every one, the part's element count, until the plan returns.
+    del traced
     for path in plan.replaced:
         plan.replaced[path] = _constant(after[path]) if path in after else None
     for path, axis in plan.axes.items():

@@ -1,12 +1,18 @@
 """The leader's memo of the parts it sends: what does not change between two transfers of one part
 (a second worker of the same share, a transfer resumed after a cut, a worker that re-joins), so
 only the first pays for it: the part's file plan, the traced layout of its cut (which indices the
-rank keeps: split/apply.py's traced_layout, about 1 s a GB of weights on these CPUs, more than
-reading the bytes) and each part file's digest once a send has read that file whole.
+rank keeps: split/apply.py's traced_layout, about 0.25 s a GB of weights on these CPUs, as much
+as reading the bytes) and each part file's digest once a send has read that file whole.
 
-Kept in this process's memory by (model directory, each of its files' name, size, mtime and
-inode, rank, size, share): a model file replaced or rewritten is a new key, so nothing is reused
-for other bytes. A digest from the memo is offered with the file and is what the worker checks
+Kept in this process's memory by (model directory, each of its files' name, size, mtime, ctime
+and inode, rank, size, share), and on the leader's disk by the same key and the code that made
+it (split/part_memo_file.py: a leader started again does not plan, trace or hash it again): a
+model file replaced or rewritten is a new key, so nothing is reused for other bytes. The ctime
+is there because a write changes it and no tool can set it back (a byte flipped in place with
+the mtime restored is still a new key); bytes rotting on the disk under unchanged stats are the
+worker's to catch, as follows.
+
+A digest from the memo is offered with the file and is what the worker checks
 the bytes it receives against: bytes changed under the same stats would not match it, and the
 worker refuses them (fetches the file again, then errs) instead of loading them.
 """
@@ -19,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from ..collectives.backend import cut_only_group
+from .part_memo_file import load_memo, save_memo
 from .part_plan import PartPlan, plan_part
 from .share import SplitShare
 from .units import Layout
@@ -34,6 +41,7 @@ class PartMemo:
 
     plan: PartPlan
     group: Any
+    key: Tuple[Any, ...]
     layout: Optional[Layout] = None
     digests: Dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -42,13 +50,13 @@ _memos: Dict[Tuple[Any, ...], PartMemo] = {}
 _lock = threading.Lock()
 
 
-def files_stamp(model_path: Path) -> Tuple[Tuple[str, int, int, int], ...]:
-    """(name, size, mtime in ns, inode) of every file at the top of the model's directory."""
+def files_stamp(model_path: Path) -> Tuple[Tuple[str, int, int, int, int], ...]:
+    """(name, size, mtime and ctime in ns, inode) of every file at the top of the model's directory."""
     stamp = []
     for path in sorted(Path(model_path).iterdir()):
         if path.is_file():
             st = path.stat()
-            stamp.append((path.name, st.st_size, st.st_mtime_ns, st.st_ino))
+            stamp.append((path.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
     return tuple(stamp)
 
 
@@ -61,7 +69,13 @@ def part_memo(model_path: Path, rank: int, size: int, share: SplitShare) -> Part
         memo = _memos.get(key)
     if memo is not None:
         return memo
-    memo = PartMemo(plan_part(model_path, rank, size, share), cut_only_group(rank, size))
+    group = cut_only_group(rank, size)
+    kept = load_memo(key, group)
+    if kept is not None:
+        plan, layout, digests = kept
+        memo = PartMemo(plan, group, key, layout, digests)
+    else:
+        memo = PartMemo(plan_part(model_path, rank, size, share), group, key)
     with _lock:
         memo = _memos.setdefault(key, memo)
         while len(_memos) > MAX_MEMOS:
@@ -69,11 +83,17 @@ def part_memo(model_path: Path, rank: int, size: int, share: SplitShare) -> Part
     return memo
 
 
+def keep_on_disk(memo: PartMemo) -> None:
+    """Write the memo to the leader's disk (a leader started again reads it instead of planning,
+    tracing and hashing): after a transfer, with what it learned."""
+    save_memo(memo.key, memo.plan, memo.layout, memo.group, memo.digests)
+
+
 def forget_parts() -> None:
-    """Drop every memo: the next transfer of any part plans, traces and hashes it again (what a
-    leader's first transfer costs; bench/part_transfer.py measures it so)."""
+    """Drop every memo in memory, as a leader started again has none (the memo files on its disk
+    stay: remove split/part_memo_file.py's memo_dir() too for a first transfer's cost)."""
     with _lock:
         _memos.clear()
 
 
-__all__ = ["MAX_MEMOS", "PartMemo", "files_stamp", "forget_parts", "part_memo"]
+__all__ = ["MAX_MEMOS", "PartMemo", "files_stamp", "forget_parts", "keep_on_disk", "part_memo"]

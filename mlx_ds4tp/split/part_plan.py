@@ -94,7 +94,12 @@ def file_plan(arrays: List[Tuple[str, mx.array]]) -> List[PartFile]:
 
 
 def _part_file(number: int, tensors: List[PartTensor]) -> PartFile:
-    return PartFile(f"{PART_PREFIX}{number:05d}.safetensors", _safetensors_header(tensors), tuple(tensors))
+    return part_file(f"{PART_PREFIX}{number:05d}.safetensors", tensors)
+
+
+def part_file(name: str, tensors: List[PartTensor]) -> PartFile:
+    """The part file `name` holding `tensors` in this order (its header made from them)."""
+    return PartFile(name, _safetensors_header(tensors), tuple(tensors))
 
 
 def quantized_modules(model: nn.Module) -> dict:
@@ -186,5 +191,5 @@ def load_part(parts_dir: Path, group: Any, share: SplitShare) -> Tuple[nn.Module
     return model, tokenizer
 
 
-__all__ = ["PART_CONFIG", "PartFile", "PartPlan", "PartTensor", "bytes_digest", "file_plan", "load_part",
+__all__ = ["PART_CONFIG", "PartFile", "PartPlan", "PartTensor", "bytes_digest", "file_plan", "load_part", "part_file",
            "plain_files", "plan_part", "quantized_modules"]

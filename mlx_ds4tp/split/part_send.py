@@ -32,7 +32,7 @@ from .apply import cut_arrays, traced_layout
 from .derive import set_array
 from .overlap import Overlap
 from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath, bulk_path
-from .part_memo import part_memo
+from .part_memo import keep_on_disk, part_memo
 from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files
 from .plans import saved_layout
 from .share import SplitShare
@@ -109,6 +109,7 @@ class PartSender:
                 sent += self._send_wanted(control, wanted, progress, bulk)
             finally:
                 progress.close()
+                keep_on_disk(self.memo)  # what this round traced and hashed, cut or not
             progress.done()
         raise FrameError(f"rank {self.rank} still wants files after {MAX_ROUNDS} rounds")
 
