@@ -1,9 +1,19 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# The leaders the tests start keep their memo of the parts they send (split/part_memo_file.py)
+# here, with the children they start, never in the user's ~/.cache.
+if not os.environ.get("DS4_TP_LEADER_MEMO_DIR"):
+    _memo_dir = tempfile.mkdtemp(prefix="ds4tp-leader-memo-")
+    os.environ["DS4_TP_LEADER_MEMO_DIR"] = _memo_dir
+    atexit.register(shutil.rmtree, _memo_dir, True)
 
 from pairutil import Procs  # noqa: E402
 

@@ -24,7 +24,7 @@ def model(tmp_path_factory, monkeypatch):
     """A model of this test's own, its leader memo files in a directory of this test's own."""
     from mlx_ds4tp.synthetic.tiny_model import save_llama
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+    monkeypatch.setenv(part_memo_file.MEMO_DIR_ENV, str(tmp_path_factory.mktemp("leader-memo")))
     part_memo.forget_parts()
     yield save_llama(tmp_path_factory.mktemp("part-memo-file"), "tiny", seed=13)
     part_memo.forget_parts()

@@ -185,11 +185,11 @@ def main(argv: List[str]) -> int:
     p.add_argument("--runs", type=int, default=5, help="runs of each, alternating; medians reported")
     args = p.parse_args(argv)
     from ..split.part_memo import forget_parts
-    from ..split.part_memo_file import memo_dir
+    from ..split.part_memo_file import MEMO_DIR_ENV, memo_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        os.environ["XDG_CACHE_HOME"] = str(root / "xdg")  # the leader's memo files: the bench's own
+        os.environ[MEMO_DIR_ENV] = str(root / "leader-memo")  # the leader's memo files: the bench's own
         model = _model(root, args.size) if args.model is None else Path(args.model)
         rank = args.ranks - 1
         parts, warms, restarts, plains, hashed, firsts, cpus = [], [], [], [], [], [], []

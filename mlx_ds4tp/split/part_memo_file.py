@@ -1,6 +1,7 @@
 """The leader's memo of a part (split/part_memo.py) kept on its disk, so a leader started again
 neither plans, traces nor hashes a part it sent before: a small JSON file a part under
-$XDG_CACHE_HOME/mlx_ds4tp/leader-memo/ (default ~/.cache), named by a digest of the memo's key
+$XDG_CACHE_HOME/mlx_ds4tp/leader-memo/ (default ~/.cache; $DS4_TP_LEADER_MEMO_DIR to choose: the
+tests and the bench keep theirs apart), named by a digest of the memo's key
 and holding that key whole, the part's file plan, its traced layout (each cut array's runs) and
 the digests of the part files sent whole.
 
@@ -31,7 +32,13 @@ FORMAT = 1  # bumped when what the file holds changes: an older file is then ign
 MAX_FILES = 64  # memo files kept (each a few kB to a few MB); the least recently written go first
 
 
+MEMO_DIR_ENV = "DS4_TP_LEADER_MEMO_DIR"
+
+
 def memo_dir() -> Path:
+    chosen = os.environ.get(MEMO_DIR_ENV)
+    if chosen:
+        return Path(chosen)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_ds4tp" / "leader-memo"
 
 
