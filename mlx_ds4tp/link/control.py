@@ -9,7 +9,7 @@ import select
 import socket
 import struct
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from ..base.log import log
 from ..errors import FrameError, PeerClosedError, TransportError, TransportTimeoutError
@@ -292,13 +292,21 @@ DIAL_QUIET_SEC = 3.0
 DIAL_LOG_EVERY_SEC = 10.0
 
 
-def dial(host: str, port: int, deadline: float, what: str) -> socket.socket:
+def dial(host: str, port: int, deadline: float, what: str,
+         abort_on: Sequence[socket.socket] = ()) -> socket.socket:
     """Connect to host:port, retrying until deadline: normal while the leader
     is still starting or loading its model. Quiet for the first DIAL_QUIET_SEC,
-    then a line every DIAL_LOG_EVERY_SEC; the timeout error names the cause."""
+    then a line every DIAL_LOG_EVERY_SEC; the timeout error names the cause.
+
+    abort_on: sockets whose EOF or data means the bring-up is over (a mesh worker's JOIN
+    connection to the leader: the leader ended or gave up), so the retries stop then, not at
+    the deadline."""
     last_error = "no address worked"
     next_log = time.monotonic() + DIAL_QUIET_SEC
     while True:
+        if abort_on and select.select(list(abort_on), [], [], 0)[0]:
+            raise PeerClosedError(f"the mesh's leader ended or gave up its bring-up while this rank "
+                                  f"dialed {host}:{port} for {what}")
         try:
             sock = socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic())))
             return sock

@@ -471,7 +471,7 @@ def _make_link(link: LinkSettings, rank: int, peer: int, roster, mesh_id: bytes,
                                    ucsim_faults=faults, size=2, ask_rank=None, rdma_devices=None)
 
     def dial_link(host: str, port: int, deadline: float, what: str) -> socket.socket:
-        sock = dial(host, port, deadline, what)
+        sock = dial(host, port, deadline, what, abort_on=door.abort_on)
         if what == "control":
             # The mesh's id opens the link's control connection: the peer's door refuses a
             # link of another mesh before any hello.
