@@ -43,6 +43,17 @@ def _wait_health(ns: str, leader, within: float, **want) -> dict:
     raise AssertionError(f"/health never showed {want} within {within} s: {code} {body}\n{leader.describe()}")
 
 
+def _resize_lines(leader, transport: str, size: int) -> tuple:
+    """The leader's log lines of its one shrink from `size` and its grow back (the seconds each
+    took), on `transport`'s links."""
+    text = leader.err.text()
+    shrink = re.search(rf"shrank from {size} to {size - 1} ranks in ([0-9.]+) s \(([0-9.]+) s since the loss\)", text)
+    grow = re.search(rf"grew from {size - 1} to {size} ranks in ([0-9.]+) s", text)
+    assert shrink and grow, leader.describe()
+    assert f"transport {'rdma' if transport == 'ucsim' else 'tcp'}" in text, leader.describe()
+    return shrink, grow
+
+
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_a_group_found_by_discovery_shrinks_and_grows_back_when_the_rank_is_found_again(
         procs, loop_ns, model, tmp_path, transport):  # noqa: F811 - the fixtures imported above
@@ -74,11 +85,7 @@ def test_a_group_found_by_discovery_shrinks_and_grows_back_when_the_rank_is_foun
     assert "re-joins it with the rank left free" in again.err.text(), again.describe()
     assert "rank 1 of 3" in again.err.text(), again.describe()
     assert survivor.alive() and "rank 2 of 3 now" in survivor.err.text(), survivor.describe()
-    shrink_line = re.search(r"shrank from 3 to 2 ranks in ([0-9.]+) s \(([0-9.]+) s since the loss\)",
-                            leader.err.text())
-    grow_line = re.search(r"grew from 2 to 3 ranks in ([0-9.]+) s", leader.err.text())
-    assert shrink_line and grow_line, leader.describe()
-    assert f"transport {'rdma' if transport == 'ucsim' else 'tcp'}" in leader.err.text(), leader.describe()
+    shrink_line, grow_line = _resize_lines(leader, transport, 3)
     print(f"\nserve --ranks 3 by discovery over {transport}, --shrink-after {SHRINK_AFTER}: rank 1 killed: "
           f"serving at 2 {shrunk:.1f} s after the kill (/health polled; "
           f"the leader's shrink {shrink_line[1]} s, "
@@ -163,11 +170,7 @@ def test_a_pair_found_by_discovery_shrinks_to_its_leader_and_grows_back_when_the
     # The restarted worker's election picked the lone leader: it never led a pair of its own.
     assert "works for it" in again.err.text(), again.describe()
     assert not re.search(r"this machine \(.*\) leads", again.err.text()), again.describe()
-    shrink_line = re.search(r"shrank from 2 to 1 ranks in ([0-9.]+) s \(([0-9.]+) s since the loss\)",
-                            leader.err.text())
-    grow_line = re.search(r"grew from 1 to 2 ranks in ([0-9.]+) s", leader.err.text())
-    assert shrink_line and grow_line, leader.describe()
-    assert f"transport {'rdma' if transport == 'ucsim' else 'tcp'}" in leader.err.text(), leader.describe()
+    shrink_line, grow_line = _resize_lines(leader, transport, 2)
     print(f"\nserve pair by discovery over {transport}, --shrink-after {SHRINK_AFTER}: worker killed: "
           f"serving alone {shrunk:.1f} s after the kill (/health polled; the leader's shrink "
           f"{shrink_line[1]} s, {shrink_line[2]} s since the loss); restarted: serving at 2 {grown:.1f} s "
