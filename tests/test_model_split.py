@@ -22,7 +22,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import tiny_models
-from mlx_ds4tp.checkpoint import parts as _safetensors_parts
+from mlx_ds4tp.checkpoint import tensor_runs as _tensor_runs
 from mlx_ds4tp.model_split import (
     SafetensorsParts,
     VocabParallelEmbedding,
@@ -152,7 +152,7 @@ def test_reading_parts_from_disk_equals_cutting_in_memory(model_dirs, family, ra
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint32])
 def test_safetensors_parts_along_both_axes(tmp_path, monkeypatch, dtype):
     # Small read chunks so the column cut takes several steps and a ragged last one.
-    monkeypatch.setattr(_safetensors_parts, "READ_CHUNK_BYTES", 150)
+    monkeypatch.setattr(_tensor_runs, "READ_CHUNK_BYTES", 150)
     mx.random.seed(1)
     tensors = {
         "matrix": (mx.random.normal((20, 12)) * 100).astype(dtype),  # 3 or 6 rows a chunk, then 2

@@ -16,7 +16,7 @@ import pytest
 
 from mlx_ds4tp.checkpoint.parts_cache import DIGEST_NAME, MANIFEST, PartsSettings, file_digest
 from mlx_ds4tp.errors import FrameError
-from mlx_ds4tp.split import part_memo, part_send
+from mlx_ds4tp.split import part_memo, part_plan, part_send
 from mlx_ds4tp.split.share import SplitShare
 from test_part_send import assert_loads_as_load_split, transfer
 
@@ -33,13 +33,13 @@ def model(tmp_path_factory):
 
 def count_traces(monkeypatch) -> list:
     traces = []
-    real = part_send.traced_layout
+    real = part_plan.traced_layout  # traced with the plan: split/part_plan.py
 
     def traced_layout(*args, **kwargs):
         traces.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(part_send, "traced_layout", traced_layout)
+    monkeypatch.setattr(part_plan, "traced_layout", traced_layout)
     return traces
 
 

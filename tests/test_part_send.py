@@ -215,3 +215,51 @@ def test_an_offer_over_rdma_to_a_worker_whose_link_is_not_rdma_is_refused_by_nam
         receive_part(link, 1, 2, SplitShare.of("even"), PartsSettings(tmp_path / "parts"))
     b.close()
     thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A 4-bit llama, a quantized MoE with MLA (deepseek_v3), a MoE whose experts are saved one
+    by one (the original Hugging Face layout) and gpt-oss as released (gate and up fused, rows
+    interleaved: its experts cut through MLX)."""
+    import tiny_models
+    from test_model_split_moe import _save_gpt_oss_original, _save_per_expert
+
+    from mlx_ds4tp.split.plans import saved_layout
+
+    root = tmp_path_factory.mktemp("part-checkpoints")
+    built = {name: tiny_models.build(name, root) for name in ("llama-q4", "deepseek_v3-q4", "qwen3_moe",
+                                                               "gpt_oss-mxfp4")}
+    per_expert = root / "qwen3_moe-one-by-one"
+    _save_per_expert(built["qwen3_moe"], per_expert, saved_layout("mlx_lm.models.qwen3_moe")["expert_keys"])
+    original = root / "gpt_oss-original"
+    _save_gpt_oss_original(built["gpt_oss-mxfp4"], original)
+    return {"llama-q4": built["llama-q4"], "deepseek_v3-q4": built["deepseek_v3-q4"],
+            "qwen3_moe-one-by-one": per_expert, "gpt_oss-original": original}
+
+
+@pytest.mark.parametrize("name,share,rank,size", [
+    ("llama-q4", "even", 1, 2), ("llama-q4", "3:1", 1, 2), ("deepseek_v3-q4", "even", 1, 2),
+    ("qwen3_moe-one-by-one", "even", 1, 2), ("gpt_oss-original", "even", 0, 2)])
+def test_the_part_sent_from_the_files_byte_runs_is_what_load_split_keeps(checkpoints, tmp_path, name, share,
+                                                                         rank, size):
+    from mlx_ds4tp.split import part_memo
+
+    model = checkpoints[name]
+    part_memo.forget_parts()
+    entry, sent = transfer(model, PartsSettings(tmp_path / "parts"), share=share, rank=rank, size=size)
+    assert not isinstance(entry, Exception), entry
+    assert_loads_as_load_split(model, entry, rank=rank, size=size, share=share)
+    # Every array the cut reads from the files goes from their bytes, not through MLX: only the
+    # arrays every rank keeps whole (norms, MLA's low-rank projections, routers) and, in gpt-oss
+    # as released, its experts (read from fused rows and mxfp4 blocks) go through MLX.
+    memo = part_memo.part_memo(model, rank, size, SplitShare.of(share))
+    keys = {t.key for f in memo.plan.files for t in f.tensors}
+    cut = keys & set(memo.layout.plan.cuts)
+    through_mlx = keys - set(memo.plan.sources)
+    assert cut and through_mlx  # both kinds are in every one of these parts
+    if name == "gpt_oss-original":
+        assert through_mlx & cut and all(".experts." in key for key in through_mlx & cut), through_mlx & cut
+    else:
+        assert not through_mlx & cut, through_mlx & cut
+        assert any("embed_tokens" in key for key in keys - through_mlx)  # the vocabulary's rows

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .header import read_header_file
+from .tensor_runs import TensorRuns, read_runs, tensor_runs
 
 # safetensors dtype -> (how the bytes are read, the MLX dtype they are viewed as). bfloat16 has
 # no numpy type: its bytes travel as uint16 and are viewed as bfloat16 once inside MLX.
@@ -39,8 +40,8 @@ _SAFETENSORS_DTYPES = {
     "I64": (np.int64, mx.int64),
 }
 Runs = Sequence[tuple[int, int]]  # [start, stop) ranges of one axis, read one after the other
-READ_CHUNK_BYTES = 2 << 20  # whole rows read per step when the ranges are short
-SEEK_MIN_BYTES = 16 << 10  # ranges at least this long are read one by one
+# (shape, numpy dtype, byte runs): a part as its files hold it, read by checkpoint/tensor_runs.py
+SavedPart = tuple[tuple[int, ...], Any, tuple[TensorRuns, ...]]
 # Scratch buffers at least this large are dropped after their tensor: the C library maps them
 # on their own and unmaps them when freed (glibc above its 32 MiB mmap threshold, macOS's large
 # allocations alike), so they leave no freed pages behind; kept, a vocabulary part's buffer
@@ -100,12 +101,12 @@ class SafetensorsParts:
     def __call__(self, key: str, whole: mx.array, axis: int, runs: Optional[Runs] = None) -> Optional[mx.array]:
         """This rank's part of the saved tensor `key` (loaded as `whole`) along `axis`: its
         1/size block, or the [start, stop) runs of that axis given, in their order."""
-        if self._readable(key, whole.shape, whole.dtype):
-            part = self._read(key, axis, runs=runs)
+        saved = self.saved_part(key, whole.shape, whole.dtype, axis, runs)
+        if saved is not None:
+            shape, np_dtype, parts = saved
+            part = read_runs(parts, self._buffer("part", sum(p.nbytes for p in parts), np_dtype, shape))
         else:
-            part = self._read_stacked(key, whole, axis, runs)
-            if part is None:
-                part = self._read_fused(key, whole, axis, runs)
+            part = self._read_fused(key, whole, axis, runs)
             if part is None:
                 return None
         out = mx.array(part)
@@ -115,24 +116,44 @@ class SafetensorsParts:
         self._scratch = {k: v for k, v in self._scratch.items() if v.nbytes < DROP_SCRATCH_BYTES}
         return out
 
-    def _read_stacked(self, key: str, whole: mx.array, axis: int, runs: Optional[Runs]) -> Optional[np.ndarray]:
-        """This rank's part of a [experts, ...] stack whose experts the files hold one by one."""
-        axis = axis % whole.ndim
+    def saved_part(self, key: str, shape: Sequence[int], dtype: mx.Dtype, axis: int,
+                   runs: Optional[Runs] = None) -> Optional[SavedPart]:
+        """(shape, numpy dtype, byte runs) of this rank's part of `key` (loaded as an array of
+        `shape` and `dtype`) along `axis`, where the files hold it as it is loaded or as a stack
+        of experts saved one by one; None otherwise (fused rows: read by __call__ itself)."""
+        shape = tuple(shape)
+        if self._readable(key, shape, dtype):
+            return self._part_runs(key, axis, runs)
+        axis = axis % len(shape)
         if axis == 0:
             return None  # the expert axis itself is never cut
         for stacked, one in self.expert_keys:
             if stacked not in key:
                 continue
-            keys = [key.replace(stacked, one.format(e=e)) for e in range(whole.shape[0])]
-            if not all(self._readable(k, whole.shape[1:], whole.dtype) for k in keys):
+            keys = [key.replace(stacked, one.format(e=e)) for e in range(shape[0])]
+            if not all(self._readable(k, shape[1:], dtype) for k in keys):
                 continue
-            first = self._read(keys[0], axis - 1, runs=runs)
-            out = self._buffer("stack", first.nbytes * len(keys), first.dtype, (len(keys),) + first.shape)
-            out[0] = first
-            for e, k in enumerate(keys[1:], 1):
-                out[e] = self._read(k, axis - 1, runs=runs)
-            return out
+            # This rank's part of each expert, one after the other: never a whole expert.
+            experts = [self._part_runs(k, axis - 1, runs) for k in keys]
+            first_shape, np_dtype, _ = experts[0]
+            return (len(keys),) + first_shape, np_dtype, tuple(r for _, _, e in experts for r in e)
         return None
+
+    def _part_runs(self, key: str, axis: int, runs: Optional[Runs], shape: Optional[tuple[int, ...]] = None,
+                   ) -> SavedPart:
+        """This rank's part of tensor `key` cut along `axis`: its 1/size block, or the given
+        [start, stop) runs of the axis one after the other. `shape` reads the tensor's bytes as
+        that shape instead of the saved one."""
+        file, dtype, saved_shape, start = self.tensors[key]
+        shape = saved_shape if shape is None else shape
+        np_dtype = _SAFETENSORS_DTYPES[dtype][0]
+        axis = axis % len(shape)
+        if runs is None:
+            block = shape[axis] // self.size
+            runs = ((self.rank * block, (self.rank + 1) * block),)
+        kept = sum(b - a for a, b in runs)
+        part_shape = shape[:axis] + (kept,) + shape[axis + 1:]
+        return part_shape, np_dtype, (tensor_runs(str(file), start, shape, np.dtype(np_dtype).itemsize, axis, runs),)
 
     def _read_fused(self, key: str, whole: mx.array, axis: int, runs: Optional[Runs]) -> Optional[np.ndarray]:
         """This rank's part of an array mlx-lm's sanitize() takes as every step-th row of a
@@ -157,7 +178,8 @@ class SafetensorsParts:
             # Runs count loaded elements; along the last axis of mxfp4 blocks the saved ones are bytes.
             scale = step * (4 if bytes_as_words and axis == whole.ndim - 1 else 1)
             saved_runs = None if runs is None else tuple((a * scale, b * scale) for a, b in runs)
-            part = self._read(key[: -len(loaded)] + saved, axis, shape, saved_runs)
+            part_shape, np_dtype, parts = self._part_runs(key[: -len(loaded)] + saved, axis, saved_runs, shape)
+            part = read_runs(parts, self._buffer("part", parts[0].nbytes, np_dtype, part_shape))
             if bytes_as_words:
                 part = part.view(np.uint32)
             rows = [slice(None)] * part.ndim
@@ -167,57 +189,5 @@ class SafetensorsParts:
             out[...] = picked
             return out
         return None
-
-    def _read(self, key: str, axis: int, shape: Optional[tuple[int, ...]] = None,
-              runs: Optional[Runs] = None) -> np.ndarray:
-        """This rank's part of tensor `key` cut along `axis`, in the 'part' scratch buffer:
-        its 1/size block, or the given [start, stop) runs of the axis one after the other.
-        `shape` reads the tensor's bytes as that shape instead of the saved one."""
-        file, dtype, saved_shape, start = self.tensors[key]
-        shape = saved_shape if shape is None else shape
-        np_dtype = _SAFETENSORS_DTYPES[dtype][0]
-        itemsize = np.dtype(np_dtype).itemsize
-        axis = axis % len(shape)
-        outer = int(np.prod(shape[:axis]))
-        mid, inner = shape[axis], int(np.prod(shape[axis + 1 :]))
-        if runs is None:
-            block = mid // self.size
-            runs = ((self.rank * block, (self.rank + 1) * block),)
-        kept = sum(b - a for a, b in runs)
-        # (first item, items) of each run inside one row of the [outer, mid * inner] view
-        spans = [(a * inner, (b - a) * inner) for a, b in runs]
-        part = self._buffer("part", outer * kept * inner * itemsize, np_dtype, (outer, kept * inner))
-        with open(file, "rb", buffering=0) as f:
-            if outer == 1 or min(w for _, w in spans) * itemsize >= SEEK_MIN_BYTES:
-                for o in range(outer):
-                    col = 0
-                    for lo, width in spans:
-                        f.seek(start + (o * mid * inner + lo) * itemsize)
-                        _read_exactly(f, part[o, col : col + width], key)
-                        col += width
-            else:
-                row = mid * inner
-                step = max(1, READ_CHUNK_BYTES // (row * itemsize))
-                chunk = self._buffer("chunk", step * row * itemsize, np_dtype, (step, row))
-                f.seek(start)
-                for r in range(0, outer, step):
-                    n = min(step, outer - r)
-                    _read_exactly(f, chunk[:n], key)
-                    col = 0
-                    for lo, width in spans:
-                        part[r : r + n, col : col + width] = chunk[:n, lo : lo + width]
-                        col += width
-        return part.reshape(shape[:axis] + (kept,) + shape[axis + 1 :])
-
-
-def _read_exactly(f, buf: np.ndarray, key: str) -> None:
-    view = memoryview(buf).cast("B")
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise ValueError(f"{f.name} ends inside tensor {key}; the file is truncated, re-save the model")
-        got += n
-
 
 __all__ = ["SafetensorsParts"]

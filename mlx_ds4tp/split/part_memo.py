@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from ..collectives.backend import cut_only_group
 from .part_memo_file import load_memo, save_memo
@@ -36,13 +36,13 @@ MAX_MEMOS = 16  # parts memoized at once (a plan and a layout each: kilobytes to
 @dataclasses.dataclass
 class PartMemo:
     """One part's memo: its plan, the cut-only group its layout was traced for (the cut checks
-    that group by identity, so the same object goes with the layout), the layout once traced and
-    the digests of the part files sent whole so far."""
+    that group by identity, so the same object goes with the layout), the layout (traced with
+    the plan) and the digests of the part files sent whole so far."""
 
     plan: PartPlan
     group: Any
     key: Tuple[Any, ...]
-    layout: Optional[Layout] = None
+    layout: Layout
     digests: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -75,7 +75,8 @@ def part_memo(model_path: Path, rank: int, size: int, share: SplitShare) -> Part
         plan, layout, digests = kept
         memo = PartMemo(plan, group, key, layout, digests)
     else:
-        memo = PartMemo(plan_part(model_path, rank, size, share), group, key)
+        plan, layout = plan_part(model_path, group, share)
+        memo = PartMemo(plan, group, key, layout)
     with _lock:
         memo = _memos.setdefault(key, memo)
         while len(_memos) > MAX_MEMOS:

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from ..base.log import log
+from ..checkpoint.tensor_runs import TensorRuns
 from ..collectives.backend import cut_only_group
 from .derive import ArrayCut, ShardPlan
 from .part_plan import PartPlan, PartTensor, part_file
 from .share import UnitCut
 from .units import Layout
 
-FORMAT = 1  # bumped when what the file holds changes: an older file is then ignored, rebuilt
+FORMAT = 2  # bumped when what the file holds changes: an older file is then ignored, rebuilt
 MAX_FILES = 64  # memo files kept (each a few kB to a few MB); the least recently written go first
 
 
@@ -66,13 +67,19 @@ def _path(key: Tuple[Any, ...]) -> Path:
 
 def _plan_json(plan: PartPlan) -> dict:
     return {"part_config": plan.part_config.decode("utf-8"),
-            "files": [[f.name, [[t.key, t.dtype, list(t.shape), t.nbytes] for t in f.tensors]] for f in plan.files]}
+            "files": [[f.name, [[t.key, t.dtype, list(t.shape), t.nbytes] for t in f.tensors]] for f in plan.files],
+            "sources": {path: [key, [[r.file, r.start, r.rows, r.row_bytes, [list(s) for s in r.spans]] for r in runs]]
+                        for path, (key, runs) in plan.sources.items()}}
 
 
 def _plan_of(data: dict) -> PartPlan:
     files = tuple(part_file(name, [PartTensor(k, d, tuple(s), n) for k, d, s, n in tensors])
                   for name, tensors in data["files"])
-    return PartPlan(files, data["part_config"].encode("utf-8"))
+    sources = {str(path): (str(key), tuple(TensorRuns(str(f), int(start), int(rows), int(row_bytes),
+                                                      tuple((int(a), int(b)) for a, b in spans))
+                                           for f, start, rows, row_bytes, spans in runs))
+               for path, (key, runs) in data["sources"].items()}
+    return PartPlan(files, data["part_config"].encode("utf-8"), sources)
 
 
 def _layout_json(layout: Layout, group: Any) -> dict:
@@ -109,8 +116,8 @@ def _layout_of(data: dict, group: Any) -> Layout:
                   frozenset(data["column_arrays"]))
 
 
-def load_memo(key: Tuple[Any, ...], group: Any) -> Optional[Tuple[PartPlan, Optional[Layout], Dict[str, str]]]:
-    """(plan, layout or None, digests) kept for `key`, or None where there is none to trust."""
+def load_memo(key: Tuple[Any, ...], group: Any) -> Optional[Tuple[PartPlan, Layout, Dict[str, str]]]:
+    """(plan, layout, digests) kept for `key`, or None where there is none to trust."""
     path = _path(key)
     if not path.exists():
         return None
@@ -123,7 +130,7 @@ def load_memo(key: Tuple[Any, ...], group: Any) -> Optional[Tuple[PartPlan, Opti
             log(f"leader memo {path} was made by other code (MLX, mlx-lm or mlx_ds4tp changed since); "
                 "planning and tracing again")
             return None
-        layout = None if data["layout"] is None else _layout_of(data["layout"], group)
+        layout = _layout_of(data["layout"], group)
         digests = {str(k): str(v) for k, v in data["digests"].items()}
         return _plan_of(data["plan"]), layout, digests
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -131,13 +138,13 @@ def load_memo(key: Tuple[Any, ...], group: Any) -> Optional[Tuple[PartPlan, Opti
         return None
 
 
-def save_memo(key: Tuple[Any, ...], plan: PartPlan, layout: Optional[Layout], group: Any,
+def save_memo(key: Tuple[Any, ...], plan: PartPlan, layout: Layout, group: Any,
               digests: Dict[str, str]) -> None:
     """Write the memo of `key` (atomically: a reader sees the old file or the new one); a failure
     is logged, never raised (the next start plans and traces again)."""
     path = _path(key)
     data = {"format": FORMAT, "key": key, "code": code_stamp(), "plan": _plan_json(plan),
-            "layout": None if layout is None else _layout_json(layout, group), "digests": dict(digests)}
+            "layout": _layout_json(layout, group), "digests": dict(digests)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")

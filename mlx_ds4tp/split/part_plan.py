@@ -17,17 +17,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from ..base.log import log
+from ..checkpoint.parts import SafetensorsParts
 from ..checkpoint.parts_cache import new_digest
-from ..collectives.backend import cut_only_group
-from .apply import cut_lazily
+from ..checkpoint.tensor_runs import TensorRuns
+from .apply import cut_arrays, cut_lazily, traced_layout
+from .plans import saved_layout
 from .share import SplitShare
+from .units import Layout
 
 PART_FILE_BYTES = 1 << 30
 PART_CONFIG = "part_config.json"
@@ -121,30 +124,70 @@ def _placeholders(model: nn.Module) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PartPlan:
-    """A rank's part of a model as files: the part files, and the part's config (quantization)."""
+    """A rank's part of a model as files: the part files, the part's config (quantization), and
+    where the model's files hold each array the part keeps as it is saved (by the array's dotted
+    path: the key the cut read it by, and its byte runs): those are sent from the files as they
+    are; the rest (the arrays left whole, any cut the files cannot give) go through MLX."""
 
     files: Tuple[PartFile, ...]
     part_config: bytes
+    sources: Dict[str, Tuple[str, Tuple[TensorRuns, ...]]] = dataclasses.field(default_factory=dict)
 
     @property
     def weight_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
 
-def plan_part(model_path: Path, rank: int, size: int, share: SplitShare) -> PartPlan:
-    """The leader's plan of `rank`'s part of the model at model_path (of `size` ranks, `share`):
-    its arrays' names, dtypes and shapes, read off the model built lazily and cut on placeholders
-    (no weight is read)."""
+class RecordedReads:
+    """read_part for a cut of placeholders (split_model's cut_arrays): each read this rank's
+    files can give as it is saved (checkpoint/parts.py's saved_part) answered with a placeholder
+    of the part's shape and dtype, its byte runs kept by that placeholder's identity, so an
+    array the cut yields unchanged is known to be exactly those bytes; None for the rest (the
+    cut then takes them from the loaded arrays)."""
+
+    def __init__(self, reader: SafetensorsParts):
+        self.reader = reader
+        self.made: Dict[int, Tuple[mx.array, str, Tuple[TensorRuns, ...]]] = {}
+
+    def __call__(self, key: str, whole: mx.array, axis: int, runs=None):  # noqa: ANN001 - ReadPart's
+        saved = self.reader.saved_part(key, whole.shape, whole.dtype, axis, runs)
+        if saved is None:
+            return None
+        shape, _, parts = saved
+        placeholder = mx.broadcast_to(mx.zeros((), whole.dtype), shape)
+        self.made[id(placeholder)] = (placeholder, key, parts)
+        return placeholder
+
+    def runs_of(self, value: mx.array) -> Optional[Tuple[str, Tuple[TensorRuns, ...]]]:
+        """(key read, byte runs) when `value` is one of this reader's placeholders, unchanged."""
+        made = self.made.get(id(value))
+        return (made[1], made[2]) if made is not None and made[0] is value else None
+
+
+def plan_part(model_path: Path, group: Any, share: SplitShare) -> Tuple[PartPlan, Layout]:
+    """The leader's plan of the part of the model at model_path that `group`'s rank keeps (a
+    cut-only group: its rank of its size, `share`), and the traced layout of that cut (kept for
+    a cut through MLX later: the same group object goes with it). Its arrays' names, dtypes,
+    shapes and byte runs are read off the model built lazily and cut, split_model's cut_arrays,
+    on placeholders: no weight is read."""
     from mlx_lm.utils import load_model
 
     model, config = load_model(Path(model_path), lazy=True)
     quantized = quantized_modules(model)
     _placeholders(model)
-    cut_lazily(model, cut_only_group(rank, size), split=share)
-    arrays = tree_flatten(model.parameters())
+    rank, size = int(group.rank()), int(group.size())
+    reads = RecordedReads(SafetensorsParts(Path(model_path), rank, size, **saved_layout(type(model).__module__)))
+    layout = traced_layout(model, group, split=share)
+    arrays, sources = [], {}
+    for path, value in cut_arrays(model, group, split=share, read_part=reads, layout=layout):
+        arrays.append((path, value))
+        found = reads.runs_of(value)
+        if found is not None:
+            sources[path] = found
     quant = dict(config.get("quantization") or {})
     part_config = {"quantization": {**quant, **quantized}} if quantized else {}
-    return PartPlan(tuple(file_plan(arrays)), json.dumps(part_config, sort_keys=True).encode("utf-8"))
+    plan = PartPlan(tuple(file_plan(arrays)), json.dumps(part_config, sort_keys=True).encode("utf-8"), sources)
+    return plan, layout
 
 
 def plain_files(model_path: Path) -> List[Path]:
@@ -191,5 +234,5 @@ def load_part(parts_dir: Path, group: Any, share: SplitShare) -> Tuple[nn.Module
     return model, tokenizer
 
 
-__all__ = ["PART_CONFIG", "PartFile", "PartPlan", "PartTensor", "bytes_digest", "file_plan", "load_part", "part_file",
-           "plain_files", "plan_part", "quantized_modules"]
+__all__ = ["PART_CONFIG", "PartFile", "PartPlan", "PartTensor", "RecordedReads", "bytes_digest", "file_plan",
+           "load_part", "part_file", "plain_files", "plan_part", "quantized_modules"]

@@ -3,19 +3,26 @@ control connection once the share is agreed (TCP: the control channel's frames),
 its part offered (PART_OFFER), the ones it wants sent from the offset it asks (PART_DATA), each
 closed by its digest (PART_END), until it wants none.
 
-The part files' bytes are cut as load_split would cut them for that rank (split_model's
-cut_arrays, reading each array's part from the model's files), one array at a time: each is
-sent and dropped before the next is read, so the leader never holds the worker's part. A file
-resumed from an offset is still read from its start (its digest covers the whole file); only
-the bytes past the offset are sent. What does not change from one transfer of the part to the
-next (its plan, the cut's traced layout, each file's digest) is kept (split/part_memo.py): a
-second worker, a resume or a re-join is not traced or hashed again, and is offered the digests.
+The part files' bytes are exactly what load_split keeps for that rank. The plan (split/part_plan.py)
+knows, for each array the cut reads from the model's files as they are saved (every cut array
+of an mlx-lm checkpoint, experts saved one by one included), which bytes of which file it is:
+those are read from the files straight into the chunks that are hashed and sent
+(checkpoint/tensor_runs.py), with no model built and nothing copied through MLX, as a plain copy
+of the same bytes would. The rest (the arrays every rank keeps whole, the rows of gpt-oss's fused
+experts) is cut through MLX (split_model's cut_arrays), one array at a time, each dropped once
+sent, so the leader never holds the worker's part. A file resumed from an offset is still read
+from its start (its digest covers the whole file); only the bytes past the offset are sent. What
+does not change from one transfer of the part to the next (its plan, the cut's traced layout,
+each file's digest) is kept (split/part_memo.py): a second worker, a resume or a re-join is not
+planned, traced or hashed again, and is offered the digests.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import queue
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -25,15 +32,16 @@ import mlx.core as mx
 from ..base.log import log
 from ..checkpoint.parts import SafetensorsParts
 from ..checkpoint.parts_cache import new_digest
+from ..checkpoint.tensor_runs import RunsReader
 from ..errors import FrameError
 from ..link.control import ControlChannel
 from ..link.wire import FrameType
-from .apply import cut_arrays, traced_layout
+from .apply import cut_arrays
 from .derive import set_array
 from .overlap import Overlap
 from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath, bulk_path
 from .part_memo import keep_on_disk, part_memo
-from .part_plan import PART_CONFIG, PartPlan, bytes_digest, plain_files
+from .part_plan import PART_CONFIG, PartFile, PartPlan, RecordedReads, bytes_digest, plain_files
 from .plans import saved_layout
 from .share import SplitShare
 from .transfer_progress import TransferProgress
@@ -116,19 +124,23 @@ class PartSender:
     def _send_wanted(self, control: ControlChannel, wanted: List[Tuple[str, int]],
                      progress: TransferProgress, bulk: Optional[BulkPath]) -> int:
         """The wanted files sent (from their offsets); the bytes sent."""
-        frames = _Frames(control, progress, bulk)
-        # Three stages, each on its own thread: this one reads and cuts the arrays, the next
-        # hashes them (a file whose digest the memo holds passes through), the last sends them
-        # (a few chunks queued between each).
+        pool = _ChunkPool(CHUNK_BYTES, 2 * STAGE_DEPTH + 3)  # queued and in hand at each stage, one filling
+        frames = _Frames(control, progress, bulk, pool)
+        # Three stages, each on its own thread: this one reads the files' runs (and cuts through
+        # MLX what they cannot give) into chunks, the next hashes them (a file whose digest the
+        # memo holds passes through), the last sends them (a few chunks queued between each).
         with Overlap(frames.take, depth=STAGE_DEPTH, name="ds4tp-part-send") as wire, \
-                Overlap(_Hashing(wire, self.memo.digests).take, depth=STAGE_DEPTH, name="ds4tp-part-hash") as hashing:
+                Overlap(_Hashing(wire, self.memo.digests, pool).take, depth=STAGE_DEPTH,
+                        name="ds4tp-part-hash") as hashing, \
+                RunsReader(CHUNK_BYTES, pool.take) as reader:
+            pool.stages = (hashing, wire)
             for name, offset in wanted:
                 if name in self.plain:
-                    self._queue_file(hashing, name, iter((memoryview(self.plain[name]),)), offset,
+                    self._queue_file(hashing, name, reader.add_bytes(memoryview(self.plain[name])), reader, offset,
                                      self.plain_digests[name])
             parts = [(name, offset) for name, offset in wanted if name not in self.plain]
             if parts:
-                self._queue_parts(hashing, dict(parts))
+                self._queue_parts(hashing, reader, dict(parts))
             hashing.finish()
             wire.finish()
         return frames.sent
@@ -150,59 +162,123 @@ class PartSender:
                 raise FrameError(f"rank {self.rank} wants {name} from byte {offset}, which the offer has not")
         return wanted
 
-    def _queue_file(self, hashing: Overlap, name: str, arrays: Iterator[memoryview], offset: int,
-                    known: Optional[str]) -> None:
-        """Every array's bytes to the hash stage a chunk at a time (all into the digest, the bytes
-        past `offset` sent), then the file's end (PART_END with the digest). known: the file's
-        digest from before (the memo's, a plain file's): nothing is hashed."""
+    def _queue_file(self, hashing: Overlap, name: str, chunks: Iterator[memoryview], reader: RunsReader,
+                    offset: int, known: Optional[str]) -> None:
+        """A file's chunks to the hash stage (all into the digest, the bytes past `offset`
+        sent), then its end (PART_END with the digest). known: the file's digest from before
+        (the memo's, a plain file's): nothing is hashed."""
         digest, pos = (known if known else new_digest()), 0
-        for data in arrays:
-            for at in range(0, len(data), CHUNK_BYTES):
-                chunk = data[at: at + CHUNK_BYTES]
-                hashing.put((digest, chunk, min(max(offset - pos, 0), len(chunk))))
-                pos += len(chunk)
+        for chunk in itertools.chain(chunks, reader.flush()):
+            hashing.put((digest, chunk, min(max(offset - pos, 0), len(chunk))))
+            pos += len(chunk)
         hashing.put((digest, name, 0))
 
-    def _queue_parts(self, hashing: Overlap, wanted: Dict[str, int]) -> None:
-        """The wanted part files, in the plan's order, their arrays cut one at a time."""
+    def _queue_parts(self, hashing: Overlap, reader: RunsReader, wanted: Dict[str, int]) -> None:
+        """The wanted part files, in the plan's order: each array the files hold as it is
+        saved read from them (the plan's sources), the rest cut through MLX one at a time."""
+        last = max(i for i, f in enumerate(self.plan.files) if f.name in wanted)
+        files = self.plan.files[: last + 1]
+        through_mlx = any(t.key not in self.plan.sources for f in files if f.name in wanted for t in f.tensors)
+        model, arrays = self._cut_through_mlx() if through_mlx else (None, None)
+        try:
+            for file in files:
+                chunks = self._file_chunks(reader, model, file, arrays)
+                if file.name in wanted:
+                    self._queue_file(hashing, file.name, chunks, reader, wanted[file.name],
+                                     self.memo.digests.get(file.name))
+                elif arrays is not None:
+                    for _ in _arrays_of(file, model, arrays):  # still in order before the next file's
+                        pass
+        finally:
+            if arrays is not None:
+                arrays.close()
+
+    def _cut_through_mlx(self) -> Tuple[Any, Iterator[Tuple[str, mx.array]]]:
+        """(model, its arrays cut one at a time): the model built lazily and cut (cut_arrays,
+        with the memo's traced layout); an array the plan sends from the files is not read."""
         from mlx_lm.utils import load_model
 
         model, _ = load_model(self.model_path, lazy=True)
         reader = SafetensorsParts(self.model_path, self.rank, self.size, **saved_layout(type(model).__module__))
-        memo = self.memo
-        if memo.layout is None:
-            memo.layout = traced_layout(model, memo.group, split=self.share)
-        arrays = cut_arrays(model, memo.group, split=self.share, read_part=reader, layout=memo.layout)
-        last = max(i for i, f in enumerate(self.plan.files) if f.name in wanted)
-        for file in self.plan.files[: last + 1]:
-            chunks = self._file_chunks(model, file, arrays)
-            if file.name in wanted:
-                self._queue_file(hashing, file.name, chunks, wanted[file.name], memo.digests.get(file.name))
-            else:
-                for _ in chunks:  # its arrays still come in order before the next file's
-                    pass
-        arrays.close()
+        read_part = _ReadsBesides(reader, {key for key, _ in self.plan.sources.values()})
+        return model, cut_arrays(model, self.memo.group, split=self.share, read_part=read_part,
+                                 layout=self.memo.layout)
 
-    def _file_chunks(self, model: Any, file, arrays: Iterator[Tuple[str, mx.array]]) -> Iterator[memoryview]:
-        yield memoryview(file.header)
+    def _file_chunks(self, reader: RunsReader, model: Any, file: PartFile,
+                     arrays: Optional[Iterator[Tuple[str, mx.array]]]) -> Iterator[memoryview]:
+        yield from reader.add_bytes(memoryview(file.header))
+        cut = _arrays_of(file, model, arrays) if arrays is not None else None
         for tensor in file.tensors:
-            key, array = next(arrays)
-            if key != tensor.key or tuple(array.shape) != tensor.shape or array.nbytes != tensor.nbytes:
-                raise ValueError(f"rank {self.rank}'s part: {key} {tuple(array.shape)} came where the plan "
-                                 f"has {tensor.key} {tensor.shape}; the cut and its plan disagree")
-            yield part_bytes(array)
+            array = next(cut) if cut is not None else None
+            source = self.plan.sources.get(tensor.key)
+            if source is not None:
+                for runs in source[1]:
+                    yield from reader.add(runs)
+            else:
+                if array is None:
+                    raise ValueError(f"rank {self.rank}'s part: {tensor.key} has neither byte runs nor an "
+                                     "array through MLX; the plan and the send disagree")
+                yield from reader.add_bytes(part_bytes(array))
             del array
-            set_array(model, key, mx.zeros((0,), mx.uint8))  # sent: dropped, not held to the end
+
+
+def _arrays_of(file: PartFile, model: Any, arrays: Iterator[Tuple[str, mx.array]]) -> Iterator[mx.array]:
+    """The arrays of `file`'s tensors from the cut through MLX, each checked against the plan and
+    dropped from the model once handed on (the leader never holds the worker's part)."""
+    for tensor in file.tensors:
+        key, array = next(arrays)
+        if key != tensor.key or tuple(array.shape) != tensor.shape or array.nbytes != tensor.nbytes:
+            raise ValueError(f"{key} {tuple(array.shape)} came where the plan has {tensor.key} {tensor.shape}; "
+                             "the cut and its plan disagree")
+        yield array
+        del array
+        set_array(model, key, mx.zeros((0,), mx.uint8))
+
+
+class _ReadsBesides:
+    """read_part for the cut through MLX: a key the plan sends from the files answered with a
+    placeholder (nothing read: its bytes come from its runs), every other read for real."""
+
+    def __init__(self, reader: SafetensorsParts, skipped: set):
+        self.reader, self.skipped = reader, skipped
+        self.placeholders = RecordedReads(reader)
+
+    def __call__(self, key: str, whole: mx.array, axis: int, runs=None):  # noqa: ANN001 - ReadPart's
+        return (self.placeholders if key in self.skipped else self.reader)(key, whole, axis, runs=runs)
+
+
+class _ChunkPool:
+    """The leader's chunk buffers: a few of `chunk` bytes, each filled by the reader, hashed,
+    sent and handed back, so a part goes out with no allocation a chunk. take() waits for one
+    while the stages are behind, and raises a stage's error instead of waiting on a dead one."""
+
+    def __init__(self, chunk: int, count: int):
+        self.free: "queue.Queue[bytearray]" = queue.Queue()
+        for _ in range(count):
+            self.free.put(bytearray(chunk))
+        self.stages: Tuple[Overlap, ...] = ()
+
+    def take(self) -> bytearray:
+        while True:
+            try:
+                return self.free.get(timeout=1.0)
+            except queue.Empty:
+                for stage in self.stages:
+                    if stage.error is not None:
+                        raise stage.error from None
+
+    def give_back(self, chunk: memoryview) -> None:
+        self.free.put(chunk.obj)
 
 
 class _Hashing:
-    """The hash stage: each (digest, bytes, skip) into its file's digest, the bytes past `skip`
-    handed to the wire stage; (digest, name, 0), the file's end, handed on with the digest, which
-    `digests` (the memo's) keeps for the next transfer. A digest known before (its text) takes no
-    bytes."""
+    """The hash stage: each (digest, chunk, skip) into its file's digest, the bytes past `skip`
+    handed to the wire stage (a chunk with none handed back to the pool); (digest, name, 0),
+    the file's end, handed on with the digest, which `digests` (the memo's) keeps for the next
+    transfer. A digest known before (its text) takes no bytes."""
 
-    def __init__(self, wire: Overlap, digests: Dict[str, str]):
-        self.wire, self.digests = wire, digests
+    def __init__(self, wire: Overlap, digests: Dict[str, str], pool: _ChunkPool):
+        self.wire, self.digests, self.pool = wire, digests, pool
 
     def take(self, item: Tuple[Any, Any, int]) -> None:
         digest, data, skip = item
@@ -216,46 +292,29 @@ class _Hashing:
         if not isinstance(digest, str):
             digest.update(data)
         if skip < len(data):
-            self.wire.put((data[skip:], ""))
+            self.wire.put((data[skip:], data))
+        else:
+            self.pool.give_back(data)
 
 
 class _Frames:
-    """The wire stage: each chunk sent as PART_DATA frames of CHUNK_BYTES (a large array's slices
-    as they are, small arrays gathered into one frame: a frame per norm vector would be a
-    syscall each); (name, digest) sends that file's PART_END."""
+    """The wire stage: each chunk (CHUNK_BYTES, a file's last one shorter) sent as one PART_DATA
+    frame and its buffer handed back; (name, digest) sends that file's PART_END."""
 
-    def __init__(self, control: ControlChannel, progress: TransferProgress, bulk: Optional[BulkPath]):
-        self.control, self.progress, self.bulk = control, progress, bulk
-        self.pending = bytearray()
+    def __init__(self, control: ControlChannel, progress: TransferProgress, bulk: Optional[BulkPath],
+                 pool: _ChunkPool):
+        self.control, self.progress, self.bulk, self.pool = control, progress, bulk, pool
         self.sent = 0
         self.pause_after = pause_for_tests()
 
-    def take(self, item: Tuple[Any, str]) -> None:
-        data, digest = item
+    def take(self, item: Tuple[Any, Any]) -> None:
+        data, chunk = item
         if isinstance(data, str):
-            self.flush()
-            end = {"name": data, "digest": digest}
+            end = {"name": data, "digest": chunk}
             self.control.send(FrameType.PART_END, json.dumps(end).encode("utf-8"))
             return
-        self.add(data)
-
-    def add(self, data: memoryview) -> None:
-        while len(data):
-            if not self.pending and len(data) >= CHUNK_BYTES:
-                self._send(data[:CHUNK_BYTES])
-            else:
-                room = CHUNK_BYTES - len(self.pending)
-                self.pending += data[:room]
-                if len(self.pending) == CHUNK_BYTES:
-                    self.flush()
-                data = data[room:]
-                continue
-            data = data[CHUNK_BYTES:]
-
-    def flush(self) -> None:
-        if self.pending:
-            self._send(memoryview(self.pending))
-            self.pending = bytearray()
+        self._send(data)
+        self.pool.give_back(chunk)
 
     def _send(self, piece: memoryview) -> None:
         if self.bulk is None:
