@@ -223,9 +223,8 @@ def checkpoints(tmp_path_factory):
     by one (the original Hugging Face layout) and gpt-oss as released (gate and up fused, rows
     interleaved: its experts cut through MLX)."""
     import tiny_models
-    from test_model_split_moe import _save_gpt_oss_original, _save_per_expert
-
     from mlx_ds4tp.split.plans import saved_layout
+    from test_model_split_moe import _save_gpt_oss_original, _save_per_expert
 
     root = tmp_path_factory.mktemp("part-checkpoints")
     built = {name: tiny_models.build(name, root) for name in ("llama-q4", "deepseek_v3-q4", "qwen3_moe",

@@ -222,7 +222,8 @@ def main(argv: List[str]) -> int:
             _remove_tree(root / f"restarted{run}")
             cpus.append((first["send_cpu_seconds"], first["cpu_seconds"], warm["send_cpu_seconds"],
                          warm["cpu_seconds"], plain["send_cpu_seconds"], plain["cpu_seconds"],
-                         restarted["send_cpu_seconds"], restarted["plan_seconds"]))
+                         restarted["send_cpu_seconds"], restarted["plan_seconds"],
+                         hashed_plain["send_cpu_seconds"], hashed_plain["cpu_seconds"]))
             if run < args.runs - 1:
                 _remove_tree(root / f"parts{run}")
         forget_parts()  # the second start: both sides started again, the leader's memo gone
@@ -249,6 +250,7 @@ def main(argv: List[str]) -> int:
             "part_again_cpu_s_per_gb": [per_gb(2), per_gb(3)],
             "part_restarted_cpu_s_per_gb": per_gb(6),  # the leader's
             "plain_cpu_s_per_gb": [per_gb(4), per_gb(5)],
+            "plain_digest_cpu_s_per_gb": [per_gb(8), per_gb(9)],  # both sides hashing too
             "part_plan_s": round(_median([f["plan_seconds"] for f in firsts[::2]]), 2),
             "part_restarted_plan_s": round(_median([c[7] for c in cpus]), 2),  # the memo file read
             "part_receiver_peak_rss_mb": round(max(f["peak_rss_bytes"] for f in firsts) / 1e6, 1),
