@@ -262,3 +262,57 @@ def test_the_part_sent_from_the_files_byte_runs_is_what_load_split_keeps(checkpo
     else:
         assert not through_mlx & cut, through_mlx & cut
         assert any("embed_tokens" in key for key in keys - through_mlx)  # the vocabulary's rows
+
+
+def test_the_leader_sends_several_workers_their_parts_at_once(tmp_path):
+    """Two workers without the model (ranks 1 and 2 of 3, over TCP): rank 2's whole part arrives
+    while rank 1's transfer is held mid-way, so neither waits for the other's cable."""
+    from mlx_ds4tp.split.part_delivery import send_parts
+    from mlx_ds4tp.synthetic.tiny_model import save_llama
+
+    model = save_llama(tmp_path / "llama8", "tiny8", seed=4)
+    summary = model_fingerprint(model).summary()
+    share = SplitShare.of("2:1:1")
+    sockets = {rank: socket.socketpair() for rank in (1, 2)}
+    held = HeldAfter(ControlChannel(sockets[1][0], 30.0), 1)
+    leader_side = {1: held, 2: ControlChannel(sockets[2][0], 30.0)}
+    group = types.SimpleNamespace(size=lambda: 3, link_to=lambda r: types.SimpleNamespace(
+        control=leader_side[r], transport="tcp"))
+    results, sent = {}, {}
+
+    def lead():
+        try:
+            send_parts(group, model, share, stated_fingerprint(summary), [1, 2])
+            sent["done"] = True
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            sent["error"] = exc
+
+    def work(rank):
+        link = types.SimpleNamespace(control=ControlChannel(sockets[rank][1], 30.0),
+                                     peer_hello=types.SimpleNamespace(fingerprint=summary))
+        try:
+            results[rank] = receive_part(link, rank, 3, share, PartsSettings(tmp_path / f"parts{rank}"))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            results[rank] = exc
+
+    threads = {"leader": threading.Thread(target=lead)}
+    threads.update({rank: threading.Thread(target=work, args=(rank,)) for rank in (1, 2)})
+    for thread in threads.values():
+        thread.start()
+    try:
+        assert held.held.wait(60), "rank 1's transfer never started"
+        threads[2].join(60)
+        assert not threads[2].is_alive() and 2 in results, "rank 2 waited for rank 1's transfer"
+        assert not isinstance(results[2], Exception), results[2]
+        assert 1 not in results  # still held
+    finally:
+        held.release.set()
+        for thread in threads.values():
+            thread.join(60)
+        for a, b in sockets.values():
+            a.close()
+            b.close()
+    assert sent == {"done": True}, sent
+    for rank in (1, 2):
+        assert not isinstance(results[rank], Exception), results[rank]
+        assert_loads_as_load_split(model, results[rank], rank=rank, size=3, share="2:1:1")

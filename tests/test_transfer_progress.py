@@ -34,6 +34,25 @@ def test_a_terminal_gets_a_bar_redrawn_in_place(capsys):
     assert err.startswith("\rds4-tp: [###############...............] sending rank 2's part: 50 B of 100 B")
 
 
+def test_a_terminal_gets_one_line_for_the_parts_sent_at_once(capsys):
+    now = [0.0]
+    two = TransferProgress("sending rank 2's part", 400, tty=True, clock=lambda: now[0], to_rank=2)
+    one = TransferProgress("sending rank 1's part", 100, tty=True, clock=lambda: now[0], to_rank=1)
+    try:
+        now[0] = 1.0
+        two.add(100)
+        one.add(50)
+        lines = capsys.readouterr().err.split("\r")[1:]
+        assert lines[-1].startswith("ds4-tp: sending 2 parts: rank 1 50%, rank 2 25%; 150 B of 500 B, 150 B/s, 2 s left")
+        one.done()
+        now[0] = 2.0
+        two.add(100)
+        assert "[###############...............] sending rank 2's part" in capsys.readouterr().err
+    finally:
+        one.close()
+        two.close()
+
+
 def test_the_overlap_keeps_order_and_raises_its_stage_error_in_the_caller():
     seen = []
     with Overlap(seen.append, depth=2) as stage:

@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -39,7 +40,7 @@ from ..link.wire import FrameType
 from .apply import cut_arrays
 from .derive import set_array
 from .overlap import Overlap
-from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath, bulk_path
+from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath
 from .part_memo import keep_on_disk, part_memo
 from .part_plan import PART_CONFIG, PartFile, PartPlan, RecordedReads, bytes_digest, plain_files
 from .plans import saved_layout
@@ -52,6 +53,10 @@ STAGE_DEPTH = 4  # chunks queued before each stage of the leader's side
 # the leader to finish the ranks before it: minutes on a large model.
 PART_WAIT_S = 24 * 3600.0
 MAX_ROUNDS = 3
+# The leader sends several workers their parts at once (split/part_delivery.py), each on a
+# thread of its own; MLX's graph and evaluation are not made for several threads at once, so
+# the few arrays cut through MLX take turns (the bytes read from the files do not wait).
+MLX_TURN = threading.RLock()
 # A test hook, never set in use: the leader stops sending for good once this many bytes of a
 # part went (it logs so and waits to be killed), so a process-level test can kill a leader
 # mid-transfer at a known point instead of racing a timer (tests/test_part_delivery.py).
@@ -179,7 +184,10 @@ class PartSender:
         last = max(i for i, f in enumerate(self.plan.files) if f.name in wanted)
         files = self.plan.files[: last + 1]
         through_mlx = any(t.key not in self.plan.sources for f in files if f.name in wanted for t in f.tensors)
-        model, arrays = self._cut_through_mlx() if through_mlx else (None, None)
+        model, arrays = None, None
+        if through_mlx:
+            with MLX_TURN:
+                model, arrays = self._cut_through_mlx()
         try:
             for file in files:
                 chunks = self._file_chunks(reader, model, file, arrays)
@@ -187,11 +195,12 @@ class PartSender:
                     self._queue_file(hashing, file.name, chunks, reader, wanted[file.name],
                                      self.memo.digests.get(file.name))
                 elif arrays is not None:
-                    for _ in _arrays_of(file, model, arrays):  # still in order before the next file's
+                    for _ in self._array_bytes(file, model, arrays):  # still in order before the next file's
                         pass
         finally:
             if arrays is not None:
-                arrays.close()
+                with MLX_TURN:
+                    arrays.close()
 
     def _cut_through_mlx(self) -> Tuple[Any, Iterator[Tuple[str, mx.array]]]:
         """(model, its arrays cut one at a time): the model built lazily and cut (cut_arrays,
@@ -207,32 +216,37 @@ class PartSender:
     def _file_chunks(self, reader: RunsReader, model: Any, file: PartFile,
                      arrays: Optional[Iterator[Tuple[str, mx.array]]]) -> Iterator[memoryview]:
         yield from reader.add_bytes(memoryview(file.header))
-        cut = _arrays_of(file, model, arrays) if arrays is not None else None
+        cut = self._array_bytes(file, model, arrays) if arrays is not None else None
         for tensor in file.tensors:
-            array = next(cut) if cut is not None else None
+            data = next(cut) if cut is not None else None
             source = self.plan.sources.get(tensor.key)
             if source is not None:
                 for runs in source[1]:
                     yield from reader.add(runs)
             else:
-                if array is None:
+                if data is None:
                     raise ValueError(f"rank {self.rank}'s part: {tensor.key} has neither byte runs nor an "
                                      "array through MLX; the plan and the send disagree")
-                yield from reader.add_bytes(part_bytes(array))
-            del array
+                yield from reader.add_bytes(data)
+            del data
 
-
-def _arrays_of(file: PartFile, model: Any, arrays: Iterator[Tuple[str, mx.array]]) -> Iterator[mx.array]:
-    """The arrays of `file`'s tensors from the cut through MLX, each checked against the plan and
-    dropped from the model once handed on (the leader never holds the worker's part)."""
-    for tensor in file.tensors:
-        key, array = next(arrays)
-        if key != tensor.key or tuple(array.shape) != tensor.shape or array.nbytes != tensor.nbytes:
-            raise ValueError(f"{key} {tuple(array.shape)} came where the plan has {tensor.key} {tensor.shape}; "
-                             "the cut and its plan disagree")
-        yield array
-        del array
-        set_array(model, key, mx.zeros((0,), mx.uint8))
+    def _array_bytes(self, file: PartFile, model: Any,
+                     arrays: Iterator[Tuple[str, mx.array]]) -> Iterator[Optional[memoryview]]:
+        """The bytes of `file`'s tensors cut through MLX (None for one sent from its byte runs:
+        a placeholder), each array checked against the plan and dropped from the model once
+        handed on (the leader never holds the worker's part)."""
+        for tensor in file.tensors:
+            with MLX_TURN:
+                key, array = next(arrays)
+                if key != tensor.key or tuple(array.shape) != tensor.shape or array.nbytes != tensor.nbytes:
+                    raise ValueError(f"rank {self.rank}'s part: {key} {tuple(array.shape)} came where the plan "
+                                     f"has {tensor.key} {tensor.shape}; the cut and its plan disagree")
+                data = None if tensor.key in self.plan.sources else part_bytes(array)
+            yield data
+            del data
+            with MLX_TURN:
+                del array
+                set_array(model, key, mx.zeros((0,), mx.uint8))
 
 
 class _ReadsBesides:
@@ -331,17 +345,4 @@ class _Frames:
                 time.sleep(3600)
 
 
-def send_parts(group: Any, model_path: Path, share: SplitShare, fingerprint: str, receivers: List[int]) -> None:
-    """The leader's side for each worker of `receivers` (started without --model), in rank order,
-    over the RDMA bulk path where that worker's link is RDMA."""
-    for rank in receivers:
-        sender = PartSender(model_path, rank, group.size(), share, fingerprint)
-        bulk = bulk_path(group, rank, CHUNK_BYTES)
-        log(f"rank {rank} has no model: offering its part ({len(sender.plan.files)} part files, "
-            f"{sender.plan.weight_bytes / 1e6:.1f} MB of weights, over "
-            f"{'the RDMA bulk path' if bulk else 'TCP'})")
-        sent = sender.send(group.link_to(rank).control, bulk)
-        log(f"rank {rank}'s part: {sent / 1e6:.1f} MB sent" + ("" if sent else " (its cache held all of it)"))
-
-
-__all__ = ["PartSender", "part_bytes", "send_parts"]
+__all__ = ["CHUNK_BYTES", "MLX_TURN", "PartSender", "part_bytes"]

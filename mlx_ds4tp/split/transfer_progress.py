@@ -61,13 +61,28 @@ class TransferProgress:
         if self.tty:
             if now - self.last >= 0.1:
                 self.last = now
-                frac = self.bytes / self.total if self.total else 1.0
-                filled = int(frac * self.WIDTH)
-                sys.stderr.write(f"\rds4-tp: [{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.line()}   ")
+                sys.stderr.write(f"\rds4-tp: {self._bar()}   ")
                 sys.stderr.flush()
         elif now - self.last >= LOG_EVERY_S:
             self.last = now
             log(self.line())
+
+    def _bar(self) -> str:
+        """The terminal's one line: this transfer's bar, or, while the leader sends several
+        workers their parts at once (split/part_delivery.py), each one's share done, one line
+        for all (bars of their own would overwrite each other in place)."""
+        with _lock:
+            under_way = sorted(_sending.items()) if self.to_rank is not None else []
+        if len(under_way) > 1:
+            done = sum(p.bytes for _, p in under_way)
+            total = sum(p.total for _, p in under_way)
+            rate = sum(p.rate() for _, p in under_way)
+            each = ", ".join(f"rank {rank} {p.bytes / p.total if p.total else 1.0:.0%}" for rank, p in under_way)
+            left = f"{(total - done) / rate:.0f} s left" if rate > 0 else "time left unknown"
+            return f"sending {len(under_way)} parts: {each}; {_size(done)} of {_size(total)}, {_size(rate)}/s, {left}"
+        frac = self.bytes / self.total if self.total else 1.0
+        filled = int(frac * self.WIDTH)
+        return f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.line()}"
 
     def close(self) -> None:
         """No longer under way (parts_in_flight leaves it out); done() closes too."""
