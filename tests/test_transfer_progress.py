@@ -43,7 +43,8 @@ def test_a_terminal_gets_one_line_for_the_parts_sent_at_once(capsys):
         two.add(100)
         one.add(50)
         lines = capsys.readouterr().err.split("\r")[1:]
-        assert lines[-1].startswith("ds4-tp: sending 2 parts: rank 1 50%, rank 2 25%; 150 B of 500 B, 150 B/s, 2 s left")
+        assert lines[-1].startswith("ds4-tp: sending 2 parts: rank 1 50%, rank 2 25%; "
+                                    "150 B of 500 B, 150 B/s, 2 s left")
         one.done()
         now[0] = 2.0
         two.add(100)
