@@ -35,19 +35,19 @@ DIGEST_NAME = "blake3"  # a digest's text starts with it, so one of another kind
 
 class PartDigest:
     """The one digest of a part's files, on both sides: BLAKE3, whose text is "blake3:" and its hex.
-    It runs at 2.5x SHA-256's rate on one x86 core with SHA-NI here (4.4 against 1.7 GB/s) and
-    spreads a large update over the machine's cores (its threads release the GIL), so checking a
-    part's files keeps up with a Thunderbolt link. The name in the text keeps a cache written
-    with another digest (SHA-256's bare hex, before) from ever matching: its files are fetched
-    again, never trusted."""
+    It runs at 2.5x SHA-256's rate on one x86 core with SHA-NI here (4.4 against 1.7 GB/s) and,
+    `spread`, spreads a large update over the machine's cores (its threads release the GIL), so
+    checking a part's files keeps up with a Thunderbolt link. The name in the text keeps a cache
+    written with another digest (SHA-256's bare hex, before) from ever matching: its files are
+    fetched again, never trusted."""
 
-    def __init__(self) -> None:
+    def __init__(self, spread: bool = True) -> None:
         try:
             import blake3
         except ImportError:
             raise ImportError("the parts cache checks files with BLAKE3: `pip install blake3` (a dependency "
                               "of mlx-ds4tp; reinstall it with pip)") from None
-        self._hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._hash = blake3.blake3(max_threads=blake3.blake3.AUTO if spread else 1)
 
     def update(self, data) -> None:
         self._hash.update(data)
@@ -56,14 +56,27 @@ class PartDigest:
         return f"{DIGEST_NAME}:{self._hash.hexdigest()}"
 
 
-def new_digest() -> PartDigest:
-    return PartDigest()
+def new_digest(spread: bool = True) -> PartDigest:
+    return PartDigest(spread)
 
 
-def file_digest(path: Path, upto: Optional[int] = None) -> PartDigest:
+# A digest fed a part's bytes as they arrive spreads its updates over the cores only on a machine
+# with this many: each update wakes the digest's pool threads, which spin a while for more work
+# before they sleep; with idle cores that is free and the digest keeps up with a fast link, while
+# on two cores (a worker and its leader on one machine, a small VM) the spinning took 0.2 CPU-s a
+# GB from the receive and the write and the transfer ran slower than with one thread.
+SPREAD_MIN_CORES = 4
+
+
+def spread_as_arriving() -> bool:
+    """Whether a digest fed bytes as they arrive (a received file's) spreads over the cores."""
+    return (os.cpu_count() or 1) >= SPREAD_MIN_CORES
+
+
+def file_digest(path: Path, upto: Optional[int] = None, spread: bool = True) -> PartDigest:
     """The digest state of a file's first `upto` bytes (all by default), read a chunk at a time
     into one buffer (a chunk large enough for the digest's threads to share)."""
-    h = new_digest()
+    h = new_digest(spread)
     left = path.stat().st_size if upto is None else upto
     buffer = bytearray(READ_BYTES)
     view = memoryview(buffer)
@@ -212,10 +225,11 @@ class PartWriter:
     def __init__(self, entry: PartEntry, name: str, offset: int, size: int):
         self.entry, self.name, self.size = entry, name, size
         self.partial = entry.path / (name + PARTIAL)
+        spread = spread_as_arriving()
         if offset:
-            self.hash = file_digest(self.partial, offset)  # the prefix a cut transfer left
+            self.hash = file_digest(self.partial, offset, spread)  # the prefix a cut transfer left
         else:
-            self.hash = new_digest()
+            self.hash = new_digest(spread)
         self.file = open(self.partial, "r+b" if offset else "wb")
         self.file.truncate(offset)
         self.file.seek(offset)
@@ -271,4 +285,4 @@ def _tree_bytes(path: Path) -> int:
 
 
 __all__ = ["DEFAULT_PARTS_DIR", "DIGEST_NAME", "MANIFEST", "OfferedFile", "PartDigest", "PartEntry", "PartWriter",
-           "PartsSettings", "file_digest", "new_digest"]
+           "PartsSettings", "file_digest", "new_digest", "spread_as_arriving"]

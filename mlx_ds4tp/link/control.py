@@ -226,11 +226,40 @@ class ControlChannel:
         that many bytes, asked for once the count passed its bound) and returned as a view of
         it: a part's receiver reuses a few buffers instead of a fresh one and a copy a frame."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        ftype, nbytes = self._recv_header(expect, deadline)
+        return ftype, self._recv_payload(buffer_for, ftype, nbytes, expect, deadline)
+
+    def recv_streamed(
+        self, streamed: FrameType, piece: memoryview, consume: Callable[[memoryview], None],
+        timeout: Optional[float] = None,
+    ) -> Tuple[FrameType, memoryview]:
+        """recv, where a frame of type `streamed` has its payload read len(piece) bytes at a time
+        into piece, each handed to consume(view of piece) before the next is read, and returns
+        an empty payload: a part's receiver hashes and writes each piece while it is still in
+        the core's cache from the socket's copy, and holds one piece, never a frame (a frame
+        handed to another thread is read back from memory, and the thread's wake-ups cost more
+        than the copy on a machine whose cores the sender shares). Any other frame as recv."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        ftype, nbytes = self._recv_header(None, deadline)
+        if ftype != streamed:
+            return ftype, self._recv_payload(lambda n: memoryview(self._alloc(n)), ftype, nbytes, None, deadline)
+        left = nbytes
+        while left:
+            view = piece[: min(len(piece), left)]
+            recv_exact_into(self.sock, view, f"{ftype.name} payload ({nbytes - left} of {nbytes} bytes read)",
+                            deadline)
+            consume(view)
+            left -= len(view)
+        return ftype, memoryview(b"")
+
+    def _recv_header(self, expect: Optional[FrameType], deadline: float) -> Tuple[FrameType, int]:
         want = expect.name if expect is not None else "a control frame"
-        view = memoryview(self._header)
-        recv_exact_into(self.sock, view, f"{want} header", deadline)
+        recv_exact_into(self.sock, memoryview(self._header), f"{want} header", deadline)
         magic, ftype_raw, nbytes = FRAME_HEADER.unpack(self._header)
-        ftype = decode_frame_header(magic, ftype_raw, nbytes)
+        return decode_frame_header(magic, ftype_raw, nbytes), nbytes
+
+    def _recv_payload(self, buffer_for: Callable[[int], memoryview], ftype: FrameType, nbytes: int,
+                      expect: Optional[FrameType], deadline: float) -> memoryview:
         payload = buffer_for(nbytes)[:nbytes]
         if len(payload) != nbytes:
             raise ValueError(f"buffer_for({nbytes}) gave {len(payload)} bytes: a frame's buffer holds its payload")
@@ -240,7 +269,7 @@ class ControlChannel:
             raise TransportError("peer reported: " + bytes(payload).decode("utf-8", "replace"))
         if expect is not None and ftype != expect:
             raise FrameError(f"expected a {expect.name} frame, got {ftype.name} ({nbytes} bytes)")
-        return ftype, payload
+        return payload
 
     def send_error(self, message: str) -> None:
         """Best effort: tell the peer why we stop, so both sides print the cause."""

@@ -22,7 +22,10 @@ from .part_send import CHUNK_BYTES, MAX_ROUNDS, PART_WAIT_S
 from .share import SplitShare
 from .transfer_progress import TransferProgress
 
-WRITE_DEPTH = 4  # frames received and not yet written: the chunks a worker holds beyond its writes
+WRITE_DEPTH = 4  # bulk chunks received and not yet written: the chunks a worker holds beyond its writes
+# Over TCP each PART_DATA is read this much at a time, each piece hashed and written at once: it
+# fits a core's L2 cache, so the digest and the write read what the socket's copy left there.
+PIECE_BYTES = 1 << 20
 
 
 def stated_fingerprint(summary: bytes) -> str:
@@ -86,11 +89,10 @@ def receive_part(link: Any, rank: int, size: int, share: SplitShare, settings: P
         log(f"receiving this rank's part: {len(wanted)} file(s), {total / 1e6:.1f} MB, into {entry.path}"
             + (" (over the RDMA bulk path)" if bulk is not None else ""))
         progress = TransferProgress(f"receiving rank {rank}'s part", total)
-        buffers = _Buffers(WRITE_DEPTH + 2)  # the queue's, the stage's and the one being filled
+        receiver = _Streamed(control) if bulk is None else _Pipelined(control, bulk)
         try:
             wanted = [(name, 0) for name, offset in wanted
-                      if not _receive_file(control, entry.writer(name, offset, sizes[name]), buffers, progress,
-                                           bulk)]
+                      if not receiver.file(entry.writer(name, offset, sizes[name]), progress)]
         except PeerClosedError as exc:
             # A dead leader or a pulled cable: say what is kept, so the restart's resume is expected.
             raise PeerClosedError(f"the leader closed the connection while sending this rank's part "
@@ -109,24 +111,50 @@ def decline_part(link: Any, rank: int, size: int, share: SplitShare) -> None:
     link.control.send(FrameType.PART_WANT, json.dumps({"files": []}).encode("utf-8"))
 
 
-class _Buffers:
-    """The receiver's frame buffers: a few of CHUNK_BYTES, each filled by the socket, then
-    written and hashed on the write stage and handed back, so a file arrives with one copy in
-    memory (the socket's into a buffer) and no allocation a frame."""
+class _Streamed:
+    """Files over the control channel (TCP): each PART_DATA read a piece at a time into one buffer,
+    each piece hashed and written on this thread as it arrives. The socket's receive buffer lets
+    the leader send on meanwhile, so no thread of ours need overlap the writes: a second one cost
+    this side 0.1 to 0.2 CPU-s a GB more (hand-offs, wake-ups, and pieces read back from memory
+    on another core), which on a machine shared with the leader is the leader's time."""
 
-    def __init__(self, count: int):
+    def __init__(self, control: Any):
+        self.control = control
+        self.piece = memoryview(bytearray(PIECE_BYTES))
+
+    def file(self, writer: PartWriter, progress: Optional[TransferProgress]) -> bool:
+        """One file's PART_DATA frames into writer, until its PART_END; whether it arrived whole.
+        A transfer cut short keeps every piece received (the next start resumes after it)."""
+
+        def consume(piece: memoryview) -> None:
+            writer.write(piece)
+            if progress is not None:
+                progress.add(len(piece))
+
+        try:
+            while True:
+                ftype, payload = self.control.recv_streamed(FrameType.PART_DATA, self.piece, consume)
+                if ftype != FrameType.PART_DATA:
+                    return _ended(writer, ftype, payload)
+        except BaseException:
+            writer.abandon()
+            raise
+
+
+class _Pipelined:
+    """Files over the RDMA bulk path: each chunk an exchange, which the leader enters only when
+    this side does, so the writes and digests run on a stage of their own (split/overlap.py) and
+    the next chunk's exchange overlaps them. The chunks arrive in a few buffers of CHUNK_BYTES,
+    written and hashed on the stage and handed back: one copy in memory, no allocation a chunk."""
+
+    def __init__(self, control: Any, bulk: BulkPath):
+        self.control, self.bulk = control, bulk
         self.free: "queue.Queue[bytearray]" = queue.Queue()
-        for _ in range(count):
+        for _ in range(WRITE_DEPTH + 2):  # the queue's, the stage's and the one being filled
             self.free.put(bytearray(CHUNK_BYTES))
-        self.taken = bytearray()
         self.stage: Optional[Overlap] = None
 
-    def take(self, nbytes: int) -> memoryview:
-        # A frame over a buffer (not a PART_DATA, refused next) gets its own.
-        self.taken = self._free() if nbytes <= CHUNK_BYTES else bytearray(nbytes)
-        return memoryview(self.taken)
-
-    def _free(self) -> bytearray:
+    def _take(self) -> bytearray:
         while True:
             try:
                 return self.free.get(timeout=1.0)
@@ -135,62 +163,45 @@ class _Buffers:
                 if self.stage is not None and self.stage.error is not None:
                     raise self.stage.error from None
 
-    def give_back(self, buffer: bytearray) -> None:
-        if len(buffer) == CHUNK_BYTES:
+    def file(self, writer: PartWriter, progress: Optional[TransferProgress]) -> bool:
+        """One file's chunks into writer, until its PART_END; whether it arrived whole. This
+        thread receives; the stage writes and hashes what arrived before (a few chunks)."""
+        whole = []
+
+        def write(item: Tuple[memoryview, bytearray, str]) -> None:
+            payload, buffer, digest = item
+            if digest:
+                whole.append(writer.finish(digest))
+                return
+            writer.write(payload)
             self.free.put(buffer)
 
+        try:
+            with Overlap(write, depth=WRITE_DEPTH, name="ds4tp-part-write") as disk:
+                self.stage = disk
+                try:
+                    return self._chunks_into(writer, disk, progress, whole)
+                except (PeerClosedError, TransportError):
+                    disk.finish()  # what arrived is written: the next start resumes after it
+                    raise
+        except BaseException:
+            writer.abandon()
+            raise
 
-def _receive_file(control: Any, writer: PartWriter, buffers: _Buffers,
-                  progress: Optional[TransferProgress], bulk: Optional[BulkPath]) -> bool:
-    """One file's PART_DATA frames into writer, until its PART_END; whether it arrived whole.
-    This thread receives; the overlap writes and hashes what arrived before (a few chunks)."""
-    whole = []
-
-    def write(item: Tuple[memoryview, bytearray, str]) -> None:
-        payload, buffer, digest = item
-        if digest:
-            whole.append(writer.finish(digest))
-            return
-        writer.write(payload)
-        buffers.give_back(buffer)
-
-    try:
-        with Overlap(write, depth=WRITE_DEPTH, name="ds4tp-part-write") as disk:
-            buffers.stage = disk
-            try:
-                return _frames_into(control, writer, disk, buffers, progress, whole, bulk)
-            except (PeerClosedError, TransportError):
-                disk.finish()  # what arrived is written: the next start resumes after it
-                raise
-    except BaseException:
-        writer.abandon()
-        raise
-
-
-def _frames_into(control: Any, writer: PartWriter, disk: Overlap, buffers: _Buffers,
-                 progress: Optional[TransferProgress], whole: List[bool], bulk: Optional[BulkPath]) -> bool:
-    """The frames of one file: each PART_DATA handed to the write stage in the buffer it arrived
-    in (over the bulk path: the chunk it announces, received into that buffer), then PART_END's
-    digest; whether the file arrived whole."""
-    while True:
-        ftype, payload = control.recv_into(buffers.take)
-        if ftype == FrameType.PART_DATA and bulk is not None:
-            payload = _bulk_chunk(payload, buffers.taken, bulk)
-        if ftype == FrameType.PART_DATA:
-            disk.put((payload, buffers.taken, ""))
+    def _chunks_into(self, writer: PartWriter, disk: Overlap, progress: Optional[TransferProgress],
+                     whole: List[bool]) -> bool:
+        while True:
+            ftype, announcement = self.control.recv()
+            if ftype != FrameType.PART_DATA:
+                _, digest = _end(writer, ftype, announcement)
+                disk.put((b"", b"", digest))
+                disk.finish()
+                return whole[0]
+            buffer = self._take()
+            payload = _bulk_chunk(announcement, buffer, self.bulk)
+            disk.put((payload, buffer, ""))
             if progress is not None:
                 progress.add(len(payload))
-            continue
-        if ftype != FrameType.PART_END:
-            raise FrameError(f"expected PART_DATA or PART_END while receiving {writer.name}, "
-                             f"got {ftype.name}")
-        name, digest = _end(bytes(payload))
-        buffers.give_back(buffers.taken)
-        if name != writer.name:
-            raise FrameError(f"the leader ended {name} while this rank received {writer.name}")
-        disk.put((b"", b"", digest))
-        disk.finish()
-        return whole[0]
 
 
 def _bulk_chunk(announcement: memoryview, buffer: bytearray, bulk: BulkPath) -> memoryview:
@@ -206,12 +217,25 @@ def _bulk_chunk(announcement: memoryview, buffer: bytearray, bulk: BulkPath) -> 
     return view[:nbytes]
 
 
-def _end(payload: bytes) -> Tuple[str, str]:
+def _end(writer: PartWriter, ftype: FrameType, payload: bytes) -> Tuple[str, str]:
+    """The (name, digest) of the PART_END that ends writer's file; FrameError for any other frame."""
+    if ftype != FrameType.PART_END:
+        raise FrameError(f"expected PART_DATA or PART_END while receiving {writer.name}, got {ftype.name}")
     try:
-        doc = json.loads(payload)
-        return str(doc["name"]), str(doc["digest"])
+        doc = json.loads(bytes(payload))
+        name, digest = str(doc["name"]), str(doc["digest"])
     except (ValueError, KeyError, TypeError) as exc:
         raise FrameError(f"malformed PART_END from the leader: {exc}") from None
+    if name != writer.name:
+        raise FrameError(f"the leader ended {name} while this rank received {writer.name}")
+    return name, digest
+
+
+def _ended(writer: PartWriter, ftype: FrameType, payload: bytes) -> bool:
+    """Writer's file ended by this frame (its PART_END): kept when whole and of the leader's
+    digest; whether it was."""
+    _, digest = _end(writer, ftype, payload)
+    return writer.finish(digest)
 
 
 __all__ = ["decline_part", "receive_part", "stated_fingerprint"]
