@@ -100,3 +100,24 @@ def test_without_the_blake3_package_the_digest_says_how_to_install_it(monkeypatc
     monkeypatch.setitem(sys.modules, "blake3", None)  # an install without it: the import fails
     with pytest.raises(ImportError, match="pip install blake3"):
         new_digest()
+
+
+@pytest.mark.parametrize("cores", [2, 16])
+def test_a_received_files_digest_is_the_same_on_one_core_or_spread_over_many(tmp_path, monkeypatch, cores):
+    """A received file's digest runs on one thread on a machine of few cores (spread_as_arriving):
+    the same digest, resumed or not, as the leader's spread one and as the file read again."""
+    from mlx_ds4tp.checkpoint import parts_cache
+
+    monkeypatch.setattr(parts_cache.os, "cpu_count", lambda: cores)
+    assert parts_cache.spread_as_arriving() == (cores >= parts_cache.SPREAD_MIN_CORES)
+    data = os.urandom(3 << 20)
+    leaders = new_digest()
+    leaders.update(data)
+    entry = PartEntry(PartsSettings(tmp_path), "m", 1, 2, "even")
+    entry.path.mkdir(parents=True)
+    (entry.path / "p.bin.partial").write_bytes(data[: 1 << 20])
+    writer = entry.writer("p.bin", 1 << 20, len(data))
+    for at in range(1 << 20, len(data), 1 << 18):
+        writer.write(data[at: at + (1 << 18)])
+    assert writer.finish(leaders.hexdigest())
+    assert parts_cache.file_digest(entry.path / "p.bin", spread=False).hexdigest() == leaders.hexdigest()

@@ -119,6 +119,37 @@ def test_truncated_frame_eof_mid_payload():
         b.recv()
 
 
+def test_a_streamed_frame_passes_through_its_piece_buffer_and_other_frames_come_whole():
+    """recv_streamed (a part's receiver over TCP): PART_DATA's payload handed on a piece at a
+    time in the one buffer given, the PART_END after it returned as recv returns it; an ERROR
+    from the peer raised; the leader gone mid-frame: the pieces before the cut were handed on."""
+    a, b = channel_pair()
+    data = os.urandom(10_000)
+    a.send(tr.FrameType.PART_DATA, data)
+    a.send(tr.FrameType.PART_END, b'{"name": "x"}')
+    a.send(tr.FrameType.ERROR, b"the leader's disk failed")
+    buffer = bytearray(4096)
+    pieces = []
+
+    def consume(piece):
+        assert piece.obj is buffer and len(piece) <= 4096
+        pieces.append(bytes(piece))
+
+    assert b.recv_streamed(tr.FrameType.PART_DATA, memoryview(buffer), consume) == (tr.FrameType.PART_DATA, b"")
+    assert [len(p) for p in pieces] == [4096, 4096, 1808] and b"".join(pieces) == data
+    ftype, payload = b.recv_streamed(tr.FrameType.PART_DATA, memoryview(buffer), consume)
+    assert (ftype, bytes(payload)) == (tr.FrameType.PART_END, b'{"name": "x"}') and len(pieces) == 3
+    with pytest.raises(TransportError, match="peer reported: the leader's disk failed"):
+        b.recv_streamed(tr.FrameType.PART_DATA, memoryview(buffer), consume)
+
+    pieces.clear()
+    a.sock.sendall(raw_header(tr.MAGIC, tr.FrameType.PART_DATA, 10_000) + data[:5000])
+    a.sock.close()
+    with pytest.raises(PeerClosedError, match="PART_DATA payload from byte 4096 of 10000 truncated at 904/4096"):
+        b.recv_streamed(tr.FrameType.PART_DATA, memoryview(buffer), consume)
+    assert pieces == [data[:4096]]
+
+
 def test_eof_mid_header():
     a, b = channel_pair()
     a.sock.sendall(b"\x54\x34")

@@ -215,41 +215,30 @@ class ControlChannel:
     ) -> Tuple[FrameType, bytes]:
         """Read one frame; with expect, any other type is an error naming both.
         An ERROR frame from the peer is raised as TransportError with its text."""
-        ftype, payload = self.recv_into(lambda n: memoryview(self._alloc(n)), expect, timeout)
-        return ftype, bytes(payload)
-
-    def recv_into(
-        self, buffer_for: Callable[[int], memoryview], expect: Optional[FrameType] = None,
-        timeout: Optional[float] = None,
-    ) -> Tuple[FrameType, memoryview]:
-        """recv, the payload read into buffer_for(its byte count) (a writable view of at least
-        that many bytes, asked for once the count passed its bound) and returned as a view of
-        it: a part's receiver reuses a few buffers instead of a fresh one and a copy a frame."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         ftype, nbytes = self._recv_header(expect, deadline)
-        return ftype, self._recv_payload(buffer_for, ftype, nbytes, expect, deadline)
+        return ftype, bytes(self._recv_payload(ftype, nbytes, expect, deadline))
 
     def recv_streamed(
         self, streamed: FrameType, piece: memoryview, consume: Callable[[memoryview], None],
         timeout: Optional[float] = None,
     ) -> Tuple[FrameType, memoryview]:
-        """recv, where a frame of type `streamed` has its payload read len(piece) bytes at a time
-        into piece, each handed to consume(view of piece) before the next is read, and returns
-        an empty payload: a part's receiver hashes and writes each piece while it is still in
-        the core's cache from the socket's copy, and holds one piece, never a frame (a frame
-        handed to another thread is read back from memory, and the thread's wake-ups cost more
-        than the copy on a machine whose cores the sender shares). Any other frame as recv."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        ftype, nbytes = self._recv_header(None, deadline)
+        """recv, except that a frame of type `streamed` has its payload read len(piece) bytes at
+        a time into piece, each handed to consume(a view of piece) before the next is read, and
+        comes back empty: a part's receiver hashes and writes each piece while it is in the
+        core's cache from the socket's copy, and holds one piece, never a frame. Each read waits
+        `timeout` at most, the time consume takes (a disk's) not counted against the peer."""
+        wait = self.timeout if timeout is None else timeout
+        ftype, nbytes = self._recv_header(None, time.monotonic() + wait)
         if ftype != streamed:
-            return ftype, self._recv_payload(lambda n: memoryview(self._alloc(n)), ftype, nbytes, None, deadline)
-        left = nbytes
-        while left:
-            view = piece[: min(len(piece), left)]
-            recv_exact_into(self.sock, view, f"{ftype.name} payload ({nbytes - left} of {nbytes} bytes read)",
-                            deadline)
+            return ftype, self._recv_payload(ftype, nbytes, None, time.monotonic() + wait)
+        done = 0
+        while done < nbytes:
+            view = piece[: min(len(piece), nbytes - done)]
+            recv_exact_into(self.sock, view, f"{ftype.name} payload from byte {done} of {nbytes}",
+                            time.monotonic() + wait)
             consume(view)
-            left -= len(view)
+            done += len(view)
         return ftype, memoryview(b"")
 
     def _recv_header(self, expect: Optional[FrameType], deadline: float) -> Tuple[FrameType, int]:
@@ -258,11 +247,9 @@ class ControlChannel:
         magic, ftype_raw, nbytes = FRAME_HEADER.unpack(self._header)
         return decode_frame_header(magic, ftype_raw, nbytes), nbytes
 
-    def _recv_payload(self, buffer_for: Callable[[int], memoryview], ftype: FrameType, nbytes: int,
-                      expect: Optional[FrameType], deadline: float) -> memoryview:
-        payload = buffer_for(nbytes)[:nbytes]
-        if len(payload) != nbytes:
-            raise ValueError(f"buffer_for({nbytes}) gave {len(payload)} bytes: a frame's buffer holds its payload")
+    def _recv_payload(self, ftype: FrameType, nbytes: int, expect: Optional[FrameType],
+                      deadline: float) -> memoryview:
+        payload = memoryview(self._alloc(nbytes))  # only now: the count passed its bound
         if nbytes:
             recv_exact_into(self.sock, payload, f"{ftype.name} payload", deadline)
         if ftype == FrameType.ERROR and expect != FrameType.ERROR:

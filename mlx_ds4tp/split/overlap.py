@@ -1,8 +1,8 @@
 """One stage of a part's transfer run beside the caller: its items handed to a thread through a
 queue of at most `depth` items, so reading and cutting the next arrays overlaps their send on
-the leader, and receiving the next frames overlaps writing and hashing the last on a worker
-(sockets, file writes, SHA-256 and MLX all release the GIL), while neither side holds more than
-a few chunks it has not dealt with."""
+the leader, and receiving the next chunk over the RDMA bulk path overlaps writing and hashing
+the last on a worker (sockets, exchanges, file writes, the digest and MLX all release the GIL),
+while neither side holds more than a few chunks it has not dealt with."""
 
 from __future__ import annotations
 

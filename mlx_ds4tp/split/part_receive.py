@@ -1,8 +1,9 @@
 """A worker's side of a part's transfer (started without --model): the leader's offer checked
 against the fingerprint its hello stated and the share agreed, the parts cache asked what it
 lacks (checkpoint/parts_cache.py: every kept file's digest read again), those files received
-into it a few chunks at a time and checked against the leader's digests, again until none is
-missing. What arrived of a file cut short stays for the next start to resume."""
+into it (over TCP a piece at a time, over the RDMA bulk path a few chunks at a time) and checked
+against the leader's digests, again until none is missing. What arrived of a file cut short
+stays for the next start to resume."""
 
 from __future__ import annotations
 
@@ -114,9 +115,9 @@ def decline_part(link: Any, rank: int, size: int, share: SplitShare) -> None:
 class _Streamed:
     """Files over the control channel (TCP): each PART_DATA read a piece at a time into one buffer,
     each piece hashed and written on this thread as it arrives. The socket's receive buffer lets
-    the leader send on meanwhile, so no thread of ours need overlap the writes: a second one cost
-    this side 0.1 to 0.2 CPU-s a GB more (hand-offs, wake-ups, and pieces read back from memory
-    on another core), which on a machine shared with the leader is the leader's time."""
+    the leader send on meanwhile, so no thread of ours need overlap the writes: a write stage
+    cost this side about 0.1 CPU-s a GB more (a hand-off and a wake-up a frame, and each frame
+    read back from memory on another core), time a machine shared with the leader takes from it."""
 
     def __init__(self, control: Any):
         self.control = control
