@@ -48,13 +48,13 @@ def _receive_part(port: int, parts_dir: str, summary_hex: str, rank: int, size: 
 
 
 def _receive_plain(port: int, out: str, nbytes: int, hashed: bool) -> dict:
-    from ..checkpoint.parts_cache import new_digest
+    from ..checkpoint.parts_cache import new_digest, spread_as_arriving
     from ..link.control import dial
 
     sock = dial("127.0.0.1", port, time.monotonic() + 60, "plain")
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    digest = new_digest()
+    digest = new_digest(spread_as_arriving())
     record = {"cpu_before": time.process_time()}
     t0 = time.perf_counter()
     with open(out, "wb") as f:
@@ -133,14 +133,14 @@ def _send_part(model: Path, parts_dir: Path, rank: int, size: int, share: str) -
 def _send_plain(files: List[Path], out: Path, hashed: bool) -> dict:
     """The same bytes read from disk and sent over a socket a chunk at a time, written to disk
     on the other side; `hashed`: each side also takes the part's digest of them, as the part's does."""
-    from ..checkpoint.parts_cache import new_digest
+    from ..checkpoint.parts_cache import new_digest, spread_as_arriving
 
     nbytes = sum(f.stat().st_size for f in files)
     listener = _listen()
     child = _spawn(["hashed" if hashed else "plain", str(listener.getsockname()[1]), str(out), str(nbytes)])
     sock, _ = listener.accept()
     buf = bytearray(CHUNK)
-    digest = new_digest()
+    digest = new_digest(spread_as_arriving())
     cpu = time.process_time()
     for path in files:
         with open(path, "rb", buffering=0) as f:

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from ..base.log import log
 from ..checkpoint.parts import SafetensorsParts
-from ..checkpoint.parts_cache import new_digest
+from ..checkpoint.parts_cache import new_digest, spread_as_arriving
 from ..checkpoint.tensor_runs import RunsReader
 from ..errors import FrameError
 from ..link.control import ControlChannel
@@ -172,7 +172,8 @@ class PartSender:
         """A file's chunks to the hash stage (all into the digest, the bytes past `offset`
         sent), then its end (PART_END with the digest). known: the file's digest from before
         (the memo's, a plain file's): nothing is hashed."""
-        digest, pos = (known if known else new_digest()), 0
+        # Fed chunks as they are read, as a worker's is as they arrive (checkpoint/parts_cache.py).
+        digest, pos = (known if known else new_digest(spread_as_arriving())), 0
         for chunk in itertools.chain(chunks, reader.flush()):
             hashing.put((digest, chunk, min(max(offset - pos, 0), len(chunk))))
             pos += len(chunk)
