@@ -107,6 +107,13 @@ def _listen() -> socket.socket:
     return listener
 
 
+def _settle() -> None:
+    """The disk's writes of the transfers before written out: each transfer starts with none of
+    theirs still queued (the kernel would write them during this one, and the one measured
+    right after another would pay for both)."""
+    os.sync()
+
+
 def _send_part(model: Path, parts_dir: Path, rank: int, size: int, share: str) -> dict:
     from ..link.control import ControlChannel
     from ..link.fingerprint import model_fingerprint
@@ -115,6 +122,7 @@ def _send_part(model: Path, parts_dir: Path, rank: int, size: int, share: str) -
     from ..split.share import SplitShare
 
     summary = model_fingerprint(model).summary()
+    _settle()
     listener = _listen()
     child = _spawn(["part", str(listener.getsockname()[1]), str(parts_dir), summary.hex(), str(rank), str(size), share])
     sock, _ = listener.accept()
@@ -136,6 +144,7 @@ def _send_plain(files: List[Path], out: Path, hashed: bool) -> dict:
     from ..checkpoint.parts_cache import new_digest, spread_as_arriving
 
     nbytes = sum(f.stat().st_size for f in files)
+    _settle()
     listener = _listen()
     child = _spawn(["hashed" if hashed else "plain", str(listener.getsockname()[1]), str(out), str(nbytes)])
     sock, _ = listener.accept()
