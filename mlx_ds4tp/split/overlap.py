@@ -2,13 +2,14 @@
 queue of at most `depth` items, so reading and cutting the next arrays overlaps their send on
 the leader, and receiving the next chunk over the RDMA bulk path overlaps writing and hashing
 the last on a worker (sockets, exchanges, file writes, the digest and MLX all release the GIL),
-while neither side holds more than a few chunks it has not dealt with."""
+while neither side holds more than a few chunks it has not dealt with; and the pool of chunk
+buffers those stages pass along and hand back."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple, Union
 
 _DONE = object()
 
@@ -60,4 +61,30 @@ class Overlap:
             self.thread.join()
 
 
-__all__ = ["Overlap"]
+class BufferPool:
+    """`count` buffers of `size` bytes passed along a transfer's stages and handed back at the
+    end, so a part moves with no allocation a chunk and a bounded few chunks in memory. take()
+    waits for one while the stages are behind, and raises a stage's error (of `stages`) instead
+    of waiting on a stage that died holding the buffers."""
+
+    def __init__(self, size: int, count: int):
+        self.free: "queue.Queue[bytearray]" = queue.Queue()
+        for _ in range(count):
+            self.free.put(bytearray(size))
+        self.stages: Tuple[Overlap, ...] = ()
+
+    def take(self) -> bytearray:
+        while True:
+            try:
+                return self.free.get(timeout=1.0)
+            except queue.Empty:
+                for stage in self.stages:
+                    if stage.error is not None:
+                        raise stage.error from None
+
+    def give_back(self, buffer: Union[bytearray, memoryview]) -> None:
+        """`buffer`, or the buffer a view of it is of, free again."""
+        self.free.put(buffer.obj if isinstance(buffer, memoryview) else buffer)
+
+
+__all__ = ["BufferPool", "Overlap"]

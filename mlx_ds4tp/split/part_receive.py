@@ -8,7 +8,6 @@ stays for the next start to resume."""
 from __future__ import annotations
 
 import json
-import queue
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
@@ -17,7 +16,7 @@ from ..checkpoint.parts_cache import OfferedFile, PartEntry, PartsSettings, Part
 from ..errors import FrameError, PeerClosedError, TransportError
 from ..link.fingerprint import summary_label
 from ..link.wire import FINGERPRINT_SUMMARY, FrameType
-from .overlap import Overlap
+from .overlap import BufferPool, Overlap
 from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath
 from .part_send import CHUNK_BYTES, MAX_ROUNDS, PART_WAIT_S
 from .share import SplitShare
@@ -150,19 +149,7 @@ class _Pipelined:
 
     def __init__(self, control: Any, bulk: BulkPath):
         self.control, self.bulk = control, bulk
-        self.free: "queue.Queue[bytearray]" = queue.Queue()
-        for _ in range(WRITE_DEPTH + 2):  # the queue's, the stage's and the one being filled
-            self.free.put(bytearray(CHUNK_BYTES))
-        self.stage: Optional[Overlap] = None
-
-    def _take(self) -> bytearray:
-        while True:
-            try:
-                return self.free.get(timeout=1.0)
-            except queue.Empty:
-                # A write stage that failed hands no buffer back: its error, not a wait.
-                if self.stage is not None and self.stage.error is not None:
-                    raise self.stage.error from None
+        self.buffers = BufferPool(CHUNK_BYTES, WRITE_DEPTH + 2)  # the queue's, the stage's, the one being filled
 
     def file(self, writer: PartWriter, progress: Optional[TransferProgress]) -> bool:
         """One file's chunks into writer, until its PART_END; whether it arrived whole. This
@@ -175,11 +162,11 @@ class _Pipelined:
                 whole.append(writer.finish(digest))
                 return
             writer.write(payload)
-            self.free.put(buffer)
+            self.buffers.give_back(buffer)
 
         try:
             with Overlap(write, depth=WRITE_DEPTH, name="ds4tp-part-write") as disk:
-                self.stage = disk
+                self.buffers.stages = (disk,)
                 try:
                     return self._chunks_into(writer, disk, progress, whole)
                 except (PeerClosedError, TransportError):
@@ -198,7 +185,7 @@ class _Pipelined:
                 disk.put((b"", b"", digest))
                 disk.finish()
                 return whole[0]
-            buffer = self._take()
+            buffer = self.buffers.take()
             payload = _bulk_chunk(announcement, buffer, self.bulk)
             disk.put((payload, buffer, ""))
             if progress is not None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
 import threading
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from ..link.control import ControlChannel
 from ..link.wire import FrameType
 from .apply import cut_arrays
 from .derive import set_array
-from .overlap import Overlap
+from .overlap import BufferPool, Overlap
 from .part_bulk import CHUNK_LENGTH, CONTROL_PATH, RDMA_PATH, BulkPath
 from .part_memo import keep_on_disk, part_memo
 from .part_plan import PART_CONFIG, PartFile, PartPlan, RecordedReads, bytes_digest, plain_files
@@ -129,7 +128,7 @@ class PartSender:
     def _send_wanted(self, control: ControlChannel, wanted: List[Tuple[str, int]],
                      progress: TransferProgress, bulk: Optional[BulkPath]) -> int:
         """The wanted files sent (from their offsets); the bytes sent."""
-        pool = _ChunkPool(CHUNK_BYTES, 2 * STAGE_DEPTH + 3)  # queued and in hand at each stage, one filling
+        pool = BufferPool(CHUNK_BYTES, 2 * STAGE_DEPTH + 3)  # queued and in hand at each stage, one filling
         frames = _Frames(control, progress, bulk, pool)
         # Three stages, each on its own thread: this one reads the files' runs (and cuts through
         # MLX what they cannot give) into chunks, the next hashes them (a file whose digest the
@@ -262,37 +261,13 @@ class _ReadsBesides:
         return (self.placeholders if key in self.skipped else self.reader)(key, whole, axis, runs=runs)
 
 
-class _ChunkPool:
-    """The leader's chunk buffers: a few of `chunk` bytes, each filled by the reader, hashed,
-    sent and handed back, so a part goes out with no allocation a chunk. take() waits for one
-    while the stages are behind, and raises a stage's error instead of waiting on a dead one."""
-
-    def __init__(self, chunk: int, count: int):
-        self.free: "queue.Queue[bytearray]" = queue.Queue()
-        for _ in range(count):
-            self.free.put(bytearray(chunk))
-        self.stages: Tuple[Overlap, ...] = ()
-
-    def take(self) -> bytearray:
-        while True:
-            try:
-                return self.free.get(timeout=1.0)
-            except queue.Empty:
-                for stage in self.stages:
-                    if stage.error is not None:
-                        raise stage.error from None
-
-    def give_back(self, chunk: memoryview) -> None:
-        self.free.put(chunk.obj)
-
-
 class _Hashing:
     """The hash stage: each (digest, chunk, skip) into its file's digest, the bytes past `skip`
     handed to the wire stage (a chunk with none handed back to the pool); (digest, name, 0),
     the file's end, handed on with the digest, which `digests` (the memo's) keeps for the next
     transfer. A digest known before (its text) takes no bytes."""
 
-    def __init__(self, wire: Overlap, digests: Dict[str, str], pool: _ChunkPool):
+    def __init__(self, wire: Overlap, digests: Dict[str, str], pool: BufferPool):
         self.wire, self.digests, self.pool = wire, digests, pool
 
     def take(self, item: Tuple[Any, Any, int]) -> None:
@@ -317,7 +292,7 @@ class _Frames:
     frame and its buffer handed back; (name, digest) sends that file's PART_END."""
 
     def __init__(self, control: ControlChannel, progress: TransferProgress, bulk: Optional[BulkPath],
-                 pool: _ChunkPool):
+                 pool: BufferPool):
         self.control, self.progress, self.bulk, self.pool = control, progress, bulk, pool
         self.sent = 0
         self.pause_after = pause_for_tests()
