@@ -171,12 +171,18 @@ def test_a_damaged_cached_file_is_fetched_again_and_another_split_fetches_its_pa
     assert "receiving this rank's part" in werr
 
 
-def test_three_ranks_two_without_the_model_uneven_share(procs, models, tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ucsim"])
+def test_three_ranks_two_without_the_model_uneven_share(procs, models, tmp_path, transport):
+    """Both workers are sent their parts at once over TCP (a thread a link), one after the other
+    over their RDMA links' bulk paths (split/part_delivery.py)."""
     model = models["llama8"]
     text, _ = reference_text(model, PROMPT, TOKENS)
     dirs = [tmp_path / "w1", tmp_path / "w2"]
-    lout, lerr, werrs = run_group(procs, model, dirs, extra=["--split", "2:1:1"])
+    flags = ("--transport", "tcp") if transport == "tcp" else ("--transport", "rdma", "--rdma-device", "ucsim")
+    lout, lerr, werrs = run_group(procs, model, dirs, extra=["--split", "2:1:1"], transport=flags)
     assert streamed(lout) == text
+    path = "over TCP" if transport == "tcp" else "over the RDMA bulk path"
+    assert lerr.count(path) == 2 and lerr.count("MB sent") == 2, lerr
     ranks = set()
     for d, werr in zip(dirs, werrs):
         # The workers take ranks 1 and 2 in the order they joined: read which from the entry.
