@@ -231,7 +231,10 @@ class PartWriter:
         else:
             self.hash = new_digest(spread)
         self.file = open(self.partial, "r+b" if offset else "wb")
-        self.file.truncate(offset)
+        if offset:
+            # Only a resumed file: truncating a new one to 0 makes ext4 write the whole file out
+            # when it is closed (its guard for files rewritten in place), 0.3 s a GB here.
+            self.file.truncate(offset)
         self.file.seek(offset)
         self.done = offset
 
