@@ -7,8 +7,8 @@ The part files' bytes are exactly what load_split keeps for that rank. The plan 
 knows, for each array the cut reads from the model's files as they are saved (every cut array
 of an mlx-lm checkpoint, experts saved one by one included), which bytes of which file it is:
 those are read from the files straight into the chunks that are hashed and sent
-(checkpoint/tensor_runs.py), with no model built and nothing copied through MLX, as a plain copy
-of the same bytes would. The rest (the arrays every rank keeps whole, the rows of gpt-oss's fused
+(checkpoint/tensor_runs.py), none of them through an MLX array, as a plain copy of the same
+bytes would. The rest (the arrays every rank keeps whole, the rows of gpt-oss's fused
 experts) is cut through MLX (split_model's cut_arrays), one array at a time, each dropped once
 sent, so the leader never holds the worker's part. A file resumed from an offset is still read
 from its start (its digest covers the whole file); only the bytes past the offset are sent. What
