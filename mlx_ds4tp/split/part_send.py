@@ -55,7 +55,7 @@ MAX_ROUNDS = 3
 # The leader sends several workers their parts at once (split/part_delivery.py), each on a
 # thread of its own; MLX's graph and evaluation are not made for several threads at once, so
 # the few arrays cut through MLX take turns (the bytes read from the files do not wait).
-MLX_TURN = threading.RLock()
+MLX_TURN = threading.Lock()
 # A test hook, never set in use: the leader stops sending for good once this many bytes of a
 # part went (it logs so and waits to be killed), so a process-level test can kill a leader
 # mid-transfer at a known point instead of racing a timer (tests/test_part_delivery.py).
